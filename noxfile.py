@@ -1,0 +1,128 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Sessions for the stepforge monorepo. `nox -t ci` runs everything CI runs (the README's test command)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import tomllib
+
+import nox
+
+nox.needs_version = ">=2024.3.2"
+nox.options.default_venv_backend = "venv"
+nox.options.reuse_existing_virtualenvs = True
+nox.options.error_on_missing_interpreters = True
+
+ROOT = pathlib.Path(__file__).parent
+CONSTRAINTS = ("-c", str(ROOT / "constraints" / "cpu.txt"))
+PYTHON = "3.11"
+# Order matters only for readability: core first, the private test helpers last.
+PACKAGES = (
+    "stepforge-core",
+    "stepforge-optim",
+    "stepforge-fused",
+    "stepforge-zero",
+    "stepforge-accum",
+    "stepforge-strategy",
+    "stepforge-testing",
+)
+
+
+def _pyproject(package: str) -> dict:
+    return tomllib.loads((ROOT / "packages" / package / "pyproject.toml").read_text())
+
+
+def _local_requirements(package: str) -> list[str]:
+    """The stepforge distributions ``package`` needs to run its tests: its dependencies and its test group."""
+    meta = _pyproject(package)
+    names = list(meta["project"].get("dependencies", []))
+    names += [r for r in meta.get("dependency-groups", {}).get("test", []) if isinstance(r, str)]
+    out = []
+    for req in names:
+        name = req.split(";")[0].split("[")[0]
+        for sep in "<>=!~ ":
+            name = name.split(sep)[0]
+        if name.startswith("stepforge-") and name in PACKAGES:
+            out.append(name)
+    return out
+
+
+def _closure(package: str) -> list[str]:
+    """``package`` and every local sibling it needs, transitively."""
+    seen: list[str] = []
+    todo = [package]
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.append(name)
+            todo.extend(_local_requirements(name))
+    return seen
+
+
+def _test_group(package: str) -> list[str]:
+    group = _pyproject(package).get("dependency-groups", {}).get("test", [])
+    return [r for r in group if isinstance(r, str) and not r.startswith("stepforge-")]
+
+
+def install_packages(session: nox.Session, *packages: str, extra: tuple[str, ...] = ()) -> None:
+    """Install packages and their local siblings in one pip call, torch pinned by the constraints file.
+
+    One call, so pip never looks for an unreleased sibling on the index.
+    """
+    names: list[str] = []
+    for package in packages:
+        for name in _closure(package):
+            if name not in names:
+                names.append(name)
+    reqs = {r for p in packages for r in _test_group(p)} | set(extra)
+    session.install(*CONSTRAINTS, *sorted(reqs), *(str(ROOT / "packages" / n) for n in names))
+
+
+@nox.session(python=PYTHON, tags=["ci"])
+@nox.parametrize("package", PACKAGES, ids=[p.removeprefix("stepforge-") for p in PACKAGES])
+def tests(session: nox.Session, package: str) -> None:
+    """Install one package with its siblings and run its tests (GPU tests skip without a device)."""
+    install_packages(session, package)
+    session.run(
+        "python", "-m", "pytest", str(ROOT / "packages" / package / "tests"),
+        "-c", str(ROOT / "pyproject.toml"), "--rootdir", str(ROOT), "-p", "no:cacheprovider",
+        *session.posargs,
+        env={"STEPFORGE_SOURCE_ROOT": str(ROOT)},
+    )
+
+
+@nox.session(python=PYTHON, tags=["ci"])
+def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check over the whole tree."""
+    session.install(*CONSTRAINTS, "ruff")
+    session.run("ruff", "check", str(ROOT))
+    session.run("ruff", "format", "--check", str(ROOT))
+
+
+@nox.session(python=PYTHON, default=False)
+def build(session: nox.Session) -> None:
+    """Wheels and sdists of every package into dist/<package>/, checked with twine."""
+    session.install(*CONSTRAINTS, "build", "twine")
+    for package in PACKAGES:
+        out = ROOT / "dist" / package
+        session.run("python", "-m", "build", "--outdir", str(out), str(ROOT / "packages" / package),
+                    env={"PIP_CONSTRAINT": CONSTRAINTS[1]})
+        session.run("twine", "check", "--strict", *(str(p) for p in sorted(out.iterdir())))
+
+
+@nox.session(python=PYTHON, tags=["ci"], venv_backend="venv", reuse_venv=False)
+def isolation(session: nox.Session) -> None:
+    """In a fresh venv, install only stepforge-optim from its wheel: no other stepforge dist comes in."""
+    tmp = pathlib.Path(session.create_tmp())
+    wheels = tmp / "wheels"
+    session.install(*CONSTRAINTS, "build")
+    for package in ("stepforge-core", "stepforge-optim"):
+        session.run("python", "-m", "build", "--wheel", "--outdir", str(wheels),
+                    str(ROOT / "packages" / package), env={"PIP_CONSTRAINT": CONSTRAINTS[1]})
+    optim_wheel = next(wheels.glob("stepforge_optim-*.whl"))
+    # core comes from its wheel too (it is not on PyPI yet); --find-links lets pip resolve it as a dependency.
+    session.install(*CONSTRAINTS, "--find-links", str(wheels), str(optim_wheel))
+    session.run("python", str(ROOT / "tools" / "check_isolation.py"), "stepforge-optim")
+
+

@@ -1,0 +1,8 @@
+# SPDX-License-Identifier: Apache-2.0
+"""stepforge.accum."""
+
+from __future__ import annotations
+
+from ._version import __version__
+
+__all__ = ["__version__"]

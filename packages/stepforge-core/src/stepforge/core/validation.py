@@ -1,0 +1,223 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Hyper-parameter and gradient validation with messages that name the parameter and the allowed range.
+
+Every optimizer of stepforge validates through these helpers, so a bad value reads the same everywhere::
+
+    >>> check_lr(-1.0, owner="FusedAdam")
+    Traceback (most recent call last):
+    ...
+    HyperParameterError: FusedAdam: invalid lr=-1.0; lr must be in [0, inf). Pass a non-negative learning rate.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .errors import HyperParameterError
+
+__all__ = [
+    "check_range",
+    "check_lr",
+    "check_eps",
+    "check_weight_decay",
+    "check_momentum",
+    "check_dampening",
+    "check_beta",
+    "check_betas",
+    "check_positive_int",
+    "check_bool",
+    "check_grad",
+    "check_float_dtype",
+    "validate_hyperparameters",
+]
+
+
+def _prefix(owner: str | None) -> str:
+    return f"{owner}: " if owner else ""
+
+
+def _interval(low: float | None, high: float | None, low_open: bool, high_open: bool) -> str:
+    left = "(" if (low is None or low_open) else "["
+    right = ")" if (high is None or high_open) else "]"
+    lo = "-inf" if low is None else f"{low:g}"
+    hi = "inf" if high is None else f"{high:g}"
+    return f"{left}{lo}, {hi}{right}"
+
+
+def check_range(
+    name: str,
+    value: Any,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+    owner: str | None = None,
+    hint: str = "",
+) -> float:
+    """Check that ``value`` is a real number inside an interval and return it as a float.
+
+    Args:
+        name: the parameter's name as the user spells it (``"lr"``, ``"betas[0]"``).
+        value: the value to check; a Python number or a 0-dim floating tensor (for tensor ``lr``).
+        low, high: bounds (``None`` = unbounded).
+        low_open, high_open: exclude the bound itself.
+        owner: the class or function the value was passed to, put in front of the message.
+        hint: a sentence that says how to fix it.
+
+    Raises:
+        HyperParameterError: not a real number, NaN, or outside the interval.
+    """
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise HyperParameterError(
+                f"{_prefix(owner)}invalid {name}: a tensor {name} must hold one element, got shape "
+                f"{tuple(value.shape)}."
+            )
+        number = float(value.detach().cpu().item())
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+        number = float(value)
+    else:
+        raise HyperParameterError(
+            f"{_prefix(owner)}invalid {name}={value!r}; {name} must be a real number, got "
+            f"{type(value).__name__}."
+        )
+    inside = not math.isnan(number)
+    if inside and low is not None:
+        inside = number > low if low_open else number >= low
+    if inside and high is not None:
+        inside = number < high if high_open else number <= high
+    if not inside:
+        interval = _interval(low, high, low_open, high_open)
+        message = f"{_prefix(owner)}invalid {name}={value!r}; {name} must be in {interval}."
+        raise HyperParameterError(f"{message} {hint}".rstrip())
+    return number
+
+
+def check_lr(lr: Any, *, owner: str | None = None) -> float:
+    """``lr`` in ``[0, inf)``; a 0-dim tensor is accepted (CUDA-graph capturable optimizers)."""
+    return check_range("lr", lr, low=0.0, owner=owner, hint="Pass a non-negative learning rate.")
+
+
+def check_eps(eps: Any, *, owner: str | None = None, name: str = "eps") -> float:
+    """``eps`` in ``[0, inf)``."""
+    return check_range(name, eps, low=0.0, owner=owner, hint=f"Pass a small non-negative {name}, e.g. 1e-8.")
+
+
+def check_weight_decay(weight_decay: Any, *, owner: str | None = None) -> float:
+    """``weight_decay`` in ``[0, inf)``."""
+    return check_range(
+        "weight_decay", weight_decay, low=0.0, owner=owner, hint="Use 0 to disable weight decay."
+    )
+
+
+def check_momentum(momentum: Any, *, owner: str | None = None) -> float:
+    """``momentum`` in ``[0, inf)``, as ``torch.optim.SGD`` accepts."""
+    return check_range("momentum", momentum, low=0.0, owner=owner, hint="Use 0 to disable momentum.")
+
+
+def check_dampening(dampening: Any, *, owner: str | None = None) -> float:
+    """``dampening`` in ``[0, 1]``."""
+    return check_range("dampening", dampening, low=0.0, high=1.0, owner=owner)
+
+
+def check_beta(name: str, beta: Any, *, owner: str | None = None) -> float:
+    """One Adam/LAMB beta in ``[0, 1)``."""
+    return check_range(
+        name, beta, low=0.0, high=1.0, high_open=True, owner=owner, hint="Betas are decay rates in [0, 1)."
+    )
+
+
+def check_betas(betas: Any, *, owner: str | None = None) -> tuple[float, float]:
+    """A pair ``(beta1, beta2)``, each in ``[0, 1)``."""
+    if not isinstance(betas, Sequence) or isinstance(betas, str) or len(betas) != 2:
+        raise HyperParameterError(
+            f"{_prefix(owner)}invalid betas={betas!r}; betas must be a pair (beta1, beta2), e.g. (0.9, 0.999)."
+        )
+    return check_beta("betas[0]", betas[0], owner=owner), check_beta("betas[1]", betas[1], owner=owner)
+
+
+def check_positive_int(name: str, value: Any, *, owner: str | None = None) -> int:
+    """An ``int`` that is at least 1 (counts, world sizes, window lengths)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise HyperParameterError(
+            f"{_prefix(owner)}invalid {name}={value!r}; {name} must be an integer >= 1."
+        )
+    return int(value)
+
+
+def check_bool(name: str, value: Any, *, owner: str | None = None) -> bool:
+    """A real ``bool`` (catches ``adamw_mode="False"`` and similar config mistakes)."""
+    if not isinstance(value, bool):
+        raise HyperParameterError(
+            f"{_prefix(owner)}invalid {name}={value!r}; {name} must be True or False."
+        )
+    return value
+
+
+def check_grad(param: torch.Tensor, *, owner: str | None = None, allow_sparse: bool = False) -> None:
+    """Reject gradients an optimizer cannot use: sparse, or of another shape, dtype kind or device.
+
+    Raises:
+        HyperParameterError: (a ``ValueError``) naming the problem and the fix.
+    """
+    grad = param.grad
+    if grad is None:
+        return
+    if grad.is_sparse and not allow_sparse:
+        raise HyperParameterError(
+            f"{_prefix(owner)}got a sparse gradient for a parameter of shape {tuple(param.shape)}; this "
+            "optimizer needs dense gradients. Use torch.optim.SparseAdam for sparse embeddings, or build the "
+            "embedding with sparse=False."
+        )
+    if grad.shape != param.shape:
+        raise HyperParameterError(
+            f"{_prefix(owner)}gradient shape {tuple(grad.shape)} does not match parameter shape "
+            f"{tuple(param.shape)}."
+        )
+    if grad.device != param.device:
+        raise HyperParameterError(
+            f"{_prefix(owner)}gradient on {grad.device} but parameter on {param.device}; move both to one "
+            "device."
+        )
+
+
+def check_float_dtype(
+    name: str,
+    tensor: torch.Tensor,
+    *,
+    allowed: Sequence[torch.dtype] = (torch.float32, torch.float16, torch.bfloat16),
+    owner: str | None = None,
+) -> None:
+    """The tensor's dtype is one of ``allowed``."""
+    if tensor.dtype not in allowed:
+        names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
+        raise HyperParameterError(
+            f"{_prefix(owner)}{name} has dtype {str(tensor.dtype).removeprefix('torch.')}; supported dtypes "
+            f"are {names}. Convert it with .to(torch.float32) or use torch.optim for other dtypes."
+        )
+
+
+_CHECKS: dict[str, Callable[..., Any]] = {
+    "lr": check_lr,
+    "eps": check_eps,
+    "weight_decay": check_weight_decay,
+    "momentum": check_momentum,
+    "dampening": check_dampening,
+    "betas": check_betas,
+}
+
+
+def validate_hyperparameters(values: Mapping[str, Any], *, owner: str | None = None) -> None:
+    """Run the matching check on every known key of ``values`` (``lr``, ``eps``, ``betas``, ...).
+
+    Unknown keys are left to the optimizer's own constructor.
+    """
+    for key, check in _CHECKS.items():
+        if key in values and values[key] is not None:
+            check(values[key], owner=owner)
