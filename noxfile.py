@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import os
 import pathlib
 import tomllib
 
@@ -85,8 +84,16 @@ def tests(session: nox.Session, package: str) -> None:
     """Install one package with its siblings and run its tests (GPU tests skip without a device)."""
     install_packages(session, package)
     session.run(
-        "python", "-m", "pytest", str(ROOT / "packages" / package / "tests"),
-        "-c", str(ROOT / "pyproject.toml"), "--rootdir", str(ROOT), "-p", "no:cacheprovider",
+        "python",
+        "-m",
+        "pytest",
+        str(ROOT / "packages" / package / "tests"),
+        "-c",
+        str(ROOT / "pyproject.toml"),
+        "--rootdir",
+        str(ROOT),
+        "-p",
+        "no:cacheprovider",
         *session.posargs,
         env={"STEPFORGE_SOURCE_ROOT": str(ROOT)},
     )
@@ -106,8 +113,15 @@ def build(session: nox.Session) -> None:
     session.install(*CONSTRAINTS, "build", "twine")
     for package in PACKAGES:
         out = ROOT / "dist" / package
-        session.run("python", "-m", "build", "--outdir", str(out), str(ROOT / "packages" / package),
-                    env={"PIP_CONSTRAINT": CONSTRAINTS[1]})
+        session.run(
+            "python",
+            "-m",
+            "build",
+            "--outdir",
+            str(out),
+            str(ROOT / "packages" / package),
+            env={"PIP_CONSTRAINT": CONSTRAINTS[1]},
+        )
         session.run("twine", "check", "--strict", *(str(p) for p in sorted(out.iterdir())))
 
 
@@ -118,11 +132,17 @@ def isolation(session: nox.Session) -> None:
     wheels = tmp / "wheels"
     session.install(*CONSTRAINTS, "build")
     for package in ("stepforge-core", "stepforge-optim"):
-        session.run("python", "-m", "build", "--wheel", "--outdir", str(wheels),
-                    str(ROOT / "packages" / package), env={"PIP_CONSTRAINT": CONSTRAINTS[1]})
+        session.run(
+            "python",
+            "-m",
+            "build",
+            "--wheel",
+            "--outdir",
+            str(wheels),
+            str(ROOT / "packages" / package),
+            env={"PIP_CONSTRAINT": CONSTRAINTS[1]},
+        )
     optim_wheel = next(wheels.glob("stepforge_optim-*.whl"))
     # core comes from its wheel too (it is not on PyPI yet); --find-links lets pip resolve it as a dependency.
     session.install(*CONSTRAINTS, "--find-links", str(wheels), str(optim_wheel))
     session.run("python", str(ROOT / "tools" / "check_isolation.py"), "stepforge-optim")
-
-

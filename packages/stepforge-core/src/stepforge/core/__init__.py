@@ -16,7 +16,15 @@ from ._version import __version__
 from .build import build_optimizer, collect_params
 from .errors import DuplicateNameError, HyperParameterError, RegistryError, StepforgeError, UnknownNameError
 from .protocols import GradientHandler, GradientSyncSwitch, NoSyncModel, Plugin, ShardedOptimizer
-from .registry import INSTALL_HINTS, OPTIM_WRAPPERS, OPTIMIZERS, PLUGINS, Registry, RegistryEntry, normalize_name
+from .registry import (
+    INSTALL_HINTS,
+    OPTIM_WRAPPERS,
+    OPTIMIZERS,
+    PLUGINS,
+    Registry,
+    RegistryEntry,
+    normalize_name,
+)
 from .sync import no_sync, register_no_sync_adapter, supports_no_sync
 from .validation import (
     check_betas,

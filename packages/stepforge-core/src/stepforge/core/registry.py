@@ -263,7 +263,11 @@ def _torch_optimizers() -> dict[str, Any]:
     out: dict[str, Any] = {}
     for attr in dir(torch.optim):
         obj = getattr(torch.optim, attr)
-        if isinstance(obj, type) and issubclass(obj, torch.optim.Optimizer) and obj is not torch.optim.Optimizer:
+        if (
+            isinstance(obj, type)
+            and issubclass(obj, torch.optim.Optimizer)
+            and obj is not torch.optim.Optimizer
+        ):
             out[attr] = obj
     return out
 
@@ -274,7 +278,9 @@ OPTIMIZERS: Registry[Any] = Registry(
     builtins=_torch_optimizers,
     install_hints=INSTALL_HINTS["stepforge.optimizers"],
 )
-PLUGINS: Registry[Any] = Registry("stepforge.plugins", "plugin", install_hints=INSTALL_HINTS["stepforge.plugins"])
+PLUGINS: Registry[Any] = Registry(
+    "stepforge.plugins", "plugin", install_hints=INSTALL_HINTS["stepforge.plugins"]
+)
 OPTIM_WRAPPERS: Registry[Any] = Registry(
     "stepforge.optim_wrappers", "optimizer wrapper", install_hints=INSTALL_HINTS["stepforge.optim_wrappers"]
 )

@@ -154,9 +154,7 @@ def check_positive_int(name: str, value: Any, *, owner: str | None = None) -> in
 def check_bool(name: str, value: Any, *, owner: str | None = None) -> bool:
     """A real ``bool`` (catches ``adamw_mode="False"`` and similar config mistakes)."""
     if not isinstance(value, bool):
-        raise HyperParameterError(
-            f"{_prefix(owner)}invalid {name}={value!r}; {name} must be True or False."
-        )
+        raise HyperParameterError(f"{_prefix(owner)}invalid {name}={value!r}; {name} must be True or False.")
     return value
 
 
