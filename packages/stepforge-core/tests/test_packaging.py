@@ -1,0 +1,12 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The installed distribution is well formed: version, namespace, core range, entry points."""
+
+from __future__ import annotations
+
+from stepforge.testing.packaging import check_distribution
+
+
+def test_distribution_is_well_formed():
+    declared = check_distribution("stepforge-core")
+    # entry points are declared only once the class exists
+    assert declared == {}
