@@ -1,0 +1,78 @@
+// SPDX-License-Identifier: Apache-2.0
+// Adam / AdamW element update shared by the CPU and CUDA kernels.
+//
+// The operation order is torch's fused CPU AdamW (aten/src/ATen/native/cpu/FusedAdamKernel.cpp, vector body),
+// so with FP contraction disabled (-ffp-contract=off; explicit fmaf where torch gets an FMA) the CPU result is
+// bit-identical to torch.optim.AdamW(fused=True) / Adam(fused=True) for float32:
+//   g = g / div                        (div == 1: no-op, skipped)
+//   Adam (L2):  g = fma(p, wd, g)      AdamW: p = p * (1 - lr*wd)   (both only when wd != 0)
+//   m = lerp(m, g, 1-b1) = fma(w, g-m, m) if |w| < 0.5 else fma(w-1, g-m, g)      (w = 1-b1)
+//   v = fma((1-b2)*g, g, v*b2)
+//   p = p + (-(lr/bc1) * m) / (sqrt(v)/sqrt(bc2) + eps)
+#pragma once
+
+#include <cmath>
+
+#include "stepforge/common.h"
+
+namespace stepforge {
+
+// Per-tensor constants, computed once per tensor on the host in double (torch does the same) and rounded to
+// float exactly where torch rounds them.
+struct AdamConsts {
+  float lerp_w;       // 1 - beta1 (or 1 - beta1 - 1 when |1-beta1| >= 0.5, see lerp_small)
+  bool lerp_small;    // |1 - beta1| < 0.5
+  float beta2;        // beta2
+  float one_minus_b2; // 1 - beta2
+  float wd;           // weight decay (L2 mode)
+  float decay;        // 1 - lr*wd (AdamW mode)
+  float neg_step;     // -(lr / bc1)
+  float bc2_sqrt;     // sqrt(1 - beta2^t) (1 without bias correction)
+  float eps;
+  float inv_div;      // unused by the bit-exact path; kept for kernels that multiply
+  float div;          // grad divisor (1: none)
+  bool has_div;
+  bool l2;            // Adam (L2) decay
+  bool decoupled;     // AdamW decay
+};
+
+STEPFORGE_HOST_DEVICE AdamConsts make_adam_consts(double lr, double beta1, double beta2, double eps, double wd,
+                                                  bool adamw_mode, bool bias_correction, long long step,
+                                                  double grad_divisor) {
+  AdamConsts c;
+  double bc1 = 1.0, bc2 = 1.0;
+  if (bias_correction) {
+    bc1 = 1.0 - std::pow(beta1, double(step));
+    bc2 = 1.0 - std::pow(beta2, double(step));
+  }
+  double w = 1.0 - beta1;
+  c.lerp_small = std::fabs(float(w)) < 0.5f;
+  c.lerp_w = c.lerp_small ? float(w) : float(w) - 1.0f;
+  c.beta2 = float(beta2);
+  c.one_minus_b2 = float(1.0 - beta2);
+  c.wd = float(wd);
+  c.decay = float(1.0 - lr * wd);
+  c.neg_step = float(-(lr / bc1));
+  c.bc2_sqrt = float(std::sqrt(bc2));
+  c.eps = float(eps);
+  c.div = float(grad_divisor);
+  c.inv_div = float(1.0 / grad_divisor);
+  c.has_div = grad_divisor != 1.0;
+  c.l2 = !adamw_mode && wd != 0.0;
+  c.decoupled = adamw_mode && wd != 0.0;
+  return c;
+}
+
+// One element. p is the float32 value being updated (the master when master weights are used).
+STEPFORGE_HOST_DEVICE void adam_update(float& p, float& m, float& v, float g, const AdamConsts& c) {
+  if (c.has_div) g = g / c.div;
+  if (c.l2) g = fmaf(p, c.wd, g);
+  if (c.decoupled) p = p * c.decay;
+  float diff = g - m;
+  m = fmaf(c.lerp_w, diff, c.lerp_small ? m : g);
+  v = fmaf(c.one_minus_b2 * g, g, v * c.beta2);
+  float denom = sqrtf(v) / c.bc2_sqrt + c.eps;
+  p = p + (c.neg_step * m) / denom;
+}
+
+}  // namespace stepforge
