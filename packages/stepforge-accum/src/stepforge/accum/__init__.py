@@ -1,8 +1,45 @@
 # SPDX-License-Identifier: Apache-2.0
-"""stepforge.accum."""
+"""stepforge.accum: gradient accumulation that is exact, cheap and hard to misuse.
+
+Two APIs over one window logic:
+
+- mmengine's :class:`OptimWrapper` (``update_params``, ``optim_context``, ``initialize_count_status``, ...),
+  registered as ``OptimWrapper`` in ``stepforge.core.OPTIM_WRAPPERS``;
+- ColossalAI's :func:`accumulate_gradient` family (:class:`GradAccumOptimizer`, :class:`GradAccumDataloader`,
+  :class:`GradAccumLrSchedulerByStep`, :class:`GradAccumGradientHandler`).
+
+Beyond both: ``num_items``/``weight`` normalisation (exact window mean over tokens or samples, summed across
+data-parallel ranks with one small all-reduce per window), counters in every ``state_dict``, ``no_sync`` for
+DDP, FSDP2 and ZeRO optimizers through :func:`stepforge.core.no_sync`, and warnings/errors on misuse.
+"""
 
 from __future__ import annotations
 
+from ._no_sync import fsdp2_modules, install_adapters
 from ._version import __version__
+from ._window import AccumulationError, AccumulationWarning, scale_gradients
+from .grad_accum import (
+    GradAccumDataloader,
+    GradAccumGradientHandler,
+    GradAccumLrSchedulerByStep,
+    GradAccumOptimizer,
+    accumulate_gradient,
+)
+from .optim_wrapper import OptimWrapper
 
-__all__ = ["__version__"]
+install_adapters()
+
+__all__ = [
+    "__version__",
+    "OptimWrapper",
+    "accumulate_gradient",
+    "GradAccumDataloader",
+    "GradAccumOptimizer",
+    "GradAccumLrSchedulerByStep",
+    "GradAccumGradientHandler",
+    "AccumulationError",
+    "AccumulationWarning",
+    "scale_gradients",
+    "fsdp2_modules",
+    "install_adapters",
+]

@@ -1,0 +1,414 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The accumulation window: one counter, boundary and normalisation logic shared by both APIs.
+
+Micro-batches are numbered by ``inner_count`` (backward calls so far, global across epochs). A micro-batch
+number ``n`` (1-based, counted after its backward) *ends a window* when
+
+- ``(n - offset) % counts == 0`` (full windows; ``offset`` is 0 unless a data loader realigned the windows at
+  an epoch start),
+- or ``n == max_counts`` (mmengine's last partial window of the run),
+- or ``n == epoch_end`` (the short tail window of an epoch kept by ``GradAccumDataloader(drop_last=False)``).
+
+The divisor of a micro-batch is the length of the window it belongs to, measured from the previous boundary:
+``counts`` for full windows, the remainder for the partial last window, and ``counts`` too when training
+resumed in the middle of a window (the missing micro-batches count as zero gradients, as in mmengine).
+
+Weighted mode: ``backward(loss, weight=w)`` backpropagates ``loss * w`` (``loss`` is the micro-batch *mean*,
+``w`` its number of tokens or samples) and the window's gradient is multiplied by ``W / N`` at the step, where
+``N`` is the sum of ``w`` over the window and over the ``W`` data-parallel ranks (one all-reduce of one float64
+per window, launched before the last backward so that it overlaps with it). Since DDP, FSDP2 and ZeRO average
+gradients over the ``W`` ranks, the result is exactly the gradient of the mean loss over every item of the
+window on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from stepforge.core import HyperParameterError, StepforgeError, check_positive_int, no_sync, supports_no_sync
+
+__all__ = ["AccumulationError", "AccumulationWarning", "AccumulationWindow", "scale_gradients"]
+
+
+class AccumulationError(StepforgeError, RuntimeError):
+    """Gradient accumulation was used in a way that would give a wrong gradient."""
+
+
+class AccumulationWarning(UserWarning):
+    """Gradient accumulation is used in a way that wastes communication or loses gradients."""
+
+
+def _is_forward_armed(target: Any) -> bool:
+    """Whether ``target`` decides at *forward* time if the next backward synchronises (DDP does)."""
+    return isinstance(target, DistributedDataParallel)
+
+
+def scale_gradients(optimizer: Any, factor: float) -> None:
+    """Multiply every gradient ``optimizer`` will step with by ``factor``.
+
+    An optimizer that keeps its gradients outside ``p.grad`` (a ZeRO-2 optimizer holding reduced shards) can
+    expose ``scale_grads_(factor)`` and is then called instead.
+    """
+    if factor == 1.0:
+        return
+    hook = getattr(optimizer, "scale_grads_", None)
+    if callable(hook):
+        hook(factor)
+        return
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    if not grads:
+        return
+    try:
+        torch._foreach_mul_(grads, factor)
+    except (RuntimeError, TypeError, NotImplementedError):  # mixed devices, DTensor/sparse mixes
+        for grad in grads:
+            grad.mul_(factor)
+
+
+def _comm_device(group: Any) -> torch.device:
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class AccumulationWindow:
+    """Counter, boundaries, divisors and window weights of one accumulating optimizer.
+
+    Args:
+        counts: micro-batches per window (``accumulative_counts`` / ``accumulate_size``), >= 1.
+        owner: name used in messages (``"OptimWrapper"``).
+        process_group: the data-parallel group whose ranks' weights are summed in weighted mode; ``None``
+            means the default group when ``torch.distributed`` is initialised.
+        reduce_weights: sum the window weights across ``process_group`` (default: whenever it has more than
+            one rank). Pass ``False`` when gradients are *not* averaged across ranks.
+        scheduler_clock: ``"micro"`` (learning-rate changes between micro-batches are expected, mmengine's
+            convention) or ``"window"`` (a learning rate that changes inside a window means a scheduler is
+            stepped per micro-batch: warn).
+    """
+
+    def __init__(
+        self,
+        counts: Any,
+        *,
+        owner: str,
+        count_name: str = "accumulative_counts",
+        process_group: Any = None,
+        reduce_weights: bool | None = None,
+        scheduler_clock: str = "micro",
+    ) -> None:
+        self.owner = owner
+        self.counts = check_positive_int(count_name, counts, owner=owner)
+        if scheduler_clock not in ("micro", "window"):
+            raise HyperParameterError(
+                f"{owner}: invalid scheduler_clock={scheduler_clock!r}; use 'micro' (schedulers step every "
+                "micro-batch, as in mmengine) or 'window' (schedulers step once per optimizer step)."
+            )
+        self.scheduler_clock = scheduler_clock
+        self.process_group = process_group
+        self.reduce_weights = reduce_weights
+        self.inner_count = 0
+        self.max_counts = -1
+        self.offset = 0
+        self.epoch_end: int | None = None
+        self.position = 0  # backward calls since the last step (ColossalAI's ``accumulate_step``)
+        self.steps = 0  # windows closed by an optimizer step
+        self.weighted: bool | None = None  # mode of the open window (None: no backward yet)
+        self.local_weight = 0.0
+        self._tensor_weights: list[torch.Tensor] = []
+        self._pending: tuple[Any, torch.Tensor, int] | None = None
+        self._finalized = False
+        self._lr_snapshot: tuple[Any, ...] | None = None
+        self._warned: set[str] = set()
+        self.context_depth = 0
+        self.guarded_forward = False
+        self.armed_targets_seen = False
+
+    # -- boundaries ---------------------------------------------------------------------------------------
+    def is_boundary(self, n: int) -> bool:
+        """Whether micro-batch ``n`` (1-based) ends a window."""
+        if n <= 0:
+            return False
+        return (n - self.offset) % self.counts == 0 or n == self.max_counts or n == self.epoch_end
+
+    def _prev_boundary(self, n: int) -> int:
+        """The last boundary ``<= n`` (0 counts as one)."""
+        cands = [0, self.offset + ((n - self.offset) // self.counts) * self.counts]
+        cands += [b for b in (self.max_counts, self.epoch_end) if b is not None and 0 < b <= n]
+        return max(c for c in cands if c <= n)
+
+    def _next_boundary(self, n: int) -> int:
+        """The first boundary ``> n``."""
+        cands = [self.offset + ((n - self.offset) // self.counts + 1) * self.counts]
+        cands += [b for b in (self.max_counts, self.epoch_end) if b is not None and b > n]
+        return min(cands)
+
+    def should_update(self) -> bool:
+        """After a backward: does this micro-batch end the window (step now)?"""
+        return self.is_boundary(self.inner_count)
+
+    def should_sync(self) -> bool:
+        """Before a backward: will the coming micro-batch end the window (synchronise gradients)?"""
+        return self.is_boundary(self.inner_count + 1)
+
+    def divisor(self) -> int:
+        """The loss divisor of the coming micro-batch: the length of its window."""
+        if self.counts == 1:
+            return 1
+        n = self.inner_count
+        return self._next_boundary(n) - self._prev_boundary(n)
+
+    def window_length(self) -> int:
+        """Length of the window the coming micro-batch belongs to (as :meth:`divisor`)."""
+        return self._next_boundary(self.inner_count) - self._prev_boundary(self.inner_count)
+
+    # -- configuration ------------------------------------------------------------------------------------
+    def set_count_status(self, init_counts: Any, max_counts: Any) -> None:
+        if isinstance(init_counts, bool) or not isinstance(init_counts, numbers.Integral) or init_counts < 0:
+            raise HyperParameterError(f"{self.owner}: init_counts must be an int >= 0, got {init_counts!r}.")
+        if isinstance(max_counts, bool) or not isinstance(max_counts, numbers.Integral) or max_counts < -1:
+            raise HyperParameterError(
+                f"{self.owner}: max_counts must be an int >= 1 (or -1 for unknown), got {max_counts!r}."
+            )
+        if self.position:
+            raise AccumulationError(
+                f"{self.owner}: initialize_count_status() called with {self.position} micro-batch(es) "
+                "accumulated and not stepped; call it before training or right after a step."
+            )
+        self.inner_count = int(init_counts)
+        self.max_counts = int(max_counts)
+        self.offset = 0
+        self.epoch_end = None
+        self._reset_window()
+
+    def start_epoch(self, length: int) -> None:
+        """Windows restart at the current micro-batch and the ``length``-th one from here ends a window."""
+        if self.position:
+            self.warn_once(
+                "epoch-mid-window",
+                f"{self.owner}: a new epoch starts with {self.position} micro-batch(es) accumulated and not "
+                "stepped (the previous epoch was cut short); they join the first window of this epoch.",
+            )
+        self.offset = self.inner_count - self.position
+        self.epoch_end = self.offset + length if length > 0 else None
+
+    # -- per micro-batch -----------------------------------------------------------------------------------
+    def check_weight(self, weight: Any) -> float | torch.Tensor | None:
+        """Validate a micro-batch weight against the mode of the open window."""
+        if weight is not None:
+            if isinstance(weight, torch.Tensor):
+                if weight.numel() != 1:
+                    raise HyperParameterError(
+                        f"{self.owner}: weight/num_items must be a scalar, got a tensor of shape "
+                        f"{tuple(weight.shape)}; pass the number of tokens or samples of the micro-batch."
+                    )
+                weight = weight.detach().reshape(())
+            elif isinstance(weight, bool) or not isinstance(weight, numbers.Real):
+                raise HyperParameterError(
+                    f"{self.owner}: weight/num_items must be a number or a scalar tensor, got {weight!r}."
+                )
+            elif not math.isfinite(weight) or weight < 0:
+                raise HyperParameterError(
+                    f"{self.owner}: weight/num_items must be finite and >= 0, got {weight!r}; it is the "
+                    "number of tokens or samples the micro-batch's mean loss averages over."
+                )
+            else:
+                weight = float(weight)
+        mode = weight is not None
+        if self.weighted is not None and self.weighted != mode and self.position:
+            have = "with" if self.weighted else "without"
+            raise AccumulationError(
+                f"{self.owner}: this window started {have} weights (num_items/weight) and micro-batch "
+                f"{self.position + 1} of it is {'with' if mode else 'without'}; pass num_items on every "
+                "micro-batch of a window or on none."
+            )
+        return weight
+
+    def before_backward(self, weight: float | torch.Tensor | None, optimizer: Any) -> None:
+        """Checks and the overlapped weight all-reduce, before the micro-batch's backward."""
+        if self.scheduler_clock == "window":
+            lrs = tuple(group.get("lr") for group in optimizer.param_groups)
+            if self.position == 0 or self._lr_snapshot is None:
+                self._lr_snapshot = lrs
+            elif lrs != self._lr_snapshot:
+                self.warn_once(
+                    "lr-mid-window",
+                    f"{self.owner}: the learning rate changed inside an accumulation window (from "
+                    f"{list(self._lr_snapshot)} to {list(lrs)} at micro-batch {self.position + 1} of "
+                    f"{self.window_length()}): a scheduler is stepped per micro-batch while this wrapper "
+                    "counts windows. Step it once per optimizer step (GradAccumLrSchedulerByStep does), or "
+                    "scale its milestones by the accumulation count.",
+                )
+                self._lr_snapshot = lrs
+        if weight is not None and self.should_sync():
+            self._launch_weight_reduce(extra=weight)
+
+    def after_backward(self, weight: float | torch.Tensor | None) -> None:
+        self.weighted = weight is not None
+        if isinstance(weight, torch.Tensor):
+            self._tensor_weights.append(weight)
+        elif weight is not None:
+            self.local_weight += weight
+        self.inner_count += 1
+        self.position += 1
+        self.guarded_forward = False
+
+    def note_unguarded_backward(self, targets: Iterable[Any]) -> None:
+        """Warn if a DDP model's forward of a non-final micro-batch ran outside the no-sync context."""
+        if self.context_depth or self.guarded_forward or self.should_sync():
+            return
+        if any(_is_forward_armed(t) for t in targets):
+            self.warn_once(
+                "backward-only-no-sync",
+                f"{self.owner}: backward of micro-batch {self.position + 1} (not the last of its window) ran "
+                "without its forward inside the no-sync context. DDP arms its gradient all-reduce in the "
+                "forward, so this micro-batch is all-reduced anyway (correct but k times the communication). "
+                "Run the forward inside `with wrapper.optim_context(model):`.",
+            )
+
+    @contextmanager
+    def sync_context(self, *targets: Any) -> Iterator[None]:
+        """Suspend gradient synchronisation of ``targets`` unless the coming micro-batch ends the window."""
+        live = [t for t in targets if supports_no_sync(t)]
+        if live and any(_is_forward_armed(t) for t in live):
+            self.armed_targets_seen = True
+        skip = bool(live) and not self.should_sync() and self.context_depth == 0
+        self.context_depth += 1
+        try:
+            if skip:
+                with no_sync(*live):
+                    self.guarded_forward = True
+                    yield
+            else:
+                self.guarded_forward = True
+                yield
+        finally:
+            self.context_depth -= 1
+
+    # -- weights -------------------------------------------------------------------------------------------
+    def _group(self) -> Any:
+        return self.process_group if self.process_group is not None else dist.group.WORLD
+
+    def _reduces(self) -> bool:
+        if self.reduce_weights is False or not (dist.is_available() and dist.is_initialized()):
+            return False
+        size = dist.get_world_size(self._group())
+        return bool(self.reduce_weights) or size > 1
+
+    def _local_total(self, extra: float | torch.Tensor | None, device: torch.device) -> torch.Tensor:
+        total = torch.tensor(self.local_weight, dtype=torch.float64, device=device)
+        for w in self._tensor_weights:
+            total += w.to(device=device, dtype=torch.float64)
+        if isinstance(extra, torch.Tensor):
+            total += extra.to(device=device, dtype=torch.float64)
+        elif extra is not None:
+            total += extra
+        return total
+
+    def _launch_weight_reduce(self, extra: float | torch.Tensor | None) -> None:
+        if not self._reduces():
+            return
+        group = self._group()
+        buf = self._local_total(extra, _comm_device(group))
+        work = dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        self._pending = (work, buf, self.inner_count + 1)
+
+    def window_factor(self) -> float:
+        """``W / N`` for a weighted window (all-reducing ``N`` now if the backward did not launch it)."""
+        if self._pending is not None and self._pending[2] != self.inner_count:
+            self._pending = None  # launched for a micro-batch whose backward never happened
+        if self._pending is None:
+            self._launch_weight_reduce(extra=None)
+        world = dist.get_world_size(self._group()) if self._reduces() else 1
+        if self._pending is not None:
+            work, buf, _ = self._pending
+            work.wait()
+            total = float(buf.item())
+            self._pending = None
+        else:
+            total = float(self._local_total(None, torch.device("cpu")).item())
+        if total <= 0.0:
+            self.warn_once(
+                "zero-weight",
+                f"{self.owner}: a window's num_items sum to {total:g} over all ranks; its gradient is zero.",
+            )
+            return 0.0
+        return world / total
+
+    def finalize(self, optimizer: Any) -> None:
+        """Turn the accumulated weighted gradient into the window mean, once per window."""
+        if self._finalized or not self.weighted or self.position == 0:
+            return
+        scale_gradients(optimizer, self.window_factor())
+        self._finalized = True
+
+    def close(self) -> None:
+        """The optimizer stepped: the next backward opens a new window."""
+        self.steps += 1
+        self._reset_window()
+
+    def _reset_window(self) -> None:
+        self.position = 0
+        self.weighted = None
+        self.local_weight = 0.0
+        self._tensor_weights = []
+        self._pending = None
+        self._finalized = False
+        self._lr_snapshot = None
+
+    def warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, AccumulationWarning, stacklevel=4)
+
+    # -- checkpointing ------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        local = self.local_weight + sum(float(w.item()) for w in self._tensor_weights)
+        return {
+            "counts": self.counts,
+            "inner_count": self.inner_count,
+            "max_counts": self.max_counts,
+            "offset": self.offset,
+            "epoch_end": self.epoch_end,
+            "position": self.position,
+            "steps": self.steps,
+            "weighted": self.weighted,
+            "window_weight": local,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        missing = {"inner_count", "position"} - set(state)
+        if missing:
+            raise AccumulationError(f"{self.owner}: accumulation state lacks {sorted(missing)}.")
+        if int(state.get("counts", self.counts)) != self.counts:
+            self.warn_once(
+                "counts-changed",
+                f"{self.owner}: the checkpoint was saved with {state['counts']} micro-batches per window and "
+                f"this run uses {self.counts}; windows are realigned to the new count.",
+            )
+        self.inner_count = int(state["inner_count"])
+        self.max_counts = int(state.get("max_counts", -1))
+        self.offset = int(state.get("offset", 0))
+        self.epoch_end = None if state.get("epoch_end") is None else int(state["epoch_end"])
+        self.steps = int(state.get("steps", 0))
+        self._reset_window()
+        self.position = int(state["position"])
+        self.weighted = state.get("weighted")
+        self.local_weight = float(state.get("window_weight", 0.0))
+        if self.position:
+            self.warn_once(
+                "resume-mid-window",
+                f"{self.owner}: resuming in the middle of an accumulation window ({self.position} "
+                f"micro-batch(es) of {self.window_length()} done). Their gradients are not in the optimizer "
+                "state, so this window's step will miss them unless you restored the .grad tensors too. "
+                "Save checkpoints right after a step (when should_update() was true).",
+            )

@@ -1,0 +1,437 @@
+# SPDX-License-Identifier: Apache-2.0
+"""ColossalAI's ``colossalai.utils.gradient_accumulation`` API, exact and checkpointable.
+
+Same names and arguments as ColossalAI (``accumulate_gradient``, ``GradAccumDataloader``,
+``GradAccumOptimizer``, ``GradAccumLrSchedulerByStep``, ``GradAccumGradientHandler``). Differences:
+
+- ``GradAccumDataloader(..., drop_last=False)`` keeps each epoch's tail as a short window, divided by its own
+  length and stepped at the end of the epoch (ColossalAI always drops it; that remains the default);
+- ``GradAccumOptimizer.optim_context()`` suspends DDP/FSDP2/ZeRO synchronisation around the *forward* and
+  backward of non-final micro-batches, and a backward-only use with DDP is reported;
+- ``backward(loss, weight=n)`` gives the exact window mean over items (tokens, samples) across ranks;
+- the scheduler and gradient-handler wrappers built by :func:`accumulate_gradient` follow the optimizer's
+  windows (so a short tail window counts as one step), and every wrapper's ``state_dict`` has its counters.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._no_sync import install_adapters
+from ._window import AccumulationWarning, AccumulationWindow
+
+__all__ = [
+    "accumulate_gradient",
+    "GradAccumDataloader",
+    "GradAccumOptimizer",
+    "GradAccumLrSchedulerByStep",
+    "GradAccumGradientHandler",
+]
+
+
+class GradAccumOptimizer:
+    """Step the wrapped optimizer once every ``accumulate_size`` backward calls.
+
+    Args:
+        optim: the optimizer (a ``torch.optim.Optimizer``, or a sharded optimizer with ``no_sync()``).
+        accumulate_size: micro-batches per step (>= 1).
+        model: the (DDP / FSDP2) model whose gradient synchronisation is suspended inside a window.
+        process_group, reduce_weights: as for :class:`stepforge.accum.OptimWrapper` (weighted mode).
+
+    Use::
+
+        for x, y in dataloader:
+            optimizer.zero_grad()                 # acts only at the start of a window
+            with optimizer.optim_context():       # the forward must be inside for DDP
+                loss = criterion(model(x), y)
+                optimizer.backward(loss)          # divided by the window length
+            optimizer.step()                      # steps only at the end of a window
+    """
+
+    def __init__(
+        self,
+        optim: torch.optim.Optimizer,
+        accumulate_size: int,
+        model: nn.Module | None = None,
+        *,
+        process_group: Any = None,
+        reduce_weights: bool | None = None,
+    ) -> None:
+        install_adapters()
+        self.optim = optim
+        self.model = model
+        self._window = AccumulationWindow(
+            accumulate_size,
+            owner="GradAccumOptimizer",
+            count_name="accumulate_size",
+            process_group=process_group,
+            reduce_weights=reduce_weights,
+            scheduler_clock="window",
+        )
+
+    @property
+    def accumulate_size(self) -> int:
+        return self._window.counts
+
+    @property
+    def accumulate_step(self) -> int:
+        """Backward calls in the current window (0 right after a step), as ColossalAI."""
+        return self._window.position
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optim.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optim.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optim.defaults
+
+    def _targets(self) -> tuple[Any, ...]:
+        return (self.model, self.optim)
+
+    @contextmanager
+    def optim_context(self) -> Iterator[None]:
+        """Suspend gradient synchronisation for the forward and backward of a non-final micro-batch."""
+        with self._window.sync_context(*self._targets()):
+            yield
+
+    def zero_grad(self, *args: Any, **kwargs: Any) -> None:
+        """Zero the gradients only at the start of a window (ColossalAI semantics)."""
+        if self._window.position == 0:
+            self.optim.zero_grad(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, *, weight: float | torch.Tensor | None = None) -> None:
+        """Backward ``loss / window length`` (or ``loss * weight`` in weighted mode) and count it."""
+        w = self._window.check_weight(weight)
+        if w is None:
+            loss = loss / self._window.divisor()
+        else:
+            loss = loss * (w.to(loss.dtype) if isinstance(w, torch.Tensor) else w)
+        self._run_backward(w, lambda: loss.backward())
+
+    def backward_by_grad(self, tensor: torch.Tensor, grad: torch.Tensor) -> None:
+        """``torch.autograd.backward(tensor, grad)``; ``grad`` must already carry the 1/length factor."""
+        w = self._window.check_weight(None)
+        self._run_backward(w, lambda: torch.autograd.backward(tensor, grad))
+
+    def _run_backward(self, w: Any, run: Any) -> None:
+        self._window.note_unguarded_backward(self._targets())
+        self._window.before_backward(w, self.optim)
+        if self._window.context_depth == 0 and not self._window.should_sync():
+            # ColossalAI wraps the backward; enough for FSDP2 and ZeRO, not for DDP (warned above)
+            with self._window.sync_context(*self._targets()):
+                self._window.guarded_forward = False
+                run()
+        else:
+            run()
+        self._window.after_backward(w)
+
+    def _at_boundary(self) -> bool:
+        return self._window.position > 0 and self._window.should_update()
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        """Step (and return its result) only when the window is complete; otherwise return ``None``."""
+        if not self._at_boundary():
+            return None
+        self._window.finalize(self.optim)
+        out = self.optim.step(*args, **kwargs)
+        self._window.close()
+        return out
+
+    def clip_grad_norm(self, model: nn.Module | None, max_norm: float, norm_type: float = 2.0) -> Any:
+        """Clip by the global norm, only at the end of a window (after weighted normalisation)."""
+        if not self._at_boundary():
+            return None
+        self._window.finalize(self.optim)
+        sharded = getattr(self.optim, "clip_grad_norm_", None)
+        if callable(sharded):
+            return sharded(max_norm, norm_type)
+        native = getattr(self.optim, "clip_grad_norm", None)
+        if callable(native):
+            return native(model, max_norm)
+        params = [p for g in self.optim.param_groups for p in g["params"] if p.grad is not None]
+        return nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = self.optim.state_dict()
+        state["accumulation"] = self._window.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        state = dict(state_dict)
+        accumulation = state.pop("accumulation", None)
+        self.optim.load_state_dict(state)
+        if accumulation is not None:
+            self._window.load_state_dict(accumulation)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("optim", "_window", "model"):  # not yet set (unpickling)
+            raise AttributeError(name)
+        return getattr(self.optim, name)
+
+
+class GradAccumDataloader:
+    """Iterate a data loader in whole accumulation windows.
+
+    Args:
+        dataloader: any sized iterable (``len()`` is needed to know where the tail starts).
+        accumulate_size: micro-batches per window.
+        drop_last: ``True`` (ColossalAI): yield ``len - len % accumulate_size`` batches per epoch; for loaders
+            that are not ``torch.utils.data.DataLoader`` (DALI, ...) the tail is drained so the next epoch starts
+            clean. ``False``: yield every batch and, when linked to a :class:`GradAccumOptimizer` (as
+            :func:`accumulate_gradient` does), make the tail a short window with its own divisor and step.
+        optimizer: the :class:`GradAccumOptimizer` whose windows follow this loader's epochs.
+    """
+
+    def __init__(
+        self,
+        dataloader: Iterable[Any],
+        accumulate_size: int,
+        *,
+        drop_last: bool = True,
+        optimizer: GradAccumOptimizer | None = None,
+    ) -> None:
+        self.dataloader = dataloader
+        self.accumulate_size = AccumulationWindow(
+            accumulate_size, owner="GradAccumDataloader", count_name="accumulate_size"
+        ).counts
+        self.drop_last = bool(drop_last)
+        self.optimizer = optimizer
+        self.consume_remain_data = not isinstance(dataloader, torch.utils.data.DataLoader)
+        self._cur_step = 0
+        self._skip = 0
+        self._dataiter: Iterator[Any] | None = None
+
+    def _length(self) -> int:
+        try:
+            return len(self.dataloader)  # type: ignore[arg-type]
+        except TypeError:
+            raise TypeError(
+                f"GradAccumDataloader needs a sized data loader to find each epoch's tail; "
+                f"{type(self.dataloader).__name__} has no len()."
+            ) from None
+
+    @property
+    def steps_per_epoch(self) -> int:
+        n = self._length()
+        return n - n % self.accumulate_size if self.drop_last else n
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch
+
+    def __iter__(self) -> GradAccumDataloader:
+        self._dataiter = iter(self.dataloader)
+        steps = self.steps_per_epoch
+        if self.optimizer is not None:
+            # Windows start with the epoch; without drop_last the epoch's end is a window boundary.
+            self.optimizer._window.start_epoch(steps - self._skip if not self.drop_last else 0)
+        self._cur_step = 0
+        for _ in range(self._skip):  # resuming mid-epoch without a stateful inner loader: replay
+            next(self._dataiter)
+            self._cur_step += 1
+        self._skip = 0
+        return self
+
+    def __next__(self) -> Any:
+        if self._dataiter is None:
+            raise TypeError("GradAccumDataloader: call iter() first")
+        if self._cur_step >= self.steps_per_epoch:
+            raise StopIteration
+        self._cur_step += 1
+        data = next(self._dataiter)
+        if self._cur_step == self.steps_per_epoch and self.consume_remain_data:
+            for _ in self._dataiter:  # drain non-standard loaders (DALI) so their next epoch starts clean
+                pass
+        return data
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "dataloader":
+            raise AttributeError(name)
+        return getattr(self.dataloader, name)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Position in the epoch, plus the inner loader's state when it has one."""
+        state: dict[str, Any] = {"cur_step": self._cur_step, "drop_last": self.drop_last}
+        inner = getattr(self.dataloader, "state_dict", None)
+        if callable(inner):
+            state["dataloader"] = inner()
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume at the saved position: the inner loader's own state if it has one, else by replaying."""
+        cur = int(state["cur_step"])
+        inner = getattr(self.dataloader, "load_state_dict", None)
+        if "dataloader" in state and callable(inner):
+            inner(state["dataloader"])
+            self._skip = 0
+        else:
+            self._skip = cur
+        self._cur_step = cur
+
+
+class GradAccumLrSchedulerByStep:
+    """Step the wrapped learning-rate scheduler once per accumulation window.
+
+    Standalone it counts calls: the inner scheduler steps on every ``accumulate_size``-th call (ColossalAI).
+    Linked to an optimizer (``optimizer=`` or through :func:`accumulate_gradient`) it steps once for each
+    window the optimizer closed, so a short tail window counts as one step. Stepping the *inner* scheduler
+    directly (per micro-batch) is reported.
+    """
+
+    def __init__(
+        self,
+        lr_scheduler: Any,
+        accumulate_size: int,
+        *,
+        optimizer: Any = None,
+    ) -> None:
+        self.lr_scheduler = lr_scheduler
+        self.accumulate_size = AccumulationWindow(
+            accumulate_size, owner="GradAccumLrSchedulerByStep", count_name="accumulate_size"
+        ).counts
+        self.accumulate_step = 0
+        self._window: AccumulationWindow | None = getattr(optimizer, "_window", None)
+        if optimizer is not None and self._window is None:
+            raise TypeError(
+                "GradAccumLrSchedulerByStep: optimizer must be a GradAccumOptimizer or OptimWrapper, got "
+                f"{type(optimizer).__name__}."
+            )
+        self._seen_steps = self._window.steps if self._window is not None else 0
+        self._expected_epoch = getattr(lr_scheduler, "last_epoch", None)
+        self._warned = False
+
+    @staticmethod
+    def compute_effective_steps_per_epoch(dataloader: Iterable[Any], accumulate_size: int) -> int:
+        """Optimizer steps per epoch of a dropping :class:`GradAccumDataloader` (ColossalAI helper)."""
+        return len(dataloader) // accumulate_size  # type: ignore[arg-type]
+
+    def _check_inner(self) -> None:
+        epoch = getattr(self.lr_scheduler, "last_epoch", None)
+        if self._expected_epoch is not None and epoch != self._expected_epoch and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"GradAccumLrSchedulerByStep: the wrapped {type(self.lr_scheduler).__name__} was stepped "
+                f"outside the wrapper (last_epoch {self._expected_epoch} -> {epoch}); stepping it per "
+                "micro-batch makes the schedule run accumulate_size times too fast. Step only the wrapper.",
+                AccumulationWarning,
+                stacklevel=3,
+            )
+
+    def _step_inner(self, *args: Any, **kwargs: Any) -> None:
+        self.lr_scheduler.step(*args, **kwargs)
+        self._expected_epoch = getattr(self.lr_scheduler, "last_epoch", None)
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        """Call once per micro-batch (after ``optimizer.step()``)."""
+        self._check_inner()
+        if self._window is not None:
+            if self._window.steps > self._seen_steps:
+                self._seen_steps = self._window.steps
+                self._step_inner(*args, **kwargs)
+            return
+        self.accumulate_step += 1
+        if self.accumulate_step >= self.accumulate_size:
+            self.accumulate_step = 0
+            self._step_inner(*args, **kwargs)
+
+    def get_lr(self) -> Any:
+        return self.lr_scheduler.get_lr()
+
+    def get_last_lr(self) -> Any:
+        return self.lr_scheduler.get_last_lr()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The inner scheduler's state plus this wrapper's counters (ColossalAI saves no counter)."""
+        return {
+            "lr_scheduler": self.lr_scheduler.state_dict(),
+            "accumulate_step": self.accumulate_step,
+            "seen_steps": self._seen_steps,
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        if "lr_scheduler" not in state_dict:  # a bare inner state dict (ColossalAI layout)
+            self.lr_scheduler.load_state_dict(dict(state_dict))
+        else:
+            self.lr_scheduler.load_state_dict(state_dict["lr_scheduler"])
+            self.accumulate_step = int(state_dict.get("accumulate_step", 0))
+            self._seen_steps = int(state_dict.get("seen_steps", self._seen_steps))
+        self._expected_epoch = getattr(self.lr_scheduler, "last_epoch", None)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "lr_scheduler":
+            raise AttributeError(name)
+        return getattr(self.lr_scheduler, name)
+
+
+class GradAccumGradientHandler:
+    """Run the wrapped gradient handler (e.g. a data-parallel all-reduce) only at window boundaries.
+
+    Standalone it counts calls (every ``accumulate_size``-th runs the handler, ColossalAI); linked to an
+    optimizer it runs when the last backward ended a window (tail windows included). Call it after backward.
+    """
+
+    def __init__(self, grad_handler: Any, accumulate_size: int, *, optimizer: Any = None) -> None:
+        if not callable(getattr(grad_handler, "handle_gradient", None)):
+            raise TypeError(
+                f"GradAccumGradientHandler: grad_handler must have handle_gradient(), got "
+                f"{type(grad_handler).__name__}."
+            )
+        self.grad_handler = grad_handler
+        self.accumulate_size = AccumulationWindow(
+            accumulate_size, owner="GradAccumGradientHandler", count_name="accumulate_size"
+        ).counts
+        self.accumulate_step = 0
+        self._window: AccumulationWindow | None = getattr(optimizer, "_window", None)
+
+    def handle_gradient(self) -> None:
+        if self._window is not None:
+            if self._window.position > 0 and self._window.should_update():
+                self.grad_handler.handle_gradient()
+            return
+        self.accumulate_step += 1
+        if self.accumulate_step >= self.accumulate_size:
+            self.accumulate_step = 0
+            self.grad_handler.handle_gradient()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"accumulate_step": self.accumulate_step}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        self.accumulate_step = int(state_dict["accumulate_step"])
+
+
+def accumulate_gradient(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    dataloader: Iterable[Any],
+    accumulate_size: int,
+    gradient_handlers: list[Any] | None = None,
+    lr_scheduler: Any = None,
+    *,
+    drop_last: bool = True,
+) -> tuple[GradAccumOptimizer, GradAccumDataloader, list[GradAccumGradientHandler] | None, Any]:
+    """Wrap the four training objects for accumulation over ``accumulate_size`` micro-batches.
+
+    Returns ``(optimizer, dataloader, gradient_handlers, lr_scheduler)`` as ColossalAI; the wrappers share
+    the optimizer's window, so handlers and scheduler act at its boundaries (epoch tails included when
+    ``drop_last=False``).
+    """
+    optim = GradAccumOptimizer(optimizer, accumulate_size=accumulate_size, model=model)
+    loader = GradAccumDataloader(dataloader, accumulate_size, drop_last=drop_last, optimizer=optim)
+    handlers = None
+    if gradient_handlers is not None:
+        handlers = [GradAccumGradientHandler(h, accumulate_size, optimizer=optim) for h in gradient_handlers]
+    sched = None
+    if lr_scheduler is not None:
+        sched = GradAccumLrSchedulerByStep(lr_scheduler, accumulate_size, optimizer=optim)
+    return optim, loader, handlers, sched

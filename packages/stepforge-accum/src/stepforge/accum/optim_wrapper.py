@@ -1,0 +1,319 @@
+# SPDX-License-Identifier: Apache-2.0
+"""mmengine-compatible ``OptimWrapper`` with exact, weighted and checkpointable gradient accumulation.
+
+Same surface and the same semantics as ``mmengine.optim.OptimWrapper`` (divisors, partial last window,
+``should_update``/``should_sync``, ``optim_context``, ``clip_grad``, ``base_param_settings``), plus:
+
+- ``update_params(loss, num_items=n)`` / ``backward(loss, weight=n)``: the window's gradient becomes the
+  gradient of the mean loss over all items of the window on all data-parallel ranks (one small all-reduce per
+  window), instead of the mean of per-micro-batch means;
+- the counter and the window weight are saved in ``state_dict()`` (key ``"accumulation"``);
+- ``optim_context`` goes through :func:`stepforge.core.no_sync`, so DDP, FSDP2 and ZeRO optimizers that
+  implement ``no_sync()`` all skip the synchronisation of non-final micro-batches;
+- misuse is reported: ``accumulative_counts < 1``, resuming mid-window, mixing weighted and unweighted
+  micro-batches in one window, a DDP forward outside ``optim_context``, and (with ``scheduler_clock="window"``)
+  a scheduler stepped per micro-batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._no_sync import install_adapters
+from ._window import AccumulationWindow
+
+__all__ = ["OptimWrapper"]
+
+logger = logging.getLogger("stepforge.accum")
+
+_CLIP_TYPES = ("norm", "value")
+
+
+def _has_batch_norm(model: Any) -> bool:
+    if not isinstance(model, nn.Module):
+        return False
+    return any(isinstance(m, nn.modules.batchnorm._NormBase) for m in model.modules())
+
+
+class OptimWrapper:
+    """Wrap an optimizer to accumulate gradients, clip them and step at window boundaries.
+
+    Args:
+        optimizer: a ``torch.optim.Optimizer`` (or a sharded optimizer with the same surface).
+        accumulative_counts: micro-batches per optimizer step (>= 1).
+        clip_grad: ``None``, or ``dict(type="norm", max_norm=..., norm_type=2.0, ...)`` (arguments of
+            ``torch.nn.utils.clip_grad_norm_``; ``type`` defaults to ``"norm"``) or
+            ``dict(type="value", clip_value=...)`` (``clip_grad_value_``). The caller's dict is not modified.
+        process_group: data-parallel group over which weighted mode sums ``num_items`` (default: the
+            default group when initialised).
+        reduce_weights: sum ``num_items`` across ranks; default: when the group has more than one rank.
+            Pass ``False`` if the gradients are not averaged across ranks (no DDP/FSDP/ZeRO).
+        scheduler_clock: ``"micro"`` (default, mmengine: schedulers step every micro-batch) or ``"window"``
+            (warn when the learning rate changes inside a window).
+
+    Example::
+
+        wrapper = OptimWrapper(torch.optim.AdamW(model.parameters()), accumulative_counts=4,
+                               clip_grad=dict(max_norm=1.0))
+        for batch in loader:
+            with wrapper.optim_context(ddp_model):        # forward *inside*: DDP decides there
+                loss = ddp_model(batch).mean()
+            wrapper.update_params(loss, num_items=batch.numel())
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        accumulative_counts: int = 1,
+        clip_grad: dict | None = None,
+        *,
+        process_group: Any = None,
+        reduce_weights: bool | None = None,
+        scheduler_clock: str = "micro",
+    ) -> None:
+        install_adapters()
+        if not hasattr(optimizer, "param_groups") or not hasattr(optimizer, "step"):
+            raise TypeError(
+                f"OptimWrapper: optimizer must be a torch.optim.Optimizer (or have param_groups and step), "
+                f"got {type(optimizer).__name__}."
+            )
+        self.optimizer = optimizer
+        self._window = AccumulationWindow(
+            accumulative_counts,
+            owner="OptimWrapper",
+            process_group=process_group,
+            reduce_weights=reduce_weights,
+            scheduler_clock=scheduler_clock,
+        )
+        self.clip_grad_kwargs: dict[str, Any] | None = None
+        self._clip_type: str | None = None
+        if clip_grad is not None:
+            if not isinstance(clip_grad, Mapping):
+                raise TypeError(
+                    f"OptimWrapper: clip_grad must be a dict such as dict(type='norm', max_norm=1.0), got "
+                    f"{clip_grad!r}."
+                )
+            kwargs = copy.deepcopy(dict(clip_grad))
+            clip_type = kwargs.pop("type", "norm")
+            if clip_type not in _CLIP_TYPES:
+                raise ValueError(
+                    f"OptimWrapper: clip_grad type must be 'norm' or 'value', got {clip_type!r}."
+                )
+            if not kwargs:
+                raise ValueError(
+                    "OptimWrapper: clip_grad needs the arguments of torch.nn.utils.clip_grad_norm_ (max_norm=...) "
+                    "or clip_grad_value_ (clip_value=...) besides 'type'."
+                )
+            self.clip_grad_kwargs = kwargs
+            self._clip_type = clip_type
+        self.grad_norm: torch.Tensor | None = None  # last norm from clip_grad type 'norm'
+        self.base_param_settings: dict[str, Any] | None
+        if len(optimizer.param_groups) > 1:
+            # mmengine: a fake group carrying the optimizer defaults, so schedulers track a "base" lr too
+            self.base_param_settings = {"params": torch.tensor([0.0], dtype=torch.float)}
+            self.base_param_settings.update(**getattr(optimizer, "defaults", {}))
+        else:
+            self.base_param_settings = None
+
+    # -- the training step --------------------------------------------------------------------------------
+    def update_params(
+        self,
+        loss: torch.Tensor,
+        step_kwargs: dict | None = None,
+        zero_kwargs: dict | None = None,
+        *,
+        num_items: float | torch.Tensor | None = None,
+    ) -> None:
+        """Backward ``loss`` and, at a window boundary, step and zero the gradients.
+
+        Args:
+            loss: the micro-batch loss (a mean over its items when ``num_items`` is given).
+            step_kwargs: passed to ``optimizer.step``.
+            zero_kwargs: passed to ``optimizer.zero_grad``.
+            num_items: the number of items (tokens, samples) ``loss`` averages over. Given on every
+                micro-batch of a window, the window's gradient is that of the mean over all its items on all
+                ranks; omitted, the loss is divided by the window length as in mmengine.
+        """
+        if num_items is None:
+            loss = self.scale_loss(loss)
+            self.backward(loss)
+        else:
+            self.backward(loss, weight=num_items)
+        if self.should_update():
+            self.step(**(step_kwargs or {}))
+            self.zero_grad(**(zero_kwargs or {}))
+
+    def backward(
+        self, loss: torch.Tensor, *, weight: float | torch.Tensor | None = None, **kwargs: Any
+    ) -> None:
+        """``loss.backward(**kwargs)`` and count the micro-batch.
+
+        With ``weight`` (the micro-batch's item count) the loss is weighted for the exact window mean; see
+        :meth:`update_params`. Without it, pass a loss already divided by :meth:`scale_loss`.
+        """
+        w = self._window.check_weight(weight)
+        if self._window.armed_targets_seen:
+            self._window.note_unguarded_backward(self._last_targets)
+        self._window.before_backward(w, self.optimizer)
+        if w is not None:
+            loss = loss * (w.to(loss.dtype) if isinstance(w, torch.Tensor) else w)
+        loss.backward(**kwargs)
+        self._window.after_backward(w)
+
+    def step(self, **kwargs: Any) -> Any:
+        """Normalise a weighted window, clip if configured, then ``optimizer.step(**kwargs)``."""
+        self._window.finalize(self.optimizer)
+        if self.clip_grad_kwargs is not None:
+            self._clip_grad()
+        out = self.optimizer.step(**kwargs)
+        self._window.close()
+        return out
+
+    def zero_grad(self, **kwargs: Any) -> None:
+        """``optimizer.zero_grad(**kwargs)``."""
+        self.optimizer.zero_grad(**kwargs)
+
+    def _clip_grad(self) -> None:
+        assert self.clip_grad_kwargs is not None
+        params = [
+            p
+            for group in self.optimizer.param_groups
+            for p in group["params"]
+            if p.requires_grad and p.grad is not None
+        ]
+        if not params:
+            return
+        if self._clip_type == "value":
+            nn.utils.clip_grad_value_(params, **self.clip_grad_kwargs)
+            return
+        sharded_clip = getattr(self.optimizer, "clip_grad_norm_", None)
+        if callable(sharded_clip):  # a ShardedOptimizer clips by the norm over every shard
+            self.grad_norm = sharded_clip(**self.clip_grad_kwargs)
+        else:
+            self.grad_norm = nn.utils.clip_grad_norm_(params, **self.clip_grad_kwargs)
+
+    # -- accumulation status -------------------------------------------------------------------------------
+    @property
+    def accumulative_counts(self) -> int:
+        return self._window.counts
+
+    @property
+    def inner_count(self) -> int:
+        """Micro-batches backwarded so far (global across epochs)."""
+        return self._window.inner_count
+
+    @property
+    def max_counts(self) -> int:
+        return self._window.max_counts
+
+    def should_update(self) -> bool:
+        """After a backward: whether this micro-batch ends the window (time to step)."""
+        return self._window.should_update()
+
+    def should_sync(self) -> bool:
+        """Before a backward: whether the coming micro-batch ends the window (gradients synchronise)."""
+        return self._window.should_sync()
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` divided by the length of its window (mmengine: ``counts``, or the remainder of the last
+        partial window once :meth:`initialize_count_status` gave ``max_counts``)."""
+        return loss / self._window.divisor()
+
+    def initialize_count_status(self, model: nn.Module, init_counts: int, max_counts: int) -> None:
+        """Set the counter (e.g. the resumed iteration) and the total number of micro-batches of the run.
+
+        ``max_counts`` makes the last window partial: with counts 3 and max 10 the steps come after
+        micro-batches 3, 6, 9 and 10, and micro-batch 10's loss is divided by 1.
+        """
+        self._window.set_count_status(init_counts, max_counts)
+        if init_counts % self.accumulative_counts != 0:
+            self._window.warn_once(
+                "init-mid-window",
+                f"OptimWrapper: init_counts={init_counts} is not a multiple of accumulative_counts="
+                f"{self.accumulative_counts}: training resumes in the middle of a window whose first "
+                f"{init_counts % self.accumulative_counts} micro-batch(es) of gradient were not checkpointed; "
+                "that window's step misses them. Checkpoint at window boundaries.",
+            )
+        if _has_batch_norm(model) and self.accumulative_counts > 1:
+            logger.warning(
+                "Gradient accumulation may slightly change results: the model has BatchNorm layers, whose "
+                "statistics see micro-batches, not the accumulated batch."
+            )
+
+    @contextmanager
+    def optim_context(self, model: Any) -> Iterator[None]:
+        """Run the forward (and backward) of a micro-batch; non-final micro-batches skip gradient sync.
+
+        The synchronisation of ``model`` (DDP ``no_sync``, FSDP2 ``set_requires_gradient_sync``) and of the
+        wrapped optimizer (a ZeRO optimizer's ``no_sync``) is suspended unless the coming micro-batch ends the
+        window. The forward must be inside: DDP decides at forward time.
+        """
+        self._last_targets = (model, self.optimizer)
+        with self._window.sync_context(model, self.optimizer):
+            yield
+
+    _last_targets: tuple[Any, ...] = ()
+
+    # -- optimizer surface ---------------------------------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The optimizer's groups, plus the base-settings group when there are several (as mmengine)."""
+        if self.base_param_settings is not None:
+            return [*self.optimizer.param_groups, self.base_param_settings]
+        return self.optimizer.param_groups
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    def get_lr(self) -> dict[str, list[float]]:
+        """``{'lr': [per group]}``, plus ``'base_lr'`` with several groups."""
+        res: dict[str, list[float]] = {}
+        if self.base_param_settings is not None:
+            res["base_lr"] = [self.base_param_settings["lr"]]
+        res["lr"] = [group["lr"] for group in self.optimizer.param_groups]
+        return res
+
+    def get_momentum(self) -> dict[str, list[float]]:
+        """``{'momentum': [per group]}``: ``momentum``, else ``betas[0]``, else 0."""
+        momentum = []
+        for group in self.optimizer.param_groups:
+            if "momentum" in group:
+                momentum.append(group["momentum"])
+            elif "betas" in group:
+                momentum.append(group["betas"][0])
+            else:
+                momentum.append(0)
+        return {"momentum": momentum}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer's state dict, plus ``base_param_settings`` and the ``accumulation`` counters."""
+        state = self.optimizer.state_dict()
+        if self.base_param_settings is not None:
+            state["base_param_settings"] = self.base_param_settings
+        state["accumulation"] = self._window.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load what :meth:`state_dict` returned (an mmengine state dict without counters loads too)."""
+        state = dict(state_dict)  # mmengine pops from the caller's dict; we do not
+        base = state.pop("base_param_settings", None)
+        accumulation = state.pop("accumulation", None)
+        if base is not None:
+            self.base_param_settings = base
+        self.optimizer.load_state_dict(state)
+        if accumulation is not None:
+            self._window.load_state_dict(accumulation)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(optimizer={type(self.optimizer).__name__}, accumulative_counts="
+            f"{self.accumulative_counts}, clip_grad={self.clip_grad_kwargs!r}, inner_count={self.inner_count})"
+        )
