@@ -14,7 +14,8 @@ iteration.
 Every optimizer starts from the same initial weights and sees the same batches in the same order. Each is built
 through the registry, ``stepforge.core.build_optimizer(dict(type=..., lr=...), model)``, so any registered name
 works (``FusedAdam``, ``Lamb``, ``SGD`` ...). ``AdamW`` is torch's ``AdamW(fused=True)``, the fastest torch path
-on CPU. Only ``optimizer.step()`` is timed.
+on CPU. All share one learning-rate schedule (linear warm-up over the first epoch, cosine decay to zero). Only
+``optimizer.step()`` is timed.
 
 Output: a progress bar per optimizer, a one-screen summary (final test accuracy and loss, optimizer-step time,
 speed-up over torch's AdamW), ``<out>/train_demo.png`` (loss and accuracy curves) and ``<out>/train_demo.json``.
@@ -172,6 +173,17 @@ def train_one(
     x_tr, y_tr, x_te, y_te = data
     n = x_tr.shape[0]
     steps_per_epoch = math.ceil(n / batch_size)
+    total = epochs * steps_per_epoch
+    warmup = min(steps_per_epoch, max(1, total // 10))
+    # linear warm-up over the first epoch, then cosine decay to zero: the same schedule for every optimizer
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt,
+        lambda s: (
+            (s + 1) / warmup
+            if s < warmup
+            else 0.5 * (1 + math.cos(math.pi * (s - warmup) / (total - warmup)))
+        ),
+    )
     order = torch.Generator().manual_seed(seed)  # the same batches in the same order for every optimizer
     bar = _progress(total=epochs * steps_per_epoch, desc=f"{name:>10}", enabled=progress)
     t_start = time.perf_counter()
@@ -185,6 +197,7 @@ def train_one(
             t0 = time.perf_counter_ns()
             opt.step()
             result.step_ms.append((time.perf_counter_ns() - t0) / 1e6)
+            sched.step()
             result.train_loss.append(float(loss.detach()))
             bar.update(1)
         test_loss, test_acc = evaluate(model, x_te, y_te)
