@@ -238,6 +238,12 @@ inline unsigned grid_for(std::int64_t total_chunks) {
   return static_cast<unsigned>(total_chunks < cap ? (total_chunks > 0 ? total_chunks : 1) : cap);
 }
 
-__device__ __forceinline__ bool skip_step(const float* flag) { return flag != nullptr && *flag != 0.f; }
+// Block-uniform "skip this call" decision (every thread of a block must take the same branch, because the
+// kernels synchronise inside their chunk loops and another block may be setting the flag concurrently).
+__device__ __forceinline__ bool skip_step(const float* flag) {
+  int mine = 0;
+  if (threadIdx.x == 0 && flag != nullptr) mine = *reinterpret_cast<const volatile float*>(flag) != 0.f;
+  return __syncthreads_or(mine) != 0;
+}
 
 }  // namespace stepforge::cuda

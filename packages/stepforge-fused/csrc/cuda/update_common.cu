@@ -11,7 +11,7 @@ template <typename G>
 __global__ __launch_bounds__(kThreads) void finite_check_kernel(const TensorRow* rows, std::int64_t n_rows,
                                                                 std::int64_t total_chunks, float* flag,
                                                                 float div, const float* div_ptr) {
-  if (*flag != 0.f) return;
+  if (skip_step(flag)) return;  // already flagged (found_inf on entry): nothing to check
   const float d = div_ptr ? div * *div_ptr : div;
   for (std::int64_t c = blockIdx.x; c < total_chunks; c += gridDim.x) {
     ChunkWork w = chunk_work(rows, n_rows, c);
