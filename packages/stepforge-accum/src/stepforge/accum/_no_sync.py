@@ -34,11 +34,9 @@ except ImportError:  # pragma: no cover - older torch
 
 
 def fsdp2_modules(target: Any) -> list[Any]:
-    """The FSDP2 modules of ``target`` (itself if it is one), outermost first."""
+    """Every FSDP2 module in ``target`` (itself included), outermost first."""
     if _FSDPModule is None or not isinstance(target, torch.nn.Module):
         return []
-    if isinstance(target, _FSDPModule):
-        return [target]
     return [m for m in target.modules() if isinstance(m, _FSDPModule)]
 
 
@@ -58,8 +56,8 @@ def _is_fsdp2(target: Any) -> bool:
 def _fsdp2_no_sync(target: Any) -> Iterator[None]:
     modules = fsdp2_modules(target)
     for module in modules:
-        # recurse=False on each module found: a plain root holding several sharded blocks has no single
-        # FSDP module to recurse from.
+        # each module found, recurse=False: a plain root holding several sharded blocks has no single
+        # FSDP module to recurse from, and the flag lives per module.
         module.set_requires_gradient_sync(False, recurse=False)
     try:
         yield

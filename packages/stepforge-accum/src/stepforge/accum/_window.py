@@ -32,11 +32,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from stepforge.core import HyperParameterError, StepforgeError, check_positive_int, no_sync, supports_no_sync
 
-__all__ = ["AccumulationError", "AccumulationWarning", "AccumulationWindow", "scale_gradients"]
+__all__ = [
+    "AccumulationError",
+    "AccumulationWarning",
+    "AccumulationWindow",
+    "scale_gradients",
+    "track_forward",
+]
 
 
 class AccumulationError(StepforgeError, RuntimeError):
@@ -50,6 +57,17 @@ class AccumulationWarning(UserWarning):
 def _is_forward_armed(target: Any) -> bool:
     """Whether ``target`` decides at *forward* time if the next backward synchronises (DDP does)."""
     return isinstance(target, DistributedDataParallel)
+
+
+def _record_sync_at_forward(module: nn.Module, args: Any) -> None:
+    # DDP reads this flag in its forward to arm (or not) the all-reduce of the coming backward
+    module._stepforge_armed = bool(torch.is_grad_enabled() and module.require_backward_grad_sync)
+
+
+def track_forward(target: Any) -> None:
+    """Remember, at each forward of a DDP model, whether its next backward will all-reduce (once per model)."""
+    if _is_forward_armed(target) and getattr(target, "_stepforge_forward_hook", None) is None:
+        target._stepforge_forward_hook = target.register_forward_pre_hook(_record_sync_at_forward)
 
 
 def scale_gradients(optimizer: Any, factor: float) -> None:
@@ -130,8 +148,6 @@ class AccumulationWindow:
         self._lr_snapshot: tuple[Any, ...] | None = None
         self._warned: set[str] = set()
         self.context_depth = 0
-        self.guarded_forward = False
-        self.armed_targets_seen = False
 
     # -- boundaries ---------------------------------------------------------------------------------------
     def is_boundary(self, n: int) -> bool:
@@ -260,36 +276,34 @@ class AccumulationWindow:
             self.local_weight += weight
         self.inner_count += 1
         self.position += 1
-        self.guarded_forward = False
 
     def note_unguarded_backward(self, targets: Iterable[Any]) -> None:
-        """Warn if a DDP model's forward of a non-final micro-batch ran outside the no-sync context."""
-        if self.context_depth or self.guarded_forward or self.should_sync():
+        """Warn if a DDP model's forward of a non-final micro-batch armed the all-reduce (forward outside
+        the no-sync context; wrapping only the backward does not help DDP)."""
+        if self.should_sync():
             return
-        if any(_is_forward_armed(t) for t in targets):
+        if any(_is_forward_armed(t) and getattr(t, "_stepforge_armed", False) for t in targets):
             self.warn_once(
                 "backward-only-no-sync",
-                f"{self.owner}: backward of micro-batch {self.position + 1} (not the last of its window) ran "
-                "without its forward inside the no-sync context. DDP arms its gradient all-reduce in the "
-                "forward, so this micro-batch is all-reduced anyway (correct but k times the communication). "
-                "Run the forward inside `with wrapper.optim_context(model):`.",
+                f"{self.owner}: the forward of micro-batch {self.position + 1} (not the last of its window) ran "
+                "outside the no-sync context. DDP arms its gradient all-reduce in the forward, so this "
+                "micro-batch is all-reduced anyway (correct, but k times the communication); wrapping only "
+                "the backward does not help. Run the forward inside `with wrapper.optim_context(model):`.",
             )
 
     @contextmanager
     def sync_context(self, *targets: Any) -> Iterator[None]:
         """Suspend gradient synchronisation of ``targets`` unless the coming micro-batch ends the window."""
         live = [t for t in targets if supports_no_sync(t)]
-        if live and any(_is_forward_armed(t) for t in live):
-            self.armed_targets_seen = True
+        for t in live:
+            track_forward(t)
         skip = bool(live) and not self.should_sync() and self.context_depth == 0
         self.context_depth += 1
         try:
             if skip:
                 with no_sync(*live):
-                    self.guarded_forward = True
                     yield
             else:
-                self.guarded_forward = True
                 yield
         finally:
             self.context_depth -= 1

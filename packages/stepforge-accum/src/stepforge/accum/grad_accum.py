@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ._no_sync import install_adapters
-from ._window import AccumulationWarning, AccumulationWindow
+from ._window import AccumulationWarning, AccumulationWindow, track_forward
 
 __all__ = [
     "accumulate_gradient",
@@ -66,6 +66,7 @@ class GradAccumOptimizer:
         install_adapters()
         self.optim = optim
         self.model = model
+        track_forward(model)
         self._window = AccumulationWindow(
             accumulate_size,
             owner="GradAccumOptimizer",
@@ -130,7 +131,6 @@ class GradAccumOptimizer:
         if self._window.context_depth == 0 and not self._window.should_sync():
             # ColossalAI wraps the backward; enough for FSDP2 and ZeRO, not for DDP (warned above)
             with self._window.sync_context(*self._targets()):
-                self._window.guarded_forward = False
                 run()
         else:
             run()

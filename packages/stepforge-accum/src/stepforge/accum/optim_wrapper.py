@@ -159,8 +159,7 @@ class OptimWrapper:
         :meth:`update_params`. Without it, pass a loss already divided by :meth:`scale_loss`.
         """
         w = self._window.check_weight(weight)
-        if self._window.armed_targets_seen:
-            self._window.note_unguarded_backward(self._last_targets)
+        self._window.note_unguarded_backward(self._last_targets)
         self._window.before_backward(w, self.optimizer)
         if w is not None:
             loss = loss * (w.to(loss.dtype) if isinstance(w, torch.Tensor) else w)
