@@ -202,7 +202,8 @@ const TensorRow* device_table(const std::vector<TensorRow>& rows, const Launch& 
   if (capturing(stream)) {
     throw std::runtime_error(
         "stepforge: a multi-tensor launch met new tensor metadata during CUDA graph capture; run one eager "
-        "step with the same tensors (and grads allocated) before capturing");
+        "step with the same tensors (grads allocated) on the capture stream first, e.g. "
+        "torch.cuda.graph(g, stream=s) after a warm-up step under torch.cuda.stream(s)");
   }
   CachedTable t;
   t.host = rows;
