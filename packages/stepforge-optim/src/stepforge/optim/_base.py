@@ -1,0 +1,157 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Common ``torch.optim.Optimizer`` behaviour of :class:`Lamb` and :class:`Lars`.
+
+- Gradients are validated (dense, same shape/device) and read only: ``p.grad`` is never written.
+- Parameters are bucketed by (device, param dtype, grad dtype); each bucket is updated with ``torch._foreach_*``
+  calls (see :mod:`._multi_tensor`), or one tensor at a time with ``foreach=False``.
+- State of fp16/bf16/fp32 parameters is fp32 (fp64 for fp64 parameters); :meth:`load_state_dict` keeps that
+  (``torch.optim`` would cast state to the parameter dtype) and turns tensor ``step`` values into ints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from itertools import chain
+from typing import Any
+
+import torch
+
+from stepforge.core import HyperParameterError, check_bool, check_float_dtype, check_grad, check_positive_int
+
+__all__ = ["MultiTensorOptimizer", "math_dtype_of", "check_trust_clip"]
+
+_PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def math_dtype_of(dtype: torch.dtype) -> torch.dtype:
+    """The compute and state dtype for parameters of ``dtype``: fp64 for fp64, else fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def check_trust_clip(
+    value: Any, *, owner: str, name: str = "trust_clip"
+) -> tuple[float | None, float | None] | None:
+    """``None`` or a pair ``(low, high)`` of non-negative numbers (or ``None`` = unbounded) with ``low <= high``."""
+    if value is None:
+        return None
+    if isinstance(value, str) or not isinstance(value, Iterable):
+        raise HyperParameterError(
+            f"{owner}: invalid {name}={value!r}; pass a pair (low, high), e.g. (0.0, 10.0), or None for no clamp."
+        )
+    pair = tuple(value)
+    if len(pair) != 2:
+        raise HyperParameterError(f"{owner}: invalid {name}={value!r}; pass exactly two bounds (low, high).")
+    bounds: list[float | None] = []
+    for part, bound in zip(("low", "high"), pair, strict=True):
+        if bound is None:
+            bounds.append(None)
+            continue
+        if isinstance(bound, bool) or not isinstance(bound, int | float) or not bound >= 0:
+            raise HyperParameterError(
+                f"{owner}: invalid {name} {part} bound {bound!r}; bounds must be non-negative numbers or None."
+            )
+        bounds.append(float(bound))
+    if bounds[0] is not None and bounds[1] is not None and bounds[0] > bounds[1]:
+        raise HyperParameterError(f"{owner}: invalid {name}={value!r}; low must not exceed high.")
+    return bounds[0], bounds[1]
+
+
+class MultiTensorOptimizer(torch.optim.Optimizer):
+    """Base class: flags, validation hooks, gradient collection, fp32-state-preserving ``load_state_dict``.
+
+    Subclasses set :attr:`STATE_TENSORS` (state keys holding per-parameter tensors), implement
+    :meth:`_validate_group` and :meth:`_step`.
+    """
+
+    OWNER = "MultiTensorOptimizer"
+    STATE_TENSORS: tuple[str, ...] = ()
+    STATE_SCALARS: tuple[str, ...] = ()
+
+    def __init__(self, params: Iterable[Any], defaults: dict[str, Any]) -> None:
+        owner = self.OWNER
+        foreach = defaults.get("foreach")
+        if foreach is not None:
+            check_bool("foreach", foreach, owner=owner)
+        check_bool("maximize", defaults["maximize"], owner=owner)
+        if check_bool("differentiable", defaults["differentiable"], owner=owner):
+            raise HyperParameterError(
+                f"{owner}: differentiable=True is not supported: the update runs in place on cache-sized pieces "
+                "of the parameters, which autograd cannot follow. Use a functional optimizer (torch.func) to "
+                "differentiate through optimizer steps."
+            )
+        chunk = defaults.get("chunk_size")
+        if chunk is not None:
+            check_positive_int("chunk_size", chunk, owner=owner)
+        self._validate_group(defaults)
+        super().__init__(params, defaults)
+
+    # -- hooks for subclasses -------------------------------------------------------------------------------
+    def _validate_group(self, group: Mapping[str, Any]) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def _step(self) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    # -- torch.optim.Optimizer ------------------------------------------------------------------------------
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group; its hyper-parameters (after filling defaults) are validated like the constructor's."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            self._validate_group(group)
+            for p in group["params"]:
+                check_float_dtype("a parameter", p, allowed=_PARAM_DTYPES, owner=self.OWNER)
+        except Exception:
+            self.param_groups.pop()
+            raise
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """One update of every parameter that has a gradient.
+
+        Args:
+            closure: re-evaluates the model and returns the loss (called with gradients enabled).
+
+        Returns:
+            the closure's loss, or ``None``.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._step()
+        return loss
+
+    def _params_with_grads(self, group: Mapping[str, Any]) -> list[torch.Tensor]:
+        """The group's parameters that have a gradient, after checking each gradient."""
+        out = []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            check_grad(p, owner=self.OWNER)
+            out.append(p)
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict (also one saved by ``torch.optim`` or ColossalAI with the same state names).
+
+        Unlike ``torch.optim.Optimizer``, state tensors keep their fp32 dtype for fp16/bf16 parameters (they
+        are moved to the parameter's device), tensor ``step`` values become ints, and per-parameter keys this
+        optimizer does not use (e.g. ColossalAI ``Lamb``'s ``trust_ratio``) are dropped.
+        """
+        saved_state = state_dict["state"]
+        super().load_state_dict({**state_dict, "state": {}})
+        saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        params = chain.from_iterable(g["params"] for g in self.param_groups)
+        for saved_id, param in zip(saved_ids, params, strict=True):
+            if saved_id not in saved_state:
+                continue
+            entry: dict[str, Any] = {}
+            for key, value in saved_state[saved_id].items():
+                if key in self.STATE_TENSORS and isinstance(value, torch.Tensor):
+                    entry[key] = value.detach().to(
+                        device=param.device, dtype=math_dtype_of(param.dtype), copy=True
+                    )
+                elif key in self.STATE_SCALARS:
+                    entry[key] = int(value.item()) if isinstance(value, torch.Tensor) else int(value)
+            self.state[param] = entry

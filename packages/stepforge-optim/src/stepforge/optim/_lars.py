@@ -1,0 +1,260 @@
+# SPDX-License-Identifier: Apache-2.0
+"""LARS in pure PyTorch: ColossalAI's ``Lars`` with its hard-coded clamps as options (see :class:`Lars`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+from stepforge.core import (
+    HyperParameterError,
+    check_bool,
+    check_dampening,
+    check_eps,
+    check_lr,
+    check_momentum,
+    check_range,
+    check_weight_decay,
+)
+
+from ._base import MultiTensorOptimizer, check_trust_clip, math_dtype_of
+from ._multi_tensor import bucket_key, default_chunk_size, gather_pieces, pieces_of, plan_waves
+
+__all__ = ["Lars"]
+
+
+def _exclude_bias_and_norm(param: torch.Tensor) -> bool:
+    """``True`` for tensors with at most one dimension: biases and normalisation scales/shifts."""
+    return param.ndim <= 1
+
+
+class Lars(MultiTensorOptimizer):
+    r"""LARS (You, Gitman, Ginsburg, 2017, "Large Batch Training of Convolutional Networks").
+
+    The positional signature and defaults are ColossalAI's ``Lars`` (from NUS-HPC-AI-Lab LARS-ImageNet), and
+    with default arguments the trajectory is the same. ColossalAI's hard-coded element clamp (+-10) and ratio
+    clamp ([0, 50]) are the ``grad_clip`` and ``trust_clip`` options; ``dampening`` and ``nesterov`` follow
+    ``torch.optim.SGD``. Per parameter::
+
+        g   = -g if maximize
+        r   = eeta * ||p|| / (||g|| + wd*||p|| + epsilon)   (1 if ||p|| or ||g|| is 0)
+        r   = clamp(r, *trust_clip) ;  r = 1 for excluded parameters
+        d   = clamp(g + wd*p, -grad_clip, grad_clip)
+        buf = d (first step) | momentum*buf + (1 - dampening)*d ;  d = d + momentum*buf if nesterov else buf
+        p   = p - lr * r * d
+
+    The ratio scales the post-momentum step (as ColossalAI; the paper folds it into the momentum). A param
+    group with ``lars=False`` (ColossalAI's group key) gets neither the ratio nor weight decay;
+    ``exclude_from_adaptation`` removes only the ratio, for the parameters it selects (e.g. biases and
+    normalisation parameters, the usual LARS practice; :meth:`exclude_bias_and_norm` is that predicate) —
+    put them in a ``weight_decay=0`` group to also skip decay.
+
+    Args:
+        params: parameters or param-group dicts (any option but ``exclude_from_adaptation`` may be per group).
+        lr: learning rate, ``>= 0`` (ints are accepted, unlike ColossalAI).
+        momentum: momentum factor, ``>= 0``.
+        eeta: LARS trust coefficient, in ``(0, 1]``.
+        weight_decay: L2 coefficient, ``>= 0`` (in ``d`` and in the ratio's denominator).
+        epsilon: added to the ratio's denominator, ``>= 0``.
+        dampening: as ``torch.optim.SGD`` (not applied on the first step), in ``[0, 1]``.
+        nesterov: Nesterov momentum; needs ``momentum > 0`` and ``dampening == 0``.
+        grad_clip: element-wise clamp of ``d`` to ``[-grad_clip, grad_clip]``; ``None`` disables (default 10).
+        trust_clip: ``(low, high)`` clamp of the ratio (either may be ``None``); ``None`` disables
+            (default ``(0, 50)``). Like ColossalAI it also applies to the fallback ratio 1.
+        exclude_from_adaptation: ``predicate(param) -> bool``; selected parameters get ``r = 1``. Not saved in
+            ``state_dict`` (pass it again when rebuilding the optimizer).
+        foreach: ``None``/``True``: multi-tensor updates per (device, dtype) bucket; ``False``: one tensor at a
+            time. Same math either way.
+        maximize: ascend instead of descend.
+        differentiable: must be ``False``.
+        chunk_size: elements per multi-tensor wave; default 262144 on CPU, whole buckets elsewhere.
+
+    State per parameter: ``momentum_buffer`` when ``momentum != 0`` (fp32 for fp16/bf16/fp32 parameters, fp64
+    for fp64). ``p.grad`` is never modified; no value is copied to the host during a step.
+    """
+
+    OWNER = "Lars"
+    STATE_TENSORS = ("momentum_buffer",)
+    exclude_bias_and_norm = staticmethod(_exclude_bias_and_norm)
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        momentum: float = 0,
+        eeta: float = 1e-3,
+        weight_decay: float = 0,
+        epsilon: float = 0.0,
+        *,
+        dampening: float = 0.0,
+        nesterov: bool = False,
+        grad_clip: float | None = 10.0,
+        trust_clip: tuple[float | None, float | None] | None = (0.0, 50.0),
+        exclude_from_adaptation: Callable[[torch.Tensor], bool] | None = None,
+        foreach: bool | None = None,
+        maximize: bool = False,
+        differentiable: bool = False,
+        chunk_size: int | None = None,
+    ) -> None:
+        if exclude_from_adaptation is not None and not callable(exclude_from_adaptation):
+            raise HyperParameterError(
+                f"Lars: exclude_from_adaptation must be a callable param -> bool (e.g. Lars.exclude_bias_and_norm)"
+                f" or None, got {exclude_from_adaptation!r}."
+            )
+        self.exclude_from_adaptation = exclude_from_adaptation
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            eeta=eeta,
+            weight_decay=weight_decay,
+            epsilon=epsilon,
+            lars=True,
+            dampening=dampening,
+            nesterov=nesterov,
+            grad_clip=grad_clip,
+            trust_clip=trust_clip,
+            foreach=foreach,
+            maximize=maximize,
+            differentiable=differentiable,
+            chunk_size=chunk_size,
+        )
+        super().__init__(params, defaults)
+
+    def _validate_group(self, group: Mapping[str, Any]) -> None:
+        owner = self.OWNER
+        check_lr(group["lr"], owner=owner)
+        check_momentum(group["momentum"], owner=owner)
+        check_dampening(group["dampening"], owner=owner)
+        check_weight_decay(group["weight_decay"], owner=owner)
+        check_eps(group["epsilon"], owner=owner, name="epsilon")
+        check_range(
+            "eeta",
+            group["eeta"],
+            low=0.0,
+            high=1.0,
+            low_open=True,
+            owner=owner,
+            hint="eeta is the LARS trust coefficient, typically 1e-3.",
+        )
+        check_bool("nesterov", group["nesterov"], owner=owner)
+        check_bool("lars", group["lars"], owner=owner)
+        if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
+            raise HyperParameterError(
+                f"{owner}: nesterov=True needs momentum > 0 and dampening == 0 (as torch.optim.SGD); got "
+                f"momentum={group['momentum']!r}, dampening={group['dampening']!r}."
+            )
+        if group["grad_clip"] is not None:
+            check_range(
+                "grad_clip",
+                group["grad_clip"],
+                low=0.0,
+                low_open=True,
+                owner=owner,
+                hint="Use None to disable the element-wise clamp.",
+            )
+        check_trust_clip(group["trust_clip"], owner=owner)
+
+    def _step(self) -> None:
+        exclude = self.exclude_from_adaptation
+        for group in self.param_groups:
+            params = self._params_with_grads(group)
+            if not params:
+                continue
+            by_key: dict[Any, list[torch.Tensor]] = {}
+            for p in params:
+                adapt = bool(group["lars"]) and not (exclude is not None and exclude(p))
+                by_key.setdefault((*bucket_key(p, p.grad), adapt), []).append(p)
+            for key, ps in by_key.items():
+                if group["foreach"] is False:
+                    for p in ps:
+                        self._update_bucket([p], group, key[-1])
+                else:
+                    self._update_bucket(ps, group, key[-1])
+
+    def _update_bucket(self, params: list[torch.Tensor], group: Mapping[str, Any], adapt: bool) -> None:
+        device, pdtype = params[0].device, params[0].dtype
+        mdtype = math_dtype_of(pdtype)
+        lr, mu, damp, nesterov = group["lr"], group["momentum"], group["dampening"], group["nesterov"]
+        wd = group["weight_decay"] if group["lars"] else 0.0  # ColossalAI: lars=False groups skip decay too
+        eeta, eps, clip, maximize = group["eeta"], group["epsilon"], group["grad_clip"], group["maximize"]
+        grads = [p.grad for p in params]
+        if any(not g.is_contiguous() for g in grads):
+            grads = [g.contiguous() for g in grads]
+        strided = any(not p.is_contiguous() for p in params)
+        targets = [p.contiguous() if strided else p for p in params]
+
+        ratio = None
+        if adapt:
+            w = torch.stack(torch._foreach_norm(targets, 2, dtype=mdtype))
+            n = torch.stack(torch._foreach_norm(grads, 2, dtype=mdtype))
+            ratio = torch.where((w > 0) & (n > 0), eeta * w / (n + wd * w + eps), torch.ones_like(w))
+            if group["trust_clip"] is not None:
+                low, high = group["trust_clip"]
+                if low is not None or high is not None:
+                    ratio = ratio.clamp(min=low, max=high)
+
+        first = []
+        bufs: list[torch.Tensor] = []
+        if mu != 0:
+            for p in params:
+                state = self.state[p]
+                first.append("momentum_buffer" not in state)
+                if first[-1]:
+                    state["momentum_buffer"] = torch.empty_like(
+                        p, dtype=mdtype, memory_format=torch.contiguous_format
+                    )
+                bufs.append(state["momentum_buffer"])
+
+        chunk = group["chunk_size"] or default_chunk_size(device)
+        waves = plan_waves([p.numel() for p in params], chunk, device)
+        whole = waves[0].owners is None
+        upcast_p = pdtype != mdtype
+        upcast_g = grads[0].dtype != mdtype
+        for wave in waves:
+            p_pieces = pieces_of(targets, wave, whole)
+            p32 = [x.to(mdtype) for x in p_pieces] if upcast_p else p_pieces
+            g_pieces = pieces_of(grads, wave, whole)
+            d = [x.to(mdtype) for x in g_pieces] if upcast_g else g_pieces
+            fresh = upcast_g  # never modify p.grad in place
+            if maximize:
+                if fresh:
+                    torch._foreach_neg_(d)
+                else:
+                    d = torch._foreach_neg(d)
+                fresh = True
+            if wd != 0:
+                if fresh:
+                    torch._foreach_add_(d, p32, alpha=wd)
+                else:
+                    d = torch._foreach_add(d, p32, alpha=wd)
+                fresh = True
+            if clip is not None:
+                if not fresh:
+                    d = [x.clone() for x in d]
+                torch._foreach_clamp_min_(d, -clip)
+                torch._foreach_clamp_max_(d, clip)
+            if mu != 0:
+                b_pieces = pieces_of(bufs, wave, whole)
+                new = [i for i, piece in enumerate(wave.pieces) if first[piece.index]]
+                old = [i for i, piece in enumerate(wave.pieces) if not first[piece.index]]
+                if new:
+                    torch._foreach_copy_([b_pieces[i] for i in new], [d[i] for i in new])
+                if old:
+                    b_old = [b_pieces[i] for i in old]
+                    torch._foreach_mul_(b_old, mu)
+                    torch._foreach_add_(b_old, [d[i] for i in old], alpha=1.0 - damp)
+                step = torch._foreach_add(d, b_pieces, alpha=mu) if nesterov else b_pieces
+            else:
+                step = d
+            if ratio is not None:
+                step = torch._foreach_mul(step, gather_pieces(ratio, wave))
+                torch._foreach_add_(p32, step, alpha=-lr)
+            else:
+                torch._foreach_add_(p32, step, alpha=-lr)
+            if upcast_p:
+                torch._foreach_copy_(p_pieces, p32)
+        if strided:
+            for p, t in zip(params, targets, strict=True):
+                p.copy_(t)

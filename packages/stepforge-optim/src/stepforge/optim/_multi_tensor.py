@@ -1,0 +1,129 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Multi-tensor plumbing shared by :class:`Lamb` and :class:`Lars`: buckets, cache-sized waves, segment sums.
+
+An update is run as a few *waves*. A wave is a list of *pieces*: 1-D views ``t.view(-1)[start:stop]`` of the
+bucket's tensors, and every element-wise step of the optimizer is one ``torch._foreach_*`` call over the wave.
+
+- On CUDA a bucket is one wave of whole tensors: one launch set per (device, dtype) bucket.
+- On CPU the bucket is cut into waves of about ``chunk_size`` elements (small tensors share a wave, large ones
+  are split): the element-wise passes of a wave run on data still in cache, and temporaries stay wave-sized
+  (a bucket-sized temporary costs more in page faults than the whole update). CPU updates are memory and
+  compute bound, so on CPU this matches a per-parameter loop rather than beating it; the multi-tensor gain is
+  the removal of per-tensor launches and host syncs on accelerators.
+
+Per-tensor reductions (parameter and update norms) are summed over a tensor's pieces with ``index_add_`` on
+the device: nothing here synchronises with the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "Piece",
+    "Wave",
+    "plan_waves",
+    "pieces_of",
+    "segment_norms",
+    "gather_pieces",
+    "default_chunk_size",
+    "bucket_key",
+]
+
+# 1 MiB of fp32 per array per wave: the arrays a wave touches stay in L2/L3, and each op is large enough
+# that OpenMP's per-op fork/join (costly on busy machines) stays small next to the work.
+_CPU_CHUNK = 1 << 18
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements ``[start, stop)`` of the flattened tensor number ``index`` of a bucket."""
+
+    index: int
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
+class Wave:
+    """One ``torch._foreach_*`` call's worth of pieces, and the bucket-tensor index of each piece."""
+
+    pieces: tuple[Piece, ...]
+    owners: torch.Tensor | None  # int64 (len(pieces),) on the bucket's device; None: whole tensors 0..n-1
+
+
+def default_chunk_size(device: torch.device) -> int | None:
+    """Elements per wave: ``None`` (whole bucket, one launch set) off-CPU, 262144 on CPU."""
+    return _CPU_CHUNK if device.type == "cpu" else None
+
+
+def bucket_key(param: torch.Tensor, grad: torch.Tensor) -> tuple[torch.device, torch.dtype, torch.dtype]:
+    """Tensors that can share one ``_foreach`` call: same device, same param dtype, same grad dtype."""
+    return (param.device, param.dtype, grad.dtype)
+
+
+def plan_waves(numels: Sequence[int], chunk_size: int | None, device: torch.device) -> list[Wave]:
+    """Cut tensors of ``numels`` elements into waves of at most ``chunk_size`` elements (``None``: one wave).
+
+    Tensors are never reordered, so results do not depend on the plan except through reduction order.
+    """
+
+    def finish(pieces: list[Piece]) -> Wave:
+        owners = torch.tensor([p.index for p in pieces], dtype=torch.int64, device=device)
+        return Wave(tuple(pieces), owners)
+
+    if chunk_size is None:
+        # Whole tensors in order: per-tensor results are the per-piece results, no index on the device needed.
+        return [Wave(tuple(Piece(i, 0, n) for i, n in enumerate(numels)), None)] if numels else []
+    waves: list[Wave] = []
+    current: list[Piece] = []
+    room = chunk_size
+    for index, numel in enumerate(numels):
+        start = 0
+        while start < numel:
+            take = min(room, numel - start)
+            current.append(Piece(index, start, start + take))
+            start += take
+            room -= take
+            if room == 0:
+                waves.append(finish(current))
+                current, room = [], chunk_size
+    if current:
+        waves.append(finish(current))
+    return waves
+
+
+def pieces_of(tensors: Sequence[torch.Tensor], wave: Wave, whole: bool) -> list[torch.Tensor]:
+    """The views of ``tensors`` that ``wave`` names (``whole``: the tensors themselves, the one-wave plan)."""
+    if whole:
+        return [tensors[p.index] for p in wave.pieces]
+    return [tensors[p.index].view(-1)[p.start : p.stop] for p in wave.pieces]
+
+
+def segment_norms(
+    piece_norms: Iterable[tuple[Wave, Sequence[torch.Tensor]]],
+    count: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Per-tensor L2 norms (shape ``(count,)``, ``dtype``) from the L2 norms of every piece of every wave."""
+    items = list(piece_norms)
+    if len(items) == 1 and items[0][0].owners is None:
+        return torch.stack([n.to(dtype) for n in items[0][1]])
+    total = torch.zeros(count, dtype=dtype, device=device)
+    for wave, norms in items:
+        squares = torch.stack([n.to(dtype) for n in norms]).square()
+        if wave.owners is None:
+            total.add_(squares)
+        else:
+            total.index_add_(0, wave.owners, squares)
+    return total.sqrt()
+
+
+def gather_pieces(values: torch.Tensor, wave: Wave) -> list[torch.Tensor]:
+    """``values[owner]`` for every piece of ``wave``, as 0-dim tensors (per-tensor factors for ``_foreach``)."""
+    picked = values if wave.owners is None else values.index_select(0, wave.owners)
+    return list(picked.unbind(0))
