@@ -136,7 +136,7 @@ def _ddp_optim_wrapper(rank, world, data, weighted: bool, guard_forward: bool):
     return model.module, buckets, per_window, weight_reduces, messages
 
 
-def _fsdp2(rank, world, data, ref):
+def _fsdp2(rank, world, data, ref, shard_root: bool = True):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -144,7 +144,8 @@ def _fsdp2(rank, world, data, ref):
     model = _model()
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    if shard_root:  # otherwise a plain root holds the sharded blocks: the adapter must find them
+        fully_shard(model, mesh=mesh)
     wrapper = OptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), accumulative_counts=K)
     per_window = []
     for window in data:
@@ -209,8 +210,8 @@ def _all_checks(rank: int, world: int) -> dict:
     out["ddp_misuse"] = (buckets, per_window, reduces, msgs)
 
     # FSDP2, weighted
-    per_window, unguarded = _fsdp2(rank, world, data_n, ref_n)
-    out["fsdp2"] = (per_window, unguarded)
+    out["fsdp2"] = _fsdp2(rank, world, data_n, ref_n)
+    out["fsdp2_plain_root"] = _fsdp2(rank, world, data_n, ref_n, shard_root=False)
 
     # ColossalAI API over DDP, weighted
     model, buckets, per_window = _colossal_ddp(rank, world, data_n)
@@ -238,8 +239,9 @@ def test_ddp_and_fsdp2_exact_and_one_collective_per_window(world: int) -> None:
         assert [len(w) for w in per_window] == [K * buckets] * WINDOWS
         assert len(msgs) == 1 and "DDP arms its gradient all-reduce in the forward" in msgs[0]
         # FSDP2: one reduce-scatter per FSDP parameter group (2 sharded Linear layers) per window
-        per_window, unguarded = out["fsdp2"]
-        assert per_window == [2] * WINDOWS
-        assert unguarded == 2 * K
+        for key in ("fsdp2", "fsdp2_plain_root"):
+            per_window, unguarded = out[key]
+            assert per_window == [2] * WINDOWS, key
+            assert unguarded == 2 * K, key
         buckets, per_window = out["colossal"]
         assert per_window == [buckets] * WINDOWS

@@ -163,17 +163,30 @@ class OptimWrapper:
         self._window.before_backward(w, self.optimizer)
         if w is not None:
             loss = loss * (w.to(loss.dtype) if isinstance(w, torch.Tensor) else w)
-        loss.backward(**kwargs)
+        self._run_backward(loss, **kwargs)
         self._window.after_backward(w)
 
     def step(self, **kwargs: Any) -> Any:
         """Normalise a weighted window, clip if configured, then ``optimizer.step(**kwargs)``."""
         self._window.finalize(self.optimizer)
         if self.clip_grad_kwargs is not None:
+            self._before_clip()
             self._clip_grad()
-        out = self.optimizer.step(**kwargs)
+        out = self._optimizer_step(**kwargs)
         self._window.close()
         return out
+
+    # Extension points for subclasses (an AMP wrapper: ``scaler.scale(loss).backward()``,
+    # ``scaler.unscale_(optimizer)`` before clipping, ``scaler.step`` + ``scaler.update``). Overriding these
+    # instead of backward/step keeps the counting, weighting and window bookkeeping in one place.
+    def _run_backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        loss.backward(**kwargs)
+
+    def _before_clip(self) -> None:
+        pass
+
+    def _optimizer_step(self, **kwargs: Any) -> Any:
+        return self.optimizer.step(**kwargs)
 
     def zero_grad(self, **kwargs: Any) -> None:
         """``optimizer.zero_grad(**kwargs)``."""
