@@ -167,7 +167,7 @@ def _fsdp2(rank, world, data, ref, shard_root: bool = True):
     return per_window, len(calls)
 
 
-def _colossal_ddp(rank, world, data):
+def _colossal_ddp(rank, world, data, ref):
     record: list = []
     model = _ddp(record)
     buckets = _buckets_per_step(model, record)
@@ -185,7 +185,17 @@ def _colossal_ddp(rank, world, data):
         optim.step()
         if i % K == K - 1:
             per_window.append(len(record))
-    return model.module, buckets, per_window
+    _check_close(model.module, ref, "ColossalAI API DDP weighted")
+    # misuse: ColossalAI's own pattern, forward outside and only the backward wrapped
+    record.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", AccumulationWarning)
+        for x, y in batches[:K]:
+            optim.zero_grad()
+            optim.backward(_mse(model, x, y), weight=len(x))
+            optim.step()
+    msgs = [str(w.message) for w in caught if issubclass(w.category, AccumulationWarning)]
+    return buckets, per_window, len(record), msgs
 
 
 def _all_checks(rank: int, world: int) -> dict:
@@ -214,9 +224,7 @@ def _all_checks(rank: int, world: int) -> dict:
     out["fsdp2_plain_root"] = _fsdp2(rank, world, data_n, ref_n, shard_root=False)
 
     # ColossalAI API over DDP, weighted
-    model, buckets, per_window = _colossal_ddp(rank, world, data_n)
-    _check_close(model, ref_n, "ColossalAI API DDP weighted")
-    out["colossal"] = (buckets, per_window)
+    out["colossal"] = _colossal_ddp(rank, world, data_n, ref_n)
     return out
 
 
@@ -243,5 +251,7 @@ def test_ddp_and_fsdp2_exact_and_one_collective_per_window(world: int) -> None:
             per_window, unguarded = out[key]
             assert per_window == [2] * WINDOWS, key
             assert unguarded == 2 * K, key
-        buckets, per_window = out["colossal"]
+        buckets, per_window, misuse_calls, msgs = out["colossal"]
         assert per_window == [buckets] * WINDOWS
+        assert misuse_calls == K * buckets
+        assert len(msgs) == 1 and "wrapping only the backward does not help" in msgs[0]
