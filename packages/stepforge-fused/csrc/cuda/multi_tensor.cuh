@@ -52,9 +52,10 @@ __device__ __forceinline__ float from_float<float>(float x) {
 }
 template <>
 __device__ __forceinline__ __half from_float<__half>(float x) {
-  return __float2half_rn(x);
+  return __ushort_as_half(::stepforge::float_to_half_bits(x));
 }
-// Through the shared header so NaN becomes torch's canonical 0x7FC0 exactly as on the CPU.
+// Rounding through the shared header (stepforge/common.h), so the CPU and CUDA modules store identical bits,
+// NaN payloads included (bf16 NaN -> torch's canonical 0x7FC0).
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
   return __ushort_as_bfloat16(::stepforge::float_to_bf16_bits(x));
