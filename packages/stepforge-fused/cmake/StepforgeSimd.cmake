@@ -13,7 +13,7 @@ function(stepforge_warnings target)
   endif()
 endfunction()
 
-set(_sf_common_flags -O3 -ffp-contract=off -fno-math-errno -fno-trapping-math)
+set(_sf_common_flags -O3 -ffp-contract=off -fno-math-errno -fno-trapping-math -fno-strict-aliasing -fopenmp-simd)
 
 if(STEPFORGE_OPENMP)
   find_package(OpenMP COMPONENTS CXX)

@@ -25,12 +25,12 @@ struct AdamConsts {
   float beta2;        // beta2
   float one_minus_b2; // 1 - beta2
   float wd;           // weight decay (L2 mode)
-  float decay;        // 1 - lr*wd (AdamW mode)
+  float decay;        // 1 - lr*wd in AdamW mode with wd != 0, else exactly 1
   float neg_step;     // -(lr / bc1)
   float bc2_sqrt;     // sqrt(1 - beta2^t) (1 without bias correction)
   float eps;
   float inv_div;      // unused by the bit-exact path; kept for kernels that multiply
-  float div;          // grad divisor (1: none)
+  float div;          // grad divisor (exactly 1: none)
   bool has_div;
   bool l2;            // Adam (L2) decay
   bool decoupled;     // AdamW decay
@@ -51,7 +51,7 @@ STEPFORGE_HOST_DEVICE AdamConsts make_adam_consts(double lr, double beta1, doubl
   c.beta2 = float(beta2);
   c.one_minus_b2 = float(1.0 - beta2);
   c.wd = float(wd);
-  c.decay = float(1.0 - lr * wd);
+  c.decay = (adamw_mode && wd != 0.0) ? float(1.0 - lr * wd) : 1.0f;
   c.neg_step = float(-(lr / bc1));
   c.bc2_sqrt = float(std::sqrt(bc2));
   c.eps = float(eps);
@@ -65,9 +65,12 @@ STEPFORGE_HOST_DEVICE AdamConsts make_adam_consts(double lr, double beta1, doubl
 
 // One element. p is the float32 value being updated (the master when master weights are used).
 STEPFORGE_HOST_DEVICE void adam_update(float& p, float& m, float& v, float g, const AdamConsts& c) {
-  if (c.has_div) g = g / c.div;
-  if (c.l2) g = fmaf(p, c.wd, g);
-  if (c.decoupled) p = p * c.decay;
+  // Branch-free where exact: x / 1 and x * 1 are exact for every x (NaN and inf included), so div == 1 and
+  // decay == 1 encode "off" (GCC does not vectorise the loop with three selects here). The L2 term stays a
+  // select: fma(p, 0, g) would turn an inf/NaN param into a NaN grad.
+  g = g / c.div;
+  g = c.l2 ? fmaf(p, c.wd, g) : g;
+  p = p * c.decay;
   float diff = g - m;
   m = fmaf(c.lerp_w, diff, c.lerp_small ? m : g);
   v = fmaf(c.one_minus_b2 * g, g, v * c.beta2);

@@ -54,7 +54,7 @@ STEPFORGE_HOST_DEVICE float bf16_bits_to_float(uint16_t h) { return bits_as_floa
 // float -> bfloat16, round to nearest even; every NaN becomes the canonical quiet NaN 0x7FC0 (as torch does).
 STEPFORGE_HOST_DEVICE uint16_t float_to_bf16_bits(float f) {
   uint32_t u = float_as_bits(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t(0x7fc0u | ((u >> 16) & 0x8000u));
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t(0x7fc0u);
   uint32_t lsb = (u >> 16) & 1u;
   return uint16_t((u + 0x7fffu + lsb) >> 16);
 }

@@ -1,0 +1,53 @@
+// SPDX-License-Identifier: Apache-2.0
+// stepforge.fused._cpu: CPU kernels (register_cpu_kernels.cpp) plus ISA selection and threading controls.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <stdexcept>
+
+#include "cpu/dispatch.h"
+#include "stepforge/common.h"
+
+namespace py = pybind11;
+
+namespace stepforge::bindings {
+void register_cpu_kernels(py::module_& m);
+}
+
+PYBIND11_MODULE(_cpu, m, py::mod_gil_not_used()) {
+  namespace cpu = stepforge::cpu;
+  m.doc() = "stepforge-fused CPU kernels (multi-tensor, raw pointers; contract in csrc/README.md)";
+  m.attr("DTYPE_FLOAT32") = int(stepforge::kFloat32);
+  m.attr("DTYPE_FLOAT16") = int(stepforge::kFloat16);
+  m.attr("DTYPE_BFLOAT16") = int(stepforge::kBFloat16);
+
+  m.def(
+      "cpu_features",
+      [] {
+        py::dict d;
+        d["isa"] = cpu::active_isa();
+        d["supported"] = cpu::supported_isas();
+        d["compiled"] = cpu::compiled_isas();
+        std::string env = cpu::env_isa();
+        d["forced_by_env"] = env.empty() ? py::object(py::none()) : py::object(py::str(env));
+        d["openmp"] = cpu::has_openmp();
+        d["max_threads"] = cpu::max_threads();
+        d["num_threads"] = cpu::default_threads();
+        py::dict flags;
+        for (const char* f : {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512bf16"})
+          flags[f] = cpu::cpu_has(f);
+        d["cpu_flags"] = flags;
+        return d;
+      },
+      "The chosen ISA path, the paths this CPU supports, and the threading setup.");
+  m.def(
+      "set_isa", [](const std::string& name) { cpu::set_isa(name); }, py::arg("name"),
+      "Switch the kernel path at call time ('scalar', 'avx2', 'avx512' or 'auto'); ValueError if unsupported.");
+  m.def("get_isa", &cpu::active_isa, "Name of the active kernel path.");
+  m.def(
+      "set_num_threads", [](int n) { cpu::set_default_threads(n); }, py::arg("n"),
+      "Default OpenMP thread count for calls that pass ctx <= 0 (n <= 0: the OpenMP default).");
+  m.def("get_num_threads", &cpu::default_threads, "Default OpenMP thread count.");
+
+  stepforge::bindings::register_cpu_kernels(m);
+}

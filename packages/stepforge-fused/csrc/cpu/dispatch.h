@@ -1,0 +1,50 @@
+// SPDX-License-Identifier: Apache-2.0
+// ISA selection and the host side of every CPU kernel: argument validation, per-tensor constants (bias
+// corrections in double), offsets, the found_inf protocol, then one call into the active ISA's kernel table.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace stepforge::cpu {
+
+// A read-only int64 array (pointer list, sizes, steps); data == nullptr means "absent" (Python None).
+struct I64 {
+  const int64_t* data = nullptr;
+  int64_t size = 0;
+  bool present() const { return data != nullptr || size > 0; }
+};
+
+// ISA selection.
+std::string active_isa();
+std::vector<std::string> supported_isas();
+std::vector<std::string> compiled_isas();
+void set_isa(const std::string& name);  // throws std::invalid_argument
+std::string env_isa();                   // value of STEPFORGE_CPU_ISA at import ("" if unset)
+bool has_openmp();
+int max_threads();
+int default_threads();
+void set_default_threads(int n);
+bool cpu_has(const char* feature);
+
+bool adam(I64 params, I64 grads, I64 exp_avgs, I64 exp_avg_sqs, I64 masters, I64 sizes, I64 steps,
+          int param_dtype, int grad_dtype, double lr, double beta1, double beta2, double eps, double weight_decay,
+          bool adamw_mode, bool bias_correction, double grad_divisor, int64_t found_inf_ptr, bool check_finite,
+          int ctx);
+
+bool sgd(I64 params, I64 grads, I64 momentum_buffers, I64 masters, I64 sizes, I64 first_run, int param_dtype,
+         int grad_dtype, double lr, double momentum, double dampening, double weight_decay, bool nesterov,
+         bool wd_after_momentum, double grad_divisor, int64_t found_inf_ptr, bool check_finite, int ctx);
+
+bool lamb(I64 params, I64 grads, I64 exp_avgs, I64 exp_avg_sqs, I64 masters, I64 sizes, I64 steps,
+          int param_dtype, int grad_dtype, double lr, double beta1, double beta2, double eps, double weight_decay,
+          bool adam_w_mode, bool bias_correction, bool grad_averaging, bool use_nvlamb, double trust_clip_min,
+          double trust_clip_max, double grad_divisor, int64_t found_inf_ptr, bool check_finite, int ctx);
+
+double l2norm(I64 ptrs, I64 sizes, int dtype, int64_t per_tensor_out_ptr, int ctx);
+
+bool scale(I64 src, I64 dst, I64 sizes, int src_dtype, int dst_dtype, double scale, int64_t found_inf_ptr,
+           int ctx);
+
+}  // namespace stepforge::cpu

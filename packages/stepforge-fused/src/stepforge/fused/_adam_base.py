@@ -1,0 +1,73 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Adam launch shared by FusedAdam, CPUAdam and HybridAdam (state layout of ``torch.optim.AdamW``)."""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+from . import _backend
+from ._base import Bucket, FusedOptimizerBase
+
+__all__ = ["AdamBase"]
+
+
+class AdamBase(FusedOptimizerBase):
+    """Adam/AdamW over the ``adam`` kernel; groups hold ``lr, bias_correction, betas, eps, weight_decay,
+    adamw_mode``. State per parameter: ``step`` (0-dim float32), ``exp_avg``, ``exp_avg_sq`` (float32), and
+    ``master_param`` with ``master_weights=True`` for fp16/bf16 params."""
+
+    def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
+        return ("exp_avg", "exp_avg_sq")
+
+    def _torch_group_keys(self, group: dict[str, Any]) -> dict[str, Any]:
+        # torch.optim.Adam/AdamW read these; `fused=True` keeps the bit-identical torch path after a load.
+        return {
+            "amsgrad": False,
+            "maximize": False,
+            "foreach": None,
+            "capturable": False,
+            "differentiable": False,
+            "fused": True,
+            "decoupled_weight_decay": bool(group["adamw_mode"]),
+        }
+
+    def _check_loaded_group(self, group: dict[str, Any]) -> None:
+        super()._check_loaded_group(group)
+        if "decoupled_weight_decay" in group and "adamw_mode" in group:
+            # A torch.optim checkpoint says which decay it used; keep its semantics.
+            group["adamw_mode"] = bool(group["decoupled_weight_decay"])
+
+    def _launch(
+        self,
+        module: ModuleType,
+        bucket: Bucket,
+        group: dict[str, Any],
+        divisor: float,
+        found_inf_ptr: int,
+        check_finite: bool,
+        ctx: int,
+    ) -> bool | None:
+        beta1, beta2 = group["betas"]
+        return module.adam(
+            bucket.ptrs["params"],
+            bucket.ptrs["grads"],
+            bucket.ptrs["exp_avg"],
+            bucket.ptrs["exp_avg_sq"],
+            bucket.ptrs.get("masters"),
+            bucket.sizes,
+            bucket.prepare_steps(),
+            _backend.DTYPE_CODES[bucket.param_dtype],
+            _backend.DTYPE_CODES[bucket.grad_dtype],
+            float(group["lr"]),
+            float(beta1),
+            float(beta2),
+            float(group["eps"]),
+            float(group["weight_decay"]),
+            bool(group["adamw_mode"]),
+            bool(group["bias_correction"]),
+            divisor,
+            found_inf_ptr,
+            check_finite,
+            ctx,
+        )

@@ -1,0 +1,401 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The machinery every fused optimizer shares: bucketing, cached pointer arrays, steps, master weights.
+
+A param group is split into buckets keyed by ``(device, param dtype, grad dtype, master weights)``; each bucket
+holds the pointer arrays the kernels take (``array.array('q')``, read without copying by the extension), the
+sizes and a flat float32 tensor of per-parameter step counts whose elements *are* ``state[p]["step"]`` (0-dim
+views), so one in-place add advances every step of the bucket. The arrays are rebuilt only when the set of
+gradients changes: each step compares ``p.grad`` objects with the cached ones by identity, which catches
+gradients re-allocated by backward after ``zero_grad(set_to_none=True)`` and gradients assigned by hand.
+Swapping storage under an existing tensor (``p.data = ...``, ``p.grad.data = ...``) is not detected: call
+:meth:`FusedOptimizerBase.invalidate_cache` after doing that.
+"""
+
+from __future__ import annotations
+
+import array
+import math
+import operator
+from collections.abc import Callable, Iterable
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from stepforge.core import HyperParameterError
+
+from . import _backend
+
+__all__ = ["FusedOptimizerBase", "Bucket"]
+
+_is = operator.is_
+
+
+def _i64(values: Iterable[int]) -> array.array:
+    return array.array("q", values)
+
+
+class Bucket:
+    """Tensors of one param group sharing ``(device, param dtype, grad dtype, masters)``.
+
+    Attributes:
+        params: the parameters (leaf tensors), in group order.
+        ptrs: pointer arrays by role (``"params"``, ``"grads"``, state keys, ``"masters"``).
+        sizes: element counts (int64).
+        steps: flat float32 tensor ``(n,)``; ``state[p]["step"]`` is ``steps[i]``.
+        steps_arg: int64 array the kernel reads (``steps + 1`` at launch).
+        first_run: int64 flags (SGD: buffer initialised from the grad on this step).
+    """
+
+    __slots__ = (
+        "_first_run_t",
+        "_steps_arg_t",
+        "device",
+        "first_run",
+        "grad_dtype",
+        "master",
+        "numel",
+        "param_dtype",
+        "params",
+        "ptrs",
+        "sizes",
+        "steps",
+        "steps_arg",
+    )
+
+    def __init__(self, device: torch.device, param_dtype: torch.dtype, grad_dtype: torch.dtype, master: bool):
+        self.device = device
+        self.param_dtype = param_dtype
+        self.grad_dtype = grad_dtype
+        self.master = master
+        self.params: list[torch.Tensor] = []
+        self.ptrs: dict[str, array.array] = {}
+        self.sizes = _i64(())
+        self.steps = torch.zeros(0)
+        self.steps_arg = _i64(())
+        self._steps_arg_t: torch.Tensor | None = None
+        self.first_run = _i64(())
+        self._first_run_t: torch.Tensor | None = None
+        self.numel = 0
+
+    def prepare_steps(self) -> array.array:
+        """Fill ``steps_arg`` with ``state step + 1`` (the step being taken) in two tensor ops."""
+        if self._steps_arg_t is not None:
+            self._steps_arg_t.copy_(self.steps)
+            self._steps_arg_t.add_(1)
+        return self.steps_arg
+
+    def clear_first_run(self) -> None:
+        if self._first_run_t is not None:
+            self._first_run_t.zero_()
+
+
+class _GroupCache:
+    __slots__ = ("buckets", "grads", "params")
+
+    def __init__(self, params: list[torch.Tensor], grads: list[Any], buckets: list[Bucket]):
+        self.params = params
+        self.grads = grads
+        self.buckets = buckets
+
+
+class FusedOptimizerBase(torch.optim.Optimizer):
+    """Base class of the stepforge fused optimizers (not public API).
+
+    Subclasses define ``_owner`` (class name for messages), ``_state_keys(group)`` (float32 state tensors
+    shaped like the param), ``_launch(module, bucket, group, divisor, found_inf_ptr, check_finite, ctx)``, and may
+    override ``_pre_step(buckets_by_group, divisor, ctx)`` (LAMB's global norm).
+    """
+
+    _owner = "FusedOptimizer"
+    # False for SGD: torch.optim.SGD keeps no per-parameter step.
+    _uses_steps = True
+    # GradScaler calls step() without unscaling and sets `grad_scale` / `found_inf` on the optimizer instead.
+    _step_supports_amp_scaling = True
+
+    def __init__(
+        self,
+        params: Any,
+        defaults: dict[str, Any],
+        *,
+        master_weights: bool = False,
+        skip_nonfinite: bool | None = None,
+    ):
+        if not isinstance(master_weights, bool):
+            raise HyperParameterError(f"{self._owner}: master_weights must be a bool, got {master_weights!r}")
+        if skip_nonfinite is not None and not isinstance(skip_nonfinite, bool):
+            raise HyperParameterError(
+                f"{self._owner}: skip_nonfinite must be a bool or None, got {skip_nonfinite!r}"
+            )
+        self.master_weights = master_weights
+        self.skip_nonfinite = skip_nonfinite
+        self.last_step_skipped = False
+        self.skipped_steps = 0
+        self._cache: dict[int, _GroupCache] = {}
+        super().__init__(params, defaults)
+
+    # ---- torch.optim plumbing --------------------------------------------------------------------------
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("_cache", {})
+        self.__dict__.setdefault("master_weights", False)
+        self.__dict__.setdefault("skip_nonfinite", None)
+        self.__dict__.setdefault("last_step_skipped", False)
+        self.__dict__.setdefault("skipped_steps", 0)
+
+    def invalidate_cache(self) -> None:
+        """Forget the cached pointer arrays (needed only after swapping storage under a param or grad)."""
+        self._cache.clear()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        if hasattr(self, "_cache"):
+            self._cache.clear()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict of this class or of ``torch.optim.AdamW``/``Adam``/``SGD`` (same state layout).
+
+        Group options missing from ``state_dict`` (e.g. ``bias_correction`` in a torch checkpoint) keep this
+        optimizer's current values, so a torch checkpoint never raises ``KeyError`` (apex #577).
+        """
+        own = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        super().load_state_dict(state_dict)
+        for old, group in zip(own, self.param_groups, strict=True):
+            for key, value in old.items():
+                group.setdefault(key, value)
+            self._check_loaded_group(group)
+        self._cache.clear()
+
+    def _check_loaded_group(self, group: dict[str, Any]) -> None:
+        if group.get("amsgrad", False):
+            raise HyperParameterError(
+                f"{self._owner}: the loaded state uses amsgrad=True, which is not supported."
+            )
+        if group.get("maximize", False):
+            raise HyperParameterError(
+                f"{self._owner}: the loaded state uses maximize=True, which is not supported."
+            )
+
+    def _torch_group_keys(self, group: dict[str, Any]) -> dict[str, Any]:
+        """Extra keys written into state_dict() groups so torch.optim loads them with the same semantics."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = super().state_dict()
+        for saved, group in zip(sd["param_groups"], self.param_groups, strict=True):
+            for key, value in self._torch_group_keys(group).items():
+                saved.setdefault(key, value)
+        return sd
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+
+    # ---- hooks for subclasses --------------------------------------------------------------------------
+    def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
+        raise NotImplementedError
+
+    def _launch(
+        self,
+        module: ModuleType,
+        bucket: Bucket,
+        group: dict[str, Any],
+        divisor: float,
+        found_inf_ptr: int,
+        check_finite: bool,
+        ctx: int,
+    ) -> bool | None:
+        raise NotImplementedError
+
+    def _pre_step(self, plans: list[tuple[dict[str, Any], list[Bucket]]], divisor: float) -> float:
+        """Adjust the grad divisor before any update (LAMB: global grad-norm clip). Returns the divisor."""
+        return divisor
+
+    # ---- bucket building ---------------------------------------------------------------------------------
+    def _group_buckets(self, index: int, group: dict[str, Any]) -> list[Bucket]:
+        params = group["params"]
+        grads = [p.grad for p in params]
+        cached = self._cache.get(index)
+        if (
+            cached is not None
+            and cached.params is params
+            and len(cached.grads) == len(grads)
+            and all(map(_is, grads, cached.grads))
+        ):
+            return cached.buckets
+        buckets = self._build_buckets(group, params, grads)
+        self._cache[index] = _GroupCache(params, grads, buckets)
+        return buckets
+
+    def _validate_pair(self, p: torch.Tensor, g: torch.Tensor, index: int) -> None:
+        owner = self._owner
+        where = f"parameter #{index} (shape {tuple(p.shape)}, {p.dtype}, {p.device})"
+        if g.is_sparse or p.is_sparse:
+            raise RuntimeError(
+                f"{owner}: {where} has a sparse gradient; the fused kernels need dense gradients."
+            )
+        if g.device != p.device:
+            raise RuntimeError(
+                f"{owner}: {where} has its gradient on {g.device}; a parameter and its gradient must share a "
+                "device (move the gradient, or the parameter)."
+            )
+        if g.shape != p.shape:
+            raise RuntimeError(
+                f"{owner}: {where} has a gradient of shape {tuple(g.shape)}; shapes must match."
+            )
+        if not p.is_contiguous():
+            raise RuntimeError(
+                f"{owner}: {where} is not contiguous; the kernels update memory in place and a copy would be "
+                "silently lost. Make the parameter contiguous before creating the optimizer."
+            )
+        if not g.is_contiguous():
+            raise RuntimeError(
+                f"{owner}: the gradient of {where} is not contiguous (strides {g.stride()}); pass contiguous "
+                "gradients (e.g. p.grad = p.grad.contiguous())."
+            )
+        if p.device.type not in ("cpu", "cuda"):
+            raise RuntimeError(f"{owner}: {where} is on {p.device}; only CPU and CUDA tensors are supported.")
+        _backend.dtype_code(p.dtype, what=where, owner=owner)
+        _backend.dtype_code(g.dtype, what=f"the gradient of {where}", owner=owner)
+
+    def _init_state(self, p: torch.Tensor, group: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        """Create (or normalise a loaded) state for ``p``; returns (state, created_momentum_now)."""
+        state = self.state[p]
+        fresh = False
+        if self._uses_steps and "step" not in state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        for key in self._state_keys(group):
+            buf = state.get(key)
+            if buf is None:
+                state[key] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+                fresh = True
+            elif buf.dtype != torch.float32 or buf.device != p.device or not buf.is_contiguous():
+                # A torch checkpoint of fp16/bf16 params keeps low-precision moments: widen them (exact).
+                state[key] = buf.to(device=p.device, dtype=torch.float32).contiguous()
+            if state[key].shape != p.shape:
+                raise RuntimeError(
+                    f"{self._owner}: state['{key}'] has shape {tuple(state[key].shape)} but its parameter has "
+                    f"shape {tuple(p.shape)}; the loaded state does not belong to these parameters."
+                )
+        if self.master_weights and p.dtype != torch.float32:
+            w = state.get("master_param")
+            if w is None or w.shape != p.shape:
+                state["master_param"] = p.detach().to(torch.float32).contiguous()
+            elif w.dtype != torch.float32 or w.device != p.device:
+                state["master_param"] = w.to(device=p.device, dtype=torch.float32).contiguous()
+        return state, fresh
+
+    def _build_buckets(
+        self, group: dict[str, Any], params: list[torch.Tensor], grads: list[Any]
+    ) -> list[Bucket]:
+        keys = self._state_keys(group)
+        by_key: dict[tuple[Any, ...], Bucket] = {}
+        staged: dict[tuple[Any, ...], list[tuple[torch.Tensor, torch.Tensor, dict[str, Any], bool]]] = {}
+        for i, (p, g) in enumerate(zip(params, grads, strict=True)):
+            if g is None:
+                continue
+            self._validate_pair(p, g, i)
+            state, fresh = self._init_state(p, group)
+            master = self.master_weights and p.dtype != torch.float32
+            key = (p.device, p.dtype, g.dtype, master)
+            if key not in by_key:
+                by_key[key] = Bucket(p.device, p.dtype, g.dtype, master)
+                staged[key] = []
+            staged[key].append((p, g, state, fresh))
+        buckets = []
+        for key, bucket in by_key.items():
+            entries = staged[key]
+            bucket.params = [e[0] for e in entries]
+            bucket.ptrs["params"] = _i64(e[0].data_ptr() for e in entries)
+            bucket.ptrs["grads"] = _i64(e[1].data_ptr() for e in entries)
+            for name in keys:
+                bucket.ptrs[name] = _i64(e[2][name].data_ptr() for e in entries)
+            if bucket.master:
+                bucket.ptrs["masters"] = _i64(e[2]["master_param"].data_ptr() for e in entries)
+            bucket.sizes = _i64(e[0].numel() for e in entries)
+            bucket.numel = sum(bucket.sizes)
+            n = len(entries)
+            if self._uses_steps:
+                steps = torch.tensor([float(e[2]["step"]) for e in entries], dtype=torch.float32)
+                for j, e in enumerate(entries):
+                    e[2]["step"] = steps[j]  # 0-dim view: one in-place add advances every step of the bucket
+            else:
+                steps = torch.zeros(n, dtype=torch.float32)
+            bucket.steps = steps
+            bucket.steps_arg = _i64([0] * n)
+            bucket.first_run = _i64(int(e[3]) for e in entries)
+            if n:
+                bucket._steps_arg_t = torch.frombuffer(bucket.steps_arg, dtype=torch.int64)
+                bucket._first_run_t = torch.frombuffer(bucket.first_run, dtype=torch.int64)
+            buckets.append(bucket)
+        return buckets
+
+    # ---- step ----------------------------------------------------------------------------------------------
+    def _grad_divisor(self, div_scale: float) -> tuple[float, torch.Tensor | None]:
+        divisor = 1.0
+        if div_scale is not None and div_scale > 0:
+            divisor = float(div_scale)
+        grad_scale = getattr(self, "grad_scale", None)
+        if grad_scale is not None:
+            divisor *= float(grad_scale)
+        found_inf = getattr(self, "found_inf", None)
+        return divisor, found_inf
+
+    @staticmethod
+    def _ctx(module: ModuleType, device: torch.device) -> int:
+        if device.type == "cpu":
+            return _backend.get_num_threads()
+        return int(torch.cuda.current_stream(device).cuda_stream)
+
+    @torch.no_grad()
+    def _fused_step(self, closure: Callable[[], Any] | None, div_scale: float = -1) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        divisor, found_inf = self._grad_divisor(div_scale)
+        self.last_step_skipped = False
+        if found_inf is not None and float(found_inf) != 0.0:
+            self.last_step_skipped = True
+            self.skipped_steps += 1
+            return loss
+        plans = [(group, self._group_buckets(i, group)) for i, group in enumerate(self.param_groups)]
+        buckets = [(group, b) for group, bs in plans for b in bs if b.numel > 0 or b.params]
+        if not buckets:
+            return loss
+        check = self.skip_nonfinite if self.skip_nonfinite is not None else self.master_weights
+        if not math.isfinite(divisor) or divisor <= 0:
+            raise HyperParameterError(
+                f"{self._owner}: the gradient divisor must be positive and finite, got {divisor}"
+            )
+        # The whole step is skipped on a non-finite grad: with several buckets, check all of them first.
+        pre_checked = False
+        if check and len(buckets) > 1:
+            for _group, b in buckets:
+                module = _backend.module_for(b.device)
+                norm = module.l2norm(
+                    b.ptrs["grads"],
+                    b.sizes,
+                    _backend.DTYPE_CODES[b.grad_dtype],
+                    0,
+                    self._ctx(module, b.device),
+                )
+                if not math.isfinite(norm / divisor):
+                    self.last_step_skipped = True
+                    self.skipped_steps += 1
+                    return loss
+            pre_checked = True
+        divisor = self._pre_step(plans, divisor)
+        for group, b in buckets:
+            module = _backend.module_for(b.device)
+            skipped = self._launch(
+                module, b, group, divisor, 0, check and not pre_checked, self._ctx(module, b.device)
+            )
+            if skipped:
+                # Only possible on the first (single) bucket: nothing has been written yet.
+                self.last_step_skipped = True
+                self.skipped_steps += 1
+                return loss
+            if self._uses_steps:
+                b.steps.add_(1)
+            b.clear_first_run()
+        return loss

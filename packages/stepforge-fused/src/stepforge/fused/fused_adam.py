@@ -1,0 +1,98 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``FusedAdam``: multi-tensor Adam/AdamW with ColossalAI's signature, on CPU and CUDA tensors."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from ._adam_base import AdamBase
+from ._validate import check_adam_like, reject_legacy_step_args
+
+__all__ = ["FusedAdam"]
+
+
+class FusedAdam(AdamBase):
+    """Adam / AdamW in one multi-tensor kernel per (device, dtype) bucket.
+
+    Math (per parameter, ``t`` its own step; torch's fused AdamW operation order, bit-identical to
+    ``torch.optim.AdamW(fused=True)`` for float32 on CPU)::
+
+        g = g / div_scale                      (div_scale > 0, and GradScaler's scale when used with it)
+        adamw_mode: p = p * (1 - lr*wd)        else: g = g + wd*p
+        m = lerp(m, g, 1-beta1) ;  v = beta2*v + (1-beta2)*g*g
+        p = p - lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps)     (bc = 1 - beta**t; 1 without bias_correction)
+
+    Args:
+        params: parameters or param-group dicts (CPU or CUDA; float32, float16 or bfloat16; contiguous).
+        lr: learning rate. bias_correction: use ``bc1``/``bc2``. betas: ``(beta1, beta2)``. eps: denominator term.
+        adamw_mode: decoupled decay (AdamW) instead of L2 on the gradient. weight_decay: decay coefficient.
+        amsgrad: must be False (raises otherwise). set_grad_none: ``zero_grad()`` default sets grads to None.
+        master_weights: keep float32 masters for fp16/bf16 params (``state["master_param"]``); the kernel
+            updates the master and writes the rounded param copy in the same pass.
+        skip_nonfinite: skip the whole step when a (divided) grad holds inf/NaN; ``None`` = on with
+            ``master_weights``. Skips are reported in ``last_step_skipped`` / ``skipped_steps``.
+
+    State per parameter equals ``torch.optim.AdamW``'s: ``step`` (0-dim float32), ``exp_avg``, ``exp_avg_sq``
+    (float32, shaped like the param), so checkpoints load both ways.
+    """
+
+    _owner = "FusedAdam"
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        adamw_mode: bool = True,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        set_grad_none: bool = True,
+        *,
+        master_weights: bool = False,
+        skip_nonfinite: bool | None = None,
+    ) -> None:
+        check_adam_like(
+            self._owner,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            flags={
+                "bias_correction": bias_correction,
+                "adamw_mode": adamw_mode,
+                "set_grad_none": set_grad_none,
+            },
+        )
+        self.set_grad_none = set_grad_none
+        defaults = dict(
+            lr=lr,
+            bias_correction=bias_correction,
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            adamw_mode=adamw_mode,
+        )
+        super().__init__(params, defaults, master_weights=master_weights, skip_nonfinite=skip_nonfinite)
+
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        """Clear grads; ``set_to_none=None`` follows the constructor's ``set_grad_none``."""
+        super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
+
+    def step(
+        self,
+        closure: Callable[[], Any] | None = None,
+        grads: Any = None,
+        output_params: Any = None,
+        scale: Any = None,
+        grad_norms: Any = None,
+        div_scale: float = -1,
+    ) -> Any:
+        """One optimizer step; ``div_scale > 0`` divides every grad first (ColossalAI semantics)."""
+        reject_legacy_step_args(
+            self._owner, grads=grads, output_params=output_params, scale=scale, grad_norms=grad_norms
+        )
+        return self._fused_step(closure, div_scale)

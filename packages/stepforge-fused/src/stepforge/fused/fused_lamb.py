@@ -1,0 +1,189 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``FusedLAMB``: multi-tensor LAMB with apex/ColossalAI's signature and math, on CPU and CUDA tensors."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from types import ModuleType
+from typing import Any
+
+from stepforge.core import HyperParameterError, check_range
+
+from . import _backend
+from ._adam_base import AdamBase
+from ._base import Bucket
+from ._validate import check_adam_like
+
+__all__ = ["FusedLAMB"]
+
+
+class FusedLAMB(AdamBase):
+    """LAMB (You et al., 2019) with apex ``FusedLAMB`` semantics, never overwriting ``p.grad``.
+
+    Per step: the global grad norm over all groups ``N``; ``c = max(1, N/max_grad_norm)`` (no clip when
+    ``max_grad_norm`` is 0); then per parameter (``t`` its own step)::
+
+        g = g / (div_scale * c) ;  L2 mode: g = g + wd*p
+        m = beta1*m + beta3*g  (beta3 = 1-beta1, or 1 without grad_averaging) ;  v = beta2*v + (1-beta2)*g*g
+        u = (m/bc1) / (sqrt(v/bc2) + eps) ;  adam_w_mode: u = u + wd*p
+        r = ||p|| / ||u|| if (wd != 0 or use_nvlamb) and both != 0 else 1 ;  r = clamp(r, *trust_clip)
+        p = p - lr * r * u
+
+    This is ``stepforge.optim.Lamb.fused_lamb(...)`` (bias_correction_mode="update"), fused.
+
+    Args:
+        params, lr, bias_correction, betas, eps, weight_decay, amsgrad (must be False), adam_w_mode,
+        grad_averaging, set_grad_none, max_grad_norm, use_nvlamb: apex/ColossalAI ``FusedLAMB``.
+        trust_clip: ``(low, high)`` clamp of the trust ratio (either may be None), or None.
+        master_weights, skip_nonfinite: as in :class:`~stepforge.fused.FusedAdam`.
+    """
+
+    _owner = "FusedLAMB"
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.01,
+        amsgrad: bool = False,
+        adam_w_mode: bool = True,
+        grad_averaging: bool = True,
+        set_grad_none: bool = True,
+        max_grad_norm: float = 1.0,
+        use_nvlamb: bool = False,
+        *,
+        trust_clip: tuple[float | None, float | None] | None = None,
+        master_weights: bool = False,
+        skip_nonfinite: bool | None = None,
+    ) -> None:
+        check_adam_like(
+            self._owner,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            flags={
+                "bias_correction": bias_correction,
+                "adam_w_mode": adam_w_mode,
+                "grad_averaging": grad_averaging,
+                "set_grad_none": set_grad_none,
+                "use_nvlamb": use_nvlamb,
+            },
+        )
+        check_range(
+            "max_grad_norm",
+            max_grad_norm,
+            low=0.0,
+            owner=self._owner,
+            hint="Pass 0 to disable global gradient clipping.",
+        )
+        low, high = _trust_bounds(trust_clip)
+        self.set_grad_none = set_grad_none
+        defaults = dict(
+            lr=lr,
+            bias_correction=bias_correction,
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            adam_w_mode=adam_w_mode,
+            grad_averaging=grad_averaging,
+            max_grad_norm=max_grad_norm,
+            use_nvlamb=use_nvlamb,
+            trust_clip=(low, high),
+        )
+        super().__init__(params, defaults, master_weights=master_weights, skip_nonfinite=skip_nonfinite)
+
+    def _torch_group_keys(self, group: dict[str, Any]) -> dict[str, Any]:
+        return {}
+
+    def _check_loaded_group(self, group: dict[str, Any]) -> None:
+        super(AdamBase, self)._check_loaded_group(group)
+
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        """Clear grads; ``set_to_none=None`` follows the constructor's ``set_grad_none``."""
+        super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
+
+    def _pre_step(self, plans: list[tuple[dict[str, Any], list[Bucket]]], divisor: float) -> float:
+        max_norm = float(self.defaults["max_grad_norm"])
+        if max_norm <= 0:
+            return divisor
+        total = 0.0
+        for _group, buckets in plans:
+            for b in buckets:
+                module = _backend.module_for(b.device)
+                norm = module.l2norm(
+                    b.ptrs["grads"],
+                    b.sizes,
+                    _backend.DTYPE_CODES[b.grad_dtype],
+                    0,
+                    self._ctx(module, b.device),
+                )
+                total += norm * norm
+        global_norm = math.sqrt(total) / divisor
+        if global_norm > max_norm:
+            divisor *= global_norm / max_norm
+        return divisor
+
+    def _launch(
+        self,
+        module: ModuleType,
+        bucket: Bucket,
+        group: dict[str, Any],
+        divisor: float,
+        found_inf_ptr: int,
+        check_finite: bool,
+        ctx: int,
+    ) -> bool | None:
+        beta1, beta2 = group["betas"]
+        low, high = group.get("trust_clip", (0.0, math.inf))
+        return module.lamb(
+            bucket.ptrs["params"],
+            bucket.ptrs["grads"],
+            bucket.ptrs["exp_avg"],
+            bucket.ptrs["exp_avg_sq"],
+            bucket.ptrs.get("masters"),
+            bucket.sizes,
+            bucket.prepare_steps(),
+            _backend.DTYPE_CODES[bucket.param_dtype],
+            _backend.DTYPE_CODES[bucket.grad_dtype],
+            float(group["lr"]),
+            float(beta1),
+            float(beta2),
+            float(group["eps"]),
+            float(group["weight_decay"]),
+            bool(group["adam_w_mode"]),
+            bool(group["bias_correction"]),
+            bool(group["grad_averaging"]),
+            bool(group["use_nvlamb"]),
+            float(low),
+            float(high),
+            divisor,
+            found_inf_ptr,
+            check_finite,
+            ctx,
+        )
+
+    def step(self, closure: Callable[[], Any] | None = None, div_scale: float = -1) -> Any:
+        """One optimizer step; ``div_scale > 0`` divides every grad before the norm clip."""
+        return self._fused_step(closure, div_scale)
+
+
+def _trust_bounds(trust_clip: Any) -> tuple[float, float]:
+    if trust_clip is None:
+        return 0.0, math.inf
+    try:
+        low, high = trust_clip
+    except (TypeError, ValueError):
+        raise HyperParameterError(
+            f"FusedLAMB: trust_clip must be None or a (low, high) pair, got {trust_clip!r}"
+        ) from None
+    low = 0.0 if low is None else check_range("trust_clip[0]", low, low=0.0, owner="FusedLAMB")
+    high = math.inf if high is None else check_range("trust_clip[1]", high, low=0.0, owner="FusedLAMB")
+    if low > high:
+        raise HyperParameterError(f"FusedLAMB: trust_clip low={low} exceeds high={high}")
+    return low, high

@@ -1,0 +1,139 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``FusedSGD``: multi-tensor SGD with momentum (apex/ColossalAI signature, torch.optim.SGD semantics)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from types import ModuleType
+from typing import Any
+
+from stepforge.core import (
+    HyperParameterError,
+    check_bool,
+    check_dampening,
+    check_lr,
+    check_momentum,
+    check_weight_decay,
+)
+
+from . import _backend
+from ._base import Bucket, FusedOptimizerBase
+
+__all__ = ["FusedSGD"]
+
+
+class _Required:
+    def __repr__(self) -> str:
+        return "<required parameter>"
+
+
+required: Any = _Required()
+
+
+class FusedSGD(FusedOptimizerBase):
+    """SGD in one multi-tensor kernel per (device, dtype) bucket.
+
+    Math per parameter (``torch.optim.SGD``; ``wd_after_momentum`` as in apex)::
+
+        g = g / div_scale ;  g = g + wd*p            (unless wd_after_momentum)
+        buf = g on the parameter's first step, else momentum*buf + (1-dampening)*g
+        d = g + momentum*buf if nesterov else buf ;  d = d + wd*p   (if wd_after_momentum)
+        p = p - lr*d
+
+    The first-step buffer initialisation is tracked per parameter (apex uses one flag per launch).
+
+    Args:
+        params: parameters or param-group dicts. lr: learning rate (required). momentum, dampening,
+            weight_decay, nesterov, wd_after_momentum: as above (nesterov needs momentum > 0, dampening 0).
+        master_weights, skip_nonfinite: as in :class:`~stepforge.fused.FusedAdam`.
+
+    State per parameter equals ``torch.optim.SGD``'s: ``momentum_buffer`` (float32), only with momentum.
+    """
+
+    _owner = "FusedSGD"
+    _uses_steps = False
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = required,
+        momentum: float = 0,
+        dampening: float = 0,
+        weight_decay: float = 0,
+        nesterov: bool = False,
+        wd_after_momentum: bool = False,
+        *,
+        master_weights: bool = False,
+        skip_nonfinite: bool | None = None,
+    ) -> None:
+        if lr is required:
+            raise HyperParameterError("FusedSGD: lr is required (e.g. FusedSGD(params, lr=0.1)).")
+        check_lr(lr, owner=self._owner)
+        check_momentum(momentum, owner=self._owner)
+        check_dampening(dampening, owner=self._owner)
+        check_weight_decay(weight_decay, owner=self._owner)
+        check_bool("nesterov", nesterov, owner=self._owner)
+        check_bool("wd_after_momentum", wd_after_momentum, owner=self._owner)
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise HyperParameterError(
+                "FusedSGD: nesterov=True requires momentum > 0 and dampening == 0 "
+                f"(got momentum={momentum}, dampening={dampening})."
+            )
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            dampening=dampening,
+            weight_decay=weight_decay,
+            nesterov=nesterov,
+            wd_after_momentum=wd_after_momentum,
+        )
+        super().__init__(params, defaults, master_weights=master_weights, skip_nonfinite=skip_nonfinite)
+
+    def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
+        return ("momentum_buffer",) if group["momentum"] != 0 else ()
+
+    def _torch_group_keys(self, group: dict[str, Any]) -> dict[str, Any]:
+        return {"maximize": False, "foreach": None, "differentiable": False, "fused": None}
+
+    def _init_state(self, p: Any, group: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        # torch.optim.SGD stores momentum_buffer=None when momentum is 0; treat None as "no buffer yet".
+        state = self.state[p]
+        if "momentum_buffer" in state and state["momentum_buffer"] is None:
+            del state["momentum_buffer"]
+        return super()._init_state(p, group)
+
+    def _launch(
+        self,
+        module: ModuleType,
+        bucket: Bucket,
+        group: dict[str, Any],
+        divisor: float,
+        found_inf_ptr: int,
+        check_finite: bool,
+        ctx: int,
+    ) -> bool | None:
+        momentum = float(group["momentum"])
+        return module.sgd(
+            bucket.ptrs["params"],
+            bucket.ptrs["grads"],
+            bucket.ptrs.get("momentum_buffer"),
+            bucket.ptrs.get("masters"),
+            bucket.sizes,
+            bucket.first_run,
+            _backend.DTYPE_CODES[bucket.param_dtype],
+            _backend.DTYPE_CODES[bucket.grad_dtype],
+            float(group["lr"]),
+            momentum,
+            float(group["dampening"]),
+            float(group["weight_decay"]),
+            bool(group["nesterov"]),
+            bool(group["wd_after_momentum"]),
+            divisor,
+            found_inf_ptr,
+            check_finite,
+            ctx,
+        )
+
+    def step(self, closure: Callable[[], Any] | None = None, div_scale: float = -1) -> Any:
+        """One optimizer step; ``div_scale > 0`` divides every grad first."""
+        return self._fused_step(closure, div_scale)
