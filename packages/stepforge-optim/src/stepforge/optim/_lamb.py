@@ -197,7 +197,7 @@ class Lamb(MultiTensorOptimizer):
     def _global_clip(
         self, buckets: Sequence[tuple[list[torch.Tensor], Mapping[str, Any]]]
     ) -> torch.Tensor | None:
-        """``max(1, ||G|| / max_grad_norm)`` as a 0-dim fp32 tensor on the first gradient's device, or None."""
+        """``max(1, ||G|| / max_grad_norm)``: 0-dim, fp32 (fp64 if a grad is), on the first grad's device."""
         max_norm = self.defaults["max_grad_norm"]
         if not max_norm:
             return None
@@ -206,11 +206,12 @@ class Lamb(MultiTensorOptimizer):
         for params, _ in buckets:
             grads = [p.grad for p in params]
             device = device or grads[0].device
-            norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+            norms = torch._foreach_norm(grads, 2, dtype=math_dtype_of(grads[0].dtype))
             squares.append(torch.stack(norms).square().sum().to(device, non_blocking=True))
         if not squares:
             return None
-        total = torch.stack(squares).sum().sqrt()
+        dtype = torch.float64 if any(s.dtype == torch.float64 for s in squares) else torch.float32
+        total = torch.stack([s.to(dtype) for s in squares]).sum().sqrt()
         return torch.clamp(total / max_norm, min=1.0)
 
     def _step(self) -> None:
@@ -306,7 +307,7 @@ class Lamb(MultiTensorOptimizer):
             g = [x.to(mdtype) for x in g_pieces] if upcast_g else g_pieces
             fresh = upcast_g  # g may be modified in place only when it is our own copy, never p.grad
             if clip is not None:
-                g = torch._foreach_div(g, clip)
+                g = torch._foreach_div(g, clip.to(device=device, dtype=mdtype, non_blocking=True))
                 fresh = True
             if maximize:
                 if fresh:
