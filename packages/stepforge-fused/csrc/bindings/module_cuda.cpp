@@ -104,6 +104,12 @@ sc::Common common_of(double grad_divisor, std::int64_t found_inf_ptr, bool check
   return c;
 }
 
+// None: the skip decision stays on the device (found_inf); True/False: read back (check_finite, no found_inf).
+py::object skipped_result(int r) {
+  if (r == sc::kSkipOnDevice) return py::none();
+  return py::bool_(r != 0);
+}
+
 // Masters given: fp32 masters are updated (list kP) and the low-precision params written as the copy.
 struct MasterLayout {
   int p_dtype;
@@ -147,11 +153,12 @@ py::object adam(py::handle params, py::handle grads, py::handle exp_avgs, py::ha
   hp.bias_correction = bias_correction;
   const auto common =
       common_of(grad_divisor, found_inf_ptr, check_finite, lr_ptr, grad_divisor_ptr, stochastic_rounding, seed);
+  int result;
   {
     py::gil_scoped_release nogil;
-    sc::adam(rows, ml.p_dtype, grad_dtype, ml.copy_dtype, st, hp, common, launch_of(ctx, device));
+    result = sc::adam(rows, ml.p_dtype, grad_dtype, ml.copy_dtype, st, hp, common, launch_of(ctx, device));
   }
-  return py::none();
+  return skipped_result(result);
 }
 
 py::object sgd(py::handle params, py::handle grads, py::handle momentum_buffers, py::handle masters, py::handle sizes,
@@ -183,11 +190,12 @@ py::object sgd(py::handle params, py::handle grads, py::handle momentum_buffers,
   hp.wd_after_momentum = wd_after_momentum;
   const auto common =
       common_of(grad_divisor, found_inf_ptr, check_finite, lr_ptr, grad_divisor_ptr, stochastic_rounding, seed);
+  int result;
   {
     py::gil_scoped_release nogil;
-    sc::sgd(rows, ml.p_dtype, grad_dtype, ml.copy_dtype, hp, common, launch_of(ctx, device));
+    result = sc::sgd(rows, ml.p_dtype, grad_dtype, ml.copy_dtype, hp, common, launch_of(ctx, device));
   }
-  return py::none();
+  return skipped_result(result);
 }
 
 py::object lamb(py::handle params, py::handle grads, py::handle exp_avgs, py::handle exp_avg_sqs, py::handle masters,
@@ -228,12 +236,13 @@ py::object lamb(py::handle params, py::handle grads, py::handle exp_avgs, py::ha
   hp.trust_max = trust_clip_max;
   const auto common =
       common_of(grad_divisor, found_inf_ptr, check_finite, lr_ptr, grad_divisor_ptr, stochastic_rounding, seed);
+  int result;
   {
     py::gil_scoped_release nogil;
-    sc::lamb(rows, ml.p_dtype, grad_dtype, ml.copy_dtype, st, hp, common,
-             static_cast<std::uint64_t>(ratio_out_ptr), launch_of(ctx, device));
+    result = sc::lamb(rows, ml.p_dtype, grad_dtype, ml.copy_dtype, st, hp, common,
+                      static_cast<std::uint64_t>(ratio_out_ptr), launch_of(ctx, device));
   }
-  return py::none();
+  return skipped_result(result);
 }
 
 py::object l2norm(py::handle ptrs, py::handle sizes, int dtype, std::int64_t per_tensor_out_ptr, std::int64_t ctx,
@@ -280,19 +289,20 @@ PYBIND11_MODULE(_cuda, m) {
 #endif
   using py::arg;
 
-  m.def("adam", &adam, "Multi-tensor Adam/AdamW on CUDA tensors (one dtype bucket); returns None",
+  m.def("adam", &adam, "Multi-tensor Adam/AdamW on CUDA tensors (one dtype bucket); returns None (decision on the device) or, "
+        "with check_finite and no found_inf, whether the step was skipped (synchronises)",
         arg("params"), arg("grads"), arg("exp_avgs"), arg("exp_avg_sqs"), arg("masters"), arg("sizes"), arg("steps"),
         arg("param_dtype"), arg("grad_dtype"), arg("lr"), arg("beta1"), arg("beta2"), arg("eps"),
         arg("weight_decay"), arg("adamw_mode"), arg("bias_correction"), arg("grad_divisor"), arg("found_inf_ptr"),
         arg("check_finite"), arg("ctx"), py::kw_only(), arg("lr_ptr") = 0, arg("grad_divisor_ptr") = 0,
         arg("step_ptrs") = py::none(), arg("stochastic_rounding") = false, arg("seed") = 0, arg("device") = -1);
-  m.def("sgd", &sgd, "Multi-tensor SGD (momentum, nesterov, wd_after_momentum) on CUDA tensors; returns None",
+  m.def("sgd", &sgd, "Multi-tensor SGD (momentum, nesterov, wd_after_momentum) on CUDA tensors; returns None or skipped (as adam)",
         arg("params"), arg("grads"), arg("momentum_buffers"), arg("masters"), arg("sizes"), arg("first_run"),
         arg("param_dtype"), arg("grad_dtype"), arg("lr"), arg("momentum"), arg("dampening"), arg("weight_decay"),
         arg("nesterov"), arg("wd_after_momentum"), arg("grad_divisor"), arg("found_inf_ptr"), arg("check_finite"),
         arg("ctx"), py::kw_only(), arg("lr_ptr") = 0, arg("grad_divisor_ptr") = 0,
         arg("stochastic_rounding") = false, arg("seed") = 0, arg("device") = -1);
-  m.def("lamb", &lamb, "Multi-tensor LAMB with per-tensor trust ratios (segmented reduction); returns None",
+  m.def("lamb", &lamb, "Multi-tensor LAMB with per-tensor trust ratios (segmented reduction); returns None or skipped (as adam)",
         arg("params"), arg("grads"), arg("exp_avgs"), arg("exp_avg_sqs"), arg("masters"), arg("sizes"), arg("steps"),
         arg("param_dtype"), arg("grad_dtype"), arg("lr"), arg("beta1"), arg("beta2"), arg("eps"),
         arg("weight_decay"), arg("adam_w_mode"), arg("bias_correction"), arg("grad_averaging"), arg("use_nvlamb"),

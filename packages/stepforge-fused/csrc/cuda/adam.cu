@@ -57,12 +57,12 @@ __global__ __launch_bounds__(kThreads) void adam_kernel(UpdateArgs a, AdamKernel
 
 }  // namespace
 
-void adam(std::vector<TensorRow>& rows, int p_dtype, int g_dtype, int copy_dtype, const Steps& steps,
+int adam(std::vector<TensorRow>& rows, int p_dtype, int g_dtype, int copy_dtype, const Steps& steps,
           const AdamParams& hp, const Common& common, Launch launch) {
   static const int required[] = {kP, kG, kM, kV};
   if (copy_dtype >= 0 && p_dtype != 0) throw std::invalid_argument("master weights (param copy) need fp32 masters");
   Prepared prep = prepare_update(rows, required, 4, g_dtype, common, hp.lr, &steps.host, copy_dtype, launch);
-  if (prep.empty) return;
+  if (prep.empty) return (common.check_finite && common.found_inf == 0) ? 0 : kSkipOnDevice;
   if (steps.host.empty()) {
     for (std::size_t i = 0; i < rows.size(); ++i) {
       if (rows[i].step == 0 && rows[i].numel > 0 && hp.bias_correction) {
@@ -78,7 +78,7 @@ void adam(std::vector<TensorRow>& rows, int p_dtype, int g_dtype, int copy_dtype
     });
   });
   check_launch("adam_kernel");
-  finish_update(prep);
+  return finish_update(prep);
 }
 
 }  // namespace stepforge::cuda

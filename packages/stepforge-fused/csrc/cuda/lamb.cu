@@ -127,12 +127,12 @@ __global__ __launch_bounds__(kThreads) void lamb_apply_kernel(UpdateArgs a, Lamb
 
 }  // namespace
 
-void lamb(std::vector<TensorRow>& rows, int p_dtype, int g_dtype, int copy_dtype, const Steps& steps,
+int lamb(std::vector<TensorRow>& rows, int p_dtype, int g_dtype, int copy_dtype, const Steps& steps,
           const LambParams& hp, const Common& common, std::uint64_t ratio_out, Launch launch) {
   static const int required[] = {kP, kG, kM, kV};
   if (copy_dtype >= 0 && p_dtype != 0) throw std::invalid_argument("master weights (param copy) need fp32 masters");
   Prepared prep = prepare_update(rows, required, 4, g_dtype, common, hp.lr, &steps.host, copy_dtype, launch);
-  if (prep.empty) return;
+  if (prep.empty) return (common.check_finite && common.found_inf == 0) ? 0 : kSkipOnDevice;
   const LambKernelParams kp{hp.beta1,        hp.beta2,        hp.eps,
                             hp.weight_decay, hp.trust_min,    hp.trust_max,
                             hp.adamw,        hp.bias_correction, hp.grad_averaging,
@@ -153,7 +153,7 @@ void lamb(std::vector<TensorRow>& rows, int p_dtype, int g_dtype, int copy_dtype
   check_launch("lamb_ratio_kernel");
   SF_DISPATCH_DTYPE(p_dtype, P, { lamb_apply_kernel<P><<<grid, kThreads, 0, prep.stream>>>(a, kp, ratio); });
   check_launch("lamb_apply_kernel");
-  finish_update(prep);
+  return finish_update(prep);
 }
 
 }  // namespace stepforge::cuda

@@ -80,17 +80,21 @@ struct LambParams {
 // param in kCopy; plain calls leave kCopy empty and update kP in its own dtype.
 enum List : int { kP = 0, kG = 1, kM = 2, kV = 3, kCopy = 4 };
 
-// Returns nothing: whether the update was skipped lives in *found_inf on the device.
-void adam(std::vector<TensorRow>& rows, int p_dtype, int g_dtype, int copy_dtype, const Steps& steps,
+// Update launchers return kSkipOnDevice when the skip decision stays on the device (no synchronisation: the
+// caller passed found_inf, or check_finite is off), else 0/1 = applied/skipped: with check_finite and no
+// found_inf the launcher reads its internal flag back, which synchronises the stream (contract: CPU-like bool).
+constexpr int kSkipOnDevice = -1;
+
+int adam(std::vector<TensorRow>& rows, int p_dtype, int g_dtype, int copy_dtype, const Steps& steps,
           const AdamParams& hp, const Common& common, Launch launch);
 
 // SGD: kM holds momentum_buffer (absent when momentum == 0); rows[i].aux != 0: the buffer is new (buf = d_p).
-void sgd(std::vector<TensorRow>& rows, int p_dtype, int g_dtype, int copy_dtype, const SgdParams& hp,
+int sgd(std::vector<TensorRow>& rows, int p_dtype, int g_dtype, int copy_dtype, const SgdParams& hp,
          const Common& common, Launch launch);
 
 // LAMB: per-tensor ||p|| and ||u|| from one segmented reduction over chunk partials, no write into grads.
 // `ratio_out` (device float32*, nullable): the trust ratio applied to each tensor.
-void lamb(std::vector<TensorRow>& rows, int p_dtype, int g_dtype, int copy_dtype, const Steps& steps,
+int lamb(std::vector<TensorRow>& rows, int p_dtype, int g_dtype, int copy_dtype, const Steps& steps,
           const LambParams& hp, const Common& common, std::uint64_t ratio_out, Launch launch);
 
 // Global L2 norm of list 0. per_tensor_out (device float32*, nullable): n norms. sumsq_out (device float32*,

@@ -55,14 +55,14 @@ __global__ __launch_bounds__(kThreads) void sgd_kernel(UpdateArgs a, SgdKernelPa
 
 }  // namespace
 
-void sgd(std::vector<TensorRow>& rows, int p_dtype, int g_dtype, int copy_dtype, const SgdParams& hp,
+int sgd(std::vector<TensorRow>& rows, int p_dtype, int g_dtype, int copy_dtype, const SgdParams& hp,
          const Common& common, Launch launch) {
   static const int required_mom[] = {kP, kG, kM};
   const bool momentum = hp.momentum != 0.0;
   if (copy_dtype >= 0 && p_dtype != 0) throw std::invalid_argument("master weights (param copy) need fp32 masters");
   Prepared prep =
       prepare_update(rows, required_mom, momentum ? 3 : 2, g_dtype, common, hp.lr, nullptr, copy_dtype, launch);
-  if (prep.empty) return;
+  if (prep.empty) return (common.check_finite && common.found_inf == 0) ? 0 : kSkipOnDevice;
   const SgdKernelParams kp{hp.momentum, hp.dampening, hp.weight_decay, hp.nesterov, hp.wd_after_momentum};
   SF_DISPATCH_DTYPE(p_dtype, P, {
     SF_DISPATCH_DTYPE(g_dtype, G, {
@@ -70,7 +70,7 @@ void sgd(std::vector<TensorRow>& rows, int p_dtype, int g_dtype, int copy_dtype,
     });
   });
   check_launch("sgd_kernel");
-  finish_update(prep);
+  return finish_update(prep);
 }
 
 }  // namespace stepforge::cuda

@@ -88,6 +88,7 @@ Prepared prepare_update(std::vector<TensorRow>& rows, const int* required, int n
     if (flag == nullptr) {
       flag = static_cast<float*>(scratch(sizeof(float), launch, prep.stream, 0));
       check(cudaMemsetAsync(flag, 0, sizeof(float), prep.stream), "cudaMemsetAsync(flag)");
+      prep.internal_flag = flag;
     }
     SF_DISPATCH_DTYPE(g_dtype, G, {
       finite_check_kernel<G><<<grid_for(chunks), kThreads, 0, prep.stream>>>(a.rows, a.n_rows, chunks, flag,
@@ -100,11 +101,17 @@ Prepared prepare_update(std::vector<TensorRow>& rows, const int* required, int n
   return prep;
 }
 
-void finish_update(Prepared& prep) {
+int finish_update(Prepared& prep) {
   if (prep.args.steps != nullptr) {
     check(cudaFreeAsync(const_cast<std::int64_t*>(prep.args.steps), prep.stream), "cudaFreeAsync(steps)");
     prep.args.steps = nullptr;
   }
+  if (prep.internal_flag == nullptr) return kSkipOnDevice;
+  float host = 0.f;
+  check(cudaMemcpyAsync(&host, prep.internal_flag, sizeof(float), cudaMemcpyDeviceToHost, prep.stream),
+        "finite-check flag readback");
+  check(cudaStreamSynchronize(prep.stream), "finite-check synchronize");
+  return host != 0.f ? 1 : 0;
 }
 
 }  // namespace stepforge::cuda

@@ -75,14 +75,16 @@ __device__ __forceinline__ long long row_step(const UpdateArgs& a, const TensorR
 struct Prepared {
   UpdateArgs args;
   cudaStream_t stream;
-  bool empty;  // nothing to do (no elements)
+  bool empty;                  // nothing to do (no elements)
+  float* internal_flag;        // the finite-check flag when the caller gave no found_inf, else nullptr
 };
 
 Prepared prepare_update(std::vector<TensorRow>& rows, const int* required, int n_required, int g_dtype,
                         const Common& common, double lr, const std::vector<std::int64_t>* host_steps,
                         int copy_dtype, Launch& launch);
 
-// Releases the transient per-call buffers (stream-ordered) after the update kernels were queued.
-void finish_update(Prepared& prep);
+// Releases the transient per-call buffers (stream-ordered) after the update kernels were queued; returns the
+// launcher result (kSkipOnDevice, or 0/1 read back from the internal finite-check flag).
+int finish_update(Prepared& prep);
 
 }  // namespace stepforge::cuda

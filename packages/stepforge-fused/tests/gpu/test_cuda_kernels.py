@@ -275,11 +275,18 @@ def test_overflow_skips_every_kernel(cuda_mod):
     torch.cuda.synchronize()
     for a, b in zip(p + m + v, before, strict=True):
         assert torch.equal(a, b)
-    # Without the check and a clear flag, the update goes ahead.
+    # check_finite without a found_inf buffer: the launcher answers (like the CPU module), reading its flag back.
+    g[-1][0, 5] = float("nan")
+    assert adam_call(cuda_mod, p, g, m, v, [1] * len(p), check_finite=True) is True
+    for a, b in zip(p + m + v, before, strict=True):
+        assert torch.equal(a, b)
+    g[-1][0, 5] = 0.0
+    # With a clear flag, the update goes ahead.
     found_inf.zero_()
-    adam_call(cuda_mod, p, g, m, v, [1] * len(p), found_inf=found_inf, check_finite=True)
+    assert adam_call(cuda_mod, p, g, m, v, [1] * len(p), found_inf=found_inf, check_finite=True) is None
     assert found_inf.item() == 0.0
     assert not torch.equal(p[-1], before[len(p) - 1])
+    assert adam_call(cuda_mod, p, g, m, v, [2] * len(p), check_finite=True) is False
 
 
 def test_misaligned_views_and_many_small_tensors(cuda_mod):
