@@ -28,6 +28,9 @@ __global__ __launch_bounds__(kThreads) void adam_kernel(UpdateArgs a, AdamKernel
     }
     __syncthreads();
     const AdamConsts k = s_c;
+    // The step enters the rounding noise, so a caller that keeps one seed still gets fresh noise every step.
+    const std::uint64_t seed =
+        a.seed ^ (static_cast<std::uint64_t>(row_step(a, r, w.row)) * 0x9e3779b97f4a7c15ULL);
     const bool vec = row_aligned(r, bytes, kMaxLists);
     void* pp = reinterpret_cast<void*>(r.ptr[kP]);
     const void* gp = reinterpret_cast<const void*>(r.ptr[kG]);
@@ -47,9 +50,9 @@ __global__ __launch_bounds__(kThreads) void adam_kernel(UpdateArgs a, AdamKernel
       store4<float>(vp, i, w.end, v4, v);
       if (a.copy_dtype >= 0) {
         store4<P>(pp, i, w.end, v4, p);
-        store4_dyn(a.copy_dtype, cp, i, w.end, v4, p, a.sr, a.seed, w.row);
+        store4_dyn(a.copy_dtype, cp, i, w.end, v4, p, a.sr, seed, w.row);
       } else {
-        store4_sr<P>(pp, i, w.end, v4, p, a.sr, a.seed, w.row);
+        store4_sr<P>(pp, i, w.end, v4, p, a.sr, seed, w.row);
       }
     }
   }

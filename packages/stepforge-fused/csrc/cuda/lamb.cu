@@ -102,6 +102,9 @@ __global__ __launch_bounds__(kThreads) void lamb_apply_kernel(UpdateArgs a, Lamb
     __syncthreads();
     const LambConsts k = s_c;
     const float step = s_step;
+    // The step enters the rounding noise, so a caller that keeps one seed still gets fresh noise every step.
+    const std::uint64_t seed =
+        a.seed ^ (static_cast<std::uint64_t>(row_step(a, r, w.row)) * 0x9e3779b97f4a7c15ULL);
     const bool vec = row_aligned(r, bytes, kMaxLists);
     void* pp = reinterpret_cast<void*>(r.ptr[kP]);
     const void* mp = reinterpret_cast<const void*>(r.ptr[kM]);
@@ -117,9 +120,9 @@ __global__ __launch_bounds__(kThreads) void lamb_apply_kernel(UpdateArgs a, Lamb
       for (int e = 0; e < 4; ++e) p[e] = p[e] - step * lamb_direction(p[e], m[e], v[e], k);
       if (a.copy_dtype >= 0) {
         store4<P>(pp, i, w.end, v4, p);
-        store4_dyn(a.copy_dtype, cp, i, w.end, v4, p, a.sr, a.seed, w.row);
+        store4_dyn(a.copy_dtype, cp, i, w.end, v4, p, a.sr, seed, w.row);
       } else {
-        store4_sr<P>(pp, i, w.end, v4, p, a.sr, a.seed, w.row);
+        store4_sr<P>(pp, i, w.end, v4, p, a.sr, seed, w.row);
       }
     }
   }
