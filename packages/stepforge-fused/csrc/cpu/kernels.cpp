@@ -127,7 +127,7 @@ inline int team_size(const MultiTensor& mt) {
 
 // ---- Adam ----------------------------------------------------------------------------------------------
 template <class P, class G, bool MASTER>
-void adam_segment(const AdamLaunch& L, int64_t t, int64_t b, int64_t e) {
+void adam_block_range(const AdamLaunch& L, int64_t t, int64_t b, int64_t e) {
   const AdamConsts c = L.consts[t];
   P* p = reinterpret_cast<P*>(L.params[t]);
   const G* g = reinterpret_cast<const G*>(L.grads[t]);
@@ -142,7 +142,6 @@ void adam_segment(const AdamLaunch& L, int64_t t, int64_t b, int64_t e) {
       m[i] = mv;
       v[i] = vv;
     }
-    return;
   } else {
     float* w = MASTER ? reinterpret_cast<float*>(L.masters[t]) : nullptr;
     alignas(64) float gtmp[kBlock];
@@ -166,6 +165,31 @@ void adam_segment(const AdamLaunch& L, int64_t t, int64_t b, int64_t e) {
       if constexpr (MASTER || !std::is_same_v<P, float>) from_float(pb, p + i0, n);
     }
   }
+}
+
+// The last numel % kTorchAdamVecWidth elements of a tensor round like torch's scalar tail (adam_math.h).
+template <class P, class G, bool MASTER>
+void adam_torch_tail(const AdamLaunch& L, int64_t t, int64_t b, int64_t e) {
+  const AdamConsts c = L.consts[t];
+  P* p = reinterpret_cast<P*>(L.params[t]);
+  const G* g = reinterpret_cast<const G*>(L.grads[t]);
+  float* m = reinterpret_cast<float*>(L.exp_avgs[t]);
+  float* v = reinterpret_cast<float*>(L.exp_avg_sqs[t]);
+  float* w = MASTER ? reinterpret_cast<float*>(L.masters[t]) : nullptr;
+  for (int64_t i = b; i < e; ++i) {
+    float pv = MASTER ? w[i] : load_float(p + i);
+    adam_update_torch_tail(pv, m[i], v[i], load_float(g + i), c);
+    if constexpr (MASTER) w[i] = pv;
+    store_float(p + i, pv);
+  }
+}
+
+template <class P, class G, bool MASTER>
+void adam_segment(const AdamLaunch& L, int64_t t, int64_t b, int64_t e) {
+  const int64_t size = L.mt.sizes[t];
+  const int64_t body_end = size - size % kTorchAdamVecWidth;
+  if (b < body_end) adam_block_range<P, G, MASTER>(L, t, b, std::min(e, body_end));
+  if (e > body_end) adam_torch_tail<P, G, MASTER>(L, t, std::max(b, body_end), e);
 }
 
 template <class P, class G, bool MASTER>

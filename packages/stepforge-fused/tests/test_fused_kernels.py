@@ -1,0 +1,454 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The `_cpu` kernels called directly (contract: csrc/README.md) against the stepforge-testing references."""
+
+from __future__ import annotations
+
+import array
+
+import pytest
+import torch
+
+from stepforge.fused import _backend
+from stepforge.testing.reference import reference_adam_step, reference_lamb_step, reference_sgd_step
+
+cpu = _backend.cpu_module()
+CODE = _backend.DTYPE_CODES
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# empty, 1 element, odd sizes around the SIMD widths (8/16) and the block (512), one above the parallel cutoff
+SIZES = [0, 1, 7, 15, 16, 17, 33, 511, 513, 1001, 40_005]
+TOL = {
+    torch.float32: dict(rtol=1e-5, atol=1e-6),
+    torch.float16: dict(rtol=2e-3, atol=2e-3),
+    torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2),
+}
+
+
+def ptrs(tensors):
+    return array.array("q", [t.data_ptr() for t in tensors])
+
+
+def sizes_of(tensors):
+    return array.array("q", [t.numel() for t in tensors])
+
+
+def make(dtype, sizes=SIZES):
+    return [torch.randn(n).to(dtype) for n in sizes]
+
+
+COMBOS = [
+    (p, g, m) for p in DTYPES for g in DTYPES for m in ((False, True) if p != torch.float32 else (False,))
+]
+
+
+def combo_id(c):
+    p, g, m = c
+    return f"p{str(p)[6:]}-g{str(g)[6:]}{'-master' if m else ''}"
+
+
+def _state(params, master):
+    masters = [p.float().clone() for p in params] if master else None
+    return masters, [torch.zeros(p.numel()) for p in params], [torch.zeros(p.numel()) for p in params]
+
+
+@pytest.mark.parametrize("combo", COMBOS, ids=combo_id)
+def test_adam_matches_reference_for_every_dtype_pair(combo):
+    pdt, gdt, master = combo
+    params = make(pdt)
+    masters, m, v = _state(params, master)
+    ref_p = [(w if master else p).float().clone() for p, w in zip(params, masters or params, strict=True)]
+    ref_m, ref_v = [x.clone() for x in m], [x.clone() for x in v]
+    steps, ref_steps = [0] * len(params), [0] * len(params)
+    for _ in range(3):
+        grads = make(gdt)
+        steps = [s + 1 for s in steps]
+        skipped = cpu.adam(
+            ptrs(params),
+            ptrs(grads),
+            ptrs(m),
+            ptrs(v),
+            ptrs(masters) if master else None,
+            sizes_of(params),
+            array.array("q", steps),
+            CODE[pdt],
+            CODE[gdt],
+            1e-2,
+            0.9,
+            0.99,
+            1e-8,
+            0.05,
+            True,
+            True,
+            2.0,
+            0,
+            False,
+            0,
+        )
+        assert skipped is False
+        reference_adam_step(
+            ref_p,
+            [g.float() for g in grads],
+            ref_m,
+            ref_v,
+            ref_steps,
+            lr=1e-2,
+            beta1=0.9,
+            beta2=0.99,
+            eps=1e-8,
+            weight_decay=0.05,
+            adamw_mode=True,
+            bias_correction=True,
+            grad_scale=2.0,
+        )
+    for i, p in enumerate(params):
+        if master:
+            torch.testing.assert_close(masters[i], ref_p[i], rtol=1e-5, atol=1e-6)
+            assert torch.equal(p, masters[i].to(pdt)), "the low-precision copy must be the rounded master"
+        else:
+            torch.testing.assert_close(p.float(), ref_p[i].to(pdt).float(), **TOL[pdt])
+        torch.testing.assert_close(m[i], ref_m[i], **TOL[gdt])
+        torch.testing.assert_close(v[i], ref_v[i], **TOL[gdt])
+
+
+@pytest.mark.parametrize("combo", COMBOS, ids=combo_id)
+def test_every_isa_gives_the_same_bits(combo):
+    """The update is element-wise with one rounding order, so every ISA path must agree bit for bit.
+
+    Together with the reference tests (run on the default path) this covers every path the CPU supports.
+    """
+    pdt, gdt, master = combo
+    base = make(pdt)
+    grads = make(gdt)
+    results = {}
+    before = cpu.get_isa()
+    try:
+        for name in _backend.cpu_features()["supported"]:
+            cpu.set_isa(name)
+            params = [p.clone() for p in base]
+            masters, m, v = _state(params, master)
+            bufs = [torch.zeros(p.numel()) for p in params]
+            cpu.adam(
+                ptrs(params),
+                ptrs(grads),
+                ptrs(m),
+                ptrs(v),
+                ptrs(masters) if master else None,
+                sizes_of(params),
+                [3] * len(params),
+                CODE[pdt],
+                CODE[gdt],
+                1e-2,
+                0.9,
+                0.999,
+                1e-8,
+                0.01,
+                False,
+                True,
+                1.0,
+                0,
+                False,
+                0,
+            )
+            cpu.sgd(
+                ptrs(params),
+                ptrs(grads),
+                ptrs(bufs),
+                ptrs(masters) if master else None,
+                sizes_of(params),
+                [1] * len(params),
+                CODE[pdt],
+                CODE[gdt],
+                0.1,
+                0.9,
+                0.1,
+                0.01,
+                False,
+                True,
+                1.0,
+                0,
+                False,
+                0,
+            )
+            cpu.lamb(
+                ptrs(params),
+                ptrs(grads),
+                ptrs(m),
+                ptrs(v),
+                ptrs(masters) if master else None,
+                sizes_of(params),
+                [4] * len(params),
+                CODE[pdt],
+                CODE[gdt],
+                1e-2,
+                0.9,
+                0.999,
+                1e-6,
+                0.01,
+                True,
+                True,
+                True,
+                False,
+                0.0,
+                float("inf"),
+                1.0,
+                0,
+                False,
+                0,
+            )
+            norms = torch.zeros(len(params))
+            cpu.l2norm(ptrs(params), sizes_of(params), CODE[pdt], norms.data_ptr(), 0)
+            results[name] = [torch.cat([t.flatten().float() for t in ts]) for ts in (params, m, v, bufs)]
+            results[name].append(norms)
+    finally:
+        cpu.set_isa(before)
+    first = next(iter(results.values()))
+    for name, got in results.items():
+        for a, b in zip(first, got, strict=True):
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32)), name
+
+
+@pytest.mark.parametrize("combo", COMBOS, ids=combo_id)
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(momentum=0.0, dampening=0.0, nesterov=False, wd_after_momentum=False),
+        dict(momentum=0.9, dampening=0.2, nesterov=False, wd_after_momentum=False),
+        dict(momentum=0.9, dampening=0.0, nesterov=True, wd_after_momentum=True),
+    ],
+    ids=["plain", "momentum-dampening", "nesterov-wd-after"],
+)
+def test_sgd_matches_reference(combo, cfg):
+    pdt, gdt, master = combo
+    params = make(pdt)
+    masters, _, _ = _state(params, master)
+    bufs = [torch.zeros(p.numel()) for p in params] if cfg["momentum"] else None
+    ref_p = [(w if master else p).float().clone() for p, w in zip(params, masters or params, strict=True)]
+    ref_bufs = [None] * len(params)
+    first = [1] * len(params)
+    for _ in range(3):
+        grads = make(gdt)
+        cpu.sgd(
+            ptrs(params),
+            ptrs(grads),
+            ptrs(bufs) if bufs else None,
+            ptrs(masters) if master else None,
+            sizes_of(params),
+            array.array("q", first),
+            CODE[pdt],
+            CODE[gdt],
+            0.1,
+            cfg["momentum"],
+            cfg["dampening"],
+            0.01,
+            cfg["nesterov"],
+            cfg["wd_after_momentum"],
+            1.0,
+            0,
+            False,
+            0,
+        )
+        first = [0] * len(params)
+        reference_sgd_step(
+            ref_p,
+            [g.float() for g in grads],
+            ref_bufs,
+            lr=0.1,
+            momentum=cfg["momentum"],
+            dampening=cfg["dampening"],
+            nesterov=cfg["nesterov"],
+            weight_decay=0.01,
+            wd_after_momentum=cfg["wd_after_momentum"],
+        )
+    for i, p in enumerate(params):
+        got = masters[i] if master else p.float()
+        want = ref_p[i] if master else ref_p[i].to(pdt).float()
+        torch.testing.assert_close(got, want, **(TOL[torch.float32] if master else TOL[pdt]))
+
+
+@pytest.mark.parametrize("combo", COMBOS, ids=combo_id)
+@pytest.mark.parametrize(
+    "wd,nvlamb,clip",
+    [(0.01, False, (0.0, float("inf"))), (0.0, False, (0.0, float("inf"))), (0.0, True, (0.5, 2.0))],
+    ids=["decay", "no-decay", "nvlamb-clip"],
+)
+def test_lamb_matches_reference(combo, wd, nvlamb, clip):
+    pdt, gdt, master = combo
+    params = make(pdt, SIZES[1:])
+    masters, m, v = _state(params, master)
+    ref_p = [(w if master else p).float().clone() for p, w in zip(params, masters or params, strict=True)]
+    ref_m, ref_v = [x.clone() for x in m], [x.clone() for x in v]
+    ref_steps = [0] * len(params)
+    for step in range(1, 3):
+        grads = make(gdt, SIZES[1:])
+        cpu.lamb(
+            ptrs(params),
+            ptrs(grads),
+            ptrs(m),
+            ptrs(v),
+            ptrs(masters) if master else None,
+            sizes_of(params),
+            [step] * len(params),
+            CODE[pdt],
+            CODE[gdt],
+            1e-2,
+            0.9,
+            0.999,
+            1e-6,
+            wd,
+            True,
+            True,
+            True,
+            nvlamb,
+            clip[0],
+            clip[1],
+            1.0,
+            0,
+            False,
+            0,
+        )
+        reference_lamb_step(
+            ref_p,
+            [g.float() for g in grads],
+            ref_m,
+            ref_v,
+            ref_steps,
+            lr=1e-2,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-6,
+            weight_decay=wd,
+            use_nvlamb=nvlamb,
+            max_grad_norm=None,
+            trust_clip=None if clip[1] == float("inf") else clip,
+        )
+    for i, p in enumerate(params):
+        got = masters[i] if master else p.float()
+        want = ref_p[i] if master else ref_p[i].to(pdt).float()
+        torch.testing.assert_close(got, want, **(dict(rtol=1e-4, atol=1e-5) if master else TOL[pdt]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_l2norm_global_and_per_tensor(isa, dtype):
+    xs = make(dtype)
+    out = torch.full((len(xs),), -1.0)
+    got = cpu.l2norm(ptrs(xs), sizes_of(xs), CODE[dtype], out.data_ptr(), 0)
+    want = [torch.linalg.vector_norm(x.double()).item() for x in xs]
+    assert got == pytest.approx(sum(w * w for w in want) ** 0.5, rel=1e-12)
+    torch.testing.assert_close(out, torch.tensor(want, dtype=torch.float32), rtol=1e-6, atol=0)
+    bad = [x.clone() for x in xs]
+    bad[-1][5] = float("nan")
+    assert cpu.l2norm(ptrs(bad), sizes_of(bad), CODE[dtype], 0, 0) != cpu.l2norm(
+        ptrs(bad), sizes_of(bad), 0, 0, 1
+    )
+
+
+@pytest.mark.parametrize("src_dtype", DTYPES)
+@pytest.mark.parametrize("dst_dtype", DTYPES)
+def test_scale_converts_with_torch_rounding_and_flags_non_finite(isa, src_dtype, dst_dtype):
+    src = make(src_dtype)
+    dst = [torch.empty(x.numel(), dtype=dst_dtype) for x in src]
+    found = torch.zeros(1)
+    assert (
+        cpu.scale(
+            ptrs(src), ptrs(dst), sizes_of(src), CODE[src_dtype], CODE[dst_dtype], 0.25, found.data_ptr(), 0
+        )
+        is False
+    )
+    assert found.item() == 0
+    for s, d in zip(src, dst, strict=True):
+        assert torch.equal(d, (s.float() * 0.25).to(dst_dtype))
+    src[3][0] = float("inf")
+    assert (
+        cpu.scale(
+            ptrs(src), ptrs(dst), sizes_of(src), CODE[src_dtype], CODE[dst_dtype], 0.25, found.data_ptr(), 0
+        )
+        is True
+    )
+    assert found.item() == 1
+
+
+def _adam_args(params, grads, m, v, **kw):
+    args = dict(
+        params=ptrs(params),
+        grads=ptrs(grads),
+        exp_avgs=ptrs(m),
+        exp_avg_sqs=ptrs(v),
+        masters=None,
+        sizes=sizes_of(params),
+        steps=[1] * len(params),
+        param_dtype=0,
+        grad_dtype=0,
+        lr=1e-3,
+        beta1=0.9,
+        beta2=0.999,
+        eps=1e-8,
+        weight_decay=0.0,
+        adamw_mode=True,
+        bias_correction=True,
+    )
+    args.update(kw)
+    return args
+
+
+def test_found_inf_protocol_skips_without_writing(isa):
+    params, grads = make(torch.float32), make(torch.float32)
+    m, v = [torch.zeros(p.numel()) for p in params], [torch.zeros(p.numel()) for p in params]
+    before = [p.clone() for p in params]
+    flag = torch.ones(1)
+    assert cpu.adam(**_adam_args(params, grads, m, v), found_inf_ptr=flag.data_ptr()) is True
+    grads[-1][17] = float("inf")
+    flag.zero_()
+    assert (
+        cpu.adam(**_adam_args(params, grads, m, v), found_inf_ptr=flag.data_ptr(), check_finite=True) is True
+    )
+    assert flag.item() == 1.0
+    assert all(torch.equal(a, b) for a, b in zip(params, before, strict=True))
+    assert all(not x.any() for x in m + v)
+    # the (divided) grad overflowing counts too: 3e38 / 0.5 is inf in float32
+    grads[-1][17] = 3e38
+    assert cpu.adam(**_adam_args(params, grads, m, v), grad_divisor=0.5, check_finite=True) is True
+    assert cpu.adam(**_adam_args(params, grads, m, v), grad_divisor=2.0, check_finite=True) is False
+
+
+def test_pointer_lists_accept_lists_and_int64_buffers(isa):
+    params, grads = make(torch.float32, [5, 9]), make(torch.float32, [5, 9])
+    m, v = [torch.zeros(p.numel()) for p in params], [torch.zeros(p.numel()) for p in params]
+    as_lists = dict(
+        params=[p.data_ptr() for p in params],
+        grads=[g.data_ptr() for g in grads],
+        exp_avgs=[t.data_ptr() for t in m],
+        exp_avg_sqs=[t.data_ptr() for t in v],
+        sizes=[5, 9],
+    )
+    assert cpu.adam(**{**_adam_args(params, grads, m, v), **as_lists}) is False
+
+
+@pytest.mark.parametrize(
+    "override,match",
+    [
+        (dict(grads=array.array("q", [1])), "grads has 1 entries, expected"),
+        (dict(param_dtype=7), "unknown dtype code 7"),
+        (dict(steps=[0] * len(SIZES)), r"steps\[0\] must be >= 1"),
+        (dict(grad_divisor=0.0), "grad_divisor must be a positive"),
+        (dict(masters=array.array("q", [0] * len(SIZES))), "masters are only for float16/bfloat16"),
+        (dict(sizes=array.array("q", [-1, *SIZES[1:]])), r"sizes\[0\] is negative"),
+        (dict(exp_avgs=array.array("q", [0] * len(SIZES))), r"exp_avgs\[\d+\] is a null pointer"),
+        (dict(params=array.array("i", [0] * len(SIZES))), "expected a 1-D contiguous int64 buffer"),
+        (dict(params="not a list"), "expected a list of ints"),
+    ],
+    ids=[
+        "length",
+        "dtype-code",
+        "step-zero",
+        "divisor",
+        "masters-fp32",
+        "negative-size",
+        "null",
+        "int32-buffer",
+        "str",
+    ],
+)
+def test_kernel_argument_errors(override, match):
+    params, grads = make(torch.float32), make(torch.float32)
+    m, v = [torch.zeros(p.numel()) for p in params], [torch.zeros(p.numel()) for p in params]
+    with pytest.raises((ValueError, TypeError), match=match):
+        cpu.adam(**{**_adam_args(params, grads, m, v), **override})
