@@ -3,7 +3,7 @@
 // Device-side multi-tensor machinery (the role of apex's multi_tensor_apply.cuh, built differently):
 // - the per-tensor metadata lives in a device table (TensorRow[]), not in the kernel arguments, so a launch
 //   covers any number of tensors and small tensors are not split across many launches;
-// - one block per 16K-element chunk; a block finds its tensor by binary search over chunk_begin;
+// - one block per 16K-element chunk; a block finds its tensor through a chunk -> tensor map in the same table;
 // - 64-bit indexing everywhere;
 // - 4 elements per thread per iteration, loaded as one vector when every pointer of the row is aligned;
 // - dtype conversion and (optional) stochastic rounding on store.
@@ -83,19 +83,10 @@ __device__ __forceinline__ __nv_bfloat16 bf16_stochastic(float x, std::uint32_t 
 }
 
 // ---- table lookup -------------------------------------------------------------------------------------------
-// Index of the row owning global chunk `c`: the last row with chunk_begin <= c (rows with numel 0 own no
-// chunk and are skipped by the search because the next row has the same chunk_begin).
-__device__ __forceinline__ std::int64_t find_row(const TensorRow* rows, std::int64_t n, std::int64_t c) {
-  std::int64_t lo = 0, hi = n - 1;
-  while (lo < hi) {
-    std::int64_t mid = (lo + hi + 1) >> 1;
-    if (rows[mid].chunk_begin <= c) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  return lo;
+// The device table is [TensorRow x n_rows][int32 chunk -> row map x total_chunks] (runtime.cu builds both once
+// per distinct table), so a block finds its tensor with one broadcast load instead of a search.
+__device__ __forceinline__ const std::int32_t* chunk_map(const TensorRow* rows, std::int64_t n_rows) {
+  return reinterpret_cast<const std::int32_t*>(rows + n_rows);
 }
 
 // Block-uniform description of the piece of work a block does for one chunk.
@@ -105,14 +96,12 @@ struct ChunkWork {
   std::int64_t end;    // one past the last element
 };
 
-// Finds the chunk's row once per block (thread 0) and broadcasts it.
+// The chunk's tensor and element range. Starts with a barrier, so block-shared values written by thread 0 for
+// the previous chunk are no longer being read when the caller overwrites them for this one.
 __device__ __forceinline__ ChunkWork chunk_work(const TensorRow* rows, std::int64_t n_rows, std::int64_t c) {
-  __shared__ std::int64_t s_row;
-  __syncthreads();  // the previous iteration's readers are done with s_row
-  if (threadIdx.x == 0) s_row = find_row(rows, n_rows, c);
   __syncthreads();
   ChunkWork w;
-  w.row = s_row;
+  w.row = chunk_map(rows, n_rows)[c];
   const TensorRow& r = rows[w.row];
   w.begin = (c - r.chunk_begin) * kChunk;
   w.end = w.begin + kChunk < r.numel ? w.begin + kChunk : r.numel;

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 //
 // Runtime support: status/diagnostics, device selection, the content-keyed device table cache and scratch.
+#include <climits>
 #include <cstring>
 #include <list>
 #include <map>
@@ -190,11 +191,11 @@ const TensorRow* device_table(const std::vector<TensorRow>& rows, const Launch& 
   Cache& c = cache();
   const std::uint64_t h = hash_rows(rows);
   const auto key = std::make_tuple(launch.device, launch.stream, h);
-  const std::size_t bytes = rows.size() * sizeof(TensorRow);
+  const std::size_t row_bytes = rows.size() * sizeof(TensorRow);
   std::lock_guard<std::mutex> lock(c.mu);
   for (auto it = c.lru.begin(); it != c.lru.end(); ++it) {
     if (it->first == key && it->second.host.size() == rows.size() &&
-        std::memcmp(it->second.host.data(), rows.data(), bytes) == 0) {
+        std::memcmp(it->second.host.data(), rows.data(), row_bytes) == 0) {
       c.lru.splice(c.lru.begin(), c.lru, it);
       return c.lru.front().second.dev;
     }
@@ -205,15 +206,28 @@ const TensorRow* device_table(const std::vector<TensorRow>& rows, const Launch& 
         "step with the same tensors (grads allocated) on the capture stream first, e.g. "
         "torch.cuda.graph(g, stream=s) after a warm-up step under torch.cuda.stream(s)");
   }
+  // Rows followed by the chunk -> row map (int32; rows are 80 bytes, so the map starts 16-byte aligned).
+  std::int64_t total_chunks = 0;
+  if (!rows.empty()) total_chunks = rows.back().chunk_begin + (rows.back().numel + kChunk - 1) / kChunk;
+  if (rows.size() > static_cast<std::size_t>(INT32_MAX)) throw std::invalid_argument("too many tensors");
+  std::vector<unsigned char> blob(row_bytes + static_cast<std::size_t>(total_chunks) * sizeof(std::int32_t));
+  if (row_bytes > 0) std::memcpy(blob.data(), rows.data(), row_bytes);
+  auto* map = reinterpret_cast<std::int32_t*>(blob.data() + row_bytes);
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    const std::int64_t n = (rows[i].numel + kChunk - 1) / kChunk;
+    for (std::int64_t k = 0; k < n; ++k) map[rows[i].chunk_begin + k] = static_cast<std::int32_t>(i);
+  }
   CachedTable t;
   t.host = rows;
   t.stream = stream;
   t.device = launch.device;
   // Stream-ordered allocation and a copy from pageable memory: the driver stages the bytes before returning,
-  // so there is no host synchronisation and `rows` may be reused at once.
-  check(cudaMallocAsync(reinterpret_cast<void**>(&t.dev), bytes > 0 ? bytes : sizeof(TensorRow), stream),
-        "cudaMallocAsync(table)");
-  if (bytes > 0) check(cudaMemcpyAsync(t.dev, rows.data(), bytes, cudaMemcpyHostToDevice, stream), "table upload");
+  // so there is no host synchronisation and `blob` may be freed at once.
+  const std::size_t bytes = blob.empty() ? sizeof(TensorRow) : blob.size();
+  check(cudaMallocAsync(reinterpret_cast<void**>(&t.dev), bytes, stream), "cudaMallocAsync(table)");
+  if (!blob.empty()) {
+    check(cudaMemcpyAsync(t.dev, blob.data(), blob.size(), cudaMemcpyHostToDevice, stream), "table upload");
+  }
   ++c.uploads;
   c.lru.emplace_front(key, std::move(t));
   while (c.lru.size() > Cache::kMax) {
