@@ -276,19 +276,23 @@ def save_plot(path: Path, results: Sequence[RunResult], steps_per_epoch: int, ti
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for r in (r for r in results if r.error is None):
-        (line,) = ax1.plot(r.train_loss, lw=0.6, alpha=0.35)
+    styles = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D")]  # runs that coincide stay visible
+    for i, r in enumerate(r for r in results if r.error is None):
+        ls, marker = styles[i % len(styles)]
+        (line,) = ax1.plot(r.train_loss, lw=0.6, alpha=0.3)
         epochs = len(r.test_acc)
         per_epoch = [
             statistics.fmean(r.train_loss[e * steps_per_epoch : (e + 1) * steps_per_epoch])
             for e in range(epochs)
         ]
         xs = [(e + 1) * steps_per_epoch for e in range(epochs)]
-        ax1.plot(xs, per_epoch, color=line.get_color(), lw=2, label=f"{_label(r)} (epoch mean)")
+        ax1.plot(xs, per_epoch, color=line.get_color(), ls=ls, lw=2, label=f"{_label(r)} (epoch mean)")
         ax2.plot(
             range(1, epochs + 1),
             [100 * a for a in r.test_acc],
-            marker="o",
+            ls=ls,
+            marker=marker,
+            markersize=4,
             color=line.get_color(),
             label=f"{_label(r)}: {100 * r.test_acc[-1]:.1f}%, step {r.median_step_ms:.2f} ms",
         )
@@ -297,6 +301,7 @@ def save_plot(path: Path, results: Sequence[RunResult], steps_per_epoch: int, ti
     ax1.set_ylabel("training loss (cross-entropy)")
     ax1.legend(fontsize=8)
     ax2.set_xlabel("epoch")
+    ax2.xaxis.get_major_locator().set_params(integer=True)
     ax2.set_ylabel("test accuracy (%)")
     ax2.legend(fontsize=8, loc="lower right")
     fig.suptitle(title, fontsize=10)

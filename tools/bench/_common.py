@@ -444,6 +444,9 @@ def save_ratio_plot(
         ax1.text(r["ratio"], yi, f" {r['ratio']:.2f}x", va="center", fontsize=8)
     ax1.axvline(1.0, color="gray", ls=":", lw=1)
     ax1.set_xscale("log")
+    if rows:
+        hi = max(max(r["ratio"] for r in rows), max((r.get("target") or 1.0) for r in rows))
+        ax1.set_xlim(min(0.5, 0.8 * min(r["ratio"] for r in rows)), 2.0 * hi)  # room for the labels
     ax1.set_yticks(y, labels, fontsize=8)
     ax1.invert_yaxis()
     ax1.set_xlabel("speed-up over torch baseline (log; black tick = target)")
