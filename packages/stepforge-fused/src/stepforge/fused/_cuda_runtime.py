@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import functools
 import importlib
-from collections.abc import Sequence
+import math
+from collections.abc import Iterable, Sequence
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -23,6 +25,7 @@ __all__ = [
     "cuda_built",
     "cuda_module",
     "cuda_status",
+    "device_clip_divisor",
     "device_step_ptrs",
     "dtype_code",
     "increment_device_steps",
@@ -144,11 +147,56 @@ def increment_device_steps(steps: Sequence[torch.Tensor], found_inf: torch.Tenso
     if found_inf is None:
         torch._foreach_add_(list(steps), 1.0)
     else:
-        keep = 1.0 - found_inf.to(torch.float32)
+        keep = (1.0 - found_inf.to(torch.float32)).reshape(())  # foreach takes a 0-dim tensor scalar
         torch._foreach_add_(list(steps), keep)
 
 
 def rollback_skipped_steps(steps: Sequence[torch.Tensor], found_inf: torch.Tensor) -> None:
     """``step -= found_inf`` on the device: undo the increment of a step the kernel skipped (inf/NaN grads)."""
     if steps:
-        torch._foreach_sub_(list(steps), found_inf.to(torch.float32))
+        torch._foreach_sub_(list(steps), found_inf.to(torch.float32).reshape(()))
+
+
+def device_clip_divisor(
+    module: Any,
+    grad_buckets: Iterable[tuple[Any, Any, int]],
+    *,
+    device: torch.device,
+    divisor: float = 1.0,
+    max_norm: float = 0.0,
+    ctx: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global grad norm, clip divisor and overflow flag computed on the device, with no host synchronisation.
+
+    The sync-free form of LAMB's ``_pre_step`` and of the multi-bucket finite check: one ``l2norm`` per
+    bucket accumulates ``sum g^2`` into one device float (``sumsq_out_ptr``), then torch ops on the device give
+
+    - ``div = divisor * max(1, ||g / divisor|| / max_norm)`` (``max_norm <= 0``: ``div = divisor``), to pass as
+      ``grad_divisor_ptr=div.data_ptr()`` together with ``grad_divisor=1.0``;
+    - ``found_inf = 1.0`` if the norm is inf/NaN, else ``0.0``, to pass as ``found_inf_ptr`` to every bucket's
+      launch, so the whole step is skipped on the device when any grad overflowed.
+
+    Args:
+        module: the ``_cuda`` module.
+        grad_buckets: ``(grad pointer array, sizes, grad dtype code)`` per bucket.
+        device: the CUDA device of the buckets.
+        divisor: the host-side grad divisor (loss scale, ``div_scale``), applied before the norm.
+        max_norm: clip threshold; ``<= 0`` disables clipping.
+        ctx: stream handle (default: the current stream of ``device``).
+
+    Returns:
+        ``(div, found_inf)``: two 1-element float32 tensors on ``device``.
+    """
+    if ctx is None:
+        ctx = stream_handle(device)
+    sumsq = torch.zeros(1, device=device, dtype=torch.float32)
+    for ptrs, sizes, code in grad_buckets:
+        module.l2norm(ptrs, sizes, code, 0, ctx, sumsq_out_ptr=sumsq.data_ptr())
+    norm = sumsq.sqrt() / divisor
+    found_inf = (~torch.isfinite(norm)).to(torch.float32)
+    div = torch.full_like(norm, divisor)
+    if max_norm > 0 and math.isfinite(max_norm):
+        # NaN/inf norms leave the divisor alone: the step is skipped through found_inf anyway.
+        clip = torch.where(torch.isfinite(norm), torch.clamp(norm / max_norm, min=1.0), torch.ones_like(norm))
+        div = div * clip
+    return div, found_inf
