@@ -343,9 +343,9 @@ def _stepforge_class(kind: str, b: Bundle) -> Callable[[], None] | None:
         import stepforge.fused as fused
 
         if kind == "adam":
-            opt = fused.FusedAdam(b.params, bias_correction=True, adam_w_mode=True, **HP)
+            opt = fused.FusedAdam(b.params, bias_correction=True, **HP)
         elif kind == "mixed":
-            opt = fused.FusedAdam(b.params, bias_correction=True, adam_w_mode=True, master_weights=True, **HP)
+            opt = fused.FusedAdam(b.params, bias_correction=True, master_weights=True, **HP)
         elif kind == "sgd":
             opt = fused.FusedSGD(b.params, lr=HP["lr"], momentum=0.9)
         else:

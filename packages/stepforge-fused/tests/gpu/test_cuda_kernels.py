@@ -688,6 +688,7 @@ def test_adam_graph_capture_with_device_lr_and_steps(cuda_mod):
             ctx(),
             lr_ptr=lr.data_ptr(),
             step_ptrs=device_step_ptrs(steps),
+            device=torch.cuda.current_device(),  # no pointer-attribute query inside the capture
         )
 
     # Launch tables are cached per stream: warm up on the stream the graph is captured on.

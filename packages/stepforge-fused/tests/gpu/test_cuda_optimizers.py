@@ -53,7 +53,7 @@ def assert_params_close(a, b, **tol):
 
 def test_fused_adam_matches_torch_adamw(fused):
     mine, theirs = params(), params()
-    run(fused.FusedAdam(mine, adam_w_mode=True, **HP), mine, 4)
+    run(fused.FusedAdam(mine, **HP), mine, 4)
     run(torch.optim.AdamW(theirs, fused=True, **HP), theirs, 4)
     assert_params_close(mine, theirs)
 
@@ -68,7 +68,7 @@ def test_fused_adam_state_dict_round_trips_with_torch(fused):
     a_opt = torch.optim.AdamW(a, fused=True, **HP)
     run(a_opt, a, 2)
     b = [p.detach().clone().requires_grad_() for p in a]
-    b_opt = fused.FusedAdam(b, adam_w_mode=True, **HP)
+    b_opt = fused.FusedAdam(b, **HP)
     b_opt.load_state_dict(a_opt.state_dict())
     run(b_opt, b, 2, start=2)
     c = [p.detach().clone().requires_grad_() for p in b]
@@ -88,7 +88,7 @@ def test_fused_adam_low_precision_matches_reference(fused, dtype):
     ref = [p.detach().clone() for p in mine]
     m = [torch.zeros(p.shape, device="cuda") for p in ref]
     v = [torch.zeros(p.shape, device="cuda") for p in ref]
-    opt = fused.FusedAdam(mine, adam_w_mode=True, **HP)
+    opt = fused.FusedAdam(mine, **HP)
     steps = [0] * len(ref)
     for s in range(3):
         set_grads(mine, s)
@@ -144,7 +144,7 @@ def test_fused_lamb_matches_reference(fused):
 def test_cpu_and_gpu_give_the_same_result(fused, name):
     cls = getattr(fused, name)
     kw = {
-        "FusedAdam": dict(adam_w_mode=True, **HP),
+        "FusedAdam": dict(HP),
         "FusedSGD": dict(lr=0.05, momentum=0.9),
         "FusedLAMB": dict(lr=1e-2, weight_decay=0.01),
     }[name]
