@@ -288,16 +288,19 @@ class Lamb(MultiTensorOptimizer):
                 u = torch._foreach_div(m_pieces, [bc1[i] for i in idx])
                 torch._foreach_div_(u, denom)
             else:
-                denom = torch._foreach_sqrt(v_pieces)
+                # pow(v, 0.5) is computed as sqrt; out-of-place _foreach_sqrt on CPU views can be 1000x
+                # slower with several threads (torch 2.13), so unary foreach ops run in place on our own copies.
+                denom = torch._foreach_pow(v_pieces, 0.5)
                 torch._foreach_add_(denom, eps)
                 u = torch._foreach_div(m_pieces, denom)
             if adam_w and wd != 0:
                 torch._foreach_add_(u, p_pieces, alpha=wd)
             return u
 
-        # One wave (CUDA): keep u. Several (CPU): recompute u per wave in phase 2, which costs a few in-cache
-        # passes but no bucket-sized temporary (whose page faults cost more than the recomputation).
-        keep = len(waves) == 1
+        # u is kept from phase 1 to phase 2 (a transient fp32 copy of the bucket, like torch's foreach Adam
+        # temporaries; foreach=False bounds it to one tensor). Recomputing it per wave saves that memory
+        # but costs four more passes.
+        keep = True
         kept_all: list[list[torch.Tensor]] = []
         w_norms, u_norms = [], []
         for wave in waves:
@@ -313,7 +316,7 @@ class Lamb(MultiTensorOptimizer):
                 if fresh:
                     torch._foreach_neg_(g)
                 else:
-                    g = torch._foreach_neg(g)
+                    g = torch._foreach_mul(g, -1.0)
                 fresh = True
             if not adam_w and wd != 0:
                 if fresh:
@@ -345,6 +348,14 @@ class Lamb(MultiTensorOptimizer):
             if low is not None or high is not None:
                 ratio = torch.where((w > 0) & (n > 0), ratio.clamp(min=low, max=high), ratio)
 
+        # p += coef * u with coef = -lr * s * r per tensor, folded into one multiply-add where possible.
+        uniform = all(f == factor[0] for f in factor)
+        coef = None
+        if ratio is not None:
+            if uniform:
+                coef = ratio * factor[0]
+            elif device.type == "cpu":  # a host list becomes a device tensor for free only on the CPU
+                coef = ratio * torch.tensor(factor, dtype=ratio.dtype)
         for k, wave in enumerate(waves):
             p_pieces = pieces_of(targets, wave, whole)
             p32 = [x.to(mdtype) for x in p_pieces] if upcast_p else p_pieces
@@ -354,10 +365,16 @@ class Lamb(MultiTensorOptimizer):
                 u = update_of(
                     wave, pieces_of(exp_avgs, wave, whole), pieces_of(exp_avg_sqs, wave, whole), p32
                 )
-            torch._foreach_mul_(u, [factor[piece.index] for piece in wave.pieces])
-            if ratio is not None:
-                torch._foreach_mul_(u, gather_pieces(ratio, wave))
-            torch._foreach_add_(p32, u)
+            if coef is not None:
+                torch._foreach_addcmul_(p32, u, gather_pieces(coef, wave))
+            elif ratio is not None:
+                torch._foreach_mul_(u, [factor[piece.index] for piece in wave.pieces])
+                torch._foreach_addcmul_(p32, u, gather_pieces(ratio, wave))
+            elif uniform:
+                torch._foreach_add_(p32, u, alpha=factor[0])
+            else:
+                torch._foreach_mul_(u, [factor[piece.index] for piece in wave.pieces])
+                torch._foreach_add_(p32, u)
             if upcast_p:
                 torch._foreach_copy_(p_pieces, p32)
         if strided:

@@ -195,6 +195,7 @@ class Lars(MultiTensorOptimizer):
                 if low is not None or high is not None:
                     ratio = ratio.clamp(min=low, max=high)
 
+        coef = None if ratio is None else ratio * -lr  # p += coef * step, one multiply-add per piece
         first = []
         bufs: list[torch.Tensor] = []
         if mu != 0:
@@ -222,7 +223,7 @@ class Lars(MultiTensorOptimizer):
                 if fresh:
                     torch._foreach_neg_(d)
                 else:
-                    d = torch._foreach_neg(d)
+                    d = torch._foreach_mul(d, -1.0)  # binary op: see the note on unary foreach ops in _lamb
                 fresh = True
             if wd != 0:
                 if fresh:
@@ -248,9 +249,8 @@ class Lars(MultiTensorOptimizer):
                 step = torch._foreach_add(d, b_pieces, alpha=mu) if nesterov else b_pieces
             else:
                 step = d
-            if ratio is not None:
-                step = torch._foreach_mul(step, gather_pieces(ratio, wave))
-                torch._foreach_add_(p32, step, alpha=-lr)
+            if coef is not None:
+                torch._foreach_addcmul_(p32, step, gather_pieces(coef, wave))
             else:
                 torch._foreach_add_(p32, step, alpha=-lr)
             if upcast_p:

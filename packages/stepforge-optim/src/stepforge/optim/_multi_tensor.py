@@ -97,10 +97,18 @@ def plan_waves(numels: Sequence[int], chunk_size: int | None, device: torch.devi
 
 
 def pieces_of(tensors: Sequence[torch.Tensor], wave: Wave, whole: bool) -> list[torch.Tensor]:
-    """The views of ``tensors`` that ``wave`` names (``whole``: the tensors themselves, the one-wave plan)."""
+    """The views of ``tensors`` that ``wave`` names; a piece covering a whole tensor is the tensor itself.
+
+    Element-wise ``_foreach`` ops only need corresponding pieces of the lists to have one shape, so whole
+    tensors need no flattened view (most tensors of a model are small and never split).
+    """
     if whole:
         return [tensors[p.index] for p in wave.pieces]
-    return [tensors[p.index].view(-1)[p.start : p.stop] for p in wave.pieces]
+    out = []
+    for p in wave.pieces:
+        t = tensors[p.index]
+        out.append(t if p.start == 0 and p.stop == t.numel() else t.view(-1)[p.start : p.stop])
+    return out
 
 
 def segment_norms(
@@ -112,10 +120,10 @@ def segment_norms(
     """Per-tensor L2 norms (shape ``(count,)``, ``dtype``) from the L2 norms of every piece of every wave."""
     items = list(piece_norms)
     if len(items) == 1 and items[0][0].owners is None:
-        return torch.stack([n.to(dtype) for n in items[0][1]])
+        return torch.stack(list(items[0][1])).to(dtype)
     total = torch.zeros(count, dtype=dtype, device=device)
     for wave, norms in items:
-        squares = torch.stack([n.to(dtype) for n in norms]).square()
+        squares = torch.stack(list(norms)).to(dtype).square()
         if wave.owners is None:
             total.add_(squares)
         else:
