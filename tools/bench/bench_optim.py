@@ -3,24 +3,21 @@
 
 The parameter list is model-shaped: by default 200 tensors with sizes log-spaced from 1 K to 4 M elements
 (about 98 M elements in all); ``--case small`` adds a list of many small tensors, where per-tensor overhead
-dominates. Each optimizer is warmed up, then baseline and stepforge steps are timed interleaved and the best
-and median of ``--reps`` are kept. The ratio printed is ``loop time / stepforge time`` (higher is better).
+dominates. Each optimizer is warmed up, then baseline and stepforge steps are timed round-robin with
+``tools/bench/_common.py``; the ratio is ``median loop time / median stepforge time`` (higher is better),
+and the best-step ratio is printed beside it.
 
-    python tools/bench/bench_optim.py                       # CPU, both optimizers, JSON to bench_optim.json
-    python tools/bench/bench_optim.py --device cuda --out benchmarks/results/optim-h100.json
+    python tools/bench/bench_optim.py                       # CPU, both optimizers -> bench-out/cpu-<date>-optim.json
+    python tools/bench/bench_optim.py --case model small --threads 1 --reps 9
+    python tools/bench/bench_optim.py --device cuda
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
-import os
-import platform
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _common
 from _optim_loop import LoopLamb, LoopLars
 
 from stepforge.optim import Lamb, Lars
@@ -71,16 +69,16 @@ def _build(factory, kwargs, sizes, device, dtype, seed=0):
     return params, factory(params, **kwargs)
 
 
-def _time_step(opt: torch.optim.Optimizer, device: torch.device) -> float:
-    _sync(device)
-    start = time.perf_counter()
-    opt.step()
-    _sync(device)
-    return time.perf_counter() - start
+def _stepper(opt: torch.optim.Optimizer, device: torch.device) -> Callable[[], None]:
+    def step() -> None:
+        opt.step()
+        _sync(device)
+
+    return step
 
 
 def bench_one(
-    name: str, sizes: list[int], device: torch.device, dtype: torch.dtype, reps: int
+    name: str, sizes: list[int], device: torch.device, dtype: torch.dtype, reps: int, warmup: int
 ) -> dict[str, Any]:
     ours_cls, loop_cls, kwargs = OPTIMIZERS[name]
     loop_params, loop = _build(loop_cls, kwargs, sizes, device, dtype)
@@ -89,45 +87,22 @@ def bench_one(
     loop.step()
     ours.step()
     diff = max(float((a - b).detach().abs().max()) for a, b in zip(loop_params, ours_params, strict=True))
-    loop_times, ours_times = [], []
-    for _ in range(reps):  # interleaved, so load changes on a shared machine hit both alike
-        loop_times.append(_time_step(loop, device))
-        ours_times.append(_time_step(ours, device))
+    # Round-robin after a warm-up, gc off (tools/bench/_common.py), so load changes hit both alike.
+    timings = _common.time_interleaved(
+        {"loop": _stepper(loop, device), "stepforge": _stepper(ours, device)}, warmup=warmup, repeats=reps
+    )
+    t_loop, t_ours = timings["loop"], timings["stepforge"]
     result = {
         "optimizer": name,
         "kwargs": kwargs,
-        "loop_best_s": min(loop_times),
-        "loop_median_s": statistics.median(loop_times),
-        "stepforge_best_s": min(ours_times),
-        "stepforge_median_s": statistics.median(ours_times),
-        "ratio_best": min(loop_times) / min(ours_times),
-        "ratio_median": statistics.median(loop_times) / statistics.median(ours_times),
+        "loop": t_loop.to_dict(),
+        "stepforge": t_ours.to_dict(),
+        "ratio": t_loop.median_ms / t_ours.median_ms,
+        "ratio_min": t_loop.min_ms / t_ours.min_ms,
         "max_abs_diff_after_one_step": diff,
     }
     del loop_params, ours_params, loop, ours
     return result
-
-
-def machine(device: torch.device) -> dict[str, Any]:
-    info = {
-        "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "device": str(device),
-    }
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-    else:
-        try:
-            load = os.getloadavg()
-            info["loadavg_1_5_15"] = [round(x, 2) for x in load]
-        except OSError:
-            pass
-    return info
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,13 +115,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--case", nargs="+", default=["model"], choices=list(CASES))
     parser.add_argument("--tensors", type=int, help="override the tensor count of every case")
     parser.add_argument("--max-numel", type=int, help="override the largest tensor size of every case")
-    parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--threads", type=int, help="torch.set_num_threads (CPU)")
+    parser.add_argument("--reps", type=int, default=7, help="timed steps per optimizer (median reported)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: all usable cores)")
     parser.add_argument("--target", type=float, default=3.0, help="ratio the issue asks for")
-    parser.add_argument("--out", type=Path, default=Path("bench_optim.json"))
+    parser.add_argument("--out", type=Path, default=Path("bench-out"), help="directory for <stem>.json")
+    parser.add_argument("--stem", help="file name stem (default <device>-<date>-optim)")
     args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    threads = _common.configure_threads(args.threads)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     results = []
@@ -158,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             spec["high"] = args.max_numel
         sizes = sizes_for(**spec)
         for name in args.optimizers:
-            r = bench_one(name, sizes, device, dtype, args.reps)
+            r = bench_one(name, sizes, device, dtype, args.reps, args.warmup)
             r.update(
                 case=case,
                 tensors=len(sizes),
@@ -166,22 +142,30 @@ def main(argv: list[str] | None = None) -> int:
                 max_numel=max(sizes),
                 total_numel=sum(sizes),
                 dtype=args.dtype,
+                target=args.target,
+                met=r["ratio"] >= args.target,
             )
             results.append(r)
             print(
                 f"{case:>5} {name:<4} {len(sizes)} tensors, {sum(sizes) / 1e6:.1f} M elements: "
-                f"loop {r['loop_best_s'] * 1e3:8.1f} ms  stepforge {r['stepforge_best_s'] * 1e3:8.1f} ms  "
-                f"ratio {r['ratio_best']:.2f}x best / {r['ratio_median']:.2f}x median "
+                f"loop {r['loop']['median_ms']:8.1f} ms  stepforge {r['stepforge']['median_ms']:8.1f} ms  "
+                f"ratio {r['ratio']:.2f}x median / {r['ratio_min']:.2f}x min "
                 f"(target {args.target:g}x; max |diff| after 1 step {r['max_abs_diff_after_one_step']:.1e})"
             )
+    machine = _common.machine_info(threads)
+    if device.type == "cuda":
+        machine["gpu"] = torch.cuda.get_device_name(device)
     report = {
-        "benchmark": "stepforge.optim vs per-parameter loop",
-        "machine": machine(device),
+        "benchmark": "stepforge.optim Lamb/Lars vs a per-parameter loop of the same math",
+        "date_utc": _common.utc_now(),
+        "device": str(device),
+        "machine": machine,
+        "load_average_end": _common.load_average(),
         "results": results,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    date = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d")
+    path = _common.save_json(args.out / f"{args.stem or f'{device.type}-{date}-optim'}.json", report)
+    print(f"wrote {path}")
     return 0
 
 
