@@ -307,3 +307,25 @@ def test_errors_name_the_problem():
         p.grad = g
         with pytest.raises((RuntimeError, TypeError), match=match):
             FusedAdam([p]).step()
+
+
+def test_assume_stable_grads_follows_backward_reallocations_through_hooks():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    ref_model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    ref_model.load_state_dict(model.state_dict())
+    opt = FusedAdam(model.parameters(), lr=1e-2, assume_stable_grads=True)
+    torch_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.0, fused=True)
+    x = torch.randn(4, 8)
+    for k in range(4):
+        # model.zero_grad() sets None behind the optimizer's back; backward then allocates new grads
+        for m, o in ((model, opt), (ref_model, torch_opt)):
+            m.zero_grad(set_to_none=bool(k % 2))
+            m(x).pow(2).sum().backward()
+            o.step()
+    assert bits_equal(model.parameters(), ref_model.parameters())
+    # a grad assigned by hand is not seen without invalidate_cache() in this mode
+    set_grads(list(model.parameters()), list(ref_model.parameters()))
+    opt.invalidate_cache()
+    opt.step()
+    torch_opt.step()
+    assert bits_equal(model.parameters(), ref_model.parameters())

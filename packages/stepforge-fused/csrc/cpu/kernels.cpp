@@ -88,42 +88,99 @@ inline const float* float_view(const T* src, float* tmp, int64_t n) {
 }
 
 // ---- parallel loop over the concatenated element range ---------------------------------------------------
-// f(tid, tensor, begin, end) with [begin, end) local to the tensor. Deterministic split for a given thread count.
+// The range [0, total) is cut into chunks (a few per thread, multiples of 64 elements) handed out dynamically,
+// so a thread slowed down by another process does not hold up the others. f(chunk, tensor, begin, end) with
+// [begin, end) local to the tensor. Chunk boundaries depend only on (total, threads), so reductions that keep
+// one partial per (chunk, tensor) and combine them in chunk order are deterministic.
+struct Chunks {
+  int64_t total = 0;
+  int64_t size = 0;
+  int64_t count = 0;
+  int threads = 1;
+};
+
+inline Chunks make_chunks(const MultiTensor& mt) {
+  Chunks c;
+  c.total = mt.n > 0 ? mt.offsets[mt.n] : 0;
+  c.threads = (c.total < kMinParallel || mt.num_threads < 1) ? 1 : mt.num_threads;
+  const int64_t pieces = c.threads == 1 ? 1 : int64_t(c.threads) * 4;
+  int64_t size = (c.total + pieces - 1) / pieces;
+  if (c.threads > 1) size = std::max<int64_t>(size, kMinParallel / 2);
+  size = (size + kAlign - 1) / kAlign * kAlign;
+  c.size = std::max<int64_t>(size, kAlign);
+  c.count = c.total == 0 ? 0 : (c.total + c.size - 1) / c.size;
+  return c;
+}
+
+inline int64_t first_tensor(const MultiTensor& mt, int64_t pos) {
+  return int64_t(std::upper_bound(mt.offsets, mt.offsets + mt.n + 1, pos) - mt.offsets) - 1;
+}
+
+template <class F>
+void run_chunk(const MultiTensor& mt, const Chunks& c, int64_t chunk, F& f) {
+  const int64_t b = chunk * c.size;
+  const int64_t e = std::min(c.total, b + c.size);
+  int64_t t = first_tensor(mt, b);
+  int64_t pos = b;
+  while (pos < e && t < mt.n) {
+    const int64_t seg_end = std::min(e, mt.offsets[t + 1]);
+    if (seg_end > pos) f(chunk, t, pos - mt.offsets[t], seg_end - mt.offsets[t]);
+    pos = std::max(pos, seg_end);
+    ++t;
+  }
+}
+
 template <class F>
 void parallel_segments(const MultiTensor& mt, F&& f) {
-  const int64_t total = mt.n > 0 ? mt.offsets[mt.n] : 0;
-  if (total <= 0) return;
-  int nt = mt.num_threads < 1 ? 1 : mt.num_threads;
-  if (total < kMinParallel) nt = 1;
-  auto body = [&](int tid, int nthreads) {
-    int64_t chunk = (total + nthreads - 1) / nthreads;
-    chunk = (chunk + kAlign - 1) / kAlign * kAlign;
-    const int64_t b = std::min<int64_t>(total, int64_t(tid) * chunk);
-    const int64_t e = std::min<int64_t>(total, b + chunk);
-    if (b >= e) return;
-    int64_t t = int64_t(std::upper_bound(mt.offsets, mt.offsets + mt.n + 1, b) - mt.offsets) - 1;
-    int64_t pos = b;
-    while (pos < e && t < mt.n) {
-      const int64_t seg_end = std::min(e, mt.offsets[t + 1]);
-      if (seg_end > pos) f(tid, t, pos - mt.offsets[t], seg_end - mt.offsets[t]);
-      pos = std::max(pos, seg_end);
-      ++t;
-    }
-  };
+  const Chunks c = make_chunks(mt);
+  if (c.count == 0) return;
 #if defined(_OPENMP)
-  if (nt > 1) {
-#pragma omp parallel num_threads(nt)
-    body(omp_get_thread_num(), omp_get_num_threads());
+  if (c.threads > 1 && c.count > 1) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(c.threads)
+    for (int64_t chunk = 0; chunk < c.count; ++chunk) run_chunk(mt, c, chunk, f);
     return;
   }
 #endif
-  body(0, 1);
+  for (int64_t chunk = 0; chunk < c.count; ++chunk) run_chunk(mt, c, chunk, f);
 }
 
-inline int team_size(const MultiTensor& mt) {
-  const int64_t total = mt.n > 0 ? mt.offsets[mt.n] : 0;
-  return (total < kMinParallel || mt.num_threads < 1) ? 1 : mt.num_threads;
-}
+// Per-(chunk, tensor) partial sums, combined in chunk order (deterministic for a given thread count).
+class ChunkPartials {
+ public:
+  ChunkPartials(const MultiTensor& mt, int width) : n_(mt.n), width_(width) {
+    const Chunks c = make_chunks(mt);
+    first_.resize(size_t(c.count));
+    base_.assign(size_t(c.count) + 1, 0);
+    for (int64_t k = 0; k < c.count; ++k) {
+      const int64_t b = k * c.size;
+      const int64_t e = std::min(c.total, b + c.size);
+      const int64_t t0 = first_tensor(mt, b);
+      const int64_t t1 = first_tensor(mt, e - 1);
+      first_[size_t(k)] = t0;
+      base_[size_t(k) + 1] = base_[size_t(k)] + (t1 - t0 + 1);
+    }
+    data_.assign(size_t(base_.back()) * size_t(width), 0.0);
+  }
+  double* at(int64_t chunk, int64_t t) {
+    return &data_[size_t(base_[size_t(chunk)] + (t - first_[size_t(chunk)])) * size_t(width_)];
+  }
+  // out[t * width + w] = sum over chunks, in order, of tensor t's partials.
+  void combine(double* out) const {
+    for (int64_t i = 0; i < n_ * width_; ++i) out[i] = 0.0;
+    for (size_t k = 0; k < first_.size(); ++k)
+      for (int64_t j = base_[k]; j < base_[k + 1]; ++j) {
+        const int64_t t = first_[k] + (j - base_[k]);
+        for (int w = 0; w < width_; ++w) out[t * width_ + w] += data_[size_t(j) * size_t(width_) + size_t(w)];
+      }
+  }
+
+ private:
+  int64_t n_;
+  int width_;
+  std::vector<int64_t> first_;
+  std::vector<int64_t> base_;
+  std::vector<double> data_;
+};
 
 // ---- Adam ----------------------------------------------------------------------------------------------
 template <class P, class G, bool MASTER>
@@ -194,7 +251,7 @@ void adam_segment(const AdamLaunch& L, int64_t t, int64_t b, int64_t e) {
 
 template <class P, class G, bool MASTER>
 void adam_run(const AdamLaunch& L) {
-  parallel_segments(L.mt, [&](int, int64_t t, int64_t b, int64_t e) { adam_segment<P, G, MASTER>(L, t, b, e); });
+  parallel_segments(L.mt, [&](int64_t, int64_t t, int64_t b, int64_t e) { adam_segment<P, G, MASTER>(L, t, b, e); });
 }
 
 // ---- SGD -----------------------------------------------------------------------------------------------
@@ -230,16 +287,14 @@ void sgd_segment(const SgdLaunch& L, int64_t t, int64_t b, int64_t e) {
 
 template <class P, class G, bool MASTER>
 void sgd_run(const SgdLaunch& L) {
-  parallel_segments(L.mt, [&](int, int64_t t, int64_t b, int64_t e) { sgd_segment<P, G, MASTER>(L, t, b, e); });
+  parallel_segments(L.mt, [&](int64_t, int64_t t, int64_t b, int64_t e) { sgd_segment<P, G, MASTER>(L, t, b, e); });
 }
 
 // ---- LAMB ----------------------------------------------------------------------------------------------
 template <class P, class G, bool MASTER>
 void lamb_pass1_run(const LambLaunch& L) {
-  const int T = team_size(L.mt);
-  const int64_t n = L.mt.n;
-  std::vector<double> part(size_t(T) * size_t(n) * 2, 0.0);
-  parallel_segments(L.mt, [&](int tid, int64_t t, int64_t b, int64_t e) {
+  ChunkPartials part(L.mt, 2);
+  parallel_segments(L.mt, [&](int64_t chunk, int64_t t, int64_t b, int64_t e) {
     const LambConsts c = L.consts[t];
     const P* p = reinterpret_cast<const P*>(L.params[t]);
     const G* g = reinterpret_cast<const G*>(L.grads[t]);
@@ -267,19 +322,21 @@ void lamb_pass1_run(const LambLaunch& L) {
       psq += ps;
       usq += us;
     }
-    part[(size_t(tid) * size_t(n) + size_t(t)) * 2] += psq;
-    part[(size_t(tid) * size_t(n) + size_t(t)) * 2 + 1] += usq;
+    double* slot = part.at(chunk, t);
+    slot[0] += psq;
+    slot[1] += usq;
   });
-  for (int tid = 0; tid < T; ++tid)
-    for (int64_t t = 0; t < n; ++t) {
-      L.p_sq[t] += part[(size_t(tid) * size_t(n) + size_t(t)) * 2];
-      L.u_sq[t] += part[(size_t(tid) * size_t(n) + size_t(t)) * 2 + 1];
-    }
+  std::vector<double> sums(size_t(L.mt.n) * 2);
+  part.combine(sums.data());
+  for (int64_t t = 0; t < L.mt.n; ++t) {
+    L.p_sq[t] += sums[size_t(t) * 2];
+    L.u_sq[t] += sums[size_t(t) * 2 + 1];
+  }
 }
 
 template <class P, class G, bool MASTER>
 void lamb_pass2_run(const LambLaunch& L) {
-  parallel_segments(L.mt, [&](int, int64_t t, int64_t b, int64_t e) {
+  parallel_segments(L.mt, [&](int64_t, int64_t t, int64_t b, int64_t e) {
     const LambConsts c = L.consts[t];
     const float scale = L.step_scale[t];
     P* p = reinterpret_cast<P*>(L.params[t]);
@@ -313,7 +370,7 @@ bool any_non_finite_run(const MultiTensor& mt, const int64_t* ptrs, double divis
   std::atomic<bool> found{false};
   const bool has_div = divisor != 1.0;
   const float div = float(divisor);
-  parallel_segments(mt, [&](int, int64_t t, int64_t b, int64_t e) {
+  parallel_segments(mt, [&](int64_t, int64_t t, int64_t b, int64_t e) {
     const T* x = reinterpret_cast<const T*>(ptrs[t]);
     alignas(64) float tmp[kBlock];
     for (int64_t i0 = b; i0 < e; i0 += kBlock) {
@@ -342,10 +399,8 @@ bool any_non_finite_run(const MultiTensor& mt, const int64_t* ptrs, double divis
 
 template <class T>
 void sum_squares_run(const MultiTensor& mt, const int64_t* ptrs, double* out) {
-  const int T_ = team_size(mt);
-  const int64_t n = mt.n;
-  std::vector<double> part(size_t(T_) * size_t(n), 0.0);
-  parallel_segments(mt, [&](int tid, int64_t t, int64_t b, int64_t e) {
+  ChunkPartials part(mt, 1);
+  parallel_segments(mt, [&](int64_t chunk, int64_t t, int64_t b, int64_t e) {
     const T* x = reinterpret_cast<const T*>(ptrs[t]);
     alignas(64) float tmp[kBlock];
     double acc = 0.0;
@@ -357,18 +412,16 @@ void sum_squares_run(const MultiTensor& mt, const int64_t* ptrs, double* out) {
       for (int64_t j = 0; j < k; ++j) s += double(xb[j]) * double(xb[j]);
       acc += s;
     }
-    part[size_t(tid) * size_t(n) + size_t(t)] += acc;
+    *part.at(chunk, t) += acc;
   });
-  for (int64_t t = 0; t < n; ++t) out[t] = 0.0;
-  for (int tid = 0; tid < T_; ++tid)
-    for (int64_t t = 0; t < n; ++t) out[t] += part[size_t(tid) * size_t(n) + size_t(t)];
+  part.combine(out);
 }
 
 template <class S, class D>
 bool scale_run(const MultiTensor& mt, const int64_t* src, const int64_t* dst, double scale) {
   std::atomic<bool> found{false};
   const float s = float(scale);
-  parallel_segments(mt, [&](int, int64_t t, int64_t b, int64_t e) {
+  parallel_segments(mt, [&](int64_t, int64_t t, int64_t b, int64_t e) {
     const S* x = reinterpret_cast<const S*>(src[t]);
     D* y = reinterpret_cast<D*>(dst[t]);
     alignas(64) float in[kBlock];

@@ -39,6 +39,7 @@ class CPUAdam(AdamBase):
         *,
         master_weights: bool = False,
         skip_nonfinite: bool | None = None,
+        assume_stable_grads: bool = False,
     ) -> None:
         check_adam_like(
             self._owner,
@@ -57,7 +58,13 @@ class CPUAdam(AdamBase):
             weight_decay=weight_decay,
             adamw_mode=adamw_mode,
         )
-        super().__init__(model_params, defaults, master_weights=master_weights, skip_nonfinite=skip_nonfinite)
+        super().__init__(
+            model_params,
+            defaults,
+            master_weights=master_weights,
+            skip_nonfinite=skip_nonfinite,
+            assume_stable_grads=assume_stable_grads,
+        )
 
     def step(self, closure: Callable[[], Any] | None = None, div_scale: float = -1) -> Any:
         """One step; ``div_scale > 0`` divides every grad (loss scale x clip factor) inside the kernel."""

@@ -59,6 +59,7 @@ class FusedLAMB(AdamBase):
         trust_clip: tuple[float | None, float | None] | None = None,
         master_weights: bool = False,
         skip_nonfinite: bool | None = None,
+        assume_stable_grads: bool = False,
     ) -> None:
         check_adam_like(
             self._owner,
@@ -96,7 +97,13 @@ class FusedLAMB(AdamBase):
             use_nvlamb=use_nvlamb,
             trust_clip=(low, high),
         )
-        super().__init__(params, defaults, master_weights=master_weights, skip_nonfinite=skip_nonfinite)
+        super().__init__(
+            params,
+            defaults,
+            master_weights=master_weights,
+            skip_nonfinite=skip_nonfinite,
+            assume_stable_grads=assume_stable_grads,
+        )
 
     def _torch_group_keys(self, group: dict[str, Any]) -> dict[str, Any]:
         return {}

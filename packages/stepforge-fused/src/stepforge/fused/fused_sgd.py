@@ -65,6 +65,7 @@ class FusedSGD(FusedOptimizerBase):
         *,
         master_weights: bool = False,
         skip_nonfinite: bool | None = None,
+        assume_stable_grads: bool = False,
     ) -> None:
         if lr is required:
             raise HyperParameterError("FusedSGD: lr is required (e.g. FusedSGD(params, lr=0.1)).")
@@ -87,7 +88,13 @@ class FusedSGD(FusedOptimizerBase):
             nesterov=nesterov,
             wd_after_momentum=wd_after_momentum,
         )
-        super().__init__(params, defaults, master_weights=master_weights, skip_nonfinite=skip_nonfinite)
+        super().__init__(
+            params,
+            defaults,
+            master_weights=master_weights,
+            skip_nonfinite=skip_nonfinite,
+            assume_stable_grads=assume_stable_grads,
+        )
 
     def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
         return ("momentum_buffer",) if group["momentum"] != 0 else ()

@@ -42,6 +42,7 @@ class HybridAdam(CPUAdam):
         *,
         master_weights: bool = False,
         skip_nonfinite: bool | None = None,
+        assume_stable_grads: bool = False,
         **defaults: Any,
     ) -> None:
         if nvme_offload_fraction not in (0, 0.0) or nvme_offload_dir is not None:
@@ -61,4 +62,5 @@ class HybridAdam(CPUAdam):
             adamw_mode=adamw_mode,
             master_weights=master_weights,
             skip_nonfinite=skip_nonfinite,
+            assume_stable_grads=assume_stable_grads,
         )
