@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
+import shutil
 import tomllib
 
 import nox
@@ -64,7 +66,9 @@ def _test_group(package: str) -> list[str]:
     return [r for r in group if isinstance(r, str) and not r.startswith("stepforge-")]
 
 
-def install_packages(session: nox.Session, *packages: str, extra: tuple[str, ...] = ()) -> None:
+def install_packages(
+    session: nox.Session, *packages: str, extra: tuple[str, ...] = (), env: dict[str, str] | None = None
+) -> None:
     """Install packages and their local siblings in one pip call, torch pinned by the constraints file.
 
     One call, so pip never looks for an unreleased sibling on the index.
@@ -75,7 +79,22 @@ def install_packages(session: nox.Session, *packages: str, extra: tuple[str, ...
             if name not in names:
                 names.append(name)
     reqs = {r for p in packages for r in _test_group(p)} | set(extra)
-    session.install(*CONSTRAINTS, *sorted(reqs), *(str(ROOT / "packages" / n) for n in names))
+    session.install(*CONSTRAINTS, *sorted(reqs), *(str(ROOT / "packages" / n) for n in names), env=env)
+
+
+def run_pytest(session: nox.Session, tests: str, *args: str, env: dict[str, str] | None = None) -> None:
+    """pytest on a folder or file below packages/, with the root config."""
+    session.run(
+        "python", "-m", "pytest", str(ROOT / "packages" / tests),
+        "-c", str(ROOT / "pyproject.toml"), "--rootdir", str(ROOT), "-p", "no:cacheprovider",
+        *args, *session.posargs,
+        env={"STEPFORGE_SOURCE_ROOT": str(ROOT), **(env or {})},
+    )  # fmt: skip
+
+
+# The CPU test sessions build stepforge-fused without its CUDA module (build_cuda covers that): nvcc may be on
+# PATH, and AUTO would spend a minute of a 2-core CI machine on it in every session that installs fused.
+CPU_BUILD = {"STEPFORGE_CUDA": "OFF"}
 
 
 @nox.session(python=PYTHON, tags=["ci"])
@@ -83,21 +102,68 @@ def install_packages(session: nox.Session, *packages: str, extra: tuple[str, ...
 def tests(session: nox.Session, package: str) -> None:
     """Install one package with its siblings and run its tests (GPU tests skip without a device)."""
     # torch warns at import without numpy, and the test config turns warnings into errors
-    install_packages(session, package, extra=("numpy",))
-    session.run(
-        "python",
-        "-m",
-        "pytest",
-        str(ROOT / "packages" / package / "tests"),
-        "-c",
-        str(ROOT / "pyproject.toml"),
-        "--rootdir",
-        str(ROOT),
-        "-p",
-        "no:cacheprovider",
-        *session.posargs,
-        env={"STEPFORGE_SOURCE_ROOT": str(ROOT)},
+    install_packages(session, package, extra=("numpy",), env=CPU_BUILD)
+    run_pytest(session, f"{package}/tests")
+
+
+def _nvcc() -> str | None:
+    """nvcc via CUDACXX, PATH, or /usr/local/cuda*/bin (CMake's check_language(CUDA) sees only the first two)."""
+    found = os.environ.get("CUDACXX") or shutil.which("nvcc")
+    if not found:
+        candidates = sorted(pathlib.Path("/usr/local").glob("cuda*/bin/nvcc"), reverse=True)
+        found = str(candidates[0]) if candidates else None
+    return found
+
+
+def _install_fused_cuda(session: nox.Session) -> None:
+    """Siblings and test deps first, then stepforge-fused built with STEPFORGE_CUDA=ON in its own build dir."""
+    nvcc = _nvcc()
+    if nvcc is None:
+        session.error("needs nvcc for STEPFORGE_CUDA=ON: put it on PATH or set CUDACXX=/path/to/nvcc")
+    siblings = [n for n in _closure("stepforge-fused") if n != "stepforge-fused"]
+    session.install(
+        *CONSTRAINTS,
+        "numpy",
+        *sorted(_test_group("stepforge-fused")),
+        *(str(ROOT / "packages" / n) for n in siblings),
     )
+    env = {
+        "STEPFORGE_CUDA": "ON",
+        "STEPFORGE_CUDA_ARCHS": os.environ.get("STEPFORGE_CUDA_ARCHS", "80;90"),
+        "CUDACXX": nvcc,
+    }
+    # A build dir of its own: the CPU-only sessions reuse build/{wheel_tag} with STEPFORGE_CUDA=OFF.
+    session.install(
+        *CONSTRAINTS, "--no-deps", "-C", "build-dir=build/cuda-{wheel_tag}",
+        str(ROOT / "packages" / "stepforge-fused"), env=env,
+    )  # fmt: skip
+
+
+@nox.session(python=PYTHON, tags=["ci"])
+def build_cuda(session: nox.Session) -> None:
+    """Build stepforge-fused with STEPFORGE_CUDA=ON (sm_80, sm_90) and check _cuda imports without a GPU."""
+    _install_fused_cuda(session)
+    session.run(
+        "python", "-c",
+        "import stepforge.fused._cuda as m; from stepforge.fused import _cuda_runtime as r; "
+        "print('stepforge.fused._cuda:', r.cuda_status()); assert m.built_archs()",
+    )  # fmt: skip
+    run_pytest(
+        session,
+        "stepforge-fused/tests/gpu/test_cuda_build.py",
+        "-q",
+        env={"STEPFORGE_EXPECT_CUDA_BUILD": "1"},
+    )
+
+
+@nox.session(python=PYTHON, tags=["gpu"], default=False)
+def tests_gpu(session: nox.Session) -> None:
+    """stepforge-fused GPU tests (a CUDA torch and a device); a skipped GPU test fails here."""
+    _install_fused_cuda(session)
+    run_pytest(
+        session, "stepforge-fused/tests", "-m", "gpu",
+        env={"STEPFORGE_REQUIRE_CUDA": "1", "STEPFORGE_EXPECT_CUDA_BUILD": "1"},
+    )  # fmt: skip
 
 
 @nox.session(python=PYTHON, tags=["ci"])
