@@ -183,7 +183,7 @@ class ChunkPartials {
 };
 
 // ---- Adam ----------------------------------------------------------------------------------------------
-template <class P, class G, bool MASTER>
+template <class P, class G, bool MASTER, bool DIV>
 void adam_block_range(const AdamLaunch& L, int64_t t, int64_t b, int64_t e) {
   const AdamConsts c = L.consts[t];
   P* p = reinterpret_cast<P*>(L.params[t]);
@@ -194,7 +194,7 @@ void adam_block_range(const AdamLaunch& L, int64_t t, int64_t b, int64_t e) {
 #pragma GCC ivdep
     for (int64_t i = b; i < e; ++i) {
       float pv = p[i], mv = m[i], vv = v[i];
-      adam_update(pv, mv, vv, g[i], c);
+      adam_update_t<DIV>(pv, mv, vv, g[i], c);
       p[i] = pv;
       m[i] = mv;
       v[i] = vv;
@@ -218,7 +218,7 @@ void adam_block_range(const AdamLaunch& L, int64_t t, int64_t b, int64_t e) {
       float* mb = m + i0;
       float* vb = v + i0;
 #pragma GCC ivdep
-      for (int64_t j = 0; j < n; ++j) adam_update(pb[j], mb[j], vb[j], gb[j], c);
+      for (int64_t j = 0; j < n; ++j) adam_update_t<DIV>(pb[j], mb[j], vb[j], gb[j], c);
       if constexpr (MASTER || !std::is_same_v<P, float>) from_float(pb, p + i0, n);
     }
   }
@@ -245,7 +245,12 @@ template <class P, class G, bool MASTER>
 void adam_segment(const AdamLaunch& L, int64_t t, int64_t b, int64_t e) {
   const int64_t size = L.mt.sizes[t];
   const int64_t body_end = size - size % kTorchAdamVecWidth;
-  if (b < body_end) adam_block_range<P, G, MASTER>(L, t, b, std::min(e, body_end));
+  if (b < body_end) {
+    if (L.consts[t].has_div)
+      adam_block_range<P, G, MASTER, true>(L, t, b, std::min(e, body_end));
+    else
+      adam_block_range<P, G, MASTER, false>(L, t, b, std::min(e, body_end));
+  }
   if (e > body_end) adam_torch_tail<P, G, MASTER>(L, t, std::max(b, body_end), e);
 }
 

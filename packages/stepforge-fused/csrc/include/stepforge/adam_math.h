@@ -64,11 +64,14 @@ STEPFORGE_HOST_DEVICE AdamConsts make_adam_consts(double lr, double beta1, doubl
 }
 
 // One element. p is the float32 value being updated (the master when master weights are used).
-STEPFORGE_HOST_DEVICE void adam_update(float& p, float& m, float& v, float g, const AdamConsts& c) {
-  // Branch-free where exact: x / 1 and x * 1 are exact for every x (NaN and inf included), so div == 1 and
-  // decay == 1 encode "off" (GCC does not vectorise the loop with three selects here). The L2 term stays a
-  // select: fma(p, 0, g) would turn an inf/NaN param into a NaN grad.
-  g = g / c.div;
+// kHasDiv = false skips the grad division (exact either way: g / 1 == g); the CPU kernels pick the variant per
+// tensor because a vector division costs as much as the memory traffic of an element here.
+template <bool kHasDiv>
+STEPFORGE_HOST_DEVICE void adam_update_t(float& p, float& m, float& v, float g, const AdamConsts& c) {
+  // Branch-free where exact: x * 1 is exact for every x (NaN and inf included), so decay == 1 encodes "off"
+  // (GCC does not vectorise the loop with three selects here). The L2 term stays a select: fma(p, 0, g) would
+  // turn an inf/NaN param into a NaN grad.
+  if constexpr (kHasDiv) g = g / c.div;
   g = c.l2 ? fmaf(p, c.wd, g) : g;
   p = p * c.decay;
   float diff = g - m;
@@ -76,6 +79,10 @@ STEPFORGE_HOST_DEVICE void adam_update(float& p, float& m, float& v, float g, co
   v = fmaf(c.one_minus_b2 * g, g, v * c.beta2);
   float denom = sqrtf(v) / c.bc2_sqrt + c.eps;
   p = p + (c.neg_step * m) / denom;
+}
+
+STEPFORGE_HOST_DEVICE void adam_update(float& p, float& m, float& v, float g, const AdamConsts& c) {
+  adam_update_t<true>(p, m, v, g, c);
 }
 
 // torch's scalar tail (the last numel % 8 elements of each tensor on CPU, measured with torch 2.13 on AVX-512)
