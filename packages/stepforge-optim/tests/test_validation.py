@@ -17,6 +17,7 @@ def _p():
 LAMB_BAD = [
     ({"lr": -1.0}, "lr"),
     ({"lr": "0.1"}, "lr"),
+    ({"lr": torch.tensor(0.1)}, "lr must be a Python number"),
     ({"betas": (0.9,)}, "betas"),
     ({"betas": (1.0, 0.999)}, r"betas\[0\]"),
     ({"betas": (0.9, -0.1)}, r"betas\[1\]"),
@@ -45,6 +46,7 @@ LAMB_BAD = [
 
 LARS_BAD = [
     ({"lr": -0.1}, "lr"),
+    ({"lr": torch.tensor(0.1)}, "lr must be a Python number"),
     ({"momentum": -0.9}, "momentum"),
     ({"dampening": 1.5}, "dampening"),
     ({"weight_decay": -1e-4}, "weight_decay"),

@@ -16,7 +16,14 @@ from typing import Any
 
 import torch
 
-from stepforge.core import HyperParameterError, check_bool, check_float_dtype, check_grad, check_positive_int
+from stepforge.core import (
+    HyperParameterError,
+    check_bool,
+    check_float_dtype,
+    check_grad,
+    check_lr,
+    check_positive_int,
+)
 
 __all__ = ["MultiTensorOptimizer", "math_dtype_of", "check_trust_clip"]
 
@@ -85,6 +92,14 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
         self._validate_group(defaults)
         super().__init__(params, defaults)
 
+    def _check_lr(self, lr: Any) -> None:
+        if isinstance(lr, torch.Tensor):
+            raise HyperParameterError(
+                f"{self.OWNER}: lr must be a Python number, got a tensor; tensor learning rates (for CUDA graph "
+                "capture) are not supported here. Pass float(lr)."
+            )
+        check_lr(lr, owner=self.OWNER)
+
     # -- hooks for subclasses -------------------------------------------------------------------------------
     def _validate_group(self, group: Mapping[str, Any]) -> None:  # pragma: no cover - overridden
         raise NotImplementedError
@@ -150,7 +165,10 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
             for key, value in saved_state[saved_id].items():
                 if key in self.STATE_TENSORS and isinstance(value, torch.Tensor):
                     entry[key] = value.detach().to(
-                        device=param.device, dtype=math_dtype_of(param.dtype), copy=True
+                        device=param.device,
+                        dtype=math_dtype_of(param.dtype),
+                        copy=True,
+                        memory_format=torch.contiguous_format,  # waves take flat views of state tensors
                     )
                 elif key in self.STATE_SCALARS:
                     entry[key] = int(value.item()) if isinstance(value, torch.Tensor) else int(value)

@@ -14,13 +14,21 @@ from stepforge.core import (
     check_betas,
     check_bool,
     check_eps,
-    check_lr,
     check_range,
     check_weight_decay,
 )
 
 from ._base import MultiTensorOptimizer, check_trust_clip, math_dtype_of
-from ._multi_tensor import bucket_key, default_chunk_size, gather_pieces, pieces_of, plan_waves, segment_norms
+from ._multi_tensor import (
+    bucket_key,
+    default_chunk_size,
+    gather_pieces,
+    pieces_of,
+    plan_waves,
+    segment_norms,
+    segment_size,
+    split_segments,
+)
 
 __all__ = ["Lamb"]
 
@@ -166,7 +174,7 @@ class Lamb(MultiTensorOptimizer):
     # -- validation ----------------------------------------------------------------------------------------
     def _validate_group(self, group: Mapping[str, Any]) -> None:
         owner = self.OWNER
-        check_lr(group["lr"], owner=owner)
+        self._check_lr(group["lr"])
         check_betas(group["betas"], owner=owner)
         check_eps(group["eps"], owner=owner)
         check_weight_decay(group["weight_decay"], owner=owner)
@@ -238,7 +246,9 @@ class Lamb(MultiTensorOptimizer):
             if group["foreach"] is False:
                 buckets.extend(([p], group) for ps in by_key.values() for p in ps)
             else:
-                buckets.extend((ps, group) for ps in by_key.values())
+                for ps in by_key.values():
+                    limit = segment_size(ps[0].device, group["chunk_size"])
+                    buckets.extend((seg, group) for seg in split_segments(ps, limit))
         clip = self._global_clip(buckets)
         for params, group in buckets:
             self._update_bucket(params, group, clip)
@@ -297,11 +307,10 @@ class Lamb(MultiTensorOptimizer):
                 torch._foreach_add_(u, p_pieces, alpha=wd)
             return u
 
-        # u is kept from phase 1 to phase 2 (a transient fp32 copy of the bucket, like torch's foreach Adam
-        # temporaries; foreach=False bounds it to one tensor). Recomputing it per wave saves that memory
-        # but costs four more passes.
-        keep = True
-        kept_all: list[list[torch.Tensor]] = []
+        # u is kept from phase 1 (norms) to phase 2 (update): a transient fp32 copy of the bucket, like torch's
+        # foreach Adam temporaries; foreach=False bounds it to one tensor. (Recomputing u per wave would save
+        # that memory but costs four more passes over the data.)
+        kept: list[list[torch.Tensor]] = []
         w_norms, u_norms = [], []
         for wave in waves:
             p_pieces = pieces_of(targets, wave, whole)
@@ -336,8 +345,7 @@ class Lamb(MultiTensorOptimizer):
             if adapt:
                 w_norms.append((wave, torch._foreach_norm(p32)))
                 u_norms.append((wave, torch._foreach_norm(u)))
-            if keep:
-                kept_all.append(u)
+            kept.append(u)
 
         ratio = None
         if adapt:
@@ -359,12 +367,7 @@ class Lamb(MultiTensorOptimizer):
         for k, wave in enumerate(waves):
             p_pieces = pieces_of(targets, wave, whole)
             p32 = [x.to(mdtype) for x in p_pieces] if upcast_p else p_pieces
-            if keep:
-                u = kept_all[k]
-            else:  # recompute u from the updated moments: same ops on the same inputs, so the same u
-                u = update_of(
-                    wave, pieces_of(exp_avgs, wave, whole), pieces_of(exp_avg_sqs, wave, whole), p32
-                )
+            u = kept[k]
             if coef is not None:
                 torch._foreach_addcmul_(p32, u, gather_pieces(coef, wave))
             elif ratio is not None:

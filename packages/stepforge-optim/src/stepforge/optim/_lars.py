@@ -13,14 +13,21 @@ from stepforge.core import (
     check_bool,
     check_dampening,
     check_eps,
-    check_lr,
     check_momentum,
     check_range,
     check_weight_decay,
 )
 
 from ._base import MultiTensorOptimizer, check_trust_clip, math_dtype_of
-from ._multi_tensor import bucket_key, default_chunk_size, gather_pieces, pieces_of, plan_waves
+from ._multi_tensor import (
+    bucket_key,
+    default_chunk_size,
+    gather_pieces,
+    pieces_of,
+    plan_waves,
+    segment_size,
+    split_segments,
+)
 
 __all__ = ["Lars"]
 
@@ -124,7 +131,7 @@ class Lars(MultiTensorOptimizer):
 
     def _validate_group(self, group: Mapping[str, Any]) -> None:
         owner = self.OWNER
-        check_lr(group["lr"], owner=owner)
+        self._check_lr(group["lr"])
         check_momentum(group["momentum"], owner=owner)
         check_dampening(group["dampening"], owner=owner)
         check_weight_decay(group["weight_decay"], owner=owner)
@@ -171,7 +178,9 @@ class Lars(MultiTensorOptimizer):
                     for p in ps:
                         self._update_bucket([p], group, key[-1])
                 else:
-                    self._update_bucket(ps, group, key[-1])
+                    # CPU: segments small enough that the norm pass leaves p and g in cache for the update.
+                    for seg in split_segments(ps, segment_size(ps[0].device, group["chunk_size"])):
+                        self._update_bucket(seg, group, key[-1])
 
     def _update_bucket(self, params: list[torch.Tensor], group: Mapping[str, Any], adapt: bool) -> None:
         device, pdtype = params[0].device, params[0].dtype

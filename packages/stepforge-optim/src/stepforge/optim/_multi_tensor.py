@@ -60,6 +60,37 @@ def default_chunk_size(device: torch.device) -> int | None:
     return _CPU_CHUNK if device.type == "cpu" else None
 
 
+def segment_size(device: torch.device, chunk_size: int | None) -> int | None:
+    """Elements per *segment* (a run of whole tensors updated start to finish before the next), or None.
+
+    On CPU a bucket is cut into segments of about four waves: the per-tensor temporaries a two-phase update
+    keeps between its phases (LAMB's ``u``) then stay in the last-level cache instead of going to memory
+    and back. Off-CPU the bucket is one segment (one launch set).
+    """
+    if device.type != "cpu":
+        return None
+    return 4 * (chunk_size or _CPU_CHUNK)
+
+
+def split_segments(tensors: Sequence[torch.Tensor], limit: int | None) -> list[list[torch.Tensor]]:
+    """Consecutive runs of ``tensors`` with at most ``limit`` elements each (a larger tensor runs alone)."""
+    if limit is None:
+        return [list(tensors)]
+    out: list[list[torch.Tensor]] = []
+    current: list[torch.Tensor] = []
+    size = 0
+    for t in tensors:
+        n = t.numel()
+        if current and size + n > limit:
+            out.append(current)
+            current, size = [], 0
+        current.append(t)
+        size += n
+    if current:
+        out.append(current)
+    return out
+
+
 def bucket_key(param: torch.Tensor, grad: torch.Tensor) -> tuple[torch.device, torch.dtype, torch.dtype]:
     """Tensors that can share one ``_foreach`` call: same device, same param dtype, same grad dtype."""
     return (param.device, param.dtype, grad.dtype)
