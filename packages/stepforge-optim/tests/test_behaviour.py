@@ -209,10 +209,11 @@ def test_state_dtype_follows_the_documented_policy(factory, dtype):
 
 
 @pytest.mark.parametrize("factory", OPTIMIZERS_UNDER_TEST)
-def test_no_host_synchronisation_during_step(factory, monkeypatch):
-    """No ``.item()``, ``bool(tensor)``, ``float(tensor)`` or ``.tolist()`` inside ``step``."""
+@pytest.mark.parametrize("chunk_size", [None, 5])
+def test_no_host_synchronisation_during_step(factory, chunk_size, monkeypatch):
+    """No ``.item()``, ``bool(tensor)``, ``float(tensor)`` or ``.tolist()`` inside ``step`` (also when split)."""
     params = make_params(SHAPES, torch.float32, 0)
-    opt = factory(params)
+    opt = factory(params, chunk_size=chunk_size)
     _grads(params, 0)
     opt.step()  # state creation is allowed to do anything
 

@@ -4,12 +4,15 @@
 An update is run as a few *waves*. A wave is a list of *pieces*: 1-D views ``t.view(-1)[start:stop]`` of the
 bucket's tensors, and every element-wise step of the optimizer is one ``torch._foreach_*`` call over the wave.
 
-- On CUDA a bucket is one wave of whole tensors: one launch set per (device, dtype) bucket.
-- On CPU the bucket is cut into waves of about ``chunk_size`` elements (small tensors share a wave, large ones
-  are split): the element-wise passes of a wave run on data still in cache, and temporaries stay wave-sized
-  (a bucket-sized temporary costs more in page faults than the whole update). CPU updates are memory and
-  compute bound, so on CPU this matches a per-parameter loop rather than beating it; the multi-tensor gain is
-  the removal of per-tensor launches and host syncs on accelerators.
+- On CUDA (any non-CPU device) a bucket is one wave of whole tensors: one launch set per (device, dtype)
+  bucket, no per-tensor launches, no host synchronisation.
+- On CPU a bucket is first cut into *segments*, runs of whole tensors of about ``4 * chunk_size`` elements
+  (a bigger tensor is a segment of its own), each updated completely (norms, then update) before the next, so
+  what one phase leaves for the next (LAMB's ``u``, LARS's ``p`` and ``g``) is still in the last-level cache.
+  Each segment is cut into waves of about ``chunk_size`` elements (small tensors share a wave, large ones are
+  split) so that the element-wise passes of a wave run on data in L2. CPU updates are bound by memory and
+  element-wise compute, so this is about as fast as a per-parameter loop or somewhat faster (1-1.7x in
+  ``tools/bench/bench_optim.py``); the multi-tensor gain proper is on accelerators.
 
 Per-tensor reductions (parameter and update norms) are summed over a tensor's pieces with ``index_add_`` on
 the device: nothing here synchronises with the host.
