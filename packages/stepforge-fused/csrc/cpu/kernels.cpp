@@ -260,13 +260,39 @@ void adam_run(const AdamLaunch& L) {
 }
 
 // ---- SGD -----------------------------------------------------------------------------------------------
-template <class P, class G, bool MASTER>
-void sgd_segment(const SgdLaunch& L, int64_t t, int64_t b, int64_t e) {
-  const SgdConsts c = L.consts;
-  const bool first = L.first_run != nullptr && L.first_run[t] != 0;
+// Branch-free form of sgd_update (sgd_math.h) for the vectoriser: the grad divisor becomes a multiply by its
+// inverse (exact for 1), decay terms are fmas with a 0 coefficient when off, momentum/nesterov/first step are
+// template flags chosen per tensor.
+struct SgdVec {
+  float lr, momentum, one_minus_damp, wd_before, wd_after, inv_div;
+};
+
+template <bool MOM, bool NEST, bool FIRST>
+inline void sgd_elem(float& p, float& buf, float g, const SgdVec& c) {
+  g = g * c.inv_div;
+  g = fmaf(c.wd_before, p, g);
+  float d = g;
+  if constexpr (MOM) {
+    if constexpr (FIRST) {
+      buf = g;
+    } else {
+      buf = fmaf(c.one_minus_damp, g, buf * c.momentum);  // torch: buf.mul_(momentum).add_(g, alpha=1-dampening)
+    }
+    if constexpr (NEST) {
+      d = fmaf(c.momentum, buf, g);
+    } else {
+      d = buf;
+    }
+  }
+  d = fmaf(c.wd_after, p, d);
+  p = fmaf(-c.lr, d, p);
+}
+
+template <class P, class G, bool MASTER, bool MOM, bool NEST, bool FIRST>
+void sgd_range(const SgdLaunch& L, const SgdVec& c, int64_t t, int64_t b, int64_t e) {
   P* p = reinterpret_cast<P*>(L.params[t]);
   const G* g = reinterpret_cast<const G*>(L.grads[t]);
-  float* buf = L.bufs ? reinterpret_cast<float*>(L.bufs[t]) : nullptr;
+  float* buf = MOM ? reinterpret_cast<float*>(L.bufs[t]) : nullptr;
   float* w = MASTER ? reinterpret_cast<float*>(L.masters[t]) : nullptr;
   alignas(64) float gtmp[kBlock];
   alignas(64) float ptmp[kBlock];
@@ -283,16 +309,34 @@ void sgd_segment(const SgdLaunch& L, int64_t t, int64_t b, int64_t e) {
       to_float(p + i0, ptmp, n);
       pb = ptmp;
     }
-    float* bb = buf ? buf + i0 : btmp;
+    float* bb = MOM ? buf + i0 : btmp;
 #pragma GCC ivdep
-    for (int64_t j = 0; j < n; ++j) sgd_update(pb[j], bb[j], gb[j], first, c);
+    for (int64_t j = 0; j < n; ++j) sgd_elem<MOM, NEST, FIRST>(pb[j], bb[j], gb[j], c);
     if constexpr (MASTER || !std::is_same_v<P, float>) from_float(pb, p + i0, n);
   }
 }
 
 template <class P, class G, bool MASTER>
 void sgd_run(const SgdLaunch& L) {
-  parallel_segments(L.mt, [&](int64_t, int64_t t, int64_t b, int64_t e) { sgd_segment<P, G, MASTER>(L, t, b, e); });
+  const SgdConsts& k = L.consts;
+  const SgdVec c{k.lr, k.momentum, k.one_minus_damp, k.wd_before ? k.wd : 0.0f, k.wd_after ? k.wd : 0.0f,
+                 float(1.0 / double(k.div))};
+  parallel_segments(L.mt, [&](int64_t, int64_t t, int64_t b, int64_t e) {
+    const bool first = L.first_run != nullptr && L.first_run[t] != 0;
+    if (!k.has_momentum) {
+      sgd_range<P, G, MASTER, false, false, false>(L, c, t, b, e);
+    } else if (k.nesterov) {
+      if (first)
+        sgd_range<P, G, MASTER, true, true, true>(L, c, t, b, e);
+      else
+        sgd_range<P, G, MASTER, true, true, false>(L, c, t, b, e);
+    } else {
+      if (first)
+        sgd_range<P, G, MASTER, true, false, true>(L, c, t, b, e);
+      else
+        sgd_range<P, G, MASTER, true, false, false>(L, c, t, b, e);
+    }
+  });
 }
 
 // ---- LAMB ----------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@
 namespace stepforge {
 
 struct LambConsts {
-  float beta1, beta3, beta2, one_minus_b2, eps, wd, inv_bc1, inv_bc2, div;
+  float beta1, beta3, beta2, one_minus_b2, eps, wd, inv_bc1, inv_bc2, div, inv_div;
   bool has_div, l2, decoupled;
 };
 
@@ -34,6 +34,7 @@ STEPFORGE_HOST_DEVICE LambConsts make_lamb_consts(double beta1, double beta2, do
   c.inv_bc1 = float(1.0 / bc1);
   c.inv_bc2 = float(1.0 / bc2);
   c.div = float(grad_divisor);
+  c.inv_div = float(1.0 / grad_divisor);
   c.has_div = grad_divisor != 1.0;
   c.l2 = !adam_w_mode && wd != 0.0;
   c.decoupled = adam_w_mode && wd != 0.0;
@@ -48,7 +49,7 @@ STEPFORGE_HOST_DEVICE float lamb_direction(float p, float m, float v, const Lamb
 
 // Pass 1: updates m and v in place and returns u.
 STEPFORGE_HOST_DEVICE float lamb_moments(float p, float& m, float& v, float g, const LambConsts& c) {
-  if (c.has_div) g = g / c.div;
+  g = g * c.inv_div;  // no bit-exactness contract for LAMB: a multiply (exact for 1) beats a division
   if (c.l2) g = g + c.wd * p;
   m = c.beta1 * m + c.beta3 * g;
   v = c.beta2 * v + c.one_minus_b2 * g * g;
