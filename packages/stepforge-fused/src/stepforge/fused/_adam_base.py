@@ -70,4 +70,5 @@ class AdamBase(FusedOptimizerBase):
             found_inf_ptr,
             check_finite,
             ctx,
+            **self._device_kw(bucket.device),
         )

@@ -390,6 +390,13 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         return divisor, found_inf
 
     @staticmethod
+    def _device_kw(device: torch.device) -> dict[str, Any]:
+        """Extra keyword for the CUDA module: the device index (the CPU module takes none)."""
+        if device.type == "cuda":
+            return {"device": device.index if device.index is not None else torch.cuda.current_device()}
+        return {}
+
+    @staticmethod
     def _ctx(module: ModuleType, device: torch.device) -> int:
         if device.type == "cpu":
             return _backend.get_num_threads()
@@ -427,6 +434,7 @@ class FusedOptimizerBase(torch.optim.Optimizer):
                     _backend.DTYPE_CODES[b.grad_dtype],
                     0,
                     self._ctx(module, b.device),
+                    **self._device_kw(b.device),
                 )
                 if not math.isfinite(norm / divisor):
                     self.last_step_skipped = True

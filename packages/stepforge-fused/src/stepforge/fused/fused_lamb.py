@@ -129,6 +129,7 @@ class FusedLAMB(AdamBase):
                     _backend.DTYPE_CODES[b.grad_dtype],
                     0,
                     self._ctx(module, b.device),
+                    **self._device_kw(b.device),
                 )
                 total += norm * norm
         global_norm = math.sqrt(total) / divisor
@@ -173,6 +174,7 @@ class FusedLAMB(AdamBase):
             found_inf_ptr,
             check_finite,
             ctx,
+            **self._device_kw(bucket.device),
         )
 
     def step(self, closure: Callable[[], Any] | None = None, div_scale: float = -1) -> Any:

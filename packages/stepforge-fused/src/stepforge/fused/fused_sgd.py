@@ -139,6 +139,7 @@ class FusedSGD(FusedOptimizerBase):
             found_inf_ptr,
             check_finite,
             ctx,
+            **self._device_kw(bucket.device),
         )
 
     def step(self, closure: Callable[[], Any] | None = None, div_scale: float = -1) -> Any:
