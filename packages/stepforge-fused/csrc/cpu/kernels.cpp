@@ -294,6 +294,17 @@ void sgd_range(const SgdLaunch& L, const SgdVec& c, int64_t t, int64_t b, int64_
   const G* g = reinterpret_cast<const G*>(L.grads[t]);
   float* buf = MOM ? reinterpret_cast<float*>(L.bufs[t]) : nullptr;
   float* w = MASTER ? reinterpret_cast<float*>(L.masters[t]) : nullptr;
+  if constexpr (MOM && !MASTER && std::is_same_v<P, float> && std::is_same_v<G, float>) {
+    // All float32 in place: no block copies.
+#pragma GCC ivdep
+    for (int64_t i = b; i < e; ++i) {
+      float pv = p[i], bv = buf[i];
+      sgd_elem<MOM, NEST, FIRST>(pv, bv, g[i], c);
+      p[i] = pv;
+      buf[i] = bv;
+    }
+    return;
+  }
   alignas(64) float gtmp[kBlock];
   alignas(64) float ptmp[kBlock];
   alignas(64) float btmp[kBlock];
