@@ -329,3 +329,23 @@ def test_assume_stable_grads_follows_backward_reallocations_through_hooks():
     opt.step()
     torch_opt.step()
     assert bits_equal(model.parameters(), ref_model.parameters())
+
+
+def test_master_weights_state_dict_round_trip_keeps_float32_state():
+    ours = make_params(torch.bfloat16)
+    opt = FusedAdam(ours, lr=1e-2, master_weights=True)
+    for _ in range(2):
+        set_grads(ours)
+        opt.step()
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt2 = FusedAdam(twin, lr=1e-2, master_weights=True)
+    opt2.load_state_dict(saved_and_loaded(opt.state_dict()))
+    for p, q in zip(ours, twin, strict=True):
+        for key in ("exp_avg", "exp_avg_sq", "master_param"):
+            assert opt2.state[q][key].dtype == torch.float32
+            assert torch.equal(opt2.state[q][key], opt.state[p][key]), key
+    for _ in range(2):
+        set_grads(ours, twin)
+        opt.step()
+        opt2.step()
+    assert bits_equal(ours, twin)

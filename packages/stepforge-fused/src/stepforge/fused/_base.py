@@ -177,7 +177,27 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         optimizer's current values, so a torch checkpoint never raises ``KeyError`` (apex #577).
         """
         own = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        # torch.optim casts every floating state tensor to its param's dtype on load, which would round float32
+        # moments and masters of fp16/bf16 params: keep the float32 values aside and put them back after.
+        saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
+        own_params = [p for g in self.param_groups for p in g["params"]]
+        wide: dict[int, dict[str, torch.Tensor]] = {}
+        for pid, p in zip(saved_ids, own_params, strict=False):
+            st = state_dict["state"].get(pid, {})
+            keep = {
+                k: v
+                for k, v in st.items()
+                if k != "step"
+                and isinstance(v, torch.Tensor)
+                and v.is_floating_point()
+                and v.dtype != p.dtype
+            }
+            if keep:
+                wide[id(p)] = keep
         super().load_state_dict(state_dict)
+        for p in own_params:
+            for key, value in wide.get(id(p), {}).items():
+                self.state[p][key] = value.to(device=p.device, dtype=torch.float32, copy=True)
         for old, group in zip(own, self.param_groups, strict=True):
             for key, value in old.items():
                 group.setdefault(key, value)
