@@ -349,3 +349,15 @@ def test_master_weights_state_dict_round_trip_keeps_float32_state():
         opt.step()
         opt2.step()
     assert bits_equal(ours, twin)
+
+
+def test_pickle_keeps_options_and_drops_pointer_caches():
+    import pickle
+
+    ours = make_params(torch.bfloat16)
+    opt = FusedAdam(ours, lr=1e-2, master_weights=True, set_grad_none=False)
+    set_grads(ours)
+    opt.step()
+    clone = pickle.loads(pickle.dumps(opt))
+    assert clone.master_weights is True and clone.set_grad_none is False
+    assert clone._cache == {}

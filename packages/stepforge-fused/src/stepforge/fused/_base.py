@@ -150,6 +150,14 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         super().__init__(params, defaults)
 
     # ---- torch.optim plumbing --------------------------------------------------------------------------
+    _PICKLED_OPTIONS = ("master_weights", "skip_nonfinite", "assume_stable_grads", "set_grad_none")
+
+    def __getstate__(self) -> dict[str, Any]:
+        # torch.optim pickles defaults/state/param_groups only; keep our options, never the pointer caches.
+        state = super().__getstate__()
+        state.update({k: self.__dict__[k] for k in self._PICKLED_OPTIONS if k in self.__dict__})
+        return state
+
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self.__dict__.setdefault("_cache", {})
