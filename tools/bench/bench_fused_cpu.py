@@ -209,16 +209,22 @@ def compare(
         row["ratio_min"] = None
     row["gb_per_s"] = nbytes / (ours_ms * 1e-3) / 1e9 if ours_ms else None
     row["baseline_gb_per_s"] = nbytes / (torch_ms * 1e-3) / 1e9 if torch_ms else None
-    row["pct_of_ceiling"] = 100.0 * row["gb_per_s"] / ceiling if row["gb_per_s"] and ceiling else None
     if ours.error:
         row["error"] = ours.error
+    _apply_ceiling(row, ceiling)
+    return row
+
+
+def _apply_ceiling(row: dict[str, Any], ceiling: float | None) -> None:
+    """Set ``pct_of_ceiling`` and ``met`` of ``row`` for the Adam-pattern ``ceiling`` in GB/s."""
+    row["pct_of_ceiling"] = 100.0 * row["gb_per_s"] / ceiling if row["gb_per_s"] and ceiling else None
+    target, target_pct = row["target"], row["target_pct_of_ceiling"]
     if row["ratio"] is None or target is None:
         row["met"] = None
     else:
         row["met"] = row["ratio"] >= target and (
             target_pct is None or (row["pct_of_ceiling"] is not None and row["pct_of_ceiling"] >= target_pct)
         )
-    return row
 
 
 def _try(name: str, build: Callable[[], tuple[Callable[[], Any], Bundle]]) -> Contender:
@@ -745,8 +751,22 @@ def main(argv: Iterable[str] | None = None) -> int:
             rows.extend(runners[case](args, sizes, cgbs, fused, err))
         gc.collect()
 
+    # A ceiling is a maximum: measure again at the end (the load changes) and judge every row by the higher one.
+    print("measuring the bandwidth ceiling again ...", flush=True)
+    ceiling_end = _common.adam_pattern_ceiling(
+        sizes.ceiling, threads=threads, repeats=max(3, args.repeats // 2)
+    )
+    ceiling["gb_per_s_start"] = cgbs
+    ceiling["gb_per_s_end"] = ceiling_end["gb_per_s"]
+    ceiling["gb_per_s"] = cgbs = max(cgbs, ceiling_end["gb_per_s"])
+    for row in rows:
+        _apply_ceiling(row, cgbs)
+
     print()
-    print(f"ceiling {cgbs:.1f} GB/s (Adam pattern, {threads} threads), triad {triad['gb_per_s']:.1f} GB/s")
+    print(
+        f"ceiling {cgbs:.1f} GB/s (Adam pattern, {threads} threads; start {ceiling['gb_per_s_start']:.1f}, "
+        f"end {ceiling['gb_per_s_end']:.1f}), triad {triad['gb_per_s']:.1f} GB/s"
+    )
     print(_common.format_table([_decorate(r) for r in rows], COLUMNS))
     for r in identity:
         print(f"bit-identical {r['optimizer']} vs {r['reference']}: {r['equal']}")
