@@ -201,3 +201,16 @@ def test_lamb_errors():
     with pytest.raises(HyperParameterError, match="max_grad_norm"):
         FusedLAMB(make_params(), max_grad_norm=-1.0)
     assert type(build_optimizer(dict(type="FusedLAMB", lr=1e-3), make_params())) is FusedLAMB
+
+
+def test_lamb_non_finite_grads_skip_or_propagate():
+    ours = make_params()
+    opt = FusedLAMB(ours, lr=1e-2, skip_nonfinite=True)
+    set_grads(ours)
+    ours[1].grad[0] = float("inf")
+    before = [p.detach().clone() for p in ours]
+    opt.step()
+    assert opt.last_step_skipped and all(torch.equal(p, b) for p, b in zip(ours, before, strict=True))
+    opt2 = FusedLAMB(ours, lr=1e-2)  # apex behaviour: NaN/inf propagate into the update, no exception
+    opt2.step()
+    assert not torch.isfinite(ours[1]).all()

@@ -133,7 +133,8 @@ class FusedLAMB(AdamBase):
                 )
                 total += norm * norm
         global_norm = math.sqrt(total) / divisor
-        if global_norm > max_norm:
+        # inf/NaN grads: no clip factor; the kernel's non-finite check skips (skip_nonfinite) or they propagate.
+        if math.isfinite(global_norm) and global_norm > max_norm:
             divisor *= global_norm / max_norm
         return divisor
 
