@@ -361,3 +361,13 @@ def test_pickle_keeps_options_and_drops_pointer_caches():
     clone = pickle.loads(pickle.dumps(opt))
     assert clone.master_weights is True and clone.set_grad_none is False
     assert clone._cache == {}
+
+
+def test_a_reassigned_bad_grad_is_still_rejected():
+    p = torch.nn.Parameter(torch.randn(4, 6))
+    p.grad = torch.randn(4, 6)
+    opt = FusedAdam([p])
+    opt.step()
+    p.grad = torch.randn(6, 4).t()
+    with pytest.raises(RuntimeError, match="not contiguous"):
+        opt.step()

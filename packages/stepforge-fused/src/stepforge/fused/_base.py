@@ -97,13 +97,40 @@ class Bucket:
 
 
 class _GroupCache:
-    __slots__ = ("buckets", "grads", "hooked", "params")
+    __slots__ = ("buckets", "grads", "hooked", "params", "slots")
 
     def __init__(self, params: list[torch.Tensor], grads: list[Any], buckets: list[Bucket]):
         self.params = params
         self.grads = grads
         self.buckets = buckets
         self.hooked = False
+        # position in the group -> (bucket, index in the bucket), for params that had a grad
+        self.slots: list[tuple[Bucket, int] | None] = [None] * len(params)
+        where = {id(p): (b, j) for b in buckets for j, p in enumerate(b.params)}
+        for i, p in enumerate(params):
+            self.slots[i] = where.get(id(p))
+
+    def refresh_grads(self, grads: list[Any]) -> bool:
+        """Point the buckets at new grad tensors (zero_grad(set_to_none) + backward re-allocates them every
+        step). Returns False when the bucket layout must be rebuilt instead (a grad appeared or vanished, or
+        changed dtype/device/layout: the full build validates and raises the right error)."""
+        for i, (g, old) in enumerate(zip(grads, self.grads, strict=True)):
+            if g is old:
+                continue
+            slot = self.slots[i]
+            if g is None or slot is None:
+                return False
+            bucket, j = slot
+            if (
+                g.dtype != bucket.grad_dtype
+                or g.device != bucket.device
+                or g.is_sparse
+                or not g.is_contiguous()
+            ):
+                return False
+            bucket.ptrs["grads"][j] = g.data_ptr()
+        self.grads = grads
+        return True
 
 
 class FusedOptimizerBase(torch.optim.Optimizer):
@@ -270,13 +297,9 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         ):
             return cached.buckets
         grads = [p.grad for p in params]
-        if (
-            cached is not None
-            and cached.params is params
-            and len(cached.grads) == len(grads)
-            and all(map(_is, grads, cached.grads))
-        ):
-            return cached.buckets
+        if cached is not None and cached.params is params and len(cached.grads) == len(grads):
+            if all(map(_is, grads, cached.grads)) or cached.refresh_grads(grads):
+                return cached.buckets
         buckets = self._build_buckets(group, params, grads)
         entry = _GroupCache(params, grads, buckets)
         if self.assume_stable_grads:
