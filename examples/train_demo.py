@@ -15,7 +15,9 @@ Every optimizer starts from the same initial weights and sees the same batches i
 through the registry, ``stepforge.core.build_optimizer(dict(type=..., lr=...), model)``, so any registered name
 works (``FusedAdam``, ``Lamb``, ``SGD`` ...). ``AdamW`` is torch's ``AdamW(fused=True)``, the fastest torch path
 on CPU. All share one learning-rate schedule (linear warm-up over the first epoch, cosine decay to zero). Only
-``optimizer.step()`` is timed.
+``optimizer.step()`` is timed. ``--grads fresh`` (default) zeroes with ``zero_grad(set_to_none=True)`` as torch
+does by default, so backward hands the optimizer new gradient tensors every step; ``--grads reuse`` zeroes them in
+place (``set_to_none=False``), which lets a fused optimizer keep its cached pointer arrays.
 
 Output: a progress bar per optimizer, a one-screen summary (final test accuracy and loss, optimizer-step time,
 speed-up over torch's AdamW), ``<out>/train_demo.png`` (loss and accuracy curves) and ``<out>/train_demo.json``.
@@ -154,6 +156,7 @@ def train_one(
     seed: int,
     lr: float | None,
     progress: bool,
+    set_to_none: bool = True,
 ) -> tuple[RunResult, nn.Module | None]:
     """Train a copy of ``base_model`` with the optimizer registered as ``name``; time every ``opt.step()``."""
     from stepforge.core import build_optimizer
@@ -192,7 +195,7 @@ def train_one(
         for i in range(steps_per_epoch):
             idx = perm[i * batch_size : (i + 1) * batch_size]
             loss = nn.functional.cross_entropy(model(x_tr[idx]), y_tr[idx])
-            opt.zero_grad(set_to_none=True)
+            opt.zero_grad(set_to_none=set_to_none)
             loss.backward()
             t0 = time.perf_counter_ns()
             opt.step()
@@ -332,6 +335,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--width", type=int, default=256, help="hidden width (default 256)")
     p.add_argument("--depth", type=int, default=16, help="residual blocks (default 16; 6 tensors each)")
+    p.add_argument(
+        "--grads",
+        choices=("fresh", "reuse"),
+        default="fresh",
+        help="fresh: zero_grad(set_to_none=True), backward allocates new gradients every step (torch's default); "
+        "reuse: zero_grad(set_to_none=False), the same gradient tensors are zeroed and reused",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--threads", type=int, default=0, help="torch intra-op threads (default: all usable cores)"
@@ -366,7 +376,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"digits: {data[0].shape[0]} train / {data[2].shape[0]} test images; model: residual MLP "
         f"64->{args.width}x{args.depth} blocks->10, {n_params / 1e6:.2f} M parameters in {n_tensors} tensors; "
-        f"{args.epochs} epochs x {steps_per_epoch} steps; {args.threads} threads; torch {torch.__version__}"
+        f"{args.epochs} epochs x {steps_per_epoch} steps; {args.threads} threads; grads {args.grads}; "
+        f"torch {torch.__version__}"
     )
 
     results: list[RunResult] = []
@@ -381,6 +392,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             seed=args.seed,
             lr=args.lr,
             progress=not args.no_progress,
+            set_to_none=args.grads == "fresh",
         )
         results.append(result)
         if model is not None:
