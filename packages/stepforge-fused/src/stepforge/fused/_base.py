@@ -19,6 +19,7 @@ post-accumulate-grad hooks (a gradient newly allocated by backward), by ``zero_g
 from __future__ import annotations
 
 import array
+import itertools
 import math
 import operator
 import weakref
@@ -96,39 +97,42 @@ class Bucket:
             self._first_run_t.zero_()
 
 
+_get_dtype = operator.attrgetter("dtype")
+_get_is_sparse = operator.attrgetter("is_sparse")
+_contiguous = torch.Tensor.is_contiguous
+_data_ptr = torch.Tensor.data_ptr
+
+
 class _GroupCache:
-    __slots__ = ("buckets", "grads", "hooked", "params", "slots")
+    __slots__ = ("all_set", "buckets", "grads", "hooked", "members", "params")
 
     def __init__(self, params: list[torch.Tensor], grads: list[Any], buckets: list[Bucket]):
         self.params = params
         self.grads = grads
+        self.all_set = all(g is not None for g in grads)
         self.buckets = buckets
         self.hooked = False
-        # position in the group -> (bucket, index in the bucket), for params that had a grad
-        self.slots: list[tuple[Bucket, int] | None] = [None] * len(params)
-        where = {id(p): (b, j) for b in buckets for j, p in enumerate(b.params)}
-        for i, p in enumerate(params):
-            self.slots[i] = where.get(id(p))
+        # for each bucket, the positions of its params in the group
+        where = {id(p): i for i, p in enumerate(params)}
+        self.members = [[where[id(p)] for p in b.params] for b in buckets]
 
     def refresh_grads(self, grads: list[Any]) -> bool:
-        """Point the buckets at new grad tensors (zero_grad(set_to_none) + backward re-allocates them every
-        step). Returns False when the bucket layout must be rebuilt instead (a grad appeared or vanished, or
-        changed dtype/device/layout: the full build validates and raises the right error)."""
-        for i, (g, old) in enumerate(zip(grads, self.grads, strict=True)):
-            if g is old:
+        """Point the buckets at new grad tensors (``zero_grad(set_to_none=True)`` + backward re-allocates them
+        every step), with C-level loops only. Returns False when the layout must be rebuilt instead (a grad
+        appeared or vanished, or changed dtype/layout: the full build validates and raises the right error).
+        torch itself guarantees that an assigned grad has its param's shape and device."""
+        all_set = all(map(operator.is_not, grads, itertools.repeat(None)))
+        if not (all_set and self.all_set) and [g is None for g in grads] != [g is None for g in self.grads]:
+            return False  # the set of params with a grad changed
+        for bucket, idx in zip(self.buckets, self.members, strict=True):
+            if not idx:
                 continue
-            slot = self.slots[i]
-            if g is None or slot is None:
+            bg = [grads[i] for i in idx]
+            if not all(map(operator.is_, map(_get_dtype, bg), itertools.repeat(bucket.grad_dtype))):
                 return False
-            bucket, j = slot
-            if (
-                g.dtype != bucket.grad_dtype
-                or g.device != bucket.device
-                or g.is_sparse
-                or not g.is_contiguous()
-            ):
+            if any(map(_get_is_sparse, bg)) or not all(map(_contiguous, bg)):
                 return False
-            bucket.ptrs["grads"][j] = g.data_ptr()
+            bucket.ptrs["grads"] = _i64(map(_data_ptr, bg))
         self.grads = grads
         return True
 
