@@ -43,10 +43,13 @@ class AdamBase(FusedOptimizerBase):
         module: ModuleType,
         bucket: Bucket,
         group: dict[str, Any],
+        lr: float,
         divisor: float,
         found_inf_ptr: int,
         check_finite: bool,
         ctx: int,
+        steps: Any,
+        kw: dict[str, Any],
     ) -> bool | None:
         beta1, beta2 = group["betas"]
         return module.adam(
@@ -56,10 +59,10 @@ class AdamBase(FusedOptimizerBase):
             bucket.ptrs["exp_avg_sq"],
             bucket.ptrs.get("masters"),
             bucket.sizes,
-            bucket.prepare_steps(),
+            steps,
             _backend.DTYPE_CODES[bucket.param_dtype],
             _backend.DTYPE_CODES[bucket.grad_dtype],
-            float(group["lr"]),
+            lr,
             float(beta1),
             float(beta2),
             float(group["eps"]),
@@ -70,5 +73,5 @@ class AdamBase(FusedOptimizerBase):
             found_inf_ptr,
             check_finite,
             ctx,
-            **self._device_kw(bucket.device),
+            **kw,
         )

@@ -31,11 +31,12 @@ import torch
 
 from stepforge.core import HyperParameterError
 
-from . import _backend
+from . import _backend, _cuda_runtime
 
 __all__ = ["FusedOptimizerBase", "Bucket"]
 
 _is = operator.is_
+_NO_KW: dict[str, Any] = {}
 
 
 def _i64(values: Iterable[int]) -> array.array:
@@ -49,8 +50,10 @@ class Bucket:
         params: the parameters (leaf tensors), in group order.
         ptrs: pointer arrays by role (``"params"``, ``"grads"``, state keys, ``"masters"``).
         sizes: element counts (int64).
-        steps: flat float32 tensor ``(n,)``; ``state[p]["step"]`` is ``steps[i]``.
-        steps_arg: int64 array the kernel reads (``steps + 1`` at launch).
+        steps: flat float32 tensor ``(n,)`` on the bucket's device; ``state[p]["step"]`` is ``steps[i]``.
+        steps_arg: int64 array the CPU kernel reads (``steps + 1`` at launch).
+        on_device: CUDA bucket (sync-free path: device steps, device flags).
+        step_ptrs: addresses of the elements of ``steps`` (CUDA buckets; the kernel reads them).
         first_run: int64 flags (SGD: buffer initialised from the grad on this step).
     """
 
@@ -62,10 +65,12 @@ class Bucket:
         "grad_dtype",
         "master",
         "numel",
+        "on_device",
         "param_dtype",
         "params",
         "ptrs",
         "sizes",
+        "step_ptrs",
         "steps",
         "steps_arg",
     )
@@ -84,6 +89,9 @@ class Bucket:
         self.first_run = _i64(())
         self._first_run_t: torch.Tensor | None = None
         self.numel = 0
+        # CUDA buckets: steps live on the device and the kernels read them through step_ptrs (no host copy).
+        self.on_device = False
+        self.step_ptrs: array.array | None = None
 
     def prepare_steps(self) -> array.array:
         """Fill ``steps_arg`` with ``state step + 1`` (the step being taken) in two tensor ops."""
@@ -141,8 +149,9 @@ class FusedOptimizerBase(torch.optim.Optimizer):
     """Base class of the stepforge fused optimizers (not public API).
 
     Subclasses define ``_owner`` (class name for messages), ``_state_keys(group)`` (float32 state tensors
-    shaped like the param), ``_launch(module, bucket, group, divisor, found_inf_ptr, check_finite, ctx)``, and may
-    override ``_pre_step(buckets_by_group, divisor, ctx)`` (LAMB's global norm).
+    shaped like the param), ``_launch(module, bucket, group, lr, divisor, found_inf_ptr, check_finite, ctx,
+    steps, kw)``, and may override ``_pre_step(buckets_by_group, divisor)`` (LAMB's global norm, host path) and
+    ``_device_clip_norm()`` (the same clip on the CUDA path).
     """
 
     _owner = "FusedOptimizer"
@@ -159,7 +168,13 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         master_weights: bool = False,
         skip_nonfinite: bool | None = None,
         assume_stable_grads: bool = False,
+        capturable: bool = False,
     ):
+        if not isinstance(capturable, bool):
+            raise HyperParameterError(f"{self._owner}: capturable must be a bool, got {capturable!r}")
+        if capturable:
+            # A group option, as in torch.optim (recorded in state_dict(); checked per group at step time).
+            defaults = {**defaults, "capturable": True}
         if not isinstance(master_weights, bool):
             raise HyperParameterError(f"{self._owner}: master_weights must be a bool, got {master_weights!r}")
         if skip_nonfinite is not None and not isinstance(skip_nonfinite, bool):
@@ -175,10 +190,43 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         self.assume_stable_grads = assume_stable_grads
         self._hooked: dict[int, Any] = {}
         self._known_grads: dict[int, Any] = {}
-        self.last_step_skipped = False
-        self.skipped_steps = 0
+        self._host_last_skipped = False
+        self._host_skipped = 0
+        self._last_flags: list[torch.Tensor] = []
+        self._flags: dict[torch.device, torch.Tensor] = {}
+        self._skip_counts: dict[torch.device, torch.Tensor] = {}
+        self._lr_bufs: dict[tuple[int, torch.device], tuple[float, torch.Tensor]] = {}
         self._cache: dict[int, _GroupCache] = {}
         super().__init__(params, defaults)
+
+    # ---- skip reporting ------------------------------------------------------------------------------------
+    # On CUDA the skip decision stays on the device (no sync inside step()); these properties read it back
+    # only when asked, so reading them after a CUDA step synchronises with the stream.
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last ``step()`` was skipped (inf/NaN grads, or GradScaler's ``found_inf``)."""
+        if self._host_last_skipped:
+            return True
+        return any(bool(f.ne(0).any()) for f in self._last_flags)
+
+    @last_step_skipped.setter
+    def last_step_skipped(self, value: bool) -> None:
+        self._host_last_skipped = bool(value)
+        self._last_flags = []
+
+    @property
+    def skipped_steps(self) -> int:
+        """How many ``step()`` calls were skipped so far (device counters included, read on access)."""
+        return self._host_skipped + sum(int(c.sum().item()) for c in self._skip_counts.values())
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._host_skipped = int(value)
+        self._skip_counts = {}
+
+    def _skip_on_host(self) -> None:
+        self._host_last_skipped = True
+        self._host_skipped += 1
 
     # ---- torch.optim plumbing --------------------------------------------------------------------------
     _PICKLED_OPTIONS = ("master_weights", "skip_nonfinite", "assume_stable_grads", "set_grad_none")
@@ -194,8 +242,11 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         self.__dict__.setdefault("_cache", {})
         self.__dict__.setdefault("master_weights", False)
         self.__dict__.setdefault("skip_nonfinite", None)
-        self.__dict__.setdefault("last_step_skipped", False)
-        self.__dict__.setdefault("skipped_steps", 0)
+        self.__dict__.setdefault("_host_last_skipped", bool(self.__dict__.pop("last_step_skipped", False)))
+        self.__dict__.setdefault("_host_skipped", int(self.__dict__.pop("skipped_steps", 0)))
+        for key in ("_flags", "_skip_counts", "_lr_bufs"):
+            self.__dict__.setdefault(key, {})
+        self.__dict__.setdefault("_last_flags", [])
         self.__dict__.setdefault("assume_stable_grads", False)
         self.__dict__.setdefault("_hooked", {})
         self.__dict__.setdefault("_known_grads", {})
@@ -213,7 +264,9 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         """Load a state dict of this class or of ``torch.optim.AdamW``/``Adam``/``SGD`` (same state layout).
 
         Group options missing from ``state_dict`` (e.g. ``bias_correction`` in a torch checkpoint) keep this
-        optimizer's current values, so a torch checkpoint never raises ``KeyError`` (apex #577).
+        optimizer's current values, so a torch checkpoint never raises ``KeyError`` (apex #577); ``capturable``
+        always keeps this optimizer's value. Steps saved on the CPU (torch's non-fused layout) move to a CUDA
+        parameter's device at the next step (one copy), steps saved on a device are used in place.
         """
         own = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         # torch.optim casts every floating state tensor to its param's dtype on load, which would round float32
@@ -240,6 +293,10 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         for old, group in zip(own, self.param_groups, strict=True):
             for key, value in old.items():
                 group.setdefault(key, value)
+            if "capturable" in old or "capturable" in group:
+                # How this instance runs (device lr for CUDA graphs, CPU params allowed or not), not a property
+                # of the checkpoint: keep the constructor's choice, whatever optimizer wrote the state.
+                group["capturable"] = bool(old.get("capturable", False))
             self._check_loaded_group(group)
         self._cache.clear()
 
@@ -278,11 +335,19 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         module: ModuleType,
         bucket: Bucket,
         group: dict[str, Any],
+        lr: float,
         divisor: float,
         found_inf_ptr: int,
         check_finite: bool,
         ctx: int,
+        steps: Any,
+        kw: dict[str, Any],
     ) -> bool | None:
+        """Call the kernel of this optimizer on ``bucket``.
+
+        ``steps``: the host int64 step array (CPU) or ``None`` (CUDA: ``kw["step_ptrs"]``); ``kw``: the CUDA
+        keyword-only arguments (``device``, ``lr_ptr``, ``grad_divisor_ptr``, ``step_ptrs``), empty for CPU.
+        """
         raise NotImplementedError
 
     def _pre_step(self, plans: list[tuple[dict[str, Any], list[Bucket]]], divisor: float) -> float:
@@ -366,7 +431,11 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         state = self.state[p]
         fresh = False
         if self._uses_steps and "step" not in state:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            # torch.optim layout: a 0-dim float32 tensor, on the param's device for CUDA params (as torch's
+            # fused/capturable AdamW), so device steps need no host copy.
+            state["step"] = torch.zeros(
+                (), dtype=torch.float32, device=p.device if self._device_path(p.device) else None
+            )
         for key in self._state_keys(group):
             buf = state.get(key)
             if buf is None:
@@ -392,6 +461,14 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         self, group: dict[str, Any], params: list[torch.Tensor], grads: list[Any]
     ) -> list[Bucket]:
         keys = self._state_keys(group)
+        if group.get("capturable", False):
+            for i, (p, g) in enumerate(zip(params, grads, strict=True)):
+                if g is not None and not self._device_path(p.device):
+                    raise RuntimeError(
+                        f"{self._owner}: capturable=True needs CUDA parameters (lr and steps on the device for "
+                        f"CUDA-graph capture), but parameter #{i} is on {p.device}. Pass capturable=False for "
+                        "CPU parameters (torch.optim raises for capturable=True on CPU too)."
+                    )
         by_key: dict[tuple[Any, ...], Bucket] = {}
         staged: dict[tuple[Any, ...], list[tuple[torch.Tensor, torch.Tensor, dict[str, Any], bool]]] = {}
         for i, (p, g) in enumerate(zip(params, grads, strict=True)):
@@ -418,7 +495,13 @@ class FusedOptimizerBase(torch.optim.Optimizer):
             bucket.sizes = _i64(e[0].numel() for e in entries)
             bucket.numel = sum(bucket.sizes)
             n = len(entries)
-            if self._uses_steps:
+            bucket.on_device = self._device_path(bucket.device)
+            if self._uses_steps and bucket.on_device:
+                steps = self._device_steps([e[2]["step"] for e in entries], bucket.device)
+                for j, e in enumerate(entries):
+                    e[2]["step"] = steps[j]
+                bucket.step_ptrs = _i64(range(steps.data_ptr(), steps.data_ptr() + 4 * n, 4))
+            elif self._uses_steps:
                 steps = torch.tensor([float(e[2]["step"]) for e in entries], dtype=torch.float32)
                 for j, e in enumerate(entries):
                     e[2]["step"] = steps[j]  # 0-dim view: one in-place add advances every step of the bucket
@@ -433,16 +516,49 @@ class FusedOptimizerBase(torch.optim.Optimizer):
             buckets.append(bucket)
         return buckets
 
+    @staticmethod
+    def _device_steps(old: list[Any], device: torch.device) -> torch.Tensor:
+        """One flat float32 tensor on ``device`` holding the given steps, without a host round trip when they
+        already live there (the common case: a rebuild after ``zero_grad(set_to_none=True)``)."""
+        n = len(old)
+        base = old[0]._base if n and isinstance(old[0], torch.Tensor) else None
+        if (
+            base is not None
+            and base.device == device
+            and base.dtype == torch.float32
+            and base.dim() == 1
+            and base.numel() == n
+            and all(s._base is base and s.storage_offset() == j for j, s in enumerate(old))
+        ):
+            return base  # the same bucket as before: keep the tensor (and its address, for CUDA graphs)
+        if all(isinstance(s, torch.Tensor) and s.device == device for s in old):
+            return (
+                torch.stack([s.reshape(()).to(torch.float32) for s in old])
+                if n
+                else torch.zeros(0, device=device)
+            )
+        # Steps from a CPU checkpoint (torch.optim's non-fused layout): one host-to-device copy, at build only.
+        values = [float(s) for s in old]
+        if not any(values):
+            return torch.zeros(n, dtype=torch.float32, device=device)
+        return torch.tensor(values, dtype=torch.float32).to(device)
+
+    @staticmethod
+    def _device_path(device: torch.device) -> bool:
+        """Whether tensors on ``device`` take the sync-free device path (CUDA)."""
+        return device.type == "cuda"
+
+    @staticmethod
+    def _device_env(device: torch.device) -> tuple[int, int]:
+        """``(ctx, device index)`` of a CUDA launch: the caller's current stream on that device."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return int(torch.cuda.current_stream(index).cuda_stream), index
+
+    def _device_clip_norm(self) -> float:
+        """Global grad-norm clip threshold applied on the device path (LAMB); ``0`` = none."""
+        return 0.0
+
     # ---- step ----------------------------------------------------------------------------------------------
-    def _grad_divisor(self, div_scale: float) -> tuple[float, torch.Tensor | None]:
-        divisor = 1.0
-        if div_scale is not None and div_scale > 0:
-            divisor = float(div_scale)
-        grad_scale = getattr(self, "grad_scale", None)
-        if grad_scale is not None:
-            divisor *= float(grad_scale)
-        found_inf = getattr(self, "found_inf", None)
-        return divisor, found_inf
 
     @staticmethod
     def _device_kw(device: torch.device) -> dict[str, Any]:
@@ -463,12 +579,26 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        divisor, found_inf = self._grad_divisor(div_scale)
-        self.last_step_skipped = False
-        if found_inf is not None and float(found_inf) != 0.0:
-            self.last_step_skipped = True
-            self.skipped_steps += 1
-            return loss
+        divisor = 1.0
+        if div_scale is not None and div_scale > 0:
+            divisor = float(div_scale)
+        # Set by torch.amp.GradScaler (_step_supports_amp_scaling): CUDA tensors stay on the device.
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        self._host_last_skipped = False
+        self._last_flags = []
+        if found_inf is not None and not (
+            isinstance(found_inf, torch.Tensor) and self._device_path(found_inf.device)
+        ):
+            if float(found_inf) != 0.0:
+                self._skip_on_host()
+                return loss
+            found_inf = None
+        if grad_scale is not None and not (
+            isinstance(grad_scale, torch.Tensor) and self._device_path(grad_scale.device)
+        ):
+            divisor *= float(grad_scale)
+            grad_scale = None
         plans = [(group, self._group_buckets(i, group)) for i, group in enumerate(self.param_groups)]
         buckets = [(group, b) for group, bs in plans for b in bs if b.numel > 0 or b.params]
         if not buckets:
@@ -478,6 +608,15 @@ class FusedOptimizerBase(torch.optim.Optimizer):
             raise HyperParameterError(
                 f"{self._owner}: the gradient divisor must be positive and finite, got {divisor}"
             )
+        if all(b.on_device for _group, b in buckets):
+            self._device_step(buckets, divisor, grad_scale, found_inf, check)
+            return loss
+        # Host path (CPU buckets, possibly beside CUDA ones in HybridAdam): skip decisions are made on the host.
+        if found_inf is not None and float(found_inf) != 0.0:
+            self._skip_on_host()
+            return loss
+        if grad_scale is not None:
+            divisor *= float(grad_scale)
         # The whole step is skipped on a non-finite grad: with several buckets, check all of them first.
         pre_checked = False
         if check and len(buckets) > 1:
@@ -492,22 +631,186 @@ class FusedOptimizerBase(torch.optim.Optimizer):
                     **self._device_kw(b.device),
                 )
                 if not math.isfinite(norm / divisor):
-                    self.last_step_skipped = True
-                    self.skipped_steps += 1
+                    self._skip_on_host()
                     return loss
             pre_checked = True
         divisor = self._pre_step(plans, divisor)
+        uses_steps = self._uses_steps
         for group, b in buckets:
             module = _backend.module_for(b.device)
-            skipped = self._launch(
-                module, b, group, divisor, 0, check and not pre_checked, self._ctx(module, b.device)
-            )
+            ctx = self._ctx(module, b.device)
+            if b.on_device:
+                if uses_steps:
+                    b.steps.add_(1)  # the device kernels read the step being taken
+                lr, kw = self._device_lr(group, b.device, self._device_kw(b.device))
+                kw["step_ptrs"] = b.step_ptrs
+                skipped = self._launch(
+                    module, b, group, lr, divisor, 0, check and not pre_checked, ctx, None, kw
+                )
+                if skipped and uses_steps:
+                    b.steps.sub_(1)
+            else:
+                skipped = self._launch(
+                    module,
+                    b,
+                    group,
+                    float(group["lr"]),
+                    divisor,
+                    0,
+                    check and not pre_checked,
+                    ctx,
+                    b.prepare_steps(),
+                    _NO_KW,
+                )
+                if not skipped and uses_steps:
+                    b.steps.add_(1)
             if skipped:
                 # Only possible on the first (single) bucket: nothing has been written yet.
-                self.last_step_skipped = True
-                self.skipped_steps += 1
+                self._skip_on_host()
                 return loss
-            if self._uses_steps:
-                b.steps.add_(1)
             b.clear_first_run()
         return loss
+
+    def _device_lr(
+        self, group: dict[str, Any], device: torch.device, kw: dict[str, Any]
+    ) -> tuple[float, dict[str, Any]]:
+        """The host ``lr`` of a CUDA launch, or ``0.0`` with ``kw["lr_ptr"]`` set when lr lives on the device.
+
+        A 0-dim/1-element float32 CUDA ``lr`` tensor is read by the kernel in place (so a captured graph sees
+        later ``lr.fill_(...)``); with ``capturable=True`` a float lr is kept in a device buffer, refreshed
+        (on the stream, no sync) when the group's value changes.
+        """
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor):
+            if lr.device.type == "cpu" and not group.get("capturable", False):
+                return float(lr), kw  # host value: no device synchronisation
+            if lr.numel() != 1:
+                raise HyperParameterError(
+                    f"{self._owner}: a Tensor lr must have one element, got {lr.numel()}"
+                )
+            if lr.device != device or lr.dtype != torch.float32 or not lr.is_contiguous():
+                if group.get("capturable", False) and lr.device.type == "cpu":
+                    raise RuntimeError(
+                        f"{self._owner}: with capturable=True a Tensor lr must live on the parameters' device "
+                        f"({device}), got one on {lr.device}; pass lr=torch.tensor(value, device='{device}')."
+                    )
+                # Freed after the launch is enqueued: safe, the caching allocator reuses it in stream order.
+                lr = lr.to(device=device, dtype=torch.float32, non_blocking=True).contiguous()
+            kw["lr_ptr"] = lr.data_ptr()
+            return 0.0, kw
+        if not group.get("capturable", False):
+            return float(lr), kw
+        key = (id(group), device)
+        value = float(lr)
+        cached = self._lr_bufs.get(key)
+        if cached is None or cached[0] != value:
+            buf = cached[1] if cached is not None else torch.empty(1, dtype=torch.float32, device=device)
+            buf.fill_(value)
+            self._lr_bufs[key] = (value, buf)
+            cached = self._lr_bufs[key]
+        kw["lr_ptr"] = cached[1].data_ptr()
+        return 0.0, kw
+
+    def _device_step(
+        self,
+        buckets: list[tuple[dict[str, Any], Bucket]],
+        divisor: float,
+        grad_scale: torch.Tensor | None,
+        found_inf: torch.Tensor | None,
+        check: bool,
+    ) -> None:
+        """The CUDA step with no host synchronisation: every skip decision and clip factor stays on the device.
+
+        Per device: ``flag`` (a persistent float32 element, ``found_inf_ptr`` of every launch) starts as
+        GradScaler's ``found_inf`` (or 0); with several buckets or LAMB's clip, ``l2norm`` sums ``g^2`` into a
+        device float first, which gives the clip factor and raises ``flag`` on inf/NaN, so each launch skips on
+        the device; with one bucket the kernel's own finite check sets ``flag``. Steps are advanced by
+        ``1 - flag`` before the launch (or by 1 and rolled back by ``flag`` after the kernel's check).
+        """
+        by_dev: dict[torch.device, list[tuple[dict[str, Any], Bucket]]] = {}
+        for item in buckets:
+            by_dev.setdefault(item[1].device, []).append(item)
+        clip_norm = self._device_clip_norm()
+        need_norm = clip_norm > 0 or (check and len(buckets) > 1)
+        env = {device: self._device_env(device) for device in by_dev}
+        sumsq: dict[torch.device, torch.Tensor] = {}
+        if need_norm:
+            for device, items in by_dev.items():
+                ctx, index = env[device]
+                sumsq[device] = _cuda_runtime.device_grad_sumsq(
+                    _backend.module_for(device),
+                    [(b.ptrs["grads"], b.sizes, _backend.DTYPE_CODES[b.grad_dtype]) for _g, b in items],
+                    device=device,
+                    ctx=ctx,
+                    index=index,
+                )
+            if len(sumsq) > 1:  # one global norm over every device (device-to-device copies, no host sync)
+                first = next(iter(sumsq))
+                total = sum(t.to(first, non_blocking=True) for t in sumsq.values())
+                sumsq = {d: total.to(d, non_blocking=True) for d in sumsq}
+        kernel_check = check and not need_norm
+        uses_steps = self._uses_steps
+        for device, items in by_dev.items():
+            module = _backend.module_for(device)
+            ctx, index = env[device]
+            scale = None
+            if grad_scale is not None:
+                scale = grad_scale.to(device=device, dtype=torch.float32, non_blocking=True).reshape(1)
+            flag = None
+            if found_inf is not None or check:
+                flag = self._flags.get(device)
+                if flag is None:
+                    flag = self._flags[device] = torch.zeros(1, dtype=torch.float32, device=device)
+                if found_inf is not None:
+                    flag.copy_(found_inf.to(device=device, dtype=torch.float32, non_blocking=True).reshape(1))
+                else:
+                    flag.zero_()
+            factor = scale  # multiplies the host divisor inside the kernel (grad_divisor_ptr)
+            launch_div = divisor
+            if need_norm:
+                total_div = divisor if scale is None else scale * divisor
+                div, found = _cuda_runtime.clip_divisor_from_sumsq(
+                    sumsq[device], divisor=total_div, max_norm=clip_norm
+                )
+                if clip_norm > 0:
+                    factor, launch_div = div, 1.0  # div = divisor * scale * clip, all on the device
+                if check:
+                    torch.maximum(flag, found, out=flag)
+            keep = None
+            if uses_steps and flag is not None and not kernel_check:
+                keep = 1.0 - flag
+            for group, b in items:
+                lr, kw = self._device_lr(group, device, {"device": index})
+                if factor is not None:
+                    kw["grad_divisor_ptr"] = factor.data_ptr()
+                if uses_steps:
+                    kw["step_ptrs"] = b.step_ptrs
+                    if keep is not None:
+                        b.steps.add_(keep)
+                    else:
+                        b.steps.add_(1)
+                self._launch(
+                    module,
+                    b,
+                    group,
+                    lr,
+                    launch_div,
+                    0 if flag is None else flag.data_ptr(),
+                    kernel_check,
+                    ctx,
+                    None,
+                    kw,
+                )
+                if uses_steps and kernel_check:
+                    b.steps.sub_(
+                        flag
+                    )  # the kernel's finite check skipped the update: that step does not count
+                # SGD's first-run flags are host-side: a skipped first step (device decision) still clears them;
+                # with dampening=0 (the default) the first buffer is exact either way (0*momentum + g = g).
+                b.clear_first_run()
+            if flag is not None:
+                self._last_flags.append(flag)
+                count = self._skip_counts.get(device)
+                if count is None:
+                    count = self._skip_counts[device] = torch.zeros(1, dtype=torch.float32, device=device)
+                count.add_(flag.ne(0).to(torch.float32))

@@ -24,8 +24,10 @@ __all__ = [
     "cuda_available",
     "cuda_built",
     "cuda_module",
+    "clip_divisor_from_sumsq",
     "cuda_status",
     "device_clip_divisor",
+    "device_grad_sumsq",
     "device_step_ptrs",
     "dtype_code",
     "increment_device_steps",
@@ -157,12 +159,64 @@ def rollback_skipped_steps(steps: Sequence[torch.Tensor], found_inf: torch.Tenso
         torch._foreach_sub_(list(steps), found_inf.to(torch.float32).reshape(()))
 
 
+def device_grad_sumsq(
+    module: Any,
+    grad_buckets: Iterable[tuple[Any, Any, int]],
+    *,
+    device: torch.device,
+    ctx: int | None = None,
+    index: int = -1,
+) -> torch.Tensor:
+    """``sum g^2`` over every listed grad, accumulated on ``device`` by ``l2norm(sumsq_out_ptr=)`` (no sync).
+
+    Args:
+        module: the ``_cuda`` module. grad_buckets: ``(grad pointer array, sizes, grad dtype code)`` per bucket.
+        device: the CUDA device of the buckets. ctx: stream handle (default: the current stream of ``device``).
+        index: the ``device=`` keyword of the launch (``-1``: from the first pointer).
+
+    Returns:
+        a ``(1,)`` float32 tensor on ``device``.
+    """
+    if ctx is None:
+        ctx = stream_handle(device)
+    sumsq = torch.zeros(1, device=device, dtype=torch.float32)
+    for ptrs, sizes, code in grad_buckets:
+        module.l2norm(ptrs, sizes, code, 0, ctx, sumsq_out_ptr=sumsq.data_ptr(), device=index)
+    return sumsq
+
+
+def clip_divisor_from_sumsq(
+    sumsq: torch.Tensor, *, divisor: float | torch.Tensor = 1.0, max_norm: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clip divisor and overflow flag from a device ``sum g^2`` (see :func:`device_clip_divisor`).
+
+    Args:
+        sumsq: ``(1,)`` float32, the sum of squares of the raw grads.
+        divisor: what the grads are divided by before the norm (a float, or a 1-element tensor on the same
+            device, e.g. GradScaler's scale).
+        max_norm: clip threshold; ``<= 0`` (or inf) disables clipping.
+
+    Returns:
+        ``(div, found_inf)``: ``div = divisor * max(1, ||g/divisor|| / max_norm)`` and ``found_inf = 1.0`` if the
+        norm is inf/NaN else ``0.0``; ``(1,)`` float32 tensors on ``sumsq``'s device.
+    """
+    norm = sumsq.sqrt() / divisor
+    finite = torch.isfinite(norm)
+    found_inf = (~finite).to(torch.float32)
+    div = torch.ones_like(norm) * divisor
+    if max_norm > 0 and math.isfinite(max_norm):
+        # NaN/inf norms leave the divisor alone: the step is skipped through found_inf, or they propagate.
+        clip = torch.where(finite, torch.clamp(norm / max_norm, min=1.0), torch.ones_like(norm))
+        div = div * clip
+    return div, found_inf
+
+
 def device_clip_divisor(
     module: Any,
     grad_buckets: Iterable[tuple[Any, Any, int]],
     *,
     device: torch.device,
-    divisor: float = 1.0,
+    divisor: float | torch.Tensor = 1.0,
     max_norm: float = 0.0,
     ctx: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,23 +234,13 @@ def device_clip_divisor(
         module: the ``_cuda`` module.
         grad_buckets: ``(grad pointer array, sizes, grad dtype code)`` per bucket.
         device: the CUDA device of the buckets.
-        divisor: the host-side grad divisor (loss scale, ``div_scale``), applied before the norm.
+        divisor: the grad divisor (loss scale, ``div_scale``; a float or a 1-element tensor on ``device``),
+            applied before the norm.
         max_norm: clip threshold; ``<= 0`` disables clipping.
         ctx: stream handle (default: the current stream of ``device``).
 
     Returns:
         ``(div, found_inf)``: two 1-element float32 tensors on ``device``.
     """
-    if ctx is None:
-        ctx = stream_handle(device)
-    sumsq = torch.zeros(1, device=device, dtype=torch.float32)
-    for ptrs, sizes, code in grad_buckets:
-        module.l2norm(ptrs, sizes, code, 0, ctx, sumsq_out_ptr=sumsq.data_ptr())
-    norm = sumsq.sqrt() / divisor
-    found_inf = (~torch.isfinite(norm)).to(torch.float32)
-    div = torch.full_like(norm, divisor)
-    if max_norm > 0 and math.isfinite(max_norm):
-        # NaN/inf norms leave the divisor alone: the step is skipped through found_inf anyway.
-        clip = torch.where(torch.isfinite(norm), torch.clamp(norm / max_norm, min=1.0), torch.ones_like(norm))
-        div = div * clip
-    return div, found_inf
+    sumsq = device_grad_sumsq(module, grad_buckets, device=device, ctx=ctx)
+    return clip_divisor_from_sumsq(sumsq, divisor=divisor, max_norm=max_norm)

@@ -35,6 +35,10 @@ class FusedAdam(AdamBase):
         assume_stable_grads: skip the per-step ``p.grad`` identity check (about 0.3 us per parameter) and rely
             on post-accumulate-grad hooks to see re-allocated grads; grads assigned by hand then need
             ``invalidate_cache()``. Worth it for thousands of small tensors.
+        capturable: keep ``lr`` and the step counters on the device so ``step()`` can be captured in a CUDA
+            graph (``lr`` may be a 1-element float32 CUDA tensor, read in place by the kernel; a float lr is kept
+            in a device buffer). CUDA parameters only: raises at ``step()`` for CPU ones, as torch.optim does.
+            On CUDA, ``step()`` never synchronises with the host whatever this flag says.
 
     State per parameter equals ``torch.optim.AdamW``'s: ``step`` (0-dim float32), ``exp_avg``, ``exp_avg_sq``
     (float32, shaped like the param), so checkpoints load both ways.
@@ -57,6 +61,7 @@ class FusedAdam(AdamBase):
         master_weights: bool = False,
         skip_nonfinite: bool | None = None,
         assume_stable_grads: bool = False,
+        capturable: bool = False,
     ) -> None:
         check_adam_like(
             self._owner,
@@ -86,6 +91,7 @@ class FusedAdam(AdamBase):
             master_weights=master_weights,
             skip_nonfinite=skip_nonfinite,
             assume_stable_grads=assume_stable_grads,
+            capturable=capturable,
         )
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:

@@ -36,7 +36,8 @@ class FusedLAMB(AdamBase):
         params, lr, bias_correction, betas, eps, weight_decay, amsgrad (must be False), adam_w_mode,
         grad_averaging, set_grad_none, max_grad_norm, use_nvlamb: apex/ColossalAI ``FusedLAMB``.
         trust_clip: ``(low, high)`` clamp of the trust ratio (either may be None), or None.
-        master_weights, skip_nonfinite: as in :class:`~stepforge.fused.FusedAdam`.
+        master_weights, skip_nonfinite, assume_stable_grads, capturable: as in
+            :class:`~stepforge.fused.FusedAdam`. On CUDA the global norm and clip factor stay on the device.
     """
 
     _owner = "FusedLAMB"
@@ -60,6 +61,7 @@ class FusedLAMB(AdamBase):
         master_weights: bool = False,
         skip_nonfinite: bool | None = None,
         assume_stable_grads: bool = False,
+        capturable: bool = False,
     ) -> None:
         check_adam_like(
             self._owner,
@@ -103,6 +105,7 @@ class FusedLAMB(AdamBase):
             master_weights=master_weights,
             skip_nonfinite=skip_nonfinite,
             assume_stable_grads=assume_stable_grads,
+            capturable=capturable,
         )
 
     def _torch_group_keys(self, group: dict[str, Any]) -> dict[str, Any]:
@@ -138,15 +141,21 @@ class FusedLAMB(AdamBase):
             divisor *= global_norm / max_norm
         return divisor
 
+    def _device_clip_norm(self) -> float:
+        return float(self.defaults["max_grad_norm"])
+
     def _launch(
         self,
         module: ModuleType,
         bucket: Bucket,
         group: dict[str, Any],
+        lr: float,
         divisor: float,
         found_inf_ptr: int,
         check_finite: bool,
         ctx: int,
+        steps: Any,
+        kw: dict[str, Any],
     ) -> bool | None:
         beta1, beta2 = group["betas"]
         low, high = group.get("trust_clip", (0.0, math.inf))
@@ -157,10 +166,10 @@ class FusedLAMB(AdamBase):
             bucket.ptrs["exp_avg_sq"],
             bucket.ptrs.get("masters"),
             bucket.sizes,
-            bucket.prepare_steps(),
+            steps,
             _backend.DTYPE_CODES[bucket.param_dtype],
             _backend.DTYPE_CODES[bucket.grad_dtype],
-            float(group["lr"]),
+            lr,
             float(beta1),
             float(beta2),
             float(group["eps"]),
@@ -175,7 +184,7 @@ class FusedLAMB(AdamBase):
             found_inf_ptr,
             check_finite,
             ctx,
-            **self._device_kw(bucket.device),
+            **kw,
         )
 
     def step(self, closure: Callable[[], Any] | None = None, div_scale: float = -1) -> Any:

@@ -45,7 +45,8 @@ class FusedSGD(FusedOptimizerBase):
     Args:
         params: parameters or param-group dicts. lr: learning rate (required). momentum, dampening,
             weight_decay, nesterov, wd_after_momentum: as above (nesterov needs momentum > 0, dampening 0).
-        master_weights, skip_nonfinite: as in :class:`~stepforge.fused.FusedAdam`.
+        master_weights, skip_nonfinite, assume_stable_grads, capturable: as in
+            :class:`~stepforge.fused.FusedAdam`.
 
     State per parameter equals ``torch.optim.SGD``'s: ``momentum_buffer`` (float32), only with momentum.
     """
@@ -66,6 +67,7 @@ class FusedSGD(FusedOptimizerBase):
         master_weights: bool = False,
         skip_nonfinite: bool | None = None,
         assume_stable_grads: bool = False,
+        capturable: bool = False,
     ) -> None:
         if lr is required:
             raise HyperParameterError("FusedSGD: lr is required (e.g. FusedSGD(params, lr=0.1)).")
@@ -94,6 +96,7 @@ class FusedSGD(FusedOptimizerBase):
             master_weights=master_weights,
             skip_nonfinite=skip_nonfinite,
             assume_stable_grads=assume_stable_grads,
+            capturable=capturable,
         )
 
     def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
@@ -114,10 +117,13 @@ class FusedSGD(FusedOptimizerBase):
         module: ModuleType,
         bucket: Bucket,
         group: dict[str, Any],
+        lr: float,
         divisor: float,
         found_inf_ptr: int,
         check_finite: bool,
         ctx: int,
+        steps: Any,
+        kw: dict[str, Any],
     ) -> bool | None:
         momentum = float(group["momentum"])
         return module.sgd(
@@ -129,7 +135,7 @@ class FusedSGD(FusedOptimizerBase):
             bucket.first_run,
             _backend.DTYPE_CODES[bucket.param_dtype],
             _backend.DTYPE_CODES[bucket.grad_dtype],
-            float(group["lr"]),
+            lr,
             momentum,
             float(group["dampening"]),
             float(group["weight_decay"]),
@@ -139,7 +145,7 @@ class FusedSGD(FusedOptimizerBase):
             found_inf_ptr,
             check_finite,
             ctx,
-            **self._device_kw(bucket.device),
+            **kw,
         )
 
     def step(self, closure: Callable[[], Any] | None = None, div_scale: float = -1) -> Any:
