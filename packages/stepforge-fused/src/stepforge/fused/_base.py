@@ -643,7 +643,8 @@ class FusedOptimizerBase(torch.optim.Optimizer):
                 if uses_steps:
                     b.steps.add_(1)  # the device kernels read the step being taken
                 lr, kw = self._device_lr(group, b.device, self._device_kw(b.device))
-                kw["step_ptrs"] = b.step_ptrs
+                if uses_steps:
+                    kw["step_ptrs"] = b.step_ptrs
                 skipped = self._launch(
                     module, b, group, lr, divisor, 0, check and not pre_checked, ctx, None, kw
                 )
