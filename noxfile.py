@@ -158,12 +158,11 @@ def build_cuda(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON, tags=["gpu"], default=False)
 def tests_gpu(session: nox.Session) -> None:
-    """stepforge-fused GPU tests (a CUDA torch and a device); a skipped GPU test fails here."""
+    """GPU tests of stepforge-fused and stepforge-optim (a CUDA torch and a device); a skipped GPU test fails."""
     _install_fused_cuda(session)
-    run_pytest(
-        session, "stepforge-fused/tests", "-m", "gpu",
-        env={"STEPFORGE_REQUIRE_CUDA": "1", "STEPFORGE_EXPECT_CUDA_BUILD": "1"},
-    )  # fmt: skip
+    env = {"STEPFORGE_REQUIRE_CUDA": "1", "STEPFORGE_EXPECT_CUDA_BUILD": "1"}
+    for package in ("stepforge-fused", "stepforge-optim"):
+        run_pytest(session, f"{package}/tests", "-m", "gpu", env=env)
 
 
 @nox.session(python=PYTHON, tags=["ci"])
