@@ -73,8 +73,9 @@ class EmulatedCuda:
 
     def l2norm(self, ptrs, sizes, dtype, per_tensor_out_ptr, ctx, *, sumsq_out_ptr=0, device=-1):
         self.calls.append(("l2norm", {"sumsq_out_ptr": sumsq_out_ptr, "device": device}))
-        assert sumsq_out_ptr, "the device path must accumulate the norm on the device (sumsq_out_ptr)"
         norm = CPU.l2norm(ptrs, sizes, dtype, 0, 0)
+        if not sumsq_out_ptr:
+            return norm  # a host read: only the mixed CPU + device path (HybridAdam offload) does that
         out = ctypes.c_float.from_address(sumsq_out_ptr)
         out.value = out.value + norm * norm
         return None
@@ -178,6 +179,7 @@ def test_overflow_skip_over_several_buckets_checks_all_first_on_the_device(emu, 
         opt.step()
     names = [name for name, _ in emu.calls]
     assert names == ["l2norm", "l2norm", "adam", "adam"]
+    assert all(kw["sumsq_out_ptr"] for name, kw in emu.calls if name == "l2norm")
     adam = [kw for name, kw in emu.calls if name == "adam"]
     assert all(kw["found_inf_ptr"] != 0 and not kw["check_finite"] for kw in adam)
     assert bits_equal(ours, before)
@@ -218,6 +220,7 @@ def test_lamb_clip_factor_is_computed_on_the_device(emu, monkeypatch, max_grad_n
         with no_sync(monkeypatch):
             opt.step(div_scale=2.0)
     launches = [kw for name, kw in emu.calls if name == "lamb"]
+    assert all(kw["sumsq_out_ptr"] for name, kw in emu.calls if name == "l2norm")
     assert all(bool(kw.get("grad_divisor_ptr")) == (max_grad_norm > 0) for kw in launches)
     monkeypatch.undo()  # the host (CPU) path as the reference
     ref_opt = FusedLAMB(ref, lr=1e-2, max_grad_norm=max_grad_norm)
@@ -334,3 +337,60 @@ def test_cpu_path_keeps_host_steps_and_no_device_arguments():
     assert all(opt.state[p]["step"].device.type == "cpu" for p in ps)
     assert not any(b.on_device for b in opt._cache[0].buckets)
     assert math.isclose(float(opt.state[ps[0]]["step"]), 1.0)
+
+
+@pytest.fixture
+def mixed(monkeypatch):
+    """Group 0 takes the device path (emulated), group 1 the CPU kernels: HybridAdam's offload layout."""
+    fake = EmulatedCuda()
+    flag = {"device": False}
+    real_build = FusedOptimizerBase._build_buckets
+
+    def build(self, group, params, grads):
+        flag["device"] = group is self.param_groups[0]
+        try:
+            return real_build(self, group, params, grads)
+        finally:
+            flag["device"] = False
+
+    monkeypatch.setattr(FusedOptimizerBase, "_build_buckets", build)
+    monkeypatch.setattr(FusedOptimizerBase, "_device_path", staticmethod(lambda device: flag["device"]))
+    monkeypatch.setattr(FusedOptimizerBase, "_device_env", staticmethod(lambda device: (12345, 0)))
+    monkeypatch.setattr(FusedOptimizerBase, "_ctx", staticmethod(lambda module, device: 0))
+    real_for = _backend.module_for
+    monkeypatch.setattr(_backend, "module_for", lambda device: fake if flag["device"] else real_for(device))
+    return fake, flag  # (host-path l2norm checks of the device bucket run on the real CPU kernels)
+
+
+def test_mixed_cpu_and_device_params_step_and_skip_together(mixed, monkeypatch):
+    fake, _ = mixed
+    dev, cpu = make(), make(seed=3)
+    ref_dev, ref_cpu = clone(dev), clone(cpu)
+    opt = HybridAdam([{"params": dev}, {"params": cpu}], lr=LR, master_weights=True)
+    ref = torch.optim.AdamW([*ref_dev, *ref_cpu], lr=LR, weight_decay=0.0, fused=True)
+    # module_for picks the emulation by bucket: route the device bucket's launches there during step().
+    real_launch = HybridAdam._launch
+
+    def launch(self, module, bucket, *args):
+        return real_launch(self, fake if bucket.on_device else module, bucket, *args)
+
+    monkeypatch.setattr(HybridAdam, "_launch", launch)
+    for s in range(2):
+        grads(dev, s)
+        grads(cpu, 10 + s)
+        grads(ref_dev, s)
+        grads(ref_cpu, 10 + s)
+        opt.step()
+        ref.step()
+    assert bits_equal([*dev, *cpu], [*ref_dev, *ref_cpu])
+    assert [b.on_device for g in opt._cache.values() for b in g.buckets] == [True, False]
+    assert all(float(opt.state[p]["step"]) == 2.0 for p in [*dev, *cpu])
+    before = [p.detach().clone() for p in [*dev, *cpu]]
+    grads(dev, 5)
+    grads(cpu, 6)
+    cpu[0].grad[0] = float("inf")  # the host check sees it before any bucket is written
+    opt.step()
+    assert bits_equal([*dev, *cpu], before) and opt.last_step_skipped and opt.skipped_steps == 1
+    assert all(float(opt.state[p]["step"]) == 2.0 for p in [*dev, *cpu])
+    launches = [kw for name, kw in fake.calls if name == "adam"]
+    assert launches and all(kw["step_ptrs"] is not None and kw["steps"] is None for kw in launches)
