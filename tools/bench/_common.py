@@ -164,9 +164,12 @@ def adam_pattern_ceiling(
         ``{"gb_per_s", "ms", "elements", "bytes_per_element", "threads", "chunk", "by_chunk"}``.
     """
     import numpy as np
+    import torch
 
-    rng = np.random.default_rng(0)
-    p, g, m, v = (rng.standard_normal(n, dtype=np.float32) * 1e-3 for _ in range(4))
+    # torch-allocated memory viewed by numpy: the page size the optimizers' tensors have (numpy itself would
+    # ask for transparent huge pages on large arrays, torch does not unless THP_MEM_ALLOC_ENABLE=1)
+    gen = torch.Generator().manual_seed(0)
+    p, g, m, v = (torch.randn(n, generator=gen).mul_(1e-3).numpy() for _ in range(4))
 
     def work(lo: int, hi: int, chunk: int) -> None:
         for s in range(lo, hi, chunk):
@@ -195,7 +198,7 @@ def adam_pattern_ceiling(
         "threads": threads,
         "chunk": best,
         "by_chunk_ms": {str(k): v for k, v in by_chunk.items()},
-        "method": "numpy m+=g; v+=g; p+=m on L2-sized chunks, one Python thread per core",
+        "method": "numpy m+=g; v+=g; p+=m on L2-sized chunks of torch-allocated arrays, one thread per core",
     }
 
 
@@ -211,10 +214,10 @@ def triad_bandwidth(n: int = 50_000_000, *, threads: int = 2, repeats: int = 5) 
     import numpy as np
     import torch
 
-    rng = np.random.default_rng(1)
-    a = np.zeros(n, dtype=np.float32)
-    b = rng.standard_normal(n, dtype=np.float32)
-    c = rng.standard_normal(n, dtype=np.float32)
+    gen = torch.Generator().manual_seed(1)
+    a = torch.zeros(n).numpy()  # torch-allocated, as in adam_pattern_ceiling
+    b = torch.randn(n, generator=gen).numpy()
+    c = torch.randn(n, generator=gen).numpy()
     chunk = 65_536
 
     def work(lo: int, hi: int) -> None:
