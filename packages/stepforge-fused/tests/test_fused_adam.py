@@ -371,3 +371,28 @@ def test_a_reassigned_bad_grad_is_still_rejected():
     p.grad = torch.randn(6, 4).t()
     with pytest.raises(RuntimeError, match="not contiguous"):
         opt.step()
+
+
+@pytest.mark.parametrize("assume_stable_grads", [False, True])
+def test_optimizer_zero_grad_keeps_buckets_and_follows_params_that_lose_their_grad(assume_stable_grads):
+    # The pointer cache survives optimizer.zero_grad(set_to_none=True); a param that gets no grad in a step
+    # (an unused branch) must then be skipped, exactly as torch does, never read through a stale pointer.
+    torch.manual_seed(0)
+    trunk, branch = torch.nn.Linear(8, 8), torch.nn.Linear(8, 3)
+    ref_trunk, ref_branch = torch.nn.Linear(8, 8), torch.nn.Linear(8, 3)
+    ref_trunk.load_state_dict(trunk.state_dict())
+    ref_branch.load_state_dict(branch.state_dict())
+    ours = [*trunk.parameters(), *branch.parameters()]
+    theirs = [*ref_trunk.parameters(), *ref_branch.parameters()]
+    opt = FusedAdam(ours, lr=1e-2, assume_stable_grads=assume_stable_grads)
+    torch_opt = torch.optim.AdamW(theirs, lr=1e-2, weight_decay=0.0, fused=True)
+    x = torch.randn(4, 8)
+    for k in range(6):
+        use_branch = k % 3 != 1
+        for t, b, o in ((trunk, branch, opt), (ref_trunk, ref_branch, torch_opt)):
+            o.zero_grad(set_to_none=True)
+            h = t(x)
+            (b(h).pow(2).sum() if use_branch else h.pow(2).sum()).backward()
+            o.step()
+        assert bits_equal(ours, theirs), f"step {k}"
+    assert len(opt._cache) == 1, "the buckets are kept across zero_grad"
