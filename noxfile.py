@@ -165,6 +165,31 @@ def tests_gpu(session: nox.Session) -> None:
         run_pytest(session, f"{package}/tests", "-m", "gpu", env=env)
 
 
+DEMO_PACKAGES = ("stepforge-core", "stepforge-optim", "stepforge-fused")
+DEMO_DEPS = ("numpy", "scikit-learn", "tqdm", "matplotlib")
+
+
+@nox.session(python=PYTHON, default=False)
+def demo(session: nox.Session) -> None:
+    """The README's main job: a small model trained with CPUAdam, FusedLAMB and torch AdamW side by side."""
+    install_packages(session, *DEMO_PACKAGES, extra=DEMO_DEPS, env=CPU_BUILD)
+    session.run(
+        "python", str(ROOT / "examples" / "train_demo.py"), "--out", str(ROOT / "demo-out"), *session.posargs
+    )
+
+
+@nox.session(python=PYTHON, default=False)
+def bench(session: nox.Session) -> None:
+    """CPU benchmarks vs torch and the peers' semantics: tables, JSON and PNG into bench-out/ (posargs: --quick)."""
+    install_packages(session, *DEMO_PACKAGES, extra=DEMO_DEPS, env=CPU_BUILD)
+    out = str(ROOT / "bench-out")
+    session.run(
+        "python", str(ROOT / "tools" / "bench" / "bench_fused_cpu.py"), "--out", out, *session.posargs
+    )
+    quick = ("--quick",) if "--quick" in session.posargs else ()
+    session.run("python", str(ROOT / "tools" / "bench" / "bench_optim.py"), "--out", out, *quick)
+
+
 @nox.session(python=PYTHON, tags=["ci"])
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check over the whole tree."""

@@ -119,7 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: all usable cores)")
     parser.add_argument("--target", type=float, default=3.0, help="ratio the issue asks for")
-    parser.add_argument("--out", type=Path, default=Path("bench-out"), help="directory for <stem>.json")
+    parser.add_argument("--out", type=Path, default=Path("bench-out"), help="directory for <stem>.json/.png")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke run: 20 tensors of at most 200 K elements"
+    )
     parser.add_argument("--stem", help="file name stem (default <device>-<date>-optim)")
     args = parser.parse_args(argv)
     threads = _common.configure_threads(args.threads)
@@ -132,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
             spec["count"] = args.tensors
         if args.max_numel:
             spec["high"] = args.max_numel
+        if args.quick:
+            spec.update(count=min(spec["count"], 20), high=min(spec["high"], 200_000))
         sizes = sizes_for(**spec)
         for name in args.optimizers:
             r = bench_one(name, sizes, device, dtype, args.reps, args.warmup)
@@ -164,8 +169,13 @@ def main(argv: list[str] | None = None) -> int:
         "results": results,
     }
     date = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d")
-    path = _common.save_json(args.out / f"{args.stem or f'{device.type}-{date}-optim'}.json", report)
-    print(f"wrote {path}")
+    stem = args.stem or f"{device.type}-{date}-optim"
+    path = _common.save_json(args.out / f"{stem}.json", report)
+    plot_rows = [{**r, "case": f"{r['optimizer']} {r['case']}"} for r in results]
+    plot = _common.save_ratio_plot(
+        args.out / f"{stem}.png", plot_rows, title="stepforge.optim vs a per-parameter loop of the same math"
+    )
+    print(f"wrote {path} and {plot}")
     return 0
 
 
