@@ -51,7 +51,8 @@ STEPFORGE_HOST_DEVICE float bits_as_float(uint32_t u) {
 // bfloat16 -> float is exact: the bf16 bits are the top half of the float.
 STEPFORGE_HOST_DEVICE float bf16_bits_to_float(uint16_t h) { return bits_as_float(uint32_t(h) << 16); }
 
-// float -> bfloat16, round to nearest even; every NaN becomes the canonical quiet NaN 0x7FC0 (as torch does).
+// float -> bfloat16, round to nearest even; every NaN becomes the canonical quiet NaN 0x7FC0 (the rule of
+// c10::BFloat16's scalar conversion; torch's vectorised conversions may keep a NaN's sign and payload).
 STEPFORGE_HOST_DEVICE uint16_t float_to_bf16_bits(float f) {
   uint32_t u = float_as_bits(f);
   if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t(0x7fc0u);
