@@ -123,7 +123,6 @@ def _install_fused_cuda(session: nox.Session) -> None:
     siblings = [n for n in _closure("stepforge-fused") if n != "stepforge-fused"]
     session.install(
         *CONSTRAINTS,
-        "numpy",
         *sorted(_test_group("stepforge-fused")),
         *(str(ROOT / "packages" / n) for n in siblings),
     )
