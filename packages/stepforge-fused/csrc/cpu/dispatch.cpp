@@ -201,13 +201,10 @@ bool cpu_has(const char* feature) {
   return false;
 }
 
-bool adam(I64 params, I64 grads, I64 exp_avgs, I64 exp_avg_sqs, I64 masters, I64 sizes, I64 steps,
-          int param_dtype, int grad_dtype, double lr, double beta1, double beta2, double eps, double weight_decay,
-          bool adamw_mode, bool bias_correction, double grad_divisor, int64_t found_inf_ptr, bool check_finite,
-          int ctx) {
+// The lists and scalars Adam and LAMB share: one entry per tensor everywhere, masters only for 16-bit params.
+static void check_moment_lists(I64 params, I64 grads, I64 exp_avgs, I64 exp_avg_sqs, I64 masters, I64 sizes,
+                               I64 steps, int param_dtype, double grad_divisor) {
   const int64_t n = sizes.size;
-  check_dtype(param_dtype, "adam param_dtype");
-  check_dtype(grad_dtype, "adam grad_dtype");
   check_list(params, n, "params", sizes);
   check_list(grads, n, "grads", sizes);
   check_list(exp_avgs, n, "exp_avgs", sizes);
@@ -220,6 +217,16 @@ bool adam(I64 params, I64 grads, I64 exp_avgs, I64 exp_avg_sqs, I64 masters, I64
   if (steps.size != n) throw std::invalid_argument("steps must have one entry per tensor");
   if (!(grad_divisor > 0.0) || !std::isfinite(grad_divisor))
     throw std::invalid_argument("grad_divisor must be a positive finite number");
+}
+
+bool adam(I64 params, I64 grads, I64 exp_avgs, I64 exp_avg_sqs, I64 masters, I64 sizes, I64 steps,
+          int param_dtype, int grad_dtype, double lr, double beta1, double beta2, double eps, double weight_decay,
+          bool adamw_mode, bool bias_correction, double grad_divisor, int64_t found_inf_ptr, bool check_finite,
+          int ctx) {
+  const int64_t n = sizes.size;
+  check_dtype(param_dtype, "adam param_dtype");
+  check_dtype(grad_dtype, "adam grad_dtype");
+  check_moment_lists(params, grads, exp_avgs, exp_avg_sqs, masters, sizes, steps, param_dtype, grad_divisor);
   std::vector<int64_t> off = make_offsets(sizes);
   MultiTensor mt{n, off.data(), sizes.data, resolve_threads(ctx)};
   if (overflow_gate(mt, grads, grad_dtype, grad_divisor, found_inf_ptr, check_finite)) return true;
@@ -293,18 +300,7 @@ bool lamb(I64 params, I64 grads, I64 exp_avgs, I64 exp_avg_sqs, I64 masters, I64
   const int64_t n = sizes.size;
   check_dtype(param_dtype, "lamb param_dtype");
   check_dtype(grad_dtype, "lamb grad_dtype");
-  check_list(params, n, "params", sizes);
-  check_list(grads, n, "grads", sizes);
-  check_list(exp_avgs, n, "exp_avgs", sizes);
-  check_list(exp_avg_sqs, n, "exp_avg_sqs", sizes);
-  if (masters.present()) {
-    if (param_dtype == kFloat32)
-      throw std::invalid_argument("masters are only for float16/bfloat16 params (param_dtype is float32)");
-    check_list(masters, n, "masters", sizes);
-  }
-  if (steps.size != n) throw std::invalid_argument("steps must have one entry per tensor");
-  if (!(grad_divisor > 0.0) || !std::isfinite(grad_divisor))
-    throw std::invalid_argument("grad_divisor must be a positive finite number");
+  check_moment_lists(params, grads, exp_avgs, exp_avg_sqs, masters, sizes, steps, param_dtype, grad_divisor);
   std::vector<int64_t> off = make_offsets(sizes);
   MultiTensor mt{n, off.data(), sizes.data, resolve_threads(ctx)};
   if (overflow_gate(mt, grads, grad_dtype, grad_divisor, found_inf_ptr, check_finite)) return true;
