@@ -121,6 +121,9 @@ def _worker(
         with open(os.path.join(result_dir, f"rank{rank}.err"), "w", encoding="utf-8") as f:
             f.write(f"{time.time_ns()}\n{traceback.format_exc()}")
         raise
+    # No rank may tear its connections down while a peer still has gloo work in flight (a DDP bucket, an
+    # FSDP2 reduce-scatter): the peer's gloo thread then aborts the process ("terminate called ...").
+    dist.barrier()
     dist.destroy_process_group()
     # A file rather than a queue: a big result in a pipe would block the child before it can exit.
     torch.save(result, os.path.join(result_dir, f"rank{rank}.pt"))
