@@ -127,6 +127,24 @@ def test_unknown_stepforge_name_says_what_to_install(name, dist):
         registry.get(name.lower())
 
 
+@pytest.mark.parametrize(
+    ("name", "dist"),
+    [
+        ("low_level_zero", "stepforge-zero"),
+        ("zero2", "stepforge-zero"),
+        ("LowLevelZeroPlugin", "stepforge-zero"),
+        ("gemini", "stepforge-strategy"),
+        ("torch_fsdp", "stepforge-strategy"),
+        ("TorchDDPPlugin", "stepforge-strategy"),
+        ("single", "stepforge-strategy"),
+    ],
+)
+def test_unknown_plugin_says_what_to_install(name, dist):
+    registry = Registry("stepforge.test-empty", "plugin", install_hints=INSTALL_HINTS["stepforge.plugins"])
+    with pytest.raises(UnknownNameError, match=f"pip install {dist}"):
+        registry.get(name)
+
+
 def test_unknown_name_lists_what_exists_and_what_can_be_installed():
     registry = Registry(
         "stepforge.test-empty",

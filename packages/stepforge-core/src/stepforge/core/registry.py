@@ -59,16 +59,25 @@ INSTALL_HINTS: dict[str, dict[str, str]] = {
         "ZeroRedundancyOptimizer": "stepforge-zero",
     },
     "stepforge.plugins": {
+        "single": "stepforge-strategy",
+        "torch_ddp": "stepforge-strategy",
         "ddp": "stepforge-strategy",
+        "TorchDDPPlugin": "stepforge-strategy",
+        "torch_fsdp": "stepforge-strategy",
         "fsdp": "stepforge-strategy",
+        "TorchFSDPPlugin": "stepforge-strategy",
+        "gemini": "stepforge-strategy",
+        "GeminiPlugin": "stepforge-strategy",
+        "low_level_zero": "stepforge-zero",
+        "lowlevel-zero": "stepforge-zero",
+        "LowLevelZeroPlugin": "stepforge-zero",
         "zero1": "stepforge-zero",
         "zero2": "stepforge-zero",
-        "lowlevel-zero": "stepforge-zero",
-        "gemini": "stepforge-zero",
     },
     "stepforge.optim_wrappers": {
         "OptimWrapper": "stepforge-accum",
         "AmpOptimWrapper": "stepforge-strategy",
+        "ColossalAIOptimWrapper": "stepforge-strategy",
     },
 }
 
