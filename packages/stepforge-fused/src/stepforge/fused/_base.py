@@ -462,7 +462,11 @@ class FusedOptimizerBase(torch.optim.Optimizer):
                 state["master_param"] = p.detach().to(torch.float32).contiguous()
             elif w.dtype != torch.float32 or w.device != p.device:
                 state["master_param"] = w.to(device=p.device, dtype=torch.float32).contiguous()
+        self._adopt_state(p, state)
         return state, fresh
+
+    def _adopt_state(self, p: torch.Tensor, state: dict[str, Any]) -> None:
+        """Hook called once ``p``'s state tensors exist: a subclass may move them (CPUAdam's NVMe offload)."""
 
     def _build_buckets(
         self, group: dict[str, Any], params: list[torch.Tensor], grads: list[Any]
