@@ -4,17 +4,17 @@
 A param group is split into buckets keyed by ``(device, param dtype, grad dtype, master weights)``; each bucket
 holds the pointer arrays the kernels take (``array.array('q')``, read without copying by the extension), the
 sizes and a flat float32 tensor of per-parameter step counts whose elements *are* ``state[p]["step"]`` (0-dim
-views), so one in-place add advances every step of the bucket. The arrays are rebuilt only when the set of
-gradients changes: each step compares ``p.grad`` objects with the cached ones by identity, which catches
-gradients re-allocated by backward after ``zero_grad(set_to_none=True)`` and gradients assigned by hand.
-Swapping storage under an existing tensor (``p.data = ...``, ``p.grad.data = ...``) is not detected: call
-:meth:`FusedOptimizerBase.invalidate_cache` after doing that.
+views), so one in-place add advances every step of the bucket. Every step revalidates the cache against the tensors (see :class:`_GroupCache`): the ``data_ptr()`` of each
+parameter and gradient is compared with the cached address, and the cache holds the storage behind each cached
+address, so an unchanged address is the same live memory. Any move that gives a parameter or gradient other
+memory (``model.double().float()``, ``.half()``, ``.to(device)``, ``module._apply``, ``p.data = t``,
+``p.grad.data = t``) is seen at the next step: parameters rebuild their buckets (state follows the parameter's
+device, masters re-sync), gradients refresh their pointers after checking dtype, size and layout.
 
-Reading ``p.grad`` costs about 0.3 us per parameter, which for 20 000 small tensors is a large part of a step.
-With ``assume_stable_grads=True`` the per-step check is skipped: the cache is invalidated by
-post-accumulate-grad hooks (a gradient newly allocated by backward), ``load_state_dict`` and
-``add_param_group``, and checked once after ``zero_grad(set_to_none=True)``; a gradient assigned by hand needs
-``invalidate_cache()``. ``zero_grad`` keeps the buckets: only the grad pointers are refreshed after it.
+With ``assume_stable_grads=True`` only the parameter addresses are compared each step; gradients newly allocated
+by backward are seen through post-accumulate-grad hooks, ``zero_grad(set_to_none=True)`` makes the next step
+check them once, and a gradient assigned or swapped by hand needs :meth:`FusedOptimizerBase.invalidate_cache`
+(memory stays safe without it: the old gradient storage is held, never freed under the kernel).
 """
 
 from __future__ import annotations
@@ -110,29 +110,91 @@ _get_dtype = operator.attrgetter("dtype")
 _get_is_sparse = operator.attrgetter("is_sparse")
 _contiguous = torch.Tensor.is_contiguous
 _data_ptr = torch.Tensor.data_ptr
+_numel = torch.Tensor.numel
+
+
+_get_grad = operator.attrgetter("grad")
+_storage = torch.Tensor.untyped_storage
+
+
+def _grad_ptr(g: Any) -> int:
+    return 0 if g is None else g.data_ptr()
 
 
 class _GroupCache:
-    __slots__ = ("all_set", "buckets", "grads", "hooked", "members", "params")
+    """The buckets of one param group and what they were built from.
+
+    Revalidated at every step in two C-level comparisons: the ``data_ptr()`` of every parameter and of every
+    gradient against the addresses the buckets hold. The cache keeps a reference to the *storage* behind each
+    address it hands to a kernel (``untyped_storage()``), so that storage is never freed while its address is
+    cached: an unchanged address is therefore the same live memory, and any move (``model.double().float()``,
+    ``.half()``, ``.to(device)``, ``module._apply``, ``p.data = t``, ``p.grad.data = t``, ``resize_``) that gives
+    a tensor other memory changes its address and triggers a rebuild (params) or a refresh (grads), which
+    re-validates dtype, shape, device and layout. ``zero_grad(set_to_none=True)`` drops the grad storages.
+    """
+
+    __slots__ = (
+        "all_set",
+        "buckets",
+        "grad_ptrs",
+        "grad_storages",
+        "hooked",
+        "members",
+        "param_ptrs",
+        "param_storages",
+        "params",
+    )
 
     def __init__(self, params: list[torch.Tensor], grads: list[Any], buckets: list[Bucket]):
         self.params = params
-        self.grads = grads
         self.all_set = all(g is not None for g in grads)
         self.buckets = buckets
         self.hooked = False
+        self.param_ptrs = _i64(map(_data_ptr, params))
+        self.param_storages = list(map(_storage, params))
+        self._keep_grads(grads)
         # for each bucket, the positions of its params in the group
         where = {id(p): i for i, p in enumerate(params)}
         self.members = [[where[id(p)] for p in b.params] for b in buckets]
 
+    def _keep_grads(self, grads: list[Any]) -> None:
+        if self.all_set:
+            self.grad_ptrs = _i64(map(_data_ptr, grads))
+            self.grad_storages = list(map(_storage, grads))
+        else:
+            self.grad_ptrs = _i64(map(_grad_ptr, grads))
+            self.grad_storages = [None if g is None else g.untyped_storage() for g in grads]
+
+    def release_grads(self) -> None:
+        """Forget the grad storages (``zero_grad(set_to_none=True)``): the next step re-validates every grad."""
+        self.grad_storages = []
+        self.grad_ptrs = _i64(())
+
+    def params_unchanged(self, params: list[torch.Tensor]) -> bool:
+        """Every parameter still at the address (so in the live storage) the buckets were built with."""
+        return self.params is params and _i64(map(_data_ptr, params)) == self.param_ptrs
+
+    def grads_unchanged(self, grads: list[Any]) -> bool:
+        """Every gradient still at the cached address, and none appeared or vanished."""
+        if self.all_set:
+            try:
+                return _i64(map(_data_ptr, grads)) == self.grad_ptrs
+            except TypeError:  # a grad became None
+                return False
+        return _i64(map(_grad_ptr, grads)) == self.grad_ptrs
+
     def refresh_grads(self, grads: list[Any]) -> bool:
         """Point the buckets at new grad tensors (``zero_grad(set_to_none=True)`` + backward re-allocates them
         every step), with C-level loops only. Returns False when the layout must be rebuilt instead (a grad
-        appeared or vanished, or changed dtype/layout: the full build validates and raises the right error).
-        torch itself guarantees that an assigned grad has its param's shape and device."""
+        appeared or vanished, or changed dtype/size/layout: the full build validates and raises the right
+        error)."""
         all_set = all(map(operator.is_not, grads, itertools.repeat(None)))
-        if not (all_set and self.all_set) and [g is None for g in grads] != [g is None for g in self.grads]:
-            return False  # the set of params with a grad changed
+        if not (all_set and self.all_set):
+            if all_set != self.all_set:
+                return False
+            old = [p is None for p in self.grad_storages] if self.grad_storages else None
+            if old is None or [g is None for g in grads] != old:
+                return False  # the set of params with a grad changed (or is unknown after release_grads)
         for bucket, idx in zip(self.buckets, self.members, strict=True):
             if not idx:
                 continue
@@ -141,8 +203,10 @@ class _GroupCache:
                 return False
             if any(map(_get_is_sparse, bg)) or not all(map(_contiguous, bg)):
                 return False
+            if _i64(map(_numel, bg)) != bucket.sizes:
+                return False  # a grad of another size (``p.grad.data = ...``): the full build raises
             bucket.ptrs["grads"] = _i64(map(_data_ptr, bg))
-        self.grads = grads
+        self._keep_grads(grads)
         return True
 
 
@@ -330,6 +394,7 @@ class FusedOptimizerBase(torch.optim.Optimizer):
             # so they must go through it once (a param left without a grad would otherwise keep a dead pointer).
             for entry in self._cache.values():
                 entry.hooked = False
+                entry.release_grads()
 
     # ---- hooks for subclasses --------------------------------------------------------------------------
     def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
@@ -361,22 +426,25 @@ class FusedOptimizerBase(torch.optim.Optimizer):
 
     # ---- bucket building ---------------------------------------------------------------------------------
     def _group_buckets(self, index: int, group: dict[str, Any]) -> list[Bucket]:
+        """The group's buckets, revalidated: parameter addresses always, gradient addresses unless the
+        stable-grads hooks vouch for them; a moved parameter rebuilds, moved grads refresh."""
         params = group["params"]
         cached = self._cache.get(index)
-        if (
-            cached is not None
-            and cached.hooked
-            and cached.params is params
-            and len(cached.grads) == len(params)
-        ):
-            return cached.buckets
-        grads = [p.grad for p in params]
-        if cached is not None and cached.params is params and len(cached.grads) == len(grads):
-            if all(map(_is, grads, cached.grads)) or cached.refresh_grads(grads):
+        if cached is not None and cached.params_unchanged(params):
+            if cached.hooked:
+                return cached.buckets
+            grads = list(map(_get_grad, params))
+            if cached.grads_unchanged(grads) or cached.refresh_grads(grads):
                 if self.assume_stable_grads:
                     cached.hooked = self._hook_params(params)
                 return cached.buckets
-        buckets = self._build_buckets(group, params, grads)
+        else:
+            grads = list(map(_get_grad, params))
+        moved: frozenset[int] = frozenset()
+        if cached is not None and cached.params is params and len(params) == len(cached.param_ptrs):
+            now = _i64(map(_data_ptr, params))
+            moved = frozenset(i for i, (a, b) in enumerate(zip(now, cached.param_ptrs, strict=True)) if a != b)
+        buckets = self._build_buckets(group, params, grads, moved)
         entry = _GroupCache(params, grads, buckets)
         if self.assume_stable_grads:
             entry.hooked = self._hook_params(params)
@@ -433,8 +501,14 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         _backend.dtype_code(p.dtype, what=where, owner=owner)
         _backend.dtype_code(g.dtype, what=f"the gradient of {where}", owner=owner)
 
-    def _init_state(self, p: torch.Tensor, group: dict[str, Any]) -> tuple[dict[str, Any], bool]:
-        """Create (or normalise a loaded) state for ``p``; returns (state, created_momentum_now)."""
+    def _init_state(
+        self, p: torch.Tensor, group: dict[str, Any], moved: bool = False
+    ) -> tuple[dict[str, Any], bool]:
+        """Create (or normalise a loaded or moved) state for ``p``; returns (state, created_momentum_now).
+
+        State follows its parameter: tensors move to the parameter's device and stay float32 (``moved``: the
+        parameter got new storage since the last build, so a master copy is re-synced from it if they differ).
+        """
         state = self.state[p]
         fresh = False
         if self._uses_steps and "step" not in state:
@@ -451,6 +525,12 @@ class FusedOptimizerBase(torch.optim.Optimizer):
             elif buf.dtype != torch.float32 or buf.device != p.device or not buf.is_contiguous():
                 # A torch checkpoint of fp16/bf16 params keeps low-precision moments: widen them (exact).
                 state[key] = buf.to(device=p.device, dtype=torch.float32).contiguous()
+            if state[key].shape != p.shape and moved:
+                raise RuntimeError(
+                    f"{self._owner}: a parameter was given new storage of shape {tuple(p.shape)} but its "
+                    f"state['{key}'] has shape {tuple(state[key].shape)}; state cannot follow a change of size. "
+                    "Start it afresh with `del optimizer.state[param]` (or rebuild the optimizer)."
+                )
             if state[key].shape != p.shape:
                 raise RuntimeError(
                     f"{self._owner}: state['{key}'] has shape {tuple(state[key].shape)} but its parameter has "
@@ -460,12 +540,23 @@ class FusedOptimizerBase(torch.optim.Optimizer):
             w = state.get("master_param")
             if w is None or w.shape != p.shape:
                 state["master_param"] = p.detach().to(torch.float32).contiguous()
-            elif w.dtype != torch.float32 or w.device != p.device:
-                state["master_param"] = w.to(device=p.device, dtype=torch.float32).contiguous()
+            else:
+                if w.dtype != torch.float32 or w.device != p.device or not w.is_contiguous():
+                    w = state["master_param"] = w.to(device=p.device, dtype=torch.float32).contiguous()
+                if moved and not torch.equal(w.to(p.dtype), p.detach()):
+                    # new values were put into the parameter (p.data = t, a load): they win over the master
+                    w.copy_(p.detach())
+        elif "master_param" in state:
+            # the parameter became float32 (model.float()): it is its own master now, as in torch.optim
+            del state["master_param"]
         return state, fresh
 
     def _build_buckets(
-        self, group: dict[str, Any], params: list[torch.Tensor], grads: list[Any]
+        self,
+        group: dict[str, Any],
+        params: list[torch.Tensor],
+        grads: list[Any],
+        moved: frozenset[int] = frozenset(),
     ) -> list[Bucket]:
         keys = self._state_keys(group)
         if group.get("capturable", False):
@@ -482,7 +573,7 @@ class FusedOptimizerBase(torch.optim.Optimizer):
             if g is None:
                 continue
             self._validate_pair(p, g, i)
-            state, fresh = self._init_state(p, group)
+            state, fresh = self._init_state(p, group, i in moved)
             master = self.master_weights and p.dtype != torch.float32
             key = (p.device, p.dtype, g.dtype, master)
             if key not in by_key:

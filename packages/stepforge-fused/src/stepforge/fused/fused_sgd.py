@@ -105,12 +105,12 @@ class FusedSGD(FusedOptimizerBase):
     def _torch_group_keys(self, group: dict[str, Any]) -> dict[str, Any]:
         return {"maximize": False, "foreach": None, "differentiable": False, "fused": None}
 
-    def _init_state(self, p: Any, group: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    def _init_state(self, p: Any, group: dict[str, Any], moved: bool = False) -> tuple[dict[str, Any], bool]:
         # torch.optim.SGD stores momentum_buffer=None when momentum is 0; treat None as "no buffer yet".
         state = self.state[p]
         if "momentum_buffer" in state and state["momentum_buffer"] is None:
             del state["momentum_buffer"]
-        return super()._init_state(p, group)
+        return super()._init_state(p, group, moved)
 
     def _launch(
         self,
