@@ -23,7 +23,9 @@ def clone_params(params: Iterable[torch.Tensor]) -> list[torch.nn.Parameter]:
     return [torch.nn.Parameter(p.detach().clone()) for p in params]
 
 
-def set_grads(*param_lists: Sequence[torch.Tensor], dtype: torch.dtype | None = None, scale: float = 1.0) -> None:
+def set_grads(
+    *param_lists: Sequence[torch.Tensor], dtype: torch.dtype | None = None, scale: float = 1.0
+) -> None:
     """Give the i-th parameter of every list the same fresh random gradient (``dtype``: the grads' dtype)."""
     for ps in zip(*param_lists, strict=True):
         g = torch.randn(ps[0].shape).to(dtype or ps[0].dtype) * scale
