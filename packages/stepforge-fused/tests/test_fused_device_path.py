@@ -346,10 +346,10 @@ def mixed(monkeypatch):
     flag = {"device": False}
     real_build = FusedOptimizerBase._build_buckets
 
-    def build(self, group, params, grads):
+    def build(self, group, params, grads, *rest):
         flag["device"] = group is self.param_groups[0]
         try:
-            return real_build(self, group, params, grads)
+            return real_build(self, group, params, grads, *rest)
         finally:
             flag["device"] = False
 

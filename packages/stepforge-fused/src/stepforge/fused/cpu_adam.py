@@ -9,9 +9,8 @@ from typing import Any
 
 import torch
 
-from ._adam_base import AdamBase
+from ._adam_base import AdamBase, adam_defaults
 from ._nvme import NvmeStateStore, check_nvme_args
-from ._validate import check_adam_like
 
 __all__ = ["CPUAdam"]
 
@@ -57,19 +56,11 @@ class CPUAdam(AdamBase):
         fraction = check_nvme_args(self._owner, nvme_offload_fraction, nvme_offload_dir)
         self.nvme_offload_fraction = fraction
         self._nvme = NvmeStateStore(self._owner, fraction, nvme_offload_dir) if fraction > 0 else None
-        check_adam_like(
+        defaults = adam_defaults(
             self._owner,
             lr=lr,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            amsgrad=False,
-            flags={"bias_correction": bias_correction, "adamw_mode": adamw_mode},
-        )
-        defaults = dict(
-            lr=lr,
             bias_correction=bias_correction,
-            betas=tuple(betas),
+            betas=betas,
             eps=eps,
             weight_decay=weight_decay,
             adamw_mode=adamw_mode,

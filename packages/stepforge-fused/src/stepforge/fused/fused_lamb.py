@@ -8,17 +8,16 @@ from collections.abc import Callable, Iterable
 from types import ModuleType
 from typing import Any
 
-from stepforge.core import HyperParameterError, check_range
+from stepforge.core import HyperParameterError, check_bool, check_range
 
 from . import _backend
-from ._adam_base import AdamBase
-from ._base import Bucket
-from ._validate import check_adam_like
+from ._adam_base import ADAM_STATE_KEYS, adam_defaults
+from ._base import Bucket, FusedOptimizerBase, Launch
 
 __all__ = ["FusedLAMB"]
 
 
-class FusedLAMB(AdamBase):
+class FusedLAMB(FusedOptimizerBase):
     """LAMB (You et al., 2019) with apex ``FusedLAMB`` semantics, never overwriting ``p.grad``.
 
     Per step: the global grad norm over all groups ``N``; ``c = max(1, N/max_grad_norm)`` (no clip when
@@ -63,21 +62,19 @@ class FusedLAMB(AdamBase):
         assume_stable_grads: bool = False,
         capturable: bool = False,
     ) -> None:
-        check_adam_like(
+        defaults = adam_defaults(
             self._owner,
             lr=lr,
+            bias_correction=bias_correction,
             betas=betas,
             eps=eps,
             weight_decay=weight_decay,
             amsgrad=amsgrad,
-            flags={
-                "bias_correction": bias_correction,
-                "adam_w_mode": adam_w_mode,
-                "grad_averaging": grad_averaging,
-                "set_grad_none": set_grad_none,
-                "use_nvlamb": use_nvlamb,
-            },
+            adam_w_mode=adam_w_mode,
+            grad_averaging=grad_averaging,
+            use_nvlamb=use_nvlamb,
         )
+        check_bool("set_grad_none", set_grad_none, owner=self._owner)
         check_range(
             "max_grad_norm",
             max_grad_norm,
@@ -85,20 +82,8 @@ class FusedLAMB(AdamBase):
             owner=self._owner,
             hint="Pass 0 to disable global gradient clipping.",
         )
-        low, high = _trust_bounds(trust_clip)
         self.set_grad_none = set_grad_none
-        defaults = dict(
-            lr=lr,
-            bias_correction=bias_correction,
-            betas=tuple(betas),
-            eps=eps,
-            weight_decay=weight_decay,
-            adam_w_mode=adam_w_mode,
-            grad_averaging=grad_averaging,
-            max_grad_norm=max_grad_norm,
-            use_nvlamb=use_nvlamb,
-            trust_clip=(low, high),
-        )
+        defaults.update(max_grad_norm=max_grad_norm, trust_clip=_trust_bounds(trust_clip))
         super().__init__(
             params,
             defaults,
@@ -108,11 +93,8 @@ class FusedLAMB(AdamBase):
             capturable=capturable,
         )
 
-    def _torch_group_keys(self, group: dict[str, Any]) -> dict[str, Any]:
-        return {}
-
-    def _check_loaded_group(self, group: dict[str, Any]) -> None:
-        super(AdamBase, self)._check_loaded_group(group)
+    def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
+        return ADAM_STATE_KEYS
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         """Clear grads; ``set_to_none=None`` follows the constructor's ``set_grad_none``."""
@@ -145,17 +127,7 @@ class FusedLAMB(AdamBase):
         return float(self.defaults["max_grad_norm"])
 
     def _launch(
-        self,
-        module: ModuleType,
-        bucket: Bucket,
-        group: dict[str, Any],
-        lr: float,
-        divisor: float,
-        found_inf_ptr: int,
-        check_finite: bool,
-        ctx: int,
-        steps: Any,
-        kw: dict[str, Any],
+        self, module: ModuleType, bucket: Bucket, group: dict[str, Any], launch: Launch
     ) -> bool | None:
         beta1, beta2 = group["betas"]
         low, high = group.get("trust_clip", (0.0, math.inf))
@@ -166,10 +138,10 @@ class FusedLAMB(AdamBase):
             bucket.ptrs["exp_avg_sq"],
             bucket.ptrs.get("masters"),
             bucket.sizes,
-            steps,
+            launch.steps,
             _backend.DTYPE_CODES[bucket.param_dtype],
             _backend.DTYPE_CODES[bucket.grad_dtype],
-            lr,
+            launch.lr,
             float(beta1),
             float(beta2),
             float(group["eps"]),
@@ -180,11 +152,11 @@ class FusedLAMB(AdamBase):
             bool(group["use_nvlamb"]),
             float(low),
             float(high),
-            divisor,
-            found_inf_ptr,
-            check_finite,
-            ctx,
-            **kw,
+            launch.divisor,
+            launch.found_inf_ptr,
+            launch.check_finite,
+            launch.ctx,
+            **launch.kw,
         )
 
     def step(self, closure: Callable[[], Any] | None = None, div_scale: float = -1) -> Any:

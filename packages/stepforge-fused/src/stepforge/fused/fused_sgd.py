@@ -17,7 +17,7 @@ from stepforge.core import (
 )
 
 from . import _backend
-from ._base import Bucket, FusedOptimizerBase
+from ._base import Bucket, FusedOptimizerBase, Launch
 
 __all__ = ["FusedSGD"]
 
@@ -105,25 +105,15 @@ class FusedSGD(FusedOptimizerBase):
     def _torch_group_keys(self, group: dict[str, Any]) -> dict[str, Any]:
         return {"maximize": False, "foreach": None, "differentiable": False, "fused": None}
 
-    def _init_state(self, p: Any, group: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    def _init_state(self, p: Any, group: dict[str, Any], moved: bool = False) -> tuple[dict[str, Any], bool]:
         # torch.optim.SGD stores momentum_buffer=None when momentum is 0; treat None as "no buffer yet".
         state = self.state[p]
         if "momentum_buffer" in state and state["momentum_buffer"] is None:
             del state["momentum_buffer"]
-        return super()._init_state(p, group)
+        return super()._init_state(p, group, moved)
 
     def _launch(
-        self,
-        module: ModuleType,
-        bucket: Bucket,
-        group: dict[str, Any],
-        lr: float,
-        divisor: float,
-        found_inf_ptr: int,
-        check_finite: bool,
-        ctx: int,
-        steps: Any,
-        kw: dict[str, Any],
+        self, module: ModuleType, bucket: Bucket, group: dict[str, Any], launch: Launch
     ) -> bool | None:
         momentum = float(group["momentum"])
         return module.sgd(
@@ -135,17 +125,17 @@ class FusedSGD(FusedOptimizerBase):
             bucket.first_run,
             _backend.DTYPE_CODES[bucket.param_dtype],
             _backend.DTYPE_CODES[bucket.grad_dtype],
-            lr,
+            launch.lr,
             momentum,
             float(group["dampening"]),
             float(group["weight_decay"]),
             bool(group["nesterov"]),
             bool(group["wd_after_momentum"]),
-            divisor,
-            found_inf_ptr,
-            check_finite,
-            ctx,
-            **kw,
+            launch.divisor,
+            launch.found_inf_ptr,
+            launch.check_finite,
+            launch.ctx,
+            **launch.kw,
         )
 
     def step(self, closure: Callable[[], Any] | None = None, div_scale: float = -1) -> Any:
