@@ -178,6 +178,9 @@ def asan(session: nox.Session) -> None:
     libasan = session.run(cxx, "-print-file-name=libasan.so", silent=True, external=True).strip()
     if not os.path.isabs(libasan) or not os.path.exists(libasan):
         session.error(f"libasan.so not found by {cxx} -print-file-name (install the compiler's libasan)")
+    # python does not link libstdc++: without it preloaded too, ASan's __cxa_throw interceptor finds no real
+    # __cxa_throw and aborts at the first C++ exception (a pybind11 ValueError) with "CHECK failed".
+    libstdcxx = session.run(cxx, "-print-file-name=libstdc++.so", silent=True, external=True).strip()
     siblings = [n for n in _closure("stepforge-fused") if n != "stepforge-fused"]
     session.install(
         *CONSTRAINTS, "numpy", *sorted(_test_group("stepforge-fused")),
@@ -193,7 +196,7 @@ def asan(session: nox.Session) -> None:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir()
     env = {
-        "LD_PRELOAD": libasan,
+        "LD_PRELOAD": f"{libasan}:{os.path.realpath(libstdcxx)}",
         "ASAN_OPTIONS": f"detect_leaks=0:halt_on_error=1:abort_on_error=0:log_path={out / 'asan'}",
         "STEPFORGE_EXPECT_ASAN": "1",
     }
