@@ -128,7 +128,9 @@ def test_resident_anonymous_memory_is_lower_by_the_offloaded_state(tmp_path):
     element in memory, and by almost nothing with the state in files; the state then shows up as file pages
     (which the kernel writes back and evicts) and as bytes in the files."""
     if os.environ.get("STEPFORGE_EXPECT_ASAN"):
-        pytest.skip("under nox -s asan the ASan allocator and shadow memory change RssAnon (measured in tests(fused))")
+        pytest.skip(
+            "under nox -s asan the ASan allocator and shadow memory change RssAnon (measured in tests(fused))"
+        )
     n = 4_000_000
     state_kb = 2 * n * 4 // 1024  # 31 250 KiB of exp_avg + exp_avg_sq
     anon_mem, _, _ = _measure(0.0, str(tmp_path))
