@@ -4,7 +4,9 @@
 A param group is split into buckets keyed by ``(device, param dtype, grad dtype, master weights)``; each bucket
 holds the pointer arrays the kernels take (``array.array('q')``, read without copying by the extension), the
 sizes and a flat float32 tensor of per-parameter step counts whose elements *are* ``state[p]["step"]`` (0-dim
-views), so one in-place add advances every step of the bucket. Every step revalidates the cache against the tensors (see :class:`_GroupCache`): the ``data_ptr()`` of each
+views), so one in-place add advances every step of the bucket.
+
+Every step revalidates the cache against the tensors (see :class:`GroupCache`): the ``data_ptr()`` of each
 parameter and gradient is compared with the cached address, and the cache holds the storage behind each cached
 address, so an unchanged address is the same live memory. Any move that gives a parameter or gradient other
 memory (``model.double().float()``, ``.half()``, ``.to(device)``, ``module._apply``, ``p.data = t``,
@@ -29,7 +31,7 @@ from typing import Any
 
 import torch
 
-from . import _backend
+from ._validate import check_pair, local_tensor
 
 __all__ = ["Bucket", "BucketsMixin", "GroupCache", "Launch"]
 
@@ -134,6 +136,14 @@ _get_grad = operator.attrgetter("grad")
 _storage = torch.Tensor.untyped_storage
 
 
+def _is_dtensor(t: Any) -> bool:
+    return hasattr(t, "_local_tensor")
+
+
+def _local_grads(grads: list[Any]) -> list[Any]:
+    return [None if g is None else local_tensor(g) for g in grads]
+
+
 def _grad_ptr(g: Any) -> int:
     return 0 if g is None else g.data_ptr()
 
@@ -153,6 +163,7 @@ class GroupCache:
     __slots__ = (
         "all_set",
         "buckets",
+        "dtensor",
         "grad_ptrs",
         "grad_storages",
         "hooked",
@@ -162,13 +173,21 @@ class GroupCache:
         "params",
     )
 
-    def __init__(self, params: list[torch.Tensor], grads: list[Any], buckets: list[Bucket]):
-        self.params = params
+    def __init__(
+        self,
+        params: list[torch.Tensor],
+        views: list[torch.Tensor],
+        grads: list[Any],
+        buckets: list[Bucket],
+        dtensor: bool = False,
+    ):
+        self.params = params  # the group's list (identity: the group was not given another list)
+        self.dtensor = dtensor  # DTensor params: ``views``/grads are their local shards
         self.all_set = all(g is not None for g in grads)
         self.buckets = buckets
         self.hooked = False
-        self.param_ptrs = _i64(map(_data_ptr, params))
-        self.param_storages = list(map(_storage, params))
+        self.param_ptrs = _i64(map(_data_ptr, views))
+        self.param_storages = list(map(_storage, views))
         self._keep_grads(grads)
         # for each bucket, the positions of its params in the group
         where = {id(p): i for i, p in enumerate(params)}
@@ -187,9 +206,9 @@ class GroupCache:
         self.grad_storages = []
         self.grad_ptrs = _i64(())
 
-    def params_unchanged(self, params: list[torch.Tensor]) -> bool:
-        """Every parameter still at the address (so in the live storage) the buckets were built with."""
-        return self.params is params and _i64(map(_data_ptr, params)) == self.param_ptrs
+    def params_unchanged(self, params: list[torch.Tensor], views: list[torch.Tensor]) -> bool:
+        """Every parameter (``views``: the tensors the kernels see) still at the address the buckets hold."""
+        return self.params is params and _i64(map(_data_ptr, views)) == self.param_ptrs
 
     def grads_unchanged(self, grads: list[Any]) -> bool:
         """Every gradient still at the cached address, and none appeared or vanished."""
@@ -243,24 +262,29 @@ class BucketsMixin:
         stable-grads hooks vouch for them; a moved parameter rebuilds, moved grads refresh."""
         params = group["params"]
         cached = self._cache.get(index)
-        if cached is not None and cached.params_unchanged(params):
+        same = cached is not None and cached.params is params
+        dtensor = cached.dtensor if same else any(map(_is_dtensor, params))
+        views = list(map(local_tensor, params)) if dtensor else params
+        if same and cached.params_unchanged(params, views):
             if cached.hooked:
                 return cached.buckets
             grads = list(map(_get_grad, params))
-            if cached.grads_unchanged(grads) or cached.refresh_grads(grads):
+            gviews = _local_grads(grads) if dtensor else grads
+            if cached.grads_unchanged(gviews) or cached.refresh_grads(gviews):
                 if self.assume_stable_grads:
                     cached.hooked = self._hook_params(params)
                 return cached.buckets
         else:
             grads = list(map(_get_grad, params))
+            gviews = _local_grads(grads) if dtensor else grads
         moved: frozenset[int] = frozenset()
-        if cached is not None and cached.params is params and len(params) == len(cached.param_ptrs):
-            now = _i64(map(_data_ptr, params))
+        if same and len(params) == len(cached.param_ptrs):
+            now = _i64(map(_data_ptr, views))
             moved = frozenset(
                 i for i, (a, b) in enumerate(zip(now, cached.param_ptrs, strict=True)) if a != b
             )
         buckets = self._build_buckets(group, params, grads, moved)
-        entry = GroupCache(params, grads, buckets)
+        entry = GroupCache(params, views, gviews, buckets, dtensor)
         if self.assume_stable_grads:
             entry.hooked = self._hook_params(params)
         self._cache[index] = entry
@@ -285,37 +309,6 @@ class BucketsMixin:
         self._known_grads.update((id(p), p.grad) for p in params)
         return True
 
-    def _validate_pair(self, p: torch.Tensor, g: torch.Tensor, index: int) -> None:
-        owner = self._owner
-        where = f"parameter #{index} (shape {tuple(p.shape)}, {p.dtype}, {p.device})"
-        if g.is_sparse or p.is_sparse:
-            raise RuntimeError(
-                f"{owner}: {where} has a sparse gradient; the fused kernels need dense gradients."
-            )
-        if g.device != p.device:
-            raise RuntimeError(
-                f"{owner}: {where} has its gradient on {g.device}; a parameter and its gradient must share a "
-                "device (move the gradient, or the parameter)."
-            )
-        if g.shape != p.shape:
-            raise RuntimeError(
-                f"{owner}: {where} has a gradient of shape {tuple(g.shape)}; shapes must match."
-            )
-        if not p.is_contiguous():
-            raise RuntimeError(
-                f"{owner}: {where} is not contiguous; the kernels update memory in place and a copy would be "
-                "silently lost. Make the parameter contiguous before creating the optimizer."
-            )
-        if not g.is_contiguous():
-            raise RuntimeError(
-                f"{owner}: the gradient of {where} is not contiguous (strides {g.stride()}); pass contiguous "
-                "gradients (e.g. p.grad = p.grad.contiguous())."
-            )
-        if p.device.type not in ("cpu", "cuda"):
-            raise RuntimeError(f"{owner}: {where} is on {p.device}; only CPU and CUDA tensors are supported.")
-        _backend.dtype_code(p.dtype, what=where, owner=owner)
-        _backend.dtype_code(g.dtype, what=f"the gradient of {where}", owner=owner)
-
     def _build_buckets(
         self,
         group: dict[str, Any],
@@ -337,7 +330,7 @@ class BucketsMixin:
         for i, (p, g) in enumerate(zip(params, grads, strict=True)):
             if g is None:
                 continue
-            self._validate_pair(p, g, i)
+            check_pair(local_tensor(p), local_tensor(g), i, owner=self._owner)
             state, fresh = self._init_state(p, group, i in moved)
             master = self.master_weights and p.dtype != torch.float32
             key = (p.device, p.dtype, g.dtype, master)
@@ -349,13 +342,14 @@ class BucketsMixin:
         for key, bucket in by_key.items():
             entries = staged[key]
             bucket.params = [e[0] for e in entries]
-            bucket.ptrs["params"] = _i64(e[0].data_ptr() for e in entries)
-            bucket.ptrs["grads"] = _i64(e[1].data_ptr() for e in entries)
+            # DTensor params, grads and state: the kernels step the local shards
+            bucket.ptrs["params"] = _i64(local_tensor(e[0]).data_ptr() for e in entries)
+            bucket.ptrs["grads"] = _i64(local_tensor(e[1]).data_ptr() for e in entries)
             for name in keys:
-                bucket.ptrs[name] = _i64(e[2][name].data_ptr() for e in entries)
+                bucket.ptrs[name] = _i64(local_tensor(e[2][name]).data_ptr() for e in entries)
             if bucket.master:
-                bucket.ptrs["masters"] = _i64(e[2]["master_param"].data_ptr() for e in entries)
-            bucket.sizes = _i64(e[0].numel() for e in entries)
+                bucket.ptrs["masters"] = _i64(local_tensor(e[2]["master_param"]).data_ptr() for e in entries)
+            bucket.sizes = _i64(local_tensor(e[0]).numel() for e in entries)
             bucket.numel = sum(bucket.sizes)
             n = len(entries)
             bucket.on_device = self._device_path(bucket.device)
