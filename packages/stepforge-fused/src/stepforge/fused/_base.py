@@ -164,10 +164,6 @@ class FusedOptimizerBase(StateMixin, BucketsMixin, DeviceStepMixin, torch.optim.
 
     @torch.no_grad()
     def _fused_step(self, closure: Callable[[], Any] | None, div_scale: float = -1) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
         divisor = 1.0
         if div_scale is not None and div_scale != -1:
             divisor = check_range(
@@ -180,7 +176,11 @@ class FusedOptimizerBase(StateMixin, BucketsMixin, DeviceStepMixin, torch.optim.
                 owner=f"{self._owner}.step()",
                 hint="It divides every gradient (a loss scale); pass -1 (the default) for no division.",
             )
-        self._groups.revalidate(self.param_groups)
+        self._groups.revalidate(self.param_groups)  # bad input is refused before the closure runs
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         # GradScaler's scale: after a step that is not skipped the grads hold g / scale, as torch's fused
         # optimizers leave them (written back by the kernel in the same pass when it divides by exactly that).
         unscale_by: float | None = None
