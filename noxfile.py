@@ -164,6 +164,54 @@ def tests_gpu(session: nox.Session) -> None:
         run_pytest(session, f"{package}/tests", "-m", "gpu", env=env)
 
 
+@nox.session(python=PYTHON, default=False)
+def asan(session: nox.Session) -> None:
+    """stepforge-fused's CPU module built with -fsanitize=address, its tests run with libasan preloaded.
+
+    Not in the ci tag (several times slower than `tests(fused)`). Fails on any AddressSanitizer report: ASan
+    aborts the test process at the first one and writes it to asan-out/ (reports are printed at the end).
+    detect_leaks=0 because CPython leaks by design. posargs go to pytest (e.g. `-- -k adam`).
+    """
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        session.error("needs g++ (the ASan runtime of the compiler that builds the module is preloaded)")
+    libasan = session.run(cxx, "-print-file-name=libasan.so", silent=True, external=True).strip()
+    if not os.path.isabs(libasan) or not os.path.exists(libasan):
+        session.error(f"libasan.so not found by {cxx} -print-file-name (install the compiler's libasan)")
+    siblings = [n for n in _closure("stepforge-fused") if n != "stepforge-fused"]
+    session.install(
+        *CONSTRAINTS, "numpy", *sorted(_test_group("stepforge-fused")),
+        *(str(ROOT / "packages" / n) for n in siblings),
+    )  # fmt: skip
+    # Its own build dir: the instrumented objects never end up in the CPU sessions' wheels.
+    session.install(
+        *CONSTRAINTS, "--no-deps", "--force-reinstall", "-C", "build-dir=build/asan-{wheel_tag}",
+        "-C", "cmake.define.STEPFORGE_SANITIZE=address", "-C", "cmake.build-type=RelWithDebInfo",
+        str(ROOT / "packages" / "stepforge-fused"), env=CPU_BUILD,
+    )  # fmt: skip
+    out = ROOT / "asan-out"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir()
+    env = {
+        "LD_PRELOAD": libasan,
+        "ASAN_OPTIONS": f"detect_leaks=0:halt_on_error=1:abort_on_error=0:log_path={out / 'asan'}",
+        "STEPFORGE_EXPECT_ASAN": "1",
+    }
+    failed = None
+    try:
+        run_pytest(session, "stepforge-fused/tests", "-q", env=env)
+    except nox.command.CommandFailed as exc:
+        failed = exc
+    reports = sorted(out.glob("asan*"))
+    for report in reports:
+        session.log(f"---- {report.name}\n{report.read_text()}")
+    if reports:
+        session.error(f"AddressSanitizer reported {len(reports)} error(s) (see above and {out})")
+    if failed is not None:
+        session.error(f"the fused tests failed under AddressSanitizer: {failed}")
+    session.log("AddressSanitizer: no report")
+
+
 DEMO_PACKAGES = ("stepforge-core", "stepforge-optim", "stepforge-fused")
 DEMO_DEPS = ("numpy", "scikit-learn", "tqdm", "matplotlib")
 

@@ -3,7 +3,8 @@
 # Optional CUDA module `stepforge.fused._cuda`, included by CMakeLists.txt once the CUDA language is enabled
 # (STEPFORGE_CUDA=ON, or AUTO with nvcc found through PATH/CUDACXX). Defines the targets:
 #   stepforge_cuda_kernels  static library: csrc/cuda/*.cu (kernels + plain C++ launchers, no pybind11)
-#   _cuda                   pybind11 module: csrc/bindings/module_cuda.cpp (host compiler only)
+#   _cuda                   pybind11 module: csrc/bindings/module_cuda.cpp + register_cuda_kernels.cpp (host
+#                           compiler only)
 #
 # Architectures: STEPFORGE_CUDA_ARCHS (default "80;90"; "native"/"all" refused: build machines have nvcc but
 # no GPU and wheels must be portable). Each plain number N becomes "N-real" (a cubin) and the newest one also
@@ -90,6 +91,8 @@ target_compile_definitions(stepforge_cuda_kernels PRIVATE STEPFORGE_CUDA_ARCH_LI
 target_link_libraries(stepforge_cuda_kernels PUBLIC CUDA::cudart_static)
 
 pybind11_add_module(_cuda MODULE ${_sf_cuda_bindings})
+# csrc/: the bindings share bindings/i64_arg.h (and the I64 view of cpu/ops.h) with the CPU module.
+target_include_directories(_cuda PRIVATE "${_sf_root}/csrc")
 target_link_libraries(_cuda PRIVATE stepforge_cuda_kernels CUDA::cudart_static)
 target_compile_definitions(_cuda PRIVATE STEPFORGE_CUDA_TOOLKIT_VERSION="${CUDAToolkit_VERSION}")
 if(COMMAND stepforge_warnings)

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-# Compile csrc/cpu/kernels.cpp once per ISA (ATen-style) into the static library stepforge_cpu_kernels.
-# Each copy gets its own namespace (STEPFORGE_ISA_NS) and flags; csrc/cpu/dispatch.cpp picks one at run time.
+# Compile the per-op CPU kernel files once per ISA (ATen-style) into the static library stepforge_cpu_kernels.
+# Each copy gets its own namespace (STEPFORGE_ISA_NS) and flags; csrc/cpu/isa.cpp picks one at run time.
 # Never -march=native: wheels must run on any x86-64 CPU. FP contraction is off everywhere so every path (and
 # torch's fused AdamW) rounds the same way; FMAs are written explicitly (fmaf) in the math headers.
 
@@ -27,9 +27,15 @@ if(CMAKE_SYSTEM_PROCESSOR MATCHES "x86_64|AMD64|amd64")
   set(_sf_flags_avx512 -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx2 -mfma -mf16c -mbmi2)
 endif()
 
+set(_sf_kernel_sources
+  csrc/cpu/adam_kernel.cpp
+  csrc/cpu/sgd_kernel.cpp
+  csrc/cpu/lamb_kernel.cpp
+  csrc/cpu/reduce_kernel.cpp)
+
 add_library(stepforge_cpu_kernels STATIC)
 foreach(isa IN LISTS _sf_isas)
-  add_library(stepforge_cpu_${isa} OBJECT csrc/cpu/kernels.cpp)
+  add_library(stepforge_cpu_${isa} OBJECT ${_sf_kernel_sources})
   target_include_directories(stepforge_cpu_${isa} PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/csrc/include
                                                          ${CMAKE_CURRENT_SOURCE_DIR}/csrc)
   string(TOUPPER ${isa} _ISA)
@@ -42,7 +48,7 @@ foreach(isa IN LISTS _sf_isas)
   target_sources(stepforge_cpu_kernels PRIVATE $<TARGET_OBJECTS:stepforge_cpu_${isa}>)
   string(APPEND _sf_isa_defs "STEPFORGE_HAVE_${_ISA}=1;")
 endforeach()
-# dispatch.cpp needs to know which copies exist.
+# isa.cpp needs to know which copies exist.
 target_compile_definitions(stepforge_cpu_kernels PUBLIC ${_sf_isa_defs})
 target_include_directories(stepforge_cpu_kernels PUBLIC ${CMAKE_CURRENT_SOURCE_DIR}/csrc/include)
 set_target_properties(stepforge_cpu_kernels PROPERTIES LINKER_LANGUAGE CXX)

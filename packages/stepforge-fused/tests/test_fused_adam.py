@@ -261,8 +261,8 @@ def test_errors_name_the_problem():
         CPUAdam(make_params(), lr=-1.0)
     with pytest.raises(TypeError, match="legacy argument 'grads'"):
         FusedAdam(make_params()).step(grads=[1])
-    with pytest.raises(HyperParameterError, match="NVMe offload"):
-        HybridAdam(make_params(), nvme_offload_fraction=0.5)
+    with pytest.raises(HyperParameterError, match="nvme_offload_fraction must be in"):
+        HybridAdam(make_params(), nvme_offload_fraction=1.5)
     cases = [
         (lambda: torch.nn.Parameter(torch.randn(4, 6).t()), None, "is not contiguous"),
         (

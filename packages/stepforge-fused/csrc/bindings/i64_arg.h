@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "cpu/dispatch.h"
+#include "cpu/ops.h"
 
 namespace stepforge::bindings {
 

@@ -5,7 +5,7 @@
 
 #include <stdexcept>
 
-#include "cpu/dispatch.h"
+#include "cpu/isa.h"
 #include "stepforge/common.h"
 
 namespace py = pybind11;

@@ -6,7 +6,7 @@
 #include <limits>
 
 #include "bindings/i64_arg.h"
-#include "cpu/dispatch.h"
+#include "cpu/ops.h"
 
 namespace py = pybind11;
 using stepforge::bindings::I64Arg;

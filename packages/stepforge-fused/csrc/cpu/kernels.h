@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
-// Interface between the ISA-independent host code (dispatch.cpp, bindings) and the per-ISA kernel copies
-// (kernels.cpp compiled once per ISA into namespace stepforge::cpu::<isa>). Everything here is plain data:
-// per-tensor constants are prepared by dispatch.cpp so the kernels only loop.
+// Interface between the ISA-independent host code (ops.cpp, isa.cpp) and the per-ISA kernel copies (one file
+// per op, each compiled once per ISA into namespace stepforge::cpu::<isa>). Everything here is plain data:
+// per-tensor constants are prepared by ops.cpp so the kernels only loop.
 #pragma once
 
 #include <cstdint>
@@ -62,34 +62,46 @@ struct LambLaunch {
   bool write_grads = false;            // pass 1 stores the unscaled grad back (only when the divisor is not 1)
 };
 
+// The entry points every ISA copy defines (adam_kernel.cpp, sgd_kernel.cpp, lamb_kernel.cpp, reduce_kernel.cpp,
+// each compiled once per ISA into namespace stepforge::cpu::<isa>); isa.cpp collects them into one table per ISA.
+#define STEPFORGE_DECLARE_KERNELS(isa)                                                                        \
+  namespace isa {                                                                                             \
+  void adam(const AdamLaunch& L);                                                                             \
+  void sgd(const SgdLaunch& L);                                                                               \
+  void lamb_pass1(const LambLaunch& L);                                                                       \
+  void lamb_pass2(const LambLaunch& L);                                                                       \
+  /* true if any element of x / divisor is inf or NaN */                                                      \
+  bool any_non_finite(const MultiTensor& mt, const int64_t* ptrs, int dtype, double divisor);                 \
+  /* per-tensor sum of squares into out (n doubles, overwritten) */                                           \
+  void sum_squares(const MultiTensor& mt, const int64_t* ptrs, int dtype, double* out);                       \
+  /* dst = src * scale (converting); true if any *input* element was inf/NaN */                               \
+  bool scale(const MultiTensor& mt, const int64_t* src, const int64_t* dst, int src_dtype, int dst_dtype,     \
+             double s);                                                                                       \
+  }
+#if defined(STEPFORGE_ISA_NS)
+STEPFORGE_DECLARE_KERNELS(STEPFORGE_ISA_NS)  // a kernel file: its own copy
+#else
+STEPFORGE_DECLARE_KERNELS(scalar)  // always built
+#if defined(STEPFORGE_HAVE_AVX2)
+STEPFORGE_DECLARE_KERNELS(avx2)
+#endif
+#if defined(STEPFORGE_HAVE_AVX512)
+STEPFORGE_DECLARE_KERNELS(avx512)
+#endif
+#endif
+#undef STEPFORGE_DECLARE_KERNELS
+
+// One ISA's entry points (built in isa.cpp from the declarations above); ops.cpp calls the active one.
 struct KernelTable {
   const char* name;
   void (*adam)(const AdamLaunch&);
   void (*sgd)(const SgdLaunch&);
   void (*lamb_pass1)(const LambLaunch&);
   void (*lamb_pass2)(const LambLaunch&);
-  // true if any element of x / divisor is inf or NaN.
   bool (*any_non_finite)(const MultiTensor&, const int64_t* ptrs, int dtype, double divisor);
-  // per-tensor sum of squares into out_sq (n doubles, overwritten).
   void (*sum_squares)(const MultiTensor&, const int64_t* ptrs, int dtype, double* out_sq);
-  // dst = src * scale (converting); returns true if any *input* element was inf/NaN.
   bool (*scale)(const MultiTensor&, const int64_t* src, const int64_t* dst, int src_dtype, int dst_dtype,
                 double scale);
 };
-
-#define STEPFORGE_DECLARE_TABLE(isa) \
-  namespace isa {                    \
-  const KernelTable& table();        \
-  }
-#if defined(STEPFORGE_HAVE_SCALAR)
-STEPFORGE_DECLARE_TABLE(scalar)
-#endif
-#if defined(STEPFORGE_HAVE_AVX2)
-STEPFORGE_DECLARE_TABLE(avx2)
-#endif
-#if defined(STEPFORGE_HAVE_AVX512)
-STEPFORGE_DECLARE_TABLE(avx512)
-#endif
-#undef STEPFORGE_DECLARE_TABLE
 
 }  // namespace stepforge::cpu

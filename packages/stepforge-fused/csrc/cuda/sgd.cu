@@ -28,8 +28,8 @@ __global__ __launch_bounds__(kThreads) void sgd_kernel(UpdateArgs a, SgdKernelPa
     __syncthreads();
     SgdConsts k = s_c;
     const bool wb = a.write_grads && k.has_div;
-    const float div = k.div;
-    if (wb) k.has_div = false;  // the grads are divided (and stored back) below
+    const float unscale = k.inv_div;
+    if (wb) k.inv_div = 1.f;  // the grads are unscaled (and stored back) below; x * 1 is exact
     const bool first = r.aux != 0;
     const bool vec = row_aligned(r, bytes, kMaxLists);
     void* pp = reinterpret_cast<void*>(r.ptr[kP]);
@@ -45,7 +45,7 @@ __global__ __launch_bounds__(kThreads) void sgd_kernel(UpdateArgs a, SgdKernelPa
       if (has_buf && !first) load4<float>(bp, i, w.end, v4, b);
       if (wb) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) g[e] = g[e] / div;
+        for (int e = 0; e < 4; ++e) g[e] = g[e] * unscale;
         store4<G>(gp, i, w.end, v4, g);
       }
 #pragma unroll

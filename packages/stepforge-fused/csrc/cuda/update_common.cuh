@@ -12,6 +12,7 @@
 
 #include "multi_tensor.cuh"
 #include "stepforge/common.h"
+#include "stepforge/dtype_dispatch.h"
 #include "runtime.cuh"
 
 namespace stepforge::cuda {
@@ -50,26 +51,11 @@ __device__ __forceinline__ long long row_step(const UpdateArgs& a, const TensorR
   return a.step;
 }
 
-#define SF_DISPATCH_DTYPE(code, T, ...)                                           \
-  switch (code) {                                                                 \
-    case 0: {                                                                     \
-      using T = float;                                                            \
-      __VA_ARGS__;                                                                \
-      break;                                                                      \
-    }                                                                             \
-    case 1: {                                                                     \
-      using T = __half;                                                           \
-      __VA_ARGS__;                                                                \
-      break;                                                                      \
-    }                                                                             \
-    case 2: {                                                                     \
-      using T = __nv_bfloat16;                                                    \
-      __VA_ARGS__;                                                                \
-      break;                                                                      \
-    }                                                                             \
-    default:                                                                      \
-      throw std::invalid_argument("unknown dtype code " + std::to_string(code)); \
-  }
+// The shared dtype dispatch (stepforge/dtype_dispatch.h) with the CUDA storage types.
+#define SF_DISPATCH_DTYPE(code, T, ...)                                                                   \
+  STEPFORGE_DISPATCH_DTYPE(code, T, __half, __nv_bfloat16,                                               \
+                           throw std::invalid_argument("unknown dtype code " + std::to_string(code)), \
+                           __VA_ARGS__)
 
 // Host: device index, stream, validation and the per-call argument block (table upload, scratch flag,
 // per-tensor bias corrections, finite-check pre-pass). Defined in update_common.cu.

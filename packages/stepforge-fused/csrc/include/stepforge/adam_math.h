@@ -29,7 +29,6 @@ struct AdamConsts {
   float neg_step;     // -(lr / bc1)
   float bc2_sqrt;     // sqrt(1 - beta2^t) (1 without bias correction)
   float eps;
-  float inv_div;      // unused by the bit-exact path; kept for kernels that multiply
   float div;          // grad divisor (exactly 1: none)
   bool has_div;
   bool l2;            // Adam (L2) decay
@@ -56,7 +55,6 @@ STEPFORGE_HOST_DEVICE AdamConsts make_adam_consts(double lr, double beta1, doubl
   c.bc2_sqrt = float(std::sqrt(bc2));
   c.eps = float(eps);
   c.div = float(grad_divisor);
-  c.inv_div = float(1.0 / grad_divisor);
   c.has_div = grad_divisor != 1.0;
   c.l2 = !adamw_mode && wd != 0.0;
   c.decoupled = adamw_mode && wd != 0.0;

@@ -11,7 +11,10 @@
 #define STEPFORGE_HOST_DEVICE __host__ __device__ __forceinline__
 #define STEPFORGE_DEVICE_CODE 1
 #else
-#define STEPFORGE_HOST_DEVICE inline
+// static: every CPU translation unit gets its own copy. The kernel files are compiled once per ISA with
+// different instruction sets; with plain `inline` the linker would keep one (say the AVX-512) copy of any
+// helper that was not inlined and call it from the scalar path too.
+#define STEPFORGE_HOST_DEVICE static inline
 #define STEPFORGE_DEVICE_CODE 0
 #endif
 

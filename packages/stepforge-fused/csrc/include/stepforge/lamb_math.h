@@ -12,7 +12,7 @@
 namespace stepforge {
 
 struct LambConsts {
-  float beta1, beta3, beta2, one_minus_b2, eps, wd, inv_bc1, inv_bc2, div, inv_div;
+  float beta1, beta3, beta2, one_minus_b2, eps, wd, inv_bc1, inv_bc2, inv_div;
   bool has_div, l2, decoupled;
 };
 
@@ -33,7 +33,6 @@ STEPFORGE_HOST_DEVICE LambConsts make_lamb_consts(double beta1, double beta2, do
   c.wd = float(wd);
   c.inv_bc1 = float(1.0 / bc1);
   c.inv_bc2 = float(1.0 / bc2);
-  c.div = float(grad_divisor);
   c.inv_div = float(1.0 / grad_divisor);
   c.has_div = grad_divisor != 1.0;
   c.l2 = !adam_w_mode && wd != 0.0;

@@ -202,4 +202,8 @@ class StateMixin:
         elif "master_param" in state:
             # the parameter became float32 (model.float()): it is its own master now, as in torch.optim
             del state["master_param"]
+        self._adopt_state(p, state)
         return state, fresh
+
+    def _adopt_state(self, p: torch.Tensor, state: dict[str, Any]) -> None:
+        """Hook called once ``p``'s state tensors exist: a subclass may move them (CPUAdam's NVMe offload)."""

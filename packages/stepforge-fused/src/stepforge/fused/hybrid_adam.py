@@ -3,10 +3,9 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from typing import Any
-
-from stepforge.core import HyperParameterError
 
 from .cpu_adam import CPUAdam
 
@@ -21,7 +20,7 @@ class HybridAdam(CPUAdam):
 
     Args:
         model_params, lr, bias_correction, betas, eps, weight_decay, adamw_mode: as in :class:`CPUAdam`.
-        nvme_offload_fraction: must be 0 (NVMe offload is not implemented). nvme_offload_dir: must be None.
+        nvme_offload_fraction, nvme_offload_dir: as in :class:`CPUAdam` (state of CPU parameters only).
         master_weights, skip_nonfinite: as in :class:`FusedAdam`.
         **defaults: extra group defaults ColossalAI accepts and ignores; rejected here if unknown.
     """
@@ -38,18 +37,13 @@ class HybridAdam(CPUAdam):
         weight_decay: float = 0,
         adamw_mode: bool = True,
         nvme_offload_fraction: float = 0.0,
-        nvme_offload_dir: str | None = None,
+        nvme_offload_dir: str | os.PathLike[str] | None = None,
         *,
         master_weights: bool = False,
         skip_nonfinite: bool | None = None,
         assume_stable_grads: bool = False,
         **defaults: Any,
     ) -> None:
-        if nvme_offload_fraction not in (0, 0.0) or nvme_offload_dir is not None:
-            raise HyperParameterError(
-                "HybridAdam: NVMe offload (nvme_offload_fraction/nvme_offload_dir) is not supported; "
-                "pass nvme_offload_fraction=0.0 and nvme_offload_dir=None."
-            )
         if defaults:
             raise TypeError(f"HybridAdam: unexpected keyword arguments {sorted(defaults)}")
         super().__init__(
@@ -60,6 +54,8 @@ class HybridAdam(CPUAdam):
             eps=eps,
             weight_decay=weight_decay,
             adamw_mode=adamw_mode,
+            nvme_offload_fraction=nvme_offload_fraction,
+            nvme_offload_dir=nvme_offload_dir,
             master_weights=master_weights,
             skip_nonfinite=skip_nonfinite,
             assume_stable_grads=assume_stable_grads,

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// ISA selection and the host side of every CPU kernel: argument validation, per-tensor constants (bias
-// corrections in double), offsets, the found_inf protocol, then one call into the active ISA's kernel table.
+// The host side of every CPU kernel (ops.cpp): argument validation, per-tensor constants (bias corrections in
+// double), offsets, the found_inf protocol, then one call into the active ISA's kernels (isa.h).
 #pragma once
 
 #include <cstdint>
@@ -15,18 +15,6 @@ struct I64 {
   int64_t size = 0;
   bool present() const { return data != nullptr || size > 0; }
 };
-
-// ISA selection.
-std::string active_isa();
-std::vector<std::string> supported_isas();
-std::vector<std::string> compiled_isas();
-void set_isa(const std::string& name);  // throws std::invalid_argument
-std::string env_isa();                   // value of STEPFORGE_CPU_ISA at import ("" if unset)
-bool has_openmp();
-int max_threads();
-int default_threads();
-void set_default_threads(int n);
-bool cpu_has(const char* feature);
 
 bool adam(I64 params, I64 grads, I64 exp_avgs, I64 exp_avg_sqs, I64 masters, I64 sizes, I64 steps,
           int param_dtype, int grad_dtype, double lr, double beta1, double beta2, double eps, double weight_decay,

@@ -1,94 +1,18 @@
 // SPDX-License-Identifier: Apache-2.0
-// Host side of the CPU kernels (see dispatch.h). Compiled once, without ISA flags.
-#include "cpu/dispatch.h"
+// Host side of every CPU kernel (see ops.h): argument validation, per-tensor constants (bias corrections in
+// double), offsets, the found_inf protocol, then one call into the active ISA's kernels. Compiled once.
+#include "cpu/ops.h"
 
-#include <atomic>
 #include <cmath>
-#include <cstdlib>
-#include <limits>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
-#if defined(STEPFORGE_HAVE_OPENMP)
-#include <omp.h>
-#endif
-
+#include "cpu/isa.h"
 #include "cpu/kernels.h"
 
 namespace stepforge::cpu {
 namespace {
-
-struct IsaEntry {
-  const char* name;
-  const KernelTable* (*get)();
-  bool (*supported)();
-};
-
-bool always() { return true; }
-#if defined(__x86_64__) || defined(_M_X64)
-bool x86_avx2() {
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
-         __builtin_cpu_supports("bmi2");
-}
-bool x86_avx512() {
-  return x86_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-}
-#endif
-
-const std::vector<IsaEntry>& isa_list() {
-  // Ordered from most to least preferred.
-  static const std::vector<IsaEntry> list = {
-#if defined(STEPFORGE_HAVE_AVX512)
-      {"avx512", [] { return &avx512::table(); }, &x86_avx512},
-#endif
-#if defined(STEPFORGE_HAVE_AVX2)
-      {"avx2", [] { return &avx2::table(); }, &x86_avx2},
-#endif
-      {"scalar", [] { return &scalar::table(); }, &always},
-  };
-  return list;
-}
-
-std::string g_env_isa;
-std::atomic<const KernelTable*> g_table{nullptr};
-std::atomic<int> g_threads{0};
-
-const KernelTable* pick_initial() {
-  const char* env = std::getenv("STEPFORGE_CPU_ISA");
-  g_env_isa = env ? env : "";
-  if (!g_env_isa.empty() && g_env_isa != "auto") {
-    for (const auto& e : isa_list())
-      if (g_env_isa == e.name) {
-        if (!e.supported())
-          throw std::runtime_error("STEPFORGE_CPU_ISA=" + g_env_isa +
-                                   " is not supported by this CPU; unset it or pick one of the supported paths "
-                                   "(stepforge.fused.cpu_features()['supported'])");
-        return e.get();
-      }
-    throw std::runtime_error("STEPFORGE_CPU_ISA=" + g_env_isa +
-                             " is unknown; use scalar, avx2, avx512 or auto (paths compiled into this build)");
-  }
-  for (const auto& e : isa_list())
-    if (e.supported()) return e.get();
-  return &scalar::table();
-}
-
-const KernelTable& table() {
-  const KernelTable* t = g_table.load(std::memory_order_acquire);
-  if (!t) {
-    t = pick_initial();
-    g_table.store(t, std::memory_order_release);
-  }
-  return *t;
-}
-
-int resolve_threads(int ctx) {
-  if (ctx > 0) return ctx;
-  int d = g_threads.load(std::memory_order_relaxed);
-  return d > 0 ? d : max_threads();
-}
 
 void check_dtype(int code, const char* what) {
   if (code != kFloat32 && code != kFloat16 && code != kBFloat16)
@@ -121,7 +45,7 @@ bool overflow_gate(const MultiTensor& mt, const I64& grads, int grad_dtype, doub
                    bool check_finite) {
   float* fi = found_inf(found_ptr);
   if (fi && *fi != 0.0f) return true;
-  if (check_finite && table().any_non_finite(mt, grads.data, grad_dtype, divisor)) {
+  if (check_finite && active_table().any_non_finite(mt, grads.data, grad_dtype, divisor)) {
     if (fi) *fi = 1.0f;
     return true;
   }
@@ -129,77 +53,6 @@ bool overflow_gate(const MultiTensor& mt, const I64& grads, int grad_dtype, doub
 }
 
 }  // namespace
-
-std::string active_isa() { return table().name; }
-
-std::vector<std::string> compiled_isas() {
-  std::vector<std::string> out;
-  for (const auto& e : isa_list()) out.push_back(e.name);
-  return out;
-}
-
-std::vector<std::string> supported_isas() {
-  std::vector<std::string> out;
-  for (const auto& e : isa_list())
-    if (e.supported()) out.push_back(e.name);
-  return out;
-}
-
-void set_isa(const std::string& name) {
-  if (name == "auto") {
-    for (const auto& e : isa_list())
-      if (e.supported()) {
-        g_table.store(e.get(), std::memory_order_release);
-        return;
-      }
-  }
-  for (const auto& e : isa_list())
-    if (name == e.name) {
-      if (!e.supported()) throw std::invalid_argument("ISA '" + name + "' is not supported by this CPU");
-      g_table.store(e.get(), std::memory_order_release);
-      return;
-    }
-  throw std::invalid_argument("unknown ISA '" + name + "'; compiled paths: scalar, avx2, avx512 (x86-64 only)");
-}
-
-std::string env_isa() {
-  (void)table();
-  return g_env_isa;
-}
-
-bool has_openmp() {
-#if defined(STEPFORGE_HAVE_OPENMP)
-  return true;
-#else
-  return false;
-#endif
-}
-
-int max_threads() {
-#if defined(STEPFORGE_HAVE_OPENMP)
-  return omp_get_max_threads();
-#else
-  return 1;
-#endif
-}
-
-int default_threads() { return resolve_threads(0); }
-void set_default_threads(int n) { g_threads.store(n > 0 ? n : 0, std::memory_order_relaxed); }
-
-bool cpu_has(const char* feature) {
-#if defined(__x86_64__) || defined(_M_X64)
-  std::string f(feature);
-  if (f == "avx2") return __builtin_cpu_supports("avx2");
-  if (f == "fma") return __builtin_cpu_supports("fma");
-  if (f == "f16c") return __builtin_cpu_supports("f16c");
-  if (f == "avx512f") return __builtin_cpu_supports("avx512f");
-  if (f == "avx512bw") return __builtin_cpu_supports("avx512bw");
-  if (f == "avx512vl") return __builtin_cpu_supports("avx512vl");
-  if (f == "avx512bf16") return __builtin_cpu_supports("avx512bf16");
-#endif
-  (void)feature;
-  return false;
-}
 
 // The lists and scalars Adam and LAMB share: one entry per tensor everywhere, masters only for 16-bit params.
 static void check_moment_lists(I64 params, I64 grads, I64 exp_avgs, I64 exp_avg_sqs, I64 masters, I64 sizes,
@@ -252,7 +105,7 @@ bool adam(I64 params, I64 grads, I64 exp_avgs, I64 exp_avg_sqs, I64 masters, I64
   L.param_dtype = param_dtype;
   L.grad_dtype = grad_dtype;
   L.write_grads = write_grads && grad_divisor != 1.0;
-  table().adam(L);
+  active_table().adam(L);
   return false;
 }
 
@@ -292,7 +145,7 @@ bool sgd(I64 params, I64 grads, I64 momentum_buffers, I64 masters, I64 sizes, I6
   L.param_dtype = param_dtype;
   L.grad_dtype = grad_dtype;
   L.write_grads = write_grads && grad_divisor != 1.0;
-  table().sgd(L);
+  active_table().sgd(L);
   return false;
 }
 
@@ -330,7 +183,7 @@ bool lamb(I64 params, I64 grads, I64 exp_avgs, I64 exp_avg_sqs, I64 masters, I64
   L.param_dtype = param_dtype;
   L.grad_dtype = grad_dtype;
   L.write_grads = write_grads && grad_divisor != 1.0;
-  table().lamb_pass1(L);
+  active_table().lamb_pass1(L);
   const bool use_ratio = weight_decay != 0.0 || use_nvlamb;
   for (int64_t i = 0; i < n; ++i) {
     const float r = lamb_trust_ratio(std::sqrt(p_sq[size_t(i)]), std::sqrt(u_sq[size_t(i)]), use_ratio,
@@ -338,7 +191,7 @@ bool lamb(I64 params, I64 grads, I64 exp_avgs, I64 exp_avg_sqs, I64 masters, I64
     step_scale[size_t(i)] = float(lr * double(r));
   }
   L.step_scale = step_scale.data();
-  table().lamb_pass2(L);
+  active_table().lamb_pass2(L);
   return false;
 }
 
@@ -349,7 +202,7 @@ double l2norm(I64 ptrs, I64 sizes, int dtype, int64_t per_tensor_out_ptr, int ct
   std::vector<int64_t> off = make_offsets(sizes);
   MultiTensor mt{n, off.data(), sizes.data, resolve_threads(ctx)};
   std::vector<double> sq(static_cast<size_t>(n), 0.0);
-  if (n > 0) table().sum_squares(mt, ptrs.data, dtype, sq.data());
+  if (n > 0) active_table().sum_squares(mt, ptrs.data, dtype, sq.data());
   double total = 0.0;
   float* out = reinterpret_cast<float*>(per_tensor_out_ptr);
   for (int64_t i = 0; i < n; ++i) {
@@ -367,7 +220,7 @@ bool scale(I64 src, I64 dst, I64 sizes, int src_dtype, int dst_dtype, double s, 
   check_list(dst, n, "dst", sizes);
   std::vector<int64_t> off = make_offsets(sizes);
   MultiTensor mt{n, off.data(), sizes.data, resolve_threads(ctx)};
-  bool found = n > 0 && table().scale(mt, src.data, dst.data, src_dtype, dst_dtype, s);
+  bool found = n > 0 && active_table().scale(mt, src.data, dst.data, src_dtype, dst_dtype, s);
   if (found) {
     float* fi = found_inf(found_inf_ptr);
     if (fi) *fi = 1.0f;
