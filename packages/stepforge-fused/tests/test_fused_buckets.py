@@ -192,12 +192,22 @@ def test_other_optimizers_follow_moves_too(cls):
         assert bits_equal(ours.parameters(), ref.parameters()), f"step {k}"
 
 
-def test_zero_grad_set_to_none_releases_the_grad_storages():
+def test_zero_grad_set_to_none_drops_the_cached_grads():
     p = torch.nn.Parameter(torch.randn(1000))
     p.grad = torch.randn(1000)
     opt = FusedAdam([p])
     opt.step()
-    storage_ptr = p.grad.untyped_storage().data_ptr()
     opt.zero_grad(set_to_none=True)
     entry = next(iter(opt._cache.values()))
-    assert all(s is None or s.data_ptr() != storage_ptr for s in entry.grad_storages)
+    assert entry.grads == [] and entry.grad_refs == []
+
+
+def test_a_freed_grad_storage_marks_the_cache_stale():
+    p = torch.nn.Parameter(torch.randn(8))
+    p.grad = torch.randn(8)
+    opt = FusedAdam([p])
+    opt.step()
+    entry = next(iter(opt._cache.values()))
+    assert not entry.stale[0]
+    p.grad.data = torch.randn(8)  # the old storage dies here
+    assert entry.stale[0]

@@ -10,7 +10,7 @@ from . import _backend
 from ._base import Bucket, FusedOptimizerBase, Launch
 from ._validate import check_adam_like
 
-__all__ = ["ADAM_STATE_KEYS", "AdamBase", "adam_defaults"]
+__all__ = ["ADAM_STATE_KEYS", "AdamBase", "adam_defaults", "check_adam_group"]
 
 #: State tensors of the Adam family (FusedAdam, CPUAdam, HybridAdam, FusedLAMB), as in torch.optim.AdamW.
 ADAM_STATE_KEYS = ("exp_avg", "exp_avg_sq")
@@ -48,6 +48,19 @@ def adam_defaults(
     )
 
 
+def check_adam_group(group: dict[str, Any], *, owner: str, flags: tuple[str, ...]) -> None:
+    """The Adam-family checks on one param group (``flags``: its boolean options)."""
+    check_adam_like(
+        owner,
+        lr=group["lr"],
+        betas=group["betas"],
+        eps=group["eps"],
+        weight_decay=group["weight_decay"],
+        amsgrad=group.get("amsgrad", False),
+        flags={k: group[k] for k in flags if k in group},
+    )
+
+
 class AdamBase(FusedOptimizerBase):
     """Adam/AdamW over the ``adam`` kernel; groups hold ``lr, bias_correction, betas, eps, weight_decay,
     adamw_mode``. State per parameter: ``step`` (0-dim float32), ``exp_avg``, ``exp_avg_sq`` (float32), and
@@ -55,6 +68,10 @@ class AdamBase(FusedOptimizerBase):
 
     def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
         return ADAM_STATE_KEYS
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        super()._check_group(group)
+        check_adam_group(group, owner=self._owner, flags=("bias_correction", "adamw_mode"))
 
     def _torch_group_keys(self, group: dict[str, Any]) -> dict[str, Any]:
         # torch.optim.Adam/AdamW read these; `fused=True` keeps the bit-identical torch path after a load.

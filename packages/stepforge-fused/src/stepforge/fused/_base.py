@@ -15,12 +15,14 @@ from typing import Any
 
 import torch
 
-from stepforge.core import HyperParameterError
+from stepforge.core import GroupValidator, HyperParameterError, check_bool, check_lr, check_range
 
 from . import _backend
 from ._buckets import Bucket, BucketsMixin, GroupCache, Launch
 from ._device_step import DeviceStepMixin
+from ._distributed import is_dtensor, mesh_all_true
 from ._state import StateMixin
+from ._validate import check_param, local_tensor
 
 __all__ = ["Bucket", "FusedOptimizerBase", "Launch"]
 
@@ -79,6 +81,7 @@ class FusedOptimizerBase(StateMixin, BucketsMixin, DeviceStepMixin, torch.optim.
         self._skip_counts: dict[torch.device, torch.Tensor] = {}
         self._lr_bufs: dict[tuple[int, torch.device], tuple[float, torch.Tensor]] = {}
         self._cache: dict[int, GroupCache] = {}
+        self._groups = GroupValidator(self._check_group, owner=self._owner)
         super().__init__(params, defaults)
 
     # ---- skip reporting ------------------------------------------------------------------------------------
@@ -111,9 +114,26 @@ class FusedOptimizerBase(StateMixin, BucketsMixin, DeviceStepMixin, torch.optim.
         self._host_skipped += 1
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group: its values (defaults filled in) are validated like the constructor's, and its
+        parameters must be float32/float16/bfloat16 and contiguous; on error nothing is added."""
         super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            self._groups.validate(group, len(self.param_groups) - 1)
+            for i, p in enumerate(group["params"]):
+                check_param(p, i, owner=self._owner)
+        except Exception:
+            self.param_groups.pop()
+            raise
         if hasattr(self, "_cache"):
             self._cache.clear()
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        """Validate (and normalise) one param group's values; subclasses extend it. Raises
+        ``HyperParameterError`` naming the value and the fix."""
+        check_lr(group["lr"], owner=self._owner)
+        if "capturable" in group:
+            check_bool("capturable", group["capturable"], owner=self._owner)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
@@ -144,13 +164,26 @@ class FusedOptimizerBase(StateMixin, BucketsMixin, DeviceStepMixin, torch.optim.
 
     @torch.no_grad()
     def _fused_step(self, closure: Callable[[], Any] | None, div_scale: float = -1) -> Any:
+        divisor = 1.0
+        if div_scale is not None and div_scale != -1:
+            divisor = check_range(
+                "div_scale",
+                div_scale,
+                low=0.0,
+                low_open=True,
+                high=math.inf,
+                high_open=True,
+                owner=f"{self._owner}.step()",
+                hint="It divides every gradient (a loss scale); pass -1 (the default) for no division.",
+            )
+        self._groups.revalidate(self.param_groups)  # bad input is refused before the closure runs
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        divisor = 1.0
-        if div_scale is not None and div_scale > 0:
-            divisor = float(div_scale)
+        # GradScaler's scale: after a step that is not skipped the grads hold g / scale, as torch's fused
+        # optimizers leave them (written back by the kernel in the same pass when it divides by exactly that).
+        unscale_by: float | None = None
         # Set by torch.amp.GradScaler (_step_supports_amp_scaling): CUDA tensors stay on the device.
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
@@ -166,7 +199,8 @@ class FusedOptimizerBase(StateMixin, BucketsMixin, DeviceStepMixin, torch.optim.
         if grad_scale is not None and not (
             isinstance(grad_scale, torch.Tensor) and self._device_path(grad_scale.device)
         ):
-            divisor *= float(grad_scale)
+            unscale_by = float(grad_scale)
+            divisor *= unscale_by
             grad_scale = None
         plans = [(group, self._group_buckets(i, group)) for i, group in enumerate(self.param_groups)]
         buckets = [(group, b) for group, bs in plans for b in bs if b.numel > 0 or b.params]
@@ -185,10 +219,13 @@ class FusedOptimizerBase(StateMixin, BucketsMixin, DeviceStepMixin, torch.optim.
             self._skip_on_host()
             return loss
         if grad_scale is not None:
+            unscale_by = float(grad_scale) * (unscale_by or 1.0)
             divisor *= float(grad_scale)
         # The whole step is skipped on a non-finite grad: with several buckets, check all of them first.
         pre_checked = False
-        if check and len(buckets) > 1:
+        sharded = any(b.params and is_dtensor(b.params[0]) for _group, b in buckets)
+        if check and (len(buckets) > 1 or sharded):
+            finite = True
             for _group, b in buckets:
                 module = _backend.module_for(b.device)
                 norm = module.l2norm(
@@ -199,11 +236,16 @@ class FusedOptimizerBase(StateMixin, BucketsMixin, DeviceStepMixin, torch.optim.
                     self._ctx(module, b.device),
                     **self._device_kw(b.device),
                 )
-                if not math.isfinite(norm / divisor):
-                    self._skip_on_host()
-                    return loss
+                finite = finite and math.isfinite(norm / divisor)
+            if sharded:  # every rank holding a shard must take the same decision
+                finite = mesh_all_true(finite, [b.params[0] for _g, b in buckets if b.params])
+            if not finite:
+                self._skip_on_host()
+                return loss
             pre_checked = True
         divisor = self._pre_step(plans, divisor)
+        kernel_unscale = unscale_by is not None and divisor == unscale_by
+        host_kw = {"write_unscaled_grads": True} if kernel_unscale else _NO_KW
         uses_steps = self._uses_steps
         for group, b in buckets:
             module = _backend.module_for(b.device)
@@ -214,6 +256,7 @@ class FusedOptimizerBase(StateMixin, BucketsMixin, DeviceStepMixin, torch.optim.
                 lr, kw = self._device_lr(group, b.device, self._device_kw(b.device))
                 if uses_steps:
                     kw["step_ptrs"] = b.step_ptrs
+                kw.update(host_kw)
                 skipped = self._launch(
                     module, b, group, Launch(lr, divisor, 0, check and not pre_checked, ctx, None, kw)
                 )
@@ -221,7 +264,7 @@ class FusedOptimizerBase(StateMixin, BucketsMixin, DeviceStepMixin, torch.optim.
                     b.steps.sub_(1)
             else:
                 launch = Launch(
-                    float(group["lr"]), divisor, 0, check and not pre_checked, ctx, b.prepare_steps(), _NO_KW
+                    float(group["lr"]), divisor, 0, check and not pre_checked, ctx, b.prepare_steps(), host_kw
                 )
                 skipped = self._launch(module, b, group, launch)
                 if not skipped and uses_steps:
@@ -231,4 +274,10 @@ class FusedOptimizerBase(StateMixin, BucketsMixin, DeviceStepMixin, torch.optim.
                 self._skip_on_host()
                 return loss
             b.clear_first_run()
+        if unscale_by is not None and not kernel_unscale:
+            # the kernels divided by more than the scale (div_scale, LAMB's clip): unscale in a second pass
+            for _group, b in buckets:
+                grads = [local_tensor(p.grad) for p in b.params]
+                if grads:
+                    torch._foreach_div_(grads, unscale_by)
         return loss

@@ -4,17 +4,23 @@
 A param group is split into buckets keyed by ``(device, param dtype, grad dtype, master weights)``; each bucket
 holds the pointer arrays the kernels take (``array.array('q')``, read without copying by the extension), the
 sizes and a flat float32 tensor of per-parameter step counts whose elements *are* ``state[p]["step"]`` (0-dim
-views), so one in-place add advances every step of the bucket. Every step revalidates the cache against the tensors (see :class:`_GroupCache`): the ``data_ptr()`` of each
-parameter and gradient is compared with the cached address, and the cache holds the storage behind each cached
-address, so an unchanged address is the same live memory. Any move that gives a parameter or gradient other
-memory (``model.double().float()``, ``.half()``, ``.to(device)``, ``module._apply``, ``p.data = t``,
-``p.grad.data = t``) is seen at the next step: parameters rebuild their buckets (state follows the parameter's
-device, masters re-sync), gradients refresh their pointers after checking dtype, size and layout.
+views), so one in-place add advances every step of the bucket.
 
-With ``assume_stable_grads=True`` only the parameter addresses are compared each step; gradients newly allocated
-by backward are seen through post-accumulate-grad hooks, ``zero_grad(set_to_none=True)`` makes the next step
-check them once, and a gradient assigned or swapped by hand needs :meth:`FusedOptimizerBase.invalidate_cache`
-(memory stays safe without it: the old gradient storage is held, never freed under the kernel).
+The cache is revalidated at every step at no per-tensor cost (see :class:`GroupCache`): the cache holds a weak
+reference, with a callback, to the storage behind every address it gives a kernel. Any move that gives a
+parameter or gradient other memory (``model.double().float()``, ``.half().float()``, ``.to(device)``,
+``module._apply``, ``p.data = t``, ``p.grad.data = t``) frees the old storage, and its callback marks the cache
+stale before that memory can be reused: the next step rebuilds the buckets (state follows the parameter's
+device, masters re-sync) or refreshes the grad pointers after checking dtype, size and layout. Gradient objects
+are also compared by identity each step (re-allocated by backward, assigned by hand). Not seen: a move whose old
+storage stays alive elsewhere (a view or reference kept by other code: the kernel then updates that live memory,
+not the parameter) and resizing a storage in place (``untyped_storage().resize_()``); call
+:meth:`BucketsMixin.invalidate_cache` after those. A per-step ``data_ptr()`` comparison would catch them but cost
++26% on the 20 000-tensor benchmark (``benchmarks/results/cpu-2026-11-23-cache-check.json``).
+
+With ``assume_stable_grads=True`` the ``p.grad`` identity check is skipped too: gradients newly allocated by
+backward are seen through post-accumulate-grad hooks, ``zero_grad(set_to_none=True)`` makes the next step check
+them once, and a gradient assigned by hand needs :meth:`BucketsMixin.invalidate_cache`.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from typing import Any
 
 import torch
 
-from . import _backend
+from ._validate import check_pair, local_tensor
 
 __all__ = ["Bucket", "BucketsMixin", "GroupCache", "Launch"]
 
@@ -131,74 +137,94 @@ _numel = torch.Tensor.numel
 
 
 _get_grad = operator.attrgetter("grad")
+_is = operator.is_
 _storage = torch.Tensor.untyped_storage
 
 
-def _grad_ptr(g: Any) -> int:
-    return 0 if g is None else g.data_ptr()
+def _is_dtensor(t: Any) -> bool:
+    return hasattr(t, "_local_tensor")
+
+
+def _local_grads(grads: list[Any]) -> list[Any]:
+    return [None if g is None else local_tensor(g) for g in grads]
 
 
 class GroupCache:
     """The buckets of one param group and what they were built from.
 
-    Revalidated at every step in two C-level comparisons: the ``data_ptr()`` of every parameter and of every
-    gradient against the addresses the buckets hold. The cache keeps a reference to the *storage* behind each
-    address it hands to a kernel (``untyped_storage()``), so that storage is never freed while its address is
-    cached: an unchanged address is therefore the same live memory, and any move (``model.double().float()``,
-    ``.half()``, ``.to(device)``, ``module._apply``, ``p.data = t``, ``p.grad.data = t``, ``resize_``) that gives
-    a tensor other memory changes its address and triggers a rebuild (params) or a refresh (grads), which
-    re-validates dtype, shape, device and layout. ``zero_grad(set_to_none=True)`` drops the grad storages.
+    Revalidated at every step without a per-tensor call: weakref callbacks on the storages of the parameters
+    and gradients the buckets point into set ``param_stale``/``stale`` when one is freed (a move), and the
+    gradient objects are compared with the cached ones by identity. Storages are not held, so a moved model or
+    freed grads release their memory. A stale cache is rebuilt (params) or refreshed (grads), which re-validates
+    dtype, shape, device and layout.
     """
 
     __slots__ = (
         "all_set",
         "buckets",
-        "grad_ptrs",
-        "grad_storages",
+        "dtensor",
+        "grad_refs",
+        "grads",
         "hooked",
         "members",
         "param_ptrs",
-        "param_storages",
+        "param_refs",
+        "param_stale",
         "params",
+        "stale",
     )
 
-    def __init__(self, params: list[torch.Tensor], grads: list[Any], buckets: list[Bucket]):
-        self.params = params
+    def __init__(
+        self,
+        params: list[torch.Tensor],
+        views: list[torch.Tensor],
+        grads: list[Any],
+        buckets: list[Bucket],
+        dtensor: bool = False,
+    ):
+        self.params = params  # the group's list (identity: the group was not given another list)
+        self.dtensor = dtensor  # DTensor params: ``views``/grads are their local shards
         self.all_set = all(g is not None for g in grads)
         self.buckets = buckets
         self.hooked = False
-        self.param_ptrs = _i64(map(_data_ptr, params))
-        self.param_storages = list(map(_storage, params))
+        self.param_ptrs = _i64(map(_data_ptr, views))
+        # a parameter moved to other memory frees its old storage: the callback marks the buckets stale
+        stale = self.param_stale = [False]
+
+        def freed(_ref: Any, stale: list[bool] = stale) -> None:
+            stale[0] = True
+
+        self.param_refs = [weakref.ref(_storage(v), freed) for v in views]
         self._keep_grads(grads)
         # for each bucket, the positions of its params in the group
         where = {id(p): i for i, p in enumerate(params)}
         self.members = [[where[id(p)] for p in b.params] for b in buckets]
 
     def _keep_grads(self, grads: list[Any]) -> None:
-        if self.all_set:
-            self.grad_ptrs = _i64(map(_data_ptr, grads))
-            self.grad_storages = list(map(_storage, grads))
-        else:
-            self.grad_ptrs = _i64(map(_grad_ptr, grads))
-            self.grad_storages = [None if g is None else g.untyped_storage() for g in grads]
+        # The grad objects are compared by identity each step; a grad whose storage is swapped under it
+        # (p.grad.data = t) frees the old storage, whose weakref callback marks the cache stale before that
+        # memory can be reused. Grad storages are not held, so freeing grads frees their memory.
+        self.grads = grads
+        stale = self.stale = [False]
+
+        def freed(_ref: Any, stale: list[bool] = stale) -> None:
+            stale[0] = True
+
+        self.grad_refs = [weakref.ref(_storage(g), freed) for g in grads if g is not None]
 
     def release_grads(self) -> None:
-        """Forget the grad storages (``zero_grad(set_to_none=True)``): the next step re-validates every grad."""
-        self.grad_storages = []
-        self.grad_ptrs = _i64(())
+        """Forget the grads (``zero_grad(set_to_none=True)``): the next step re-validates every grad."""
+        self.grads = []
+        self.grad_refs = []
+        self.stale = [True]
 
     def params_unchanged(self, params: list[torch.Tensor]) -> bool:
-        """Every parameter still at the address (so in the live storage) the buckets were built with."""
-        return self.params is params and _i64(map(_data_ptr, params)) == self.param_ptrs
+        """The same parameter list, and no storage the buckets point into was freed since they were built."""
+        return self.params is params and not self.param_stale[0]
 
     def grads_unchanged(self, grads: list[Any]) -> bool:
-        """Every gradient still at the cached address, and none appeared or vanished."""
-        if self.all_set:
-            try:
-                return _i64(map(_data_ptr, grads)) == self.grad_ptrs
-            except TypeError:  # a grad became None
-                return False
-        return _i64(map(_grad_ptr, grads)) == self.grad_ptrs
+        """The very grad tensors of the last step, none of whose storages was freed since."""
+        return not self.stale[0] and len(grads) == len(self.grads) and all(map(_is, grads, self.grads))
 
     def refresh_grads(self, grads: list[Any]) -> bool:
         """Point the buckets at new grad tensors (``zero_grad(set_to_none=True)`` + backward re-allocates them
@@ -209,7 +235,7 @@ class GroupCache:
         if not (all_set and self.all_set):
             if all_set != self.all_set:
                 return False
-            old = [p is None for p in self.grad_storages] if self.grad_storages else None
+            old = [g is None for g in self.grads] if self.grads else None
             if old is None or [g is None for g in grads] != old:
                 return False  # the set of params with a grad changed (or is unknown after release_grads)
         for bucket, idx in zip(self.buckets, self.members, strict=True):
@@ -243,24 +269,29 @@ class BucketsMixin:
         stable-grads hooks vouch for them; a moved parameter rebuilds, moved grads refresh."""
         params = group["params"]
         cached = self._cache.get(index)
-        if cached is not None and cached.params_unchanged(params):
-            if cached.hooked:
+        same = cached is not None and cached.params is params
+        dtensor = cached.dtensor if same else any(map(_is_dtensor, params))
+        if same and cached.params_unchanged(params):
+            if cached.hooked and not cached.stale[0]:
                 return cached.buckets
             grads = list(map(_get_grad, params))
-            if cached.grads_unchanged(grads) or cached.refresh_grads(grads):
+            gviews = _local_grads(grads) if dtensor else grads
+            if cached.grads_unchanged(gviews) or cached.refresh_grads(gviews):
                 if self.assume_stable_grads:
                     cached.hooked = self._hook_params(params)
                 return cached.buckets
         else:
             grads = list(map(_get_grad, params))
+            gviews = _local_grads(grads) if dtensor else grads
+        views = list(map(local_tensor, params)) if dtensor else params
         moved: frozenset[int] = frozenset()
-        if cached is not None and cached.params is params and len(params) == len(cached.param_ptrs):
-            now = _i64(map(_data_ptr, params))
+        if same and len(params) == len(cached.param_ptrs):
+            now = _i64(map(_data_ptr, views))
             moved = frozenset(
                 i for i, (a, b) in enumerate(zip(now, cached.param_ptrs, strict=True)) if a != b
             )
         buckets = self._build_buckets(group, params, grads, moved)
-        entry = GroupCache(params, grads, buckets)
+        entry = GroupCache(params, views, gviews, buckets, dtensor)
         if self.assume_stable_grads:
             entry.hooked = self._hook_params(params)
         self._cache[index] = entry
@@ -285,37 +316,6 @@ class BucketsMixin:
         self._known_grads.update((id(p), p.grad) for p in params)
         return True
 
-    def _validate_pair(self, p: torch.Tensor, g: torch.Tensor, index: int) -> None:
-        owner = self._owner
-        where = f"parameter #{index} (shape {tuple(p.shape)}, {p.dtype}, {p.device})"
-        if g.is_sparse or p.is_sparse:
-            raise RuntimeError(
-                f"{owner}: {where} has a sparse gradient; the fused kernels need dense gradients."
-            )
-        if g.device != p.device:
-            raise RuntimeError(
-                f"{owner}: {where} has its gradient on {g.device}; a parameter and its gradient must share a "
-                "device (move the gradient, or the parameter)."
-            )
-        if g.shape != p.shape:
-            raise RuntimeError(
-                f"{owner}: {where} has a gradient of shape {tuple(g.shape)}; shapes must match."
-            )
-        if not p.is_contiguous():
-            raise RuntimeError(
-                f"{owner}: {where} is not contiguous; the kernels update memory in place and a copy would be "
-                "silently lost. Make the parameter contiguous before creating the optimizer."
-            )
-        if not g.is_contiguous():
-            raise RuntimeError(
-                f"{owner}: the gradient of {where} is not contiguous (strides {g.stride()}); pass contiguous "
-                "gradients (e.g. p.grad = p.grad.contiguous())."
-            )
-        if p.device.type not in ("cpu", "cuda"):
-            raise RuntimeError(f"{owner}: {where} is on {p.device}; only CPU and CUDA tensors are supported.")
-        _backend.dtype_code(p.dtype, what=where, owner=owner)
-        _backend.dtype_code(g.dtype, what=f"the gradient of {where}", owner=owner)
-
     def _build_buckets(
         self,
         group: dict[str, Any],
@@ -337,7 +337,7 @@ class BucketsMixin:
         for i, (p, g) in enumerate(zip(params, grads, strict=True)):
             if g is None:
                 continue
-            self._validate_pair(p, g, i)
+            check_pair(local_tensor(p), local_tensor(g), i, owner=self._owner)
             state, fresh = self._init_state(p, group, i in moved)
             master = self.master_weights and p.dtype != torch.float32
             key = (p.device, p.dtype, g.dtype, master)
@@ -349,13 +349,14 @@ class BucketsMixin:
         for key, bucket in by_key.items():
             entries = staged[key]
             bucket.params = [e[0] for e in entries]
-            bucket.ptrs["params"] = _i64(e[0].data_ptr() for e in entries)
-            bucket.ptrs["grads"] = _i64(e[1].data_ptr() for e in entries)
+            # DTensor params, grads and state: the kernels step the local shards
+            bucket.ptrs["params"] = _i64(local_tensor(e[0]).data_ptr() for e in entries)
+            bucket.ptrs["grads"] = _i64(local_tensor(e[1]).data_ptr() for e in entries)
             for name in keys:
-                bucket.ptrs[name] = _i64(e[2][name].data_ptr() for e in entries)
+                bucket.ptrs[name] = _i64(local_tensor(e[2][name]).data_ptr() for e in entries)
             if bucket.master:
-                bucket.ptrs["masters"] = _i64(e[2]["master_param"].data_ptr() for e in entries)
-            bucket.sizes = _i64(e[0].numel() for e in entries)
+                bucket.ptrs["masters"] = _i64(local_tensor(e[2]["master_param"]).data_ptr() for e in entries)
+            bucket.sizes = _i64(local_tensor(e[0]).numel() for e in entries)
             bucket.numel = sum(bucket.sizes)
             n = len(entries)
             bucket.on_device = self._device_path(bucket.device)

@@ -186,6 +186,9 @@ class DeviceStepMixin:
                 sumsq = {d: total.to(d, non_blocking=True) for d in sumsq}
         kernel_check = check and not need_norm
         uses_steps = self._uses_steps
+        # GradScaler's grads are left divided by its scale (torch's contract); the kernel writes them back in
+        # the same pass when it divides by exactly the scale, otherwise a device-side second pass does it.
+        kernel_unscale = grad_scale is not None and clip_norm <= 0 and divisor == 1.0
         for device, items in by_dev.items():
             module = _backend.module_for(device)
             ctx, index = env[device]
@@ -217,6 +220,8 @@ class DeviceStepMixin:
                 lr, kw = self._device_lr(group, device, {"device": index})
                 if factor is not None:
                     kw["grad_divisor_ptr"] = factor.data_ptr()
+                if kernel_unscale:
+                    kw["write_unscaled_grads"] = True
                 if uses_steps:
                     kw["step_ptrs"] = b.step_ptrs
                     if keep is not None:
@@ -234,6 +239,11 @@ class DeviceStepMixin:
                 # SGD's first-run flags are host-side: a skipped first step (device decision) still clears them;
                 # with dampening=0 (the default) the first buffer is exact either way (0*momentum + g = g).
                 b.clear_first_run()
+            if scale is not None and not kernel_unscale:
+                grads = [p.grad for _g, b in items for p in b.params]
+                if grads:
+                    by = scale if flag is None else torch.where(flag != 0, torch.ones_like(scale), scale)
+                    torch._foreach_div_(grads, by.reshape(()))
             if flag is not None:
                 self._last_flags.append(flag)
                 count = self._skip_counts.get(device)

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from stepforge.core import HyperParameterError
+from stepforge.core import GroupValidator, HyperParameterError
 
 __all__ = ["StateMixin"]
 
@@ -22,6 +22,7 @@ class StateMixin:
 
     _owner: str
     _uses_steps: bool
+    _groups: GroupValidator
 
     _PICKLED_OPTIONS = ("master_weights", "skip_nonfinite", "assume_stable_grads", "set_grad_none")
 
@@ -44,6 +45,7 @@ class StateMixin:
         self.__dict__.setdefault("assume_stable_grads", False)
         self.__dict__.setdefault("_hooked", {})
         self.__dict__.setdefault("_known_grads", {})
+        self.__dict__["_groups"] = GroupValidator(self._check_group, owner=self._owner)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict of this class or of ``torch.optim.AdamW``/``Adam``/``SGD`` (same state layout).
@@ -53,6 +55,7 @@ class StateMixin:
         always keeps this optimizer's value. Steps saved on the CPU (torch's non-fused layout) move to a CUDA
         parameter's device at the next step (one copy), steps saved on a device are used in place.
         """
+        self._check_loadable(state_dict)
         own = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         # torch.optim casts every floating state tensor to its param's dtype on load, which would round float32
         # moments and masters of fp16/bf16 params: keep the float32 values aside and put them back after.
@@ -83,7 +86,52 @@ class StateMixin:
                 # of the checkpoint: keep the constructor's choice, whatever optimizer wrote the state.
                 group["capturable"] = bool(old.get("capturable", False))
             self._check_loaded_group(group)
+        self._groups.forget()
+        for i, group in enumerate(self.param_groups):
+            self._groups.validate(group, i)
         self._cache.clear()
+
+    #: state keys a loaded state may hold besides ``step``, ``master_param`` and ``_state_keys(group)``.
+    _extra_state_keys: tuple[str, ...] = ()
+
+    def _check_loadable(self, state_dict: dict[str, Any]) -> None:
+        """Refuse, before anything changes, a state of another optimizer or of other parameters: every state
+        key must be one this class uses and every state tensor must have its parameter's shape."""
+        if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+            raise ValueError(
+                f"{self._owner}.load_state_dict: expected a dict with 'state' and 'param_groups' "
+                "(what optimizer.state_dict() returns)."
+            )
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"{self._owner}.load_state_dict: the state has {len(saved_groups)} param groups, this optimizer "
+                f"{len(self.param_groups)}."
+            )
+        for gi, (saved, group) in enumerate(zip(saved_groups, self.param_groups, strict=True)):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(
+                    f"{self._owner}.load_state_dict: param group #{gi} has {len(saved['params'])} parameters in "
+                    f"the state and {len(group['params'])} here."
+                )
+            allowed = {"step", "master_param", *self._state_keys(group), *self._extra_state_keys}
+            for pi, (pid, p) in enumerate(zip(saved["params"], group["params"], strict=True)):
+                entry = state_dict["state"].get(pid)
+                if not entry:
+                    continue
+                for key, value in entry.items():
+                    if key not in allowed:
+                        raise ValueError(
+                            f"{self._owner}.load_state_dict: state key {key!r} of parameter #{pi} (group {gi}) is "
+                            f"not one {self._owner} uses ({', '.join(sorted(allowed))}); the state was saved by "
+                            "another optimizer. Load it into that optimizer, or start this one afresh."
+                        )
+                    if key != "step" and isinstance(value, torch.Tensor) and value.shape != p.shape:
+                        raise ValueError(
+                            f"{self._owner}.load_state_dict: state[{key!r}] of parameter #{pi} (group {gi}) has "
+                            f"shape {tuple(value.shape)}, the parameter {tuple(p.shape)}; the state belongs to "
+                            "other parameters."
+                        )
 
     def _check_loaded_group(self, group: dict[str, Any]) -> None:
         if group.get("amsgrad", False):

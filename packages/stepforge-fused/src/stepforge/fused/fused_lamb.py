@@ -8,11 +8,12 @@ from collections.abc import Callable, Iterable
 from types import ModuleType
 from typing import Any
 
-from stepforge.core import HyperParameterError, check_bool, check_range
+from stepforge.core import HyperParameterError, check_bool, check_range, check_trust_clip
 
 from . import _backend
-from ._adam_base import ADAM_STATE_KEYS, adam_defaults
+from ._adam_base import ADAM_STATE_KEYS, adam_defaults, check_adam_group
 from ._base import Bucket, FusedOptimizerBase, Launch
+from ._distributed import is_dtensor, shard_dims
 
 __all__ = ["FusedLAMB"]
 
@@ -96,6 +97,34 @@ class FusedLAMB(FusedOptimizerBase):
     def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
         return ADAM_STATE_KEYS
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group (validated as in the constructor). Sharded DTensor params are refused: the kernel's trust
+        ratio needs the norms of the whole parameter and of its whole update, which it computes per tensor."""
+        super().add_param_group(param_group)
+        for i, p in enumerate(self.param_groups[-1]["params"]):
+            if is_dtensor(p) and shard_dims(p):
+                self.param_groups.pop()
+                raise RuntimeError(
+                    f"FusedLAMB: parameter #{i} is a DTensor sharded over {p.placements} (FSDP2 fully_shard); the "
+                    "fused LAMB kernel computes each trust ratio from the local shard, which would not equal the "
+                    "unsharded run. Use stepforge.optim.Lamb for sharded parameters, or FusedAdam/FusedSGD."
+                )
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        super()._check_group(group)
+        check_adam_group(
+            group, owner=self._owner, flags=("bias_correction", "adam_w_mode", "grad_averaging", "use_nvlamb")
+        )
+        group["trust_clip"] = _trust_bounds(group["trust_clip"])
+        if "max_grad_norm" in group and not _same_number(
+            group["max_grad_norm"], self.defaults["max_grad_norm"]
+        ):
+            raise HyperParameterError(
+                f"FusedLAMB: max_grad_norm={group['max_grad_norm']!r} was set on a param group, where it would be "
+                f"ignored: the clip uses one global norm over all groups (max_grad_norm="
+                f"{self.defaults['max_grad_norm']!r} from the constructor). Pass it to FusedLAMB(...) instead."
+            )
+
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         """Clear grads; ``set_to_none=None`` follows the constructor's ``set_grad_none``."""
         super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
@@ -164,17 +193,17 @@ class FusedLAMB(FusedOptimizerBase):
         return self._fused_step(closure, div_scale)
 
 
-def _trust_bounds(trust_clip: Any) -> tuple[float, float]:
-    if trust_clip is None:
-        return 0.0, math.inf
+def _same_number(a: Any, b: Any) -> bool:
     try:
-        low, high = trust_clip
+        return float(a) == float(b)
     except (TypeError, ValueError):
-        raise HyperParameterError(
-            f"FusedLAMB: trust_clip must be None or a (low, high) pair, got {trust_clip!r}"
-        ) from None
-    low = 0.0 if low is None else check_range("trust_clip[0]", low, low=0.0, owner="FusedLAMB")
-    high = math.inf if high is None else check_range("trust_clip[1]", high, low=0.0, owner="FusedLAMB")
-    if low > high:
-        raise HyperParameterError(f"FusedLAMB: trust_clip low={low} exceeds high={high}")
-    return low, high
+        return False
+
+
+def _trust_bounds(trust_clip: Any) -> tuple[float, float]:
+    """``trust_clip`` as the kernel takes it: ``(low, high)`` floats, ``None`` parts as 0 and inf."""
+    bounds = check_trust_clip(trust_clip, owner="FusedLAMB")
+    if bounds is None:
+        return 0.0, math.inf
+    low, high = bounds
+    return (0.0 if low is None else low), (math.inf if high is None else high)

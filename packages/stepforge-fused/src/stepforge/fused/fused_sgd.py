@@ -13,6 +13,7 @@ from stepforge.core import (
     check_dampening,
     check_lr,
     check_momentum,
+    check_nesterov,
     check_weight_decay,
 )
 
@@ -53,6 +54,7 @@ class FusedSGD(FusedOptimizerBase):
 
     _owner = "FusedSGD"
     _uses_steps = False
+    _extra_state_keys = ("momentum_buffer",)  # torch.optim.SGD stores None there without momentum
 
     def __init__(
         self,
@@ -75,13 +77,8 @@ class FusedSGD(FusedOptimizerBase):
         check_momentum(momentum, owner=self._owner)
         check_dampening(dampening, owner=self._owner)
         check_weight_decay(weight_decay, owner=self._owner)
-        check_bool("nesterov", nesterov, owner=self._owner)
+        check_nesterov(nesterov, momentum, dampening, owner=self._owner)
         check_bool("wd_after_momentum", wd_after_momentum, owner=self._owner)
-        if nesterov and (momentum <= 0 or dampening != 0):
-            raise HyperParameterError(
-                "FusedSGD: nesterov=True requires momentum > 0 and dampening == 0 "
-                f"(got momentum={momentum}, dampening={dampening})."
-            )
         defaults = dict(
             lr=lr,
             momentum=momentum,
@@ -98,6 +95,15 @@ class FusedSGD(FusedOptimizerBase):
             assume_stable_grads=assume_stable_grads,
             capturable=capturable,
         )
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        super()._check_group(group)
+        owner = self._owner
+        check_momentum(group["momentum"], owner=owner)
+        check_dampening(group["dampening"], owner=owner)
+        check_weight_decay(group["weight_decay"], owner=owner)
+        check_nesterov(group["nesterov"], group["momentum"], group["dampening"], owner=owner)
+        check_bool("wd_after_momentum", group["wd_after_momentum"], owner=owner)
 
     def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
         return ("momentum_buffer",) if group["momentum"] != 0 else ()
