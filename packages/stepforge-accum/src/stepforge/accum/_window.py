@@ -190,10 +190,24 @@ class AccumulationWindow:
     # -- configuration ------------------------------------------------------------------------------------
     def set_count_status(self, init_counts: Any, max_counts: Any) -> None:
         if isinstance(init_counts, bool) or not isinstance(init_counts, numbers.Integral) or init_counts < 0:
-            raise HyperParameterError(f"{self.owner}: init_counts must be an int >= 0, got {init_counts!r}.")
-        if isinstance(max_counts, bool) or not isinstance(max_counts, numbers.Integral) or max_counts < -1:
             raise HyperParameterError(
-                f"{self.owner}: max_counts must be an int >= 1 (or -1 for unknown), got {max_counts!r}."
+                f"{self.owner}: invalid init_counts={init_counts!r}; init_counts must be an int >= 0 (the "
+                "number of micro-batches already trained)."
+            )
+        if (
+            isinstance(max_counts, bool)
+            or not isinstance(max_counts, numbers.Integral)
+            or max_counts < -1
+            or max_counts == 0
+        ):
+            raise HyperParameterError(
+                f"{self.owner}: invalid max_counts={max_counts!r}; max_counts must be an int >= 1 (the number "
+                "of micro-batches of the whole run, e.g. max_iters) or -1 when it is unknown."
+            )
+        if max_counts != -1 and init_counts > max_counts:
+            raise HyperParameterError(
+                f"{self.owner}: init_counts={init_counts} is past max_counts={max_counts}; init_counts is the "
+                "number of micro-batches already trained (the resumed iteration) and cannot exceed the total."
             )
         if self.position:
             raise AccumulationError(
@@ -265,6 +279,14 @@ class AccumulationWindow:
                     "scale its milestones by the accumulation count.",
                 )
                 self._lr_snapshot = lrs
+        if 0 < self.max_counts <= self.inner_count:
+            self.warn_once(
+                "past-max-counts",
+                f"{self.owner}: micro-batch {self.inner_count + 1} is past max_counts={self.max_counts} given "
+                "to initialize_count_status(). Training goes on in windows of accumulative_counts aligned to "
+                "its multiples, each divided by its real length (mmengine divides by the remainder, or "
+                "asserts when there is none). Pass the real total to initialize_count_status().",
+            )
         if weight is not None and self.should_sync():
             self._launch_weight_reduce(extra=weight)
 
