@@ -95,6 +95,7 @@ def _child(rank: int, world: int, port: int, impl: str, teardown: str, weighted:
     gathered = [torch.empty_like(flat) for _ in range(world)]
     dist.all_gather(gathered, flat)
     assert all(torch.equal(gathered[0], t) for t in gathered), "ranks diverged"
+    print(f"rank {rank}: trained", file=sys.stderr, flush=True)
     if teardown == "barrier-destroy":
         dist.barrier()
     if teardown == "release-destroy":
@@ -105,6 +106,7 @@ def _child(rank: int, world: int, port: int, impl: str, teardown: str, weighted:
         gc.collect()
     if teardown in ("destroy", "barrier-destroy", "release-destroy"):
         dist.destroy_process_group()
+    print(f"rank {rank}: returning to the interpreter", file=sys.stderr, flush=True)
     # normal return: interpreter teardown runs
 
 
@@ -143,13 +145,14 @@ def main() -> int:
     codes, notes = [], []
     for p in procs:
         try:
-            _, err = p.communicate(timeout=100)
+            _, err = p.communicate(timeout=240)
         except subprocess.TimeoutExpired:
             p.kill()
             _, err = p.communicate()
             notes.append("timeout")
         codes.append(p.returncode)
-        notes += [line.strip() for line in err.splitlines() if "terminate" in line or "Error" in line][:2]
+        keep = ("terminate", "Error", "rank ")
+        notes += [line.strip()[:160] for line in err.splitlines() if any(k in line for k in keep)][:4]
     ok = all(c == 0 for c in codes)
     verdict = "OK" if ok else ("SIGABRT" if -signal.SIGABRT in codes else "FAIL")
     what = f"impl={a.impl} teardown={a.teardown} weighted={a.weighted} comm_hook={a.comm_hook}"
