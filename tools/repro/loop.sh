@@ -5,8 +5,9 @@ set -u
 n=$1; py=$2; shift 2
 ok=0; bad=0
 for i in $(seq "$n"); do
-  line=$(timeout 300 "$py" "$(dirname "$0")/ddp_accum_exit.py" "$@" 2>&1 | tail -1)
-  rc=${PIPESTATUS[0]}
+  out=$(timeout 300 "$py" "$(dirname "$0")/ddp_accum_exit.py" "$@" 2>&1)
+  rc=$?
+  line=$(printf '%s\n' "$out" | tail -1)
   if [ "$rc" = 0 ]; then ok=$((ok+1)); else bad=$((bad+1)); fi
   echo "run $i rc=$rc $(date -u +%H:%M:%S) $line"
 done
