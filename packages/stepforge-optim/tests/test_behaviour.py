@@ -57,9 +57,10 @@ def test_closure_is_called_with_grad_enabled_and_its_loss_returned(factory):
 
 
 @pytest.mark.parametrize("factory", OPTIMIZERS_UNDER_TEST)
-def test_gradients_are_never_modified(factory):
+@pytest.mark.parametrize("maximize", [False, True])
+def test_gradients_are_never_modified(factory, maximize):
     params = make_params(SHAPES, torch.float32, 0)
-    opt = factory(params, maximize=True)
+    opt = factory(params, maximize=maximize)
     for k in range(3):
         _grads(params, k)
         saved = [p.grad.clone() for p in params]

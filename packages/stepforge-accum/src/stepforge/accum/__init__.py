@@ -21,10 +21,10 @@ from ._window import AccumulationError, AccumulationWarning, scale_gradients
 from .grad_accum import (
     GradAccumDataloader,
     GradAccumGradientHandler,
-    GradAccumLrSchedulerByStep,
     GradAccumOptimizer,
     accumulate_gradient,
 )
+from .lr_scheduler import GradAccumLrSchedulerByStep
 from .optim_wrapper import OptimWrapper
 
 install_adapters()

@@ -32,10 +32,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from stepforge.core import HyperParameterError, StepforgeError, check_positive_int, no_sync, supports_no_sync
+
+from ._grads import comm_device, is_forward_armed, scale_gradients, track_forward
 
 __all__ = [
     "AccumulationError",
@@ -52,51 +52,6 @@ class AccumulationError(StepforgeError, RuntimeError):
 
 class AccumulationWarning(UserWarning):
     """Gradient accumulation is used in a way that wastes communication or loses gradients."""
-
-
-def _is_forward_armed(target: Any) -> bool:
-    """Whether ``target`` decides at *forward* time if the next backward synchronises (DDP does)."""
-    return isinstance(target, DistributedDataParallel)
-
-
-def _record_sync_at_forward(module: nn.Module, args: Any) -> None:
-    # DDP reads this flag in its forward to arm (or not) the all-reduce of the coming backward
-    module._stepforge_armed = bool(torch.is_grad_enabled() and module.require_backward_grad_sync)
-
-
-def track_forward(target: Any) -> None:
-    """Remember, at each forward of a DDP model, whether its next backward will all-reduce (once per model)."""
-    if _is_forward_armed(target) and getattr(target, "_stepforge_forward_hook", None) is None:
-        target._stepforge_forward_hook = target.register_forward_pre_hook(_record_sync_at_forward)
-
-
-def scale_gradients(optimizer: Any, factor: float) -> None:
-    """Multiply every gradient ``optimizer`` will step with by ``factor``.
-
-    An optimizer that keeps its gradients outside ``p.grad`` (a ZeRO-2 optimizer holding reduced shards) can
-    expose ``scale_grads_(factor)`` and is then called instead.
-    """
-    if factor == 1.0:
-        return
-    hook = getattr(optimizer, "scale_grads_", None)
-    if callable(hook):
-        hook(factor)
-        return
-    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    if not grads:
-        return
-    try:
-        torch._foreach_mul_(grads, factor)
-    except (RuntimeError, TypeError, NotImplementedError):  # mixed devices, DTensor/sparse mixes
-        for grad in grads:
-            grad.mul_(factor)
-
-
-def _comm_device(group: Any) -> torch.device:
-    backend = str(dist.get_backend(group)).lower()
-    if "nccl" in backend and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 class AccumulationWindow:
@@ -190,10 +145,24 @@ class AccumulationWindow:
     # -- configuration ------------------------------------------------------------------------------------
     def set_count_status(self, init_counts: Any, max_counts: Any) -> None:
         if isinstance(init_counts, bool) or not isinstance(init_counts, numbers.Integral) or init_counts < 0:
-            raise HyperParameterError(f"{self.owner}: init_counts must be an int >= 0, got {init_counts!r}.")
-        if isinstance(max_counts, bool) or not isinstance(max_counts, numbers.Integral) or max_counts < -1:
             raise HyperParameterError(
-                f"{self.owner}: max_counts must be an int >= 1 (or -1 for unknown), got {max_counts!r}."
+                f"{self.owner}: invalid init_counts={init_counts!r}; init_counts must be an int >= 0 (the "
+                "number of micro-batches already trained)."
+            )
+        if (
+            isinstance(max_counts, bool)
+            or not isinstance(max_counts, numbers.Integral)
+            or max_counts < -1
+            or max_counts == 0
+        ):
+            raise HyperParameterError(
+                f"{self.owner}: invalid max_counts={max_counts!r}; max_counts must be an int >= 1 (the number "
+                "of micro-batches of the whole run, e.g. max_iters) or -1 when it is unknown."
+            )
+        if max_counts != -1 and init_counts > max_counts:
+            raise HyperParameterError(
+                f"{self.owner}: init_counts={init_counts} is past max_counts={max_counts}; init_counts is the "
+                "number of micro-batches already trained (the resumed iteration) and cannot exceed the total."
             )
         if self.position:
             raise AccumulationError(
@@ -265,6 +234,14 @@ class AccumulationWindow:
                     "scale its milestones by the accumulation count.",
                 )
                 self._lr_snapshot = lrs
+        if 0 < self.max_counts <= self.inner_count:
+            self.warn_once(
+                "past-max-counts",
+                f"{self.owner}: micro-batch {self.inner_count + 1} is past max_counts={self.max_counts} given "
+                "to initialize_count_status(). Training goes on in windows of accumulative_counts aligned to "
+                "its multiples, each divided by its real length (mmengine divides by the remainder, or "
+                "asserts when there is none). Pass the real total to initialize_count_status().",
+            )
         if weight is not None and self.should_sync():
             self._launch_weight_reduce(extra=weight)
 
@@ -282,7 +259,7 @@ class AccumulationWindow:
         the no-sync context; wrapping only the backward does not help DDP)."""
         if self.should_sync():
             return
-        if any(_is_forward_armed(t) and getattr(t, "_stepforge_armed", False) for t in targets):
+        if any(is_forward_armed(t) and getattr(t, "_stepforge_armed", False) for t in targets):
             self.warn_once(
                 "backward-only-no-sync",
                 f"{self.owner}: the forward of micro-batch {self.position + 1} (not the last of its window) ran "
@@ -332,7 +309,7 @@ class AccumulationWindow:
         if not self._reduces():
             return
         group = self._group()
-        buf = self._local_total(extra, _comm_device(group))
+        buf = self._local_total(extra, comm_device(group))
         work = dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group, async_op=True)
         self._pending = (work, buf, self.inner_count + 1)
 

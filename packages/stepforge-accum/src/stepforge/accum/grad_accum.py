@@ -15,7 +15,6 @@ Same names and arguments as ColossalAI (``accumulate_gradient``, ``GradAccumData
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -23,8 +22,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._clip import check_max_norm, check_norm_type, clip_grad_norm
 from ._no_sync import install_adapters
-from ._window import AccumulationWarning, AccumulationWindow, track_forward
+from ._window import AccumulationWindow, track_forward
+from .lr_scheduler import GradAccumLrSchedulerByStep
 
 __all__ = [
     "accumulate_gradient",
@@ -112,18 +113,35 @@ class GradAccumOptimizer:
             self.optim.zero_grad(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, *, weight: float | torch.Tensor | None = None) -> None:
-        """Backward ``loss / window length`` (or ``loss * weight`` in weighted mode) and count it."""
+        """Backward ``loss / window length`` (or ``loss * weight`` in weighted mode) and count it.
+
+        The backward itself is the wrapped optimizer's ``backward(loss)`` when it has one (ColossalAI's
+        contract: an AMP wrapper scales the loss there, a ZeRO wrapper reduces), else ``loss.backward()``.
+        """
         w = self._window.check_weight(weight)
         if w is None:
             loss = loss / self._window.divisor()
         else:
             loss = loss * (w.to(loss.dtype) if isinstance(w, torch.Tensor) else w)
-        self._run_backward(w, lambda: loss.backward())
+        inner = getattr(self.optim, "backward", None)
+        if callable(inner):
+            self._run_backward(w, lambda: inner(loss))
+        else:
+            self._run_backward(w, loss.backward)
 
     def backward_by_grad(self, tensor: torch.Tensor, grad: torch.Tensor) -> None:
-        """``torch.autograd.backward(tensor, grad)``; ``grad`` must already carry the 1/length factor."""
+        """Backward from ``tensor`` with output gradient ``grad`` and count it.
+
+        ``grad`` must already carry the 1/window-length factor (as in ColossalAI, nothing is divided here).
+        The wrapped optimizer's ``backward_by_grad(tensor, grad)`` runs when it has one, else
+        ``torch.autograd.backward(tensor, grad)``.
+        """
         w = self._window.check_weight(None)
-        self._run_backward(w, lambda: torch.autograd.backward(tensor, grad))
+        inner = getattr(self.optim, "backward_by_grad", None)
+        if callable(inner):
+            self._run_backward(w, lambda: inner(tensor, grad))
+        else:
+            self._run_backward(w, lambda: torch.autograd.backward(tensor, grad))
 
     def _run_backward(self, w: Any, run: Any) -> None:
         self._window.note_unguarded_backward(self._targets())
@@ -149,18 +167,26 @@ class GradAccumOptimizer:
         return out
 
     def clip_grad_norm(self, model: nn.Module | None, max_norm: float, norm_type: float = 2.0) -> Any:
-        """Clip by the global norm, only at the end of a window (after weighted normalisation)."""
+        """Clip by the global norm, only at the end of a window (after weighted normalisation).
+
+        Goes through the wrapped optimizer's ``clip_grad_by_norm`` (ColossalAI ``OptimizerWrapper``: AMP
+        unscales, ZeRO reduces), ``clip_grad_norm_`` (sharded) or ``clip_grad_norm(model, max_norm)``
+        (legacy ColossalAI) when it has one, else ``torch.nn.utils.clip_grad_norm_``. Returns the total norm,
+        or ``None`` inside a window.
+
+        Raises:
+            HyperParameterError: ``max_norm <= 0`` or ``norm_type <= 0``.
+        """
+        max_norm = check_max_norm(max_norm, owner="GradAccumOptimizer.clip_grad_norm")
+        norm_type = check_norm_type(norm_type, owner="GradAccumOptimizer.clip_grad_norm")
         if not self._at_boundary():
             return None
         self._window.finalize(self.optim)
-        sharded = getattr(self.optim, "clip_grad_norm_", None)
-        if callable(sharded):
-            return sharded(max_norm, norm_type)
-        native = getattr(self.optim, "clip_grad_norm", None)
-        if callable(native):
-            return native(model, max_norm)
-        params = [p for g in self.optim.param_groups for p in g["params"] if p.grad is not None]
-        return nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+        return clip_grad_norm(self.optim, model, max_norm, norm_type)
+
+    def clip_grad_by_norm(self, max_norm: float, norm_type: float = 2.0) -> Any:
+        """ColossalAI ``OptimizerWrapper`` spelling of :meth:`clip_grad_norm` (with this wrapper's model)."""
+        return self.clip_grad_norm(self.model, max_norm, norm_type)
 
     def state_dict(self) -> dict[str, Any]:
         state = self.optim.state_dict()
@@ -277,100 +303,6 @@ class GradAccumDataloader:
         else:
             self._skip = cur
         self._cur_step = cur
-
-
-class GradAccumLrSchedulerByStep:
-    """Step the wrapped learning-rate scheduler once per accumulation window.
-
-    Standalone it counts calls: the inner scheduler steps on every ``accumulate_size``-th call (ColossalAI).
-    Linked to an optimizer (``optimizer=`` or through :func:`accumulate_gradient`) it steps once for each
-    window the optimizer closed, so a short tail window counts as one step. Stepping the *inner* scheduler
-    directly (per micro-batch) is reported.
-    """
-
-    def __init__(
-        self,
-        lr_scheduler: Any,
-        accumulate_size: int,
-        *,
-        optimizer: Any = None,
-    ) -> None:
-        self.lr_scheduler = lr_scheduler
-        self.accumulate_size = AccumulationWindow(
-            accumulate_size, owner="GradAccumLrSchedulerByStep", count_name="accumulate_size"
-        ).counts
-        self.accumulate_step = 0
-        self._window: AccumulationWindow | None = getattr(optimizer, "_window", None)
-        if optimizer is not None and self._window is None:
-            raise TypeError(
-                "GradAccumLrSchedulerByStep: optimizer must be a GradAccumOptimizer or OptimWrapper, got "
-                f"{type(optimizer).__name__}."
-            )
-        self._seen_steps = self._window.steps if self._window is not None else 0
-        self._expected_epoch = getattr(lr_scheduler, "last_epoch", None)
-        self._warned = False
-
-    @staticmethod
-    def compute_effective_steps_per_epoch(dataloader: Iterable[Any], accumulate_size: int) -> int:
-        """Optimizer steps per epoch of a dropping :class:`GradAccumDataloader` (ColossalAI helper)."""
-        return len(dataloader) // accumulate_size  # type: ignore[arg-type]
-
-    def _check_inner(self) -> None:
-        epoch = getattr(self.lr_scheduler, "last_epoch", None)
-        if self._expected_epoch is not None and epoch != self._expected_epoch and not self._warned:
-            self._warned = True
-            warnings.warn(
-                f"GradAccumLrSchedulerByStep: the wrapped {type(self.lr_scheduler).__name__} was stepped "
-                f"outside the wrapper (last_epoch {self._expected_epoch} -> {epoch}); stepping it per "
-                "micro-batch makes the schedule run accumulate_size times too fast. Step only the wrapper.",
-                AccumulationWarning,
-                stacklevel=3,
-            )
-
-    def _step_inner(self, *args: Any, **kwargs: Any) -> None:
-        self.lr_scheduler.step(*args, **kwargs)
-        self._expected_epoch = getattr(self.lr_scheduler, "last_epoch", None)
-
-    def step(self, *args: Any, **kwargs: Any) -> None:
-        """Call once per micro-batch (after ``optimizer.step()``)."""
-        self._check_inner()
-        if self._window is not None:
-            if self._window.steps > self._seen_steps:
-                self._seen_steps = self._window.steps
-                self._step_inner(*args, **kwargs)
-            return
-        self.accumulate_step += 1
-        if self.accumulate_step >= self.accumulate_size:
-            self.accumulate_step = 0
-            self._step_inner(*args, **kwargs)
-
-    def get_lr(self) -> Any:
-        return self.lr_scheduler.get_lr()
-
-    def get_last_lr(self) -> Any:
-        return self.lr_scheduler.get_last_lr()
-
-    def state_dict(self) -> dict[str, Any]:
-        """The inner scheduler's state plus this wrapper's counters (ColossalAI saves no counter)."""
-        return {
-            "lr_scheduler": self.lr_scheduler.state_dict(),
-            "accumulate_step": self.accumulate_step,
-            "seen_steps": self._seen_steps,
-        }
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        if "lr_scheduler" not in state_dict:  # a bare inner state dict (ColossalAI layout)
-            self.lr_scheduler.load_state_dict(dict(state_dict))
-        else:
-            self.lr_scheduler.load_state_dict(state_dict["lr_scheduler"])
-            self.accumulate_step = int(state_dict.get("accumulate_step", 0))
-            self._seen_steps = int(state_dict.get("seen_steps", self._seen_steps))
-        self._expected_epoch = getattr(self.lr_scheduler, "last_epoch", None)
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "lr_scheduler":
-            raise AttributeError(name)
-        return getattr(self.lr_scheduler, name)
 
 
 class GradAccumGradientHandler:

@@ -17,7 +17,6 @@ Same surface and the same semantics as ``mmengine.optim.OptimWrapper`` (divisors
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -26,14 +25,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._clip import clip_grad_norm, clip_grad_value, parse_clip_grad
 from ._no_sync import install_adapters
 from ._window import AccumulationWindow
 
 __all__ = ["OptimWrapper"]
 
 logger = logging.getLogger("stepforge.accum")
-
-_CLIP_TYPES = ("norm", "value")
 
 
 def _has_batch_norm(model: Any) -> bool:
@@ -92,27 +90,9 @@ class OptimWrapper:
             reduce_weights=reduce_weights,
             scheduler_clock=scheduler_clock,
         )
-        self.clip_grad_kwargs: dict[str, Any] | None = None
-        self._clip_type: str | None = None
-        if clip_grad is not None:
-            if not isinstance(clip_grad, Mapping):
-                raise TypeError(
-                    f"OptimWrapper: clip_grad must be a dict such as dict(type='norm', max_norm=1.0), got "
-                    f"{clip_grad!r}."
-                )
-            kwargs = copy.deepcopy(dict(clip_grad))
-            clip_type = kwargs.pop("type", "norm")
-            if clip_type not in _CLIP_TYPES:
-                raise ValueError(
-                    f"OptimWrapper: clip_grad type must be 'norm' or 'value', got {clip_type!r}."
-                )
-            if not kwargs:
-                raise ValueError(
-                    "OptimWrapper: clip_grad needs the arguments of torch.nn.utils.clip_grad_norm_ (max_norm=...) "
-                    "or clip_grad_value_ (clip_value=...) besides 'type'."
-                )
-            self.clip_grad_kwargs = kwargs
-            self._clip_type = clip_type
+        clip = parse_clip_grad(clip_grad, owner="OptimWrapper")
+        self.clip_grad_kwargs: dict[str, Any] | None = None if clip is None else clip.kwargs
+        self._clip_type: str | None = None if clip is None else clip.kind
         self.grad_norm: torch.Tensor | None = None  # last norm from clip_grad type 'norm'
         self.base_param_settings: dict[str, Any] | None
         if len(optimizer.param_groups) > 1:
@@ -180,7 +160,11 @@ class OptimWrapper:
     # ``scaler.unscale_(optimizer)`` before clipping, ``scaler.step`` + ``scaler.update``). Overriding these
     # instead of backward/step keeps the counting, weighting and window bookkeeping in one place.
     def _run_backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        loss.backward(**kwargs)
+        inner = getattr(self.optimizer, "backward", None)
+        if callable(inner):  # an AMP / ZeRO optimizer wrapper scales or reduces in its own backward
+            inner(loss, **kwargs)
+        else:
+            loss.backward(**kwargs)
 
     def _before_clip(self) -> None:
         pass
@@ -194,22 +178,16 @@ class OptimWrapper:
 
     def _clip_grad(self) -> None:
         assert self.clip_grad_kwargs is not None
-        params = [
-            p
-            for group in self.optimizer.param_groups
-            for p in group["params"]
-            if p.requires_grad and p.grad is not None
-        ]
-        if not params:
-            return
         if self._clip_type == "value":
-            nn.utils.clip_grad_value_(params, **self.clip_grad_kwargs)
+            clip_grad_value(self.optimizer, **self.clip_grad_kwargs)
             return
-        sharded_clip = getattr(self.optimizer, "clip_grad_norm_", None)
-        if callable(sharded_clip):  # a ShardedOptimizer clips by the norm over every shard
-            self.grad_norm = sharded_clip(**self.clip_grad_kwargs)
-        else:
-            self.grad_norm = nn.utils.clip_grad_norm_(params, **self.clip_grad_kwargs)
+        kwargs = dict(self.clip_grad_kwargs)
+        max_norm = kwargs.pop("max_norm")
+        norm_type = kwargs.pop("norm_type", 2.0)
+        norm = clip_grad_norm(self.optimizer, self._last_targets[0] if self._last_targets else None,
+                              max_norm, norm_type, **kwargs)  # fmt: skip
+        if norm is not None:
+            self.grad_norm = norm
 
     # -- accumulation status -------------------------------------------------------------------------------
     @property

@@ -25,12 +25,33 @@ One entry point, :func:`run_distributed`::
 
 Spawning costs about a second per process (importing torch), so group several checks into one function rather
 than spawning per assertion.
+
+Process exit
+------------
+Distributed runs on gloo used to end now and then with SIGABRT after every check had passed ("terminate called
+without an active exception"). That message is libstdc++'s ``std::terminate`` when a joinable ``std::thread``
+is destroyed or a C++ thread is unwound out of a ``noexcept`` frame; here the threads are torch's
+``ProcessGroupGloo`` workers (and the Python callbacks of DDP communication hooks and async collectives that
+they run). When the process group is still alive at interpreter teardown, those threads can still hold Python
+objects (the tensors given to a collective, a ``Future.then`` callback) and need the GIL after the interpreter
+has started finalising, which ends them abruptly. stepforge.accum starts no thread and leaves no work handle
+pending (plain accumulation launches no collective; weighted mode waits for its one all-reduce before the
+step); the same DDP + accumulation script written with plain torch has the same exit path
+(``tools/repro/ddp_accum_exit.py``, tallies in ``benchmarks/results/sigabrt-50runs-*.txt``: no SIGABRT in 50
+runs with stepforge nor in 51 with plain torch, torch 2.13.0; the attribution to torch's teardown rests on that
+elimination and on upstream reports, pytorch/pytorch#190489 and #65513, not on a local reproduction). The workaround,
+for this launcher and for users' scripts alike: before returning, drop the objects that hold the group (DDP /
+FSDP2 models, work handles; ``gc.collect()`` for reference cycles), meet at a barrier and call
+``dist.destroy_process_group()``, so ``~ProcessGroupGloo`` joins its threads while the interpreter is alive.
+This launcher does exactly that, then still leaves through ``os._exit(0)``, so that a test leaving a C++
+thread of its own behind cannot turn a passed run into a crash.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import os
 import socket
 import sys
@@ -122,17 +143,28 @@ def _worker(
         with open(os.path.join(result_dir, f"rank{rank}.err"), "w", encoding="utf-8") as f:
             f.write(f"{time.time_ns()}\n{traceback.format_exc()}")
         raise
-    # No rank may tear its connections down while a peer still has gloo work in flight (a DDP bucket, an
-    # FSDP2 reduce-scatter): the peer's gloo thread then aborts the process ("terminate called ...").
-    dist.barrier()
-    dist.destroy_process_group()
     # A file rather than a queue: a big result in a pipe would block the child before it can exit.
     torch.save(result, os.path.join(result_dir, f"rank{rank}.pt"))
-    # Skip interpreter teardown: destroying a still-joinable C++ thread of gloo/DDP/FSDP2 there calls
-    # std::terminate ("terminate called without an active exception") now and then, after a clean run.
+    del result
+    _shutdown_process_group()
+    # The group is gone and its threads joined, so a normal exit is safe; exiting without interpreter teardown
+    # is kept as a second line of defence (see "Process exit" in the module docstring): a test that leaves
+    # a C++ thread of its own behind must not abort a run whose checks all passed.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _shutdown_process_group() -> None:
+    """Destroy the default group while the interpreter is fully alive (the workaround documented above)."""
+    # DDP / FSDP2 objects caught in reference cycles still hold the group: collect them first, or
+    # destroy_process_group() only unregisters it and ~ProcessGroupGloo runs at interpreter teardown.
+    gc.collect()
+    # No rank may tear its connections down while a peer still has gloo work in flight (a DDP bucket, an
+    # FSDP2 reduce-scatter): the peer's gloo thread then fails ("Connection closed by peer").
+    dist.barrier()
+    dist.destroy_process_group()
+    gc.collect()
 
 
 def _first_failure(
