@@ -1,0 +1,194 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Gradient reduction in buckets, driven by post-accumulate-grad hooks during backward.
+
+A hook on every working parameter hands its freshly accumulated ``.grad`` to :class:`GradReducer` and frees it.
+Gradients wait in a bucket per gradient dtype until ``reduce_bucket_size`` elements (counted padded) are
+there; the bucket is then laid out rank-major (rank ``r``'s pieces of every parameter in the bucket side by
+side), divided by the world size and
+
+- stage 2: ``reduce_scatter_tensor`` -- each rank receives only its pieces;
+- stage 1: ``all_reduce`` -- each rank keeps only its pieces of the result.
+
+With ``overlap_communication`` the collective is launched asynchronously and backward goes on; the results
+are added into the slots' fp32 (master-dtype) gradient pieces when :meth:`GradReducer.wait` runs (before
+clipping or stepping). A callback queued on the autograd engine launches the last partial bucket at the end of
+every backward, so at most the buckets in flight exist beside the shards.
+
+While :attr:`GradReducer.enabled` is ``False`` (``no_sync``), hooks leave ``.grad`` alone: full local
+gradients accumulate as usual and are reduced once, by the first synchronised backward or by :meth:`flush_local`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ._comm import reduce_scatter
+from ._partition import Slot, padded_piece
+
+__all__ = ["GradReducer", "CollectiveCounter"]
+
+
+class CollectiveCounter:
+    """How many reduce collectives were launched (for tests and the benchmark)."""
+
+    def __init__(self) -> None:
+        self.reduce_scatter = 0
+        self.all_reduce = 0
+
+
+class _Bucket:
+    def __init__(self) -> None:
+        self.items: list[tuple[Slot, torch.Tensor]] = []
+        self.elements = 0  # padded elements (piece * world size per item)
+
+
+class GradReducer:
+    """Buckets, hooks and in-flight reductions of one :class:`LowLevelZeroOptimizer`.
+
+    Args:
+        slots: every managed parameter's slot.
+        stage: 1 (all-reduce) or 2 (reduce-scatter).
+        bucket_size: elements per bucket (padded count).
+        overlap: launch collectives asynchronously.
+        group: the process group (``None``: the default group), world_size and rank in it.
+    """
+
+    def __init__(
+        self,
+        slots: list[Slot],
+        *,
+        stage: int,
+        bucket_size: int,
+        overlap: bool,
+        group: Any,
+        world_size: int,
+        rank: int,
+    ) -> None:
+        self.slots = slots
+        self.stage = stage
+        self.bucket_size = bucket_size
+        self.overlap = overlap
+        self.group = group
+        self.world_size = world_size
+        self.rank = rank
+        self.enabled = True
+        self.counter = CollectiveCounter()
+        self._buckets: dict[torch.dtype, _Bucket] = {}
+        self._in_flight: list[tuple[Any, torch.Tensor, list[tuple[Slot, int]]]] = []
+        self._callback_queued = False
+        self._by_param: dict[int, Slot] = {id(s.param): s for s in slots}
+        self._handles = [
+            s.param.register_post_accumulate_grad_hook(self._hook) for s in slots if s.param.requires_grad
+        ]
+
+    def remove_hooks(self) -> None:
+        """Detach the backward hooks (the optimizer no longer manages these parameters)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    # -- backward side --------------------------------------------------------------------------------
+    def _hook(self, param: torch.Tensor) -> None:
+        if not self.enabled or param.grad is None:
+            return
+        slot = self._by_param[id(param)]
+        self._add(slot, param.grad)
+        param.grad = None
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        self.launch_all()
+
+    def _add(self, slot: Slot, grad: torch.Tensor) -> None:
+        if grad.is_sparse:
+            raise RuntimeError(
+                f"LowLevelZeroOptimizer: parameter {slot.index} got a sparse gradient; ZeRO shards dense "
+                "gradients only (use a dense embedding, sparse=False)."
+            )
+        bucket = self._buckets.setdefault(grad.dtype, _Bucket())
+        bucket.items.append((slot, grad))
+        bucket.elements += slot.piece * self.world_size
+        if bucket.elements >= self.bucket_size:
+            self._launch(grad.dtype)
+
+    def _launch(self, dtype: torch.dtype) -> None:
+        bucket = self._buckets.pop(dtype, None)
+        if bucket is None or not bucket.items:
+            return
+        world = self.world_size
+        per_rank = sum(slot.piece for slot, _ in bucket.items)
+        device = bucket.items[0][1].device
+        flat = torch.empty((world, per_rank), dtype=dtype, device=device)
+        layout: list[tuple[Slot, int]] = []
+        offset = 0
+        for slot, grad in bucket.items:
+            flat[:, offset : offset + slot.piece].copy_(padded_piece(grad.reshape(-1), slot.piece, world))
+            layout.append((slot, offset))
+            offset += slot.piece
+        if world > 1:
+            flat.div_(world)
+        bucket.items.clear()
+        if world == 1:
+            self._accumulate(flat.view(-1), layout)
+            return
+        if self.stage == 2:
+            out = torch.empty(per_rank, dtype=dtype, device=device)
+            work = reduce_scatter(out, flat.view(-1), group=self.group, async_op=self.overlap)
+            self.counter.reduce_scatter += 1
+        else:
+            work = dist.all_reduce(flat, group=self.group, async_op=self.overlap)
+            out = flat[self.rank]
+            self.counter.all_reduce += 1
+        if self.overlap:
+            self._in_flight.append((work, out, layout))
+        else:
+            self._accumulate(out, layout)
+
+    def _accumulate(self, out: torch.Tensor, layout: list[tuple[Slot, int]]) -> None:
+        for slot, offset in layout:
+            piece = out[offset : offset + slot.valid]
+            if slot.grad is None:
+                slot.grad = piece.to(device=slot.master.device, dtype=slot.master.dtype, copy=True)
+            else:
+                slot.grad.add_(piece.to(device=slot.grad.device, dtype=slot.grad.dtype))
+
+    # -- step side -------------------------------------------------------------------------------------
+    def launch_all(self) -> None:
+        """Launch every partially filled bucket (dtype order is fixed so all ranks agree)."""
+        for dtype in sorted(self._buckets, key=str):
+            self._launch(dtype)
+
+    def wait(self) -> None:
+        """Launch what is left, wait for every reduction in flight and add the results into the slots."""
+        self.launch_all()
+        in_flight, self._in_flight = self._in_flight, []
+        for work, out, layout in in_flight:
+            work.wait()
+            self._accumulate(out, layout)
+
+    def flush_local(self) -> None:
+        """Reduce gradients still held in ``param.grad`` (accumulated under ``no_sync``), then :meth:`wait`."""
+        for slot in self.slots:
+            grad = slot.param.grad
+            if grad is not None:
+                self._add(slot, grad)
+                slot.param.grad = None
+        self.wait()
+
+    def discard(self) -> None:
+        """Finish the reductions in flight and drop them with the unlaunched buckets (``zero_grad``)."""
+        in_flight, self._in_flight = self._in_flight, []
+        for work, _, _ in in_flight:
+            work.wait()
+        self._buckets.clear()
+
+    @property
+    def pending(self) -> bool:
+        """Whether reductions are in flight or buckets hold gradients."""
+        return bool(self._in_flight) or any(b.items for b in self._buckets.values())

@@ -1,0 +1,162 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The sharded state dict: every rank's pieces as 1-D ``DTensor`` with ``Shard(0)``, for DCP.
+
+A rank's piece of a parameter (``torch.chunk`` layout of the flattened parameter) is exactly the local shard
+of a 1-D ``DTensor`` of the parameter's ``numel`` placed ``Shard(0)`` over a 1-D mesh of the data-parallel
+group, so ``torch.distributed.checkpoint`` saves it from every rank without gathering and, at load, reads for
+each rank of a *different* world size the piece that rank now owns::
+
+    sd = {"optim": opt.sharded_state_dict()}
+    dcp.save(sd, checkpoint_id=path)                 # at 4 ranks
+    ...
+    sd = {"optim": opt.sharded_state_dict()}         # at 2 ranks: a template of the right pieces
+    dcp.load(sd, checkpoint_id=path)
+    opt.load_sharded_state_dict(sd["optim"])
+
+Layout: ``{"state": {"<index>": {key: DTensor | scalar}}, "param_groups": [...], "zero": {"loss_scaler": ...,
+"skipped_steps": n, "master_weights": {"<index>": DTensor}}}`` (string keys: DCP flattens them into paths).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from stepforge.core import HyperParameterError
+
+from ._full_state import apply_groups, group_entries, inner_state_dict, is_elementwise
+
+if TYPE_CHECKING:
+    from .low_level import LowLevelZeroOptimizer
+
+__all__ = ["sharded_state_dict", "load_sharded_state_dict", "materialize_state"]
+
+
+def _mesh(opt: LowLevelZeroOptimizer, device_type: str) -> DeviceMesh:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "LowLevelZeroOptimizer.sharded_state_dict: needs an initialised torch.distributed process group "
+            "(DCP and DTensor do); use state_dict() for a single process without one."
+        )
+    group = opt.process_group if opt.process_group is not None else dist.group.WORLD
+    return DeviceMesh.from_group(group, device_type)
+
+
+@torch.no_grad()
+def materialize_state(opt: LowLevelZeroOptimizer) -> None:
+    """Give a never-stepped inner optimizer its state with a zero-lr step on zero gradients (parameters and
+    hyper-parameters unchanged), as ``torch.distributed.checkpoint.state_dict`` does."""
+    if opt.optim.state:
+        return
+    saved = [group["lr"] for group in opt.optim.param_groups]
+    for slot in opt._slots:
+        if slot.valid:
+            slot.master.grad = torch.zeros_like(slot.master)
+    try:
+        for group in opt.optim.param_groups:
+            group["lr"] = group["lr"] * 0.0 if torch.is_tensor(group["lr"]) else 0.0
+        opt.optim.step()
+    finally:
+        for group, lr in zip(opt.optim.param_groups, saved, strict=True):
+            group["lr"] = lr
+        for slot in opt._slots:
+            slot.master.grad = None
+
+
+def _dtensor(local: torch.Tensor, numel: int, mesh: DeviceMesh) -> DTensor:
+    return DTensor.from_local(
+        local, mesh, [Shard(0)], run_check=False, shape=torch.Size([numel]), stride=(1,)
+    )
+
+
+def sharded_state_dict(opt: LowLevelZeroOptimizer) -> dict[str, Any]:
+    """See the module docstring. No collectives on the data (DTensor construction only)."""
+    opt._reducer.wait()
+    materialize_state(opt)
+    masters_device = opt._slots[0].master.device if opt._slots else torch.device("cpu")
+    mesh = _mesh(opt, masters_device.type)
+    templates: dict[int, dict[str, Any]] = {}  # per group: a local entry to mirror for empty pieces
+    for slot in opt._slots:
+        entry = opt.optim.state.get(slot.master) if slot.valid else None
+        if entry:
+            templates.setdefault(slot.group, dict(entry))
+    state: dict[str, dict[str, Any]] = {}
+    masters: dict[str, DTensor] = {}
+    for slot in opt._slots:
+        entry = opt.optim.state.get(slot.master) if slot.valid else None
+        if entry is None and not slot.valid and slot.group in templates:
+            # this rank owns nothing of a tiny parameter: an empty piece under the same keys
+            entry = {
+                k: (
+                    torch.empty(0, dtype=v.dtype, device=v.device)
+                    if torch.is_tensor(v) and v.dim() == 1
+                    else v
+                )
+                for k, v in templates[slot.group].items()
+            }
+            elementwise = {k for k, v in entry.items() if torch.is_tensor(v) and v.dim() == 1 and k != "step"}
+        elif entry is not None:
+            elementwise = {k for k, v in entry.items() if is_elementwise(k, v, slot)}
+        else:
+            continue
+        out: dict[str, Any] = {}
+        for key, value in entry.items():
+            out[key] = _dtensor(value, slot.numel, mesh) if key in elementwise else value
+        state[str(slot.index)] = out
+    for slot in opt._slots:
+        if slot.separate_master:
+            local = slot.master if slot.valid else slot.master.new_empty(0)
+            masters[str(slot.index)] = _dtensor(local, slot.numel, mesh)
+    return {
+        "state": state,
+        "param_groups": group_entries(opt),
+        "zero": {
+            "loss_scaler": opt.scaler.state_dict(),
+            "skipped_steps": opt.skipped_steps,
+            "master_weights": masters,
+        },
+    }
+
+
+def _local(value: Any) -> Any:
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def load_sharded_state_dict(opt: LowLevelZeroOptimizer, state_dict: Mapping[str, Any]) -> None:
+    """Load the form of :func:`sharded_state_dict` once ``torch.distributed.checkpoint.load`` filled it."""
+    if not isinstance(state_dict, Mapping) or "state" not in state_dict or "zero" not in state_dict:
+        raise HyperParameterError(
+            "LowLevelZeroOptimizer.load_sharded_state_dict: expected the dict returned by sharded_state_dict() "
+            "and filled by torch.distributed.checkpoint.load; for a full state dict use load_state_dict."
+        )
+    groups = list(state_dict["param_groups"])
+    if len(groups) != len(opt.param_groups):
+        raise HyperParameterError(
+            f"LowLevelZeroOptimizer.load_sharded_state_dict: {len(groups)} param groups in the state, "
+            f"{len(opt.param_groups)} here; build the optimizer with the same param groups."
+        )
+    pieces: dict[int, dict[str, Any]] = {}
+    for slot in opt._slots:
+        entry = state_dict["state"].get(str(slot.index))
+        if entry is None or not slot.valid:
+            continue
+        pieces[slot.index] = {key: _local(value) for key, value in entry.items()}
+    opt._reducer.wait()
+    opt.optim.load_state_dict(inner_state_dict(opt, groups, pieces))
+    apply_groups(opt, groups)
+    zero = state_dict["zero"]
+    with torch.no_grad():
+        for slot in opt._slots:
+            full = zero.get("master_weights", {}).get(str(slot.index))
+            if full is not None and slot.valid and slot.separate_master:
+                slot.master.copy_(_local(full))
+    opt.scaler.load_state_dict(zero["loss_scaler"])
+    opt.skipped_steps = int(zero.get("skipped_steps", 0))
+    invalidate = getattr(opt.optim, "invalidate_cache", None)
+    if callable(invalidate):
+        invalidate()

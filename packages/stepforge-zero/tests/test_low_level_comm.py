@@ -1,0 +1,181 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Collectives counted by wrapping ``torch.distributed``, and per-rank memory of the sharded optimizer.
+
+Counting model: 6 parameters of 40 elements at 2 ranks (no padding), ``reduce_bucket_size=80`` elements, so a
+bucket closes after every 2 parameters: ceil(240 / 80) = 3 buckets per synchronised backward.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from stepforge.core import no_sync
+from stepforge.testing.distributed import requires_gloo, run_distributed
+from stepforge.zero.low_level import LowLevelZeroOptimizer
+
+pytestmark = [pytest.mark.distributed, requires_gloo]
+
+NPARAMS, NUMEL, BUCKET = 6, 40, 80
+BUCKETS = -(-NPARAMS * NUMEL // BUCKET)  # 3
+# torch 2.13 renamed the tensor collectives (``*_single``); count both spellings under the old names
+WRAPPED = {
+    "reduce_scatter_tensor": "reduce_scatter_tensor",
+    "reduce_scatter_single": "reduce_scatter_tensor",
+    "all_gather_into_tensor": "all_gather_into_tensor",
+    "all_gather_single": "all_gather_into_tensor",
+    "all_reduce": "all_reduce",
+    "broadcast": "broadcast",
+    "all_gather": "all_gather",
+}
+
+
+@contextmanager
+def counting() -> Iterator[Counter]:
+    """Count calls (and elements) of the torch.distributed collectives for the block."""
+    calls: Counter = Counter()
+    saved = {name: getattr(dist, name) for name in WRAPPED if hasattr(dist, name)}
+
+    def wrap(name: str, fn):
+        def wrapper(tensor, *args, **kwargs):
+            calls[WRAPPED[name]] += 1
+            arg = args[0] if args and torch.is_tensor(args[0]) else tensor
+            calls[WRAPPED[name] + ".elements"] += arg.numel() if torch.is_tensor(arg) else 0
+            return fn(tensor, *args, **kwargs)
+
+        return wrapper
+
+    for name, fn in saved.items():
+        setattr(dist, name, wrap(name, fn))
+    try:
+        yield calls
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+class _Flat(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.ps = nn.ParameterList([nn.Parameter(torch.randn(NUMEL)) for _ in range(NPARAMS)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum((p * x).sum() for p in self.ps)
+
+
+def _one_step(opt: LowLevelZeroOptimizer, model: nn.Module, k: int, use_no_sync: bool) -> Counter:
+    with counting() as calls:
+        for micro in range(k):
+            x = torch.full((NUMEL,), float(micro + 1))
+            if use_no_sync and micro < k - 1:
+                with no_sync(opt):
+                    model(x).backward()
+            else:
+                model(x).backward()
+        opt.step()
+        opt.zero_grad()
+    return calls
+
+
+def _count_collectives(rank: int, world: int) -> dict[str, Counter]:
+    out = {}
+    for stage in (1, 2):
+        for overlap in (True, False):
+            model = _Flat()
+            groups = [{"params": list(model.ps)[:4]}, {"params": list(model.ps)[4:], "lr": 0.5}]
+            opt = LowLevelZeroOptimizer(
+                torch.optim.SGD(groups, lr=0.1),
+                stage=stage,
+                reduce_bucket_size=BUCKET,
+                overlap_communication=overlap,
+            )
+            for k, use_no_sync in ((1, False), (3, False), (3, True)):
+                out[f"stage{stage}-overlap{overlap}-k{k}-nosync{use_no_sync}"] = _one_step(
+                    opt, model, k, use_no_sync
+                )
+    return out
+
+
+@pytest.fixture(scope="module")
+def counts() -> dict[str, Counter]:
+    return run_distributed(_count_collectives, 2, timeout=120)[0]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_stage2_reduce_scatters_per_bucket_and_one_all_gather_per_partition(counts, overlap):
+    one = counts[f"stage2-overlap{overlap}-k1-nosyncFalse"]
+    assert one["reduce_scatter_tensor"] == BUCKETS
+    assert one["reduce_scatter_tensor.elements"] == NPARAMS * NUMEL  # input: the padded gradient, once
+    assert one["all_gather_into_tensor"] == 2  # two param groups of one dtype = two partitions
+    assert one["all_gather_into_tensor.elements"] == NPARAMS * NUMEL // 2  # this rank's half
+    assert one["all_reduce"] == 0
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_accumulation_reduces_every_micro_batch_or_once_per_window_under_no_sync(counts, stage):
+    op = "reduce_scatter_tensor" if stage == 2 else "all_reduce"
+    every = counts[f"stage{stage}-overlapTrue-k3-nosyncFalse"]
+    window = counts[f"stage{stage}-overlapTrue-k3-nosyncTrue"]
+    assert every[op] == 3 * BUCKETS
+    assert window[op] == BUCKETS
+    assert every["all_gather_into_tensor"] == window["all_gather_into_tensor"] == 2
+
+
+def test_stage1_all_reduces_per_bucket(counts):
+    one = counts["stage1-overlapTrue-k1-nosyncFalse"]
+    assert one["all_reduce"] == BUCKETS
+    assert one["reduce_scatter_tensor"] == 0
+    assert one["all_gather_into_tensor"] == 2
+
+
+# -- memory -----------------------------------------------------------------------------------------------
+def _held_bytes(opt: LowLevelZeroOptimizer) -> int:
+    total = 0
+    for slot in opt._slots:
+        if slot.separate_master:
+            total += slot.master.numel() * slot.master.element_size()
+        if slot.grad is not None:
+            total += slot.grad.numel() * slot.grad.element_size()
+        for value in opt.optim.state.get(slot.master, {}).values():
+            if torch.is_tensor(value) and value.dim() > 0:
+                total += value.numel() * value.element_size()
+    return total
+
+
+def _memory(rank: int, world: int) -> dict[str, float]:
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(61, 67), nn.Tanh(), nn.Linear(67, 29)).to(dtype)
+        opt = LowLevelZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), stage=2)
+        x = torch.randn(4, 61, dtype=dtype)
+        model(x).square().mean().backward()
+        assert all(p.grad is None for p in model.parameters()), "ZeRO-2 keeps no full gradient after backward"
+        opt.step()  # creates the Adam state
+        model(x).square().mean().backward()
+        opt._reducer.wait()
+        numel = sum(p.numel() for p in model.parameters())
+        padded = sum(-(-p.numel() // world) * world for p in model.parameters())
+        # unsharded figure of the same tensors: exp_avg + exp_avg_sq + grad in the master dtype (+ fp32 master)
+        per_elem = 4 * 3 + (4 if dtype != torch.float32 else 0)
+        out[str(dtype)] = _held_bytes(opt) / (numel * per_elem)
+        out[str(dtype) + ".padding"] = (padded - numel) / numel
+    return out
+
+
+def test_per_rank_memory_is_a_quarter_of_the_unsharded_figure_at_four_ranks():
+    results = run_distributed(_memory, 4, timeout=120)
+    for rank, ratios in enumerate(results):
+        for dtype in ("torch.float32", "torch.bfloat16"):
+            padding = ratios[dtype + ".padding"]
+            assert padding < 0.001  # 61*67+67+67*29+29 = 6109 elements, at most 3 padding each of 4 params
+            # each rank holds at most ceil(numel/4) per parameter: <= 1/4 + padding of the unsharded bytes
+            assert ratios[dtype] <= 0.25 + padding, (rank, dtype, ratios[dtype])
+            assert ratios[dtype] >= 0.25 - padding, (rank, dtype, ratios[dtype])  # and really holds its share
