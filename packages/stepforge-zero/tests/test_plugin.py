@@ -153,6 +153,21 @@ def test_registered_names():
     assert LowLevelZeroPlugin().precision == "fp16" and LowLevelZeroPlugin().max_norm == 0.0
 
 
+def test_a_default_precision_can_be_adopted_an_explicit_one_cannot():
+    plugin = LowLevelZeroPlugin(stage=2)
+    assert plugin.precision == "fp16"
+    plugin.set_precision("bf16")  # what the Booster does with mixed_precision="bf16"
+    assert plugin.precision == "bf16" and plugin.dtype == torch.bfloat16
+    explicit = Zero2Plugin(precision="fp16")
+    explicit.set_precision("fp16")
+    with pytest.raises(
+        HyperParameterError, match="precision='fp16' was set explicitly; it conflicts with 'bf16'"
+    ):
+        explicit.set_precision("bf16")
+    with pytest.raises(HyperParameterError, match="precision must be one of"):
+        LowLevelZeroPlugin().set_precision("fp8")
+
+
 def test_bad_arguments_are_named():
     with pytest.raises(HyperParameterError, match="stage must be 1 or 2"):
         LowLevelZeroPlugin(stage=3)

@@ -34,6 +34,15 @@ __all__ = [
 #: precision name -> working dtype of the model's parameters.
 PRECISIONS: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
+
+class _DefaultPrecision(str):
+    """The default ``"fp16"``, told apart from an explicit ``precision="fp16"`` (the Booster may replace it)."""
+
+    __slots__ = ()
+
+
+_FP16_DEFAULT = _DefaultPrecision("fp16")
+
 _LOW_PRECISION_UNSUPPORTED = re.compile(r"\b(Half|BFloat16)\b")
 
 
@@ -116,7 +125,7 @@ class LowLevelZeroPlugin:
     def __init__(
         self,
         stage: int = 1,
-        precision: str = "fp16",
+        precision: str = _FP16_DEFAULT,
         initial_scale: float = 2**32,
         min_scale: float = 1,
         growth_factor: float = 2,
@@ -165,7 +174,9 @@ class LowLevelZeroPlugin:
             if not isinstance(value, bool):
                 raise HyperParameterError(f"LowLevelZeroPlugin: {name} must be a bool, got {value!r}.")
         self.stage = stage
-        self.precision = precision
+        self.precision = str(precision)
+        # a precision left at its default may be replaced by the Booster's mixed_precision (set_precision)
+        self._explicit_precision = precision is not _FP16_DEFAULT
         self.max_norm = float(max_norm)
         self.reduce_bucket_size_in_m = reduce_bucket_size_in_m
         self.overlap_communication = overlap_communication
@@ -205,6 +216,28 @@ class LowLevelZeroPlugin:
     @property
     def rank(self) -> int:
         return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+    def set_precision(self, precision: str) -> None:
+        """Adopt the Booster's ``mixed_precision`` when ``precision`` was left at its default (before prepare).
+
+        Raises:
+            HyperParameterError: an unknown precision, a different explicit one, or a plugin already used.
+        """
+        if precision not in PRECISIONS:
+            raise HyperParameterError(
+                f"LowLevelZeroPlugin: precision must be one of {sorted(PRECISIONS)}, got {precision!r}."
+            )
+        if self._explicit_precision and precision != self.precision:
+            raise HyperParameterError(
+                f"LowLevelZeroPlugin: precision={self.precision!r} was set explicitly; it conflicts with "
+                f"{precision!r}. Set one of them, or the same value on both."
+            )
+        if self._optimizers and precision != self.precision:
+            raise HyperParameterError(
+                "LowLevelZeroPlugin.set_precision: a model was already prepared in "
+                f"{self.precision!r}; set the precision before prepare()."
+            )
+        self.precision = precision
 
     # -- Plugin protocol -----------------------------------------------------------------------------
     def prepare(
@@ -325,7 +358,7 @@ class Zero1Plugin(LowLevelZeroPlugin):
 
     name = "zero1"
 
-    def __init__(self, precision: str = "fp16", **kwargs: Any) -> None:
+    def __init__(self, precision: str = _FP16_DEFAULT, **kwargs: Any) -> None:
         _fixed_stage(kwargs, 1)
         super().__init__(stage=1, precision=precision, **kwargs)
 
@@ -335,7 +368,7 @@ class Zero2Plugin(LowLevelZeroPlugin):
 
     name = "zero2"
 
-    def __init__(self, precision: str = "fp16", **kwargs: Any) -> None:
+    def __init__(self, precision: str = _FP16_DEFAULT, **kwargs: Any) -> None:
         _fixed_stage(kwargs, 2)
         super().__init__(stage=2, precision=precision, **kwargs)
 
