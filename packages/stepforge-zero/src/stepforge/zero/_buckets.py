@@ -11,7 +11,7 @@ side), divided by the world size and
 
 With ``overlap_communication`` the collective is launched asynchronously and backward goes on; the results
 are added into the slots' fp32 (master-dtype) gradient pieces when :meth:`GradReducer.wait` runs (before
-clipping or stepping). A callback queued on the autograd engine launches the last partial bucket at the end of
+clipping or stepping), or as soon as more than ``MAX_IN_FLIGHT`` buckets are in flight. A callback queued on the autograd engine launches the last partial bucket at the end of
 every backward, so at most the buckets in flight exist beside the shards.
 
 While :attr:`GradReducer.enabled` is ``False`` (``no_sync``), hooks leave ``.grad`` alone: full local
@@ -28,7 +28,11 @@ import torch.distributed as dist
 from ._comm import reduce_scatter
 from ._partition import Slot, padded_piece
 
-__all__ = ["GradReducer", "CollectiveCounter"]
+__all__ = ["GradReducer", "CollectiveCounter", "MAX_IN_FLIGHT"]
+
+#: asynchronous bucket reductions allowed in flight; launching one more first finishes the oldest, so a rank
+#: holds at most its pieces plus this many buckets (and the one being filled) during backward
+MAX_IN_FLIGHT = 2
 
 
 class CollectiveCounter:
@@ -77,7 +81,8 @@ class GradReducer:
         self.enabled = True
         self.counter = CollectiveCounter()
         self._buckets: dict[torch.dtype, _Bucket] = {}
-        self._in_flight: list[tuple[Any, torch.Tensor, list[tuple[Slot, int]]]] = []
+        self._in_flight: list[tuple[Any, torch.Tensor, list[tuple[Slot, int]], int]] = []
+        self.peak_in_flight = 0  # most bucket elements launched and not yet added into the pieces
         self._callback_queued = False
         self._by_param: dict[int, Slot] = {id(s.param): s for s in slots}
         self._handles = [
@@ -146,8 +151,14 @@ class GradReducer:
             out = flat[self.rank]
             self.counter.all_reduce += 1
         if self.overlap:
-            self._in_flight.append((work, out, layout))
+            self._in_flight.append((work, out, layout, flat.numel()))
+            self.peak_in_flight = max(self.peak_in_flight, sum(f[3] for f in self._in_flight))
+            while len(self._in_flight) > MAX_IN_FLIGHT:  # bound the memory: finish the oldest
+                work, out, layout, _ = self._in_flight.pop(0)
+                work.wait()
+                self._accumulate(out, layout)
         else:
+            self.peak_in_flight = max(self.peak_in_flight, flat.numel())
             self._accumulate(out, layout)
 
     def _accumulate(self, out: torch.Tensor, layout: list[tuple[Slot, int]]) -> None:
@@ -168,7 +179,7 @@ class GradReducer:
         """Launch what is left, wait for every reduction in flight and add the results into the slots."""
         self.launch_all()
         in_flight, self._in_flight = self._in_flight, []
-        for work, out, layout in in_flight:
+        for work, out, layout, _ in in_flight:
             work.wait()
             self._accumulate(out, layout)
 
@@ -184,7 +195,7 @@ class GradReducer:
     def discard(self) -> None:
         """Finish the reductions in flight and drop them with the unlaunched buckets (``zero_grad``)."""
         in_flight, self._in_flight = self._in_flight, []
-        for work, _, _ in in_flight:
+        for work, _, _, _ in in_flight:
             work.wait()
         self._buckets.clear()
 

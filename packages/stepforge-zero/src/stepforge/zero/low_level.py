@@ -17,7 +17,6 @@ Gradients are averaged over the ranks as DDP does. See ``docs/low_level.md`` for
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -30,6 +29,7 @@ from stepforge.core import HyperParameterError
 from . import _full_state, _sharded_state
 from ._buckets import GradReducer
 from ._comm import all_gather
+from ._grad_norm import check_clip_args, clip_, global_norm
 from ._loss_scaler import DynamicLossScaler
 from ._offload import cpu_step_error, resolve_optimizer
 from ._partition import build_partitions
@@ -281,35 +281,28 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         Same rule as ``torch.nn.utils.clip_grad_norm_``: gradients are multiplied by
         ``min(1, max_norm / (norm + 1e-6))``. With fp16 loss scaling the gradients are unscaled first.
         """
-        if isinstance(max_norm, bool) or not isinstance(max_norm, int | float) or not max_norm > 0:
-            raise HyperParameterError(f"clip_grad_norm_: max_norm must be a number > 0, got {max_norm!r}.")
-        norm_type = float(norm_type)
-        if not (norm_type > 0 or math.isinf(norm_type)):
-            raise HyperParameterError(f"clip_grad_norm_: norm_type must be > 0 or inf, got {norm_type!r}.")
+        norm_type = check_clip_args(max_norm, norm_type)
         self._sync_grads()
         self._unscale()
         grads = self._grads()
-        if math.isinf(norm_type):
-            local = max((g.abs().max().double() for g in grads), default=torch.zeros((), dtype=torch.float64))
-            total = self._all_reduce(local.reshape(1).cpu(), dist.ReduceOp.MAX)[0]
-        else:
-            local = sum(
-                (torch.linalg.vector_norm(g, norm_type, dtype=torch.float64) ** norm_type for g in grads),
-                torch.zeros((), dtype=torch.float64),
-            )
-            total = self._all_reduce(local.reshape(1).cpu(), dist.ReduceOp.SUM)[0] ** (1.0 / norm_type)
-        norm = total.float()
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for grad in grads:
-            grad.mul_(coef.to(grad.device, grad.dtype))
+        norm = global_norm(grads, norm_type, self._all_reduce)
+        clip_(grads, norm, max_norm)
         return norm
 
     # -- step ----------------------------------------------------------------------------------------------
-    def _sync_hyperparameters(self) -> None:
+    def _push_hyperparameters(self) -> None:
+        # edits between steps (schedulers, users) live in our groups: push them before the inner step ...
         for ours, theirs in zip(self.param_groups, self.optim.param_groups, strict=True):
             for key, value in ours.items():
                 if key != "params":
                     theirs[key] = value
+
+    def _pull_hyperparameters(self) -> None:
+        # ... and whatever the inner optimizer keeps in its groups (a per-group step count) comes back after
+        for ours, theirs in zip(self.param_groups, self.optim.param_groups, strict=True):
+            for key, value in theirs.items():
+                if key != "params":
+                    ours[key] = value
 
     @torch.no_grad()
     def _all_gather_params(self) -> None:
@@ -351,7 +344,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
             self._unscale()
         if self.max_norm > 0:
             self.clip_grad_norm_(self.max_norm)
-        self._sync_hyperparameters()
+        self._push_hyperparameters()
         for slot in self._slots:
             if slot.valid:
                 slot.master.grad = slot.grad
@@ -365,6 +358,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
             for slot in self._slots:
                 slot.master.grad = None
         self._stepped_on_cpu = True
+        self._pull_hyperparameters()
         self._all_gather_params()
         if self._scaling:
             self.scaler.update(False)
