@@ -27,6 +27,7 @@ from stepforge.zero import (
 RTOL, ATOL = 1e-5, 1e-6
 GLOBAL_BATCH = 8
 LR = 1e-2
+MAX_NORM = 0.05  # below the gradient norms of these batches (about 1.4), so clipping is active
 
 
 def _model() -> torch.nn.Module:
@@ -39,8 +40,9 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(GLOBAL_BATCH, 6, generator=gen), torch.randn(GLOBAL_BATCH, 3, generator=gen)
 
 
-def _reference(steps: range, micro: int = 1, start: torch.nn.Module | None = None) -> list[torch.Tensor]:
-    """AdamW on one process; ``micro`` micro-batches per step, their mean losses summed (local accumulation)."""
+def _reference(steps: range, micro: int = 1, max_norm: float = 0.0) -> list[torch.Tensor]:
+    """AdamW on one process; ``micro`` micro-batches per step, their mean losses summed (local accumulation);
+    ``max_norm`` > 0: torch.nn.utils.clip_grad_norm_ before each step."""
     model = _model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     for step in steps:
@@ -48,8 +50,17 @@ def _reference(steps: range, micro: int = 1, start: torch.nn.Module | None = Non
         for m in range(micro):
             x, y = _batch(step * micro + m)
             torch.nn.functional.mse_loss(model(x), y).backward()
+        if max_norm:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         optimizer.step()
     return [p.detach().clone() for p in model.parameters()]
+
+
+def _reference_norm() -> torch.Tensor:
+    model = _model()
+    x, y = _batch(0)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
 
 
 def _train(plugin, model, optimizer, rank: int, world: int, steps: range, micro: int = 1) -> None:
@@ -86,6 +97,21 @@ def _end_to_end(rank: int, world: int, ckpt: str) -> dict:
         model, optimizer = plugin.prepare(model, torch.optim.AdamW(model.parameters(), lr=LR))
         _train(plugin, model, optimizer, rank, world, range(2), micro=2)
         out[f"stage{stage}_no_sync"] = _params(model)
+    # clipping: max_norm inside step (stage 1), and the plugin's clip_grad_norm_ returning the global norm
+    plugin = LowLevelZeroPlugin(stage=1, precision="fp32", max_norm=MAX_NORM)
+    model = _model()
+    model, optimizer = plugin.prepare(model, torch.optim.AdamW(model.parameters(), lr=LR))
+    _train(plugin, model, optimizer, rank, world, range(3))
+    out["max_norm"] = _params(model)
+    plugin = LowLevelZeroPlugin(stage=2, precision="fp32")
+    model = _model()
+    model, optimizer = plugin.prepare(model, torch.optim.AdamW(model.parameters(), lr=LR))
+    x, y = _batch(0)
+    per_rank = GLOBAL_BATCH // world
+    sl = slice(rank * per_rank, (rank + 1) * per_rank)
+    plugin.backward(torch.nn.functional.mse_loss(model(x[sl]), y[sl]), optimizer)
+    out["norm"] = plugin.clip_grad_norm_(model, optimizer, 1e9)
+    optimizer.zero_grad()
     # DCP save at this world size (stage 2, after 3 steps)
     plugin = LowLevelZeroPlugin(stage=2, precision="fp32")
     model = _model()
@@ -137,6 +163,8 @@ def test_end_to_end_on_two_ranks_and_resume_on_one(tmp_path):
         for stage in (1, 2):
             _assert_close(results[rank][f"stage{stage}"], plain)
             _assert_close(results[rank][f"stage{stage}_no_sync"], accumulated)
+        _assert_close(results[rank]["max_norm"], _reference(range(3), max_norm=MAX_NORM))
+        torch.testing.assert_close(results[rank]["norm"], _reference_norm(), rtol=1e-6, atol=0)
     resumed = run_distributed(_resume, 1, ckpt, timeout=120)[0]
     _assert_close(resumed, _reference(range(5)))
 

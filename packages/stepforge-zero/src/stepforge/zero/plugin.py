@@ -9,17 +9,16 @@ checkpoints go through ``torch.distributed.checkpoint`` in a sharded, world-size
 
 from __future__ import annotations
 
-import contextlib
-import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from stepforge.core import HyperParameterError, StepforgeError
+from stepforge.core import HyperParameterError
 
+from ._model import PRECISIONS, LowLevelZeroModel, UnsupportedPrecisionError, _explain_precision_errors
 from .low_level import LowLevelZeroOptimizer
 
 __all__ = [
@@ -31,9 +30,6 @@ __all__ = [
     "PRECISIONS",
 ]
 
-#: precision name -> working dtype of the model's parameters.
-PRECISIONS: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
 
 class _DefaultPrecision(str):
     """The default ``"fp16"``, told apart from an explicit ``precision="fp16"`` (the Booster may replace it)."""
@@ -42,64 +38,6 @@ class _DefaultPrecision(str):
 
 
 _FP16_DEFAULT = _DefaultPrecision("fp16")
-
-_LOW_PRECISION_UNSUPPORTED = re.compile(r"\b(Half|BFloat16)\b")
-
-
-class UnsupportedPrecisionError(StepforgeError, RuntimeError):
-    """An operation of the model cannot run in the plugin's precision on this device (fp16/bf16 on CPU)."""
-
-
-@contextlib.contextmanager
-def _explain_precision_errors(device: torch.device, precision: str, where: str) -> Iterator[None]:
-    """Turn torch's "not implemented for 'Half'" (or 'BFloat16') on CPU into an error naming the way out."""
-    try:
-        yield
-    except (RuntimeError, NotImplementedError) as exc:
-        if precision == "fp32" or device.type != "cpu" or not _LOW_PRECISION_UNSUPPORTED.search(str(exc)):
-            raise
-        if precision == "fp16":
-            advice = (
-                "Use precision='bf16' (bfloat16 on CPU, no loss scaling needed) or, for operations torch implements "
-                "in neither 16-bit type on CPU (torch.cdist, pdist, linalg.qr in torch 2.13), precision='fp32'."
-            )
-        else:
-            advice = "Use precision='fp32' for this model on CPU."
-        raise UnsupportedPrecisionError(
-            f"LowLevelZeroPlugin(precision={precision!r}): the model's {where} uses an operation torch cannot run "
-            f"in {PRECISIONS[precision]} on CPU ({exc}). {advice}"
-        ) from exc
-
-
-class LowLevelZeroModel(torch.nn.Module):
-    """The prepared model: the original module (``.module``) in the working dtype; floating-point tensor
-    inputs are cast to that dtype before its forward (``cast_inputs``)."""
-
-    def __init__(
-        self, module: torch.nn.Module, dtype: torch.dtype, precision: str, device: torch.device
-    ) -> None:
-        super().__init__()
-        self.module = module
-        self.dtype = dtype
-        self.precision = precision
-        self.device = device
-
-    def unwrap(self) -> torch.nn.Module:
-        """The wrapped module (its state dict has the original keys)."""
-        return self.module
-
-    def _cast(self, value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != self.dtype:
-            return value.to(self.dtype)
-        if isinstance(value, list | tuple):
-            return type(value)(self._cast(v) for v in value)
-        if isinstance(value, dict):
-            return {k: self._cast(v) for k, v in value.items()}
-        return value
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        with _explain_precision_errors(self.device, self.precision, "forward"):
-            return self.module(*self._cast(args), **self._cast(kwargs))
 
 
 class LowLevelZeroPlugin:
