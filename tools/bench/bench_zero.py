@@ -20,7 +20,8 @@ beside it, with P = parameter bytes:
                                              the root module's parameters stay unsharded between the two)
 
 Memory: bytes of gradient storage + optimizer state (+ fp32 master shards) held per rank after a step, counted
-from the tensors each scheme holds; the process's peak RSS is reported beside it.
+from the tensors each scheme holds; the process peak RSS so far is reported beside it (cumulative: one process runs
+the schemes in order, so a scheme inherits the peaks of those before it).
 
     python tools/bench/bench_zero.py                         # 2 and 4 processes -> bench-out/cpu-<date>-zero.json/.png
     python tools/bench/bench_zero.py --world 2 --layers 4 --steps 3
@@ -434,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
                 ("sent_over_theory", "sent/theory", ".4f"),
                 ("state_mib_per_rank", "grad+state MiB", ".1f"),
                 ("state_over_ddp", "vs DDP", ".3f"),
-                ("max_rss_mib", "peak RSS MiB", ".0f"),
+                ("max_rss_mib", "peak RSS so far MiB", ".0f"),
             ],
         )
     )
