@@ -95,11 +95,19 @@ def _count_collectives(rank: int, world: int) -> dict[str, Counter]:
                 stage=stage,
                 reduce_bucket_size=BUCKET,
                 overlap_communication=overlap,
+                param_gather="all_gather",
             )
             for k, use_no_sync in ((1, False), (3, False), (3, True)):
                 out[f"stage{stage}-overlap{overlap}-k{k}-nosync{use_no_sync}"] = _one_step(
                     opt, model, k, use_no_sync
                 )
+    # the gloo default gathers the updated pieces with one broadcast per rank and partition
+    model = _Flat()
+    opt = LowLevelZeroOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), stage=2, reduce_bucket_size=BUCKET
+    )
+    assert opt.param_gather == "broadcast"
+    out["stage2-default-gather"] = _one_step(opt, model, 1, False)
     return out
 
 
@@ -186,3 +194,10 @@ def test_per_rank_memory_is_a_quarter_of_the_unsharded_figure_at_four_ranks():
             assert ratios[dtype] >= 0.25 - padding, (rank, dtype, ratios[dtype])  # and really holds its share
             # 5 buckets of 1728 padded elements per backward; at most MAX_IN_FLIGHT + 1 = 3 exist at once
             assert ratios[dtype + ".peak_in_flight"] <= 3 * 1728 / 8640 + 1e-9, (rank, dtype)
+
+
+def test_gloo_default_gathers_pieces_by_broadcast(counts):
+    one = counts["stage2-default-gather"]
+    assert one["broadcast"] == 2  # 2 ranks x 1 partition
+    assert one["all_gather_into_tensor"] == 0
+    assert one["reduce_scatter_tensor"] == BUCKETS

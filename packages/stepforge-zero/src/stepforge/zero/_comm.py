@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_gather_name", "reduce_scatter_name", "all_gather", "reduce_scatter"]
+__all__ = ["all_gather_name", "reduce_scatter_name", "all_gather", "reduce_scatter", "gather_by_broadcast"]
 
 all_gather_name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
 reduce_scatter_name = (
@@ -29,3 +29,13 @@ def all_gather(output: torch.Tensor, local: torch.Tensor, *, group: Any, async_o
 def reduce_scatter(output: torch.Tensor, flat: torch.Tensor, *, group: Any, async_op: bool = False) -> Any:
     """``output`` = this rank's chunk of the element-wise sum of every rank's ``flat``."""
     return getattr(dist, reduce_scatter_name)(output, flat, group=group, async_op=async_op)
+
+
+def gather_by_broadcast(local: torch.Tensor, rank: int, world_size: int, *, group: Any) -> torch.Tensor:
+    """The ``(world_size, n)`` table of every rank's ``local`` (``n`` elements), one broadcast per rank."""
+    table = torch.empty((world_size, local.numel()), dtype=local.dtype, device=local.device)
+    table[rank].copy_(local)
+    for src in range(world_size):
+        source = src if group is None else dist.get_global_rank(group, src)
+        dist.broadcast(table[src], src=source, group=group)
+    return table

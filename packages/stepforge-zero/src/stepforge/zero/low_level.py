@@ -28,7 +28,7 @@ from stepforge.core import HyperParameterError
 
 from . import _full_state, _sharded_state
 from ._buckets import GradReducer
-from ._comm import all_gather
+from ._comm import all_gather, gather_by_broadcast
 from ._grad_norm import check_clip_args, clip_, global_norm
 from ._loss_scaler import DynamicLossScaler
 from ._offload import cpu_step_error, resolve_optimizer
@@ -65,6 +65,9 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         process_group: the data-parallel group (``None``: the default group; no group at all: one rank).
         dtype_for_loss_scaling: ``"fp16"`` forces loss scaling, ``None`` turns it on when a working parameter
             is fp16.
+        param_gather: how updated pieces reach every rank: ``"all_gather"`` (one ``all_gather_into_tensor``
+            per partition), ``"broadcast"`` (one broadcast per rank and partition; gloo's broadcast is several
+            times faster than its all-gather on the CPU), ``None``: broadcast on gloo, all-gather elsewhere.
 
     Attributes:
         last_step_skipped: whether the last :meth:`step` was skipped for an fp16 overflow.
@@ -91,6 +94,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         max_scale: float = 2**32,
         process_group: Any = None,
         dtype_for_loss_scaling: str | None = None,
+        param_gather: str | None = None,
     ) -> None:
         if stage not in (1, 2) or isinstance(stage, bool):
             raise HyperParameterError(f"LowLevelZeroOptimizer: stage must be 1 or 2, got {stage!r}.")
@@ -103,6 +107,11 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
             raise HyperParameterError(
                 "LowLevelZeroOptimizer: dtype_for_loss_scaling must be None (automatic: on for fp16 params) or "
                 f"'fp16', got {dtype_for_loss_scaling!r}."
+            )
+        if param_gather not in (None, "all_gather", "broadcast"):
+            raise HyperParameterError(
+                "LowLevelZeroOptimizer: param_gather must be None (automatic), 'all_gather' or 'broadcast', got "
+                f"{param_gather!r}."
             )
         inner = resolve_optimizer(optimizer, params, cpu_offload=cpu_offload)
         if inner.state:
@@ -121,6 +130,10 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         else:
             self._world, self._rank = 1, 0
         self.process_group = process_group
+        if param_gather is None:
+            gloo = self._world > 1 and dist.get_backend(process_group) == "gloo"
+            param_gather = "broadcast" if gloo else "all_gather"
+        self.param_gather = param_gather
         self.stage = stage
         self.reduce_bucket_size = reduce_bucket_size
         self.overlap_communication = bool(overlap_communication)
@@ -311,12 +324,13 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
             for slot in part.slots:
                 if slot.valid:
                     local[slot.offset : slot.offset + slot.valid].copy_(slot.master)
-            if self._world > 1:
-                gathered = torch.empty(self._world * part.size, dtype=part.dtype, device=part.device)
-                all_gather(gathered, local, group=self.process_group)
+            if self._world == 1:
+                table = local.view(1, part.size)
+            elif self.param_gather == "broadcast":
+                table = gather_by_broadcast(local, self._rank, self._world, group=self.process_group)
             else:
-                gathered = local
-            table = gathered.view(self._world, part.size)
+                table = torch.empty((self._world, part.size), dtype=part.dtype, device=part.device)
+                all_gather(table.view(-1), local, group=self.process_group)
             for slot in part.slots:
                 full = table[:, slot.offset : slot.offset + slot.piece].reshape(-1)[: slot.numel]
                 slot.param.copy_(full.view_as(slot.param))
