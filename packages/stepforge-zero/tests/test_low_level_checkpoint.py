@@ -63,6 +63,7 @@ def _resume(rank: int, world: int, root: str) -> dict[str, torch.Tensor]:
     for name, (dtype, stage) in CASES.items():
         model, opt = _build(dtype, stage)
         sd = {"model": model.state_dict(), "optim": opt.sharded_state_dict()}
+        assert not opt.optim.state, "asking a fresh optimizer for a template must not step it"
         dcp.load(sd, checkpoint_id=f"{root}/{name}")
         model.load_state_dict(sd["model"])
         opt.load_sharded_state_dict(sd["optim"])

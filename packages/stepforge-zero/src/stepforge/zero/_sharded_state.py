@@ -48,11 +48,11 @@ def _mesh(opt: LowLevelZeroOptimizer, device_type: str) -> DeviceMesh:
 
 
 @torch.no_grad()
-def materialize_state(opt: LowLevelZeroOptimizer) -> None:
+def materialize_state(opt: LowLevelZeroOptimizer) -> bool:
     """Give a never-stepped inner optimizer its state with a zero-lr step on zero gradients (parameters and
-    hyper-parameters unchanged), as ``torch.distributed.checkpoint.state_dict`` does."""
+    hyper-parameters unchanged), as ``torch.distributed.checkpoint.state_dict`` does. Returns whether it did."""
     if opt.optim.state:
-        return
+        return False
     saved = [group["lr"] for group in opt.optim.param_groups]
     for slot in opt._slots:
         if slot.valid:
@@ -66,6 +66,14 @@ def materialize_state(opt: LowLevelZeroOptimizer) -> None:
             group["lr"] = lr
         for slot in opt._slots:
             slot.master.grad = None
+    return True
+
+
+def _forget_state(opt: LowLevelZeroOptimizer) -> None:
+    opt.optim.state.clear()
+    invalidate = getattr(opt.optim, "invalidate_cache", None)
+    if callable(invalidate):
+        invalidate()
 
 
 def _dtensor(local: torch.Tensor, numel: int, mesh: DeviceMesh) -> DTensor:
@@ -77,7 +85,7 @@ def _dtensor(local: torch.Tensor, numel: int, mesh: DeviceMesh) -> DTensor:
 def sharded_state_dict(opt: LowLevelZeroOptimizer) -> dict[str, Any]:
     """See the module docstring. No collectives on the data (DTensor construction only)."""
     opt._reducer.wait()
-    materialize_state(opt)
+    materialized = materialize_state(opt)
     masters_device = opt._slots[0].master.device if opt._slots else torch.device("cpu")
     mesh = _mesh(opt, masters_device.type)
     templates: dict[int, dict[str, Any]] = {}  # per group: a local entry to mirror for empty pieces
@@ -112,7 +120,7 @@ def sharded_state_dict(opt: LowLevelZeroOptimizer) -> dict[str, Any]:
         if slot.separate_master:
             local = slot.master if slot.valid else slot.master.new_empty(0)
             masters[str(slot.index)] = _dtensor(local, slot.numel, mesh)
-    return {
+    out = {
         "state": state,
         "param_groups": group_entries(opt),
         "zero": {
@@ -121,6 +129,11 @@ def sharded_state_dict(opt: LowLevelZeroOptimizer) -> dict[str, Any]:
             "master_weights": masters,
         },
     }
+    if materialized:
+        # the template keeps the created tensors (DCP loads into them); the optimizer itself stays fresh, so
+        # asking for a template never changes the training (no extra step count)
+        _forget_state(opt)
+    return out
 
 
 def _local(value: Any) -> Any:

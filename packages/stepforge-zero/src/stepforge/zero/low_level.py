@@ -401,8 +401,9 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """This rank's pieces as 1-D ``DTensor`` (``Shard(0)``) for ``torch.distributed.checkpoint``; no
-        gathering. A never-stepped optimizer first materialises its state (a zero-lr step, as
-        ``torch.distributed.checkpoint.state_dict`` does), so the result is also a template for loading."""
+        gathering. For a never-stepped optimizer the state tensors are created for the result (a zero-lr step
+        on zero gradients, as ``torch.distributed.checkpoint.state_dict`` does) and then dropped from the
+        optimizer, so the result is a template for ``dcp.load`` and the optimizer stays unstepped."""
         return _sharded_state.sharded_state_dict(self)
 
     def load_sharded_state_dict(self, state_dict: Mapping[str, Any]) -> None:
