@@ -230,9 +230,16 @@ def demo(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON, default=False)
 def bench(session: nox.Session) -> None:
-    """CPU benchmarks vs torch and the peers' semantics: tables, JSON and PNG into bench-out/ (posargs: --quick)."""
-    install_packages(session, *DEMO_PACKAGES, extra=DEMO_DEPS, env=CPU_BUILD)
+    """CPU benchmarks vs torch and the peers' semantics: tables, JSON and PNG into bench-out/ (posargs: --quick;
+    `-- zero [options]` runs only tools/bench/bench_zero.py, the data-parallel ZeRO schemes on gloo)."""
     out = str(ROOT / "bench-out")
+    if session.posargs[:1] == ["zero"]:
+        install_packages(session, *DEMO_PACKAGES, "stepforge-zero", extra=DEMO_DEPS, env=CPU_BUILD)
+        session.run(
+            "python", str(ROOT / "tools" / "bench" / "bench_zero.py"), "--out", out, *session.posargs[1:]
+        )
+        return
+    install_packages(session, *DEMO_PACKAGES, extra=DEMO_DEPS, env=CPU_BUILD)
     session.run(
         "python", str(ROOT / "tools" / "bench" / "bench_fused_cpu.py"), "--out", out, *session.posargs
     )

@@ -8,5 +8,7 @@ from stepforge.testing.packaging import check_distribution
 
 def test_distribution_is_well_formed():
     declared = check_distribution("stepforge-zero")
-    # entry points are declared only once the class exists
-    assert declared == {}
+    assert declared["stepforge.optimizers"] == ["ZeroRedundancyOptimizer"]
+    assert sorted(declared["stepforge.plugins"]) == sorted(
+        ["low_level_zero", "lowlevel-zero", "LowLevelZeroPlugin", "zero1", "zero2"]
+    )

@@ -1,0 +1,78 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The model side of :class:`~stepforge.zero.plugin.LowLevelZeroPlugin`: working dtypes, the wrapper that casts
+inputs, and the error for 16-bit operations torch cannot run on CPU."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from stepforge.core import StepforgeError
+
+__all__ = ["PRECISIONS", "LowLevelZeroModel", "UnsupportedPrecisionError"]
+
+#: precision name -> working dtype of the model's parameters.
+PRECISIONS: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+_LOW_PRECISION_UNSUPPORTED = re.compile(r"\b(Half|BFloat16)\b")
+
+
+class UnsupportedPrecisionError(StepforgeError, RuntimeError):
+    """An operation of the model cannot run in the plugin's precision on this device (fp16/bf16 on CPU)."""
+
+
+@contextlib.contextmanager
+def _explain_precision_errors(device: torch.device, precision: str, where: str) -> Iterator[None]:
+    """Turn torch's "not implemented for 'Half'" (or 'BFloat16') on CPU into an error naming the way out."""
+    try:
+        yield
+    except (RuntimeError, NotImplementedError) as exc:
+        if precision == "fp32" or device.type != "cpu" or not _LOW_PRECISION_UNSUPPORTED.search(str(exc)):
+            raise
+        if precision == "fp16":
+            advice = (
+                "Use precision='bf16' (bfloat16 on CPU, no loss scaling needed) or, for operations torch implements "
+                "in neither 16-bit type on CPU (torch.cdist, pdist, linalg.qr in torch 2.13), precision='fp32'."
+            )
+        else:
+            advice = "Use precision='fp32' for this model on CPU."
+        raise UnsupportedPrecisionError(
+            f"LowLevelZeroPlugin(precision={precision!r}): the model's {where} uses an operation torch cannot run "
+            f"in {PRECISIONS[precision]} on CPU ({exc}). {advice}"
+        ) from exc
+
+
+class LowLevelZeroModel(torch.nn.Module):
+    """The prepared model: the original module (``.module``) in the working dtype; floating-point tensor
+    inputs are cast to that dtype before its forward (``cast_inputs``)."""
+
+    def __init__(
+        self, module: torch.nn.Module, dtype: torch.dtype, precision: str, device: torch.device
+    ) -> None:
+        super().__init__()
+        self.module = module
+        self.dtype = dtype
+        self.precision = precision
+        self.device = device
+
+    def unwrap(self) -> torch.nn.Module:
+        """The wrapped module (its state dict has the original keys)."""
+        return self.module
+
+    def _cast(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != self.dtype:
+            return value.to(self.dtype)
+        if isinstance(value, list | tuple):
+            return type(value)(self._cast(v) for v in value)
+        if isinstance(value, dict):
+            return {k: self._cast(v) for k, v in value.items()}
+        return value
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with _explain_precision_errors(self.device, self.precision, "forward"):
+            return self.module(*self._cast(args), **self._cast(kwargs))

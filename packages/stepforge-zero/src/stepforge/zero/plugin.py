@@ -1,0 +1,348 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``LowLevelZeroPlugin``: ZeRO-1/2 for the Booster (``plugin="low_level_zero"``, ``"zero1"``, ``"zero2"``).
+
+ColossalAI's signature. ``prepare`` casts the model to the working dtype, wraps it in :class:`LowLevelZeroModel`
+(floating-point inputs cast to that dtype, as ColossalAI's ``cast_inputs``) and wraps the optimizer in
+:class:`~stepforge.zero.low_level.LowLevelZeroOptimizer`. Unlike ColossalAI, ``no_sync`` works for both stages and
+checkpoints go through ``torch.distributed.checkpoint`` in a sharded, world-size-independent form.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from stepforge.core import HyperParameterError
+
+from ._model import PRECISIONS, LowLevelZeroModel, UnsupportedPrecisionError, _explain_precision_errors
+from .low_level import LowLevelZeroOptimizer
+
+__all__ = [
+    "LowLevelZeroPlugin",
+    "LowLevelZeroModel",
+    "Zero1Plugin",
+    "Zero2Plugin",
+    "UnsupportedPrecisionError",
+    "PRECISIONS",
+]
+
+
+class _DefaultPrecision(str):
+    """The default ``"fp16"``, told apart from an explicit ``precision="fp16"`` (the Booster may replace it)."""
+
+    __slots__ = ()
+
+
+_FP16_DEFAULT = _DefaultPrecision("fp16")
+
+
+class LowLevelZeroPlugin:
+    """ZeRO-1/2 (optimizer state, and for stage 2 also gradients, sharded over the data-parallel ranks).
+
+    Args (ColossalAI's ``LowLevelZeroPlugin`` names and defaults):
+        stage: 1 (state sharded, gradients all-reduced) or 2 (gradients reduce-scattered too).
+        precision: ``"fp32"``, ``"fp16"`` (dynamic loss scaling) or ``"bf16"``: the working dtype of the model.
+        initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis, max_scale: the
+            fp16 dynamic loss scaler (ignored for fp32/bf16).
+        max_norm: clip the global gradient norm to this inside ``optimizer.step()``; 0 disables.
+        reduce_bucket_size_in_m: gradient bucket size in millions of elements.
+        overlap_communication: issue gradient reductions from backward hooks asynchronously.
+        cpu_offload: keep master shards, gradient shards and optimizer state on CPU (use ``CPUAdam``).
+        master_weights: keep fp32 master shards for fp16/bf16 working params.
+
+    Raises:
+        HyperParameterError: a bad argument (the message names it and the allowed values).
+    """
+
+    name = "low_level_zero"
+
+    def __init__(
+        self,
+        stage: int = 1,
+        precision: str = _FP16_DEFAULT,
+        initial_scale: float = 2**32,
+        min_scale: float = 1,
+        growth_factor: float = 2,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 1000,
+        hysteresis: int = 2,
+        max_scale: float = 2**32,
+        max_norm: float = 0.0,
+        reduce_bucket_size_in_m: float = 12,
+        overlap_communication: bool = True,
+        cpu_offload: bool = False,
+        master_weights: bool = True,
+    ) -> None:
+        if isinstance(stage, bool) or stage not in (1, 2):
+            raise HyperParameterError(f"LowLevelZeroPlugin: stage must be 1 or 2, got {stage!r}.")
+        if precision not in PRECISIONS:
+            raise HyperParameterError(
+                f"LowLevelZeroPlugin: precision must be one of {sorted(PRECISIONS)}, got {precision!r}."
+            )
+        for name, value, low in (
+            ("initial_scale", initial_scale, 0.0),
+            ("min_scale", min_scale, 0.0),
+            ("max_scale", max_scale, 0.0),
+            ("reduce_bucket_size_in_m", reduce_bucket_size_in_m, 0.0),
+        ):
+            _check_number(name, value, low, strict=True)
+        _check_number("max_norm", max_norm, 0.0, strict=False)
+        _check_number("growth_factor", growth_factor, 1.0, strict=True)
+        _check_number("backoff_factor", backoff_factor, 0.0, strict=True)
+        if backoff_factor >= 1:
+            raise HyperParameterError(
+                f"LowLevelZeroPlugin: backoff_factor must be in (0, 1), got {backoff_factor!r}."
+            )
+        if min_scale > max_scale:
+            raise HyperParameterError(
+                f"LowLevelZeroPlugin: min_scale ({min_scale}) must not exceed max_scale ({max_scale})."
+            )
+        for name, value in (("growth_interval", growth_interval), ("hysteresis", hysteresis)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise HyperParameterError(f"LowLevelZeroPlugin: {name} must be an int >= 1, got {value!r}.")
+        for name, value in (
+            ("overlap_communication", overlap_communication),
+            ("cpu_offload", cpu_offload),
+            ("master_weights", master_weights),
+        ):
+            if not isinstance(value, bool):
+                raise HyperParameterError(f"LowLevelZeroPlugin: {name} must be a bool, got {value!r}.")
+        self.stage = stage
+        self.precision = str(precision)
+        # a precision left at its default may be replaced by the Booster's mixed_precision (set_precision)
+        self._explicit_precision = precision is not _FP16_DEFAULT
+        self.max_norm = float(max_norm)
+        self.reduce_bucket_size_in_m = reduce_bucket_size_in_m
+        self.overlap_communication = overlap_communication
+        self.cpu_offload = cpu_offload
+        self.master_weights = master_weights
+        self.scaler_kwargs = dict(
+            initial_scale=initial_scale,
+            min_scale=min_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            hysteresis=hysteresis,
+            max_scale=max_scale,
+        )
+        self._optimizers: list[LowLevelZeroOptimizer] = []
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(stage={self.stage}, precision={self.precision!r})"
+
+    # -- where things live ---------------------------------------------------------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        """The working dtype of the prepared model's parameters."""
+        return PRECISIONS[self.precision]
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model lives after :meth:`prepare`: the current CUDA device if there is one, else CPU."""
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+    def set_precision(self, precision: str) -> None:
+        """Adopt the Booster's ``mixed_precision`` when ``precision`` was left at its default (before prepare).
+
+        Raises:
+            HyperParameterError: an unknown precision, a different explicit one, or a plugin already used.
+        """
+        if precision not in PRECISIONS:
+            raise HyperParameterError(
+                f"LowLevelZeroPlugin: precision must be one of {sorted(PRECISIONS)}, got {precision!r}."
+            )
+        if self._explicit_precision and precision != self.precision:
+            raise HyperParameterError(
+                f"LowLevelZeroPlugin: precision={self.precision!r} was set explicitly; it conflicts with "
+                f"{precision!r}. Set one of them, or the same value on both."
+            )
+        if self._optimizers and precision != self.precision:
+            raise HyperParameterError(
+                "LowLevelZeroPlugin.set_precision: a model was already prepared in "
+                f"{self.precision!r}; set the precision before prepare()."
+            )
+        self.precision = precision
+
+    # -- Plugin protocol -----------------------------------------------------------------------------
+    def prepare(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.nn.Module, torch.optim.Optimizer | None]:
+        """Move and cast ``model`` to the working dtype and wrap ``optimizer`` in ``LowLevelZeroOptimizer``.
+
+        ``optimizer`` must be built over ``model``'s parameters (any ``torch.optim`` or stepforge optimizer);
+        its param groups follow the cast (the parameters are converted in place). Other keyword arguments the
+        Booster passes (``criterion``, ``dataloader``, ``lr_scheduler``) are not used.
+
+        Returns:
+            ``(LowLevelZeroModel, LowLevelZeroOptimizer or None)``.
+        """
+        if not isinstance(model, torch.nn.Module):
+            raise HyperParameterError(
+                f"LowLevelZeroPlugin.prepare: model must be a torch.nn.Module, got {type(model).__name__}."
+            )
+        if isinstance(model, LowLevelZeroModel):
+            raise HyperParameterError(
+                "LowLevelZeroPlugin.prepare: this model is already prepared; prepare it once."
+            )
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise HyperParameterError(
+                "LowLevelZeroPlugin.prepare: optimizer must be a built torch.optim.Optimizer over the model's "
+                f"parameters, got {type(optimizer).__name__}; build it first (stepforge.core.build_optimizer)."
+            )
+        if isinstance(optimizer, LowLevelZeroOptimizer):
+            raise HyperParameterError(
+                "LowLevelZeroPlugin.prepare: the optimizer is already a LowLevelZeroOptimizer; pass the inner one."
+            )
+        device = self.device
+        module = model.to(device=device, dtype=self.dtype)  # in place: the optimizer keeps its parameters
+        wrapped = LowLevelZeroModel(module, self.dtype, self.precision, device)
+        if optimizer is None:
+            return wrapped, None
+        zero = LowLevelZeroOptimizer(
+            optimizer,
+            stage=self.stage,
+            reduce_bucket_size=int(self.reduce_bucket_size_in_m * 1024**2),
+            overlap_communication=self.overlap_communication,
+            cpu_offload=self.cpu_offload,
+            master_weights=self.master_weights,
+            max_norm=self.max_norm,
+            **self.scaler_kwargs,
+        )
+        self._optimizers.append(zero)
+        return wrapped, zero
+
+    def supports_no_sync(self) -> bool:
+        """True for both stages (gradients accumulate locally and reduce once at the window boundary)."""
+        return True
+
+    def no_sync(
+        self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None
+    ) -> AbstractContextManager[Any]:
+        """Keep gradients local for the block (the optimizer's ``no_sync``); the forward may run inside it."""
+        return self._zero(optimizer, "no_sync").no_sync()
+
+    def backward(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer.backward(loss)``: scales the loss for fp16 and reduces gradients as configured."""
+        zero = self._zero(optimizer, "backward")
+        with _explain_precision_errors(self.device, self.precision, "backward"):
+            zero.backward(loss)
+
+    def clip_grad_norm_(
+        self,
+        model: torch.nn.Module | None,
+        optimizer: torch.optim.Optimizer,
+        max_norm: float,
+        norm_type: float = 2.0,
+    ) -> torch.Tensor:
+        """Clip by the gradient norm over all shards; returns that global norm."""
+        return self._zero(optimizer, "clip_grad_norm_").clip_grad_norm_(max_norm, norm_type)
+
+    def get_state_dict(
+        self, model: torch.nn.Module, optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer]
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The DCP pair: the model's full state dict (original keys, replicated on every rank) and the
+        optimizer's sharded, world-size-independent state (``LowLevelZeroOptimizer.sharded_state_dict()``)."""
+        zero = self._zero(_single(optimizers), "get_state_dict")
+        return _unwrap(model).state_dict(), zero.sharded_state_dict()
+
+    def set_state_dict(
+        self,
+        model: torch.nn.Module,
+        optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
+        model_state_dict: Mapping[str, Any],
+        optim_state_dict: Mapping[str, Any],
+    ) -> None:
+        """Apply a pair filled by ``torch.distributed.checkpoint.load`` (possibly saved at another world size)."""
+        zero = self._zero(_single(optimizers), "set_state_dict")
+        _unwrap(model).load_state_dict(model_state_dict)
+        zero.load_sharded_state_dict(optim_state_dict)
+
+    # -- helpers -------------------------------------------------------------------------------------
+    def _zero(self, optimizer: Any, what: str) -> LowLevelZeroOptimizer:
+        if optimizer is None:
+            if len(self._optimizers) != 1:
+                raise HyperParameterError(
+                    f"LowLevelZeroPlugin.{what}: pass the optimizer returned by prepare() "
+                    f"({len(self._optimizers)} prepared so far)."
+                )
+            return self._optimizers[0]
+        if not isinstance(optimizer, LowLevelZeroOptimizer):
+            raise HyperParameterError(
+                f"LowLevelZeroPlugin.{what}: expected the LowLevelZeroOptimizer returned by prepare(), got "
+                f"{type(optimizer).__name__}."
+            )
+        return optimizer
+
+
+class Zero1Plugin(LowLevelZeroPlugin):
+    """``LowLevelZeroPlugin(stage=1)``: registered as ``zero1``."""
+
+    name = "zero1"
+
+    def __init__(self, precision: str = _FP16_DEFAULT, **kwargs: Any) -> None:
+        _fixed_stage(kwargs, 1)
+        super().__init__(stage=1, precision=precision, **kwargs)
+
+
+class Zero2Plugin(LowLevelZeroPlugin):
+    """``LowLevelZeroPlugin(stage=2)``: registered as ``zero2``."""
+
+    name = "zero2"
+
+    def __init__(self, precision: str = _FP16_DEFAULT, **kwargs: Any) -> None:
+        _fixed_stage(kwargs, 2)
+        super().__init__(stage=2, precision=precision, **kwargs)
+
+
+def _fixed_stage(kwargs: dict[str, Any], stage: int) -> None:
+    given = kwargs.pop("stage", stage)
+    if given != stage:
+        raise HyperParameterError(
+            f"zero{stage} is LowLevelZeroPlugin(stage={stage}); got stage={given!r}. Use the plugin name "
+            f"'zero{given}' or 'low_level_zero' with stage={given!r}."
+        )
+
+
+def _check_number(name: str, value: Any, low: float, *, strict: bool) -> None:
+    ok = (
+        not isinstance(value, bool)
+        and isinstance(value, int | float)
+        and (value > low if strict else value >= low)
+    )
+    if not ok:
+        relation = ">" if strict else ">="
+        raise HyperParameterError(
+            f"LowLevelZeroPlugin: {name} must be a number {relation} {low:g}, got {value!r}."
+        )
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    return model.unwrap() if isinstance(model, LowLevelZeroModel) else model
+
+
+def _single(optimizers: Any) -> Any:
+    if optimizers is None or isinstance(optimizers, torch.optim.Optimizer):
+        return optimizers
+    items = list(optimizers)
+    if len(items) != 1:
+        raise HyperParameterError(
+            f"LowLevelZeroPlugin: checkpoints hold one optimizer per model, got {len(items)}; prepare one optimizer."
+        )
+    return items[0]

@@ -1,0 +1,232 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``ZeroRedundancyOptimizer``: mmengine's string-typed wrapper of torch's ZeRO-1, resolved through stepforge.
+
+torch's :class:`torch.distributed.optim.ZeroRedundancyOptimizer` does the work (sorted-greedy whole-parameter
+partition, local step, parameter broadcast); this subclass adds what mmengine's wrapper gives and fixes what it
+lacks:
+
+- ``optimizer_type`` is a name resolved through :data:`stepforge.core.OPTIMIZERS`: every ``torch.optim`` class
+  and every installed stepforge optimizer (``"FusedAdam"``, ``"CPUAdam"``, ``"Lamb"``, ...). An unknown name
+  raises the registry's error, which names the distribution to install.
+- ``state_dict()`` is collective, as mmengine's: it consolidates and returns the full, world-size-independent
+  state on the main process (rank 0 of the group) and ``{}`` elsewhere. A call from only some ranks fails
+  within ``consolidate_timeout`` seconds with an error saying every rank must call it, instead of hanging.
+- ``load_state_dict`` takes that full state at any world size and leaves the caller's dict untouched.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer as _TorchZeroRedundancyOptimizer
+
+from stepforge.core import OPTIMIZERS, HyperParameterError, StepforgeError
+
+from ._arrival import ArrivalTimeout, wait_for_all_ranks
+
+__all__ = ["ZeroRedundancyOptimizer", "CollectiveCallError", "DEFAULT_CONSOLIDATE_TIMEOUT"]
+
+#: Seconds every rank of the group gets to enter ``state_dict()``/``consolidate_state_dict()``.
+DEFAULT_CONSOLIDATE_TIMEOUT = 60.0
+
+# Keys that make an optimizer compute a norm over *all* of its parameters: under ZeRO each rank's local
+# optimizer sees only its own parameters, so such a norm would be wrong without any error.
+_GLOBAL_NORM_KEYS = ("max_grad_norm",)
+
+
+class CollectiveCallError(StepforgeError, RuntimeError):
+    """A collective call (``state_dict()``, ``consolidate_state_dict()``) was not made by every rank in time."""
+
+
+class ZeroRedundancyOptimizer(_TorchZeroRedundancyOptimizer):
+    """ZeRO-1 over ``torch.distributed``: each rank keeps the optimizer state of about ``1/world_size`` of
+    the parameters, steps them, and broadcasts them to the other ranks.
+
+    mmengine's signature and semantics (``mmengine.optim.ZeroRedundancyOptimizer``), built on torch's
+    :class:`~torch.distributed.optim.ZeroRedundancyOptimizer`. Use it beside
+    :class:`~torch.nn.parallel.DistributedDataParallel`, which averages the gradients; every parameter is
+    owned whole by one rank (sorted-greedy by size, per param group).
+
+    Example::
+
+        build_optimizer(dict(type="ZeroRedundancyOptimizer", optimizer_type="FusedAdam", lr=1e-3), model)
+
+    Args:
+        params: tensors or param-group dicts (all of one dense dtype, as torch requires).
+        optimizer_type: the local optimizer, a registry name (``"AdamW"``, ``"FusedAdam"``, ``"Lamb"``;
+            case, ``-`` and ``_`` ignored) or an optimizer class.
+        process_group: the data-parallel group (default: the world).
+        parameters_as_bucket_view: torch's option: flat per-device buckets for the broadcasts.
+        consolidate_timeout: seconds each rank waits for the others to enter ``state_dict()`` or
+            ``consolidate_state_dict()`` before raising :class:`CollectiveCallError` (default 60). The check goes
+            through the rendezvous store, not the process group, so a rank that gives up leaves the group usable
+            (gloo and NCCL alike).
+        **kwargs: hyper-parameters of the local optimizer (``lr=...``).
+
+    Raises:
+        UnknownNameError: ``optimizer_type`` is not registered (the message says what to install).
+        HyperParameterError: a bad argument, or a local optimizer that would clip by a global norm
+            (``max_grad_norm``) it cannot see under sharding.
+        RuntimeError: ``torch.distributed`` is not initialised.
+    """
+
+    _instances: ClassVar[dict[tuple[int, ...], int]] = {}
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        optimizer_type: str | type[torch.optim.Optimizer],
+        *,
+        process_group: Any | None = None,
+        parameters_as_bucket_view: bool = False,
+        consolidate_timeout: float = DEFAULT_CONSOLIDATE_TIMEOUT,
+        **kwargs: Any,
+    ) -> None:
+        if "overlap_with_ddp" in kwargs:
+            raise HyperParameterError(
+                "ZeroRedundancyOptimizer: overlap_with_ddp is not supported (as in mmengine): it needs a "
+                "functional optimizer and a DDP communication hook; remove the argument."
+            )
+        if isinstance(consolidate_timeout, bool) or not isinstance(consolidate_timeout, int | float):
+            raise HyperParameterError(
+                f"ZeroRedundancyOptimizer: consolidate_timeout must be a number of seconds > 0, got "
+                f"{consolidate_timeout!r}."
+            )
+        if not consolidate_timeout > 0:
+            raise HyperParameterError(
+                f"ZeroRedundancyOptimizer: consolidate_timeout must be > 0 seconds, got {consolidate_timeout!r}."
+            )
+        optimizer_class = _resolve(optimizer_type)
+        for key in _GLOBAL_NORM_KEYS:
+            if kwargs.get(key):
+                raise HyperParameterError(_global_norm_message(key, kwargs[key]))
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "ZeroRedundancyOptimizer needs torch.distributed to be initialised "
+                "(torch.distributed.init_process_group(...) or torchrun) before it is built; on one process use "
+                "the optimizer itself (dict(type=optimizer_type, ...))."
+            )
+        params = list(params)  # a generator must survive torch's checks
+        super().__init__(
+            params,
+            optimizer_class,
+            process_group=process_group,
+            parameters_as_bucket_view=parameters_as_bucket_view,
+            **kwargs,
+        )
+        for group in self.optim.param_groups:
+            for key in _GLOBAL_NORM_KEYS:
+                if group.get(key):
+                    raise HyperParameterError(_global_norm_message(key, group[key], default=True))
+        self.optimizer_type = optimizer_type if isinstance(optimizer_type, str) else optimizer_class.__name__
+        self.consolidate_timeout = float(consolidate_timeout)
+        # names this instance's arrival keys in the rendezvous store: the n-th optimizer built on a group
+        ranks = tuple(dist.get_process_group_ranks(self.process_group))
+        ZeroRedundancyOptimizer._instances[ranks] = ZeroRedundancyOptimizer._instances.get(ranks, 0) + 1
+        self._instance = f"{'-'.join(map(str, ranks))}/{ZeroRedundancyOptimizer._instances[ranks]}"
+        self._rounds = 0
+
+    # -- collectives -----------------------------------------------------------------------------------
+    def _all_ranks_present(self, what: str) -> None:
+        """Wait at most ``consolidate_timeout`` s for every rank of the group to reach ``what``."""
+        key = f"stepforge.zero.ZeroRedundancyOptimizer/{self._instance}/{self._rounds}"
+        start = time.monotonic()
+        try:
+            wait_for_all_ranks(key, self.world_size, self.consolidate_timeout)
+        except ArrivalTimeout as exc:
+            waited = time.monotonic() - start
+            raise CollectiveCallError(
+                f"ZeroRedundancyOptimizer.{what} is collective: every rank of the process group "
+                f"({self.world_size} ranks) must call it, but rank {self.rank} waited {waited:.1f} s "
+                f"(consolidate_timeout={self.consolidate_timeout:g}) and only {exc.arrived} arrived. Call it on "
+                "every rank (not inside a main-process-only block such as mmengine's master_only save) and "
+                "write the result from the main process."
+            ) from exc
+        self._rounds += 1
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather every rank's shard of the state on rank ``to`` (collective: every rank must call it).
+
+        Raises:
+            CollectiveCallError: not every rank called it within ``consolidate_timeout`` seconds.
+        """
+        if not isinstance(to, int) or not 0 <= to < self.world_size:
+            raise HyperParameterError(
+                f"consolidate_state_dict: to must be a rank of the group in [0, {self.world_size}), got {to!r}."
+            )
+        self._all_ranks_present("consolidate_state_dict()")
+        super().consolidate_state_dict(to=to)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The full optimizer state on the main process (rank 0 of the group), ``{}`` on the other ranks.
+
+        Collective: consolidates first, so every rank must call it. The result is in ``torch.optim`` layout,
+        keyed by global parameter index, and does not depend on the world size: it loads into this class at
+        any world size and into the plain local optimizer.
+
+        Raises:
+            CollectiveCallError: not every rank called it within ``consolidate_timeout`` seconds.
+        """
+        self.consolidate_state_dict(to=0)
+        if self.rank != 0:
+            return {}
+        state = super().state_dict()
+        self._all_state_dicts = []  # the gathered copies are not needed any more
+        return state
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a full state (from :meth:`state_dict` on the main process) at any world size.
+
+        Every rank keeps only the state of the parameters it owns; ``state_dict`` itself is not modified.
+
+        Raises:
+            HyperParameterError: ``state_dict`` is empty (a non-main rank's ``{}``) or not an optimizer state.
+        """
+        if not isinstance(state_dict, Mapping) or not state_dict:
+            raise HyperParameterError(
+                "ZeroRedundancyOptimizer.load_state_dict: got an empty state; state_dict() returns the full "
+                "state only on the main process (rank 0) and {} elsewhere: save rank 0's and load that on every "
+                "rank."
+            )
+        if "state" not in state_dict or "param_groups" not in state_dict:
+            raise HyperParameterError(
+                "ZeroRedundancyOptimizer.load_state_dict: expected a torch.optim state dict with 'state' and "
+                f"'param_groups', got keys {sorted(state_dict)}."
+            )
+        if len(state_dict["param_groups"]) != len(self.param_groups):
+            raise HyperParameterError(
+                f"ZeroRedundancyOptimizer.load_state_dict: the state has {len(state_dict['param_groups'])} param "
+                f"groups, this optimizer {len(self.param_groups)}; build it with the same groups."
+            )
+        # torch's implementation overwrites entries of the dict it is given; give it a private copy
+        copied = {
+            **state_dict,
+            "state": dict(state_dict["state"]),
+            "param_groups": [dict(g) for g in state_dict["param_groups"]],
+        }
+        super().load_state_dict(copied)
+
+
+def _resolve(optimizer_type: Any) -> type[torch.optim.Optimizer]:
+    if isinstance(optimizer_type, str):
+        return OPTIMIZERS.get(optimizer_type)
+    if isinstance(optimizer_type, type) and issubclass(optimizer_type, torch.optim.Optimizer):
+        return optimizer_type
+    raise HyperParameterError(
+        "ZeroRedundancyOptimizer: optimizer_type must be an optimizer name such as 'AdamW' or 'FusedAdam' (or an "
+        f"optimizer class), got {optimizer_type!r}."
+    )
+
+
+def _global_norm_message(key: str, value: Any, *, default: bool = False) -> str:
+    origin = " (the local optimizer's default)" if default else ""
+    return (
+        f"ZeroRedundancyOptimizer: {key}={value!r}{origin} clips by a norm over all parameters, but under ZeRO "
+        f"each rank's local optimizer sees only its own shard, so the norm would be wrong. Pass {key}=0 (or "
+        "None) and clip the full gradients before step(), e.g. torch.nn.utils.clip_grad_norm_(model.parameters(), "
+        "max_norm) after backward (DDP leaves every rank the full averaged gradients)."
+    )

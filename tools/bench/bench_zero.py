@@ -1,0 +1,470 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Data-parallel optimizer schemes on N gloo processes: step time, bytes sent per rank, state memory per rank.
+
+Schemes (fp32 GPT-shaped model, same weights, same data; every rank runs ``torch.set_num_threads(1)``):
+
+    ddp_adamw    DDP (gradient_as_bucket_view) + torch.optim.AdamW(fused=True)
+    ddp_torchzero DDP + torch.distributed.optim.ZeroRedundancyOptimizer(AdamW fused)
+    fsdp2        FSDP2 fully_shard per block and at the root (reshard_after_forward=True) + torch AdamW
+    zero1        stepforge.zero.LowLevelZeroOptimizer(CPUAdam, stage=1)
+    zero2        stepforge.zero.LowLevelZeroOptimizer(CPUAdam, stage=2)
+
+Bytes: the collectives are wrapped (``torch.distributed`` functions; DDP's C++ all-reduce through a counting
+communication hook that does what DDP's default does) and each call is charged what a bandwidth-optimal ring
+sends per rank: all-reduce of S bytes 2(N-1)/N*S, reduce-scatter with S bytes of input (N-1)/N*S, all-gather with
+S bytes of output (N-1)/N*S, broadcast of S bytes (N-1)/N*S. The theoretical minimum of each scheme is printed
+beside it, with P = parameter bytes:
+
+    ddp_adamw 2(N-1)/N*P   ddp_torchzero 3(N-1)/N*P   zero1 3(N-1)/N*P   zero2 2(N-1)/N*P
+    fsdp2 (N-1)/N*(3*P_blocks + 2*P_root)   (all-gather in forward and again in backward, reduce-scatter;
+                                             the root module's parameters stay unsharded between the two)
+
+Memory: bytes of gradient storage + optimizer state (+ fp32 master shards) held per rank after a step, counted
+from the tensors each scheme holds; the process peak RSS so far is reported beside it (cumulative: one process runs
+the schemes in order, so a scheme inherits the peaks of those before it).
+
+    python tools/bench/bench_zero.py                         # 2 and 4 processes -> bench-out/cpu-<date>-zero.json/.png
+    python tools/bench/bench_zero.py --world 2 --layers 4 --steps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common
+
+__all__ = ["main"]
+
+SCHEMES = ("ddp_adamw", "ddp_torchzero", "fsdp2", "zero1", "zero2")
+THEORY_FACTOR = {"ddp_adamw": 2, "ddp_torchzero": 3, "fsdp2": 3, "zero1": 3, "zero2": 2}
+LR = 1e-4
+
+
+# ---------------------------------------------------------------------------------------------------------
+# model
+# ---------------------------------------------------------------------------------------------------------
+class Block(torch.nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.ln1 = torch.nn.LayerNorm(d)
+        self.qkv = torch.nn.Linear(d, 3 * d)
+        self.proj = torch.nn.Linear(d, d)
+        self.ln2 = torch.nn.LayerNorm(d)
+        self.fc = torch.nn.Linear(d, 4 * d)
+        self.out = torch.nn.Linear(4 * d, d)
+        self.heads = heads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(torch.nn.functional.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(torch.nn.Module):
+    def __init__(self, vocab: int, d: int, layers: int, heads: int, ctx: int) -> None:
+        super().__init__()
+        self.tok = torch.nn.Embedding(vocab, d)
+        self.pos = torch.nn.Embedding(ctx, d)
+        self.blocks = torch.nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln = torch.nn.LayerNorm(d)
+        self.head = torch.nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# byte counting
+# ---------------------------------------------------------------------------------------------------------
+class Counter:
+    """Per-rank bytes of every collective call, charged at the ring cost (see the module docstring)."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.reset()
+
+    def reset(self) -> None:
+        self.ring_bytes = 0.0
+        self.payload_bytes = 0
+        self.calls: dict[str, int] = {}
+
+    def add(self, op: str, nbytes: int) -> None:
+        n = self.world
+        factor = {"all_reduce": 2 * (n - 1) / n}.get(op, (n - 1) / n)
+        self.ring_bytes += factor * nbytes
+        self.payload_bytes += nbytes
+        self.calls[op] = self.calls.get(op, 0) + 1
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def install_counter(counter: Counter) -> dict[str, Any]:
+    """Wrap the ``torch.distributed`` collectives so that every call is counted before it runs.
+
+    Returns the original functions by name.
+    """
+    specs = {
+        "all_reduce": ("all_reduce", lambda a, k: _nbytes(a[0] if a else k["tensor"])),
+        "broadcast": ("broadcast", lambda a, k: _nbytes(a[0] if a else k["tensor"])),
+        "reduce_scatter_tensor": ("reduce_scatter", lambda a, k: _nbytes(a[1] if len(a) > 1 else k["input"])),
+        "all_gather_into_tensor": (
+            "all_gather",
+            lambda a, k: _nbytes(a[0] if a else k["output_tensor"]),
+        ),
+        # torch 2.13's preferred names for the two above (FSDP2 and stepforge.zero call these when present)
+        "reduce_scatter_single": ("reduce_scatter", lambda a, k: _nbytes(a[1] if len(a) > 1 else k["input"])),
+        "all_gather_single": ("all_gather", lambda a, k: _nbytes(a[0] if a else k["output_tensor"])),
+        "all_gather": ("all_gather", lambda a, k: sum(_nbytes(t) for t in (a[0] if a else k["tensor_list"]))),
+        "reduce_scatter": (
+            "reduce_scatter",
+            lambda a, k: sum(_nbytes(t) for t in (a[1] if len(a) > 1 else k["input_list"])),
+        ),
+    }
+    originals = {}
+    for name, (op, size) in specs.items():
+        if not hasattr(dist, name):
+            continue
+        original = originals[name] = getattr(dist, name)
+
+        def wrapped(*args: Any, _original=original, _op=op, _size=size, **kwargs: Any) -> Any:
+            counter.add(_op, _size(args, kwargs))
+            return _original(*args, **kwargs)
+
+        setattr(dist, name, wrapped)
+        setattr(dist.distributed_c10d, name, wrapped)
+    return originals
+
+
+def ddp_counting_hook(counter: Counter, all_reduce: Any):
+    """DDP's default all-reduce (divide by the world size, then sum), counted once here (``all_reduce`` is
+    the unwrapped function)."""
+
+    # no annotations: DDP checks them, and this module's are strings (from __future__ import annotations)
+    def hook(process_group, bucket):
+        buffer = bucket.buffer()
+        counter.add("all_reduce", _nbytes(buffer))
+        buffer.div_(counter.world)
+        work = all_reduce(buffer, async_op=True)
+        return work.get_future().then(lambda fut: fut.value()[0])
+
+    return hook
+
+
+# ---------------------------------------------------------------------------------------------------------
+# schemes
+# ---------------------------------------------------------------------------------------------------------
+def _state_bytes(optimizer: Any) -> int:
+    total = 0
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                total += _local(value).numel() * value.element_size()
+    return total
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def build(
+    scheme: str, model: torch.nn.Module, counter: Counter, originals: dict[str, Any]
+) -> tuple[Any, Any, Any]:
+    """``(module to call, optimizer, memory function)`` for one scheme."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if scheme in ("ddp_adamw", "ddp_torchzero"):
+        ddp = DDP(model, gradient_as_bucket_view=True)
+        ddp.register_comm_hook(None, ddp_counting_hook(counter, originals["all_reduce"]))
+        if scheme == "ddp_adamw":
+            optimizer: Any = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+            inner = optimizer
+        else:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, fused=True)
+            inner = optimizer.optim
+
+        def memory() -> dict[str, int]:
+            grads = sum(_nbytes(p.grad) for p in model.parameters() if p.grad is not None)
+            return {"grad": grads, "optim_state": _state_bytes(inner), "master": 0}
+
+        return ddp, optimizer, memory
+    if scheme == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+
+        def memory() -> dict[str, int]:
+            grads = sum(_nbytes(_local(p.grad)) for p in model.parameters() if p.grad is not None)
+            return {"grad": grads, "optim_state": _state_bytes(optimizer), "master": 0}
+
+        return model, optimizer, memory
+    from stepforge.fused import CPUAdam
+    from stepforge.zero import LowLevelZeroOptimizer
+
+    zero = LowLevelZeroOptimizer(
+        CPUAdam(model.parameters(), lr=LR), stage=1 if scheme == "zero1" else 2, overlap_communication=True
+    )
+
+    def memory() -> dict[str, int]:
+        # the tensors the optimizer holds: reduced gradient pieces, inner optimizer state over the pieces,
+        # and master pieces that are separate tensors (fp32 working params are their own masters)
+        slots = zero._slots
+        return {
+            "grad": sum(_nbytes(s.grad) for s in slots if s.grad is not None)
+            + sum(_nbytes(p.grad) for p in model.parameters() if p.grad is not None),
+            "optim_state": _state_bytes(zero.optim),
+            "master": sum(_nbytes(s.master) for s in slots if s.separate_master),
+        }
+
+    return model, zero, memory
+
+
+def _worker(rank: int, world: int, args: argparse.Namespace, schemes: list[str], out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
+    counter = Counter(world)
+    originals = install_counter(counter)
+    results = {}
+    for scheme in schemes:
+        torch.manual_seed(0)
+        model = GPT(args.vocab, args.d_model, args.layers, args.heads, args.ctx)
+        n_params = sum(p.numel() for p in model.parameters())
+        root_params = n_params - sum(p.numel() for p in model.blocks.parameters())
+        module, optimizer, memory = build(scheme, model, counter, originals)
+        gen = torch.Generator().manual_seed(1234 + rank)
+        times, bytes_per_step, calls = [], [], {}
+        for step in range(args.warmup + args.steps):
+            idx = torch.randint(args.vocab, (args.batch, args.ctx), generator=gen)
+            dist.barrier()
+            counter.reset()
+            t0 = time.perf_counter()
+            logits = module(idx[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, args.vocab), idx[:, 1:].reshape(-1))
+            if hasattr(optimizer, "backward"):
+                optimizer.backward(loss)
+            else:
+                loss.backward()
+            optimizer.step()
+            elapsed = time.perf_counter() - t0
+            if step == args.warmup + args.steps - 1:
+                mem = memory()  # gradients and state as the step left them
+            optimizer.zero_grad()
+            if step >= args.warmup:
+                times.append(elapsed * 1e3)
+                bytes_per_step.append(counter.ring_bytes)
+                calls = dict(counter.calls)
+        results[scheme] = {
+            "params": n_params,
+            "root_params": root_params,
+            "step_ms": times,
+            "ring_bytes_per_step": bytes_per_step,
+            "payload_bytes_last_step": counter.payload_bytes,
+            "calls_last_step": calls,
+            "memory_bytes": mem,
+            "final_loss": float(loss.detach()),
+            "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        }
+        del module, optimizer, model
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_world(world: int, args: argparse.Namespace, schemes: list[str]) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1")
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        mp.start_processes(_worker, args=(world, args, schemes, tmp), nprocs=world, start_method="spawn")
+        per_rank = [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+    out = {}
+    for scheme in schemes:
+        ranks = [r[scheme] for r in per_rank]
+        n_params = ranks[0]["params"]
+        p_bytes = 4 * n_params
+        theory = THEORY_FACTOR[scheme] * (world - 1) / world * p_bytes
+        if scheme == "fsdp2":
+            # the root's own parameters (embeddings, final norm, head) stay unsharded from forward to backward:
+            # gathered once, not twice
+            theory -= (world - 1) / world * 4 * ranks[0]["root_params"]
+        # a step ends when the slowest rank finishes it
+        step_ms = [max(r["step_ms"][i] for r in ranks) for i in range(len(ranks[0]["step_ms"]))]
+        sent = max(statistics.median(r["ring_bytes_per_step"]) for r in ranks)
+        mem = [sum(r["memory_bytes"].values()) for r in ranks]
+        out[scheme] = {
+            "world": world,
+            "params": n_params,
+            "step_ms_median": statistics.median(step_ms),
+            "step_ms": step_ms,
+            "sent_mib_per_rank": sent / 2**20,
+            "theory_mib_per_rank": theory / 2**20,
+            "sent_over_theory": sent / theory,
+            "calls_per_step": ranks[0]["calls_last_step"],
+            "state_mib_per_rank": max(mem) / 2**20,
+            "memory_bytes_rank0": ranks[0]["memory_bytes"],
+            "max_rss_mib": max(r["max_rss_mib"] for r in ranks),
+            "final_loss_rank0": ranks[0]["final_loss"],
+        }
+    return out
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def save_plot(path: Path, rows: list[dict[str, Any]], title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 0.45 * len(rows) + 2.4), sharey=True)
+    labels = [f"{r['scheme']} N={r['world']}" for r in rows]
+    y = list(range(len(rows)))
+    panels = (
+        ("step_ms_median", "step time, ms (median, slowest rank)", None),
+        ("sent_mib_per_rank", "MiB sent per rank per step (bar) / theory (tick)", "theory_mib_per_rank"),
+        ("state_mib_per_rank", "grad + optimizer state + master MiB per rank", None),
+    )
+    for ax, (key, label, tick) in zip(axes, panels, strict=True):
+        ax.barh(y, [r[key] for r in rows], color="tab:blue")
+        for yi, r in zip(y, rows, strict=True):
+            ax.text(r[key], yi, f" {r[key]:.0f}", va="center", fontsize=8)
+            if tick:
+                ax.plot([r[tick]] * 2, [yi - 0.4, yi + 0.4], color="black", lw=2)
+        ax.set_xlabel(label, fontsize=9)
+    axes[0].set_yticks(y, labels, fontsize=8)
+    axes[0].invert_yaxis()
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--world", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=SCHEMES)
+    parser.add_argument("--vocab", type=int, default=16384)
+    parser.add_argument("--d-model", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--ctx", type=int, default=65, help="tokens per sequence (+1 for the shifted target)")
+    parser.add_argument("--batch", type=int, default=1, help="sequences per rank per step")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per scheme")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--quick", action="store_true", help="a small model and one timed step (smoke run)")
+    parser.add_argument("--out", type=Path, default=Path("bench-out"))
+    parser.add_argument("--stem", help="file name stem (default cpu-<date>-zero)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.layers, args.d_model, args.vocab, args.steps = 2, 128, 2048, 1
+    if args.d_model % args.heads:
+        parser.error("--d-model must be a multiple of --heads")
+    info = _common.machine_info(threads=1)
+    print(f"machine: {info['device']}; load average {info['load_average']}", flush=True)
+    rows = []
+    started = time.monotonic()
+    for world in args.world:
+        result = run_world(world, args, list(args.schemes))
+        for scheme, r in result.items():
+            rows.append({"scheme": scheme, **r})
+        print(f"world {world} done ({time.monotonic() - started:.0f} s)", flush=True)
+    info["load_average_after"] = _common.load_average()
+    base = {}
+    for r in rows:
+        torch_best = min(
+            x["step_ms_median"] for x in rows if x["world"] == r["world"] and x["scheme"] in SCHEMES[:3]
+        )
+        ddp_mem = (
+            next(
+                x["state_mib_per_rank"]
+                for x in rows
+                if x["world"] == r["world"] and x["scheme"] == "ddp_adamw"
+            )
+            if "ddp_adamw" in args.schemes
+            else math.nan
+        )
+        r["time_over_fastest_torch"] = r["step_ms_median"] / torch_best
+        r["state_over_ddp"] = r["state_mib_per_rank"] / ddp_mem
+        base[r["world"]] = torch_best
+    print(
+        _common.format_table(
+            rows,
+            [
+                ("scheme", "scheme", ""),
+                ("world", "N", "d"),
+                ("step_ms_median", "step ms", ".0f"),
+                ("time_over_fastest_torch", "vs fastest torch", ".2f"),
+                ("sent_mib_per_rank", "sent MiB/rank", ".1f"),
+                ("theory_mib_per_rank", "theory MiB", ".1f"),
+                ("sent_over_theory", "sent/theory", ".4f"),
+                ("state_mib_per_rank", "grad+state MiB", ".1f"),
+                ("state_over_ddp", "vs DDP", ".3f"),
+                ("max_rss_mib", "peak RSS so far MiB", ".0f"),
+            ],
+        )
+    )
+    stem = args.stem or f"cpu-{datetime.date.today().isoformat()}-zero"
+    model = dict(
+        vocab=args.vocab,
+        d_model=args.d_model,
+        layers=args.layers,
+        heads=args.heads,
+        ctx=args.ctx,
+        batch=args.batch,
+    )
+    report = {
+        "benchmark": "bench_zero",
+        "machine": info,
+        "model": model,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "rows": rows,
+    }
+    path = _common.save_json(args.out / f"{stem}.json", report)
+    print(f"wrote {path}")
+    params = rows[0]["params"] / 1e6 if rows else 0
+    png = save_plot(
+        args.out / f"{stem}.png", rows, f"data-parallel schemes, GPT {params:.1f} M params, fp32, gloo on CPU"
+    )
+    print(f"wrote {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
