@@ -11,14 +11,13 @@ import json
 
 import pytest
 import torch
+from _cases import MICRO, boost, boosted_steps, make_model, make_optimizer, reference_run
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader, TensorDataset
 
 from stepforge.core import Registry, UnknownNameError
-from stepforge.strategy import Booster, BoostedOptimizer, SinglePlugin, StatefulDataLoader
+from stepforge.strategy import BoostedOptimizer, Booster, SinglePlugin, StatefulDataLoader
 from stepforge.strategy import booster as booster_module
-
-from _cases import MICRO, boost, boosted_steps, make_model, make_optimizer, reference_run
 
 
 def test_single_plugin_with_accumulation_equals_the_concatenated_batch():

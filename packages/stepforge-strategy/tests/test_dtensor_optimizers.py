@@ -13,12 +13,11 @@ import traceback
 
 import pytest
 import torch
+from _cases import MICRO, boosted_steps, full_params, make_model, reference_run
 
 from stepforge.core import OPTIMIZERS, build_optimizer
-from stepforge.testing.distributed import requires_gloo, run_distributed
 from stepforge.strategy import Booster, ColossalAIOptimWrapper
-
-from _cases import MICRO, boosted_steps, full_params, make_model, reference_run
+from stepforge.testing.distributed import requires_gloo, run_distributed
 
 STEPS = 3
 CONFIGS = {

@@ -7,6 +7,7 @@ import logging
 
 import pytest
 import torch
+from _cases import MICRO, boost, boosted_steps, reference_run
 
 from stepforge.strategy import (
     BF16MixedPrecision,
@@ -18,8 +19,6 @@ from stepforge.strategy import (
     resolve_mixed_precision,
 )
 from stepforge.strategy import mixed_precision as mp_module
-
-from _cases import MICRO, boost, boosted_steps, reference_run
 
 
 def test_resolve():
@@ -75,7 +74,10 @@ def test_precision_conflicts_are_errors():
     with pytest.raises(ValueError, match="fp8"):
         Booster(mixed_precision=dict(type="fp8"), plugin="torch_fsdp")
     # same value on both: fine
-    assert Booster(mixed_precision="bf16", plugin=dict(type="gemini", precision="bf16")).plugin.precision == "bf16"
+    assert (
+        Booster(mixed_precision="bf16", plugin=dict(type="gemini", precision="bf16")).plugin.precision
+        == "bf16"
+    )
 
 
 def test_dynamic_loss_scaler_follows_grad_scaler():
@@ -128,7 +130,7 @@ def test_fp16_booster_skips_overflow_and_checkpoints_the_scale(tmp_path):
     opt.zero_grad()
     booster.save_optimizer(opt, tmp_path / "o")
     assert opt.state_dict()["grad_scaler"]["scale"] == 2.0**9
-    booster2, model2, wrapper2 = boost("single", mixed_precision="fp16")
+    booster2, _model2, wrapper2 = boost("single", mixed_precision="fp16")
     booster2.load_optimizer(wrapper2.optimizer, tmp_path / "o")
     assert wrapper2.optimizer.loss_scale == 2.0**9
 
@@ -142,5 +144,7 @@ def test_bf16_and_fp16_track_fp32_on_cpu():
         assert next(model.parameters()).dtype == torch.float32  # fp32 master weights
         for a, b in zip(losses, ref_losses, strict=True):
             assert abs(a - b) <= bound * max(1.0, abs(b)), (precision, losses, ref_losses)
-        diff = max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters(), strict=True))
+        diff = max(
+            (p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters(), strict=True)
+        )
         assert 0 < diff <= bound, (precision, diff)

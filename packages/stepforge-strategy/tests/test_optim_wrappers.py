@@ -6,11 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from _cases import MICRO, boost, boosted_steps, make_model, make_optimizer, micro_batch, reference_run, window
 
 from stepforge.core import OPTIM_WRAPPERS
 from stepforge.strategy import AmpOptimWrapper, ColossalAIOptimWrapper
-
-from _cases import MICRO, boost, boosted_steps, make_model, make_optimizer, micro_batch, reference_run, window
 
 
 def test_registered():
@@ -26,7 +25,7 @@ def test_partial_last_window_and_counters():
     ref = make_model()
     ref_opt = make_optimizer(ref.parameters())
     xs = [micro_batch(0, m, 0, 1, 5) for m in range(5)]
-    for m, (x, y) in enumerate(xs):
+    for x, y in xs:
         with wrapper.optim_context(model):
             wrapper.update_params(F.mse_loss(model(x), y))
     for chunk in (xs[:3], xs[3:]):
@@ -80,10 +79,12 @@ def _amp_run(steps: int, **kwargs):
 
 def test_amp_optim_wrapper_on_cpu_tracks_fp32():
     _, ref_losses = reference_run(5, rows=8)
-    model, wrapper, losses = _amp_run(5)  # CPU default: bf16, no loss scaling
+    _model, wrapper, losses = _amp_run(5)  # CPU default: bf16, no loss scaling
     assert wrapper.cast_dtype == torch.bfloat16 and not wrapper.loss_scaler.is_enabled()
     assert losses == pytest.approx(ref_losses, abs=3e-2)
-    _, w16, losses16 = _amp_run(5, dtype="float16", loss_scale=512)  # an int scale is fine (mmengine: TypeError)
+    _, w16, losses16 = _amp_run(
+        5, dtype="float16", loss_scale=512
+    )  # an int scale is fine (mmengine: TypeError)
     assert w16.loss_scaler.is_enabled() and w16.loss_scaler.get_scale() == 512.0
     assert losses16 == pytest.approx(ref_losses, abs=5e-3)
     state = w16.state_dict()

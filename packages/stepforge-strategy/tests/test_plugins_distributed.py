@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _cases import MICRO, boost, boosted_steps, full_params, make_model, reference_run
 from safetensors.torch import load_file
 
 from stepforge.core import PLUGINS
 from stepforge.testing.distributed import requires_gloo, run_distributed
-
-from _cases import MICRO, boost, boosted_steps, full_params, make_model, reference_run
 
 K, STEPS, MORE = 2, 3, 2
 CASES = [("torch_ddp", {}), ("torch_fsdp", {}), ("gemini", {"precision": "fp32", "placement_policy": "auto"})]
@@ -75,7 +74,7 @@ def results(tmp_path_factory):
 @pytest.mark.parametrize("name", [c[0] for c in CASES])
 def test_plugin_matches_single_process_fp32(results, name):
     params, losses = results[0]["train"][name]
-    ref, ref_losses = reference_run(STEPS, rows=2 * K * MICRO)
+    ref, _ = reference_run(STEPS, rows=2 * K * MICRO)
     for key, value in ref.state_dict().items():
         torch.testing.assert_close(params[key], value, rtol=1e-4, atol=1e-5, msg=f"{name}: {key}")
     assert len(losses) == STEPS

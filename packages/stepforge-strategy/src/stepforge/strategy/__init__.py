@@ -15,6 +15,7 @@ from ._version import __version__
 from .boosted_optimizer import BoostedOptimizer
 from .booster import Booster
 from .data import StatefulDataLoader, make_stateful
+from .loss_scaler import DynamicLossScaler
 from .mixed_precision import (
     BF16MixedPrecision,
     FP8MixedPrecision,
@@ -24,7 +25,6 @@ from .mixed_precision import (
     resolve_mixed_precision,
 )
 from .optim_wrappers import AmpOptimWrapper, ColossalAIOptimWrapper
-from .loss_scaler import DynamicLossScaler
 from .plugins import GeminiPlugin, PluginBase, SinglePlugin, TorchDDPPlugin, TorchFSDPPlugin
 
 __all__ = [

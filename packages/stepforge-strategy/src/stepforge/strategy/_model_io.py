@@ -67,8 +67,10 @@ def _unshare(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     for key, tensor in state.items():
         tensor = tensor.detach()
         ident = (tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes())
-        if ident in seen or not tensor.is_contiguous() or tensor.numel() != tensor.untyped_storage().nbytes() // max(
-            tensor.element_size(), 1
+        if (
+            ident in seen
+            or not tensor.is_contiguous()
+            or tensor.numel() != tensor.untyped_storage().nbytes() // max(tensor.element_size(), 1)
         ):
             tensor = tensor.contiguous().clone()
         seen.add((tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes()))
@@ -194,9 +196,7 @@ def load_model(model: nn.Module, checkpoint: str | os.PathLike[str], *, strict: 
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     state = read_full_state_dict(checkpoint)
-    result = set_model_state_dict(
-        model, state, options=StateDictOptions(full_state_dict=True, strict=strict)
-    )
+    result = set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=strict))
     if strict and result is not None and (result.missing_keys or result.unexpected_keys):
         raise RuntimeError(
             f"load_model: missing keys {result.missing_keys}, unexpected keys {result.unexpected_keys}."

@@ -17,8 +17,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-
-
 __all__ = ["save_optimizer", "load_optimizer", "save_lr_scheduler", "load_lr_scheduler"]
 
 
@@ -37,7 +35,12 @@ def _plugin_optimizer(optimizer: Any) -> Any:
 
 
 def save_optimizer(
-    plugin: Any, model: nn.Module, optimizer: Any, checkpoint: str | os.PathLike[str], *, use_async: bool = False
+    plugin: Any,
+    model: nn.Module,
+    optimizer: Any,
+    checkpoint: str | os.PathLike[str],
+    *,
+    use_async: bool = False,
 ) -> None:
     """Write the optimizer state of every rank to directory ``checkpoint`` (collective)."""
     _, optim_sd = plugin.get_state_dict(model, _plugin_optimizer(optimizer))
@@ -90,6 +93,3 @@ def load_lr_scheduler(lr_scheduler: Any, checkpoint: str | os.PathLike[str]) -> 
     """Load a file written by :func:`save_lr_scheduler`."""
     state = torch.load(Path(checkpoint), map_location="cpu", weights_only=True)
     lr_scheduler.load_state_dict(state)
-
-
-

@@ -182,4 +182,3 @@ class BoostedOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"BoostedOptimizer({self.optim!r}, scaler={self.scaler is not None}, max_norm={self.max_norm})"
-

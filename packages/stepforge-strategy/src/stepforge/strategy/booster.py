@@ -127,7 +127,10 @@ class Booster:
                 f"stepforge.core.Plugin (prepare, no_sync, get_state_dict...); got {type(plugin).__name__}."
             )
         adopt = getattr(plugin, "set_precision", None)
-        unset = getattr(plugin, "precision", None) is None or getattr(plugin, "_explicit_precision", True) is False
+        unset = (
+            getattr(plugin, "precision", None) is None
+            or getattr(plugin, "_explicit_precision", True) is False
+        )
         if wanted is not None and callable(adopt) and unset:
             if wanted not in _PLUGIN_PRECISIONS:
                 raise ValueError(
@@ -157,7 +160,11 @@ class Booster:
             raise TypeError(f"Booster.boost: model must be a torch.nn.Module, got {type(model).__name__}.")
         if isinstance(optimizer, Mapping) and not getattr(self.plugin, "builds_optimizer_config", False):
             optimizer = build_optimizer(dict(optimizer), model.parameters())
-        if optimizer is not None and not isinstance(optimizer, Mapping) and not hasattr(optimizer, "param_groups"):
+        if (
+            optimizer is not None
+            and not isinstance(optimizer, Mapping)
+            and not hasattr(optimizer, "param_groups")
+        ):
             raise TypeError(
                 "Booster.boost: optimizer must be a torch.optim.Optimizer or a build_optimizer config dict, got "
                 f"{type(optimizer).__name__}."

@@ -49,7 +49,9 @@ class StatefulDataLoader:
 
     def __init__(self, loader: DataLoader) -> None:
         if not isinstance(loader, DataLoader):
-            raise TypeError(f"StatefulDataLoader: loader must be a torch DataLoader, got {type(loader).__name__}.")
+            raise TypeError(
+                f"StatefulDataLoader: loader must be a torch DataLoader, got {type(loader).__name__}."
+            )
         self.loader = loader
         self.epoch = 0
         self.batches_yielded = 0

@@ -55,7 +55,9 @@ class DynamicLossScaler:
         if not 0 < backoff_factor < 1:
             raise ValueError(f"DynamicLossScaler: backoff_factor must be in (0, 1), got {backoff_factor!r}.")
         if not isinstance(growth_interval, int) or growth_interval < 1:
-            raise ValueError(f"DynamicLossScaler: growth_interval must be an int >= 1, got {growth_interval!r}.")
+            raise ValueError(
+                f"DynamicLossScaler: growth_interval must be an int >= 1, got {growth_interval!r}."
+            )
         if not 0 < min_scale <= max_scale:
             raise ValueError(
                 f"DynamicLossScaler: need 0 < min_scale <= max_scale, got min_scale={min_scale!r}, "

@@ -113,7 +113,12 @@ class ColossalAIOptimWrapper(_BaseOptimWrapper):
         )
 
 
-_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
+_DTYPES = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+}
 
 
 def _param_device(optimizer: Any) -> torch.device:
@@ -158,7 +163,9 @@ class AmpOptimWrapper(_BaseOptimWrapper):
                 raise ValueError(f"AmpOptimWrapper: dtype must be one of {self.valid_dtypes}, got {dtype!r}.")
             dtype = _DTYPES[dtype]
         elif not isinstance(dtype, torch.dtype) or dtype not in _DTYPES.values():
-            raise TypeError(f"AmpOptimWrapper: dtype must be one of {self.valid_dtypes} or None, got {dtype!r}.")
+            raise TypeError(
+                f"AmpOptimWrapper: dtype must be one of {self.valid_dtypes} or None, got {dtype!r}."
+            )
         self.cast_dtype = dtype
         self._static_scale: float | None = None
         if loss_scale == "dynamic":

@@ -8,7 +8,6 @@ A plugin here implements :class:`stepforge.core.Plugin` plus the optional member
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Iterable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any
@@ -19,14 +18,7 @@ from torch import nn
 
 from stepforge.core import no_sync as core_no_sync
 
-__all__ = ["PluginBase", "check_kwargs", "inner_optimizer", "as_optimizer_list"]
-
-
-def check_kwargs(owner: str, given: Mapping[str, Any], supported: Iterable[str]) -> None:
-    """Raise ``TypeError`` naming every argument of ``given`` that ``owner`` does not take."""
-    unknown = sorted(set(given) - set(supported))
-    if unknown:
-        raise TypeError(f"{owner}: unexpected argument(s) {', '.join(map(repr, unknown))}.")
+__all__ = ["PluginBase", "inner_optimizer", "as_optimizer_list"]
 
 
 def inner_optimizer(optimizer: Any) -> Any:
@@ -122,7 +114,7 @@ class PluginBase:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         optims = as_optimizer_list(optimizers)
-        return get_state_dict(_unwrap_for_dcp(model), optims)
+        return get_state_dict(model, optims)
 
     def set_state_dict(
         self,
@@ -136,20 +128,11 @@ class PluginBase:
 
         optims = as_optimizer_list(optimizers)
         set_state_dict(
-            _unwrap_for_dcp(model),
+            model,
             optims,
             model_state_dict=dict(model_state_dict),
             optim_state_dict=dict(optim_state_dict),
         )
 
-    def _build_optimizer_kwargs_check(self, cls: type, kwargs: Mapping[str, Any]) -> None:
-        params = inspect.signature(cls).parameters
-        check_kwargs(cls.__name__, kwargs, params)
-
     def __repr__(self) -> str:
         return f"{type(self).__name__}(precision={self.precision!r})"
-
-
-def _unwrap_for_dcp(model: nn.Module) -> nn.Module:
-    # torch's get_state_dict strips DDP's "module." itself; nothing else wraps here
-    return model

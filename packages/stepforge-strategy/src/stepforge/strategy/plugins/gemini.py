@@ -110,8 +110,13 @@ class GeminiPlugin(TorchFSDPPlugin):
                     f"own chunk manager); leave it at {GEMINI_DEFAULT_ONLY[key]!r}."
                 )
         if placement_policy not in ("static", "auto"):
-            raise ValueError(f"GeminiPlugin: placement_policy must be 'static' or 'auto', got {placement_policy!r}.")
-        for key, frac in (("offload_optim_frac", offload_optim_frac), ("offload_param_frac", offload_param_frac)):
+            raise ValueError(
+                f"GeminiPlugin: placement_policy must be 'static' or 'auto', got {placement_policy!r}."
+            )
+        for key, frac in (
+            ("offload_optim_frac", offload_optim_frac),
+            ("offload_param_frac", offload_param_frac),
+        ):
             if frac not in (0, 1):
                 raise ValueError(
                     f"GeminiPlugin: {key}={frac!r}: FSDP2 offloads all or nothing; use 0.0 or 1.0."

@@ -29,12 +29,12 @@ class SinglePlugin(PluginBase):
     def __init__(self, device: str | torch.device | None = None) -> None:
         super().__init__(device)
 
-    def prepare(
-        self, model: nn.Module, optimizer: Any = None, **kwargs: Any
-    ) -> tuple[nn.Module, Any]:
+    def prepare(self, model: nn.Module, optimizer: Any = None, **kwargs: Any) -> tuple[nn.Module, Any]:
         """Move ``model`` to the plugin's device; the optimizer is returned as it is."""
         if not isinstance(model, nn.Module):
-            raise TypeError(f"SinglePlugin.prepare: model must be a torch.nn.Module, got {type(model).__name__}.")
+            raise TypeError(
+                f"SinglePlugin.prepare: model must be a torch.nn.Module, got {type(model).__name__}."
+            )
         model.to(self.device)
         return model, optimizer
 

@@ -70,7 +70,9 @@ class TorchDDPPlugin(PluginBase):
                 "torch.distributed.init_process_group); on one process use plugin='single'."
             )
         if not isinstance(model, nn.Module):
-            raise TypeError(f"TorchDDPPlugin.prepare: model must be a torch.nn.Module, got {type(model).__name__}.")
+            raise TypeError(
+                f"TorchDDPPlugin.prepare: model must be a torch.nn.Module, got {type(model).__name__}."
+            )
         if isinstance(model, DistributedDataParallel):
             return model, optimizer
         model.to(self.device)

@@ -94,7 +94,9 @@ class TorchFSDPPlugin(PluginBase):
                     "equivalent here; remove it (blocks are chosen with shard_modules)."
                 )
         if kwargs:
-            raise TypeError(f"{type(self).__name__}: unexpected argument(s) {', '.join(map(repr, sorted(kwargs)))}.")
+            raise TypeError(
+                f"{type(self).__name__}: unexpected argument(s) {', '.join(map(repr, sorted(kwargs)))}."
+            )
         if process_group is not None:
             raise TypeError(
                 f"{type(self).__name__}: process_group is not supported; the plugin shards over the default "
@@ -120,7 +122,9 @@ class TorchFSDPPlugin(PluginBase):
         elif hasattr(cpu_offload, "offload_params"):
             self.cpu_offload = bool(cpu_offload.offload_params)
         else:
-            raise TypeError(f"{type(self).__name__}: cpu_offload must be a bool or CPUOffload, got {cpu_offload!r}.")
+            raise TypeError(
+                f"{type(self).__name__}: cpu_offload must be a bool or CPUOffload, got {cpu_offload!r}."
+            )
         self._mp_override = mixed_precision
         self.shard_modules = shard_modules
         if max_norm < 0:
@@ -148,7 +152,8 @@ class TorchFSDPPlugin(PluginBase):
         if isinstance(override, MixedPrecisionPolicy):
             return override
         return MixedPrecisionPolicy(
-            param_dtype=getattr(override, "param_dtype", None), reduce_dtype=getattr(override, "reduce_dtype", None)
+            param_dtype=getattr(override, "param_dtype", None),
+            reduce_dtype=getattr(override, "reduce_dtype", None),
         )
 
     def _offload_policy(self) -> Any:
@@ -172,7 +177,9 @@ class TorchFSDPPlugin(PluginBase):
         """
         require_process_group(type(self).__name__)
         if not isinstance(model, nn.Module):
-            raise TypeError(f"{type(self).__name__}.prepare: model must be a torch.nn.Module, got {type(model).__name__}.")
+            raise TypeError(
+                f"{type(self).__name__}.prepare: model must be a torch.nn.Module, got {type(model).__name__}."
+            )
         names = param_names(model)
         model.to(self.device)
         shard_model(
