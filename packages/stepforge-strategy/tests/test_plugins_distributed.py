@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _cases import MICRO, boost, boosted_steps, full_params, make_model, reference_run
+from _cases import MICRO, boost, boosted_steps, full_params, make_model, make_optimizer, reference_run, window
 from safetensors.torch import load_file
 
 from stepforge.core import PLUGINS
@@ -45,6 +45,31 @@ def _all_cases(rank: int, world: int, ckpt: str) -> dict:
     assert wrapper.booster.plugin.precision == "bf16"
     losses = boosted_steps(model, wrapper, STEPS, rank, world, K)
     out["bf16"] = (full_params(wrapper.booster, model), losses)
+    # the Booster's bf16 autocast under DDP (a plugin without precision)
+    _, model, wrapper = boost("torch_ddp", mixed_precision="bf16", k=K)
+    boosted_steps(model, wrapper, STEPS, rank, world, K)
+    out["ddp_bf16"] = full_params(wrapper.booster, model)
+    # fp16 on FSDP2: trains, and an overflow seen by rank 0 alone skips the step on both ranks
+    booster, model, wrapper = boost("torch_fsdp", mixed_precision="fp16", k=K)
+    boosted_steps(model, wrapper, STEPS, rank, world, K)
+    out["fsdp_fp16"] = full_params(booster, model)
+    opt = wrapper.optimizer
+    x = torch.ones(MICRO, 6)
+    opt.backward(model(x).float().mean())
+    if rank == 0:
+        next(p for p in model.parameters() if p.grad._local_tensor.numel()).grad._local_tensor[0] = float(
+            "inf"
+        )
+    before = [p._local_tensor.clone() for p in model.parameters()]
+    scale = opt.loss_scale
+    opt.step()
+    opt.zero_grad()
+    unchanged = all(torch.equal(p._local_tensor, b) for p, b in zip(model.parameters(), before, strict=True))
+    out["fp16_skip"] = (opt.last_step_skipped, unchanged, scale, opt.loss_scale)
+    # gemini's max_norm: global-norm clipping over every shard inside step (SGD: clipping changes the step)
+    _, model, wrapper = boost(dict(type="gemini", precision="fp32", max_norm=0.05), k=K, optimizer="SGD")
+    boosted_steps(model, wrapper, STEPS, rank, world, K)
+    out["gemini_clip"] = full_params(wrapper.booster, model)
     # checkpoint -> resume at the same world size
     for name in ("torch_ddp", "torch_fsdp"):
         booster, model, wrapper = boost(name, k=K)
@@ -67,7 +92,8 @@ def _all_cases(rank: int, world: int, ckpt: str) -> dict:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     ckpt = str(tmp_path_factory.mktemp("ckpt"))
-    return run_distributed(_all_cases, 2, ckpt, timeout=240)[0], ckpt
+    per_rank = run_distributed(_all_cases, 2, ckpt, timeout=300)
+    return per_rank[0], ckpt, per_rank
 
 
 @requires_gloo
@@ -100,7 +126,7 @@ def test_bf16_tracks_fp32(results):
 @requires_gloo
 @pytest.mark.parametrize("name", ["torch_ddp", "torch_fsdp"])
 def test_checkpoint_loads_at_world_size_one(results, name):
-    out, ckpt = results
+    out, ckpt, _ = results
     expected = out["resume"][name]
     # the HF-layout file loads into a plain module
     plain = make_model(seed=9)
@@ -117,3 +143,29 @@ def test_checkpoint_loads_at_world_size_one(results, name):
     boosted_steps(model, wrapper, MORE, 0, 1, 2 * K, first_step=STEPS)
     for key, value in model.state_dict().items():
         torch.testing.assert_close(value, expected[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+@requires_gloo
+def test_precisions_on_ddp_and_fsdp(results):
+    out = results[0]
+    ref, _ = reference_run(STEPS, rows=2 * K * MICRO)
+    for case, bound in (("ddp_bf16", 3e-2), ("fsdp_fp16", 1e-2)):
+        worst = max((out[case][k] - v).abs().max().item() for k, v in ref.state_dict().items())
+        assert 0 < worst <= bound, (case, worst)
+    for rank_out in results[2]:  # rank 0 injected the inf; rank 1 must skip too
+        skipped, unchanged, scale, new_scale = rank_out["fp16_skip"]
+        assert skipped and unchanged and new_scale == scale / 2
+
+
+@requires_gloo
+def test_gemini_max_norm_clips_by_the_global_norm(results):
+    model = make_model()
+    opt = make_optimizer(model.parameters(), "SGD")
+    for step in range(STEPS):
+        x, y = window(step, 2 * K * MICRO)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        assert torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05) > 0.05  # clipping is active
+        opt.step()
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(results[0]["gemini_clip"][key], value, rtol=1e-4, atol=1e-5, msg=key)
