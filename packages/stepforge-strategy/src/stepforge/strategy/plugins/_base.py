@@ -89,6 +89,47 @@ class PluginBase:
             raise RuntimeError(f"plugin {self.name!r} does not support no_sync.")
         return core_no_sync(model, inner_optimizer(optimizer) if optimizer is not None else None)
 
+    # -- data ----------------------------------------------------------------------------------------------
+    def prepare_dataloader(
+        self,
+        dataset: Any,
+        batch_size: int,
+        shuffle: bool = False,
+        seed: int = 1024,
+        drop_last: bool = False,
+        pin_memory: bool = False,
+        num_workers: int = 0,
+        distributed_sampler_cls: Any = None,
+        **kwargs: Any,
+    ) -> Any:
+        """ColossalAI's ``prepare_dataloader``: a ``DataLoader`` over this rank's ``DistributedSampler`` share,
+        returned as a :class:`~stepforge.strategy.StatefulDataLoader` (exact mid-epoch resume: the sampler's
+        order depends only on ``seed`` and the epoch). ``kwargs`` go to ``DataLoader``."""
+        from torch.utils.data import DataLoader
+        from torch.utils.data.distributed import DistributedSampler
+
+        from ..data import StatefulDataLoader
+
+        sampler_cls = distributed_sampler_cls or DistributedSampler
+        sampler = sampler_cls(
+            dataset,
+            num_replicas=self.world_size,
+            rank=self.rank,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+        )
+        loader = DataLoader(
+            dataset,
+            batch_size=batch_size,
+            sampler=sampler,
+            drop_last=drop_last,
+            pin_memory=pin_memory and torch.cuda.is_available(),
+            num_workers=num_workers,
+            **kwargs,
+        )
+        return StatefulDataLoader(loader)
+
     # -- clipping ------------------------------------------------------------------------------------------
     def clip_grad_norm_(
         self, model: nn.Module | None, optimizer: Any, max_norm: float, norm_type: float = 2.0
