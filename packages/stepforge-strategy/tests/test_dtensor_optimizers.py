@@ -54,6 +54,16 @@ def _run_all(rank: int, world: int) -> dict:
             out[name] = full_params(booster, model)
         except Exception:  # reported per optimizer by the test below
             out[name] = traceback.format_exc()
+    if _available("HybridAdam"):  # gemini's default optimizer for CPU-offloaded shards
+        try:
+            booster = Booster(plugin=dict(type="gemini", precision="fp32", placement_policy="auto"))
+            model, opt, *_ = booster.boost(make_model(), dict(CONFIGS["HybridAdam"]))
+            assert type(opt.unwrap()).__name__ == "HybridAdam"
+            assert all(p.device.type == "cpu" for p in model.parameters())
+            boosted_steps(model, ColossalAIOptimWrapper(opt, booster=booster), STEPS, rank, world, 1)
+            out["gemini-default"] = full_params(booster, model)
+        except Exception:
+            out["gemini-default"] = traceback.format_exc()
     return out
 
 
@@ -63,11 +73,14 @@ def sharded_results():
 
 
 @requires_gloo
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", [*CONFIGS, "gemini-default"])
 def test_optimizer_on_dtensor_params_equals_plain(sharded_results, name):
+    case = name
+    if name == "gemini-default":  # gemini + CPU offload, optimizer config without a type: HybridAdam
+        name = "HybridAdam"
     if not _available(name):
-        pytest.skip(f"{name} is not installed in this venv")
-    got = sharded_results[name]
+        pytest.skip(f"{name} is not installed in this venv (pip install stepforge-fused)")
+    got = sharded_results[case]
     assert not isinstance(got, str), f"{name} failed on FSDP2 DTensor parameters:\n{got}"
     model = make_model()
     opt = build_optimizer(dict(type=name, **CONFIGS[name]), model.parameters())
