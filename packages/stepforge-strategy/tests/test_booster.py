@@ -102,6 +102,12 @@ def test_save_model_writes_the_hf_layout(tmp_path):
     booster.load_model(other, tmp_path / "sharded")
     for p, q in zip(other.parameters(), model.parameters(), strict=True):
         assert torch.equal(p, q)
+    # tied weights (one storage under two names) are written as two tensors
+    tied = torch.nn.Sequential(torch.nn.Linear(3, 3, bias=False), torch.nn.Linear(3, 3, bias=False))
+    tied[1].weight = tied[0].weight
+    booster.save_model(tied, tmp_path / "tied.safetensors")
+    back = load_file(str(tmp_path / "tied.safetensors"))
+    assert torch.equal(back["0.weight"], back["1.weight"]) and torch.equal(back["0.weight"], tied[0].weight)
     booster.save_model(model, tmp_path / "bin", shard=True, use_safetensors=False)
     assert (tmp_path / "bin" / "pytorch_model.bin").is_file()
 

@@ -45,6 +45,22 @@ def _all_cases(rank: int, world: int, ckpt: str) -> dict:
     assert wrapper.booster.plugin.precision == "bf16"
     losses = boosted_steps(model, wrapper, STEPS, rank, world, K)
     out["bf16"] = (full_params(wrapper.booster, model), losses)
+    # booster.no_sync really skips the synchronisation: DDP grads stay local (they differ between ranks),
+    # FSDP2 leaves the sharded grads unset until a synchronised backward reduce-scatters them
+    x = torch.full((MICRO, 6), float(rank + 1))
+    booster, model, wrapper = boost("torch_ddp")
+    with booster.no_sync(model, wrapper.optimizer):
+        booster.backward(model(x).sum(), wrapper.optimizer)
+    local = torch.cat([p.grad.flatten() for p in model.parameters()])
+    gathered = [torch.empty_like(local) for _ in range(world)]
+    torch.distributed.all_gather(gathered, local)
+    out["ddp_no_sync_differs"] = not torch.equal(gathered[0], gathered[1])
+    booster, model, wrapper = boost("torch_fsdp")
+    with booster.no_sync(model, wrapper.optimizer):
+        booster.backward(model(x).sum(), wrapper.optimizer)
+    out["fsdp_no_sync_unset"] = all(p.grad is None for p in model.parameters())
+    booster.backward(model(x).sum(), wrapper.optimizer)
+    out["fsdp_sync_set"] = all(p.grad is not None for p in model.parameters())
     # the Booster's bf16 autocast under DDP (a plugin without precision)
     _, model, wrapper = boost("torch_ddp", mixed_precision="bf16", k=K)
     boosted_steps(model, wrapper, STEPS, rank, world, K)
@@ -169,3 +185,10 @@ def test_gemini_max_norm_clips_by_the_global_norm(results):
         opt.step()
     for key, value in model.state_dict().items():
         torch.testing.assert_close(results[0]["gemini_clip"][key], value, rtol=1e-4, atol=1e-5, msg=key)
+
+
+@requires_gloo
+def test_no_sync_skips_synchronisation(results):
+    for rank_out in results[2]:
+        assert rank_out["ddp_no_sync_differs"]
+        assert rank_out["fsdp_no_sync_unset"] and rank_out["fsdp_sync_set"]

@@ -61,19 +61,19 @@ def _file_names(prefix: str | None, use_safetensors: bool) -> tuple[str, str]:
 
 
 def _unshare(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Contiguous tensors without shared storage (safetensors refuses tied/aliased tensors)."""
+    """Tensors that own their whole storage: safetensors refuses tied weights and views into bigger storage.
+
+    A tensor whose storage is shared with an earlier entry, or that covers only part of its storage, is
+    copied; the rest are written as they are (no extra memory)."""
     out: dict[str, torch.Tensor] = {}
-    seen: set[tuple[int, int]] = set()
+    seen: set[int] = set()
     for key, tensor in state.items():
         tensor = tensor.detach()
-        ident = (tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes())
-        if (
-            ident in seen
-            or not tensor.is_contiguous()
-            or tensor.numel() != tensor.untyped_storage().nbytes() // max(tensor.element_size(), 1)
-        ):
+        storage = tensor.untyped_storage()
+        owns = tensor.is_contiguous() and tensor.numel() * tensor.element_size() == storage.nbytes()
+        if storage.data_ptr() in seen or not owns:
             tensor = tensor.contiguous().clone()
-        seen.add((tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes()))
+        seen.add(tensor.untyped_storage().data_ptr())
         out[key] = tensor
     return out
 
