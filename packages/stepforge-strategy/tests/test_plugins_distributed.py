@@ -26,8 +26,10 @@ from stepforge.testing.distributed import requires_gloo, run_distributed
 K, STEPS, MORE = 2, 3, 2
 CASES = [("torch_ddp", {}), ("torch_fsdp", {}), ("gemini", {"precision": "fp32", "placement_policy": "auto"})]
 HAVE_ZERO = "low_level_zero" in PLUGINS
+RESUME = ["torch_ddp", "torch_fsdp"]
 if HAVE_ZERO:
     CASES.append(("low_level_zero", {"stage": 2, "precision": "fp32"}))
+    RESUME.append("low_level_zero")
 
 
 def _plugin(name, kwargs):
@@ -87,14 +89,14 @@ def _all_cases(rank: int, world: int, ckpt: str) -> dict:
     boosted_steps(model, wrapper, STEPS, rank, world, K)
     out["gemini_clip"] = full_params(wrapper.booster, model)
     # checkpoint -> resume at the same world size
-    for name in ("torch_ddp", "torch_fsdp"):
-        booster, model, wrapper = boost(name, k=K)
+    for name in RESUME:
+        booster, model, wrapper = boost(_plugin(name, dict(CASES)[name]), k=K)
         boosted_steps(model, wrapper, STEPS, rank, world, K)
         booster.save_model(model, f"{ckpt}/{name}/model", shard=True)
         booster.save_optimizer(wrapper.optimizer, f"{ckpt}/{name}/optim")
         boosted_steps(model, wrapper, MORE, rank, world, K, first_step=STEPS)
         expected = full_params(booster, model)
-        booster2, model2, wrapper2 = boost(name, k=K)
+        booster2, model2, wrapper2 = boost(_plugin(name, dict(CASES)[name]), k=K)
         booster2.load_model(model2, f"{ckpt}/{name}/model")
         booster2.load_optimizer(wrapper2.optimizer, f"{ckpt}/{name}/optim")
         boosted_steps(model2, wrapper2, MORE, rank, world, K, first_step=STEPS)
@@ -140,7 +142,9 @@ def test_bf16_tracks_fp32(results):
 
 
 @requires_gloo
-@pytest.mark.parametrize("name", ["torch_ddp", "torch_fsdp"])
+@pytest.mark.parametrize(
+    "name", ["torch_ddp", "torch_fsdp"]
+)  # torch's DCP optimizer layout, loaded by `single`
 def test_checkpoint_loads_at_world_size_one(results, name):
     out, ckpt, _ = results
     expected = out["resume"][name]

@@ -20,7 +20,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["save_model", "load_model", "gather_full_state_dict", "SAFE_WEIGHTS", "BIN_WEIGHTS"]
+__all__ = [
+    "save_model",
+    "load_model",
+    "gather_full_state_dict",
+    "unwrap_model",
+    "SAFE_WEIGHTS",
+    "BIN_WEIGHTS",
+]
 
 SAFE_WEIGHTS = "model.safetensors"
 BIN_WEIGHTS = "pytorch_model.bin"
@@ -40,6 +47,18 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The module under a plugin's model wrapper (one with ``unwrap()``, as ColossalAI's ``ModelWrapper`` and
+    stepforge-zero's ``LowLevelZeroModel``); DDP and FSDP2 modules are returned as they are (torch's
+    state-dict functions handle them)."""
+    for _ in range(8):
+        inner = model.unwrap() if callable(getattr(model, "unwrap", None)) else None
+        if not isinstance(inner, nn.Module) or inner is model:
+            return model
+        model = inner
+    return model
+
+
 def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The full, unsharded CPU state dict of ``model`` on rank 0 (other ranks get an empty dict for FSDP2).
 
@@ -48,7 +67,7 @@ def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state = get_model_state_dict(model, options=options)
+    state = get_model_state_dict(unwrap_model(model), options=options)
     return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
@@ -196,7 +215,8 @@ def load_model(model: nn.Module, checkpoint: str | os.PathLike[str], *, strict: 
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     state = read_full_state_dict(checkpoint)
-    result = set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=strict))
+    options = StateDictOptions(full_state_dict=True, strict=strict)
+    result = set_model_state_dict(unwrap_model(model), state, options=options)
     if strict and result is not None and (result.missing_keys or result.unexpected_keys):
         raise RuntimeError(
             f"load_model: missing keys {result.missing_keys}, unexpected keys {result.unexpected_keys}."
