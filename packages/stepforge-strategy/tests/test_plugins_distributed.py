@@ -21,6 +21,7 @@ from _cases import MICRO, boost, boosted_steps, full_params, make_model, make_op
 from safetensors.torch import load_file
 
 from stepforge.core import PLUGINS
+from stepforge.strategy import Booster
 from stepforge.testing.distributed import requires_gloo, run_distributed
 
 K, STEPS, MORE = 2, 3, 2
@@ -37,7 +38,7 @@ def _plugin(name, kwargs):
 
 
 def _all_cases(rank: int, world: int, ckpt: str) -> dict:
-    out: dict = {"train": {}, "resume": {}}
+    out: dict = {"train": {}, "resume": {}, "default_plugin": type(Booster().plugin).__name__}
     for name, kwargs in CASES:
         _, model, wrapper = boost(_plugin(name, kwargs), k=K)
         losses = boosted_steps(model, wrapper, STEPS, rank, world, K)
@@ -196,3 +197,8 @@ def test_no_sync_skips_synchronisation(results):
     for rank_out in results[2]:
         assert rank_out["ddp_no_sync_differs"]
         assert rank_out["fsdp_no_sync_unset"] and rank_out["fsdp_sync_set"]
+
+
+@requires_gloo
+def test_default_plugin_under_a_process_group_is_ddp(results):
+    assert results[0]["default_plugin"] == "TorchDDPPlugin"
