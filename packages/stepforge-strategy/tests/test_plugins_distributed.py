@@ -17,7 +17,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _cases import MICRO, boost, boosted_steps, full_params, make_model, make_optimizer, reference_run, window
+from _cases import (
+    MICRO,
+    boost,
+    boosted_steps,
+    full_params,
+    make_model,
+    make_optimizer,
+    micro_batch,
+    reference_run,
+    window,
+)
 from safetensors.torch import load_file
 
 from stepforge.core import PLUGINS
@@ -64,6 +74,19 @@ def _all_cases(rank: int, world: int, ckpt: str) -> dict:
     out["fsdp_no_sync_unset"] = all(p.grad is None for p in model.parameters())
     booster.backward(model(x).sum(), wrapper.optimizer)
     out["fsdp_sync_set"] = all(p.grad is not None for p in model.parameters())
+    # mmengine's pattern (only the forward inside optim_context) still skips FSDP2's reduce-scatter for the
+    # non-final micro-batch, and the step is still exact
+    booster, model, wrapper = boost("torch_fsdp", k=K)
+    unset_after_first = []
+    for step in range(STEPS):
+        for m in range(K):
+            x, y = micro_batch(step, m, rank, world, K)
+            with wrapper.optim_context(model):
+                loss = torch.nn.functional.mse_loss(model(x), y)
+            wrapper.update_params(loss)
+            if m == 0:
+                unset_after_first.append(all(p.grad is None for p in model.parameters()))
+    out["fsdp_forward_only_context"] = (full_params(booster, model), all(unset_after_first))
     # the Booster's bf16 autocast under DDP (a plugin without precision)
     _, model, wrapper = boost("torch_ddp", mixed_precision="bf16", k=K)
     boosted_steps(model, wrapper, STEPS, rank, world, K)
@@ -202,3 +225,12 @@ def test_no_sync_skips_synchronisation(results):
 @requires_gloo
 def test_default_plugin_under_a_process_group_is_ddp(results):
     assert results[0]["default_plugin"] == "TorchDDPPlugin"
+
+
+@requires_gloo
+def test_forward_only_optim_context_still_skips_fsdp_sync(results):
+    params, skipped = results[0]["fsdp_forward_only_context"]
+    assert skipped
+    ref, _ = reference_run(STEPS, rows=2 * K * MICRO)
+    for key, value in ref.state_dict().items():
+        torch.testing.assert_close(params[key], value, rtol=1e-4, atol=1e-5, msg=key)
