@@ -6,8 +6,13 @@ One spawn runs every case (each spawn costs seconds on this machine):
 - a small model trained 3 steps through Booster + ColossalAIOptimWrapper(accumulative_counts=2) equals the
   single-process fp32 AdamW run on the concatenated batch. Tolerances: ddp, fsdp and gemini (fp32) change
   only the reduction order: rtol 1e-4, atol 1e-5 on parameters after 3 AdamW steps (lr 1e-2);
-- bf16 (FSDP2 param_dtype bf16, fp32 reduction and masters) tracks the fp32 run: window losses within 3e-2
-  absolute, parameters within 3e-2;
+- bf16 (FSDP2 param_dtype bf16, fp32 reduction and masters) tracks the fp32 run: parameters within 3e-2
+  absolute; the Booster's bf16 autocast under DDP within 3e-2; fp16 on FSDP2 within 1e-2; an fp16 overflow
+  seen by one rank skips the step (and halves the scale) on both;
+- gemini's ``max_norm`` (SGD, so clipping changes the step) equals torch's ``clip_grad_norm_`` run: rtol 1e-4,
+  atol 1e-5;
+- ``no_sync`` really skips synchronisation (DDP gradients differ between ranks inside it; FSDP2 sharded
+  gradients stay unset), also with mmengine's forward-only ``optim_context``;
 - save_model/save_optimizer after 3 steps, 2 more steps recorded; a fresh model loaded from the checkpoint at
   the same world size makes identical next steps (bitwise), and the parent process loads the same checkpoint at
   world size 1 (plugin ``single``) and matches within rtol 1e-4 / atol 1e-5.
