@@ -196,7 +196,14 @@ class AmpOptimWrapper(_BaseOptimWrapper):
             )
         enabled = dtype == torch.float16
         if use_fsdp:
+            import torch.distributed as dist
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            if not (dist.is_available() and dist.is_initialized()):
+                raise RuntimeError(
+                    "AmpOptimWrapper: use_fsdp=True agrees on overflows across ranks and needs an initialised "
+                    "process group; leave use_fsdp=False on one process."
+                )
 
             self.loss_scaler: Any = ShardedGradScaler(self.device.type, enabled=enabled, **scaler_kwargs)
         else:
