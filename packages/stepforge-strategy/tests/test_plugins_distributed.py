@@ -7,7 +7,7 @@ One spawn runs every case (each spawn costs seconds on this machine):
   single-process fp32 AdamW run on the concatenated batch. Tolerances: ddp, fsdp and gemini (fp32) change
   only the reduction order: rtol 1e-4, atol 1e-5 on parameters after 3 AdamW steps (lr 1e-2);
 - bf16 (FSDP2 param_dtype bf16, fp32 reduction and masters) tracks the fp32 run: parameters within 3e-2
-  absolute; the Booster's bf16 autocast under DDP within 3e-2; fp16 on FSDP2 within 1e-2; an fp16 overflow
+  absolute; the Booster's bf16 autocast under DDP and gemini bf16 (CPU offload) within 3e-2; fp16 on FSDP2 within 1e-2; an fp16 overflow
   seen by one rank skips the step (and halves the scale) on both;
 - gemini's ``max_norm`` (SGD, so clipping changes the step) equals torch's ``clip_grad_norm_`` run: rtol 1e-4,
   atol 1e-5;
@@ -63,6 +63,9 @@ def _all_cases(rank: int, world: int, ckpt: str) -> dict:
     assert wrapper.booster.plugin.precision == "bf16"
     losses = boosted_steps(model, wrapper, STEPS, rank, world, K)
     out["bf16"] = (full_params(wrapper.booster, model), losses)
+    _, model, wrapper = boost(dict(type="gemini", precision="bf16", placement_policy="auto"), k=K)
+    boosted_steps(model, wrapper, STEPS, rank, world, K)
+    out["gemini_bf16"] = full_params(wrapper.booster, model)
     # booster.no_sync really skips the synchronisation: DDP grads stay local (they differ between ranks),
     # FSDP2 leaves the sharded grads unset until a synchronised backward reduce-scatters them
     x = torch.full((MICRO, 6), float(rank + 1))
@@ -198,7 +201,7 @@ def test_checkpoint_loads_at_world_size_one(results, name):
 def test_precisions_on_ddp_and_fsdp(results):
     out = results[0]
     ref, _ = reference_run(STEPS, rows=2 * K * MICRO)
-    for case, bound in (("ddp_bf16", 3e-2), ("fsdp_fp16", 1e-2)):
+    for case, bound in (("ddp_bf16", 3e-2), ("fsdp_fp16", 1e-2), ("gemini_bf16", 3e-2)):
         worst = max((out[case][k] - v).abs().max().item() for k, v in ref.state_dict().items())
         assert 0 < worst <= bound, (case, worst)
     for rank_out in results[2]:  # rank 0 injected the inf; rank 1 must skip too
