@@ -10,7 +10,13 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from stepforge.strategy import checkpoint as ck
-from stepforge.strategy.checkpoint import CheckpointError, find_latest_checkpoint, load_dir, read_meta, save_dir
+from stepforge.strategy.checkpoint import (
+    CheckpointError,
+    find_latest_checkpoint,
+    load_dir,
+    read_meta,
+    save_dir,
+)
 from stepforge.testing.distributed import DistributedTestError, requires_gloo, run_distributed
 
 
@@ -59,7 +65,9 @@ def _same(a, b) -> bool:
 def test_round_trip_last_checkpoint_rotation_and_map_location(tmp_path):
     work = str(tmp_path)
     model, opt = _trained(0)
-    paths = [_save(os.path.join(work, f"iter_{i}"), model, opt, work_dir=work, max_keep=2, it=i) for i in range(3)]
+    paths = [
+        _save(os.path.join(work, f"iter_{i}"), model, opt, work_dir=work, max_keep=2, it=i) for i in range(3)
+    ]
     assert not os.path.exists(paths[0]) and all(os.path.isdir(p) for p in paths[1:])
     assert find_latest_checkpoint(work) == paths[2]
     assert _read(os.path.join(work, "last_checkpoint")) == paths[2]

@@ -19,12 +19,14 @@ checkpoint **before** anything is read into memory, so a crashed, truncated or f
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -59,6 +61,18 @@ class _Writer(dcp.FileSystemWriter):
             fut.wait()
             _AFTER_WRITE_HOOK(get_rank())
         return fut
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """DCP warns on every call without a process group; one process is a supported case here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is .*single process")
+        yield
 
 
 def _blob(obj: Any) -> bytes:
@@ -143,7 +157,8 @@ def save_dir(
         "objects": _blob(objects),
         "rank_objects": {str(rank): _blob(rank_objects)},
     }
-    dcp.save(state, storage_writer=_Writer(tmp))
+    with _single_process_quiet():
+        dcp.save(state, storage_writer=_Writer(tmp), no_dist=not _distributed())
     status = None
     if rank == 0:
         try:
@@ -212,7 +227,8 @@ def load_dir(
     have_rank = f"rank_objects.{rank_key}" in metadata.state_dict_metadata
     if rank_objects and have_rank:
         state["rank_objects"] = {rank_key: b""}
-    dcp.load(state, storage_reader=dcp.FileSystemReader(path))
+    with _single_process_quiet():
+        dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=not _distributed())
     shared = _unblob(state["objects"], map_location) if objects else None
     mine = _unblob(state["rank_objects"][rank_key], map_location) if rank_objects and have_rank else None
     return shared, mine, record["meta"]
