@@ -128,7 +128,12 @@ def _local_bytes(tensors: Any) -> int:
 
 
 def worker(args: argparse.Namespace) -> None:
+    import warnings
+
     from tqdm import tqdm
+
+    # FSDP2 notes that a Linear on a 3-D input returns a view; nothing here modifies outputs in place
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
 
     from stepforge.strategy import Strategy
 

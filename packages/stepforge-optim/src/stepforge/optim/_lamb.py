@@ -19,6 +19,7 @@ from stepforge.core import (
 )
 
 from ._base import MultiTensorOptimizer, check_trust_clip, math_dtype_of
+from ._dtensor import local, mesh_key, reduce_norms, reduce_square_sums
 from ._multi_tensor import (
     bucket_key,
     default_chunk_size,
@@ -212,10 +213,11 @@ class Lamb(MultiTensorOptimizer):
         squares = []
         device = None
         for params, _ in buckets:
-            grads = [p.grad for p in params]
+            grads = [local(p.grad) for p in params]
             device = device or grads[0].device
             norms = torch._foreach_norm(grads, 2, dtype=math_dtype_of(grads[0].dtype))
-            squares.append(torch.stack(norms).square().sum().to(device, non_blocking=True))
+            square = reduce_square_sums(torch.stack(norms).square().sum(), params[0].grad)
+            squares.append(square.to(device, non_blocking=True))
         if not squares:
             return None
         dtype = torch.float64 if any(s.dtype == torch.float64 for s in squares) else torch.float32
@@ -242,7 +244,7 @@ class Lamb(MultiTensorOptimizer):
                 state["step"] += 1
             by_key: dict[Any, list[torch.Tensor]] = {}
             for p in params:
-                by_key.setdefault(bucket_key(p, p.grad), []).append(p)
+                by_key.setdefault((*bucket_key(p, p.grad), mesh_key(p)), []).append(p)
             if group["foreach"] is False:
                 buckets.extend(([p], group) for ps in by_key.values() for p in ps)
             else:
@@ -264,14 +266,16 @@ class Lamb(MultiTensorOptimizer):
         b3 = 1.0 - beta1 if group["grad_averaging"] else 1.0
         adapt = not group["adam"] and (wd != 0 or group["always_adapt"])
         states = [self.state[p] for p in params]
-        grads = [p.grad for p in params]
+        like = params[0]  # a DTensor bucket works on local shards; its norms are reduced over the mesh
+        grads = [local(p.grad) for p in params]
+        params = [local(p) for p in params]
         # Contiguous views so that pieces are plain slices (grads of expanded/transposed params are copied once).
         if any(not g.is_contiguous() for g in grads):
             grads = [g.contiguous() for g in grads]
         strided = any(not p.is_contiguous() for p in params)
         targets = [p.contiguous() if strided else p for p in params]
-        exp_avgs = [s["exp_avg"] for s in states]
-        exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+        exp_avgs = [local(s["exp_avg"]) for s in states]
+        exp_avg_sqs = [local(s["exp_avg_sq"]) for s in states]
 
         steps = [s["step"] for s in states]
         bc1 = [1.0 - beta1**t if group["bias_correction"] else 1.0 for t in steps]
@@ -351,6 +355,7 @@ class Lamb(MultiTensorOptimizer):
         if adapt:
             w = segment_norms(w_norms, len(params), device, mdtype)
             n = segment_norms(u_norms, len(params), device, mdtype)
+            w, n = reduce_norms(w, like), reduce_norms(n, like)
             ratio = torch.where((w > 0) & (n > 0), w / n, torch.ones_like(w))
             low, high = group["trust_clip"] or (None, None)
             if low is not None or high is not None:

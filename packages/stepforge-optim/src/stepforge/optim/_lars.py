@@ -19,6 +19,7 @@ from stepforge.core import (
 )
 
 from ._base import MultiTensorOptimizer, check_trust_clip, math_dtype_of
+from ._dtensor import local, mesh_key, reduce_norms
 from ._multi_tensor import (
     bucket_key,
     default_chunk_size,
@@ -172,7 +173,7 @@ class Lars(MultiTensorOptimizer):
             by_key: dict[Any, list[torch.Tensor]] = {}
             for p in params:
                 adapt = bool(group["lars"]) and not (exclude is not None and exclude(p))
-                by_key.setdefault((*bucket_key(p, p.grad), adapt), []).append(p)
+                by_key.setdefault((*bucket_key(p, p.grad), mesh_key(p), adapt), []).append(p)
             for key, ps in by_key.items():
                 if group["foreach"] is False:
                     for p in ps:
@@ -188,7 +189,9 @@ class Lars(MultiTensorOptimizer):
         lr, mu, damp, nesterov = group["lr"], group["momentum"], group["dampening"], group["nesterov"]
         wd = group["weight_decay"] if group["lars"] else 0.0  # ColossalAI: lars=False groups skip decay too
         eeta, eps, clip, maximize = group["eeta"], group["epsilon"], group["grad_clip"], group["maximize"]
-        grads = [p.grad for p in params]
+        sharded = params  # DTensor parameters: local shards are updated, norms reduced over the mesh
+        grads = [local(p.grad) for p in params]
+        params = [local(p) for p in params]
         if any(not g.is_contiguous() for g in grads):
             grads = [g.contiguous() for g in grads]
         strided = any(not p.is_contiguous() for p in params)
@@ -198,6 +201,7 @@ class Lars(MultiTensorOptimizer):
         if adapt:
             w = torch.stack(torch._foreach_norm(targets, 2, dtype=mdtype))
             n = torch.stack(torch._foreach_norm(grads, 2, dtype=mdtype))
+            w, n = reduce_norms(w, sharded[0]), reduce_norms(n, sharded[0])
             ratio = torch.where((w > 0) & (n > 0), eeta * w / (n + wd * w + eps), torch.ones_like(w))
             if group["trust_clip"] is not None:
                 low, high = group["trust_clip"]
@@ -208,14 +212,14 @@ class Lars(MultiTensorOptimizer):
         first = []
         bufs: list[torch.Tensor] = []
         if mu != 0:
-            for p in params:
+            for p in sharded:
                 state = self.state[p]
                 first.append("momentum_buffer" not in state)
                 if first[-1]:
                     state["momentum_buffer"] = torch.empty_like(
                         p, dtype=mdtype, memory_format=torch.contiguous_format
                     )
-                bufs.append(state["momentum_buffer"])
+                bufs.append(local(state["momentum_buffer"]))
 
         chunk = group["chunk_size"] or default_chunk_size(device)
         waves = plan_waves([p.numel() for p in params], chunk, device)

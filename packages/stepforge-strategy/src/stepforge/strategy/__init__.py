@@ -1,14 +1,57 @@
 # SPDX-License-Identifier: Apache-2.0
-"""stepforge.strategy."""
+"""stepforge.strategy: ColossalAI's Booster and mmengine's strategy layer on torch's own engines.
+
+- :class:`Booster` (``boost``, ``backward``, ``no_sync``, ``save_*``/``load_*``) with plugins from
+  ``stepforge.core.PLUGINS``: ``single``, ``torch_ddp``, ``torch_fsdp``, ``gemini`` here, ``low_level_zero``
+  from stepforge-zero;
+- mixed precision (``"fp16"``, ``"bf16"``, ``"fp8"``, ``"fp16_apex"``);
+- :class:`ColossalAIOptimWrapper` and :class:`AmpOptimWrapper` (``stepforge.core.OPTIM_WRAPPERS``);
+- :class:`StatefulDataLoader` (the data position in checkpoints);
+- :class:`Strategy` / :class:`ColossalAIStrategy` (mmengine's API: ``prepare``, ``save_checkpoint``,
+  ``load_checkpoint``, ``resume``) with crash-safe DCP directory checkpoints (:mod:`.checkpoint`) and
+  mmengine-semantics parameter schedulers (:mod:`.schedulers`).
+"""
 
 from __future__ import annotations
 
 from ._version import __version__
+from .boosted_optimizer import BoostedOptimizer
+from .booster import Booster
+from .data import StatefulDataLoader, make_stateful
+from .loss_scaler import DynamicLossScaler
+from .mixed_precision import (
+    BF16MixedPrecision,
+    FP8MixedPrecision,
+    FP16ApexMixedPrecision,
+    FP16TorchMixedPrecision,
+    MixedPrecision,
+    resolve_mixed_precision,
+)
+from .optim_wrappers import AmpOptimWrapper, ColossalAIOptimWrapper
+from .plugins import GeminiPlugin, PluginBase, SinglePlugin, TorchDDPPlugin, TorchFSDPPlugin
 from .checkpoint import CheckpointError, find_latest_checkpoint
 from .strategy import ColossalAIStrategy, Strategy
 
 __all__ = [
     "__version__",
+    "Booster",
+    "BoostedOptimizer",
+    "StatefulDataLoader",
+    "make_stateful",
+    "MixedPrecision",
+    "FP16TorchMixedPrecision",
+    "FP16ApexMixedPrecision",
+    "BF16MixedPrecision",
+    "FP8MixedPrecision",
+    "resolve_mixed_precision",
+    "ColossalAIOptimWrapper",
+    "AmpOptimWrapper",
+    "PluginBase",
+    "SinglePlugin",
+    "TorchDDPPlugin",
+    "TorchFSDPPlugin",
+    "GeminiPlugin",
+    "DynamicLossScaler",
     "Strategy",
     "ColossalAIStrategy",
     "CheckpointError",

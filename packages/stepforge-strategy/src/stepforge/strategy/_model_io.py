@@ -1,0 +1,223 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Full-model save/load in the Hugging Face layout (``model.safetensors`` or size-capped shards + index).
+
+Saving gathers the full state dict (FSDP2 DTensors included) with
+``torch.distributed.checkpoint.state_dict.get_model_state_dict(full_state_dict=True, cpu_offload=True)``; every
+rank must call it and rank 0 writes. Loading reads the file(s) on every rank and applies them with
+``set_model_state_dict(full_state_dict=True)``, which shards them again for FSDP2, so a save loads at any
+world size and into a plain ``nn.Module`` (``safetensors.torch.load_file``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = [
+    "save_model",
+    "load_model",
+    "gather_full_state_dict",
+    "unwrap_model",
+    "SAFE_WEIGHTS",
+    "BIN_WEIGHTS",
+]
+
+SAFE_WEIGHTS = "model.safetensors"
+BIN_WEIGHTS = "pytorch_model.bin"
+_INDEX_SUFFIX = ".index.json"
+
+
+def _is_dist() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _is_dist() else 0
+
+
+def _barrier() -> None:
+    if _is_dist():
+        dist.barrier()
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The module under a plugin's model wrapper (one with ``unwrap()``, as ColossalAI's ``ModelWrapper`` and
+    stepforge-zero's ``LowLevelZeroModel``); DDP and FSDP2 modules are returned as they are (torch's
+    state-dict functions handle them)."""
+    for _ in range(8):
+        inner = model.unwrap() if callable(getattr(model, "unwrap", None)) else None
+        if not isinstance(inner, nn.Module) or inner is model:
+            return model
+        model = inner
+    return model
+
+
+def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The full, unsharded CPU state dict of ``model`` on rank 0 (other ranks get an empty dict for FSDP2).
+
+    Collective: every rank must call it.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_model_state_dict(unwrap_model(model), options=options)
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def _file_names(prefix: str | None, use_safetensors: bool) -> tuple[str, str]:
+    base = SAFE_WEIGHTS if use_safetensors else BIN_WEIGHTS
+    stem, ext = base.rsplit(".", 1)
+    if prefix:
+        stem = f"{prefix}-{stem}" if not prefix.endswith(("-", "_")) else f"{prefix}{stem}"
+    return stem, ext
+
+
+def _unshare(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Tensors that own their whole storage: safetensors refuses tied weights and views into bigger storage.
+
+    A tensor whose storage is shared with an earlier entry, or that covers only part of its storage, is
+    copied; the rest are written as they are (no extra memory)."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for key, tensor in state.items():
+        tensor = tensor.detach()
+        storage = tensor.untyped_storage()
+        owns = tensor.is_contiguous() and tensor.numel() * tensor.element_size() == storage.nbytes()
+        if storage.data_ptr() in seen or not owns:
+            tensor = tensor.contiguous().clone()
+        seen.add(tensor.untyped_storage().data_ptr())
+        out[key] = tensor
+    return out
+
+
+def _write(tensors: dict[str, torch.Tensor], path: Path, use_safetensors: bool) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    if use_safetensors:
+        from safetensors.torch import save_file
+
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+    else:
+        torch.save(tensors, tmp)
+    os.replace(tmp, path)
+
+
+def _shards(state: dict[str, torch.Tensor], cap_bytes: int) -> list[dict[str, torch.Tensor]]:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > cap_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = tensor
+        size += nbytes
+    return shards
+
+
+def save_model(
+    model: nn.Module,
+    checkpoint: str | os.PathLike[str],
+    *,
+    shard: bool = False,
+    prefix: str | None = None,
+    size_per_shard: int = 1024,
+    use_safetensors: bool = True,
+) -> None:
+    """Write ``model``'s full state in the HF layout (see the module docstring). Collective."""
+    if not isinstance(size_per_shard, int | float) or size_per_shard <= 0:
+        raise ValueError(f"save_model: size_per_shard must be > 0 (MiB), got {size_per_shard!r}.")
+    state = gather_full_state_dict(model)
+    if _rank() == 0:
+        state = _unshare(state)
+        path = Path(checkpoint)
+        stem, ext = _file_names(prefix, use_safetensors)
+        if not shard:
+            if path.is_dir():
+                path = path / f"{stem}.{ext}"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _write(state, path, use_safetensors)
+        else:
+            path.mkdir(parents=True, exist_ok=True)
+            shards = _shards(state, int(size_per_shard * 1024 * 1024))
+            if len(shards) == 1:
+                _write(shards[0], path / f"{stem}.{ext}", use_safetensors)
+            else:
+                weight_map: dict[str, str] = {}
+                total = 0
+                for i, part in enumerate(shards, 1):
+                    name = f"{stem}-{i:05d}-of-{len(shards):05d}.{ext}"
+                    _write(part, path / name, use_safetensors)
+                    for key, tensor in part.items():
+                        weight_map[key] = name
+                        total += tensor.numel() * tensor.element_size()
+                index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+                index_path = path / f"{stem}.{ext}{_INDEX_SUFFIX}"
+                tmp = index_path.with_name(index_path.name + ".tmp")
+                tmp.write_text(json.dumps(index, indent=2, sort_keys=True))
+                os.replace(tmp, index_path)
+    _barrier()
+
+
+def _read_file(path: Path) -> dict[str, torch.Tensor]:
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(path))
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _files_in(directory: Path) -> Iterable[Path]:
+    indexes = sorted(directory.glob(f"*{_INDEX_SUFFIX}"))
+    if len(indexes) > 1:
+        raise ValueError(f"load_model: {directory} holds several index files {indexes}; pass one of them.")
+    if indexes:
+        return _files_of_index(indexes[0])
+    singles = sorted(directory.glob("*.safetensors")) or sorted(directory.glob("*.bin"))
+    if len(singles) != 1:
+        raise FileNotFoundError(
+            f"load_model: {directory} holds no index file and {len(singles)} weight files; expected "
+            f"{SAFE_WEIGHTS} (or {BIN_WEIGHTS}), or shards with an index JSON."
+        )
+    return singles
+
+
+def _files_of_index(index: Path) -> list[Path]:
+    weight_map = json.loads(index.read_text())["weight_map"]
+    return [index.parent / name for name in sorted(set(weight_map.values()))]
+
+
+def read_full_state_dict(checkpoint: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """Every tensor of a file, an index JSON or a directory written by :func:`save_model`."""
+    path = Path(checkpoint)
+    if path.is_dir():
+        files = list(_files_in(path))
+    elif path.name.endswith(_INDEX_SUFFIX):
+        files = _files_of_index(path)
+    elif path.is_file():
+        files = [path]
+    else:
+        raise FileNotFoundError(f"load_model: no checkpoint at {path}.")
+    state: dict[str, Any] = {}
+    for file in files:
+        state.update(_read_file(file))
+    return state
+
+
+def load_model(model: nn.Module, checkpoint: str | os.PathLike[str], *, strict: bool = True) -> None:
+    """Load a full HF-layout save into ``model`` (plain, DDP or FSDP2) at any world size. Collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    state = read_full_state_dict(checkpoint)
+    options = StateDictOptions(full_state_dict=True, strict=strict)
+    result = set_model_state_dict(unwrap_model(model), state, options=options)
+    if strict and result is not None and (result.missing_keys or result.unexpected_keys):
+        raise RuntimeError(
+            f"load_model: missing keys {result.missing_keys}, unexpected keys {result.unexpected_keys}."
+        )

@@ -1,0 +1,95 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Optimizer and lr-scheduler save/load for the Booster.
+
+The optimizer goes through ``torch.distributed.checkpoint``: the plugin's ``get_state_dict`` gives tensors (or
+DTensors) keyed by parameter FQN, every rank writes its own shard, and ``dcp.load`` fills the same structure
+in place at load time, at any world size. The fp16 loss-scaler state (``grad_scaler``) rides along.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+__all__ = ["save_optimizer", "load_optimizer", "save_lr_scheduler", "load_lr_scheduler"]
+
+
+def _is_dist() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _scaler_state(optimizer: Any) -> dict[str, Any] | None:
+    getter = getattr(optimizer, "scaler_state_dict", None)
+    return getter() if callable(getter) else None
+
+
+def _plugin_optimizer(optimizer: Any) -> Any:
+    # the plugin's own optimizer (a ZeRO optimizer), or the torch optimizer under our BoostedOptimizer
+    return optimizer._stepforge_inner if hasattr(optimizer, "_stepforge_inner") else optimizer
+
+
+def save_optimizer(
+    plugin: Any,
+    model: nn.Module,
+    optimizer: Any,
+    checkpoint: str | os.PathLike[str],
+    *,
+    use_async: bool = False,
+) -> None:
+    """Write the optimizer state of every rank to directory ``checkpoint`` (collective)."""
+    _, optim_sd = plugin.get_state_dict(model, _plugin_optimizer(optimizer))
+    state: dict[str, Any] = {"optimizer": optim_sd}
+    scaler = _scaler_state(optimizer)
+    if scaler is not None:
+        state["grad_scaler"] = scaler
+    Path(checkpoint).mkdir(parents=True, exist_ok=True)
+    if use_async:
+        dcp.async_save(state, checkpoint_id=str(checkpoint)).result()
+    else:
+        dcp.save(state, checkpoint_id=str(checkpoint))
+
+
+def load_optimizer(plugin: Any, model: nn.Module, optimizer: Any, checkpoint: str | os.PathLike[str]) -> None:
+    """Fill ``optimizer`` from a directory written by :func:`save_optimizer` (collective)."""
+    path = Path(checkpoint)
+    if not (path / ".metadata").is_file():
+        raise FileNotFoundError(
+            f"load_optimizer: {path} is not a torch.distributed.checkpoint directory (no .metadata); pass the "
+            "directory given to save_optimizer."
+        )
+    inner = _plugin_optimizer(optimizer)
+    model_sd, optim_sd = plugin.get_state_dict(model, inner)
+    state: dict[str, Any] = {"optimizer": optim_sd}
+    scaler = _scaler_state(optimizer)
+    if scaler is not None:
+        state["grad_scaler"] = scaler
+    dcp.load(state, checkpoint_id=str(path))
+    plugin.set_state_dict(model, inner, model_sd, state["optimizer"])
+    if scaler is not None:
+        optimizer.load_scaler_state_dict(state["grad_scaler"])
+
+
+def save_lr_scheduler(lr_scheduler: Any, checkpoint: str | os.PathLike[str]) -> None:
+    """``torch.save(lr_scheduler.state_dict())`` on rank 0; every rank calls (it ends with a barrier)."""
+    if not hasattr(lr_scheduler, "state_dict"):
+        raise TypeError(f"save_lr_scheduler: {type(lr_scheduler).__name__} has no state_dict().")
+    if not _is_dist() or dist.get_rank() == 0:
+        path = Path(checkpoint)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        torch.save(lr_scheduler.state_dict(), tmp)
+        os.replace(tmp, path)
+    if _is_dist():
+        dist.barrier()
+
+
+def load_lr_scheduler(lr_scheduler: Any, checkpoint: str | os.PathLike[str]) -> None:
+    """Load a file written by :func:`save_lr_scheduler`."""
+    state = torch.load(Path(checkpoint), map_location="cpu", weights_only=True)
+    lr_scheduler.load_state_dict(state)

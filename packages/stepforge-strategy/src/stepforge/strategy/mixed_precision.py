@@ -1,0 +1,292 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Mixed precision for the Booster: ``"fp16"``, ``"bf16"``, ``"fp8"``, ``"fp16_apex"``, a dict or an instance.
+
+Each class maps to torch as follows (the plugin that owns precision, FSDP2 or ZeRO, does its own):
+
+============================ =====================================================================
+``fp16`` (FP16TorchMixedPrecision) ``torch.autocast(dtype=float16)`` around the forward, fp32 parameters
+                             (the master weights), ``torch.amp.GradScaler`` dynamic loss scaling whose state
+                             is saved with the optimizer
+``bf16`` (BF16MixedPrecision)  ``torch.autocast(dtype=bfloat16)``, fp32 parameters, no loss scaling
+``fp8`` (FP8MixedPrecision)    torchao ``convert_to_float8_training`` + bf16 autocast; needs torchao and a GPU
+                             of compute capability 8.9 or newer, else a ``RuntimeError`` naming that
+``fp16_apex``                 accepted as ``fp16`` (a one-time note says so); Apex is not used
+============================ =====================================================================
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from .loss_scaler import DynamicLossScaler
+
+__all__ = [
+    "MixedPrecision",
+    "FP16TorchMixedPrecision",
+    "FP16ApexMixedPrecision",
+    "BF16MixedPrecision",
+    "FP8MixedPrecision",
+    "resolve_mixed_precision",
+    "PRECISION_NAMES",
+]
+
+logger = logging.getLogger("stepforge.strategy")
+
+
+class MixedPrecision:
+    """Base class: how the Booster casts the forward and scales the loss for plugins without precision.
+
+    Attributes:
+        name: the precision name (``"fp16"``, ``"bf16"``, ``"fp8"``).
+        dtype: the autocast dtype.
+    """
+
+    name = "fp32"
+    dtype: torch.dtype | None = None
+
+    def make_scaler(self, process_group: Any = None) -> DynamicLossScaler | None:
+        """The loss scaler (``None`` when the dtype needs none)."""
+        return None
+
+    def configure_model(self, model: nn.Module, device: torch.device) -> nn.Module:
+        """Make ``model``'s forward run under autocast (the module is patched in place; keys unchanged)."""
+        if self.dtype is None:
+            return model
+        autocast_forward(model, device.type, self.dtype)
+        return model
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+def autocast_forward(model: nn.Module, device_type: str, dtype: torch.dtype) -> None:
+    """Patch ``model.forward`` (instance attribute) to run inside ``torch.autocast(device_type, dtype)``."""
+    if getattr(model, "_stepforge_autocast", None) is not None:
+        if model._stepforge_autocast != (device_type, dtype):
+            raise ValueError(
+                f"model already runs under autocast {model._stepforge_autocast}; cannot switch to "
+                f"{(device_type, dtype)}."
+            )
+        return
+    original = model.forward
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(device_type=device_type, dtype=dtype):
+            return original(*args, **kwargs)
+
+    model.forward = forward  # type: ignore[method-assign]
+    model._stepforge_autocast = (device_type, dtype)
+
+
+class FP16TorchMixedPrecision(MixedPrecision):
+    """fp16 autocast with dynamic loss scaling (ColossalAI's signature; ``torch.amp.GradScaler`` semantics).
+
+    Args:
+        init_scale: initial loss scale.
+        growth_factor: scale multiplier after ``growth_interval`` steps without overflow.
+        backoff_factor: scale multiplier after an overflow (the step is skipped).
+        growth_interval: overflow-free steps before the scale grows.
+    """
+
+    name = "fp16"
+    dtype = torch.float16
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+    ) -> None:
+        if not init_scale > 0:
+            raise ValueError(f"FP16TorchMixedPrecision: init_scale must be > 0, got {init_scale!r}.")
+        if not growth_factor > 1.0:
+            raise ValueError(f"FP16TorchMixedPrecision: growth_factor must be > 1, got {growth_factor!r}.")
+        if not 0.0 < backoff_factor < 1.0:
+            raise ValueError(
+                f"FP16TorchMixedPrecision: backoff_factor must be in (0, 1), got {backoff_factor!r}."
+            )
+        if not isinstance(growth_interval, int) or growth_interval < 1:
+            raise ValueError(
+                f"FP16TorchMixedPrecision: growth_interval must be an int >= 1, got {growth_interval!r}."
+            )
+        self.scaler_kwargs = dict(
+            init_scale=float(init_scale),
+            growth_factor=float(growth_factor),
+            backoff_factor=float(backoff_factor),
+            growth_interval=growth_interval,
+        )
+
+    def make_scaler(self, process_group: Any = None) -> DynamicLossScaler:
+        return DynamicLossScaler(**self.scaler_kwargs, process_group=process_group)
+
+    def __repr__(self) -> str:
+        return f"FP16TorchMixedPrecision({self.scaler_kwargs})"
+
+
+_APEX_NOTED = False
+_APEX_ARGS = ("opt_level", "loss_scale", "verbosity")
+
+
+class FP16ApexMixedPrecision(FP16TorchMixedPrecision):
+    """``"fp16_apex"``: accepted as torch fp16 autocast with dynamic loss scaling (Apex is not used).
+
+    Args:
+        opt_level: ``"O1"`` (autocast) or ``"O2"`` (both run as fp16 autocast with fp32 master weights).
+        loss_scale: ``"dynamic"`` or a float (the initial scale).
+        verbosity: accepted for compatibility.
+    """
+
+    name = "fp16"
+
+    def __init__(self, opt_level: str = "O1", loss_scale: str | float = "dynamic", verbosity: int = 1,
+                 **kwargs: Any) -> None:  # fmt: skip
+        if kwargs:
+            raise TypeError(
+                f"FP16ApexMixedPrecision: argument(s) {', '.join(map(repr, sorted(kwargs)))} have no torch "
+                f"equivalent here; supported: {', '.join(_APEX_ARGS)}."
+            )
+        if opt_level not in ("O1", "O2"):
+            raise ValueError(f"FP16ApexMixedPrecision: opt_level must be 'O1' or 'O2', got {opt_level!r}.")
+        if loss_scale == "dynamic":
+            super().__init__()
+        elif isinstance(loss_scale, int | float) and not isinstance(loss_scale, bool):
+            super().__init__(init_scale=float(loss_scale))
+        else:
+            raise ValueError(
+                f"FP16ApexMixedPrecision: loss_scale must be 'dynamic' or a number, got {loss_scale!r}."
+            )
+        global _APEX_NOTED
+        if not _APEX_NOTED:
+            _APEX_NOTED = True
+            logger.warning(
+                "mixed_precision='fp16_apex' runs as torch fp16 autocast with dynamic loss scaling "
+                "(the same as 'fp16'); NVIDIA Apex is not used."
+            )
+
+
+class BF16MixedPrecision(MixedPrecision):
+    """bf16 autocast over fp32 parameters; no loss scaling (bf16 has fp32's exponent range)."""
+
+    name = "bf16"
+    dtype = torch.bfloat16
+
+
+def fp8_requirement_error() -> str | None:
+    """Why fp8 training cannot run here, or ``None`` when it can."""
+    if importlib.util.find_spec("torchao") is None:
+        return (
+            "mixed_precision='fp8' needs torchao's float8 training (pip install torchao) and an NVIDIA GPU of "
+            "compute capability 8.9 or newer (Ada, Hopper); torchao is not installed."
+        )
+    if not torch.cuda.is_available():
+        return (
+            "mixed_precision='fp8' needs an NVIDIA GPU of compute capability 8.9 or newer (Ada, Hopper) for "
+            "torchao's float8 training; no CUDA device is available. Use 'bf16' on this machine."
+        )
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) < (8, 9):
+        return (
+            f"mixed_precision='fp8' needs a GPU of compute capability 8.9 or newer (Ada, Hopper); this one is "
+            f"{major}.{minor}. Use 'bf16'."
+        )
+    return None
+
+
+class FP8MixedPrecision(MixedPrecision):
+    """fp8 training through torchao (``convert_to_float8_training``) with bf16 autocast around it.
+
+    Raises:
+        RuntimeError: at construction, when torchao or a GPU of compute capability >= 8.9 is missing.
+    """
+
+    name = "fp8"
+    dtype = torch.bfloat16
+
+    def __init__(self, **float8_config: Any) -> None:
+        reason = fp8_requirement_error()
+        if reason is not None:
+            raise RuntimeError(reason)
+        self.float8_config = float8_config
+
+    def configure_model(self, model: nn.Module, device: torch.device) -> nn.Module:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        config = Float8LinearConfig(**self.float8_config) if self.float8_config else None
+        convert_to_float8_training(model, config=config)
+        return super().configure_model(model, device)
+
+
+_BY_NAME: dict[str, type[MixedPrecision]] = {
+    "fp16": FP16TorchMixedPrecision,
+    "fp16torchmixedprecision": FP16TorchMixedPrecision,
+    "fp16apex": FP16ApexMixedPrecision,
+    "fp16apexmixedprecision": FP16ApexMixedPrecision,
+    "bf16": BF16MixedPrecision,
+    "bf16mixedprecision": BF16MixedPrecision,
+    "fp8": FP8MixedPrecision,
+    "fp8mixedprecision": FP8MixedPrecision,
+}
+
+#: The string values ``mixed_precision`` accepts.
+PRECISION_NAMES = ("fp16", "bf16", "fp8", "fp16_apex")
+
+
+def _key(name: str) -> str:
+    return name.strip().lower().replace("_", "").replace("-", "")
+
+
+def resolve_mixed_precision(spec: str | Mapping[str, Any] | MixedPrecision | None) -> MixedPrecision | None:
+    """A :class:`MixedPrecision` from a name, a ``dict(type=name, **kwargs)``, an instance or ``None``.
+
+    ``"fp32"``/``"no"`` give ``None`` (full precision).
+    """
+    if spec is None or isinstance(spec, MixedPrecision):
+        return spec
+    if isinstance(spec, str):
+        if _key(spec) in ("fp32", "no", "none"):
+            return None
+        cls = _BY_NAME.get(_key(spec))
+        if cls is None:
+            raise ValueError(
+                f"mixed_precision must be one of {', '.join(map(repr, PRECISION_NAMES))}, a dict with 'type' "
+                f"or a MixedPrecision instance; got {spec!r}."
+            )
+        return cls()
+    if isinstance(spec, Mapping):
+        kwargs = dict(spec)
+        name = kwargs.pop("type", None)
+        if not isinstance(name, str) or _key(name) not in _BY_NAME:
+            raise ValueError(
+                f"mixed_precision dict needs 'type' in {', '.join(map(repr, PRECISION_NAMES))}; got {name!r}."
+            )
+        return _BY_NAME[_key(name)](**kwargs)
+    raise TypeError(
+        f"mixed_precision must be a str, a dict or a MixedPrecision instance, got {type(spec).__name__}."
+    )
+
+
+def precision_name(spec: Any) -> str | None:
+    """The plain precision name of a ``mixed_precision`` argument (``'fp16_apex'`` -> ``'fp16'``)."""
+    if spec is None:
+        return None
+    if isinstance(spec, MixedPrecision):
+        return spec.name
+    if isinstance(spec, Mapping):
+        spec = spec.get("type")
+    if isinstance(spec, str):
+        key = _key(spec)
+        if key in ("fp32", "no", "none"):
+            return "fp32"
+        cls = _BY_NAME.get(key)
+        if cls is not None:
+            return cls.name
+    return None

@@ -1,0 +1,221 @@
+# SPDX-License-Identifier: Apache-2.0
+"""mmengine's ``ColossalAIOptimWrapper`` and ``AmpOptimWrapper`` on stepforge-accum's ``OptimWrapper``.
+
+Both subclass the ``OptimWrapper`` registered in ``stepforge.core.OPTIM_WRAPPERS`` (stepforge-accum), so the
+counting, the partial last window, weighted accumulation (``num_items``) and the counters in ``state_dict``
+are accum's; these classes only change how backward, clipping and the step run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from stepforge.core import OPTIM_WRAPPERS
+
+__all__ = ["ColossalAIOptimWrapper", "AmpOptimWrapper"]
+
+_BaseOptimWrapper: Any = OPTIM_WRAPPERS.get("OptimWrapper")
+
+
+class ColossalAIOptimWrapper(_BaseOptimWrapper):
+    """Drive backward, ``no_sync`` and clipping through a :class:`~stepforge.strategy.Booster`.
+
+    Args:
+        optimizer: the optimizer ``booster.boost`` returned.
+        booster: the Booster (required before ``backward``/``optim_context``).
+        accumulative_counts: micro-batches per optimizer step.
+        clip_grad: ``dict(max_norm=..., norm_type=2.0)`` clips by the global norm through the plugin (after
+            fp16 unscaling, over every shard); ``dict(type="value", clip_value=...)`` clips values.
+            mmengine refuses ``clip_grad`` here; the plugin's ``max_norm`` still works too.
+        **kwargs: ``process_group``, ``reduce_weights``, ``scheduler_clock`` of accum's ``OptimWrapper``.
+
+    ``backward`` counts the micro-batch and runs ``booster.backward`` (the plugin's loss scaling);
+    ``optim_context(model)`` enters ``booster.no_sync(model, optimizer)`` for micro-batches that do not end a
+    window when the plugin supports it (put the forward inside). It never enables autocast: the Booster's
+    mixed precision already did.
+    """
+
+    def __init__(
+        self,
+        optimizer: Any,
+        booster: Any = None,
+        accumulative_counts: int = 1,
+        clip_grad: dict | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(optimizer, accumulative_counts=accumulative_counts, clip_grad=clip_grad, **kwargs)
+        if booster is not None and not hasattr(booster, "backward"):
+            raise TypeError(
+                f"ColossalAIOptimWrapper: booster must be a stepforge.strategy.Booster, got {type(booster).__name__}."
+            )
+        self.booster = booster
+        self._model: nn.Module | None = None
+
+    def _require_booster(self, what: str) -> Any:
+        if self.booster is None:
+            raise RuntimeError(
+                f"ColossalAIOptimWrapper.{what}: no booster; build it with ColossalAIOptimWrapper(optimizer, "
+                "booster=booster) or set wrapper.booster (Strategy.prepare does)."
+            )
+        return self.booster
+
+    def _run_backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        booster = self._require_booster("backward")
+        if kwargs:
+            raise TypeError(
+                f"ColossalAIOptimWrapper.backward: the booster's backward takes no extra arguments, got "
+                f"{sorted(kwargs)}."
+            )
+        booster.backward(loss, self.optimizer)
+
+    @contextmanager
+    def optim_context(self, model: Any) -> Iterator[None]:
+        """Run a micro-batch's forward and backward; non-final ones skip gradient sync when the plugin can."""
+        booster = self._require_booster("optim_context")
+        self._model = model
+        self._last_targets = (model, self.optimizer)
+        window = self._window
+        skip = booster.supports_no_sync() and not self.should_sync() and window.context_depth == 0
+        window.context_depth += 1
+        try:
+            if skip:
+                with booster.no_sync(model, self.optimizer):
+                    yield
+            else:
+                yield
+        finally:
+            window.context_depth -= 1
+
+    def _clip_grad(self) -> None:
+        assert self.clip_grad_kwargs is not None
+        if self._clip_type == "value":
+            unscale = getattr(self.optimizer, "unscale_grad", None)
+            if callable(unscale):
+                unscale()
+            params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+            nn.utils.clip_grad_value_(params, **self.clip_grad_kwargs)
+            return
+        kwargs = dict(self.clip_grad_kwargs)
+        unknown = set(kwargs) - {"max_norm", "norm_type"}
+        if unknown or "max_norm" not in kwargs:
+            raise ValueError(
+                f"ColossalAIOptimWrapper: clip_grad takes max_norm (and norm_type) for global-norm clipping, "
+                f"got {sorted(self.clip_grad_kwargs)}."
+            )
+        booster = self._require_booster("step")
+        self.grad_norm = booster.clip_grad_norm_(
+            self.optimizer, kwargs["max_norm"], kwargs.get("norm_type", 2.0), model=self._model
+        )
+
+
+_DTYPES = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+}
+
+
+def _param_device(optimizer: Any) -> torch.device:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            return p.device
+    return torch.device("cpu")
+
+
+class AmpOptimWrapper(_BaseOptimWrapper):
+    """Automatic mixed precision: autocast in ``optim_context``, ``GradScaler`` loss scaling (mmengine's API).
+
+    Args:
+        loss_scale: ``"dynamic"`` (``GradScaler`` defaults), a number (a static scale; ints too, which
+            mmengine rejects) or a dict of ``GradScaler`` arguments.
+        dtype: autocast dtype: ``"float16"``, ``"bfloat16"``, ``"float32"``, ``"float64"`` or a
+            ``torch.dtype``; ``None``: float16 on CUDA, bfloat16 on CPU.
+        use_fsdp: use ``ShardedGradScaler`` (overflow found on any rank skips the step on all).
+        **kwargs: ``accumulative_counts``, ``clip_grad`` and the rest of accum's ``OptimWrapper``.
+
+    Runs on CPU and CUDA (the device is that of the optimizer's parameters). Loss scaling is used only with
+    float16; bf16 and fp32 need none (mmengine scales those too).
+    """
+
+    valid_dtypes = tuple(_DTYPES)
+
+    def __init__(
+        self,
+        optimizer: Any,
+        *,
+        loss_scale: str | float | int | dict = "dynamic",
+        dtype: str | torch.dtype | None = None,
+        use_fsdp: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(optimizer, **kwargs)
+        self.device = _param_device(optimizer)
+        if dtype is None:
+            dtype = torch.float16 if self.device.type == "cuda" else torch.bfloat16
+        elif isinstance(dtype, str):
+            if dtype not in _DTYPES:
+                raise ValueError(f"AmpOptimWrapper: dtype must be one of {self.valid_dtypes}, got {dtype!r}.")
+            dtype = _DTYPES[dtype]
+        elif not isinstance(dtype, torch.dtype) or dtype not in _DTYPES.values():
+            raise TypeError(
+                f"AmpOptimWrapper: dtype must be one of {self.valid_dtypes} or None, got {dtype!r}."
+            )
+        self.cast_dtype = dtype
+        self._static_scale: float | None = None
+        if loss_scale == "dynamic":
+            scaler_kwargs: dict[str, Any] = {}
+        elif isinstance(loss_scale, int | float) and not isinstance(loss_scale, bool):
+            if loss_scale <= 0:
+                raise ValueError(f"AmpOptimWrapper: loss_scale must be > 0, got {loss_scale!r}.")
+            self._static_scale = float(loss_scale)
+            scaler_kwargs = {"init_scale": float(loss_scale)}
+        elif isinstance(loss_scale, Mapping):
+            scaler_kwargs = dict(loss_scale)
+        else:
+            raise TypeError(
+                f"AmpOptimWrapper: loss_scale must be 'dynamic', a number or a dict of GradScaler arguments, "
+                f"got {loss_scale!r}."
+            )
+        enabled = dtype == torch.float16
+        if use_fsdp:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            self.loss_scaler: Any = ShardedGradScaler(self.device.type, enabled=enabled, **scaler_kwargs)
+        else:
+            self.loss_scaler = torch.amp.GradScaler(self.device.type, enabled=enabled, **scaler_kwargs)
+
+    def _run_backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        self.loss_scaler.scale(loss).backward(**kwargs)
+
+    def _before_clip(self) -> None:
+        self.loss_scaler.unscale_(self.optimizer)
+
+    def _optimizer_step(self, **kwargs: Any) -> Any:
+        out = self.loss_scaler.step(self.optimizer, **kwargs)
+        self.loss_scaler.update(self._static_scale)
+        return out
+
+    @contextmanager
+    def optim_context(self, model: Any) -> Iterator[None]:
+        """accum's no-sync logic plus ``torch.autocast(device, dtype)`` around the forward."""
+        with super().optim_context(model), torch.autocast(self.device.type, dtype=self.cast_dtype):
+            yield
+
+    def state_dict(self) -> dict[str, Any]:
+        """accum's state dict plus ``loss_scaler``."""
+        state = super().state_dict()
+        state["loss_scaler"] = self.loss_scaler.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        state = dict(state_dict)
+        scaler = state.pop("loss_scaler", None)
+        if scaler:
+            self.loss_scaler.load_state_dict(scaler)
+        super().load_state_dict(state)

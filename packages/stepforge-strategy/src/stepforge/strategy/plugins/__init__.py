@@ -1,0 +1,22 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The plugins of stepforge-strategy, registered in ``stepforge.plugins``:
+
+========================= ============================ =========================================================
+registry names            class                        torch engine
+========================= ============================ =========================================================
+``single``                :class:`SinglePlugin`        none (one process)
+``torch_ddp``, ``ddp``    :class:`TorchDDPPlugin`      ``DistributedDataParallel``
+``torch_fsdp``, ``fsdp``  :class:`TorchFSDPPlugin`     FSDP2 ``fully_shard`` + ``MixedPrecisionPolicy``
+``gemini``                :class:`GeminiPlugin`        FSDP2 ``fully_shard`` + ``CPUOffloadPolicy`` (ZeRO-3)
+========================= ============================ =========================================================
+"""
+
+from __future__ import annotations
+
+from ._base import PluginBase
+from .gemini import GeminiPlugin
+from .single import SinglePlugin
+from .torch_ddp import TorchDDPPlugin
+from .torch_fsdp import TorchFSDPPlugin
+
+__all__ = ["PluginBase", "SinglePlugin", "TorchDDPPlugin", "TorchFSDPPlugin", "GeminiPlugin"]

@@ -1,0 +1,131 @@
+# SPDX-License-Identifier: Apache-2.0
+"""FSDP2 plumbing shared by ``torch_fsdp`` and ``gemini``: which modules to shard, the optimizer re-pointed at
+the sharded (DTensor) parameters, the precision policy."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["shard_model", "precision_policy", "repoint_optimizer", "PRECISIONS", "accelerator_available"]
+
+PRECISIONS = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def accelerator_available() -> bool:
+    """Whether an accelerator exists (pinned host memory needs one)."""
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None and hasattr(acc, "is_available"):
+        return bool(acc.is_available())
+    return torch.cuda.is_available()
+
+
+def precision_policy(precision: str) -> Any:
+    """FSDP2 ``MixedPrecisionPolicy``: params cast to the precision for compute, gradients reduced in fp32,
+    the sharded fp32 parameters are the master weights."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    dtype = PRECISIONS[precision]
+    if dtype is None:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+
+
+def default_blocks(model: nn.Module) -> list[nn.Module]:
+    """The blocks sharded one by one: the elements of every ``ModuleList``/``Sequential`` child that holds
+    parameters; without such containers, the direct children holding parameters."""
+    blocks: list[nn.Module] = []
+    for module in model.modules():
+        if module is model:
+            continue
+        if isinstance(module, nn.ModuleList | nn.Sequential):
+            blocks.extend(m for m in module.children() if any(True for _ in m.parameters()))
+    if not blocks:
+        blocks = [m for m in model.children() if any(True for _ in m.parameters())]
+    # keep the innermost-first order fully_shard wants and drop blocks nested in other blocks' parents twice
+    seen: set[int] = set()
+    out = []
+    for b in blocks:
+        if id(b) not in seen:
+            seen.add(id(b))
+            out.append(b)
+    return out
+
+
+def shard_model(
+    model: nn.Module,
+    *,
+    blocks: Callable[[nn.Module], bool] | Iterable[type] | None,
+    mesh: Any,
+    reshard_after_forward: bool,
+    mp_policy: Any,
+    offload_policy: Any,
+) -> nn.Module:
+    """``fully_shard`` each block, then the root (one communication group per call)."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    if isinstance(model, FSDPModule):
+        return model
+    if blocks is None:
+        chosen = default_blocks(model)
+    elif callable(blocks) and not isinstance(blocks, type):
+        chosen = [m for m in model.modules() if m is not model and blocks(m)]
+    else:
+        classes = tuple(blocks)
+        chosen = [m for m in model.modules() if m is not model and isinstance(m, classes)]
+    kwargs: dict[str, Any] = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+    for block in reversed(chosen):  # innermost (last registered) first
+        fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
+    fully_shard(model, reshard_after_forward=False, **kwargs)
+    return model
+
+
+def repoint_optimizer(optimizer: Any, before: dict[int, str], model: nn.Module) -> None:
+    """Point ``optimizer``'s groups at ``model``'s new (sharded) parameters, matched by name.
+
+    ``before`` maps ``id(old parameter)`` to its FQN. The optimizer must not have state yet.
+    """
+    if optimizer is None:
+        return
+    if len(optimizer.state) > 0:
+        raise ValueError(
+            "the optimizer already has state; FSDP2 replaces the parameters with sharded ones, so build the "
+            "optimizer before its first step and boost it then (or load its state after boost)."
+        )
+    after = dict(model.named_parameters())
+    for group in optimizer.param_groups:
+        new = []
+        for p in group["params"]:
+            name = before.get(id(p))
+            if name is None or name not in after:
+                raise ValueError(
+                    "the optimizer holds a parameter that is not in the boosted model; build it from "
+                    "model.parameters() of the model passed to boost()."
+                )
+            new.append(after[name])
+        group["params"] = new
+    invalidate = getattr(optimizer, "invalidate_cache", None)
+    if callable(invalidate):
+        invalidate()
+
+
+def param_names(model: nn.Module) -> dict[int, str]:
+    return {id(p): name for name, p in model.named_parameters()}
+
+
+def require_process_group(owner: str) -> None:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            f"{owner} needs an initialised process group (torchrun, or torch.distributed.init_process_group); "
+            "on one process use plugin='single'."
+        )
+
+
+def world_mesh(device: torch.device) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, (dist.get_world_size(),))

@@ -1,0 +1,42 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``single``: one process, no process group; the same Booster API as the distributed plugins."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._base import PluginBase
+
+__all__ = ["SinglePlugin"]
+
+
+class SinglePlugin(PluginBase):
+    """Run on one process: the model is moved to ``device`` and nothing is wrapped.
+
+    Args:
+        device: where the model lives (default: the current CUDA device when there is one, else CPU).
+
+    ``no_sync`` is supported and does nothing (there is nothing to synchronise), so accumulation code written
+    for DDP runs unchanged.
+    """
+
+    name = "single"
+
+    def __init__(self, device: str | torch.device | None = None) -> None:
+        super().__init__(device)
+
+    def prepare(self, model: nn.Module, optimizer: Any = None, **kwargs: Any) -> tuple[nn.Module, Any]:
+        """Move ``model`` to the plugin's device; the optimizer is returned as it is."""
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                f"SinglePlugin.prepare: model must be a torch.nn.Module, got {type(model).__name__}."
+            )
+        model.to(self.device)
+        return model, optimizer
+
+    def no_sync(self, model: nn.Module, optimizer: Any = None) -> AbstractContextManager[Any]:
+        return nullcontext()

@@ -1,0 +1,91 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``torch_ddp`` (aliases ``ddp``, ``TorchDDPPlugin``): ``torch.nn.parallel.DistributedDataParallel``."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ._base import PluginBase
+
+__all__ = ["TorchDDPPlugin"]
+
+
+class TorchDDPPlugin(PluginBase):
+    """Data parallelism with torch DDP; ``no_sync`` is DDP's.
+
+    ColossalAI's arguments, passed to ``DistributedDataParallel``:
+
+    Args:
+        broadcast_buffers: broadcast buffers from rank 0 at every forward.
+        bucket_cap_mb: gradient bucket size in MiB.
+        find_unused_parameters: tolerate parameters that get no gradient.
+        check_reduction: accepted for compatibility (torch ignores it).
+        gradient_as_bucket_view: gradients alias the communication buckets (saves memory).
+        static_graph: the graph is the same every iteration.
+        device: where the model lives (default: ``cuda:LOCAL_RANK`` when CUDA is available, else CPU).
+        process_group: the data-parallel group (default: the world).
+
+    Raises:
+        RuntimeError: at ``prepare`` when no process group is initialised (use ``single`` for one process).
+    """
+
+    name = "torch_ddp"
+
+    def __init__(
+        self,
+        broadcast_buffers: bool = True,
+        bucket_cap_mb: int = 25,
+        find_unused_parameters: bool = False,
+        check_reduction: bool = False,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        *,
+        device: str | torch.device | None = None,
+        process_group: Any = None,
+    ) -> None:
+        super().__init__(device)
+        if not isinstance(bucket_cap_mb, int | float) or bucket_cap_mb <= 0:
+            raise ValueError(f"TorchDDPPlugin: bucket_cap_mb must be > 0, got {bucket_cap_mb!r}.")
+        self.ddp_kwargs = dict(
+            broadcast_buffers=broadcast_buffers,
+            bucket_cap_mb=bucket_cap_mb,
+            find_unused_parameters=find_unused_parameters,
+            check_reduction=check_reduction,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            static_graph=static_graph,
+        )
+        self.process_group = process_group
+
+    def prepare(self, model: nn.Module, optimizer: Any = None, **kwargs: Any) -> tuple[nn.Module, Any]:
+        """Move ``model`` to the device and wrap it in DDP (the optimizer's parameters are DDP's)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "TorchDDPPlugin needs an initialised process group (torchrun, or "
+                "torch.distributed.init_process_group); on one process use plugin='single'."
+            )
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                f"TorchDDPPlugin.prepare: model must be a torch.nn.Module, got {type(model).__name__}."
+            )
+        if isinstance(model, DistributedDataParallel):
+            return model, optimizer
+        model.to(self.device)
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        ddp = DistributedDataParallel(
+            model, device_ids=device_ids, process_group=self.process_group, **self.ddp_kwargs
+        )
+        return ddp, optimizer
+
+    def no_sync(self, model: nn.Module, optimizer: Any = None) -> AbstractContextManager[Any]:
+        """DDP's ``no_sync``: the forward and backward inside skip the all-reduce."""
+        if not isinstance(model, DistributedDataParallel):
+            raise TypeError(
+                f"TorchDDPPlugin.no_sync: model must be the boosted (DDP) model, got {type(model).__name__}."
+            )
+        return model.no_sync()

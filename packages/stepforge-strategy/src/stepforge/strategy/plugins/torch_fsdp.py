@@ -1,0 +1,233 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``torch_fsdp`` (aliases ``fsdp``, ``TorchFSDPPlugin``): FSDP2 ``fully_shard`` per block, then the root."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from stepforge.core import build_optimizer
+
+from ..boosted_optimizer import BoostedOptimizer
+from ..loss_scaler import DynamicLossScaler
+from ._base import PluginBase
+from ._fsdp_common import (
+    PRECISIONS,
+    accelerator_available,
+    param_names,
+    precision_policy,
+    repoint_optimizer,
+    require_process_group,
+    shard_model,
+    world_mesh,
+)
+
+__all__ = ["TorchFSDPPlugin", "FSDP1_ONLY_ARGUMENTS"]
+
+#: ColossalAI/FSDP1 arguments with no FSDP2 equivalent: passing any of them raises, naming it.
+FSDP1_ONLY_ARGUMENTS = (
+    "auto_wrap_policy",
+    "backward_prefetch",
+    "ignored_modules",
+    "param_init_fn",
+    "sync_module_states",
+    "fp8_communication",
+    "limit_all_gathers",
+    "use_orig_params",
+    "forward_prefetch",
+)
+
+
+class TorchFSDPPlugin(PluginBase):
+    """ZeRO-3 with torch FSDP2: ``fully_shard`` on each block, then on the root.
+
+    Args:
+        precision: ``"fp32"`` (default), ``"bf16"`` or ``"fp16"``: FSDP2 ``MixedPrecisionPolicy`` with
+            ``param_dtype`` = the precision and fp32 gradient reduction; the sharded fp32 parameters are the
+            master weights. ``"fp16"`` adds dynamic loss scaling agreed across ranks.
+        reshard_after_forward: free the gathered parameters of a block after its forward (ZeRO-3); ``False``
+            keeps them until backward (ZeRO-2-like memory, less communication).
+        cpu_offload: ``True`` (or an FSDP1 ``CPUOffload(offload_params=True)``) gives ``CPUOffloadPolicy``:
+            sharded parameters, gradients and optimizer state on CPU; pinned memory only where an accelerator
+            exists.
+        sharding_strategy: FSDP1 name accepted for compatibility: ``"FULL_SHARD"`` (reshard after forward) or
+            ``"SHARD_GRAD_OP"`` (do not); others raise.
+        mixed_precision: an FSDP2 ``MixedPrecisionPolicy`` (or FSDP1 ``MixedPrecision`` with ``param_dtype``/
+            ``reduce_dtype``), instead of ``precision``.
+        shard_modules: which submodules are blocks: a predicate, or module classes; default: the elements of
+            ``ModuleList``/``Sequential`` children, else the direct children with parameters.
+        max_norm: global-norm gradient clipping inside ``optimizer.step`` (0 = off).
+        device: compute device (default ``cuda:LOCAL_RANK`` or CPU).
+
+    Raises:
+        TypeError: an FSDP1-only argument (``auto_wrap_policy``, ``backward_prefetch``...) or an unknown one.
+        ValueError: an unknown precision or sharding strategy.
+    """
+
+    name = "torch_fsdp"
+    builds_optimizer_config = True
+
+    def __init__(
+        self,
+        precision: str | None = None,
+        reshard_after_forward: bool | None = None,
+        cpu_offload: Any = False,
+        sharding_strategy: Any = None,
+        mixed_precision: Any = None,
+        shard_modules: Callable[[nn.Module], bool] | Iterable[type] | None = None,
+        max_norm: float = 0.0,
+        *,
+        device: str | torch.device | None = None,
+        process_group: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(device)
+        for key in kwargs:
+            if key in FSDP1_ONLY_ARGUMENTS:
+                raise TypeError(
+                    f"{type(self).__name__}: argument {key!r} is FSDP1's and has no FSDP2 (fully_shard) "
+                    "equivalent here; remove it (blocks are chosen with shard_modules)."
+                )
+        if kwargs:
+            raise TypeError(
+                f"{type(self).__name__}: unexpected argument(s) {', '.join(map(repr, sorted(kwargs)))}."
+            )
+        if process_group is not None:
+            raise TypeError(
+                f"{type(self).__name__}: process_group is not supported; the plugin shards over the default "
+                "(world) group."
+            )
+        self._explicit_precision = precision is not None
+        self.set_precision(precision or "fp32")
+        self._explicit_precision = precision is not None
+        if sharding_strategy is not None:
+            name = getattr(sharding_strategy, "name", sharding_strategy)
+            if name == "FULL_SHARD":
+                reshard_after_forward = True if reshard_after_forward is None else reshard_after_forward
+            elif name == "SHARD_GRAD_OP":
+                reshard_after_forward = False if reshard_after_forward is None else reshard_after_forward
+            else:
+                raise ValueError(
+                    f"{type(self).__name__}: sharding_strategy {name!r} has no mapping; use 'FULL_SHARD' or "
+                    "'SHARD_GRAD_OP' (HSDP: a 2-D mesh is not offered by this plugin)."
+                )
+        self.reshard_after_forward = True if reshard_after_forward is None else bool(reshard_after_forward)
+        if isinstance(cpu_offload, bool):
+            self.cpu_offload = cpu_offload
+        elif hasattr(cpu_offload, "offload_params"):
+            self.cpu_offload = bool(cpu_offload.offload_params)
+        else:
+            raise TypeError(
+                f"{type(self).__name__}: cpu_offload must be a bool or CPUOffload, got {cpu_offload!r}."
+            )
+        self._mp_override = mixed_precision
+        self.shard_modules = shard_modules
+        if max_norm < 0:
+            raise ValueError(f"{type(self).__name__}: max_norm must be >= 0, got {max_norm!r}.")
+        self.max_norm = float(max_norm)
+        self.norm_type = 2.0
+        self.default_optimizer: str | None = None
+
+    def set_precision(self, precision: str) -> None:
+        """Set the precision (the Booster passes its ``mixed_precision`` to a plugin that has none)."""
+        if precision not in PRECISIONS:
+            raise ValueError(
+                f"{type(self).__name__}: precision must be one of {', '.join(map(repr, PRECISIONS))}, got "
+                f"{precision!r}."
+            )
+        self.precision = precision
+
+    # -- policies ------------------------------------------------------------------------------------------
+    def _mp_policy(self) -> Any:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        override = self._mp_override
+        if override is None:
+            return precision_policy(self.precision or "fp32")
+        if isinstance(override, MixedPrecisionPolicy):
+            return override
+        return MixedPrecisionPolicy(
+            param_dtype=getattr(override, "param_dtype", None),
+            reduce_dtype=getattr(override, "reduce_dtype", None),
+        )
+
+    def _offload_policy(self) -> Any:
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+        if not self.cpu_offload:
+            return OffloadPolicy()
+        return CPUOffloadPolicy(pin_memory=accelerator_available())
+
+    def _make_scaler(self) -> DynamicLossScaler | None:
+        if self.precision != "fp16":
+            return None
+        return DynamicLossScaler(process_group=dist.group.WORLD)
+
+    # -- prepare -------------------------------------------------------------------------------------------
+    def prepare(self, model: nn.Module, optimizer: Any = None, **kwargs: Any) -> tuple[nn.Module, Any]:
+        """Shard ``model`` (moved to the device first) and point ``optimizer`` at the sharded parameters.
+
+        ``optimizer`` may also be a config dict (``build_optimizer``), built on the sharded parameters. It
+        comes back as a ``BoostedOptimizer`` (loss scaling for fp16, ``max_norm`` clipping).
+        """
+        require_process_group(type(self).__name__)
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                f"{type(self).__name__}.prepare: model must be a torch.nn.Module, got {type(model).__name__}."
+            )
+        names = param_names(model)
+        model.to(self.device)
+        shard_model(
+            model,
+            blocks=self.shard_modules,
+            mesh=world_mesh(self.device),
+            reshard_after_forward=self.reshard_after_forward,
+            mp_policy=self._mp_policy(),
+            offload_policy=self._offload_policy(),
+        )
+        if optimizer is None:
+            return model, None
+        if isinstance(optimizer, Mapping):
+            cfg = dict(optimizer)
+            if self.default_optimizer is not None:
+                cfg.setdefault("type", self.default_optimizer)
+            optimizer = build_optimizer(cfg, model.parameters())
+        else:
+            repoint_optimizer(optimizer, names, model)
+        return model, self._wrap(model, optimizer)
+
+    def _wrap(self, model: nn.Module, optimizer: Any) -> BoostedOptimizer:
+        return BoostedOptimizer(
+            optimizer,
+            scaler=self._make_scaler(),
+            max_norm=self.max_norm,
+            norm_type=self.norm_type,
+            clip_fn=lambda max_norm, norm_type: self.clip_grad_norm_(model, optimizer, max_norm, norm_type),
+        )
+
+    def supports_no_sync(self) -> bool:
+        return True
+
+    def no_sync(self, model: nn.Module, optimizer: Any = None) -> AbstractContextManager[Any]:
+        """``set_requires_gradient_sync(False)`` on every FSDP module for the block (the flag is read in
+        backward); gradients are reduce-scattered by the first backward outside."""
+        return _gradient_sync_off(model)
+
+
+@contextmanager
+def _gradient_sync_off(model: nn.Module) -> Iterator[None]:
+    from torch.distributed.fsdp import FSDPModule
+
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for m in modules:
+        m.set_requires_gradient_sync(False, recurse=False)
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.set_requires_gradient_sync(True, recurse=False)

@@ -1,0 +1,81 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Plugin constructors: ColossalAI's arguments are mapped, honoured, or refused by name (one process)."""
+
+from __future__ import annotations
+
+import pytest
+
+from stepforge.strategy import GeminiPlugin, TorchDDPPlugin, TorchFSDPPlugin
+
+
+def test_gemini_maps_colossalai_arguments():
+    assert GeminiPlugin().precision == "fp16" and not GeminiPlugin().cpu_offload  # ColossalAI's defaults
+    assert GeminiPlugin(placement_policy="auto").cpu_offload
+    assert GeminiPlugin(offload_param_frac=1.0).cpu_offload
+    assert GeminiPlugin(offload_optim_frac=1.0).cpu_offload
+    g = GeminiPlugin(precision="bf16", max_norm=1.0, norm_type=2.0, initial_scale=2**8, hysteresis=3)
+    assert g.precision == "bf16" and g.max_norm == 1.0 and g._scaler_kwargs["init_scale"] == 2**8
+    assert not g.supports_no_sync() and not g.support_no_sync()
+    # arguments of ColossalAI's chunk manager are accepted at their defaults
+    GeminiPlugin(chunk_config_dict=None, search_range_m=32, shard_param_frac=1.0, enable_async_reduce=True)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (dict(chunk_config_dict={"x": 1}), ValueError, "chunk_config_dict"),
+        (dict(search_range_m=64), ValueError, "search_range_m"),
+        (dict(shard_param_frac=0.5), ValueError, "shard_param_frac"),
+        (dict(tp_size=2), ValueError, "tp_size"),
+        (dict(offload_optim_frac=0.5), ValueError, "offload_optim_frac"),
+        (dict(offload_param_frac=0.3), ValueError, "offload_param_frac"),
+        (dict(placement_policy="cuda"), ValueError, "placement_policy"),
+        (dict(master_weights=False), ValueError, "master_weights"),
+        (dict(precision="fp8"), ValueError, "precision"),
+        (dict(growth_factor=0.5), ValueError, "growth_factor"),
+        (dict(no_such_argument=1), TypeError, "no_such_argument"),
+    ],
+)
+def test_gemini_refuses_by_name(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        GeminiPlugin(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (dict(auto_wrap_policy=object()), TypeError, "auto_wrap_policy"),
+        (dict(backward_prefetch="BACKWARD_PRE"), TypeError, "backward_prefetch"),
+        (dict(sync_module_states=True), TypeError, "sync_module_states"),
+        (dict(sharding_strategy="NO_SHARD"), ValueError, "NO_SHARD"),
+        (dict(precision="fp8"), ValueError, "precision"),
+        (dict(max_norm=-1.0), ValueError, "max_norm"),
+        (dict(cpu_offload="yes"), TypeError, "cpu_offload"),
+        (dict(process_group=object()), TypeError, "process_group"),
+        (dict(whatever=1), TypeError, "whatever"),
+    ],
+)
+def test_torch_fsdp_refuses_by_name(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        TorchFSDPPlugin(**kwargs)
+
+
+def test_torch_fsdp_maps_fsdp1_arguments():
+    assert TorchFSDPPlugin(sharding_strategy="SHARD_GRAD_OP").reshard_after_forward is False
+    assert TorchFSDPPlugin(sharding_strategy="FULL_SHARD").reshard_after_forward is True
+
+    class CPUOffload:  # FSDP1's dataclass shape
+        offload_params = True
+
+    assert TorchFSDPPlugin(cpu_offload=CPUOffload()).cpu_offload
+    assert TorchFSDPPlugin().precision == "fp32"
+
+
+def test_torch_ddp_arguments():
+    p = TorchDDPPlugin(bucket_cap_mb=4, find_unused_parameters=True, static_graph=True)
+    assert p.ddp_kwargs["bucket_cap_mb"] == 4 and p.ddp_kwargs["find_unused_parameters"]
+    assert p.precision is None and p.supports_no_sync()
+    with pytest.raises(ValueError, match="bucket_cap_mb"):
+        TorchDDPPlugin(bucket_cap_mb=0)
+    with pytest.raises(TypeError):
+        TorchDDPPlugin(not_an_argument=1)
