@@ -119,12 +119,17 @@ def generate(model: nn.Module, prompt: bytes, n: int, ctx: int, seed: int) -> by
 
 
 # -- one half of the run, on every rank --------------------------------------------------------------------
-def _local_bytes(tensors: Any) -> int:
-    total = 0
-    for t in tensors:
-        t = t.to_local() if hasattr(t, "to_local") else t
-        total += t.numel() * t.element_size()
-    return total
+def _local_bytes(tree: Any) -> int:
+    """Bytes this rank holds for the tensors in ``tree`` (DTensor/ShardedTensor: the local shards only)."""
+    if isinstance(tree, dict):
+        return sum(_local_bytes(v) for v in tree.values())
+    if isinstance(tree, list | tuple):
+        return sum(_local_bytes(v) for v in tree)
+    if hasattr(tree, "local_shards"):
+        return sum(_local_bytes(s.tensor) for s in tree.local_shards())
+    if hasattr(tree, "to_local"):
+        tree = tree.to_local()
+    return tree.numel() * tree.element_size() if torch.is_tensor(tree) else 0
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -200,12 +205,11 @@ def worker(args: argparse.Namespace) -> None:
     bar.close()
     if args.phase == "first":
         strategy.save_checkpoint(f"step_{args.save_at}", max_keep_ckpts=2)
-    params = list(model.parameters())
-    states = [v for st in wrapper.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+    _, optim_sd = strategy.plugin.get_state_dict(model, wrapper.optimizer)  # the shards this rank holds
     mine = dict(
         rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        param_mb=_local_bytes(params) / 2**20,
-        optim_state_mb=_local_bytes(states) / 2**20,
+        param_mb=_local_bytes(list(model.parameters())) / 2**20,
+        optim_state_mb=_local_bytes(optim_sd) / 2**20,
     )
     memory = [None] * world
     dist.all_gather_object(memory, mine)
@@ -246,7 +250,10 @@ def pick_plugin(requested: str) -> tuple[str, str]:
         PLUGINS.get("zero2")
         return "zero2", "stepforge-zero is installed"
     except Exception as exc:
-        return "torch_fsdp", f"fallback: zero2 unavailable ({str(exc).splitlines()[0][:80]})"
+        return (
+            "torch_fsdp",
+            f"FALLBACK: no zero2 plugin registered ({type(exc).__name__}; pip install stepforge-zero)",
+        )
 
 
 def launch(args: argparse.Namespace, phase: str, plugin: str) -> None:
@@ -345,15 +352,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--nproc", type=int, default=2, help="world size (processes on this machine)")
-    p.add_argument("--steps", type=int, default=48, help="optimizer steps in all")
+    p.add_argument("--steps", type=int, default=40, help="optimizer steps in all")
     p.add_argument(
         "--save-at", type=int, default=None, help="optimizer step of the mid-run checkpoint (default: half)"
     )
     p.add_argument("--accum", type=int, default=4, help="accumulative_counts")
     p.add_argument("--micro-batch", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--d-model", type=int, default=96)
+    p.add_argument("--layers", type=int, default=3)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--corpus-bytes", type=int, default=4_000_000)

@@ -61,7 +61,19 @@ def _equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("plugin", ["torch_ddp", "torch_fsdp"])
+def _plugins() -> list:
+    from stepforge.core import PLUGINS
+
+    names = ["torch_ddp", "torch_fsdp"]
+    try:  # stepforge-zero's ZeRO-2, when installed (the integrated tree's test session installs it)
+        PLUGINS.get("zero2")
+        names.append(dict(type="zero2", precision="fp32"))
+    except Exception:  # noqa: BLE001 - not registered here
+        pass
+    return names
+
+
+@pytest.mark.parametrize("plugin", _plugins(), ids=lambda p: p if isinstance(p, str) else p["type"])
 def test_exact_resume_in_new_processes_and_at_another_world_size(tmp_path, plugin):
     work = str(tmp_path)
     first = run_distributed(_first, 2, work, plugin, timeout=180)
