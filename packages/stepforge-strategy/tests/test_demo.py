@@ -21,7 +21,7 @@ def _has_zero2() -> bool:
 
     try:
         PLUGINS.get("zero2")
-    except Exception:  # noqa: BLE001 - not registered
+    except Exception:
         return False
     return True
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 from ._version import __version__
 from .boosted_optimizer import BoostedOptimizer
 from .booster import Booster
+from .checkpoint import CheckpointError, find_latest_checkpoint
 from .data import StatefulDataLoader, make_stateful
 from .loss_scaler import DynamicLossScaler
 from .mixed_precision import (
@@ -29,7 +30,6 @@ from .mixed_precision import (
 )
 from .optim_wrappers import AmpOptimWrapper, ColossalAIOptimWrapper
 from .plugins import GeminiPlugin, PluginBase, SinglePlugin, TorchDDPPlugin, TorchFSDPPlugin
-from .checkpoint import CheckpointError, find_latest_checkpoint
 from .strategy import ColossalAIStrategy, Strategy
 
 __all__ = [
