@@ -162,8 +162,8 @@ def test_misuse_errors(tmp_path):
         Strategy(work_dir=work, env_kwargs=dict(launcher="slurm"))
     with pytest.raises(ValueError, match="randomness"):
         Strategy(work_dir=work, env_kwargs=dict(randomness=dict(sed=1)))
-    with pytest.raises(StepforgeError, match="pip install stepforge-zero"):
-        Strategy(work_dir=work, plugin="low_level_zero")
+    with pytest.raises(StepforgeError, match="no_such_plugin"):
+        Strategy(work_dir=work, plugin="no_such_plugin")
     s = make_strategy(work)
     with pytest.raises(RuntimeError, match="prepare"):
         s.save_checkpoint("x")
