@@ -70,6 +70,17 @@ def test_compile_is_applied(tmp_path):
     assert list(model.state_dict()) == list(ref.state_dict())  # keys unchanged by compile
 
 
+class _Position:
+    def __init__(self, value: int = 0) -> None:
+        self.value = value
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = state["value"]
+
+
 def test_exact_resume_mid_window_single(tmp_path):
     """2N iterations == N, save (inside a window), fresh objects, resume, N: bitwise (fp32, single)."""
     work = str(tmp_path)
@@ -80,12 +91,20 @@ def test_exact_resume_mid_window_single(tmp_path):
     first = make_strategy(work)
     prepare(first)
     losses = train(first, 0, half, 0)
+    first.register_for_checkpointing("data", _Position(half))
+    first.register_for_checkpointing("mine", _Position(40 + half), per_rank=True)
     path = first.save_checkpoint("iter_4", extra_ckpt=dict(note="x", meta=dict(epoch=0)))
     torch.manual_seed(1234)  # disturb the global RNG: resume must restore it (dropout)
     second = make_strategy(work, seed=99)
     prepare(second, model_seed=5)
+    data, mine = _Position(), _Position()
+    second.register_for_checkpointing("data", data)
+    second.register_for_checkpointing("mine", mine, per_rank=True)
+    with pytest.raises(TypeError, match="state_dict"):
+        second.register_for_checkpointing("bad", object())
     with pytest.warns(UserWarning, match="seed"):
         ck = second.resume(path)
+    assert (data.value, mine.value) == (half, 40 + half)
     assert ck["note"] == "x" and ck["meta"]["iter"] == half and ck["meta"]["mid_window"] is True
     assert second.dispatch_kwargs["cur_iter"] == half
     losses += train(second, half, ITERS, 0)
