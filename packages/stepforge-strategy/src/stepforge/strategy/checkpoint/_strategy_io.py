@@ -11,6 +11,7 @@ save falls inside an accumulation window, this rank's accumulated gradients.
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 import warnings
@@ -96,8 +97,6 @@ def save(
         raise TypeError(
             f"save_checkpoint: extra_ckpt must be a dict or None, got {type(extra_ckpt).__name__}"
         )
-    import os
-
     path = filename if os.path.isabs(filename) else os.path.join(strategy.work_dir, filename)
     model, wrapper = strategy.model, strategy.optim_wrapper
     window = _window(wrapper) if wrapper is not None else None
@@ -193,7 +192,7 @@ def load(
         raise RuntimeError("Strategy.load_checkpoint: call prepare(model) first")
     import torch.distributed.checkpoint as dcp
 
-    record = read_commit(filename)
+    read_commit(filename)  # a clear error for an unfinished checkpoint before reading its metadata
     stored = dcp.FileSystemReader(filename).read_metadata().state_dict_metadata
     prefix = "tensors.model."
     saved_keys = [k[len(prefix) :] for k in stored if k.startswith(prefix)]
@@ -210,7 +209,6 @@ def load(
         strategy.logger.warning(f"load_checkpoint: missing keys {missing}, unexpected keys {unexpected}")
     template = {revised[k]: msd[k] for k in msd if k in revised}
     shared, _, meta = load_dir(filename, {"model": template}, map_location=map_location, rank_objects=False)
-    assert shared is not None and record["meta"] == meta
     ckpt = {"meta": meta, "state_dict": msd, **shared["extra"]}
     if callback is not None:
         callback(ckpt)
@@ -244,7 +242,6 @@ def resume(
     if with_optim:
         tensors["optimizer"] = osd
     shared, mine, meta = load_dir(filename, tensors, map_location=_map_location(strategy, map_location))
-    assert shared is not None
     ckpt: dict[str, Any] = {"meta": meta, "state_dict": msd, **shared["extra"]}
     if with_optim:
         ckpt["optimizer"] = osd
