@@ -41,7 +41,8 @@ def test_demo_smoke(tmp_path):
         check=False,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = json.loads(open(os.path.join(out, "gpt_demo.json"), encoding="utf-8").read())
+    with open(os.path.join(out, "gpt_demo.json"), encoding="utf-8") as f:
+        summary = json.load(f)
     assert summary["steps"] == 4 and summary["resumed_at_iter"] == 2 * 4  # save at step 2 of 4, accum 4
     assert summary["world_size"] == 2 and summary["plugin"] in ("zero2", "torch_fsdp")
     assert os.path.getsize(summary["png"]) > 1000 and summary["sample"]

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Exact resume on 2 gloo ranks in NEW processes, and resume at another world size (DDP, FSDP2).
+"""Exact resume on 2 gloo ranks in NEW processes, and resume at another world size (DDP, FSDP2, gemini, ZeRO-2).
 
 Reference: the same Strategy run without interruption (same plugin, same world size). DDP and FSDP2 at a fixed
 world size are deterministic, so the resumed run must match bit for bit.
@@ -64,7 +64,7 @@ def _equal(a: dict, b: dict) -> bool:
 def _plugins() -> list:
     from stepforge.core import PLUGINS
 
-    names = ["torch_ddp", "torch_fsdp"]
+    names: list = ["torch_ddp", "torch_fsdp", dict(type="gemini", precision="fp32")]
     try:  # stepforge-zero's ZeRO-2, when installed (the integrated tree's test session installs it)
         PLUGINS.get("zero2")
         names.append(dict(type="zero2", precision="fp32"))
