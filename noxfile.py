@@ -144,7 +144,7 @@ def build_cuda(session: nox.Session) -> None:
     _install_fused_cuda(session)
     session.run(
         "python", "-c",
-        "import stepforge.fused._cuda as m; from stepforge.fused import _cuda_runtime as r; "
+        "import stepforge.fused._cuda as m; from stepforge.fused import _backend as r; "
         "print('stepforge.fused._cuda:', r.cuda_status()); assert m.built_archs()",
     )  # fmt: skip
     run_pytest(

@@ -57,7 +57,7 @@ def _why_no_gpu() -> str | None:
     if not torch.cuda.is_available():
         return "torch.cuda.is_available() is False (no driver or no visible device)"
     try:
-        from stepforge.fused import _cuda_runtime
+        from stepforge.fused import _backend as _cuda_runtime
     except ImportError as exc:
         return f"stepforge-fused is not installed ({exc})"
     if not _cuda_runtime.cuda_available():
@@ -160,15 +160,16 @@ def _ptrs(ts: list[torch.Tensor]) -> list[int]:
 
 def kernel_adam(b: Bundle, *, masters: bool) -> Callable[[], None]:
     """Raw ``_cuda.adam`` with pointer arrays built once (what an arena-backed optimizer does every step)."""
-    from stepforge.fused import _cuda_runtime
+    from stepforge.fused import _backend as _cuda_runtime
+    from stepforge.testing.fused_cuda import stream_handle
 
-    mod = _cuda_runtime.require_cuda("bench")
+    mod = _cuda_runtime.cuda_module()
     ps = [p.detach() for p in b.params]
     master = [p.float() for p in ps] if masters else None
     ref = master if masters else ps
     m = [torch.zeros_like(t, dtype=torch.float32) for t in ref]
     v = [torch.zeros_like(t, dtype=torch.float32) for t in ref]
-    code = _cuda_runtime.dtype_code(ps[0].dtype)
+    code = _cuda_runtime.dtype_code(ps[0].dtype, what="bench tensors", owner="bench")
     args = (
         _ptrs(ps),
         _ptrs([p.grad for p in b.params]),
@@ -197,7 +198,7 @@ def kernel_adam(b: Bundle, *, masters: bool) -> Callable[[], None]:
             1.0,
             0,
             False,
-            _cuda_runtime.stream_handle(),
+            stream_handle(),
         )
         _ = keep
 
@@ -205,9 +206,10 @@ def kernel_adam(b: Bundle, *, masters: bool) -> Callable[[], None]:
 
 
 def kernel_sgd(b: Bundle) -> Callable[[], None]:
-    from stepforge.fused import _cuda_runtime
+    from stepforge.fused import _backend as _cuda_runtime
+    from stepforge.testing.fused_cuda import stream_handle
 
-    mod = _cuda_runtime.require_cuda("bench")
+    mod = _cuda_runtime.cuda_module()
     ps = [p.detach() for p in b.params]
     bufs = [torch.zeros_like(p) for p in ps]
     args = (_ptrs(ps), _ptrs([p.grad for p in b.params]), _ptrs(bufs), None, [t.numel() for t in ps])
@@ -228,7 +230,7 @@ def kernel_sgd(b: Bundle) -> Callable[[], None]:
             1.0,
             0,
             False,
-            _cuda_runtime.stream_handle(),
+            stream_handle(),
         )
         first["flags"] = [0] * len(ps)
         _ = bufs
@@ -238,9 +240,10 @@ def kernel_sgd(b: Bundle) -> Callable[[], None]:
 
 def kernel_lamb(b: Bundle) -> Callable[[], None]:
     """``_cuda.l2norm`` (global grad norm on the device) + the clip factor + ``_cuda.lamb``, no host sync."""
-    from stepforge.fused import _cuda_runtime
+    from stepforge.fused import _backend as _cuda_runtime
+    from stepforge.testing.fused_cuda import stream_handle
 
-    mod = _cuda_runtime.require_cuda("bench")
+    mod = _cuda_runtime.cuda_module()
     ps = [p.detach() for p in b.params]
     grads = [p.grad for p in b.params]
     m = [torch.zeros_like(p) for p in ps]
@@ -254,7 +257,7 @@ def kernel_lamb(b: Bundle) -> Callable[[], None]:
 
     def step() -> None:
         state["step"] += 1
-        ctx = _cuda_runtime.stream_handle()
+        ctx = stream_handle()
         sumsq.zero_()
         mod.l2norm(gp, sizes, 0, 0, ctx, sumsq_out_ptr=sumsq.data_ptr())
         torch.clamp(sumsq.sqrt() / LAMB_HP["max_grad_norm"], min=1.0, out=div)
@@ -411,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.repeats, args.inner = 3, 2
     torch.backends.cuda.matmul.allow_tf32 = False
-    from stepforge.fused import _cuda_runtime
+    from stepforge.fused import _backend as _cuda_runtime
 
     info = _common.machine_info()
     info["gpu"] = torch.cuda.get_device_name()

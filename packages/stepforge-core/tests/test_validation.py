@@ -138,3 +138,65 @@ def test_validate_hyperparameters_checks_known_keys_only():
     validate_hyperparameters({"lr": 0.1, "betas": (0.9, 0.99), "custom": -5, "momentum": None})
     with pytest.raises(HyperParameterError, match="Lars: invalid weight_decay=-1"):
         validate_hyperparameters({"weight_decay": -1}, owner="Lars")
+
+
+def test_nesterov_needs_momentum_and_no_dampening():
+    from stepforge.core import check_nesterov
+
+    assert check_nesterov(True, 0.9, 0.0) is True
+    assert check_nesterov(False, 0.0) is False
+    for momentum, dampening in ((0.0, 0.0), (0.9, 0.1)):
+        with pytest.raises(HyperParameterError, match="nesterov=True requires momentum > 0"):
+            check_nesterov(True, momentum, dampening, owner="SGD")
+    with pytest.raises(HyperParameterError, match="nesterov"):
+        check_nesterov("True", 0.9)
+
+
+@pytest.mark.parametrize(
+    "value,match",
+    [((2.0, 1.0), "low must not exceed high"), ((1.0,), "two bounds"), ("01", "pair"), ((None, -1), "high")],
+)
+def test_trust_clip_bad(value, match):
+    from stepforge.core import check_trust_clip
+
+    with pytest.raises(HyperParameterError, match=match):
+        check_trust_clip(value, owner="Lamb")
+
+
+def test_trust_clip_ok():
+    from stepforge.core import check_trust_clip
+
+    assert check_trust_clip(None) is None
+    assert check_trust_clip((None, 3)) == (None, 3.0)
+    assert check_trust_clip([0.5, 0.5]) == (0.5, 0.5)
+
+
+def test_group_validator_checks_on_entry_and_only_edited_groups_later():
+    from stepforge.core import GroupValidator, check_lr
+
+    calls = []
+
+    def check(group):
+        calls.append(group["lr"])
+        check_lr(group["lr"], owner="Opt")
+
+    v = GroupValidator(check, owner="Opt")
+    groups = [{"params": [], "lr": 0.1}, {"params": [], "lr": 0.2}]
+    for i, g in enumerate(groups):
+        v.validate(g, i)
+    assert calls == [0.1, 0.2]
+    v.revalidate(groups)
+    assert calls == [0.1, 0.2], "unchanged groups are not re-checked"
+    groups[1]["lr"] = 0.3
+    v.revalidate(groups)
+    assert calls == [0.1, 0.2, 0.3]
+    groups[0]["lr"] = -1.0
+    with pytest.raises(HyperParameterError, match=r"lr=-1.0.*\(param group #0\)"):
+        v.revalidate(groups)
+    groups[0]["lr"] = 0.1
+    groups[0]["new_key"] = True  # a key added counts as an edit
+    v.revalidate(groups)
+    assert calls[-1] == 0.1
+    groups.append({"params": [], "lr": 0.5})  # a group never seen is checked
+    v.revalidate(groups)
+    assert calls[-1] == 0.5

@@ -11,29 +11,13 @@ import torch
 from stepforge.core import HyperParameterError, build_optimizer
 from stepforge.fused import CPUAdam, FusedAdam, HybridAdam
 from stepforge.testing.reference import ReferenceAdam
+from stepforge.testing.tensors import bits_equal, clone_params, set_grads
 
 SHAPES = [(3, 5), (17,), (1,), (0,), (40, 33), (1031,), (2, 3, 7)]
 
 
 def make_params(dtype=torch.float32, shapes=SHAPES):
     return [torch.nn.Parameter(torch.randn(s).to(dtype)) for s in shapes]
-
-
-def clone_params(params):
-    return [torch.nn.Parameter(p.detach().clone()) for p in params]
-
-
-def set_grads(*param_lists, dtype=None, scale=1.0):
-    for ps in zip(*param_lists, strict=True):
-        g = torch.randn(ps[0].shape).to(dtype or ps[0].dtype) * scale
-        for p in ps:
-            if g.dtype != p.dtype:
-                p.grad_dtype = None  # torch >= 2.10 rejects a grad of another dtype unless asked
-            p.grad = g.clone()
-
-
-def bits_equal(a, b):
-    return all(torch.equal(x.detach(), y.detach()) for x, y in zip(a, b, strict=True))
 
 
 @pytest.mark.parametrize("cls", [FusedAdam, CPUAdam, HybridAdam])

@@ -54,21 +54,21 @@ class EmulatedCuda:
         args = list(args)
         args[6], args[16], args[9] = self._host("adam", args[6], args[16], args[9], args[17], args[18], kw)
         args[19] = 0  # ctx: a stream handle on CUDA, the thread count on CPU
-        CPU.adam(*args)
+        CPU.adam(*args, write_unscaled_grads=kw.get("write_unscaled_grads", False))
         return None
 
     def lamb(self, *args, **kw):
         args = list(args)
         args[6], args[20], args[9] = self._host("lamb", args[6], args[20], args[9], args[21], args[22], kw)
         args[23] = 0
-        CPU.lamb(*args)
+        CPU.lamb(*args, write_unscaled_grads=kw.get("write_unscaled_grads", False))
         return None
 
     def sgd(self, *args, **kw):
         args = list(args)
         _, args[14], args[8] = self._host("sgd", None, args[14], args[8], args[15], args[16], kw)
         args[17] = 0
-        CPU.sgd(*args)
+        CPU.sgd(*args, write_unscaled_grads=kw.get("write_unscaled_grads", False))
         return None
 
     def l2norm(self, ptrs, sizes, dtype, per_tensor_out_ptr, ctx, *, sumsq_out_ptr=0, device=-1):
@@ -346,10 +346,10 @@ def mixed(monkeypatch):
     flag = {"device": False}
     real_build = FusedOptimizerBase._build_buckets
 
-    def build(self, group, params, grads):
+    def build(self, group, params, grads, *rest):
         flag["device"] = group is self.param_groups[0]
         try:
-            return real_build(self, group, params, grads)
+            return real_build(self, group, params, grads, *rest)
         finally:
             flag["device"] = False
 

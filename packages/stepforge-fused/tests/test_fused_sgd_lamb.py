@@ -12,23 +12,13 @@ from stepforge.core import HyperParameterError, build_optimizer
 from stepforge.fused import FusedLAMB, FusedSGD
 from stepforge.optim import Lamb
 from stepforge.testing.reference import ReferenceLamb, ReferenceSGD
+from stepforge.testing.tensors import clone_params, set_grads
 
 SHAPES = [(3, 5), (17,), (1,), (0,), (40, 33), (1031,)]
 
 
 def make_params(dtype=torch.float32):
     return [torch.nn.Parameter(torch.randn(s).to(dtype)) for s in SHAPES]
-
-
-def clone_params(params):
-    return [torch.nn.Parameter(p.detach().clone()) for p in params]
-
-
-def set_grads(*param_lists):
-    for ps in zip(*param_lists, strict=True):
-        g = torch.randn(ps[0].shape).to(ps[0].dtype)
-        for p in ps:
-            p.grad = g.clone()
 
 
 def close(a, b, **tol):

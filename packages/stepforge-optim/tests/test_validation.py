@@ -112,3 +112,47 @@ def test_integer_parameters_are_rejected(cls):
 def test_accepted_edge_values():
     Lamb(_p(), lr=0, betas=(0.0, 0.0), eps=0.0, max_grad_norm=0.0, trust_clip=(None, None))
     Lars(_p(), lr=1, eeta=1.0, grad_clip=None, trust_clip=None, nesterov=True, momentum=0.9)
+
+
+@pytest.mark.parametrize(
+    "cls,key,bad",
+    [
+        ("Lamb", "lr", -1.0),
+        ("Lamb", "betas", (0.9, 1.0)),
+        ("Lamb", "trust_clip", (3.0, 1.0)),
+        ("Lamb", "bias_correction", "False"),
+        ("Lars", "lr", -0.1),
+        ("Lars", "nesterov", "True"),
+        ("Lars", "trust_clip", (None, -1.0)),
+    ],
+)
+def test_an_edited_group_is_refused_at_the_next_step_before_any_update(cls, key, bad):
+    import stepforge.optim as optim
+
+    p = torch.nn.Parameter(torch.randn(4, 3))
+    p.grad = torch.randn(4, 3)
+    opt = getattr(optim, cls)([p], lr=0.1)
+    opt.step()
+    before = p.detach().clone()
+    opt.param_groups[0][key] = bad
+    with pytest.raises(HyperParameterError, match=rf"{key.split('_')[0]}.*param group #0"):
+        opt.step()
+    assert torch.equal(p, before)
+
+
+def test_lamb_load_state_dict_of_other_shapes_fails_naming_the_key_and_changes_nothing():
+    from stepforge.optim import Lamb
+
+    small = torch.nn.Parameter(torch.randn(2, 2))
+    small.grad = torch.randn(2, 2)
+    src = Lamb([small])
+    src.step()
+    p = torch.nn.Parameter(torch.randn(4, 3))
+    p.grad = torch.randn(4, 3)
+    opt = Lamb([p])
+    opt.step()
+    before = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in opt.state[p].items()}
+    with pytest.raises(ValueError, match=r"state\['exp_avg'\].*shape \(2, 2\)"):
+        opt.load_state_dict(src.state_dict())
+    for k, v in before.items():
+        assert torch.equal(opt.state[p][k], v) if isinstance(v, torch.Tensor) else opt.state[p][k] == v

@@ -118,7 +118,7 @@ def test_optimizer_and_scheduler_checkpoint_resume_identically(tmp_path):
     boosted_steps(model, wrapper, 2, 0, 1, 2)
     sched.step()
     booster.save_model(model, tmp_path / "m", shard=True)
-    booster.save_optimizer(wrapper.optimizer, tmp_path / "o")
+    booster.save_optimizer(wrapper.optimizer, tmp_path / "o", use_async=True)
     booster.save_lr_scheduler(sched, tmp_path / "s.pt")
     boosted_steps(model, wrapper, 2, 0, 1, 2, first_step=2)
     expected = [p.detach().clone() for p in model.parameters()]

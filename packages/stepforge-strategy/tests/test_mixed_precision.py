@@ -73,6 +73,8 @@ def test_precision_conflicts_are_errors():
     assert Booster(mixed_precision="fp16", plugin="torch_fsdp").plugin.precision == "fp16"
     with pytest.raises(ValueError, match="fp8"):
         Booster(mixed_precision=dict(type="fp8"), plugin="torch_fsdp")
+    with pytest.raises(ValueError, match="mixed_precision dict needs 'type'"):
+        Booster(mixed_precision=dict(type="fp12"), plugin="torch_fsdp")
     # same value on both: fine
     assert (
         Booster(mixed_precision="bf16", plugin=dict(type="gemini", precision="bf16")).plugin.precision

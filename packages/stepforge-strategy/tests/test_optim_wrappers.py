@@ -102,3 +102,5 @@ def test_amp_optim_wrapper_errors():
         AmpOptimWrapper(opt, loss_scale="static")
     with pytest.raises(ValueError, match="loss_scale must be > 0"):
         AmpOptimWrapper(opt, loss_scale=0)
+    with pytest.raises(RuntimeError, match="use_fsdp=True"):
+        AmpOptimWrapper(opt, use_fsdp=True)

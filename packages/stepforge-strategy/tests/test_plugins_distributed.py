@@ -6,8 +6,13 @@ One spawn runs every case (each spawn costs seconds on this machine):
 - a small model trained 3 steps through Booster + ColossalAIOptimWrapper(accumulative_counts=2) equals the
   single-process fp32 AdamW run on the concatenated batch. Tolerances: ddp, fsdp and gemini (fp32) change
   only the reduction order: rtol 1e-4, atol 1e-5 on parameters after 3 AdamW steps (lr 1e-2);
-- bf16 (FSDP2 param_dtype bf16, fp32 reduction and masters) tracks the fp32 run: window losses within 3e-2
-  absolute, parameters within 3e-2;
+- bf16 (FSDP2 param_dtype bf16, fp32 reduction and masters) tracks the fp32 run: parameters within 3e-2
+  absolute; the Booster's bf16 autocast under DDP and gemini bf16 (CPU offload) within 3e-2; fp16 on FSDP2 within 1e-2; an fp16 overflow
+  seen by one rank skips the step (and halves the scale) on both;
+- gemini's ``max_norm`` (SGD, so clipping changes the step) equals torch's ``clip_grad_norm_`` run: rtol 1e-4,
+  atol 1e-5;
+- ``no_sync`` really skips synchronisation (DDP gradients differ between ranks inside it; FSDP2 sharded
+  gradients stay unset), also with mmengine's forward-only ``optim_context``;
 - save_model/save_optimizer after 3 steps, 2 more steps recorded; a fresh model loaded from the checkpoint at
   the same world size makes identical next steps (bitwise), and the parent process loads the same checkpoint at
   world size 1 (plugin ``single``) and matches within rtol 1e-4 / atol 1e-5.
@@ -17,10 +22,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _cases import MICRO, boost, boosted_steps, full_params, make_model, make_optimizer, reference_run, window
+from _cases import (
+    MICRO,
+    boost,
+    boosted_steps,
+    full_params,
+    make_model,
+    make_optimizer,
+    micro_batch,
+    reference_run,
+    window,
+)
 from safetensors.torch import load_file
 
 from stepforge.core import PLUGINS
+from stepforge.strategy import Booster
 from stepforge.testing.distributed import requires_gloo, run_distributed
 
 K, STEPS, MORE = 2, 3, 2
@@ -37,7 +53,7 @@ def _plugin(name, kwargs):
 
 
 def _all_cases(rank: int, world: int, ckpt: str) -> dict:
-    out: dict = {"train": {}, "resume": {}}
+    out: dict = {"train": {}, "resume": {}, "default_plugin": type(Booster().plugin).__name__}
     for name, kwargs in CASES:
         _, model, wrapper = boost(_plugin(name, kwargs), k=K)
         losses = boosted_steps(model, wrapper, STEPS, rank, world, K)
@@ -47,6 +63,9 @@ def _all_cases(rank: int, world: int, ckpt: str) -> dict:
     assert wrapper.booster.plugin.precision == "bf16"
     losses = boosted_steps(model, wrapper, STEPS, rank, world, K)
     out["bf16"] = (full_params(wrapper.booster, model), losses)
+    _, model, wrapper = boost(dict(type="gemini", precision="bf16", placement_policy="auto"), k=K)
+    boosted_steps(model, wrapper, STEPS, rank, world, K)
+    out["gemini_bf16"] = full_params(wrapper.booster, model)
     # booster.no_sync really skips the synchronisation: DDP grads stay local (they differ between ranks),
     # FSDP2 leaves the sharded grads unset until a synchronised backward reduce-scatters them
     x = torch.full((MICRO, 6), float(rank + 1))
@@ -63,6 +82,19 @@ def _all_cases(rank: int, world: int, ckpt: str) -> dict:
     out["fsdp_no_sync_unset"] = all(p.grad is None for p in model.parameters())
     booster.backward(model(x).sum(), wrapper.optimizer)
     out["fsdp_sync_set"] = all(p.grad is not None for p in model.parameters())
+    # mmengine's pattern (only the forward inside optim_context) still skips FSDP2's reduce-scatter for the
+    # non-final micro-batch, and the step is still exact
+    booster, model, wrapper = boost("torch_fsdp", k=K)
+    unset_after_first = []
+    for step in range(STEPS):
+        for m in range(K):
+            x, y = micro_batch(step, m, rank, world, K)
+            with wrapper.optim_context(model):
+                loss = torch.nn.functional.mse_loss(model(x), y)
+            wrapper.update_params(loss)
+            if m == 0:
+                unset_after_first.append(all(p.grad is None for p in model.parameters()))
+    out["fsdp_forward_only_context"] = (full_params(booster, model), all(unset_after_first))
     # the Booster's bf16 autocast under DDP (a plugin without precision)
     _, model, wrapper = boost("torch_ddp", mixed_precision="bf16", k=K)
     boosted_steps(model, wrapper, STEPS, rank, world, K)
@@ -169,7 +201,7 @@ def test_checkpoint_loads_at_world_size_one(results, name):
 def test_precisions_on_ddp_and_fsdp(results):
     out = results[0]
     ref, _ = reference_run(STEPS, rows=2 * K * MICRO)
-    for case, bound in (("ddp_bf16", 3e-2), ("fsdp_fp16", 1e-2)):
+    for case, bound in (("ddp_bf16", 3e-2), ("fsdp_fp16", 1e-2), ("gemini_bf16", 3e-2)):
         worst = max((out[case][k] - v).abs().max().item() for k, v in ref.state_dict().items())
         assert 0 < worst <= bound, (case, worst)
     for rank_out in results[2]:  # rank 0 injected the inf; rank 1 must skip too
@@ -196,3 +228,17 @@ def test_no_sync_skips_synchronisation(results):
     for rank_out in results[2]:
         assert rank_out["ddp_no_sync_differs"]
         assert rank_out["fsdp_no_sync_unset"] and rank_out["fsdp_sync_set"]
+
+
+@requires_gloo
+def test_default_plugin_under_a_process_group_is_ddp(results):
+    assert results[0]["default_plugin"] == "TorchDDPPlugin"
+
+
+@requires_gloo
+def test_forward_only_optim_context_still_skips_fsdp_sync(results):
+    params, skipped = results[0]["fsdp_forward_only_context"]
+    assert skipped
+    ref, _ = reference_run(STEPS, rows=2 * K * MICRO)
+    for key, value in ref.state_dict().items():
+        torch.testing.assert_close(params[key], value, rtol=1e-4, atol=1e-5, msg=key)

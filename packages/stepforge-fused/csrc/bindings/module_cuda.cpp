@@ -92,7 +92,8 @@ sc::Launch launch_of(std::int64_t ctx, int device) {
 }
 
 sc::Common common_of(double grad_divisor, std::int64_t found_inf_ptr, bool check_finite, std::int64_t lr_ptr,
-                     std::int64_t grad_divisor_ptr, bool stochastic_rounding, std::uint64_t seed) {
+                     std::int64_t grad_divisor_ptr, bool stochastic_rounding, std::uint64_t seed,
+                     bool write_grads) {
   sc::Common c;
   c.grad_divisor = grad_divisor;
   c.found_inf = static_cast<std::uint64_t>(found_inf_ptr);
@@ -101,6 +102,7 @@ sc::Common common_of(double grad_divisor, std::int64_t found_inf_ptr, bool check
   c.grad_divisor_ptr = static_cast<std::uint64_t>(grad_divisor_ptr);
   c.stochastic_rounding = stochastic_rounding;
   c.seed = seed;
+  c.write_grads = write_grads;
   return c;
 }
 
@@ -126,7 +128,7 @@ py::object adam(py::handle params, py::handle grads, py::handle exp_avgs, py::ha
                 double beta2, double eps, double weight_decay, bool adamw_mode, bool bias_correction,
                 double grad_divisor, std::int64_t found_inf_ptr, bool check_finite, std::int64_t ctx,
                 std::int64_t lr_ptr, std::int64_t grad_divisor_ptr, py::handle step_ptrs, bool stochastic_rounding,
-                std::uint64_t seed, int device) {
+                std::uint64_t seed, int device, bool write_unscaled_grads) {
   check_dtype(param_dtype, "param_dtype");
   check_dtype(grad_dtype, "grad_dtype");
   auto p = int64_list(params, "params"), g = int64_list(grads, "grads"), m = int64_list(exp_avgs, "exp_avgs"),
@@ -152,7 +154,8 @@ py::object adam(py::handle params, py::handle grads, py::handle exp_avgs, py::ha
   hp.adamw = adamw_mode;
   hp.bias_correction = bias_correction;
   const auto common =
-      common_of(grad_divisor, found_inf_ptr, check_finite, lr_ptr, grad_divisor_ptr, stochastic_rounding, seed);
+      common_of(grad_divisor, found_inf_ptr, check_finite, lr_ptr, grad_divisor_ptr, stochastic_rounding, seed,
+                write_unscaled_grads);
   int result;
   {
     py::gil_scoped_release nogil;
@@ -165,7 +168,8 @@ py::object sgd(py::handle params, py::handle grads, py::handle momentum_buffers,
                py::handle first_run, int param_dtype, int grad_dtype, double lr, double momentum, double dampening,
                double weight_decay, bool nesterov, bool wd_after_momentum, double grad_divisor,
                std::int64_t found_inf_ptr, bool check_finite, std::int64_t ctx, std::int64_t lr_ptr,
-               std::int64_t grad_divisor_ptr, bool stochastic_rounding, std::uint64_t seed, int device) {
+               std::int64_t grad_divisor_ptr, bool stochastic_rounding, std::uint64_t seed, int device,
+               bool write_unscaled_grads) {
   check_dtype(param_dtype, "param_dtype");
   check_dtype(grad_dtype, "grad_dtype");
   auto p = int64_list(params, "params"), g = int64_list(grads, "grads"),
@@ -189,7 +193,8 @@ py::object sgd(py::handle params, py::handle grads, py::handle momentum_buffers,
   hp.nesterov = nesterov;
   hp.wd_after_momentum = wd_after_momentum;
   const auto common =
-      common_of(grad_divisor, found_inf_ptr, check_finite, lr_ptr, grad_divisor_ptr, stochastic_rounding, seed);
+      common_of(grad_divisor, found_inf_ptr, check_finite, lr_ptr, grad_divisor_ptr, stochastic_rounding, seed,
+                write_unscaled_grads);
   int result;
   {
     py::gil_scoped_release nogil;
@@ -204,7 +209,7 @@ py::object lamb(py::handle params, py::handle grads, py::handle exp_avgs, py::ha
                 bool grad_averaging, bool use_nvlamb, double trust_clip_min, double trust_clip_max,
                 double grad_divisor, std::int64_t found_inf_ptr, bool check_finite, std::int64_t ctx,
                 std::int64_t lr_ptr, std::int64_t grad_divisor_ptr, py::handle step_ptrs, bool stochastic_rounding,
-                std::uint64_t seed, std::int64_t ratio_out_ptr, int device) {
+                std::uint64_t seed, std::int64_t ratio_out_ptr, int device, bool write_unscaled_grads) {
   check_dtype(param_dtype, "param_dtype");
   check_dtype(grad_dtype, "grad_dtype");
   auto p = int64_list(params, "params"), g = int64_list(grads, "grads"), m = int64_list(exp_avgs, "exp_avgs"),
@@ -235,7 +240,8 @@ py::object lamb(py::handle params, py::handle grads, py::handle exp_avgs, py::ha
   hp.trust_min = trust_clip_min;
   hp.trust_max = trust_clip_max;
   const auto common =
-      common_of(grad_divisor, found_inf_ptr, check_finite, lr_ptr, grad_divisor_ptr, stochastic_rounding, seed);
+      common_of(grad_divisor, found_inf_ptr, check_finite, lr_ptr, grad_divisor_ptr, stochastic_rounding, seed,
+                write_unscaled_grads);
   int result;
   {
     py::gil_scoped_release nogil;
@@ -295,13 +301,14 @@ PYBIND11_MODULE(_cuda, m) {
         arg("param_dtype"), arg("grad_dtype"), arg("lr"), arg("beta1"), arg("beta2"), arg("eps"),
         arg("weight_decay"), arg("adamw_mode"), arg("bias_correction"), arg("grad_divisor"), arg("found_inf_ptr"),
         arg("check_finite"), arg("ctx"), py::kw_only(), arg("lr_ptr") = 0, arg("grad_divisor_ptr") = 0,
-        arg("step_ptrs") = py::none(), arg("stochastic_rounding") = false, arg("seed") = 0, arg("device") = -1);
+        arg("step_ptrs") = py::none(), arg("stochastic_rounding") = false, arg("seed") = 0, arg("device") = -1,
+        arg("write_unscaled_grads") = false);
   m.def("sgd", &sgd, "Multi-tensor SGD (momentum, nesterov, wd_after_momentum) on CUDA tensors; returns None or skipped (as adam)",
         arg("params"), arg("grads"), arg("momentum_buffers"), arg("masters"), arg("sizes"), arg("first_run"),
         arg("param_dtype"), arg("grad_dtype"), arg("lr"), arg("momentum"), arg("dampening"), arg("weight_decay"),
         arg("nesterov"), arg("wd_after_momentum"), arg("grad_divisor"), arg("found_inf_ptr"), arg("check_finite"),
         arg("ctx"), py::kw_only(), arg("lr_ptr") = 0, arg("grad_divisor_ptr") = 0,
-        arg("stochastic_rounding") = false, arg("seed") = 0, arg("device") = -1);
+        arg("stochastic_rounding") = false, arg("seed") = 0, arg("device") = -1, arg("write_unscaled_grads") = false);
   m.def("lamb", &lamb, "Multi-tensor LAMB with per-tensor trust ratios (segmented reduction); returns None or skipped (as adam)",
         arg("params"), arg("grads"), arg("exp_avgs"), arg("exp_avg_sqs"), arg("masters"), arg("sizes"), arg("steps"),
         arg("param_dtype"), arg("grad_dtype"), arg("lr"), arg("beta1"), arg("beta2"), arg("eps"),
@@ -309,7 +316,7 @@ PYBIND11_MODULE(_cuda, m) {
         arg("trust_clip_min"), arg("trust_clip_max"), arg("grad_divisor"), arg("found_inf_ptr"),
         arg("check_finite"), arg("ctx"), py::kw_only(), arg("lr_ptr") = 0, arg("grad_divisor_ptr") = 0,
         arg("step_ptrs") = py::none(), arg("stochastic_rounding") = false, arg("seed") = 0,
-        arg("ratio_out_ptr") = 0, arg("device") = -1);
+        arg("ratio_out_ptr") = 0, arg("device") = -1, arg("write_unscaled_grads") = false);
   m.def("l2norm", &l2norm,
         "Global L2 norm (float, synchronises) and optional per-tensor norms; with sumsq_out_ptr the sum of "
         "squares is added on the device and None is returned without synchronising",

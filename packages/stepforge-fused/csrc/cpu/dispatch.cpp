@@ -222,7 +222,7 @@ static void check_moment_lists(I64 params, I64 grads, I64 exp_avgs, I64 exp_avg_
 bool adam(I64 params, I64 grads, I64 exp_avgs, I64 exp_avg_sqs, I64 masters, I64 sizes, I64 steps,
           int param_dtype, int grad_dtype, double lr, double beta1, double beta2, double eps, double weight_decay,
           bool adamw_mode, bool bias_correction, double grad_divisor, int64_t found_inf_ptr, bool check_finite,
-          int ctx) {
+          int ctx, bool write_grads) {
   const int64_t n = sizes.size;
   check_dtype(param_dtype, "adam param_dtype");
   check_dtype(grad_dtype, "adam grad_dtype");
@@ -251,13 +251,15 @@ bool adam(I64 params, I64 grads, I64 exp_avgs, I64 exp_avg_sqs, I64 masters, I64
   L.consts = consts.data();
   L.param_dtype = param_dtype;
   L.grad_dtype = grad_dtype;
+  L.write_grads = write_grads && grad_divisor != 1.0;
   table().adam(L);
   return false;
 }
 
 bool sgd(I64 params, I64 grads, I64 momentum_buffers, I64 masters, I64 sizes, I64 first_run, int param_dtype,
          int grad_dtype, double lr, double momentum, double dampening, double weight_decay, bool nesterov,
-         bool wd_after_momentum, double grad_divisor, int64_t found_inf_ptr, bool check_finite, int ctx) {
+         bool wd_after_momentum, double grad_divisor, int64_t found_inf_ptr, bool check_finite, int ctx,
+         bool write_grads) {
   const int64_t n = sizes.size;
   check_dtype(param_dtype, "sgd param_dtype");
   check_dtype(grad_dtype, "sgd grad_dtype");
@@ -289,6 +291,7 @@ bool sgd(I64 params, I64 grads, I64 momentum_buffers, I64 masters, I64 sizes, I6
   L.consts = make_sgd_consts(lr, momentum, dampening, weight_decay, nesterov, wd_after_momentum, grad_divisor);
   L.param_dtype = param_dtype;
   L.grad_dtype = grad_dtype;
+  L.write_grads = write_grads && grad_divisor != 1.0;
   table().sgd(L);
   return false;
 }
@@ -296,7 +299,8 @@ bool sgd(I64 params, I64 grads, I64 momentum_buffers, I64 masters, I64 sizes, I6
 bool lamb(I64 params, I64 grads, I64 exp_avgs, I64 exp_avg_sqs, I64 masters, I64 sizes, I64 steps,
           int param_dtype, int grad_dtype, double lr, double beta1, double beta2, double eps, double weight_decay,
           bool adam_w_mode, bool bias_correction, bool grad_averaging, bool use_nvlamb, double trust_clip_min,
-          double trust_clip_max, double grad_divisor, int64_t found_inf_ptr, bool check_finite, int ctx) {
+          double trust_clip_max, double grad_divisor, int64_t found_inf_ptr, bool check_finite, int ctx,
+         bool write_grads) {
   const int64_t n = sizes.size;
   check_dtype(param_dtype, "lamb param_dtype");
   check_dtype(grad_dtype, "lamb grad_dtype");
@@ -325,6 +329,7 @@ bool lamb(I64 params, I64 grads, I64 exp_avgs, I64 exp_avg_sqs, I64 masters, I64
   L.u_sq = u_sq.data();
   L.param_dtype = param_dtype;
   L.grad_dtype = grad_dtype;
+  L.write_grads = write_grads && grad_divisor != 1.0;
   table().lamb_pass1(L);
   const bool use_ratio = weight_decay != 0.0 || use_nvlamb;
   for (int64_t i = 0; i < n; ++i) {

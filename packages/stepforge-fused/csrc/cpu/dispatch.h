@@ -31,16 +31,18 @@ bool cpu_has(const char* feature);
 bool adam(I64 params, I64 grads, I64 exp_avgs, I64 exp_avg_sqs, I64 masters, I64 sizes, I64 steps,
           int param_dtype, int grad_dtype, double lr, double beta1, double beta2, double eps, double weight_decay,
           bool adamw_mode, bool bias_correction, double grad_divisor, int64_t found_inf_ptr, bool check_finite,
-          int ctx);
+          int ctx, bool write_grads);
 
 bool sgd(I64 params, I64 grads, I64 momentum_buffers, I64 masters, I64 sizes, I64 first_run, int param_dtype,
          int grad_dtype, double lr, double momentum, double dampening, double weight_decay, bool nesterov,
-         bool wd_after_momentum, double grad_divisor, int64_t found_inf_ptr, bool check_finite, int ctx);
+         bool wd_after_momentum, double grad_divisor, int64_t found_inf_ptr, bool check_finite, int ctx,
+         bool write_grads);
 
 bool lamb(I64 params, I64 grads, I64 exp_avgs, I64 exp_avg_sqs, I64 masters, I64 sizes, I64 steps,
           int param_dtype, int grad_dtype, double lr, double beta1, double beta2, double eps, double weight_decay,
           bool adam_w_mode, bool bias_correction, bool grad_averaging, bool use_nvlamb, double trust_clip_min,
-          double trust_clip_max, double grad_divisor, int64_t found_inf_ptr, bool check_finite, int ctx);
+          double trust_clip_max, double grad_divisor, int64_t found_inf_ptr, bool check_finite, int ctx,
+         bool write_grads);
 
 double l2norm(I64 ptrs, I64 sizes, int dtype, int64_t per_tensor_out_ptr, int ctx);
 

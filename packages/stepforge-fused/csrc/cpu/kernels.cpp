@@ -123,6 +123,26 @@ inline const float* float_view(const T* src, float* tmp, int64_t n) {
   }
 }
 
+// Unscaled-grad write-back (torch's fused grad_scale contract): the block of grads divided (or, MUL, multiplied)
+// by f, stored back into the grads in their own dtype, and returned as float (the float storage itself when
+// the grads are float32). The update then runs on these values with no further division.
+template <bool MUL, class G>
+inline const float* unscale_block(const G* src, float* tmp, int64_t n, float f) {
+  G* g = const_cast<G*>(src);  // grads are read-only unless the caller asked for the write-back
+  float* x;
+  if constexpr (std::is_same_v<G, float>) {
+    (void)tmp;
+    x = g;
+  } else {
+    to_float(g, tmp, n);
+    x = tmp;
+  }
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) x[j] = MUL ? x[j] * f : x[j] / f;
+  if constexpr (!std::is_same_v<G, float>) from_float(x, g, n);
+  return x;
+}
+
 // ---- parallel loop over the concatenated element range ---------------------------------------------------
 // The range [0, total) is cut into chunks (a few per thread, multiples of 64 elements) handed out dynamically,
 // so a thread slowed down by another process does not hold up the others. f(chunk, tensor, begin, end) with
@@ -224,7 +244,7 @@ class ChunkPartials {
 // only the grad is converted into an L1 block, and the rounded bf16 param is written with streaming stores
 // from an L1 copy of the new masters (from_float_stream: no write-allocate read of the param lines). The
 // loop is DRAM-bound: the streaming stores are what measured faster (~10% on 1x50M), the rest is neutral.
-template <class P, class G, bool DIV>
+template <class P, class G, bool DIV, bool WB>
 void adam_master_range(const AdamLaunch& L, int64_t t, int64_t b, int64_t e) {
   const AdamConsts c = L.consts[t];
   P* __restrict p = reinterpret_cast<P*>(L.params[t]);
@@ -238,7 +258,7 @@ void adam_master_range(const AdamLaunch& L, int64_t t, int64_t b, int64_t e) {
   const int64_t mis = int64_t((64 - (reinterpret_cast<uintptr_t>(p + b) & 63)) & 63) / int64_t(sizeof(P));
   for (int64_t i0 = b; i0 < e;) {
     const int64_t n = std::min(i0 == b && mis > 0 ? mis : kBlock, e - i0);
-    const float* __restrict gb = float_view(g + i0, gtmp, n);
+    const float* __restrict gb = WB ? unscale_block<false>(g + i0, gtmp, n, c.div) : float_view(g + i0, gtmp, n);
     float* __restrict wb = w + i0;
     float* __restrict mb = m + i0;
     float* __restrict vb = v + i0;
@@ -246,7 +266,7 @@ void adam_master_range(const AdamLaunch& L, int64_t t, int64_t b, int64_t e) {
 #pragma GCC ivdep
     for (int64_t j = 0; j < n; ++j) {
       float pv = wb[j], mv = mb[j], vv = vb[j];
-      adam_update_t<DIV>(pv, mv, vv, gb[j], c);
+      adam_update_t<DIV && !WB>(pv, mv, vv, gb[j], c);
       wb[j] = pv;
       mb[j] = mv;
       vb[j] = vv;
@@ -261,17 +281,29 @@ void adam_master_range(const AdamLaunch& L, int64_t t, int64_t b, int64_t e) {
   stream_fence();
 }
 
-template <class P, class G, bool MASTER, bool DIV>
+template <class P, class G, bool MASTER, bool DIV, bool WB>
 void adam_block_range(const AdamLaunch& L, int64_t t, int64_t b, int64_t e) {
   if constexpr (MASTER) {
-    adam_master_range<P, G, DIV>(L, t, b, e);
+    adam_master_range<P, G, DIV, WB>(L, t, b, e);
   } else {
     const AdamConsts c = L.consts[t];
     P* p = reinterpret_cast<P*>(L.params[t]);
     const G* g = reinterpret_cast<const G*>(L.grads[t]);
     float* m = reinterpret_cast<float*>(L.exp_avgs[t]);
     float* v = reinterpret_cast<float*>(L.exp_avg_sqs[t]);
-    if constexpr (std::is_same_v<P, float> && std::is_same_v<G, float>) {
+    if constexpr (std::is_same_v<P, float> && std::is_same_v<G, float> && WB) {
+      float* gw = const_cast<float*>(g);  // write-back requested: the unscaled grad replaces the scaled one
+#pragma GCC ivdep
+      for (int64_t i = b; i < e; ++i) {
+        float pv = p[i], mv = m[i], vv = v[i];
+        const float gv = g[i] / c.div;
+        gw[i] = gv;
+        adam_update_t<false>(pv, mv, vv, gv, c);
+        p[i] = pv;
+        m[i] = mv;
+        v[i] = vv;
+      }
+    } else if constexpr (std::is_same_v<P, float> && std::is_same_v<G, float>) {
 #pragma GCC ivdep
       for (int64_t i = b; i < e; ++i) {
         float pv = p[i], mv = m[i], vv = v[i];
@@ -285,7 +317,7 @@ void adam_block_range(const AdamLaunch& L, int64_t t, int64_t b, int64_t e) {
       alignas(64) float ptmp[kBlock];
       for (int64_t i0 = b; i0 < e; i0 += kBlock) {
         const int64_t n = std::min(kBlock, e - i0);
-        const float* gb = float_view(g + i0, gtmp, n);
+        const float* gb = WB ? unscale_block<false>(g + i0, gtmp, n, c.div) : float_view(g + i0, gtmp, n);
         // Update a local copy: GCC does not vectorise this loop when the value lives in the caller's memory
         // next to converted temporaries (measured 3-4x slower steps).
         float* pb = ptmp;
@@ -293,7 +325,7 @@ void adam_block_range(const AdamLaunch& L, int64_t t, int64_t b, int64_t e) {
         float* mb = m + i0;
         float* vb = v + i0;
 #pragma GCC ivdep
-        for (int64_t j = 0; j < n; ++j) adam_update_t<DIV>(pb[j], mb[j], vb[j], gb[j], c);
+        for (int64_t j = 0; j < n; ++j) adam_update_t<DIV && !WB>(pb[j], mb[j], vb[j], gb[j], c);
         from_float(pb, p + i0, n);
       }
     }
@@ -303,15 +335,23 @@ void adam_block_range(const AdamLaunch& L, int64_t t, int64_t b, int64_t e) {
 // The last numel % kTorchAdamVecWidth elements of a tensor round like torch's scalar tail (adam_math.h).
 template <class P, class G, bool MASTER>
 void adam_torch_tail(const AdamLaunch& L, int64_t t, int64_t b, int64_t e) {
-  const AdamConsts c = L.consts[t];
+  AdamConsts c = L.consts[t];
   P* p = reinterpret_cast<P*>(L.params[t]);
-  const G* g = reinterpret_cast<const G*>(L.grads[t]);
+  G* g = reinterpret_cast<G*>(L.grads[t]);
   float* m = reinterpret_cast<float*>(L.exp_avgs[t]);
   float* v = reinterpret_cast<float*>(L.exp_avg_sqs[t]);
   float* w = MASTER ? reinterpret_cast<float*>(L.masters[t]) : nullptr;
+  const bool wb = L.write_grads && c.has_div;
+  const float div = c.div;
+  if (wb) c.div = 1.0f;  // the grad is divided (and stored) below; g / 1 is exact
   for (int64_t i = b; i < e; ++i) {
     float pv = MASTER ? w[i] : load_float(p + i);
-    adam_update_torch_tail(pv, m[i], v[i], load_float(g + i), c);
+    float gv = load_float(g + i);
+    if (wb) {
+      gv = gv / div;
+      store_float(g + i, gv);  // the step itself uses the unrounded float, as torch's does
+    }
+    adam_update_torch_tail(pv, m[i], v[i], gv, c);
     if constexpr (MASTER) w[i] = pv;
     store_float(p + i, pv);
   }
@@ -322,10 +362,12 @@ void adam_segment(const AdamLaunch& L, int64_t t, int64_t b, int64_t e) {
   const int64_t size = L.mt.sizes[t];
   const int64_t body_end = size - size % kTorchAdamVecWidth;
   if (b < body_end) {
-    if (L.consts[t].has_div)
-      adam_block_range<P, G, MASTER, true>(L, t, b, std::min(e, body_end));
+    if (L.consts[t].has_div && L.write_grads)
+      adam_block_range<P, G, MASTER, true, true>(L, t, b, std::min(e, body_end));
+    else if (L.consts[t].has_div)
+      adam_block_range<P, G, MASTER, true, false>(L, t, b, std::min(e, body_end));
     else
-      adam_block_range<P, G, MASTER, false>(L, t, b, std::min(e, body_end));
+      adam_block_range<P, G, MASTER, false, false>(L, t, b, std::min(e, body_end));
   }
   if (e > body_end) adam_torch_tail<P, G, MASTER>(L, t, std::max(b, body_end), e);
 }
@@ -364,14 +406,28 @@ inline void sgd_elem(float& p, float& buf, float g, const SgdVec& c) {
   p = fmaf(-c.lr, d, p);
 }
 
+// wb (write-back): c.inv_div is 1 and the grads are multiplied by `unscale` and stored back before the update.
 template <class P, class G, bool MASTER, bool MOM, bool NEST, bool FIRST>
-void sgd_range(const SgdLaunch& L, const SgdVec& c, int64_t t, int64_t b, int64_t e) {
+void sgd_range(const SgdLaunch& L, const SgdVec& c, bool wb, float unscale, int64_t t, int64_t b, int64_t e) {
   P* p = reinterpret_cast<P*>(L.params[t]);
   const G* g = reinterpret_cast<const G*>(L.grads[t]);
   float* buf = MOM ? reinterpret_cast<float*>(L.bufs[t]) : nullptr;
   float* w = MASTER ? reinterpret_cast<float*>(L.masters[t]) : nullptr;
   if constexpr (MOM && !MASTER && std::is_same_v<P, float> && std::is_same_v<G, float>) {
     // All float32 in place: no block copies.
+    if (wb) {
+      float* gw = const_cast<float*>(g);
+#pragma GCC ivdep
+      for (int64_t i = b; i < e; ++i) {
+        float pv = p[i], bv = buf[i];
+        const float gv = g[i] * unscale;
+        gw[i] = gv;
+        sgd_elem<MOM, NEST, FIRST>(pv, bv, gv, c);
+        p[i] = pv;
+        buf[i] = bv;
+      }
+      return;
+    }
 #pragma GCC ivdep
     for (int64_t i = b; i < e; ++i) {
       float pv = p[i], bv = buf[i];
@@ -386,7 +442,7 @@ void sgd_range(const SgdLaunch& L, const SgdVec& c, int64_t t, int64_t b, int64_
   alignas(64) float btmp[kBlock];
   for (int64_t i0 = b; i0 < e; i0 += kBlock) {
     const int64_t n = std::min(kBlock, e - i0);
-    const float* gb = float_view(g + i0, gtmp, n);
+    const float* gb = wb ? unscale_block<true>(g + i0, gtmp, n, unscale) : float_view(g + i0, gtmp, n);
     float* pb = ptmp;  // local copy: see adam_block_range
     if constexpr (MASTER) {
       std::memcpy(ptmp, w + i0, size_t(n) * sizeof(float));
@@ -404,22 +460,24 @@ void sgd_range(const SgdLaunch& L, const SgdVec& c, int64_t t, int64_t b, int64_
 template <class P, class G, bool MASTER>
 void sgd_run(const SgdLaunch& L) {
   const SgdConsts& k = L.consts;
+  const float inv_div = float(1.0 / double(k.div));
+  const bool wb = L.write_grads && k.has_div;
   const SgdVec c{k.lr, k.momentum, k.one_minus_damp, k.wd_before ? k.wd : 0.0f, k.wd_after ? k.wd : 0.0f,
-                 float(1.0 / double(k.div))};
+                 wb ? 1.0f : inv_div};
   parallel_segments(L.mt, [&](int64_t, int64_t t, int64_t b, int64_t e) {
     const bool first = L.first_run != nullptr && L.first_run[t] != 0;
     if (!k.has_momentum) {
-      sgd_range<P, G, MASTER, false, false, false>(L, c, t, b, e);
+      sgd_range<P, G, MASTER, false, false, false>(L, c, wb, inv_div, t, b, e);
     } else if (k.nesterov) {
       if (first)
-        sgd_range<P, G, MASTER, true, true, true>(L, c, t, b, e);
+        sgd_range<P, G, MASTER, true, true, true>(L, c, wb, inv_div, t, b, e);
       else
-        sgd_range<P, G, MASTER, true, true, false>(L, c, t, b, e);
+        sgd_range<P, G, MASTER, true, true, false>(L, c, wb, inv_div, t, b, e);
     } else {
       if (first)
-        sgd_range<P, G, MASTER, true, false, true>(L, c, t, b, e);
+        sgd_range<P, G, MASTER, true, false, true>(L, c, wb, inv_div, t, b, e);
       else
-        sgd_range<P, G, MASTER, true, false, false>(L, c, t, b, e);
+        sgd_range<P, G, MASTER, true, false, false>(L, c, wb, inv_div, t, b, e);
     }
   });
 }
@@ -429,7 +487,10 @@ template <class P, class G, bool MASTER>
 void lamb_pass1_run(const LambLaunch& L) {
   ChunkPartials part(L.mt, 2);
   parallel_segments(L.mt, [&](int64_t chunk, int64_t t, int64_t b, int64_t e) {
-    const LambConsts c = L.consts[t];
+    LambConsts c = L.consts[t];
+    const bool wb = L.write_grads && c.has_div;
+    const float unscale = c.inv_div;
+    if (wb) c.inv_div = 1.0f;  // grads are unscaled (and stored back) per block below; x * 1 is exact
     const P* p = reinterpret_cast<const P*>(L.params[t]);
     const G* g = reinterpret_cast<const G*>(L.grads[t]);
     float* m = reinterpret_cast<float*>(L.exp_avgs[t]);
@@ -440,7 +501,7 @@ void lamb_pass1_run(const LambLaunch& L) {
     double psq = 0.0, usq = 0.0;
     for (int64_t i0 = b; i0 < e; i0 += kBlock) {
       const int64_t k = std::min(kBlock, e - i0);
-      const float* gb = float_view(g + i0, gtmp, k);
+      const float* gb = wb ? unscale_block<true>(g + i0, gtmp, k, unscale) : float_view(g + i0, gtmp, k);
       const float* pb = MASTER ? w + i0 : float_view(p + i0, ptmp, k);
       float* mb = m + i0;
       float* vb = v + i0;

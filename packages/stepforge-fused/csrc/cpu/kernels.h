@@ -30,6 +30,7 @@ struct AdamLaunch {
   const AdamConsts* consts = nullptr;  // one per tensor
   int param_dtype = kFloat32;
   int grad_dtype = kFloat32;
+  bool write_grads = false;  // store g / divisor back into grads (set only when the divisor is not 1)
 };
 
 struct SgdLaunch {
@@ -42,6 +43,7 @@ struct SgdLaunch {
   SgdConsts consts;
   int param_dtype = kFloat32;
   int grad_dtype = kFloat32;
+  bool write_grads = false;  // store the unscaled grad back into grads (set only when the divisor is not 1)
 };
 
 struct LambLaunch {
@@ -57,6 +59,7 @@ struct LambLaunch {
   const float* step_scale = nullptr;   // in for pass 2: per-tensor lr * trust ratio
   int param_dtype = kFloat32;
   int grad_dtype = kFloat32;
+  bool write_grads = false;            // pass 1 stores the unscaled grad back (only when the divisor is not 1)
 };
 
 struct KernelTable {

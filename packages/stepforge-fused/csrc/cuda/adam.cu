@@ -33,7 +33,8 @@ __global__ __launch_bounds__(kThreads) void adam_kernel(UpdateArgs a, AdamKernel
         a.seed ^ (static_cast<std::uint64_t>(row_step(a, r, w.row)) * 0x9e3779b97f4a7c15ULL);
     const bool vec = row_aligned(r, bytes, kMaxLists);
     void* pp = reinterpret_cast<void*>(r.ptr[kP]);
-    const void* gp = reinterpret_cast<const void*>(r.ptr[kG]);
+    void* gp = reinterpret_cast<void*>(r.ptr[kG]);
+    const bool wb = a.write_grads && k.has_div;
     void* mp = reinterpret_cast<void*>(r.ptr[kM]);
     void* vp = reinterpret_cast<void*>(r.ptr[kV]);
     void* cp = reinterpret_cast<void*>(r.ptr[kCopy]);
@@ -44,8 +45,17 @@ __global__ __launch_bounds__(kThreads) void adam_kernel(UpdateArgs a, AdamKernel
       load4<G>(gp, i, w.end, v4, g);
       load4<float>(mp, i, w.end, v4, m);
       load4<float>(vp, i, w.end, v4, v);
+      if (wb) {
+        // torch's fused grad_scale contract: the unscaled grad replaces the scaled one, in the same pass.
 #pragma unroll
-      for (int e = 0; e < 4; ++e) adam_update(p[e], m[e], v[e], g[e], k);
+        for (int e = 0; e < 4; ++e) g[e] = g[e] / k.div;
+        store4<G>(gp, i, w.end, v4, g);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) adam_update_t<false>(p[e], m[e], v[e], g[e], k);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) adam_update(p[e], m[e], v[e], g[e], k);
+      }
       store4<float>(mp, i, w.end, v4, m);
       store4<float>(vp, i, w.end, v4, v);
       if (a.copy_dtype >= 0) {

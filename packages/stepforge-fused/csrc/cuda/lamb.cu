@@ -34,10 +34,13 @@ __global__ __launch_bounds__(kThreads) void lamb_moments_kernel(UpdateArgs a, La
     const TensorRow& r = a.rows[w.row];
     if (threadIdx.x == 0) s_c = lamb_consts(a, hp, r, w.row);
     __syncthreads();
-    const LambConsts k = s_c;
+    LambConsts k = s_c;
+    const bool wb = a.write_grads && k.has_div;
+    const float unscale = k.inv_div;
+    if (wb) k.inv_div = 1.f;  // the grads are unscaled (and stored back) below; x * 1 is exact
     const bool vec = row_aligned(r, bytes, kMaxLists);
     const void* pp = reinterpret_cast<const void*>(r.ptr[kP]);
-    const void* gp = reinterpret_cast<const void*>(r.ptr[kG]);
+    void* gp = reinterpret_cast<void*>(r.ptr[kG]);
     void* mp = reinterpret_cast<void*>(r.ptr[kM]);
     void* vp = reinterpret_cast<void*>(r.ptr[kV]);
     float sp = 0.f, su = 0.f;
@@ -48,6 +51,11 @@ __global__ __launch_bounds__(kThreads) void lamb_moments_kernel(UpdateArgs a, La
       load4<G>(gp, i, w.end, v4, g);
       load4<float>(mp, i, w.end, v4, m);
       load4<float>(vp, i, w.end, v4, v);
+      if (wb) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) g[e] = g[e] * unscale;
+        store4<G>(gp, i, w.end, v4, g);
+      }
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         if (i + e < w.end) {

@@ -48,6 +48,7 @@ struct Common {
   std::uint64_t lr_ptr = 0;            // device float32*, nullable: replaces lr (CUDA-graph capture)
   bool stochastic_rounding = false;    // bf16 params written with stochastic rounding
   std::uint64_t seed = 0;              // stochastic-rounding seed (vary it per step)
+  bool write_grads = false;            // store the unscaled grad (g / divisor) back into the grads
 };
 
 // Per-tensor step source for Adam/LAMB bias corrections: host steps (already incremented by the caller) or,

@@ -26,11 +26,14 @@ __global__ __launch_bounds__(kThreads) void sgd_kernel(UpdateArgs a, SgdKernelPa
                             hp.wd_after_momentum, load_div(a));
     }
     __syncthreads();
-    const SgdConsts k = s_c;
+    SgdConsts k = s_c;
+    const bool wb = a.write_grads && k.has_div;
+    const float div = k.div;
+    if (wb) k.has_div = false;  // the grads are divided (and stored back) below
     const bool first = r.aux != 0;
     const bool vec = row_aligned(r, bytes, kMaxLists);
     void* pp = reinterpret_cast<void*>(r.ptr[kP]);
-    const void* gp = reinterpret_cast<const void*>(r.ptr[kG]);
+    void* gp = reinterpret_cast<void*>(r.ptr[kG]);
     void* bp = reinterpret_cast<void*>(r.ptr[kM]);
     void* cp = reinterpret_cast<void*>(r.ptr[kCopy]);
     const bool has_buf = k.has_momentum && bp != nullptr;
@@ -40,6 +43,11 @@ __global__ __launch_bounds__(kThreads) void sgd_kernel(UpdateArgs a, SgdKernelPa
       load4<P>(pp, i, w.end, v4, p);
       load4<G>(gp, i, w.end, v4, g);
       if (has_buf && !first) load4<float>(bp, i, w.end, v4, b);
+      if (wb) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) g[e] = g[e] / div;
+        store4<G>(gp, i, w.end, v4, g);
+      }
 #pragma unroll
       for (int e = 0; e < 4; ++e) sgd_update(p[e], b[e], g[e], first, k);
       if (has_buf) store4<float>(bp, i, w.end, v4, b);

@@ -49,6 +49,7 @@ Prepared prepare_update(std::vector<TensorRow>& rows, const int* required, int n
   a.copy_dtype = copy_dtype;
   a.sr = common.stochastic_rounding;
   a.seed = common.seed;
+  a.write_grads = common.write_grads;
   a.steps = nullptr;
   a.step = 1;
   if (prep.empty) return prep;

@@ -29,6 +29,7 @@ struct UpdateArgs {
   int copy_dtype;           // -1: no param copy (list kCopy)
   bool sr;
   std::uint64_t seed;
+  bool write_grads;         // store the unscaled grad back into list kG (when the divisor is not 1)
   // Step per tensor: TensorRow::step (device float32 counter) if set, else steps[row] (host steps, uploaded
   // when they differ between tensors), else the uniform `step`.
   const std::int64_t* steps;

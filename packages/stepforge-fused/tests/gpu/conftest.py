@@ -16,12 +16,11 @@ from stepforge.testing.gpu import pytest_collection_modifyitems, pytest_runtest_
 @pytest.fixture(scope="session")
 def cuda_mod():
     """The ``_cuda`` extension, after checking it is built and can run (skip/fail with the reason otherwise)."""
-    from stepforge.fused import _cuda_runtime
+    from stepforge.fused import _backend
 
-    module = _cuda_runtime.cuda_module()
-    if module is None or not _cuda_runtime.cuda_available():
-        pytest.skip(f"CUDA kernels unavailable: {_cuda_runtime.cuda_status()}")
-    return module
+    if not _backend.cuda_available():
+        pytest.skip(f"CUDA kernels unavailable: {_backend.cuda_status()}")
+    return _backend.cuda_module()
 
 
 @pytest.fixture(autouse=True)

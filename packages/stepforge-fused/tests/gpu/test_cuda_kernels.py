@@ -650,7 +650,7 @@ def test_scale_unscale_with_inf_flag(cuda_mod):
 
 # ---- CUDA graphs ------------------------------------------------------------------------------------------
 def test_adam_graph_capture_with_device_lr_and_steps(cuda_mod):
-    from stepforge.fused._cuda_runtime import device_step_ptrs, increment_device_steps
+    from stepforge.testing.fused_cuda import device_step_ptrs, increment_device_steps
 
     shapes = [(1000,), (17, 33), (16385,)]
     p = make(shapes, torch.float32)

@@ -27,6 +27,7 @@ from .registry import (
 )
 from .sync import no_sync, register_no_sync_adapter, supports_no_sync
 from .validation import (
+    GroupValidator,
     check_betas,
     check_bool,
     check_dampening,
@@ -35,8 +36,10 @@ from .validation import (
     check_grad,
     check_lr,
     check_momentum,
+    check_nesterov,
     check_positive_int,
     check_range,
+    check_trust_clip,
     check_weight_decay,
     validate_hyperparameters,
 )
@@ -73,8 +76,11 @@ __all__ = [
     "check_grad",
     "check_lr",
     "check_momentum",
+    "check_nesterov",
     "check_positive_int",
     "check_range",
+    "check_trust_clip",
     "check_weight_decay",
+    "GroupValidator",
     "validate_hyperparameters",
 ]

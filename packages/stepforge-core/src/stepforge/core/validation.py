@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
 from typing import Any
 
 import torch
@@ -33,6 +33,9 @@ __all__ = [
     "check_bool",
     "check_grad",
     "check_float_dtype",
+    "check_nesterov",
+    "check_trust_clip",
+    "GroupValidator",
     "validate_hyperparameters",
 ]
 
@@ -219,3 +222,106 @@ def validate_hyperparameters(values: Mapping[str, Any], *, owner: str | None = N
     for key, check in _CHECKS.items():
         if key in values and values[key] is not None:
             check(values[key], owner=owner)
+
+
+def check_nesterov(nesterov: Any, momentum: Any, dampening: Any = 0, *, owner: str | None = None) -> bool:
+    """``nesterov`` is a bool, and ``True`` only with ``momentum > 0`` and ``dampening == 0`` (torch.optim.SGD)."""
+    check_bool("nesterov", nesterov, owner=owner)
+    if nesterov and (not momentum > 0 or dampening != 0):
+        raise HyperParameterError(
+            f"{_prefix(owner)}nesterov=True requires momentum > 0 and dampening == 0 (got momentum={momentum!r}, "
+            f"dampening={dampening!r}). Set a momentum (e.g. 0.9) or pass nesterov=False."
+        )
+    return nesterov
+
+
+def check_trust_clip(
+    value: Any, *, owner: str | None = None, name: str = "trust_clip"
+) -> tuple[float | None, float | None] | None:
+    """``None`` or a pair ``(low, high)`` of non-negative numbers (either may be ``None`` = unbounded), low <= high."""
+    if value is None:
+        return None
+    if isinstance(value, str) or not isinstance(value, Iterable):
+        raise HyperParameterError(
+            f"{_prefix(owner)}invalid {name}={value!r}; pass a pair (low, high), e.g. (0.0, 10.0), or None for no "
+            "clamp."
+        )
+    pair = tuple(value)
+    if len(pair) != 2:
+        raise HyperParameterError(
+            f"{_prefix(owner)}invalid {name}={value!r}; pass exactly two bounds (low, high)."
+        )
+    bounds: list[float | None] = []
+    for part, bound in zip(("low", "high"), pair, strict=True):
+        if bound is None:
+            bounds.append(None)
+            continue
+        if isinstance(bound, bool) or not isinstance(bound, numbers.Real) or not bound >= 0:
+            raise HyperParameterError(
+                f"{_prefix(owner)}invalid {name} {part} bound {bound!r}; bounds must be non-negative numbers or "
+                "None."
+            )
+        bounds.append(float(bound))
+    if bounds[0] is not None and bounds[1] is not None and bounds[0] > bounds[1]:
+        raise HyperParameterError(f"{_prefix(owner)}invalid {name}={value!r}; low must not exceed high.")
+    return bounds[0], bounds[1]
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
+
+
+class GroupValidator:
+    """Validates an optimizer's param groups with one check, where they enter and whenever one was edited.
+
+    Every stepforge optimizer uses it the same way: :meth:`validate` in ``__init__``/``add_param_group`` (and
+    after ``load_state_dict``), :meth:`revalidate` at the start of each ``step()``, which re-runs the check only
+    on groups whose hyper-parameters changed since they were last checked (an edit such as
+    ``opt.param_groups[0]["lr"] = -1`` or ``group["adamw_mode"] = "False"`` fails at the next step, naming the
+    group, instead of silently doing something else). A scheduler changing ``lr`` costs one check per step.
+
+    Args:
+        check: ``check(group)`` raises :class:`HyperParameterError` (it may normalise values in place).
+        owner: the optimizer's class name, put in front of messages.
+    """
+
+    def __init__(self, check: Callable[[MutableMapping[str, Any]], Any], *, owner: str) -> None:
+        self._check = check
+        self._owner = owner
+        self._seen: dict[int, tuple[MutableMapping[str, Any], list[tuple[str, Any]]]] = {}
+
+    @staticmethod
+    def _snapshot(group: Mapping[str, Any]) -> list[tuple[str, Any]]:
+        return [(k, v) for k, v in group.items() if k != "params"]
+
+    def validate(self, group: MutableMapping[str, Any], index: int | None = None) -> None:
+        """Check ``group`` now (raises naming the group) and remember its values."""
+        try:
+            self._check(group)
+        except HyperParameterError as exc:
+            where = "" if index is None else f" (param group #{index})"
+            raise HyperParameterError(f"{exc}{where}") from None
+        self._seen[id(group)] = (group, self._snapshot(group))
+
+    def revalidate(self, groups: Sequence[MutableMapping[str, Any]]) -> None:
+        """Re-check every group whose values changed since it was last checked (and groups never checked)."""
+        for i, group in enumerate(groups):
+            seen = self._seen.get(id(group))
+            if seen is not None and seen[0] is group:
+                old = seen[1]
+                if len(old) == len(group) - ("params" in group) and all(
+                    k in group and _same(group[k], v) for k, v in old
+                ):
+                    continue
+            self.validate(group, i)
+
+    def forget(self) -> None:
+        """Drop every snapshot (after ``load_state_dict`` replaced the groups)."""
+        self._seen.clear()

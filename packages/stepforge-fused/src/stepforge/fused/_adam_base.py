@@ -7,9 +7,58 @@ from types import ModuleType
 from typing import Any
 
 from . import _backend
-from ._base import Bucket, FusedOptimizerBase
+from ._base import Bucket, FusedOptimizerBase, Launch
+from ._validate import check_adam_like
 
-__all__ = ["AdamBase"]
+__all__ = ["ADAM_STATE_KEYS", "AdamBase", "adam_defaults", "check_adam_group"]
+
+#: State tensors of the Adam family (FusedAdam, CPUAdam, HybridAdam, FusedLAMB), as in torch.optim.AdamW.
+ADAM_STATE_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+def adam_defaults(
+    owner: str,
+    *,
+    lr: Any,
+    bias_correction: Any,
+    betas: Any,
+    eps: Any,
+    weight_decay: Any,
+    amsgrad: Any = False,
+    **flags: Any,
+) -> dict[str, Any]:
+    """Validate the Adam-family options and return the group defaults (``flags``: extra boolean options,
+    e.g. ``adamw_mode``, ``grad_averaging``); the one place their defaults and checks live."""
+    check_adam_like(
+        owner,
+        lr=lr,
+        betas=betas,
+        eps=eps,
+        weight_decay=weight_decay,
+        amsgrad=amsgrad,
+        flags={"bias_correction": bias_correction, **flags},
+    )
+    return dict(
+        lr=lr,
+        bias_correction=bias_correction,
+        betas=tuple(betas),
+        eps=eps,
+        weight_decay=weight_decay,
+        **flags,
+    )
+
+
+def check_adam_group(group: dict[str, Any], *, owner: str, flags: tuple[str, ...]) -> None:
+    """The Adam-family checks on one param group (``flags``: its boolean options)."""
+    check_adam_like(
+        owner,
+        lr=group["lr"],
+        betas=group["betas"],
+        eps=group["eps"],
+        weight_decay=group["weight_decay"],
+        amsgrad=group.get("amsgrad", False),
+        flags={k: group[k] for k in flags if k in group},
+    )
 
 
 class AdamBase(FusedOptimizerBase):
@@ -18,7 +67,11 @@ class AdamBase(FusedOptimizerBase):
     ``master_param`` with ``master_weights=True`` for fp16/bf16 params."""
 
     def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
-        return ("exp_avg", "exp_avg_sq")
+        return ADAM_STATE_KEYS
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        super()._check_group(group)
+        check_adam_group(group, owner=self._owner, flags=("bias_correction", "adamw_mode"))
 
     def _torch_group_keys(self, group: dict[str, Any]) -> dict[str, Any]:
         # torch.optim.Adam/AdamW read these; `fused=True` keeps the bit-identical torch path after a load.
@@ -39,17 +92,7 @@ class AdamBase(FusedOptimizerBase):
             group["adamw_mode"] = bool(group["decoupled_weight_decay"])
 
     def _launch(
-        self,
-        module: ModuleType,
-        bucket: Bucket,
-        group: dict[str, Any],
-        lr: float,
-        divisor: float,
-        found_inf_ptr: int,
-        check_finite: bool,
-        ctx: int,
-        steps: Any,
-        kw: dict[str, Any],
+        self, module: ModuleType, bucket: Bucket, group: dict[str, Any], launch: Launch
     ) -> bool | None:
         beta1, beta2 = group["betas"]
         return module.adam(
@@ -59,19 +102,19 @@ class AdamBase(FusedOptimizerBase):
             bucket.ptrs["exp_avg_sq"],
             bucket.ptrs.get("masters"),
             bucket.sizes,
-            steps,
+            launch.steps,
             _backend.DTYPE_CODES[bucket.param_dtype],
             _backend.DTYPE_CODES[bucket.grad_dtype],
-            lr,
+            launch.lr,
             float(beta1),
             float(beta2),
             float(group["eps"]),
             float(group["weight_decay"]),
             bool(group["adamw_mode"]),
             bool(group["bias_correction"]),
-            divisor,
-            found_inf_ptr,
-            check_finite,
-            ctx,
-            **kw,
+            launch.divisor,
+            launch.found_inf_ptr,
+            launch.check_finite,
+            launch.ctx,
+            **launch.kw,
         )

@@ -3,6 +3,9 @@
 
 ``_cpu`` is always built; ``_cuda`` only with ``STEPFORGE_CUDA=ON`` (or ``AUTO`` and nvcc found). Both expose the
 same kernel functions, so the optimizers call ``module_for(device).adam(...)`` and never branch on the device.
+One loader (:func:`_load`), one dtype table (:data:`DTYPE_CODES`), one error class
+(:class:`BackendUnavailableError`). The ``_cuda`` extension links the CUDA runtime statically, so it imports on
+machines without a GPU; :func:`cuda_status` then says why it cannot run.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ __all__ = [
     "BackendUnavailableError",
     "DTYPE_CODES",
     "cpu_module",
+    "cuda_available",
     "cuda_module",
+    "cuda_status",
     "module_for",
     "has_cuda",
     "cpu_features",
@@ -80,6 +85,31 @@ def cuda_module() -> ModuleType:
             "(torch.cuda.is_available() is False); move the parameters to a GPU machine or to the CPU."
         )
     return mod
+
+
+def cuda_status() -> str:
+    """One line for humans: built architectures and runtime, and the device or why there is none.
+
+    Returns:
+        e.g. ``"built for sm_80 (cubin), sm_90 (cubin), sm_90 (PTX); CUDA runtime 13.0 (static); no CUDA
+        driver/device: cudaErrorInsufficientDriver (...)"``, or why the module is missing and how to build it.
+    """
+    mod, why = _load("_cuda")
+    if mod is None:
+        return (
+            "stepforge-fused was built without CUDA; rebuild with STEPFORGE_CUDA=ON and nvcc on PATH "
+            f"(STEPFORGE_CUDA=ON pip install --no-build-isolation packages/stepforge-fused) ({why})"
+        )
+    status = str(mod.status())
+    if not torch.cuda.is_available() and mod.available():
+        status += f"; but torch {torch.__version__} cannot use CUDA (a CPU-only torch build?)"
+    return status
+
+
+def cuda_available() -> bool:
+    """Whether the CUDA kernels can run: module built, a device visible to it and to torch."""
+    mod = _load("_cuda")[0]
+    return mod is not None and bool(mod.available()) and torch.cuda.is_available()
 
 
 def has_cuda() -> bool:

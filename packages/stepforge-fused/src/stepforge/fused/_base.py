@@ -1,157 +1,40 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The machinery every fused optimizer shares: bucketing, cached pointer arrays, steps, master weights.
+"""The base class of the fused optimizers: options, skip reporting, subclass hooks and step routing.
 
-A param group is split into buckets keyed by ``(device, param dtype, grad dtype, master weights)``; each bucket
-holds the pointer arrays the kernels take (``array.array('q')``, read without copying by the extension), the
-sizes and a flat float32 tensor of per-parameter step counts whose elements *are* ``state[p]["step"]`` (0-dim
-views), so one in-place add advances every step of the bucket. The arrays are rebuilt only when the set of
-gradients changes: each step compares ``p.grad`` objects with the cached ones by identity, which catches
-gradients re-allocated by backward after ``zero_grad(set_to_none=True)`` and gradients assigned by hand.
-Swapping storage under an existing tensor (``p.data = ...``, ``p.grad.data = ...``) is not detected: call
-:meth:`FusedOptimizerBase.invalidate_cache` after doing that.
-
-Reading ``p.grad`` costs about 0.3 us per parameter, which for 20 000 small tensors is a large part of a step.
-With ``assume_stable_grads=True`` the per-step check is skipped: the cache is invalidated by
-post-accumulate-grad hooks (a gradient newly allocated by backward), ``load_state_dict`` and
-``add_param_group``, and checked once after ``zero_grad(set_to_none=True)``; a gradient assigned by hand needs
-``invalidate_cache()``. ``zero_grad`` keeps the buckets: only the grad pointers are refreshed after it.
+The pieces live beside it: :mod:`._buckets` (buckets, the pointer cache and its per-step revalidation),
+:mod:`._state` (torch.optim state-dict compatibility and state creation), :mod:`._device_step` (the sync-free
+CUDA step). Subclasses define ``_owner``, ``_state_keys(group)`` and ``_launch(module, bucket, group, launch)``.
 """
 
 from __future__ import annotations
 
-import array
-import itertools
 import math
-import operator
-import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 import torch
 
-from stepforge.core import HyperParameterError
+from stepforge.core import GroupValidator, HyperParameterError, check_bool, check_lr, check_range
 
-from . import _backend, _cuda_runtime
+from . import _backend
+from ._buckets import Bucket, BucketsMixin, GroupCache, Launch
+from ._device_step import DeviceStepMixin
+from ._distributed import is_dtensor, mesh_all_true
+from ._state import StateMixin
+from ._validate import check_param, local_tensor
 
-__all__ = ["FusedOptimizerBase", "Bucket"]
+__all__ = ["Bucket", "FusedOptimizerBase", "Launch"]
 
-_is = operator.is_
 _NO_KW: dict[str, Any] = {}
 
 
-def _i64(values: Iterable[int]) -> array.array:
-    return array.array("q", values)
-
-
-class Bucket:
-    """Tensors of one param group sharing ``(device, param dtype, grad dtype, masters)``.
-
-    Attributes:
-        params: the parameters (leaf tensors), in group order.
-        ptrs: pointer arrays by role (``"params"``, ``"grads"``, state keys, ``"masters"``).
-        sizes: element counts (int64).
-        steps: flat float32 tensor ``(n,)`` on the bucket's device; ``state[p]["step"]`` is ``steps[i]``.
-        steps_arg: int64 array the CPU kernel reads (``steps + 1`` at launch).
-        on_device: CUDA bucket (sync-free path: device steps, device flags).
-        step_ptrs: addresses of the elements of ``steps`` (CUDA buckets; the kernel reads them).
-        first_run: int64 flags (SGD: buffer initialised from the grad on this step).
-    """
-
-    __slots__ = (
-        "_first_run_t",
-        "_steps_arg_t",
-        "device",
-        "first_run",
-        "grad_dtype",
-        "master",
-        "numel",
-        "on_device",
-        "param_dtype",
-        "params",
-        "ptrs",
-        "sizes",
-        "step_ptrs",
-        "steps",
-        "steps_arg",
-    )
-
-    def __init__(self, device: torch.device, param_dtype: torch.dtype, grad_dtype: torch.dtype, master: bool):
-        self.device = device
-        self.param_dtype = param_dtype
-        self.grad_dtype = grad_dtype
-        self.master = master
-        self.params: list[torch.Tensor] = []
-        self.ptrs: dict[str, array.array] = {}
-        self.sizes = _i64(())
-        self.steps = torch.zeros(0)
-        self.steps_arg = _i64(())
-        self._steps_arg_t: torch.Tensor | None = None
-        self.first_run = _i64(())
-        self._first_run_t: torch.Tensor | None = None
-        self.numel = 0
-        # CUDA buckets: steps live on the device and the kernels read them through step_ptrs (no host copy).
-        self.on_device = False
-        self.step_ptrs: array.array | None = None
-
-    def prepare_steps(self) -> array.array:
-        """Fill ``steps_arg`` with ``state step + 1`` (the step being taken) in two tensor ops."""
-        if self._steps_arg_t is not None:
-            self._steps_arg_t.copy_(self.steps)
-            self._steps_arg_t.add_(1)
-        return self.steps_arg
-
-    def clear_first_run(self) -> None:
-        if self._first_run_t is not None:
-            self._first_run_t.zero_()
-
-
-_get_dtype = operator.attrgetter("dtype")
-_get_is_sparse = operator.attrgetter("is_sparse")
-_contiguous = torch.Tensor.is_contiguous
-_data_ptr = torch.Tensor.data_ptr
-
-
-class _GroupCache:
-    __slots__ = ("all_set", "buckets", "grads", "hooked", "members", "params")
-
-    def __init__(self, params: list[torch.Tensor], grads: list[Any], buckets: list[Bucket]):
-        self.params = params
-        self.grads = grads
-        self.all_set = all(g is not None for g in grads)
-        self.buckets = buckets
-        self.hooked = False
-        # for each bucket, the positions of its params in the group
-        where = {id(p): i for i, p in enumerate(params)}
-        self.members = [[where[id(p)] for p in b.params] for b in buckets]
-
-    def refresh_grads(self, grads: list[Any]) -> bool:
-        """Point the buckets at new grad tensors (``zero_grad(set_to_none=True)`` + backward re-allocates them
-        every step), with C-level loops only. Returns False when the layout must be rebuilt instead (a grad
-        appeared or vanished, or changed dtype/layout: the full build validates and raises the right error).
-        torch itself guarantees that an assigned grad has its param's shape and device."""
-        all_set = all(map(operator.is_not, grads, itertools.repeat(None)))
-        if not (all_set and self.all_set) and [g is None for g in grads] != [g is None for g in self.grads]:
-            return False  # the set of params with a grad changed
-        for bucket, idx in zip(self.buckets, self.members, strict=True):
-            if not idx:
-                continue
-            bg = [grads[i] for i in idx]
-            if not all(map(operator.is_, map(_get_dtype, bg), itertools.repeat(bucket.grad_dtype))):
-                return False
-            if any(map(_get_is_sparse, bg)) or not all(map(_contiguous, bg)):
-                return False
-            bucket.ptrs["grads"] = _i64(map(_data_ptr, bg))
-        self.grads = grads
-        return True
-
-
-class FusedOptimizerBase(torch.optim.Optimizer):
+class FusedOptimizerBase(StateMixin, BucketsMixin, DeviceStepMixin, torch.optim.Optimizer):
     """Base class of the stepforge fused optimizers (not public API).
 
     Subclasses define ``_owner`` (class name for messages), ``_state_keys(group)`` (float32 state tensors
-    shaped like the param), ``_launch(module, bucket, group, lr, divisor, found_inf_ptr, check_finite, ctx,
-    steps, kw)``, and may override ``_pre_step(buckets_by_group, divisor)`` (LAMB's global norm, host path) and
+    shaped like the param), ``_launch(module, bucket, group, launch)`` (``launch``: a :class:`Launch`), and may
+    override ``_pre_step(buckets_by_group, divisor)`` (LAMB's global norm, host path) and
     ``_device_clip_norm()`` (the same clip on the CUDA path).
     """
 
@@ -197,7 +80,8 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         self._flags: dict[torch.device, torch.Tensor] = {}
         self._skip_counts: dict[torch.device, torch.Tensor] = {}
         self._lr_bufs: dict[tuple[int, torch.device], tuple[float, torch.Tensor]] = {}
-        self._cache: dict[int, _GroupCache] = {}
+        self._cache: dict[int, GroupCache] = {}
+        self._groups = GroupValidator(self._check_group, owner=self._owner)
         super().__init__(params, defaults)
 
     # ---- skip reporting ------------------------------------------------------------------------------------
@@ -229,98 +113,27 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         self._host_last_skipped = True
         self._host_skipped += 1
 
-    # ---- torch.optim plumbing --------------------------------------------------------------------------
-    _PICKLED_OPTIONS = ("master_weights", "skip_nonfinite", "assume_stable_grads", "set_grad_none")
-
-    def __getstate__(self) -> dict[str, Any]:
-        # torch.optim pickles defaults/state/param_groups only; keep our options, never the pointer caches.
-        state = super().__getstate__()
-        state.update({k: self.__dict__[k] for k in self._PICKLED_OPTIONS if k in self.__dict__})
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        self.__dict__.setdefault("_cache", {})
-        self.__dict__.setdefault("master_weights", False)
-        self.__dict__.setdefault("skip_nonfinite", None)
-        self.__dict__.setdefault("_host_last_skipped", bool(self.__dict__.pop("last_step_skipped", False)))
-        self.__dict__.setdefault("_host_skipped", int(self.__dict__.pop("skipped_steps", 0)))
-        for key in ("_flags", "_skip_counts", "_lr_bufs"):
-            self.__dict__.setdefault(key, {})
-        self.__dict__.setdefault("_last_flags", [])
-        self.__dict__.setdefault("assume_stable_grads", False)
-        self.__dict__.setdefault("_hooked", {})
-        self.__dict__.setdefault("_known_grads", {})
-
-    def invalidate_cache(self) -> None:
-        """Forget the cached pointer arrays (needed only after swapping storage under a param or grad)."""
-        self._cache.clear()
-
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group: its values (defaults filled in) are validated like the constructor's, and its
+        parameters must be float32/float16/bfloat16 and contiguous; on error nothing is added."""
         super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            self._groups.validate(group, len(self.param_groups) - 1)
+            for i, p in enumerate(group["params"]):
+                check_param(p, i, owner=self._owner)
+        except Exception:
+            self.param_groups.pop()
+            raise
         if hasattr(self, "_cache"):
             self._cache.clear()
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict of this class or of ``torch.optim.AdamW``/``Adam``/``SGD`` (same state layout).
-
-        Group options missing from ``state_dict`` (e.g. ``bias_correction`` in a torch checkpoint) keep this
-        optimizer's current values, so a torch checkpoint never raises ``KeyError`` (apex #577); ``capturable``
-        always keeps this optimizer's value. Steps saved on the CPU (torch's non-fused layout) move to a CUDA
-        parameter's device at the next step (one copy), steps saved on a device are used in place.
-        """
-        own = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
-        # torch.optim casts every floating state tensor to its param's dtype on load, which would round float32
-        # moments and masters of fp16/bf16 params: keep the float32 values aside and put them back after.
-        saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
-        own_params = [p for g in self.param_groups for p in g["params"]]
-        wide: dict[int, dict[str, torch.Tensor]] = {}
-        for pid, p in zip(saved_ids, own_params, strict=False):
-            st = state_dict["state"].get(pid, {})
-            keep = {
-                k: v
-                for k, v in st.items()
-                if k != "step"
-                and isinstance(v, torch.Tensor)
-                and v.is_floating_point()
-                and v.dtype != p.dtype
-            }
-            if keep:
-                wide[id(p)] = keep
-        super().load_state_dict(state_dict)
-        for p in own_params:
-            for key, value in wide.get(id(p), {}).items():
-                self.state[p][key] = value.to(device=p.device, dtype=torch.float32, copy=True)
-        for old, group in zip(own, self.param_groups, strict=True):
-            for key, value in old.items():
-                group.setdefault(key, value)
-            if "capturable" in old or "capturable" in group:
-                # How this instance runs (device lr for CUDA graphs, CPU params allowed or not), not a property
-                # of the checkpoint: keep the constructor's choice, whatever optimizer wrote the state.
-                group["capturable"] = bool(old.get("capturable", False))
-            self._check_loaded_group(group)
-        self._cache.clear()
-
-    def _check_loaded_group(self, group: dict[str, Any]) -> None:
-        if group.get("amsgrad", False):
-            raise HyperParameterError(
-                f"{self._owner}: the loaded state uses amsgrad=True, which is not supported."
-            )
-        if group.get("maximize", False):
-            raise HyperParameterError(
-                f"{self._owner}: the loaded state uses maximize=True, which is not supported."
-            )
-
-    def _torch_group_keys(self, group: dict[str, Any]) -> dict[str, Any]:
-        """Extra keys written into state_dict() groups so torch.optim loads them with the same semantics."""
-        return {}
-
-    def state_dict(self) -> dict[str, Any]:
-        sd = super().state_dict()
-        for saved, group in zip(sd["param_groups"], self.param_groups, strict=True):
-            for key, value in self._torch_group_keys(group).items():
-                saved.setdefault(key, value)
-        return sd
+    def _check_group(self, group: dict[str, Any]) -> None:
+        """Validate (and normalise) one param group's values; subclasses extend it. Raises
+        ``HyperParameterError`` naming the value and the fix."""
+        check_lr(group["lr"], owner=self._owner)
+        if "capturable" in group:
+            check_bool("capturable", group["capturable"], owner=self._owner)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
@@ -330,255 +143,24 @@ class FusedOptimizerBase(torch.optim.Optimizer):
             # so they must go through it once (a param left without a grad would otherwise keep a dead pointer).
             for entry in self._cache.values():
                 entry.hooked = False
+                entry.release_grads()
 
     # ---- hooks for subclasses --------------------------------------------------------------------------
     def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
         raise NotImplementedError
 
     def _launch(
-        self,
-        module: ModuleType,
-        bucket: Bucket,
-        group: dict[str, Any],
-        lr: float,
-        divisor: float,
-        found_inf_ptr: int,
-        check_finite: bool,
-        ctx: int,
-        steps: Any,
-        kw: dict[str, Any],
+        self, module: ModuleType, bucket: Bucket, group: dict[str, Any], launch: Launch
     ) -> bool | None:
-        """Call the kernel of this optimizer on ``bucket``.
-
-        ``steps``: the host int64 step array (CPU) or ``None`` (CUDA: ``kw["step_ptrs"]``); ``kw``: the CUDA
-        keyword-only arguments (``device``, ``lr_ptr``, ``grad_divisor_ptr``, ``step_ptrs``), empty for CPU.
-        """
+        """Call the kernel of this optimizer on ``bucket`` with the scalars in ``launch``; returns whether the
+        kernel's finite check skipped the update."""
         raise NotImplementedError
 
     def _pre_step(self, plans: list[tuple[dict[str, Any], list[Bucket]]], divisor: float) -> float:
         """Adjust the grad divisor before any update (LAMB: global grad-norm clip). Returns the divisor."""
         return divisor
 
-    # ---- bucket building ---------------------------------------------------------------------------------
-    def _group_buckets(self, index: int, group: dict[str, Any]) -> list[Bucket]:
-        params = group["params"]
-        cached = self._cache.get(index)
-        if (
-            cached is not None
-            and cached.hooked
-            and cached.params is params
-            and len(cached.grads) == len(params)
-        ):
-            return cached.buckets
-        grads = [p.grad for p in params]
-        if cached is not None and cached.params is params and len(cached.grads) == len(grads):
-            if all(map(_is, grads, cached.grads)) or cached.refresh_grads(grads):
-                if self.assume_stable_grads:
-                    cached.hooked = self._hook_params(params)
-                return cached.buckets
-        buckets = self._build_buckets(group, params, grads)
-        entry = _GroupCache(params, grads, buckets)
-        if self.assume_stable_grads:
-            entry.hooked = self._hook_params(params)
-        self._cache[index] = entry
-        return buckets
-
-    def _hook_params(self, params: list[torch.Tensor]) -> bool:
-        """Invalidate the cache when backward hands a parameter a new gradient tensor (stable-grads mode)."""
-        if not all(p.requires_grad and p.is_leaf for p in params):
-            return False  # no hook possible: keep checking p.grad every step for this group
-        ref = weakref.ref(self)
-        for p in params:
-            if id(p) in self._hooked:
-                continue
-
-            def hook(param: torch.Tensor, _ref: Any = ref) -> None:
-                opt = _ref()
-                # Accumulated in place into the known tensor: nothing to do. A new tensor: rebuild lazily.
-                if opt is not None and opt._known_grads.get(id(param)) is not param.grad:
-                    opt._cache.clear()
-
-            self._hooked[id(p)] = p.register_post_accumulate_grad_hook(hook)
-        self._known_grads.update((id(p), p.grad) for p in params)
-        return True
-
-    def _validate_pair(self, p: torch.Tensor, g: torch.Tensor, index: int) -> None:
-        owner = self._owner
-        where = f"parameter #{index} (shape {tuple(p.shape)}, {p.dtype}, {p.device})"
-        if g.is_sparse or p.is_sparse:
-            raise RuntimeError(
-                f"{owner}: {where} has a sparse gradient; the fused kernels need dense gradients."
-            )
-        if g.device != p.device:
-            raise RuntimeError(
-                f"{owner}: {where} has its gradient on {g.device}; a parameter and its gradient must share a "
-                "device (move the gradient, or the parameter)."
-            )
-        if g.shape != p.shape:
-            raise RuntimeError(
-                f"{owner}: {where} has a gradient of shape {tuple(g.shape)}; shapes must match."
-            )
-        if not p.is_contiguous():
-            raise RuntimeError(
-                f"{owner}: {where} is not contiguous; the kernels update memory in place and a copy would be "
-                "silently lost. Make the parameter contiguous before creating the optimizer."
-            )
-        if not g.is_contiguous():
-            raise RuntimeError(
-                f"{owner}: the gradient of {where} is not contiguous (strides {g.stride()}); pass contiguous "
-                "gradients (e.g. p.grad = p.grad.contiguous())."
-            )
-        if p.device.type not in ("cpu", "cuda"):
-            raise RuntimeError(f"{owner}: {where} is on {p.device}; only CPU and CUDA tensors are supported.")
-        _backend.dtype_code(p.dtype, what=where, owner=owner)
-        _backend.dtype_code(g.dtype, what=f"the gradient of {where}", owner=owner)
-
-    def _init_state(self, p: torch.Tensor, group: dict[str, Any]) -> tuple[dict[str, Any], bool]:
-        """Create (or normalise a loaded) state for ``p``; returns (state, created_momentum_now)."""
-        state = self.state[p]
-        fresh = False
-        if self._uses_steps and "step" not in state:
-            # torch.optim layout: a 0-dim float32 tensor, on the param's device for CUDA params (as torch's
-            # fused/capturable AdamW), so device steps need no host copy.
-            state["step"] = torch.zeros(
-                (), dtype=torch.float32, device=p.device if self._device_path(p.device) else None
-            )
-        for key in self._state_keys(group):
-            buf = state.get(key)
-            if buf is None:
-                state[key] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-                fresh = True
-            elif buf.dtype != torch.float32 or buf.device != p.device or not buf.is_contiguous():
-                # A torch checkpoint of fp16/bf16 params keeps low-precision moments: widen them (exact).
-                state[key] = buf.to(device=p.device, dtype=torch.float32).contiguous()
-            if state[key].shape != p.shape:
-                raise RuntimeError(
-                    f"{self._owner}: state['{key}'] has shape {tuple(state[key].shape)} but its parameter has "
-                    f"shape {tuple(p.shape)}; the loaded state does not belong to these parameters."
-                )
-        if self.master_weights and p.dtype != torch.float32:
-            w = state.get("master_param")
-            if w is None or w.shape != p.shape:
-                state["master_param"] = p.detach().to(torch.float32).contiguous()
-            elif w.dtype != torch.float32 or w.device != p.device:
-                state["master_param"] = w.to(device=p.device, dtype=torch.float32).contiguous()
-        return state, fresh
-
-    def _build_buckets(
-        self, group: dict[str, Any], params: list[torch.Tensor], grads: list[Any]
-    ) -> list[Bucket]:
-        keys = self._state_keys(group)
-        if group.get("capturable", False):
-            for i, (p, g) in enumerate(zip(params, grads, strict=True)):
-                if g is not None and not self._device_path(p.device):
-                    raise RuntimeError(
-                        f"{self._owner}: capturable=True needs CUDA parameters (lr and steps on the device for "
-                        f"CUDA-graph capture), but parameter #{i} is on {p.device}. Pass capturable=False for "
-                        "CPU parameters (torch.optim raises for capturable=True on CPU too)."
-                    )
-        by_key: dict[tuple[Any, ...], Bucket] = {}
-        staged: dict[tuple[Any, ...], list[tuple[torch.Tensor, torch.Tensor, dict[str, Any], bool]]] = {}
-        for i, (p, g) in enumerate(zip(params, grads, strict=True)):
-            if g is None:
-                continue
-            self._validate_pair(p, g, i)
-            state, fresh = self._init_state(p, group)
-            master = self.master_weights and p.dtype != torch.float32
-            key = (p.device, p.dtype, g.dtype, master)
-            if key not in by_key:
-                by_key[key] = Bucket(p.device, p.dtype, g.dtype, master)
-                staged[key] = []
-            staged[key].append((p, g, state, fresh))
-        buckets = []
-        for key, bucket in by_key.items():
-            entries = staged[key]
-            bucket.params = [e[0] for e in entries]
-            bucket.ptrs["params"] = _i64(e[0].data_ptr() for e in entries)
-            bucket.ptrs["grads"] = _i64(e[1].data_ptr() for e in entries)
-            for name in keys:
-                bucket.ptrs[name] = _i64(e[2][name].data_ptr() for e in entries)
-            if bucket.master:
-                bucket.ptrs["masters"] = _i64(e[2]["master_param"].data_ptr() for e in entries)
-            bucket.sizes = _i64(e[0].numel() for e in entries)
-            bucket.numel = sum(bucket.sizes)
-            n = len(entries)
-            bucket.on_device = self._device_path(bucket.device)
-            if self._uses_steps and bucket.on_device:
-                steps = self._device_steps([e[2]["step"] for e in entries], bucket.device)
-                for j, e in enumerate(entries):
-                    e[2]["step"] = steps[j]
-                bucket.step_ptrs = _i64(range(steps.data_ptr(), steps.data_ptr() + 4 * n, 4))
-            elif self._uses_steps:
-                steps = torch.tensor([float(e[2]["step"]) for e in entries], dtype=torch.float32)
-                for j, e in enumerate(entries):
-                    e[2]["step"] = steps[j]  # 0-dim view: one in-place add advances every step of the bucket
-            else:
-                steps = torch.zeros(n, dtype=torch.float32)
-            bucket.steps = steps
-            bucket.steps_arg = _i64([0] * n)
-            bucket.first_run = _i64(int(e[3]) for e in entries)
-            if n:
-                bucket._steps_arg_t = torch.frombuffer(bucket.steps_arg, dtype=torch.int64)
-                bucket._first_run_t = torch.frombuffer(bucket.first_run, dtype=torch.int64)
-            buckets.append(bucket)
-        return buckets
-
-    @staticmethod
-    def _device_steps(old: list[Any], device: torch.device) -> torch.Tensor:
-        """One flat float32 tensor on ``device`` holding the given steps, without a host round trip when they
-        already live there (the common case: a rebuild after ``zero_grad(set_to_none=True)``)."""
-        n = len(old)
-        base = old[0]._base if n and isinstance(old[0], torch.Tensor) else None
-        if (
-            base is not None
-            and base.device == device
-            and base.dtype == torch.float32
-            and base.dim() == 1
-            and base.numel() == n
-            and all(s._base is base and s.storage_offset() == j for j, s in enumerate(old))
-        ):
-            return base  # the same bucket as before: keep the tensor (and its address, for CUDA graphs)
-        if all(isinstance(s, torch.Tensor) and s.device == device for s in old):
-            return (
-                torch.stack([s.reshape(()).to(torch.float32) for s in old])
-                if n
-                else torch.zeros(0, device=device)
-            )
-        # Steps from a CPU checkpoint (torch.optim's non-fused layout): one host-to-device copy, at build only.
-        values = [float(s) for s in old]
-        if not any(values):
-            return torch.zeros(n, dtype=torch.float32, device=device)
-        return torch.tensor(values, dtype=torch.float32).to(device)
-
-    @staticmethod
-    def _device_path(device: torch.device) -> bool:
-        """Whether tensors on ``device`` take the sync-free device path (CUDA)."""
-        return device.type == "cuda"
-
-    @staticmethod
-    def _device_env(device: torch.device) -> tuple[int, int]:
-        """``(ctx, device index)`` of a CUDA launch: the caller's current stream on that device."""
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return int(torch.cuda.current_stream(index).cuda_stream), index
-
-    def _device_clip_norm(self) -> float:
-        """Global grad-norm clip threshold applied on the device path (LAMB); ``0`` = none."""
-        return 0.0
-
     # ---- step ----------------------------------------------------------------------------------------------
-
-    @staticmethod
-    def _device_kw(device: torch.device) -> dict[str, Any]:
-        """Extra keyword for the CUDA module: the device index (the CPU module takes none)."""
-        if device.type == "cuda":
-            return {"device": device.index if device.index is not None else torch.cuda.current_device()}
-        return {}
-
-    @staticmethod
-    def _ctx(module: ModuleType, device: torch.device) -> int:
-        if device.type == "cpu":
-            return _backend.get_num_threads()
-        return int(torch.cuda.current_stream(device).cuda_stream)
 
     @torch.no_grad()
     def _fused_step(self, closure: Callable[[], Any] | None, div_scale: float = -1) -> Any:
@@ -587,8 +169,21 @@ class FusedOptimizerBase(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         divisor = 1.0
-        if div_scale is not None and div_scale > 0:
-            divisor = float(div_scale)
+        if div_scale is not None and div_scale != -1:
+            divisor = check_range(
+                "div_scale",
+                div_scale,
+                low=0.0,
+                low_open=True,
+                high=math.inf,
+                high_open=True,
+                owner=f"{self._owner}.step()",
+                hint="It divides every gradient (a loss scale); pass -1 (the default) for no division.",
+            )
+        self._groups.revalidate(self.param_groups)
+        # GradScaler's scale: after a step that is not skipped the grads hold g / scale, as torch's fused
+        # optimizers leave them (written back by the kernel in the same pass when it divides by exactly that).
+        unscale_by: float | None = None
         # Set by torch.amp.GradScaler (_step_supports_amp_scaling): CUDA tensors stay on the device.
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
@@ -604,7 +199,8 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         if grad_scale is not None and not (
             isinstance(grad_scale, torch.Tensor) and self._device_path(grad_scale.device)
         ):
-            divisor *= float(grad_scale)
+            unscale_by = float(grad_scale)
+            divisor *= unscale_by
             grad_scale = None
         plans = [(group, self._group_buckets(i, group)) for i, group in enumerate(self.param_groups)]
         buckets = [(group, b) for group, bs in plans for b in bs if b.numel > 0 or b.params]
@@ -623,10 +219,13 @@ class FusedOptimizerBase(torch.optim.Optimizer):
             self._skip_on_host()
             return loss
         if grad_scale is not None:
+            unscale_by = float(grad_scale) * (unscale_by or 1.0)
             divisor *= float(grad_scale)
         # The whole step is skipped on a non-finite grad: with several buckets, check all of them first.
         pre_checked = False
-        if check and len(buckets) > 1:
+        sharded = any(b.params and is_dtensor(b.params[0]) for _group, b in buckets)
+        if check and (len(buckets) > 1 or sharded):
+            finite = True
             for _group, b in buckets:
                 module = _backend.module_for(b.device)
                 norm = module.l2norm(
@@ -637,11 +236,16 @@ class FusedOptimizerBase(torch.optim.Optimizer):
                     self._ctx(module, b.device),
                     **self._device_kw(b.device),
                 )
-                if not math.isfinite(norm / divisor):
-                    self._skip_on_host()
-                    return loss
+                finite = finite and math.isfinite(norm / divisor)
+            if sharded:  # every rank holding a shard must take the same decision
+                finite = mesh_all_true(finite, [b.params[0] for _g, b in buckets if b.params])
+            if not finite:
+                self._skip_on_host()
+                return loss
             pre_checked = True
         divisor = self._pre_step(plans, divisor)
+        kernel_unscale = unscale_by is not None and divisor == unscale_by
+        host_kw = {"write_unscaled_grads": True} if kernel_unscale else _NO_KW
         uses_steps = self._uses_steps
         for group, b in buckets:
             module = _backend.module_for(b.device)
@@ -652,24 +256,17 @@ class FusedOptimizerBase(torch.optim.Optimizer):
                 lr, kw = self._device_lr(group, b.device, self._device_kw(b.device))
                 if uses_steps:
                     kw["step_ptrs"] = b.step_ptrs
+                kw.update(host_kw)
                 skipped = self._launch(
-                    module, b, group, lr, divisor, 0, check and not pre_checked, ctx, None, kw
+                    module, b, group, Launch(lr, divisor, 0, check and not pre_checked, ctx, None, kw)
                 )
                 if skipped and uses_steps:
                     b.steps.sub_(1)
             else:
-                skipped = self._launch(
-                    module,
-                    b,
-                    group,
-                    float(group["lr"]),
-                    divisor,
-                    0,
-                    check and not pre_checked,
-                    ctx,
-                    b.prepare_steps(),
-                    _NO_KW,
+                launch = Launch(
+                    float(group["lr"]), divisor, 0, check and not pre_checked, ctx, b.prepare_steps(), host_kw
                 )
+                skipped = self._launch(module, b, group, launch)
                 if not skipped and uses_steps:
                     b.steps.add_(1)
             if skipped:
@@ -677,148 +274,10 @@ class FusedOptimizerBase(torch.optim.Optimizer):
                 self._skip_on_host()
                 return loss
             b.clear_first_run()
+        if unscale_by is not None and not kernel_unscale:
+            # the kernels divided by more than the scale (div_scale, LAMB's clip): unscale in a second pass
+            for _group, b in buckets:
+                grads = [local_tensor(p.grad) for p in b.params]
+                if grads:
+                    torch._foreach_div_(grads, unscale_by)
         return loss
-
-    def _device_lr(
-        self, group: dict[str, Any], device: torch.device, kw: dict[str, Any]
-    ) -> tuple[float, dict[str, Any]]:
-        """The host ``lr`` of a CUDA launch, or ``0.0`` with ``kw["lr_ptr"]`` set when lr lives on the device.
-
-        A 0-dim/1-element float32 CUDA ``lr`` tensor is read by the kernel in place (so a captured graph sees
-        later ``lr.fill_(...)``); with ``capturable=True`` a float lr is kept in a device buffer, refreshed
-        (on the stream, no sync) when the group's value changes.
-        """
-        lr = group["lr"]
-        if isinstance(lr, torch.Tensor):
-            if lr.device.type == "cpu" and not group.get("capturable", False):
-                return float(lr), kw  # host value: no device synchronisation
-            if lr.numel() != 1:
-                raise HyperParameterError(
-                    f"{self._owner}: a Tensor lr must have one element, got {lr.numel()}"
-                )
-            if lr.device != device or lr.dtype != torch.float32 or not lr.is_contiguous():
-                if group.get("capturable", False) and lr.device.type == "cpu":
-                    raise RuntimeError(
-                        f"{self._owner}: with capturable=True a Tensor lr must live on the parameters' device "
-                        f"({device}), got one on {lr.device}; pass lr=torch.tensor(value, device='{device}')."
-                    )
-                # Freed after the launch is enqueued: safe, the caching allocator reuses it in stream order.
-                lr = lr.to(device=device, dtype=torch.float32, non_blocking=True).contiguous()
-            kw["lr_ptr"] = lr.data_ptr()
-            return 0.0, kw
-        if not group.get("capturable", False):
-            return float(lr), kw
-        key = (id(group), device)
-        value = float(lr)
-        cached = self._lr_bufs.get(key)
-        if cached is None or cached[0] != value:
-            buf = cached[1] if cached is not None else torch.empty(1, dtype=torch.float32, device=device)
-            buf.fill_(value)
-            self._lr_bufs[key] = (value, buf)
-            cached = self._lr_bufs[key]
-        kw["lr_ptr"] = cached[1].data_ptr()
-        return 0.0, kw
-
-    def _device_step(
-        self,
-        buckets: list[tuple[dict[str, Any], Bucket]],
-        divisor: float,
-        grad_scale: torch.Tensor | None,
-        found_inf: torch.Tensor | None,
-        check: bool,
-    ) -> None:
-        """The CUDA step with no host synchronisation: every skip decision and clip factor stays on the device.
-
-        Per device: ``flag`` (a persistent float32 element, ``found_inf_ptr`` of every launch) starts as
-        GradScaler's ``found_inf`` (or 0); with several buckets or LAMB's clip, ``l2norm`` sums ``g^2`` into a
-        device float first, which gives the clip factor and raises ``flag`` on inf/NaN, so each launch skips on
-        the device; with one bucket the kernel's own finite check sets ``flag``. Steps are advanced by
-        ``1 - flag`` before the launch (or by 1 and rolled back by ``flag`` after the kernel's check).
-        """
-        by_dev: dict[torch.device, list[tuple[dict[str, Any], Bucket]]] = {}
-        for item in buckets:
-            by_dev.setdefault(item[1].device, []).append(item)
-        clip_norm = self._device_clip_norm()
-        need_norm = clip_norm > 0 or (check and len(buckets) > 1)
-        env = {device: self._device_env(device) for device in by_dev}
-        sumsq: dict[torch.device, torch.Tensor] = {}
-        if need_norm:
-            for device, items in by_dev.items():
-                ctx, index = env[device]
-                sumsq[device] = _cuda_runtime.device_grad_sumsq(
-                    _backend.module_for(device),
-                    [(b.ptrs["grads"], b.sizes, _backend.DTYPE_CODES[b.grad_dtype]) for _g, b in items],
-                    device=device,
-                    ctx=ctx,
-                    index=index,
-                )
-            if len(sumsq) > 1:  # one global norm over every device (device-to-device copies, no host sync)
-                first = next(iter(sumsq))
-                total = sum(t.to(first, non_blocking=True) for t in sumsq.values())
-                sumsq = {d: total.to(d, non_blocking=True) for d in sumsq}
-        kernel_check = check and not need_norm
-        uses_steps = self._uses_steps
-        for device, items in by_dev.items():
-            module = _backend.module_for(device)
-            ctx, index = env[device]
-            scale = None
-            if grad_scale is not None:
-                scale = grad_scale.to(device=device, dtype=torch.float32, non_blocking=True).reshape(1)
-            flag = None
-            if found_inf is not None or check:
-                flag = self._flags.get(device)
-                if flag is None:
-                    flag = self._flags[device] = torch.zeros(1, dtype=torch.float32, device=device)
-                if found_inf is not None:
-                    flag.copy_(found_inf.to(device=device, dtype=torch.float32, non_blocking=True).reshape(1))
-                else:
-                    flag.zero_()
-            factor = scale  # multiplies the host divisor inside the kernel (grad_divisor_ptr)
-            launch_div = divisor
-            if need_norm:
-                total_div = divisor if scale is None else scale * divisor
-                div, found = _cuda_runtime.clip_divisor_from_sumsq(
-                    sumsq[device], divisor=total_div, max_norm=clip_norm
-                )
-                if clip_norm > 0:
-                    factor, launch_div = div, 1.0  # div = divisor * scale * clip, all on the device
-                if check:
-                    torch.maximum(flag, found, out=flag)
-            keep = None
-            if uses_steps and flag is not None and not kernel_check:
-                keep = 1.0 - flag
-            for group, b in items:
-                lr, kw = self._device_lr(group, device, {"device": index})
-                if factor is not None:
-                    kw["grad_divisor_ptr"] = factor.data_ptr()
-                if uses_steps:
-                    kw["step_ptrs"] = b.step_ptrs
-                    if keep is not None:
-                        b.steps.add_(keep)
-                    else:
-                        b.steps.add_(1)
-                self._launch(
-                    module,
-                    b,
-                    group,
-                    lr,
-                    launch_div,
-                    0 if flag is None else flag.data_ptr(),
-                    kernel_check,
-                    ctx,
-                    None,
-                    kw,
-                )
-                if uses_steps and kernel_check:
-                    b.steps.sub_(
-                        flag
-                    )  # the kernel's finite check skipped the update: that step does not count
-                # SGD's first-run flags are host-side: a skipped first step (device decision) still clears them;
-                # with dampening=0 (the default) the first buffer is exact either way (0*momentum + g = g).
-                b.clear_first_run()
-            if flag is not None:
-                self._last_flags.append(flag)
-                count = self._skip_counts.get(device)
-                if count is None:
-                    count = self._skip_counts[device] = torch.zeros(1, dtype=torch.float32, device=device)
-                count.add_(flag.ne(0).to(torch.float32))

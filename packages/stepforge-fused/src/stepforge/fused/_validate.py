@@ -1,20 +1,25 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Hyper-parameter checks shared by the fused optimizers (messages come from stepforge.core)."""
+"""Input checks shared by the fused optimizers: hyper-parameters (messages from stepforge.core), parameters at
+construction, parameter/gradient pairs at bucket building."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from stepforge.core import (
     HyperParameterError,
     check_betas,
     check_bool,
-    check_eps,
     check_lr,
+    check_range,
     check_weight_decay,
 )
 
-__all__ = ["check_adam_like", "reject_legacy_step_args"]
+from . import _backend
+
+__all__ = ["check_adam_like", "check_pair", "check_param", "local_tensor", "reject_legacy_step_args"]
 
 
 def check_adam_like(
@@ -23,7 +28,7 @@ def check_adam_like(
     """Validate the Adam/LAMB family options; ``amsgrad=True`` raises a clear error."""
     check_lr(lr, owner=owner)
     check_betas(betas, owner=owner)
-    check_eps(eps, owner=owner)
+    check_range("eps", eps, low=0.0, low_open=True, owner=owner, hint="Pass a small positive eps, e.g. 1e-8.")
     check_weight_decay(weight_decay, owner=owner)
     check_bool("amsgrad", amsgrad, owner=owner)
     if amsgrad:
@@ -43,3 +48,59 @@ def reject_legacy_step_args(owner: str, **legacy: Any) -> None:
                 f"{owner}.step(): the legacy argument {name!r} is not supported (it must be None); gradients are "
                 "read from p.grad, and a loss scale is passed as div_scale= or through torch.amp.GradScaler."
             )
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor the kernels read: a DTensor's local shard, any other tensor itself."""
+    return t._local_tensor if hasattr(t, "_local_tensor") else t  # DTensor, without importing it
+
+
+_SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_param(p: Any, index: int, *, owner: str) -> None:
+    """Reject parameters the kernels cannot update in place, at construction (not at the first step)."""
+    if not isinstance(p, torch.Tensor):
+        raise TypeError(f"{owner}: parameter #{index} is a {type(p).__name__}, not a tensor.")
+    t = local_tensor(p)
+    where = f"parameter #{index} (shape {tuple(p.shape)}, {p.dtype}, {t.device})"
+    if t.dtype not in _SUPPORTED:
+        raise TypeError(
+            f"{owner}: {where} has dtype {t.dtype}; the fused kernels support float32, float16 and bfloat16. "
+            "Cast the model first (e.g. model.float()) or use a torch.optim optimizer for float64."
+        )
+    if not t.is_contiguous():
+        raise RuntimeError(
+            f"{owner}: {where} is not contiguous; the kernels update memory in place and a copy would be "
+            "silently lost. Make it contiguous before creating the optimizer "
+            "(e.g. p.data = p.data.contiguous())."
+        )
+
+
+def check_pair(p: torch.Tensor, g: torch.Tensor, index: int, *, owner: str) -> None:
+    """A parameter and its gradient as the kernels need them (dense, same device and shape, contiguous,
+    float32/float16/bfloat16); raises naming the parameter and the fix."""
+    where = f"parameter #{index} (shape {tuple(p.shape)}, {p.dtype}, {p.device})"
+    if g.is_sparse or p.is_sparse:
+        raise RuntimeError(f"{owner}: {where} has a sparse gradient; the fused kernels need dense gradients.")
+    if g.device != p.device:
+        raise RuntimeError(
+            f"{owner}: {where} has its gradient on {g.device}; a parameter and its gradient must share a "
+            "device (move the gradient, or the parameter)."
+        )
+    if g.shape != p.shape:
+        raise RuntimeError(f"{owner}: {where} has a gradient of shape {tuple(g.shape)}; shapes must match.")
+    if not p.is_contiguous():
+        raise RuntimeError(
+            f"{owner}: {where} is not contiguous; the kernels update memory in place and a copy would be "
+            "silently lost. Make the parameter contiguous before creating the optimizer."
+        )
+    if not g.is_contiguous():
+        raise RuntimeError(
+            f"{owner}: the gradient of {where} is not contiguous (strides {g.stride()}); pass contiguous "
+            "gradients (e.g. p.grad = p.grad.contiguous())."
+        )
+    if p.device.type not in ("cpu", "cuda"):
+        raise RuntimeError(f"{owner}: {where} is on {p.device}; only CPU and CUDA tensors are supported.")
+    _backend.dtype_code(p.dtype, what=where, owner=owner)
+    _backend.dtype_code(g.dtype, what=f"the gradient of {where}", owner=owner)

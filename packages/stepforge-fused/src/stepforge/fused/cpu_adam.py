@@ -6,8 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ._adam_base import AdamBase
-from ._validate import check_adam_like
+from ._adam_base import AdamBase, adam_defaults
 
 __all__ = ["CPUAdam"]
 
@@ -41,19 +40,11 @@ class CPUAdam(AdamBase):
         skip_nonfinite: bool | None = None,
         assume_stable_grads: bool = False,
     ) -> None:
-        check_adam_like(
+        defaults = adam_defaults(
             self._owner,
             lr=lr,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            amsgrad=False,
-            flags={"bias_correction": bias_correction, "adamw_mode": adamw_mode},
-        )
-        defaults = dict(
-            lr=lr,
             bias_correction=bias_correction,
-            betas=tuple(betas),
+            betas=betas,
             eps=eps,
             weight_decay=weight_decay,
             adamw_mode=adamw_mode,

@@ -6,8 +6,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ._adam_base import AdamBase
-from ._validate import check_adam_like, reject_legacy_step_args
+from stepforge.core import check_bool
+
+from ._adam_base import AdamBase, adam_defaults
+from ._validate import reject_legacy_step_args
 
 __all__ = ["FusedAdam"]
 
@@ -63,28 +65,18 @@ class FusedAdam(AdamBase):
         assume_stable_grads: bool = False,
         capturable: bool = False,
     ) -> None:
-        check_adam_like(
+        defaults = adam_defaults(
             self._owner,
             lr=lr,
+            bias_correction=bias_correction,
             betas=betas,
             eps=eps,
             weight_decay=weight_decay,
             amsgrad=amsgrad,
-            flags={
-                "bias_correction": bias_correction,
-                "adamw_mode": adamw_mode,
-                "set_grad_none": set_grad_none,
-            },
-        )
-        self.set_grad_none = set_grad_none
-        defaults = dict(
-            lr=lr,
-            bias_correction=bias_correction,
-            betas=tuple(betas),
-            eps=eps,
-            weight_decay=weight_decay,
             adamw_mode=adamw_mode,
         )
+        check_bool("set_grad_none", set_grad_none, owner=self._owner)
+        self.set_grad_none = set_grad_none
         super().__init__(
             params,
             defaults,

@@ -8,17 +8,17 @@ from collections.abc import Callable, Iterable
 from types import ModuleType
 from typing import Any
 
-from stepforge.core import HyperParameterError, check_range
+from stepforge.core import HyperParameterError, check_bool, check_range, check_trust_clip
 
 from . import _backend
-from ._adam_base import AdamBase
-from ._base import Bucket
-from ._validate import check_adam_like
+from ._adam_base import ADAM_STATE_KEYS, adam_defaults, check_adam_group
+from ._base import Bucket, FusedOptimizerBase, Launch
+from ._distributed import is_dtensor, shard_dims
 
 __all__ = ["FusedLAMB"]
 
 
-class FusedLAMB(AdamBase):
+class FusedLAMB(FusedOptimizerBase):
     """LAMB (You et al., 2019) with apex ``FusedLAMB`` semantics, never overwriting ``p.grad``.
 
     Per step: the global grad norm over all groups ``N``; ``c = max(1, N/max_grad_norm)`` (no clip when
@@ -63,21 +63,19 @@ class FusedLAMB(AdamBase):
         assume_stable_grads: bool = False,
         capturable: bool = False,
     ) -> None:
-        check_adam_like(
+        defaults = adam_defaults(
             self._owner,
             lr=lr,
+            bias_correction=bias_correction,
             betas=betas,
             eps=eps,
             weight_decay=weight_decay,
             amsgrad=amsgrad,
-            flags={
-                "bias_correction": bias_correction,
-                "adam_w_mode": adam_w_mode,
-                "grad_averaging": grad_averaging,
-                "set_grad_none": set_grad_none,
-                "use_nvlamb": use_nvlamb,
-            },
+            adam_w_mode=adam_w_mode,
+            grad_averaging=grad_averaging,
+            use_nvlamb=use_nvlamb,
         )
+        check_bool("set_grad_none", set_grad_none, owner=self._owner)
         check_range(
             "max_grad_norm",
             max_grad_norm,
@@ -85,20 +83,8 @@ class FusedLAMB(AdamBase):
             owner=self._owner,
             hint="Pass 0 to disable global gradient clipping.",
         )
-        low, high = _trust_bounds(trust_clip)
         self.set_grad_none = set_grad_none
-        defaults = dict(
-            lr=lr,
-            bias_correction=bias_correction,
-            betas=tuple(betas),
-            eps=eps,
-            weight_decay=weight_decay,
-            adam_w_mode=adam_w_mode,
-            grad_averaging=grad_averaging,
-            max_grad_norm=max_grad_norm,
-            use_nvlamb=use_nvlamb,
-            trust_clip=(low, high),
-        )
+        defaults.update(max_grad_norm=max_grad_norm, trust_clip=_trust_bounds(trust_clip))
         super().__init__(
             params,
             defaults,
@@ -108,11 +94,36 @@ class FusedLAMB(AdamBase):
             capturable=capturable,
         )
 
-    def _torch_group_keys(self, group: dict[str, Any]) -> dict[str, Any]:
-        return {}
+    def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
+        return ADAM_STATE_KEYS
 
-    def _check_loaded_group(self, group: dict[str, Any]) -> None:
-        super(AdamBase, self)._check_loaded_group(group)
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group (validated as in the constructor). Sharded DTensor params are refused: the kernel's trust
+        ratio needs the norms of the whole parameter and of its whole update, which it computes per tensor."""
+        super().add_param_group(param_group)
+        for i, p in enumerate(self.param_groups[-1]["params"]):
+            if is_dtensor(p) and shard_dims(p):
+                self.param_groups.pop()
+                raise RuntimeError(
+                    f"FusedLAMB: parameter #{i} is a DTensor sharded over {p.placements} (FSDP2 fully_shard); the "
+                    "fused LAMB kernel computes each trust ratio from the local shard, which would not equal the "
+                    "unsharded run. Use stepforge.optim.Lamb for sharded parameters, or FusedAdam/FusedSGD."
+                )
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        super()._check_group(group)
+        check_adam_group(
+            group, owner=self._owner, flags=("bias_correction", "adam_w_mode", "grad_averaging", "use_nvlamb")
+        )
+        group["trust_clip"] = _trust_bounds(group["trust_clip"])
+        if "max_grad_norm" in group and not _same_number(
+            group["max_grad_norm"], self.defaults["max_grad_norm"]
+        ):
+            raise HyperParameterError(
+                f"FusedLAMB: max_grad_norm={group['max_grad_norm']!r} was set on a param group, where it would be "
+                f"ignored: the clip uses one global norm over all groups (max_grad_norm="
+                f"{self.defaults['max_grad_norm']!r} from the constructor). Pass it to FusedLAMB(...) instead."
+            )
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         """Clear grads; ``set_to_none=None`` follows the constructor's ``set_grad_none``."""
@@ -145,17 +156,7 @@ class FusedLAMB(AdamBase):
         return float(self.defaults["max_grad_norm"])
 
     def _launch(
-        self,
-        module: ModuleType,
-        bucket: Bucket,
-        group: dict[str, Any],
-        lr: float,
-        divisor: float,
-        found_inf_ptr: int,
-        check_finite: bool,
-        ctx: int,
-        steps: Any,
-        kw: dict[str, Any],
+        self, module: ModuleType, bucket: Bucket, group: dict[str, Any], launch: Launch
     ) -> bool | None:
         beta1, beta2 = group["betas"]
         low, high = group.get("trust_clip", (0.0, math.inf))
@@ -166,10 +167,10 @@ class FusedLAMB(AdamBase):
             bucket.ptrs["exp_avg_sq"],
             bucket.ptrs.get("masters"),
             bucket.sizes,
-            steps,
+            launch.steps,
             _backend.DTYPE_CODES[bucket.param_dtype],
             _backend.DTYPE_CODES[bucket.grad_dtype],
-            lr,
+            launch.lr,
             float(beta1),
             float(beta2),
             float(group["eps"]),
@@ -180,11 +181,11 @@ class FusedLAMB(AdamBase):
             bool(group["use_nvlamb"]),
             float(low),
             float(high),
-            divisor,
-            found_inf_ptr,
-            check_finite,
-            ctx,
-            **kw,
+            launch.divisor,
+            launch.found_inf_ptr,
+            launch.check_finite,
+            launch.ctx,
+            **launch.kw,
         )
 
     def step(self, closure: Callable[[], Any] | None = None, div_scale: float = -1) -> Any:
@@ -192,17 +193,17 @@ class FusedLAMB(AdamBase):
         return self._fused_step(closure, div_scale)
 
 
-def _trust_bounds(trust_clip: Any) -> tuple[float, float]:
-    if trust_clip is None:
-        return 0.0, math.inf
+def _same_number(a: Any, b: Any) -> bool:
     try:
-        low, high = trust_clip
+        return float(a) == float(b)
     except (TypeError, ValueError):
-        raise HyperParameterError(
-            f"FusedLAMB: trust_clip must be None or a (low, high) pair, got {trust_clip!r}"
-        ) from None
-    low = 0.0 if low is None else check_range("trust_clip[0]", low, low=0.0, owner="FusedLAMB")
-    high = math.inf if high is None else check_range("trust_clip[1]", high, low=0.0, owner="FusedLAMB")
-    if low > high:
-        raise HyperParameterError(f"FusedLAMB: trust_clip low={low} exceeds high={high}")
-    return low, high
+        return False
+
+
+def _trust_bounds(trust_clip: Any) -> tuple[float, float]:
+    """``trust_clip`` as the kernel takes it: ``(low, high)`` floats, ``None`` parts as 0 and inf."""
+    bounds = check_trust_clip(trust_clip, owner="FusedLAMB")
+    if bounds is None:
+        return 0.0, math.inf
+    low, high = bounds
+    return (0.0 if low is None else low), (math.inf if high is None else high)

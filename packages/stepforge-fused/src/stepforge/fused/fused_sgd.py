@@ -13,11 +13,12 @@ from stepforge.core import (
     check_dampening,
     check_lr,
     check_momentum,
+    check_nesterov,
     check_weight_decay,
 )
 
 from . import _backend
-from ._base import Bucket, FusedOptimizerBase
+from ._base import Bucket, FusedOptimizerBase, Launch
 
 __all__ = ["FusedSGD"]
 
@@ -53,6 +54,7 @@ class FusedSGD(FusedOptimizerBase):
 
     _owner = "FusedSGD"
     _uses_steps = False
+    _extra_state_keys = ("momentum_buffer",)  # torch.optim.SGD stores None there without momentum
 
     def __init__(
         self,
@@ -75,13 +77,8 @@ class FusedSGD(FusedOptimizerBase):
         check_momentum(momentum, owner=self._owner)
         check_dampening(dampening, owner=self._owner)
         check_weight_decay(weight_decay, owner=self._owner)
-        check_bool("nesterov", nesterov, owner=self._owner)
+        check_nesterov(nesterov, momentum, dampening, owner=self._owner)
         check_bool("wd_after_momentum", wd_after_momentum, owner=self._owner)
-        if nesterov and (momentum <= 0 or dampening != 0):
-            raise HyperParameterError(
-                "FusedSGD: nesterov=True requires momentum > 0 and dampening == 0 "
-                f"(got momentum={momentum}, dampening={dampening})."
-            )
         defaults = dict(
             lr=lr,
             momentum=momentum,
@@ -99,31 +96,30 @@ class FusedSGD(FusedOptimizerBase):
             capturable=capturable,
         )
 
+    def _check_group(self, group: dict[str, Any]) -> None:
+        super()._check_group(group)
+        owner = self._owner
+        check_momentum(group["momentum"], owner=owner)
+        check_dampening(group["dampening"], owner=owner)
+        check_weight_decay(group["weight_decay"], owner=owner)
+        check_nesterov(group["nesterov"], group["momentum"], group["dampening"], owner=owner)
+        check_bool("wd_after_momentum", group["wd_after_momentum"], owner=owner)
+
     def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
         return ("momentum_buffer",) if group["momentum"] != 0 else ()
 
     def _torch_group_keys(self, group: dict[str, Any]) -> dict[str, Any]:
         return {"maximize": False, "foreach": None, "differentiable": False, "fused": None}
 
-    def _init_state(self, p: Any, group: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    def _init_state(self, p: Any, group: dict[str, Any], moved: bool = False) -> tuple[dict[str, Any], bool]:
         # torch.optim.SGD stores momentum_buffer=None when momentum is 0; treat None as "no buffer yet".
         state = self.state[p]
         if "momentum_buffer" in state and state["momentum_buffer"] is None:
             del state["momentum_buffer"]
-        return super()._init_state(p, group)
+        return super()._init_state(p, group, moved)
 
     def _launch(
-        self,
-        module: ModuleType,
-        bucket: Bucket,
-        group: dict[str, Any],
-        lr: float,
-        divisor: float,
-        found_inf_ptr: int,
-        check_finite: bool,
-        ctx: int,
-        steps: Any,
-        kw: dict[str, Any],
+        self, module: ModuleType, bucket: Bucket, group: dict[str, Any], launch: Launch
     ) -> bool | None:
         momentum = float(group["momentum"])
         return module.sgd(
@@ -135,17 +131,17 @@ class FusedSGD(FusedOptimizerBase):
             bucket.first_run,
             _backend.DTYPE_CODES[bucket.param_dtype],
             _backend.DTYPE_CODES[bucket.grad_dtype],
-            lr,
+            launch.lr,
             momentum,
             float(group["dampening"]),
             float(group["weight_decay"]),
             bool(group["nesterov"]),
             bool(group["wd_after_momentum"]),
-            divisor,
-            found_inf_ptr,
-            check_finite,
-            ctx,
-            **kw,
+            launch.divisor,
+            launch.found_inf_ptr,
+            launch.check_finite,
+            launch.ctx,
+            **launch.kw,
         )
 
     def step(self, closure: Callable[[], Any] | None = None, div_scale: float = -1) -> Any:

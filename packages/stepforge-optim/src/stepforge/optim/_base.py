@@ -17,15 +17,17 @@ from typing import Any
 import torch
 
 from stepforge.core import (
+    GroupValidator,
     HyperParameterError,
     check_bool,
     check_float_dtype,
     check_grad,
     check_lr,
     check_positive_int,
+    check_trust_clip,
 )
 
-__all__ = ["MultiTensorOptimizer", "math_dtype_of", "check_trust_clip"]
+__all__ = ["MultiTensorOptimizer", "check_trust_clip", "math_dtype_of"]  # check_trust_clip: from core
 
 _PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -33,34 +35,6 @@ _PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 def math_dtype_of(dtype: torch.dtype) -> torch.dtype:
     """The compute and state dtype for parameters of ``dtype``: fp64 for fp64, else fp32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def check_trust_clip(
-    value: Any, *, owner: str, name: str = "trust_clip"
-) -> tuple[float | None, float | None] | None:
-    """``None`` or a pair ``(low, high)`` of non-negative numbers (or ``None`` = unbounded) with ``low <= high``."""
-    if value is None:
-        return None
-    if isinstance(value, str) or not isinstance(value, Iterable):
-        raise HyperParameterError(
-            f"{owner}: invalid {name}={value!r}; pass a pair (low, high), e.g. (0.0, 10.0), or None for no clamp."
-        )
-    pair = tuple(value)
-    if len(pair) != 2:
-        raise HyperParameterError(f"{owner}: invalid {name}={value!r}; pass exactly two bounds (low, high).")
-    bounds: list[float | None] = []
-    for part, bound in zip(("low", "high"), pair, strict=True):
-        if bound is None:
-            bounds.append(None)
-            continue
-        if isinstance(bound, bool) or not isinstance(bound, int | float) or not bound >= 0:
-            raise HyperParameterError(
-                f"{owner}: invalid {name} {part} bound {bound!r}; bounds must be non-negative numbers or None."
-            )
-        bounds.append(float(bound))
-    if bounds[0] is not None and bounds[1] is not None and bounds[0] > bounds[1]:
-        raise HyperParameterError(f"{owner}: invalid {name}={value!r}; low must not exceed high.")
-    return bounds[0], bounds[1]
 
 
 class MultiTensorOptimizer(torch.optim.Optimizer):
@@ -90,7 +64,13 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
         if chunk is not None:
             check_positive_int("chunk_size", chunk, owner=owner)
         self._validate_group(defaults)
+        # one helper from stepforge.core: groups are checked where they enter and re-checked when edited
+        self._groups = GroupValidator(self._validate_group, owner=owner)
         super().__init__(params, defaults)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._groups = GroupValidator(self._validate_group, owner=self.OWNER)
 
     def _check_lr(self, lr: Any) -> None:
         if isinstance(lr, torch.Tensor):
@@ -113,7 +93,7 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
-            self._validate_group(group)
+            self._groups.validate(group, len(self.param_groups) - 1)
             for p in group["params"]:
                 check_float_dtype("a parameter", p, allowed=_PARAM_DTYPES, owner=self.OWNER)
         except Exception:
@@ -130,6 +110,7 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
         Returns:
             the closure's loss, or ``None``.
         """
+        self._groups.revalidate(self.param_groups)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -155,6 +136,21 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
         optimizer does not use (e.g. ColossalAI ``Lamb``'s ``trust_ratio``) are dropped.
         """
         saved_state = state_dict["state"]
+        # refuse state of other parameters before anything changes, naming the key
+        saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        params = chain.from_iterable(g["params"] for g in self.param_groups)
+        for i, (saved_id, param) in enumerate(zip(saved_ids, params, strict=False)):
+            for key, value in saved_state.get(saved_id, {}).items():
+                if (
+                    key in self.STATE_TENSORS
+                    and isinstance(value, torch.Tensor)
+                    and value.shape != param.shape
+                ):
+                    raise ValueError(
+                        f"{self.OWNER}.load_state_dict: state[{key!r}] of parameter #{i} has shape "
+                        f"{tuple(value.shape)}, the parameter {tuple(param.shape)}; the state belongs to other "
+                        "parameters."
+                    )
         super().load_state_dict({**state_dict, "state": {}})
         saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
         params = chain.from_iterable(g["params"] for g in self.param_groups)

@@ -9,6 +9,9 @@ in place at load time, at any world size. The fp16 loss-scaler state (``grad_sca
 from __future__ import annotations
 
 import os
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +25,15 @@ __all__ = ["save_optimizer", "load_optimizer", "save_lr_scheduler", "load_lr_sch
 
 def _is_dist() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+@contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """Without a process group DCP saves/loads in this process and warns each time; that is the intent here."""
+    with warnings.catch_warnings():
+        if not _is_dist():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
 
 
 def _scaler_state(optimizer: Any) -> dict[str, Any] | None:
@@ -49,10 +61,12 @@ def save_optimizer(
     if scaler is not None:
         state["grad_scaler"] = scaler
     Path(checkpoint).mkdir(parents=True, exist_ok=True)
-    if use_async:
-        dcp.async_save(state, checkpoint_id=str(checkpoint)).result()
-    else:
-        dcp.save(state, checkpoint_id=str(checkpoint))
+    with _single_process_quiet():
+        if use_async:
+            pending = dcp.async_save(state, checkpoint_id=str(checkpoint))
+            getattr(pending, "upload_completion", pending).result()
+        else:
+            dcp.save(state, checkpoint_id=str(checkpoint))
 
 
 def load_optimizer(plugin: Any, model: nn.Module, optimizer: Any, checkpoint: str | os.PathLike[str]) -> None:
@@ -69,7 +83,8 @@ def load_optimizer(plugin: Any, model: nn.Module, optimizer: Any, checkpoint: st
     scaler = _scaler_state(optimizer)
     if scaler is not None:
         state["grad_scaler"] = scaler
-    dcp.load(state, checkpoint_id=str(path))
+    with _single_process_quiet():
+        dcp.load(state, checkpoint_id=str(path))
     plugin.set_state_dict(model, inner, model_sd, state["optimizer"])
     if scaler is not None:
         optimizer.load_scaler_state_dict(state["grad_scaler"])

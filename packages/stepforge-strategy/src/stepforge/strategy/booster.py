@@ -79,7 +79,7 @@ class Booster:
         device: str | torch.device | None = None,
     ) -> None:
         wanted = precision_name(mixed_precision)
-        if mixed_precision is not None and wanted is None and not isinstance(mixed_precision, Mapping):
+        if mixed_precision is not None and wanted is None:
             resolve_mixed_precision(mixed_precision)  # raises the precise error
         self.plugin = self._build_plugin(plugin, mixed_precision, wanted, device)
         owned = getattr(self.plugin, "precision", None)

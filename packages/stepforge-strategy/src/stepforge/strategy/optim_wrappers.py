@@ -71,7 +71,19 @@ class ColossalAIOptimWrapper(_BaseOptimWrapper):
                 f"ColossalAIOptimWrapper.backward: the booster's backward takes no extra arguments, got "
                 f"{sorted(kwargs)}."
             )
-        booster.backward(loss, self.optimizer)
+        model = self._model
+        if (
+            model is not None
+            and self._window.context_depth == 0
+            and not self.should_sync()
+            and booster.supports_no_sync()
+        ):
+            # mmengine runs only the forward inside optim_context; FSDP2 reads its sync flag in the backward,
+            # so a non-final micro-batch's backward skips the reduce-scatter here too (DDP decided at forward).
+            with booster.no_sync(model, self.optimizer):
+                booster.backward(loss, self.optimizer)
+        else:
+            booster.backward(loss, self.optimizer)
 
     @contextmanager
     def optim_context(self, model: Any) -> Iterator[None]:
@@ -184,7 +196,14 @@ class AmpOptimWrapper(_BaseOptimWrapper):
             )
         enabled = dtype == torch.float16
         if use_fsdp:
+            import torch.distributed as dist
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            if not (dist.is_available() and dist.is_initialized()):
+                raise RuntimeError(
+                    "AmpOptimWrapper: use_fsdp=True agrees on overflows across ranks and needs an initialised "
+                    "process group; leave use_fsdp=False on one process."
+                )
 
             self.loss_scaler: Any = ShardedGradScaler(self.device.type, enabled=enabled, **scaler_kwargs)
         else:

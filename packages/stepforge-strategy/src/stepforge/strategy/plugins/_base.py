@@ -66,6 +66,11 @@ class PluginBase:
     def __init__(self, device: str | torch.device | None = None) -> None:
         self.device = torch.device(device) if device is not None else _default_device()
 
+    def _bind_device(self) -> None:
+        """Make the plugin's CUDA device current (NCCL collectives run on the current device)."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
     # -- process group -------------------------------------------------------------------------------------
     @property
     def world_size(self) -> int:

@@ -75,6 +75,7 @@ class TorchDDPPlugin(PluginBase):
             )
         if isinstance(model, DistributedDataParallel):
             return model, optimizer
+        self._bind_device()
         model.to(self.device)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         ddp = DistributedDataParallel(

@@ -181,6 +181,7 @@ class TorchFSDPPlugin(PluginBase):
                 f"{type(self).__name__}.prepare: model must be a torch.nn.Module, got {type(model).__name__}."
             )
         names = param_names(model)
+        self._bind_device()
         model.to(self.device)
         shard_model(
             model,

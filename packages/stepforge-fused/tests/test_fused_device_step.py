@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``_cuda_runtime`` glue checked on the CPU with a stand-in for the ``_cuda`` module (no device needed)."""
+"""``_device_step`` helpers checked on the CPU with a stand-in for the ``_cuda`` module (no device needed), and the
+device-step helpers of ``stepforge.testing.fused_cuda``."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import math
 import pytest
 import torch
 
-from stepforge.fused import _cuda_runtime
+from stepforge.fused._device_step import clip_divisor_from_sumsq, device_grad_sumsq
+from stepforge.testing import fused_cuda
 
 
 class FakeCuda:
@@ -30,14 +32,12 @@ def _bucket(ts):
 
 
 @pytest.mark.parametrize("max_norm", [0.0, 1.0, 1e6])
-def test_device_clip_divisor_matches_host_formula(monkeypatch, max_norm):
-    monkeypatch.setattr(_cuda_runtime, "stream_handle", lambda device=None: 0)
+def test_device_clip_divisor_matches_host_formula(max_norm):
     a = [torch.randn(10), torch.randn(3, 4)]
     b = [torch.randn(7)]
     fake = FakeCuda(a + b)
-    div, found = _cuda_runtime.device_clip_divisor(
-        fake, [_bucket(a), _bucket(b)], device=torch.device("cpu"), divisor=8.0, max_norm=max_norm
-    )
+    sumsq = device_grad_sumsq(fake, [_bucket(a), _bucket(b)], device=torch.device("cpu"), ctx=0)
+    div, found = clip_divisor_from_sumsq(sumsq, divisor=8.0, max_norm=max_norm)
     norm = math.sqrt(sum(float(t.double().pow(2).sum()) for t in a + b)) / 8.0
     expect = 8.0 * (max(1.0, norm / max_norm) if max_norm > 0 else 1.0)
     assert div.item() == pytest.approx(expect, rel=1e-6)
@@ -46,20 +46,19 @@ def test_device_clip_divisor_matches_host_formula(monkeypatch, max_norm):
 
 def test_device_clip_divisor_flags_overflow():
     a = [torch.randn(10), torch.tensor([1.0, float("inf")])]
-    div, found = _cuda_runtime.device_clip_divisor(
-        FakeCuda(a), [_bucket(a)], device=torch.device("cpu"), divisor=2.0, max_norm=1.0, ctx=0
-    )
+    sumsq = device_grad_sumsq(FakeCuda(a), [_bucket(a)], device=torch.device("cpu"), ctx=0)
+    div, found = clip_divisor_from_sumsq(sumsq, divisor=2.0, max_norm=1.0)
     assert found.item() == 1.0
     assert div.item() == 2.0
 
 
 def test_device_step_helpers_validate_and_count():
     with pytest.raises(ValueError, match="0-dim float32 CUDA tensor"):
-        _cuda_runtime.device_step_ptrs([torch.zeros(())])
+        fused_cuda.device_step_ptrs([torch.zeros(())])
     steps = [torch.zeros(()), torch.full((), 4.0)]
-    _cuda_runtime.increment_device_steps(steps)
-    _cuda_runtime.increment_device_steps(steps, torch.ones(1))  # a skipped step does not count
+    fused_cuda.increment_device_steps(steps)
+    fused_cuda.increment_device_steps(steps, torch.ones(1))  # a skipped step does not count
     assert [s.item() for s in steps] == [1.0, 5.0]
-    _cuda_runtime.increment_device_steps(steps)
-    _cuda_runtime.rollback_skipped_steps(steps, torch.ones(1))
+    fused_cuda.increment_device_steps(steps)
+    fused_cuda.rollback_skipped_steps(steps, torch.ones(1))
     assert [s.item() for s in steps] == [1.0, 5.0]

@@ -1,0 +1,401 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Buckets and the pointer cache of the fused optimizers (the kernels take raw addresses; this keeps them right).
+
+A param group is split into buckets keyed by ``(device, param dtype, grad dtype, master weights)``; each bucket
+holds the pointer arrays the kernels take (``array.array('q')``, read without copying by the extension), the
+sizes and a flat float32 tensor of per-parameter step counts whose elements *are* ``state[p]["step"]`` (0-dim
+views), so one in-place add advances every step of the bucket.
+
+Every step revalidates the cache against the tensors (see :class:`GroupCache`): the ``data_ptr()`` of each
+parameter and gradient is compared with the cached address, and the cache holds the storage behind each cached
+address, so an unchanged address is the same live memory. Any move that gives a parameter or gradient other
+memory (``model.double().float()``, ``.half()``, ``.to(device)``, ``module._apply``, ``p.data = t``,
+``p.grad.data = t``) is seen at the next step: parameters rebuild their buckets (state follows the parameter's
+device, masters re-sync), gradients refresh their pointers after checking dtype, size and layout.
+
+With ``assume_stable_grads=True`` only the parameter addresses are compared each step; gradients newly allocated
+by backward are seen through post-accumulate-grad hooks, ``zero_grad(set_to_none=True)`` makes the next step
+check them once, and a gradient assigned or swapped by hand needs :meth:`FusedOptimizerBase.invalidate_cache`
+(memory stays safe without it: the old gradient storage is held, never freed under the kernel).
+"""
+
+from __future__ import annotations
+
+import array
+import itertools
+import operator
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ._validate import check_pair, local_tensor
+
+__all__ = ["Bucket", "BucketsMixin", "GroupCache", "Launch"]
+
+
+def _i64(values: Iterable[int]) -> array.array:
+    return array.array("q", values)
+
+
+class Bucket:
+    """Tensors of one param group sharing ``(device, param dtype, grad dtype, masters)``.
+
+    Attributes:
+        params: the parameters (leaf tensors), in group order.
+        ptrs: pointer arrays by role (``"params"``, ``"grads"``, state keys, ``"masters"``).
+        sizes: element counts (int64).
+        steps: flat float32 tensor ``(n,)`` on the bucket's device; ``state[p]["step"]`` is ``steps[i]``.
+        steps_arg: int64 array the CPU kernel reads (``steps + 1`` at launch).
+        on_device: CUDA bucket (sync-free path: device steps, device flags).
+        step_ptrs: addresses of the elements of ``steps`` (CUDA buckets; the kernel reads them).
+        first_run: int64 flags (SGD: buffer initialised from the grad on this step).
+    """
+
+    __slots__ = (
+        "_first_run_t",
+        "_steps_arg_t",
+        "device",
+        "first_run",
+        "grad_dtype",
+        "master",
+        "numel",
+        "on_device",
+        "param_dtype",
+        "params",
+        "ptrs",
+        "sizes",
+        "step_ptrs",
+        "steps",
+        "steps_arg",
+    )
+
+    def __init__(self, device: torch.device, param_dtype: torch.dtype, grad_dtype: torch.dtype, master: bool):
+        self.device = device
+        self.param_dtype = param_dtype
+        self.grad_dtype = grad_dtype
+        self.master = master
+        self.params: list[torch.Tensor] = []
+        self.ptrs: dict[str, array.array] = {}
+        self.sizes = _i64(())
+        self.steps = torch.zeros(0)
+        self.steps_arg = _i64(())
+        self._steps_arg_t: torch.Tensor | None = None
+        self.first_run = _i64(())
+        self._first_run_t: torch.Tensor | None = None
+        self.numel = 0
+        # CUDA buckets: steps live on the device and the kernels read them through step_ptrs (no host copy).
+        self.on_device = False
+        self.step_ptrs: array.array | None = None
+
+    def prepare_steps(self) -> array.array:
+        """Fill ``steps_arg`` with ``state step + 1`` (the step being taken) in two tensor ops."""
+        if self._steps_arg_t is not None:
+            self._steps_arg_t.copy_(self.steps)
+            self._steps_arg_t.add_(1)
+        return self.steps_arg
+
+    def clear_first_run(self) -> None:
+        if self._first_run_t is not None:
+            self._first_run_t.zero_()
+
+
+@dataclass(slots=True)
+class Launch:
+    """The per-launch scalars of one kernel call on a bucket (what ``_launch`` passes besides the pointers).
+
+    Attributes:
+        lr: host learning rate (``0.0`` with ``kw["lr_ptr"]`` on the device path).
+        divisor: every grad is divided by this (loss scale x ``div_scale`` x clip factor).
+        found_inf_ptr: address of a float32 skip flag the kernel reads/raises (``0``: none).
+        check_finite: the kernel checks the grads for inf/NaN and skips the update (sets the flag).
+        ctx: CPU threads, or the CUDA stream handle.
+        steps: host int64 array of the step being taken (CPU), ``None`` on the device path.
+        kw: keyword-only CUDA arguments (``device``, ``lr_ptr``, ``grad_divisor_ptr``, ``step_ptrs``).
+    """
+
+    lr: float
+    divisor: float
+    found_inf_ptr: int = 0
+    check_finite: bool = False
+    ctx: int = 0
+    steps: Any = None
+    kw: dict[str, Any] = field(default_factory=dict)
+
+
+_get_dtype = operator.attrgetter("dtype")
+_get_is_sparse = operator.attrgetter("is_sparse")
+_contiguous = torch.Tensor.is_contiguous
+_data_ptr = torch.Tensor.data_ptr
+_numel = torch.Tensor.numel
+
+
+_get_grad = operator.attrgetter("grad")
+_storage = torch.Tensor.untyped_storage
+
+
+def _is_dtensor(t: Any) -> bool:
+    return hasattr(t, "_local_tensor")
+
+
+def _local_grads(grads: list[Any]) -> list[Any]:
+    return [None if g is None else local_tensor(g) for g in grads]
+
+
+def _grad_ptr(g: Any) -> int:
+    return 0 if g is None else g.data_ptr()
+
+
+class GroupCache:
+    """The buckets of one param group and what they were built from.
+
+    Revalidated at every step in two C-level comparisons: the ``data_ptr()`` of every parameter and of every
+    gradient against the addresses the buckets hold. The cache keeps a reference to the *storage* behind each
+    address it hands to a kernel (``untyped_storage()``), so that storage is never freed while its address is
+    cached: an unchanged address is therefore the same live memory, and any move (``model.double().float()``,
+    ``.half()``, ``.to(device)``, ``module._apply``, ``p.data = t``, ``p.grad.data = t``, ``resize_``) that gives
+    a tensor other memory changes its address and triggers a rebuild (params) or a refresh (grads), which
+    re-validates dtype, shape, device and layout. ``zero_grad(set_to_none=True)`` drops the grad storages.
+    """
+
+    __slots__ = (
+        "all_set",
+        "buckets",
+        "dtensor",
+        "grad_ptrs",
+        "grad_storages",
+        "hooked",
+        "members",
+        "param_ptrs",
+        "param_storages",
+        "params",
+    )
+
+    def __init__(
+        self,
+        params: list[torch.Tensor],
+        views: list[torch.Tensor],
+        grads: list[Any],
+        buckets: list[Bucket],
+        dtensor: bool = False,
+    ):
+        self.params = params  # the group's list (identity: the group was not given another list)
+        self.dtensor = dtensor  # DTensor params: ``views``/grads are their local shards
+        self.all_set = all(g is not None for g in grads)
+        self.buckets = buckets
+        self.hooked = False
+        self.param_ptrs = _i64(map(_data_ptr, views))
+        self.param_storages = list(map(_storage, views))
+        self._keep_grads(grads)
+        # for each bucket, the positions of its params in the group
+        where = {id(p): i for i, p in enumerate(params)}
+        self.members = [[where[id(p)] for p in b.params] for b in buckets]
+
+    def _keep_grads(self, grads: list[Any]) -> None:
+        if self.all_set:
+            self.grad_ptrs = _i64(map(_data_ptr, grads))
+            self.grad_storages = list(map(_storage, grads))
+        else:
+            self.grad_ptrs = _i64(map(_grad_ptr, grads))
+            self.grad_storages = [None if g is None else g.untyped_storage() for g in grads]
+
+    def release_grads(self) -> None:
+        """Forget the grad storages (``zero_grad(set_to_none=True)``): the next step re-validates every grad."""
+        self.grad_storages = []
+        self.grad_ptrs = _i64(())
+
+    def params_unchanged(self, params: list[torch.Tensor], views: list[torch.Tensor]) -> bool:
+        """Every parameter (``views``: the tensors the kernels see) still at the address the buckets hold."""
+        return self.params is params and _i64(map(_data_ptr, views)) == self.param_ptrs
+
+    def grads_unchanged(self, grads: list[Any]) -> bool:
+        """Every gradient still at the cached address, and none appeared or vanished."""
+        if self.all_set:
+            try:
+                return _i64(map(_data_ptr, grads)) == self.grad_ptrs
+            except TypeError:  # a grad became None
+                return False
+        return _i64(map(_grad_ptr, grads)) == self.grad_ptrs
+
+    def refresh_grads(self, grads: list[Any]) -> bool:
+        """Point the buckets at new grad tensors (``zero_grad(set_to_none=True)`` + backward re-allocates them
+        every step), with C-level loops only. Returns False when the layout must be rebuilt instead (a grad
+        appeared or vanished, or changed dtype/size/layout: the full build validates and raises the right
+        error)."""
+        all_set = all(map(operator.is_not, grads, itertools.repeat(None)))
+        if not (all_set and self.all_set):
+            if all_set != self.all_set:
+                return False
+            old = [p is None for p in self.grad_storages] if self.grad_storages else None
+            if old is None or [g is None for g in grads] != old:
+                return False  # the set of params with a grad changed (or is unknown after release_grads)
+        for bucket, idx in zip(self.buckets, self.members, strict=True):
+            if not idx:
+                continue
+            bg = [grads[i] for i in idx]
+            if not all(map(operator.is_, map(_get_dtype, bg), itertools.repeat(bucket.grad_dtype))):
+                return False
+            if any(map(_get_is_sparse, bg)) or not all(map(_contiguous, bg)):
+                return False
+            if _i64(map(_numel, bg)) != bucket.sizes:
+                return False  # a grad of another size (``p.grad.data = ...``): the full build raises
+            bucket.ptrs["grads"] = _i64(map(_data_ptr, bg))
+        self._keep_grads(grads)
+        return True
+
+
+class BucketsMixin:
+    """Bucket building and the per-step revalidation, mixed into :class:`~._base.FusedOptimizerBase`."""
+
+    _owner: str
+    _uses_steps: bool
+    _cache: dict[int, GroupCache]
+
+    def invalidate_cache(self) -> None:
+        """Forget the cached pointer arrays (needed only after swapping storage under a param or grad)."""
+        self._cache.clear()
+
+    def _group_buckets(self, index: int, group: dict[str, Any]) -> list[Bucket]:
+        """The group's buckets, revalidated: parameter addresses always, gradient addresses unless the
+        stable-grads hooks vouch for them; a moved parameter rebuilds, moved grads refresh."""
+        params = group["params"]
+        cached = self._cache.get(index)
+        same = cached is not None and cached.params is params
+        dtensor = cached.dtensor if same else any(map(_is_dtensor, params))
+        views = list(map(local_tensor, params)) if dtensor else params
+        if same and cached.params_unchanged(params, views):
+            if cached.hooked:
+                return cached.buckets
+            grads = list(map(_get_grad, params))
+            gviews = _local_grads(grads) if dtensor else grads
+            if cached.grads_unchanged(gviews) or cached.refresh_grads(gviews):
+                if self.assume_stable_grads:
+                    cached.hooked = self._hook_params(params)
+                return cached.buckets
+        else:
+            grads = list(map(_get_grad, params))
+            gviews = _local_grads(grads) if dtensor else grads
+        moved: frozenset[int] = frozenset()
+        if same and len(params) == len(cached.param_ptrs):
+            now = _i64(map(_data_ptr, views))
+            moved = frozenset(
+                i for i, (a, b) in enumerate(zip(now, cached.param_ptrs, strict=True)) if a != b
+            )
+        buckets = self._build_buckets(group, params, grads, moved)
+        entry = GroupCache(params, views, gviews, buckets, dtensor)
+        if self.assume_stable_grads:
+            entry.hooked = self._hook_params(params)
+        self._cache[index] = entry
+        return buckets
+
+    def _hook_params(self, params: list[torch.Tensor]) -> bool:
+        """Invalidate the cache when backward hands a parameter a new gradient tensor (stable-grads mode)."""
+        if not all(p.requires_grad and p.is_leaf for p in params):
+            return False  # no hook possible: keep checking p.grad every step for this group
+        ref = weakref.ref(self)
+        for p in params:
+            if id(p) in self._hooked:
+                continue
+
+            def hook(param: torch.Tensor, _ref: Any = ref) -> None:
+                opt = _ref()
+                # Accumulated in place into the known tensor: nothing to do. A new tensor: rebuild lazily.
+                if opt is not None and opt._known_grads.get(id(param)) is not param.grad:
+                    opt._cache.clear()
+
+            self._hooked[id(p)] = p.register_post_accumulate_grad_hook(hook)
+        self._known_grads.update((id(p), p.grad) for p in params)
+        return True
+
+    def _build_buckets(
+        self,
+        group: dict[str, Any],
+        params: list[torch.Tensor],
+        grads: list[Any],
+        moved: frozenset[int] = frozenset(),
+    ) -> list[Bucket]:
+        keys = self._state_keys(group)
+        if group.get("capturable", False):
+            for i, (p, g) in enumerate(zip(params, grads, strict=True)):
+                if g is not None and not self._device_path(p.device):
+                    raise RuntimeError(
+                        f"{self._owner}: capturable=True needs CUDA parameters (lr and steps on the device for "
+                        f"CUDA-graph capture), but parameter #{i} is on {p.device}. Pass capturable=False for "
+                        "CPU parameters (torch.optim raises for capturable=True on CPU too)."
+                    )
+        by_key: dict[tuple[Any, ...], Bucket] = {}
+        staged: dict[tuple[Any, ...], list[tuple[torch.Tensor, torch.Tensor, dict[str, Any], bool]]] = {}
+        for i, (p, g) in enumerate(zip(params, grads, strict=True)):
+            if g is None:
+                continue
+            check_pair(local_tensor(p), local_tensor(g), i, owner=self._owner)
+            state, fresh = self._init_state(p, group, i in moved)
+            master = self.master_weights and p.dtype != torch.float32
+            key = (p.device, p.dtype, g.dtype, master)
+            if key not in by_key:
+                by_key[key] = Bucket(p.device, p.dtype, g.dtype, master)
+                staged[key] = []
+            staged[key].append((p, g, state, fresh))
+        buckets = []
+        for key, bucket in by_key.items():
+            entries = staged[key]
+            bucket.params = [e[0] for e in entries]
+            # DTensor params, grads and state: the kernels step the local shards
+            bucket.ptrs["params"] = _i64(local_tensor(e[0]).data_ptr() for e in entries)
+            bucket.ptrs["grads"] = _i64(local_tensor(e[1]).data_ptr() for e in entries)
+            for name in keys:
+                bucket.ptrs[name] = _i64(local_tensor(e[2][name]).data_ptr() for e in entries)
+            if bucket.master:
+                bucket.ptrs["masters"] = _i64(local_tensor(e[2]["master_param"]).data_ptr() for e in entries)
+            bucket.sizes = _i64(local_tensor(e[0]).numel() for e in entries)
+            bucket.numel = sum(bucket.sizes)
+            n = len(entries)
+            bucket.on_device = self._device_path(bucket.device)
+            if self._uses_steps and bucket.on_device:
+                steps = self._device_steps([e[2]["step"] for e in entries], bucket.device)
+                for j, e in enumerate(entries):
+                    e[2]["step"] = steps[j]
+                bucket.step_ptrs = _i64(range(steps.data_ptr(), steps.data_ptr() + 4 * n, 4))
+            elif self._uses_steps:
+                steps = torch.tensor([float(e[2]["step"]) for e in entries], dtype=torch.float32)
+                for j, e in enumerate(entries):
+                    e[2]["step"] = steps[j]  # 0-dim view: one in-place add advances every step of the bucket
+            else:
+                steps = torch.zeros(n, dtype=torch.float32)
+            bucket.steps = steps
+            bucket.steps_arg = _i64([0] * n)
+            bucket.first_run = _i64(int(e[3]) for e in entries)
+            if n:
+                bucket._steps_arg_t = torch.frombuffer(bucket.steps_arg, dtype=torch.int64)
+                bucket._first_run_t = torch.frombuffer(bucket.first_run, dtype=torch.int64)
+            buckets.append(bucket)
+        return buckets
+
+    @staticmethod
+    def _device_steps(old: list[Any], device: torch.device) -> torch.Tensor:
+        """One flat float32 tensor on ``device`` holding the given steps, without a host round trip when they
+        already live there (the common case: a rebuild after ``zero_grad(set_to_none=True)``)."""
+        n = len(old)
+        base = old[0]._base if n and isinstance(old[0], torch.Tensor) else None
+        if (
+            base is not None
+            and base.device == device
+            and base.dtype == torch.float32
+            and base.dim() == 1
+            and base.numel() == n
+            and all(s._base is base and s.storage_offset() == j for j, s in enumerate(old))
+        ):
+            return base  # the same bucket as before: keep the tensor (and its address, for CUDA graphs)
+        if all(isinstance(s, torch.Tensor) and s.device == device for s in old):
+            return (
+                torch.stack([s.reshape(()).to(torch.float32) for s in old])
+                if n
+                else torch.zeros(0, device=device)
+            )
+        # Steps from a CPU checkpoint (torch.optim's non-fused layout): one host-to-device copy, at build only.
+        values = [float(s) for s in old]
+        if not any(values):
+            return torch.zeros(n, dtype=torch.float32, device=device)
+        return torch.tensor(values, dtype=torch.float32).to(device)
