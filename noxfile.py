@@ -219,9 +219,34 @@ DEMO_PACKAGES = ("stepforge-core", "stepforge-optim", "stepforge-fused")
 DEMO_DEPS = ("numpy", "scikit-learn", "tqdm", "matplotlib")
 
 
+#: the distributed demo: the strategy stack, ZeRO when the zero package provides it (else torch_fsdp)
+GPT_DEMO_PACKAGES = (
+    "stepforge-core",
+    "stepforge-optim",
+    "stepforge-fused",
+    "stepforge-accum",
+    "stepforge-zero",
+    "stepforge-strategy",
+)
+GPT_DEMO_DEPS = ("numpy", "tqdm", "matplotlib")
+
+
 @nox.session(python=PYTHON, default=False)
 def demo(session: nox.Session) -> None:
-    """The README's main job: a small model trained with CPUAdam, FusedLAMB and torch AdamW side by side."""
+    """The README's main job: a byte-level GPT trained on 2 torchrun processes, checkpointed and resumed."""
+    install_packages(session, *GPT_DEMO_PACKAGES, extra=GPT_DEMO_DEPS, env=CPU_BUILD)
+    session.run(
+        "python",
+        str(ROOT / "examples" / "train_gpt_demo.py"),
+        "--out",
+        str(ROOT / "demo-out"),
+        *session.posargs,
+    )
+
+
+@nox.session(python=PYTHON, default=False)
+def demo_optimizers(session: nox.Session) -> None:
+    """A small model trained with CPUAdam, FusedLAMB and torch AdamW side by side (the first demo)."""
     install_packages(session, *DEMO_PACKAGES, extra=DEMO_DEPS, env=CPU_BUILD)
     session.run(
         "python", str(ROOT / "examples" / "train_demo.py"), "--out", str(ROOT / "demo-out"), *session.posargs

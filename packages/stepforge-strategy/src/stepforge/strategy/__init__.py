@@ -6,7 +6,10 @@
   from stepforge-zero;
 - mixed precision (``"fp16"``, ``"bf16"``, ``"fp8"``, ``"fp16_apex"``);
 - :class:`ColossalAIOptimWrapper` and :class:`AmpOptimWrapper` (``stepforge.core.OPTIM_WRAPPERS``);
-- :class:`StatefulDataLoader` (the data position in checkpoints).
+- :class:`StatefulDataLoader` (the data position in checkpoints);
+- :class:`Strategy` / :class:`ColossalAIStrategy` (mmengine's API: ``prepare``, ``save_checkpoint``,
+  ``load_checkpoint``, ``resume``) with crash-safe DCP directory checkpoints (:mod:`.checkpoint`) and
+  mmengine-semantics parameter schedulers (:mod:`.schedulers`).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 from ._version import __version__
 from .boosted_optimizer import BoostedOptimizer
 from .booster import Booster
+from .checkpoint import CheckpointError, find_latest_checkpoint
 from .data import StatefulDataLoader, make_stateful
 from .loss_scaler import DynamicLossScaler
 from .mixed_precision import (
@@ -26,6 +30,7 @@ from .mixed_precision import (
 )
 from .optim_wrappers import AmpOptimWrapper, ColossalAIOptimWrapper
 from .plugins import GeminiPlugin, PluginBase, SinglePlugin, TorchDDPPlugin, TorchFSDPPlugin
+from .strategy import ColossalAIStrategy, Strategy
 
 __all__ = [
     "__version__",
@@ -47,4 +52,8 @@ __all__ = [
     "TorchFSDPPlugin",
     "GeminiPlugin",
     "DynamicLossScaler",
+    "Strategy",
+    "ColossalAIStrategy",
+    "CheckpointError",
+    "find_latest_checkpoint",
 ]

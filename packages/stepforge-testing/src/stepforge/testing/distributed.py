@@ -140,8 +140,11 @@ def _worker(
     except BaseException:
         # Record when and where it failed: the ranks blocked in a collective with this one fail a moment
         # later ("connection closed by peer"), and the parent reports the first failure, not theirs.
-        with open(os.path.join(result_dir, f"rank{rank}.err"), "w", encoding="utf-8") as f:
+        # Written aside and renamed: the parent may read it while this rank is being killed.
+        path = os.path.join(result_dir, f"rank{rank}.err")
+        with open(f"{path}.tmp", "w", encoding="utf-8") as f:
             f.write(f"{time.time_ns()}\n{traceback.format_exc()}")
+        os.replace(f"{path}.tmp", path)
         raise
     # A file rather than a queue: a big result in a pipe would block the child before it can exit.
     torch.save(result, os.path.join(result_dir, f"rank{rank}.pt"))

@@ -1,0 +1,199 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The process environment of a Strategy: launcher, process group, randomness and the run's timestamp.
+
+mmengine's ``BaseStrategy._setup_env`` semantics: the launcher is ``"pytorch"`` when ``torchrun``'s variables
+(``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...) are set and ``"none"`` otherwise; the backend is ``nccl`` when
+CUDA is available and ``gloo`` otherwise (``backend=`` or ``dist_cfg=dict(backend=...)`` overrides); a ``None``
+seed is drawn on rank 0 and broadcast; the timestamp is rank 0's, broadcast. An already initialised default
+process group is reused (so several strategies can live in one process).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "EnvInfo",
+    "broadcast_object",
+    "default_backend",
+    "detect_launcher",
+    "get_rank",
+    "get_world_size",
+    "set_random_seed",
+    "setup_env",
+]
+
+_LAUNCHERS = ("none", "pytorch")
+_ENV_KEYS = {"launcher", "backend", "cudnn_benchmark", "mp_cfg", "dist_cfg", "resource_limit", "randomness"}
+_RANDOMNESS_KEYS = {"seed", "deterministic", "diff_rank_seed"}
+
+
+@dataclass(frozen=True)
+class EnvInfo:
+    """What :func:`setup_env` decided: launcher, backend, rank/world size, seed and the shared timestamp."""
+
+    launcher: str
+    backend: str | None
+    rank: int
+    world_size: int
+    seed: int
+    deterministic: bool
+    diff_rank_seed: bool
+    timestamp: str
+
+
+def get_rank() -> int:
+    """This process's rank in the default group (0 when not distributed)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def get_world_size() -> int:
+    """The default group's size (1 when not distributed)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def detect_launcher() -> str:
+    """``"pytorch"`` under ``torchrun`` (or with an initialised group), else ``"none"``."""
+    if dist.is_available() and dist.is_initialized():
+        return "pytorch"
+    return "pytorch" if {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"} <= set(os.environ) else "none"
+
+
+def default_backend() -> str:
+    """``nccl`` with CUDA, ``gloo`` on CPU."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank ``src``'s ``obj`` on every rank (identity when not distributed)."""
+    if get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def set_random_seed(
+    seed: int | None = None, deterministic: bool = False, diff_rank_seed: bool = False
+) -> int:
+    """Seed python, numpy (when installed) and torch (CPU and every CUDA device); return the shared seed.
+
+    A ``None`` seed is drawn on rank 0 and broadcast. ``diff_rank_seed=True`` seeds rank r with ``seed + r``
+    (the returned value stays the shared seed). ``deterministic=True`` turns on torch's deterministic algorithms.
+    """
+    if seed is None:
+        seed = broadcast_object(random.SystemRandom().randrange(2**31))
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ValueError(f"randomness seed must be a non-negative int or None, got {seed!r}")
+    local = seed + get_rank() if diff_rank_seed else seed
+    random.seed(local)
+    try:
+        import numpy as np
+    except ImportError:  # numpy is optional
+        pass
+    else:
+        np.random.seed(local % 2**32)
+    torch.manual_seed(local)
+    if deterministic:
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    return seed
+
+
+def _check_keys(where: str, given: Mapping[str, Any], allowed: set[str]) -> None:
+    unknown = set(given) - allowed
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
+
+
+def _init_group(backend: str | None, dist_cfg: Mapping[str, Any]) -> str:
+    if dist.is_initialized():
+        actual = dist.get_backend()
+        if backend is not None and backend != actual:
+            raise ValueError(f"env_kwargs backend={backend!r} but the process group already uses {actual!r}")
+        return actual
+    backend = backend or default_backend()
+    kwargs = {k: v for k, v in dist_cfg.items() if k != "backend"}
+    if isinstance(kwargs.get("timeout"), int | float):
+        kwargs["timeout"] = datetime.timedelta(seconds=kwargs["timeout"])
+    if backend == "nccl" and torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend, **kwargs)
+    return backend
+
+
+def setup_env(
+    *,
+    launcher: str | None = None,
+    backend: str | None = None,
+    cudnn_benchmark: bool = False,
+    mp_cfg: Mapping[str, Any] | None = None,
+    dist_cfg: Mapping[str, Any] | None = None,
+    resource_limit: int = 4096,
+    randomness: Mapping[str, Any] | None = None,
+) -> EnvInfo:
+    """Set up the process as mmengine's ``_setup_env`` does; see the module docstring.
+
+    Args:
+        launcher: ``"pytorch"`` (torchrun's environment), ``"none"`` or ``None`` (detect).
+        backend: process-group backend; default ``nccl`` with CUDA else ``gloo``.
+        cudnn_benchmark: sets ``torch.backends.cudnn.benchmark``.
+        mp_cfg: ``dict(mp_start_method="spawn"|"fork"|"forkserver")``.
+        dist_cfg: keyword arguments of ``init_process_group`` (``backend``, ``timeout`` in seconds...).
+        resource_limit: raise the soft ``RLIMIT_NOFILE`` to at least this (where the OS allows).
+        randomness: ``dict(seed=None, deterministic=False, diff_rank_seed=False)``.
+    """
+    dist_cfg = dict(dist_cfg or {})
+    randomness = dict(randomness or {})
+    _check_keys("env_kwargs['randomness']", randomness, _RANDOMNESS_KEYS)
+    launcher = detect_launcher() if launcher is None else launcher
+    if launcher not in _LAUNCHERS:
+        raise ValueError(
+            f"env_kwargs launcher must be one of {_LAUNCHERS} (slurm/mpi: start with torchrun), got {launcher!r}"
+        )
+    backend = backend or dist_cfg.get("backend")
+    if mp_cfg and mp_cfg.get("mp_start_method"):
+        import multiprocessing
+
+        if multiprocessing.get_start_method(allow_none=True) != mp_cfg["mp_start_method"]:
+            multiprocessing.set_start_method(mp_cfg["mp_start_method"], force=True)
+    torch.backends.cudnn.benchmark = bool(cudnn_benchmark)
+    used_backend = _init_group(backend, dist_cfg) if launcher == "pytorch" else None
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft < resource_limit:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (min(resource_limit, hard), hard))
+    except (ImportError, ValueError, OSError):  # not on this OS / not allowed: keep the limit
+        pass
+    timestamp = broadcast_object(time.strftime("%Y%m%d_%H%M%S", time.localtime()))
+    seed = set_random_seed(
+        randomness.get("seed"),
+        bool(randomness.get("deterministic", False)),
+        bool(randomness.get("diff_rank_seed", False)),
+    )
+    return EnvInfo(
+        launcher=launcher,
+        backend=used_backend,
+        rank=get_rank(),
+        world_size=get_world_size(),
+        seed=seed,
+        deterministic=bool(randomness.get("deterministic", False)),
+        diff_rank_seed=bool(randomness.get("diff_rank_seed", False)),
+        timestamp=timestamp,
+    )
+
+
+ENV_KWARGS = frozenset(_ENV_KEYS)

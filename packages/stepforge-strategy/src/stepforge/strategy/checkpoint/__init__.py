@@ -1,0 +1,21 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Crash-safe DCP directory checkpoints: commit marker, atomic rename, ``last_checkpoint``, rotation, RNG."""
+
+from __future__ import annotations
+
+from ._dcp import load_dir, read_meta, save_dir
+from ._layout import LAST_CHECKPOINT, MARKER, CheckpointError, committed_checkpoints, find_latest_checkpoint
+from ._rng import get_rng_state, set_rng_state
+
+__all__ = [
+    "LAST_CHECKPOINT",
+    "MARKER",
+    "CheckpointError",
+    "committed_checkpoints",
+    "find_latest_checkpoint",
+    "get_rng_state",
+    "load_dir",
+    "read_meta",
+    "save_dir",
+    "set_rng_state",
+]

@@ -1,0 +1,42 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Capture and restore this process's random number generators (python, numpy, torch CPU, every CUDA device)."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+
+__all__ = ["get_rng_state", "set_rng_state"]
+
+
+def get_rng_state() -> dict[str, Any]:
+    """The state of every generator this process uses, picklable."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+    except ImportError:
+        pass
+    else:
+        state["numpy"] = np.random.get_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore :func:`get_rng_state`'s output (generators absent from it, or from this process, are left alone)."""
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"].cpu())
+    if "numpy" in state:
+        try:
+            import numpy as np
+        except ImportError:
+            pass
+        else:
+            np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        saved = state["cuda"]
+        if len(saved) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all([s.cpu() for s in saved])

@@ -1,0 +1,299 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What a :class:`~stepforge.strategy.Strategy` checkpoint holds, and how it is saved, loaded and resumed.
+
+DCP tensors (written by every rank, never gathered): ``model`` and ``optimizer`` from the plugin's
+``get_state_dict`` pair. Shared objects (saved once): schedulers, the optim wrapper's accumulation counters and
+``base_param_settings``, the loss-scaler state, shared registered statefuls, ``extra_ckpt``. Per-rank objects:
+RNG states, per-rank registered statefuls, this rank's accumulation window (its local weight) and, when the
+save falls inside an accumulation window, this rank's accumulated gradients.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+from .._env import set_random_seed
+from .._version import __version__
+from ._dcp import load_dir, read_meta, save_dir
+from ._layout import CheckpointError, read_commit
+from ._rng import get_rng_state, set_rng_state
+
+if TYPE_CHECKING:
+    from ..strategy import Strategy
+
+__all__ = ["save", "load", "resume"]
+
+#: plugins whose accumulated gradients live in ``param.grad`` (a mid-window save can carry them)
+_GRAD_IN_PARAMS = ("single", "torch_ddp")
+
+
+def _window(wrapper: Any) -> Any:
+    return getattr(wrapper, "_window", None)
+
+
+def _params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return list(model.parameters())
+
+
+def _grads(model: torch.nn.Module) -> list[torch.Tensor | None]:
+    out = []
+    for p in _params(model):
+        g = p.grad
+        if isinstance(g, DTensor):
+            g = g.to_local()
+        out.append(None if g is None else g.detach().clone())
+    return out
+
+
+def _set_grads(model: torch.nn.Module, grads: Sequence[torch.Tensor | None]) -> None:
+    params = _params(model)
+    if len(params) != len(grads):
+        raise CheckpointError(
+            f"saved {len(grads)} accumulated gradients for a model with {len(params)} parameters"
+        )
+    for p, g in zip(params, grads, strict=True):
+        if g is None:
+            p.grad = None
+        elif isinstance(p, DTensor):
+            p.grad = DTensor.from_local(g.to(p.to_local().device), p.device_mesh, p.placements)
+        else:
+            p.grad = g.to(p.device)
+
+
+def _json_safe(value: Any) -> Any:
+    try:
+        json.dumps(value)
+        return value
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def save(
+    strategy: Strategy,
+    filename: str,
+    save_optimizer: bool,
+    save_param_scheduler: bool,
+    extra_ckpt: Mapping[str, Any] | None,
+    callback: Any,
+    max_keep_ckpts: int | None,
+) -> str:
+    if not strategy._prepared:
+        raise RuntimeError("Strategy.save_checkpoint: call prepare() first (there is nothing to save)")
+    if extra_ckpt is not None and not isinstance(extra_ckpt, Mapping):
+        raise TypeError(
+            f"save_checkpoint: extra_ckpt must be a dict or None, got {type(extra_ckpt).__name__}"
+        )
+    path = filename if os.path.isabs(filename) else os.path.join(strategy.work_dir, filename)
+    model, wrapper = strategy.model, strategy.optim_wrapper
+    window = _window(wrapper) if wrapper is not None else None
+    mid_window = bool(window is not None and window.position)
+    if mid_window and strategy.plugin_name not in _GRAD_IN_PARAMS:
+        raise ValueError(
+            f"save_checkpoint: {window.position} micro-batch(es) of an accumulation window are not stepped yet "
+            f"and plugin {strategy.plugin_name!r} keeps their gradients outside param.grad; save at a window "
+            f"boundary (every accumulative_counts={window.counts} iterations)"
+        )
+    with_optim = save_optimizer and wrapper is not None
+    msd, osd = strategy.plugin.get_state_dict(model, wrapper.optimizer if with_optim else [])
+    extra = dict(extra_ckpt or {})
+    meta = {
+        "iter": window.inner_count if window is not None else strategy.dispatch_kwargs.get("cur_iter", 0),
+        "epoch": 0,
+        "seed": strategy.seed,
+        "experiment_name": strategy.experiment_name,
+        "time": time.strftime("%Y%m%d_%H%M%S", time.localtime()),
+        "stepforge_strategy": __version__,
+        "torch": torch.__version__,
+        "world_size": strategy.world_size,
+        "plugin": strategy.plugin_name,
+        "precision": getattr(strategy.plugin, "precision", None)
+        or getattr(strategy.booster.mixed_precision, "name", None),
+        "accumulative_counts": wrapper.accumulative_counts if wrapper is not None else 1,
+        "mid_window": mid_window,
+        "cfg": None if strategy.config is None else repr(strategy.config),
+    }
+    meta.update({k: _json_safe(v) for k, v in dict(extra.pop("meta", {}) or {}).items()})
+    ckpt: dict[str, Any] = {"meta": meta, "state_dict": msd, **extra}
+    if with_optim:
+        ckpt["optimizer"] = osd
+    if save_param_scheduler and strategy.param_schedulers:
+        ckpt["param_schedulers"] = [s.state_dict() for s in strategy.param_schedulers]
+    if callback is not None:
+        callback(ckpt)
+    meta = {k: _json_safe(v) for k, v in ckpt.pop("meta").items()}
+    tensors = {"model": ckpt.pop("state_dict")}
+    if "optimizer" in ckpt:
+        tensors["optimizer"] = ckpt.pop("optimizer")
+    shared: dict[str, Any] = {"extra": ckpt, "statefuls": {}}
+    mine: dict[str, Any] = {"rng": get_rng_state(), "statefuls": {}}
+    if with_optim:
+        if window is not None:
+            shared["accumulation"] = window.state_dict()
+            mine["accumulation"] = window.state_dict()
+        shared["base_param_settings"] = getattr(wrapper, "base_param_settings", None)
+        scaler = getattr(wrapper.optimizer, "scaler_state_dict", None)
+        shared["scaler"] = scaler() if callable(scaler) else None
+        if mid_window:
+            mine["grads"] = _grads(model)
+    for name, (obj, per_rank) in strategy.statefuls.items():
+        (mine if per_rank else shared)["statefuls"][name] = obj.state_dict()
+    final = save_dir(
+        path,
+        tensors=tensors,
+        objects=shared,
+        rank_objects=mine,
+        meta=meta,
+        work_dir=strategy.work_dir,
+        max_keep_ckpts=max_keep_ckpts,
+    )
+    strategy.logger.info(f"saved checkpoint {final} (iter {meta['iter']})")
+    return final
+
+
+def _map_location(strategy: Strategy, map_location: Any) -> Any:
+    if map_location == "default":
+        return getattr(strategy.plugin, "device", torch.device("cpu"))
+    return map_location
+
+
+def _revise(keys: Sequence[str], revise_keys: Sequence[tuple[str, str]]) -> dict[str, str]:
+    out = {}
+    for key in keys:
+        new = key
+        for pattern, repl in revise_keys:
+            new = re.sub(pattern, repl, new)
+        out[new] = key
+    return out
+
+
+def load(
+    strategy: Strategy,
+    filename: str,
+    map_location: Any,
+    strict: bool,
+    revise_keys: Sequence[tuple[str, str]],
+    callback: Any,
+) -> dict[str, Any]:
+    if strategy.model is None:
+        raise RuntimeError("Strategy.load_checkpoint: call prepare(model) first")
+    import torch.distributed.checkpoint as dcp
+
+    read_commit(filename)  # a clear error for an unfinished checkpoint before reading its metadata
+    stored = dcp.FileSystemReader(filename).read_metadata().state_dict_metadata
+    prefix = "tensors.model."
+    saved_keys = [k[len(prefix) :] for k in stored if k.startswith(prefix)]
+    revised = _revise(saved_keys, revise_keys)
+    msd = get_model_state_dict(strategy.model)
+    missing = sorted(set(msd) - set(revised))
+    unexpected = sorted(set(revised) - set(msd))
+    if strict and (missing or unexpected):
+        raise CheckpointError(
+            f"load_checkpoint(strict=True): {filename!r} does not match the model: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]} (after revise_keys={list(revise_keys)})"
+        )
+    if missing or unexpected:
+        strategy.logger.warning(f"load_checkpoint: missing keys {missing}, unexpected keys {unexpected}")
+    template = {revised[k]: msd[k] for k in msd if k in revised}
+    shared, _, meta = load_dir(filename, {"model": template}, map_location=map_location, rank_objects=False)
+    ckpt = {"meta": meta, "state_dict": msd, **shared["extra"]}
+    if callback is not None:
+        callback(ckpt)
+    set_model_state_dict(strategy.model, ckpt["state_dict"], options=StateDictOptions(strict=False))
+    strategy.logger.info(f"loaded model weights from {filename}")
+    return ckpt
+
+
+def resume(
+    strategy: Strategy,
+    filename: str,
+    resume_optimizer: bool,
+    resume_param_scheduler: bool,
+    map_location: Any,
+    callback: Any,
+) -> dict[str, Any]:
+    if not strategy._prepared:
+        raise RuntimeError("Strategy.resume: call prepare() first (resume fills the prepared objects)")
+    model, wrapper = strategy.model, strategy.optim_wrapper
+    meta = read_meta(filename)
+    same_world = meta.get("world_size") == strategy.world_size
+    if meta.get("mid_window") and resume_optimizer and not same_world:
+        raise CheckpointError(
+            f"{filename!r} was saved inside an accumulation window at world size {meta.get('world_size')}; its "
+            f"per-rank gradients cannot be mapped to world size {strategy.world_size}. Resume at world size "
+            f"{meta.get('world_size')}, or from a checkpoint saved at a window boundary"
+        )
+    with_optim = resume_optimizer and wrapper is not None
+    msd, osd = strategy.plugin.get_state_dict(model, wrapper.optimizer if with_optim else [])
+    tensors = {"model": msd}
+    if with_optim:
+        tensors["optimizer"] = osd
+    shared, mine, meta = load_dir(filename, tensors, map_location=_map_location(strategy, map_location))
+    ckpt: dict[str, Any] = {"meta": meta, "state_dict": msd, **shared["extra"]}
+    if with_optim:
+        ckpt["optimizer"] = osd
+    if callback is not None:
+        callback(ckpt)
+    if with_optim:
+        strategy.plugin.set_state_dict(model, wrapper.optimizer, ckpt["state_dict"], ckpt["optimizer"])
+        window = _window(wrapper)
+        acc = (mine or {}).get("accumulation") or shared.get("accumulation")
+        if window is not None and acc is not None:
+            with warnings.catch_warnings():
+                if mine is not None and mine.get("grads") is not None:  # restored below: the warning is moot
+                    warnings.filterwarnings("ignore", message=".*middle of an accumulation window")
+                window.load_state_dict(acc)
+        if shared.get("base_param_settings") is not None:
+            wrapper.base_param_settings = shared["base_param_settings"]
+        load_scaler = getattr(wrapper.optimizer, "load_scaler_state_dict", None)
+        if callable(load_scaler):
+            load_scaler(shared.get("scaler"))
+        if mine is not None and mine.get("grads") is not None:
+            _set_grads(model, mine["grads"])
+    else:
+        set_model_state_dict(model, ckpt["state_dict"], options=StateDictOptions(strict=False))
+    if resume_param_scheduler and strategy.param_schedulers and "param_schedulers" in shared["extra"]:
+        saved = shared["extra"]["param_schedulers"]
+        if len(saved) != len(strategy.param_schedulers):
+            raise CheckpointError(
+                f"{filename!r} holds {len(saved)} param schedulers, this run has {len(strategy.param_schedulers)}"
+            )
+        for sched, state in zip(strategy.param_schedulers, saved, strict=True):
+            sched.load_state_dict(state)
+    for name, (obj, per_rank) in strategy.statefuls.items():
+        source = (mine or {}).get("statefuls", {}) if per_rank else shared["statefuls"]
+        if name in source:
+            obj.load_state_dict(source[name])
+        else:
+            strategy.logger.warning(f"resume: no state for {name!r} in {filename} (world size changed?)")
+    if meta.get("seed") != strategy.seed:
+        warnings.warn(
+            f"resume: the checkpoint's seed {meta.get('seed')} differs from this run's {strategy.seed}; "
+            "the saved random states are restored",
+            UserWarning,
+            stacklevel=3,
+        )
+    if mine is not None:
+        set_rng_state(mine["rng"])
+    else:
+        set_random_seed(int(meta["seed"]), strategy.env.deterministic, diff_rank_seed=True)
+        strategy.logger.warning(
+            f"resume: rank {strategy.rank} has no saved random state (saved at world size "
+            f"{meta.get('world_size')}); re-seeded from the saved seed + rank"
+        )
+    strategy.dispatch_kwargs["cur_iter"] = meta.get("iter", 0)
+    strategy.logger.info(f"resumed from {filename} at iter {meta.get('iter')}")
+    return ckpt

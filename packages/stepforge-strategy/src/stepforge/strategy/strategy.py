@@ -1,0 +1,362 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``Strategy``: mmengine's ColossalAIStrategy API on the stepforge Booster.
+
+One object configures the run (plugin, precision, work dir, logging, LR scaling), ``prepare`` builds the model,
+optim wrapper and schedulers, and ``save_checkpoint``/``load_checkpoint``/``resume`` persist them through
+crash-safe DCP directory checkpoints (:mod:`stepforge.strategy.checkpoint`). Unlike mmengine's it honours
+``compile``, ``callback``, ``map_location``, ``strict`` and ``revise_keys``, writes the meta once, restores
+the accumulation counter, the loss scaler and every rank's RNG state, and can be created many times per
+process.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from stepforge.core import OPTIM_WRAPPERS
+
+from ._env import ENV_KWARGS, get_world_size, setup_env
+from ._logging import LOG_KWARGS, close_logger, setup_logger
+from .booster import Booster
+from .checkpoint import _strategy_io as io
+from .checkpoint import find_latest_checkpoint
+from .optim_wrappers import ColossalAIOptimWrapper
+from .schedulers import build_param_scheduler
+
+__all__ = ["Strategy", "ColossalAIStrategy"]
+
+_DISPATCH_KEYS = ("epoch_length", "max_epochs", "max_iters", "train_micro_batch_size_per_gpu", "cur_iter")
+
+
+def _check_dict(name: str, value: Any, allowed: frozenset[str] | None = None) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{name} must be a dict, got {type(value).__name__}")
+    if allowed is not None and set(value) - allowed:
+        raise ValueError(f"{name}: unknown key(s) {sorted(set(value) - allowed)}; allowed: {sorted(allowed)}")
+    return dict(value)
+
+
+class Strategy:
+    """Prepare, checkpoint and resume a training run through a :class:`~stepforge.strategy.Booster`.
+
+    Args:
+        plugin: a plugin name (``"torch_ddp"``, ``"torch_fsdp"``, ``"gemini"``, ``"zero2"``...), dict or
+            instance; ``None`` picks ``single`` on one process and ``torch_ddp`` on several.
+        mixed_precision: ``"fp16"``, ``"bf16"``, ``"fp8"``, a dict/instance or ``None`` (the Booster's rules).
+        model_wrapper: ``None`` or a callable applied to the boosted model (``model = model_wrapper(model)``).
+        work_dir: where logs, checkpoints and ``last_checkpoint`` go.
+        experiment_name: prefix of the experiment name (``<name>_<timestamp>``).
+        env_kwargs: ``launcher``, ``backend``, ``dist_cfg``, ``mp_cfg``, ``cudnn_benchmark``, ``resource_limit``,
+            ``randomness=dict(seed=None, deterministic=False, diff_rank_seed=False)``.
+        log_kwargs: ``log_level``, ``file_mode``, ``all_ranks`` (every rank writes a log file), ``console``.
+        auto_scale_lr: ``dict(base_batch_size=..., enable=True)``: lr *= world size * micro-batch *
+            accumulative_counts / base_batch_size (needs ``dispatch_kwargs["train_micro_batch_size_per_gpu"]``).
+        config: the run's config (any object); its ``repr`` is recorded as ``meta["cfg"]`` in checkpoints.
+    """
+
+    def __init__(
+        self,
+        *,
+        plugin: Any = None,
+        mixed_precision: Any = None,
+        model_wrapper: Any = None,
+        work_dir: str = "work_dirs",
+        experiment_name: str | None = None,
+        env_kwargs: Mapping[str, Any] | None = None,
+        log_kwargs: Mapping[str, Any] | None = None,
+        auto_scale_lr: Mapping[str, Any] | None = None,
+        config: Any = None,
+    ) -> None:
+        env = _check_dict("env_kwargs", env_kwargs, ENV_KWARGS)
+        logs = _check_dict("log_kwargs", log_kwargs, LOG_KWARGS)
+        self.auto_scale_lr = _check_dict(
+            "auto_scale_lr", auto_scale_lr, frozenset({"base_batch_size", "enable"})
+        )
+        if self.auto_scale_lr.get("enable", True) and self.auto_scale_lr:
+            base = self.auto_scale_lr.get("base_batch_size")
+            if not isinstance(base, int) or base <= 0:
+                raise ValueError(f"auto_scale_lr needs base_batch_size, a positive int; got {base!r}")
+        if model_wrapper is not None and not callable(model_wrapper):
+            raise TypeError(
+                f"model_wrapper must be None or a callable taking the boosted model, got {model_wrapper!r}"
+            )
+        self.env = setup_env(**env)
+        self.work_dir = os.path.abspath(work_dir)
+        os.makedirs(self.work_dir, exist_ok=True)
+        self.timestamp = self.env.timestamp
+        self.experiment_name = f"{experiment_name}_{self.timestamp}" if experiment_name else self.timestamp
+        self.log_dir = os.path.join(self.work_dir, self.timestamp)
+        self.logger, self.log_file = setup_logger(
+            self.experiment_name, self.log_dir, self.timestamp, rank=self.env.rank, **logs
+        )
+        self.config = config
+        self.model_wrapper = model_wrapper
+        self.booster = Booster(mixed_precision=mixed_precision, plugin=plugin)
+        self.plugin = self.booster.plugin
+        self.dispatch_kwargs: dict[str, Any] = {}
+        self.model: nn.Module | None = None
+        self.optim_wrapper: Any = None
+        self.param_schedulers: list[Any] | None = None
+        self.statefuls: dict[str, tuple[Any, bool]] = {}
+        self._prepared = False
+
+    # -- properties ----------------------------------------------------------------------------------------
+    @property
+    def seed(self) -> int:
+        """The run's shared seed (drawn on rank 0 when none was given)."""
+        return self.env.seed
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def plugin_name(self) -> str:
+        return str(getattr(self.plugin, "name", type(self.plugin).__name__))
+
+    # -- prepare -------------------------------------------------------------------------------------------
+    def prepare(
+        self,
+        model: nn.Module,
+        *,
+        optim_wrapper: Any = None,
+        param_scheduler: Any = None,
+        compile: bool | Mapping[str, Any] = False,
+        dispatch_kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        """Boost ``model``, build the optim wrapper and schedulers; returns what exists, as mmengine.
+
+        ``model`` alone → the model; with ``optim_wrapper`` → ``(model, optim_wrapper)``; with schedulers
+        → ``(model, optim_wrapper, schedulers)``. A second call returns the same objects.
+
+        Args:
+            model: the ``nn.Module`` to train (rank 0's initial weights are broadcast to every rank).
+            optim_wrapper: ``dict(optimizer=dict(type=..., lr=...), accumulative_counts=1, clip_grad=None,
+                type="ColossalAIOptimWrapper")`` or a built ``ColossalAIOptimWrapper``.
+            param_scheduler: a dict, list of dicts or built schedulers (see :func:`build_param_scheduler`).
+            compile: ``True`` or ``torch.compile`` kwargs (``target`` names the method, default ``forward``).
+            dispatch_kwargs: ``max_iters``, ``max_epochs``, ``epoch_length``, ``train_micro_batch_size_per_gpu``.
+        """
+        if self._prepared:
+            return self._components()
+        self.dispatch_kwargs.update(_check_dict("dispatch_kwargs", dispatch_kwargs))
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"Strategy.prepare: model must be a torch.nn.Module, got {type(model).__name__}")
+        self._broadcast_weights(model)
+        wrapper = None
+        if optim_wrapper is None:
+            model = self.booster.boost(model)[0]
+        else:
+            model, wrapper = self._build_optim_wrapper(model, optim_wrapper)
+        if self.model_wrapper is not None:
+            model = self.model_wrapper(model)
+        model = self.compile_model(model, compile)
+        self.model, self.optim_wrapper = model, wrapper
+        if wrapper is not None:
+            self._scale_lr(wrapper)
+            counts = wrapper.accumulative_counts
+            if counts > 1:
+                max_iters = self.dispatch_kwargs.get("max_iters")
+                if not isinstance(max_iters, int) or max_iters <= 0:
+                    raise ValueError(
+                        f"accumulative_counts={counts} needs dispatch_kwargs['max_iters'] (the number of training "
+                        "iterations, so the last partial window steps too); pass prepare(..., "
+                        "dispatch_kwargs=dict(max_iters=N))"
+                    )
+                wrapper.initialize_count_status(model, 0, max_iters)
+            if param_scheduler is not None:
+                self.param_schedulers = build_param_scheduler(
+                    param_scheduler,
+                    wrapper,
+                    epoch_length=self.dispatch_kwargs.get("epoch_length"),
+                    max_epochs=self.dispatch_kwargs.get("max_epochs"),
+                    max_iters=self.dispatch_kwargs.get("max_iters"),
+                )
+        elif param_scheduler is not None:
+            raise ValueError("Strategy.prepare: param_scheduler needs an optim_wrapper to schedule")
+        self._prepared = True
+        return self._components()
+
+    def _components(self) -> Any:
+        if self.optim_wrapper is None:
+            return self.model
+        if self.param_schedulers is None:
+            return self.model, self.optim_wrapper
+        return self.model, self.optim_wrapper, self.param_schedulers
+
+    def _broadcast_weights(self, model: nn.Module) -> None:
+        if get_world_size() == 1:
+            return
+        with torch.no_grad():
+            for tensor in list(model.parameters()) + list(model.buffers()):
+                dist.broadcast(tensor.data, src=0)
+
+    def _build_optim_wrapper(self, model: nn.Module, cfg: Any) -> tuple[nn.Module, Any]:
+        if isinstance(cfg, ColossalAIOptimWrapper):
+            model, optimizer = self.booster.boost(model, cfg.optimizer)[:2]
+            cfg.optimizer = optimizer
+            cfg.booster = self.booster
+            return model, cfg
+        if not isinstance(cfg, Mapping):
+            raise TypeError(
+                "Strategy.prepare: optim_wrapper must be a dict (dict(optimizer=dict(type='AdamW', lr=1e-3), "
+                f"accumulative_counts=1)) or a ColossalAIOptimWrapper, got {type(cfg).__name__}"
+            )
+        cfg = dict(cfg)
+        name = cfg.pop("type", "ColossalAIOptimWrapper")
+        cls = OPTIM_WRAPPERS.get(name) if isinstance(name, str) else name
+        if not (isinstance(cls, type) and issubclass(cls, ColossalAIOptimWrapper)):
+            raise ValueError(
+                f"Strategy.prepare: optim_wrapper type must be ColossalAIOptimWrapper or a subclass (it drives the "
+                f"Booster), got {name!r}"
+            )
+        for key in ("constructor", "paramwise_cfg"):
+            if key in cfg:
+                raise ValueError(
+                    f"Strategy.prepare: optim_wrapper {key!r} is not supported; build the optimizer with param "
+                    "groups yourself and pass it as optim_wrapper=dict(optimizer=<optimizer>)"
+                )
+        if "optimizer" not in cfg:
+            raise ValueError(
+                "Strategy.prepare: optim_wrapper needs 'optimizer' (a dict such as dict(type='AdamW'))"
+            )
+        optimizer = cfg.pop("optimizer")
+        if isinstance(optimizer, Mapping):
+            optimizer = dict(optimizer)
+        model, optimizer = self.booster.boost(model, optimizer)[:2]
+        return model, cls(optimizer, booster=self.booster, **cfg)
+
+    @staticmethod
+    def compile_model(model: nn.Module, compile: bool | Mapping[str, Any]) -> nn.Module:
+        """Apply ``torch.compile`` to ``model.<target>`` (default ``forward``); ``False``/``disable`` skip."""
+        if compile is False or compile is None:
+            return model
+        kwargs = {} if compile is True else _check_dict("compile", compile)
+        if kwargs.pop("disable", False):
+            return model
+        target = kwargs.pop("target", "forward")
+        setattr(model, target, torch.compile(getattr(model, target), **kwargs))
+        return model
+
+    def _scale_lr(self, wrapper: Any) -> None:
+        cfg = self.auto_scale_lr
+        if not cfg or not cfg.get("enable", True):
+            return
+        micro = self.dispatch_kwargs.get("train_micro_batch_size_per_gpu")
+        if not isinstance(micro, int) or micro <= 0:
+            raise ValueError(
+                "auto_scale_lr needs dispatch_kwargs['train_micro_batch_size_per_gpu'] (samples per rank per "
+                f"micro-batch), got {micro!r}"
+            )
+        ratio = self.world_size * micro * wrapper.accumulative_counts / cfg["base_batch_size"]
+        for group in wrapper.param_groups:
+            group["lr"] = group["lr"] * ratio
+        if getattr(wrapper, "base_param_settings", None) is not None and "lr" in wrapper.base_param_settings:
+            wrapper.base_param_settings["lr"] *= ratio
+        self.logger.info(
+            f"auto_scale_lr: lr scaled by {ratio:g} = world {self.world_size} x micro-batch {micro} x "
+            f"accumulative_counts {wrapper.accumulative_counts} / base {cfg['base_batch_size']}"
+        )
+
+    # -- checkpoints ---------------------------------------------------------------------------------------
+    def register_for_checkpointing(self, name: str, obj: Any, *, per_rank: bool = False) -> None:
+        """Save ``obj.state_dict()`` in every checkpoint and restore it on :meth:`resume` (dataloaders...).
+
+        ``per_rank=True`` keeps one copy per rank (restored only on the same rank of a same-size run).
+        """
+        if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+            raise TypeError(f"register_for_checkpointing({name!r}): obj needs state_dict and load_state_dict")
+        self.statefuls[name] = (obj, per_rank)
+
+    def save_checkpoint(
+        self,
+        filename: str,
+        *,
+        save_optimizer: bool = True,
+        save_param_scheduler: bool = True,
+        extra_ckpt: Mapping[str, Any] | None = None,
+        callback: Any = None,
+        max_keep_ckpts: int | None = None,
+    ) -> str:
+        """Write a committed checkpoint directory (collective: every rank calls it). Returns its path.
+
+        ``filename`` is relative to ``work_dir`` unless absolute. ``callback(checkpoint)`` may edit the dict
+        (``meta``, ``state_dict``, ``optimizer``, ``param_schedulers`` and ``extra_ckpt``'s keys) before it is
+        written. ``max_keep_ckpts`` deletes the oldest committed checkpoints of that folder, after the commit.
+        """
+        return io.save(
+            self, filename, save_optimizer, save_param_scheduler, extra_ckpt, callback, max_keep_ckpts
+        )
+
+    def load_checkpoint(
+        self,
+        filename: str,
+        *,
+        map_location: Any = "cpu",
+        strict: bool = False,
+        revise_keys: Sequence[tuple[str, str]] = ((r"^module\.", ""),),
+        callback: Any = None,
+    ) -> dict[str, Any]:
+        """Load the model weights only; returns the checkpoint dict (``meta``, ``state_dict``, extras)."""
+        return io.load(self, filename, map_location, strict, revise_keys, callback)
+
+    def resume(
+        self,
+        filename: str,
+        *,
+        resume_optimizer: bool = True,
+        resume_param_scheduler: bool = True,
+        map_location: Any = "default",
+        callback: Any = None,
+    ) -> dict[str, Any]:
+        """Restore model, optimizer (with loss scaler and accumulation counters), schedulers, registered
+        statefuls and every rank's RNG states; sets ``dispatch_kwargs['cur_iter']``. Returns the checkpoint dict.
+        """
+        return io.resume(self, filename, resume_optimizer, resume_param_scheduler, map_location, callback)
+
+    def find_latest_checkpoint(self) -> str | None:
+        """The last committed checkpoint of ``work_dir`` (``last_checkpoint``), or None."""
+        return find_latest_checkpoint(self.work_dir)
+
+    def load_or_resume(
+        self, *, load_from: str | None = None, resume: bool | str = False
+    ) -> dict[str, Any] | None:
+        """mmengine's rule: ``resume=<path>``; ``resume=True`` → ``load_from`` or the latest; else load."""
+        if isinstance(resume, str):
+            return self.resume(resume)
+        if resume:
+            path = load_from or self.find_latest_checkpoint()
+            if path is None:
+                self.logger.info("resume=True but no checkpoint in work_dir: training from scratch")
+                return None
+            return self.resume(path)
+        return self.load_checkpoint(load_from) if load_from else None
+
+    def close(self) -> None:
+        """Release the log file."""
+        close_logger(self.logger)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(plugin={self.plugin_name!r}, world_size={self.world_size}, "
+            f"work_dir={self.work_dir!r}, experiment_name={self.experiment_name!r})"
+        )
+
+
+class ColossalAIStrategy(Strategy):
+    """mmengine's ``ColossalAIStrategy``: :class:`Strategy` with ``plugin="gemini"`` by default."""
+
+    def __init__(self, *, plugin: Any = "gemini", **kwargs: Any) -> None:
+        super().__init__(plugin=plugin, **kwargs)
