@@ -63,14 +63,15 @@ void register_cpu_kernels(py::module_& m) {
          py::handle sizes, py::handle steps, int param_dtype, int grad_dtype, double lr, double beta1, double beta2,
          double eps, double weight_decay, bool adam_w_mode, bool bias_correction, bool grad_averaging,
          bool use_nvlamb, double trust_clip_min, double trust_clip_max, double grad_divisor, int64_t found_inf_ptr,
-         bool check_finite, int ctx, bool write_unscaled_grads) {
+         bool check_finite, int ctx, bool write_unscaled_grads, int64_t norms_out_ptr, int64_t norms_in_ptr) {
         I64Arg p(params, "params"), g(grads, "grads"), m1(exp_avgs, "exp_avgs"), m2(exp_avg_sqs, "exp_avg_sqs"),
             w(masters, "masters"), s(sizes, "sizes"), st(steps, "steps");
         py::gil_scoped_release nogil;
         return stepforge::cpu::lamb(p.view(), g.view(), m1.view(), m2.view(), w.view(), s.view(), st.view(),
                                     param_dtype, grad_dtype, lr, beta1, beta2, eps, weight_decay, adam_w_mode,
                                     bias_correction, grad_averaging, use_nvlamb, trust_clip_min, trust_clip_max,
-                                    grad_divisor, found_inf_ptr, check_finite, ctx, write_unscaled_grads);
+                                    grad_divisor, found_inf_ptr, check_finite, ctx, write_unscaled_grads,
+                                    norms_out_ptr, norms_in_ptr);
       },
       py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("masters"),
       py::arg("sizes"), py::arg("steps"), py::arg("param_dtype"), py::arg("grad_dtype"), py::arg("lr"),
@@ -78,9 +79,11 @@ void register_cpu_kernels(py::module_& m) {
       py::arg("bias_correction"), py::arg("grad_averaging"), py::arg("use_nvlamb"), py::arg("trust_clip_min") = 0.0,
       py::arg("trust_clip_max") = std::numeric_limits<double>::infinity(), py::arg("grad_divisor") = 1.0,
       py::arg("found_inf_ptr") = 0, py::arg("check_finite") = false, py::arg("ctx") = 0, py::kw_only(),
-      py::arg("write_unscaled_grads") = false,
+      py::arg("write_unscaled_grads") = false, py::arg("norms_out_ptr") = 0, py::arg("norms_in_ptr") = 0,
       "Multi-tensor LAMB step (apex FusedLAMB semantics, per-tensor trust ratios). Returns True if skipped. "
-      "write_unscaled_grads: as adam.");
+      "write_unscaled_grads: as adam. Split use (sharded tensors): norms_out_ptr (2n float64) runs only the "
+      "moments pass and writes the per-tensor sums of p^2 then u^2 there; norms_in_ptr (the same layout, e.g. "
+      "all-reduced) runs only the apply pass with trust ratios from those sums (no grads read, no check).");
 
   m.def(
       "l2norm",

@@ -189,7 +189,8 @@ py::object lamb(py::handle params, py::handle grads, py::handle exp_avgs, py::ha
                 bool grad_averaging, bool use_nvlamb, double trust_clip_min, double trust_clip_max,
                 double grad_divisor, std::int64_t found_inf_ptr, bool check_finite, std::int64_t ctx,
                 std::int64_t lr_ptr, std::int64_t grad_divisor_ptr, py::handle step_ptrs, bool stochastic_rounding,
-                std::uint64_t seed, std::int64_t ratio_out_ptr, int device, bool write_unscaled_grads) {
+                std::uint64_t seed, std::int64_t ratio_out_ptr, int device, bool write_unscaled_grads,
+                std::int64_t norms_out_ptr, std::int64_t norms_in_ptr) {
   check_dtype(param_dtype, "param_dtype");
   check_dtype(grad_dtype, "grad_dtype");
   auto p = int64_list(params, "params"), g = int64_list(grads, "grads"), m = int64_list(exp_avgs, "exp_avgs"),
@@ -226,7 +227,8 @@ py::object lamb(py::handle params, py::handle grads, py::handle exp_avgs, py::ha
   {
     py::gil_scoped_release nogil;
     result = sc::lamb(rows, ml.p_dtype, grad_dtype, ml.copy_dtype, st, hp, common,
-                      static_cast<std::uint64_t>(ratio_out_ptr), launch_of(ctx, device));
+                      static_cast<std::uint64_t>(ratio_out_ptr), launch_of(ctx, device),
+                      static_cast<std::uint64_t>(norms_out_ptr), static_cast<std::uint64_t>(norms_in_ptr));
   }
   return skipped_result(result);
 }
@@ -289,7 +291,8 @@ void register_cuda_kernels(py::module_& m) {
         arg("trust_clip_min"), arg("trust_clip_max"), arg("grad_divisor"), arg("found_inf_ptr"),
         arg("check_finite"), arg("ctx"), py::kw_only(), arg("lr_ptr") = 0, arg("grad_divisor_ptr") = 0,
         arg("step_ptrs") = py::none(), arg("stochastic_rounding") = false, arg("seed") = 0,
-        arg("ratio_out_ptr") = 0, arg("device") = -1, arg("write_unscaled_grads") = false);
+        arg("ratio_out_ptr") = 0, arg("device") = -1, arg("write_unscaled_grads") = false,
+        arg("norms_out_ptr") = 0, arg("norms_in_ptr") = 0);
   m.def("l2norm", &l2norm,
         "Global L2 norm (float, synchronises) and optional per-tensor norms; with sumsq_out_ptr the sum of "
         "squares is added on the device and None is returned without synchronising",

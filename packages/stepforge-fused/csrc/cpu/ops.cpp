@@ -153,14 +153,18 @@ bool lamb(I64 params, I64 grads, I64 exp_avgs, I64 exp_avg_sqs, I64 masters, I64
           int param_dtype, int grad_dtype, double lr, double beta1, double beta2, double eps, double weight_decay,
           bool adam_w_mode, bool bias_correction, bool grad_averaging, bool use_nvlamb, double trust_clip_min,
           double trust_clip_max, double grad_divisor, int64_t found_inf_ptr, bool check_finite, int ctx,
-         bool write_grads) {
+         bool write_grads, int64_t norms_out_ptr, int64_t norms_in_ptr) {
   const int64_t n = sizes.size;
   check_dtype(param_dtype, "lamb param_dtype");
   check_dtype(grad_dtype, "lamb grad_dtype");
   check_moment_lists(params, grads, exp_avgs, exp_avg_sqs, masters, sizes, steps, param_dtype, grad_divisor);
+  if (norms_out_ptr != 0 && norms_in_ptr != 0)
+    throw std::invalid_argument("lamb: pass norms_out_ptr (norms pass) or norms_in_ptr (apply pass), not both");
   std::vector<int64_t> off = make_offsets(sizes);
   MultiTensor mt{n, off.data(), sizes.data, resolve_threads(ctx)};
-  if (overflow_gate(mt, grads, grad_dtype, grad_divisor, found_inf_ptr, check_finite)) return true;
+  // The apply pass reads no grads: the finite check and the grad write-back belong to the norms pass.
+  if (norms_in_ptr == 0 && overflow_gate(mt, grads, grad_dtype, grad_divisor, found_inf_ptr, check_finite))
+    return true;
   std::vector<LambConsts> consts(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) {
     if (bias_correction && steps.data[i] < 1)
@@ -182,8 +186,23 @@ bool lamb(I64 params, I64 grads, I64 exp_avgs, I64 exp_avg_sqs, I64 masters, I64
   L.u_sq = u_sq.data();
   L.param_dtype = param_dtype;
   L.grad_dtype = grad_dtype;
-  L.write_grads = write_grads && grad_divisor != 1.0;
-  active_table().lamb_pass1(L);
+  L.write_grads = norms_in_ptr == 0 && write_grads && grad_divisor != 1.0;
+  if (norms_in_ptr == 0) active_table().lamb_pass1(L);
+  if (norms_out_ptr != 0) {  // norms pass: sum p^2 into out[0, n), sum u^2 into out[n, 2n); no update yet
+    double* out = reinterpret_cast<double*>(norms_out_ptr);
+    for (int64_t i = 0; i < n; ++i) {
+      out[i] = p_sq[size_t(i)];
+      out[n + i] = u_sq[size_t(i)];
+    }
+    return false;
+  }
+  if (norms_in_ptr != 0) {  // apply pass: the (reduced) sums from the caller replace pass 1's
+    const double* in = reinterpret_cast<const double*>(norms_in_ptr);
+    for (int64_t i = 0; i < n; ++i) {
+      p_sq[size_t(i)] = in[i];
+      u_sq[size_t(i)] = in[n + i];
+    }
+  }
   const bool use_ratio = weight_decay != 0.0 || use_nvlamb;
   for (int64_t i = 0; i < n; ++i) {
     const float r = lamb_trust_ratio(std::sqrt(p_sq[size_t(i)]), std::sqrt(u_sq[size_t(i)]), use_ratio,

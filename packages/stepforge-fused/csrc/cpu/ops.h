@@ -30,7 +30,7 @@ bool lamb(I64 params, I64 grads, I64 exp_avgs, I64 exp_avg_sqs, I64 masters, I64
           int param_dtype, int grad_dtype, double lr, double beta1, double beta2, double eps, double weight_decay,
           bool adam_w_mode, bool bias_correction, bool grad_averaging, bool use_nvlamb, double trust_clip_min,
           double trust_clip_max, double grad_divisor, int64_t found_inf_ptr, bool check_finite, int ctx,
-         bool write_grads);
+         bool write_grads, int64_t norms_out_ptr = 0, int64_t norms_in_ptr = 0);
 
 double l2norm(I64 ptrs, I64 sizes, int dtype, int64_t per_tensor_out_ptr, int ctx);
 

@@ -76,15 +76,31 @@ __global__ __launch_bounds__(kThreads) void lamb_moments_kernel(UpdateArgs a, La
   }
 }
 
+// norms_in (nullable): per-tensor sums given by the caller instead of the partials (the apply pass of a split
+// step); norms_out (nullable): write the per-tensor sums there and stop (the norms pass).
 __global__ __launch_bounds__(kThreads) void lamb_ratio_kernel(UpdateArgs a, LambKernelParams hp,
                                                               const float* partials, float* ratio,
-                                                              float* ratio_out) {
+                                                              float* ratio_out, const double* norms_in,
+                                                              double* norms_out) {
   if (skip_step(a.skip_flag)) return;
   for (std::int64_t t = blockIdx.x; t < a.n_rows; t += gridDim.x) {
     const TensorRow& r = a.rows[t];
-    const std::int64_t n = chunks_of(r.numel);
-    const double sp = segment_sum(partials, r.chunk_begin, n);
-    const double su = segment_sum(partials + a.total_chunks, r.chunk_begin, n);
+    double sp, su;
+    if (norms_in != nullptr) {
+      sp = norms_in[t];
+      su = norms_in[a.n_rows + t];
+    } else {
+      const std::int64_t n = chunks_of(r.numel);
+      sp = segment_sum(partials, r.chunk_begin, n);
+      su = segment_sum(partials + a.total_chunks, r.chunk_begin, n);
+    }
+    if (norms_out != nullptr) {
+      if (threadIdx.x == 0) {
+        norms_out[t] = sp;
+        norms_out[a.n_rows + t] = su;
+      }
+      continue;
+    }
     if (threadIdx.x == 0) {
       const float q = lamb_trust_ratio(sqrt(sp), sqrt(su), hp.use_ratio, hp.trust_min, hp.trust_max);
       ratio[t] = q;
@@ -139,8 +155,11 @@ __global__ __launch_bounds__(kThreads) void lamb_apply_kernel(UpdateArgs a, Lamb
 }  // namespace
 
 int lamb(std::vector<TensorRow>& rows, int p_dtype, int g_dtype, int copy_dtype, const Steps& steps,
-          const LambParams& hp, const Common& common, std::uint64_t ratio_out, Launch launch) {
+          const LambParams& hp, const Common& common, std::uint64_t ratio_out, Launch launch,
+          std::uint64_t norms_out, std::uint64_t norms_in) {
   static const int required[] = {kP, kG, kM, kV};
+  if (norms_out != 0 && norms_in != 0)
+    throw std::invalid_argument("lamb: pass norms_out_ptr (norms pass) or norms_in_ptr (apply pass), not both");
   if (copy_dtype >= 0 && p_dtype != 0) throw std::invalid_argument("master weights (param copy) need fp32 masters");
   Prepared prep = prepare_update(rows, required, 4, g_dtype, common, hp.lr, &steps.host, copy_dtype, launch);
   if (prep.empty) return (common.check_finite && common.found_inf == 0) ? 0 : kSkipOnDevice;
@@ -153,15 +172,21 @@ int lamb(std::vector<TensorRow>& rows, int p_dtype, int g_dtype, int copy_dtype,
   float* partials = static_cast<float*>(scratch((n_part + rows.size()) * sizeof(float), launch, prep.stream, 1));
   float* ratio = partials + n_part;
   const unsigned grid = grid_for(a.total_chunks);
-  SF_DISPATCH_DTYPE(p_dtype, P, {
-    SF_DISPATCH_DTYPE(g_dtype, G, {
-      lamb_moments_kernel<P, G><<<grid, kThreads, 0, prep.stream>>>(a, kp, partials);
+  double* sums_out = reinterpret_cast<double*>(static_cast<std::uintptr_t>(norms_out));
+  const double* sums_in = reinterpret_cast<const double*>(static_cast<std::uintptr_t>(norms_in));
+  if (sums_in == nullptr) {
+    SF_DISPATCH_DTYPE(p_dtype, P, {
+      SF_DISPATCH_DTYPE(g_dtype, G, {
+        lamb_moments_kernel<P, G><<<grid, kThreads, 0, prep.stream>>>(a, kp, partials);
+      });
     });
-  });
-  check_launch("lamb_moments_kernel");
+    check_launch("lamb_moments_kernel");
+  }
   lamb_ratio_kernel<<<grid_for(a.n_rows), kThreads, 0, prep.stream>>>(
-      a, kp, partials, ratio, reinterpret_cast<float*>(static_cast<std::uintptr_t>(ratio_out)));
+      a, kp, partials, ratio, reinterpret_cast<float*>(static_cast<std::uintptr_t>(ratio_out)), sums_in,
+      sums_out);
   check_launch("lamb_ratio_kernel");
+  if (sums_out != nullptr) return finish_update(prep);
   SF_DISPATCH_DTYPE(p_dtype, P, { lamb_apply_kernel<P><<<grid, kThreads, 0, prep.stream>>>(a, kp, ratio); });
   check_launch("lamb_apply_kernel");
   return finish_update(prep);

@@ -95,8 +95,12 @@ int sgd(std::vector<TensorRow>& rows, int p_dtype, int g_dtype, int copy_dtype, 
 
 // LAMB: per-tensor ||p|| and ||u|| from one segmented reduction over chunk partials, no write into grads.
 // `ratio_out` (device float32*, nullable): the trust ratio applied to each tensor.
+// Split use (sharded tensors), device float64 buffers of 2n (sum p^2 per tensor, then sum u^2):
+// `norms_out` != 0 runs only the moments pass and writes the sums there; `norms_in` != 0 runs only the apply
+// pass with trust ratios from the given (e.g. all-reduced) sums. At most one of them.
 int lamb(std::vector<TensorRow>& rows, int p_dtype, int g_dtype, int copy_dtype, const Steps& steps,
-          const LambParams& hp, const Common& common, std::uint64_t ratio_out, Launch launch);
+          const LambParams& hp, const Common& common, std::uint64_t ratio_out, Launch launch,
+          std::uint64_t norms_out = 0, std::uint64_t norms_in = 0);
 
 // Global L2 norm of list 0. per_tensor_out (device float32*, nullable): n norms. sumsq_out (device float32*,
 // nullable): the global sum of squares is *added* there and the function returns NaN without synchronising;

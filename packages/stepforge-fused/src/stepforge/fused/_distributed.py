@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["is_dtensor", "mesh_all_true", "shard_dims"]
+__all__ = ["comm_device", "is_dtensor", "mesh_all_true", "mesh_sum_", "shard_dims", "shard_groups"]
 
 
 def is_dtensor(t: Any) -> bool:
@@ -26,9 +26,22 @@ def shard_dims(t: Any) -> list[int]:
     return [dim for dim, pl in enumerate(t.placements) if not pl.is_replicate()]
 
 
-def _groups(t: Any) -> list[Any]:
+def shard_groups(t: Any) -> list[Any]:
+    """The process groups of the mesh dimensions over which DTensor ``t`` is split (see :func:`shard_dims`)."""
     mesh = t.device_mesh
     return [mesh.get_group(dim) for dim in shard_dims(t)]
+
+
+def mesh_sum_(buf: torch.Tensor, groups: Iterable[Any], device: torch.device) -> torch.Tensor:
+    """Sum ``buf`` over every rank of each of ``groups`` (all-reduce SUM, one group after the other; the groups
+    of different mesh dimensions are disjoint, so this is the sum over all their shards). ``device``: where the
+    collective runs (:func:`comm_device`). Returns the summed tensor on ``buf``'s device."""
+    import torch.distributed as dist
+
+    work = buf.to(device)
+    for group in groups:
+        dist.all_reduce(work, op=dist.ReduceOp.SUM, group=group)
+    return work.to(buf.device)
 
 
 def mesh_all_true(flag: bool, tensors: Iterable[Any]) -> bool:
@@ -40,16 +53,17 @@ def mesh_all_true(flag: bool, tensors: Iterable[Any]) -> bool:
     for t in tensors:
         if not is_dtensor(t):
             continue
-        for group in _groups(t):
+        for group in shard_groups(t):
             if id(group) in seen:
                 continue
             seen.add(id(group))
-            buf = result.to(_comm_device(t))
+            buf = result.to(comm_device(t))
             dist.all_reduce(buf, op=dist.ReduceOp.MIN, group=group)
             result = buf.cpu()
     return bool(result.item() > 0)
 
 
-def _comm_device(t: Any) -> torch.device:
+def comm_device(t: Any) -> torch.device:
+    """Where collectives over DTensor ``t``'s mesh run: the CPU for a ``cpu`` mesh, else the shard's device."""
     mesh_type = t.device_mesh.device_type
     return torch.device("cpu") if mesh_type == "cpu" else t._local_tensor.device

@@ -3,17 +3,20 @@
 
 from __future__ import annotations
 
+import array
 import math
 from collections.abc import Callable, Iterable
 from types import ModuleType
 from typing import Any
+
+import torch
 
 from stepforge.core import HyperParameterError, check_bool, check_range, check_trust_clip
 
 from . import _backend
 from ._adam_base import ADAM_STATE_KEYS, adam_defaults, check_adam_group
 from ._base import Bucket, FusedOptimizerBase, Launch
-from ._distributed import is_dtensor, shard_dims
+from ._distributed import comm_device, is_dtensor, mesh_sum_, shard_dims, shard_groups
 
 __all__ = ["FusedLAMB"]
 
@@ -31,6 +34,11 @@ class FusedLAMB(FusedOptimizerBase):
         p = p - lr * r * u
 
     This is ``stepforge.optim.Lamb.fused_lamb(...)`` (bias_correction_mode="update"), fused.
+
+    DTensor parameters (FSDP2 ``fully_shard``, CPU): the kernels step the local shards; ``||p||``, ``||u||`` of
+    each sharded parameter and the global grad norm are summed over the mesh dimensions it is sharded on, so the
+    result equals the unsharded run up to the summation order of those norms. The kernel then runs in two calls
+    (a norms pass, the all-reduce, an apply pass); unsharded buckets keep the single call.
 
     Args:
         params, lr, bias_correction, betas, eps, weight_decay, amsgrad (must be False), adam_w_mode,
@@ -98,17 +106,19 @@ class FusedLAMB(FusedOptimizerBase):
         return ADAM_STATE_KEYS
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group (validated as in the constructor). Sharded DTensor params are refused: the kernel's trust
-        ratio needs the norms of the whole parameter and of its whole update, which it computes per tensor."""
+        """Add a group (validated as in the constructor). Sharded DTensor params on CUDA are refused: the
+        device path does not reduce the per-tensor norms over the mesh (CPU shards are supported)."""
         super().add_param_group(param_group)
         for i, p in enumerate(self.param_groups[-1]["params"]):
-            if is_dtensor(p) and shard_dims(p):
+            if is_dtensor(p) and shard_dims(p) and p.device.type != "cpu":
                 self.param_groups.pop()
                 raise RuntimeError(
-                    f"FusedLAMB: parameter #{i} is a DTensor sharded over {p.placements} (FSDP2 fully_shard); the "
-                    "fused LAMB kernel computes each trust ratio from the local shard, which would not equal the "
-                    "unsharded run. Use stepforge.optim.Lamb for sharded parameters, or FusedAdam/FusedSGD."
+                    f"FusedLAMB: parameter #{i} is a DTensor sharded over {p.placements} on {p.device}; "
+                    "sharded FusedLAMB reduces its trust-ratio norms over the mesh on the CPU path only. Keep "
+                    "the sharded parameters on the CPU (FSDP2 CPU offload), or use stepforge.optim.Lamb."
                 )
+        self._shard_buckets: list[Bucket] = []
+        self._shard_plans: dict[int, _ShardPlan] = {}
 
     def _check_group(self, group: dict[str, Any]) -> None:
         super()._check_group(group)
@@ -130,27 +140,58 @@ class FusedLAMB(FusedOptimizerBase):
         super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
 
     def _pre_step(self, plans: list[tuple[dict[str, Any], list[Bucket]]], divisor: float) -> float:
+        buckets = [b for _group, bs in plans for b in bs]
+        self._refresh_shard_plans(buckets)
         max_norm = float(self.defaults["max_grad_norm"])
         if max_norm <= 0:
             return divisor
         total = 0.0
-        for _group, buckets in plans:
-            for b in buckets:
-                module = _backend.module_for(b.device)
-                norm = module.l2norm(
-                    b.ptrs["grads"],
-                    b.sizes,
-                    _backend.DTYPE_CODES[b.grad_dtype],
-                    0,
-                    self._ctx(module, b.device),
-                    **self._device_kw(b.device),
-                )
-                total += norm * norm
+        by_mesh: dict[tuple[int, ...], tuple[list[Any], torch.device, list[float]]] = {}
+        for b in buckets:
+            module = _backend.module_for(b.device)
+            plan = self._shard_plans.get(id(b))
+            if plan is None:
+                total += self._grad_sumsq(module, b, b.ptrs["grads"], b.sizes)
+                continue
+            grads, sizes = b.ptrs["grads"], b.sizes
+            for key, groups, comm, idx in plan.sets:
+                sq = self._grad_sumsq(module, b, _pick(grads, idx), _pick(sizes, idx))
+                by_mesh.setdefault(key, (groups, comm, []))[2].append(sq)
+            if plan.rest:
+                total += self._grad_sumsq(module, b, _pick(grads, plan.rest), _pick(sizes, plan.rest))
+        # sharded grads: each rank holds a part of the sum of squares; one all-reduce per set of mesh groups
+        for groups, comm, parts in by_mesh.values():
+            local = torch.tensor([math.fsum(parts)], dtype=torch.float64)
+            total += float(mesh_sum_(local, groups, comm).item())
         global_norm = math.sqrt(total) / divisor
         # inf/NaN grads: no clip factor; the kernel's non-finite check skips (skip_nonfinite) or they propagate.
         if math.isfinite(global_norm) and global_norm > max_norm:
             divisor *= global_norm / max_norm
         return divisor
+
+    def _grad_sumsq(self, module: ModuleType, b: Bucket, ptrs: Any, sizes: Any) -> float:
+        norm = module.l2norm(
+            ptrs,
+            sizes,
+            _backend.DTYPE_CODES[b.grad_dtype],
+            0,
+            self._ctx(module, b.device),
+            **self._device_kw(b.device),
+        )
+        return norm * norm
+
+    def _refresh_shard_plans(self, buckets: list[Bucket]) -> None:
+        """Which tensors of each bucket are sharded DTensors, and over which mesh groups (rebuilt when the
+        buckets are; the buckets are kept referenced so their ids stay theirs)."""
+        old = self._shard_buckets
+        if len(old) == len(buckets) and all(a is b for a, b in zip(old, buckets, strict=True)):
+            return
+        self._shard_buckets = buckets
+        self._shard_plans = {}
+        for b in buckets:
+            plan = _ShardPlan.of(b.params)
+            if plan is not None:
+                self._shard_plans[id(b)] = plan
 
     def _device_clip_norm(self) -> float:
         return float(self.defaults["max_grad_norm"])
@@ -160,7 +201,7 @@ class FusedLAMB(FusedOptimizerBase):
     ) -> bool | None:
         beta1, beta2 = group["betas"]
         low, high = group.get("trust_clip", (0.0, math.inf))
-        return module.lamb(
+        lists = (
             bucket.ptrs["params"],
             bucket.ptrs["grads"],
             bucket.ptrs["exp_avg"],
@@ -182,11 +223,29 @@ class FusedLAMB(FusedOptimizerBase):
             float(low),
             float(high),
             launch.divisor,
+        )
+        plan = self._shard_plans.get(id(bucket)) if self._shard_plans else None
+        if plan is None or bucket.on_device:
+            return module.lamb(*lists, launch.found_inf_ptr, launch.check_finite, launch.ctx, **launch.kw)
+        # Sharded tensors: moments and the local sums of p^2, u^2; the sums over the mesh; then the update.
+        n = len(bucket.sizes)
+        norms = torch.zeros(2 * n, dtype=torch.float64)
+        kw = dict(launch.kw)
+        if module.lamb(
+            *lists,
             launch.found_inf_ptr,
             launch.check_finite,
             launch.ctx,
-            **launch.kw,
-        )
+            norms_out_ptr=norms.data_ptr(),
+            **kw,
+        ):
+            return True
+        sums = norms.view(2, n)
+        for _key, groups, comm, idx in plan.sets:
+            at = torch.tensor(idx, dtype=torch.long)
+            sums[:, at] = mesh_sum_(sums[:, at], groups, comm)
+        kw.pop("write_unscaled_grads", None)  # written back by the norms pass
+        return module.lamb(*lists, 0, False, launch.ctx, norms_in_ptr=norms.data_ptr(), **kw)
 
     def step(self, closure: Callable[[], Any] | None = None, div_scale: float = -1) -> Any:
         """One optimizer step; ``div_scale > 0`` divides every grad before the norm clip."""
@@ -207,3 +266,33 @@ def _trust_bounds(trust_clip: Any) -> tuple[float, float]:
         return 0.0, math.inf
     low, high = bounds
     return (0.0 if low is None else low), (math.inf if high is None else high)
+
+
+def _pick(values: array.array, idx: list[int]) -> array.array:
+    return array.array("q", [values[i] for i in idx])
+
+
+class _ShardPlan:
+    """A bucket's sharded DTensor params: ``sets`` of ``(key, groups, comm device, positions)``, one per
+    distinct set of mesh groups, and ``rest``, the positions of the other (plain or replicated) tensors."""
+
+    __slots__ = ("rest", "sets")
+
+    def __init__(
+        self, sets: list[tuple[tuple[int, ...], list[Any], torch.device, list[int]]], rest: list[int]
+    ):
+        self.sets = sets
+        self.rest = rest
+
+    @classmethod
+    def of(cls, params: list[Any]) -> _ShardPlan | None:
+        by_key: dict[tuple[int, ...], tuple[tuple[int, ...], list[Any], torch.device, list[int]]] = {}
+        rest: list[int] = []
+        for i, p in enumerate(params):
+            if not (is_dtensor(p) and shard_dims(p)):
+                rest.append(i)
+                continue
+            groups = shard_groups(p)
+            key = tuple(id(g) for g in groups)
+            by_key.setdefault(key, (key, groups, comm_device(p), []))[3].append(i)
+        return cls(list(by_key.values()), rest) if by_key else None
