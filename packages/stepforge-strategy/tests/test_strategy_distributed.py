@@ -16,6 +16,7 @@ import torch
 from _strategy_cases import ITERS, full_params, make_strategy, prepare, train
 
 from stepforge.strategy.checkpoint import CheckpointError
+from stepforge.strategy.checkpoint._fsdp_window import fsdp_pending_grads
 from stepforge.testing.distributed import requires_gloo, run_distributed
 
 pytestmark = requires_gloo
@@ -34,7 +35,11 @@ def _first(rank: int, world_size: int, work: str, plugin: str) -> dict:
     at_boundary = full_params(first.model)
     train(first, 3, 4, rank)
     first.save_checkpoint("mid")
-    return dict(ref_losses=ref_losses, ref_params=ref_params, at_boundary=at_boundary)
+    pending = [g for g in fsdp_pending_grads(first.model) if g is not None]
+    local = [p.grad for p in first.model.parameters() if p.grad is not None]
+    return dict(
+        ref_losses=ref_losses, ref_params=ref_params, at_boundary=at_boundary, held=(len(pending), len(local))
+    )
 
 
 def _second(rank: int, world_size: int, work: str, plugin: str, name: str, start: int) -> dict:
@@ -86,6 +91,9 @@ def test_exact_resume_in_new_processes_and_at_another_world_size(tmp_path, plugi
     first = run_distributed(_first, 2, work, plugin, timeout=180)
     ref = first[0]
     name, start = "mid", 4  # saved after the first micro-batch of the second window (COUNTS=3)
+    # where the window's gradients were at the save: FSDP2 (no_sync) in its pending unsharded gradients, the
+    # others in param.grad (6 parameters): the test exercises each path
+    assert ref["held"] == ((6, 0) if plugin == "torch_fsdp" else (0, 6))
     second = run_distributed(_second, 2, work, plugin, name, start, timeout=180)
     for rank in range(2):
         assert second[rank]["losses"] == first[rank]["ref_losses"][start:]
