@@ -160,3 +160,13 @@ def test_kill_a_rank_mid_save_keeps_the_previous_checkpoint(tmp_path):
     msd, osd = get_state_dict(model, opt)
     _, mine, meta = load_dir(first, {"model": msd, "optimizer": osd})
     assert meta == {"iter": 1} and mine == {"rank": 0}
+
+
+def test_fsdp_pending_grads_without_fsdp_and_a_mismatched_checkpoint():
+    from stepforge.strategy.checkpoint._fsdp_window import fsdp_pending_grads, set_fsdp_pending_grads
+
+    model = torch.nn.Linear(2, 2)  # no FSDP2 module: nothing pending, and nothing to restore into
+    assert fsdp_pending_grads(model) == []
+    set_fsdp_pending_grads(model, [])
+    with pytest.raises(ValueError, match="window boundary"):
+        set_fsdp_pending_grads(model, [torch.zeros(2, 2)])

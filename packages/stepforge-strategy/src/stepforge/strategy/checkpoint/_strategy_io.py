@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from .._env import set_random_seed
 from .._version import __version__
 from ._dcp import load_dir, read_meta, save_dir
+from ._fsdp_window import fsdp_pending_grads, set_fsdp_pending_grads
 from ._layout import CheckpointError, read_commit
 from ._rng import get_rng_state, set_rng_state
 
@@ -37,8 +38,10 @@ if TYPE_CHECKING:
 
 __all__ = ["save", "load", "resume"]
 
-#: plugins whose accumulated gradients live in ``param.grad`` (a mid-window save can carry them)
-_GRAD_IN_PARAMS = ("single", "torch_ddp")
+#: plugins whose mid-window accumulated gradients a save can carry: ``param.grad`` (single, DDP, ZeRO under
+#: no_sync: full local gradients; gemini: the sharded, already reduce-scattered sum) and, for FSDP2 plugins
+#: (torch_fsdp, gemini), FSDP2's pending unsharded gradients (:mod:`._fsdp_window`)
+_MID_WINDOW_PLUGINS = ("single", "torch_ddp", "torch_fsdp", "gemini", "low_level_zero", "zero1", "zero2")
 
 
 def _window(wrapper: Any) -> Any:
@@ -69,9 +72,27 @@ def _set_grads(model: torch.nn.Module, grads: Sequence[torch.Tensor | None]) -> 
         if g is None:
             p.grad = None
         elif isinstance(p, DTensor):
-            p.grad = DTensor.from_local(g.to(p.to_local().device), p.device_mesh, p.placements)
+            p.grad = DTensor.from_local(
+                g.to(p.to_local().device), p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+            )
         else:
             p.grad = g.to(p.device)
+
+
+def _check_no_reduced_pieces(strategy: Strategy, wrapper: Any, window: Any) -> None:
+    # ZeRO reduces into its shard buffers only in a synchronised backward; inside a no_sync window they are
+    # empty and the window lives in param.grad. Refuse a state this module would not carry.
+    if strategy.plugin_name not in ("low_level_zero", "zero1", "zero2"):
+        return
+    optimizer = wrapper.optimizer
+    optimizer = getattr(optimizer, "optim", optimizer)  # the booster's OptimizerWrapper, when present
+    grads = getattr(optimizer, "_grads", None)
+    if callable(grads) and grads():
+        raise ValueError(
+            f"save_checkpoint: plugin {strategy.plugin_name!r} already reduced part of this accumulation window "
+            f"into its gradient shards (no no_sync?); save at a window boundary (every "
+            f"accumulative_counts={window.counts} iterations)"
+        )
 
 
 def _json_safe(value: Any) -> Any:
@@ -101,12 +122,14 @@ def save(
     model, wrapper = strategy.model, strategy.optim_wrapper
     window = _window(wrapper) if wrapper is not None else None
     mid_window = bool(window is not None and window.position)
-    if mid_window and strategy.plugin_name not in _GRAD_IN_PARAMS:
+    if mid_window and strategy.plugin_name not in _MID_WINDOW_PLUGINS:
         raise ValueError(
             f"save_checkpoint: {window.position} micro-batch(es) of an accumulation window are not stepped yet "
-            f"and plugin {strategy.plugin_name!r} keeps their gradients outside param.grad; save at a window "
+            f"and plugin {strategy.plugin_name!r} has no known place for their gradients; save at a window "
             f"boundary (every accumulative_counts={window.counts} iterations)"
         )
+    if mid_window:
+        _check_no_reduced_pieces(strategy, wrapper, window)
     with_optim = save_optimizer and wrapper is not None
     msd, osd = strategy.plugin.get_state_dict(model, wrapper.optimizer if with_optim else [])
     extra = dict(extra_ckpt or {})
@@ -149,6 +172,7 @@ def save(
         shared["scaler"] = scaler() if callable(scaler) else None
         if mid_window:
             mine["grads"] = _grads(model)
+            mine["fsdp_pending_grads"] = fsdp_pending_grads(model)
     for name, (obj, per_rank) in strategy.statefuls.items():
         (mine if per_rank else shared)["statefuls"][name] = obj.state_dict()
     final = save_dir(
@@ -263,6 +287,7 @@ def resume(
             load_scaler(shared.get("scaler"))
         if mine is not None and mine.get("grads") is not None:
             _set_grads(model, mine["grads"])
+            set_fsdp_pending_grads(model, mine.get("fsdp_pending_grads") or [])
     else:
         set_model_state_dict(model, ckpt["state_dict"], options=StateDictOptions(strict=False))
     if resume_param_scheduler and strategy.param_schedulers and "param_schedulers" in shared["extra"]:
