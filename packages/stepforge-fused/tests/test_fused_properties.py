@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from stepforge.fused import CPUAdam, FusedAdam, FusedLAMB, FusedSGD, HybridAdam
@@ -106,10 +106,12 @@ def test_low_precision_matches_same_dtype_reference_relative_to_the_update(
     ours = _run(lambda ps: make_ours(ps, options), shapes, dtype, seed, steps)
     ref = _run(lambda ps: make_ref(ps, options), shapes, dtype, seed, steps)
     check_update_close(ours, ref, start, name)
-    # the update is far above rounding level, so "did nothing" is caught by the very same check
+    # Where the update is far above rounding level, "did nothing" is caught by the very same check. A draw
+    # whose update is within a few ulps (tiny tensors, a trust ratio that shrinks the step) cannot tell the two
+    # apart, so it is discarded rather than failed: test_a_do_nothing_step_fails_... covers that case on purpose.
     moved = sum(float((r.float() - s.float()).norm()) for r, s in zip(ref, start, strict=True))
     floor = sum(ulp_norm(r) for r in ref)
-    assert moved > 4 * floor, f"draw too weak to tell: update {moved:.3g} vs ulp norm {floor:.3g}"
+    assume(moved > 4 * floor)
     with pytest.raises(AssertionError, match="update"):
         check_update_close(start, ref, start, "do-nothing")
 
