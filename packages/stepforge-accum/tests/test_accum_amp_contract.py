@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from stepforge.accum import GradAccumOptimizer, OptimWrapper
+from stepforge.testing.accum_cases import big_batch_reference, mse, tiny_mlp
 
 SCALE = 1024.0
 ATOL = 1e-6
@@ -69,11 +70,6 @@ class _ScalingOptimizer:
         self.optim.load_state_dict(state)
 
 
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-
-
 def _windows(k: int, n_windows: int, batch: int = 3):
     g = torch.Generator().manual_seed(7)
     return [
@@ -82,22 +78,14 @@ def _windows(k: int, n_windows: int, batch: int = 3):
     ]
 
 
-def _mse(model, x, y):
-    return (model(x) - y).pow(2).mean()
-
-
-def _reference(windows, lr: float, max_norm: float | None = None) -> list[torch.Tensor]:
+def _checked_big_batch(windows, lr: float, max_norm: float | None = None) -> list[torch.Tensor]:
     """One SGD step per window on its concatenated batch (equal micro-batches: mean of means = mean)."""
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    for window in windows:
-        opt.zero_grad()
-        _mse(model, torch.cat([x for x, _ in window]), torch.cat([y for _, y in window])).backward()
-        if max_norm is not None:
-            norm = nn.utils.clip_grad_norm_(list(model.parameters()), max_norm)
-            assert norm > 10 * max_norm  # the clip is active, so a wrong norm would show
-        opt.step()
-    return [p.detach().clone() for p in model.parameters()]
+
+    def clip(params):
+        norm = nn.utils.clip_grad_norm_(params, max_norm)
+        assert norm > 10 * max_norm  # the clip is active, so a wrong norm would show
+
+    return big_batch_reference(windows, lr=lr, clip=None if max_norm is None else clip)
 
 
 def _assert_matches(model: nn.Module, ref: list[torch.Tensor], start: list[torch.Tensor]) -> None:
@@ -111,15 +99,15 @@ def _assert_matches(model: nn.Module, ref: list[torch.Tensor], start: list[torch
 def test_grad_accum_optimizer_backward_and_clip_go_through_the_wrapper(by_grad: bool, clip: bool) -> None:
     k, lr, max_norm = 3, 0.5, 0.01
     windows = _windows(k, 2)
-    ref = _reference(windows, lr, max_norm if clip else None)
-    model = _model()
+    ref = _checked_big_batch(windows, lr, max_norm if clip else None)
+    model = tiny_mlp()
     start = [p.detach().clone() for p in model.parameters()]
     inner = _ScalingOptimizer(torch.optim.SGD(model.parameters(), lr=lr))
     optim = GradAccumOptimizer(inner, accumulate_size=k, model=model)
     for window in windows:
         for x, y in window:
             optim.zero_grad()
-            loss = _mse(model, x, y)
+            loss = mse(model, x, y)
             if by_grad:  # ColossalAI: the output gradient already carries the 1/k factor
                 optim.backward_by_grad(loss, torch.tensor(1.0 / k))
             else:
@@ -136,13 +124,13 @@ def test_grad_accum_optimizer_backward_and_clip_go_through_the_wrapper(by_grad: 
 def test_grad_accum_optimizer_clip_grad_by_norm_spelling() -> None:
     k, lr, max_norm = 2, 0.5, 0.01
     windows = _windows(k, 1)
-    ref = _reference(windows, lr, max_norm)
-    model = _model()
+    ref = _checked_big_batch(windows, lr, max_norm)
+    model = tiny_mlp()
     start = [p.detach().clone() for p in model.parameters()]
     inner = _ScalingOptimizer(torch.optim.SGD(model.parameters(), lr=lr))
     optim = GradAccumOptimizer(inner, accumulate_size=k, model=model)
     for x, y in windows[0]:
-        optim.backward(_mse(model, x, y))
+        optim.backward(mse(model, x, y))
         norm = optim.clip_grad_by_norm(max_norm)
     assert norm is not None and norm.item() > 10 * max_norm  # the unscaled norm (not 1024x it)
     optim.step()
@@ -153,15 +141,15 @@ def test_grad_accum_optimizer_clip_grad_by_norm_spelling() -> None:
 def test_optim_wrapper_backward_and_clip_go_through_the_wrapper(clip: bool) -> None:
     k, lr, max_norm = 3, 0.5, 0.01
     windows = _windows(k, 2)
-    ref = _reference(windows, lr, max_norm if clip else None)
-    model = _model()
+    ref = _checked_big_batch(windows, lr, max_norm if clip else None)
+    model = tiny_mlp()
     start = [p.detach().clone() for p in model.parameters()]
     inner = _ScalingOptimizer(torch.optim.SGD(model.parameters(), lr=lr))
     wrapper = OptimWrapper(inner, k, clip_grad=dict(max_norm=max_norm) if clip else None)
     for window in windows:
         for x, y in window:
             with wrapper.optim_context(model):
-                loss = _mse(model, x, y)
+                loss = mse(model, x, y)
             wrapper.update_params(loss)
     _assert_matches(model, ref, start)
     assert inner.calls["backward"] == 2 * k and inner.calls["step"] == 2
@@ -173,12 +161,12 @@ def test_optim_wrapper_backward_and_clip_go_through_the_wrapper(clip: bool) -> N
 def test_plain_optimizer_still_uses_tensor_backward_and_torch_clipping() -> None:
     k, lr, max_norm = 2, 0.5, 0.01
     windows = _windows(k, 1)
-    ref = _reference(windows, lr, max_norm)
-    model = _model()
+    ref = _checked_big_batch(windows, lr, max_norm)
+    model = tiny_mlp()
     start = [p.detach().clone() for p in model.parameters()]
     optim = GradAccumOptimizer(torch.optim.SGD(model.parameters(), lr=lr), accumulate_size=k, model=model)
     for x, y in windows[0]:
-        optim.backward(_mse(model, x, y))
+        optim.backward(mse(model, x, y))
         optim.clip_grad_norm(model, max_norm)
         optim.step()
     _assert_matches(model, ref, start)

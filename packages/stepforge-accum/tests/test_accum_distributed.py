@@ -14,26 +14,17 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from stepforge.accum import AccumulationWarning, OptimWrapper, accumulate_gradient
+from stepforge.testing.accum_cases import big_batch_reference, mse, tiny_mlp
 from stepforge.testing.distributed import requires_gloo, run_distributed
 
 pytestmark = [pytest.mark.distributed, requires_gloo]
 
 K = 3  # micro-batches per window
 WINDOWS = 2
-
-
-def _model(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-
-
-def _mse(model, x, y):
-    return (model(x) - y).pow(2).mean()
 
 
 def _global_data(world: int, sizes: list[list[list[int]]], seed: int):
@@ -48,17 +39,11 @@ def _global_data(world: int, sizes: list[list[list[int]]], seed: int):
     ]
 
 
-def _reference(data, lr=0.1):
+def _big_batch_of_all_ranks(data, lr=0.1):
     """One SGD(momentum) step per window on the concatenation of every micro-batch of every rank."""
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    for window in data:
-        xs = torch.cat([x for micro in window for x, _ in micro])
-        ys = torch.cat([y for micro in window for _, y in micro])
-        opt.zero_grad()
-        _mse(model, xs, ys).backward()
-        opt.step()
-    return [p.detach().clone() for p in model.parameters()]
+    return big_batch_reference(
+        [[pair for micro in window for pair in micro] for window in data], lr=lr, momentum=0.9
+    )
 
 
 def _check_close(model, ref, what):
@@ -74,7 +59,7 @@ def _count_hook(state: list, bucket):
 
 def _ddp(record: list) -> DDP:
     # a tiny bucket cap: several buckets, so "one all-reduce per bucket per window" is a real check
-    model = DDP(_model(), bucket_cap_mb=1e-5)
+    model = DDP(tiny_mlp(), bucket_cap_mb=1e-5)
     model.register_comm_hook(record, _count_hook)
     return model
 
@@ -99,7 +84,7 @@ def _buckets_per_step(model: DDP, record: list) -> int:
     x, y = torch.randn(2, 4), torch.randn(2, 1)
     for _ in range(2):
         record.clear()
-        _mse(model, x, y).backward()
+        mse(model, x, y).backward()
     model.zero_grad(set_to_none=True)
     n = len(record)
     record.clear()
@@ -123,10 +108,10 @@ def _ddp_optim_wrapper(rank, world, data, weighted: bool, guard_forward: bool):
                     n = len(x) if weighted else None
                     if guard_forward:
                         with wrapper.optim_context(model):
-                            loss = _mse(model, x, y)
+                            loss = mse(model, x, y)
                         wrapper.update_params(loss, num_items=n)
                     else:  # the classic misuse: only the backward inside the no-sync context
-                        loss = _mse(model, x, y)
+                        loss = mse(model, x, y)
                         with wrapper.optim_context(model):
                             wrapper.update_params(loss, num_items=n)
             per_window.append(sorted(record))
@@ -141,7 +126,7 @@ def _fsdp2(rank, world, data, ref, shard_root: bool = True):
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (world,))
-    model = _model()
+    model = tiny_mlp()
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=mesh)
     if shard_root:  # otherwise a plain root holds the sharded blocks: the adapter must find them
@@ -154,7 +139,7 @@ def _fsdp2(rank, world, data, ref, shard_root: bool = True):
             for micro in window:
                 x, y = micro[rank]
                 with wrapper.optim_context(model):
-                    loss = _mse(model, x, y)
+                    loss = mse(model, x, y)
                     wrapper.update_params(loss, num_items=len(x))
         per_window.append(len(calls))
     _check_close(model, ref, "FSDP2 weighted")
@@ -163,7 +148,7 @@ def _fsdp2(rank, world, data, ref, shard_root: bool = True):
     with _count_calls("reduce_scatter_single", calls), _count_calls("reduce_scatter_tensor", calls):
         for micro in data[0]:
             x, y = micro[rank]
-            wrapper.update_params(_mse(model, x, y), num_items=len(x))
+            wrapper.update_params(mse(model, x, y), num_items=len(x))
     return per_window, len(calls)
 
 
@@ -181,7 +166,7 @@ def _colossal_ddp(rank, world, data, ref):
             record.clear()
         optim.zero_grad()
         with optim.optim_context():
-            optim.backward(_mse(model, x, y), weight=len(x))
+            optim.backward(mse(model, x, y), weight=len(x))
         optim.step()
         if i % K == K - 1:
             per_window.append(len(record))
@@ -192,7 +177,7 @@ def _colossal_ddp(rank, world, data, ref):
         warnings.simplefilter("always", AccumulationWarning)
         for x, y in batches[:K]:
             optim.zero_grad()
-            optim.backward(_mse(model, x, y), weight=len(x))
+            optim.backward(mse(model, x, y), weight=len(x))
             optim.step()
     msgs = [str(w.message) for w in caught if issubclass(w.category, AccumulationWarning)]
     return buckets, per_window, len(record), msgs
@@ -205,7 +190,7 @@ def _all_checks(rank: int, world: int) -> dict:
     uneven = [[[1 + (w + m + r) % 4 for r in range(world)] for m in range(K)] for w in range(WINDOWS)]
     data_u = _global_data(world, uniform, seed=11)
     data_n = _global_data(world, uneven, seed=12)
-    ref_u, ref_n = _reference(data_u), _reference(data_n)
+    ref_u, ref_n = _big_batch_of_all_ranks(data_u), _big_batch_of_all_ranks(data_n)
 
     # DDP, mmengine API: uniform (plain divisor) and uneven (weighted)
     model, buckets, per_window, reduces, msgs = _ddp_optim_wrapper(rank, world, data_u, False, True)

@@ -11,8 +11,7 @@ import warnings
 
 import pytest
 import torch
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 from stepforge.accum import (
     AccumulationWarning,
@@ -23,48 +22,24 @@ from stepforge.accum import (
     accumulate_gradient,
 )
 from stepforge.core import HyperParameterError
-
-ATOL = 1e-6
-RTOL = 1e-5
-
-
-def _model(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-
-
-def _dataset(n: int, seed: int = 1) -> TensorDataset:
-    g = torch.Generator().manual_seed(seed)
-    return TensorDataset(torch.randn(n, 4, generator=g), torch.randn(n, 1, generator=g))
+from stepforge.testing.accum_cases import (
+    assert_params_close,
+    big_batch_reference,
+    mse,
+    param_copies,
+    regression_dataset,
+    tiny_mlp,
+    train_colossalai_order,
+)
 
 
-def _mse(model, x, y):
-    return (model(x) - y).pow(2).mean()
-
-
-def _params(model):
-    return [p.detach().clone() for p in model.parameters()]
-
-
-def _assert_close(a, b):
-    for x, y in zip(a, b, strict=True):
-        torch.testing.assert_close(x, y, atol=ATOL, rtol=RTOL)
-
-
-def _reference(batches, window_sizes, epochs=1, lr=0.1):
-    """One SGD step per window on the concatenation of its batches (with momentum, to see step timing)."""
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    for _ in range(epochs):
-        i = 0
-        for w in window_sizes:
-            xs = torch.cat([b[0] for b in batches[i : i + w]])
-            ys = torch.cat([b[1] for b in batches[i : i + w]])
-            i += w
-            opt.zero_grad()
-            _mse(model, xs, ys).backward()
-            opt.step()
-    return _params(model)
+def _big_batches(batches, window_sizes, epochs=1):
+    """The big-batch reference over consecutive windows of ``window_sizes`` batches (momentum SGD, lr 0.1)."""
+    windows, start = [], 0
+    for size in window_sizes:
+        windows.append(batches[start : start + size])
+        start += size
+    return big_batch_reference(windows * epochs, lr=0.1, momentum=0.9)
 
 
 class _Handler:
@@ -75,24 +50,9 @@ class _Handler:
         self.calls += 1
 
 
-def _train(loader, model, optim, sched=None, handlers=(), epochs=1):
-    """ColossalAI engine order: zero_grad, forward, backward, handlers, step, scheduler."""
-    for _ in range(epochs):
-        for x, y in loader:
-            optim.zero_grad()
-            with optim.optim_context():
-                loss = _mse(model, x, y)
-                optim.backward(loss)
-            for h in handlers:
-                h.handle_gradient()
-            optim.step()
-            if sched is not None:
-                sched.step()
-
-
 def test_accumulate_gradient_drops_tail_like_colossalai_and_equals_big_batches() -> None:
-    ds = _dataset(22)  # 11 batches of 2, size 3 -> 9 per epoch, 3 windows
-    model = _model()
+    ds = regression_dataset(22)  # 11 batches of 2, size 3 -> 9 per epoch, 3 windows
+    model = tiny_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
     handler = _Handler()
@@ -103,28 +63,28 @@ def test_accumulate_gradient_drops_tail_like_colossalai_and_equals_big_batches()
     assert isinstance(handlers[0], GradAccumGradientHandler)
     assert isinstance(lr_sched, GradAccumLrSchedulerByStep)
     assert len(loader) == 9
-    _train(loader, model, optim, lr_sched, handlers, epochs=2)
+    train_colossalai_order(loader, model, optim, lr_sched, handlers, epochs=2)
     batches = list(DataLoader(ds, batch_size=2))
     # reference with the same per-window lr decay
-    ref_model = _model()
+    ref_model = tiny_mlp()
     ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1, momentum=0.9)
     ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.9)
     for _ in range(2):
         for w in range(3):
             ref_opt.zero_grad()
             chunk = batches[3 * w : 3 * w + 3]
-            _mse(ref_model, torch.cat([b[0] for b in chunk]), torch.cat([b[1] for b in chunk])).backward()
+            mse(ref_model, torch.cat([b[0] for b in chunk]), torch.cat([b[1] for b in chunk])).backward()
             ref_opt.step()
             ref_sched.step()
-    _assert_close(_params(model), _params(ref_model))
+    assert_params_close(param_copies(model), param_copies(ref_model))
     assert handler.calls == 6
     assert sched.last_epoch == 6
     assert GradAccumLrSchedulerByStep.compute_effective_steps_per_epoch(DataLoader(ds, batch_size=2), 3) == 3
 
 
 def test_drop_last_false_keeps_the_tail_as_a_short_window() -> None:
-    ds = _dataset(22)  # 11 batches per epoch: windows 3, 3, 3, 2
-    model = _model()
+    ds = regression_dataset(22)  # 11 batches per epoch: windows 3, 3, 3, 2
+    model = tiny_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=1.0)
     handler = _Handler()
@@ -132,9 +92,9 @@ def test_drop_last_false_keeps_the_tail_as_a_short_window() -> None:
         model, opt, DataLoader(ds, batch_size=2), 3, [handler], sched, drop_last=False
     )
     assert len(loader) == 11
-    _train(loader, model, optim, lr_sched, handlers, epochs=2)
-    ref = _reference(list(DataLoader(ds, batch_size=2)), [3, 3, 3, 2], epochs=2)
-    _assert_close(_params(model), ref)
+    train_colossalai_order(loader, model, optim, lr_sched, handlers, epochs=2)
+    ref = _big_batches(list(DataLoader(ds, batch_size=2)), [3, 3, 3, 2], epochs=2)
+    assert_params_close(param_copies(model), ref)
     assert handler.calls == 8
     assert sched.last_epoch == 8  # the tail window counts as one scheduler step
     assert optim.accumulate_step == 0
@@ -143,42 +103,42 @@ def test_drop_last_false_keeps_the_tail_as_a_short_window() -> None:
 def test_weighted_backward_with_uneven_batches_and_tail() -> None:
     # uneven batch sizes inside windows, weighted by sample count, tail kept
     sizes = [3, 1, 4, 2, 5]
-    ds = _dataset(sum(sizes))
+    ds = regression_dataset(sum(sizes))
     batches, i = [], 0
     for s in sizes:
         batches.append((ds.tensors[0][i : i + s], ds.tensors[1][i : i + s]))
         i += s
-    model = _model()
+    model = tiny_mlp()
     optim, loader, _, _ = accumulate_gradient(
         model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), batches, 3, drop_last=False
     )
     for x, y in loader:
         optim.zero_grad()
         with optim.optim_context():
-            optim.backward(_mse(model, x, y), weight=len(x))
+            optim.backward(mse(model, x, y), weight=len(x))
         optim.clip_grad_norm(model, 1e9)
         optim.step()
-    _assert_close(_params(model), _reference(batches, [3, 2]))
+    assert_params_close(param_copies(model), _big_batches(batches, [3, 2]))
 
 
 def test_optimizer_semantics_step_zero_grad_and_clip() -> None:
-    model = _model()
+    model = tiny_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     optim = GradAccumOptimizer(opt, accumulate_size=2, model=model)
-    ds = _dataset(4)
+    ds = regression_dataset(4)
     x, y = ds.tensors
     assert optim.step() is None  # nothing accumulated
-    optim.backward(_mse(model, x, y))
+    optim.backward(mse(model, x, y))
     assert optim.accumulate_step == 1
     assert optim.step() is None and optim.clip_grad_norm(model, 1.0) is None
     g1 = [p.grad.clone() for p in model.parameters()]
     optim.zero_grad()  # mid-window: no effect
-    _assert_close([p.grad for p in model.parameters()], g1)
-    optim.backward(_mse(model, x, y))
+    assert_params_close([p.grad for p in model.parameters()], g1)
+    optim.backward(mse(model, x, y))
     # both halves divided by 2: the accumulated gradient equals the full-batch gradient
-    ref = _model()
-    _mse(ref, x, y).backward()
-    _assert_close([p.grad for p in model.parameters()], [p.grad for p in ref.parameters()])
+    ref = tiny_mlp()
+    mse(ref, x, y).backward()
+    assert_params_close([p.grad for p in model.parameters()], [p.grad for p in ref.parameters()])
     norm = optim.clip_grad_norm(model, 1e-3)
     assert norm is not None and norm.item() > 1e-3
     assert optim.step(lambda: torch.tensor(7.0)).item() == 7.0  # the inner step ran, its result returned
@@ -190,19 +150,19 @@ def test_optimizer_semantics_step_zero_grad_and_clip() -> None:
 
 
 def test_backward_by_grad_counts_like_backward() -> None:
-    model = _model()
+    model = tiny_mlp()
     optim = GradAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2)
-    x, y = _dataset(4).tensors
+    x, y = regression_dataset(4).tensors
     out = (model(x) - y).pow(2).mean() / 2
     optim.backward_by_grad(out, torch.ones_like(out))
     assert optim.accumulate_step == 1
 
 
 def test_state_dicts_keep_counters_and_resume_exactly() -> None:
-    ds = _dataset(40)  # 20 batches, size 3, drop_last=False: windows 3*6 + 2
+    ds = regression_dataset(40)  # 20 batches, size 3, drop_last=False: windows 3*6 + 2
 
     def build(seed=0):
-        model = _model(seed)
+        model = tiny_mlp(seed)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
         handler = _Handler()
@@ -212,8 +172,8 @@ def test_state_dicts_keep_counters_and_resume_exactly() -> None:
         return model, objs, handler
 
     model, (optim, loader, handlers, sched), _ = build()
-    _train(loader, model, optim, sched, handlers)
-    straight = _params(model)
+    train_colossalai_order(loader, model, optim, sched, handlers)
+    straight = param_copies(model)
 
     model, (optim, loader, handlers, sched), _ = build()
     it = iter(loader)
@@ -221,7 +181,7 @@ def test_state_dicts_keep_counters_and_resume_exactly() -> None:
         x, y = next(it)
         optim.zero_grad()
         with optim.optim_context():
-            optim.backward(_mse(model, x, y))
+            optim.backward(mse(model, x, y))
         handlers[0].handle_gradient()
         optim.step()
         sched.step()
@@ -243,13 +203,15 @@ def test_state_dicts_keep_counters_and_resume_exactly() -> None:
     loader2.load_state_dict(ckpt["loader"])
     sched2.load_state_dict(ckpt["sched"])
     handlers2[0].load_state_dict(ckpt["handler"])
-    _train(loader2, model2, optim2, sched2, handlers2)  # replays the first 9 batches, trains the rest
-    _assert_close(_params(model2), straight)
+    train_colossalai_order(
+        loader2, model2, optim2, sched2, handlers2
+    )  # replays the first 9 batches, trains the rest
+    assert_params_close(param_copies(model2), straight)
     assert sched2.lr_scheduler.last_epoch == 7
 
 
 def test_standalone_scheduler_and_handler_count_calls_and_save_counters() -> None:
-    opt = torch.optim.SGD(_model().parameters(), lr=1.0)
+    opt = torch.optim.SGD(tiny_mlp().parameters(), lr=1.0)
     sched = GradAccumLrSchedulerByStep(torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5), accumulate_size=3)
     handler = _Handler()
     wrapped = GradAccumGradientHandler(handler, 3)
@@ -272,7 +234,7 @@ def test_standalone_scheduler_and_handler_count_calls_and_save_counters() -> Non
 
 
 def test_stepping_the_inner_scheduler_directly_warns() -> None:
-    opt = torch.optim.SGD(_model().parameters(), lr=1.0)
+    opt = torch.optim.SGD(tiny_mlp().parameters(), lr=1.0)
     inner = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
     sched = GradAccumLrSchedulerByStep(inner, 3)
     opt.step()
@@ -283,14 +245,14 @@ def test_stepping_the_inner_scheduler_directly_warns() -> None:
 
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before:UserWarning")
 def test_lr_changing_inside_a_window_warns() -> None:
-    model = _model()
+    model = tiny_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     inner = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
     optim = GradAccumOptimizer(opt, 3, model)
-    x, y = _dataset(4).tensors
+    x, y = regression_dataset(4).tensors
     with pytest.warns(AccumulationWarning, match="scheduler is stepped per micro-batch"):
         for _ in range(3):
-            optim.backward(_mse(model, x, y))
+            optim.backward(mse(model, x, y))
             inner.step()
 
 
@@ -326,12 +288,12 @@ def test_dataloader_drains_non_standard_loaders_and_delegates() -> None:
 
 
 def test_backward_only_no_sync_is_silent_without_ddp_and_size_errors() -> None:
-    model = _model()
+    model = tiny_mlp()
     optim = GradAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2, model)
-    x, y = _dataset(4).tensors
+    x, y = regression_dataset(4).tensors
     with warnings.catch_warnings():
         warnings.simplefilter("error", AccumulationWarning)
-        optim.backward(_mse(model, x, y))  # a plain module has nothing to synchronise
+        optim.backward(mse(model, x, y))  # a plain module has nothing to synchronise
     for bad in (0, -2, 2.5):
         with pytest.raises(HyperParameterError, match="accumulate_size"):
             GradAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), bad)

@@ -24,11 +24,7 @@ from stepforge.accum import (
     OptimWrapper,
 )
 from stepforge.core import HyperParameterError
-
-
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+from stepforge.testing.accum_cases import tiny_mlp
 
 
 def _sgd(model: nn.Module) -> torch.optim.SGD:
@@ -58,11 +54,11 @@ def _sgd(model: nn.Module) -> torch.optim.SGD:
 )
 def test_clip_grad_refused_at_construction(clip_grad: dict, match: str) -> None:
     with pytest.raises(HyperParameterError, match=match):
-        OptimWrapper(_sgd(_model()), 2, clip_grad=clip_grad)
+        OptimWrapper(_sgd(tiny_mlp()), 2, clip_grad=clip_grad)
 
 
 def test_clip_grad_accepted_forms() -> None:
-    model = _model()
+    model = tiny_mlp()
     for cfg in (
         dict(max_norm=math.inf),  # measure the norm, clip nothing
         dict(max_norm=1, norm_type="inf"),
@@ -73,7 +69,7 @@ def test_clip_grad_accepted_forms() -> None:
 
 
 def test_grad_accum_optimizer_clip_arguments_are_checked_even_inside_a_window() -> None:
-    model = _model()
+    model = tiny_mlp()
     optim = GradAccumOptimizer(_sgd(model), 2, model=model)
     for bad in (0.0, -1.0, float("nan")):
         with pytest.raises(HyperParameterError, match="max_norm"):
@@ -100,7 +96,7 @@ def test_grad_accum_optimizer_clip_arguments_are_checked_even_inside_a_window() 
     ],
 )
 def test_initialize_count_status_refuses(init, max_counts, match: str) -> None:
-    model = _model()
+    model = tiny_mlp()
     wrapper = OptimWrapper(_sgd(model), 3)
     with pytest.raises(HyperParameterError, match=match):
         wrapper.initialize_count_status(model, init, max_counts)
@@ -108,7 +104,7 @@ def test_initialize_count_status_refuses(init, max_counts, match: str) -> None:
 
 
 def test_initialize_count_status_accepts_unknown_total_and_the_end() -> None:
-    model = _model()
+    model = tiny_mlp()
     wrapper = OptimWrapper(_sgd(model), 3)
     wrapper.initialize_count_status(model, 6, -1)
     assert (wrapper.inner_count, wrapper.max_counts) == (6, -1)
@@ -118,7 +114,7 @@ def test_initialize_count_status_accepts_unknown_total_and_the_end() -> None:
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, "4", None, True])
 def test_accumulate_size_refused_by_every_colossalai_wrapper(bad) -> None:
-    model = _model()
+    model = tiny_mlp()
     sched = StepLR(_sgd(model), 1)
 
     class _Handler:
@@ -141,12 +137,12 @@ def test_wrong_objects_are_named() -> None:
     with pytest.raises(TypeError, match="grad_handler must have handle_gradient"):
         GradAccumGradientHandler(object(), 2)
     with pytest.raises(HyperParameterError, match="scheduler_clock"):
-        OptimWrapper(_sgd(_model()), 2, scheduler_clock="epoch")
+        OptimWrapper(_sgd(tiny_mlp()), 2, scheduler_clock="epoch")
 
 
 # -- past max_counts: written-out sequences ------------------------------------------------------------------
 def _sequence(counts: int, max_counts: int, n: int):
-    model = _model()
+    model = tiny_mlp()
     opt = _sgd(model)
     steps = []
     original = opt.step

@@ -53,7 +53,7 @@ def _linear(seed: int = 0) -> nn.Linear:
     return nn.Linear(3, 1)
 
 
-def _train(cls, clip_grad, sizes=(1, 2, 3, 2, 1, 4), counts=3):
+def _train_weighted(cls, clip_grad, sizes=(1, 2, 3, 2, 1, 4), counts=3):
     x = torch.randn(sum(sizes), 3, generator=torch.Generator().manual_seed(5))
     model = _linear()
     wrapper = cls(
@@ -69,8 +69,8 @@ def _train(cls, clip_grad, sizes=(1, 2, 3, 2, 1, 4), counts=3):
 
 @pytest.mark.parametrize("clip_grad", [None, {"max_norm": 0.05}, {"type": "value", "clip_value": 0.01}])
 def test_a_subclass_through_the_hooks_keeps_counting_weighting_and_clipping(clip_grad) -> None:
-    plain, expected = _train(OptimWrapper, clip_grad)
-    scaled, got = _train(StaticScaleOptimWrapper, clip_grad)
+    plain, expected = _train_weighted(OptimWrapper, clip_grad)
+    scaled, got = _train_weighted(StaticScaleOptimWrapper, clip_grad)
     for a, b in zip(got, expected, strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
     start = [p.detach() for p in _linear().parameters()]

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The weights of a weighted accumulation window and their sum across data-parallel ranks.
+"""The weights of a weighted accumulation window: their validation and their sum across data-parallel ranks.
 
 In weighted mode every micro-batch brings a weight ``w`` (its number of tokens or samples); the window's gradient
 is multiplied by ``W / N`` at the step, ``N`` being the sum of ``w`` over the window and the ``W`` ranks. ``N`` is
@@ -8,14 +8,45 @@ all-reduced once per window, launched before the window's last backward so that 
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from stepforge.core import HyperParameterError
+
 from ._grads import comm_device
 
-__all__ = ["WindowWeights"]
+__all__ = ["WindowWeights", "check_weight_value"]
+
+
+def check_weight_value(weight: Any, *, owner: str) -> float | torch.Tensor | None:
+    """A micro-batch weight as a python float or a detached 0-dim tensor (``None`` stays ``None``).
+
+    Raises:
+        HyperParameterError: a non-scalar tensor, a non-number, a negative or non-finite number.
+    """
+    if weight is None:
+        return None
+    if isinstance(weight, torch.Tensor):
+        if weight.numel() != 1:
+            raise HyperParameterError(
+                f"{owner}: weight/num_items must be a scalar, got a tensor of shape "
+                f"{tuple(weight.shape)}; pass the number of tokens or samples of the micro-batch."
+            )
+        return weight.detach().reshape(())
+    if isinstance(weight, bool) or not isinstance(weight, numbers.Real):
+        raise HyperParameterError(
+            f"{owner}: weight/num_items must be a number or a scalar tensor, got {weight!r}."
+        )
+    if not math.isfinite(weight) or weight < 0:
+        raise HyperParameterError(
+            f"{owner}: weight/num_items must be finite and >= 0, got {weight!r}; it is the "
+            "number of tokens or samples the micro-batch's mean loss averages over."
+        )
+    return float(weight)
 
 
 class WindowWeights:

@@ -23,7 +23,6 @@ window on every rank.
 
 from __future__ import annotations
 
-import math
 import numbers
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -35,7 +34,7 @@ import torch
 from stepforge.core import HyperParameterError, StepforgeError, check_positive_int, no_sync, supports_no_sync
 
 from ._grads import is_forward_armed, scale_gradients, track_forward
-from ._weights import WindowWeights
+from ._weights import WindowWeights, check_weight_value
 
 __all__ = [
     "AccumulatingOptimizer",
@@ -199,25 +198,7 @@ class AccumulationWindow:
     # -- per micro-batch -----------------------------------------------------------------------------------
     def check_weight(self, weight: Any) -> float | torch.Tensor | None:
         """Validate a micro-batch weight against the mode of the open window."""
-        if weight is not None:
-            if isinstance(weight, torch.Tensor):
-                if weight.numel() != 1:
-                    raise HyperParameterError(
-                        f"{self.owner}: weight/num_items must be a scalar, got a tensor of shape "
-                        f"{tuple(weight.shape)}; pass the number of tokens or samples of the micro-batch."
-                    )
-                weight = weight.detach().reshape(())
-            elif isinstance(weight, bool) or not isinstance(weight, numbers.Real):
-                raise HyperParameterError(
-                    f"{self.owner}: weight/num_items must be a number or a scalar tensor, got {weight!r}."
-                )
-            elif not math.isfinite(weight) or weight < 0:
-                raise HyperParameterError(
-                    f"{self.owner}: weight/num_items must be finite and >= 0, got {weight!r}; it is the "
-                    "number of tokens or samples the micro-batch's mean loss averages over."
-                )
-            else:
-                weight = float(weight)
+        weight = check_weight_value(weight, owner=self.owner)
         mode = weight is not None
         if self.weighted is not None and self.weighted != mode and self.position:
             have = "with" if self.weighted else "without"
