@@ -67,6 +67,10 @@ class OptimWrapper:
             with wrapper.optim_context(ddp_model):        # forward *inside*: DDP decides there
                 loss = ddp_model(batch).mean()
             wrapper.update_params(loss, num_items=batch.numel())
+
+    Extending: a subclass overrides the hooks :meth:`run_backward`, :meth:`before_clip`,
+    :meth:`clip_gradients`, :meth:`optimizer_step` and :meth:`no_sync_context` (not ``backward``/``step``), and
+    reads :attr:`window`, :attr:`clip_type` and :attr:`context_model`; see the package README.
     """
 
     def __init__(
