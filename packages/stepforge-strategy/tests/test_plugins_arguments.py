@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from stepforge.strategy import GeminiPlugin, TorchDDPPlugin, TorchFSDPPlugin
 
@@ -61,14 +62,22 @@ def test_torch_fsdp_refuses_by_name(kwargs, error, match):
 
 
 def test_torch_fsdp_maps_fsdp1_arguments():
+    from torch.distributed.fsdp import CPUOffload, MixedPrecision, MixedPrecisionPolicy, ShardingStrategy
+
     assert TorchFSDPPlugin(sharding_strategy="SHARD_GRAD_OP").reshard_after_forward is False
     assert TorchFSDPPlugin(sharding_strategy="FULL_SHARD").reshard_after_forward is True
-
-    class CPUOffload:  # FSDP1's dataclass shape
-        offload_params = True
-
-    assert TorchFSDPPlugin(cpu_offload=CPUOffload()).cpu_offload
+    assert TorchFSDPPlugin(sharding_strategy=ShardingStrategy.SHARD_GRAD_OP).reshard_after_forward is False
+    assert TorchFSDPPlugin(cpu_offload=CPUOffload(offload_params=True)).cpu_offload
+    assert not TorchFSDPPlugin(cpu_offload=CPUOffload(offload_params=False)).cpu_offload
     assert TorchFSDPPlugin().precision == "fp32"
+    fsdp1 = TorchFSDPPlugin(
+        mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    )
+    policy = fsdp1._mp_policy()
+    assert isinstance(policy, MixedPrecisionPolicy)
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
+    with pytest.raises(TypeError, match="mixed_precision must be an FSDP2 MixedPrecisionPolicy"):
+        TorchFSDPPlugin(mixed_precision="bf16")
 
 
 def test_torch_ddp_arguments():

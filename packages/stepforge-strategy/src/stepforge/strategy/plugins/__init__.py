@@ -13,7 +13,8 @@ registry names            class                        torch engine
 
 from __future__ import annotations
 
-from ._base import PluginBase
+from stepforge.core import PluginBase  # the shared base of every plugin lives in stepforge-core
+
 from .gemini import GeminiPlugin
 from .single import SinglePlugin
 from .torch_ddp import TorchDDPPlugin

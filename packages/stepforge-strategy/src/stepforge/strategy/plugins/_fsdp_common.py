@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from stepforge.core import CachingOptimizer
+
 __all__ = ["shard_model", "precision_policy", "repoint_optimizer", "PRECISIONS", "accelerator_available"]
 
 PRECISIONS = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -108,9 +110,8 @@ def repoint_optimizer(optimizer: Any, before: dict[int, str], model: nn.Module) 
                 )
             new.append(after[name])
         group["params"] = new
-    invalidate = getattr(optimizer, "invalidate_cache", None)
-    if callable(invalidate):
-        invalidate()
+    if isinstance(optimizer, CachingOptimizer):  # stepforge-fused caches views of the old parameters
+        optimizer.invalidate_cache()
 
 
 def param_names(model: nn.Module) -> dict[int, str]:

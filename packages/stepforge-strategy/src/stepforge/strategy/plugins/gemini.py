@@ -78,6 +78,7 @@ class GeminiPlugin(TorchFSDPPlugin):
     """
 
     name = "gemini"
+    DEFAULT_PRECISION = "fp16"  # ColossalAI's default
 
     def __init__(
         self,
@@ -128,10 +129,12 @@ class GeminiPlugin(TorchFSDPPlugin):
             )
         offload = placement_policy == "auto" or offload_optim_frac == 1 or offload_param_frac == 1
         super().__init__(
-            precision=None, reshard_after_forward=True, cpu_offload=offload, max_norm=max_norm, device=device
+            precision=precision,
+            reshard_after_forward=True,
+            cpu_offload=offload,
+            max_norm=max_norm,
+            device=device,
         )
-        self.set_precision(precision or "fp16")
-        self._explicit_precision = precision is not None
         self.placement_policy = placement_policy
         self.pin_memory = bool(pin_memory)
         self.norm_type = float(norm_type)
