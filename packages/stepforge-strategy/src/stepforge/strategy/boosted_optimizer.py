@@ -187,12 +187,6 @@ class OptimizerWrapper(torch.optim.Optimizer):
         """The wrapped torch optimizer."""
         return self.optim
 
-    def __getattr__(self, name: str) -> Any:
-        # only called when normal lookup fails: expose the inner optimizer's extras (e.g. no_sync of ZeRO)
-        if name.startswith("__") or name == "optim":
-            raise AttributeError(name)
-        return getattr(self.optim, name)
-
     def __repr__(self) -> str:
         return f"OptimizerWrapper({self.optim!r}, scaler={self.scaler is not None}, max_norm={self.max_norm})"
 
