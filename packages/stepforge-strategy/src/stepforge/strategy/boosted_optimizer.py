@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .loss_scaler import DynamicLossScaler
+from stepforge.core.precision import DynamicLossScaler
 
 __all__ = ["BoostedOptimizer"]
 

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from stepforge.core import PLUGINS, build_optimizer
+from stepforge.core.precision import PLUGIN_PRECISIONS, warn_slow_precision
 
 from . import _model_io, _optim_io
 from .boosted_optimizer import BoostedOptimizer
@@ -34,8 +35,6 @@ from .mixed_precision import MixedPrecision, precision_name, resolve_mixed_preci
 from .plugins._base import inner_optimizer
 
 __all__ = ["Booster"]
-
-_PLUGIN_PRECISIONS = ("fp32", "fp16", "bf16")
 
 
 def _accepts(cls: Any, name: str) -> bool:
@@ -111,10 +110,10 @@ class Booster:
                 name = plugin
             cls = PLUGINS.get(name)
             if "precision" not in kwargs and wanted is not None and _accepts(cls, "precision"):
-                if wanted not in _PLUGIN_PRECISIONS:
+                if wanted not in PLUGIN_PRECISIONS:
                     raise ValueError(
                         f"Booster: plugin {name!r} applies precision itself and takes "
-                        f"{'/'.join(_PLUGIN_PRECISIONS)}; mixed_precision={_show(mixed_precision)} is not one "
+                        f"{'/'.join(PLUGIN_PRECISIONS)}; mixed_precision={_show(mixed_precision)} is not one "
                         "of them."
                     )
                 kwargs["precision"] = wanted
@@ -132,10 +131,10 @@ class Booster:
             or getattr(plugin, "_explicit_precision", True) is False
         )
         if wanted is not None and callable(adopt) and unset:
-            if wanted not in _PLUGIN_PRECISIONS:
+            if wanted not in PLUGIN_PRECISIONS:
                 raise ValueError(
                     f"Booster: plugin {getattr(plugin, 'name', type(plugin).__name__)!r} applies precision "
-                    f"itself and takes {'/'.join(_PLUGIN_PRECISIONS)}; mixed_precision={_show(mixed_precision)} "
+                    f"itself and takes {'/'.join(PLUGIN_PRECISIONS)}; mixed_precision={_show(mixed_precision)} "
                     "is not one of them."
                 )
             adopt(wanted)
@@ -170,6 +169,10 @@ class Booster:
                 f"{type(optimizer).__name__}."
             )
         device = getattr(self.plugin, "device", torch.device("cpu"))
+        effective = getattr(self.plugin, "precision", None) or (
+            self.mixed_precision.name if self.mixed_precision is not None else None
+        )
+        warn_slow_precision(effective, device, where=f"Booster.boost(plugin={type(self.plugin).__name__})")
         if self.mixed_precision is not None:
             self.mixed_precision.configure_model(model, device)
         model, optimizer = self.plugin.prepare(

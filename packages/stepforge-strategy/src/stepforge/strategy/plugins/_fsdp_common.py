@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["shard_model", "precision_policy", "repoint_optimizer", "PRECISIONS", "accelerator_available"]
+from stepforge.core.precision import get_precision
 
-PRECISIONS = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+__all__ = ["shard_model", "precision_policy", "repoint_optimizer", "accelerator_available"]
 
 
 def accelerator_available() -> bool:
@@ -29,7 +29,7 @@ def precision_policy(precision: str) -> Any:
     the sharded fp32 parameters are the master weights."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    dtype = PRECISIONS[precision]
+    dtype = get_precision(precision).param_dtype
     if dtype is None:
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)

@@ -12,12 +12,11 @@ import torch.distributed as dist
 from torch import nn
 
 from stepforge.core import build_optimizer
+from stepforge.core.precision import DynamicLossScaler, check_plugin_precision
 
 from ..boosted_optimizer import BoostedOptimizer
-from ..loss_scaler import DynamicLossScaler
 from ._base import PluginBase
 from ._fsdp_common import (
-    PRECISIONS,
     accelerator_available,
     param_names,
     precision_policy,
@@ -135,12 +134,7 @@ class TorchFSDPPlugin(PluginBase):
 
     def set_precision(self, precision: str) -> None:
         """Set the precision (the Booster passes its ``mixed_precision`` to a plugin that has none)."""
-        if precision not in PRECISIONS:
-            raise ValueError(
-                f"{type(self).__name__}: precision must be one of {', '.join(map(repr, PRECISIONS))}, got "
-                f"{precision!r}."
-            )
-        self.precision = precision
+        self.precision = check_plugin_precision(precision, owner=type(self).__name__)
 
     # -- policies ------------------------------------------------------------------------------------------
     def _mp_policy(self) -> Any:
