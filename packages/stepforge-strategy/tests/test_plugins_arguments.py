@@ -15,7 +15,7 @@ def test_gemini_maps_colossalai_arguments():
     assert GeminiPlugin(offload_param_frac=1.0).cpu_offload
     assert GeminiPlugin(offload_optim_frac=1.0).cpu_offload
     g = GeminiPlugin(precision="bf16", max_norm=1.0, norm_type=2.0, initial_scale=2**8, hysteresis=3)
-    assert g.precision == "bf16" and g.max_norm == 1.0 and g._scaler_kwargs["init_scale"] == 2**8
+    assert g.precision == "bf16" and g.max_norm == 1.0 and g._scaler_kwargs["initial_scale"] == 2**8
     assert not g.supports_no_sync() and not g.support_no_sync()
     # arguments of ColossalAI's chunk manager are accepted at their defaults
     GeminiPlugin(chunk_config_dict=None, search_range_m=32, shard_param_frac=1.0, enable_async_reduce=True)

@@ -16,12 +16,13 @@
 
 from __future__ import annotations
 
+from stepforge.core.precision import DynamicLossScaler
+
 from ._version import __version__
 from .boosted_optimizer import BoostedOptimizer, OptimizerWrapper
 from .booster import Booster
 from .checkpoint import CheckpointError, find_latest_checkpoint
 from .data import StatefulDataLoader, make_stateful
-from .loss_scaler import DynamicLossScaler
 from .mixed_precision import (
     BF16MixedPrecision,
     FP8MixedPrecision,

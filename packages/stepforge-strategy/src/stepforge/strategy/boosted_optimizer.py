@@ -19,8 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from stepforge.core import BoostedOptimizer as BoostedOptimizerProtocol
-
-from .loss_scaler import DynamicLossScaler
+from stepforge.core.precision import DynamicLossScaler
 
 __all__ = ["OptimizerWrapper", "BoostedOptimizer", "as_boosted"]
 

@@ -27,6 +27,7 @@ from torch import nn
 
 from stepforge.core import PLUGINS, BoostedOptimizer, Plugin, build_optimizer
 from stepforge.core.plugin_base import unwrap_optimizer
+from stepforge.core.precision import warn_slow_precision
 
 from . import _model_io, _optim_io
 from .boosted_optimizer import OptimizerWrapper
@@ -160,6 +161,10 @@ class Booster:
                 "Booster.boost: optimizer must be a torch.optim.Optimizer or a build_optimizer config dict, got "
                 f"{type(optimizer).__name__}."
             )
+        effective = plugin.precision or (
+            self.mixed_precision.name if self.mixed_precision is not None else None
+        )
+        warn_slow_precision(effective, plugin.device, where=f"Booster.boost(plugin={type(plugin).__name__})")
         if self.mixed_precision is not None:
             self.mixed_precision.configure_model(model, plugin.device)
         if (

@@ -12,10 +12,9 @@ import torch.distributed as dist
 from torch import nn
 
 from stepforge.core import CachingOptimizer
+from stepforge.core.precision import get_precision
 
-__all__ = ["shard_model", "precision_policy", "repoint_optimizer", "PRECISIONS", "accelerator_available"]
-
-PRECISIONS = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+__all__ = ["shard_model", "precision_policy", "repoint_optimizer", "accelerator_available"]
 
 
 def accelerator_available() -> bool:
@@ -31,7 +30,7 @@ def precision_policy(precision: str) -> Any:
     the sharded fp32 parameters are the master weights."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    dtype = PRECISIONS[precision]
+    dtype = get_precision(precision).param_dtype
     if dtype is None:
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)

@@ -32,7 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..loss_scaler import DynamicLossScaler
+from stepforge.core.precision import DynamicLossScaler, validate_loss_scaler_args
+
 from .torch_fsdp import TorchFSDPPlugin
 
 __all__ = ["GeminiPlugin", "GEMINI_DEFAULT_ONLY"]
@@ -139,8 +140,9 @@ class GeminiPlugin(TorchFSDPPlugin):
         self.pin_memory = bool(pin_memory)
         self.norm_type = float(norm_type)
         self.default_optimizer = "HybridAdam"
-        self._scaler_kwargs = dict(
-            init_scale=initial_scale,
+        self._scaler_kwargs = validate_loss_scaler_args(  # now, not at boost
+            "GeminiPlugin",
+            initial_scale=initial_scale,
             min_scale=min_scale,
             growth_factor=growth_factor,
             backoff_factor=backoff_factor,
@@ -148,7 +150,6 @@ class GeminiPlugin(TorchFSDPPlugin):
             hysteresis=hysteresis,
             max_scale=max_scale,
         )
-        DynamicLossScaler(**self._scaler_kwargs)  # validate now, not at boost
 
     def supports_no_sync(self) -> bool:
         """``False``: as ColossalAI's Gemini, every micro-batch reduce-scatters its gradients."""

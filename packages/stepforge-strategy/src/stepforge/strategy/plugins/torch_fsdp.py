@@ -14,12 +14,11 @@ from torch.distributed.fsdp import CPUOffload, MixedPrecisionPolicy, ShardingStr
 from torch.distributed.fsdp import MixedPrecision as FSDP1Precision
 
 from stepforge.core import PluginBase, build_optimizer
+from stepforge.core.precision import PLUGIN_PRECISIONS, DynamicLossScaler
 
 from ..boosted_optimizer import OptimizerWrapper
 from ..data import StatefulDataLoader
-from ..loss_scaler import DynamicLossScaler
 from ._fsdp_common import (
-    PRECISIONS,
     accelerator_available,
     param_names,
     precision_policy,
@@ -146,7 +145,7 @@ class TorchFSDPPlugin(PluginBase):
         self.default_optimizer: str | None = None
 
     def supported_precisions(self) -> list[str]:
-        return list(PRECISIONS)
+        return list(PLUGIN_PRECISIONS)
 
     def control_precision(self) -> bool:
         """``True``: FSDP2's ``MixedPrecisionPolicy`` applies the precision (and fp16 loss scaling here)."""
