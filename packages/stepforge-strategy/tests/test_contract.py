@@ -83,7 +83,8 @@ def test_every_strategy_plugin_is_a_core_plugin_base():
     assert not SinglePlugin().control_precision() and SinglePlugin().precision is None
 
 
-@pytest.mark.filterwarnings("ignore::stepforge.core.precision.SlowConfigurationWarning")  # fp16 on CPU: tested
+# fp16 on CPU is what this tests: the one-time slowness note is expected
+@pytest.mark.filterwarnings("ignore::stepforge.core.precision.SlowConfigurationWarning")
 def test_backward_is_the_optimizers_backward_with_its_loss_scale():
     booster = Booster(mixed_precision=dict(type="fp16", init_scale=1024.0), plugin=_PlainPlugin(device="cpu"))
     model = make_model(0)
