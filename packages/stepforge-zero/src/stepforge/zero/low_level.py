@@ -410,6 +410,23 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         """Load :meth:`sharded_state_dict`'s form after ``torch.distributed.checkpoint.load`` filled it."""
         _sharded_state.load_sharded_state_dict(self, state_dict)
 
+    # -- stepforge.core.BoostedOptimizer -------------------------------------------------------------------
+    def unscale_(self) -> None:
+        """Reduce what is pending and divide the gradient pieces by the loss scale (fp16; once per step)."""
+        self._sync_grads()
+        self._unscale()
+
+    def scaler_state_dict(self) -> None:
+        """``None``: the loss scaler's state travels inside :meth:`state_dict`/:meth:`sharded_state_dict`."""
+        return None
+
+    def load_scaler_state_dict(self, state: Mapping[str, Any] | None) -> None:
+        """Nothing to load: the loss scaler's state comes back with the optimizer's (see above)."""
+
+    def unwrap(self) -> torch.optim.Optimizer:
+        """The torch optimizer that steps this rank's pieces."""
+        return self.optim
+
     def __repr__(self) -> str:
         return (
             f"LowLevelZeroOptimizer(stage={self.stage}, world_size={self._world}, "

@@ -14,9 +14,8 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from stepforge.core import HyperParameterError
+from stepforge.core import HyperParameterError, PluginBase
 
 from ._model import PRECISIONS, LowLevelZeroModel, UnsupportedPrecisionError, _explain_precision_errors
 from .low_level import LowLevelZeroOptimizer
@@ -40,7 +39,7 @@ class _DefaultPrecision(str):
 _FP16_DEFAULT = _DefaultPrecision("fp16")
 
 
-class LowLevelZeroPlugin:
+class LowLevelZeroPlugin(PluginBase):
     """ZeRO-1/2 (optimizer state, and for stage 2 also gradients, sharded over the data-parallel ranks).
 
     Args (ColossalAI's ``LowLevelZeroPlugin`` names and defaults):
@@ -111,10 +110,11 @@ class LowLevelZeroPlugin:
         ):
             if not isinstance(value, bool):
                 raise HyperParameterError(f"LowLevelZeroPlugin: {name} must be a bool, got {value!r}.")
-        self.stage = stage
-        self.precision = str(precision)
         # a precision left at its default may be replaced by the Booster's mixed_precision (set_precision)
-        self._explicit_precision = precision is not _FP16_DEFAULT
+        super().__init__(
+            precision=None if precision is _FP16_DEFAULT else str(precision), default_precision=str(precision)
+        )
+        self.stage = stage
         self.max_norm = float(max_norm)
         self.reduce_bucket_size_in_m = reduce_bucket_size_in_m
         self.overlap_communication = overlap_communication
@@ -147,13 +147,12 @@ class LowLevelZeroPlugin:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
-    @property
-    def world_size(self) -> int:
-        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    def supported_precisions(self) -> list[str]:
+        return sorted(PRECISIONS)
 
-    @property
-    def rank(self) -> int:
-        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    def control_precision(self) -> bool:
+        """``True``: the model is cast to the working dtype and the optimizer scales the loss (fp16)."""
+        return True
 
     def set_precision(self, precision: str) -> None:
         """Adopt the Booster's ``mixed_precision`` when ``precision`` was left at its default (before prepare).
@@ -165,17 +164,12 @@ class LowLevelZeroPlugin:
             raise HyperParameterError(
                 f"LowLevelZeroPlugin: precision must be one of {sorted(PRECISIONS)}, got {precision!r}."
             )
-        if self._explicit_precision and precision != self.precision:
-            raise HyperParameterError(
-                f"LowLevelZeroPlugin: precision={self.precision!r} was set explicitly; it conflicts with "
-                f"{precision!r}. Set one of them, or the same value on both."
-            )
-        if self._optimizers and precision != self.precision:
+        if self._optimizers and precision != self.precision and not self.explicit_precision:
             raise HyperParameterError(
                 "LowLevelZeroPlugin.set_precision: a model was already prepared in "
                 f"{self.precision!r}; set the precision before prepare()."
             )
-        self.precision = precision
+        super().set_precision(precision)
 
     # -- Plugin protocol -----------------------------------------------------------------------------
     def prepare(
@@ -237,6 +231,15 @@ class LowLevelZeroPlugin:
     ) -> AbstractContextManager[Any]:
         """Keep gradients local for the block (the optimizer's ``no_sync``); the forward may run inside it."""
         return self._zero(optimizer, "no_sync").no_sync()
+
+    def mid_window_save_error(self, optimizer: Any) -> str | None:
+        """Inside a ``no_sync`` window the gradients stay in ``param.grad`` (savable); a backward that already
+        reduced into the gradient pieces is refused."""
+        if self._zero(optimizer, "mid_window_save_error")._grads():
+            return (
+                "it already reduced part of this accumulation window into its gradient shards (no no_sync?)"
+            )
+        return None
 
     def backward(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
         """``optimizer.backward(loss)``: scales the loss for fp16 and reduces gradients as configured."""
