@@ -235,7 +235,7 @@ def build(
     def memory() -> dict[str, int]:
         # the tensors the optimizer holds: reduced gradient pieces, inner optimizer state over the pieces,
         # and master pieces that are separate tensors (fp32 working params are their own masters)
-        slots = zero._slots
+        slots = zero.layout.slots
         return {
             "grad": sum(_nbytes(s.grad) for s in slots if s.grad is not None)
             + sum(_nbytes(p.grad) for p in model.parameters() if p.grad is not None),
