@@ -31,7 +31,7 @@ class GradPieces:
     def __init__(self, layout: ShardLayout, reducer: GradReducer) -> None:
         self.layout = layout
         self.reducer = reducer
-        self.unscaled = False  # the pieces were divided by the loss scale in this step
+        self.unscaled = False  # the pieces were divided by the loss scale in this step (fp16 scaling only)
         # where the small reductions (norm, overflow flag) run: the backend's device
         self.comm_device = layout.slots[0].param.device if layout.slots else torch.device("cpu")
 
@@ -44,7 +44,18 @@ class GradPieces:
         return all_reduce_small(value, op, self.layout, self.comm_device)
 
     def sync(self, require_grad_sync: bool) -> bool:
-        """See ``LowLevelZeroOptimizer.sync_grads``."""
+        """See ``LowLevelZeroOptimizer.sync_grads``.
+
+        Raises:
+            RuntimeError: a backward ran after the pieces were unscaled in this step (scaled and unscaled
+                gradients would be summed).
+        """
+        if self.unscaled and not self.reducer.synced:
+            raise RuntimeError(
+                "LowLevelZeroOptimizer: a backward ran after unscale_() / clip_grad_norm_() in this step, so "
+                "loss-scaled gradients would be added to unscaled ones; run every backward of the step first, "
+                "then clip and step (or call zero_grad() to start the step again)."
+            )
         if not require_grad_sync:
             self.reducer.wait()
             return False
@@ -69,7 +80,7 @@ class GradPieces:
             inv = 1.0 / scale
             for grad in self.tensors():
                 grad.mul_(inv)
-        self.unscaled = True
+            self.unscaled = True
 
     def found_overflow(self) -> bool:
         """Whether any rank's pieces hold an inf or a NaN (one one-element all-reduce, every rank agrees)."""
