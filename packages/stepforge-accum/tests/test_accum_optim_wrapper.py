@@ -243,7 +243,7 @@ def test_clip_grad_matches_clipping_the_full_batch_gradient(kind: str) -> None:
 def test_default_clip_type_is_norm_and_errors() -> None:
     model = _model()
     wrapper = OptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1), clip_grad={"max_norm": 1.0})
-    assert wrapper._clip_type == "norm"
+    assert wrapper.clip_type == "norm"
     with pytest.raises(ValueError, match="'norm' or 'value'"):
         OptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1), clip_grad={"type": "l1", "max_norm": 1})
     with pytest.raises(ValueError, match="besides 'type'"):

@@ -151,39 +151,3 @@ def test_epoch_cut_short_warns_and_next_before_iter_errors() -> None:
         iter(loader)
     with pytest.raises(TypeError, match="call iter"):
         next(GradAccumDataloader(batches, 2))
-
-
-class _ScaledWrapper(OptimWrapper):
-    """An AMP-like subclass through the extension points: backward of loss * 8, unscale before clipping."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.events: list[str] = []
-
-    def _run_backward(self, loss, **kwargs):
-        self.events.append("backward")
-        (loss * 8.0).backward(**kwargs)
-
-    def _before_clip(self):
-        self.events.append("unscale")
-        scale_gradients(self.optimizer, 1 / 8.0)
-
-    def _optimizer_step(self, **kwargs):
-        self.events.append("step")
-        return super()._optimizer_step(**kwargs)
-
-
-def test_subclass_extension_points_keep_counting_and_weighting() -> None:
-    x = torch.randn(6, 3)
-    results = []
-    for cls in (OptimWrapper, _ScaledWrapper):
-        torch.manual_seed(0)
-        model = nn.Linear(3, 1)
-        wrapper = cls(torch.optim.SGD(model.parameters(), lr=0.1), 3, clip_grad={"max_norm": 1e9})
-        for i, n in enumerate((1, 2, 3)):
-            wrapper.update_params(model(x[i : i + n]).pow(2).mean(), num_items=n)
-        assert wrapper.inner_count == 3
-        results.append([p.detach().clone() for p in model.parameters()])
-    assert wrapper.events == ["backward", "backward", "backward", "unscale", "step"]
-    for a, b in zip(*results, strict=True):
-        torch.testing.assert_close(a, b)

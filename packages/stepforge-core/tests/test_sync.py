@@ -14,7 +14,6 @@ from stepforge.core import (
     GradientHandler,
     GradientSyncSwitch,
     NoSyncModel,
-    Plugin,
     ShardedOptimizer,
     no_sync,
     register_no_sync_adapter,
@@ -93,24 +92,5 @@ def test_other_protocols_are_structural():
         def handle_gradient(self) -> None:
             pass
 
-    class MiniPlugin:
-        name = "mini"
-
-        def prepare(self, model, optimizer=None, **kwargs):
-            return model, optimizer
-
-        def supports_no_sync(self):
-            return False
-
-        def no_sync(self, model, optimizer=None):
-            return contextmanager(lambda: (yield))()
-
-        def get_state_dict(self, model, optimizers):
-            return {}, {}
-
-        def set_state_dict(self, model, optimizers, model_state_dict, optim_state_dict):
-            pass
-
     assert isinstance(Handler(), GradientHandler)
-    assert isinstance(MiniPlugin(), Plugin)
-    assert not isinstance(object(), Plugin)
+    assert not isinstance(object(), GradientHandler)

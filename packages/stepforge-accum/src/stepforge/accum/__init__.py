@@ -11,13 +11,24 @@ Two APIs over one window logic:
 Beyond both: ``num_items``/``weight`` normalisation (exact window mean over tokens or samples, summed across
 data-parallel ranks with one small all-reduce per window), counters in every ``state_dict``, ``no_sync`` for
 DDP, FSDP2 and ZeRO optimizers through :func:`stepforge.core.no_sync`, and warnings/errors on misuse.
+
+Extending: :class:`OptimWrapper` exposes its :class:`AccumulationWindow` as ``window`` and documented hooks
+(``run_backward``, ``before_clip``, ``clip_gradients``, ``optimizer_step``, ``no_sync_context``) that a subclass
+overrides to change how backward, clipping, the step or the gradient-sync suspension run (the package README,
+"Extending OptimWrapper").
 """
 
 from __future__ import annotations
 
 from ._no_sync import fsdp2_modules, install_adapters
 from ._version import __version__
-from ._window import AccumulationError, AccumulationWarning, scale_gradients
+from ._window import (
+    AccumulatingOptimizer,
+    AccumulationError,
+    AccumulationWarning,
+    AccumulationWindow,
+    scale_gradients,
+)
 from .grad_accum import (
     GradAccumDataloader,
     GradAccumGradientHandler,
@@ -37,6 +48,8 @@ __all__ = [
     "GradAccumOptimizer",
     "GradAccumLrSchedulerByStep",
     "GradAccumGradientHandler",
+    "AccumulationWindow",
+    "AccumulatingOptimizer",
     "AccumulationError",
     "AccumulationWarning",
     "scale_gradients",

@@ -26,18 +26,19 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any, Protocol, runtime_checkable
 
 import torch
-import torch.distributed as dist
 
 from stepforge.core import HyperParameterError, StepforgeError, check_positive_int, no_sync, supports_no_sync
 
-from ._grads import comm_device, is_forward_armed, scale_gradients, track_forward
+from ._grads import is_forward_armed, scale_gradients, track_forward
+from ._weights import WindowWeights
 
 __all__ = [
+    "AccumulatingOptimizer",
     "AccumulationError",
     "AccumulationWarning",
     "AccumulationWindow",
@@ -67,6 +68,19 @@ class AccumulationWindow:
         scheduler_clock: ``"micro"`` (learning-rate changes between micro-batches are expected, mmengine's
             convention) or ``"window"`` (a learning rate that changes inside a window means a scheduler is
             stepped per micro-batch: warn).
+
+    ``OptimWrapper.window`` and ``GradAccumOptimizer.window`` return their window. What an extension or a
+    checkpoint may read (the wrappers alone change it, through the methods below):
+
+    - ``counts`` (micro-batches per window), ``inner_count`` (micro-batches backwarded so far, global across
+      epochs), ``max_counts`` (-1: unknown), ``position`` (micro-batches of the open window, 0 right after a
+      step), ``steps`` (windows closed by an optimizer step), ``weighted`` (mode of the open window, ``None``
+      before its first backward), :attr:`context_depth`;
+    - :meth:`should_update`, :meth:`should_sync`, :meth:`divisor`, :meth:`window_length`, :meth:`is_boundary`;
+    - :meth:`micro_batch_context` / :meth:`sync_context` (what ``optim_context`` enters);
+    - :meth:`state_dict` / :meth:`load_state_dict`: the counters (saved under ``"accumulation"`` in the
+      wrappers' state dicts). Loading restores ``position`` and the open window's weight, so a checkpoint
+      taken mid-window resumes counting where it stopped (the gradients themselves are the caller's).
     """
 
     def __init__(
@@ -87,8 +101,7 @@ class AccumulationWindow:
                 "micro-batch, as in mmengine) or 'window' (schedulers step once per optimizer step)."
             )
         self.scheduler_clock = scheduler_clock
-        self.process_group = process_group
-        self.reduce_weights = reduce_weights
+        self._weights = WindowWeights(process_group, reduce_weights)
         self.inner_count = 0
         self.max_counts = -1
         self.offset = 0
@@ -96,13 +109,10 @@ class AccumulationWindow:
         self.position = 0  # backward calls since the last step (ColossalAI's ``accumulate_step``)
         self.steps = 0  # windows closed by an optimizer step
         self.weighted: bool | None = None  # mode of the open window (None: no backward yet)
-        self.local_weight = 0.0
-        self._tensor_weights: list[torch.Tensor] = []
-        self._pending: tuple[Any, torch.Tensor, int] | None = None
         self._finalized = False
         self._lr_snapshot: tuple[Any, ...] | None = None
         self._warned: set[str] = set()
-        self.context_depth = 0
+        self._context_depth = 0
 
     # -- boundaries ---------------------------------------------------------------------------------------
     def is_boundary(self, n: int) -> bool:
@@ -243,14 +253,12 @@ class AccumulationWindow:
                 "asserts when there is none). Pass the real total to initialize_count_status().",
             )
         if weight is not None and self.should_sync():
-            self._launch_weight_reduce(extra=weight)
+            self._weights.launch_reduce(extra=weight, micro_batch=self.inner_count + 1)
 
     def after_backward(self, weight: float | torch.Tensor | None) -> None:
         self.weighted = weight is not None
-        if isinstance(weight, torch.Tensor):
-            self._tensor_weights.append(weight)
-        elif weight is not None:
-            self.local_weight += weight
+        if weight is not None:
+            self._weights.add(weight)
         self.inner_count += 1
         self.position += 1
 
@@ -268,72 +276,52 @@ class AccumulationWindow:
                 "the backward does not help. Run the forward inside `with wrapper.optim_context(model):`.",
             )
 
+    @property
+    def context_depth(self) -> int:
+        """How many micro-batch contexts (``optim_context`` / ``sync_context``) are open; 0 outside them."""
+        return self._context_depth
+
     @contextmanager
-    def sync_context(self, *targets: Any) -> Iterator[None]:
-        """Suspend gradient synchronisation of ``targets`` unless the coming micro-batch ends the window."""
-        live = [t for t in targets if supports_no_sync(t)]
-        for t in live:
-            track_forward(t)
-        skip = bool(live) and not self.should_sync() and self.context_depth == 0
-        self.context_depth += 1
+    def micro_batch_context(
+        self, suspend_sync: Callable[[], AbstractContextManager[Any] | None]
+    ) -> Iterator[None]:
+        """Run a micro-batch; if it does not end the window, inside the context ``suspend_sync()`` returns.
+
+        ``suspend_sync`` is called only when the coming micro-batch is not the window's last and no outer
+        micro-batch context is open (nested contexts neither suspend twice nor resume early); it returns a
+        context manager that suspends gradient synchronisation, or ``None`` when nothing can skip it.
+        """
+        suspend = suspend_sync() if not self.should_sync() and self._context_depth == 0 else None
+        self._context_depth += 1
         try:
-            if skip:
-                with no_sync(*live):
+            if suspend is not None:
+                with suspend:
                     yield
             else:
                 yield
         finally:
-            self.context_depth -= 1
+            self._context_depth -= 1
+
+    def sync_context(self, *targets: Any) -> AbstractContextManager[None]:
+        """:meth:`micro_batch_context` suspending ``targets`` through :func:`stepforge.core.no_sync`.
+
+        ``targets`` that do not support ``no_sync`` (plain modules and optimizers) are left alone.
+        """
+        live = [t for t in targets if supports_no_sync(t)]
+        for t in live:
+            track_forward(t)
+        return self.micro_batch_context(lambda: no_sync(*live) if live else None)
 
     # -- weights -------------------------------------------------------------------------------------------
-    def _group(self) -> Any:
-        return self.process_group if self.process_group is not None else dist.group.WORLD
-
-    def _reduces(self) -> bool:
-        if self.reduce_weights is False or not (dist.is_available() and dist.is_initialized()):
-            return False
-        size = dist.get_world_size(self._group())
-        return bool(self.reduce_weights) or size > 1
-
-    def _local_total(self, extra: float | torch.Tensor | None, device: torch.device) -> torch.Tensor:
-        total = torch.tensor(self.local_weight, dtype=torch.float64, device=device)
-        for w in self._tensor_weights:
-            total += w.to(device=device, dtype=torch.float64)
-        if isinstance(extra, torch.Tensor):
-            total += extra.to(device=device, dtype=torch.float64)
-        elif extra is not None:
-            total += extra
-        return total
-
-    def _launch_weight_reduce(self, extra: float | torch.Tensor | None) -> None:
-        if not self._reduces():
-            return
-        group = self._group()
-        buf = self._local_total(extra, comm_device(group))
-        work = dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group, async_op=True)
-        self._pending = (work, buf, self.inner_count + 1)
-
     def window_factor(self) -> float:
         """``W / N`` for a weighted window (all-reducing ``N`` now if the backward did not launch it)."""
-        if self._pending is not None and self._pending[2] != self.inner_count:
-            self._pending = None  # launched for a micro-batch whose backward never happened
-        if self._pending is None:
-            self._launch_weight_reduce(extra=None)
-        world = dist.get_world_size(self._group()) if self._reduces() else 1
-        if self._pending is not None:
-            work, buf, _ = self._pending
-            work.wait()
-            total = float(buf.item())
-            self._pending = None
-        else:
-            total = float(self._local_total(None, torch.device("cpu")).item())
+        factor, total = self._weights.factor(self.inner_count)
         if total <= 0.0:
             self.warn_once(
                 "zero-weight",
                 f"{self.owner}: a window's num_items sum to {total:g} over all ranks; its gradient is zero.",
             )
-            return 0.0
-        return world / total
+        return factor
 
     def finalize(self, optimizer: Any) -> None:
         """Turn the accumulated weighted gradient into the window mean, once per window."""
@@ -350,9 +338,7 @@ class AccumulationWindow:
     def _reset_window(self) -> None:
         self.position = 0
         self.weighted = None
-        self.local_weight = 0.0
-        self._tensor_weights = []
-        self._pending = None
+        self._weights.reset()
         self._finalized = False
         self._lr_snapshot = None
 
@@ -363,7 +349,7 @@ class AccumulationWindow:
 
     # -- checkpointing ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        local = self.local_weight + sum(float(w.item()) for w in self._tensor_weights)
+        local = self._weights.local_sum()
         return {
             "counts": self.counts,
             "inner_count": self.inner_count,
@@ -394,7 +380,7 @@ class AccumulationWindow:
         self._reset_window()
         self.position = int(state["position"])
         self.weighted = state.get("weighted")
-        self.local_weight = float(state.get("window_weight", 0.0))
+        self._weights.local = float(state.get("window_weight", 0.0))
         if self.position:
             self.warn_once(
                 "resume-mid-window",
@@ -403,3 +389,12 @@ class AccumulationWindow:
                 "state, so this window's step will miss them unless you restored the .grad tensors too. "
                 "Save checkpoints right after a step (when should_update() was true).",
             )
+
+
+@runtime_checkable
+class AccumulatingOptimizer(Protocol):
+    """An optimizer (wrapper) that steps once per accumulation window: ``OptimWrapper``, ``GradAccumOptimizer``
+    and their subclasses. ``GradAccumLrSchedulerByStep(optimizer=...)`` counts the windows it closed."""
+
+    @property
+    def window(self) -> AccumulationWindow: ...

@@ -82,6 +82,11 @@ class GradAccumOptimizer:
         return self._window.counts
 
     @property
+    def window(self) -> AccumulationWindow:
+        """The accumulation window (counters, boundaries; see :class:`AccumulationWindow`). Read-only."""
+        return self._window
+
+    @property
     def accumulate_step(self) -> int:
         """Backward calls in the current window (0 right after a step), as ColossalAI."""
         return self._window.position
@@ -260,7 +265,7 @@ class GradAccumDataloader:
         steps = self.steps_per_epoch
         if self.optimizer is not None:
             # Windows start with the epoch; without drop_last the epoch's end is a window boundary.
-            self.optimizer._window.start_epoch(steps - self._skip if not self.drop_last else 0)
+            self.optimizer.window.start_epoch(steps - self._skip if not self.drop_last else 0)
         self._cur_step = 0
         for _ in range(self._skip):  # resuming mid-epoch without a stateful inner loader: replay
             next(self._dataiter)

@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """``GradAccumLrSchedulerByStep``: step a learning-rate scheduler once per accumulation window.
 
-Like ColossalAI's, it *is* a ``torch.optim.lr_scheduler.LRScheduler`` (``isinstance`` checks in trainers,
-``SequentialLR``/``ChainedScheduler`` type checks and checkpoint code see a scheduler), but it does not run
+Like ColossalAI's, it *is* a ``torch.optim.lr_scheduler._LRScheduler`` (ColossalAI subclasses that name; its
+tests and trainers check ``isinstance(x, _LRScheduler)``) and therefore a ``LRScheduler`` (``SequentialLR`` /
+``ChainedScheduler`` type checks and checkpoint code see a scheduler), but it does not run
 ``LRScheduler.__init__``: that would step the wrapped optimizer's learning rate once more and patch its
 ``step``. Everything it does not define (``optimizer``, ``last_epoch``, ``base_lrs``, ...) is read from the
 wrapped scheduler.
@@ -16,15 +17,20 @@ from typing import Any
 
 from torch.optim.lr_scheduler import LRScheduler
 
-from ._window import AccumulationWarning, AccumulationWindow
+from ._window import AccumulatingOptimizer, AccumulationWarning, AccumulationWindow
+
+try:  # torch keeps the pre-2.0 name as a subclass of LRScheduler; ColossalAI's wrapper derives from it
+    from torch.optim.lr_scheduler import _LRScheduler as _SchedulerBase
+except ImportError:  # pragma: no cover - a torch without the old name: LRScheduler is what remains
+    _SchedulerBase = LRScheduler  # type: ignore[misc,assignment]
 
 __all__ = ["GradAccumLrSchedulerByStep"]
 
 
-class GradAccumLrSchedulerByStep(LRScheduler):
+class GradAccumLrSchedulerByStep(_SchedulerBase):
     """Step the wrapped learning-rate scheduler once per accumulation window.
 
-    It is an instance of ``torch.optim.lr_scheduler.LRScheduler`` (as ColossalAI's is).
+    It is an instance of ``torch.optim.lr_scheduler._LRScheduler`` and ``LRScheduler`` (as ColossalAI's is).
     Standalone it counts calls: the inner scheduler steps on every ``accumulate_size``-th call (ColossalAI).
     Linked to an optimizer (``optimizer=`` or through :func:`accumulate_gradient`) it steps once for each
     window the optimizer closed, so a short tail window counts as one step. Stepping the *inner* scheduler
@@ -48,12 +54,13 @@ class GradAccumLrSchedulerByStep(LRScheduler):
             accumulate_size, owner="GradAccumLrSchedulerByStep", count_name="accumulate_size"
         ).counts
         self.accumulate_step = 0
-        self._window: AccumulationWindow | None = getattr(optimizer, "_window", None)
-        if optimizer is not None and self._window is None:
+        if optimizer is not None and not isinstance(optimizer, AccumulatingOptimizer):
             raise TypeError(
-                "GradAccumLrSchedulerByStep: optimizer must be a GradAccumOptimizer or OptimWrapper, got "
-                f"{type(optimizer).__name__}."
+                "GradAccumLrSchedulerByStep: optimizer must be a GradAccumOptimizer or OptimWrapper (an "
+                f"AccumulatingOptimizer with a window), got {type(optimizer).__name__}; pass optimizer=None to "
+                "count calls instead."
             )
+        self._window: AccumulationWindow | None = None if optimizer is None else optimizer.window
         self._seen_steps = self._window.steps if self._window is not None else 0
         self._expected_epoch = getattr(lr_scheduler, "last_epoch", None)
         self._warned = False

@@ -19,13 +19,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 
+from stepforge.core import no_sync, supports_no_sync
+
 from ._clip import clip_grad_norm, clip_grad_value, parse_clip_grad
+from ._grads import track_forward
 from ._no_sync import install_adapters
 from ._window import AccumulationWindow
 
@@ -94,6 +97,7 @@ class OptimWrapper:
         self.clip_grad_kwargs: dict[str, Any] | None = None if clip is None else clip.kwargs
         self._clip_type: str | None = None if clip is None else clip.kind
         self.grad_norm: torch.Tensor | None = None  # last norm from clip_grad type 'norm'
+        self._context_model: Any = None
         self.base_param_settings: dict[str, Any] | None
         if len(optimizer.param_groups) > 1:
             # mmengine: a fake group carrying the optimizer defaults, so schedulers track a "base" lr too
@@ -133,61 +137,116 @@ class OptimWrapper:
     def backward(
         self, loss: torch.Tensor, *, weight: float | torch.Tensor | None = None, **kwargs: Any
     ) -> None:
-        """``loss.backward(**kwargs)`` and count the micro-batch.
+        """Count the micro-batch and backward ``loss`` through :meth:`run_backward` (``**kwargs`` go there).
 
         With ``weight`` (the micro-batch's item count) the loss is weighted for the exact window mean; see
         :meth:`update_params`. Without it, pass a loss already divided by :meth:`scale_loss`.
         """
         w = self._window.check_weight(weight)
-        self._window.note_unguarded_backward(self._last_targets)
+        self._window.note_unguarded_backward(self._sync_targets())
         self._window.before_backward(w, self.optimizer)
         if w is not None:
             loss = loss * (w.to(loss.dtype) if isinstance(w, torch.Tensor) else w)
-        self._run_backward(loss, **kwargs)
+        self.run_backward(loss, **kwargs)
         self._window.after_backward(w)
 
     def step(self, **kwargs: Any) -> Any:
-        """Normalise a weighted window, clip if configured, then ``optimizer.step(**kwargs)``."""
+        """Normalise a weighted window, then :meth:`before_clip` and :meth:`clip_gradients` if ``clip_grad``
+        is set, then :meth:`optimizer_step` (``**kwargs`` go there); the next backward opens a new window."""
         self._window.finalize(self.optimizer)
         if self.clip_grad_kwargs is not None:
-            self._before_clip()
-            self._clip_grad()
-        out = self._optimizer_step(**kwargs)
+            self.before_clip()
+            norm = self.clip_gradients()
+            if norm is not None:
+                self.grad_norm = norm
+        out = self.optimizer_step(**kwargs)
         self._window.close()
         return out
-
-    # Extension points for subclasses (an AMP wrapper: ``scaler.scale(loss).backward()``,
-    # ``scaler.unscale_(optimizer)`` before clipping, ``scaler.step`` + ``scaler.update``). Overriding these
-    # instead of backward/step keeps the counting, weighting and window bookkeeping in one place.
-    def _run_backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        inner = getattr(self.optimizer, "backward", None)
-        if callable(inner):  # an AMP / ZeRO optimizer wrapper scales or reduces in its own backward
-            inner(loss, **kwargs)
-        else:
-            loss.backward(**kwargs)
-
-    def _before_clip(self) -> None:
-        pass
-
-    def _optimizer_step(self, **kwargs: Any) -> Any:
-        return self.optimizer.step(**kwargs)
 
     def zero_grad(self, **kwargs: Any) -> None:
         """``optimizer.zero_grad(**kwargs)``."""
         self.optimizer.zero_grad(**kwargs)
 
-    def _clip_grad(self) -> None:
+    # -- extension hooks (see "Extending OptimWrapper" in the package README) ------------------------------
+    # A subclass overrides these rather than backward/step/optim_context, so that counting, weighting, the
+    # partial last window and the checkpointed counters stay in one place.
+    def run_backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """Hook: backpropagate ``loss`` (already divided or weighted for the window; a scalar tensor).
+
+        Default: the wrapped optimizer's ``backward(loss, **kwargs)`` when it has one (AMP and ZeRO optimizers
+        scale or reduce there), else ``loss.backward(**kwargs)``. An AMP subclass runs
+        ``scaler.scale(loss).backward()`` here.
+        """
+        inner = getattr(self.optimizer, "backward", None)
+        if callable(inner):
+            inner(loss, **kwargs)
+        else:
+            loss.backward(**kwargs)
+
+    def before_clip(self) -> None:
+        """Hook: called at a step before :meth:`clip_gradients`, only when ``clip_grad`` is set (e.g. unscale
+        fp16 gradients: ``scaler.unscale_(optimizer)``). Weighted windows are already normalised. Default:
+        nothing."""
+
+    def clip_gradients(self) -> torch.Tensor | None:
+        """Hook: clip the window's gradients as ``clip_grad`` says (:attr:`clip_type`, :attr:`clip_grad_kwargs`).
+
+        Returns the total norm before clipping (a 0-dim float tensor) for norm clipping, which :meth:`step`
+        stores in ``grad_norm``; ``None`` for value clipping or when nothing has a gradient. Default: the
+        optimizer's own ``clip_grad_by_norm``/``clip_grad_norm_`` when it has one (sharded or scaled
+        gradients), else ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_``.
+        """
         assert self.clip_grad_kwargs is not None
         if self._clip_type == "value":
             clip_grad_value(self.optimizer, **self.clip_grad_kwargs)
-            return
+            return None
         kwargs = dict(self.clip_grad_kwargs)
         max_norm = kwargs.pop("max_norm")
         norm_type = kwargs.pop("norm_type", 2.0)
-        norm = clip_grad_norm(self.optimizer, self._last_targets[0] if self._last_targets else None,
-                              max_norm, norm_type, **kwargs)  # fmt: skip
-        if norm is not None:
-            self.grad_norm = norm
+        return clip_grad_norm(self.optimizer, self._context_model, max_norm, norm_type, **kwargs)
+
+    def optimizer_step(self, **kwargs: Any) -> Any:
+        """Hook: step the optimizer at a window boundary (``optimizer.step(**kwargs)``); returns its result.
+
+        An AMP subclass runs ``scaler.step(optimizer)`` and ``scaler.update()`` here.
+        """
+        return self.optimizer.step(**kwargs)
+
+    def no_sync_context(self, model: Any) -> AbstractContextManager[Any] | None:
+        """Hook: the context that suspends gradient synchronisation of ``model`` and the optimizer.
+
+        :meth:`optim_context` calls it only for a micro-batch that does not end the window (and not inside
+        another ``optim_context``). Return ``None`` when nothing can skip synchronisation. Default:
+        :func:`stepforge.core.no_sync` over those of ``model`` and the optimizer that support it (DDP,
+        FSDP2, a ZeRO optimizer); it also starts watching a DDP model's forwards, so that a later forward
+        outside ``optim_context`` is reported (DDP decides at forward time whether to all-reduce).
+        """
+        live = [t for t in (model, self.optimizer) if supports_no_sync(t)]
+        for target in live:
+            track_forward(target)
+        return no_sync(*live) if live else None
+
+    # -- what extensions read ------------------------------------------------------------------------------
+    @property
+    def window(self) -> AccumulationWindow:
+        """The accumulation window: counters, boundaries, the open window's state (read it, do not drive it).
+
+        Its :meth:`~AccumulationWindow.state_dict` is what :meth:`state_dict` saves under ``"accumulation"``.
+        """
+        return self._window
+
+    @property
+    def clip_type(self) -> str | None:
+        """``"norm"`` or ``"value"`` (the ``type`` of ``clip_grad``), ``None`` without clipping."""
+        return self._clip_type
+
+    @property
+    def context_model(self) -> Any:
+        """The model given to the latest :meth:`optim_context` (``None`` before the first)."""
+        return self._context_model
+
+    def _sync_targets(self) -> tuple[Any, ...]:
+        return () if self._context_model is None else (self._context_model, self.optimizer)
 
     # -- accumulation status -------------------------------------------------------------------------------
     @property
@@ -242,14 +301,12 @@ class OptimWrapper:
         """Run the forward (and backward) of a micro-batch; non-final micro-batches skip gradient sync.
 
         The synchronisation of ``model`` (DDP ``no_sync``, FSDP2 ``set_requires_gradient_sync``) and of the
-        wrapped optimizer (a ZeRO optimizer's ``no_sync``) is suspended unless the coming micro-batch ends the
-        window. The forward must be inside: DDP decides at forward time.
+        wrapped optimizer (a ZeRO optimizer's ``no_sync``) is suspended, through :meth:`no_sync_context`,
+        unless the coming micro-batch ends the window. The forward must be inside: DDP decides at forward time.
         """
-        self._last_targets = (model, self.optimizer)
-        with self._window.sync_context(model, self.optimizer):
+        self._context_model = model
+        with self._window.micro_batch_context(lambda: self.no_sync_context(model)):
             yield
-
-    _last_targets: tuple[Any, ...] = ()
 
     # -- optimizer surface ---------------------------------------------------------------------------------
     @property

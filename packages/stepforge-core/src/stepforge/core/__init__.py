@@ -5,8 +5,11 @@
   ``stepforge.optimizers``, ``stepforge.plugins`` and ``stepforge.optim_wrappers``.
 - :func:`build_optimizer`: ``build_optimizer(dict(type="FusedAdam", lr=1e-3), model)``; an unknown name says
   which distribution to install.
+- The training contract: :class:`Plugin` (an abstract base class, ColossalAI's ``Plugin`` as the model) with
+  :class:`PluginBase`, the implementation every plugin subclasses, and the :class:`BoostedOptimizer` protocol
+  that every plugin's ``prepare`` returns (``backward(loss)`` is the only backward route).
 - Protocols (:class:`NoSyncModel`, :class:`GradientSyncSwitch`, :class:`ShardedOptimizer`,
-  :class:`GradientHandler`, :class:`Plugin`) and :func:`no_sync`.
+  :class:`GradientHandler`, :class:`WrappedModel`, :class:`CachingOptimizer`) and :func:`no_sync`.
 - Validation helpers whose messages name the parameter and the allowed range.
 """
 
@@ -15,7 +18,17 @@ from __future__ import annotations
 from ._version import __version__
 from .build import build_optimizer, collect_params
 from .errors import DuplicateNameError, HyperParameterError, RegistryError, StepforgeError, UnknownNameError
-from .protocols import GradientHandler, GradientSyncSwitch, NoSyncModel, Plugin, ShardedOptimizer
+from .plugin import Plugin
+from .plugin_base import PluginBase
+from .protocols import (
+    BoostedOptimizer,
+    CachingOptimizer,
+    GradientHandler,
+    GradientSyncSwitch,
+    NoSyncModel,
+    ShardedOptimizer,
+    WrappedModel,
+)
 from .registry import (
     INSTALL_HINTS,
     OPTIM_WRAPPERS,
@@ -57,7 +70,11 @@ __all__ = [
     "GradientSyncSwitch",
     "NoSyncModel",
     "Plugin",
+    "PluginBase",
+    "BoostedOptimizer",
+    "CachingOptimizer",
     "ShardedOptimizer",
+    "WrappedModel",
     "INSTALL_HINTS",
     "OPTIM_WRAPPERS",
     "OPTIMIZERS",

@@ -3,12 +3,13 @@
 
 They are ``typing.Protocol`` classes, checkable at run time with ``isinstance``: a class satisfies one by having
 the methods, without importing stepforge. ``torch.nn.parallel.DistributedDataParallel`` is a
-:class:`NoSyncModel` as it is; an FSDP2 module is a :class:`GradientSyncSwitch`.
+:class:`NoSyncModel` as it is; an FSDP2 module is a :class:`GradientSyncSwitch`. The plugin contract is an
+abstract base class instead (:mod:`stepforge.core.plugin`): a plugin declares itself by subclassing it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any, Protocol, runtime_checkable
 
@@ -19,7 +20,9 @@ __all__ = [
     "GradientSyncSwitch",
     "ShardedOptimizer",
     "GradientHandler",
-    "Plugin",
+    "BoostedOptimizer",
+    "WrappedModel",
+    "CachingOptimizer",
 ]
 
 
@@ -78,37 +81,53 @@ class GradientHandler(Protocol):
 
 
 @runtime_checkable
-class Plugin(Protocol):
-    """A parallelism back-end for :class:`stepforge.strategy.Strategy` (``ddp``, ``fsdp``, ``zero2``, ...).
+class BoostedOptimizer(Protocol):
+    """The optimizer every plugin's ``prepare`` returns (ColossalAI's ``OptimizerWrapper`` surface).
 
-    ``prepare`` wraps the model and optimizer; the state-dict pair follows
-    ``torch.distributed.checkpoint.state_dict.get_state_dict``/``set_state_dict`` so that checkpoints go
-    through DCP with any plugin.
+    ``backward(loss)`` is the only backward route: the Booster's ``backward(loss, optimizer)`` is
+    ``optimizer.backward(loss)``, which applies the loss scale (fp16) and whatever gradient reduction the
+    back-end does. ``unscale_()`` divides the gradients by the loss scale once per step (a no-op without
+    scaling); ``clip_grad_norm_`` unscales first and returns the norm over every rank and shard; ``step`` skips
+    an update whose gradients overflowed. The loss scaler's state travels apart from the optimizer's
+    (``scaler_state_dict()`` is ``None`` without a scaler). ``unwrap()`` is the torch optimizer underneath.
     """
 
-    name: str
+    param_groups: list[dict[str, Any]]
 
-    def prepare(
-        self,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
-        **kwargs: Any,
-    ) -> tuple[torch.nn.Module, torch.optim.Optimizer | None]: ...
+    def backward(self, loss: torch.Tensor) -> None: ...
 
-    def supports_no_sync(self) -> bool: ...
+    def backward_by_grad(self, tensor: torch.Tensor, grad: torch.Tensor) -> None: ...
 
-    def no_sync(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
-    ) -> AbstractContextManager[Any]: ...
+    def unscale_(self) -> None: ...
 
-    def get_state_dict(
-        self, model: torch.nn.Module, optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer]
-    ) -> tuple[dict[str, Any], dict[str, Any]]: ...
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor: ...
 
-    def set_state_dict(
-        self,
-        model: torch.nn.Module,
-        optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
-        model_state_dict: Mapping[str, Any],
-        optim_state_dict: Mapping[str, Any],
-    ) -> None: ...
+    def step(self, closure: Callable[[], float] | None = None) -> Any: ...
+
+    def zero_grad(self, set_to_none: bool = True) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None: ...
+
+    def scaler_state_dict(self) -> dict[str, Any] | None: ...
+
+    def load_scaler_state_dict(self, state: Mapping[str, Any] | None) -> None: ...
+
+    def unwrap(self) -> torch.optim.Optimizer: ...
+
+
+@runtime_checkable
+class WrappedModel(Protocol):
+    """A model wrapper with ``unwrap()`` returning the module inside (ColossalAI's ``ModelWrapper``,
+    stepforge-zero's ``LowLevelZeroModel``)."""
+
+    def unwrap(self) -> torch.nn.Module: ...
+
+
+@runtime_checkable
+class CachingOptimizer(Protocol):
+    """An optimizer that caches views of its parameters (stepforge-fused's bucket cache): whoever replaces the
+    parameters of its groups calls ``invalidate_cache()`` afterwards."""
+
+    def invalidate_cache(self) -> None: ...

@@ -1,28 +1,30 @@
 # SPDX-License-Identifier: Apache-2.0
 """mmengine's ``ColossalAIOptimWrapper`` and ``AmpOptimWrapper`` on stepforge-accum's ``OptimWrapper``.
 
-Both subclass the ``OptimWrapper`` registered in ``stepforge.core.OPTIM_WRAPPERS`` (stepforge-accum), so the
-counting, the partial last window, weighted accumulation (``num_items``) and the counters in ``state_dict``
-are accum's; these classes only change how backward, clipping and the step run.
+Both subclass :class:`stepforge.accum.OptimWrapper`, so the counting, the partial last window, weighted
+accumulation (``num_items``) and the counters in ``state_dict`` are accum's; these classes only override its
+documented hooks (``run_backward``, ``before_clip``, ``clip_gradients``, ``optimizer_step``,
+``no_sync_context``) to change how backward, clipping, the step and the gradient-sync suspension run.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 
-from stepforge.core import OPTIM_WRAPPERS
+from stepforge.accum import OptimWrapper
+
+from .boosted_optimizer import BoostedOptimizer
+from .booster import Booster
 
 __all__ = ["ColossalAIOptimWrapper", "AmpOptimWrapper"]
 
-_BaseOptimWrapper: Any = OPTIM_WRAPPERS.get("OptimWrapper")
 
-
-class ColossalAIOptimWrapper(_BaseOptimWrapper):
+class ColossalAIOptimWrapper(OptimWrapper):
     """Drive backward, ``no_sync`` and clipping through a :class:`~stepforge.strategy.Booster`.
 
     Args:
@@ -43,20 +45,19 @@ class ColossalAIOptimWrapper(_BaseOptimWrapper):
     def __init__(
         self,
         optimizer: Any,
-        booster: Any = None,
+        booster: Booster | None = None,
         accumulative_counts: int = 1,
         clip_grad: dict | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(optimizer, accumulative_counts=accumulative_counts, clip_grad=clip_grad, **kwargs)
-        if booster is not None and not hasattr(booster, "backward"):
+        if booster is not None and not isinstance(booster, Booster):
             raise TypeError(
                 f"ColossalAIOptimWrapper: booster must be a stepforge.strategy.Booster, got {type(booster).__name__}."
             )
         self.booster = booster
-        self._model: nn.Module | None = None
 
-    def _require_booster(self, what: str) -> Any:
+    def _require_booster(self, what: str) -> Booster:
         if self.booster is None:
             raise RuntimeError(
                 f"ColossalAIOptimWrapper.{what}: no booster; build it with ColossalAIOptimWrapper(optimizer, "
@@ -64,54 +65,51 @@ class ColossalAIOptimWrapper(_BaseOptimWrapper):
             )
         return self.booster
 
-    def _run_backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+    def run_backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``booster.backward(loss, optimizer)``; a non-final micro-batch's backward outside
+        ``optim_context`` runs under the booster's ``no_sync`` too."""
         booster = self._require_booster("backward")
         if kwargs:
             raise TypeError(
                 f"ColossalAIOptimWrapper.backward: the booster's backward takes no extra arguments, got "
                 f"{sorted(kwargs)}."
             )
-        model = self._model
-        if (
-            model is not None
-            and self._window.context_depth == 0
-            and not self.should_sync()
-            and booster.supports_no_sync()
-        ):
+        model = self.context_model
+        suspend = None
+        if model is not None and self.window.context_depth == 0 and not self.should_sync():
             # mmengine runs only the forward inside optim_context; FSDP2 reads its sync flag in the backward,
             # so a non-final micro-batch's backward skips the reduce-scatter here too (DDP decided at forward).
-            with booster.no_sync(model, self.optimizer):
-                booster.backward(loss, self.optimizer)
-        else:
+            suspend = self.no_sync_context(model)
+        if suspend is None:
             booster.backward(loss, self.optimizer)
+            return
+        with suspend:
+            booster.backward(loss, self.optimizer)
+
+    def no_sync_context(self, model: Any) -> AbstractContextManager[Any] | None:
+        """``booster.no_sync(model, optimizer)`` when the plugin supports it, else ``None``."""
+        booster = self._require_booster("optim_context")
+        if not booster.supports_no_sync():
+            return None
+        return booster.no_sync(model, self.optimizer)
 
     @contextmanager
     def optim_context(self, model: Any) -> Iterator[None]:
         """Run a micro-batch's forward and backward; non-final ones skip gradient sync when the plugin can."""
-        booster = self._require_booster("optim_context")
-        self._model = model
-        self._last_targets = (model, self.optimizer)
-        window = self._window
-        skip = booster.supports_no_sync() and not self.should_sync() and window.context_depth == 0
-        window.context_depth += 1
-        try:
-            if skip:
-                with booster.no_sync(model, self.optimizer):
-                    yield
-            else:
-                yield
-        finally:
-            window.context_depth -= 1
+        self._require_booster("optim_context")
+        with super().optim_context(model):
+            yield
 
-    def _clip_grad(self) -> None:
+    def clip_gradients(self) -> torch.Tensor | None:
+        """Global-norm clipping through ``booster.clip_grad_norm_`` (unscaled, over every shard), or value
+        clipping of the unscaled gradients."""
         assert self.clip_grad_kwargs is not None
-        if self._clip_type == "value":
-            unscale = getattr(self.optimizer, "unscale_grad", None)
-            if callable(unscale):
-                unscale()
+        if self.clip_type == "value":
+            if isinstance(self.optimizer, BoostedOptimizer):
+                self.optimizer.unscale_grad()
             params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
             nn.utils.clip_grad_value_(params, **self.clip_grad_kwargs)
-            return
+            return None
         kwargs = dict(self.clip_grad_kwargs)
         unknown = set(kwargs) - {"max_norm", "norm_type"}
         if unknown or "max_norm" not in kwargs:
@@ -120,8 +118,8 @@ class ColossalAIOptimWrapper(_BaseOptimWrapper):
                 f"got {sorted(self.clip_grad_kwargs)}."
             )
         booster = self._require_booster("step")
-        self.grad_norm = booster.clip_grad_norm_(
-            self.optimizer, kwargs["max_norm"], kwargs.get("norm_type", 2.0), model=self._model
+        return booster.clip_grad_norm_(
+            self.optimizer, kwargs["max_norm"], kwargs.get("norm_type", 2.0), model=self.context_model
         )
 
 
@@ -140,7 +138,7 @@ def _param_device(optimizer: Any) -> torch.device:
     return torch.device("cpu")
 
 
-class AmpOptimWrapper(_BaseOptimWrapper):
+class AmpOptimWrapper(OptimWrapper):
     """Automatic mixed precision: autocast in ``optim_context``, ``GradScaler`` loss scaling (mmengine's API).
 
     Args:
@@ -209,13 +207,16 @@ class AmpOptimWrapper(_BaseOptimWrapper):
         else:
             self.loss_scaler = torch.amp.GradScaler(self.device.type, enabled=enabled, **scaler_kwargs)
 
-    def _run_backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+    def run_backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss_scaler.scale(loss).backward(**kwargs)``."""
         self.loss_scaler.scale(loss).backward(**kwargs)
 
-    def _before_clip(self) -> None:
+    def before_clip(self) -> None:
+        """``loss_scaler.unscale_(optimizer)``: clip the true gradients."""
         self.loss_scaler.unscale_(self.optimizer)
 
-    def _optimizer_step(self, **kwargs: Any) -> Any:
+    def optimizer_step(self, **kwargs: Any) -> Any:
+        """``loss_scaler.step(optimizer)`` (skipped on overflow), then ``loss_scaler.update()``."""
         out = self.loss_scaler.step(self.optimizer, **kwargs)
         self.loss_scaler.update(self._static_scale)
         return out
