@@ -38,9 +38,21 @@ __all__ = [
     "group_entries",
     "apply_groups",
     "gather_pieces",
+    "zero_scaler_entry",
 ]
 
 ParamGroups = list[dict[str, Any]]
+
+# the loss scaler's two counters as zero's checkpoints have always named them (stepforge.core.precision's scaler
+# names them like GradScaler, with an underscore); keeping them keeps old DCP checkpoints, whose template keys
+# must match, loadable -- and the core scaler reads both spellings
+_ZERO_SCALER_KEYS = {"_growth_tracker": "growth_tracker", "_hysteresis_left": "hysteresis_left"}
+
+
+def zero_scaler_entry(scaler_state: Mapping[str, Any]) -> dict[str, Any]:
+    """``DynamicLossScaler.state_dict()`` in the key layout of ``["zero"]["loss_scaler"]``."""
+    return {_ZERO_SCALER_KEYS.get(key, key): value for key, value in scaler_state.items()}
+
 
 MASTER_KEY = "__master__"
 

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""This rank's reduced gradient pieces and what a step does to them: synchronise once, scale, unscale once,
-check for overflow on every rank, clip by the global norm, drop.
+"""This rank's reduced gradient pieces and what a step does to them: synchronise once, scale, unscale once
+(overflow agreed on every rank by the loss scaler), clip by the global norm, drop.
 
 :class:`GradPieces` owns the :class:`~._buckets.GradReducer` (which fills ``slot.grad`` from backward hooks) and
 is owned by ``LowLevelZeroOptimizer``; the optimizer decides *when* (loss scaling, ``max_norm``, skipping),
@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from stepforge.core.precision import DynamicLossScaler
 
 from ._buckets import GradReducer
 from ._comm import all_reduce_small
@@ -74,19 +76,13 @@ class GradPieces:
             if slot.param.grad is not None:
                 slot.param.grad.mul_(factor)
 
-    def unscale_(self, scale: float | None) -> None:
-        """Divide the pieces by ``scale`` once per step (``None``: no loss scaling, only marks it done)."""
-        if scale is not None and not self.unscaled:
-            inv = 1.0 / scale
-            for grad in self.tensors():
-                grad.mul_(inv)
+    def unscale_(self, scaler: DynamicLossScaler | None) -> None:
+        """Divide the pieces by ``scaler``'s scale once per step; the scaler records in ``found_inf`` whether
+        any rank's pieces hold an inf or NaN (one one-element all-reduce over its group). ``None``: no loss
+        scaling, nothing to do."""
+        if scaler is not None and not self.unscaled:
+            scaler.unscale_grads_(self.tensors())
             self.unscaled = True
-
-    def found_overflow(self) -> bool:
-        """Whether any rank's pieces hold an inf or a NaN (one one-element all-reduce, every rank agrees)."""
-        local = any(not bool(torch.isfinite(g).all()) for g in self.tensors())
-        flag = self.all_reduce(torch.tensor([1.0 if local else 0.0]), dist.ReduceOp.MAX)
-        return bool(flag.item() > 0)
 
     def clip_(self, max_norm: float, norm_type: float) -> torch.Tensor:
         """Clip by the norm over every rank's pieces (``torch.nn.utils.clip_grad_norm_``'s rule); returns it."""

@@ -11,13 +11,13 @@ given and must be able to step CPU tensors -- if its first step fails there, the
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 
-from stepforge.core import OPTIMIZERS, HyperParameterError, build_optimizer
+from stepforge.core import OPTIMIZERS, CachingOptimizer, HyperParameterError, build_optimizer
 
-__all__ = ["resolve_optimizer", "CPU_ADAM_FAMILY", "cpu_step_error", "CachingOptimizer", "invalidate_cache"]
+__all__ = ["resolve_optimizer", "CPU_ADAM_FAMILY", "cpu_step_error", "invalidate_cache"]
 
 #: registry names that CPU offload turns into ``CPUAdam`` (value: its ``adamw_mode``)
 CPU_ADAM_FAMILY = {"adam": False, "adamw": True, "fusedadam": None, "hybridadam": None}
@@ -90,14 +90,6 @@ def cpu_step_error(inner: torch.optim.Optimizer, exc: BaseException) -> RuntimeE
         f"LowLevelZeroOptimizer(cpu_offload=True): the inner optimizer {type(inner).__name__} cannot step the "
         f"CPU-resident master shards ({type(exc).__name__}: {exc}); {hint}, or set cpu_offload=False."
     )
-
-
-@runtime_checkable
-class CachingOptimizer(Protocol):
-    """An optimizer that caches its tensor lists between steps (stepforge-fused's bucket cache) and must be
-    told when its parameters or state tensors were replaced."""
-
-    def invalidate_cache(self) -> None: ...
 
 
 def invalidate_cache(inner: torch.optim.Optimizer) -> None:

@@ -29,14 +29,15 @@ import torch
 import torch.distributed as dist
 
 from stepforge.core import HyperParameterError
+from stepforge.core.precision import DynamicLossScaler, validate_loss_scaler_args
 
 from . import _full_state, _sharded_state
 from ._args import check_args, group_facts
 from ._buckets import GradReducer
 from ._comm import gather_params
+from ._full_state import zero_scaler_entry
 from ._grad_norm import check_clip_args
 from ._grad_pieces import GradPieces
-from ._loss_scaler import DynamicLossScaler
 from ._offload import cpu_step_error, invalidate_cache, resolve_optimizer
 from ._partition import ShardLayout, build_layout
 
@@ -97,6 +98,16 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         param_gather: str | None = None,
     ) -> None:
         check_args(stage, reduce_bucket_size, max_norm, dtype_for_loss_scaling, param_gather)
+        scaler_args = validate_loss_scaler_args(
+            "LowLevelZeroOptimizer",
+            initial_scale=initial_scale,
+            min_scale=min_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            hysteresis=hysteresis,
+            max_scale=max_scale,
+        )
         inner = resolve_optimizer(optimizer, params, cpu_offload=cpu_offload)
         if inner.state:
             raise HyperParameterError(
@@ -143,9 +154,9 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         self._pieces = GradPieces(self._layout, self._reducer)
         fp16 = any(s.param.dtype == torch.float16 for s in self._layout.slots)
         self._scaling = dtype_for_loss_scaling == "fp16" or fp16
-        self.scaler = DynamicLossScaler(
-            initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis, max_scale
-        )
+        # the overflow verdict must be the same on every rank (each sees only its pieces)
+        scaler_group = (process_group or dist.group.WORLD) if self._world > 1 else None
+        self.scaler = DynamicLossScaler(**scaler_args, process_group=scaler_group)
         self._stepped_on_cpu = False
         self.last_step_skipped = False
         self.skipped_steps = 0
@@ -179,7 +190,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
     @property
     def loss_scale(self) -> float:
         """The current loss scale (1.0 when no loss scaling is in use)."""
-        return self.scaler.scale if self._scaling else 1.0
+        return self.scaler.get_scale() if self._scaling else 1.0
 
     @property
     def collective_counts(self) -> Any:
@@ -207,13 +218,13 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()``, scaled by the loss scale when fp16 loss scaling is on."""
         if self._scaling:
-            loss = loss * self.scaler.scale
+            loss = self.scaler.scale(loss)
         loss.backward(**kwargs)
 
     def backward_by_grad(self, tensor: torch.Tensor, grad: torch.Tensor, **kwargs: Any) -> None:
         """``torch.autograd.backward(tensor, grad)`` with ``grad`` scaled by the loss scale (fp16)."""
         if self._scaling:
-            grad = grad * self.scaler.scale
+            grad = self.scaler.scale(grad)
         torch.autograd.backward(tensor, grad, **kwargs)
 
     @contextmanager
@@ -249,9 +260,10 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         self._pieces.scale_(factor)
 
     def unscale_(self) -> None:
-        """Divide the step's gradient pieces by the loss scale, once per step (no-op without fp16 scaling)."""
+        """Divide the step's gradient pieces by the loss scale, once per step (no-op without fp16 scaling);
+        ``scaler.found_inf`` then says whether any rank overflowed (the step will be skipped)."""
         self.sync_grads()
-        self._pieces.unscale_(self.scaler.scale if self._scaling else None)
+        self._pieces.unscale_(self.scaler if self._scaling else None)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the norm over every rank's gradient pieces (one small all-reduce); returns that norm.
@@ -274,8 +286,9 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
                     target[key] = value
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        """Synchronise (:meth:`sync_grads`), skip on fp16 overflow (every rank), unscale, clip (``max_norm``),
-        step the pieces with the inner optimizer and all-gather them into the working parameters."""
+        """Synchronise (:meth:`sync_grads`), unscale (:meth:`unscale_`), skip on fp16 overflow (every rank
+        agrees), clip (``max_norm``), step the pieces with the inner optimizer and all-gather them into the
+        working parameters."""
         if not self.require_grad_sync:
             raise RuntimeError(
                 "LowLevelZeroOptimizer.step() was called inside no_sync(); step after the block, once the "
@@ -285,15 +298,13 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.sync_grads()
-        if self._scaling:
-            if self._pieces.found_overflow():
-                self.scaler.update(True)
-                self.zero_grad(set_to_none=True)
-                self.last_step_skipped = True
-                self.skipped_steps += 1
-                return loss
-            self.unscale_()
+        self.unscale_()  # synchronises first
+        if self._scaling and self.scaler.found_inf:
+            self.scaler.update()
+            self.zero_grad(set_to_none=True)
+            self.last_step_skipped = True
+            self.skipped_steps += 1
+            return loss
         if self.max_norm > 0:
             self.clip_grad_norm_(self.max_norm)
         self._copy_hyperparameters(to_inner=True)
@@ -314,7 +325,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         self._copy_hyperparameters(to_inner=False)
         gather_params(self._layout, self.param_gather)
         if self._scaling:
-            self.scaler.update(False)
+            self.scaler.update()
         self._pieces.unscaled = False
         self.last_step_skipped = False
         return loss
@@ -329,7 +340,27 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
 
     # -- state dicts ---------------------------------------------------------------------------------------
     def _zero_extras(self) -> dict[str, Any]:
-        return {"loss_scaler": self.scaler.state_dict(), "skipped_steps": self.skipped_steps}
+        return {
+            "loss_scaler": zero_scaler_entry(self.scaler.state_dict()),
+            "skipped_steps": self.skipped_steps,
+        }
+
+    def scaler_state_dict(self) -> dict[str, Any] | None:
+        """``None``: the loss scaler's state is part of this optimizer's own state (:meth:`state_dict` and
+        :meth:`sharded_state_dict`, under ``["zero"]["loss_scaler"]``), so nothing has to travel beside it --
+        and checkpoints keep the layout they had before ``stepforge.core.precision``. Read ``scaler.state_dict()``
+        for the scaler alone."""
+        return None
+
+    def load_scaler_state_dict(self, state: Mapping[str, Any] | None) -> None:
+        """Load a loss-scaler state written apart (``DynamicLossScaler``'s or ``torch.amp.GradScaler``'s, or
+        zero's own ``["zero"]["loss_scaler"]`` entry); ``None`` or ``{}`` change nothing."""
+        if state:
+            self.scaler.load_state_dict(state)
+
+    def unwrap(self) -> torch.optim.Optimizer:
+        """The inner optimizer, which steps this rank's master pieces (ColossalAI's ``OptimizerWrapper.unwrap``)."""
+        return self.optim
 
     def state_dict(self) -> dict[str, Any]:
         """The full state in ``torch.optim`` layout keyed by global parameter index (collective: every rank
