@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from stepforge.core import HyperParameterError
 
-__all__ = ["check_args", "group_facts"]
+__all__ = ["check_args", "group_facts", "resolve_param_gather"]
 
 
 def check_args(
@@ -52,3 +52,12 @@ def group_facts(process_group: Any) -> tuple[int, int]:
             "torch.distributed.init_process_group first."
         )
     return 1, 0
+
+
+def resolve_param_gather(param_gather: str | None, world_size: int, process_group: Any) -> str:
+    """``param_gather`` as given, or for ``None``: ``"broadcast"`` on gloo (several times faster than gloo's
+    all-gather on the CPU), ``"all_gather"`` elsewhere."""
+    if param_gather is not None:
+        return param_gather
+    gloo = world_size > 1 and dist.get_backend(process_group) == "gloo"
+    return "broadcast" if gloo else "all_gather"

@@ -32,7 +32,7 @@ from stepforge.core import HyperParameterError
 from stepforge.core.precision import DynamicLossScaler, validate_loss_scaler_args
 
 from . import _full_state, _sharded_state
-from ._args import check_args, group_facts
+from ._args import check_args, group_facts, resolve_param_gather
 from ._buckets import GradReducer
 from ._comm import gather_params
 from ._full_state import zero_scaler_entry
@@ -116,10 +116,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
             )
         self._world, self._rank = group_facts(process_group)
         self.process_group = process_group
-        if param_gather is None:
-            gloo = self._world > 1 and dist.get_backend(process_group) == "gloo"
-            param_gather = "broadcast" if gloo else "all_gather"
-        self.param_gather = param_gather
+        self.param_gather = resolve_param_gather(param_gather, self._world, process_group)
         self.stage = stage
         self.reduce_bucket_size = reduce_bucket_size
         self.overlap_communication = bool(overlap_communication)
@@ -155,7 +152,9 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         fp16 = any(s.param.dtype == torch.float16 for s in self._layout.slots)
         self._scaling = dtype_for_loss_scaling == "fp16" or fp16
         # the overflow verdict must be the same on every rank (each sees only its pieces)
-        scaler_group = (process_group or dist.group.WORLD) if self._world > 1 else None
+        scaler_group = (
+            None if self._world == 1 else process_group if process_group is not None else dist.group.WORLD
+        )
         self.scaler = DynamicLossScaler(**scaler_args, process_group=scaler_group)
         self._stepped_on_cpu = False
         self.last_step_skipped = False
