@@ -166,7 +166,8 @@ class LowLevelZeroPlugin(PluginBase):
         Booster passes (``criterion``, ``dataloader``, ``lr_scheduler``) are not used.
 
         Returns:
-            ``(LowLevelZeroModel, LowLevelZeroOptimizer or None)``.
+            ``(LowLevelZeroModel, LowLevelZeroOptimizer or None)``; the optimizer is a
+            :class:`stepforge.core.BoostedOptimizer` (``backward(loss)`` applies the fp16 loss scale).
         """
         if not isinstance(model, torch.nn.Module):
             raise HyperParameterError(
