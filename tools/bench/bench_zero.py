@@ -48,129 +48,13 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common
+from _zero_parts import GPT, Counter, ddp_counting_hook, install_counter, nbytes
 
 __all__ = ["main"]
 
 SCHEMES = ("ddp_adamw", "ddp_torchzero", "fsdp2", "zero1", "zero2")
 THEORY_FACTOR = {"ddp_adamw": 2, "ddp_torchzero": 3, "fsdp2": 3, "zero1": 3, "zero2": 2}
 LR = 1e-4
-
-
-# ---------------------------------------------------------------------------------------------------------
-# model
-# ---------------------------------------------------------------------------------------------------------
-class Block(torch.nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.ln1 = torch.nn.LayerNorm(d)
-        self.qkv = torch.nn.Linear(d, 3 * d)
-        self.proj = torch.nn.Linear(d, d)
-        self.ln2 = torch.nn.LayerNorm(d)
-        self.fc = torch.nn.Linear(d, 4 * d)
-        self.out = torch.nn.Linear(4 * d, d)
-        self.heads = heads
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
-        return x + self.out(torch.nn.functional.gelu(self.fc(self.ln2(x))))
-
-
-class GPT(torch.nn.Module):
-    def __init__(self, vocab: int, d: int, layers: int, heads: int, ctx: int) -> None:
-        super().__init__()
-        self.tok = torch.nn.Embedding(vocab, d)
-        self.pos = torch.nn.Embedding(ctx, d)
-        self.blocks = torch.nn.ModuleList(Block(d, heads) for _ in range(layers))
-        self.ln = torch.nn.LayerNorm(d)
-        self.head = torch.nn.Linear(d, vocab, bias=False)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln(x))
-
-
-# ---------------------------------------------------------------------------------------------------------
-# byte counting
-# ---------------------------------------------------------------------------------------------------------
-class Counter:
-    """Per-rank bytes of every collective call, charged at the ring cost (see the module docstring)."""
-
-    def __init__(self, world: int) -> None:
-        self.world = world
-        self.reset()
-
-    def reset(self) -> None:
-        self.ring_bytes = 0.0
-        self.payload_bytes = 0
-        self.calls: dict[str, int] = {}
-
-    def add(self, op: str, nbytes: int) -> None:
-        n = self.world
-        factor = {"all_reduce": 2 * (n - 1) / n}.get(op, (n - 1) / n)
-        self.ring_bytes += factor * nbytes
-        self.payload_bytes += nbytes
-        self.calls[op] = self.calls.get(op, 0) + 1
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def install_counter(counter: Counter) -> dict[str, Any]:
-    """Wrap the ``torch.distributed`` collectives so that every call is counted before it runs.
-
-    Returns the original functions by name.
-    """
-    specs = {
-        "all_reduce": ("all_reduce", lambda a, k: _nbytes(a[0] if a else k["tensor"])),
-        "broadcast": ("broadcast", lambda a, k: _nbytes(a[0] if a else k["tensor"])),
-        "reduce_scatter_tensor": ("reduce_scatter", lambda a, k: _nbytes(a[1] if len(a) > 1 else k["input"])),
-        "all_gather_into_tensor": (
-            "all_gather",
-            lambda a, k: _nbytes(a[0] if a else k["output_tensor"]),
-        ),
-        # torch 2.13's preferred names for the two above (FSDP2 and stepforge.zero call these when present)
-        "reduce_scatter_single": ("reduce_scatter", lambda a, k: _nbytes(a[1] if len(a) > 1 else k["input"])),
-        "all_gather_single": ("all_gather", lambda a, k: _nbytes(a[0] if a else k["output_tensor"])),
-        "all_gather": ("all_gather", lambda a, k: sum(_nbytes(t) for t in (a[0] if a else k["tensor_list"]))),
-        "reduce_scatter": (
-            "reduce_scatter",
-            lambda a, k: sum(_nbytes(t) for t in (a[1] if len(a) > 1 else k["input_list"])),
-        ),
-    }
-    originals = {}
-    for name, (op, size) in specs.items():
-        if not hasattr(dist, name):
-            continue
-        original = originals[name] = getattr(dist, name)
-
-        def wrapped(*args: Any, _original=original, _op=op, _size=size, **kwargs: Any) -> Any:
-            counter.add(_op, _size(args, kwargs))
-            return _original(*args, **kwargs)
-
-        setattr(dist, name, wrapped)
-        setattr(dist.distributed_c10d, name, wrapped)
-    return originals
-
-
-def ddp_counting_hook(counter: Counter, all_reduce: Any):
-    """DDP's default all-reduce (divide by the world size, then sum), counted once here (``all_reduce`` is
-    the unwrapped function)."""
-
-    # no annotations: DDP checks them, and this module's are strings (from __future__ import annotations)
-    def hook(process_group, bucket):
-        buffer = bucket.buffer()
-        counter.add("all_reduce", _nbytes(buffer))
-        buffer.div_(counter.world)
-        work = all_reduce(buffer, async_op=True)
-        return work.get_future().then(lambda fut: fut.value()[0])
-
-    return hook
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -208,7 +92,7 @@ def build(
             inner = optimizer.optim
 
         def memory() -> dict[str, int]:
-            grads = sum(_nbytes(p.grad) for p in model.parameters() if p.grad is not None)
+            grads = sum(nbytes(p.grad) for p in model.parameters() if p.grad is not None)
             return {"grad": grads, "optim_state": _state_bytes(inner), "master": 0}
 
         return ddp, optimizer, memory
@@ -221,7 +105,7 @@ def build(
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
 
         def memory() -> dict[str, int]:
-            grads = sum(_nbytes(_local(p.grad)) for p in model.parameters() if p.grad is not None)
+            grads = sum(nbytes(_local(p.grad)) for p in model.parameters() if p.grad is not None)
             return {"grad": grads, "optim_state": _state_bytes(optimizer), "master": 0}
 
         return model, optimizer, memory
@@ -235,12 +119,12 @@ def build(
     def memory() -> dict[str, int]:
         # the tensors the optimizer holds: reduced gradient pieces, inner optimizer state over the pieces,
         # and master pieces that are separate tensors (fp32 working params are their own masters)
-        slots = zero._slots
+        slots = zero.layout.slots
         return {
-            "grad": sum(_nbytes(s.grad) for s in slots if s.grad is not None)
-            + sum(_nbytes(p.grad) for p in model.parameters() if p.grad is not None),
+            "grad": sum(nbytes(s.grad) for s in slots if s.grad is not None)
+            + sum(nbytes(p.grad) for p in model.parameters() if p.grad is not None),
             "optim_state": _state_bytes(zero.optim),
-            "master": sum(_nbytes(s.master) for s in slots if s.separate_master),
+            "master": sum(nbytes(s.master) for s in slots if s.separate_master),
         }
 
     return model, zero, memory

@@ -12,7 +12,10 @@ import os
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from _low_level_common import (
+
+from stepforge.core import build_optimizer
+from stepforge.testing.distributed import requires_gloo, run_distributed
+from stepforge.testing.zero_cases import (
     flat_params,
     loss_fn,
     make_model,
@@ -21,9 +24,6 @@ from _low_level_common import (
     param_groups,
     reference_run,
 )
-
-from stepforge.core import build_optimizer
-from stepforge.testing.distributed import requires_gloo, run_distributed
 from stepforge.zero.low_level import LowLevelZeroOptimizer
 
 pytestmark = [pytest.mark.distributed, requires_gloo]

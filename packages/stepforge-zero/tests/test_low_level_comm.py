@@ -8,56 +8,20 @@ bucket closes after every 2 parameters: ceil(240 / 80) = 3 buckets per synchroni
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from stepforge.core import no_sync
 from stepforge.testing.distributed import requires_gloo, run_distributed
+from stepforge.testing.zero_cases import counting
 from stepforge.zero.low_level import LowLevelZeroOptimizer
 
 pytestmark = [pytest.mark.distributed, requires_gloo]
 
 NPARAMS, NUMEL, BUCKET = 6, 40, 80
 BUCKETS = -(-NPARAMS * NUMEL // BUCKET)  # 3
-# torch 2.13 renamed the tensor collectives (``*_single``); count both spellings under the old names
-WRAPPED = {
-    "reduce_scatter_tensor": "reduce_scatter_tensor",
-    "reduce_scatter_single": "reduce_scatter_tensor",
-    "all_gather_into_tensor": "all_gather_into_tensor",
-    "all_gather_single": "all_gather_into_tensor",
-    "all_reduce": "all_reduce",
-    "broadcast": "broadcast",
-    "all_gather": "all_gather",
-}
-
-
-@contextmanager
-def counting() -> Iterator[Counter]:
-    """Count calls (and elements) of the torch.distributed collectives for the block."""
-    calls: Counter = Counter()
-    saved = {name: getattr(dist, name) for name in WRAPPED if hasattr(dist, name)}
-
-    def wrap(name: str, fn):
-        def wrapper(tensor, *args, **kwargs):
-            calls[WRAPPED[name]] += 1
-            arg = args[0] if args and torch.is_tensor(args[0]) else tensor
-            calls[WRAPPED[name] + ".elements"] += arg.numel() if torch.is_tensor(arg) else 0
-            return fn(tensor, *args, **kwargs)
-
-        return wrapper
-
-    for name, fn in saved.items():
-        setattr(dist, name, wrap(name, fn))
-    try:
-        yield calls
-    finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
 
 
 class _Flat(nn.Module):
@@ -146,7 +110,7 @@ def test_stage1_all_reduces_per_bucket(counts):
 # -- memory -----------------------------------------------------------------------------------------------
 def _held_bytes(opt: LowLevelZeroOptimizer) -> int:
     total = 0
-    for slot in opt._slots:
+    for slot in opt.layout.slots:
         if slot.separate_master:
             total += slot.master.numel() * slot.master.element_size()
         if slot.grad is not None:
@@ -171,7 +135,7 @@ def _memory(rank: int, world: int) -> dict[str, float]:
         assert all(p.grad is None for p in model.parameters()), "ZeRO-2 keeps no full gradient after backward"
         opt.step()  # creates the Adam state
         model(x).square().mean().backward()
-        opt._reducer.wait()
+        opt.sync_grads()
         numel = sum(p.numel() for p in model.parameters())
         padded = sum(-(-p.numel() // world) * world for p in model.parameters())
         # unsharded figure of the same tensors: exp_avg + exp_avg_sq + grad in the master dtype (+ fp32 master)

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 import torch
-from _low_level_common import make_model, param_groups
 
 from stepforge.core import OPTIMIZERS, HyperParameterError
+from stepforge.testing.zero_cases import make_model, param_groups
 from stepforge.zero.low_level import LowLevelZeroOptimizer
 
 
@@ -27,7 +27,7 @@ def test_adam_family_config_becomes_cpu_adam_with_offload():
         assert type(opt.optim) is cpu_adam
         group = opt.optim.param_groups[0]
         assert group["adamw_mode"] is adamw_mode and group["betas"] == (0.8, 0.9) and group["lr"] == 0.01
-        assert all(s.master.device.type == "cpu" for s in opt._slots)
+        assert all(s.master.device.type == "cpu" for s in opt.layout.slots)
     # without offload, and for a torch-only option, the config is built as given
     model = make_model()
     opt = LowLevelZeroOptimizer(dict(type="AdamW", lr=0.01), params=model.parameters())

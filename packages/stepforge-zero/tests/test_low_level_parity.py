@@ -20,7 +20,10 @@ import itertools
 
 import pytest
 import torch
-from _low_level_common import (
+
+from stepforge.core import OPTIMIZERS, ShardedOptimizer, build_optimizer, no_sync
+from stepforge.testing.distributed import requires_gloo, run_distributed
+from stepforge.testing.zero_cases import (
     flat_params,
     loss_fn,
     make_model,
@@ -29,9 +32,6 @@ from _low_level_common import (
     param_groups,
     reference_run,
 )
-
-from stepforge.core import OPTIMIZERS, ShardedOptimizer, build_optimizer, no_sync
-from stepforge.testing.distributed import requires_gloo, run_distributed
 from stepforge.zero.low_level import LowLevelZeroOptimizer
 
 pytestmark = [pytest.mark.distributed, requires_gloo]

@@ -11,7 +11,11 @@ import math
 
 import pytest
 import torch
-from _low_level_common import (
+from torch import nn
+
+from stepforge.core import HyperParameterError, build_optimizer
+from stepforge.testing.distributed import requires_gloo, run_distributed
+from stepforge.testing.zero_cases import (
     batch,
     flat_params,
     loss_fn,
@@ -21,10 +25,6 @@ from _low_level_common import (
     param_groups,
     reference_run,
 )
-from torch import nn
-
-from stepforge.core import HyperParameterError, build_optimizer
-from stepforge.testing.distributed import requires_gloo, run_distributed
 from stepforge.zero.low_level import LowLevelZeroOptimizer
 
 pytestmark = [pytest.mark.distributed, requires_gloo]

@@ -15,6 +15,14 @@ import torch.distributed.checkpoint as dcp
 
 from stepforge.core import PLUGINS, HyperParameterError, Plugin
 from stepforge.testing.distributed import requires_gloo, run_distributed
+from stepforge.testing.zero_cases import (
+    assert_all_close,
+    mlp,
+    param_copies,
+    rank_rows,
+    regression_batch,
+    train_reference,
+)
 from stepforge.zero import (
     LowLevelZeroModel,
     LowLevelZeroOptimizer,
@@ -31,13 +39,11 @@ MAX_NORM = 0.05  # below the gradient norms of these batches (about 1.4), so cli
 
 
 def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.Tanh(), torch.nn.Linear(32, 3))
+    return mlp((6, 32, 3))
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(500 + step)
-    return torch.randn(GLOBAL_BATCH, 6, generator=gen), torch.randn(GLOBAL_BATCH, 3, generator=gen)
+    return regression_batch(500 + step, GLOBAL_BATCH, 6, 3)
 
 
 def _reference(steps: range, micro: int = 1, max_norm: float = 0.0) -> list[torch.Tensor]:
@@ -45,15 +51,8 @@ def _reference(steps: range, micro: int = 1, max_norm: float = 0.0) -> list[torc
     ``max_norm`` > 0: torch.nn.utils.clip_grad_norm_ before each step."""
     model = _model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    for step in steps:
-        optimizer.zero_grad()
-        for m in range(micro):
-            x, y = _batch(step * micro + m)
-            torch.nn.functional.mse_loss(model(x), y).backward()
-        if max_norm:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        optimizer.step()
-    return [p.detach().clone() for p in model.parameters()]
+    batches = ([_batch(step * micro + m) for m in range(micro)] for step in steps)
+    return train_reference(model, optimizer, batches, max_norm=max_norm)
 
 
 def _reference_norm() -> torch.Tensor:
@@ -64,8 +63,7 @@ def _reference_norm() -> torch.Tensor:
 
 
 def _train(plugin, model, optimizer, rank: int, world: int, steps: range, micro: int = 1) -> None:
-    per_rank = GLOBAL_BATCH // world
-    sl = slice(rank * per_rank, (rank + 1) * per_rank)
+    sl = rank_rows(rank, world, GLOBAL_BATCH)
     for step in steps:
         optimizer.zero_grad()
         for m in range(micro):
@@ -79,7 +77,7 @@ def _train(plugin, model, optimizer, rank: int, world: int, steps: range, micro:
 
 
 def _params(model: torch.nn.Module) -> list[torch.Tensor]:
-    return [p.detach().clone().float() for p in model.unwrap().parameters()]
+    return param_copies(model.unwrap())
 
 
 def _end_to_end(rank: int, world: int, ckpt: str) -> dict:
@@ -107,8 +105,7 @@ def _end_to_end(rank: int, world: int, ckpt: str) -> dict:
     model = _model()
     model, optimizer = plugin.prepare(model, torch.optim.AdamW(model.parameters(), lr=LR))
     x, y = _batch(0)
-    per_rank = GLOBAL_BATCH // world
-    sl = slice(rank * per_rank, (rank + 1) * per_rank)
+    sl = rank_rows(rank, world, GLOBAL_BATCH)
     plugin.backward(torch.nn.functional.mse_loss(model(x[sl]), y[sl]), optimizer)
     out["norm"] = plugin.clip_grad_norm_(model, optimizer, 1e9)
     optimizer.zero_grad()
@@ -149,8 +146,7 @@ def _resume(rank: int, world: int, ckpt: str) -> list[torch.Tensor]:
 
 
 def _assert_close(got, want) -> None:
-    for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, rtol=RTOL, atol=ATOL)
+    assert_all_close(got, want, rtol=RTOL, atol=ATOL)
 
 
 @requires_gloo

@@ -19,6 +19,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from stepforge.core import OPTIMIZERS, HyperParameterError, UnknownNameError, build_optimizer
 from stepforge.testing.distributed import requires_gloo, run_distributed
+from stepforge.testing.zero_cases import (
+    assert_all_close,
+    mlp,
+    param_copies,
+    rank_rows,
+    regression_batch,
+    train_reference,
+)
 from stepforge.zero import CollectiveCallError, ZeroRedundancyOptimizer
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -33,13 +41,11 @@ CASES = {
 
 
 def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    return mlp((6, 16, 3))
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1000 + step)
-    return torch.randn(GLOBAL_BATCH, 6, generator=gen), torch.randn(GLOBAL_BATCH, 3, generator=gen)
+    return regression_batch(1000 + step, GLOBAL_BATCH, 6, 3)
 
 
 def _params(model: torch.nn.Module, groups: bool, kwargs: dict) -> list:
@@ -55,22 +61,17 @@ def _reference(case: str, steps: int) -> tuple[list[torch.Tensor], dict]:
     model = _model()
     cls = ref_cls if ref_cls is not None else OPTIMIZERS.get(optimizer_type)
     optimizer = cls(_params(model, groups, kwargs), **kwargs)
-    for step in range(steps):
-        x, y = _batch(step)
-        optimizer.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        optimizer.step()
-    return [p.detach().clone() for p in model.parameters()], optimizer.state_dict()
+    params = train_reference(model, optimizer, ([_batch(step)] for step in range(steps)))
+    return params, optimizer.state_dict()
 
 
 def _train(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int, world: int, steps: range
 ) -> None:
     ddp = DDP(model)
-    per_rank = GLOBAL_BATCH // world
+    sl = rank_rows(rank, world, GLOBAL_BATCH)
     for step in steps:
         x, y = _batch(step)
-        sl = slice(rank * per_rank, (rank + 1) * per_rank)
         optimizer.zero_grad()
         torch.nn.functional.mse_loss(ddp(x[sl]), y[sl]).backward()
         optimizer.step()
@@ -91,7 +92,7 @@ def _first_half(rank: int, world: int) -> dict:
         _train(model, optimizer, rank, world, range(STEPS_BEFORE))
         state = optimizer.state_dict()  # collective, every rank
         assert (state != {}) == (rank == 0), (rank, list(state))
-        out[case] = ([p.detach().clone() for p in model.parameters()], state)
+        out[case] = (param_copies(model), state)
     return out
 
 
@@ -107,7 +108,7 @@ def _second_half(rank: int, world: int, saved: dict) -> dict:
         optimizer = ZeroRedundancyOptimizer(_params(model, groups, kwargs), optimizer_type, **kwargs)
         optimizer.load_state_dict(state)
         _train(model, optimizer, rank, world, range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER))
-        out[case] = [p.detach().clone() for p in model.parameters()]
+        out[case] = param_copies(model)
     # the bounded wait: rank 0 calls the collective alone
     optimizer = ZeroRedundancyOptimizer(_model().parameters(), "SGD", lr=0.1, consolidate_timeout=2.0)
     if rank == 0:
@@ -124,8 +125,7 @@ def _second_half(rank: int, world: int, saved: dict) -> dict:
 
 
 def _assert_close(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
-    for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, rtol=RTOL, atol=ATOL)
+    assert_all_close(got, want, rtol=RTOL, atol=ATOL)
 
 
 @requires_gloo

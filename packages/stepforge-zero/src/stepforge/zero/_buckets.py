@@ -16,6 +16,10 @@ every backward, so at most the buckets in flight exist beside the shards.
 
 While :attr:`GradReducer.enabled` is ``False`` (``no_sync``), hooks leave ``.grad`` alone: full local
 gradients accumulate as usual and are reduced once, by the first synchronised backward or by :meth:`flush_local`.
+
+:meth:`GradReducer.sync` is the one point where a step's gradients become final: it flushes what ``no_sync``
+left in ``param.grad``, waits for the buckets in flight and marks the reduction done until the next backward
+reaches a managed parameter (or :meth:`GradReducer.discard`), so calling it again before then does nothing.
 """
 
 from __future__ import annotations
@@ -36,11 +40,13 @@ MAX_IN_FLIGHT = 2
 
 
 class CollectiveCounter:
-    """How many reduce collectives were launched (for tests and the benchmark)."""
+    """How many reduce collectives were launched, and how many times a step's reduction was completed by
+    :meth:`GradReducer.sync` (for tests and the benchmark)."""
 
     def __init__(self) -> None:
         self.reduce_scatter = 0
         self.all_reduce = 0
+        self.syncs = 0
 
 
 class _Bucket:
@@ -79,6 +85,7 @@ class GradReducer:
         self.world_size = world_size
         self.rank = rank
         self.enabled = True
+        self.synced = False  # the reduction of the gradients so far is complete (see sync)
         self.counter = CollectiveCounter()
         self._buckets: dict[torch.dtype, _Bucket] = {}
         self._in_flight: list[tuple[Any, torch.Tensor, list[tuple[Slot, int]], int]] = []
@@ -97,6 +104,7 @@ class GradReducer:
 
     # -- backward side --------------------------------------------------------------------------------
     def _hook(self, param: torch.Tensor) -> None:
+        self.synced = False  # a backward reached a managed parameter: the next sync has work again
         if not self.enabled or param.grad is None:
             return
         slot = self._by_param[id(param)]
@@ -192,12 +200,24 @@ class GradReducer:
                 slot.param.grad = None
         self.wait()
 
+    def sync(self) -> bool:
+        """Complete the reduction of every gradient produced so far, once: :meth:`flush_local`, then mark it
+        done until the next backward reaches a managed parameter. Returns whether it did the work (``False``:
+        already synced, nothing changed since)."""
+        if self.synced:
+            return False
+        self.flush_local()
+        self.synced = True
+        self.counter.syncs += 1
+        return True
+
     def discard(self) -> None:
         """Finish the reductions in flight and drop them with the unlaunched buckets (``zero_grad``)."""
         in_flight, self._in_flight = self._in_flight, []
         for work, _, _, _ in in_flight:
             work.wait()
         self._buckets.clear()
+        self.synced = False
 
     @property
     def pending(self) -> bool:

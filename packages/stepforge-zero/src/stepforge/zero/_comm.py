@@ -4,6 +4,10 @@
 torch 2.13 deprecates ``all_gather_into_tensor``/``reduce_scatter_tensor`` in favour of
 ``all_gather_single``/``reduce_scatter_single`` (same signatures); older torch has only the former. They are
 looked up at call time so that wrapping ``torch.distributed`` (tests, the benchmark) sees every call.
+
+On top of them: :func:`gather_params` (the updated master pieces into every rank's working parameters, one
+collective per partition) and :func:`all_reduce_small` (the one-element reductions of the norm and the
+overflow flag).
 """
 
 from __future__ import annotations
@@ -13,7 +17,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_gather_name", "reduce_scatter_name", "all_gather", "reduce_scatter", "gather_by_broadcast"]
+from ._partition import ShardLayout
+
+__all__ = [
+    "all_gather_name",
+    "reduce_scatter_name",
+    "all_gather",
+    "reduce_scatter",
+    "gather_by_broadcast",
+    "gather_params",
+    "all_reduce_small",
+]
 
 all_gather_name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
 reduce_scatter_name = (
@@ -39,3 +53,35 @@ def gather_by_broadcast(local: torch.Tensor, rank: int, world_size: int, *, grou
         source = src if group is None else dist.get_global_rank(group, src)
         dist.broadcast(table[src], src=source, group=group)
     return table
+
+
+@torch.no_grad()
+def gather_params(layout: ShardLayout, method: str) -> None:
+    """Copy every rank's master pieces into the working parameters of every rank.
+
+    Per partition one ``all_gather`` (``method="all_gather"``) or ``world_size`` broadcasts
+    (``"broadcast"``) of the padded per-rank buffer; with one rank a local copy.
+    """
+    for part in layout.partitions:
+        local = torch.zeros(part.size, dtype=part.dtype, device=part.device)
+        for slot in part.slots:
+            if slot.valid:
+                local[slot.offset : slot.offset + slot.valid].copy_(slot.master)
+        if layout.world_size == 1:
+            table = local.view(1, part.size)
+        elif method == "broadcast":
+            table = gather_by_broadcast(local, layout.rank, layout.world_size, group=layout.group)
+        else:
+            table = torch.empty((layout.world_size, part.size), dtype=part.dtype, device=part.device)
+            all_gather(table.view(-1), local, group=layout.group)
+        for slot in part.slots:
+            full = table[:, slot.offset : slot.offset + slot.piece].reshape(-1)[: slot.numel]
+            slot.param.copy_(full.view_as(slot.param))
+
+
+def all_reduce_small(value: torch.Tensor, op: Any, layout: ShardLayout, device: torch.device) -> torch.Tensor:
+    """All-reduce a few elements on ``device`` (where the backend wants them); the result on the CPU."""
+    if layout.world_size > 1:
+        value = value.to(device)
+        dist.all_reduce(value, op=op, group=layout.group)
+    return value.cpu()

@@ -9,12 +9,17 @@ ignores the extra key, so the result also loads into the plain inner optimizer o
 
 Gathering is collective: one ``all_gather_object`` for the state's structure, then one
 ``all_gather_into_tensor`` per (partition, state key).
+
+The functions take the :class:`~._partition.ShardLayout`, the inner optimizer (which steps the master pieces)
+and the working param groups -- never the ``LowLevelZeroOptimizer`` itself -- so this module does not import the
+optimizer's module. The caller waits for reductions in flight first and owns the ``"zero"`` extras beside the
+masters (loss scaler, skip counter): it passes them in to save and applies what the load returns.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,12 +27,32 @@ import torch.distributed as dist
 from stepforge.core import HyperParameterError
 
 from ._comm import all_gather
-from ._partition import Partition, Slot
+from ._offload import invalidate_cache
+from ._partition import Partition, ShardLayout, Slot
 
-if TYPE_CHECKING:
-    from .low_level import LowLevelZeroOptimizer
+__all__ = [
+    "full_state_dict",
+    "load_full_state_dict",
+    "is_elementwise",
+    "inner_state_dict",
+    "group_entries",
+    "apply_groups",
+    "gather_pieces",
+    "zero_scaler_entry",
+]
 
-__all__ = ["full_state_dict", "load_full_state_dict", "is_elementwise", "inner_state_dict", "group_entries"]
+ParamGroups = list[dict[str, Any]]
+
+# the loss scaler's two counters as zero's checkpoints have always named them (stepforge.core.precision's scaler
+# names them like GradScaler, with an underscore); keeping them keeps old DCP checkpoints, whose template keys
+# must match, loadable -- and the core scaler reads both spellings
+_ZERO_SCALER_KEYS = {"_growth_tracker": "growth_tracker", "_hysteresis_left": "hysteresis_left"}
+
+
+def zero_scaler_entry(scaler_state: Mapping[str, Any]) -> dict[str, Any]:
+    """``DynamicLossScaler.state_dict()`` in the key layout of ``["zero"]["loss_scaler"]``."""
+    return {_ZERO_SCALER_KEYS.get(key, key): value for key, value in scaler_state.items()}
+
 
 MASTER_KEY = "__master__"
 
@@ -43,11 +68,11 @@ def is_elementwise(key: str, value: Any, slot: Slot) -> bool:
     )
 
 
-def _structure(opt: LowLevelZeroOptimizer) -> dict[int, dict[str, Any]]:
+def _structure(layout: ShardLayout, inner: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
     """Per parameter index: ``{key: ("elem", dtype) | ("scalar", value)}`` for its state on this rank."""
     out: dict[int, dict[str, Any]] = {}
-    for slot in opt._slots:
-        state = opt.optim.state.get(slot.master) if slot.valid else None
+    for slot in layout.slots:
+        state = inner.state.get(slot.master) if slot.valid else None
         if not state:
             continue
         entry: dict[str, Any] = {}
@@ -60,12 +85,12 @@ def _structure(opt: LowLevelZeroOptimizer) -> dict[int, dict[str, Any]]:
     return out
 
 
-def _merged_structure(opt: LowLevelZeroOptimizer) -> dict[int, dict[str, Any]]:
-    local = _structure(opt)
-    if opt.world_size == 1:
+def _merged_structure(layout: ShardLayout, inner: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
+    local = _structure(layout, inner)
+    if layout.world_size == 1:
         return local
-    everyone: list[Any] = [None] * opt.world_size
-    dist.all_gather_object(everyone, local, group=opt.process_group)
+    everyone: list[Any] = [None] * layout.world_size
+    dist.all_gather_object(everyone, local, group=layout.group)
     merged: dict[int, dict[str, Any]] = {}
     for part in everyone:
         for index, entry in part.items():
@@ -76,7 +101,7 @@ def _merged_structure(opt: LowLevelZeroOptimizer) -> dict[int, dict[str, Any]]:
 
 
 def gather_pieces(
-    opt: LowLevelZeroOptimizer,
+    layout: ShardLayout,
     part: Partition,
     pieces: Mapping[int, torch.Tensor],
     dtype: torch.dtype,
@@ -88,12 +113,12 @@ def gather_pieces(
         piece = pieces.get(slot.index)
         if piece is not None and slot.valid:
             local[slot.offset : slot.offset + slot.valid].copy_(piece)
-    if opt.world_size > 1:
-        gathered = torch.empty(opt.world_size * part.size, dtype=dtype, device=part.device)
-        all_gather(gathered, local, group=opt.process_group)
+    if layout.world_size > 1:
+        gathered = torch.empty(layout.world_size * part.size, dtype=dtype, device=part.device)
+        all_gather(gathered, local, group=layout.group)
     else:
         gathered = local
-    table = gathered.view(opt.world_size, part.size)
+    table = gathered.view(layout.world_size, part.size)
     return {
         slot.index: table[:, slot.offset : slot.offset + slot.piece]
         .reshape(-1)[: slot.numel]
@@ -104,22 +129,34 @@ def gather_pieces(
     }
 
 
-def group_entries(opt: LowLevelZeroOptimizer) -> list[dict[str, Any]]:
-    """The param groups with global parameter indices instead of tensors."""
+def group_entries(layout: ShardLayout, param_groups: ParamGroups) -> list[dict[str, Any]]:
+    """The working ``param_groups`` with global parameter indices instead of tensors."""
     groups = []
-    for g, group in enumerate(opt.param_groups):
+    for g, group in enumerate(param_groups):
         entry = {k: v for k, v in group.items() if k != "params"}
-        entry["params"] = [s.index for s in opt._slots if s.group == g]
+        entry["params"] = [s.index for s in layout.group_slots(g)]
         groups.append(entry)
     return groups
 
 
-def full_state_dict(opt: LowLevelZeroOptimizer) -> dict[str, Any]:
-    """See the module docstring. Collective over the optimizer's process group."""
-    structure = _merged_structure(opt)
+def full_state_dict(
+    layout: ShardLayout,
+    inner: torch.optim.Optimizer,
+    param_groups: ParamGroups,
+    extras: Mapping[str, Any],
+) -> dict[str, Any]:
+    """See the module docstring. Collective over ``layout.group``.
+
+    Args:
+        layout: the sharding of the working parameters.
+        inner: the optimizer over the master pieces (its ``state`` is keyed by ``slot.master``).
+        param_groups: the working param groups (their hyper-parameters are saved).
+        extras: entries of ``"zero"`` beside the masters (``loss_scaler``, ``skipped_steps``).
+    """
+    structure = _merged_structure(layout, inner)
     state: dict[int, dict[str, Any]] = {}
     masters: dict[int, torch.Tensor] = {}
-    for part in opt._partitions:
+    for part in layout.partitions:
         keys: dict[str, torch.dtype] = {}
         for slot in part.slots:
             for key, spec in structure.get(slot.index, {}).items():
@@ -128,17 +165,17 @@ def full_state_dict(opt: LowLevelZeroOptimizer) -> dict[str, Any]:
         for key in sorted(keys):
             pieces = {}
             for slot in part.slots:
-                entry = opt.optim.state.get(slot.master) if slot.valid else None
+                entry = inner.state.get(slot.master) if slot.valid else None
                 if entry is not None and key in entry:
                     pieces[slot.index] = entry[key]
-            full = gather_pieces(opt, part, pieces, keys[key])
+            full = gather_pieces(layout, part, pieces, keys[key])
             for slot in part.slots:
                 if key in structure.get(slot.index, {}):
                     state.setdefault(slot.index, {})[key] = full[slot.index]
         if any(s.separate_master for s in part.slots):
             pieces = {s.index: s.master for s in part.slots if s.valid}
             dtype = part.slots[0].master.dtype
-            masters.update(gather_pieces(opt, part, pieces, dtype))
+            masters.update(gather_pieces(layout, part, pieces, dtype))
     for index, entry in structure.items():
         for key, spec in entry.items():
             if spec[0] == "scalar":
@@ -146,23 +183,19 @@ def full_state_dict(opt: LowLevelZeroOptimizer) -> dict[str, Any]:
     ordered = {i: state[i] for i in sorted(state)}
     return {
         "state": ordered,
-        "param_groups": group_entries(opt),
-        "zero": {
-            "loss_scaler": opt.scaler.state_dict(),
-            "skipped_steps": opt.skipped_steps,
-            "master_weights": masters,
-        },
+        "param_groups": group_entries(layout, param_groups),
+        "zero": {**extras, "master_weights": masters},
     }
 
 
-def _check_groups(opt: LowLevelZeroOptimizer, groups: Any) -> None:
-    if not isinstance(groups, list | tuple) or len(groups) != len(opt.param_groups):
+def _check_groups(groups: Any, param_groups: ParamGroups) -> None:
+    if not isinstance(groups, list | tuple) or len(groups) != len(param_groups):
         count = len(groups) if isinstance(groups, list | tuple) else "no"
         raise HyperParameterError(
             f"LowLevelZeroOptimizer.load_state_dict: the state has {count} param groups, this optimizer "
-            f"{len(opt.param_groups)}; build the optimizer with the same param groups as the saved one."
+            f"{len(param_groups)}; build the optimizer with the same param groups as the saved one."
         )
-    for g, (saved, ours) in enumerate(zip(groups, opt.param_groups, strict=True)):
+    for g, (saved, ours) in enumerate(zip(groups, param_groups, strict=True)):
         if len(saved["params"]) != len(ours["params"]):
             raise HyperParameterError(
                 f"LowLevelZeroOptimizer.load_state_dict: param group {g} holds {len(saved['params'])} "
@@ -171,7 +204,7 @@ def _check_groups(opt: LowLevelZeroOptimizer, groups: Any) -> None:
 
 
 def inner_state_dict(
-    opt: LowLevelZeroOptimizer, groups: list[Mapping[str, Any]], pieces: Mapping[int, Mapping[str, Any]]
+    layout: ShardLayout, groups: list[Mapping[str, Any]], pieces: Mapping[int, Mapping[str, Any]]
 ) -> dict[str, Any]:
     """A state dict for the inner optimizer over the master pieces (``pieces``: this rank's state by global
     index), so that the inner optimizer's own ``load_state_dict`` casts and checks it."""
@@ -180,8 +213,8 @@ def inner_state_dict(
     position = 0
     for g, saved in enumerate(groups):
         ids = []
-        for slot in opt._slots:
-            if slot.group != g or not slot.valid:
+        for slot in layout.group_slots(g):
+            if not slot.valid:
                 continue
             if slot.index in pieces:
                 inner_state[position] = dict(pieces[slot.index])
@@ -191,26 +224,33 @@ def inner_state_dict(
     return {"state": inner_state, "param_groups": inner_groups}
 
 
-def apply_groups(opt: LowLevelZeroOptimizer, groups: list[Mapping[str, Any]]) -> None:
+def apply_groups(param_groups: ParamGroups, groups: list[Mapping[str, Any]]) -> None:
     """Copy the saved hyper-parameters into the working param groups."""
-    for saved, ours in zip(groups, opt.param_groups, strict=True):
+    for saved, ours in zip(groups, param_groups, strict=True):
         for key, value in saved.items():
             if key != "params":
                 ours[key] = value
 
 
-def load_full_state_dict(opt: LowLevelZeroOptimizer, state_dict: Mapping[str, Any]) -> None:
-    """Load a full state dict (this optimizer's at any world size, or a plain ``torch.optim`` one)."""
+def load_full_state_dict(
+    layout: ShardLayout,
+    inner: torch.optim.Optimizer,
+    param_groups: ParamGroups,
+    state_dict: Mapping[str, Any],
+) -> Mapping[str, Any]:
+    """Load a full state dict (this optimizer's at any world size, or a plain ``torch.optim`` one) into
+    ``inner``, ``param_groups`` and the master pieces; returns its ``"zero"`` section (empty for a plain one)
+    for the caller to restore the rest (loss scaler, skip counter). Reductions must not be in flight."""
     if not isinstance(state_dict, Mapping) or "state" not in state_dict or "param_groups" not in state_dict:
         raise HyperParameterError(
             "LowLevelZeroOptimizer.load_state_dict: expected a dict with 'state' and 'param_groups' (the output "
             "of state_dict()); for the sharded form use load_sharded_state_dict."
         )
     groups = list(state_dict["param_groups"])
-    _check_groups(opt, groups)
+    _check_groups(groups, param_groups)
     saved_state = state_dict["state"]
     pieces: dict[int, dict[str, Any]] = {}
-    for slot in opt._slots:
+    for slot in layout.slots:
         entry = saved_state.get(slot.index, saved_state.get(str(slot.index)))
         if entry is None or not slot.valid:
             continue
@@ -222,22 +262,17 @@ def load_full_state_dict(opt: LowLevelZeroOptimizer, state_dict: Mapping[str, An
             else:
                 piece[key] = value
         pieces[slot.index] = piece
-    opt._reducer.wait()
-    opt.optim.load_state_dict(inner_state_dict(opt, groups, pieces))
-    apply_groups(opt, groups)
+    inner.load_state_dict(inner_state_dict(layout, groups, pieces))
+    apply_groups(param_groups, groups)
     zero = state_dict.get("zero") or {}
     masters = zero.get("master_weights") or {}
     with torch.no_grad():
-        for slot in opt._slots:
+        for slot in layout.slots:
             if not slot.valid or not slot.separate_master:
                 continue
             full = masters.get(slot.index, masters.get(str(slot.index)))
             if full is None:
                 full = slot.param.detach()
             slot.master.copy_(full.reshape(-1)[slot.start : slot.start + slot.valid])
-    if "loss_scaler" in zero:
-        opt.scaler.load_state_dict(zero["loss_scaler"])
-    opt.skipped_steps = int(zero.get("skipped_steps", opt.skipped_steps))
-    invalidate = getattr(opt.optim, "invalidate_cache", None)
-    if callable(invalidate):
-        invalidate()
+    invalidate_cache(inner)
+    return zero

@@ -12,11 +12,13 @@ from typing import Any
 import torch
 
 from stepforge.core import StepforgeError
+from stepforge.core.precision import PLUGIN_PRECISIONS, get_precision
 
 __all__ = ["PRECISIONS", "LowLevelZeroModel", "UnsupportedPrecisionError"]
 
-#: precision name -> working dtype of the model's parameters.
-PRECISIONS: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+#: precision name -> working dtype of the model's parameters: the plugin precisions of
+#: :data:`stepforge.core.precision.PRECISIONS` (the one table), read as ``{name: dtype}``.
+PRECISIONS: dict[str, torch.dtype] = {name: get_precision(name).dtype for name in PLUGIN_PRECISIONS}
 
 
 _LOW_PRECISION_UNSUPPORTED = re.compile(r"\b(Half|BFloat16)\b")

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Choosing the inner optimizer: a registry config or a built one, and what CPU offload needs from it.
+"""The inner optimizer: a registry config or a built one, what CPU offload needs from it, and its cache.
 
 With ``cpu_offload=True`` the master shards, their gradients and the optimizer state live on the CPU and the
 inner optimizer steps them there. A registry config of the Adam family (``Adam``, ``AdamW``, ``FusedAdam``,
@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from stepforge.core import OPTIMIZERS, HyperParameterError, build_optimizer
+from stepforge.core import OPTIMIZERS, CachingOptimizer, HyperParameterError, build_optimizer
 
-__all__ = ["resolve_optimizer", "CPU_ADAM_FAMILY", "cpu_step_error"]
+__all__ = ["resolve_optimizer", "CPU_ADAM_FAMILY", "cpu_step_error", "invalidate_cache"]
 
 #: registry names that CPU offload turns into ``CPUAdam`` (value: its ``adamw_mode``)
 CPU_ADAM_FAMILY = {"adam": False, "adamw": True, "fusedadam": None, "hybridadam": None}
@@ -90,3 +90,9 @@ def cpu_step_error(inner: torch.optim.Optimizer, exc: BaseException) -> RuntimeE
         f"LowLevelZeroOptimizer(cpu_offload=True): the inner optimizer {type(inner).__name__} cannot step the "
         f"CPU-resident master shards ({type(exc).__name__}: {exc}); {hint}, or set cpu_offload=False."
     )
+
+
+def invalidate_cache(inner: torch.optim.Optimizer) -> None:
+    """Drop ``inner``'s cached tensor lists (after its params or state were swapped); no-op for others."""
+    if isinstance(inner, CachingOptimizer):
+        inner.invalidate_cache()

@@ -15,10 +15,20 @@ all-gathered with a single collective.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-__all__ = ["Slot", "Partition", "piece_size", "local_range", "build_partitions", "padded_piece"]
+__all__ = [
+    "Slot",
+    "Partition",
+    "ShardLayout",
+    "piece_size",
+    "local_range",
+    "build_partitions",
+    "build_layout",
+    "padded_piece",
+]
 
 
 def piece_size(numel: int, world_size: int) -> int:
@@ -74,6 +84,36 @@ class Partition:
     device: torch.device
     slots: list[Slot] = field(default_factory=list)
     size: int = 0  # per-rank elements: sum of the slots' padded pieces
+
+
+@dataclass(frozen=True, eq=False)
+class ShardLayout:
+    """Everything about how one optimizer's parameters are sharded, and nothing about the optimizer.
+
+    The state-dict functions (:mod:`._full_state`, :mod:`._sharded_state`) take this value instead of the
+    optimizer, so they depend on the layout only and the optimizer module depends on them, not the reverse.
+
+    Attributes:
+        slots: every working parameter's :class:`Slot`, in global parameter index order.
+        partitions: the slots grouped per (param group, working dtype, device).
+        world_size, rank: the data-parallel group's size and this process's rank in it.
+        group: the data-parallel process group (``None``: the default group, or no group at one rank).
+    """
+
+    slots: list[Slot]
+    partitions: list[Partition]
+    world_size: int
+    rank: int
+    group: Any = None
+
+    @property
+    def master_device(self) -> torch.device:
+        """Where the master pieces live (the first slot's; CPU without parameters)."""
+        return self.slots[0].master.device if self.slots else torch.device("cpu")
+
+    def group_slots(self, group: int) -> list[Slot]:
+        """The slots of param group ``group``, in index order."""
+        return [s for s in self.slots if s.group == group]
 
 
 def _make_master(
@@ -137,3 +177,19 @@ def padded_piece(flat: torch.Tensor, piece: int, world_size: int) -> torch.Tenso
     if missing:
         flat = torch.cat([flat, flat.new_zeros(missing)])
     return flat.view(world_size, piece)
+
+
+def build_layout(
+    param_groups: list[dict],
+    world_size: int,
+    rank: int,
+    *,
+    group: Any,
+    master_weights: bool,
+    master_device: torch.device | None,
+) -> ShardLayout:
+    """:func:`build_partitions` packed with the group facts into a :class:`ShardLayout`."""
+    slots, partitions = build_partitions(
+        param_groups, world_size, rank, master_weights=master_weights, master_device=master_device
+    )
+    return ShardLayout(slots, partitions, world_size, rank, group)

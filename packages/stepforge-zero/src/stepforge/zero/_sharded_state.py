@@ -15,12 +15,15 @@ each rank of a *different* world size the piece that rank now owns::
 
 Layout: ``{"state": {"<index>": {key: DTensor | scalar}}, "param_groups": [...], "zero": {"loss_scaler": ...,
 "skipped_steps": n, "master_weights": {"<index>": DTensor}}}`` (string keys: DCP flattens them into paths).
+
+Like :mod:`._full_state`, the functions take the :class:`~._partition.ShardLayout`, the inner optimizer and the
+working param groups, not the ``LowLevelZeroOptimizer``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,51 +32,48 @@ from torch.distributed.tensor import DTensor, Shard
 
 from stepforge.core import HyperParameterError
 
-from ._full_state import apply_groups, group_entries, inner_state_dict, is_elementwise
-
-if TYPE_CHECKING:
-    from .low_level import LowLevelZeroOptimizer
+from ._full_state import ParamGroups, apply_groups, group_entries, inner_state_dict, is_elementwise
+from ._offload import invalidate_cache
+from ._partition import ShardLayout
 
 __all__ = ["sharded_state_dict", "load_sharded_state_dict", "materialize_state"]
 
 
-def _mesh(opt: LowLevelZeroOptimizer, device_type: str) -> DeviceMesh:
+def _mesh(layout: ShardLayout, device_type: str) -> DeviceMesh:
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             "LowLevelZeroOptimizer.sharded_state_dict: needs an initialised torch.distributed process group "
             "(DCP and DTensor do); use state_dict() for a single process without one."
         )
-    group = opt.process_group if opt.process_group is not None else dist.group.WORLD
+    group = layout.group if layout.group is not None else dist.group.WORLD
     return DeviceMesh.from_group(group, device_type)
 
 
 @torch.no_grad()
-def materialize_state(opt: LowLevelZeroOptimizer) -> bool:
+def materialize_state(layout: ShardLayout, inner: torch.optim.Optimizer) -> bool:
     """Give a never-stepped inner optimizer its state with a zero-lr step on zero gradients (parameters and
     hyper-parameters unchanged), as ``torch.distributed.checkpoint.state_dict`` does. Returns whether it did."""
-    if opt.optim.state:
+    if inner.state:
         return False
-    saved = [group["lr"] for group in opt.optim.param_groups]
-    for slot in opt._slots:
+    saved = [group["lr"] for group in inner.param_groups]
+    for slot in layout.slots:
         if slot.valid:
             slot.master.grad = torch.zeros_like(slot.master)
     try:
-        for group in opt.optim.param_groups:
+        for group in inner.param_groups:
             group["lr"] = group["lr"] * 0.0 if torch.is_tensor(group["lr"]) else 0.0
-        opt.optim.step()
+        inner.step()
     finally:
-        for group, lr in zip(opt.optim.param_groups, saved, strict=True):
+        for group, lr in zip(inner.param_groups, saved, strict=True):
             group["lr"] = lr
-        for slot in opt._slots:
+        for slot in layout.slots:
             slot.master.grad = None
     return True
 
 
-def _forget_state(opt: LowLevelZeroOptimizer) -> None:
-    opt.optim.state.clear()
-    invalidate = getattr(opt.optim, "invalidate_cache", None)
-    if callable(invalidate):
-        invalidate()
+def _forget_state(inner: torch.optim.Optimizer) -> None:
+    inner.state.clear()
+    invalidate_cache(inner)
 
 
 def _dtensor(local: torch.Tensor, numel: int, mesh: DeviceMesh) -> DTensor:
@@ -82,21 +82,26 @@ def _dtensor(local: torch.Tensor, numel: int, mesh: DeviceMesh) -> DTensor:
     )
 
 
-def sharded_state_dict(opt: LowLevelZeroOptimizer) -> dict[str, Any]:
-    """See the module docstring. No collectives on the data (DTensor construction only)."""
-    opt._reducer.wait()
-    materialized = materialize_state(opt)
-    masters_device = opt._slots[0].master.device if opt._slots else torch.device("cpu")
-    mesh = _mesh(opt, masters_device.type)
+def sharded_state_dict(
+    layout: ShardLayout,
+    inner: torch.optim.Optimizer,
+    param_groups: ParamGroups,
+    extras: Mapping[str, Any],
+) -> dict[str, Any]:
+    """See the module docstring. No collectives on the data (DTensor construction only). ``extras``: the
+    entries of ``"zero"`` beside the masters (``loss_scaler``, ``skipped_steps``). Reductions must not be in
+    flight."""
+    materialized = materialize_state(layout, inner)
+    mesh = _mesh(layout, layout.master_device.type)
     templates: dict[int, dict[str, Any]] = {}  # per group: a local entry to mirror for empty pieces
-    for slot in opt._slots:
-        entry = opt.optim.state.get(slot.master) if slot.valid else None
+    for slot in layout.slots:
+        entry = inner.state.get(slot.master) if slot.valid else None
         if entry:
             templates.setdefault(slot.group, dict(entry))
     state: dict[str, dict[str, Any]] = {}
     masters: dict[str, DTensor] = {}
-    for slot in opt._slots:
-        entry = opt.optim.state.get(slot.master) if slot.valid else None
+    for slot in layout.slots:
+        entry = inner.state.get(slot.master) if slot.valid else None
         if entry is None and not slot.valid and slot.group in templates:
             # this rank owns nothing of a tiny parameter: an empty piece under the same keys
             entry = {
@@ -116,23 +121,19 @@ def sharded_state_dict(opt: LowLevelZeroOptimizer) -> dict[str, Any]:
         for key, value in entry.items():
             out[key] = _dtensor(value, slot.numel, mesh) if key in elementwise else value
         state[str(slot.index)] = out
-    for slot in opt._slots:
+    for slot in layout.slots:
         if slot.separate_master:
             local = slot.master if slot.valid else slot.master.new_empty(0)
             masters[str(slot.index)] = _dtensor(local, slot.numel, mesh)
     out = {
         "state": state,
-        "param_groups": group_entries(opt),
-        "zero": {
-            "loss_scaler": opt.scaler.state_dict(),
-            "skipped_steps": opt.skipped_steps,
-            "master_weights": masters,
-        },
+        "param_groups": group_entries(layout, param_groups),
+        "zero": {**extras, "master_weights": masters},
     }
     if materialized:
         # the template keeps the created tensors (DCP loads into them); the optimizer itself stays fresh, so
         # asking for a template never changes the training (no extra step count)
-        _forget_state(opt)
+        _forget_state(inner)
     return out
 
 
@@ -140,36 +141,39 @@ def _local(value: Any) -> Any:
     return value.to_local() if isinstance(value, DTensor) else value
 
 
-def load_sharded_state_dict(opt: LowLevelZeroOptimizer, state_dict: Mapping[str, Any]) -> None:
-    """Load the form of :func:`sharded_state_dict` once ``torch.distributed.checkpoint.load`` filled it."""
+def load_sharded_state_dict(
+    layout: ShardLayout,
+    inner: torch.optim.Optimizer,
+    param_groups: ParamGroups,
+    state_dict: Mapping[str, Any],
+) -> Mapping[str, Any]:
+    """Load the form of :func:`sharded_state_dict` once ``torch.distributed.checkpoint.load`` filled it;
+    returns its ``"zero"`` section for the caller (loss scaler, skip counter). Reductions must not be in
+    flight."""
     if not isinstance(state_dict, Mapping) or "state" not in state_dict or "zero" not in state_dict:
         raise HyperParameterError(
             "LowLevelZeroOptimizer.load_sharded_state_dict: expected the dict returned by sharded_state_dict() "
             "and filled by torch.distributed.checkpoint.load; for a full state dict use load_state_dict."
         )
     groups = list(state_dict["param_groups"])
-    if len(groups) != len(opt.param_groups):
+    if len(groups) != len(param_groups):
         raise HyperParameterError(
             f"LowLevelZeroOptimizer.load_sharded_state_dict: {len(groups)} param groups in the state, "
-            f"{len(opt.param_groups)} here; build the optimizer with the same param groups."
+            f"{len(param_groups)} here; build the optimizer with the same param groups."
         )
     pieces: dict[int, dict[str, Any]] = {}
-    for slot in opt._slots:
+    for slot in layout.slots:
         entry = state_dict["state"].get(str(slot.index))
         if entry is None or not slot.valid:
             continue
         pieces[slot.index] = {key: _local(value) for key, value in entry.items()}
-    opt._reducer.wait()
-    opt.optim.load_state_dict(inner_state_dict(opt, groups, pieces))
-    apply_groups(opt, groups)
+    inner.load_state_dict(inner_state_dict(layout, groups, pieces))
+    apply_groups(param_groups, groups)
     zero = state_dict["zero"]
     with torch.no_grad():
-        for slot in opt._slots:
+        for slot in layout.slots:
             full = zero.get("master_weights", {}).get(str(slot.index))
             if full is not None and slot.valid and slot.separate_master:
                 slot.master.copy_(_local(full))
-    opt.scaler.load_state_dict(zero["loss_scaler"])
-    opt.skipped_steps = int(zero.get("skipped_steps", 0))
-    invalidate = getattr(opt.optim, "invalidate_cache", None)
-    if callable(invalidate):
-        invalidate()
+    invalidate_cache(inner)
+    return zero

@@ -13,6 +13,10 @@ Each rank holds only its piece (``torch.chunk`` layout, see :mod:`stepforge.zero
 parameter's master weights, gradient and optimizer state; the inner optimizer steps those pieces, and the
 updated pieces are all-gathered into the working parameters (one collective per (param group, dtype)).
 Gradients are averaged over the ranks as DDP does. See ``docs/low_level.md`` for the trade-offs.
+
+Gradient synchronisation happens once per step, at :meth:`LowLevelZeroOptimizer.sync_grads`: the first of
+``scale_grads_``, ``unscale_``, ``clip_grad_norm_`` and ``step`` calls it, and the later ones find the step's
+gradients already final (a backward in between re-opens it).
 """
 
 from __future__ import annotations
@@ -25,24 +29,19 @@ import torch
 import torch.distributed as dist
 
 from stepforge.core import HyperParameterError
+from stepforge.core.precision import DynamicLossScaler, validate_loss_scaler_args
 
 from . import _full_state, _sharded_state
+from ._args import check_args, group_facts, resolve_param_gather
 from ._buckets import GradReducer
-from ._comm import all_gather, gather_by_broadcast
-from ._grad_norm import check_clip_args, clip_, global_norm
-from ._loss_scaler import DynamicLossScaler
-from ._offload import cpu_step_error, resolve_optimizer
-from ._partition import build_partitions
+from ._comm import gather_params
+from ._full_state import zero_scaler_entry
+from ._grad_norm import check_clip_args
+from ._grad_pieces import GradPieces
+from ._offload import cpu_step_error, invalidate_cache, resolve_optimizer
+from ._partition import ShardLayout, build_layout
 
 __all__ = ["LowLevelZeroOptimizer"]
-
-
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise HyperParameterError(
-            f"LowLevelZeroOptimizer: {name} must be an int >= {minimum}, got {value!r}."
-        )
-    return value
 
 
 class LowLevelZeroOptimizer(torch.optim.Optimizer):
@@ -74,6 +73,8 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         skipped_steps: how many steps were skipped so far.
     """
 
+    _built = False  # set once the partitions exist: add_param_group is refused from then on
+
     def __init__(
         self,
         optimizer: torch.optim.Optimizer | Mapping[str, Any],
@@ -96,44 +97,26 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         dtype_for_loss_scaling: str | None = None,
         param_gather: str | None = None,
     ) -> None:
-        if stage not in (1, 2) or isinstance(stage, bool):
-            raise HyperParameterError(f"LowLevelZeroOptimizer: stage must be 1 or 2, got {stage!r}.")
-        _check_int("reduce_bucket_size", reduce_bucket_size, 1)
-        if not isinstance(max_norm, int | float) or isinstance(max_norm, bool) or not max_norm >= 0:
-            raise HyperParameterError(
-                f"LowLevelZeroOptimizer: max_norm must be a number >= 0 (0 disables clipping), got {max_norm!r}."
-            )
-        if dtype_for_loss_scaling not in (None, "fp16"):
-            raise HyperParameterError(
-                "LowLevelZeroOptimizer: dtype_for_loss_scaling must be None (automatic: on for fp16 params) or "
-                f"'fp16', got {dtype_for_loss_scaling!r}."
-            )
-        if param_gather not in (None, "all_gather", "broadcast"):
-            raise HyperParameterError(
-                "LowLevelZeroOptimizer: param_gather must be None (automatic), 'all_gather' or 'broadcast', got "
-                f"{param_gather!r}."
-            )
+        check_args(stage, reduce_bucket_size, max_norm, dtype_for_loss_scaling, param_gather)
+        scaler_args = validate_loss_scaler_args(
+            "LowLevelZeroOptimizer",
+            initial_scale=initial_scale,
+            min_scale=min_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            hysteresis=hysteresis,
+            max_scale=max_scale,
+        )
         inner = resolve_optimizer(optimizer, params, cpu_offload=cpu_offload)
         if inner.state:
             raise HyperParameterError(
                 "LowLevelZeroOptimizer: the inner optimizer already has state; wrap it before its first step and "
                 "restore checkpoints through LowLevelZeroOptimizer.load_state_dict."
             )
-        if dist.is_available() and dist.is_initialized():
-            self._world = dist.get_world_size(process_group)
-            self._rank = dist.get_rank(process_group)
-        elif process_group is not None:
-            raise HyperParameterError(
-                "LowLevelZeroOptimizer: process_group was given but torch.distributed is not initialised; call "
-                "torch.distributed.init_process_group first."
-            )
-        else:
-            self._world, self._rank = 1, 0
+        self._world, self._rank = group_facts(process_group)
         self.process_group = process_group
-        if param_gather is None:
-            gloo = self._world > 1 and dist.get_backend(process_group) == "gloo"
-            param_gather = "broadcast" if gloo else "all_gather"
-        self.param_gather = param_gather
+        self.param_gather = resolve_param_gather(param_gather, self._world, process_group)
         self.stage = stage
         self.reduce_bucket_size = reduce_bucket_size
         self.overlap_communication = bool(overlap_communication)
@@ -145,20 +128,19 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         working_groups = [dict(g) for g in inner.param_groups]
         super().__init__([{**g, "params": list(g["params"])} for g in working_groups], dict(inner.defaults))
         self._built = True
-        self._slots, self._partitions = build_partitions(
+        self._layout = build_layout(
             self.param_groups,
             self._world,
             self._rank,
+            group=process_group,
             master_weights=self.master_weights,
             master_device=torch.device("cpu") if self.cpu_offload else None,
         )
         for g, group in enumerate(inner.param_groups):
-            group["params"] = [s.master for s in self._slots if s.group == g and s.valid > 0]
-        invalidate = getattr(inner, "invalidate_cache", None)
-        if callable(invalidate):
-            invalidate()
+            group["params"] = [s.master for s in self._layout.group_slots(g) if s.valid > 0]
+        invalidate_cache(inner)
         self._reducer = GradReducer(
-            self._slots,
+            self._layout.slots,
             stage=stage,
             bucket_size=reduce_bucket_size,
             overlap=self.overlap_communication,
@@ -166,16 +148,17 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
             world_size=self._world,
             rank=self._rank,
         )
-        fp16 = any(s.param.dtype == torch.float16 for s in self._slots)
+        self._pieces = GradPieces(self._layout, self._reducer)
+        fp16 = any(s.param.dtype == torch.float16 for s in self._layout.slots)
         self._scaling = dtype_for_loss_scaling == "fp16" or fp16
-        self.scaler = DynamicLossScaler(
-            initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis, max_scale
+        # the overflow verdict must be the same on every rank (each sees only its pieces)
+        scaler_group = (
+            None if self._world == 1 else process_group if process_group is not None else dist.group.WORLD
         )
-        self._unscaled = False
+        self.scaler = DynamicLossScaler(**scaler_args, process_group=scaler_group)
         self._stepped_on_cpu = False
         self.last_step_skipped = False
         self.skipped_steps = 0
-        self._comm_device = self._slots[0].param.device if self._slots else torch.device("cpu")
 
     # -- public flags --------------------------------------------------------------------------------------
     @property
@@ -189,6 +172,12 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         return self._rank
 
     @property
+    def layout(self) -> ShardLayout:
+        """How the working parameters are sharded: slots (this rank's pieces, masters, reduced gradient
+        pieces), partitions and the group (read-only view for checkpoints, tests and benchmarks)."""
+        return self._layout
+
+    @property
     def require_grad_sync(self) -> bool:
         """Whether backward reduces gradients (``False`` inside :meth:`no_sync`; a plugin may set it)."""
         return self._reducer.enabled
@@ -200,16 +189,24 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
     @property
     def loss_scale(self) -> float:
         """The current loss scale (1.0 when no loss scaling is in use)."""
-        return self.scaler.scale if self._scaling else 1.0
+        return self.scaler.get_scale() if self._scaling else 1.0
 
     @property
     def collective_counts(self) -> Any:
-        """How many gradient reduce-scatters / all-reduces were launched so far."""
+        """How many gradient reduce-scatters / all-reduces were launched so far, and how many times
+        :meth:`sync_grads` completed a step's reduction (``syncs``)."""
         return self._reducer.counter
+
+    @property
+    def has_reduced_grads(self) -> bool:
+        """Whether part of the current gradients already sits reduced in this rank's pieces (or in flight):
+        true after a synchronised backward, false after :meth:`zero_grad` and while every backward since ran
+        inside :meth:`no_sync` (then the window lives in the parameters' ``.grad``)."""
+        return self._pieces.held
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Only during construction: the partitions are fixed once built."""
-        if getattr(self, "_built", False):
+        if self._built:
             raise RuntimeError(
                 "LowLevelZeroOptimizer: parameters are partitioned at construction; add the group to the inner "
                 "optimizer before wrapping it."
@@ -220,13 +217,13 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()``, scaled by the loss scale when fp16 loss scaling is on."""
         if self._scaling:
-            loss = loss * self.scaler.scale
+            loss = self.scaler.scale(loss)
         loss.backward(**kwargs)
 
     def backward_by_grad(self, tensor: torch.Tensor, grad: torch.Tensor, **kwargs: Any) -> None:
         """``torch.autograd.backward(tensor, grad)`` with ``grad`` scaled by the loss scale (fp16)."""
         if self._scaling:
-            grad = grad * self.scaler.scale
+            grad = self.scaler.scale(grad)
         torch.autograd.backward(tensor, grad, **kwargs)
 
     @contextmanager
@@ -241,52 +238,31 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
             self.require_grad_sync = previous
 
     # -- gradients -----------------------------------------------------------------------------------------
-    def _sync_grads(self) -> None:
-        if self.require_grad_sync:
-            self._reducer.flush_local()
-        else:
-            self._reducer.wait()
+    def sync_grads(self) -> bool:
+        """Make this step's gradients final: reduce what :meth:`no_sync` left in ``param.grad``, wait for the
+        buckets in flight and add them into this rank's pieces. The one synchronisation point of a step.
 
-    def _grads(self) -> list[torch.Tensor]:
-        return [s.grad for s in self._slots if s.grad is not None and s.grad.numel() > 0]
+        :meth:`scale_grads_`, :meth:`unscale_`, :meth:`clip_grad_norm_` and :meth:`step` call it first; it
+        works once and then does nothing until the next backward reaches a managed parameter or
+        :meth:`zero_grad` runs. Inside :meth:`no_sync` it only waits for reductions in flight (the window's
+        local gradients stay local). Returns whether it synchronised.
+        """
+        return self._pieces.sync(self.require_grad_sync)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the reduced gradient pieces and any local ``param.grad`` (waits for reductions in flight)."""
-        self._reducer.discard()
-        for slot in self._slots:
-            if set_to_none or slot.grad is None:
-                slot.grad = None
-            else:
-                slot.grad.zero_()
-            slot.param.grad = None
-        self._unscaled = False
+        self._pieces.zero_(set_to_none)
 
     def scale_grads_(self, factor: float) -> None:
         """Multiply every gradient the next step will use by ``factor`` (stepforge-accum's window weight)."""
-        self._sync_grads()
-        for grad in self._grads():
-            grad.mul_(factor)
-        for slot in self._slots:
-            if slot.param.grad is not None:
-                slot.param.grad.mul_(factor)
+        self.sync_grads()
+        self._pieces.scale_(factor)
 
-    def _all_reduce(self, value: torch.Tensor, op: Any) -> torch.Tensor:
-        if self._world > 1:
-            value = value.to(self._comm_device)
-            dist.all_reduce(value, op=op, group=self.process_group)
-        return value.cpu()
-
-    def _unscale(self) -> None:
-        if self._scaling and not self._unscaled:
-            inv = 1.0 / self.scaler.scale
-            for grad in self._grads():
-                grad.mul_(inv)
-        self._unscaled = True
-
-    def _found_overflow(self) -> bool:
-        local = any(not bool(torch.isfinite(g).all()) for g in self._grads())
-        flag = self._all_reduce(torch.tensor([1.0 if local else 0.0]), dist.ReduceOp.MAX)
-        return bool(flag.item() > 0)
+    def unscale_(self) -> None:
+        """Divide the step's gradient pieces by the loss scale, once per step (no-op without fp16 scaling);
+        ``scaler.found_inf`` then says whether any rank overflowed (the step will be skipped)."""
+        self.sync_grads()
+        self._pieces.unscale_(self.scaler if self._scaling else None)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the norm over every rank's gradient pieces (one small all-reduce); returns that norm.
@@ -294,50 +270,24 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         Same rule as ``torch.nn.utils.clip_grad_norm_``: gradients are multiplied by
         ``min(1, max_norm / (norm + 1e-6))``. With fp16 loss scaling the gradients are unscaled first.
         """
-        norm_type = check_clip_args(max_norm, norm_type)
-        self._sync_grads()
-        self._unscale()
-        grads = self._grads()
-        norm = global_norm(grads, norm_type, self._all_reduce)
-        clip_(grads, norm, max_norm)
-        return norm
+        check_clip_args(max_norm, norm_type)
+        self.unscale_()
+        return self._pieces.clip_(max_norm, norm_type)
 
     # -- step ----------------------------------------------------------------------------------------------
-    def _push_hyperparameters(self) -> None:
-        # edits between steps (schedulers, users) live in our groups: push them before the inner step ...
+    def _copy_hyperparameters(self, *, to_inner: bool) -> None:
+        # edits between steps (schedulers, users) live in our groups and go to the inner optimizer before
+        # its step; what it keeps in its groups (a per-group step count) comes back after
         for ours, theirs in zip(self.param_groups, self.optim.param_groups, strict=True):
-            for key, value in ours.items():
+            source, target = (ours, theirs) if to_inner else (theirs, ours)
+            for key, value in source.items():
                 if key != "params":
-                    theirs[key] = value
-
-    def _pull_hyperparameters(self) -> None:
-        # ... and whatever the inner optimizer keeps in its groups (a per-group step count) comes back after
-        for ours, theirs in zip(self.param_groups, self.optim.param_groups, strict=True):
-            for key, value in theirs.items():
-                if key != "params":
-                    ours[key] = value
-
-    @torch.no_grad()
-    def _all_gather_params(self) -> None:
-        for part in self._partitions:
-            local = torch.zeros(part.size, dtype=part.dtype, device=part.device)
-            for slot in part.slots:
-                if slot.valid:
-                    local[slot.offset : slot.offset + slot.valid].copy_(slot.master)
-            if self._world == 1:
-                table = local.view(1, part.size)
-            elif self.param_gather == "broadcast":
-                table = gather_by_broadcast(local, self._rank, self._world, group=self.process_group)
-            else:
-                table = torch.empty((self._world, part.size), dtype=part.dtype, device=part.device)
-                all_gather(table.view(-1), local, group=self.process_group)
-            for slot in part.slots:
-                full = table[:, slot.offset : slot.offset + slot.piece].reshape(-1)[: slot.numel]
-                slot.param.copy_(full.view_as(slot.param))
+                    target[key] = value
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        """Reduce what is pending, skip on fp16 overflow (every rank), unscale, clip (``max_norm``), step the
-        pieces with the inner optimizer and all-gather them into the working parameters."""
+        """Synchronise (:meth:`sync_grads`), unscale (:meth:`unscale_`), skip on fp16 overflow (every rank
+        agrees), clip (``max_norm``), step the pieces with the inner optimizer and all-gather them into the
+        working parameters."""
         if not self.require_grad_sync:
             raise RuntimeError(
                 "LowLevelZeroOptimizer.step() was called inside no_sync(); step after the block, once the "
@@ -347,19 +297,18 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._sync_grads()
-        if self._scaling:
-            if self._found_overflow():
-                self.scaler.update(True)
-                self.zero_grad(set_to_none=True)
-                self.last_step_skipped = True
-                self.skipped_steps += 1
-                return loss
-            self._unscale()
+        self.unscale_()  # synchronises first
+        if self._scaling and self.scaler.found_inf:
+            self.scaler.update()
+            self.zero_grad(set_to_none=True)
+            self.last_step_skipped = True
+            self.skipped_steps += 1
+            return loss
         if self.max_norm > 0:
             self.clip_grad_norm_(self.max_norm)
-        self._push_hyperparameters()
-        for slot in self._slots:
+        self._copy_hyperparameters(to_inner=True)
+        slots = self._layout.slots
+        for slot in slots:
             if slot.valid:
                 slot.master.grad = slot.grad
         try:
@@ -369,63 +318,79 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
                 raise cpu_step_error(self.optim, exc) from exc
             raise
         finally:
-            for slot in self._slots:
+            for slot in slots:
                 slot.master.grad = None
         self._stepped_on_cpu = True
-        self._pull_hyperparameters()
-        self._all_gather_params()
+        self._copy_hyperparameters(to_inner=False)
+        gather_params(self._layout, self.param_gather)
         if self._scaling:
-            self.scaler.update(False)
-        self._unscaled = False
+            self.scaler.update()
+        self._pieces.unscaled = False
         self.last_step_skipped = False
         return loss
 
     @torch.no_grad()
     def update_master_params(self) -> None:
         """Copy the working parameters into the master pieces (after loading model weights)."""
-        for slot in self._slots:
+        for slot in self._layout.slots:
             if slot.valid and slot.separate_master:
                 piece = slot.param.detach().reshape(-1)[slot.start : slot.start + slot.valid]
                 slot.master.copy_(piece)
 
     # -- state dicts ---------------------------------------------------------------------------------------
+    def _zero_extras(self) -> dict[str, Any]:
+        return {
+            "loss_scaler": zero_scaler_entry(self.scaler.state_dict()),
+            "skipped_steps": self.skipped_steps,
+        }
+
+    def scaler_state_dict(self) -> dict[str, Any] | None:
+        """``None``: the loss scaler's state is part of this optimizer's own state (:meth:`state_dict` and
+        :meth:`sharded_state_dict`, under ``["zero"]["loss_scaler"]``), so nothing has to travel beside it --
+        and checkpoints keep the layout they had before ``stepforge.core.precision``. Read ``scaler.state_dict()``
+        for the scaler alone."""
+        return None
+
+    def load_scaler_state_dict(self, state: Mapping[str, Any] | None) -> None:
+        """Load a loss-scaler state written apart (``DynamicLossScaler``'s or ``torch.amp.GradScaler``'s, or
+        zero's own ``["zero"]["loss_scaler"]`` entry); ``None`` or ``{}`` change nothing."""
+        if state:
+            self.scaler.load_state_dict(state)
+
+    def unwrap(self) -> torch.optim.Optimizer:
+        """The inner optimizer, which steps this rank's master pieces (ColossalAI's ``OptimizerWrapper.unwrap``)."""
+        return self.optim
+
     def state_dict(self) -> dict[str, Any]:
         """The full state in ``torch.optim`` layout keyed by global parameter index (collective: every rank
         must call it; every rank gets the full state). Extra key ``"zero"``: loss scaler, skip counter and
         the fp32 masters of low-precision parameters."""
-        return _full_state.full_state_dict(self)
+        return _full_state.full_state_dict(self._layout, self.optim, self.param_groups, self._zero_extras())
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a full state (from :meth:`state_dict` at any world size, or a plain ``torch.optim`` one)."""
-        _full_state.load_full_state_dict(self, state_dict)
+        self._reducer.wait()
+        zero = _full_state.load_full_state_dict(self._layout, self.optim, self.param_groups, state_dict)
+        if "loss_scaler" in zero:
+            self.scaler.load_state_dict(zero["loss_scaler"])
+        self.skipped_steps = int(zero.get("skipped_steps", self.skipped_steps))
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """This rank's pieces as 1-D ``DTensor`` (``Shard(0)``) for ``torch.distributed.checkpoint``; no
         gathering. For a never-stepped optimizer the state tensors are created for the result (a zero-lr step
         on zero gradients, as ``torch.distributed.checkpoint.state_dict`` does) and then dropped from the
         optimizer, so the result is a template for ``dcp.load`` and the optimizer stays unstepped."""
-        return _sharded_state.sharded_state_dict(self)
+        self._reducer.wait()
+        return _sharded_state.sharded_state_dict(
+            self._layout, self.optim, self.param_groups, self._zero_extras()
+        )
 
     def load_sharded_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load :meth:`sharded_state_dict`'s form after ``torch.distributed.checkpoint.load`` filled it."""
-        _sharded_state.load_sharded_state_dict(self, state_dict)
-
-    # -- stepforge.core.BoostedOptimizer -------------------------------------------------------------------
-    def unscale_(self) -> None:
-        """Reduce what is pending and divide the gradient pieces by the loss scale (fp16; once per step)."""
-        self._sync_grads()
-        self._unscale()
-
-    def scaler_state_dict(self) -> None:
-        """``None``: the loss scaler's state travels inside :meth:`state_dict`/:meth:`sharded_state_dict`."""
-        return None
-
-    def load_scaler_state_dict(self, state: Mapping[str, Any] | None) -> None:
-        """Nothing to load: the loss scaler's state comes back with the optimizer's (see above)."""
-
-    def unwrap(self) -> torch.optim.Optimizer:
-        """The torch optimizer that steps this rank's pieces."""
-        return self.optim
+        self._reducer.wait()
+        zero = _sharded_state.load_sharded_state_dict(self._layout, self.optim, self.param_groups, state_dict)
+        self.scaler.load_state_dict(zero["loss_scaler"])
+        self.skipped_steps = int(zero.get("skipped_steps", 0))
 
     def __repr__(self) -> str:
         return (

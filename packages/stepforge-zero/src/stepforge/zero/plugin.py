@@ -5,6 +5,11 @@ ColossalAI's signature. ``prepare`` casts the model to the working dtype, wraps 
 (floating-point inputs cast to that dtype, as ColossalAI's ``cast_inputs``) and wraps the optimizer in
 :class:`~stepforge.zero.low_level.LowLevelZeroOptimizer`. Unlike ColossalAI, ``no_sync`` works for both stages and
 checkpoints go through ``torch.distributed.checkpoint`` in a sharded, world-size-independent form.
+
+The plugin subclasses :class:`stepforge.core.PluginBase` (device, ``world_size``/``rank``, precision adoption,
+``prepare_dataloader``, ``configure`` come from there); its precisions are the plugin precisions of
+:mod:`stepforge.core.precision` and its loss-scaler arguments are checked by that module's
+``validate_loss_scaler_args``.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import Any
 import torch
 
 from stepforge.core import HyperParameterError, PluginBase
+from stepforge.core.precision import PLUGIN_PRECISIONS, check_plugin_precision, validate_loss_scaler_args
 
 from ._model import PRECISIONS, LowLevelZeroModel, UnsupportedPrecisionError, _explain_precision_errors
 from .low_level import LowLevelZeroOptimizer
@@ -37,6 +43,7 @@ class _DefaultPrecision(str):
 
 
 _FP16_DEFAULT = _DefaultPrecision("fp16")
+_OWNER = "LowLevelZeroPlugin"
 
 
 class LowLevelZeroPlugin(PluginBase):
@@ -78,49 +85,13 @@ class LowLevelZeroPlugin(PluginBase):
     ) -> None:
         if isinstance(stage, bool) or stage not in (1, 2):
             raise HyperParameterError(f"LowLevelZeroPlugin: stage must be 1 or 2, got {stage!r}.")
-        if precision not in PRECISIONS:
-            raise HyperParameterError(
-                f"LowLevelZeroPlugin: precision must be one of {sorted(PRECISIONS)}, got {precision!r}."
-            )
-        for name, value, low in (
-            ("initial_scale", initial_scale, 0.0),
-            ("min_scale", min_scale, 0.0),
-            ("max_scale", max_scale, 0.0),
-            ("reduce_bucket_size_in_m", reduce_bucket_size_in_m, 0.0),
-        ):
-            _check_number(name, value, low, strict=True)
-        _check_number("max_norm", max_norm, 0.0, strict=False)
-        _check_number("growth_factor", growth_factor, 1.0, strict=True)
-        _check_number("backoff_factor", backoff_factor, 0.0, strict=True)
-        if backoff_factor >= 1:
-            raise HyperParameterError(
-                f"LowLevelZeroPlugin: backoff_factor must be in (0, 1), got {backoff_factor!r}."
-            )
-        if min_scale > max_scale:
-            raise HyperParameterError(
-                f"LowLevelZeroPlugin: min_scale ({min_scale}) must not exceed max_scale ({max_scale})."
-            )
-        for name, value in (("growth_interval", growth_interval), ("hysteresis", hysteresis)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise HyperParameterError(f"LowLevelZeroPlugin: {name} must be an int >= 1, got {value!r}.")
-        for name, value in (
-            ("overlap_communication", overlap_communication),
-            ("cpu_offload", cpu_offload),
-            ("master_weights", master_weights),
-        ):
-            if not isinstance(value, bool):
-                raise HyperParameterError(f"LowLevelZeroPlugin: {name} must be a bool, got {value!r}.")
         # a precision left at its default may be replaced by the Booster's mixed_precision (set_precision)
-        super().__init__(
-            precision=None if precision is _FP16_DEFAULT else str(precision), default_precision=str(precision)
-        )
-        self.stage = stage
-        self.max_norm = float(max_norm)
-        self.reduce_bucket_size_in_m = reduce_bucket_size_in_m
-        self.overlap_communication = overlap_communication
-        self.cpu_offload = cpu_offload
-        self.master_weights = master_weights
-        self.scaler_kwargs = dict(
+        explicit = None if precision is _FP16_DEFAULT else check_plugin_precision(precision, owner=_OWNER)
+        super().__init__(precision=explicit, default_precision="fp16")
+        _check_number("reduce_bucket_size_in_m", reduce_bucket_size_in_m, 0.0, strict=True)
+        _check_number("max_norm", max_norm, 0.0, strict=False)
+        scaler = validate_loss_scaler_args(
+            _OWNER,
             initial_scale=initial_scale,
             min_scale=min_scale,
             growth_factor=growth_factor,
@@ -129,30 +100,43 @@ class LowLevelZeroPlugin(PluginBase):
             hysteresis=hysteresis,
             max_scale=max_scale,
         )
+        for name, value in (
+            ("overlap_communication", overlap_communication),
+            ("cpu_offload", cpu_offload),
+            ("master_weights", master_weights),
+        ):
+            if not isinstance(value, bool):
+                raise HyperParameterError(f"LowLevelZeroPlugin: {name} must be a bool, got {value!r}.")
+        self.stage = stage
+        self.max_norm = float(max_norm)
+        self.reduce_bucket_size_in_m = reduce_bucket_size_in_m
+        self.overlap_communication = overlap_communication
+        self.cpu_offload = cpu_offload
+        self.master_weights = master_weights
+        self.scaler_kwargs = dict(scaler)
         self._optimizers: list[LowLevelZeroOptimizer] = []
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(stage={self.stage}, precision={self.precision!r})"
 
-    # -- where things live ---------------------------------------------------------------------------
+    # -- precision -----------------------------------------------------------------------------------
+    def supported_precisions(self) -> list[str]:
+        """``fp32``, ``fp16`` (dynamic loss scaling) and ``bf16``: the working dtype of the model."""
+        return list(PLUGIN_PRECISIONS)
+
+    def control_precision(self) -> bool:
+        """True: ``prepare`` casts the model and the optimizer scales the loss (the Booster adds no autocast)."""
+        return True
+
+    @property
+    def precision(self) -> str:
+        """The working precision (``"fp32"``, ``"fp16"`` or ``"bf16"``)."""
+        return str(super().precision)
+
     @property
     def dtype(self) -> torch.dtype:
         """The working dtype of the prepared model's parameters."""
         return PRECISIONS[self.precision]
-
-    @property
-    def device(self) -> torch.device:
-        """Where the model lives after :meth:`prepare`: the current CUDA device if there is one, else CPU."""
-        if torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-
-    def supported_precisions(self) -> list[str]:
-        return sorted(PRECISIONS)
-
-    def control_precision(self) -> bool:
-        """``True``: the model is cast to the working dtype and the optimizer scales the loss (fp16)."""
-        return True
 
     def set_precision(self, precision: str) -> None:
         """Adopt the Booster's ``mixed_precision`` when ``precision`` was left at its default (before prepare).
@@ -160,18 +144,15 @@ class LowLevelZeroPlugin(PluginBase):
         Raises:
             HyperParameterError: an unknown precision, a different explicit one, or a plugin already used.
         """
-        if precision not in PRECISIONS:
-            raise HyperParameterError(
-                f"LowLevelZeroPlugin: precision must be one of {sorted(PRECISIONS)}, got {precision!r}."
-            )
-        if self._optimizers and precision != self.precision and not self.explicit_precision:
+        canonical = check_plugin_precision(precision, owner=_OWNER)
+        if self._optimizers and canonical != self.precision:
             raise HyperParameterError(
                 "LowLevelZeroPlugin.set_precision: a model was already prepared in "
                 f"{self.precision!r}; set the precision before prepare()."
             )
-        super().set_precision(precision)
+        super().set_precision(canonical)
 
-    # -- Plugin protocol -----------------------------------------------------------------------------
+    # -- preparing -----------------------------------------------------------------------------------
     def prepare(
         self,
         model: torch.nn.Module,
@@ -185,7 +166,8 @@ class LowLevelZeroPlugin(PluginBase):
         Booster passes (``criterion``, ``dataloader``, ``lr_scheduler``) are not used.
 
         Returns:
-            ``(LowLevelZeroModel, LowLevelZeroOptimizer or None)``.
+            ``(LowLevelZeroModel, LowLevelZeroOptimizer or None)``; the optimizer is a
+            :class:`stepforge.core.BoostedOptimizer` (``backward(loss)`` applies the fp16 loss scale).
         """
         if not isinstance(model, torch.nn.Module):
             raise HyperParameterError(
@@ -205,6 +187,7 @@ class LowLevelZeroPlugin(PluginBase):
                 "LowLevelZeroPlugin.prepare: the optimizer is already a LowLevelZeroOptimizer; pass the inner one."
             )
         device = self.device
+        self.bind_device()
         module = model.to(device=device, dtype=self.dtype)  # in place: the optimizer keeps its parameters
         wrapped = LowLevelZeroModel(module, self.dtype, self.precision, device)
         if optimizer is None:
@@ -222,6 +205,7 @@ class LowLevelZeroPlugin(PluginBase):
         self._optimizers.append(zero)
         return wrapped, zero
 
+    # -- gradient synchronisation and clipping -------------------------------------------------------
     def supports_no_sync(self) -> bool:
         """True for both stages (gradients accumulate locally and reduce once at the window boundary)."""
         return True
@@ -231,15 +215,6 @@ class LowLevelZeroPlugin(PluginBase):
     ) -> AbstractContextManager[Any]:
         """Keep gradients local for the block (the optimizer's ``no_sync``); the forward may run inside it."""
         return self._zero(optimizer, "no_sync").no_sync()
-
-    def mid_window_save_error(self, optimizer: Any) -> str | None:
-        """Inside a ``no_sync`` window the gradients stay in ``param.grad`` (savable); a backward that already
-        reduced into the gradient pieces is refused."""
-        if self._zero(optimizer, "mid_window_save_error")._grads():
-            return (
-                "it already reduced part of this accumulation window into its gradient shards (no no_sync?)"
-            )
-        return None
 
     def backward(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
         """``optimizer.backward(loss)``: scales the loss for fp16 and reduces gradients as configured."""
@@ -256,6 +231,21 @@ class LowLevelZeroPlugin(PluginBase):
     ) -> torch.Tensor:
         """Clip by the gradient norm over all shards; returns that global norm."""
         return self._zero(optimizer, "clip_grad_norm_").clip_grad_norm_(max_norm, norm_type)
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+    def mid_window_save_error(self, optimizer: Any) -> str | None:
+        """``None`` while the accumulation window's gradients are all in the parameters' ``.grad`` (every
+        backward of the window so far ran under ``no_sync``); otherwise the reason a checkpoint cannot carry
+        the window: part of it is already reduced into this rank's gradient pieces, which a checkpoint does
+        not hold (a synchronised backward ran, at either stage)."""
+        zero = self._zero(optimizer, "mid_window_save_error")
+        if not zero.has_reduced_grads:
+            return None
+        return (
+            f"plugin {self.name!r} (stage {self.stage}) already reduced part of this accumulation window into its "
+            "gradient shards, which a checkpoint does not hold; run the window's micro-batches under no_sync "
+            "(the optimizer wrapper's optim_context does) or save at a window boundary"
+        )
 
     def get_state_dict(
         self, model: torch.nn.Module, optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer]
