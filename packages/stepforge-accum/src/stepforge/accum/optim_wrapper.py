@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from stepforge.core import is_norm_with_running_stats
+
 from ._clip import clip_grad_norm, clip_grad_value, parse_clip_grad
 from ._no_sync import install_adapters
 from ._window import AccumulationWindow
@@ -37,7 +39,7 @@ logger = logging.getLogger("stepforge.accum")
 def _has_batch_norm(model: Any) -> bool:
     if not isinstance(model, nn.Module):
         return False
-    return any(isinstance(m, nn.modules.batchnorm._NormBase) for m in model.modules())
+    return any(is_norm_with_running_stats(m) for m in model.modules())
 
 
 class OptimWrapper:

@@ -16,11 +16,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from stepforge.core import dtensor_local
+
 __all__ = ["DynamicLossScaler"]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
+    return dtensor_local(t)
 
 
 class DynamicLossScaler:

@@ -3,15 +3,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from stepforge.core import build_optimizer
+from stepforge.core import build_optimizer, fsdp2_no_sync
 
 from ..boosted_optimizer import BoostedOptimizer
 from ..loss_scaler import DynamicLossScaler
@@ -217,18 +217,4 @@ class TorchFSDPPlugin(PluginBase):
     def no_sync(self, model: nn.Module, optimizer: Any = None) -> AbstractContextManager[Any]:
         """``set_requires_gradient_sync(False)`` on every FSDP module for the block (the flag is read in
         backward); gradients are reduce-scattered by the first backward outside."""
-        return _gradient_sync_off(model)
-
-
-@contextmanager
-def _gradient_sync_off(model: nn.Module) -> Iterator[None]:
-    from torch.distributed.fsdp import FSDPModule
-
-    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    for m in modules:
-        m.set_requires_gradient_sync(False, recurse=False)
-    try:
-        yield
-    finally:
-        for m in modules:
-            m.set_requires_gradient_sync(True, recurse=False)
+        return fsdp2_no_sync(model)
