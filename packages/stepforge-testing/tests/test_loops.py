@@ -49,12 +49,14 @@ def test_reference_windows_sums_micro_batch_gradients_and_clips():
     assert out[0].item() == pytest.approx(0.5 - 0.1 * summed)
     model = _scalar_model(0.5)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    out = reference_windows(model, opt, [[(X1, Y1)], [(X2, Y2)]], max_norm=0.01)
+    norms: list[float] = []
+    out = reference_windows(model, opt, [[(X1, Y1)], [(X2, Y2)]], max_norm=0.01, norms=norms)
     # both gradients exceed 0.01 in magnitude: each step moves by lr * 0.01 against the gradient's sign
     g1 = _grad(0.5, [1.0, 2.0], [0.0, 1.0])
     w1 = 0.5 - 0.1 * 0.01 * (1 if g1 > 0 else -1)
     g2 = _grad(w1, [3.0], [2.0])
     assert out[0].item() == pytest.approx(w1 - 0.1 * 0.01 * (1 if g2 > 0 else -1), abs=1e-6)
+    assert norms == pytest.approx([abs(g1), abs(g2)])
 
 
 def test_random_grads_and_steps_are_seeded():

@@ -49,6 +49,7 @@ def reference_windows(
     loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] = mse,
     concatenate: bool = True,
     max_norm: float | None = None,
+    norms: list[float] | None = None,
 ) -> list[torch.Tensor]:
     """One ``optimizer`` step per window of micro-batches ``(x, y)``; returns the final parameters (copies).
 
@@ -59,6 +60,8 @@ def reference_windows(
             weighted accumulation equals); ``False``: one backward per micro-batch, gradients summed (what
             accumulation of per-micro-batch mean losses without normalisation equals).
         max_norm: clip the global L2 gradient norm (``torch.nn.utils.clip_grad_norm_``) before each step.
+        norms: with ``max_norm``, each step's gradient norm before clipping is appended here (to check that the
+            clip was active).
     """
     for window in windows:
         optimizer.zero_grad()
@@ -70,7 +73,9 @@ def reference_windows(
             for x, y in window:
                 loss_fn(model, x, y).backward()
         if max_norm is not None:
-            torch.nn.utils.clip_grad_norm_(list(model.parameters()), max_norm)
+            norm = torch.nn.utils.clip_grad_norm_(list(model.parameters()), max_norm)
+            if norms is not None:
+                norms.append(float(norm))
         optimizer.step()
     return snapshot(model)
 
