@@ -211,7 +211,9 @@ def test_fsdp2_no_sync_and_pending_gradients():
         assert out["param_shapes"] == out["shapes"], f"torch {TORCH}: FSDPParam._orig_size, rank {rank}"
         # inside no_sync nothing is reduce-scattered: no sharded grads, every unsharded gradient is pending
         assert out["no_sharded_grads_inside"]
-        assert all(g is not None and tuple(g.shape) == s for g, s in zip(out["pending"], out["shapes"], strict=True))
+        assert all(
+            g is not None and tuple(g.shape) == s for g, s in zip(out["pending"], out["shapes"], strict=True)
+        )
         assert out["nothing_pending_after"]
     local = [out["pending"] for out in results]
     assert not torch.equal(local[0][0], local[1][0]), (
