@@ -79,6 +79,8 @@ def _changed(private: str, error: BaseException | None = None) -> TorchInternals
 
 # -- DTensor ------------------------------------------------------------------------------------------------
 _DTENSOR_TYPE: type | None = None
+_PLAIN_TENSOR = torch.Tensor
+_PARAMETER = nn.Parameter
 
 
 def _dtensor_type() -> type | None:
@@ -93,8 +95,11 @@ def _dtensor_type() -> type | None:
 
 def is_dtensor(t: Any) -> bool:
     """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (an FSDP2 parameter or gradient)."""
-    cls = _dtensor_type()
-    return cls is not None and isinstance(t, cls)
+    cls = type(t)
+    if cls is _PLAIN_TENSOR or cls is _PARAMETER:  # the common case first: optimizers ask per tensor per step
+        return False
+    dtensor = _DTENSOR_TYPE if _DTENSOR_TYPE is not None else _dtensor_type()
+    return dtensor is not None and isinstance(t, dtensor)
 
 
 def dtensor_local(t: torch.Tensor) -> torch.Tensor:
@@ -103,7 +108,8 @@ def dtensor_local(t: torch.Tensor) -> torch.Tensor:
     Unlike ``DTensor.to_local()`` this creates no view and no autograd node: in-place updates of the result
     update the DTensor.
     """
-    if not is_dtensor(t):
+    cls = type(t)
+    if cls is _PLAIN_TENSOR or cls is _PARAMETER or not is_dtensor(t):
         return t
     try:
         return t._local_tensor

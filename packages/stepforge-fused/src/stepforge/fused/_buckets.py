@@ -143,8 +143,7 @@ _is = operator.is_
 _storage = torch.Tensor.untyped_storage
 
 
-def _is_dtensor(t: Any) -> bool:
-    return is_dtensor(t)
+_is_dtensor = is_dtensor
 
 
 def _local_grads(grads: list[Any]) -> list[Any]:
