@@ -42,6 +42,16 @@ def test_changed_private_error_names_private_and_version():
     assert "FSDPParam._orig_size" in str(error) and TORCH in str(error) and "gone" in str(error)
 
 
+def test_legacy_lr_scheduler_is_the_old_name_and_a_public_lr_scheduler():
+    from torch.optim.lr_scheduler import LRScheduler, StepLR
+
+    assert issubclass(compat.LegacyLRScheduler, LRScheduler)
+    assert compat.LegacyLRScheduler.__name__ == "_LRScheduler", f"torch {TORCH} dropped _LRScheduler"
+    # torch's own schedulers are no longer _LRScheduler instances: a subclass of it is needed to pass the check
+    sched = StepLR(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1), 1)
+    assert not isinstance(sched, compat.LegacyLRScheduler)
+
+
 def test_view_base():
     flat = torch.arange(6.0)
     pieces = [flat[0:2], flat[2:6]]

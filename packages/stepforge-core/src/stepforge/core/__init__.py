@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 from ._torch_compat import (
+    LegacyLRScheduler,
     TorchInternalsError,
     ddp_no_sync,
     default_store,
@@ -110,6 +111,7 @@ __all__ = [
 
 # torch internals, wrapped once (stepforge.core._torch_compat): kept apart so the list above stays about the contract
 __all__ += [
+    "LegacyLRScheduler",
     "TorchInternalsError",
     "ddp_no_sync",
     "default_store",

@@ -22,6 +22,8 @@ offers none:
   timeout, which ``barrier()`` does not offer on gloo).
 - ``Variable._execution_engine.queue_callback``: run a function when the current backward pass ends.
 - ``torch.distributed._composable.fsdp``: where FSDP2's ``FSDPModule`` lived before torch 2.6.
+- ``torch.optim.lr_scheduler._LRScheduler``: the pre-2.0 scheduler base that ColossalAI's schedulers subclass and
+  its trainers check with ``isinstance``; a wrapper that must pass those checks subclasses it.
 
 Gradient synchronisation: :func:`gradient_sync_off` is the ``no_sync`` adapter for torch DDP
 (``model.no_sync()``) and FSDP2 (``set_requires_gradient_sync(False)`` on every FSDP module of the target),
@@ -43,6 +45,7 @@ from .errors import StepforgeError
 
 __all__ = [
     "PRIVATE_APIS",
+    "LegacyLRScheduler",
     "TorchInternalsError",
     "ddp_no_sync",
     "default_store",
@@ -127,6 +130,14 @@ def is_norm_with_running_stats(module: Any) -> bool:
     """Whether ``module`` is a BatchNorm, SyncBatchNorm or InstanceNorm layer (lazy ones included): a layer
     whose forward may update running statistics."""
     return isinstance(module, nn.modules.batchnorm._NormBase)
+
+
+#: ``torch.optim.lr_scheduler._LRScheduler`` (a subclass of the public ``LRScheduler``), or ``LRScheduler`` on a
+#: torch without the old name. Subclass it to pass ``isinstance(x, _LRScheduler)`` checks of ColossalAI code.
+try:
+    from torch.optim.lr_scheduler import _LRScheduler as LegacyLRScheduler
+except ImportError:  # pragma: no cover - a torch that dropped the old name: LRScheduler is what remains
+    from torch.optim.lr_scheduler import LRScheduler as LegacyLRScheduler
 
 
 # -- autograd and the default store --------------------------------------------------------------------------
@@ -270,6 +281,7 @@ PRIVATE_APIS: tuple[tuple[str, Callable[[], Any]], ...] = (
         "torch.distributed.checkpoint._nested_dict.flatten_state_dict",
         lambda: _resolve("torch.distributed.checkpoint._nested_dict", "flatten_state_dict"),
     ),
+    ("torch.optim.lr_scheduler._LRScheduler", lambda: _resolve("torch.optim.lr_scheduler", "_LRScheduler")),
     ("torch.nn.modules.batchnorm._NormBase", lambda: _resolve("torch.nn.modules.batchnorm", "_NormBase")),
     ("torch.Tensor._base", lambda: torch.Tensor._base),
     (
