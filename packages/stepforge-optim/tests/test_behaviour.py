@@ -12,10 +12,10 @@ import textwrap
 
 import pytest
 import torch
-from optim_testutil import make_params
 
 from stepforge.core import OPTIMIZERS, HyperParameterError, build_optimizer
 from stepforge.optim import Lamb, Lars
+from stepforge.testing.loops import random_grads, step_with_random_grads, trajectory_params
 
 OPTIMIZERS_UNDER_TEST = [
     pytest.param(lambda ps, **kw: Lamb(ps, lr=1e-2, weight_decay=0.01, **kw), id="Lamb"),
@@ -23,18 +23,6 @@ OPTIMIZERS_UNDER_TEST = [
     pytest.param(lambda ps, **kw: Lars(ps, lr=0.1, momentum=0.9, weight_decay=1e-3, **kw), id="Lars"),
 ]
 SHAPES = [(6, 4), (4,), (3, 2, 2)]
-
-
-def _grads(params, seed):
-    gen = torch.Generator().manual_seed(seed)
-    for p in params:
-        p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
-
-
-def _train(opt, params, steps, seed0=100):
-    for k in range(steps):
-        _grads(params, seed0 + k)
-        opt.step()
 
 
 @pytest.mark.parametrize("factory", OPTIMIZERS_UNDER_TEST)
@@ -59,10 +47,10 @@ def test_closure_is_called_with_grad_enabled_and_its_loss_returned(factory):
 @pytest.mark.parametrize("factory", OPTIMIZERS_UNDER_TEST)
 @pytest.mark.parametrize("maximize", [False, True])
 def test_gradients_are_never_modified(factory, maximize):
-    params = make_params(SHAPES, torch.float32, 0)
+    params = trajectory_params(SHAPES, torch.float32, 0)
     opt = factory(params, maximize=maximize)
     for k in range(3):
-        _grads(params, k)
+        random_grads(params, k)
         saved = [p.grad.clone() for p in params]
         opt.step()
         for p, g in zip(params, saved, strict=True):
@@ -71,10 +59,10 @@ def test_gradients_are_never_modified(factory, maximize):
 
 @pytest.mark.parametrize("factory", OPTIMIZERS_UNDER_TEST)
 def test_parameters_without_grad_are_skipped(factory):
-    params = make_params(SHAPES, torch.float32, 0)
+    params = trajectory_params(SHAPES, torch.float32, 0)
     frozen = params[1].detach().clone()
     opt = factory(params)
-    _grads(params, 0)
+    random_grads(params, 0)
     params[1].grad = None
     opt.step()
     assert torch.equal(params[1].detach(), frozen)
@@ -93,9 +81,9 @@ def test_sparse_gradients_are_rejected_with_a_clear_error(factory):
 @pytest.mark.parametrize("factory", OPTIMIZERS_UNDER_TEST)
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_zero_grad(factory, set_to_none):
-    params = make_params(SHAPES, torch.float32, 0)
+    params = trajectory_params(SHAPES, torch.float32, 0)
     opt = factory(params)
-    _grads(params, 0)
+    random_grads(params, 0)
     opt.zero_grad(set_to_none=set_to_none)
     for p in params:
         if set_to_none:
@@ -106,18 +94,18 @@ def test_zero_grad(factory, set_to_none):
 
 @pytest.mark.parametrize("factory", OPTIMIZERS_UNDER_TEST)
 def test_state_dict_round_trip_resumes_exactly(factory):
-    params = make_params(SHAPES, torch.float32, 0)
+    params = trajectory_params(SHAPES, torch.float32, 0)
     opt = factory(params)
-    _train(opt, params, 3)
+    step_with_random_grads(opt, params, 3)
     saved_params = [p.detach().clone() for p in params]
     saved_state = copy.deepcopy(opt.state_dict())  # state_dict() shares tensors with the live state
-    _train(opt, params, 4, seed0=200)
+    step_with_random_grads(opt, params, 4, seed=200)
     expected = [p.detach().clone() for p in params]
 
     resumed = [p.clone().detach().requires_grad_() for p in saved_params]
     opt2 = factory(resumed)
     opt2.load_state_dict(saved_state)
-    _train(opt2, resumed, 4, seed0=200)
+    step_with_random_grads(opt2, resumed, 4, seed=200)
     for a, b in zip(resumed, expected, strict=True):
         assert torch.equal(a.detach(), b)
 
@@ -177,15 +165,15 @@ def test_state_dict_loads_in_a_fresh_process(kind, tmp_path: pathlib.Path):
 
 
 def test_load_state_dict_keeps_fp32_state_for_bf16_params_and_converts_tensor_steps():
-    params = make_params(SHAPES, torch.bfloat16, 0)
+    params = trajectory_params(SHAPES, torch.bfloat16, 0)
     opt = Lamb(params, lr=1e-2, weight_decay=0.01)
-    _train(opt, params, 2)
+    step_with_random_grads(opt, params, 2)
     sd = opt.state_dict()
     # A torch.optim / ColossalAI-style state dict: tensor step, extra per-param keys.
     for state in sd["state"].values():
         state["step"] = torch.tensor(float(state["step"]))
         state["trust_ratio"] = torch.tensor(0.5)
-    opt2 = Lamb(make_params(SHAPES, torch.bfloat16, 0), lr=1e-2, weight_decay=0.01)
+    opt2 = Lamb(trajectory_params(SHAPES, torch.bfloat16, 0), lr=1e-2, weight_decay=0.01)
     opt2.load_state_dict(sd)
     for state in opt2.state.values():
         assert set(state) == {"step", "exp_avg", "exp_avg_sq"}
@@ -198,9 +186,9 @@ def test_load_state_dict_keeps_fp32_state_for_bf16_params_and_converts_tensor_st
 @pytest.mark.parametrize("factory", OPTIMIZERS_UNDER_TEST)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
 def test_state_dtype_follows_the_documented_policy(factory, dtype):
-    params = make_params(SHAPES, dtype, 0)
+    params = trajectory_params(SHAPES, dtype, 0)
     opt = factory(params)
-    _train(opt, params, 2)
+    step_with_random_grads(opt, params, 2)
     want = torch.float64 if dtype == torch.float64 else torch.float32
     for p in params:
         assert p.dtype == dtype
@@ -213,9 +201,9 @@ def test_state_dtype_follows_the_documented_policy(factory, dtype):
 @pytest.mark.parametrize("chunk_size", [None, 5])
 def test_no_host_synchronisation_during_step(factory, chunk_size, monkeypatch):
     """No ``.item()``, ``bool(tensor)``, ``float(tensor)`` or ``.tolist()`` inside ``step`` (also when split)."""
-    params = make_params(SHAPES, torch.float32, 0)
+    params = trajectory_params(SHAPES, torch.float32, 0)
     opt = factory(params, chunk_size=chunk_size)
-    _grads(params, 0)
+    random_grads(params, 0)
     opt.step()  # state creation is allowed to do anything
 
     def forbidden(*args, **kwargs):
@@ -223,7 +211,7 @@ def test_no_host_synchronisation_during_step(factory, chunk_size, monkeypatch):
 
     for name in ("item", "__bool__", "__float__", "__int__", "tolist", "cpu", "numpy"):
         monkeypatch.setattr(torch.Tensor, name, forbidden)
-    _grads(params, 1)
+    random_grads(params, 1)
     opt.step()
 
 
@@ -231,8 +219,8 @@ def test_no_host_synchronisation_during_step(factory, chunk_size, monkeypatch):
 def test_foreach_false_and_chunking_give_the_same_result(factory):
     results = []
     for kw in ({}, {"foreach": False}, {"chunk_size": 7}, {"foreach": True, "chunk_size": 10**6}):
-        params = make_params(SHAPES, torch.float64, 0)
-        _train(factory(params, **kw), params, 5)
+        params = trajectory_params(SHAPES, torch.float64, 0)
+        step_with_random_grads(factory(params, **kw), params, 5)
         results.append([p.detach() for p in params])
     for other in results[1:]:
         for a, b in zip(results[0], other, strict=True):
@@ -241,7 +229,7 @@ def test_foreach_false_and_chunking_give_the_same_result(factory):
 
 @pytest.mark.parametrize("factory", OPTIMIZERS_UNDER_TEST)
 def test_non_contiguous_parameters_are_updated_in_place(factory):
-    base = make_params([(5, 7)], torch.float64, 0)[0]
+    base = trajectory_params([(5, 7)], torch.float64, 0)[0]
     t = base.detach().t().requires_grad_()  # a transposed, non-contiguous leaf
     contiguous = t.detach().contiguous().requires_grad_()
     for p in (t, contiguous):
@@ -265,8 +253,8 @@ def test_lamb_adam_switch_and_zero_weight_decay_without_adaptation_is_adam_like(
     """``adam=True`` and (wd=0, always_adapt=False) both give ratio 1: the same as each other."""
     out = []
     for kw in ({"adam": True}, {"always_adapt": False}):
-        params = make_params(SHAPES, torch.float64, 0)
-        _train(Lamb(params, lr=1e-2, **kw), params, 4)
+        params = trajectory_params(SHAPES, torch.float64, 0)
+        step_with_random_grads(Lamb(params, lr=1e-2, **kw), params, 4)
         out.append(params)
     for a, b in zip(*out, strict=True):
         torch.testing.assert_close(a.detach(), b.detach())
@@ -280,11 +268,11 @@ def test_cuda_matches_cpu(dtype):
         (Lamb, dict(lr=1e-2, weight_decay=0.01, max_grad_norm=1.0)),
         (Lars, dict(lr=0.1, momentum=0.9)),
     ):
-        cpu = make_params(SHAPES, dtype, 0)
+        cpu = trajectory_params(SHAPES, dtype, 0)
         cuda = [p.detach().cuda().requires_grad_() for p in cpu]
         opt_cpu, opt_cuda = cls(cpu, **kw), cls(cuda, **kw)
         for k in range(5):
-            _grads(cpu, k)
+            random_grads(cpu, k)
             for p, q in zip(cpu, cuda, strict=True):
                 q.grad = p.grad.cuda()
             opt_cpu.step()

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from optim_testutil import assert_trajectories_close, run_steps
 
 from stepforge.optim import Lars
+from stepforge.testing.loops import assert_trajectories_close, run_steps
 from stepforge.testing.reference import ReferenceLars
 
 shapes_st = st.lists(st.lists(st.integers(1, 9), min_size=1, max_size=3).map(tuple), min_size=1, max_size=4)

@@ -10,28 +10,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from stepforge.strategy import Booster, ColossalAIOptimWrapper
+from stepforge.testing.models import BlockNet as Net
+from stepforge.testing.models import block_net
 
 D_IN = 6
 MICRO = 4  # rows per micro-batch per rank
 
 
-class Net(nn.Module):
-    """Two blocks in a ModuleList (sharded one by one by FSDP2) and a head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList([nn.Linear(D_IN, 16), nn.Linear(16, 16)])
-        self.head = nn.Linear(16, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = torch.tanh(block(x))
-        return self.head(x)
-
-
 def make_model(seed: int = 0) -> Net:
-    torch.manual_seed(seed)
-    return Net()
+    """Two blocks in a ModuleList (sharded one by one by FSDP2) and a head."""
+    return block_net(seed, d_in=D_IN, width=16)
 
 
 def window(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:

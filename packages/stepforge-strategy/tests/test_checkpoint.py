@@ -18,6 +18,7 @@ from stepforge.strategy.checkpoint import (
     save_dir,
 )
 from stepforge.testing.distributed import DistributedTestError, requires_gloo, run_distributed
+from stepforge.testing.models import tanh_mlp
 
 
 def _read(path: str) -> str:
@@ -26,8 +27,7 @@ def _read(path: str) -> str:
 
 
 def _trained(seed: int, width: int = 6) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.Tanh(), torch.nn.Linear(width, 2))
+    model = tanh_mlp(4, width, 2, seed=seed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for _ in range(2):
         model(torch.randn(3, 4)).square().sum().backward()
@@ -160,13 +160,3 @@ def test_kill_a_rank_mid_save_keeps_the_previous_checkpoint(tmp_path):
     msd, osd = get_state_dict(model, opt)
     _, mine, meta = load_dir(first, {"model": msd, "optimizer": osd})
     assert meta == {"iter": 1} and mine == {"rank": 0}
-
-
-def test_fsdp_pending_grads_without_fsdp_and_a_mismatched_checkpoint():
-    from stepforge.strategy.checkpoint._fsdp_window import fsdp_pending_grads, set_fsdp_pending_grads
-
-    model = torch.nn.Linear(2, 2)  # no FSDP2 module: nothing pending, and nothing to restore into
-    assert fsdp_pending_grads(model) == []
-    set_fsdp_pending_grads(model, [])
-    with pytest.raises(ValueError, match="window boundary"):
-        set_fsdp_pending_grads(model, [torch.zeros(2, 2)])

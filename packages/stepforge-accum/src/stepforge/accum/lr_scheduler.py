@@ -15,19 +15,15 @@ import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from torch.optim.lr_scheduler import LRScheduler
+from stepforge.core import LegacyLRScheduler
 
 from ._window import AccumulatingOptimizer, AccumulationWarning, AccumulationWindow
-
-try:  # torch keeps the pre-2.0 name as a subclass of LRScheduler; ColossalAI's wrapper derives from it
-    from torch.optim.lr_scheduler import _LRScheduler as _SchedulerBase
-except ImportError:  # pragma: no cover - a torch without the old name: LRScheduler is what remains
-    _SchedulerBase = LRScheduler  # type: ignore[misc,assignment]
 
 __all__ = ["GradAccumLrSchedulerByStep"]
 
 
-class GradAccumLrSchedulerByStep(_SchedulerBase):
+# torch's pre-2.0 name (a subclass of LRScheduler), reached through core; ColossalAI's wrapper derives from it
+class GradAccumLrSchedulerByStep(LegacyLRScheduler):
     """Step the wrapped learning-rate scheduler once per accumulation window.
 
     It is an instance of ``torch.optim.lr_scheduler._LRScheduler`` and ``LRScheduler`` (as ColossalAI's is).

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from stepforge.core import no_sync, supports_no_sync
+from stepforge.core import is_norm_with_running_stats, no_sync, supports_no_sync
 
 from ._clip import clip_grad_norm, clip_grad_value, parse_clip_grad
 from ._grads import track_forward
@@ -40,7 +40,7 @@ logger = logging.getLogger("stepforge.accum")
 def _has_batch_norm(model: Any) -> bool:
     if not isinstance(model, nn.Module):
         return False
-    return any(isinstance(m, nn.modules.batchnorm._NormBase) for m in model.modules())
+    return any(is_norm_with_running_stats(m) for m in model.modules())
 
 
 class OptimWrapper:

@@ -11,10 +11,34 @@
 - Protocols (:class:`NoSyncModel`, :class:`GradientSyncSwitch`, :class:`ShardedOptimizer`,
   :class:`GradientHandler`, :class:`WrappedModel`, :class:`CachingOptimizer`) and :func:`no_sync`.
 - Validation helpers whose messages name the parameter and the allowed range.
+- torch internals (DTensor local shards, FSDP2 state, DCP key flattening, the DDP/FSDP2 ``no_sync`` adapters),
+  wrapped once in :mod:`stepforge.core._torch_compat` so a torch update breaks one module, not six.
 """
 
 from __future__ import annotations
 
+from ._torch_compat import (
+    LegacyLRScheduler,
+    TorchInternalsError,
+    ddp_no_sync,
+    default_store,
+    dtensor_local,
+    flatten_state_dict,
+    fsdp2_module_type,
+    fsdp2_modules,
+    fsdp2_no_sync,
+    fsdp2_param_shape,
+    fsdp2_params,
+    fsdp2_pending_grad,
+    gradient_sync_off,
+    is_ddp,
+    is_dtensor,
+    is_norm_with_running_stats,
+    queue_backward_callback,
+    set_fsdp2_pending_grad,
+    supports_gradient_sync_off,
+    view_base,
+)
 from ._version import __version__
 from .build import build_optimizer, collect_params
 from .errors import DuplicateNameError, HyperParameterError, RegistryError, StepforgeError, UnknownNameError
@@ -100,4 +124,28 @@ __all__ = [
     "check_weight_decay",
     "GroupValidator",
     "validate_hyperparameters",
+]
+
+# torch internals, wrapped once (stepforge.core._torch_compat): kept apart so the list above stays about the contract
+__all__ += [
+    "LegacyLRScheduler",
+    "TorchInternalsError",
+    "ddp_no_sync",
+    "default_store",
+    "dtensor_local",
+    "flatten_state_dict",
+    "fsdp2_module_type",
+    "fsdp2_modules",
+    "fsdp2_no_sync",
+    "fsdp2_param_shape",
+    "fsdp2_params",
+    "fsdp2_pending_grad",
+    "gradient_sync_off",
+    "is_ddp",
+    "is_dtensor",
+    "is_norm_with_running_stats",
+    "queue_backward_callback",
+    "set_fsdp2_pending_grad",
+    "supports_gradient_sync_off",
+    "view_base",
 ]

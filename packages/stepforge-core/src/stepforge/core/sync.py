@@ -1,10 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """``no_sync(*targets)``: one context manager that suspends gradient synchronisation on anything that can.
 
-Gradient accumulation calls it around every micro-batch but the last of a window. Each target may be a
-:class:`~stepforge.core.protocols.NoSyncModel` (DDP, ZeRO optimizers), a
-:class:`~stepforge.core.protocols.GradientSyncSwitch` (FSDP2 modules), an object with a registered adapter,
-or ``None``/a plain module (nothing to suspend).
+Gradient accumulation calls it around every micro-batch but the last of a window. Each target may be an
+object with a registered adapter, a torch DDP module, a module holding FSDP2 modules (the built-in torch
+adapters of :mod:`._torch_compat`), a :class:`~stepforge.core.protocols.NoSyncModel` (ZeRO optimizers), a
+:class:`~stepforge.core.protocols.GradientSyncSwitch`, or ``None``/a plain module (nothing to suspend).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any
 
+from ._torch_compat import gradient_sync_off, supports_gradient_sync_off
 from .protocols import GradientSyncSwitch, NoSyncModel
 
 __all__ = ["no_sync", "register_no_sync_adapter", "supports_no_sync"]
@@ -40,6 +41,9 @@ def _context_for(target: Any) -> AbstractContextManager[Any] | None:
     for matches, adapter in _ADAPTERS:
         if matches(target):
             return adapter(target)
+    torch_context = gradient_sync_off(target)
+    if torch_context is not None:
+        return torch_context
     if isinstance(target, NoSyncModel):
         return target.no_sync()
     if isinstance(target, GradientSyncSwitch):
@@ -51,7 +55,11 @@ def supports_no_sync(target: Any) -> bool:
     """Whether :func:`no_sync` would suspend anything for ``target``."""
     if target is None:
         return False
-    return any(m(target) for m, _ in _ADAPTERS) or isinstance(target, NoSyncModel | GradientSyncSwitch)
+    return (
+        any(m(target) for m, _ in _ADAPTERS)
+        or supports_gradient_sync_off(target)
+        or isinstance(target, NoSyncModel | GradientSyncSwitch)
+    )
 
 
 @contextmanager

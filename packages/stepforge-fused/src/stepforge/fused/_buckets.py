@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from stepforge.core import is_dtensor, view_base
+
 from ._validate import check_pair, local_tensor
 
 __all__ = ["Bucket", "BucketsMixin", "GroupCache", "Launch"]
@@ -141,8 +143,7 @@ _is = operator.is_
 _storage = torch.Tensor.untyped_storage
 
 
-def _is_dtensor(t: Any) -> bool:
-    return hasattr(t, "_local_tensor")
+_is_dtensor = is_dtensor
 
 
 def _local_grads(grads: list[Any]) -> list[Any]:
@@ -385,14 +386,14 @@ class BucketsMixin:
         """One flat float32 tensor on ``device`` holding the given steps, without a host round trip when they
         already live there (the common case: a rebuild after ``zero_grad(set_to_none=True)``)."""
         n = len(old)
-        base = old[0]._base if n and isinstance(old[0], torch.Tensor) else None
+        base = view_base(old[0]) if n and isinstance(old[0], torch.Tensor) else None
         if (
             base is not None
             and base.device == device
             and base.dtype == torch.float32
             and base.dim() == 1
             and base.numel() == n
-            and all(s._base is base and s.storage_offset() == j for j, s in enumerate(old))
+            and all(view_base(s) is base and s.storage_offset() == j for j, s in enumerate(old))
         ):
             return base  # the same bucket as before: keep the tensor (and its address, for CUDA graphs)
         if all(isinstance(s, torch.Tensor) and s.device == device for s in old):

@@ -3,7 +3,7 @@
 every rank (skipping a step on inf/NaN gradients) are reduced over the DTensor's device mesh.
 
 Only ``torch.distributed`` is used, and only when a DTensor is present (``torch.distributed.tensor`` is never
-imported here: a DTensor is recognised by its ``_local_tensor``).
+imported here: DTensors are recognised by :func:`stepforge.core.is_dtensor`).
 """
 
 from __future__ import annotations
@@ -13,12 +13,15 @@ from typing import Any
 
 import torch
 
+from stepforge.core import dtensor_local
+from stepforge.core import is_dtensor as core_is_dtensor
+
 __all__ = ["comm_device", "is_dtensor", "mesh_all_true", "mesh_sum_", "shard_dims", "shard_groups"]
 
 
 def is_dtensor(t: Any) -> bool:
     """Whether ``t`` is a DTensor (a tensor with a local shard and a device mesh)."""
-    return hasattr(t, "_local_tensor") and hasattr(t, "device_mesh")
+    return core_is_dtensor(t)
 
 
 def shard_dims(t: Any) -> list[int]:
@@ -66,4 +69,4 @@ def mesh_all_true(flag: bool, tensors: Iterable[Any]) -> bool:
 def comm_device(t: Any) -> torch.device:
     """Where collectives over DTensor ``t``'s mesh run: the CPU for a ``cpu`` mesh, else the shard's device."""
     mesh_type = t.device_mesh.device_type
-    return torch.device("cpu") if mesh_type == "cpu" else t._local_tensor.device
+    return torch.device("cpu") if mesh_type == "cpu" else dtensor_local(t).device

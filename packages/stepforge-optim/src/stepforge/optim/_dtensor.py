@@ -14,17 +14,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from stepforge.core import dtensor_local
+from stepforge.core import is_dtensor as core_is_dtensor
+
 __all__ = ["is_dtensor", "local", "mesh_key", "reduce_square_sums", "reduce_norms"]
 
 
 def is_dtensor(t: Any) -> bool:
     """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (checked without importing it)."""
-    return hasattr(t, "_local_tensor") and hasattr(t, "device_mesh") and hasattr(t, "placements")
+    return core_is_dtensor(t)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (the same storage), or ``t`` itself."""
-    return t._local_tensor if is_dtensor(t) else t
+    return dtensor_local(t)
 
 
 def mesh_key(t: Any) -> Any:

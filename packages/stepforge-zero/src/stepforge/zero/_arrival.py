@@ -18,6 +18,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from stepforge.core import default_store
+
 __all__ = ["ArrivalTimeout", "wait_for_all_ranks"]
 
 
@@ -30,7 +32,7 @@ class ArrivalTimeout(RuntimeError):
 
 
 def _store() -> Any:
-    return dist.distributed_c10d._get_default_store()
+    return default_store()
 
 
 def wait_for_all_ranks(key: str, world_size: int, timeout_s: float) -> None:

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from stepforge.core import queue_backward_callback
+
 from ._comm import reduce_scatter
 from ._partition import Slot, padded_piece
 
@@ -112,7 +114,7 @@ class GradReducer:
         param.grad = None
         if not self._callback_queued:
             self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            queue_backward_callback(self._end_of_backward)
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False

@@ -32,8 +32,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from stepforge.core import flatten_state_dict
 
 from .._env import broadcast_object, get_rank
 from ._layout import (

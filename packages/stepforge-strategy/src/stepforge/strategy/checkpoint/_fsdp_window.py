@@ -5,7 +5,7 @@ them back on resume.
 Why FSDP2 internals: under ``set_requires_gradient_sync(False)`` FSDP2 keeps each micro-batch's gradient on its
 *unsharded* parameter (``FSDPParam._unsharded_param.grad``, or ``FSDPParam.unsharded_accumulated_grad`` when a
 ``reduce_dtype`` differs from the parameter dtype) and reduce-scatters the sum only in the first synchronised
-backward. No public torch API exposes these tensors, so this module is the only place that touches them.
+backward. No public torch API exposes these tensors: :mod:`stepforge.core._torch_compat` reaches them for this module.
 
 Restore writes ``unsharded_accumulated_grad``: FSDP2's post-backward adds the next micro-batch's gradient into it
 (``accumulate_unsharded_grad_if_needed``: saved + new, the same operands autograd adds in the uninterrupted run)
@@ -14,57 +14,48 @@ and the synchronised backward reduce-scatters it, so the resumed window sums exa
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
+from stepforge.core import (
+    fsdp2_param_shape,
+    fsdp2_params,
+    fsdp2_pending_grad,
+    is_dtensor,
+    set_fsdp2_pending_grad,
+)
+
 __all__ = ["fsdp_pending_grads", "set_fsdp_pending_grads"]
 
 
-def _fsdp_params(model: nn.Module) -> Iterator[Any]:
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        group = module._get_fsdp_state()._fsdp_param_group  # internal: see the module docstring
-        if group is not None:
-            yield from group.fsdp_params
-
-
 def _local(grad: torch.Tensor) -> torch.Tensor:
-    return grad.to_local() if hasattr(grad, "to_local") else grad
+    return grad.to_local() if is_dtensor(grad) else grad
 
 
 def fsdp_pending_grads(model: nn.Module) -> list[torch.Tensor | None]:
     """This rank's not yet reduce-scattered (unsharded) gradients of every FSDP2 parameter, cloned to CPU."""
     out: list[torch.Tensor | None] = []
-    for fp in _fsdp_params(model):
-        grad = fp.unsharded_accumulated_grad
-        if grad is None and hasattr(fp, "_unsharded_param"):
-            grad = fp._unsharded_param.grad
+    for fp in fsdp2_params(model):
+        grad = fsdp2_pending_grad(fp)
         out.append(None if grad is None else _local(grad).detach().to("cpu", copy=True))
     return out
 
 
 def set_fsdp_pending_grads(model: nn.Module, grads: Sequence[torch.Tensor | None]) -> None:
     """Put gradients saved by :func:`fsdp_pending_grads` back, for the next backward to accumulate into."""
-    params = list(_fsdp_params(model))
+    params = list(fsdp2_params(model))
     if len(params) != len(grads):
         raise ValueError(
             f"the checkpoint holds {len(grads)} pending FSDP2 gradients, the model has {len(params)} FSDP2 "
             "parameters: resume the same model and plugin, or save at a window boundary"
         )
     for fp, grad in zip(params, grads, strict=True):
-        if grad is None:
-            fp.unsharded_accumulated_grad = None
-            continue
-        if tuple(grad.shape) != tuple(fp._orig_size):
+        if grad is not None and tuple(grad.shape) != tuple(fsdp2_param_shape(fp)):
             raise ValueError(
                 f"saved pending FSDP2 gradient of shape {tuple(grad.shape)} for a parameter of shape "
-                f"{tuple(fp._orig_size)}: resume the same model, or save at a window boundary"
+                f"{tuple(fsdp2_param_shape(fp))}: resume the same model, or save at a window boundary"
             )
         # the saved dtype is the one FSDP2 accumulated in (param_dtype, or reduce_dtype after an upcast)
-        fp.unsharded_accumulated_grad = grad.to(fp.device)
+        set_fsdp2_pending_grad(fp, grad)

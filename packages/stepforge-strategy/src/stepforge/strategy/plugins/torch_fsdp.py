@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffload, MixedPrecisionPolicy, ShardingStrategy
 from torch.distributed.fsdp import MixedPrecision as FSDP1Precision
 
-from stepforge.core import PluginBase, build_optimizer
+from stepforge.core import PluginBase, build_optimizer, fsdp2_no_sync
 from stepforge.core.precision import PLUGIN_PRECISIONS, DynamicLossScaler
 
 from ..boosted_optimizer import OptimizerWrapper
@@ -221,7 +221,7 @@ class TorchFSDPPlugin(PluginBase):
     def no_sync(self, model: nn.Module, optimizer: Any = None) -> AbstractContextManager[Any]:
         """``set_requires_gradient_sync(False)`` on every FSDP module for the block (the flag is read in
         backward); gradients are reduce-scattered by the first backward outside."""
-        return _gradient_sync_off(model)
+        return fsdp2_no_sync(model)
 
     def prepare_dataloader(
         self, dataset: Any, batch_size: int, *args: Any, **kwargs: Any
@@ -229,17 +229,3 @@ class TorchFSDPPlugin(PluginBase):
         """ColossalAI's ``prepare_dataloader`` (:meth:`stepforge.core.PluginBase.prepare_dataloader`: this
         rank's ``DistributedSampler`` share), returned as a :class:`~stepforge.strategy.StatefulDataLoader`."""
         return StatefulDataLoader(super().prepare_dataloader(dataset, batch_size, *args, **kwargs))
-
-
-@contextmanager
-def _gradient_sync_off(model: nn.Module) -> Iterator[None]:
-    from torch.distributed.fsdp import FSDPModule
-
-    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    for m in modules:
-        m.set_requires_gradient_sync(False, recurse=False)
-    try:
-        yield
-    finally:
-        for m in modules:
-            m.set_requires_gradient_sync(True, recurse=False)
