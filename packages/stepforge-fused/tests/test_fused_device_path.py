@@ -22,6 +22,8 @@ import torch
 from stepforge.fused import FusedAdam, FusedLAMB, FusedSGD, HybridAdam, _backend
 from stepforge.fused._base import FusedOptimizerBase
 from stepforge.fused._bucket_cache import BucketCache
+from stepforge.testing.tensors import bits_equal, make_params
+from stepforge.testing.tensors import clone_params as clone
 
 CPU = _backend.cpu_module()
 
@@ -104,22 +106,13 @@ def no_sync(monkeypatch):
 
 
 def make(dtype=torch.float32, shapes=((5,), (3, 7), (33,)), seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in shapes]
-
-
-def clone(ps):
-    return [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    return make_params(shapes, dtype, seed=seed)
 
 
 def grads(ps, seed, dtype=None):
     gen = torch.Generator().manual_seed(100 + seed)
     for p in ps:
         p.grad = torch.randn(p.shape, generator=gen).to(dtype or p.dtype)
-
-
-def bits_equal(a, b):
-    return all(torch.equal(x.detach(), y.detach()) for x, y in zip(a, b, strict=True))
 
 
 LR = 2.0**-10  # exact in float32: the device lr gives the same bits as the host double

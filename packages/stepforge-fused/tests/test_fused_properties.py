@@ -24,13 +24,13 @@ from hypothesis import strategies as st
 from stepforge.fused import CPUAdam, FusedAdam, FusedLAMB, FusedSGD, HybridAdam
 from stepforge.testing.fused_cases import check_update_close, ulp_norm
 from stepforge.testing.reference import ReferenceAdam, ReferenceLamb, ReferenceSGD
+from stepforge.testing.tensors import make_params
 
 LOW = [torch.bfloat16, torch.float16]
 
 
 def _params(shapes, dtype, seed):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in shapes]
+    return make_params(shapes, dtype, seed=seed)
 
 
 def _run(make, shapes, dtype, seed, steps):
