@@ -98,12 +98,12 @@ def main() -> int:
                 if i >= args.warmup:
                     times[label].append(dt)
         med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-        # the revalidation alone (what section 1 added): _group_buckets on an unchanged group, round-robin
+        # the revalidation alone: BucketCache.group_buckets on an unchanged group, round-robin
         check: dict[str, list[float]] = {k: [] for k in contenders}
         for _ in range(args.repeats):
             for label, (opt, _params, _grads, _flip) in contenders.items():
                 t0 = time.perf_counter()
-                opt._group_buckets(0, opt.param_groups[0])
+                opt._bucket_cache.group_buckets(opt, 0, opt.param_groups[0])
                 check[label].append(time.perf_counter() - t0)
         check_med = {k: statistics.median(v) * 1e3 for k, v in check.items()}
         row = {

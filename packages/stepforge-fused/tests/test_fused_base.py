@@ -13,15 +13,14 @@ import pytest
 import torch
 
 from stepforge.fused import CPUAdam, FusedAdam, FusedLAMB, FusedSGD, HybridAdam
-from stepforge.testing.tensors import bits_equal, clone_params
+from stepforge.testing.tensors import bits_equal, clone_params, make_params
 
 SHAPES = [(3, 5), (17,), (1,), (40, 33), (1031,)]
 SCALE = 1024.0
 
 
 def make(dtype=torch.float32, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in SHAPES]
+    return make_params(SHAPES, dtype, seed=seed)
 
 
 def scaled_grads(params, seed=1, scale=SCALE):

@@ -198,7 +198,7 @@ def test_zero_grad_set_to_none_drops_the_cached_grads():
     opt = FusedAdam([p])
     opt.step()
     opt.zero_grad(set_to_none=True)
-    entry = next(iter(opt._cache.values()))
+    entry = next(iter(opt._bucket_cache.entries.values()))
     assert entry.grads == [] and entry.grad_refs == []
 
 
@@ -207,7 +207,9 @@ def test_a_freed_grad_storage_marks_the_cache_stale():
     p.grad = torch.randn(8)
     opt = FusedAdam([p])
     opt.step()
-    entry = next(iter(opt._cache.values()))
-    assert not entry.stale[0]
+    entry = next(iter(opt._bucket_cache.entries.values()))
+    assert not entry.watched, "grads seen once are not watched (fresh grads every step would waste it)"
+    opt.step()  # the same grad objects again: from now on their storages are watched
+    assert entry.watched and not entry.stale[0]
     p.grad.data = torch.randn(8)  # the old storage dies here
     assert entry.stale[0]

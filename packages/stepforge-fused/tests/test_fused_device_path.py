@@ -21,6 +21,9 @@ import torch
 
 from stepforge.fused import FusedAdam, FusedLAMB, FusedSGD, HybridAdam, _backend
 from stepforge.fused._base import FusedOptimizerBase
+from stepforge.fused._bucket_cache import BucketCache
+from stepforge.testing.tensors import bits_equal, make_params
+from stepforge.testing.tensors import clone_params as clone
 
 CPU = _backend.cpu_module()
 
@@ -103,22 +106,13 @@ def no_sync(monkeypatch):
 
 
 def make(dtype=torch.float32, shapes=((5,), (3, 7), (33,)), seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in shapes]
-
-
-def clone(ps):
-    return [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    return make_params(shapes, dtype, seed=seed)
 
 
 def grads(ps, seed, dtype=None):
     gen = torch.Generator().manual_seed(100 + seed)
     for p in ps:
         p.grad = torch.randn(p.shape, generator=gen).to(dtype or p.dtype)
-
-
-def bits_equal(a, b):
-    return all(torch.equal(x.detach(), y.detach()) for x, y in zip(a, b, strict=True))
 
 
 LR = 2.0**-10  # exact in float32: the device lr gives the same bits as the host double
@@ -335,7 +329,7 @@ def test_cpu_path_keeps_host_steps_and_no_device_arguments():
     grads(ps, 0)
     opt.step()
     assert all(opt.state[p]["step"].device.type == "cpu" for p in ps)
-    assert not any(b.on_device for b in opt._cache[0].buckets)
+    assert not any(b.on_device for b in opt._bucket_cache.entries[0].buckets)
     assert math.isclose(float(opt.state[ps[0]]["step"]), 1.0)
 
 
@@ -344,16 +338,16 @@ def mixed(monkeypatch):
     """Group 0 takes the device path (emulated), group 1 the CPU kernels: HybridAdam's offload layout."""
     fake = EmulatedCuda()
     flag = {"device": False}
-    real_build = FusedOptimizerBase._build_buckets
+    real_build = BucketCache.build
 
-    def build(self, group, params, grads, *rest):
-        flag["device"] = group is self.param_groups[0]
+    def build(self, opt, group, params, grads, *rest):
+        flag["device"] = group is opt.param_groups[0]
         try:
-            return real_build(self, group, params, grads, *rest)
+            return real_build(self, opt, group, params, grads, *rest)
         finally:
             flag["device"] = False
 
-    monkeypatch.setattr(FusedOptimizerBase, "_build_buckets", build)
+    monkeypatch.setattr(BucketCache, "build", build)
     monkeypatch.setattr(FusedOptimizerBase, "_device_path", staticmethod(lambda device: flag["device"]))
     monkeypatch.setattr(FusedOptimizerBase, "_device_env", staticmethod(lambda device: (12345, 0)))
     monkeypatch.setattr(FusedOptimizerBase, "_ctx", staticmethod(lambda module, device: 0))
@@ -383,7 +377,7 @@ def test_mixed_cpu_and_device_params_step_and_skip_together(mixed, monkeypatch):
         opt.step()
         ref.step()
     assert bits_equal([*dev, *cpu], [*ref_dev, *ref_cpu])
-    assert [b.on_device for g in opt._cache.values() for b in g.buckets] == [True, False]
+    assert [b.on_device for g in opt._bucket_cache.entries.values() for b in g.buckets] == [True, False]
     assert all(float(opt.state[p]["step"]) == 2.0 for p in [*dev, *cpu])
     before = [p.detach().clone() for p in [*dev, *cpu]]
     grads(dev, 5)

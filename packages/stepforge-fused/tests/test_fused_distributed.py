@@ -116,7 +116,7 @@ def _all_checks(rank: int, world_size: int) -> dict:
     model(torch.randn(4, 16)).sum().backward()
     local = math.sqrt(sum(float(p.grad._local_tensor.double().pow(2).sum()) for p in model.parameters()))
     full = math.sqrt(sum(float(p.grad.full_tensor().double().pow(2).sum()) for p in model.parameters()))
-    plans = [(g, opt._group_buckets(i, g)) for i, g in enumerate(opt.param_groups)]
+    plans = [(g, opt._bucket_cache.group_buckets(opt, i, g)) for i, g in enumerate(opt.param_groups)]
     res["clip_divisor"] = (opt._pre_step(plans, 1.0), full / 1e-3, local / 1e-3)
     return res
 

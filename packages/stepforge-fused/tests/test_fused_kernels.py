@@ -1,5 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The `_cpu` kernels called directly (contract: csrc/README.md).
+"""The `_cpu` kernels called directly (contract: csrc/README.md): Adam, every ISA, threads, bounds, arguments.
+
+SGD, LAMB, l2norm and scale are in test_fused_kernels_ops.py, the unscaled-grad write-back in
+test_fused_kernels_unscale.py; the shared helpers in ``stepforge.testing.fused_cases``.
 
 References: stepforge-testing's written-out optimizers run on the same values, rounding to the same storage
 dtype every step (so a 16-bit result is compared with what the same step gives in that dtype, not with a
@@ -10,74 +13,24 @@ kernel that does nothing: the updates are several ulps of the stored dtype.
 from __future__ import annotations
 
 import array
-import math
 
 import pytest
 import torch
 
 from stepforge.fused import _backend
-from stepforge.testing.reference import reference_adam_step, reference_lamb_step, reference_sgd_step
+from stepforge.testing.fused_cases import DTYPE_COMBOS as COMBOS
+from stepforge.testing.fused_cases import F32_TOL, combo_id
+from stepforge.testing.fused_cases import KERNEL_SIZES as SIZES
+from stepforge.testing.fused_cases import check_kernel_params as _check_params
+from stepforge.testing.fused_cases import kernel_state as _state
+from stepforge.testing.fused_cases import pointer_array as ptrs
+from stepforge.testing.fused_cases import random_tensors as make
+from stepforge.testing.fused_cases import raw_bytes as _bits
+from stepforge.testing.fused_cases import sizes_array as sizes_of
+from stepforge.testing.reference import reference_adam_step
 
 cpu = _backend.cpu_module()
 CODE = _backend.DTYPE_CODES
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-# empty, 1 element, odd sizes around the SIMD widths (8/16) and the block (512), one above the parallel cutoff
-SIZES = [0, 1, 7, 15, 16, 17, 33, 511, 513, 1001, 40_005]
-F32_TOL = dict(rtol=1e-5, atol=1e-6)  # float32 results: a few ulps of op-order difference
-MAX_ULPS_AWAY = 1  # 16-bit results: rounding the same float32 value, which may differ in its last bits
-
-
-def ptrs(tensors):
-    return array.array("q", [t.data_ptr() for t in tensors])
-
-
-def sizes_of(tensors):
-    return array.array("q", [t.numel() for t in tensors])
-
-
-def make(dtype, sizes=SIZES):
-    return [torch.randn(n).to(dtype) for n in sizes]
-
-
-COMBOS = [
-    (p, g, m) for p in DTYPES for g in DTYPES for m in ((False, True) if p != torch.float32 else (False,))
-]
-
-
-def combo_id(c):
-    p, g, m = c
-    return f"p{str(p)[6:]}-g{str(g)[6:]}{'-master' if m else ''}"
-
-
-def _state(params, master):
-    masters = [p.float().clone() for p in params] if master else None
-    return masters, [torch.zeros(p.numel()) for p in params], [torch.zeros(p.numel()) for p in params]
-
-
-def assert_same_in_dtype(got: torch.Tensor, want: torch.Tensor, before: torch.Tensor) -> None:
-    """16-bit results: at most one ulp from the reference, nearly all equal, and (almost) every element moved."""
-    assert got.dtype == want.dtype and got.dtype in (torch.float16, torch.bfloat16)
-    gi, wi = got.view(torch.int16).int(), want.view(torch.int16).int()
-    same_sign = (gi < 0) == (wi < 0)
-    close = (same_sign & ((gi - wi).abs() <= MAX_ULPS_AWAY)) | (got.float() - want.float()).abs().le(1e-7)
-    assert bool(close.all()), f"{int((~close).sum())} elements more than one ulp away"
-    if got.numel() >= 100:
-        assert float(got.eq(want).float().mean()) > 0.97
-        assert float(got.ne(before).float().mean()) > 0.5, "the kernel did not move the params"
-
-
-def _check_params(params, masters, ref_p, before, pdt, master):
-    for i, p in enumerate(params):
-        if master:
-            torch.testing.assert_close(masters[i], ref_p[i], **F32_TOL)
-            assert torch.equal(p, masters[i].to(pdt)), "the low-precision copy must be the rounded master"
-        elif pdt == torch.float32:
-            torch.testing.assert_close(p, ref_p[i], **F32_TOL)
-        else:
-            assert_same_in_dtype(p, ref_p[i], before[i])
-        if p.numel() >= 100:
-            moved = (masters[i] if master else p.float()) - before[i].float()
-            assert float(moved.abs().mean()) > 1e-3, "the kernel did not move the params"
 
 
 @pytest.mark.parametrize("combo", COMBOS, ids=combo_id)
@@ -125,11 +78,6 @@ def _all_ops_once(params, grads, masters, m, v, bufs, pdt, gdt, ctx=0):
         ptrs(params), ptrs(grads), ptrs(m), ptrs(v), w, sizes_of(params), [4] * n, CODE[pdt], CODE[gdt], 1e-2,
         0.9, 0.999, 1e-6, 0.01, True, True, True, False, 0.0, float("inf"), 1.0, 0, False, ctx,
     )  # fmt: skip
-
-
-def _bits(ts):
-    """Raw bits of the tensors, whatever their dtype (NaN payloads included)."""
-    return [t.contiguous().view(torch.uint8).clone() for t in ts]
 
 
 @pytest.mark.parametrize("combo", COMBOS, ids=combo_id)
@@ -231,121 +179,6 @@ def test_kernels_write_only_inside_their_tensors(isa, dtype):
     assert not torch.equal(gbuf[-1], snapshot[2 * len(sizes) - 1]), "the grads were not unscaled"
 
 
-@pytest.mark.parametrize("combo", COMBOS, ids=combo_id)
-@pytest.mark.parametrize(
-    "cfg",
-    [
-        dict(momentum=0.0, dampening=0.0, nesterov=False, wd_after_momentum=False),
-        dict(momentum=0.9, dampening=0.2, nesterov=False, wd_after_momentum=False),
-        dict(momentum=0.9, dampening=0.0, nesterov=True, wd_after_momentum=True),
-    ],
-    ids=["plain", "momentum-dampening", "nesterov-wd-after"],
-)
-def test_sgd_matches_reference(combo, cfg):
-    pdt, gdt, master = combo
-    params = make(pdt)
-    masters, _, _ = _state(params, master)
-    bufs = [torch.zeros(p.numel()) for p in params] if cfg["momentum"] else None
-    ref_bufs = [None] * len(params)
-    first = [1] * len(params)
-    for _ in range(3):
-        before = [p.clone() for p in params]
-        ref_p = [w.clone() for w in masters] if master else [p.clone() for p in params]
-        if bufs and not first[0]:
-            ref_bufs = [b.clone() for b in bufs]
-        grads = make(gdt)
-        cpu.sgd(
-            ptrs(params), ptrs(grads), ptrs(bufs) if bufs else None, ptrs(masters) if master else None,
-            sizes_of(params), array.array("q", first), CODE[pdt], CODE[gdt], 0.1, cfg["momentum"],
-            cfg["dampening"], 0.01, cfg["nesterov"], cfg["wd_after_momentum"], 1.0, 0, False, 0,
-        )  # fmt: skip
-        first = [0] * len(params)
-        reference_sgd_step(
-            ref_p, grads, ref_bufs, lr=0.1, momentum=cfg["momentum"], dampening=cfg["dampening"],
-            nesterov=cfg["nesterov"], weight_decay=0.01, wd_after_momentum=cfg["wd_after_momentum"],
-        )  # fmt: skip
-        _check_params(params, masters, ref_p, before, pdt, master)
-        if bufs:
-            for b, rb in zip(bufs, ref_bufs, strict=True):
-                torch.testing.assert_close(b, rb.float(), **F32_TOL)
-
-
-@pytest.mark.parametrize("combo", COMBOS, ids=combo_id)
-@pytest.mark.parametrize(
-    "wd,nvlamb,clip",
-    [(0.01, False, (0.0, float("inf"))), (0.0, False, (0.0, float("inf"))), (0.0, True, (0.5, 2.0))],
-    ids=["decay", "no-decay", "nvlamb-clip"],
-)
-def test_lamb_matches_reference(combo, wd, nvlamb, clip):
-    pdt, gdt, master = combo
-    params = make(pdt, SIZES[1:])
-    masters, m, v = _state(params, master)
-    for step in range(1, 3):
-        before = [p.clone() for p in params]
-        ref_p = [w.clone() for w in masters] if master else [p.clone() for p in params]
-        ref_m, ref_v, ref_steps = [x.clone() for x in m], [x.clone() for x in v], [step - 1] * len(params)
-        grads = make(gdt, SIZES[1:])
-        cpu.lamb(
-            ptrs(params), ptrs(grads), ptrs(m), ptrs(v), ptrs(masters) if master else None, sizes_of(params),
-            [step] * len(params), CODE[pdt], CODE[gdt], 1e-2, 0.9, 0.999, 1e-6, wd, True, True, True, nvlamb,
-            clip[0], clip[1], 1.0, 0, False, 0,
-        )  # fmt: skip
-        reference_lamb_step(
-            ref_p, grads, ref_m, ref_v, ref_steps, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=wd,
-            use_nvlamb=nvlamb, max_grad_norm=None, trust_clip=None if clip[1] == float("inf") else clip,
-        )  # fmt: skip
-        # the trust ratio is a norm over the whole tensor (sums in another order): a few fp32 ulps
-        _check_params(params, masters, ref_p, before, pdt, master)
-        for i in range(len(params)):
-            torch.testing.assert_close(m[i], ref_m[i], **F32_TOL)
-            torch.testing.assert_close(v[i], ref_v[i], **F32_TOL)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_l2norm_global_and_per_tensor(isa, dtype):
-    xs = make(dtype)
-    out = torch.full((len(xs),), -1.0)
-    got = cpu.l2norm(ptrs(xs), sizes_of(xs), CODE[dtype], out.data_ptr(), 0)
-    want = [torch.linalg.vector_norm(x.double()).item() for x in xs]
-    assert got == pytest.approx(math.sqrt(sum(w * w for w in want)), rel=1e-12)
-    torch.testing.assert_close(out, torch.tensor(want, dtype=torch.float32), rtol=1e-6, atol=0)
-    assert out[0].item() == 0.0  # the empty tensor
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
-def test_l2norm_propagates_non_finite_values_to_that_tensor_and_the_total(isa, dtype, bad):
-    xs = make(dtype)
-    xs[-2][5] = bad
-    out = torch.full((len(xs),), -1.0)
-    got = cpu.l2norm(ptrs(xs), sizes_of(xs), CODE[dtype], out.data_ptr(), 0)
-    if math.isnan(bad):
-        assert math.isnan(got) and math.isnan(out[-2].item())
-    else:
-        assert got == math.inf and out[-2].item() == math.inf
-    finite = [i for i in range(len(xs)) if i != len(xs) - 2]
-    want = torch.tensor(
-        [torch.linalg.vector_norm(xs[i].double()).item() for i in finite], dtype=torch.float32
-    )
-    torch.testing.assert_close(out[finite], want, rtol=1e-6, atol=0)
-
-
-@pytest.mark.parametrize("src_dtype", DTYPES)
-@pytest.mark.parametrize("dst_dtype", DTYPES)
-def test_scale_converts_with_torch_rounding_and_flags_non_finite(isa, src_dtype, dst_dtype):
-    src = make(src_dtype)
-    dst = [torch.empty(x.numel(), dtype=dst_dtype) for x in src]
-    found = torch.zeros(1)
-    args = (ptrs(src), ptrs(dst), sizes_of(src), CODE[src_dtype], CODE[dst_dtype], 0.25, found.data_ptr(), 0)
-    assert cpu.scale(*args) is False
-    assert found.item() == 0
-    for s, d in zip(src, dst, strict=True):
-        assert torch.equal(d, (s.float() * 0.25).to(dst_dtype))
-    src[3][0] = float("inf")
-    assert cpu.scale(*args) is True
-    assert found.item() == 1
-
-
 def _adam_args(params, grads, m, v, **kw):
     args = dict(
         params=ptrs(params),
@@ -444,121 +277,3 @@ def test_kernel_argument_errors(override, match):
     with pytest.raises((ValueError, TypeError), match=match):
         cpu.adam(**{**_adam_args(params, grads, m, v), **override})
     assert all(torch.equal(a, b) for a, b in zip(params, before, strict=True))
-
-
-# ---- unscaled-grad write-back (torch's fused grad_scale contract) ---------------------------------------------
-def _run_op(op, params, grads, state, masters, pdt, gdt, divisor, **kw):
-    """One step of `op` with fixed hyper-parameters; state is (m, v) for adam/lamb, bufs for sgd."""
-    common = dict(grad_divisor=divisor, found_inf_ptr=0, check_finite=False, ctx=0)
-    common.update(kw)
-    if op == "adam":
-        m, v = state
-        return cpu.adam(
-            ptrs(params), ptrs(grads), ptrs(m), ptrs(v), ptrs(masters) if masters else None, sizes_of(params),
-            [2] * len(params), CODE[pdt], CODE[gdt], 1e-2, 0.9, 0.99, 1e-8, 0.05, False, True, **common,
-        )  # fmt: skip
-    if op == "sgd":
-        return cpu.sgd(
-            ptrs(params), ptrs(grads), ptrs(state), ptrs(masters) if masters else None, sizes_of(params),
-            [0] * len(params), CODE[pdt], CODE[gdt], 0.1, 0.9, 0.1, 0.01, True, False, **common,
-        )  # fmt: skip
-    m, v = state
-    return cpu.lamb(
-        ptrs(params), ptrs(grads), ptrs(m), ptrs(v), ptrs(masters) if masters else None, sizes_of(params),
-        [2] * len(params), CODE[pdt], CODE[gdt], 1e-2, 0.9, 0.999, 1e-6, 0.01, False, True, True, False,
-        0.0, float("inf"), **common,
-    )  # fmt: skip
-
-
-def _fresh_state(op, params):
-    n = [p.numel() for p in params]
-    if op == "sgd":
-        return [torch.randn(k) for k in n]
-    return [torch.randn(k) for k in n], [torch.rand(k) for k in n]
-
-
-def _flat(ts):
-    return torch.cat([t.flatten().float() for t in ts]) if ts else torch.zeros(0)
-
-
-@pytest.mark.parametrize("op", ["adam", "sgd", "lamb"])
-@pytest.mark.parametrize("combo", COMBOS, ids=combo_id)
-def test_write_unscaled_grads_stores_grad_over_divisor_and_changes_nothing_else(isa, op, combo):
-    """write_unscaled_grads=True leaves g / divisor (rounded to the grad dtype) in the grads; params, masters and
-    state come out bit for bit as without the write-back; the default leaves the grads untouched."""
-    pdt, gdt, master = combo
-    divisor = 3.0 if op == "adam" else 1024.0  # Adam divides (torch's order); SGD/LAMB multiply by 1/divisor
-    params0 = make(pdt)
-    grads0 = [(g.float() * 4096).to(gdt) for g in make(gdt)]
-    state0 = _fresh_state(op, params0)
-    runs = {}
-    for write in (False, True):
-        params = [p.clone() for p in params0]
-        grads = [g.clone() for g in grads0]
-        state = [s.clone() for s in state0] if op == "sgd" else tuple([s.clone() for s in x] for x in state0)
-        masters = [p.float() for p in params] if master else None
-        assert (
-            _run_op(op, params, grads, state, masters, pdt, gdt, divisor, write_unscaled_grads=write) is False
-        )
-        flat_state = state if op == "sgd" else state[0] + state[1]
-        runs[write] = (grads, [_flat(params), _flat(masters or []), _flat(flat_state)])
-    for g, g0 in zip(runs[False][0], grads0, strict=True):
-        assert torch.equal(g.view(torch.uint8), g0.view(torch.uint8)), "default: grads are never modified"
-    for g, g0 in zip(runs[True][0], grads0, strict=True):
-        want = (g0.float() / divisor).to(gdt)  # exact for a power-of-two divisor, torch's division for 3
-        assert torch.equal(g.view(torch.uint8), want.view(torch.uint8))
-    for a, b in zip(runs[False][1], runs[True][1], strict=True):
-        assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (
-            "the update must not depend on the write-back"
-        )
-
-
-@pytest.mark.parametrize("op", ["adam", "sgd", "lamb"])
-def test_write_unscaled_grads_leaves_grads_alone_when_skipped_or_divisor_is_one(isa, op):
-    """torch writes nothing when found_inf is set; neither do we. A divisor of 1 writes nothing either."""
-    f32 = torch.float32
-    params = make(f32)
-    before = [p.clone() for p in params]
-    state = _fresh_state(op, params)
-    grads0 = make(f32)
-    grads0[4][3] = float("inf")
-    flag = torch.zeros(1)
-    # check_finite finds the inf: the step is skipped, grads included
-    grads = [g.clone() for g in grads0]
-    kw = dict(found_inf_ptr=flag.data_ptr(), check_finite=True, write_unscaled_grads=True)
-    assert _run_op(op, params, grads, state, None, f32, f32, 8.0, **kw) is True
-    assert flag.item() == 1.0
-    assert all(torch.equal(a, b) for a, b in zip(grads, grads0, strict=True))
-    assert all(torch.equal(a, b) for a, b in zip(params, before, strict=True))
-    # found_inf already set on entry (GradScaler's protocol), finite grads: skipped, grads untouched
-    grads0[4][3] = 1.0
-    grads = [g.clone() for g in grads0]
-    kw = dict(found_inf_ptr=flag.data_ptr(), write_unscaled_grads=True)
-    assert _run_op(op, params, grads, state, None, f32, f32, 8.0, **kw) is True
-    assert all(torch.equal(a, b) for a, b in zip(grads, grads0, strict=True))
-    # divisor 1: nothing to unscale, the grads stay as they are while the step runs
-    assert _run_op(op, params, grads, state, None, f32, f32, 1.0, write_unscaled_grads=True) is False
-    assert all(torch.equal(a, b) for a, b in zip(grads, grads0, strict=True))
-    assert not all(torch.equal(a, b) for a, b in zip(params, before, strict=True))
-
-
-@pytest.mark.parametrize("divisor", [1024.0, 3.0])
-def test_write_unscaled_grads_matches_torch_fused_adamw_bit_for_bit(isa, divisor):
-    """fp32: the grads torch's fused AdamW leaves behind with grad_scale, and the params it computes."""
-    params = make(torch.float32)
-    grads = [g * 4096 for g in make(torch.float32)]
-    m, v = _fresh_state("adam", params)
-    t_params, t_grads, t_m, t_v = ([x.clone() for x in xs] for xs in (params, grads, m, v))
-    skipped = cpu.adam(
-        ptrs(params), ptrs(grads), ptrs(m), ptrs(v), None, sizes_of(params), [3] * len(params), 0, 0,
-        1e-2, 0.9, 0.99, 1e-8, 0.05, True, True, divisor, 0, False, 0, write_unscaled_grads=True,
-    )  # fmt: skip
-    assert skipped is False
-    torch._fused_adamw_(
-        t_params, t_grads, t_m, t_v, [], [torch.tensor(3.0) for _ in params], lr=1e-2, beta1=0.9, beta2=0.99,
-        weight_decay=0.05, eps=1e-8, amsgrad=False, maximize=False, grad_scale=torch.tensor(divisor),
-        found_inf=torch.zeros(()),
-    )  # fmt: skip
-    for ours, theirs in ((grads, t_grads), (params, t_params), (m, t_m), (v, t_v)):
-        for a, b in zip(ours, theirs, strict=True):
-            assert torch.equal(a.view(torch.int32), b.view(torch.int32))

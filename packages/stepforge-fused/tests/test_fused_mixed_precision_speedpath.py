@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from stepforge.fused import CPUAdam
+from stepforge.testing.fused_cases import float_bits as _bits
 
 HP = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 
@@ -27,10 +28,6 @@ def _params() -> list[torch.nn.Parameter]:
         # A contiguous slice at an odd element offset: storage starts 2-6 bytes off a 64-byte boundary.
         out.append(torch.nn.Parameter(base.to(torch.bfloat16)[k * 3 :]))
     return out
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().view(torch.int16)
 
 
 def test_master_step_bit_identical_to_torch_fused_adamw_on_masters(isa):

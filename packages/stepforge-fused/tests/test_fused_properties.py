@@ -8,7 +8,7 @@ measured against the *update*:
 
     ||ours - ref|| <= REL * ||ref - start|| + ||ulp(ref)||          (per tensor, 2-norm)
 
-``ulp(ref)`` is one unit in the last place of each reference element (torch.finfo(dtype).eps * |ref|, at least
+(``stepforge.testing.fused_cases.check_update_close``). ``ulp(ref)`` is one unit in the last place of each reference element (torch.finfo(dtype).eps * |ref|, at least
 the smallest normal), so the allowance is one rounding per element plus a quarter of the update. A do-nothing
 optimizer has error ``||ref - start||`` and fails whenever the update is larger than about 1.3 ulps in norm;
 the draws below make the update many ulps large (asserted), and every draw checks that "start" fails.
@@ -22,30 +22,15 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from stepforge.fused import CPUAdam, FusedAdam, FusedLAMB, FusedSGD, HybridAdam
+from stepforge.testing.fused_cases import check_update_close, ulp_norm
 from stepforge.testing.reference import ReferenceAdam, ReferenceLamb, ReferenceSGD
+from stepforge.testing.tensors import make_params
 
-REL = 0.25
 LOW = [torch.bfloat16, torch.float16]
 
 
-def ulp_norm(ref: torch.Tensor) -> float:
-    finfo = torch.finfo(ref.dtype)
-    return float((ref.float().abs() * finfo.eps).clamp_min(finfo.tiny).norm())
-
-
-def check_update_close(got, want, start, what: str = "") -> None:
-    """Per tensor: the error is at most a quarter of the update plus one ulp per element (in norm)."""
-    for i, (a, b, s) in enumerate(zip(got, want, start, strict=True)):
-        assert a.dtype == b.dtype == s.dtype
-        err = float((a.float() - b.float()).norm())
-        upd = float((b.float() - s.float()).norm())
-        bound = REL * upd + ulp_norm(b)
-        assert err <= bound, f"{what} tensor {i}: |ours-ref|={err:.3g} > {bound:.3g} (|update|={upd:.3g})"
-
-
 def _params(shapes, dtype, seed):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in shapes]
+    return make_params(shapes, dtype, seed=seed)
 
 
 def _run(make, shapes, dtype, seed, steps):

@@ -26,16 +26,13 @@ import torch
 
 from stepforge import fused
 from stepforge.fused import CPUAdam
+from stepforge.testing.fused_cases import float_bits as _bits
 
 # Measured here (torch 2.13.0, AVX-512 machine, the case below: 104 119 elements, 5 steps): under
 # ATEN_CPU_CAPABILITY=default 492 elements (0.47%) differ from torch, by at most 16 ulps (values near zero,
 # where an ulp is tiny). The bounds leave a 4x margin.
 ULP_BOUND_DEFAULT = 64
 DIFFERING_FRACTION_BOUND_DEFAULT = 0.02
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().view(torch.int32)
 
 
 def _thread_cpu_ticks() -> dict[int, int]:

@@ -1,41 +1,49 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The base class of the fused optimizers: options, skip reporting, subclass hooks and step routing.
+"""The base class of the fused optimizers: options, add_param_group, subclass hooks and step routing.
 
-The pieces live beside it: :mod:`._buckets` (buckets, the pointer cache and its per-step revalidation),
-:mod:`._state` (torch.optim state-dict compatibility and state creation), :mod:`._device_step` (the sync-free
-CUDA step). Subclasses define ``_owner``, ``_state_keys(group)`` and ``_launch(module, bucket, group, launch)``.
+It owns the objects that do the work, each in its module with declared fields and a unit test of its own:
+:class:`~._bucket_cache.BucketCache` (buckets, the pointer cache and its per-step revalidation, in
+:mod:`._buckets`), :class:`~._skips.SkipTracker` (skipped-step reporting), :class:`~._amp.AmpUnscaler`
+(``div_scale`` and GradScaler's scale and overflow flag), :class:`~._host_step.HostLoop` (CPU buckets) and
+:class:`~._device_step.DeviceLoop` (the sync-free CUDA step). They reach the optimizer through
+:class:`~._protocol.KernelOwner`. :mod:`._state` keeps torch.optim state-dict compatibility. Subclasses define
+``_owner``, ``_state_keys(group)`` and ``_launch(module, bucket, group, launch)``.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 import torch
 
-from stepforge.core import GroupValidator, HyperParameterError, check_bool, check_lr, check_range
+from stepforge.core import GroupValidator, HyperParameterError, check_bool, check_lr
 
-from . import _backend
-from ._buckets import Bucket, BucketsMixin, GroupCache, Launch
-from ._device_step import DeviceStepMixin
-from ._distributed import is_dtensor, mesh_all_true
+from ._amp import AmpUnscaler
+from ._bucket_cache import BucketCache
+from ._buckets import Bucket, Launch
+from ._device_step import DeviceLoop, device_env, device_kw, device_path, launch_ctx
+from ._host_step import HostLoop
+from ._skips import SkipTracker
 from ._state import StateMixin
-from ._validate import check_param, local_tensor
+from ._validate import check_param
 
 __all__ = ["Bucket", "FusedOptimizerBase", "Launch"]
 
-_NO_KW: dict[str, Any] = {}
 
-
-class FusedOptimizerBase(StateMixin, BucketsMixin, DeviceStepMixin, torch.optim.Optimizer):
+class FusedOptimizerBase(StateMixin, torch.optim.Optimizer):
     """Base class of the stepforge fused optimizers (not public API).
 
     Subclasses define ``_owner`` (class name for messages), ``_state_keys(group)`` (float32 state tensors
     shaped like the param), ``_launch(module, bucket, group, launch)`` (``launch``: a :class:`Launch`), and may
     override ``_pre_step(buckets_by_group, divisor)`` (LAMB's global norm, host path) and
     ``_device_clip_norm()`` (the same clip on the CUDA path).
+
+    Attributes:
+        master_weights, skip_nonfinite, assume_stable_grads: the constructor's options.
+        grad_scale, found_inf: set by ``torch.amp.GradScaler`` around ``step()`` and deleted after it (absent
+            otherwise: GradScaler multiplies an existing ``grad_scale``, so there is no class default).
     """
 
     _owner = "FusedOptimizer"
@@ -43,6 +51,12 @@ class FusedOptimizerBase(StateMixin, BucketsMixin, DeviceStepMixin, torch.optim.
     _uses_steps = True
     # GradScaler calls step() without unscaling and sets `grad_scale` / `found_inf` on the optimizer instead.
     _step_supports_amp_scaling = True
+
+    _bucket_cache: BucketCache
+    _skips: SkipTracker
+    _amp: AmpUnscaler
+    _host_loop: HostLoop
+    _device_loop: DeviceLoop
 
     def __init__(
         self,
@@ -72,17 +86,33 @@ class FusedOptimizerBase(StateMixin, BucketsMixin, DeviceStepMixin, torch.optim.
         self.master_weights = master_weights
         self.skip_nonfinite = skip_nonfinite
         self.assume_stable_grads = assume_stable_grads
-        self._hooked: dict[int, Any] = {}
-        self._known_grads: dict[int, Any] = {}
-        self._host_last_skipped = False
-        self._host_skipped = 0
-        self._last_flags: list[torch.Tensor] = []
-        self._flags: dict[torch.device, torch.Tensor] = {}
-        self._skip_counts: dict[torch.device, torch.Tensor] = {}
-        self._lr_bufs: dict[tuple[int, torch.device], tuple[float, torch.Tensor]] = {}
-        self._cache: dict[int, GroupCache] = {}
-        self._groups = GroupValidator(self._check_group, owner=self._owner)
+        self._own_parts()
         super().__init__(params, defaults)
+
+    def _own_parts(self, skips: SkipTracker | None = None) -> None:
+        """Create the objects that do the step's work (at construction and after unpickling)."""
+        self._bucket_cache = BucketCache(self.assume_stable_grads)
+        self._skips = skips if skips is not None else SkipTracker()
+        self._amp = AmpUnscaler()
+        self._host_loop = HostLoop()
+        self._device_loop = DeviceLoop()
+        self._groups = GroupValidator(self._check_group, owner=self._owner)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # torch.optim pickles defaults/state/param_groups only; keep our options, never the pointer caches.
+        state = super().__getstate__()
+        state.update({k: self.__dict__[k] for k in self._PICKLED_OPTIONS if k in self.__dict__})
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("master_weights", False)
+        self.__dict__.setdefault("skip_nonfinite", None)
+        self.__dict__.setdefault("assume_stable_grads", False)
+        skips = SkipTracker(
+            bool(self.__dict__.pop("last_step_skipped", False)), int(self.__dict__.pop("skipped_steps", 0))
+        )
+        self._own_parts(skips)
 
     # ---- skip reporting ------------------------------------------------------------------------------------
     # On CUDA the skip decision stays on the device (no sync inside step()); these properties read it back
@@ -90,28 +120,24 @@ class FusedOptimizerBase(StateMixin, BucketsMixin, DeviceStepMixin, torch.optim.
     @property
     def last_step_skipped(self) -> bool:
         """Whether the last ``step()`` was skipped (inf/NaN grads, or GradScaler's ``found_inf``)."""
-        if self._host_last_skipped:
-            return True
-        return any(bool(f.ne(0).any()) for f in self._last_flags)
+        return self._skips.last_skipped()
 
     @last_step_skipped.setter
     def last_step_skipped(self, value: bool) -> None:
-        self._host_last_skipped = bool(value)
-        self._last_flags = []
+        self._skips.set_last(value)
 
     @property
     def skipped_steps(self) -> int:
         """How many ``step()`` calls were skipped so far (device counters included, read on access)."""
-        return self._host_skipped + sum(int(c.sum().item()) for c in self._skip_counts.values())
+        return self._skips.skipped()
 
     @skipped_steps.setter
     def skipped_steps(self, value: int) -> None:
-        self._host_skipped = int(value)
-        self._skip_counts = {}
+        self._skips.set_skipped(value)
 
-    def _skip_on_host(self) -> None:
-        self._host_last_skipped = True
-        self._host_skipped += 1
+    def invalidate_cache(self) -> None:
+        """Forget the cached pointer arrays (needed only after swapping storage under a param or grad)."""
+        self._bucket_cache.invalidate()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group: its values (defaults filled in) are validated like the constructor's, and its
@@ -125,8 +151,7 @@ class FusedOptimizerBase(StateMixin, BucketsMixin, DeviceStepMixin, torch.optim.
         except Exception:
             self.param_groups.pop()
             raise
-        if hasattr(self, "_cache"):
-            self._cache.clear()
+        self._bucket_cache.invalidate()
 
     def _check_group(self, group: dict[str, Any]) -> None:
         """Validate (and normalise) one param group's values; subclasses extend it. Raises
@@ -138,12 +163,7 @@ class FusedOptimizerBase(StateMixin, BucketsMixin, DeviceStepMixin, torch.optim.
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
         if set_to_none:
-            # The next backward allocates new grads: the per-step identity check then refreshes only the grad
-            # pointers, which is far cheaper than rebuilding the buckets. Stable-grads entries skip that check,
-            # so they must go through it once (a param left without a grad would otherwise keep a dead pointer).
-            for entry in self._cache.values():
-                entry.hooked = False
-                entry.release_grads()
+            self._bucket_cache.release_grads()
 
     # ---- hooks for subclasses --------------------------------------------------------------------------
     def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
@@ -160,124 +180,48 @@ class FusedOptimizerBase(StateMixin, BucketsMixin, DeviceStepMixin, torch.optim.
         """Adjust the grad divisor before any update (LAMB: global grad-norm clip). Returns the divisor."""
         return divisor
 
-    # ---- step ----------------------------------------------------------------------------------------------
+    def _device_clip_norm(self) -> float:
+        """Global grad-norm clip threshold applied on the device path (LAMB); ``0`` = none."""
+        return 0.0
 
+    # Device helpers, reached through the optimizer so a test can route a device to an emulation.
+    _device_path = staticmethod(device_path)
+    _device_env = staticmethod(device_env)
+    _device_kw = staticmethod(device_kw)
+    _ctx = staticmethod(launch_ctx)
+
+    # ---- step routing --------------------------------------------------------------------------------------
     @torch.no_grad()
     def _fused_step(self, closure: Callable[[], Any] | None, div_scale: float = -1) -> Any:
-        divisor = 1.0
-        if div_scale is not None and div_scale != -1:
-            divisor = check_range(
-                "div_scale",
-                div_scale,
-                low=0.0,
-                low_open=True,
-                high=math.inf,
-                high_open=True,
-                owner=f"{self._owner}.step()",
-                hint="It divides every gradient (a loss scale); pass -1 (the default) for no division.",
-            )
+        """Validate, run the closure, plan the grad division, then route the buckets to the device loop (all
+        on CUDA: no host sync) or the host loop."""
+        divisor = self._amp.divisor(self, div_scale)
         self._groups.revalidate(self.param_groups)  # bad input is refused before the closure runs
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # GradScaler's scale: after a step that is not skipped the grads hold g / scale, as torch's fused
-        # optimizers leave them (written back by the kernel in the same pass when it divides by exactly that).
-        unscale_by: float | None = None
-        # Set by torch.amp.GradScaler (_step_supports_amp_scaling): CUDA tensors stay on the device.
-        grad_scale = getattr(self, "grad_scale", None)
-        found_inf = getattr(self, "found_inf", None)
-        self._host_last_skipped = False
-        self._last_flags = []
-        if found_inf is not None and not (
-            isinstance(found_inf, torch.Tensor) and self._device_path(found_inf.device)
-        ):
-            if float(found_inf) != 0.0:
-                self._skip_on_host()
-                return loss
-            found_inf = None
-        if grad_scale is not None and not (
-            isinstance(grad_scale, torch.Tensor) and self._device_path(grad_scale.device)
-        ):
-            unscale_by = float(grad_scale)
-            divisor *= unscale_by
-            grad_scale = None
-        plans = [(group, self._group_buckets(i, group)) for i, group in enumerate(self.param_groups)]
+        skips = self._skips
+        skips.begin_step()
+        # torch.amp.GradScaler's protocol: instance attributes that exist only during its step() call
+        amp = self.__dict__
+        plan = self._amp.plan(self, divisor, amp.get("grad_scale"), amp.get("found_inf"))
+        if plan.skip:
+            skips.skip_on_host()
+            return loss
+        cache = self._bucket_cache
+        plans = [(group, cache.group_buckets(self, i, group)) for i, group in enumerate(self.param_groups)]
         buckets = [(group, b) for group, bs in plans for b in bs if b.numel > 0 or b.params]
         if not buckets:
             return loss
         check = self.skip_nonfinite if self.skip_nonfinite is not None else self.master_weights
-        if not math.isfinite(divisor) or divisor <= 0:
-            raise HyperParameterError(
-                f"{self._owner}: the gradient divisor must be positive and finite, got {divisor}"
-            )
+        plan.check_divisor(self._owner)
         if all(b.on_device for _group, b in buckets):
-            self._device_step(buckets, divisor, grad_scale, found_inf, check)
+            self._device_loop.run(self, buckets, plan.divisor, plan.grad_scale, plan.found_inf, check, skips)
             return loss
         # Host path (CPU buckets, possibly beside CUDA ones in HybridAdam): skip decisions are made on the host.
-        if found_inf is not None and float(found_inf) != 0.0:
-            self._skip_on_host()
+        if plan.to_host():
+            skips.skip_on_host()
             return loss
-        if grad_scale is not None:
-            unscale_by = float(grad_scale) * (unscale_by or 1.0)
-            divisor *= float(grad_scale)
-        # The whole step is skipped on a non-finite grad: with several buckets, check all of them first.
-        pre_checked = False
-        sharded = any(b.params and is_dtensor(b.params[0]) for _group, b in buckets)
-        if check and (len(buckets) > 1 or sharded):
-            finite = True
-            for _group, b in buckets:
-                module = _backend.module_for(b.device)
-                norm = module.l2norm(
-                    b.ptrs["grads"],
-                    b.sizes,
-                    _backend.DTYPE_CODES[b.grad_dtype],
-                    0,
-                    self._ctx(module, b.device),
-                    **self._device_kw(b.device),
-                )
-                finite = finite and math.isfinite(norm / divisor)
-            if sharded:  # every rank holding a shard must take the same decision
-                finite = mesh_all_true(finite, [b.params[0] for _g, b in buckets if b.params])
-            if not finite:
-                self._skip_on_host()
-                return loss
-            pre_checked = True
-        divisor = self._pre_step(plans, divisor)
-        kernel_unscale = unscale_by is not None and divisor == unscale_by
-        host_kw = {"write_unscaled_grads": True} if kernel_unscale else _NO_KW
-        uses_steps = self._uses_steps
-        for group, b in buckets:
-            module = _backend.module_for(b.device)
-            ctx = self._ctx(module, b.device)
-            if b.on_device:
-                if uses_steps:
-                    b.steps.add_(1)  # the device kernels read the step being taken
-                lr, kw = self._device_lr(group, b.device, self._device_kw(b.device))
-                if uses_steps:
-                    kw["step_ptrs"] = b.step_ptrs
-                kw.update(host_kw)
-                skipped = self._launch(
-                    module, b, group, Launch(lr, divisor, 0, check and not pre_checked, ctx, None, kw)
-                )
-                if skipped and uses_steps:
-                    b.steps.sub_(1)
-            else:
-                launch = Launch(
-                    float(group["lr"]), divisor, 0, check and not pre_checked, ctx, b.prepare_steps(), host_kw
-                )
-                skipped = self._launch(module, b, group, launch)
-                if not skipped and uses_steps:
-                    b.steps.add_(1)
-            if skipped:
-                # Only possible on the first (single) bucket: nothing has been written yet.
-                self._skip_on_host()
-                return loss
-            b.clear_first_run()
-        if unscale_by is not None and not kernel_unscale:
-            # the kernels divided by more than the scale (div_scale, LAMB's clip): unscale in a second pass
-            for _group, b in buckets:
-                grads = [local_tensor(p.grad) for p in b.params]
-                if grads:
-                    torch._foreach_div_(grads, unscale_by)
+        self._host_loop.run(self, plans, buckets, plan, check, skips, self._device_loop)
         return loss

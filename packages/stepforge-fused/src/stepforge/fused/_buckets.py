@@ -15,12 +15,12 @@ device, masters re-sync) or refreshes the grad pointers after checking dtype, si
 are also compared by identity each step (re-allocated by backward, assigned by hand). Not seen: a move whose old
 storage stays alive elsewhere (a view or reference kept by other code: the kernel then updates that live memory,
 not the parameter) and resizing a storage in place (``untyped_storage().resize_()``); call
-:meth:`BucketsMixin.invalidate_cache` after those. A per-step ``data_ptr()`` comparison would catch them but cost
+:meth:`~._base.FusedOptimizerBase.invalidate_cache` after those. A per-step ``data_ptr()`` comparison would catch them but cost
 +26% on the 20 000-tensor benchmark (``benchmarks/results/cpu-2026-11-23-cache-check.json``).
 
 With ``assume_stable_grads=True`` the ``p.grad`` identity check is skipped too: gradients newly allocated by
 backward are seen through post-accumulate-grad hooks, ``zero_grad(set_to_none=True)`` makes the next step check
-them once, and a gradient assigned by hand needs :meth:`BucketsMixin.invalidate_cache`.
+them once, and a gradient assigned by hand needs :meth:`~._base.FusedOptimizerBase.invalidate_cache`.
 """
 
 from __future__ import annotations
@@ -35,11 +35,11 @@ from typing import Any
 
 import torch
 
-from stepforge.core import is_dtensor, view_base
+from stepforge.core import is_dtensor
 
-from ._validate import check_pair, local_tensor
+from ._validate import local_tensor
 
-__all__ = ["Bucket", "BucketsMixin", "GroupCache", "Launch"]
+__all__ = ["Bucket", "GroupCache", "Launch"]
 
 
 def _i64(values: Iterable[int]) -> array.array:
@@ -138,7 +138,6 @@ _data_ptr = torch.Tensor.data_ptr
 _numel = torch.Tensor.numel
 
 
-_get_grad = operator.attrgetter("grad")
 _is = operator.is_
 _storage = torch.Tensor.untyped_storage
 
@@ -173,6 +172,7 @@ class GroupCache:
         "param_stale",
         "params",
         "stale",
+        "watched",
     )
 
     def __init__(
@@ -182,6 +182,8 @@ class GroupCache:
         grads: list[Any],
         buckets: list[Bucket],
         dtensor: bool = False,
+        *,
+        watch: bool = False,
     ):
         self.params = params  # the group's list (identity: the group was not given another list)
         self.dtensor = dtensor  # DTensor params: ``views``/grads are their local shards
@@ -196,17 +198,25 @@ class GroupCache:
             stale[0] = True
 
         self.param_refs = [weakref.ref(_storage(v), freed) for v in views]
-        self._keep_grads(grads)
+        self._keep_grads(grads, watch=watch)
         # for each bucket, the positions of its params in the group
         where = {id(p): i for i, p in enumerate(params)}
         self.members = [[where[id(p)] for p in b.params] for b in buckets]
 
-    def _keep_grads(self, grads: list[Any]) -> None:
+    def _keep_grads(self, grads: list[Any], *, watch: bool) -> None:
         # The grad objects are compared by identity each step; a grad whose storage is swapped under it
         # (p.grad.data = t) frees the old storage, whose weakref callback marks the cache stale before that
         # memory can be reused. Grad storages are not held, so freeing grads frees their memory.
+        # The callbacks are set up only once the same grads come back a second time (``watch``): with
+        # ``zero_grad(set_to_none=True)`` every step brings new grads and the weakrefs would be thrown away
+        # unused (they were half of the per-step host time on 20 000 tensors); until then
+        # :meth:`grads_unchanged` answers False and the next step re-reads the addresses instead.
         self.grads = grads
         stale = self.stale = [False]
+        self.watched = watch
+        if not watch:
+            self.grad_refs = []
+            return
 
         def freed(_ref: Any, stale: list[bool] = stale) -> None:
             stale[0] = True
@@ -218,20 +228,25 @@ class GroupCache:
         self.grads = []
         self.grad_refs = []
         self.stale = [True]
+        self.watched = False
 
     def params_unchanged(self, params: list[torch.Tensor]) -> bool:
         """The same parameter list, and no storage the buckets point into was freed since they were built."""
         return self.params is params and not self.param_stale[0]
 
     def grads_unchanged(self, grads: list[Any]) -> bool:
-        """The very grad tensors of the last step, none of whose storages was freed since."""
-        return not self.stale[0] and len(grads) == len(self.grads) and all(map(_is, grads, self.grads))
+        """The very grad tensors of the last step, watched since and none of whose storages was freed."""
+        return self.watched and not self.stale[0] and self.same_grad_objects(grads)
 
-    def refresh_grads(self, grads: list[Any]) -> bool:
+    def same_grad_objects(self, grads: list[Any]) -> bool:
+        """The very grad tensors of the last step (identity only)."""
+        return len(grads) == len(self.grads) and all(map(_is, grads, self.grads))
+
+    def refresh_grads(self, grads: list[Any], *, watch: bool = False) -> bool:
         """Point the buckets at new grad tensors (``zero_grad(set_to_none=True)`` + backward re-allocates them
         every step), with C-level loops only. Returns False when the layout must be rebuilt instead (a grad
         appeared or vanished, or changed dtype/size/layout: the full build validates and raises the right
-        error)."""
+        error). ``watch``: set up the storage callbacks (the same grads were seen again)."""
         all_set = all(map(operator.is_not, grads, itertools.repeat(None)))
         if not (all_set and self.all_set):
             if all_set != self.all_set:
@@ -242,7 +257,7 @@ class GroupCache:
         for bucket, idx in zip(self.buckets, self.members, strict=True):
             if not idx:
                 continue
-            bg = [grads[i] for i in idx]
+            bg = grads if len(idx) == len(grads) and len(self.buckets) == 1 else [grads[i] for i in idx]
             if not all(map(operator.is_, map(_get_dtype, bg), itertools.repeat(bucket.grad_dtype))):
                 return False
             if any(map(_get_is_sparse, bg)) or not all(map(_contiguous, bg)):
@@ -250,160 +265,5 @@ class GroupCache:
             if _i64(map(_numel, bg)) != bucket.sizes:
                 return False  # a grad of another size (``p.grad.data = ...``): the full build raises
             bucket.ptrs["grads"] = _i64(map(_data_ptr, bg))
-        self._keep_grads(grads)
+        self._keep_grads(grads, watch=watch)
         return True
-
-
-class BucketsMixin:
-    """Bucket building and the per-step revalidation, mixed into :class:`~._base.FusedOptimizerBase`."""
-
-    _owner: str
-    _uses_steps: bool
-    _cache: dict[int, GroupCache]
-
-    def invalidate_cache(self) -> None:
-        """Forget the cached pointer arrays (needed only after swapping storage under a param or grad)."""
-        self._cache.clear()
-
-    def _group_buckets(self, index: int, group: dict[str, Any]) -> list[Bucket]:
-        """The group's buckets, revalidated: parameter addresses always, gradient addresses unless the
-        stable-grads hooks vouch for them; a moved parameter rebuilds, moved grads refresh."""
-        params = group["params"]
-        cached = self._cache.get(index)
-        same = cached is not None and cached.params is params
-        dtensor = cached.dtensor if same else any(map(_is_dtensor, params))
-        if same and cached.params_unchanged(params):
-            if cached.hooked and not cached.stale[0]:
-                return cached.buckets
-            grads = list(map(_get_grad, params))
-            gviews = _local_grads(grads) if dtensor else grads
-            if cached.grads_unchanged(gviews) or cached.refresh_grads(gviews):
-                if self.assume_stable_grads:
-                    cached.hooked = self._hook_params(params)
-                return cached.buckets
-        else:
-            grads = list(map(_get_grad, params))
-            gviews = _local_grads(grads) if dtensor else grads
-        views = list(map(local_tensor, params)) if dtensor else params
-        moved: frozenset[int] = frozenset()
-        if same and len(params) == len(cached.param_ptrs):
-            now = _i64(map(_data_ptr, views))
-            moved = frozenset(
-                i for i, (a, b) in enumerate(zip(now, cached.param_ptrs, strict=True)) if a != b
-            )
-        buckets = self._build_buckets(group, params, grads, moved)
-        entry = GroupCache(params, views, gviews, buckets, dtensor)
-        if self.assume_stable_grads:
-            entry.hooked = self._hook_params(params)
-        self._cache[index] = entry
-        return buckets
-
-    def _hook_params(self, params: list[torch.Tensor]) -> bool:
-        """Invalidate the cache when backward hands a parameter a new gradient tensor (stable-grads mode)."""
-        if not all(p.requires_grad and p.is_leaf for p in params):
-            return False  # no hook possible: keep checking p.grad every step for this group
-        ref = weakref.ref(self)
-        for p in params:
-            if id(p) in self._hooked:
-                continue
-
-            def hook(param: torch.Tensor, _ref: Any = ref) -> None:
-                opt = _ref()
-                # Accumulated in place into the known tensor: nothing to do. A new tensor: rebuild lazily.
-                if opt is not None and opt._known_grads.get(id(param)) is not param.grad:
-                    opt._cache.clear()
-
-            self._hooked[id(p)] = p.register_post_accumulate_grad_hook(hook)
-        self._known_grads.update((id(p), p.grad) for p in params)
-        return True
-
-    def _build_buckets(
-        self,
-        group: dict[str, Any],
-        params: list[torch.Tensor],
-        grads: list[Any],
-        moved: frozenset[int] = frozenset(),
-    ) -> list[Bucket]:
-        keys = self._state_keys(group)
-        if group.get("capturable", False):
-            for i, (p, g) in enumerate(zip(params, grads, strict=True)):
-                if g is not None and not self._device_path(p.device):
-                    raise RuntimeError(
-                        f"{self._owner}: capturable=True needs CUDA parameters (lr and steps on the device for "
-                        f"CUDA-graph capture), but parameter #{i} is on {p.device}. Pass capturable=False for "
-                        "CPU parameters (torch.optim raises for capturable=True on CPU too)."
-                    )
-        by_key: dict[tuple[Any, ...], Bucket] = {}
-        staged: dict[tuple[Any, ...], list[tuple[torch.Tensor, torch.Tensor, dict[str, Any], bool]]] = {}
-        for i, (p, g) in enumerate(zip(params, grads, strict=True)):
-            if g is None:
-                continue
-            check_pair(local_tensor(p), local_tensor(g), i, owner=self._owner)
-            state, fresh = self._init_state(p, group, i in moved)
-            master = self.master_weights and p.dtype != torch.float32
-            key = (p.device, p.dtype, g.dtype, master)
-            if key not in by_key:
-                by_key[key] = Bucket(p.device, p.dtype, g.dtype, master)
-                staged[key] = []
-            staged[key].append((p, g, state, fresh))
-        buckets = []
-        for key, bucket in by_key.items():
-            entries = staged[key]
-            bucket.params = [e[0] for e in entries]
-            # DTensor params, grads and state: the kernels step the local shards
-            bucket.ptrs["params"] = _i64(local_tensor(e[0]).data_ptr() for e in entries)
-            bucket.ptrs["grads"] = _i64(local_tensor(e[1]).data_ptr() for e in entries)
-            for name in keys:
-                bucket.ptrs[name] = _i64(local_tensor(e[2][name]).data_ptr() for e in entries)
-            if bucket.master:
-                bucket.ptrs["masters"] = _i64(local_tensor(e[2]["master_param"]).data_ptr() for e in entries)
-            bucket.sizes = _i64(local_tensor(e[0]).numel() for e in entries)
-            bucket.numel = sum(bucket.sizes)
-            n = len(entries)
-            bucket.on_device = self._device_path(bucket.device)
-            if self._uses_steps and bucket.on_device:
-                steps = self._device_steps([e[2]["step"] for e in entries], bucket.device)
-                for j, e in enumerate(entries):
-                    e[2]["step"] = steps[j]
-                bucket.step_ptrs = _i64(range(steps.data_ptr(), steps.data_ptr() + 4 * n, 4))
-            elif self._uses_steps:
-                steps = torch.tensor([float(e[2]["step"]) for e in entries], dtype=torch.float32)
-                for j, e in enumerate(entries):
-                    e[2]["step"] = steps[j]  # 0-dim view: one in-place add advances every step of the bucket
-            else:
-                steps = torch.zeros(n, dtype=torch.float32)
-            bucket.steps = steps
-            bucket.steps_arg = _i64([0] * n)
-            bucket.first_run = _i64(int(e[3]) for e in entries)
-            if n:
-                bucket._steps_arg_t = torch.frombuffer(bucket.steps_arg, dtype=torch.int64)
-                bucket._first_run_t = torch.frombuffer(bucket.first_run, dtype=torch.int64)
-            buckets.append(bucket)
-        return buckets
-
-    @staticmethod
-    def _device_steps(old: list[Any], device: torch.device) -> torch.Tensor:
-        """One flat float32 tensor on ``device`` holding the given steps, without a host round trip when they
-        already live there (the common case: a rebuild after ``zero_grad(set_to_none=True)``)."""
-        n = len(old)
-        base = view_base(old[0]) if n and isinstance(old[0], torch.Tensor) else None
-        if (
-            base is not None
-            and base.device == device
-            and base.dtype == torch.float32
-            and base.dim() == 1
-            and base.numel() == n
-            and all(view_base(s) is base and s.storage_offset() == j for j, s in enumerate(old))
-        ):
-            return base  # the same bucket as before: keep the tensor (and its address, for CUDA graphs)
-        if all(isinstance(s, torch.Tensor) and s.device == device for s in old):
-            return (
-                torch.stack([s.reshape(()).to(torch.float32) for s in old])
-                if n
-                else torch.zeros(0, device=device)
-            )
-        # Steps from a CPU checkpoint (torch.optim's non-fused layout): one host-to-device copy, at build only.
-        values = [float(s) for s in old]
-        if not any(values):
-            return torch.zeros(n, dtype=torch.float32, device=device)
-        return torch.tensor(values, dtype=torch.float32).to(device)

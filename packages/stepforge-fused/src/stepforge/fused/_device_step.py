@@ -18,8 +18,18 @@ from stepforge.core import HyperParameterError
 
 from . import _backend
 from ._buckets import Bucket, Launch
+from ._protocol import KernelOwner
+from ._skips import SkipTracker
 
-__all__ = ["DeviceStepMixin", "clip_divisor_from_sumsq", "device_grad_sumsq"]
+__all__ = [
+    "DeviceLoop",
+    "clip_divisor_from_sumsq",
+    "device_env",
+    "device_grad_sumsq",
+    "device_kw",
+    "device_path",
+    "launch_ctx",
+]
 
 
 def device_grad_sumsq(
@@ -71,44 +81,45 @@ def clip_divisor_from_sumsq(
     return div, found_inf
 
 
-class DeviceStepMixin:
-    """Mixed into :class:`~._base.FusedOptimizerBase`."""
+def device_path(device: torch.device) -> bool:
+    """Whether tensors on ``device`` take the sync-free device path (CUDA)."""
+    return device.type == "cuda"
 
-    _owner: str
-    _uses_steps: bool
 
-    @staticmethod
-    def _device_path(device: torch.device) -> bool:
-        """Whether tensors on ``device`` take the sync-free device path (CUDA)."""
-        return device.type == "cuda"
+def device_env(device: torch.device) -> tuple[int, int]:
+    """``(ctx, device index)`` of a CUDA launch: the caller's current stream on that device."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return int(torch.cuda.current_stream(index).cuda_stream), index
 
-    @staticmethod
-    def _device_env(device: torch.device) -> tuple[int, int]:
-        """``(ctx, device index)`` of a CUDA launch: the caller's current stream on that device."""
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return int(torch.cuda.current_stream(index).cuda_stream), index
 
-    def _device_clip_norm(self) -> float:
-        """Global grad-norm clip threshold applied on the device path (LAMB); ``0`` = none."""
-        return 0.0
+def device_kw(device: torch.device) -> dict[str, Any]:
+    """Extra keyword for the CUDA module: the device index (the CPU module takes none)."""
+    if device.type == "cuda":
+        return {"device": device.index if device.index is not None else torch.cuda.current_device()}
+    return {}
 
-    # ---- step ----------------------------------------------------------------------------------------------
 
-    @staticmethod
-    def _device_kw(device: torch.device) -> dict[str, Any]:
-        """Extra keyword for the CUDA module: the device index (the CPU module takes none)."""
-        if device.type == "cuda":
-            return {"device": device.index if device.index is not None else torch.cuda.current_device()}
-        return {}
+def launch_ctx(module: ModuleType, device: torch.device) -> int:
+    """The ``ctx`` argument of a launch: CPU kernel threads, or the current CUDA stream handle."""
+    if device.type == "cpu":
+        return _backend.get_num_threads()
+    return int(torch.cuda.current_stream(device).cuda_stream)
 
-    @staticmethod
-    def _ctx(module: ModuleType, device: torch.device) -> int:
-        if device.type == "cpu":
-            return _backend.get_num_threads()
-        return int(torch.cuda.current_stream(device).cuda_stream)
 
-    def _device_lr(
-        self, group: dict[str, Any], device: torch.device, kw: dict[str, Any]
+class DeviceLoop:
+    """The CUDA step of one optimizer, and the device buffers holding its float ``lr`` values (capturable).
+
+    Attributes:
+        lr_bufs: ``(id(group), device)`` -> ``(value, (1,) float32 device buffer)``.
+    """
+
+    __slots__ = ("lr_bufs",)
+
+    def __init__(self) -> None:
+        self.lr_bufs: dict[tuple[int, torch.device], tuple[float, torch.Tensor]] = {}
+
+    def lr_for(
+        self, opt: KernelOwner, group: dict[str, Any], device: torch.device, kw: dict[str, Any]
     ) -> tuple[float, dict[str, Any]]:
         """The host ``lr`` of a CUDA launch, or ``0.0`` with ``kw["lr_ptr"]`` set when lr lives on the device.
 
@@ -122,12 +133,12 @@ class DeviceStepMixin:
                 return float(lr), kw  # host value: no device synchronisation
             if lr.numel() != 1:
                 raise HyperParameterError(
-                    f"{self._owner}: a Tensor lr must have one element, got {lr.numel()}"
+                    f"{opt._owner}: a Tensor lr must have one element, got {lr.numel()}"
                 )
             if lr.device != device or lr.dtype != torch.float32 or not lr.is_contiguous():
                 if group.get("capturable", False) and lr.device.type == "cpu":
                     raise RuntimeError(
-                        f"{self._owner}: with capturable=True a Tensor lr must live on the parameters' device "
+                        f"{opt._owner}: with capturable=True a Tensor lr must live on the parameters' device "
                         f"({device}), got one on {lr.device}; pass lr=torch.tensor(value, device='{device}')."
                     )
                 # Freed after the launch is enqueued: safe, the caching allocator reuses it in stream order.
@@ -138,22 +149,24 @@ class DeviceStepMixin:
             return float(lr), kw
         key = (id(group), device)
         value = float(lr)
-        cached = self._lr_bufs.get(key)
+        cached = self.lr_bufs.get(key)
         if cached is None or cached[0] != value:
             buf = cached[1] if cached is not None else torch.empty(1, dtype=torch.float32, device=device)
             buf.fill_(value)
-            self._lr_bufs[key] = (value, buf)
-            cached = self._lr_bufs[key]
+            self.lr_bufs[key] = (value, buf)
+            cached = self.lr_bufs[key]
         kw["lr_ptr"] = cached[1].data_ptr()
         return 0.0, kw
 
-    def _device_step(
+    def run(
         self,
+        opt: KernelOwner,
         buckets: list[tuple[dict[str, Any], Bucket]],
         divisor: float,
         grad_scale: torch.Tensor | None,
         found_inf: torch.Tensor | None,
         check: bool,
+        skips: SkipTracker,
     ) -> None:
         """The CUDA step with no host synchronisation: every skip decision and clip factor stays on the device.
 
@@ -166,9 +179,9 @@ class DeviceStepMixin:
         by_dev: dict[torch.device, list[tuple[dict[str, Any], Bucket]]] = {}
         for item in buckets:
             by_dev.setdefault(item[1].device, []).append(item)
-        clip_norm = self._device_clip_norm()
+        clip_norm = opt._device_clip_norm()
         need_norm = clip_norm > 0 or (check and len(buckets) > 1)
-        env = {device: self._device_env(device) for device in by_dev}
+        env = {device: opt._device_env(device) for device in by_dev}
         sumsq: dict[torch.device, torch.Tensor] = {}
         if need_norm:
             for device, items in by_dev.items():
@@ -185,7 +198,7 @@ class DeviceStepMixin:
                 total = sum(t.to(first, non_blocking=True) for t in sumsq.values())
                 sumsq = {d: total.to(d, non_blocking=True) for d in sumsq}
         kernel_check = check and not need_norm
-        uses_steps = self._uses_steps
+        uses_steps = opt._uses_steps
         # GradScaler's grads are left divided by its scale (torch's contract); the kernel writes them back in
         # the same pass when it divides by exactly the scale, otherwise a device-side second pass does it.
         kernel_unscale = grad_scale is not None and clip_norm <= 0 and divisor == 1.0
@@ -195,15 +208,7 @@ class DeviceStepMixin:
             scale = None
             if grad_scale is not None:
                 scale = grad_scale.to(device=device, dtype=torch.float32, non_blocking=True).reshape(1)
-            flag = None
-            if found_inf is not None or check:
-                flag = self._flags.get(device)
-                if flag is None:
-                    flag = self._flags[device] = torch.zeros(1, dtype=torch.float32, device=device)
-                if found_inf is not None:
-                    flag.copy_(found_inf.to(device=device, dtype=torch.float32, non_blocking=True).reshape(1))
-                else:
-                    flag.zero_()
+            flag = skips.device_flag(device, found_inf) if found_inf is not None or check else None
             factor = scale  # multiplies the host divisor inside the kernel (grad_divisor_ptr)
             launch_div = divisor
             if need_norm:
@@ -217,21 +222,18 @@ class DeviceStepMixin:
             if uses_steps and flag is not None and not kernel_check:
                 keep = 1.0 - flag
             for group, b in items:
-                lr, kw = self._device_lr(group, device, {"device": index})
+                lr, kw = self.lr_for(opt, group, device, {"device": index})
                 if factor is not None:
                     kw["grad_divisor_ptr"] = factor.data_ptr()
                 if kernel_unscale:
                     kw["write_unscaled_grads"] = True
                 if uses_steps:
                     kw["step_ptrs"] = b.step_ptrs
-                    if keep is not None:
-                        b.steps.add_(keep)
-                    else:
-                        b.steps.add_(1)
+                    b.steps.add_(keep if keep is not None else 1)
                 launch = Launch(
                     lr, launch_div, 0 if flag is None else flag.data_ptr(), kernel_check, ctx, None, kw
                 )
-                self._launch(module, b, group, launch)
+                opt._launch(module, b, group, launch)
                 if uses_steps and kernel_check:
                     b.steps.sub_(
                         flag
@@ -245,8 +247,4 @@ class DeviceStepMixin:
                     by = scale if flag is None else torch.where(flag != 0, torch.ones_like(scale), scale)
                     torch._foreach_div_(grads, by.reshape(()))
             if flag is not None:
-                self._last_flags.append(flag)
-                count = self._skip_counts.get(device)
-                if count is None:
-                    count = self._skip_counts[device] = torch.zeros(1, dtype=torch.float32, device=device)
-                count.add_(flag.ne(0).to(torch.float32))
+                skips.record_device(device, flag)

@@ -14,6 +14,8 @@ import torch
 
 from stepforge.core import GroupValidator, HyperParameterError
 
+from ._bucket_cache import BucketCache
+
 __all__ = ["StateMixin"]
 
 
@@ -23,29 +25,10 @@ class StateMixin:
     _owner: str
     _uses_steps: bool
     _groups: GroupValidator
+    _bucket_cache: BucketCache
+    master_weights: bool
 
     _PICKLED_OPTIONS = ("master_weights", "skip_nonfinite", "assume_stable_grads", "set_grad_none")
-
-    def __getstate__(self) -> dict[str, Any]:
-        # torch.optim pickles defaults/state/param_groups only; keep our options, never the pointer caches.
-        state = super().__getstate__()
-        state.update({k: self.__dict__[k] for k in self._PICKLED_OPTIONS if k in self.__dict__})
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        self.__dict__.setdefault("_cache", {})
-        self.__dict__.setdefault("master_weights", False)
-        self.__dict__.setdefault("skip_nonfinite", None)
-        self.__dict__.setdefault("_host_last_skipped", bool(self.__dict__.pop("last_step_skipped", False)))
-        self.__dict__.setdefault("_host_skipped", int(self.__dict__.pop("skipped_steps", 0)))
-        for key in ("_flags", "_skip_counts", "_lr_bufs"):
-            self.__dict__.setdefault(key, {})
-        self.__dict__.setdefault("_last_flags", [])
-        self.__dict__.setdefault("assume_stable_grads", False)
-        self.__dict__.setdefault("_hooked", {})
-        self.__dict__.setdefault("_known_grads", {})
-        self.__dict__["_groups"] = GroupValidator(self._check_group, owner=self._owner)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict of this class or of ``torch.optim.AdamW``/``Adam``/``SGD`` (same state layout).
@@ -89,7 +72,7 @@ class StateMixin:
         self._groups.forget()
         for i, group in enumerate(self.param_groups):
             self._groups.validate(group, i)
-        self._cache.clear()
+        self._bucket_cache.invalidate()
 
     #: state keys a loaded state may hold besides ``step``, ``master_param`` and ``_state_keys(group)``.
     _extra_state_keys: tuple[str, ...] = ()

@@ -49,6 +49,10 @@ class FusedLAMB(FusedOptimizerBase):
     """
 
     _owner = "FusedLAMB"
+    #: the buckets the shard plans were made for (kept referenced so their ids stay theirs)
+    _shard_buckets: list[Bucket]
+    #: ``id(bucket)`` -> its sharded DTensor params (buckets without any are absent)
+    _shard_plans: dict[int, _ShardPlan]
 
     def __init__(
         self,
