@@ -26,6 +26,7 @@ PACKAGES = (
     "stepforge-zero",
     "stepforge-accum",
     "stepforge-strategy",
+    "stepforge-mmengine",
     "stepforge-testing",
 )
 
@@ -270,6 +271,23 @@ def bench(session: nox.Session) -> None:
     )
     quick = ("--quick",) if "--quick" in session.posargs else ()
     session.run("python", str(ROOT / "tools" / "bench" / "bench_optim.py"), "--out", out, *quick)
+
+
+# The Hugging Face Trainer example and its test (examples/huggingface/): a tiny GPT-2, CI-sized.
+INTEGRATION_PACKAGES = ("stepforge-core", "stepforge-optim", "stepforge-fused", "stepforge-accum", "stepforge-testing")
+INTEGRATION_DEPS = ("numpy", "pytest", "transformers", "accelerate")
+
+
+@nox.session(python=PYTHON, tags=["ci"])
+def integrations(session: nox.Session) -> None:
+    """transformers.Trainer with stepforge optimizers and accumulation semantics (examples/huggingface)."""
+    install_packages(session, *INTEGRATION_PACKAGES, extra=INTEGRATION_DEPS, env=CPU_BUILD)
+    session.run(
+        "python", "-m", "pytest", str(ROOT / "examples" / "huggingface"),
+        "-c", str(ROOT / "pyproject.toml"), "--rootdir", str(ROOT), "-p", "no:cacheprovider",
+        *session.posargs,
+        env={"STEPFORGE_SOURCE_ROOT": str(ROOT)},
+    )  # fmt: skip
 
 
 @nox.session(python=PYTHON, tags=["ci"])
