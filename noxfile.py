@@ -274,7 +274,13 @@ def bench(session: nox.Session) -> None:
 
 
 # The Hugging Face Trainer example and its test (examples/huggingface/): a tiny GPT-2, CI-sized.
-INTEGRATION_PACKAGES = ("stepforge-core", "stepforge-optim", "stepforge-fused", "stepforge-accum", "stepforge-testing")
+INTEGRATION_PACKAGES = (
+    "stepforge-core",
+    "stepforge-optim",
+    "stepforge-fused",
+    "stepforge-accum",
+    "stepforge-testing",
+)
 INTEGRATION_DEPS = ("numpy", "pytest", "transformers", "accelerate")
 
 
