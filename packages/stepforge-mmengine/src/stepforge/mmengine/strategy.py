@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from mmengine.logging import MMLogger
-from mmengine.model import BaseModule
+from mmengine.model import BaseModel, BaseModule
 from mmengine.registry import MODELS
 from mmengine.utils.dl_utils import collect_env as mm_collect_env
 from torch import nn
@@ -193,20 +193,22 @@ class StepforgeStrategy:
         dispatch = dict(dispatch_kwargs or {})
         if isinstance(model, Mapping):
             model = MODELS.build(model)
-        if not isinstance(model, nn.Module):
+        if not isinstance(model, BaseModel):
             raise TypeError(
-                f"StepforgeStrategy.prepare: model must be an nn.Module or a MODELS config, got {model!r}"
+                "StepforgeStrategy.prepare: the model must be an mmengine BaseModel or a MODELS config building one "
+                f"(train_step needs its data_preprocessor and parse_losses), got {type(model).__name__}"
             )
-        if isinstance(model, BaseModule) and dispatch.pop("init_weights_for_test_or_val", True):
+        init_weights = dispatch.pop("init_weights_for_test_or_val", True)
+        if isinstance(model, BaseModule) and init_weights:
             model.init_weights()
-        dispatch.pop("init_weights_for_test_or_val", None)
         module = model
         device = self.strategy.plugin.device
         if device.type != "cpu":
             module.to(device)  # BaseModel.to also moves its data preprocessor
         if isinstance(optim_wrapper, Mapping):
             optim_wrapper = _strip_prefix(optim_wrapper)
-            optim_wrapper["optimizer"] = _strip_prefix(optim_wrapper.get("optimizer"))
+            if "optimizer" in optim_wrapper:
+                optim_wrapper["optimizer"] = _strip_prefix(optim_wrapper["optimizer"])
         compile_cfg: Any = compile
         if isinstance(compile, Mapping) and compile.get("target") == "train_step":
             compile_cfg = {
