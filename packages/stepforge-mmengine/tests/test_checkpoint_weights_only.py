@@ -15,8 +15,7 @@ import torch.distributed.checkpoint as dcp
 from _runs import example_config
 from mmengine.runner import FlexibleRunner
 
-from stepforge.mmengine import message_hub_from_plain
-from stepforge.mmengine._message_hub import PLAIN_FORMAT
+from stepforge.mmengine import PLAIN_FORMAT, message_hub_from_plain
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 

@@ -17,7 +17,7 @@ registers, in mmengine's registries:
 
 from __future__ import annotations
 
-from ._message_hub import message_hub_from_plain, message_hub_to_plain
+from ._message_hub import PLAIN_FORMAT, message_hub_from_plain, message_hub_to_plain
 from ._version import __version__
 from .model_wrapper import StepforgeModelWrapper
 from .registration import COLOSSALAI_NAMES, PREFIX, register_all, registered_names
@@ -26,6 +26,7 @@ from .strategy import StepforgeColossalAIStrategy, StepforgeStrategy
 __all__ = [
     "__version__",
     "COLOSSALAI_NAMES",
+    "PLAIN_FORMAT",
     "PREFIX",
     "StepforgeColossalAIStrategy",
     "StepforgeModelWrapper",
