@@ -287,7 +287,10 @@ INTEGRATION_DEPS = ("numpy", "pytest", "transformers", "accelerate")
 @nox.session(python=PYTHON, tags=["ci"])
 def integrations(session: nox.Session) -> None:
     """transformers.Trainer with stepforge optimizers and accumulation semantics (examples/huggingface)."""
-    install_packages(session, *INTEGRATION_PACKAGES, extra=INTEGRATION_DEPS, env=CPU_BUILD)
+    # not install_packages: the packages' own test groups (scikit-learn, matplotlib...) are not needed here
+    names = [n for p in INTEGRATION_PACKAGES for n in _closure(p)]
+    paths = [str(ROOT / "packages" / n) for n in dict.fromkeys(names)]
+    session.install(*CONSTRAINTS, *INTEGRATION_DEPS, *paths, env=CPU_BUILD)
     session.run(
         "python", "-m", "pytest", str(ROOT / "examples" / "huggingface"),
         "-c", str(ROOT / "pyproject.toml"), "--rootdir", str(ROOT), "-p", "no:cacheprovider",
