@@ -26,6 +26,7 @@ PACKAGES = (
     "stepforge-zero",
     "stepforge-accum",
     "stepforge-strategy",
+    "stepforge-mmengine",
     "stepforge-testing",
 )
 
@@ -270,6 +271,32 @@ def bench(session: nox.Session) -> None:
     )
     quick = ("--quick",) if "--quick" in session.posargs else ()
     session.run("python", str(ROOT / "tools" / "bench" / "bench_optim.py"), "--out", out, *quick)
+
+
+# The Hugging Face Trainer example and its test (examples/huggingface/): a tiny GPT-2, CI-sized.
+INTEGRATION_PACKAGES = (
+    "stepforge-core",
+    "stepforge-optim",
+    "stepforge-fused",
+    "stepforge-accum",
+    "stepforge-testing",
+)
+INTEGRATION_DEPS = ("numpy", "pytest", "transformers", "accelerate")
+
+
+@nox.session(python=PYTHON, tags=["ci"])
+def integrations(session: nox.Session) -> None:
+    """transformers.Trainer with stepforge optimizers and accumulation semantics (examples/huggingface)."""
+    # not install_packages: the packages' own test groups (scikit-learn, matplotlib...) are not needed here
+    names = [n for p in INTEGRATION_PACKAGES for n in _closure(p)]
+    paths = [str(ROOT / "packages" / n) for n in dict.fromkeys(names)]
+    session.install(*CONSTRAINTS, *INTEGRATION_DEPS, *paths, env=CPU_BUILD)
+    session.run(
+        "python", "-m", "pytest", str(ROOT / "examples" / "huggingface"),
+        "-c", str(ROOT / "pyproject.toml"), "--rootdir", str(ROOT), "-p", "no:cacheprovider",
+        *session.posargs,
+        env={"STEPFORGE_SOURCE_ROOT": str(ROOT)},
+    )  # fmt: skip
 
 
 @nox.session(python=PYTHON, tags=["ci"])

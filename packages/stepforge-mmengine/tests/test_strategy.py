@@ -1,0 +1,75 @@
+# SPDX-License-Identifier: Apache-2.0
+"""StepforgeStrategy on one process: what FlexibleRunner reads, and clear errors on bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _runs import EXAMPLE_DIR
+from mmengine.logging import MMLogger
+
+from stepforge.mmengine import StepforgeModelWrapper, StepforgeStrategy
+from stepforge.strategy import ColossalAIOptimWrapper
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
+
+
+@pytest.fixture
+def strategy(tmp_path):
+    s = StepforgeStrategy(
+        work_dir=str(tmp_path),
+        experiment_name=f"unit-{tmp_path.name}",
+        env_kwargs=dict(launcher="none", randomness=dict(seed=3), dist_cfg=dict(backend="nccl")),
+        log_kwargs=dict(log_level="INFO"),
+    )
+    yield s
+    s.strategy.close()
+
+
+def test_what_flexible_runner_reads(strategy, tmp_path):
+    assert isinstance(strategy.logger, MMLogger)
+    assert strategy.rank == 0 and strategy.world_size == 1 and strategy.distributed is False
+    assert strategy.seed == 3 and strategy.randomness["seed"] == 3
+    assert strategy.log_dir == str(tmp_path / strategy.timestamp)
+    assert strategy.experiment_name == f"unit-{tmp_path.name}_{strategy.timestamp}"
+    system, runtime = strategy.collect_env()
+    assert "PyTorch" in system
+    assert runtime["stepforge plugin"] == "single" and runtime["GPU number"] == 1
+    if not torch.cuda.is_available():  # the runner's default nccl becomes gloo on a CPU machine
+        assert runtime["dist_cfg"] == {"backend": "gloo"}
+
+
+def test_prepare_builds_from_a_models_config_with_prefixed_names(strategy, monkeypatch):
+    monkeypatch.syspath_prepend(EXAMPLE_DIR)
+    import toy_regression  # noqa: F401  (registers ToyRegressor)
+
+    model, wrapper = strategy.prepare(
+        dict(type="ToyRegressor"),
+        optim_wrapper=dict(
+            type="StepforgeColossalAIOptimWrapper", optimizer=dict(type="StepforgeLamb", lr=0.1)
+        ),
+    )
+    assert isinstance(model, StepforgeModelWrapper) and model.module is strategy.model.module
+    assert isinstance(wrapper, ColossalAIOptimWrapper)
+    assert strategy.prepare(dict(type="ToyRegressor")) == (model, wrapper)  # idempotent, as mmengine's
+    batch = {"inputs": torch.randn(4, 8), "targets": torch.randn(4, 1)}
+    before = model.module.net[0].weight.detach().clone()
+    log_vars = model.train_step(batch, optim_wrapper=wrapper)
+    assert set(log_vars) == {"loss"}
+    assert not torch.equal(model.module.net[0].weight, before)
+
+
+def test_a_model_without_train_step_support_is_refused(strategy):
+    with pytest.raises(TypeError, match="mmengine BaseModel"):
+        strategy.prepare(torch.nn.Linear(2, 2))
+
+
+def test_an_optim_wrapper_that_cannot_drive_the_booster_is_refused(strategy, monkeypatch):
+    monkeypatch.syspath_prepend(EXAMPLE_DIR)
+    import toy_regression  # noqa: F401
+
+    with pytest.raises(ValueError, match="ColossalAIOptimWrapper"):
+        strategy.prepare(
+            dict(type="ToyRegressor"),
+            optim_wrapper=dict(type="OptimWrapper", optimizer=dict(type="SGD", lr=0.1)),
+        )
