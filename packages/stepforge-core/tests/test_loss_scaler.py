@@ -109,6 +109,10 @@ def test_arguments_are_checked_in_one_place_with_the_parameter_named():
         (dict(growth_factor=math.inf), "growth_factor must be a finite number"),
         (dict(initial_scale="big"), "initial_scale must be a finite number"),
         (dict(initial_scale=4.0, init_scale=8.0), "initial_scale and init_scale are the same argument"),
+        (
+            dict(init_scale=0.5),
+            r"init_scale must lie in \[min_scale, max_scale\] = \[1, 4.29497e\+09\]",
+        ),  # as passed
     ]
     for kwargs, message in cases:
         with pytest.raises(HyperParameterError, match=message) as info:

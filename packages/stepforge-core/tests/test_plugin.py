@@ -186,6 +186,11 @@ def test_precision_default_is_adopted_an_explicit_one_is_kept():
         _WithPrecision(precision="fp8")
     with pytest.raises(HyperParameterError, match="got 'int8'"):
         default.set_precision("int8")
+    # any spelling the precision table knows is stored by its canonical name
+    assert _WithPrecision(precision="BF16").precision == "bf16"
+    assert _WithPrecision(precision=torch.float32).precision == "fp32"
+    default.set_precision("no")  # the table's alias of fp32
+    assert default.precision == "fp32"
 
     class Wrong(_Plain):
         def __init__(self):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from stepforge.strategy import GeminiPlugin, TorchDDPPlugin, TorchFSDPPlugin
 
@@ -14,7 +15,7 @@ def test_gemini_maps_colossalai_arguments():
     assert GeminiPlugin(offload_param_frac=1.0).cpu_offload
     assert GeminiPlugin(offload_optim_frac=1.0).cpu_offload
     g = GeminiPlugin(precision="bf16", max_norm=1.0, norm_type=2.0, initial_scale=2**8, hysteresis=3)
-    assert g.precision == "bf16" and g.max_norm == 1.0 and g._scaler_kwargs["init_scale"] == 2**8
+    assert g.precision == "bf16" and g.max_norm == 1.0 and g._scaler_kwargs["initial_scale"] == 2**8
     assert not g.supports_no_sync() and not g.support_no_sync()
     # arguments of ColossalAI's chunk manager are accepted at their defaults
     GeminiPlugin(chunk_config_dict=None, search_range_m=32, shard_param_frac=1.0, enable_async_reduce=True)
@@ -61,14 +62,22 @@ def test_torch_fsdp_refuses_by_name(kwargs, error, match):
 
 
 def test_torch_fsdp_maps_fsdp1_arguments():
+    from torch.distributed.fsdp import CPUOffload, MixedPrecision, MixedPrecisionPolicy, ShardingStrategy
+
     assert TorchFSDPPlugin(sharding_strategy="SHARD_GRAD_OP").reshard_after_forward is False
     assert TorchFSDPPlugin(sharding_strategy="FULL_SHARD").reshard_after_forward is True
-
-    class CPUOffload:  # FSDP1's dataclass shape
-        offload_params = True
-
-    assert TorchFSDPPlugin(cpu_offload=CPUOffload()).cpu_offload
+    assert TorchFSDPPlugin(sharding_strategy=ShardingStrategy.SHARD_GRAD_OP).reshard_after_forward is False
+    assert TorchFSDPPlugin(cpu_offload=CPUOffload(offload_params=True)).cpu_offload
+    assert not TorchFSDPPlugin(cpu_offload=CPUOffload(offload_params=False)).cpu_offload
     assert TorchFSDPPlugin().precision == "fp32"
+    fsdp1 = TorchFSDPPlugin(
+        mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    )
+    policy = fsdp1._mp_policy()
+    assert isinstance(policy, MixedPrecisionPolicy)
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
+    with pytest.raises(TypeError, match="mixed_precision must be an FSDP2 MixedPrecisionPolicy"):
+        TorchFSDPPlugin(mixed_precision="bf16")
 
 
 def test_torch_ddp_arguments():

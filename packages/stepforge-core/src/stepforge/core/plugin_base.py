@@ -20,13 +20,11 @@ from torch import nn
 
 from .errors import HyperParameterError
 from .plugin import Optimizers, Plugin
+from .precision import MIXED_PRECISIONS, get_precision
 from .protocols import BoostedOptimizer
 from .sync import no_sync as core_no_sync
 
 __all__ = ["PluginBase", "default_device", "unwrap_optimizer", "optimizer_list"]
-
-#: the precisions a plugin without its own precision accepts from the Booster (its mixed precision applies)
-BOOSTER_PRECISIONS = ["fp32", "fp16", "bf16", "fp8", "fp16_apex"]
 
 
 def default_device() -> torch.device:
@@ -93,7 +91,7 @@ class PluginBase(Plugin):
                     f"{type(self).__name__}: precision={chosen!r} is given but the plugin does not apply "
                     "precision itself; pass mixed_precision to the Booster instead."
                 )
-            self._check_precision(chosen)
+            chosen = self._check_precision(chosen)
         self._precision = chosen
         self._explicit_precision = precision is not None
 
@@ -123,8 +121,9 @@ class PluginBase(Plugin):
 
     # -- precision -----------------------------------------------------------------------------------------
     def supported_precisions(self) -> list[str]:
-        """Without :meth:`control_precision`: every precision the Booster's mixed precision offers."""
-        return list(BOOSTER_PRECISIONS)
+        """Without :meth:`control_precision`: fp32 and every precision the Booster's mixed precision offers
+        (:data:`stepforge.core.precision.MIXED_PRECISIONS`)."""
+        return ["fp32", *MIXED_PRECISIONS]
 
     def control_precision(self) -> bool:
         return False
@@ -148,7 +147,7 @@ class PluginBase(Plugin):
             raise HyperParameterError(
                 f"{type(self).__name__} does not apply precision itself; the Booster's mixed precision applies."
             )
-        self._check_precision(precision)
+        precision = self._check_precision(precision)
         if self._explicit_precision and precision != self._precision:
             raise HyperParameterError(
                 f"{type(self).__name__}: precision={self._precision!r} was set explicitly; it conflicts with "
@@ -156,13 +155,22 @@ class PluginBase(Plugin):
             )
         self._precision = precision
 
-    def _check_precision(self, precision: Any) -> None:
+    def _check_precision(self, precision: Any) -> str:
+        """The canonical name of ``precision`` (any spelling :func:`stepforge.core.precision.get_precision`
+        knows, a torch dtype too) when it is one of :meth:`supported_precisions`."""
         supported = self.supported_precisions()
-        if precision not in supported:
+        canonical = precision
+        if isinstance(precision, str | torch.dtype) and precision not in supported:
+            try:
+                canonical = get_precision(precision).name
+            except HyperParameterError:
+                canonical = precision
+        if canonical not in supported:
             raise HyperParameterError(
                 f"{type(self).__name__}: precision must be one of {', '.join(map(repr, supported))}, got "
                 f"{precision!r}."
             )
+        return canonical
 
     # -- preparing -----------------------------------------------------------------------------------------
     def configure(

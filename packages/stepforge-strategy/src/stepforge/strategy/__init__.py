@@ -2,8 +2,10 @@
 """stepforge.strategy: ColossalAI's Booster and mmengine's strategy layer on torch's own engines.
 
 - :class:`Booster` (``boost``, ``backward``, ``no_sync``, ``save_*``/``load_*``) with plugins from
-  ``stepforge.core.PLUGINS``: ``single``, ``torch_ddp``, ``torch_fsdp``, ``gemini`` here, ``low_level_zero``
-  from stepforge-zero;
+  ``stepforge.core.PLUGINS`` (each a :class:`stepforge.core.PluginBase` subclass): ``single``, ``torch_ddp``,
+  ``torch_fsdp``, ``gemini`` here, ``low_level_zero`` from stepforge-zero;
+- :class:`OptimizerWrapper` (alias ``BoostedOptimizer``), the :class:`stepforge.core.BoostedOptimizer` these
+  plugins return;
 - mixed precision (``"fp16"``, ``"bf16"``, ``"fp8"``, ``"fp16_apex"``);
 - :class:`ColossalAIOptimWrapper` and :class:`AmpOptimWrapper` (``stepforge.core.OPTIM_WRAPPERS``);
 - :class:`StatefulDataLoader` (the data position in checkpoints);
@@ -14,12 +16,13 @@
 
 from __future__ import annotations
 
+from stepforge.core.precision import DynamicLossScaler
+
 from ._version import __version__
-from .boosted_optimizer import BoostedOptimizer
+from .boosted_optimizer import BoostedOptimizer, OptimizerWrapper
 from .booster import Booster
 from .checkpoint import CheckpointError, find_latest_checkpoint
 from .data import StatefulDataLoader, make_stateful
-from .loss_scaler import DynamicLossScaler
 from .mixed_precision import (
     BF16MixedPrecision,
     FP8MixedPrecision,
@@ -35,6 +38,7 @@ from .strategy import ColossalAIStrategy, Strategy
 __all__ = [
     "__version__",
     "Booster",
+    "OptimizerWrapper",
     "BoostedOptimizer",
     "StatefulDataLoader",
     "make_stateful",

@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from stepforge.core import WrappedModel
+
 __all__ = [
     "save_model",
     "load_model",
@@ -48,11 +50,13 @@ def _barrier() -> None:
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
-    """The module under a plugin's model wrapper (one with ``unwrap()``, as ColossalAI's ``ModelWrapper`` and
-    stepforge-zero's ``LowLevelZeroModel``); DDP and FSDP2 modules are returned as they are (torch's
-    state-dict functions handle them)."""
+    """The module under a plugin's model wrapper (a :class:`stepforge.core.WrappedModel`, as ColossalAI's
+    ``ModelWrapper`` and stepforge-zero's ``LowLevelZeroModel``); DDP and FSDP2 modules are returned as they are
+    (torch's state-dict functions handle them)."""
     for _ in range(8):
-        inner = model.unwrap() if callable(getattr(model, "unwrap", None)) else None
+        if not isinstance(model, WrappedModel):
+            return model
+        inner = model.unwrap()
         if not isinstance(inner, nn.Module) or inner is model:
             return model
         model = inner

@@ -3,7 +3,9 @@
 
 The optimizer goes through ``torch.distributed.checkpoint``: the plugin's ``get_state_dict`` gives tensors (or
 DTensors) keyed by parameter FQN, every rank writes its own shard, and ``dcp.load`` fills the same structure
-in place at load time, at any world size. The fp16 loss-scaler state (``grad_scaler``) rides along.
+in place at load time, at any world size. The fp16 loss-scaler state (``grad_scaler``, the boosted optimizer's
+``scaler_state_dict()``) rides along. The plugin and the optimizer meet here only through
+:class:`stepforge.core.Plugin` and :class:`stepforge.core.BoostedOptimizer`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+
+from stepforge.core import BoostedOptimizer, Plugin
 
 __all__ = ["save_optimizer", "load_optimizer", "save_lr_scheduler", "load_lr_scheduler"]
 
@@ -36,28 +40,18 @@ def _single_process_quiet() -> Iterator[None]:
         yield
 
 
-def _scaler_state(optimizer: Any) -> dict[str, Any] | None:
-    getter = getattr(optimizer, "scaler_state_dict", None)
-    return getter() if callable(getter) else None
-
-
-def _plugin_optimizer(optimizer: Any) -> Any:
-    # the plugin's own optimizer (a ZeRO optimizer), or the torch optimizer under our BoostedOptimizer
-    return optimizer._stepforge_inner if hasattr(optimizer, "_stepforge_inner") else optimizer
-
-
 def save_optimizer(
-    plugin: Any,
+    plugin: Plugin,
     model: nn.Module,
-    optimizer: Any,
+    optimizer: BoostedOptimizer,
     checkpoint: str | os.PathLike[str],
     *,
     use_async: bool = False,
 ) -> None:
     """Write the optimizer state of every rank to directory ``checkpoint`` (collective)."""
-    _, optim_sd = plugin.get_state_dict(model, _plugin_optimizer(optimizer))
+    _, optim_sd = plugin.get_state_dict(model, optimizer)
     state: dict[str, Any] = {"optimizer": optim_sd}
-    scaler = _scaler_state(optimizer)
+    scaler = optimizer.scaler_state_dict()
     if scaler is not None:
         state["grad_scaler"] = scaler
     Path(checkpoint).mkdir(parents=True, exist_ok=True)
@@ -69,7 +63,9 @@ def save_optimizer(
             dcp.save(state, checkpoint_id=str(checkpoint))
 
 
-def load_optimizer(plugin: Any, model: nn.Module, optimizer: Any, checkpoint: str | os.PathLike[str]) -> None:
+def load_optimizer(
+    plugin: Plugin, model: nn.Module, optimizer: BoostedOptimizer, checkpoint: str | os.PathLike[str]
+) -> None:
     """Fill ``optimizer`` from a directory written by :func:`save_optimizer` (collective)."""
     path = Path(checkpoint)
     if not (path / ".metadata").is_file():
@@ -77,15 +73,14 @@ def load_optimizer(plugin: Any, model: nn.Module, optimizer: Any, checkpoint: st
             f"load_optimizer: {path} is not a torch.distributed.checkpoint directory (no .metadata); pass the "
             "directory given to save_optimizer."
         )
-    inner = _plugin_optimizer(optimizer)
-    model_sd, optim_sd = plugin.get_state_dict(model, inner)
+    model_sd, optim_sd = plugin.get_state_dict(model, optimizer)
     state: dict[str, Any] = {"optimizer": optim_sd}
-    scaler = _scaler_state(optimizer)
+    scaler = optimizer.scaler_state_dict()
     if scaler is not None:
         state["grad_scaler"] = scaler
     with _single_process_quiet():
         dcp.load(state, checkpoint_id=str(path))
-    plugin.set_state_dict(model, inner, model_sd, state["optimizer"])
+    plugin.set_state_dict(model, optimizer, model_sd, state["optimizer"])
     if scaler is not None:
         optimizer.load_scaler_state_dict(state["grad_scaler"])
 

@@ -1,10 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``BoostedOptimizer``: what ``Booster.boost`` returns for an optimizer (ColossalAI's ``OptimizerWrapper``).
+"""``OptimizerWrapper`` (alias ``BoostedOptimizer``): what the strategy's plugins return for an optimizer.
 
-The torch optimizer surface (``param_groups``, ``state``, ``step``, ``zero_grad``, ``state_dict``...) plus
-``backward(loss)``, ``backward_by_grad``, ``clip_grad_norm_`` and, for fp16, a :class:`DynamicLossScaler` whose
-state travels in ``state_dict()["grad_scaler"]``. ``max_norm`` > 0 clips by the global norm inside ``step``.
-The scaler's process group makes its overflow check agree across the ranks of a sharded (FSDP2) optimizer.
+ColossalAI's ``OptimizerWrapper``; it implements :class:`stepforge.core.BoostedOptimizer`. The torch optimizer
+surface (``param_groups``, ``state``, ``step``, ``zero_grad``, ``state_dict``...) plus ``backward(loss)``,
+``backward_by_grad``, ``unscale_``, ``clip_grad_norm_``, ``unwrap()`` and, for fp16, a :class:`DynamicLossScaler`
+whose state travels in ``state_dict()["grad_scaler"]`` (and through ``scaler_state_dict``). ``max_norm`` > 0
+clips by the global norm inside ``step``. The scaler's process group makes its overflow check agree across the
+ranks of a sharded (FSDP2) optimizer.
 """
 
 from __future__ import annotations
@@ -14,14 +16,16 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from .loss_scaler import DynamicLossScaler
+from stepforge.core import BoostedOptimizer as BoostedOptimizerProtocol
+from stepforge.core.precision import DynamicLossScaler
 
-__all__ = ["BoostedOptimizer"]
+__all__ = ["OptimizerWrapper", "BoostedOptimizer", "as_boosted"]
 
 
-class BoostedOptimizer(torch.optim.Optimizer):
-    """Wrap ``optimizer`` for the Booster.
+class OptimizerWrapper(torch.optim.Optimizer):
+    """Wrap ``optimizer`` for the Booster (implements :class:`stepforge.core.BoostedOptimizer`).
 
     A ``torch.optim.Optimizer`` subclass (so ``torch.optim.lr_scheduler`` accepts it) that delegates
     ``param_groups``, ``state`` and ``defaults`` to the wrapped optimizer; ``Optimizer.__init__`` is not run.
@@ -43,13 +47,15 @@ class BoostedOptimizer(torch.optim.Optimizer):
         norm_type: float = 2.0,
         clip_fn: Callable[[float, float], torch.Tensor] | None = None,
     ) -> None:
-        if not hasattr(optimizer, "param_groups") or not hasattr(optimizer, "step"):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}.")
+        if isinstance(optimizer, BoostedOptimizerProtocol):
             raise TypeError(
-                f"optimizer must be a torch.optim.Optimizer (param_groups, step), got {type(optimizer).__name__}."
+                f"optimizer is already boosted ({type(optimizer).__name__}); wrap the torch optimizer under it "
+                "(optimizer.unwrap())."
             )
         if max_norm < 0:
             raise ValueError(f"max_norm must be >= 0 (0 turns clipping off), got {max_norm!r}.")
-        self._stepforge_inner = optimizer
         self.optim = optimizer
         self.scaler = scaler
         self.max_norm = float(max_norm)
@@ -109,22 +115,26 @@ class BoostedOptimizer(torch.optim.Optimizer):
             grad = self.scaler.scale(grad)
         torch.autograd.backward(tensor, grad)
 
-    def unscale_grad(self) -> None:
+    def unscale_(self) -> None:
         """Divide the gradients by the loss scale (once per step; a no-op without fp16)."""
         if self.scaler is None or self._unscaled:
             return
         self.scaler.unscale_(self.optim)
         self._unscaled = True
 
+    def unscale_grad(self) -> None:  # ColossalAI's name
+        """:meth:`unscale_`."""
+        self.unscale_()
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the global norm (over every shard) of the unscaled gradients; return that norm."""
-        self.unscale_grad()
+        self.unscale_()
         if self._clip_fn is not None:
             norm = self._clip_fn(max_norm, norm_type)
         else:
             params = [p for g in self.optim.param_groups for p in g["params"] if p.grad is not None]
             norm = nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
-            if hasattr(norm, "full_tensor"):
+            if isinstance(norm, DTensor):
                 norm = norm.full_tensor()
         self.grad_norm = norm
         return norm
@@ -141,7 +151,7 @@ class BoostedOptimizer(torch.optim.Optimizer):
         if self.scaler is None:
             self.last_step_skipped = False
             return self.optim.step(*args, **kwargs)
-        self.unscale_grad()
+        self.unscale_()
         self.last_step_skipped = self.scaler.found_inf
         out = None if self.last_step_skipped else self.optim.step(*args, **kwargs)
         self.scaler.update()
@@ -151,9 +161,11 @@ class BoostedOptimizer(torch.optim.Optimizer):
 
     # -- checkpoint ----------------------------------------------------------------------------------------
     def scaler_state_dict(self) -> dict[str, Any] | None:
+        """The loss scaler's state (``None`` without fp16 scaling)."""
         return self.scaler.state_dict() if self.scaler is not None else None
 
     def load_scaler_state_dict(self, state: Mapping[str, Any] | None) -> None:
+        """Restore :meth:`scaler_state_dict`'s value (ignored without a scaler or without a saved state)."""
         if self.scaler is not None and state:
             self.scaler.load_state_dict(dict(state))
 
@@ -174,11 +186,18 @@ class BoostedOptimizer(torch.optim.Optimizer):
         """The wrapped torch optimizer."""
         return self.optim
 
-    def __getattr__(self, name: str) -> Any:
-        # only called when normal lookup fails: expose the inner optimizer's extras (e.g. no_sync of ZeRO)
-        if name.startswith("__") or name in ("optim", "_stepforge_inner"):
-            raise AttributeError(name)
-        return getattr(self.optim, name)
-
     def __repr__(self) -> str:
-        return f"BoostedOptimizer({self.optim!r}, scaler={self.scaler is not None}, max_norm={self.max_norm})"
+        return f"OptimizerWrapper({self.optim!r}, scaler={self.scaler is not None}, max_norm={self.max_norm})"
+
+
+#: the name stepforge-strategy used before it took ColossalAI's
+BoostedOptimizer = OptimizerWrapper
+
+
+def as_boosted(optimizer: Any, *, max_norm: float = 0.0) -> Any:
+    """``optimizer`` as a :class:`stepforge.core.BoostedOptimizer`: ``None`` and boosted optimizers as they are
+    (the Booster's mixed precision may have wrapped it already), a torch optimizer in an
+    :class:`OptimizerWrapper`."""
+    if optimizer is None or isinstance(optimizer, BoostedOptimizerProtocol):
+        return optimizer
+    return OptimizerWrapper(optimizer, max_norm=max_norm)

@@ -25,17 +25,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from stepforge.core import PLUGINS, build_optimizer
+from stepforge.core import PLUGINS, BoostedOptimizer, Plugin, build_optimizer
+from stepforge.core.plugin_base import unwrap_optimizer
+from stepforge.core.precision import warn_slow_precision
 
 from . import _model_io, _optim_io
-from .boosted_optimizer import BoostedOptimizer
+from .boosted_optimizer import OptimizerWrapper
 from .data import make_stateful
 from .mixed_precision import MixedPrecision, precision_name, resolve_mixed_precision
-from .plugins._base import inner_optimizer
 
 __all__ = ["Booster"]
-
-_PLUGIN_PRECISIONS = ("fp32", "fp16", "bf16")
 
 
 def _accepts(cls: Any, name: str) -> bool:
@@ -58,38 +57,34 @@ class Booster:
             (``dict(type="fp16", init_scale=2**12)``) or a :class:`~stepforge.strategy.MixedPrecision`.
         plugin: ``None`` (``single`` on one process, ``torch_ddp`` under a process group of several ranks),
             a registry name (``"torch_fsdp"``, ``"gemini"``, ``"low_level_zero"``...), a dict
-            (``dict(type="LowLevelZeroPlugin", stage=2, precision="bf16")``) or a plugin instance.
+            (``dict(type="LowLevelZeroPlugin", stage=2, precision="bf16")``) or a
+            :class:`stepforge.core.Plugin` instance.
         device: passed to a plugin built here when its constructor takes ``device``.
 
-    A plugin built here from a name or a dict without ``precision`` gets ``precision=mixed_precision`` when
-    its constructor takes it; a plugin whose precision was set explicitly and differs from
-    ``mixed_precision`` is an error. Plugins without precision get the Booster's mixed precision
-    (autocast on the forward, fp16 loss scaling on the optimizer).
+    A plugin that controls precision (``plugin.control_precision()``: FSDP2, gemini, ZeRO) adopts
+    ``mixed_precision`` unless its precision was set explicitly (``plugin.explicit_precision``); an explicit one
+    that differs from ``mixed_precision`` is an error. Plugins without precision get the Booster's mixed
+    precision (autocast on the forward, fp16 loss scaling in the :class:`OptimizerWrapper`).
 
     Raises:
         ValueError: a precision conflict, an unknown precision.
+        TypeError: ``plugin`` is not a name, a dict or a :class:`stepforge.core.Plugin`.
         UnknownNameError: an unknown plugin name (with ``pip install ...`` for known ones).
     """
 
     def __init__(
         self,
         mixed_precision: str | Mapping[str, Any] | MixedPrecision | None = None,
-        plugin: str | Mapping[str, Any] | Any | None = None,
+        plugin: str | Mapping[str, Any] | Plugin | None = None,
         *,
         device: str | torch.device | None = None,
     ) -> None:
         wanted = precision_name(mixed_precision)
         if mixed_precision is not None and wanted is None:
             resolve_mixed_precision(mixed_precision)  # raises the precise error
-        self.plugin = self._build_plugin(plugin, mixed_precision, wanted, device)
-        owned = getattr(self.plugin, "precision", None)
-        if owned is not None:
-            if wanted is not None and wanted != owned:
-                raise ValueError(
-                    f"Booster: mixed_precision={_show(mixed_precision)} conflicts with the precision "
-                    f"{owned!r} of plugin {getattr(self.plugin, 'name', type(self.plugin).__name__)!r}, which "
-                    "applies precision itself; set one of them, or the same value on both."
-                )
+        self.plugin: Plugin = self._build_plugin(plugin, device)
+        if self.plugin.control_precision():
+            self._adopt_precision(mixed_precision, wanted)
             self.mixed_precision: MixedPrecision | None = None
         else:
             self.mixed_precision = resolve_mixed_precision(mixed_precision)
@@ -97,7 +92,7 @@ class Booster:
 
     # -- construction --------------------------------------------------------------------------------------
     @staticmethod
-    def _build_plugin(plugin: Any, mixed_precision: Any, wanted: str | None, device: Any) -> Any:
+    def _build_plugin(plugin: Any, device: Any) -> Plugin:
         if plugin is None:
             plugin = "torch_ddp" if _world() > 1 else "single"
         if isinstance(plugin, str | Mapping):
@@ -110,106 +105,110 @@ class Booster:
             else:
                 name = plugin
             cls = PLUGINS.get(name)
-            if "precision" not in kwargs and wanted is not None and _accepts(cls, "precision"):
-                if wanted not in _PLUGIN_PRECISIONS:
-                    raise ValueError(
-                        f"Booster: plugin {name!r} applies precision itself and takes "
-                        f"{'/'.join(_PLUGIN_PRECISIONS)}; mixed_precision={_show(mixed_precision)} is not one "
-                        "of them."
-                    )
-                kwargs["precision"] = wanted
             if device is not None and "device" not in kwargs and _accepts(cls, "device"):
                 kwargs["device"] = device
-            return cls(**kwargs)
-        if not (hasattr(plugin, "prepare") and hasattr(plugin, "get_state_dict")):
+            plugin = cls(**kwargs)
+        if not isinstance(plugin, Plugin):
             raise TypeError(
-                "Booster: plugin must be a name, a dict with 'type', or an object implementing "
-                f"stepforge.core.Plugin (prepare, no_sync, get_state_dict...); got {type(plugin).__name__}."
+                "Booster: plugin must be a name, a dict with 'type', or an instance of a subclass of "
+                f"stepforge.core.Plugin (usually stepforge.core.PluginBase); got {type(plugin).__name__}."
             )
-        adopt = getattr(plugin, "set_precision", None)
-        unset = (
-            getattr(plugin, "precision", None) is None
-            or getattr(plugin, "_explicit_precision", True) is False
-        )
-        if wanted is not None and callable(adopt) and unset:
-            if wanted not in _PLUGIN_PRECISIONS:
-                raise ValueError(
-                    f"Booster: plugin {getattr(plugin, 'name', type(plugin).__name__)!r} applies precision "
-                    f"itself and takes {'/'.join(_PLUGIN_PRECISIONS)}; mixed_precision={_show(mixed_precision)} "
-                    "is not one of them."
-                )
-            adopt(wanted)
         return plugin
+
+    def _adopt_precision(self, mixed_precision: Any, wanted: str | None) -> None:
+        """Give a precision-controlling plugin the Booster's ``mixed_precision`` (or refuse a conflict)."""
+        plugin = self.plugin
+        if wanted is None:
+            return
+        if plugin.explicit_precision:
+            if wanted != plugin.precision:
+                raise ValueError(
+                    f"Booster: mixed_precision={_show(mixed_precision)} conflicts with the precision "
+                    f"{plugin.precision!r} of plugin {plugin.name!r}, which applies precision itself; set one of "
+                    "them, or the same value on both."
+                )
+            return
+        supported = plugin.supported_precisions()
+        if wanted not in supported:
+            raise ValueError(
+                f"Booster: plugin {plugin.name!r} applies precision itself and takes {'/'.join(supported)}; "
+                f"mixed_precision={_show(mixed_precision)} is not one of them."
+            )
+        plugin.set_precision(wanted)
 
     # -- boost ---------------------------------------------------------------------------------------------
     def boost(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
+        optimizer: torch.optim.Optimizer | Mapping[str, Any] | None = None,
         criterion: Any = None,
         dataloader: Any = None,
         lr_scheduler: Any = None,
     ) -> tuple[nn.Module, Any, Any, Any, Any]:
         """Wrap the five for the plugin and the mixed precision; returns them in the same order.
 
-        The optimizer comes back as a :class:`BoostedOptimizer` (``backward``, ``clip_grad_norm_``, loss
-        scaling) unless the plugin returns its own optimizer with ``backward``; the dataloader comes back
-        with ``state_dict``/``load_state_dict`` (the data position).
+        The optimizer comes back as a :class:`stepforge.core.BoostedOptimizer` (the plugin's, or an
+        :class:`OptimizerWrapper` with the Booster's loss scaling); the dataloader comes back with
+        ``state_dict``/``load_state_dict`` (the data position).
         """
+        plugin = self.plugin
         if not isinstance(model, nn.Module):
             raise TypeError(f"Booster.boost: model must be a torch.nn.Module, got {type(model).__name__}.")
-        if isinstance(optimizer, Mapping) and not getattr(self.plugin, "builds_optimizer_config", False):
+        if isinstance(optimizer, Mapping) and not plugin.builds_optimizer_config:
             optimizer = build_optimizer(dict(optimizer), model.parameters())
-        if (
-            optimizer is not None
-            and not isinstance(optimizer, Mapping)
-            and not hasattr(optimizer, "param_groups")
-        ):
+        if optimizer is not None and not isinstance(optimizer, Mapping | torch.optim.Optimizer):
             raise TypeError(
                 "Booster.boost: optimizer must be a torch.optim.Optimizer or a build_optimizer config dict, got "
                 f"{type(optimizer).__name__}."
             )
-        device = getattr(self.plugin, "device", torch.device("cpu"))
+        effective = plugin.precision or (
+            self.mixed_precision.name if self.mixed_precision is not None else None
+        )
+        warn_slow_precision(effective, plugin.device, where=f"Booster.boost(plugin={type(plugin).__name__})")
         if self.mixed_precision is not None:
-            self.mixed_precision.configure_model(model, device)
-        model, optimizer = self.plugin.prepare(
+            self.mixed_precision.configure_model(model, plugin.device)
+        if (
+            not plugin.control_precision()
+            and isinstance(optimizer, torch.optim.Optimizer)
+            and not isinstance(optimizer, BoostedOptimizer)
+        ):
+            # ColossalAI's order: the Booster's mixed precision wraps the optimizer, then the plugin prepares
+            optimizer = self._wrap_for_mixed_precision(model, optimizer)
+        model, optimizer = plugin.prepare(
             model, optimizer, criterion=criterion, dataloader=dataloader, lr_scheduler=lr_scheduler
         )
-        if optimizer is not None and not hasattr(optimizer, "backward"):
-            scaler = self.mixed_precision.make_scaler() if self.mixed_precision is not None else None
-            optimizer = BoostedOptimizer(
-                optimizer,
-                scaler=scaler,
-                max_norm=float(getattr(self.plugin, "max_norm", 0.0) or 0.0),
-                clip_fn=self._plugin_clip(model, optimizer),
-            )
         if optimizer is not None:
+            if not isinstance(optimizer, BoostedOptimizer):
+                raise TypeError(
+                    f"Booster.boost: plugin {plugin.name!r} returned a {type(optimizer).__name__} from prepare(); "
+                    "a plugin must return an optimizer implementing stepforge.core.BoostedOptimizer."
+                )
             self._models[id(optimizer)] = model
         if dataloader is not None:
             dataloader = make_stateful(dataloader)
         return model, optimizer, criterion, dataloader, lr_scheduler
 
-    def _plugin_clip(self, model: nn.Module, optimizer: Any) -> Any:
-        clip = getattr(self.plugin, "clip_grad_norm_", None)
-        if not callable(clip):
-            return None
-        return lambda max_norm, norm_type: clip(model, optimizer, max_norm, norm_type)
+    def _wrap_for_mixed_precision(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> OptimizerWrapper:
+        plugin = self.plugin
+        scaler = self.mixed_precision.make_scaler() if self.mixed_precision is not None else None
+        return OptimizerWrapper(
+            optimizer,
+            scaler=scaler,
+            max_norm=plugin.max_norm,
+            clip_fn=lambda max_norm, norm_type: plugin.clip_grad_norm_(model, optimizer, max_norm, norm_type),
+        )
 
     # -- training ------------------------------------------------------------------------------------------
-    def backward(self, loss: torch.Tensor, optimizer: Any) -> None:
-        """Backward ``loss`` with the plugin's loss scaling (``plugin.backward``, else
-        ``optimizer.backward``, else ``loss.backward()``)."""
-        plugin_backward = getattr(self.plugin, "backward", None)
-        if callable(plugin_backward):
-            plugin_backward(loss, optimizer)
-        elif hasattr(optimizer, "backward"):
-            optimizer.backward(loss)
-        else:
-            loss.backward()
+    def backward(self, loss: torch.Tensor, optimizer: BoostedOptimizer) -> None:
+        """``optimizer.backward(loss)``: the plugin's loss scaling and gradient reduction (the one route)."""
+        _require_boosted(optimizer, "backward")
+        optimizer.backward(loss)
 
     def supports_no_sync(self) -> bool:
         """Whether the plugin can skip gradient synchronisation (for accumulation)."""
-        return bool(self.plugin.supports_no_sync())
+        return self.plugin.supports_no_sync()
 
     def no_sync(self, model: nn.Module | None = None, optimizer: Any = None) -> AbstractContextManager[Any]:
         """Skip gradient synchronisation for the block (forward and backward inside).
@@ -219,19 +218,21 @@ class Booster:
         """
         if not self.plugin.supports_no_sync():
             raise RuntimeError(
-                f"Booster.no_sync: plugin {getattr(self.plugin, 'name', type(self.plugin).__name__)!r} does not "
-                "support no_sync; accumulate gradients without it (every micro-batch synchronises)."
+                f"Booster.no_sync: plugin {self.plugin.name!r} does not support no_sync; accumulate gradients "
+                "without it (every micro-batch synchronises)."
             )
         return self.plugin.no_sync(model, optimizer)
 
     def clip_grad_norm_(
-        self, optimizer: Any, max_norm: float, norm_type: float = 2.0, model: nn.Module | None = None
+        self,
+        optimizer: BoostedOptimizer,
+        max_norm: float,
+        norm_type: float = 2.0,
+        model: nn.Module | None = None,
     ) -> torch.Tensor:
         """Clip by the global gradient norm over all ranks and shards (after unscaling); return the norm."""
-        if hasattr(optimizer, "clip_grad_norm_"):
-            return optimizer.clip_grad_norm_(max_norm, norm_type)
-        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        return nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+        _require_boosted(optimizer, "clip_grad_norm_")
+        return optimizer.clip_grad_norm_(max_norm, norm_type)
 
     # -- checkpoints ---------------------------------------------------------------------------------------
     def save_model(
@@ -326,11 +327,19 @@ class Booster:
 
     @staticmethod
     def unwrap_optimizer(optimizer: Any) -> Any:
-        """The torch optimizer under the Booster's wrapper."""
-        return inner_optimizer(optimizer)
+        """The torch optimizer under a boosted optimizer (``optimizer.unwrap()``)."""
+        return unwrap_optimizer(optimizer)
 
     def __repr__(self) -> str:
         return f"Booster(mixed_precision={self.mixed_precision!r}, plugin={self.plugin!r})"
+
+
+def _require_boosted(optimizer: Any, what: str) -> None:
+    if not isinstance(optimizer, BoostedOptimizer):
+        raise TypeError(
+            f"Booster.{what}: optimizer must be the boosted optimizer boost() returned (a "
+            f"stepforge.core.BoostedOptimizer), got {type(optimizer).__name__}."
+        )
 
 
 def _show(spec: Any) -> str:

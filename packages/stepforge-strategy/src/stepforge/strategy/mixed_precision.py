@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Mixed precision for the Booster: ``"fp16"``, ``"bf16"``, ``"fp8"``, ``"fp16_apex"``, a dict or an instance.
 
-Each class maps to torch as follows (the plugin that owns precision, FSDP2 or ZeRO, does its own):
+The names, aliases and dtypes come from :mod:`stepforge.core.precision` (the one precision table). Each class maps
+to torch as follows (the plugin that owns precision, FSDP2 or ZeRO, does its own):
 
 ============================ =====================================================================
 ``fp16`` (FP16TorchMixedPrecision) ``torch.autocast(dtype=float16)`` around the forward, fp32 parameters
@@ -25,7 +26,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from .loss_scaler import DynamicLossScaler
+from stepforge.core import HyperParameterError
+from stepforge.core.precision import (
+    MIXED_PRECISIONS,
+    PRECISIONS,
+    DynamicLossScaler,
+    get_precision,
+    validate_loss_scaler_args,
+)
 
 __all__ = [
     "MixedPrecision",
@@ -97,7 +105,7 @@ class FP16TorchMixedPrecision(MixedPrecision):
     """
 
     name = "fp16"
-    dtype = torch.float16
+    dtype = PRECISIONS["fp16"].autocast_dtype
 
     def __init__(
         self,
@@ -106,23 +114,18 @@ class FP16TorchMixedPrecision(MixedPrecision):
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
     ) -> None:
-        if not init_scale > 0:
-            raise ValueError(f"FP16TorchMixedPrecision: init_scale must be > 0, got {init_scale!r}.")
-        if not growth_factor > 1.0:
-            raise ValueError(f"FP16TorchMixedPrecision: growth_factor must be > 1, got {growth_factor!r}.")
-        if not 0.0 < backoff_factor < 1.0:
-            raise ValueError(
-                f"FP16TorchMixedPrecision: backoff_factor must be in (0, 1), got {backoff_factor!r}."
-            )
-        if not isinstance(growth_interval, int) or growth_interval < 1:
-            raise ValueError(
-                f"FP16TorchMixedPrecision: growth_interval must be an int >= 1, got {growth_interval!r}."
-            )
-        self.scaler_kwargs = dict(
-            init_scale=float(init_scale),
-            growth_factor=float(growth_factor),
-            backoff_factor=float(backoff_factor),
+        checked = validate_loss_scaler_args(
+            "FP16TorchMixedPrecision",
+            init_scale=init_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
             growth_interval=growth_interval,
+        )
+        self.scaler_kwargs = dict(
+            init_scale=checked["initial_scale"],
+            growth_factor=checked["growth_factor"],
+            backoff_factor=checked["backoff_factor"],
+            growth_interval=checked["growth_interval"],
         )
 
     def make_scaler(self, process_group: Any = None) -> DynamicLossScaler:
@@ -177,7 +180,7 @@ class BF16MixedPrecision(MixedPrecision):
     """bf16 autocast over fp32 parameters; no loss scaling (bf16 has fp32's exponent range)."""
 
     name = "bf16"
-    dtype = torch.bfloat16
+    dtype = PRECISIONS["bf16"].autocast_dtype
 
 
 def fp8_requirement_error() -> str | None:
@@ -209,7 +212,7 @@ class FP8MixedPrecision(MixedPrecision):
     """
 
     name = "fp8"
-    dtype = torch.bfloat16
+    dtype = PRECISIONS["fp8"].autocast_dtype
 
     def __init__(self, **float8_config: Any) -> None:
         reason = fp8_requirement_error()
@@ -225,23 +228,25 @@ class FP8MixedPrecision(MixedPrecision):
         return super().configure_model(model, device)
 
 
-_BY_NAME: dict[str, type[MixedPrecision]] = {
+#: canonical name in :data:`stepforge.core.precision.PRECISIONS` -> the class that applies it here.
+_CLASSES: dict[str, type[MixedPrecision]] = {
     "fp16": FP16TorchMixedPrecision,
-    "fp16torchmixedprecision": FP16TorchMixedPrecision,
-    "fp16apex": FP16ApexMixedPrecision,
-    "fp16apexmixedprecision": FP16ApexMixedPrecision,
+    "fp16_apex": FP16ApexMixedPrecision,
     "bf16": BF16MixedPrecision,
-    "bf16mixedprecision": BF16MixedPrecision,
     "fp8": FP8MixedPrecision,
-    "fp8mixedprecision": FP8MixedPrecision,
 }
 
 #: The string values ``mixed_precision`` accepts.
-PRECISION_NAMES = ("fp16", "bf16", "fp8", "fp16_apex")
+PRECISION_NAMES = MIXED_PRECISIONS
 
 
-def _key(name: str) -> str:
-    return name.strip().lower().replace("_", "").replace("-", "")
+def _class_of(name: str) -> type[MixedPrecision] | None:
+    """The class for a name of the table (``None``: fp32); ``KeyError`` for a name outside it."""
+    try:
+        row = get_precision(name, owner="mixed_precision")
+    except HyperParameterError:
+        raise KeyError(name) from None
+    return None if row.name == "fp32" else _CLASSES[row.name]
 
 
 def resolve_mixed_precision(spec: str | Mapping[str, Any] | MixedPrecision | None) -> MixedPrecision | None:
@@ -252,23 +257,28 @@ def resolve_mixed_precision(spec: str | Mapping[str, Any] | MixedPrecision | Non
     if spec is None or isinstance(spec, MixedPrecision):
         return spec
     if isinstance(spec, str):
-        if _key(spec) in ("fp32", "no", "none"):
-            return None
-        cls = _BY_NAME.get(_key(spec))
-        if cls is None:
+        try:
+            cls = _class_of(spec)
+        except KeyError:
             raise ValueError(
                 f"mixed_precision must be one of {', '.join(map(repr, PRECISION_NAMES))}, a dict with 'type' "
                 f"or a MixedPrecision instance; got {spec!r}."
-            )
-        return cls()
+            ) from None
+        return None if cls is None else cls()
     if isinstance(spec, Mapping):
         kwargs = dict(spec)
         name = kwargs.pop("type", None)
-        if not isinstance(name, str) or _key(name) not in _BY_NAME:
+        cls = None
+        if isinstance(name, str):
+            try:
+                cls = _class_of(name)
+            except KeyError:
+                cls = None
+        if cls is None:
             raise ValueError(
                 f"mixed_precision dict needs 'type' in {', '.join(map(repr, PRECISION_NAMES))}; got {name!r}."
             )
-        return _BY_NAME[_key(name)](**kwargs)
+        return cls(**kwargs)
     raise TypeError(
         f"mixed_precision must be a str, a dict or a MixedPrecision instance, got {type(spec).__name__}."
     )
@@ -283,10 +293,8 @@ def precision_name(spec: Any) -> str | None:
     if isinstance(spec, Mapping):
         spec = spec.get("type")
     if isinstance(spec, str):
-        key = _key(spec)
-        if key in ("fp32", "no", "none"):
-            return "fp32"
-        cls = _BY_NAME.get(key)
-        if cls is not None:
-            return cls.name
+        try:
+            return get_precision(spec).runs_as
+        except HyperParameterError:
+            return None
     return None

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from stepforge.accum import OptimWrapper
+from stepforge.core import BoostedOptimizer
 
-from .boosted_optimizer import BoostedOptimizer
 from .booster import Booster
 
 __all__ = ["ColossalAIOptimWrapper", "AmpOptimWrapper"]
@@ -106,7 +106,7 @@ class ColossalAIOptimWrapper(OptimWrapper):
         assert self.clip_grad_kwargs is not None
         if self.clip_type == "value":
             if isinstance(self.optimizer, BoostedOptimizer):
-                self.optimizer.unscale_grad()
+                self.optimizer.unscale_()
             params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
             nn.utils.clip_grad_value_(params, **self.clip_grad_kwargs)
             return None

@@ -26,6 +26,7 @@ from ._logging import LOG_KWARGS, close_logger, setup_logger
 from .booster import Booster
 from .checkpoint import _strategy_io as io
 from .checkpoint import find_latest_checkpoint
+from .checkpoint._strategy_io import RunState
 from .optim_wrappers import ColossalAIOptimWrapper
 from .schedulers import build_param_scheduler
 
@@ -103,7 +104,7 @@ class Strategy:
         self.plugin = self.booster.plugin
         self.dispatch_kwargs: dict[str, Any] = {}
         self.model: nn.Module | None = None
-        self.optim_wrapper: Any = None
+        self.optim_wrapper: ColossalAIOptimWrapper | None = None
         self.param_schedulers: list[Any] | None = None
         self.statefuls: dict[str, tuple[Any, bool]] = {}
         self._prepared = False
@@ -124,7 +125,7 @@ class Strategy:
 
     @property
     def plugin_name(self) -> str:
-        return str(getattr(self.plugin, "name", type(self.plugin).__name__))
+        return self.plugin.name
 
     # -- prepare -------------------------------------------------------------------------------------------
     def prepare(
@@ -263,7 +264,7 @@ class Strategy:
         ratio = self.world_size * micro * wrapper.accumulative_counts / cfg["base_batch_size"]
         for group in wrapper.param_groups:
             group["lr"] = group["lr"] * ratio
-        if getattr(wrapper, "base_param_settings", None) is not None and "lr" in wrapper.base_param_settings:
+        if wrapper.base_param_settings is not None and "lr" in wrapper.base_param_settings:
             wrapper.base_param_settings["lr"] *= ratio
         self.logger.info(
             f"auto_scale_lr: lr scaled by {ratio:g} = world {self.world_size} x micro-batch {micro} x "
@@ -296,8 +297,16 @@ class Strategy:
         (``meta``, ``state_dict``, ``optimizer``, ``param_schedulers`` and ``extra_ckpt``'s keys) before it is
         written. ``max_keep_ckpts`` deletes the oldest committed checkpoints of that folder, after the commit.
         """
+        if not self._prepared:
+            raise RuntimeError("Strategy.save_checkpoint: call prepare() first (there is nothing to save)")
         return io.save(
-            self, filename, save_optimizer, save_param_scheduler, extra_ckpt, callback, max_keep_ckpts
+            self._run_state(),
+            filename,
+            save_optimizer,
+            save_param_scheduler,
+            extra_ckpt,
+            callback,
+            max_keep_ckpts,
         )
 
     def load_checkpoint(
@@ -310,7 +319,7 @@ class Strategy:
         callback: Any = None,
     ) -> dict[str, Any]:
         """Load the model weights only; returns the checkpoint dict (``meta``, ``state_dict``, extras)."""
-        return io.load(self, filename, map_location, strict, revise_keys, callback)
+        return io.load(self._run_state(), filename, map_location, strict, revise_keys, callback)
 
     def resume(
         self,
@@ -324,7 +333,32 @@ class Strategy:
         """Restore model, optimizer (with loss scaler and accumulation counters), schedulers, registered
         statefuls and every rank's RNG states; sets ``dispatch_kwargs['cur_iter']``. Returns the checkpoint dict.
         """
-        return io.resume(self, filename, resume_optimizer, resume_param_scheduler, map_location, callback)
+        if not self._prepared:
+            raise RuntimeError("Strategy.resume: call prepare() first (resume fills the prepared objects)")
+        return io.resume(
+            self._run_state(), filename, resume_optimizer, resume_param_scheduler, map_location, callback
+        )
+
+    def _run_state(self) -> RunState:
+        """The parts a checkpoint saves and restores (the checkpoint code never sees the Strategy)."""
+        mixed = self.booster.mixed_precision
+        return RunState(
+            model=self.model,
+            optim_wrapper=self.optim_wrapper,
+            plugin=self.plugin,
+            mixed_precision=mixed.name if mixed is not None else None,
+            param_schedulers=self.param_schedulers,
+            statefuls=self.statefuls,
+            dispatch_kwargs=self.dispatch_kwargs,
+            seed=self.seed,
+            experiment_name=self.experiment_name,
+            world_size=self.world_size,
+            rank=self.rank,
+            work_dir=self.work_dir,
+            deterministic=self.env.deterministic,
+            config=self.config,
+            logger=self.logger,
+        )
 
     def find_latest_checkpoint(self) -> str | None:
         """The last committed checkpoint of ``work_dir`` (``last_checkpoint``), or None."""

@@ -110,12 +110,15 @@ class DynamicLossScaler:
         return self._scale
 
     def get_growth_factor(self) -> float:
+        """The multiplier applied after ``growth_interval`` clean steps (GradScaler's getter)."""
         return self.growth_factor
 
     def get_backoff_factor(self) -> float:
+        """The multiplier applied on a back-off (GradScaler's getter)."""
         return self.backoff_factor
 
     def get_growth_interval(self) -> int:
+        """Clean steps in a row before a growth (GradScaler's getter)."""
         return self.growth_interval
 
     def is_enabled(self) -> bool:

@@ -71,7 +71,9 @@ def validate_loss_scaler_args(
         HyperParameterError: the first bad argument, named with ``owner`` (the class the user called) and the
             allowed range.
     """
+    scale_name = "initial_scale"
     if init_scale is not None:
+        scale_name = "init_scale"  # name what the caller passed
         if initial_scale is not None:
             raise HyperParameterError(
                 f"{owner}: initial_scale and init_scale are the same argument (init_scale is GradScaler's "
@@ -79,7 +81,7 @@ def validate_loss_scaler_args(
             )
         initial_scale = init_scale
     d = LOSS_SCALER_DEFAULTS
-    initial = d["initial_scale"] if initial_scale is None else _number(owner, "initial_scale", initial_scale)
+    initial = d["initial_scale"] if initial_scale is None else _number(owner, scale_name, initial_scale)
     low = d["min_scale"] if min_scale is None else _number(owner, "min_scale", min_scale)
     high = d["max_scale"] if max_scale is None else _number(owner, "max_scale", max_scale)
     growth = d["growth_factor"] if growth_factor is None else _number(owner, "growth_factor", growth_factor)
@@ -92,7 +94,7 @@ def validate_loss_scaler_args(
         raise HyperParameterError(f"{owner}: max_scale must be >= min_scale ({low:g}), got {max_scale!r}.")
     if not low <= initial <= high:
         raise HyperParameterError(
-            f"{owner}: initial_scale must lie in [min_scale, max_scale] = [{low:g}, {high:g}], got {initial:g}."
+            f"{owner}: {scale_name} must lie in [min_scale, max_scale] = [{low:g}, {high:g}], got {initial:g}."
         )
     if not growth > 1:
         raise HyperParameterError(f"{owner}: growth_factor must be > 1, got {growth_factor!r}.")

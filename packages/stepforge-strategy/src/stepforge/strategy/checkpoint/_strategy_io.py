@@ -1,6 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """What a :class:`~stepforge.strategy.Strategy` checkpoint holds, and how it is saved, loaded and resumed.
 
+The Strategy hands over a :class:`RunState` (the parts a checkpoint saves and restores): this module never
+imports the Strategy, and it meets the plugin and the optimizer only through :class:`stepforge.core.Plugin`,
+:class:`stepforge.core.BoostedOptimizer` and stepforge-accum's public ``OptimWrapper.window``.
+
 DCP tensors (written by every rank, never gathered): ``model`` and ``optimizer`` from the plugin's
 ``get_state_dict`` pair. Shared objects (saved once): schedulers, the optim wrapper's accumulation counters and
 ``base_param_settings``, the loss-scaler state, shared registered statefuls, ``extra_ckpt``. Per-rank objects:
@@ -11,12 +15,14 @@ save falls inside an accumulation window, this rank's accumulated gradients.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import time
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.state_dict import (
@@ -26,6 +32,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from stepforge.accum import OptimWrapper
+from stepforge.core import Plugin
+
 from .._env import set_random_seed
 from .._version import __version__
 from ._dcp import load_dir, read_meta, save_dir
@@ -33,19 +42,32 @@ from ._fsdp_window import fsdp_pending_grads, set_fsdp_pending_grads
 from ._layout import CheckpointError, read_commit
 from ._rng import get_rng_state, set_rng_state
 
-if TYPE_CHECKING:
-    from ..strategy import Strategy
-
-__all__ = ["save", "load", "resume"]
-
-#: plugins whose mid-window accumulated gradients a save can carry: ``param.grad`` (single, DDP, ZeRO under
-#: no_sync: full local gradients; gemini: the sharded, already reduce-scattered sum) and, for FSDP2 plugins
-#: (torch_fsdp, gemini), FSDP2's pending unsharded gradients (:mod:`._fsdp_window`)
-_MID_WINDOW_PLUGINS = ("single", "torch_ddp", "torch_fsdp", "gemini", "low_level_zero", "zero1", "zero2")
+__all__ = ["RunState", "save", "load", "resume"]
 
 
-def _window(wrapper: Any) -> Any:
-    return getattr(wrapper, "_window", None)
+@dataclass
+class RunState:
+    """The parts of a run a checkpoint saves and restores, as the Strategy holds them.
+
+    ``dispatch_kwargs`` is the Strategy's own dict (``resume`` sets its ``"cur_iter"``); ``optim_wrapper`` is
+    the accumulation wrapper whose ``optimizer`` is the boosted optimizer.
+    """
+
+    model: torch.nn.Module | None
+    optim_wrapper: OptimWrapper | None
+    plugin: Plugin
+    mixed_precision: str | None  # the Booster's mixed precision, for a plugin that does not own precision
+    param_schedulers: list[Any] | None
+    statefuls: dict[str, tuple[Any, bool]]
+    dispatch_kwargs: dict[str, Any]
+    seed: int
+    experiment_name: str
+    world_size: int
+    rank: int
+    work_dir: str
+    deterministic: bool
+    config: Any
+    logger: logging.Logger
 
 
 def _params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -79,22 +101,6 @@ def _set_grads(model: torch.nn.Module, grads: Sequence[torch.Tensor | None]) -> 
             p.grad = g.to(p.device)
 
 
-def _check_no_reduced_pieces(strategy: Strategy, wrapper: Any, window: Any) -> None:
-    # ZeRO reduces into its shard buffers only in a synchronised backward; inside a no_sync window they are
-    # empty and the window lives in param.grad. Refuse a state this module would not carry.
-    if strategy.plugin_name not in ("low_level_zero", "zero1", "zero2"):
-        return
-    optimizer = wrapper.optimizer
-    optimizer = getattr(optimizer, "optim", optimizer)  # the booster's OptimizerWrapper, when present
-    grads = getattr(optimizer, "_grads", None)
-    if callable(grads) and grads():
-        raise ValueError(
-            f"save_checkpoint: plugin {strategy.plugin_name!r} already reduced part of this accumulation window "
-            f"into its gradient shards (no no_sync?); save at a window boundary (every "
-            f"accumulative_counts={window.counts} iterations)"
-        )
-
-
 def _json_safe(value: Any) -> Any:
     try:
         json.dumps(value)
@@ -104,7 +110,7 @@ def _json_safe(value: Any) -> Any:
 
 
 def save(
-    strategy: Strategy,
+    run: RunState,
     filename: str,
     save_optimizer: bool,
     save_param_scheduler: bool,
@@ -112,49 +118,47 @@ def save(
     callback: Any,
     max_keep_ckpts: int | None,
 ) -> str:
-    if not strategy._prepared:
-        raise RuntimeError("Strategy.save_checkpoint: call prepare() first (there is nothing to save)")
     if extra_ckpt is not None and not isinstance(extra_ckpt, Mapping):
         raise TypeError(
             f"save_checkpoint: extra_ckpt must be a dict or None, got {type(extra_ckpt).__name__}"
         )
-    path = filename if os.path.isabs(filename) else os.path.join(strategy.work_dir, filename)
-    model, wrapper = strategy.model, strategy.optim_wrapper
-    window = _window(wrapper) if wrapper is not None else None
+    path = filename if os.path.isabs(filename) else os.path.join(run.work_dir, filename)
+    model, wrapper, plugin = run.model, run.optim_wrapper, run.plugin
+    window = wrapper.window if wrapper is not None else None
     mid_window = bool(window is not None and window.position)
-    if mid_window and strategy.plugin_name not in _MID_WINDOW_PLUGINS:
-        raise ValueError(
-            f"save_checkpoint: {window.position} micro-batch(es) of an accumulation window are not stepped yet "
-            f"and plugin {strategy.plugin_name!r} has no known place for their gradients; save at a window "
-            f"boundary (every accumulative_counts={window.counts} iterations)"
-        )
     if mid_window:
-        _check_no_reduced_pieces(strategy, wrapper, window)
+        assert wrapper is not None and window is not None
+        refusal = plugin.mid_window_save_error(wrapper.optimizer)
+        if refusal is not None:
+            raise ValueError(
+                f"save_checkpoint: {window.position} micro-batch(es) of an accumulation window are not stepped "
+                f"yet and plugin {plugin.name!r} cannot save them: {refusal}; save at a window boundary (every "
+                f"accumulative_counts={window.counts} iterations)"
+            )
     with_optim = save_optimizer and wrapper is not None
-    msd, osd = strategy.plugin.get_state_dict(model, wrapper.optimizer if with_optim else [])
+    msd, osd = plugin.get_state_dict(model, wrapper.optimizer if with_optim else [])
     extra = dict(extra_ckpt or {})
     meta = {
-        "iter": window.inner_count if window is not None else strategy.dispatch_kwargs.get("cur_iter", 0),
+        "iter": window.inner_count if window is not None else run.dispatch_kwargs.get("cur_iter", 0),
         "epoch": 0,
-        "seed": strategy.seed,
-        "experiment_name": strategy.experiment_name,
+        "seed": run.seed,
+        "experiment_name": run.experiment_name,
         "time": time.strftime("%Y%m%d_%H%M%S", time.localtime()),
         "stepforge_strategy": __version__,
         "torch": torch.__version__,
-        "world_size": strategy.world_size,
-        "plugin": strategy.plugin_name,
-        "precision": getattr(strategy.plugin, "precision", None)
-        or getattr(strategy.booster.mixed_precision, "name", None),
+        "world_size": run.world_size,
+        "plugin": plugin.name,
+        "precision": plugin.precision or run.mixed_precision,
         "accumulative_counts": wrapper.accumulative_counts if wrapper is not None else 1,
         "mid_window": mid_window,
-        "cfg": None if strategy.config is None else repr(strategy.config),
+        "cfg": None if run.config is None else repr(run.config),
     }
     meta.update({k: _json_safe(v) for k, v in dict(extra.pop("meta", {}) or {}).items()})
     ckpt: dict[str, Any] = {"meta": meta, "state_dict": msd, **extra}
     if with_optim:
         ckpt["optimizer"] = osd
-    if save_param_scheduler and strategy.param_schedulers:
-        ckpt["param_schedulers"] = [s.state_dict() for s in strategy.param_schedulers]
+    if save_param_scheduler and run.param_schedulers:
+        ckpt["param_schedulers"] = [s.state_dict() for s in run.param_schedulers]
     if callback is not None:
         callback(ckpt)
     meta = {k: _json_safe(v) for k, v in ckpt.pop("meta").items()}
@@ -164,16 +168,15 @@ def save(
     shared: dict[str, Any] = {"extra": ckpt, "statefuls": {}}
     mine: dict[str, Any] = {"rng": get_rng_state(), "statefuls": {}}
     if with_optim:
-        if window is not None:
-            shared["accumulation"] = window.state_dict()
-            mine["accumulation"] = window.state_dict()
-        shared["base_param_settings"] = getattr(wrapper, "base_param_settings", None)
-        scaler = getattr(wrapper.optimizer, "scaler_state_dict", None)
-        shared["scaler"] = scaler() if callable(scaler) else None
+        assert wrapper is not None and window is not None
+        shared["accumulation"] = window.state_dict()
+        mine["accumulation"] = window.state_dict()
+        shared["base_param_settings"] = wrapper.base_param_settings
+        shared["scaler"] = wrapper.optimizer.scaler_state_dict()
         if mid_window:
             mine["grads"] = _grads(model)
             mine["fsdp_pending_grads"] = fsdp_pending_grads(model)
-    for name, (obj, per_rank) in strategy.statefuls.items():
+    for name, (obj, per_rank) in run.statefuls.items():
         (mine if per_rank else shared)["statefuls"][name] = obj.state_dict()
     final = save_dir(
         path,
@@ -181,16 +184,16 @@ def save(
         objects=shared,
         rank_objects=mine,
         meta=meta,
-        work_dir=strategy.work_dir,
+        work_dir=run.work_dir,
         max_keep_ckpts=max_keep_ckpts,
     )
-    strategy.logger.info(f"saved checkpoint {final} (iter {meta['iter']})")
+    run.logger.info(f"saved checkpoint {final} (iter {meta['iter']})")
     return final
 
 
-def _map_location(strategy: Strategy, map_location: Any) -> Any:
+def _map_location(run: RunState, map_location: Any) -> Any:
     if map_location == "default":
-        return getattr(strategy.plugin, "device", torch.device("cpu"))
+        return run.plugin.device
     return map_location
 
 
@@ -205,14 +208,14 @@ def _revise(keys: Sequence[str], revise_keys: Sequence[tuple[str, str]]) -> dict
 
 
 def load(
-    strategy: Strategy,
+    run: RunState,
     filename: str,
     map_location: Any,
     strict: bool,
     revise_keys: Sequence[tuple[str, str]],
     callback: Any,
 ) -> dict[str, Any]:
-    if strategy.model is None:
+    if run.model is None:
         raise RuntimeError("Strategy.load_checkpoint: call prepare(model) first")
     import torch.distributed.checkpoint as dcp
 
@@ -221,7 +224,7 @@ def load(
     prefix = "tensors.model."
     saved_keys = [k[len(prefix) :] for k in stored if k.startswith(prefix)]
     revised = _revise(saved_keys, revise_keys)
-    msd = get_model_state_dict(strategy.model)
+    msd = get_model_state_dict(run.model)
     missing = sorted(set(msd) - set(revised))
     unexpected = sorted(set(revised) - set(msd))
     if strict and (missing or unexpected):
@@ -230,83 +233,81 @@ def load(
             f"unexpected {unexpected[:5]} (after revise_keys={list(revise_keys)})"
         )
     if missing or unexpected:
-        strategy.logger.warning(f"load_checkpoint: missing keys {missing}, unexpected keys {unexpected}")
+        run.logger.warning(f"load_checkpoint: missing keys {missing}, unexpected keys {unexpected}")
     template = {revised[k]: msd[k] for k in msd if k in revised}
     shared, _, meta = load_dir(filename, {"model": template}, map_location=map_location, rank_objects=False)
     ckpt = {"meta": meta, "state_dict": msd, **shared["extra"]}
     if callback is not None:
         callback(ckpt)
-    set_model_state_dict(strategy.model, ckpt["state_dict"], options=StateDictOptions(strict=False))
-    strategy.logger.info(f"loaded model weights from {filename}")
+    set_model_state_dict(run.model, ckpt["state_dict"], options=StateDictOptions(strict=False))
+    run.logger.info(f"loaded model weights from {filename}")
     return ckpt
 
 
 def resume(
-    strategy: Strategy,
+    run: RunState,
     filename: str,
     resume_optimizer: bool,
     resume_param_scheduler: bool,
     map_location: Any,
     callback: Any,
 ) -> dict[str, Any]:
-    if not strategy._prepared:
-        raise RuntimeError("Strategy.resume: call prepare() first (resume fills the prepared objects)")
-    model, wrapper = strategy.model, strategy.optim_wrapper
+    model, wrapper, plugin = run.model, run.optim_wrapper, run.plugin
+    assert model is not None
     meta = read_meta(filename)
-    same_world = meta.get("world_size") == strategy.world_size
+    same_world = meta.get("world_size") == run.world_size
     if meta.get("mid_window") and resume_optimizer and not same_world:
         raise CheckpointError(
             f"{filename!r} was saved inside an accumulation window at world size {meta.get('world_size')}; its "
-            f"per-rank gradients cannot be mapped to world size {strategy.world_size}. Resume at world size "
+            f"per-rank gradients cannot be mapped to world size {run.world_size}. Resume at world size "
             f"{meta.get('world_size')}, or from a checkpoint saved at a window boundary"
         )
     with_optim = resume_optimizer and wrapper is not None
-    msd, osd = strategy.plugin.get_state_dict(model, wrapper.optimizer if with_optim else [])
+    msd, osd = plugin.get_state_dict(model, wrapper.optimizer if with_optim else [])
     tensors = {"model": msd}
     if with_optim:
         tensors["optimizer"] = osd
-    shared, mine, meta = load_dir(filename, tensors, map_location=_map_location(strategy, map_location))
+    shared, mine, meta = load_dir(filename, tensors, map_location=_map_location(run, map_location))
     ckpt: dict[str, Any] = {"meta": meta, "state_dict": msd, **shared["extra"]}
     if with_optim:
         ckpt["optimizer"] = osd
     if callback is not None:
         callback(ckpt)
     if with_optim:
-        strategy.plugin.set_state_dict(model, wrapper.optimizer, ckpt["state_dict"], ckpt["optimizer"])
-        window = _window(wrapper)
+        assert wrapper is not None
+        plugin.set_state_dict(model, wrapper.optimizer, ckpt["state_dict"], ckpt["optimizer"])
+        window = wrapper.window
         acc = (mine or {}).get("accumulation") or shared.get("accumulation")
-        if window is not None and acc is not None:
+        if acc is not None:
             with warnings.catch_warnings():
                 if mine is not None and mine.get("grads") is not None:  # restored below: the warning is moot
                     warnings.filterwarnings("ignore", message=".*middle of an accumulation window")
                 window.load_state_dict(acc)
         if shared.get("base_param_settings") is not None:
             wrapper.base_param_settings = shared["base_param_settings"]
-        load_scaler = getattr(wrapper.optimizer, "load_scaler_state_dict", None)
-        if callable(load_scaler):
-            load_scaler(shared.get("scaler"))
+        wrapper.optimizer.load_scaler_state_dict(shared.get("scaler"))
         if mine is not None and mine.get("grads") is not None:
             _set_grads(model, mine["grads"])
             set_fsdp_pending_grads(model, mine.get("fsdp_pending_grads") or [])
     else:
         set_model_state_dict(model, ckpt["state_dict"], options=StateDictOptions(strict=False))
-    if resume_param_scheduler and strategy.param_schedulers and "param_schedulers" in shared["extra"]:
+    if resume_param_scheduler and run.param_schedulers and "param_schedulers" in shared["extra"]:
         saved = shared["extra"]["param_schedulers"]
-        if len(saved) != len(strategy.param_schedulers):
+        if len(saved) != len(run.param_schedulers):
             raise CheckpointError(
-                f"{filename!r} holds {len(saved)} param schedulers, this run has {len(strategy.param_schedulers)}"
+                f"{filename!r} holds {len(saved)} param schedulers, this run has {len(run.param_schedulers)}"
             )
-        for sched, state in zip(strategy.param_schedulers, saved, strict=True):
+        for sched, state in zip(run.param_schedulers, saved, strict=True):
             sched.load_state_dict(state)
-    for name, (obj, per_rank) in strategy.statefuls.items():
+    for name, (obj, per_rank) in run.statefuls.items():
         source = (mine or {}).get("statefuls", {}) if per_rank else shared["statefuls"]
         if name in source:
             obj.load_state_dict(source[name])
         else:
-            strategy.logger.warning(f"resume: no state for {name!r} in {filename} (world size changed?)")
-    if meta.get("seed") != strategy.seed:
+            run.logger.warning(f"resume: no state for {name!r} in {filename} (world size changed?)")
+    if meta.get("seed") != run.seed:
         warnings.warn(
-            f"resume: the checkpoint's seed {meta.get('seed')} differs from this run's {strategy.seed}; "
+            f"resume: the checkpoint's seed {meta.get('seed')} differs from this run's {run.seed}; "
             "the saved random states are restored",
             UserWarning,
             stacklevel=3,
@@ -314,11 +315,11 @@ def resume(
     if mine is not None:
         set_rng_state(mine["rng"])
     else:
-        set_random_seed(int(meta["seed"]), strategy.env.deterministic, diff_rank_seed=True)
-        strategy.logger.warning(
-            f"resume: rank {strategy.rank} has no saved random state (saved at world size "
+        set_random_seed(int(meta["seed"]), run.deterministic, diff_rank_seed=True)
+        run.logger.warning(
+            f"resume: rank {run.rank} has no saved random state (saved at world size "
             f"{meta.get('world_size')}); re-seeded from the saved seed + rank"
         )
-    strategy.dispatch_kwargs["cur_iter"] = meta.get("iter", 0)
-    strategy.logger.info(f"resumed from {filename} at iter {meta.get('iter')}")
+    run.dispatch_kwargs["cur_iter"] = meta.get("iter", 0)
+    run.logger.info(f"resumed from {filename} at iter {meta.get('iter')}")
     return ckpt

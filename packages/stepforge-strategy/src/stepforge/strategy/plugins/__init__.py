@@ -9,11 +9,15 @@ registry names            class                        torch engine
 ``torch_fsdp``, ``fsdp``  :class:`TorchFSDPPlugin`     FSDP2 ``fully_shard`` + ``MixedPrecisionPolicy``
 ``gemini``                :class:`GeminiPlugin`        FSDP2 ``fully_shard`` + ``CPUOffloadPolicy`` (ZeRO-3)
 ========================= ============================ =========================================================
+
+Each subclasses :class:`stepforge.core.PluginBase` (re-exported here as ``PluginBase``) and returns an
+:class:`~stepforge.strategy.OptimizerWrapper` (a :class:`stepforge.core.BoostedOptimizer`) from ``prepare``.
 """
 
 from __future__ import annotations
 
-from ._base import PluginBase
+from stepforge.core import PluginBase  # the shared base of every plugin lives in stepforge-core
+
 from .gemini import GeminiPlugin
 from .single import SinglePlugin
 from .torch_ddp import TorchDDPPlugin

@@ -11,9 +11,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["shard_model", "precision_policy", "repoint_optimizer", "PRECISIONS", "accelerator_available"]
+from stepforge.core import CachingOptimizer
+from stepforge.core.precision import get_precision
 
-PRECISIONS = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+__all__ = ["shard_model", "precision_policy", "repoint_optimizer", "accelerator_available"]
 
 
 def accelerator_available() -> bool:
@@ -29,7 +30,7 @@ def precision_policy(precision: str) -> Any:
     the sharded fp32 parameters are the master weights."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    dtype = PRECISIONS[precision]
+    dtype = get_precision(precision).param_dtype
     if dtype is None:
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
@@ -108,9 +109,8 @@ def repoint_optimizer(optimizer: Any, before: dict[int, str], model: nn.Module) 
                 )
             new.append(after[name])
         group["params"] = new
-    invalidate = getattr(optimizer, "invalidate_cache", None)
-    if callable(invalidate):
-        invalidate()
+    if isinstance(optimizer, CachingOptimizer):  # stepforge-fused caches views of the old parameters
+        optimizer.invalidate_cache()
 
 
 def param_names(model: nn.Module) -> dict[int, str]:

@@ -32,7 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..loss_scaler import DynamicLossScaler
+from stepforge.core.precision import DynamicLossScaler, validate_loss_scaler_args
+
 from .torch_fsdp import TorchFSDPPlugin
 
 __all__ = ["GeminiPlugin", "GEMINI_DEFAULT_ONLY"]
@@ -78,6 +79,7 @@ class GeminiPlugin(TorchFSDPPlugin):
     """
 
     name = "gemini"
+    DEFAULT_PRECISION = "fp16"  # ColossalAI's default
 
     def __init__(
         self,
@@ -128,16 +130,19 @@ class GeminiPlugin(TorchFSDPPlugin):
             )
         offload = placement_policy == "auto" or offload_optim_frac == 1 or offload_param_frac == 1
         super().__init__(
-            precision=None, reshard_after_forward=True, cpu_offload=offload, max_norm=max_norm, device=device
+            precision=precision,
+            reshard_after_forward=True,
+            cpu_offload=offload,
+            max_norm=max_norm,
+            device=device,
         )
-        self.set_precision(precision or "fp16")
-        self._explicit_precision = precision is not None
         self.placement_policy = placement_policy
         self.pin_memory = bool(pin_memory)
         self.norm_type = float(norm_type)
         self.default_optimizer = "HybridAdam"
-        self._scaler_kwargs = dict(
-            init_scale=initial_scale,
+        self._scaler_kwargs = validate_loss_scaler_args(  # now, not at boost
+            "GeminiPlugin",
+            initial_scale=initial_scale,
             min_scale=min_scale,
             growth_factor=growth_factor,
             backoff_factor=backoff_factor,
@@ -145,7 +150,6 @@ class GeminiPlugin(TorchFSDPPlugin):
             hysteresis=hysteresis,
             max_scale=max_scale,
         )
-        DynamicLossScaler(**self._scaler_kwargs)  # validate now, not at boost
 
     def supports_no_sync(self) -> bool:
         """``False``: as ColossalAI's Gemini, every micro-batch reduce-scatters its gradients."""

@@ -9,7 +9,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._base import PluginBase
+from stepforge.core import PluginBase
+
+from ..boosted_optimizer import OptimizerWrapper, as_boosted
+from ..data import StatefulDataLoader
 
 __all__ = ["SinglePlugin"]
 
@@ -29,14 +32,24 @@ class SinglePlugin(PluginBase):
     def __init__(self, device: str | torch.device | None = None) -> None:
         super().__init__(device)
 
-    def prepare(self, model: nn.Module, optimizer: Any = None, **kwargs: Any) -> tuple[nn.Module, Any]:
-        """Move ``model`` to the plugin's device; the optimizer is returned as it is."""
+    def prepare(
+        self, model: nn.Module, optimizer: Any = None, **kwargs: Any
+    ) -> tuple[nn.Module, OptimizerWrapper | None]:
+        """Move ``model`` to the plugin's device; the optimizer comes back boosted (an :class:`OptimizerWrapper`
+        unless the Booster's mixed precision wrapped it already)."""
         if not isinstance(model, nn.Module):
             raise TypeError(
                 f"SinglePlugin.prepare: model must be a torch.nn.Module, got {type(model).__name__}."
             )
         model.to(self.device)
-        return model, optimizer
+        return model, as_boosted(optimizer)
 
     def no_sync(self, model: nn.Module, optimizer: Any = None) -> AbstractContextManager[Any]:
         return nullcontext()
+
+    def prepare_dataloader(
+        self, dataset: Any, batch_size: int, *args: Any, **kwargs: Any
+    ) -> StatefulDataLoader:
+        """ColossalAI's ``prepare_dataloader`` (:meth:`stepforge.core.PluginBase.prepare_dataloader`), returned as
+        a :class:`~stepforge.strategy.StatefulDataLoader` (exact mid-epoch resume)."""
+        return StatefulDataLoader(super().prepare_dataloader(dataset, batch_size, *args, **kwargs))

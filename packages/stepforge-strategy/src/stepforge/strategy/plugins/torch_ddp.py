@@ -11,7 +11,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ._base import PluginBase
+from stepforge.core import PluginBase
+
+from ..boosted_optimizer import OptimizerWrapper, as_boosted
+from ..data import StatefulDataLoader
 
 __all__ = ["TorchDDPPlugin"]
 
@@ -62,8 +65,11 @@ class TorchDDPPlugin(PluginBase):
         )
         self.process_group = process_group
 
-    def prepare(self, model: nn.Module, optimizer: Any = None, **kwargs: Any) -> tuple[nn.Module, Any]:
-        """Move ``model`` to the device and wrap it in DDP (the optimizer's parameters are DDP's)."""
+    def prepare(
+        self, model: nn.Module, optimizer: Any = None, **kwargs: Any
+    ) -> tuple[nn.Module, OptimizerWrapper | None]:
+        """Move ``model`` to the device and wrap it in DDP (the optimizer's parameters are DDP's); the optimizer
+        comes back boosted (an :class:`OptimizerWrapper` unless the Booster's mixed precision wrapped it)."""
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 "TorchDDPPlugin needs an initialised process group (torchrun, or "
@@ -74,14 +80,14 @@ class TorchDDPPlugin(PluginBase):
                 f"TorchDDPPlugin.prepare: model must be a torch.nn.Module, got {type(model).__name__}."
             )
         if isinstance(model, DistributedDataParallel):
-            return model, optimizer
-        self._bind_device()
+            return model, as_boosted(optimizer)
+        self.bind_device()
         model.to(self.device)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         ddp = DistributedDataParallel(
             model, device_ids=device_ids, process_group=self.process_group, **self.ddp_kwargs
         )
-        return ddp, optimizer
+        return ddp, as_boosted(optimizer)
 
     def no_sync(self, model: nn.Module, optimizer: Any = None) -> AbstractContextManager[Any]:
         """DDP's ``no_sync``: the forward and backward inside skip the all-reduce."""
@@ -90,3 +96,10 @@ class TorchDDPPlugin(PluginBase):
                 f"TorchDDPPlugin.no_sync: model must be the boosted (DDP) model, got {type(model).__name__}."
             )
         return model.no_sync()
+
+    def prepare_dataloader(
+        self, dataset: Any, batch_size: int, *args: Any, **kwargs: Any
+    ) -> StatefulDataLoader:
+        """ColossalAI's ``prepare_dataloader`` (:meth:`stepforge.core.PluginBase.prepare_dataloader`: this
+        rank's ``DistributedSampler`` share), returned as a :class:`~stepforge.strategy.StatefulDataLoader`."""
+        return StatefulDataLoader(super().prepare_dataloader(dataset, batch_size, *args, **kwargs))

@@ -10,14 +10,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import CPUOffload, MixedPrecisionPolicy, ShardingStrategy
+from torch.distributed.fsdp import MixedPrecision as FSDP1Precision
 
-from stepforge.core import build_optimizer
+from stepforge.core import PluginBase, build_optimizer
+from stepforge.core.precision import PLUGIN_PRECISIONS, DynamicLossScaler
 
-from ..boosted_optimizer import BoostedOptimizer
-from ..loss_scaler import DynamicLossScaler
-from ._base import PluginBase
+from ..boosted_optimizer import OptimizerWrapper
+from ..data import StatefulDataLoader
 from ._fsdp_common import (
-    PRECISIONS,
     accelerator_available,
     param_names,
     precision_policy,
@@ -52,11 +53,11 @@ class TorchFSDPPlugin(PluginBase):
             master weights. ``"fp16"`` adds dynamic loss scaling agreed across ranks.
         reshard_after_forward: free the gathered parameters of a block after its forward (ZeRO-3); ``False``
             keeps them until backward (ZeRO-2-like memory, less communication).
-        cpu_offload: ``True`` (or an FSDP1 ``CPUOffload(offload_params=True)``) gives ``CPUOffloadPolicy``:
+        cpu_offload: ``True`` (or FSDP1's ``CPUOffload(offload_params=True)``) gives ``CPUOffloadPolicy``:
             sharded parameters, gradients and optimizer state on CPU; pinned memory only where an accelerator
             exists.
-        sharding_strategy: FSDP1 name accepted for compatibility: ``"FULL_SHARD"`` (reshard after forward) or
-            ``"SHARD_GRAD_OP"`` (do not); others raise.
+        sharding_strategy: FSDP1 ``ShardingStrategy`` (or its name) accepted for compatibility: ``FULL_SHARD``
+            (reshard after forward) or ``SHARD_GRAD_OP`` (do not); others raise.
         mixed_precision: an FSDP2 ``MixedPrecisionPolicy`` (or FSDP1 ``MixedPrecision`` with ``param_dtype``/
             ``reduce_dtype``), instead of ``precision``.
         shard_modules: which submodules are blocks: a predicate, or module classes; default: the elements of
@@ -71,6 +72,8 @@ class TorchFSDPPlugin(PluginBase):
 
     name = "torch_fsdp"
     builds_optimizer_config = True
+    #: the precision when none is given (the Booster's ``mixed_precision`` may replace it)
+    DEFAULT_PRECISION = "fp32"
 
     def __init__(
         self,
@@ -86,7 +89,7 @@ class TorchFSDPPlugin(PluginBase):
         process_group: Any = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(device)
+        super().__init__(device, precision=precision, default_precision=self.DEFAULT_PRECISION)
         for key in kwargs:
             if key in FSDP1_ONLY_ARGUMENTS:
                 raise TypeError(
@@ -102,11 +105,12 @@ class TorchFSDPPlugin(PluginBase):
                 f"{type(self).__name__}: process_group is not supported; the plugin shards over the default "
                 "(world) group."
             )
-        self._explicit_precision = precision is not None
-        self.set_precision(precision or "fp32")
-        self._explicit_precision = precision is not None
         if sharding_strategy is not None:
-            name = getattr(sharding_strategy, "name", sharding_strategy)
+            name = (
+                sharding_strategy.name
+                if isinstance(sharding_strategy, ShardingStrategy)
+                else sharding_strategy
+            )
             if name == "FULL_SHARD":
                 reshard_after_forward = True if reshard_after_forward is None else reshard_after_forward
             elif name == "SHARD_GRAD_OP":
@@ -119,11 +123,18 @@ class TorchFSDPPlugin(PluginBase):
         self.reshard_after_forward = True if reshard_after_forward is None else bool(reshard_after_forward)
         if isinstance(cpu_offload, bool):
             self.cpu_offload = cpu_offload
-        elif hasattr(cpu_offload, "offload_params"):
+        elif isinstance(cpu_offload, CPUOffload):
             self.cpu_offload = bool(cpu_offload.offload_params)
         else:
             raise TypeError(
                 f"{type(self).__name__}: cpu_offload must be a bool or CPUOffload, got {cpu_offload!r}."
+            )
+        if mixed_precision is not None and not isinstance(
+            mixed_precision, MixedPrecisionPolicy | FSDP1Precision
+        ):
+            raise TypeError(
+                f"{type(self).__name__}: mixed_precision must be an FSDP2 MixedPrecisionPolicy or FSDP1's "
+                f"MixedPrecision, got {type(mixed_precision).__name__}; or pass precision='bf16'/'fp16'."
             )
         self._mp_override = mixed_precision
         self.shard_modules = shard_modules
@@ -133,28 +144,21 @@ class TorchFSDPPlugin(PluginBase):
         self.norm_type = 2.0
         self.default_optimizer: str | None = None
 
-    def set_precision(self, precision: str) -> None:
-        """Set the precision (the Booster passes its ``mixed_precision`` to a plugin that has none)."""
-        if precision not in PRECISIONS:
-            raise ValueError(
-                f"{type(self).__name__}: precision must be one of {', '.join(map(repr, PRECISIONS))}, got "
-                f"{precision!r}."
-            )
-        self.precision = precision
+    def supported_precisions(self) -> list[str]:
+        return list(PLUGIN_PRECISIONS)
+
+    def control_precision(self) -> bool:
+        """``True``: FSDP2's ``MixedPrecisionPolicy`` applies the precision (and fp16 loss scaling here)."""
+        return True
 
     # -- policies ------------------------------------------------------------------------------------------
     def _mp_policy(self) -> Any:
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
         override = self._mp_override
         if override is None:
-            return precision_policy(self.precision or "fp32")
+            return precision_policy(self.precision or self.DEFAULT_PRECISION)
         if isinstance(override, MixedPrecisionPolicy):
             return override
-        return MixedPrecisionPolicy(
-            param_dtype=getattr(override, "param_dtype", None),
-            reduce_dtype=getattr(override, "reduce_dtype", None),
-        )
+        return MixedPrecisionPolicy(param_dtype=override.param_dtype, reduce_dtype=override.reduce_dtype)
 
     def _offload_policy(self) -> Any:
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
@@ -173,7 +177,7 @@ class TorchFSDPPlugin(PluginBase):
         """Shard ``model`` (moved to the device first) and point ``optimizer`` at the sharded parameters.
 
         ``optimizer`` may also be a config dict (``build_optimizer``), built on the sharded parameters. It
-        comes back as a ``BoostedOptimizer`` (loss scaling for fp16, ``max_norm`` clipping).
+        comes back as an :class:`OptimizerWrapper` (loss scaling for fp16, ``max_norm`` clipping).
         """
         require_process_group(type(self).__name__)
         if not isinstance(model, nn.Module):
@@ -181,7 +185,7 @@ class TorchFSDPPlugin(PluginBase):
                 f"{type(self).__name__}.prepare: model must be a torch.nn.Module, got {type(model).__name__}."
             )
         names = param_names(model)
-        self._bind_device()
+        self.bind_device()
         model.to(self.device)
         shard_model(
             model,
@@ -202,8 +206,8 @@ class TorchFSDPPlugin(PluginBase):
             repoint_optimizer(optimizer, names, model)
         return model, self._wrap(model, optimizer)
 
-    def _wrap(self, model: nn.Module, optimizer: Any) -> BoostedOptimizer:
-        return BoostedOptimizer(
+    def _wrap(self, model: nn.Module, optimizer: Any) -> OptimizerWrapper:
+        return OptimizerWrapper(
             optimizer,
             scaler=self._make_scaler(),
             max_norm=self.max_norm,
@@ -218,6 +222,13 @@ class TorchFSDPPlugin(PluginBase):
         """``set_requires_gradient_sync(False)`` on every FSDP module for the block (the flag is read in
         backward); gradients are reduce-scattered by the first backward outside."""
         return _gradient_sync_off(model)
+
+    def prepare_dataloader(
+        self, dataset: Any, batch_size: int, *args: Any, **kwargs: Any
+    ) -> StatefulDataLoader:
+        """ColossalAI's ``prepare_dataloader`` (:meth:`stepforge.core.PluginBase.prepare_dataloader`: this
+        rank's ``DistributedSampler`` share), returned as a :class:`~stepforge.strategy.StatefulDataLoader`."""
+        return StatefulDataLoader(super().prepare_dataloader(dataset, batch_size, *args, **kwargs))
 
 
 @contextmanager

@@ -14,6 +14,10 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
+from stepforge.accum import GradAccumOptimizer, OptimWrapper
+
 __all__ = [
     "INF",
     "ParamScheduler",
@@ -61,7 +65,7 @@ class ParamScheduler:
         by_epoch: bool = True,
         verbose: bool = False,
     ) -> None:
-        if not hasattr(optimizer, "param_groups"):
+        if not isinstance(optimizer, torch.optim.Optimizer | OptimWrapper | GradAccumOptimizer):
             raise TypeError(
                 f"optimizer must be a torch.optim.Optimizer or an optim wrapper, got {type(optimizer).__name__}"
             )

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from stepforge.accum import OptimWrapper
+
 from ._param import (
     ConstantParamScheduler,
     CosineAnnealingParamScheduler,
@@ -116,7 +118,7 @@ def _build_one(cfg: Mapping[str, Any], optimizer: Any, defaults: dict[str, Any])
 def _inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     """torch schedulers need the ``torch.optim.Optimizer`` itself (an optim wrapper's ``.optimizer``)."""
     inner = optimizer
-    while not isinstance(inner, torch.optim.Optimizer) and hasattr(inner, "optimizer"):
+    while isinstance(inner, OptimWrapper):
         inner = inner.optimizer
     if not isinstance(inner, torch.optim.Optimizer):
         raise TypeError(f"torch schedulers need a torch.optim.Optimizer, got {type(optimizer).__name__}")
