@@ -92,29 +92,29 @@ def _window(plugin: LowLevelZeroPlugin, rank: int, world: int) -> list[str | Non
     return out
 
 
-def _check_window(answers: list[str | None], name: str) -> None:
+def _check_window(answers: list[str | None], stage: int) -> None:
     fresh, under_no_sync, synchronised, after_step = answers
     assert fresh is None and under_no_sync is None and after_step is None
     assert synchronised is not None
-    assert (
-        f"plugin {name!r}" in synchronised
-        and "already reduced part of this accumulation window" in synchronised
-    )
+    assert synchronised.startswith(f"stage {stage} already reduced part of this accumulation window")
 
 
 @pytest.mark.parametrize("plugin_cls", [Zero1Plugin, Zero2Plugin])
 def test_mid_window_save_error_one_process(plugin_cls):
     plugin = plugin_cls(precision="fp32")
-    _check_window(_window(plugin, 0, 1), plugin.name)
+    _check_window(_window(plugin, 0, 1), plugin.stage)
 
 
 def _window_two_ranks(rank: int, world: int) -> dict:
-    return {cls.name: _window(cls(precision="fp32"), rank, world) for cls in (Zero1Plugin, Zero2Plugin)}
+    return {
+        stage: _window(cls(precision="fp32"), rank, world)
+        for stage, cls in ((1, Zero1Plugin), (2, Zero2Plugin))
+    }
 
 
 @pytest.mark.distributed
 @requires_gloo
 def test_mid_window_save_error_two_ranks():
     for per_rank in run_distributed(_window_two_ranks, 2, timeout=120):
-        for name, answers in per_rank.items():
-            _check_window(answers, name)
+        for stage, answers in per_rank.items():
+            _check_window(answers, stage)

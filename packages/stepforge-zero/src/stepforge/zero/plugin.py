@@ -242,9 +242,9 @@ class LowLevelZeroPlugin(PluginBase):
         if not zero.has_reduced_grads:
             return None
         return (
-            f"plugin {self.name!r} (stage {self.stage}) already reduced part of this accumulation window into its "
-            "gradient shards, which a checkpoint does not hold; run the window's micro-batches under no_sync "
-            "(the optimizer wrapper's optim_context does) or save at a window boundary"
+            f"stage {self.stage} already reduced part of this accumulation window into its gradient shards, which "
+            "a checkpoint does not hold (run the window's micro-batches under no_sync, as the optimizer wrapper's "
+            "optim_context does)"
         )
 
     def get_state_dict(
