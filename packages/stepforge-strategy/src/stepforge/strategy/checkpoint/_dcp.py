@@ -83,7 +83,7 @@ def _blob(obj: Any) -> bytes:
 
 
 def _unblob(data: bytes, map_location: Any) -> Any:
-    return torch.load(io.BytesIO(data), map_location=map_location, weights_only=False)
+    return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
 
 
 def _commit(tmp: str, final: str, meta: dict[str, Any], work_dir: str | None, max_keep: int | None) -> None:

@@ -12,14 +12,16 @@ __all__ = ["get_rng_state", "set_rng_state"]
 
 
 def get_rng_state() -> dict[str, Any]:
-    """The state of every generator this process uses, picklable."""
+    """The state of every generator this process uses, as values ``torch.load(weights_only=True)`` reads."""
     state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
     try:
         import numpy as np
     except ImportError:
         pass
     else:
-        state["numpy"] = np.random.get_state()
+        # as plain values and a tensor, so the checkpoint loads under torch.load(weights_only=True)
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached))
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -35,7 +37,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
         except ImportError:
             pass
         else:
-            np.random.set_state(state["numpy"])
+            kind, keys, pos, has_gauss, cached = state["numpy"]
+            if isinstance(keys, torch.Tensor):
+                keys = keys.numpy().astype(np.uint32)
+            np.random.set_state((kind, keys, pos, has_gauss, cached))
     if "cuda" in state and torch.cuda.is_available():
         saved = state["cuda"]
         if len(saved) == torch.cuda.device_count():
