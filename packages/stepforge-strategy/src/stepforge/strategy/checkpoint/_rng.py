@@ -21,7 +21,13 @@ def get_rng_state() -> dict[str, Any]:
     else:
         # as plain values and a tensor, so the checkpoint loads under torch.load(weights_only=True)
         kind, keys, pos, has_gauss, cached = np.random.get_state()
-        state["numpy"] = (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached))
+        state["numpy"] = (
+            kind,
+            torch.from_numpy(keys.astype(np.int64)),
+            int(pos),
+            int(has_gauss),
+            float(cached),
+        )
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
