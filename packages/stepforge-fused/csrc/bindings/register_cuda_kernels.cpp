@@ -35,7 +35,7 @@ std::vector<std::int64_t> int64_list(const py::handle& obj, const char* name) {
 
 void check_dtype(int code, const char* name) {
   if (!stepforge::is_dtype_code(code)) {
-    throw py::value_error(std::string(name) + " must be a dtype code (" + stepforge::kDTypeCodesHelp + "), got " +
+    throw py::value_error(std::string(name) + " must be " + stepforge::kDTypeCodesHelp + ", got " +
                           std::to_string(code));
   }
 }

@@ -16,7 +16,7 @@ namespace {
 
 void check_dtype(int code, const char* what) {
   if (!is_dtype_code(code))
-    throw std::invalid_argument(std::string(what) + ": unknown dtype code " + std::to_string(code) + " (" +
+    throw std::invalid_argument(std::string(what) + ": unknown dtype code " + std::to_string(code) + " (must be " +
                                 kDTypeCodesHelp + ")");
 }
 

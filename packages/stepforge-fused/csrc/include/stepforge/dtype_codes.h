@@ -13,7 +13,7 @@ enum DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 constexpr int kNoDType = -1;
 
 // The codes with their names, for error messages of both modules.
-constexpr const char* kDTypeCodesHelp = "0 = float32, 1 = float16, 2 = bfloat16";
+constexpr const char* kDTypeCodesHelp = "0 (float32), 1 (float16) or 2 (bfloat16)";
 
 constexpr bool is_dtype_code(int code) { return code == kFloat32 || code == kFloat16 || code == kBFloat16; }
 
