@@ -6,7 +6,7 @@
 #include <stdexcept>
 
 #include "cpu/isa.h"
-#include "stepforge/common.h"
+#include "stepforge/dtype_codes.h"
 
 namespace py = pybind11;
 

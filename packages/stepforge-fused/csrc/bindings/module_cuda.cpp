@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "../cuda/launch_api.h"
+#include "stepforge/dtype_codes.h"
 
 namespace py = pybind11;
 namespace sc = stepforge::cuda;
@@ -29,9 +30,9 @@ void register_cuda_kernels(py::module_& m);
 PYBIND11_MODULE(_cuda, m) {
   m.doc() = "stepforge-fused CUDA kernels (raw pointers; see csrc/README.md). Imports without a GPU; "
             "status() says why it cannot run.";
-  m.attr("DTYPE_FLOAT32") = 0;
-  m.attr("DTYPE_FLOAT16") = 1;
-  m.attr("DTYPE_BFLOAT16") = 2;
+  m.attr("DTYPE_FLOAT32") = int(stepforge::kFloat32);
+  m.attr("DTYPE_FLOAT16") = int(stepforge::kFloat16);
+  m.attr("DTYPE_BFLOAT16") = int(stepforge::kBFloat16);
   m.attr("CHUNK_SIZE") = sc::kChunk;
 #ifdef STEPFORGE_CUDA_TOOLKIT_VERSION
   m.attr("TOOLKIT_VERSION") = STEPFORGE_CUDA_TOOLKIT_VERSION;

@@ -17,6 +17,7 @@
 
 #include "../cuda/launch_api.h"
 #include "i64_arg.h"
+#include "stepforge/dtype_codes.h"
 
 namespace py = pybind11;
 namespace sc = stepforge::cuda;
@@ -33,8 +34,8 @@ std::vector<std::int64_t> int64_list(const py::handle& obj, const char* name) {
 }
 
 void check_dtype(int code, const char* name) {
-  if (code < 0 || code > 2) {
-    throw py::value_error(std::string(name) + " must be 0 (float32), 1 (float16) or 2 (bfloat16), got " +
+  if (!stepforge::is_dtype_code(code)) {
+    throw py::value_error(std::string(name) + " must be " + stepforge::kDTypeCodesHelp + ", got " +
                           std::to_string(code));
   }
 }
@@ -98,9 +99,9 @@ struct MasterLayout {
   int copy_dtype;
 };
 MasterLayout master_layout(bool has_masters, int param_dtype) {
-  if (!has_masters) return {param_dtype, -1};
-  if (param_dtype == 0) throw py::value_error("masters given but param_dtype is float32 (masters are for fp16/bf16)");
-  return {0, param_dtype};
+  if (!has_masters) return {param_dtype, stepforge::kNoDType};
+  if (param_dtype == stepforge::kFloat32) throw py::value_error("masters given but param_dtype is float32 (masters are for fp16/bf16)");
+  return {stepforge::kFloat32, param_dtype};
 }
 
 py::object adam(py::handle params, py::handle grads, py::handle exp_avgs, py::handle exp_avg_sqs, py::handle masters,

@@ -1,16 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 // Multi-tensor Adam/AdamW (torch fused CPU operation order, adam_math.h). Compiled once per ISA (cmake/StepforgeSimd.cmake) into stepforge::cpu::<isa>.
 #include <algorithm>
-#include <atomic>
-#include <cmath>
-#include <cstring>
+#include <cstdint>
 #include <type_traits>
-#include <vector>
 
-#include "cpu/convert.h"
-#include "cpu/kernels.h"
-#include "cpu/multi_tensor.h"
-#include "stepforge/dtype_dispatch.h"
+#include "cpu/dispatch.h"
 
 namespace stepforge::cpu::STEPFORGE_ISA_NS {
 namespace {
@@ -154,27 +148,8 @@ void adam_run(const AdamLaunch& L) {
   parallel_segments(L.mt, [&](int64_t, int64_t t, int64_t b, int64_t e) { adam_segment<P, G, MASTER>(L, t, b, e); });
 }
 
-// (param, grad) dtype codes from the caller, never inferred from data; masters only for 16-bit params (the
-// host side, ops.cpp, rejects the other combinations before getting here).
-template <template <class, class, bool> class Op, class LaunchT>
-void dispatch_pgm(const LaunchT& L) {
-  const bool master = L.masters != nullptr;
-  STEPFORGE_DISPATCH_DTYPE(L.param_dtype, P, half_t, bf16_t, return,
-    STEPFORGE_DISPATCH_DTYPE(L.grad_dtype, G, half_t, bf16_t, return,
-      if (!master) {
-        Op<P, G, false>::run(L);
-      } else if constexpr (!std::is_same_v<P, float>) {
-        Op<P, G, true>::run(L);
-      }))
-}
-
-template <class P, class G, bool M>
-struct AdamOp {
-  static void run(const AdamLaunch& L) { adam_run<P, G, M>(L); }
-};
-
 }  // namespace
 
-void adam(const AdamLaunch& L) { dispatch_pgm<AdamOp>(L); }
+STEPFORGE_CPU_UPDATE_ENTRY(adam, AdamLaunch, adam_run)
 
 }  // namespace stepforge::cpu::STEPFORGE_ISA_NS

@@ -1,16 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 // Multi-tensor LAMB, two passes (lamb_math.h): moments + norms, then the trust-ratio update. Compiled once per ISA (cmake/StepforgeSimd.cmake) into stepforge::cpu::<isa>.
 #include <algorithm>
-#include <atomic>
-#include <cmath>
 #include <cstring>
-#include <type_traits>
 #include <vector>
 
-#include "cpu/convert.h"
-#include "cpu/kernels.h"
-#include "cpu/multi_tensor.h"
-#include "stepforge/dtype_dispatch.h"
+#include "cpu/dispatch.h"
 
 namespace stepforge::cpu::STEPFORGE_ISA_NS {
 namespace {
@@ -90,32 +84,9 @@ void lamb_pass2_run(const LambLaunch& L) {
   });
 }
 
-// (param, grad) dtype codes from the caller, never inferred from data; masters only for 16-bit params (the
-// host side, ops.cpp, rejects the other combinations before getting here).
-template <template <class, class, bool> class Op, class LaunchT>
-void dispatch_pgm(const LaunchT& L) {
-  const bool master = L.masters != nullptr;
-  STEPFORGE_DISPATCH_DTYPE(L.param_dtype, P, half_t, bf16_t, return,
-    STEPFORGE_DISPATCH_DTYPE(L.grad_dtype, G, half_t, bf16_t, return,
-      if (!master) {
-        Op<P, G, false>::run(L);
-      } else if constexpr (!std::is_same_v<P, float>) {
-        Op<P, G, true>::run(L);
-      }))
-}
-
-template <class P, class G, bool M>
-struct Lamb1Op {
-  static void run(const LambLaunch& L) { lamb_pass1_run<P, G, M>(L); }
-};
-template <class P, class G, bool M>
-struct Lamb2Op {
-  static void run(const LambLaunch& L) { lamb_pass2_run<P, G, M>(L); }
-};
-
 }  // namespace
 
-void lamb_pass1(const LambLaunch& L) { dispatch_pgm<Lamb1Op>(L); }
-void lamb_pass2(const LambLaunch& L) { dispatch_pgm<Lamb2Op>(L); }
+STEPFORGE_CPU_UPDATE_ENTRY(lamb_pass1, LambLaunch, lamb_pass1_run)
+STEPFORGE_CPU_UPDATE_ENTRY(lamb_pass2, LambLaunch, lamb_pass2_run)
 
 }  // namespace stepforge::cpu::STEPFORGE_ISA_NS

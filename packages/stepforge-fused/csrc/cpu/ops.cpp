@@ -15,9 +15,9 @@ namespace stepforge::cpu {
 namespace {
 
 void check_dtype(int code, const char* what) {
-  if (code != kFloat32 && code != kFloat16 && code != kBFloat16)
-    throw std::invalid_argument(std::string(what) + ": unknown dtype code " + std::to_string(code) +
-                                " (0=float32, 1=float16, 2=bfloat16)");
+  if (!is_dtype_code(code))
+    throw std::invalid_argument(std::string(what) + ": unknown dtype code " + std::to_string(code) + " (must be " +
+                                kDTypeCodesHelp + ")");
 }
 
 void check_list(const I64& a, int64_t n, const char* what, const I64& sizes) {

@@ -58,7 +58,7 @@ __global__ __launch_bounds__(kThreads) void adam_kernel(UpdateArgs a, AdamKernel
       }
       store4<float>(mp, i, w.end, v4, m);
       store4<float>(vp, i, w.end, v4, v);
-      if (a.copy_dtype >= 0) {
+      if (a.copy_dtype != kNoDType) {
         store4<P>(pp, i, w.end, v4, p);
         store4_dyn(a.copy_dtype, cp, i, w.end, v4, p, a.sr, seed, w.row);
       } else {
@@ -73,7 +73,7 @@ __global__ __launch_bounds__(kThreads) void adam_kernel(UpdateArgs a, AdamKernel
 int adam(std::vector<TensorRow>& rows, int p_dtype, int g_dtype, int copy_dtype, const Steps& steps,
           const AdamParams& hp, const Common& common, Launch launch) {
   static const int required[] = {kP, kG, kM, kV};
-  if (copy_dtype >= 0 && p_dtype != 0) throw std::invalid_argument("master weights (param copy) need fp32 masters");
+  if (copy_dtype != kNoDType && p_dtype != kFloat32) throw std::invalid_argument("master weights (param copy) need fp32 masters");
   Prepared prep = prepare_update(rows, required, 4, g_dtype, common, hp.lr, &steps.host, copy_dtype, launch);
   if (prep.empty) return (common.check_finite && common.found_inf == 0) ? 0 : kSkipOnDevice;
   if (steps.host.empty()) {

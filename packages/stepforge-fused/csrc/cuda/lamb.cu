@@ -142,7 +142,7 @@ __global__ __launch_bounds__(kThreads) void lamb_apply_kernel(UpdateArgs a, Lamb
       load4<float>(vp, i, w.end, v4, v);
 #pragma unroll
       for (int e = 0; e < 4; ++e) p[e] = p[e] - step * lamb_direction(p[e], m[e], v[e], k);
-      if (a.copy_dtype >= 0) {
+      if (a.copy_dtype != kNoDType) {
         store4<P>(pp, i, w.end, v4, p);
         store4_dyn(a.copy_dtype, cp, i, w.end, v4, p, a.sr, seed, w.row);
       } else {
@@ -160,7 +160,7 @@ int lamb(std::vector<TensorRow>& rows, int p_dtype, int g_dtype, int copy_dtype,
   static const int required[] = {kP, kG, kM, kV};
   if (norms_out != 0 && norms_in != 0)
     throw std::invalid_argument("lamb: pass norms_out_ptr (norms pass) or norms_in_ptr (apply pass), not both");
-  if (copy_dtype >= 0 && p_dtype != 0) throw std::invalid_argument("master weights (param copy) need fp32 masters");
+  if (copy_dtype != kNoDType && p_dtype != kFloat32) throw std::invalid_argument("master weights (param copy) need fp32 masters");
   Prepared prep = prepare_update(rows, required, 4, g_dtype, common, hp.lr, &steps.host, copy_dtype, launch);
   if (prep.empty) return (common.check_finite && common.found_inf == 0) ? 0 : kSkipOnDevice;
   const LambKernelParams kp{hp.beta1,        hp.beta2,        hp.eps,

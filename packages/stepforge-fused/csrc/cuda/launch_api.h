@@ -15,9 +15,11 @@
 #include <string>
 #include <vector>
 
+#include "stepforge/dtype_codes.h"
+
 namespace stepforge::cuda {
 
-// dtype codes: stepforge::DType in stepforge/common.h (0 float32, 1 float16, 2 bfloat16; csrc/README.md).
+// dtype codes: stepforge::DType in stepforge/dtype_codes.h (kNoDType: no param copy; csrc/README.md).
 
 // Elements handled by one block per chunk. A tensor of n elements owns ceil(n / kChunk) consecutive chunks.
 constexpr std::int64_t kChunk = 16384;

@@ -183,10 +183,10 @@ __device__ __forceinline__ void store4_sr(void* base, std::int64_t i, std::int64
 __device__ __forceinline__ void store4_dyn(int dtype, void* base, std::int64_t i, std::int64_t end, bool vec,
                                            const float (&in)[4], bool sr, std::uint64_t seed, std::int64_t row) {
   switch (dtype) {
-    case 0:
+    case kFloat32:
       store4<float>(base, i, end, vec, in);
       break;
-    case 1:
+    case kFloat16:
       store4<__half>(base, i, end, vec, in);
       break;
     default:
@@ -194,8 +194,6 @@ __device__ __forceinline__ void store4_dyn(int dtype, void* base, std::int64_t i
       break;
   }
 }
-
-__host__ __device__ constexpr int dtype_bytes(int code) { return code < 0 ? 0 : (code == 0 ? 4 : 2); }
 
 // Block-wide sum of one value per thread (result valid in thread 0). Deterministic: fixed reduction tree.
 template <typename T>

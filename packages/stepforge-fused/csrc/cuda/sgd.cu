@@ -51,7 +51,7 @@ __global__ __launch_bounds__(kThreads) void sgd_kernel(UpdateArgs a, SgdKernelPa
 #pragma unroll
       for (int e = 0; e < 4; ++e) sgd_update(p[e], b[e], g[e], first, k);
       if (has_buf) store4<float>(bp, i, w.end, v4, b);
-      if (a.copy_dtype >= 0) {
+      if (a.copy_dtype != kNoDType) {
         store4<P>(pp, i, w.end, v4, p);
         store4_dyn(a.copy_dtype, cp, i, w.end, v4, p, a.sr, a.seed, w.row);
       } else {
@@ -67,7 +67,7 @@ int sgd(std::vector<TensorRow>& rows, int p_dtype, int g_dtype, int copy_dtype, 
          const Common& common, Launch launch) {
   static const int required_mom[] = {kP, kG, kM};
   const bool momentum = hp.momentum != 0.0;
-  if (copy_dtype >= 0 && p_dtype != 0) throw std::invalid_argument("master weights (param copy) need fp32 masters");
+  if (copy_dtype != kNoDType && p_dtype != kFloat32) throw std::invalid_argument("master weights (param copy) need fp32 masters");
   Prepared prep =
       prepare_update(rows, required_mom, momentum ? 3 : 2, g_dtype, common, hp.lr, nullptr, copy_dtype, launch);
   if (prep.empty) return (common.check_finite && common.found_inf == 0) ? 0 : kSkipOnDevice;

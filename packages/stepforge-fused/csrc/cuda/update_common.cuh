@@ -27,7 +27,7 @@ struct UpdateArgs {
   const float* lr_ptr;      // device lr (CUDA-graph capture) or nullptr
   double grad_div;
   const float* grad_div_ptr;  // further device divisor (e.g. a clip factor computed on the device) or nullptr
-  int copy_dtype;           // -1: no param copy (list kCopy)
+  int copy_dtype;           // kNoDType: no param copy (list kCopy)
   bool sr;
   std::uint64_t seed;
   bool write_grads;         // store the unscaled grad back into list kG (when the divisor is not 1)
