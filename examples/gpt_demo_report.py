@@ -46,10 +46,10 @@ def compare_runs(reference: dict[str, Any], resumed: dict[str, Any], save_at: in
 
 
 def plot_losses(
-    out: Path, reference: dict[str, Any], resumed: dict[str, Any], save_at: int, title: str
+    out: Path, reference: dict[str, Any], resumed: dict[str, Any], save_at: int, title: str, note: str
 ) -> str:
-    """``out/gpt_demo_loss.png``: the uninterrupted run as a line, the resumed run as markers on top of it.
-    Returns the path, or a note when matplotlib is missing."""
+    """``out/gpt_demo_loss.png``: the uninterrupted run as a line, the resumed run as markers on top of it, and
+    ``note`` (the resume check) in a box. Returns the path, or a note when matplotlib is missing."""
     try:
         import matplotlib
 
@@ -71,6 +71,7 @@ def plot_losses(
     ax.set(xlabel="optimizer step", ylabel="train loss (bits per byte)", title=title)
     ax.set_xlim(0, max(ref_steps) + 1)
     ax.legend(fontsize=8)
+    ax.text(0.02, 0.04, note, transform=ax.transAxes, fontsize=8, bbox=dict(facecolor="white", alpha=0.8))
     fig.tight_layout()
     path = out / "gpt_demo_loss.png"
     fig.savefig(path, dpi=110)

@@ -235,16 +235,22 @@ def report(args: argparse.Namespace, plugin_note: str, wall_s: float) -> dict[st
     )
     children = resource.getrusage(resource.RUSAGE_CHILDREN)  # torchrun waits for its workers: they count
     hist = reference["history"]
+    check = compare_runs(reference, resumed, args.save_at)
+    note = (
+        f"after the resume: largest |loss difference| {check['resume_max_abs_diff']:.3g} over "
+        f"{check['resume_steps_compared']} steps + validation "
+        f"({'bit-identical' if check['resume_identical'] else 'not bit-identical'}; bound {check['resume_bound']:g})"
+    )
     summary = dict(
         plugin=reference["plugin"], plugin_note=plugin_note, world_size=reference["world_size"],
         precision=args.precision, optimizer=args.optimizer, isa=resumed["isa"], n_params=reference["n_params"],
         accumulative_counts=args.accum, steps=len(hist), save_at=args.save_at, resumed_at_iter=resumed["start_iter"],
-        **compare_runs(reference, resumed, args.save_at),
+        **check,
         tokens=reference["tokens"], tokens_per_s=reference["tokens"] / reference["wall_s"],
         step_ms=reference["step_ms"], final_train_loss=resumed["history"][-1]["loss"], val_loss=resumed["val_loss"],
         final_train_bpb=resumed["history"][-1]["loss"] * BITS_PER_NAT, val_bpb=resumed["val_loss"] * BITS_PER_NAT,
         first_step_bpb=hist[0]["loss"] * BITS_PER_NAT, unigram_bpb=reference["unigram_bpb"], uniform_bpb=8.0,
-        memory=resumed["memory"], sample=resumed["sample"], png=plot_losses(out, reference, resumed, args.save_at, title),
+        memory=resumed["memory"], sample=resumed["sample"], png=plot_losses(out, reference, resumed, args.save_at, title, note),
         wall_s=wall_s, cpu_s=children.ru_utime + children.ru_stime, load_average=list(os.getloadavg()),
     )  # fmt: skip
     write_summary(out, summary)
