@@ -70,8 +70,11 @@ def plot_losses(
                label=f"unigram baseline ({reference['unigram_bpb']:.2f} bits)")  # fmt: skip
     ax.set(xlabel="optimizer step", ylabel="train loss (bits per byte)", title=title)
     ax.set_xlim(0, max(ref_steps) + 1)
-    ax.legend(fontsize=8)
-    ax.text(0.02, 0.04, note, transform=ax.transAxes, fontsize=8, bbox=dict(facecolor="white", alpha=0.8))
+    ax.set_ylim(top=max(8.0, ax.get_ylim()[1]) + 0.6)  # room for the note
+    ax.legend(fontsize=8, loc="center right")
+    # top right: above the uniform line, where the falling curve never is
+    ax.text(0.98, 0.97, note, transform=ax.transAxes, fontsize=8, ha="right", va="top",
+            bbox=dict(facecolor="white", alpha=0.8))  # fmt: skip
     fig.tight_layout()
     path = out / "gpt_demo_loss.png"
     fig.savefig(path, dpi=110)

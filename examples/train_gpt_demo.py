@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The main job: a small GPT-style byte-level language model trained on 2 processes with stepforge.
 
-    python examples/train_gpt_demo.py                    # what `nox -s demo` runs: 2 ranks, a few minutes on 2 cores
+    python examples/train_gpt_demo.py                    # what `nox -s demo` runs: 2 ranks, ~3 min on 2 cores
     python examples/train_gpt_demo.py --plugin torch_ddp --precision fp32 --nproc 2 --steps 40
     python examples/train_gpt_demo.py --smoke            # a few steps of a tiny model (the CI test)
 
@@ -273,7 +273,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--nproc", type=int, default=2, help="world size (processes on this machine)")
-    p.add_argument("--steps", type=int, default=60, help="optimizer steps in all")
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps in all")
     p.add_argument(
         "--save-at", type=int, default=None, help="optimizer step of the mid-run checkpoint (default: half)"
     )
