@@ -1,38 +1,43 @@
 # SPDX-License-Identifier: Apache-2.0
 """The main job: a small GPT-style byte-level language model trained on 2 processes with stepforge.
 
-    python examples/train_gpt_demo.py                    # what `nox -s demo` runs: 2 ranks, ~2-4 min on 2 cores
+    python examples/train_gpt_demo.py                    # what `nox -s demo` runs: 2 ranks, ~3 min on 2 cores
     python examples/train_gpt_demo.py --plugin torch_ddp --precision fp32 --nproc 2 --steps 40
     python examples/train_gpt_demo.py --smoke            # a few steps of a tiny model (the CI test)
 
 The text is the Python standard library's own source (``*.py`` under ``sysconfig.get_paths()["stdlib"]``), read
-as bytes: present on every machine with Python, no download. The model is a pre-norm decoder-only transformer
-over the 256 byte values. Training goes through ``stepforge.strategy.Strategy``: plugin ``zero2``
-(stepforge-zero's ZeRO-2) when installed, else ``torch_fsdp`` (the summary says which, and why), ``bf16`` mixed
-precision, ``CPUAdam`` from stepforge-fused, ``accumulative_counts=4``, a linear warm-up then cosine schedule.
+as bytes: present on every machine with Python, no download. The model (``gpt_demo_model.py``) is a pre-norm
+decoder-only transformer over the 256 byte values. Training goes through ``stepforge.strategy.Strategy``: plugin
+``zero2`` (stepforge-zero's ZeRO-2) when installed, else ``torch_fsdp`` (the summary says which, and why), ``bf16``
+mixed precision, ``CPUAdam`` from stepforge-fused, ``accumulative_counts=4``, a linear warm-up then cosine schedule.
 
-The run has two halves, each in NEW processes started with ``torchrun`` on gloo: the first trains to the middle
-and saves a checkpoint (a crash-safe DCP directory); the second starts from nothing, resumes from
-``work_dir/last_checkpoint`` (model, optimizer shards, schedulers, accumulation counters, every rank's RNG) and
-trains to the end. Micro-batch ``i`` of rank ``r`` is drawn from a generator seeded by ``(seed, i, r)``, so the
-data position is the iteration counter that the checkpoint restores.
+Two launches, each in NEW processes started with ``torchrun`` on gloo:
 
-Output: a progress bar (rank 0), ``<out>/gpt_demo_loss.png`` (the loss curve, both halves), ``<out>/gpt_demo.json``
-and a one-screen summary: tokens/s, optimizer-step time, memory per rank, final train/validation loss and a
-sample of generated text.
+1. the uninterrupted run trains every step; at ``--save-at`` it writes a checkpoint (a crash-safe DCP directory)
+   and goes on to the end without stopping;
+2. the resumed run starts from nothing, resumes from ``work_dir/last_checkpoint`` (model, optimizer shards,
+   schedulers, accumulation counters, every rank's RNG) and trains to the end.
+
+Micro-batch ``i`` of rank ``r`` is drawn from a generator seeded by ``(seed, i, r)``, so the data position is the
+iteration counter that the checkpoint restores. The report (``gpt_demo_report.py``) compares the two runs step by
+step: for plugins with a documented bit-identical resume the largest difference must be 0.
+
+Output: a progress bar (rank 0), ``<out>/gpt_demo_loss.png`` (both runs overlaid, in bits per byte),
+``<out>/gpt_demo.json`` and a one-screen summary: plugin, precision, optimizer, world size, stepforge-fused's CPU
+ISA path, the resume difference, bits per byte beside the unigram baseline and the uniform 8 bits, tokens/s,
+optimizer-step time, memory per rank, CPU time and a sample of generated text. Exit status 1 when the resume
+misses its bound.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import resource
 import socket
 import subprocess
 import sys
-import sysconfig
 import time
 from pathlib import Path
 from typing import Any
@@ -40,85 +45,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from gpt_demo_model import BITS_PER_NAT, ByteGPT, generate, load_corpus, sample_batch, unigram_bits_per_byte
+from gpt_demo_report import compare_runs, plot_losses, print_summary, write_summary
 from torch import nn
 
 
-# -- data and model ----------------------------------------------------------------------------------------
-def load_corpus(max_bytes: int) -> torch.Tensor:
-    """The first ``max_bytes`` bytes of the stdlib's ``.py`` files (sorted paths), as uint8."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    chunks, total = [], 0
-    for path in sorted(root.rglob("*.py")):
-        if "test" in path.parts or "site-packages" in path.parts:
-            continue
-        data = path.read_bytes()
-        chunks.append(data)
-        total += len(data)
-        if total >= max_bytes:
-            break
-    return torch.frombuffer(bytearray(b"".join(chunks)[:max_bytes]), dtype=torch.uint8).clone()
-
-
-def sample_batch(
-    corpus: torch.Tensor, seq_len: int, batch: int, seed: int, it: int, rank: int
-) -> tuple[Any, Any]:
-    """Micro-batch ``it`` of ``rank``: random windows of the corpus; inputs and next-byte targets."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + it * 1_009 + rank)
-    starts = torch.randint(0, corpus.numel() - seq_len - 1, (batch,), generator=g)
-    rows = torch.stack([corpus[s : s + seq_len + 1] for s in starts.tolist()]).long()
-    return rows[:, :-1], rows[:, 1:]
-
-
-class Block(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
-        return x + self.mlp(self.ln2(x))
-
-
-class ByteGPT(nn.Module):
-    """Decoder-only transformer over bytes (no weight tying: every block shards on its own)."""
-
-    def __init__(self, d: int, layers: int, heads: int, ctx: int) -> None:
-        super().__init__()
-        self.ctx = ctx
-        self.tok, self.pos = nn.Embedding(256, d), nn.Embedding(ctx, d)
-        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
-        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, 256, bias=False)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln(x))
-
-
-@torch.no_grad()
-def generate(model: nn.Module, prompt: bytes, n: int, ctx: int, seed: int) -> bytes:
-    """Top-k sampling; every rank runs it in lockstep (sharded models gather in forward)."""
-    model.eval()
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.tensor([list(prompt)], dtype=torch.long)
-    for _ in range(n):
-        logits = model(idx[:, -ctx:])[0, -1].float()
-        top = torch.topk(logits, 20)
-        probs = torch.softmax(top.values / 0.8, dim=-1)
-        nxt = top.indices[torch.multinomial(probs, 1, generator=g)]
-        idx = torch.cat([idx, nxt.view(1, 1)], dim=1)
-    model.train()
-    return bytes(idx[0].tolist())
-
-
-# -- one half of the run, on every rank --------------------------------------------------------------------
+# -- one run, on every rank ---------------------------------------------------------------------------------
 def _local_bytes(tree: Any) -> int:
     """Bytes this rank holds for the tensors in ``tree`` (DTensor/ShardedTensor: the local shards only)."""
     if isinstance(tree, dict):
@@ -130,6 +62,34 @@ def _local_bytes(tree: Any) -> int:
     if hasattr(tree, "to_local"):
         tree = tree.to_local()
     return tree.numel() * tree.element_size() if torch.is_tensor(tree) else 0
+
+
+def _isa_path() -> str:
+    """stepforge-fused's active CPU kernel path, from its public ``cpu_features()`` (in the worker: its threads)."""
+    try:
+        from stepforge.fused import cpu_features
+    except ImportError:
+        return "n/a (stepforge-fused not installed)"
+    info = cpu_features()
+    forced = f", forced by STEPFORGE_CPU_ISA={info['forced_by_env']}" if info.get("forced_by_env") else ""
+    return (
+        f"{info['isa']} (supported {'/'.join(info['supported'])}; {info['num_threads']} threads/rank{forced})"
+    )
+
+
+@torch.no_grad()
+def _val_loss(
+    model: nn.Module, val_data: torch.Tensor, args: argparse.Namespace, rank: int, world: int
+) -> float:
+    model.eval()
+    val = []
+    for i in range(args.val_batches):
+        x, y = sample_batch(val_data, args.seq_len, args.micro_batch, args.seed + 1, i, rank)
+        val.append(F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()).item())
+    v = torch.tensor(sum(val) / len(val), dtype=torch.float64)
+    dist.all_reduce(v)
+    model.train()
+    return v.item() / world
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -169,18 +129,19 @@ def worker(args: argparse.Namespace) -> None:
         dispatch_kwargs=dict(max_iters=max_iters, train_micro_batch_size_per_gpu=args.micro_batch),
     )
     start = 0
-    if args.phase == "second":
+    if args.phase == "resumed":
         latest = strategy.find_latest_checkpoint()
         if latest is None:
-            raise SystemExit(f"no checkpoint in {strategy.work_dir}: run the first half first")
+            raise SystemExit(f"no checkpoint in {strategy.work_dir}: run the uninterrupted run first")
         start = strategy.resume(latest)["meta"]["iter"]
-    stop = args.save_at * args.accum if args.phase == "first" else max_iters
+    save_iter = args.save_at * args.accum if args.phase == "reference" else -1
     history: list[dict[str, float]] = []
     window_losses: list[float] = []
     step_times: list[float] = []
-    bar = tqdm(total=(stop - start) // args.accum, desc=f"{args.phase} half", disable=rank != 0, leave=True)
+    desc = "uninterrupted run" if args.phase == "reference" else "resumed run"
+    bar = tqdm(total=(max_iters - start) // args.accum, desc=desc, disable=rank != 0, leave=True)
     t0 = time.perf_counter()
-    for it in range(start, stop):
+    for it in range(start, max_iters):
         x, y = sample_batch(train_data, args.seq_len, args.micro_batch, args.seed, it, rank)
         with wrapper.optim_context(model):
             loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
@@ -191,7 +152,8 @@ def worker(args: argparse.Namespace) -> None:
             wrapper.step()
             wrapper.zero_grad()
             step_times.append(time.perf_counter() - ts)
-            mean = torch.tensor(sum(window_losses) / len(window_losses))
+            # float64 sums of the ranks' float losses: the same order on every run, so exact comparisons hold
+            mean = torch.tensor(sum(window_losses) / len(window_losses), dtype=torch.float64)
             dist.all_reduce(mean)
             history.append(
                 dict(step=(it + 1) // args.accum, loss=mean.item() / world, lr=wrapper.get_lr()["lr"][0])
@@ -201,10 +163,10 @@ def worker(args: argparse.Namespace) -> None:
             bar.update(1)
         for s in schedulers:
             s.step()
+        if it + 1 == save_iter:  # a save between two iterations; the run goes on
+            strategy.save_checkpoint(f"step_{args.save_at}", max_keep_ckpts=2)
     wall = time.perf_counter() - t0
     bar.close()
-    if args.phase == "first":
-        strategy.save_checkpoint(f"step_{args.save_at}", max_keep_ckpts=2)
     _, optim_sd = strategy.plugin.get_state_dict(model, wrapper.optimizer)  # the shards this rank holds
     mine = dict(
         rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -215,21 +177,12 @@ def worker(args: argparse.Namespace) -> None:
     dist.all_gather_object(memory, mine)
     result: dict[str, Any] = dict(
         phase=args.phase, plugin=strategy.plugin_name, world_size=world, history=history, wall_s=wall,
-        tokens=(stop - start) * args.micro_batch * args.seq_len * world, memory=memory,
-        step_ms=1000 * sum(step_times) / max(1, len(step_times)), start_iter=start,
+        tokens=(max_iters - start) * args.micro_batch * args.seq_len * world, memory=memory,
+        step_ms=1000 * sum(step_times) / max(1, len(step_times)), start_iter=start, isa=_isa_path(),
         n_params=sum(p.numel() for p in ByteGPT(args.d_model, args.layers, args.heads, args.seq_len).parameters()),
+        val_loss=_val_loss(model, val_data, args, rank, world), unigram_bpb=unigram_bits_per_byte(train_data),
     )  # fmt: skip
-    if args.phase == "second":
-        with torch.no_grad():
-            model.eval()
-            val = []
-            for i in range(4):
-                x, y = sample_batch(val_data, args.seq_len, args.micro_batch, args.seed + 1, i, rank)
-                val.append(F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()).item())
-            v = torch.tensor(sum(val) / len(val))
-            dist.all_reduce(v)
-            result["val_loss"] = v.item() / world
-            model.train()
+    if args.phase == "resumed":
         result["sample"] = generate(model, b"def ", args.sample_bytes, args.seq_len, args.seed).decode(
             "utf-8", "replace"
         )
@@ -271,69 +224,37 @@ def launch(args: argparse.Namespace, phase: str, plugin: str) -> None:
         raise SystemExit(f"the {phase} half failed (see the output above)")
 
 
-def report(args: argparse.Namespace, plugin_note: str) -> dict[str, Any]:
-    first = json.loads(Path(args.out, "gpt_demo_first.json").read_text())
-    second = json.loads(Path(args.out, "gpt_demo_second.json").read_text())
-    hist = first["history"] + second["history"]
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7, 4))
-        ax.plot(
-            [h["step"] for h in first["history"]], [h["loss"] for h in first["history"]], label="first half"
-        )
-        ax.plot(
-            [h["step"] for h in second["history"]],
-            [h["loss"] for h in second["history"]],
-            label="resumed (new processes)",
-        )
-        ax.axvline(args.save_at, color="grey", ls="--", lw=1, label=f"checkpoint @ step {args.save_at}")
-        ax.set(
-            xlabel="optimizer step",
-            ylabel="train loss (nats/byte)",
-            title=f"ByteGPT on {first['world_size']} ranks, {first['plugin']}",
-        )
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(Path(args.out, "gpt_demo_loss.png"), dpi=110)
-        png = str(Path(args.out, "gpt_demo_loss.png"))
-    except ImportError:
-        png = "(matplotlib not installed: no plot)"
-    tokens = first["tokens"] + second["tokens"]
-    wall = first["wall_s"] + second["wall_s"]
+def report(args: argparse.Namespace, plugin_note: str, wall_s: float) -> dict[str, Any]:
+    """Compare the two runs, plot them, print and write the summary."""
+    out = Path(args.out)
+    reference = json.loads((out / "gpt_demo_reference.json").read_text())
+    resumed = json.loads((out / "gpt_demo_resumed.json").read_text())
+    title = (
+        f"ByteGPT, {reference['world_size']} ranks, {reference['plugin']}, {args.precision}, {args.optimizer}: "
+        f"resume at step {args.save_at}"
+    )
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)  # torchrun waits for its workers: they count
+    hist = reference["history"]
+    check = compare_runs(reference, resumed, args.save_at)
+    note = (
+        f"after the resume: largest |loss difference| {check['resume_max_abs_diff']:.3g} over "
+        f"{check['resume_steps_compared']} steps + validation "
+        f"({'bit-identical' if check['resume_identical'] else 'not bit-identical'}; bound {check['resume_bound']:g})"
+    )
     summary = dict(
-        plugin=first["plugin"], plugin_note=plugin_note, world_size=first["world_size"], n_params=first["n_params"],
-        optimizer=args.optimizer, precision=args.precision, accumulative_counts=args.accum, steps=len(hist),
-        tokens_per_s=tokens / wall, step_ms=(first["step_ms"] + second["step_ms"]) / 2,
-        loss_before_ckpt=first["history"][-1]["loss"], loss_after_resume=second["history"][0]["loss"],
-        final_loss=hist[-1]["loss"], val_loss=second["val_loss"], memory=second["memory"], sample=second["sample"],
-        resumed_at_iter=second["start_iter"], png=png,
+        plugin=reference["plugin"], plugin_note=plugin_note, world_size=reference["world_size"],
+        precision=args.precision, optimizer=args.optimizer, isa=resumed["isa"], n_params=reference["n_params"],
+        accumulative_counts=args.accum, steps=len(hist), save_at=args.save_at, resumed_at_iter=resumed["start_iter"],
+        **check,
+        tokens=reference["tokens"], tokens_per_s=reference["tokens"] / reference["wall_s"],
+        step_ms=reference["step_ms"], final_train_loss=resumed["history"][-1]["loss"], val_loss=resumed["val_loss"],
+        final_train_bpb=resumed["history"][-1]["loss"] * BITS_PER_NAT, val_bpb=resumed["val_loss"] * BITS_PER_NAT,
+        first_step_bpb=hist[0]["loss"] * BITS_PER_NAT, unigram_bpb=reference["unigram_bpb"], uniform_bpb=8.0,
+        memory=resumed["memory"], sample=resumed["sample"], png=plot_losses(out, reference, resumed, args.save_at, title, note),
+        wall_s=wall_s, cpu_s=children.ru_utime + children.ru_stime, load_average=list(os.getloadavg()),
     )  # fmt: skip
-    Path(args.out, "gpt_demo.json").write_text(json.dumps(summary, indent=1))
-    print("\n" + "=" * 78)
-    print(
-        f" ByteGPT demo: {summary['n_params'] / 1e6:.2f} M params, {summary['world_size']} ranks (torchrun, gloo)"
-    )
-    print(
-        f" plugin {summary['plugin']} ({plugin_note}), {args.precision}, {args.optimizer}, accumulative_counts={args.accum}"
-    )
-    print(
-        f" steps {summary['steps']}: checkpoint at step {args.save_at}, resumed in new processes at iter {summary['resumed_at_iter']}"
-    )
-    print(f" loss: start {hist[0]['loss']:.3f} -> at checkpoint {summary['loss_before_ckpt']:.3f} -> first resumed step "
-          f"{summary['loss_after_resume']:.3f} -> final {summary['final_loss']:.3f} (validation {summary['val_loss']:.3f}; "
-          f"uniform bytes = {math.log(256):.2f})")  # fmt: skip
-    print(f" throughput {summary['tokens_per_s']:,.0f} tokens/s; optimizer step {summary['step_ms']:.1f} ms")
-    for r, m in enumerate(summary["memory"]):
-        print(
-            f" rank {r}: peak RSS {m['rss_mb']:.0f} MB, params {m['param_mb']:.2f} MB, optimizer state {m['optim_state_mb']:.2f} MB"
-        )
-    print(f" loss curve: {png}")
-    print(" sample:", repr(summary["sample"][:160]))
-    print("=" * 78)
+    write_summary(out, summary)
+    print_summary(summary)
     return summary
 
 
@@ -352,7 +273,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--nproc", type=int, default=2, help="world size (processes on this machine)")
-    p.add_argument("--steps", type=int, default=40, help="optimizer steps in all")
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps in all")
     p.add_argument(
         "--save-at", type=int, default=None, help="optimizer step of the mid-run checkpoint (default: half)"
     )
@@ -365,14 +286,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--corpus-bytes", type=int, default=4_000_000)
     p.add_argument("--sample-bytes", type=int, default=200)
+    p.add_argument("--val-batches", type=int, default=8, help="validation micro-batches per rank")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="a tiny model for a few steps (CI)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--phase", choices=["first", "second"], help=argparse.SUPPRESS)
+    p.add_argument("--phase", choices=["reference", "resumed"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.smoke:
         args.steps, args.d_model, args.layers, args.seq_len, args.micro_batch = 4, 32, 1, 32, 2
-        args.corpus_bytes, args.sample_bytes = 200_000, 16
+        args.corpus_bytes, args.sample_bytes, args.val_batches = 200_000, 16, 2
     if args.save_at is None:
         args.save_at = args.steps // 2
     if not 0 < args.save_at < args.steps:
@@ -395,11 +317,13 @@ def main(argv: list[str] | None = None) -> int:
 
         shutil.rmtree(work)  # a fresh run: never resume a previous demo's checkpoint
     t0 = time.perf_counter()
-    launch(args, "first", plugin)
-    launch(args, "second", plugin)
-    report(args, note)
-    print(f" total wall time {time.perf_counter() - t0:.0f} s (both halves, process start-up included)")
-    return 0
+    launch(args, "reference", plugin)
+    launch(args, "resumed", plugin)
+    summary = report(args, note, time.perf_counter() - t0)
+    load = ", ".join(f"{x:.1f}" for x in summary["load_average"])
+    print(f" total wall time {summary['wall_s']:.0f} s, CPU time {summary['cpu_s']:.0f} s (both runs, process "
+          f"start-up included); load average {load} on {os.cpu_count()} cores")  # fmt: skip
+    return 0 if summary["resume_within_bound"] else 1
 
 
 if __name__ == "__main__":
