@@ -15,6 +15,9 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from .models import assert_params_close, mse
+from .models import snapshot as param_copies
+
 __all__ = [
     "IN_FEATURES",
     "assert_params_close",
@@ -43,11 +46,6 @@ def tiny_mlp(seed: int = 0) -> nn.Sequential:
     return nn.Sequential(nn.Linear(IN_FEATURES, 8), nn.Tanh(), nn.Linear(8, 1))
 
 
-def mse(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The mean squared error of ``model(x)`` (``(n, 1)``) against ``y`` (``(n, 1)``): a 0-dim tensor."""
-    return (model(x) - y).pow(2).mean()
-
-
 def regression_data(n: int, seed: int = 1) -> Batch:
     """``n`` samples: ``x`` of shape ``(n, 4)`` and ``y`` of shape ``(n, 1)``, float32 from ``randn``.
 
@@ -73,26 +71,6 @@ def split_batches(x: torch.Tensor, y: torch.Tensor, sizes: Sequence[int]) -> lis
         out.append((x[start : start + size], y[start : start + size]))
         start += size
     return out
-
-
-def param_copies(model: nn.Module) -> list[torch.Tensor]:
-    """Detached copies of ``model``'s parameters, in ``parameters()`` order."""
-    return [p.detach().clone() for p in model.parameters()]
-
-
-def assert_params_close(
-    actual: Sequence[torch.Tensor],
-    expected: Sequence[torch.Tensor],
-    *,
-    atol: float = 1e-6,
-    rtol: float = 1e-5,
-    what: str = "",
-) -> None:
-    """``torch.testing.assert_close`` on each pair (the lists must have the same length)."""
-    for a, e in zip(actual, expected, strict=True):
-        torch.testing.assert_close(
-            a, e, atol=atol, rtol=rtol, msg=(lambda m: f"{what}: {m}") if what else None
-        )
 
 
 def big_batch_reference(
