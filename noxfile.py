@@ -327,8 +327,8 @@ def build(session: nox.Session) -> None:
 # not linked against libgomp (STEPFORGE_OPENMP_RUNTIME=host): it has no DT_NEEDED entry that auditwheel would
 # vendor as a second, renamed copy, and its GOMP symbols resolve to torch's runtime at import.
 WHEEL_DEFINES = ("-C", "cmake.define.STEPFORGE_OPENMP_RUNTIME=host")
-# A host glibc newer than manylinux_2_28 allows (this machine: 2.36, x86_64): csrc/compat/glibc_2_28.{h,cpp} map
-# the five newer symbol references to older equivalents, so the local wheel gets the tag cibuildwheel's image gives.
+# A host glibc newer than manylinux_2_28 allows (this machine: 2.36, x86_64): csrc/compat/glibc_2_28.cpp maps
+# the five newer symbol references to older equivalents, so the local wheel gets the tag cibuildwheel gives.
 _GLIBC = tuple(int(x) for x in (platform.libc_ver()[1] or "0.0").split(".")[:2])
 LOCAL_WHEEL_DEFINES = WHEEL_DEFINES
 if platform.machine() == "x86_64" and _GLIBC > (2, 28):
