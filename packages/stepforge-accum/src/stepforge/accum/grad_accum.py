@@ -43,7 +43,8 @@ class GradAccumOptimizer:
         optim: the optimizer (a ``torch.optim.Optimizer``, or a sharded optimizer with ``no_sync()``).
         accumulate_size: micro-batches per step (>= 1).
         model: the (DDP / FSDP2) model whose gradient synchronisation is suspended inside a window.
-        process_group, reduce_weights: as for :class:`stepforge.accum.OptimWrapper` (weighted mode).
+        process_group: as for :class:`stepforge.accum.OptimWrapper` (weighted mode).
+        reduce_weights: as for :class:`stepforge.accum.OptimWrapper` (weighted mode).
 
     Use::
 

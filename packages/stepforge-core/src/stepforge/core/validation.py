@@ -68,8 +68,10 @@ def check_range(
     Args:
         name: the parameter's name as the user spells it (``"lr"``, ``"betas[0]"``).
         value: the value to check; a Python number or a 0-dim floating tensor (for tensor ``lr``).
-        low, high: bounds (``None`` = unbounded).
-        low_open, high_open: exclude the bound itself.
+        low: lower bound (``None`` = unbounded).
+        high: upper bound (``None`` = unbounded).
+        low_open: exclude ``low`` itself.
+        high_open: exclude ``high`` itself.
         owner: the class or function the value was passed to, put in front of the message.
         hint: a sentence that says how to fix it.
 

@@ -79,7 +79,8 @@ class Lamb(MultiTensorOptimizer):
         always_adapt: apply the ratio also to groups with ``weight_decay == 0`` (apex ``use_nvlamb``).
         bias_correction_mode: ``"step_size"`` or ``"update"`` (see above).
         max_grad_norm: clip the global gradient norm to this value first; ``None`` or ``0`` disables.
-        adam_w_mode, grad_averaging: as apex ``FusedLAMB``.
+        adam_w_mode: as apex ``FusedLAMB``.
+        grad_averaging: as apex ``FusedLAMB``.
         foreach: ``None``/``True``: multi-tensor ``torch._foreach_*`` updates per (device, dtype) bucket;
             ``False``: one tensor at a time (lowest temporary memory). Same math either way.
         maximize: ascend instead of descend.

@@ -59,8 +59,13 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
             (an Adam-family config becomes stepforge-fused's ``CPUAdam`` when installed).
         master_weights: fp32 masters for fp16/bf16 working parameters (else the working dtype is stepped).
         max_norm: clip the global gradient norm to this value in every :meth:`step` (0: no clipping).
-        initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis, max_scale:
-            the dynamic loss scaler (used for fp16, see ``dtype_for_loss_scaling``).
+        initial_scale: the dynamic loss scaler's setting (used for fp16, see ``dtype_for_loss_scaling``).
+        min_scale: the dynamic loss scaler's setting (used for fp16, see ``dtype_for_loss_scaling``).
+        growth_factor: the dynamic loss scaler's setting (used for fp16, see ``dtype_for_loss_scaling``).
+        backoff_factor: the dynamic loss scaler's setting (used for fp16, see ``dtype_for_loss_scaling``).
+        growth_interval: the dynamic loss scaler's setting (used for fp16, see ``dtype_for_loss_scaling``).
+        hysteresis: the dynamic loss scaler's setting (used for fp16, see ``dtype_for_loss_scaling``).
+        max_scale: the dynamic loss scaler's setting (used for fp16, see ``dtype_for_loss_scaling``).
         process_group: the data-parallel group (``None``: the default group; no group at all: one rank).
         dtype_for_loss_scaling: ``"fp16"`` forces loss scaling, ``None`` turns it on when a working parameter
             is fp16.
