@@ -71,8 +71,12 @@ class StepforgeStrategy:
         plugin: a stepforge plugin name, dict or instance (``"zero2"``, ``"torch_ddp"``, ``"torch_fsdp"``,
             ``"gemini"``...); ``None`` picks ``single`` on one process and ``torch_ddp`` on several.
         mixed_precision: ``"fp16"``, ``"bf16"``, ``"fp8"`` or ``None``.
-        work_dir, experiment_name, env_kwargs, log_kwargs, auto_scale_lr: filled in by ``FlexibleRunner``
-            (``env_kwargs["dist_cfg"]["backend"] == "nccl"`` becomes ``gloo`` when CUDA is unavailable).
+        work_dir: the run's directory (filled in by ``FlexibleRunner``).
+        experiment_name: the run's name (filled in by ``FlexibleRunner``).
+        env_kwargs: mmengine's environment settings (``env_kwargs["dist_cfg"]["backend"] == "nccl"`` becomes
+            ``gloo`` when CUDA is unavailable).
+        log_kwargs: mmengine's logger settings.
+        auto_scale_lr: mmengine's ``auto_scale_lr`` (``base_batch_size``, ``enable``).
         config: recorded as ``meta["cfg"]`` when the runner does not record its own.
 
     The optim wrapper config is stepforge's: ``dict(type="ColossalAIOptimWrapper", optimizer=dict(type="CPUAdam",
