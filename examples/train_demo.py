@@ -27,297 +27,23 @@ Exit status 0, or 2 when a requested optimizer is not installed (the message say
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import math
 import os
-import statistics
 import sys
-import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
+from train_demo_model import ResidualMLP, load_digits_tensors
+from train_demo_report import save_plot, summary_text
+from train_demo_runner import BASELINE, RunResult, optimizer_key, train_one
 
 __all__ = ["ResidualMLP", "RunResult", "load_digits_tensors", "main", "train_one"]
 
-BASELINE = "AdamW"
-# Per-optimizer defaults (keys compared case-, '-' and '_'-insensitively, like the registry). LAMB's layer-wise
-# trust ratio makes lr a relative step per layer, so it wants a larger lr than Adam.
-DEFAULTS: dict[str, dict[str, Any]] = {
-    "cpuadam": dict(lr=1e-3, weight_decay=0.01),
-    "hybridadam": dict(lr=1e-3, weight_decay=0.01),
-    "fusedadam": dict(lr=1e-3, weight_decay=0.01),
-    "adamw": dict(lr=1e-3, weight_decay=0.01, fused=True),
-    "adam": dict(lr=1e-3, fused=True),
-    "fusedlamb": dict(lr=5e-3, weight_decay=0.01),
-    "lamb": dict(lr=5e-3, weight_decay=0.01),
-    "fusedsgd": dict(lr=0.05, momentum=0.9, weight_decay=1e-4),
-    "sgd": dict(lr=0.05, momentum=0.9, weight_decay=1e-4, fused=True),
-}
 
-
-def _key(name: str) -> str:
-    return name.strip().lower().replace("-", "").replace("_", "")
-
-
-# --------------------------------------------------------------------------------------------------------
-# data and model
-# --------------------------------------------------------------------------------------------------------
-def load_digits_tensors(seed: int, *, train_limit: int | None = None) -> tuple[torch.Tensor, ...]:
-    """scikit-learn's digits, split 80/20 (stratified) and standardised with the training statistics.
-
-    Returns:
-        ``x_train (N, 64) float32, y_train (N,) int64, x_test (M, 64) float32, y_test (M,) int64``.
-    """
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    data = load_digits()
-    x_tr, x_te, y_tr, y_te = train_test_split(
-        data.data, data.target, test_size=0.2, random_state=seed, stratify=data.target
-    )
-    if train_limit is not None:
-        x_tr, y_tr = x_tr[:train_limit], y_tr[:train_limit]
-    mean, std = x_tr.mean(axis=0), x_tr.std(axis=0) + 1e-3  # some border pixels are always 0
-    x_tr, x_te = (x_tr - mean) / std, (x_te - mean) / std
-    as_x = lambda a: torch.tensor(a, dtype=torch.float32)  # noqa: E731
-    as_y = lambda a: torch.tensor(a, dtype=torch.int64)  # noqa: E731
-    return as_x(x_tr), as_y(y_tr), as_x(x_te), as_y(y_te)
-
-
-class ResidualBlock(nn.Module):
-    """``x + W2 gelu(W1 layernorm(x))`` on ``(batch, width)``."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.fc1 = nn.Linear(width, width)
-        self.fc2 = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(nn.functional.gelu(self.fc1(self.norm(x))))
-
-
-class ResidualMLP(nn.Module):
-    """Pre-norm residual MLP classifier: ``(batch, in_features) -> (batch, classes)`` logits."""
-
-    def __init__(self, in_features: int = 64, width: int = 256, depth: int = 16, classes: int = 10) -> None:
-        super().__init__()
-        self.stem = nn.Linear(in_features, width)
-        self.blocks = nn.Sequential(*(ResidualBlock(width) for _ in range(depth)))
-        self.norm = nn.LayerNorm(width)
-        self.head = nn.Linear(width, classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.norm(self.blocks(self.stem(x))))
-
-
-# --------------------------------------------------------------------------------------------------------
-# training
-# --------------------------------------------------------------------------------------------------------
-@dataclass
-class RunResult:
-    """What one optimizer's run produced."""
-
-    name: str
-    config: dict[str, Any]
-    train_loss: list[float] = field(default_factory=list)  # per step
-    test_loss: list[float] = field(default_factory=list)  # per epoch
-    test_acc: list[float] = field(default_factory=list)  # per epoch
-    step_ms: list[float] = field(default_factory=list)  # opt.step() wall time per step
-    wall_s: float = 0.0
-    error: str | None = None
-
-    @property
-    def median_step_ms(self) -> float:
-        return statistics.median(self.step_ms) if self.step_ms else math.nan
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
-    """Mean cross-entropy and accuracy of ``model`` on ``(x, y)``."""
-    model.eval()
-    logits = model(x)
-    model.train()
-    return float(nn.functional.cross_entropy(logits, y)), float((logits.argmax(1) == y).float().mean())
-
-
-def train_one(
-    name: str,
-    base_model: nn.Module,
-    data: tuple[torch.Tensor, ...],
-    *,
-    epochs: int,
-    batch_size: int,
-    seed: int,
-    lr: float | None,
-    progress: bool,
-    set_to_none: bool = True,
-) -> tuple[RunResult, nn.Module | None]:
-    """Train a copy of ``base_model`` with the optimizer registered as ``name``; time every ``opt.step()``."""
-    from stepforge.core import build_optimizer
-    from stepforge.core.errors import StepforgeError
-
-    cfg: dict[str, Any] = {"type": name, **DEFAULTS.get(_key(name), {"lr": 1e-3})}
-    if lr is not None:
-        cfg["lr"] = lr
-    result = RunResult(name=name, config=dict(cfg))
-    model = copy.deepcopy(base_model)
-    try:
-        opt = build_optimizer(cfg, model)
-    except (StepforgeError, ImportError) as exc:
-        result.error = f"{type(exc).__name__}: {exc}"
-        return result, None
-
-    x_tr, y_tr, x_te, y_te = data
-    n = x_tr.shape[0]
-    steps_per_epoch = math.ceil(n / batch_size)
-    total = epochs * steps_per_epoch
-    warmup = min(steps_per_epoch, max(1, total // 10))
-    # linear warm-up over the first epoch, then cosine decay to zero: the same schedule for every optimizer
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt,
-        lambda s: (
-            (s + 1) / warmup
-            if s < warmup
-            else 0.5 * (1 + math.cos(math.pi * (s - warmup) / (total - warmup)))
-        ),
-    )
-    order = torch.Generator().manual_seed(seed)  # the same batches in the same order for every optimizer
-    bar = _progress(total=epochs * steps_per_epoch, desc=f"{name:>10}", enabled=progress)
-    t_start = time.perf_counter()
-    for _ in range(epochs):
-        perm = torch.randperm(n, generator=order)
-        for i in range(steps_per_epoch):
-            idx = perm[i * batch_size : (i + 1) * batch_size]
-            loss = nn.functional.cross_entropy(model(x_tr[idx]), y_tr[idx])
-            opt.zero_grad(set_to_none=set_to_none)
-            loss.backward()
-            t0 = time.perf_counter_ns()
-            opt.step()
-            result.step_ms.append((time.perf_counter_ns() - t0) / 1e6)
-            sched.step()
-            result.train_loss.append(float(loss.detach()))
-            bar.update(1)
-        test_loss, test_acc = evaluate(model, x_te, y_te)
-        result.test_loss.append(test_loss)
-        result.test_acc.append(test_acc)
-        bar.set_postfix(loss=f"{result.train_loss[-1]:.3f}", test_acc=f"{100 * test_acc:.1f}%")
-    bar.close()
-    result.wall_s = time.perf_counter() - t_start
-    return result, model
-
-
-class _NoBar:
-    def update(self, n: int) -> None:
-        pass
-
-    def set_postfix(self, **kw: Any) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _progress(*, total: int, desc: str, enabled: bool) -> Any:
-    if not enabled:
-        return _NoBar()
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="step", leave=True, dynamic_ncols=True)
-
-
-# --------------------------------------------------------------------------------------------------------
-# reporting
-# --------------------------------------------------------------------------------------------------------
-def _label(r: RunResult) -> str:
-    if _key(r.name) in ("adamw", "adam", "sgd") and r.config.get("fused"):
-        return f"{r.name} (torch, fused)"
-    return r.name
-
-
-def summary_text(results: Sequence[RunResult], *, identical: dict[str, bool] | None = None) -> str:
-    """The one-screen summary table."""
-    ok = [r for r in results if r.error is None]
-    base = next((r for r in ok if _key(r.name) == _key(BASELINE)), None)
-    head = (
-        f"{'optimizer':<22} {'lr':>7} {'test acc':>9} {'test loss':>10} {'train loss':>11} "
-        f"{'step ms':>8} {'speed-up':>9} {'wall s':>7}"
-    )
-    lines = [head, "-" * len(head)]
-    for r in ok:
-        speed = base.median_step_ms / r.median_step_ms if base is not None else math.nan
-        tail = statistics.fmean(r.train_loss[-10:]) if r.train_loss else math.nan
-        lines.append(
-            f"{_label(r):<22} {r.config.get('lr', math.nan):>7.0e} {100 * r.test_acc[-1]:>8.1f}% "
-            f"{r.test_loss[-1]:>10.4f} {tail:>11.4f} {r.median_step_ms:>8.3f} {speed:>8.2f}x {r.wall_s:>7.1f}"
-        )
-    lines.append(
-        "step ms = median wall time of optimizer.step() alone; speed-up = AdamW's step ms / this one's; "
-        "train loss = mean of the last 10 steps."
-    )
-    for name, same in (identical or {}).items():
-        lines.append(
-            f"{name} vs torch AdamW(fused=True): final weights bit-identical after the whole run: "
-            f"{'yes' if same else 'no'}"
-        )
-    for r in results:
-        if r.error is not None:
-            lines.append(f"NOT RUN {r.name}: {r.error}")
-    return "\n".join(lines)
-
-
-def save_plot(path: Path, results: Sequence[RunResult], steps_per_epoch: int, title: str) -> Path:
-    """Training loss per step (thin) and per epoch (thick), and test accuracy per epoch."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    styles = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D")]  # runs that coincide stay visible
-    for i, r in enumerate(r for r in results if r.error is None):
-        ls, marker = styles[i % len(styles)]
-        (line,) = ax1.plot(r.train_loss, lw=0.6, alpha=0.3)
-        epochs = len(r.test_acc)
-        per_epoch = [
-            statistics.fmean(r.train_loss[e * steps_per_epoch : (e + 1) * steps_per_epoch])
-            for e in range(epochs)
-        ]
-        xs = [(e + 1) * steps_per_epoch for e in range(epochs)]
-        ax1.plot(xs, per_epoch, color=line.get_color(), ls=ls, lw=2, label=f"{_label(r)} (epoch mean)")
-        ax2.plot(
-            range(1, epochs + 1),
-            [100 * a for a in r.test_acc],
-            ls=ls,
-            marker=marker,
-            markersize=4,
-            color=line.get_color(),
-            label=f"{_label(r)}: {100 * r.test_acc[-1]:.1f}%, step {r.median_step_ms:.2f} ms",
-        )
-    ax1.set_yscale("log")
-    ax1.set_xlabel("step")
-    ax1.set_ylabel("training loss (cross-entropy)")
-    ax1.legend(fontsize=8)
-    ax2.set_xlabel("epoch")
-    ax2.xaxis.get_major_locator().set_params(integer=True)
-    ax2.set_ylabel("test accuracy (%)")
-    ax2.legend(fontsize=8, loc="lower right")
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-# --------------------------------------------------------------------------------------------------------
-# command line
-# --------------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="Train a residual MLP on scikit-learn's digits with stepforge's fused CPU optimizers and "
@@ -402,14 +128,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # CPUAdam/FusedAdam follow torch's fused AdamW operation order: same init + same data => same weights.
     identical: dict[str, bool] = {}
-    ref = next((m for n, m in models.items() if _key(n) == _key(BASELINE)), None)
-    ref_result = next((r for r in results if _key(r.name) == _key(BASELINE) and r.error is None), None)
+    ref = next((m for n, m in models.items() if optimizer_key(n) == optimizer_key(BASELINE)), None)
+    ref_result = next(
+        (r for r in results if optimizer_key(r.name) == optimizer_key(BASELINE) and r.error is None), None
+    )
     for r in results:
         if (
             ref is None
             or ref_result is None
             or r.error is not None
-            or _key(r.name) not in ("cpuadam", "fusedadam")
+            or optimizer_key(r.name) not in ("cpuadam", "fusedadam")
         ):
             continue
         if r.config.get("lr") == ref_result.config.get("lr"):

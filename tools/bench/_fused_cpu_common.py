@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import _common
+import _timing
 import torch
 
 __all__ = [
@@ -163,7 +163,7 @@ def compare(
     """Time ``ours`` and every baseline round-robin; the fastest baseline is the reference."""
     contenders = [c for c in [ours, *baselines] if c.step is not None]
     before = {c.name: c.bundle.next_grads for c in contenders if grads == "fresh" and c.bundle is not None}
-    timings = _common.time_interleaved(
+    timings = _timing.time_interleaved(
         {c.name: c.step for c in contenders}, warmup=args.warmup, repeats=args.repeats, before=before
     )
     nbytes = BYTES[group] * elements

@@ -43,7 +43,10 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common
+import _bandwidth
+import _machine
+import _report
+import _timing
 from _fused_cpu_bitident import bit_identity
 from _fused_cpu_cases import adam_cases, fusedadam_cases, lamb_cases, mixed_cases, sgd_cases
 from _fused_cpu_common import (
@@ -95,9 +98,9 @@ def main(argv: Iterable[str] | None = None) -> int:
     sizes = QUICK if args.quick else FULL
     if args.repeats is None:
         args.repeats = 3 if args.quick else 10
-    threads = _common.configure_threads(args.threads)
+    threads = _timing.configure_threads(args.threads)
     started = time.perf_counter()
-    info = _common.machine_info(threads)
+    info = _machine.machine_info(threads)
     print(f"machine: {info['device']}; torch {info['torch']}; threads {threads}; load {info['load_average']}")
 
     fused, err = import_fused()
@@ -114,8 +117,10 @@ def main(argv: Iterable[str] | None = None) -> int:
         print(f"WARNING: {err}; only the torch baselines run (ours columns stay empty).")
 
     print("measuring the bandwidth ceiling ...", flush=True)
-    ceiling = _common.adam_pattern_ceiling(sizes.ceiling, threads=threads, repeats=max(3, args.repeats // 2))
-    triad = _common.triad_bandwidth(sizes.ceiling, threads=threads, repeats=max(3, args.repeats // 2))
+    ceiling = _bandwidth.adam_pattern_ceiling(
+        sizes.ceiling, threads=threads, repeats=max(3, args.repeats // 2)
+    )
+    triad = _bandwidth.triad_bandwidth(sizes.ceiling, threads=threads, repeats=max(3, args.repeats // 2))
     cgbs = ceiling["gb_per_s"]
     print(
         f"  Adam-pattern ceiling (4R+3W, trivial math): {cgbs:.1f} GB/s   "
@@ -149,7 +154,7 @@ def main(argv: Iterable[str] | None = None) -> int:
 
     # A ceiling is a maximum: measure again at the end (the load changes) and judge every row by the higher one.
     print("measuring the bandwidth ceiling again ...", flush=True)
-    ceiling_end = _common.adam_pattern_ceiling(
+    ceiling_end = _bandwidth.adam_pattern_ceiling(
         sizes.ceiling, threads=threads, repeats=max(3, args.repeats // 2)
     )
     ceiling["gb_per_s_start"] = cgbs
@@ -163,11 +168,11 @@ def main(argv: Iterable[str] | None = None) -> int:
         f"ceiling {cgbs:.1f} GB/s (Adam pattern, {threads} threads; start {ceiling['gb_per_s_start']:.1f}, "
         f"end {ceiling['gb_per_s_end']:.1f}), triad {triad['gb_per_s']:.1f} GB/s"
     )
-    print(_common.format_table([decorate(r) for r in rows], COLUMNS))
+    print(_report.format_table([decorate(r) for r in rows], COLUMNS))
     for r in identity:
         print(f"bit-identical {r['optimizer']} vs {r['reference']}: {r['equal']}")
 
-    info_end_load = _common.load_average()
+    info_end_load = _machine.load_average()
     date = info["date_utc"][:10]
     stem = args.stem or f"cpu-{date}-fused" + ("-quick" if args.quick else "")
     out = Path(args.out)
@@ -197,10 +202,10 @@ def main(argv: Iterable[str] | None = None) -> int:
         "fused_error": err,
         "wall_s": round(time.perf_counter() - started, 1),
     }
-    json_path = _common.save_json(out / f"{stem}.json", payload)
+    json_path = _report.save_json(out / f"{stem}.json", payload)
     print(f"wrote {json_path}")
     if not args.no_plot and rows:
-        png = _common.save_ratio_plot(
+        png = _report.save_ratio_plot(
             out / f"{stem}.png",
             rows=[decorate(r) | {"case": f"{r['case']} [{r['grads']}]"} for r in rows],
             title=f"stepforge-fused CPU vs torch {info['torch']} - {info['device']}, {threads} threads, {info['date_utc']}",

@@ -30,7 +30,9 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common
+import _machine
+import _report
+import _timing
 
 __all__ = ["main", "sgd_pattern_ceiling"]
 
@@ -77,7 +79,7 @@ def sgd_pattern_ceiling(n: int, momentum: bool, *, threads: int, repeats: int = 
                 for f in [pool.submit(work, lo, min(n, lo + step), chunk) for lo in range(0, n, step)]:
                     f.result()
 
-            by_chunk[str(chunk)] = _common.time_interleaved({"x": run}, warmup=1, repeats=repeats)[
+            by_chunk[str(chunk)] = _timing.time_interleaved({"x": run}, warmup=1, repeats=repeats)[
                 "x"
             ].median_ms
     ms = min(by_chunk.values())
@@ -123,7 +125,7 @@ def run_case(
     if fused is not None:
         ours_params = _make(count, numel, args.seed)
         fns["ours"] = fused.FusedSGD(ours_params, **hp).step
-    t = _common.time_interleaved(fns, warmup=args.warmup, repeats=args.repeats)
+    t = _timing.time_interleaved(fns, warmup=args.warmup, repeats=args.repeats)
     total = count * numel
     row: dict[str, Any] = {
         "case": f"FusedSGD vs SGD(fused) {_label(count, numel)} {'momentum 0.9' if momentum else 'no momentum'}",
@@ -164,11 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args(argv)
     args.repeats = args.repeats or (3 if args.quick else 10)
-    threads = _common.configure_threads(args.threads)
+    threads = _timing.configure_threads(args.threads)
     shapes = QUICK if args.quick else FULL
     fused, err = _import_fused()
     t0 = time.perf_counter()
-    machine = _common.machine_info(threads)
+    machine = _machine.machine_info(threads)
     if fused is not None:
         machine["stepforge_cpu_features"] = fused.cpu_features()
     ceil_n = shapes[0][1]
@@ -207,8 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         ("ceiling_gb_per_s", "ceiling", ".1f"),
         ("pct_of_ceiling", "% ceil(best)", ".0f"),
     ]
-    print(_common.format_table(rows, columns))
-    load_end = _common.load_average()
+    print(_report.format_table(rows, columns))
+    load_end = _machine.load_average()
     print(
         f"threads {threads}, ISA {machine.get('stepforge_cpu_features', {}).get('isa')}, torch {torch.__version__}, "
         f"load average {machine['load_average']} -> {load_end}"
@@ -232,12 +234,12 @@ def main(argv: list[str] | None = None) -> int:
         "import_error": err,
         "wall_s": time.perf_counter() - t0,
     }  # fmt: skip
-    print("wrote", _common.save_json(out / f"{stem}.json", payload))
+    print("wrote", _report.save_json(out / f"{stem}.json", payload))
     if not args.no_plot:
         title = f"FusedSGD vs torch.optim.SGD(fused=True), {threads} threads, load {machine['load_average'][0]:.1f}"
         print(
             "wrote",
-            _common.save_ratio_plot(out / f"{stem}.png", rows, title=title, ceiling_gb_per_s=ceiling[True]),
+            _report.save_ratio_plot(out / f"{stem}.png", rows, title=title, ceiling_gb_per_s=ceiling[True]),
         )
     return 0
 

@@ -4,7 +4,7 @@
 The parameter list is model-shaped: by default 200 tensors with sizes log-spaced from 1 K to 4 M elements
 (about 98 M elements in all); ``--case small`` adds a list of many small tensors, where per-tensor overhead
 dominates. Each optimizer is warmed up, then baseline and stepforge steps are timed round-robin with
-``tools/bench/_common.py``; the ratio is ``median loop time / median stepforge time`` (higher is better),
+``tools/bench/_timing.py``; the ratio is ``median loop time / median stepforge time`` (higher is better),
 and the best-step ratio is printed beside it.
 
     python tools/bench/bench_optim.py                       # CPU, both optimizers -> bench-out/cpu-<date>-optim.json
@@ -26,7 +26,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import _common
+import _machine
+import _report
+import _timing
 from _optim_loop import LoopLamb, LoopLars
 
 from stepforge.optim import Lamb, Lars
@@ -87,8 +89,8 @@ def bench_one(
     loop.step()
     ours.step()
     diff = max(float((a - b).detach().abs().max()) for a, b in zip(loop_params, ours_params, strict=True))
-    # Round-robin after a warm-up, gc off (tools/bench/_common.py), so load changes hit both alike.
-    timings = _common.time_interleaved(
+    # Round-robin after a warm-up, gc off (tools/bench/_timing.py), so load changes hit both alike.
+    timings = _timing.time_interleaved(
         {"loop": _stepper(loop, device), "stepforge": _stepper(ours, device)}, warmup=warmup, repeats=reps
     )
     t_loop, t_ours = timings["loop"], timings["stepforge"]
@@ -125,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--stem", help="file name stem (default <device>-<date>-optim)")
     args = parser.parse_args(argv)
-    threads = _common.configure_threads(args.threads)
+    threads = _timing.configure_threads(args.threads)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     results = []
@@ -157,22 +159,22 @@ def main(argv: list[str] | None = None) -> int:
                 f"ratio {r['ratio']:.2f}x median / {r['ratio_min']:.2f}x min "
                 f"(target {args.target:g}x; max |diff| after 1 step {r['max_abs_diff_after_one_step']:.1e})"
             )
-    machine = _common.machine_info(threads)
+    machine = _machine.machine_info(threads)
     if device.type == "cuda":
         machine["gpu"] = torch.cuda.get_device_name(device)
     report = {
         "benchmark": "stepforge.optim Lamb/Lars vs a per-parameter loop of the same math",
-        "date_utc": _common.utc_now(),
+        "date_utc": _machine.utc_now(),
         "device": str(device),
         "machine": machine,
-        "load_average_end": _common.load_average(),
+        "load_average_end": _machine.load_average(),
         "results": results,
     }
     date = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d")
     stem = args.stem or f"{device.type}-{date}-optim"
-    path = _common.save_json(args.out / f"{stem}.json", report)
+    path = _report.save_json(args.out / f"{stem}.json", report)
     plot_rows = [{**r, "case": f"{r['optimizer']} {r['case']}"} for r in results]
-    plot = _common.save_ratio_plot(
+    plot = _report.save_ratio_plot(
         args.out / f"{stem}.png", plot_rows, title="stepforge.optim vs a per-parameter loop of the same math"
     )
     print(f"wrote {path} and {plot}")

@@ -47,7 +47,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import _common
+import _machine
+import _report
 from _zero_parts import GPT, Counter, ddp_counting_hook, install_counter, nbytes
 
 __all__ = ["main"]
@@ -279,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         args.layers, args.d_model, args.vocab, args.steps = 2, 128, 2048, 1
     if args.d_model % args.heads:
         parser.error("--d-model must be a multiple of --heads")
-    info = _common.machine_info(threads=1)
+    info = _machine.machine_info(threads=1)
     print(f"machine: {info['device']}; load average {info['load_average']}", flush=True)
     rows = []
     started = time.monotonic()
@@ -288,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         for scheme, r in result.items():
             rows.append({"scheme": scheme, **r})
         print(f"world {world} done ({time.monotonic() - started:.0f} s)", flush=True)
-    info["load_average_after"] = _common.load_average()
+    info["load_average_after"] = _machine.load_average()
     base = {}
     for r in rows:
         torch_best = min(
@@ -307,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         r["state_over_ddp"] = r["state_mib_per_rank"] / ddp_mem
         base[r["world"]] = torch_best
     print(
-        _common.format_table(
+        _report.format_table(
             rows,
             [
                 ("scheme", "scheme", ""),
@@ -340,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         "warmup": args.warmup,
         "rows": rows,
     }
-    path = _common.save_json(args.out / f"{stem}.json", report)
+    path = _report.save_json(args.out / f"{stem}.json", report)
     print(f"wrote {path}")
     params = rows[0]["params"] / 1e6 if rows else 0
     png = save_plot(
