@@ -88,3 +88,14 @@ def test_update_master_params_without_model_refreshes_every_parameter() -> None:
     opt.update_master_params()
     _zero_lr_step(model, opt, 0)
     assert torch.equal(model.weight, new["weight"]) and torch.equal(model.bias, new["bias"])
+
+
+def test_get_grad_norm_is_the_norm_of_the_last_clipping() -> None:
+    model = _model()  # bf16: the norm is taken over the fp32 gradient pieces
+    opt = LowLevelZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), max_norm=1e6)
+    assert opt.get_grad_norm() is None  # nothing computed yet
+    _zero_lr_step(model, opt, 0)
+    # every weight gradient is 2 (two rows of ones, 40 elements), every bias gradient 2 (5): sqrt(45 * 4)
+    assert opt.get_grad_norm() == pytest.approx(180**0.5, rel=1e-6)
+    unclipped = LowLevelZeroOptimizer(torch.optim.SGD(_model().parameters(), lr=0.0))
+    assert unclipped.get_grad_norm() is None

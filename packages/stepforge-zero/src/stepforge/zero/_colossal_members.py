@@ -25,6 +25,7 @@ class ColossalAIMembers:
     _reducer: GradReducer
     _pieces: GradPieces
     _closed = False
+    _last_grad_norm: float | None = None  # set by clip_grad_norm_ (and so by a step with max_norm > 0)
 
     # -- lifetime ------------------------------------------------------------------------------------------
     @property
@@ -81,6 +82,13 @@ class ColossalAIMembers:
                 slot.master.copy_(piece)
 
     # -- gradients -----------------------------------------------------------------------------------------
+    def get_grad_norm(self, norm_type: float = 2.0, **kwargs: object) -> float | None:
+        """The global gradient norm of the last clipping (ColossalAI's member, which also returns the norm its
+        last step computed; ``norm_type`` and ``kwargs`` are ignored there as here). Recorded by
+        ``clip_grad_norm_``, so by every :meth:`step` with ``max_norm > 0``; ``None`` when none was computed
+        yet (without clipping stepforge skips that all-reduce, where ColossalAI always makes it)."""
+        return self._last_grad_norm
+
     @torch.no_grad()
     def get_param_grad(self, working_param: torch.Tensor) -> torch.Tensor | None:
         """The full reduced (averaged over the ranks) gradient of ``working_param``, shaped and typed like

@@ -273,7 +273,8 @@ class LowLevelZeroOptimizer(ColossalAIMembers, torch.optim.Optimizer):
         """
         check_clip_args(max_norm, norm_type)
         self.unscale_()
-        return self._pieces.clip_(max_norm, norm_type)
+        self._last_grad_norm = float(norm := self._pieces.clip_(max_norm, norm_type))
+        return norm
 
     # -- step ----------------------------------------------------------------------------------------------
     def _copy_hyperparameters(self, *, to_inner: bool) -> None:
