@@ -34,6 +34,7 @@ from stepforge.core.precision import DynamicLossScaler, validate_loss_scaler_arg
 from . import _full_state, _sharded_state
 from ._args import check_args, group_facts, resolve_param_gather
 from ._buckets import GradReducer
+from ._colossal_members import ColossalAIMembers
 from ._comm import gather_params
 from ._full_state import zero_scaler_entry
 from ._grad_norm import check_clip_args
@@ -44,7 +45,7 @@ from ._partition import ShardLayout, build_layout
 __all__ = ["LowLevelZeroOptimizer"]
 
 
-class LowLevelZeroOptimizer(torch.optim.Optimizer):
+class LowLevelZeroOptimizer(ColossalAIMembers, torch.optim.Optimizer):
     """ZeRO stage 1 or 2 around any optimizer whose param groups hold the model's working parameters.
 
     Args:
@@ -277,7 +278,8 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         """
         check_clip_args(max_norm, norm_type)
         self.unscale_()
-        return self._pieces.clip_(max_norm, norm_type)
+        self._last_grad_norm = float(norm := self._pieces.clip_(max_norm, norm_type))
+        return norm
 
     # -- step ----------------------------------------------------------------------------------------------
     def _copy_hyperparameters(self, *, to_inner: bool) -> None:
@@ -293,6 +295,10 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         """Synchronise (:meth:`sync_grads`), unscale (:meth:`unscale_`), skip on fp16 overflow (every rank
         agrees), clip (``max_norm``), step the pieces with the inner optimizer and all-gather them into the
         working parameters."""
+        if self._closed:
+            raise RuntimeError(
+                "LowLevelZeroOptimizer.step(): the optimizer was closed (close()); build a new one."
+            )
         if not self.require_grad_sync:
             raise RuntimeError(
                 "LowLevelZeroOptimizer.step() was called inside no_sync(); step after the block, once the "
@@ -333,14 +339,6 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         self._pieces.unscaled = False
         self.last_step_skipped = False
         return loss
-
-    @torch.no_grad()
-    def update_master_params(self) -> None:
-        """Copy the working parameters into the master pieces (after loading model weights)."""
-        for slot in self._layout.slots:
-            if slot.valid and slot.separate_master:
-                piece = slot.param.detach().reshape(-1)[slot.start : slot.start + slot.valid]
-                slot.master.copy_(piece)
 
     # -- state dicts ---------------------------------------------------------------------------------------
     def _zero_extras(self) -> dict[str, Any]:

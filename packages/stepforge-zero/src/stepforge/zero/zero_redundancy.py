@@ -8,7 +8,10 @@ lacks:
 - ``optimizer_type`` is a name resolved through :data:`stepforge.core.OPTIMIZERS`: every ``torch.optim`` class
   and every installed stepforge optimizer (``"FusedAdam"``, ``"CPUAdam"``, ``"Lamb"``, ...). An unknown name
   raises the registry's error, which names the distribution to install.
-- ``state_dict()`` is collective, as mmengine's: it consolidates and returns the full, world-size-independent
+- torch's signature works too (``optimizer_class=`` beside ``optimizer_type``) and torch's state-dict
+  protocol: after ``consolidate_state_dict(to=k)`` on every rank, ``state_dict()`` on rank ``k`` alone returns
+  the state with no collective.
+- otherwise ``state_dict()`` is collective, as mmengine's: it consolidates and returns the full, world-size-independent
   state on the main process (rank 0 of the group) and ``{}`` elsewhere. A call from only some ranks fails
   within ``consolidate_timeout`` seconds with an error saying every rank must call it, instead of hanging.
 - ``load_state_dict`` takes that full state at any world size and leaves the caller's dict untouched.
@@ -58,9 +61,11 @@ class ZeroRedundancyOptimizer(_TorchZeroRedundancyOptimizer):
     Args:
         params: tensors or param-group dicts (all of one dense dtype, as torch requires).
         optimizer_type: the local optimizer, a registry name (``"AdamW"``, ``"FusedAdam"``, ``"Lamb"``;
-            case, ``-`` and ``_`` ignored) or an optimizer class.
+            case, ``-`` and ``_`` ignored) or an optimizer class (positional: torch's ``optimizer_class``).
+        optimizer_class: torch's keyword for the same (a class or a registry name); give one of the two.
         process_group: the data-parallel group (default: the world).
         parameters_as_bucket_view: torch's option: flat per-device buckets for the broadcasts.
+        overlap_with_ddp: torch's option; only ``False`` (the default) is supported.
         consolidate_timeout: seconds each rank waits for the others to enter ``state_dict()`` or
             ``consolidate_state_dict()`` before raising :class:`CollectiveCallError` (default 60). The check goes
             through the rendezvous store, not the process group, so a rank that gives up leaves the group usable
@@ -68,6 +73,7 @@ class ZeroRedundancyOptimizer(_TorchZeroRedundancyOptimizer):
         **kwargs: hyper-parameters of the local optimizer (``lr=...``).
 
     Raises:
+        TypeError: ``params`` is a bare tensor (as torch's class).
         UnknownNameError: ``optimizer_type`` is not registered (the message says what to install).
         HyperParameterError: a bad argument, or a local optimizer that would clip by a global norm
             (``max_grad_norm``) it cannot see under sharding.
@@ -79,18 +85,26 @@ class ZeroRedundancyOptimizer(_TorchZeroRedundancyOptimizer):
     def __init__(
         self,
         params: Iterable[Any],
-        optimizer_type: str | type[torch.optim.Optimizer],
+        optimizer_type: str | type[torch.optim.Optimizer] | None = None,
         *,
+        optimizer_class: type[torch.optim.Optimizer] | None = None,
         process_group: Any | None = None,
         parameters_as_bucket_view: bool = False,
+        overlap_with_ddp: bool = False,
         consolidate_timeout: float = DEFAULT_CONSOLIDATE_TIMEOUT,
         **kwargs: Any,
     ) -> None:
-        if "overlap_with_ddp" in kwargs:
-            raise HyperParameterError(
-                "ZeroRedundancyOptimizer: overlap_with_ddp is not supported (as in mmengine): it needs a "
-                "functional optimizer and a DDP communication hook; remove the argument."
+        if isinstance(params, torch.Tensor):  # torch's check: list() would split it into its rows
+            raise TypeError(
+                "ZeroRedundancyOptimizer: params must be an iterable of tensors or param-group dicts, got a bare "
+                f"{torch.typename(params)}; pass [tensor] or model.parameters()."
             )
+        if overlap_with_ddp:
+            raise HyperParameterError(
+                "ZeroRedundancyOptimizer: overlap_with_ddp=True is not supported (as in mmengine): it needs a "
+                "functional optimizer and a DDP communication hook; leave it False."
+            )
+        optimizer_type = _one_optimizer(optimizer_type, optimizer_class)
         if isinstance(consolidate_timeout, bool) or not isinstance(consolidate_timeout, int | float):
             raise HyperParameterError(
                 f"ZeroRedundancyOptimizer: consolidate_timeout must be a number of seconds > 0, got "
@@ -129,6 +143,8 @@ class ZeroRedundancyOptimizer(_TorchZeroRedundancyOptimizer):
         ZeroRedundancyOptimizer._instances[ranks] = ZeroRedundancyOptimizer._instances.get(ranks, 0) + 1
         self._instance = f"{'-'.join(map(str, ranks))}/{ZeroRedundancyOptimizer._instances[ranks]}"
         self._rounds = 0
+        # the rank that an explicit consolidate_state_dict(to=...) gathered on, until the state changes
+        self._consolidated_to: int | None = None
 
     # -- collectives -----------------------------------------------------------------------------------
     def _all_ranks_present(self, what: str) -> None:
@@ -158,20 +174,38 @@ class ZeroRedundancyOptimizer(_TorchZeroRedundancyOptimizer):
             raise HyperParameterError(
                 f"consolidate_state_dict: to must be a rank of the group in [0, {self.world_size}), got {to!r}."
             )
+        self._consolidate(to)
+        self._consolidated_to = to
+
+    def _consolidate(self, to: int) -> None:
+        self._consolidated_to = None
         self._all_ranks_present("consolidate_state_dict()")
         super().consolidate_state_dict(to=to)
 
-    def state_dict(self) -> dict[str, Any]:
-        """The full optimizer state on the main process (rank 0 of the group), ``{}`` on the other ranks.
+    def step(self, closure: Any = None, **kwargs: Any) -> Any:
+        """torch's step; a state consolidated before it is stale from then on."""
+        self._consolidated_to = None
+        return super().step(closure, **kwargs)
 
-        Collective: consolidates first, so every rank must call it. The result is in ``torch.optim`` layout,
-        keyed by global parameter index, and does not depend on the world size: it loads into this class at
-        any world size and into the plain local optimizer.
+    def state_dict(self) -> dict[str, Any]:
+        """The full optimizer state on one rank, ``{}`` on the others, in two protocols:
+
+        - torch's: after ``consolidate_state_dict(to=k)`` on every rank (and no step or load since), the state
+          on rank ``k`` and ``{}`` elsewhere, with no collective, so rank ``k`` may call it alone (torch's
+          class raises on the other ranks instead of returning ``{}``);
+        - mmengine's: otherwise it is collective (every rank calls it), consolidates on the main process
+          (rank 0 of the group) and returns the state there.
+
+        The result is in ``torch.optim`` layout, keyed by global parameter index, and does not depend on the
+        world size: it loads into this class at any world size and into the plain local optimizer.
 
         Raises:
-            CollectiveCallError: not every rank called it within ``consolidate_timeout`` seconds.
+            CollectiveCallError: (mmengine's protocol) not every rank called it within ``consolidate_timeout``
+                seconds.
         """
-        self.consolidate_state_dict(to=0)
+        if self._consolidated_to is not None:
+            return super().state_dict() if self.rank == self._consolidated_to else {}
+        self._consolidate(0)
         if self.rank != 0:
             return {}
         state = super().state_dict()
@@ -208,7 +242,22 @@ class ZeroRedundancyOptimizer(_TorchZeroRedundancyOptimizer):
             "state": dict(state_dict["state"]),
             "param_groups": [dict(g) for g in state_dict["param_groups"]],
         }
+        self._consolidated_to = None
         super().load_state_dict(copied)
+
+
+def _one_optimizer(optimizer_type: Any, optimizer_class: Any) -> Any:
+    if optimizer_type is not None and optimizer_class is not None:
+        raise HyperParameterError(
+            "ZeroRedundancyOptimizer: pass the local optimizer once, as optimizer_type (mmengine's name) or "
+            "optimizer_class (torch's), not both."
+        )
+    if optimizer_type is None and optimizer_class is None:
+        raise HyperParameterError(
+            "ZeroRedundancyOptimizer: the local optimizer is missing; pass optimizer_type='AdamW' (mmengine) or "
+            "optimizer_class=torch.optim.AdamW (torch)."
+        )
+    return optimizer_type if optimizer_type is not None else optimizer_class
 
 
 def _resolve(optimizer_type: Any) -> type[torch.optim.Optimizer]:
