@@ -47,7 +47,7 @@ class ColossalAIOptimWrapper(OptimWrapper):
         optimizer: Any,
         booster: Booster | None = None,
         accumulative_counts: int = 1,
-        clip_grad: dict | None = None,
+        clip_grad: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(optimizer, accumulative_counts=accumulative_counts, clip_grad=clip_grad, **kwargs)
@@ -134,7 +134,8 @@ _DTYPES = {
 def _param_device(optimizer: Any) -> torch.device:
     for group in optimizer.param_groups:
         for p in group["params"]:
-            return p.device
+            device: torch.device = p.device
+            return device
     return torch.device("cpu")
 
 
@@ -159,7 +160,7 @@ class AmpOptimWrapper(OptimWrapper):
         self,
         optimizer: Any,
         *,
-        loss_scale: str | float | int | dict = "dynamic",
+        loss_scale: str | float | int | dict[str, Any] = "dynamic",
         dtype: str | torch.dtype | None = None,
         use_fsdp: bool = False,
         **kwargs: Any,

@@ -45,7 +45,8 @@ def tiny_mlp(seed: int = 0) -> nn.Sequential:
 
 def mse(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """The mean squared error of ``model(x)`` (``(n, 1)``) against ``y`` (``(n, 1)``): a 0-dim tensor."""
-    return (model(x) - y).pow(2).mean()
+    loss: torch.Tensor = (model(x) - y).pow(2).mean()
+    return loss
 
 
 def regression_data(n: int, seed: int = 1) -> Batch:
@@ -99,7 +100,7 @@ def big_batch_reference(
     windows: Iterable[Sequence[Batch]],
     *,
     lr: float = 0.1,
-    optim: type[torch.optim.Optimizer] = torch.optim.SGD,
+    optim: Callable[..., torch.optim.Optimizer] = torch.optim.SGD,
     clip: Callable[[list[nn.Parameter]], Any] | None = None,
     model_seed: int = 0,
     **optim_kwargs: Any,
