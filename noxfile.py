@@ -311,7 +311,8 @@ def typecheck(session: nox.Session) -> None:
     ]
     if problems:
         session.error("typecheck: " + "; ".join(problems))
-    session.install(*CONSTRAINTS, "mypy", "torch", "numpy")
+    # the third-party imports of the packages' sources (pytest: stepforge-testing; safetensors: strategy's IO)
+    session.install(*CONSTRAINTS, "mypy", "torch", "numpy", "pytest", "safetensors")
     targets = [arg for mods in modules.values() for mod in mods for arg in ("-p", f"stepforge.{mod.name}")]
     mypy_path = os.pathsep.join(str(folder / "src") for folder in modules)
     session.run(
