@@ -231,7 +231,7 @@ class PluginBase(Plugin):
     def support_no_sync(self) -> bool:
         return self.supports_no_sync()
 
-    def no_sync(self, model: nn.Module, optimizer: Any = None) -> AbstractContextManager[Any]:
+    def no_sync(self, model: nn.Module | None, optimizer: Any = None) -> AbstractContextManager[Any]:
         """:func:`stepforge.core.no_sync` over ``model`` and ``optimizer`` (a DDP model, FSDP2 modules, a
         ZeRO optimizer...)."""
         if not self.supports_no_sync():

@@ -89,7 +89,7 @@ class TorchDDPPlugin(PluginBase):
         )
         return ddp, as_boosted(optimizer)
 
-    def no_sync(self, model: nn.Module, optimizer: Any = None) -> AbstractContextManager[Any]:
+    def no_sync(self, model: nn.Module | None, optimizer: Any = None) -> AbstractContextManager[Any]:
         """DDP's ``no_sync``: the forward and backward inside skip the all-reduce."""
         if not isinstance(model, DistributedDataParallel):
             raise TypeError(
