@@ -317,6 +317,45 @@ def _all_packages() -> list[str]:
 
 def _is_pure(package: str) -> bool:
     return _pyproject(package)["build-system"]["build-backend"] != "scikit_build_core.build"
+def _package_modules() -> dict[pathlib.Path, list[pathlib.Path]]:
+    """Each package folder under packages/ -> the import packages in its ``src/stepforge/`` (namespace pkg)."""
+    found = {}
+    for folder in sorted(p for p in (ROOT / "packages").iterdir() if (p / "pyproject.toml").is_file()):
+        src = folder / "src" / "stepforge"
+        found[folder] = (
+            sorted(d for d in src.iterdir() if (d / "__init__.py").is_file()) if src.is_dir() else []
+        )
+    return found
+
+
+@nox.session(python=PYTHON, tags=["ci"])
+def typecheck(session: nox.Session) -> None:
+    """mypy --strict (configured in pyproject.toml) over every package's src/; every package must ship py.typed.
+
+    Every folder under packages/ with a pyproject.toml is checked, a new one included: it fails when a package
+    has no ``src/stepforge/<name>/`` or that folder has no ``py.typed`` (PEP 561: without it, users' type
+    checkers ignore our annotations).
+    """
+    modules = _package_modules()
+    problems = [
+        f"{folder.name}: no src/stepforge/<name>/__init__.py" for folder, mods in modules.items() if not mods
+    ]
+    problems += [
+        f"{mod.relative_to(ROOT)}: no py.typed (PEP 561 marker; add an empty file)"
+        for mods in modules.values()
+        for mod in mods
+        if not (mod / "py.typed").is_file()
+    ]
+    if problems:
+        session.error("typecheck: " + "; ".join(problems))
+    # the third-party imports of the packages' sources (pytest: stepforge-testing; safetensors: strategy's IO)
+    session.install(*CONSTRAINTS, "mypy", "torch", "numpy", "pytest", "safetensors")
+    targets = [arg for mods in modules.values() for mod in mods for arg in ("-p", f"stepforge.{mod.name}")]
+    mypy_path = os.pathsep.join(str(folder / "src") for folder in modules)
+    session.run(
+        "mypy", "--config-file", str(ROOT / "pyproject.toml"), *targets, *session.posargs,
+        env={"MYPYPATH": mypy_path},
+    )  # fmt: skip
 
 
 @nox.session(python=PYTHON, default=False)

@@ -25,8 +25,10 @@ def is_forward_armed(target: Any) -> bool:
 
 
 def _record_sync_at_forward(module: nn.Module, args: Any) -> None:
-    # DDP reads this flag in its forward to arm (or not) the all-reduce of the coming backward
-    module._stepforge_armed = bool(torch.is_grad_enabled() and module.require_backward_grad_sync)
+    # DDP reads this flag in its forward to arm (or not) the all-reduce of the coming backward.
+    # mypy types nn.Module attributes as Tensor | Module (from __getattr__); this one is our bool flag.
+    armed = bool(torch.is_grad_enabled() and module.require_backward_grad_sync)
+    module._stepforge_armed = armed  # type: ignore[assignment]
 
 
 def track_forward(target: Any) -> None:

@@ -198,8 +198,8 @@ class AccumulationWindow:
     # -- per micro-batch -----------------------------------------------------------------------------------
     def check_weight(self, weight: Any) -> float | torch.Tensor | None:
         """Validate a micro-batch weight against the mode of the open window."""
-        weight = check_weight_value(weight, owner=self.owner)
-        mode = weight is not None
+        checked: float | torch.Tensor | None = check_weight_value(weight, owner=self.owner)
+        mode = checked is not None
         if self.weighted is not None and self.weighted != mode and self.position:
             have = "with" if self.weighted else "without"
             raise AccumulationError(
@@ -207,7 +207,7 @@ class AccumulationWindow:
                 f"{self.position + 1} of it is {'with' if mode else 'without'}; pass num_items on every "
                 "micro-batch of a window or on none."
             )
-        return weight
+        return checked
 
     def before_backward(self, weight: float | torch.Tensor | None, optimizer: Any) -> None:
         """Checks and the overlapped weight all-reduce, before the micro-batch's backward."""

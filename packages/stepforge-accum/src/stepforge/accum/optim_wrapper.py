@@ -77,7 +77,7 @@ class OptimWrapper:
         self,
         optimizer: torch.optim.Optimizer,
         accumulative_counts: int = 1,
-        clip_grad: dict | None = None,
+        clip_grad: dict[str, Any] | None = None,
         *,
         process_group: Any = None,
         reduce_weights: bool | None = None,
@@ -114,8 +114,8 @@ class OptimWrapper:
     def update_params(
         self,
         loss: torch.Tensor,
-        step_kwargs: dict | None = None,
-        zero_kwargs: dict | None = None,
+        step_kwargs: dict[str, Any] | None = None,
+        zero_kwargs: dict[str, Any] | None = None,
         *,
         num_items: float | torch.Tensor | None = None,
     ) -> None:
@@ -207,7 +207,10 @@ class OptimWrapper:
         kwargs = dict(self.clip_grad_kwargs)
         max_norm = kwargs.pop("max_norm")
         norm_type = kwargs.pop("norm_type", 2.0)
-        return clip_grad_norm(self.optimizer, self._context_model, max_norm, norm_type, **kwargs)
+        total: torch.Tensor | None = clip_grad_norm(
+            self.optimizer, self._context_model, max_norm, norm_type, **kwargs
+        )
+        return total
 
     def optimizer_step(self, **kwargs: Any) -> Any:
         """Hook: step the optimizer at a window boundary (``optimizer.step(**kwargs)``); returns its result.

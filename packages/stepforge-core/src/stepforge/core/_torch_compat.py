@@ -36,12 +36,15 @@ import importlib
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 from torch import nn
 
 from .errors import StepforgeError
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 __all__ = [
     "PRIVATE_APIS",
@@ -96,7 +99,7 @@ def _dtensor_type() -> type | None:
     return _DTENSOR_TYPE
 
 
-def is_dtensor(t: Any) -> bool:
+def is_dtensor(t: Any) -> TypeGuard[DTensor]:
     """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (an FSDP2 parameter or gradient)."""
     cls = type(t)
     if cls is _PLAIN_TENSOR or cls is _PARAMETER:  # the common case first: optimizers ask per tensor per step
@@ -137,7 +140,7 @@ def is_norm_with_running_stats(module: Any) -> bool:
 try:
     from torch.optim.lr_scheduler import _LRScheduler as LegacyLRScheduler
 except ImportError:  # pragma: no cover - a torch that dropped the old name: LRScheduler is what remains
-    from torch.optim.lr_scheduler import LRScheduler as LegacyLRScheduler
+    from torch.optim.lr_scheduler import LRScheduler as LegacyLRScheduler  # type: ignore[assignment]
 
 
 # -- autograd and the default store --------------------------------------------------------------------------
@@ -188,8 +191,9 @@ def fsdp2_modules(target: Any) -> list[nn.Module]:
 def fsdp2_params(model: nn.Module) -> Iterator[Any]:
     """Every ``FSDPParam`` (FSDP2's record of one sharded parameter) of every FSDP2 module of ``model``."""
     for module in fsdp2_modules(model):
+        fsdp: Any = module  # an FSDPModule: its methods are not on nn.Module
         try:
-            group = module._get_fsdp_state()._fsdp_param_group
+            group = fsdp._get_fsdp_state()._fsdp_param_group
         except AttributeError as error:  # pragma: no cover - only on a torch that changed FSDP2
             raise _changed("FSDPModule._get_fsdp_state()._fsdp_param_group", error) from error
         if group is not None:
@@ -199,7 +203,8 @@ def fsdp2_params(model: nn.Module) -> Iterator[Any]:
 def fsdp2_param_shape(fsdp_param: Any) -> torch.Size:
     """The unsharded shape of an ``FSDPParam``."""
     try:
-        return fsdp_param._orig_size
+        size: torch.Size = fsdp_param._orig_size
+        return size
     except AttributeError as error:  # pragma: no cover - only on a torch that changed FSDP2
         raise _changed("FSDPParam._orig_size", error) from error
 
@@ -210,7 +215,7 @@ def fsdp2_pending_grad(fsdp_param: Any) -> torch.Tensor | None:
     ``FSDPParam.unsharded_accumulated_grad`` when a ``reduce_dtype`` differs from the parameter dtype, else the
     unsharded parameter's ``.grad``; ``None`` when there is none (the unsharded parameter may not exist yet).
     """
-    grad = fsdp_param.unsharded_accumulated_grad
+    grad: torch.Tensor | None = fsdp_param.unsharded_accumulated_grad
     if grad is None and hasattr(fsdp_param, "_unsharded_param"):
         grad = fsdp_param._unsharded_param.grad
     return grad
@@ -232,7 +237,8 @@ def is_ddp(target: Any) -> bool:
 
 def ddp_no_sync(target: Any) -> AbstractContextManager[Any]:
     """DDP's ``no_sync()``: the forward *and* the backward of non-final micro-batches must run inside."""
-    return target.no_sync()
+    context: AbstractContextManager[Any] = target.no_sync()
+    return context
 
 
 @contextmanager
@@ -243,7 +249,7 @@ def fsdp2_no_sync(target: Any) -> Iterator[None]:
     The flag is read in the backward, so wrapping the backward alone is enough; unsharded gradients are kept
     until the first synchronised backward reduce-scatters them.
     """
-    modules = fsdp2_modules(target)
+    modules: list[Any] = fsdp2_modules(target)  # FSDPModules: set_requires_gradient_sync is not on nn.Module
     for module in modules:
         # recurse=False on each module found: a plain root holding several sharded blocks has no single FSDP
         # module to recurse from, and the flag lives per module.

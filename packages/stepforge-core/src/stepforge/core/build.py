@@ -111,4 +111,5 @@ def build_optimizer(
             f"build_optimizer: 'type' must be a name or an optimizer class, got {type(kind).__name__}."
         )
     validate_hyperparameters(kwargs, owner=owner)
-    return cls(collect_params(params, owner=owner), **kwargs)
+    optimizer: torch.optim.Optimizer = cls(collect_params(params, owner=owner), **kwargs)
+    return optimizer

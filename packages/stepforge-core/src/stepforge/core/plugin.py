@@ -159,8 +159,11 @@ class Plugin(ABC):
         """ColossalAI's spelling of :meth:`supports_no_sync`."""
 
     @abstractmethod
-    def no_sync(self, model: nn.Module, optimizer: Any = None) -> AbstractContextManager[Any]:
+    def no_sync(self, model: nn.Module | None, optimizer: Any = None) -> AbstractContextManager[Any]:
         """Skip gradient synchronisation of ``model`` (and a sharded ``optimizer``) for the block.
+
+        ``model`` may be ``None`` (``Booster.no_sync(model=None, optimizer)``, as in ColossalAI) for a plugin
+        whose optimizer holds the synchronisation; a plugin that needs the model raises ``TypeError``.
 
         Raises:
             RuntimeError: the plugin does not support it (:meth:`supports_no_sync` is ``False``).

@@ -159,7 +159,7 @@ class PluginBase(Plugin):
         """The canonical name of ``precision`` (any spelling :func:`stepforge.core.precision.get_precision`
         knows, a torch dtype too) when it is one of :meth:`supported_precisions`."""
         supported = self.supported_precisions()
-        canonical = precision
+        canonical: Any = precision
         if isinstance(precision, str | torch.dtype) and precision not in supported:
             try:
                 canonical = get_precision(precision).name
@@ -170,7 +170,7 @@ class PluginBase(Plugin):
                 f"{type(self).__name__}: precision must be one of {', '.join(map(repr, supported))}, got "
                 f"{precision!r}."
             )
-        return canonical
+        return str(canonical)
 
     # -- preparing -----------------------------------------------------------------------------------------
     def configure(
@@ -206,7 +206,7 @@ class PluginBase(Plugin):
         from torch.utils.data.distributed import DistributedSampler
 
         sampler_cls = distributed_sampler_cls or DistributedSampler
-        sampler = sampler_cls(
+        sampler: Any = sampler_cls(
             dataset,
             num_replicas=self.world_size,
             rank=self.rank,
@@ -231,7 +231,7 @@ class PluginBase(Plugin):
     def support_no_sync(self) -> bool:
         return self.supports_no_sync()
 
-    def no_sync(self, model: nn.Module, optimizer: Any = None) -> AbstractContextManager[Any]:
+    def no_sync(self, model: nn.Module | None, optimizer: Any = None) -> AbstractContextManager[Any]:
         """:func:`stepforge.core.no_sync` over ``model`` and ``optimizer`` (a DDP model, FSDP2 modules, a
         ZeRO optimizer...)."""
         if not self.supports_no_sync():

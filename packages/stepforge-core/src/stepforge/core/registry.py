@@ -205,7 +205,8 @@ class Registry(Generic[T]):
                     )
                 ep = claims[0]
                 try:
-                    obj = ep.load()
+                    obj: T = ep.load()
+
                 except Exception as exc:
                     raise ImportError(
                         f"could not load {self.kind} {name!r} from distribution {_dist_name(ep)!r} "

@@ -234,7 +234,7 @@ def check_nesterov(nesterov: Any, momentum: Any, dampening: Any = 0, *, owner: s
             f"{_prefix(owner)}nesterov=True requires momentum > 0 and dampening == 0 (got momentum={momentum!r}, "
             f"dampening={dampening!r}). Set a momentum (e.g. 0.9) or pass nesterov=False."
         )
-    return nesterov
+    return bool(nesterov)
 
 
 def check_trust_clip(
@@ -258,7 +258,7 @@ def check_trust_clip(
         if bound is None:
             bounds.append(None)
             continue
-        if isinstance(bound, bool) or not isinstance(bound, numbers.Real) or not bound >= 0:
+        if isinstance(bound, bool) or not isinstance(bound, numbers.Real) or not float(bound) >= 0:
             raise HyperParameterError(
                 f"{_prefix(owner)}invalid {name} {part} bound {bound!r}; bounds must be non-negative numbers or "
                 "None."

@@ -101,7 +101,7 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
             raise
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One update of every parameter that has a gradient.
 
         Args:

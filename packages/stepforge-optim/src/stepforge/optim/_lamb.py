@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 
@@ -21,6 +21,8 @@ from stepforge.core import (
 from ._base import MultiTensorOptimizer, check_trust_clip, math_dtype_of
 from ._dtensor import local, mesh_key, reduce_norms, reduce_square_sums
 from ._multi_tensor import (
+    TensorList,
+    Wave,
     bucket_key,
     default_chunk_size,
     gather_pieces,
@@ -214,7 +216,7 @@ class Lamb(MultiTensorOptimizer):
         squares = []
         device = None
         for params, _ in buckets:
-            grads = [local(p.grad) for p in params]
+            grads = [local(cast(torch.Tensor, p.grad)) for p in params]  # bucketed params have grads
             device = device or grads[0].device
             norms = torch._foreach_norm(grads, 2, dtype=math_dtype_of(grads[0].dtype))
             square = reduce_square_sums(torch.stack(norms).square().sum(), params[0].grad)
@@ -245,7 +247,7 @@ class Lamb(MultiTensorOptimizer):
                 state["step"] += 1
             by_key: dict[Any, list[torch.Tensor]] = {}
             for p in params:
-                by_key.setdefault((*bucket_key(p, p.grad), mesh_key(p)), []).append(p)
+                by_key.setdefault((*bucket_key(p, cast(torch.Tensor, p.grad)), mesh_key(p)), []).append(p)
             if group["foreach"] is False:
                 buckets.extend(([p], group) for ps in by_key.values() for p in ps)
             else:
@@ -253,8 +255,8 @@ class Lamb(MultiTensorOptimizer):
                     limit = segment_size(ps[0].device, group["chunk_size"])
                     buckets.extend((seg, group) for seg in split_segments(ps, limit))
         clip = self._global_clip(buckets)
-        for params, group in buckets:
-            self._update_bucket(params, group, clip)
+        for params, bucket_group in buckets:
+            self._update_bucket(params, bucket_group, clip)
 
     def _update_bucket(
         self, params: list[torch.Tensor], group: Mapping[str, Any], clip: torch.Tensor | None
@@ -268,7 +270,7 @@ class Lamb(MultiTensorOptimizer):
         adapt = not group["adam"] and (wd != 0 or group["always_adapt"])
         states = [self.state[p] for p in params]
         like = params[0]  # a DTensor bucket works on local shards; its norms are reduced over the mesh
-        grads = [local(p.grad) for p in params]
+        grads = [local(cast(torch.Tensor, p.grad)) for p in params]  # bucketed params have grads
         params = [local(p) for p in params]
         # Contiguous views so that pieces are plain slices (grads of expanded/transposed params are copied once).
         if any(not g.is_contiguous() for g in grads):
@@ -294,7 +296,9 @@ class Lamb(MultiTensorOptimizer):
         upcast_g = grads[0].dtype != mdtype
         maximize = group["maximize"]
 
-        def update_of(wave, m_pieces, v_pieces, p_pieces):
+        def update_of(
+            wave: Wave, m_pieces: list[torch.Tensor], v_pieces: list[torch.Tensor], p_pieces: TensorList
+        ) -> TensorList:
             idx = [piece.index for piece in wave.pieces]
             if mode == "update" and group["bias_correction"]:
                 denom = torch._foreach_div(v_pieces, [bc2[i] for i in idx])
@@ -315,13 +319,14 @@ class Lamb(MultiTensorOptimizer):
         # u is kept from phase 1 (norms) to phase 2 (update): a transient fp32 copy of the bucket, like torch's
         # foreach Adam temporaries; foreach=False bounds it to one tensor. (Recomputing u per wave would save
         # that memory but costs four more passes over the data.)
-        kept: list[list[torch.Tensor]] = []
+        kept: list[TensorList] = []
         w_norms, u_norms = [], []
         for wave in waves:
             p_pieces = pieces_of(targets, wave, whole)
             p32 = [x.to(mdtype) for x in p_pieces] if upcast_p else p_pieces
             g_pieces = pieces_of(grads, wave, whole)
-            g = [x.to(mdtype) for x in g_pieces] if upcast_g else g_pieces
+            g: TensorList = [x.to(mdtype) for x in g_pieces] if upcast_g else g_pieces
+
             fresh = upcast_g  # g may be modified in place only when it is our own copy, never p.grad
             if clip is not None:
                 g = torch._foreach_div(g, clip.to(device=device, dtype=mdtype, non_blocking=True))

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -21,6 +21,7 @@ from stepforge.core import (
 from ._base import MultiTensorOptimizer, check_trust_clip, math_dtype_of
 from ._dtensor import local, mesh_key, reduce_norms
 from ._multi_tensor import (
+    TensorList,
     bucket_key,
     default_chunk_size,
     gather_pieces,
@@ -173,7 +174,9 @@ class Lars(MultiTensorOptimizer):
             by_key: dict[Any, list[torch.Tensor]] = {}
             for p in params:
                 adapt = bool(group["lars"]) and not (exclude is not None and exclude(p))
-                by_key.setdefault((*bucket_key(p, p.grad), mesh_key(p), adapt), []).append(p)
+                by_key.setdefault(
+                    (*bucket_key(p, cast(torch.Tensor, p.grad)), mesh_key(p), adapt), []
+                ).append(p)
             for key, ps in by_key.items():
                 if group["foreach"] is False:
                     for p in ps:
@@ -190,7 +193,7 @@ class Lars(MultiTensorOptimizer):
         wd = group["weight_decay"] if group["lars"] else 0.0  # ColossalAI: lars=False groups skip decay too
         eeta, eps, clip, maximize = group["eeta"], group["epsilon"], group["grad_clip"], group["maximize"]
         sharded = params  # DTensor parameters: local shards are updated, norms reduced over the mesh
-        grads = [local(p.grad) for p in params]
+        grads = [local(cast(torch.Tensor, p.grad)) for p in params]  # bucketed params have grads
         params = [local(p) for p in params]
         if any(not g.is_contiguous() for g in grads):
             grads = [g.contiguous() for g in grads]
@@ -230,7 +233,8 @@ class Lars(MultiTensorOptimizer):
             p_pieces = pieces_of(targets, wave, whole)
             p32 = [x.to(mdtype) for x in p_pieces] if upcast_p else p_pieces
             g_pieces = pieces_of(grads, wave, whole)
-            d = [x.to(mdtype) for x in g_pieces] if upcast_g else g_pieces
+            d: TensorList = [x.to(mdtype) for x in g_pieces] if upcast_g else g_pieces
+
             fresh = upcast_g  # never modify p.grad in place
             if maximize:
                 if fresh:

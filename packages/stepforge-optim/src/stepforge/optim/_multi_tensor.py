@@ -50,9 +50,15 @@ class Piece:
     stop: int
 
 
+#: A ``torch._foreach_*`` tensor list: the ops take a list or a tuple, and torch's stubs type their results as
+#: tuples (they are lists at run time).
+TensorList = list[torch.Tensor] | tuple[torch.Tensor, ...]
+
+
 @dataclass(frozen=True)
 class Wave:
-    """One ``torch._foreach_*`` call's worth of pieces, and the bucket-tensor index of each piece."""
+    """One
+    ``torch._foreach_*`` call's worth of pieces, and the bucket-tensor index of each piece."""
 
     pieces: tuple[Piece, ...]
     owners: torch.Tensor | None  # int64 (len(pieces),) on the bucket's device; None: whole tensors 0..n-1

@@ -174,7 +174,8 @@ def _read_file(path: Path) -> dict[str, torch.Tensor]:
         from safetensors.torch import load_file
 
         return load_file(str(path))
-    return torch.load(path, map_location="cpu", weights_only=True)
+    tensors: dict[str, torch.Tensor] = torch.load(path, map_location="cpu", weights_only=True)
+    return tensors
 
 
 def _files_in(directory: Path) -> Iterable[Path]:
@@ -218,7 +219,7 @@ def load_model(model: nn.Module, checkpoint: str | os.PathLike[str], *, strict: 
     """Load a full HF-layout save into ``model`` (plain, DDP or FSDP2) at any world size. Collective."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    state = read_full_state_dict(checkpoint)
+    state: dict[str, Any] = read_full_state_dict(checkpoint)
     options = StateDictOptions(full_state_dict=True, strict=strict)
     result = set_model_state_dict(unwrap_model(model), state, options=options)
     if strict and result is not None and (result.missing_keys or result.unexpected_keys):

@@ -58,7 +58,9 @@ def save_optimizer(
     with _single_process_quiet():
         if use_async:
             pending = dcp.async_save(state, checkpoint_id=str(checkpoint))
-            getattr(pending, "upload_completion", pending).result()
+            # torch >= 2.9 returns an AsyncSaveResponse (its upload_completion is the future), older a Future
+            completion: Any = getattr(pending, "upload_completion", pending)
+            completion.result()
         else:
             dcp.save(state, checkpoint_id=str(checkpoint))
 

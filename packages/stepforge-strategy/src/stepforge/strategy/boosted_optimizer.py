@@ -67,7 +67,7 @@ class OptimizerWrapper(torch.optim.Optimizer):
         self.grad_norm: torch.Tensor | None = None
 
     # -- torch.optim surface -------------------------------------------------------------------------------
-    @property  # type: ignore[override]
+    @property
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optim.param_groups
 
@@ -75,7 +75,7 @@ class OptimizerWrapper(torch.optim.Optimizer):
     def param_groups(self, value: list[dict[str, Any]]) -> None:
         self.optim.param_groups = value
 
-    @property  # type: ignore[override]
+    @property
     def state(self) -> Any:
         return self.optim.state
 
@@ -83,7 +83,7 @@ class OptimizerWrapper(torch.optim.Optimizer):
     def state(self, value: Any) -> None:
         self.optim.state = value
 
-    @property  # type: ignore[override]
+    @property
     def defaults(self) -> dict[str, Any]:
         return self.optim.defaults
 

@@ -174,19 +174,19 @@ class Booster:
         ):
             # ColossalAI's order: the Booster's mixed precision wraps the optimizer, then the plugin prepares
             optimizer = self._wrap_for_mixed_precision(model, optimizer)
-        model, optimizer = plugin.prepare(
+        model, boosted = plugin.prepare(
             model, optimizer, criterion=criterion, dataloader=dataloader, lr_scheduler=lr_scheduler
         )
-        if optimizer is not None:
-            if not isinstance(optimizer, BoostedOptimizer):
+        if boosted is not None:
+            if not isinstance(boosted, BoostedOptimizer):
                 raise TypeError(
-                    f"Booster.boost: plugin {plugin.name!r} returned a {type(optimizer).__name__} from prepare(); "
+                    f"Booster.boost: plugin {plugin.name!r} returned a {type(boosted).__name__} from prepare(); "
                     "a plugin must return an optimizer implementing stepforge.core.BoostedOptimizer."
                 )
-            self._models[id(optimizer)] = model
+            self._models[id(boosted)] = model
         if dataloader is not None:
             dataloader = make_stateful(dataloader)
-        return model, optimizer, criterion, dataloader, lr_scheduler
+        return model, boosted, criterion, dataloader, lr_scheduler
 
     def _wrap_for_mixed_precision(
         self, model: nn.Module, optimizer: torch.optim.Optimizer

@@ -47,7 +47,7 @@ class StatefulDataLoader:
     Attributes of the wrapped loader (``dataset``, ``batch_size``, ``sampler``...) are reachable here.
     """
 
-    def __init__(self, loader: DataLoader) -> None:
+    def __init__(self, loader: DataLoader[Any]) -> None:
         if not isinstance(loader, DataLoader):
             raise TypeError(
                 f"StatefulDataLoader: loader must be a torch DataLoader, got {type(loader).__name__}."
@@ -61,7 +61,11 @@ class StatefulDataLoader:
         return len(self.loader)
 
     def _set_epoch(self) -> None:
-        for sampler in (getattr(self.loader, "sampler", None), getattr(self.loader, "batch_sampler", None)):
+        samplers: tuple[Any, ...] = (
+            getattr(self.loader, "sampler", None),
+            getattr(self.loader, "batch_sampler", None),
+        )
+        for sampler in samplers:
             if hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(self.epoch)
 

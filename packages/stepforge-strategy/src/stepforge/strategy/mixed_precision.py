@@ -90,8 +90,9 @@ def autocast_forward(model: nn.Module, device_type: str, dtype: torch.dtype) -> 
         with torch.autocast(device_type=device_type, dtype=dtype):
             return original(*args, **kwargs)
 
-    model.forward = forward  # type: ignore[method-assign]
-    model._stepforge_autocast = (device_type, dtype)
+    model.forward = forward
+    # our marker on the module (mypy types nn.Module attributes as Tensor | Module)
+    model._stepforge_autocast = (device_type, dtype)  # type: ignore[assignment]
 
 
 class FP16TorchMixedPrecision(MixedPrecision):
@@ -121,7 +122,7 @@ class FP16TorchMixedPrecision(MixedPrecision):
             backoff_factor=backoff_factor,
             growth_interval=growth_interval,
         )
-        self.scaler_kwargs = dict(
+        self.scaler_kwargs: dict[str, Any] = dict(
             init_scale=checked["initial_scale"],
             growth_factor=checked["growth_factor"],
             backoff_factor=checked["backoff_factor"],

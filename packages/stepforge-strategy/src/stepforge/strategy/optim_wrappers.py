@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -47,7 +47,7 @@ class ColossalAIOptimWrapper(OptimWrapper):
         optimizer: Any,
         booster: Booster | None = None,
         accumulative_counts: int = 1,
-        clip_grad: dict | None = None,
+        clip_grad: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(optimizer, accumulative_counts=accumulative_counts, clip_grad=clip_grad, **kwargs)
@@ -65,6 +65,11 @@ class ColossalAIOptimWrapper(OptimWrapper):
             )
         return self.booster
 
+    def _boosted(self) -> BoostedOptimizer:
+        # the Booster hands this wrapper the optimizer it boosted (Strategy.prepare, or the caller) before any
+        # backward: Booster.backward and clip_grad_norm_ check that at run time
+        return cast(BoostedOptimizer, self.optimizer)
+
     def run_backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``booster.backward(loss, optimizer)``; a non-final micro-batch's backward outside
         ``optim_context`` runs under the booster's ``no_sync`` too."""
@@ -81,10 +86,10 @@ class ColossalAIOptimWrapper(OptimWrapper):
             # so a non-final micro-batch's backward skips the reduce-scatter here too (DDP decided at forward).
             suspend = self.no_sync_context(model)
         if suspend is None:
-            booster.backward(loss, self.optimizer)
+            booster.backward(loss, self._boosted())
             return
         with suspend:
-            booster.backward(loss, self.optimizer)
+            booster.backward(loss, self._boosted())
 
     def no_sync_context(self, model: Any) -> AbstractContextManager[Any] | None:
         """``booster.no_sync(model, optimizer)`` when the plugin supports it, else ``None``."""
@@ -119,7 +124,7 @@ class ColossalAIOptimWrapper(OptimWrapper):
             )
         booster = self._require_booster("step")
         return booster.clip_grad_norm_(
-            self.optimizer, kwargs["max_norm"], kwargs.get("norm_type", 2.0), model=self.context_model
+            self._boosted(), kwargs["max_norm"], kwargs.get("norm_type", 2.0), model=self.context_model
         )
 
 
@@ -134,7 +139,8 @@ _DTYPES = {
 def _param_device(optimizer: Any) -> torch.device:
     for group in optimizer.param_groups:
         for p in group["params"]:
-            return p.device
+            device: torch.device = p.device
+            return device
     return torch.device("cpu")
 
 
@@ -159,7 +165,7 @@ class AmpOptimWrapper(OptimWrapper):
         self,
         optimizer: Any,
         *,
-        loss_scale: str | float | int | dict = "dynamic",
+        loss_scale: str | float | int | dict[str, Any] = "dynamic",
         dtype: str | torch.dtype | None = None,
         use_fsdp: bool = False,
         **kwargs: Any,

@@ -77,7 +77,7 @@ def big_batch_reference(
     windows: Iterable[Sequence[Batch]],
     *,
     lr: float = 0.1,
-    optim: type[torch.optim.Optimizer] = torch.optim.SGD,
+    optim: Callable[..., torch.optim.Optimizer] = torch.optim.SGD,
     clip: Callable[[list[nn.Parameter]], Any] | None = None,
     model_seed: int = 0,
     **optim_kwargs: Any,

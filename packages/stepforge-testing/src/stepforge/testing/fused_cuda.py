@@ -55,4 +55,5 @@ def increment_device_steps(steps: Sequence[torch.Tensor], found_inf: torch.Tenso
 def rollback_skipped_steps(steps: Sequence[torch.Tensor], found_inf: torch.Tensor) -> None:
     """``step -= found_inf`` on the device: undo the increment of a step the kernel skipped (inf/NaN grads)."""
     if steps:
-        torch._foreach_sub_(list(steps), found_inf.to(torch.float32).reshape(()))
+        # torch's stubs lack the overload with a 0-d tensor as the scalar (the op has it)
+        torch._foreach_sub_(list(steps), found_inf.to(torch.float32).reshape(()))  # type: ignore[call-overload]

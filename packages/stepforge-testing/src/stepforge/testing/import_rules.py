@@ -118,6 +118,12 @@ def _parse(module: Module) -> ast.Module:
     return ast.parse(module.path.read_text(encoding="utf-8"), filename=str(module.path))
 
 
+def _line(node: ast.AST) -> int:
+    """The line of an import statement or an expression (the only nodes reported here)."""
+    assert isinstance(node, ast.stmt | ast.expr), node
+    return node.lineno
+
+
 def _walk(tree: ast.AST, deferred: bool = False) -> Iterator[tuple[ast.AST, bool]]:
     """Every node with whether it sits inside a function body."""
     for child in ast.iter_child_nodes(tree):
@@ -161,7 +167,7 @@ def import_edges(modules: dict[str, Module]) -> list[ImportEdge]:
                 parts = dotted.split(".")
                 targets = {".".join(parts[:i]) for i in range(2, len(parts) + 1)}
                 for target in sorted(t for t in targets if t in modules and t not in own_packages):
-                    edges.append(ImportEdge(module.name, target, module.path, node.lineno, deferred))
+                    edges.append(ImportEdge(module.name, target, module.path, _line(node), deferred))
     # ``from .a import x, y`` names the module once per name: one edge per statement
     return list(dict.fromkeys(edges))
 
@@ -239,7 +245,7 @@ def private_cross_imports(modules: dict[str, Module]) -> list[ImportEdge]:
                 private = [i for i, p in enumerate(parts) if i >= 2 and _is_private(p)]
                 if private:  # named up to its first private part: the module (or name) it must not touch
                     target = ".".join(parts[: private[0] + 1])
-                    found.append(ImportEdge(module.name, target, module.path, node.lineno, deferred))
+                    found.append(ImportEdge(module.name, target, module.path, _line(node), deferred))
     return found
 
 
@@ -310,7 +316,7 @@ def torch_private_uses(modules: dict[str, Module]) -> list[str]:
                 ):
                     what = f"{node.func.id}(..., {node.args[1].value!r})"
             if what is not None:
-                found.append(f"{module.name} ({module.path}:{node.lineno}): {what}")
+                found.append(f"{module.name} ({module.path}:{_line(node)}): {what}")
     # an Attribute chain a.b._c is visited at each level: report each line and use once
     return list(dict.fromkeys(found))
 

@@ -51,7 +51,8 @@ class BlockNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
             x = torch.tanh(block(x))
-        return self.head(x)
+        out: torch.Tensor = self.head(x)
+        return out
 
 
 def block_net(seed: int = 0, d_in: int = 6, width: int = 16, depth: int = 2) -> BlockNet:
@@ -71,7 +72,8 @@ def regression_batch(
 
 def mse(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Mean squared error of ``model(x)`` against ``y`` (a 0-d tensor)."""
-    return (model(x) - y).pow(2).mean()
+    loss: torch.Tensor = (model(x) - y).pow(2).mean()
+    return loss
 
 
 def snapshot(params: nn.Module | Iterable[torch.Tensor]) -> list[torch.Tensor]:
@@ -97,6 +99,8 @@ def assert_params_close(
     if len(got_tensors) != len(want):
         raise AssertionError(f"{what}: {len(got_tensors)} parameters, expected {len(want)}")
     for i, (a, b) in enumerate(zip(got_tensors, want, strict=True)):
-        torch.testing.assert_close(
-            a, b, atol=atol, rtol=rtol, msg=lambda m, i=i: f"{what} parameter {i}: {m}"
-        )
+
+        def message(m: str, i: int = i) -> str:
+            return f"{what} parameter {i}: {m}"
+
+        torch.testing.assert_close(a, b, atol=atol, rtol=rtol, msg=message)

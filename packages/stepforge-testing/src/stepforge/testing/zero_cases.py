@@ -142,7 +142,8 @@ def local_rows(rank: int, world: int) -> slice:
 
 def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Mean squared error of ``model(x)`` against ``y``."""
-    return ((model(x) - y) ** 2).mean()
+    loss: torch.Tensor = ((model(x) - y) ** 2).mean()
+    return loss
 
 
 def micro_batches(step: int, accum: int, rank: int, world: int, dtype: torch.dtype) -> Iterator[Any]:
@@ -168,7 +169,7 @@ def reference_run(
     max_norm: float = 0.0,
     start: int = 0,
     model: nn.Module | None = None,
-    state: dict | None = None,
+    state: dict[str, Any] | None = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The single-process run on the concatenated batch (fp32 masters by hand for low precision).
 
@@ -179,7 +180,7 @@ def reference_run(
     masters = [
         p.detach().float().clone().requires_grad_(p.dtype != torch.float32) for p in model.parameters()
     ]
-    work = list(model.parameters())
+    work: list[torch.Tensor] = list(model.parameters())
     if dtype == torch.float32:
         masters = work
     groups = param_groups(model)
@@ -194,6 +195,7 @@ def reference_run(
             (loss_fn(model, x, y) / accum).backward()
         if dtype != torch.float32:
             for m, p in zip(masters, work, strict=True):
+                assert p.grad is not None, "every parameter of the model gets a gradient"
                 m.grad = p.grad.float()
                 p.grad = None
         if max_norm:
@@ -222,10 +224,10 @@ COLLECTIVE_NAMES = {
 
 
 @contextmanager
-def counting() -> Iterator[Counter]:
+def counting() -> Iterator[Counter[str]]:
     """Count calls (``name``) and elements (``name.elements``) of the ``torch.distributed`` collectives made
     in the block, by wrapping the module's functions (code that looks them up at call time is seen)."""
-    calls: Counter = Counter()
+    calls: Counter[str] = Counter()
     saved = {name: getattr(dist, name) for name in COLLECTIVE_NAMES if hasattr(dist, name)}
 
     def wrap(name: str, fn: Any) -> Any:

@@ -27,7 +27,7 @@ def check_clip_args(max_norm: float, norm_type: float) -> float:
 def global_norm(
     grads: list[torch.Tensor],
     norm_type: float,
-    all_reduce: Callable[[torch.Tensor, dist.ReduceOp], torch.Tensor],
+    all_reduce: Callable[[torch.Tensor, dist.ReduceOp | dist.ReduceOp.RedOpType], torch.Tensor],
 ) -> torch.Tensor:
     """The ``norm_type``-norm of the concatenation of every rank's ``grads`` (fp32 scalar tensor).
 

@@ -41,7 +41,7 @@ class GradPieces:
         """The non-empty reduced pieces."""
         return [s.grad for s in self.layout.slots if s.grad is not None and s.grad.numel() > 0]
 
-    def all_reduce(self, value: torch.Tensor, op: dist.ReduceOp) -> torch.Tensor:
+    def all_reduce(self, value: torch.Tensor, op: dist.ReduceOp | dist.ReduceOp.RedOpType) -> torch.Tensor:
         """A few elements reduced over the group (result on the CPU)."""
         return all_reduce_small(value, op, self.layout, self.comm_device)
 

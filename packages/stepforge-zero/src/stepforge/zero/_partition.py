@@ -126,7 +126,7 @@ def _make_master(
 
 
 def build_partitions(
-    param_groups: list[dict],
+    param_groups: list[dict[str, Any]],
     world_size: int,
     rank: int,
     *,
@@ -180,7 +180,7 @@ def padded_piece(flat: torch.Tensor, piece: int, world_size: int) -> torch.Tenso
 
 
 def build_layout(
-    param_groups: list[dict],
+    param_groups: list[dict[str, Any]],
     world_size: int,
     rank: int,
     *,

@@ -46,6 +46,7 @@ def _mesh(layout: ShardLayout, device_type: str) -> DeviceMesh:
             "(DCP and DTensor do); use state_dict() for a single process without one."
         )
     group = layout.group if layout.group is not None else dist.group.WORLD
+    assert group is not None, "checked above: a process group is initialised"
     return DeviceMesh.from_group(group, device_type)
 
 
@@ -169,7 +170,7 @@ def load_sharded_state_dict(
         pieces[slot.index] = {key: _local(value) for key, value in entry.items()}
     inner.load_state_dict(inner_state_dict(layout, groups, pieces))
     apply_groups(param_groups, groups)
-    zero = state_dict["zero"]
+    zero: Mapping[str, Any] = state_dict["zero"]
     with torch.no_grad():
         for slot in layout.slots:
             full = zero.get("master_weights", {}).get(str(slot.index))

@@ -291,7 +291,7 @@ class LowLevelZeroOptimizer(ColossalAIMembers, torch.optim.Optimizer):
                 if key != "params":
                     target[key] = value
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Synchronise (:meth:`sync_grads`), unscale (:meth:`unscale_`), skip on fp16 overflow (every rank
         agrees), clip (``max_norm``), step the pieces with the inner optimizer and all-gather them into the
         working parameters."""

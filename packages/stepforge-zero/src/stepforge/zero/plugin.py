@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from stepforge.core import HyperParameterError, PluginBase
+from stepforge.core import BoostedOptimizer, HyperParameterError, PluginBase
 from stepforge.core.precision import PLUGIN_PRECISIONS, check_plugin_precision, validate_loss_scaler_args
 
 from ._model import PRECISIONS, LowLevelZeroModel, UnsupportedPrecisionError, _explain_precision_errors
@@ -113,7 +113,7 @@ class LowLevelZeroPlugin(PluginBase):
         self.overlap_communication = overlap_communication
         self.cpu_offload = cpu_offload
         self.master_weights = master_weights
-        self.scaler_kwargs = dict(scaler)
+        self.scaler_kwargs: dict[str, Any] = dict(scaler)
         self._optimizers: list[LowLevelZeroOptimizer] = []
 
     def __repr__(self) -> str:
@@ -158,7 +158,7 @@ class LowLevelZeroPlugin(PluginBase):
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer | None = None,
         **kwargs: Any,
-    ) -> tuple[torch.nn.Module, torch.optim.Optimizer | None]:
+    ) -> tuple[torch.nn.Module, BoostedOptimizer | None]:
         """Move and cast ``model`` to the working dtype and wrap ``optimizer`` in ``LowLevelZeroOptimizer``.
 
         ``optimizer`` must be built over ``model``'s parameters (any ``torch.optim`` or stepforge optimizer);
@@ -248,7 +248,11 @@ class LowLevelZeroPlugin(PluginBase):
         )
 
     def get_state_dict(
-        self, model: torch.nn.Module, optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer]
+        self,
+        model: torch.nn.Module,
+        optimizers: torch.optim.Optimizer
+        | BoostedOptimizer
+        | Iterable[torch.optim.Optimizer | BoostedOptimizer],
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         """The DCP pair: the model's full state dict (original keys, replicated on every rank) and the
         optimizer's sharded, world-size-independent state (``LowLevelZeroOptimizer.sharded_state_dict()``)."""
@@ -258,7 +262,9 @@ class LowLevelZeroPlugin(PluginBase):
     def set_state_dict(
         self,
         model: torch.nn.Module,
-        optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
+        optimizers: torch.optim.Optimizer
+        | BoostedOptimizer
+        | Iterable[torch.optim.Optimizer | BoostedOptimizer],
         model_state_dict: Mapping[str, Any],
         optim_state_dict: Mapping[str, Any],
     ) -> None:

@@ -209,7 +209,7 @@ class ZeroRedundancyOptimizer(_TorchZeroRedundancyOptimizer):
         if self.rank != 0:
             return {}
         state = super().state_dict()
-        self._all_state_dicts = []  # the gathered copies are not needed any more
+        self._all_state_dicts: list[dict[str, Any]] = []  # the gathered copies are not needed any more
         return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -262,7 +262,8 @@ def _one_optimizer(optimizer_type: Any, optimizer_class: Any) -> Any:
 
 def _resolve(optimizer_type: Any) -> type[torch.optim.Optimizer]:
     if isinstance(optimizer_type, str):
-        return OPTIMIZERS.get(optimizer_type)
+        resolved: type[torch.optim.Optimizer] = OPTIMIZERS.get(optimizer_type)
+        return resolved
     if isinstance(optimizer_type, type) and issubclass(optimizer_type, torch.optim.Optimizer):
         return optimizer_type
     raise HyperParameterError(

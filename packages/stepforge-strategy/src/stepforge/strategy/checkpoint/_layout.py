@@ -72,7 +72,7 @@ def read_commit(path: str) -> dict[str, Any]:
         )
     try:
         with open(marker, encoding="utf-8") as f:
-            record = json.load(f)
+            record: dict[str, Any] = json.load(f)
     except (OSError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"checkpoint {path!r}: {MARKER} is unreadable ({exc})") from exc
     if record.get("format") != FORMAT:
@@ -96,7 +96,7 @@ def validate_files(path: str, record: dict[str, Any]) -> None:
 
 def committed_checkpoints(folder: str) -> list[tuple[float, str]]:
     """``(commit time, path)`` of the committed checkpoints directly inside ``folder``, oldest first."""
-    out = []
+    out: list[tuple[float, str]] = []
     if not os.path.isdir(folder):
         return out
     for entry in os.listdir(folder):

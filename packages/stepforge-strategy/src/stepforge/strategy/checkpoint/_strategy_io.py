@@ -22,7 +22,7 @@ import time
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.checkpoint.state_dict import (
@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from stepforge.accum import OptimWrapper
-from stepforge.core import Plugin
+from stepforge.core import BoostedOptimizer, Plugin
 
 from .._env import set_random_seed
 from .._version import __version__
@@ -101,6 +101,11 @@ def _set_grads(model: torch.nn.Module, grads: Sequence[torch.Tensor | None]) -> 
             p.grad = g.to(p.device)
 
 
+def _boosted(wrapper: OptimWrapper) -> BoostedOptimizer:
+    # RunState's contract: the wrapper's optimizer is the one the Booster boosted (Strategy.prepare did it)
+    return cast(BoostedOptimizer, wrapper.optimizer)
+
+
 def _json_safe(value: Any) -> Any:
     try:
         json.dumps(value)
@@ -124,6 +129,7 @@ def save(
         )
     path = filename if os.path.isabs(filename) else os.path.join(run.work_dir, filename)
     model, wrapper, plugin = run.model, run.optim_wrapper, run.plugin
+    assert model is not None, "Strategy.save_checkpoint checks that prepare() ran"
     window = wrapper.window if wrapper is not None else None
     mid_window = bool(window is not None and window.position)
     if mid_window:
@@ -136,7 +142,7 @@ def save(
                 f"accumulative_counts={window.counts} iterations)"
             )
     with_optim = save_optimizer and wrapper is not None
-    msd, osd = plugin.get_state_dict(model, wrapper.optimizer if with_optim else [])
+    msd, osd = plugin.get_state_dict(model, wrapper.optimizer if wrapper is not None and with_optim else [])
     extra = dict(extra_ckpt or {})
     meta = {
         "iter": window.inner_count if window is not None else run.dispatch_kwargs.get("cur_iter", 0),
@@ -172,7 +178,7 @@ def save(
         shared["accumulation"] = window.state_dict()
         mine["accumulation"] = window.state_dict()
         shared["base_param_settings"] = wrapper.base_param_settings
-        shared["scaler"] = wrapper.optimizer.scaler_state_dict()
+        shared["scaler"] = _boosted(wrapper).scaler_state_dict()
         if mid_window:
             mine["grads"] = _grads(model)
             mine["fsdp_pending_grads"] = fsdp_pending_grads(model)
@@ -236,6 +242,7 @@ def load(
         run.logger.warning(f"load_checkpoint: missing keys {missing}, unexpected keys {unexpected}")
     template = {revised[k]: msd[k] for k in msd if k in revised}
     shared, _, meta = load_dir(filename, {"model": template}, map_location=map_location, rank_objects=False)
+    assert shared is not None, "load_dir returns the objects when asked for them (the default)"
     ckpt = {"meta": meta, "state_dict": msd, **shared["extra"]}
     if callback is not None:
         callback(ckpt)
@@ -263,11 +270,12 @@ def resume(
             f"{meta.get('world_size')}, or from a checkpoint saved at a window boundary"
         )
     with_optim = resume_optimizer and wrapper is not None
-    msd, osd = plugin.get_state_dict(model, wrapper.optimizer if with_optim else [])
+    msd, osd = plugin.get_state_dict(model, wrapper.optimizer if wrapper is not None and with_optim else [])
     tensors = {"model": msd}
     if with_optim:
         tensors["optimizer"] = osd
     shared, mine, meta = load_dir(filename, tensors, map_location=_map_location(run, map_location))
+    assert shared is not None, "load_dir returns the objects when asked for them (the default)"
     ckpt: dict[str, Any] = {"meta": meta, "state_dict": msd, **shared["extra"]}
     if with_optim:
         ckpt["optimizer"] = osd
@@ -285,7 +293,7 @@ def resume(
                 window.load_state_dict(acc)
         if shared.get("base_param_settings") is not None:
             wrapper.base_param_settings = shared["base_param_settings"]
-        wrapper.optimizer.load_scaler_state_dict(shared.get("scaler"))
+        _boosted(wrapper).load_scaler_state_dict(shared.get("scaler"))
         if mine is not None and mine.get("grads") is not None:
             _set_grads(model, mine["grads"])
             set_fsdp_pending_grads(model, mine.get("fsdp_pending_grads") or [])

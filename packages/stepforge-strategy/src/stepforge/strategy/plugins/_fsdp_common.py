@@ -5,7 +5,7 @@ the sharded (DTensor) parameters, the precision policy."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -76,7 +76,7 @@ def shard_model(
     elif callable(blocks) and not isinstance(blocks, type):
         chosen = [m for m in model.modules() if m is not model and blocks(m)]
     else:
-        classes = tuple(blocks)
+        classes = tuple(cast(Iterable[type], blocks))  # a class is callable: the branch above excludes it
         chosen = [m for m in model.modules() if m is not model and isinstance(m, classes)]
     kwargs: dict[str, Any] = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
     for block in reversed(chosen):  # innermost (last registered) first

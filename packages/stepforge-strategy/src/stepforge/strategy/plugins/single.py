@@ -44,7 +44,7 @@ class SinglePlugin(PluginBase):
         model.to(self.device)
         return model, as_boosted(optimizer)
 
-    def no_sync(self, model: nn.Module, optimizer: Any = None) -> AbstractContextManager[Any]:
+    def no_sync(self, model: nn.Module | None, optimizer: Any = None) -> AbstractContextManager[Any]:
         return nullcontext()
 
     def prepare_dataloader(

@@ -55,7 +55,7 @@ class TorchDDPPlugin(PluginBase):
         super().__init__(device)
         if not isinstance(bucket_cap_mb, int | float) or bucket_cap_mb <= 0:
             raise ValueError(f"TorchDDPPlugin: bucket_cap_mb must be > 0, got {bucket_cap_mb!r}.")
-        self.ddp_kwargs = dict(
+        self.ddp_kwargs: dict[str, Any] = dict(
             broadcast_buffers=broadcast_buffers,
             bucket_cap_mb=bucket_cap_mb,
             find_unused_parameters=find_unused_parameters,
@@ -89,7 +89,7 @@ class TorchDDPPlugin(PluginBase):
         )
         return ddp, as_boosted(optimizer)
 
-    def no_sync(self, model: nn.Module, optimizer: Any = None) -> AbstractContextManager[Any]:
+    def no_sync(self, model: nn.Module | None, optimizer: Any = None) -> AbstractContextManager[Any]:
         """DDP's ``no_sync``: the forward and backward inside skip the all-reduce."""
         if not isinstance(model, DistributedDataParallel):
             raise TypeError(

@@ -218,7 +218,7 @@ class TorchFSDPPlugin(PluginBase):
     def supports_no_sync(self) -> bool:
         return True
 
-    def no_sync(self, model: nn.Module, optimizer: Any = None) -> AbstractContextManager[Any]:
+    def no_sync(self, model: nn.Module | None, optimizer: Any = None) -> AbstractContextManager[Any]:
         """``set_requires_gradient_sync(False)`` on every FSDP module for the block (the flag is read in
         backward); gradients are reduce-scattered by the first backward outside."""
         return fsdp2_no_sync(model)

@@ -150,7 +150,8 @@ class ParamScheduler:
         begin = int(begin * epoch_length)
         if end != INF:
             end = int(end * epoch_length)
-        return cls(*args, begin=begin, end=end, by_epoch=False, **kwargs)
+        kwargs.update(begin=begin, end=end, by_epoch=False)  # not in kwargs: they are parameters here
+        return cls(*args, **kwargs)
 
     #: constructor arguments measured in steps that ``convert_to_iter_based`` multiplies by the epoch length
     _epoch_scaled: tuple[str, ...] = ()
@@ -248,7 +249,10 @@ class CosineAnnealingParamScheduler(ParamScheduler):
         super().__init__(optimizer, param_name, **kwargs)
 
     def _eta_min(self, base: float) -> float:
-        return self.eta_min if self.eta_min_ratio is None else base * self.eta_min_ratio
+        if self.eta_min_ratio is not None:
+            return base * self.eta_min_ratio
+        assert self.eta_min is not None, "__init__ sets eta_min=0.0 when neither is given"
+        return self.eta_min
 
     def _get_value(self) -> list[float]:
         t, tmax = self.last_step, self.T_max
