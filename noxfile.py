@@ -317,6 +317,8 @@ def _all_packages() -> list[str]:
 
 def _is_pure(package: str) -> bool:
     return _pyproject(package)["build-system"]["build-backend"] != "scikit_build_core.build"
+
+
 def _package_modules() -> dict[pathlib.Path, list[pathlib.Path]]:
     """Each package folder under packages/ -> the import packages in its ``src/stepforge/`` (namespace pkg)."""
     found = {}
