@@ -99,18 +99,18 @@ class AmpUnscaler:
         if found_inf is not None and not (
             isinstance(found_inf, torch.Tensor) and opt._device_path(found_inf.device)
         ):
-            if float(found_inf) != 0.0:  # type: ignore[arg-type]
+            if float(found_inf) != 0.0:
                 plan.skip = True
                 return plan
             found_inf = None
         if grad_scale is not None and not (
             isinstance(grad_scale, torch.Tensor) and opt._device_path(grad_scale.device)
         ):
-            plan.unscale_by = float(grad_scale)  # type: ignore[arg-type]
+            plan.unscale_by = float(grad_scale)
             plan.divisor *= plan.unscale_by
             grad_scale = None
-        plan.grad_scale = grad_scale  # type: ignore[assignment]
-        plan.found_inf = found_inf  # type: ignore[assignment]
+        plan.grad_scale = grad_scale
+        plan.found_inf = found_inf
         return plan
 
     @staticmethod

@@ -42,7 +42,9 @@ class StepforgeModelWrapper:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.boosted(*args, **kwargs)
 
-    def train_step(self, data: dict | tuple | list, optim_wrapper: Any) -> dict[str, torch.Tensor]:
+    def train_step(
+        self, data: dict[str, Any] | tuple[Any, ...] | list[Any], optim_wrapper: Any
+    ) -> dict[str, torch.Tensor]:
         """One micro-batch: preprocess, forward in ``optim_context``, parse the losses, ``update_params``.
 
         Returns:
@@ -53,14 +55,16 @@ class StepforgeModelWrapper:
             losses = self._run_forward(data, mode="loss")
         parsed, log_vars = self.module.parse_losses(losses)
         optim_wrapper.update_params(parsed)
-        return log_vars
+        out: dict[str, torch.Tensor] = log_vars
+        return out
 
-    def val_step(self, data: dict | tuple | list) -> list:
+    def val_step(self, data: dict[str, Any] | tuple[Any, ...] | list[Any]) -> list[Any]:
         """The model's predictions (``mode="predict"``) for a validation batch."""
         data = self.module.data_preprocessor(data, False)
-        return self._run_forward(data, mode="predict")
+        predictions: list[Any] = self._run_forward(data, mode="predict")
+        return predictions
 
-    def test_step(self, data: dict | tuple | list) -> list:
+    def test_step(self, data: dict[str, Any] | tuple[Any, ...] | list[Any]) -> list[Any]:
         """The model's predictions (``mode="predict"``) for a test batch."""
         return self.val_step(data)
 

@@ -169,7 +169,7 @@ class StepforgeStrategy:
     def dispatch_kwargs(self) -> dict[str, Any]:
         return self.strategy.dispatch_kwargs
 
-    def collect_env(self) -> tuple[dict, dict]:
+    def collect_env(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """(system environment as mmengine collects it, runtime environment incl. the stepforge plugin)."""
         runtime: OrderedDict[str, Any] = OrderedDict()
         runtime.update(self._env_kwargs)
@@ -183,7 +183,7 @@ class StepforgeStrategy:
     # -- prepare -------------------------------------------------------------------------------------------
     def prepare(
         self,
-        model: nn.Module | dict,
+        model: nn.Module | dict[str, Any],
         *,
         optim_wrapper: Any = None,
         param_scheduler: Any = None,
@@ -247,7 +247,7 @@ class StepforgeStrategy:
         save_optimizer: bool = True,
         save_param_scheduler: bool = True,
         extra_ckpt: Mapping[str, Any] | None = None,
-        callback: Callable[[dict], None] | None = None,
+        callback: Callable[[dict[str, Any]], None] | None = None,
     ) -> str:
         """Write a committed checkpoint directory at ``filename`` (collective: every rank calls it).
 
@@ -271,8 +271,8 @@ class StepforgeStrategy:
         )
 
     @staticmethod
-    def _restoring(callback: Callable[[dict], None] | None) -> Callable[[dict], None]:
-        def restore(checkpoint: dict) -> None:
+    def _restoring(callback: Callable[[dict[str, Any]], None] | None) -> Callable[[dict[str, Any]], None]:
+        def restore(checkpoint: dict[str, Any]) -> None:
             if "message_hub" in checkpoint:
                 checkpoint["message_hub"] = message_hub_from_plain(checkpoint["message_hub"])
             if callback is not None:
@@ -287,7 +287,7 @@ class StepforgeStrategy:
         map_location: Any = "cpu",
         strict: bool = False,
         revise_keys: Sequence[tuple[str, str]] = ((r"^module\.", ""),),
-        callback: Callable[[dict], None] | None = None,
+        callback: Callable[[dict[str, Any]], None] | None = None,
     ) -> dict[str, Any]:
         """Load the model weights from a stepforge checkpoint; returns the checkpoint dict."""
         return self.strategy.load_checkpoint(
@@ -305,7 +305,7 @@ class StepforgeStrategy:
         resume_optimizer: bool = True,
         resume_param_scheduler: bool = True,
         map_location: Any = "default",
-        callback: Callable[[dict], None] | None = None,
+        callback: Callable[[dict[str, Any]], None] | None = None,
     ) -> dict[str, Any]:
         """Restore model, optimizer, schedulers, accumulation counter, loss scaler and RNG; returns the dict.
 

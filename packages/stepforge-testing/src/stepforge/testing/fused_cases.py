@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import array
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -47,7 +48,7 @@ KERNEL_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 #: empty, 1 element, odd sizes around the SIMD widths (8/16) and the block (512), one above the parallel cutoff
 KERNEL_SIZES = [0, 1, 7, 15, 16, 17, 33, 511, 513, 1001, 40_005]
 #: float32 results: a few ulps of op-order difference
-F32_TOL = dict(rtol=1e-5, atol=1e-6)
+F32_TOL: dict[str, Any] = dict(rtol=1e-5, atol=1e-6)
 #: 16-bit results: rounding the same float32 value, which may differ in its last bits
 MAX_ULPS_AWAY = 1
 #: (param dtype, grad dtype, master weights) of every kernel path
@@ -114,14 +115,14 @@ def check_kernel_params(
             assert float(moved.abs().mean()) > 1e-3, "the kernel did not move the params"
 
 
-def pointer_array(tensors: Iterable[torch.Tensor] | None) -> array.array | None:
+def pointer_array(tensors: Iterable[torch.Tensor] | None) -> array.array[int] | None:
     """``array('q')`` of the tensors' ``data_ptr()`` (the kernels' pointer-list argument); None stays None."""
     if tensors is None:
         return None
     return array.array("q", [t.data_ptr() for t in tensors])
 
 
-def sizes_array(tensors: Iterable[torch.Tensor]) -> array.array:
+def sizes_array(tensors: Iterable[torch.Tensor]) -> array.array[int]:
     """``array('q')`` of the tensors' element counts (the kernels' sizes argument)."""
     return array.array("q", [t.numel() for t in tensors])
 

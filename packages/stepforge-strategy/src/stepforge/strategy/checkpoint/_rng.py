@@ -23,7 +23,7 @@ def get_rng_state() -> dict[str, Any]:
         kind, keys, pos, has_gauss, cached = np.random.get_state()
         state["numpy"] = (
             kind,
-            torch.from_numpy(keys.astype(np.int64)),
+            torch.from_numpy(np.asarray(keys, dtype=np.int64)),
             int(pos),
             int(has_gauss),
             float(cached),
