@@ -14,7 +14,13 @@ from torch import nn
 from stepforge.core import CachingOptimizer
 from stepforge.core.precision import get_precision
 
-__all__ = ["shard_model", "precision_policy", "repoint_optimizer", "accelerator_available"]
+__all__ = [
+    "shard_model",
+    "cast_floating_buffers",
+    "precision_policy",
+    "repoint_optimizer",
+    "accelerator_available",
+]
 
 
 def accelerator_available() -> bool:
@@ -57,6 +63,22 @@ def default_blocks(model: nn.Module) -> list[nn.Module]:
     return out
 
 
+def cast_floating_buffers(model: nn.Module, dtype: torch.dtype | None) -> None:
+    """Cast ``model``'s floating buffers (BatchNorm's running statistics...) to ``dtype``, the compute dtype.
+
+    FSDP2's ``MixedPrecisionPolicy`` casts only the parameters, so a BatchNorm forward would meet bf16/fp16
+    weights and fp32 statistics ("expected scalar type"); ColossalAI casts buffers (gemini, FSDP1's
+    ``buffer_dtype``). Assigning through ``setattr`` keeps each buffer registered (persistent or not).
+    ``None``: full precision, nothing to cast.
+    """
+    if dtype is None:
+        return
+    for module in model.modules():
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            if buffer.is_floating_point() and buffer.dtype != dtype:
+                setattr(module, name, buffer.to(dtype))
+
+
 def shard_model(
     model: nn.Module,
     *,
@@ -66,7 +88,8 @@ def shard_model(
     mp_policy: Any,
     offload_policy: Any,
 ) -> nn.Module:
-    """``fully_shard`` each block, then the root (one communication group per call)."""
+    """Cast floating buffers to the policy's compute dtype, then ``fully_shard`` each block, then the root (one
+    communication group per call)."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     if isinstance(model, FSDPModule):
@@ -78,6 +101,7 @@ def shard_model(
     else:
         classes = tuple(blocks)
         chosen = [m for m in model.modules() if m is not model and isinstance(m, classes)]
+    cast_floating_buffers(model, mp_policy.param_dtype)
     kwargs: dict[str, Any] = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
     for block in reversed(chosen):  # innermost (last registered) first
         fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
