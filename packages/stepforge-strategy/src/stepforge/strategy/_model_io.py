@@ -29,6 +29,7 @@ __all__ = [
     "unwrap_model",
     "SAFE_WEIGHTS",
     "BIN_WEIGHTS",
+    "is_safetensors",
 ]
 
 SAFE_WEIGHTS = "model.safetensors"
@@ -169,12 +170,41 @@ def save_model(
     _barrier()
 
 
+_ZIP_MAGIC = b"PK\x03\x04"  # torch.save's archive (torch >= 1.6)
+_PICKLE_PROTO = 0x80  # pickle's PROTO opcode: a legacy (non-zip) torch.save
+_SAFETENSORS_MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on its JSON header
+
+
+def is_safetensors(path: Path) -> bool:
+    """Whether ``path`` holds a safetensors file, from its bytes (``save_model`` may have written one under any
+    name): an 8-byte little-endian header length that fits the file, then the JSON header's ``{``.
+
+    Raises:
+        ValueError: the file is neither safetensors nor a ``torch.save`` archive or pickle.
+    """
+    with open(path, "rb") as f:
+        head = f.read(9)
+    size = path.stat().st_size
+    if head[:4] == _ZIP_MAGIC or head[:1] == bytes([_PICKLE_PROTO]):
+        return False  # neither can start a safetensors file: its header length would exceed the limit
+    if len(head) == 9 and head[8:9] == b"{":
+        length = int.from_bytes(head[:8], "little")
+        if 0 < length <= min(size - 8, _SAFETENSORS_MAX_HEADER):
+            return True
+    raise ValueError(
+        f"load_model: {path} is neither a safetensors file nor a torch.save archive (first bytes {head!r}); "
+        "pass a file written by save_model or torch.save."
+    )
+
+
 def _read_file(path: Path) -> dict[str, torch.Tensor]:
-    if path.suffix == ".safetensors":
+    """The tensors of one weight file; the reader is chosen from the file's bytes, never its name."""
+    if is_safetensors(path):
         from safetensors.torch import load_file
 
         return load_file(str(path))
-    tensors: dict[str, torch.Tensor] = torch.load(path, map_location="cpu", weights_only=True)
+    with open(path, "rb") as f:  # a file object: torch.load would pick safetensors by a ".safetensors" name
+        tensors: dict[str, torch.Tensor] = torch.load(f, map_location="cpu", weights_only=True)
     return tensors
 
 

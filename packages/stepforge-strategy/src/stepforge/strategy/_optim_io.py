@@ -23,6 +23,9 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from stepforge.core import BoostedOptimizer, Plugin
+from stepforge.core.plugin_base import unwrap_optimizer
+
+from ._optim_template import complete_template
 
 __all__ = ["save_optimizer", "load_optimizer", "save_lr_scheduler", "load_lr_scheduler"]
 
@@ -68,7 +71,11 @@ def save_optimizer(
 def load_optimizer(
     plugin: Plugin, model: nn.Module, optimizer: BoostedOptimizer, checkpoint: str | os.PathLike[str]
 ) -> None:
-    """Fill ``optimizer`` from a directory written by :func:`save_optimizer` (collective)."""
+    """Fill ``optimizer`` from a directory written by :func:`save_optimizer` (collective).
+
+    Every saved entry is restored, those a fresh optimizer lacks included (as torch's ``load_state_dict``
+    does); a checkpoint of other parameters raises ``ValueError`` before anything is loaded.
+    """
     path = Path(checkpoint)
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(
@@ -81,6 +88,8 @@ def load_optimizer(
     if scaler is not None:
         state["grad_scaler"] = scaler
     with _single_process_quiet():
+        # every saved entry gets a place (or a ValueError) before any tensor is read into the optimizer
+        complete_template(optim_sd, path, unwrap_optimizer(optimizer))
         dcp.load(state, checkpoint_id=str(path))
     plugin.set_state_dict(model, optimizer, model_sd, state["optimizer"])
     if scaler is not None:

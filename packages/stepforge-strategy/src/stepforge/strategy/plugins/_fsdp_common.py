@@ -14,7 +14,13 @@ from torch import nn
 from stepforge.core import CachingOptimizer
 from stepforge.core.precision import get_precision
 
-__all__ = ["shard_model", "precision_policy", "repoint_optimizer", "accelerator_available"]
+__all__ = [
+    "shard_model",
+    "cast_floating_buffers",
+    "precision_policy",
+    "repoint_optimizer",
+    "accelerator_available",
+]
 
 
 def accelerator_available() -> bool:
@@ -57,6 +63,36 @@ def default_blocks(model: nn.Module) -> list[nn.Module]:
     return out
 
 
+def holds_shared_parameters(block: nn.Module, model: nn.Module) -> bool:
+    """Whether a parameter of ``block`` is also registered on a module of ``model`` outside ``block`` (tied
+    weights). Such a block is not sharded on its own: its parameters stay in the enclosing (root) unit, so the
+    other module reads the same unsharded tensor instead of meeting a resharded DTensor."""
+    inside = {id(m) for m in block.modules()}
+    mine = {id(p) for p in block.parameters()}
+    for module in model.modules():
+        if id(module) in inside:
+            continue
+        if any(id(p) in mine for p in module.parameters(recurse=False)):
+            return True
+    return False
+
+
+def cast_floating_buffers(model: nn.Module, dtype: torch.dtype | None) -> None:
+    """Cast ``model``'s floating buffers (BatchNorm's running statistics...) to ``dtype``, the compute dtype.
+
+    FSDP2's ``MixedPrecisionPolicy`` casts only the parameters, so a BatchNorm forward would meet bf16/fp16
+    weights and fp32 statistics ("expected scalar type"); ColossalAI casts buffers (gemini, FSDP1's
+    ``buffer_dtype``). Assigning through ``setattr`` keeps each buffer registered (persistent or not).
+    ``None``: full precision, nothing to cast.
+    """
+    if dtype is None:
+        return
+    for module in model.modules():
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            if buffer.is_floating_point() and buffer.dtype != dtype:
+                setattr(module, name, buffer.to(dtype))
+
+
 def shard_model(
     model: nn.Module,
     *,
@@ -66,7 +102,8 @@ def shard_model(
     mp_policy: Any,
     offload_policy: Any,
 ) -> nn.Module:
-    """``fully_shard`` each block, then the root (one communication group per call)."""
+    """Cast floating buffers to the policy's compute dtype, then ``fully_shard`` each block (except blocks with
+    parameters tied to a module outside them), then the root (one communication group per call)."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     if isinstance(model, FSDPModule):
@@ -78,6 +115,8 @@ def shard_model(
     else:
         classes = tuple(cast(Iterable[type], blocks))  # a class is callable: the branch above excludes it
         chosen = [m for m in model.modules() if m is not model and isinstance(m, classes)]
+    chosen = [block for block in chosen if not holds_shared_parameters(block, model)]
+    cast_floating_buffers(model, mp_policy.param_dtype)
     kwargs: dict[str, Any] = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
     for block in reversed(chosen):  # innermost (last registered) first
         fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)

@@ -1,0 +1,145 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Make a ``dcp.load`` template cover every entry an optimizer checkpoint holds, or refuse before reading.
+
+``torch.distributed.checkpoint.load`` fills only the entries of the state dict it is given. The template of a
+fresh ``SGD(lr=...)`` has no ``momentum_buffer``, so a save of ``SGD(momentum=0.5)`` would load its groups
+(``momentum=0.5``) and silently drop every buffer. torch's ``Optimizer.load_state_dict`` creates the entries a
+fresh optimizer lacks; :func:`complete_template` does the same for the DCP route: it reads the checkpoint's
+metadata (no tensor data), adds a placeholder for each saved entry the template lacks (shaped like its
+parameter, a ``DTensor`` when the parameter is one) and raises ``ValueError`` for what it cannot place (another
+model's parameters, a plugin's own layout), before any tensor of the optimizer is written.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.tensor import DTensor
+
+__all__ = ["complete_template"]
+
+_Path = tuple[Any, ...]
+
+
+def _read_metadata(checkpoint: str | os.PathLike[str]) -> Metadata:
+    return dcp.FileSystemReader(str(checkpoint)).read_metadata()
+
+
+def _saved_paths(metadata: Metadata, root: str) -> dict[_Path, Any]:
+    """Object path (below ``root``) -> storage metadata of every saved leaf under ``root``."""
+    mapping = metadata.planner_data or {}
+    out: dict[_Path, Any] = {}
+    for key, item in metadata.state_dict_metadata.items():
+        path = tuple(mapping.get(key, (key,)))
+        if path and path[0] == root:
+            out[path[1:]] = item
+    return out
+
+
+def _has(template: Any, path: _Path) -> bool:
+    node = template
+    for part in path:
+        if isinstance(node, Mapping) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and part < len(node):
+            node = node[part]
+        else:
+            return False
+    return True
+
+
+def _is_torch_layout(template: Mapping[str, Any]) -> bool:
+    groups = template.get("param_groups")
+    return (
+        isinstance(template.get("state"), Mapping)
+        and isinstance(groups, list)
+        and all(
+            isinstance(g, Mapping) and all(isinstance(p, str) for p in g.get("params", ())) for g in groups
+        )
+    )
+
+
+def _saved_groups(
+    checkpoint: str | os.PathLike[str], saved: dict[_Path, Any], root: str
+) -> list[dict[str, Any]]:
+    """The saved ``param_groups`` (small, non-tensor values), read on their own."""
+    groups: dict[int, dict[str, Any]] = {}
+    for path in saved:
+        if len(path) == 3 and path[0] == "param_groups" and isinstance(path[1], int):
+            groups.setdefault(path[1], {})[path[2]] = None
+    holder = {root: {"param_groups": [groups[i] for i in sorted(groups)]}}
+    dcp.load(holder, checkpoint_id=str(checkpoint))
+    return holder[root]["param_groups"]
+
+
+def _placeholder(param: torch.Tensor, item: Any) -> Any:
+    if not isinstance(item, TensorStorageMetadata):
+        return None  # a non-tensor value: DCP reads it whole
+    size, dtype = tuple(item.size), item.properties.dtype
+    if tuple(param.shape) == size:
+        return torch.empty_like(param, dtype=dtype)  # a DTensor parameter gets a DTensor of its placements
+    device = param.device_mesh.device_type if isinstance(param, DTensor) else param.device
+    return torch.empty(size, dtype=dtype, device=device)
+
+
+def complete_template(
+    template: dict[str, Any],
+    checkpoint: str | os.PathLike[str],
+    optimizer: torch.optim.Optimizer,
+    *,
+    root: str = "optimizer",
+) -> None:
+    """Add to ``template`` (the plugin's optimizer state dict, saved under ``root``) every entry the checkpoint
+    holds and it lacks, so that ``dcp.load`` restores all saved state.
+
+    Raises:
+        ValueError: the checkpoint's parameter groups name other parameters than ``optimizer``'s, or it holds
+            entries that cannot be placed; nothing has been loaded then.
+    """
+    saved = _saved_paths(_read_metadata(checkpoint), root)
+    missing = [path for path in saved if not _has(template, path)]
+    if not _is_torch_layout(template):
+        if not missing:
+            return
+        shown = ", ".join(".".join(map(str, p)) for p in missing[:8])
+        raise ValueError(
+            f"load_optimizer: {checkpoint} holds optimizer state this optimizer has no place for ({shown}); "
+            "load it into the optimizer class and plugin that saved it."
+        )
+    groups = template["param_groups"]
+    saved_groups = _saved_groups(checkpoint, saved, root)
+    if len(saved_groups) != len(groups):
+        raise ValueError(
+            f"load_optimizer: {checkpoint} has {len(saved_groups)} parameter groups, the optimizer "
+            f"{len(groups)}; build the optimizer with the groups it was saved with."
+        )
+    for i, (mine, theirs) in enumerate(zip(groups, saved_groups, strict=True)):
+        extra, absent = (
+            set(theirs.get("params", ())) - set(mine["params"]),
+            set(mine["params"]) - set(theirs.get("params", ())),
+        )
+        if extra or absent:
+            raise ValueError(
+                f"load_optimizer: parameter group {i} of {checkpoint} holds parameters {sorted(extra)} that the "
+                f"model lacks and lacks {sorted(absent)}; load it into the model it was saved from."
+            )
+    params = {
+        fqn: param
+        for group, torch_group in zip(groups, optimizer.param_groups, strict=True)
+        for fqn, param in zip(group["params"], torch_group["params"], strict=True)
+    }
+    for path in missing:
+        if path[0] == "param_groups" and len(path) == 3:
+            groups[path[1]][path[2]] = None  # a group option the target optimizer does not have
+        elif path[0] == "state" and len(path) == 3 and path[1] in params:
+            template["state"].setdefault(path[1], {})[path[2]] = _placeholder(params[path[1]], saved[path])
+        else:
+            raise ValueError(
+                f"load_optimizer: {checkpoint} holds {'.'.join(map(str, path))}, which this optimizer has no "
+                "place for; load it into the optimizer class that saved it."
+            )
