@@ -22,6 +22,8 @@ from torch import nn
 
 from stepforge.core import WrappedModel
 
+from .checkpoint import CheckpointError
+
 __all__ = [
     "save_model",
     "load_model",
@@ -174,7 +176,12 @@ def _read_file(path: Path) -> dict[str, torch.Tensor]:
         from safetensors.torch import load_file
 
         return load_file(str(path))
-    return torch.load(path, map_location="cpu", weights_only=True)
+    try:  # weights_only: no code runs from the file
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(f"load_model: {path} is unreadable or refused ({exc})") from exc
 
 
 def _files_in(directory: Path) -> Iterable[Path]:
