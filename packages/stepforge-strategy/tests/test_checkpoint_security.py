@@ -117,6 +117,7 @@ def test_saving_an_object_a_load_could_not_read_is_refused(tmp_path, marker):
     with pytest.raises(CheckpointError, match="weights_only=True"):
         s.save_checkpoint("x", extra_ckpt=dict(evil=Payload(marker)))
     assert ck.find_latest_checkpoint(str(tmp_path)) is None
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".x.tmp-")]  # nothing left behind
 
 
 def _optimizer_state(wrapper):

@@ -189,6 +189,9 @@ def save_dir(
         raise ValueError(f"max_keep_ckpts must be an int or None, got {max_keep_ckpts!r}")
     final = os.path.abspath(path)
     rank = get_rank()
+    # before any directory exists: an object a load could not read is refused with nothing left on disk
+    shared_blob = _blob(objects, "shared objects (extra_ckpt, schedulers, statefuls)")
+    rank_blob = _blob(rank_objects, "per-rank objects (statefuls, RNG)")
     tmp = None
     if rank == 0:
         parent = os.path.dirname(final)
@@ -202,8 +205,8 @@ def save_dir(
     tmp = broadcast_object(tmp)
     state = {
         "tensors": tensors,
-        "objects": _blob(objects, "shared objects (extra_ckpt, schedulers, statefuls)"),
-        "rank_objects": {str(rank): _blob(rank_objects, "per-rank objects (statefuls, RNG)")},
+        "objects": shared_blob,
+        "rank_objects": {str(rank): rank_blob},
     }
     with _single_process_quiet():
         dcp.save(state, storage_writer=_Writer(tmp), no_dist=not _distributed())
