@@ -235,3 +235,54 @@ def test_fsdp2_no_sync_and_pending_gradients():
         for out in results:
             torch.testing.assert_close(out["window_grads"][i], expected)
             torch.testing.assert_close(out["resumed_grads"][i], expected)
+
+
+class _Touch:
+    """Unpickled by plain pickle, this creates a file: the stand-in for code carried by a checkpoint."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        import pathlib
+
+        return (pathlib.Path.touch, (pathlib.Path(self.path),))
+
+
+def test_safe_dcp_reader_and_planner_read_dcp_and_refuse_other_globals(tmp_path):
+    import pickle
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    marker = str(tmp_path / "ran")
+    good = {"w": torch.arange(4.0, dtype=torch.bfloat16), "lr": 0.5, "betas": (0.9, 0.99)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(good, checkpoint_id=str(tmp_path / "good"), no_dist=True)
+        dcp.save(
+            {"w": torch.zeros(4), "lr": _Touch(marker)}, checkpoint_id=str(tmp_path / "entry"), no_dist=True
+        )
+        meta = compat.SafeFileSystemReader(str(tmp_path / "good")).read_metadata()
+        assert tuple(meta.state_dict_metadata["w"].size) == (4,)
+        assert meta.state_dict_metadata["w"].properties.dtype == torch.bfloat16
+        out = {"w": torch.zeros(4, dtype=torch.bfloat16), "lr": 0.0, "betas": (0.0, 0.0)}
+        dcp.load(
+            out,
+            storage_reader=compat.SafeFileSystemReader(str(tmp_path / "good")),
+            planner=compat.SafeLoadPlanner(),
+            no_dist=True,
+        )
+        assert torch.equal(out["w"], good["w"]) and out["lr"] == 0.5 and tuple(out["betas"]) == (0.9, 0.99)
+        with pytest.raises(dcp.CheckpointException, match="Unsupported global"):
+            dcp.load(
+                {"w": torch.zeros(4), "lr": 0.0},
+                storage_reader=compat.SafeFileSystemReader(str(tmp_path / "entry")),
+                planner=compat.SafeLoadPlanner(),
+                no_dist=True,
+            )
+    with open(tmp_path / "good" / ".metadata", "wb") as f:
+        pickle.dump(_Touch(marker), f)
+    with pytest.raises(pickle.UnpicklingError, match="pathlib.Path.touch, which is not a DCP metadata class"):
+        compat.SafeFileSystemReader(str(tmp_path / "good")).read_metadata()
+    assert not (tmp_path / "ran").exists()

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from ._torch_compat import (
     LegacyLRScheduler,
+    SafeFileSystemReader,
+    SafeLoadPlanner,
     TorchInternalsError,
     ddp_no_sync,
     default_store,
@@ -129,6 +131,8 @@ __all__ = [
 # torch internals, wrapped once (stepforge.core._torch_compat): kept apart so the list above stays about the contract
 __all__ += [
     "LegacyLRScheduler",
+    "SafeFileSystemReader",
+    "SafeLoadPlanner",
     "TorchInternalsError",
     "ddp_no_sync",
     "default_store",

@@ -15,6 +15,10 @@ offers none:
   ``FSDPParam._unsharded_param``, ``FSDPParam._orig_size``): no public API exposes the gradients kept by
   ``set_requires_gradient_sync(False)``; checkpoints inside an accumulation window need them.
 - DCP's ``flatten_state_dict`` (``torch.distributed.checkpoint._nested_dict``): the key layout DCP writes.
+- DCP's metadata classes ``filesystem._StorageInfo`` and ``metadata._MEM_FORMAT_ENCODING`` and
+  ``_traverse.set_element``: :class:`SafeFileSystemReader` unpickles ``.metadata`` allowing only DCP's own
+  classes, and :class:`SafeLoadPlanner` reads DCP's non-tensor entries with ``weights_only=True`` (torch's
+  reader uses plain ``pickle.load`` and ``torch.load(weights_only=False)``: a checkpoint could run code).
 - ``nn.modules.batchnorm._NormBase``: the common base of BatchNorm/SyncBatchNorm/InstanceNorm and their lazy
   versions (modules whose running statistics are updated in the forward).
 - ``Tensor._base``: the tensor a view was taken from (flat-buffer views of fused buckets).
@@ -32,7 +36,11 @@ used by :func:`stepforge.core.no_sync` and by the FSDP2 plugins: the one place F
 
 from __future__ import annotations
 
+import collections
 import importlib
+import io
+import pathlib
+import pickle
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
@@ -40,6 +48,7 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 
 from .errors import StepforgeError
 
@@ -49,6 +58,8 @@ if TYPE_CHECKING:
 __all__ = [
     "PRIVATE_APIS",
     "LegacyLRScheduler",
+    "SafeFileSystemReader",
+    "SafeLoadPlanner",
     "TorchInternalsError",
     "ddp_no_sync",
     "default_store",
@@ -165,6 +176,100 @@ def flatten_state_dict(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], d
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict as flatten
 
     return flatten(dict(state_dict))
+
+
+_DCP = "torch.distributed.checkpoint."
+_DCP_PRIVATES = (
+    ("_traverse", "set_element"),
+    ("filesystem", "_StorageInfo"),
+    ("metadata", "_MEM_FORMAT_ENCODING"),
+)
+
+
+def _dcp_metadata_globals() -> dict[tuple[str, str], Any]:
+    """The globals a DCP ``.metadata`` pickle may name: DCP's metadata classes, torch dtypes and containers."""
+    from torch.distributed.checkpoint import filesystem, metadata
+
+    classes: list[Any] = [
+        metadata.Metadata,
+        metadata.TensorStorageMetadata,
+        metadata.BytesStorageMetadata,
+        metadata.ChunkStorageMetadata,
+        metadata.TensorProperties,
+        metadata.StorageMeta,
+        metadata.MetadataIndex,
+        metadata._MEM_FORMAT_ENCODING,
+        filesystem._StorageInfo,
+        torch.Size,
+        collections.OrderedDict,
+        pathlib.PosixPath,
+        pathlib.WindowsPath,
+    ]
+    allowed = {(c.__module__, c.__qualname__): c for c in classes}
+    allowed[("torch", "Size")] = torch.Size
+    # layouts pickle as ``_get_layout("torch.strided")``, a lookup in torch's table of layouts
+    allowed[("torch.serialization", "_get_layout")] = _resolve("torch.serialization", "_get_layout")
+    for name in dir(torch):  # dtypes, layouts and memory formats pickle as ``torch.<name>``
+        value = getattr(torch, name, None)
+        if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+            allowed[("torch", name)] = value
+    return allowed
+
+
+class _DcpMetadataUnpickler(pickle.Unpickler):
+    def __init__(self, file: Any, allowed: dict[tuple[str, str], Any]) -> None:
+        super().__init__(file)
+        self._allowed = allowed
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = self._allowed.get((module, name))
+        if found is None:
+            raise pickle.UnpicklingError(
+                f"DCP metadata names {module}.{name}, which is not a DCP metadata class, torch dtype or plain "
+                "container; refusing to unpickle it (it could run code)"
+            )
+        return found
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """``torch.distributed.checkpoint.FileSystemReader`` whose ``read_metadata`` runs no code from the file.
+
+    ``.metadata`` is unpickled with an unpickler that resolves only DCP's metadata classes, torch dtypes/layouts/
+    memory formats, ``torch.Size``, ``OrderedDict`` and paths; any other global raises
+    :class:`pickle.UnpicklingError` before it is called.
+    """
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+        rank = kwargs.get("rank")
+        path = self._get_metadata_path(rank)
+        with self.fs.create_stream(path, "rb") as stream:
+            data = stream.read()
+        metadata = _DcpMetadataUnpickler(io.BytesIO(data), _dcp_metadata_globals()).load()
+        if not isinstance(metadata, Metadata):
+            raise pickle.UnpicklingError(f"DCP metadata holds a {type(metadata).__name__}, not a Metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """``DefaultLoadPlanner`` that reads non-tensor entries with ``torch.load(weights_only=True)``.
+
+    torch's planner unpickles them with ``weights_only=False``; here an entry naming anything but tensors and
+    plain containers raises :class:`pickle.UnpicklingError`.
+    """
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        from torch.distributed.checkpoint._traverse import set_element
+
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
 
 
 # -- FSDP2 ---------------------------------------------------------------------------------------------------
@@ -287,6 +392,12 @@ PRIVATE_APIS: tuple[tuple[str, Callable[[], Any]], ...] = (
         "torch.distributed.checkpoint._nested_dict.flatten_state_dict",
         lambda: _resolve("torch.distributed.checkpoint._nested_dict", "flatten_state_dict"),
     ),
+    *(
+        (f"torch.distributed.checkpoint.{module}.{name}", lambda m=module, n=name: _resolve(_DCP + m, n))
+        for module, name in _DCP_PRIVATES
+    ),
+    ("torch.serialization._get_layout", lambda: _resolve("torch.serialization", "_get_layout")),
+    ("FileSystemReader._get_metadata_path", lambda: FileSystemReader._get_metadata_path),
     ("torch.optim.lr_scheduler._LRScheduler", lambda: _resolve("torch.optim.lr_scheduler", "_LRScheduler")),
     ("torch.nn.modules.batchnorm._NormBase", lambda: _resolve("torch.nn.modules.batchnorm", "_NormBase")),
     ("torch.Tensor._base", lambda: torch.Tensor._base),

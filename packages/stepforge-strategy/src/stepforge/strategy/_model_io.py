@@ -22,6 +22,8 @@ from torch import nn
 
 from stepforge.core import WrappedModel
 
+from .checkpoint import CheckpointError
+
 __all__ = [
     "save_model",
     "load_model",
@@ -203,8 +205,14 @@ def _read_file(path: Path) -> dict[str, torch.Tensor]:
         from safetensors.torch import load_file
 
         return load_file(str(path))
-    with open(path, "rb") as f:  # a file object: torch.load would pick safetensors by a ".safetensors" name
-        tensors: dict[str, torch.Tensor] = torch.load(f, map_location="cpu", weights_only=True)
+    try:  # weights_only: no code runs from the file
+        # a file object: torch.load would pick safetensors by a ".safetensors" name
+        with open(path, "rb") as f:
+            tensors: dict[str, torch.Tensor] = torch.load(f, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(f"load_model: {path} is unreadable or refused ({exc})") from exc
     return tensors
 
 

@@ -26,6 +26,7 @@ from stepforge.core import BoostedOptimizer, Plugin
 from stepforge.core.plugin_base import unwrap_optimizer
 
 from ._optim_template import complete_template
+from .checkpoint import CheckpointError, safe_dcp_load
 
 __all__ = ["save_optimizer", "load_optimizer", "save_lr_scheduler", "load_lr_scheduler"]
 
@@ -87,10 +88,9 @@ def load_optimizer(
     scaler = optimizer.scaler_state_dict()
     if scaler is not None:
         state["grad_scaler"] = scaler
-    with _single_process_quiet():
-        # every saved entry gets a place (or a ValueError) before any tensor is read into the optimizer
-        complete_template(optim_sd, path, unwrap_optimizer(optimizer))
-        dcp.load(state, checkpoint_id=str(path))
+    # every saved entry gets a place (or a ValueError) before any tensor is read into the optimizer
+    complete_template(optim_sd, path, unwrap_optimizer(optimizer))
+    safe_dcp_load(state, str(path), no_dist=not _is_dist())  # no code runs from the files (CheckpointError)
     plugin.set_state_dict(model, optimizer, model_sd, state["optimizer"])
     if scaler is not None:
         optimizer.load_scaler_state_dict(state["grad_scaler"])
@@ -111,6 +111,12 @@ def save_lr_scheduler(lr_scheduler: Any, checkpoint: str | os.PathLike[str]) -> 
 
 
 def load_lr_scheduler(lr_scheduler: Any, checkpoint: str | os.PathLike[str]) -> None:
-    """Load a file written by :func:`save_lr_scheduler`."""
-    state = torch.load(Path(checkpoint), map_location="cpu", weights_only=True)
+    """Load a file written by :func:`save_lr_scheduler` (``CheckpointError`` when it holds anything but plain
+    values and tensors: no code runs from the file)."""
+    try:
+        state = torch.load(Path(checkpoint), map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(f"load_lr_scheduler: {checkpoint} is unreadable or refused ({exc})") from exc
     lr_scheduler.load_state_dict(state)

@@ -21,13 +21,23 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
+from stepforge.core import SafeFileSystemReader
+
+from .checkpoint import CheckpointError
+
 __all__ = ["complete_template"]
 
 _Path = tuple[Any, ...]
 
 
 def _read_metadata(checkpoint: str | os.PathLike[str]) -> Metadata:
-    return dcp.FileSystemReader(str(checkpoint)).read_metadata()
+    # the restricted reader: DCP's metadata classes only, so reading it runs no code from the checkpoint
+    try:
+        return SafeFileSystemReader(str(checkpoint)).read_metadata()
+    except Exception as exc:
+        raise CheckpointError(
+            f"checkpoint {str(checkpoint)!r}: its DCP metadata is unreadable or refused ({exc})"
+        ) from exc
 
 
 def _saved_paths(metadata: Metadata, root: str) -> dict[_Path, Any]:

@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Crash-safe DCP directory checkpoints: commit marker, atomic rename, ``last_checkpoint``, rotation, RNG."""
+"""Crash-safe DCP directory checkpoints: commit marker with CRC-32 of every file, atomic rename,
+``last_checkpoint``, rotation, RNG; loads that run no code from the files."""
 
 from __future__ import annotations
 
-from ._dcp import load_dir, read_meta, save_dir
+from ._dcp import load_dir, read_dcp_metadata, read_meta, safe_dcp_load, save_dir, unblob
 from ._layout import LAST_CHECKPOINT, MARKER, CheckpointError, committed_checkpoints, find_latest_checkpoint
 from ._rng import get_rng_state, set_rng_state
 
@@ -15,7 +16,10 @@ __all__ = [
     "find_latest_checkpoint",
     "get_rng_state",
     "load_dir",
+    "read_dcp_metadata",
     "read_meta",
+    "safe_dcp_load",
     "save_dir",
     "set_rng_state",
+    "unblob",
 ]

@@ -6,15 +6,20 @@
 1. rank 0 picks a temporary sibling ``.<name>.tmp-<token>/`` (stale ones of the same name are removed);
 2. every rank writes its tensors (model and optimizer shards, never gathered) through ``dcp.save``, plus one
    pickled blob of shared objects (deduplicated by DCP) and one blob of its own per-rank objects;
-3. rank 0 records every file's size and the meta in ``COMMIT.json`` (fsynced, written last), renames the
+3. rank 0 records every file's size and CRC-32 and the meta in ``COMMIT.json`` (fsynced, written last), renames the
    directory to ``<name>/`` (an older ``<name>/`` is moved aside first and deleted after), then rewrites
    ``work_dir/last_checkpoint`` atomically, then deletes the oldest committed checkpoints beyond
    ``max_keep_ckpts``;
 4. the outcome is broadcast, so a failure on rank 0 raises on every rank.
 
-:func:`load_dir` checks the marker, every file's size and that the template's keys and shapes exist in the
-checkpoint **before** anything is read into memory, so a crashed, truncated or foreign checkpoint raises
-:class:`CheckpointError` and leaves the model and optimizer untouched.
+:func:`load_dir` checks the marker, every file's size and CRC-32 and that the template's keys and shapes exist
+in the checkpoint **before** anything is read into memory, so a crashed, truncated, altered or foreign checkpoint
+raises :class:`CheckpointError` and leaves the model and optimizer untouched.
+
+No code runs from a checkpoint: ``.metadata`` is unpickled allowing only DCP's metadata classes
+(:class:`stepforge.core.SafeFileSystemReader`), DCP's non-tensor entries and the blobs of objects are read with
+``torch.load(weights_only=True)`` (:class:`stepforge.core.SafeLoadPlanner`, :func:`unblob`), and a blob that would
+not load that way is refused at save time.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from stepforge.core import flatten_state_dict
+from stepforge.core import SafeFileSystemReader, SafeLoadPlanner, flatten_state_dict
 
 from .._env import broadcast_object, get_rank
 from ._layout import (
@@ -42,14 +47,17 @@ from ._layout import (
     LAST_CHECKPOINT,
     MARKER,
     CheckpointError,
+    commit_text,
     committed_checkpoints,
+    file_record,
     fsync_dir,
     read_commit,
     validate_files,
     write_text_atomic,
 )
+from ._staging import apply_fresh, fresh_like
 
-__all__ = ["save_dir", "load_dir", "read_meta"]
+__all__ = ["save_dir", "load_dir", "read_meta", "read_dcp_metadata", "safe_dcp_load", "unblob"]
 
 #: Test hook: called as ``hook(rank)`` right after this rank's DCP data file is written (crash-safety tests).
 _AFTER_WRITE_HOOK: Callable[[int], None] | None = None
@@ -76,14 +84,55 @@ def _single_process_quiet() -> Iterator[None]:
         yield
 
 
-def _blob(obj: Any) -> bytes:
+def _blob(obj: Any, what: str) -> bytes:
     buf = io.BytesIO()
     torch.save(obj, buf)
-    return buf.getvalue()
+    data = buf.getvalue()
+    try:  # refuse now what a load could not read back (loads never unpickle arbitrary objects)
+        torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(
+            f"save_checkpoint: the {what} hold an object torch.load(weights_only=True) cannot read ({exc}); "
+            "store tensors and plain containers (dict, list, tuple, str, int, float, bool, None), or register "
+            "the type with torch.serialization.add_safe_globals"
+        ) from exc
+    return data
 
 
-def _unblob(data: bytes, map_location: Any) -> Any:
-    return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+def unblob(data: Any, map_location: Any, where: str) -> Any:
+    """Objects saved by :func:`save_dir`, read with ``torch.load(weights_only=True)`` (``CheckpointError`` when
+    the bytes name anything but tensors and plain containers: a checkpoint never runs code)."""
+    if not isinstance(data, bytes):
+        raise CheckpointError(f"checkpoint {where!r}: an object blob holds {type(data).__name__}, not bytes")
+    try:
+        return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(
+            f"checkpoint {where!r}: refused to unpickle its objects ({exc}); only tensors and plain containers "
+            "are read from a checkpoint"
+        ) from exc
+
+
+def read_dcp_metadata(path: str) -> Any:
+    """DCP's ``Metadata`` of ``path`` through the restricted unpickler (``CheckpointError`` if refused/unreadable)."""
+    try:
+        return SafeFileSystemReader(path).read_metadata()
+    except Exception as exc:
+        raise CheckpointError(
+            f"checkpoint {path!r}: its DCP metadata (.metadata) is unreadable or refused ({exc})"
+        ) from exc
+
+
+def safe_dcp_load(state: dict[str, Any], path: str, *, no_dist: bool) -> None:
+    """``dcp.load`` with the restricted reader and planner; every failure (DCP's ``CheckpointException`` is a
+    ``BaseException``) becomes :class:`CheckpointError`."""
+    try:
+        with _single_process_quiet():
+            dcp.load(
+                state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(), no_dist=no_dist
+            )
+    except (Exception, dcp.CheckpointException) as exc:
+        raise CheckpointError(f"checkpoint {path!r}: reading its DCP data failed ({exc})") from exc
 
 
 def _commit(tmp: str, final: str, meta: dict[str, Any], work_dir: str | None, max_keep: int | None) -> None:
@@ -91,11 +140,9 @@ def _commit(tmp: str, final: str, meta: dict[str, Any], work_dir: str | None, ma
     for root, _, names in os.walk(tmp):
         for name in names:
             full = os.path.join(root, name)
-            files[os.path.relpath(full, tmp)] = os.path.getsize(full)
+            files[os.path.relpath(full, tmp)] = file_record(full)
     record = {"format": FORMAT, "committed_at": time.time(), "files": files, "meta": meta}
-    import json
-
-    write_text_atomic(os.path.join(tmp, MARKER), json.dumps(record, indent=1, default=str))
+    write_text_atomic(os.path.join(tmp, MARKER), commit_text(record))
     old = None
     if os.path.exists(final):
         old = f"{os.path.join(os.path.dirname(final), '.' + os.path.basename(final))}.old-{uuid.uuid4().hex[:8]}"
@@ -142,6 +189,9 @@ def save_dir(
         raise ValueError(f"max_keep_ckpts must be an int or None, got {max_keep_ckpts!r}")
     final = os.path.abspath(path)
     rank = get_rank()
+    # before any directory exists: an object a load could not read is refused with nothing left on disk
+    shared_blob = _blob(objects, "shared objects (extra_ckpt, schedulers, statefuls)")
+    rank_blob = _blob(rank_objects, "per-rank objects (statefuls, RNG)")
     tmp = None
     if rank == 0:
         parent = os.path.dirname(final)
@@ -155,8 +205,8 @@ def save_dir(
     tmp = broadcast_object(tmp)
     state = {
         "tensors": tensors,
-        "objects": _blob(objects),
-        "rank_objects": {str(rank): _blob(rank_objects)},
+        "objects": shared_blob,
+        "rank_objects": {str(rank): rank_blob},
     }
     with _single_process_quiet():
         dcp.save(state, storage_writer=_Writer(tmp), no_dist=not _distributed())
@@ -175,8 +225,7 @@ def save_dir(
 
 def read_meta(path: str) -> dict[str, Any]:
     """The meta recorded in a committed checkpoint (``CheckpointError`` otherwise)."""
-    meta: dict[str, Any] = read_commit(path)["meta"]
-    return meta
+    return read_commit(path)["meta"]
 
 
 def _check_template(path: str, template: dict[str, Any], metadata: Any) -> None:
@@ -210,29 +259,32 @@ def load_dir(
 ) -> tuple[dict[str, Any] | None, dict[str, Any] | None, dict[str, Any]]:
     """Validate, then fill ``tensors`` in place from checkpoint ``path``; return (objects, rank objects, meta).
 
+    Every file's size and CRC-32 is checked first, the objects are read next, the tensors are read into fresh
+    tensors, and only then copied into ``tensors``: any failure raises :class:`CheckpointError` with
+    ``tensors`` unchanged.
+
     ``rank_objects`` comes back None when this rank has none in the checkpoint (it was saved at a smaller
     world size). ``map_location`` applies to the pickled objects (tensors land where the template's live).
     """
     record = read_commit(path)
     validate_files(path, record)
-    try:
-        metadata = dcp.FileSystemReader(path).read_metadata()
-    except Exception as exc:
-        raise CheckpointError(
-            f"checkpoint {path!r} is damaged: its DCP metadata is unreadable ({exc})"
-        ) from exc
+    metadata = read_dcp_metadata(path)
     _check_template(path, tensors, metadata)
     rank_key = str(get_rank())
-    state: dict[str, Any] = {"tensors": tensors}
+    blobs: dict[str, Any] = {}
     if objects:
-        state["objects"] = b""
+        blobs["objects"] = b""
     have_rank = f"rank_objects.{rank_key}" in metadata.state_dict_metadata
     if rank_objects and have_rank:
-        state["rank_objects"] = {rank_key: b""}
-    with _single_process_quiet():
-        dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=not _distributed())
-    shared = _unblob(state["objects"], map_location) if objects else None
-    mine = _unblob(state["rank_objects"][rank_key], map_location) if rank_objects and have_rank else None
+        blobs["rank_objects"] = {rank_key: b""}
+    no_dist = not _distributed()
+    if blobs:  # the objects first: a refused or damaged blob fails before any tensor is read
+        safe_dcp_load(blobs, path, no_dist=no_dist)
+    shared = unblob(blobs["objects"], map_location, path) if objects else None
+    mine = unblob(blobs["rank_objects"][rank_key], map_location, path) if rank_objects and have_rank else None
+    fresh = fresh_like(tensors)
+    safe_dcp_load({"tensors": fresh}, path, no_dist=no_dist)
+    apply_fresh(tensors, fresh)  # only now are the live tensors written
     return shared, mine, record["meta"]
 
 

@@ -3,7 +3,9 @@
 
 A committed checkpoint is a directory ``<name>/`` holding torch.distributed.checkpoint's files
 (``.metadata`` and ``__<rank>_<i>.distcp``) and, written last, ``COMMIT.json``: the meta (iteration, epoch,
-seed, experiment, versions, world size, plugin), the commit time, and the size of every file. It is written
+seed, experiment, versions, world size, plugin), the commit time, and the size and CRC-32 of every file
+(:func:`file_record`). Every load checks both for every file before anything is read (:func:`validate_files`);
+CRC-32 detects every burst error up to 32 bits, so every flipped byte. It is written
 under ``.<name>.tmp-<token>/`` and renamed to ``<name>/`` only after the marker is on disk, so a directory
 named ``<name>`` without ``COMMIT.json`` was never produced by a finished save.
 """
@@ -12,13 +14,16 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
 from typing import Any
 
 __all__ = [
     "MARKER",
     "LAST_CHECKPOINT",
     "CheckpointError",
+    "commit_text",
     "committed_checkpoints",
+    "file_record",
     "find_latest_checkpoint",
     "fsync_dir",
     "read_commit",
@@ -28,7 +33,8 @@ __all__ = [
 
 MARKER = "COMMIT.json"
 LAST_CHECKPOINT = "last_checkpoint"
-FORMAT = "stepforge-dcp-1"
+FORMAT = "stepforge-dcp-2"
+_CHUNK = 8 << 20
 
 
 class CheckpointError(RuntimeError):
@@ -60,6 +66,32 @@ def write_text_atomic(path: str, text: str) -> None:
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
+def _crc32(path: str) -> str:
+    crc = 0
+    buf = bytearray(_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            crc = zlib.crc32(view[:n], crc)
+    return f"{crc:08x}"
+
+
+def file_record(path: str) -> dict[str, Any]:
+    """``{"size": bytes, "crc32": "8 hex digits"}`` of file ``path``, as ``COMMIT.json`` records it."""
+    return {"size": os.path.getsize(path), "crc32": _crc32(path)}
+
+
+def _canonical(record: dict[str, Any]) -> str:
+    return json.dumps(record, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def commit_text(record: dict[str, Any]) -> str:
+    """``COMMIT.json``'s text: ``record`` plus ``"crc32"`` of its canonical JSON, so a changed byte of the marker
+    itself (a different iteration, size or checksum) is detected too."""
+    body = {k: v for k, v in record.items() if k != "crc32"}
+    return _canonical({**body, "crc32": f"{zlib.crc32(_canonical(body).encode()):08x}"})
+
+
 def read_commit(path: str) -> dict[str, Any]:
     """The commit record of checkpoint ``path``; :class:`CheckpointError` when it is not a committed checkpoint."""
     if not os.path.isdir(path):
@@ -72,25 +104,53 @@ def read_commit(path: str) -> dict[str, Any]:
         )
     try:
         with open(marker, encoding="utf-8") as f:
-            record: dict[str, Any] = json.load(f)
-    except (OSError, json.JSONDecodeError) as exc:
+            text = f.read()
+        record = json.loads(text)
+    except (OSError, ValueError) as exc:  # ValueError: JSONDecodeError and UnicodeDecodeError
         raise CheckpointError(f"checkpoint {path!r}: {MARKER} is unreadable ({exc})") from exc
-    if record.get("format") != FORMAT:
-        raise CheckpointError(f"checkpoint {path!r} has format {record.get('format')!r}, expected {FORMAT!r}")
+    if not isinstance(record, dict) or record.get("format") != FORMAT:
+        found = record.get("format") if isinstance(record, dict) else type(record).__name__
+        raise CheckpointError(f"checkpoint {path!r}: {MARKER} has format {found!r}, expected {FORMAT!r}")
+    # byte for byte: a change that parses to the same values (a float's last digit) is damage too
+    if commit_text(record) != text:
+        raise CheckpointError(f"checkpoint {path!r} is damaged: {MARKER} does not match its own CRC-32")
+    files = record.get("files")
+    if (
+        not isinstance(record.get("meta"), dict)
+        or not isinstance(files, dict)
+        or not all(
+            isinstance(r, dict) and isinstance(r.get("size"), int) and isinstance(r.get("crc32"), str)
+            for r in files.values()
+        )
+    ):
+        raise CheckpointError(f"checkpoint {path!r}: {MARKER} is malformed (meta, files with size and crc32)")
     return record
 
 
 def validate_files(path: str, record: dict[str, Any]) -> None:
-    """Every file the commit lists is present with its recorded size (catches truncation and deletions)."""
-    for name, size in record["files"].items():
-        full = os.path.join(path, name)
+    """Every file the commit lists is inside ``path`` and present with its recorded size and CRC-32 (truncation,
+    deletion, flipped bytes); sizes first (cheap), then checksums. Files the commit does not list are never read."""
+    root = os.path.realpath(path)
+    for name in record["files"]:
+        full = os.path.realpath(os.path.join(root, name))
+        if os.path.commonpath([root, full]) != root:
+            raise CheckpointError(f"checkpoint {path!r}: {MARKER} lists {name!r}, outside the checkpoint")
+    for name, want in record["files"].items():
+        full = os.path.join(root, name)
         if not os.path.isfile(full):
             raise CheckpointError(f"checkpoint {path!r} is damaged: {name} is missing")
         actual = os.path.getsize(full)
-        if actual != size:
+        if actual != want["size"]:
             raise CheckpointError(
-                f"checkpoint {path!r} is damaged: {name} has {actual} bytes, the commit recorded {size} "
+                f"checkpoint {path!r} is damaged: {name} has {actual} bytes, the commit recorded {want['size']} "
                 "(truncated or overwritten)"
+            )
+    for name, want in record["files"].items():
+        crc = _crc32(os.path.join(root, name))
+        if crc != want["crc32"]:
+            raise CheckpointError(
+                f"checkpoint {path!r} is damaged: {name} has CRC-32 {crc}, the commit recorded {want['crc32']} "
+                "(bytes changed on disk after the save)"
             )
 
 

@@ -37,7 +37,7 @@ from stepforge.core import BoostedOptimizer, Plugin
 
 from .._env import set_random_seed
 from .._version import __version__
-from ._dcp import load_dir, read_meta, save_dir
+from ._dcp import load_dir, read_dcp_metadata, read_meta, save_dir
 from ._fsdp_window import fsdp_pending_grads, set_fsdp_pending_grads
 from ._layout import CheckpointError, read_commit
 from ._rng import get_rng_state, set_rng_state
@@ -223,10 +223,8 @@ def load(
 ) -> dict[str, Any]:
     if run.model is None:
         raise RuntimeError("Strategy.load_checkpoint: call prepare(model) first")
-    import torch.distributed.checkpoint as dcp
-
     read_commit(filename)  # a clear error for an unfinished checkpoint before reading its metadata
-    stored = dcp.FileSystemReader(filename).read_metadata().state_dict_metadata
+    stored = read_dcp_metadata(filename).state_dict_metadata
     prefix = "tensors.model."
     saved_keys = [k[len(prefix) :] for k in stored if k.startswith(prefix)]
     revised = _revise(saved_keys, revise_keys)
