@@ -249,9 +249,9 @@ class SafeFileSystemReader(FileSystemReader):
         metadata = _DcpMetadataUnpickler(io.BytesIO(data), _dcp_metadata_globals()).load()
         if not isinstance(metadata, Metadata):
             raise pickle.UnpicklingError(f"DCP metadata holds a {type(metadata).__name__}, not a Metadata")
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta = metadata.storage_meta if metadata.storage_meta is not None else StorageMeta()
+        storage_meta.load_id = self.load_id
+        metadata.storage_meta = storage_meta
         return metadata
 
 

@@ -33,11 +33,12 @@ _Path = tuple[Any, ...]
 def _read_metadata(checkpoint: str | os.PathLike[str]) -> Metadata:
     # the restricted reader: DCP's metadata classes only, so reading it runs no code from the checkpoint
     try:
-        return SafeFileSystemReader(str(checkpoint)).read_metadata()
+        metadata: Metadata = SafeFileSystemReader(str(checkpoint)).read_metadata()
     except Exception as exc:
         raise CheckpointError(
             f"checkpoint {str(checkpoint)!r}: its DCP metadata is unreadable or refused ({exc})"
         ) from exc
+    return metadata
 
 
 def _saved_paths(metadata: Metadata, root: str) -> dict[_Path, Any]:

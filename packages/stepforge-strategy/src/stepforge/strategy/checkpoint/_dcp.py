@@ -225,7 +225,8 @@ def save_dir(
 
 def read_meta(path: str) -> dict[str, Any]:
     """The meta recorded in a committed checkpoint (``CheckpointError`` otherwise)."""
-    return read_commit(path)["meta"]
+    meta: dict[str, Any] = read_commit(path)["meta"]
+    return meta
 
 
 def _check_template(path: str, template: dict[str, Any], metadata: Any) -> None:
