@@ -315,6 +315,25 @@ def bench(session: nox.Session) -> None:
     session.run("python", str(ROOT / "tools" / "bench" / "bench_optim.py"), "--out", out, *quick)
 
 
+#: every CPU benchmark at a seconds-long size: CI keeps them working, never times anything (python, args)
+BENCH_SMOKE = (
+    ("bench_train.py", ("--tiny",)),
+    ("bench_zero.py", ("--quick", "--world", "2")),
+    ("bench_fused_cpu.py", ("--quick", "--no-plot")),
+    ("bench_fused_sgd.py", ("--quick", "--no-plot")),
+    ("bench_optim.py", ("--reps", "1", "--warmup", "0", "--tensors", "4", "--max-numel", "4096")),
+)
+
+
+@ci_session()
+def bench_smoke(session: nox.Session) -> None:
+    """Run every CPU benchmark in tools/bench/ once at a tiny size (a broken bench fails CI; no timing is judged)."""
+    install_packages(session, *GPT_DEMO_PACKAGES, extra=(*GPT_DEMO_DEPS, "scikit-learn"), env=CPU_BUILD)
+    out = pathlib.Path(session.create_tmp()) / "bench-smoke"
+    for script, args in BENCH_SMOKE:
+        session.run("python", str(ROOT / "tools" / "bench" / script), "--out", str(out), *args)
+
+
 # The Hugging Face Trainer example and its test (examples/huggingface/): a tiny GPT-2, CI-sized.
 INTEGRATION_PACKAGES = (
     "stepforge-core",

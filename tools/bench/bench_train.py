@@ -1,0 +1,294 @@
+# SPDX-License-Identifier: Apache-2.0
+"""End to end: the demo's byte-level GPT trained on N gloo ranks by a plain torch loop and by stepforge's stack.
+
+Contenders (same weights, same data, same accumulation; each runs in its own fresh processes so that peak RSS is
+its own; every rank runs ``torch.set_num_threads(cores // N)``):
+
+    torch_loop       DDP + torch.optim.AdamW(fused=True), accumulation written by hand with ``no_sync``
+    strategy_ddp     Strategy(plugin="torch_ddp") + ColossalAIOptimWrapper, torch AdamW(fused=True)
+    strategy_fsdp    Strategy(plugin="torch_fsdp") + ColossalAIOptimWrapper, torch AdamW
+    strategy_zero1   Strategy(plugin="zero1", fp32) + ColossalAIOptimWrapper, stepforge CPUAdam
+    strategy_zero2   Strategy(plugin="zero2", fp32) + ColossalAIOptimWrapper, stepforge CPUAdam
+
+Printed per contender: tokens/s and its ratio to ``torch_loop``; the time of one optimizer step split into
+forward, backward (compute), communication wait and optimizer step; peak RSS per rank. The communication wait
+is what a synchronising backward costs beyond a ``no_sync`` one (the mean of the last micro-step's backward
+minus the mean of the others), so it is measured the same way for every contender, whatever engine moves the
+bytes; for a plugin that communicates in ``step`` the wait shows up there instead.
+
+    python tools/bench/bench_train.py                       # -> bench-out/cpu-<date>-train.json/.png
+    python tools/bench/bench_train.py --tiny --out /tmp/x   # seconds; what CI runs to keep it working
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import resource
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(ROOT / "examples"))
+
+import _machine  # noqa: E402
+import _report  # noqa: E402
+from gpt_demo_model import ByteGPT, load_corpus, sample_batch  # noqa: E402
+
+__all__ = ["main"]
+
+#: contender -> (plugin, optimizer config); None plugin = the plain torch loop
+CONTENDERS: dict[str, tuple[str | None, dict[str, Any]]] = {
+    "torch_loop": (None, {"type": "AdamW", "fused": True}),
+    "strategy_ddp": ("torch_ddp", {"type": "AdamW", "fused": True}),
+    "strategy_fsdp": ("torch_fsdp", {"type": "AdamW"}),
+    "strategy_zero1": ("zero1", {"type": "CPUAdam"}),
+    "strategy_zero2": ("zero2", {"type": "CPUAdam"}),
+}
+LR = 3e-4
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _build(name: str, args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """``(model to call, no_sync context factory or None, step function)`` for one contender."""
+    torch.manual_seed(0)
+    model = ByteGPT(args.d_model, args.layers, args.heads, args.seq_len)
+    plugin, opt_cfg = CONTENDERS[name]
+    if plugin is None:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ddp = DDP(model)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=LR, fused=True)
+
+        def backward(loss: torch.Tensor) -> None:
+            (loss / args.accum).backward()
+
+        def step() -> None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        return ddp, (ddp.no_sync, backward), step
+    from stepforge.strategy import Strategy
+
+    # ZeRO keeps ColossalAI's fp16 default; the loop it is compared with is fp32
+    spec: Any = dict(type=plugin, precision="fp32") if plugin in ("zero1", "zero2") else plugin
+    strategy = Strategy(plugin=spec, mixed_precision=None, log_kwargs=dict(console=False))
+    wrapped, wrapper = strategy.prepare(
+        model,
+        optim_wrapper=dict(
+            type="ColossalAIOptimWrapper", optimizer=dict(lr=LR, **opt_cfg), accumulative_counts=args.accum
+        ),
+        dispatch_kwargs=dict(max_iters=(args.warmup + args.steps) * args.accum),
+    )
+
+    def wrapper_step() -> None:
+        wrapper.step()
+        wrapper.zero_grad()
+
+    def wrapper_backward(loss: torch.Tensor) -> None:
+        wrapper.backward(wrapper.scale_loss(loss))
+
+    return wrapped, (lambda: wrapper.optim_context(wrapped), wrapper_backward), wrapper_step
+
+
+def _worker(rank: int, world: int, name: str, args: argparse.Namespace, out: str) -> None:
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+    corpus = load_corpus(args.corpus_bytes)
+    model, (context, backward), step = _build(name, args)
+    fwd, bwd_sync, bwd_local, opt_ms, losses = [], [], [], [], []
+    plain = CONTENDERS[name][0] is None
+    t_start = 0.0
+    for it in range((args.warmup + args.steps) * args.accum):
+        if it == args.warmup * args.accum:
+            dist.barrier()
+            t_start = time.perf_counter()
+        measured = it >= args.warmup * args.accum
+        last = (it + 1) % args.accum == 0
+        x, y = sample_batch(corpus, args.seq_len, args.micro_batch, 0, it, rank)
+        # the torch loop skips DDP's all-reduce inside the window by hand; the wrapper decides it itself
+        ctx = context() if (not plain or not last) else _nullcontext()
+        t0 = time.perf_counter()
+        with ctx:
+            loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+            t1 = time.perf_counter()
+            backward(loss)
+        t2 = time.perf_counter()
+        if measured:
+            fwd.append(t1 - t0)
+            (bwd_sync if last else bwd_local).append(t2 - t1)
+            losses.append(float(loss.detach()))
+        if last:
+            t3 = time.perf_counter()
+            step()
+            if measured:
+                opt_ms.append(time.perf_counter() - t3)
+    dist.barrier()
+    wall = time.perf_counter() - t_start
+    ms = 1e3
+    compute_bwd = statistics.fmean(bwd_local) if bwd_local else statistics.fmean(bwd_sync)
+    result = {
+        "wall_s": wall,
+        "tokens": args.steps * args.accum * args.micro_batch * args.seq_len * world,
+        # per optimizer step (accum micro-steps)
+        "forward_ms": ms * sum(fwd) / args.steps,
+        "backward_ms": ms * compute_bwd * args.accum,
+        "comm_wait_ms": ms * max(0.0, statistics.fmean(bwd_sync) - compute_bwd),
+        "optimizer_ms": ms * statistics.fmean(opt_ms),
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "losses": losses,
+    }
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+class _nullcontext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def run_contender(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS=str(args.threads)
+        )
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        mp.start_processes(
+            _worker, args=(args.world, name, args, tmp), nprocs=args.world, start_method="spawn"
+        )
+        ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(args.world)]
+    wall = max(r["wall_s"] for r in ranks)
+    row: dict[str, Any] = {"contender": name, "plugin": CONTENDERS[name][0] or "DDP (hand-written loop)"}
+    row["optimizer"] = CONTENDERS[name][1]["type"]
+    row["tokens_per_s"] = ranks[0]["tokens"] / wall
+    for key in ("forward_ms", "backward_ms", "comm_wait_ms", "optimizer_ms"):
+        row[key] = statistics.fmean(r[key] for r in ranks)
+    row["peak_rss_mib_per_rank"] = [r["peak_rss_mib"] for r in ranks]
+    row["final_loss_rank0"] = ranks[0]["losses"][-1]
+    return row
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=str(ROOT / "bench-out"))
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--threads", type=int, default=0, help="threads per rank (0: cores // world, at least 1)")
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--accum", type=int, default=2)
+    p.add_argument("--steps", type=int, default=8, help="measured optimizer steps")
+    p.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps first")
+    p.add_argument(
+        "--rounds", type=int, default=1, help="run every contender this many times, keep the median"
+    )
+    p.add_argument("--contenders", default=",".join(CONTENDERS))
+    p.add_argument("--corpus-bytes", type=int, default=2_000_000)
+    p.add_argument("--tiny", action="store_true", help="a seconds-long run that only checks the bench works")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.d_model, args.layers, args.heads, args.seq_len, args.micro_batch = 32, 1, 2, 16, 2
+        args.steps, args.warmup, args.corpus_bytes = 1, 1, 100_000
+    if args.threads <= 0:
+        args.threads = max(1, (os.cpu_count() or 2) // args.world)
+    return args
+
+
+def _plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["contender"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    left.bar(names, [r["ratio_to_torch_loop"] for r in rows], color="tab:blue")
+    left.axhline(1.0, color="black", lw=0.8)
+    left.axhline(0.97, color="tab:red", ls="--", lw=0.8, label="0.97 (within 3%)")
+    left.set_ylabel("tokens/s relative to the plain torch loop")
+    left.legend()
+    bottom = [0.0] * len(rows)
+    for key, colour in (("forward_ms", "tab:green"), ("backward_ms", "tab:orange"),
+                        ("comm_wait_ms", "tab:red"), ("optimizer_ms", "tab:purple")):  # fmt: skip
+        values = [r[key] for r in rows]
+        right.bar(names, values, bottom=bottom, color=colour, label=key.removesuffix("_ms"))
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    right.set_ylabel("ms per optimizer step (rank mean)")
+    right.legend()
+    for ax in (left, right):
+        ax.tick_params(axis="x", rotation=30)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    names = [n.strip() for n in args.contenders.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(CONTENDERS))
+    if unknown or "torch_loop" not in names:
+        raise SystemExit(
+            f"--contenders: unknown {unknown}; choose from {list(CONTENDERS)} (torch_loop required)"
+        )
+    runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    for _ in range(args.rounds):
+        for name in names:  # round-robin, so slow drift of the machine's load hits every contender alike
+            runs[name].append(run_contender(name, args))
+    rows = [sorted(runs[n], key=lambda r: r["tokens_per_s"])[len(runs[n]) // 2] for n in names]
+    base = rows[0]["tokens_per_s"]
+    for row in rows:
+        row["ratio_to_torch_loop"] = row["tokens_per_s"] / base
+    cols = [("contender", "contender", "s"), ("optimizer", "optimizer", "s"), ("tokens_per_s", "tokens/s", ".0f"),
+            ("ratio_to_torch_loop", "x loop", ".3f"), ("forward_ms", "fwd ms", ".1f"),
+            ("backward_ms", "bwd ms", ".1f"), ("comm_wait_ms", "comm ms", ".1f"),
+            ("optimizer_ms", "opt ms", ".1f")]  # fmt: skip
+    print(_report.format_table(rows, cols))
+    for row in rows:
+        print(
+            f"  {row['contender']:<15} peak RSS per rank (MiB): {[round(v) for v in row['peak_rss_mib_per_rank']]}"
+        )
+    n_params = sum(
+        p.numel() for p in ByteGPT(args.d_model, args.layers, args.heads, args.seq_len).parameters()
+    )
+    machine = _machine.machine_info(threads=args.threads)
+    config = {k: v for k, v in vars(args).items() if k != "out"}
+    out = Path(args.out)
+    stem = f"cpu-{datetime.date.today().isoformat()}-train{'-tiny' if args.tiny else ''}"
+    _report.save_json(
+        out / f"{stem}.json", {"machine": machine, "config": config, "params": n_params, "rows": rows}
+    )
+    title = (f"{n_params / 1e6:.2f} M-param byte GPT, {args.world} gloo ranks x {args.threads} threads, "
+             f"accum {args.accum}, {args.steps} steps; {machine.get('cpu', {}).get('model', '')}; "
+             f"load {machine.get('load_average')}")  # fmt: skip
+    _plot(rows, out / f"{stem}.png", title)
+    print(f"wrote {out / stem}.json and .png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
