@@ -3,11 +3,20 @@
 
 from __future__ import annotations
 
-from collections.abc import MutableSequence, Sequence
+from collections.abc import Callable, MutableSequence, Sequence
+from typing import Any
 
 import torch
 
-__all__ = ["math_dtype_for", "advance_step", "check_lists", "to_math", "write_back"]
+__all__ = [
+    "math_dtype_for",
+    "advance_step",
+    "check_lists",
+    "to_math",
+    "write_back",
+    "run_closure",
+    "adam_moments",
+]
 
 
 def math_dtype_for(tensor: torch.Tensor, math_dtype: torch.dtype | None) -> torch.dtype:
@@ -47,3 +56,36 @@ def check_lists(owner: str, **lists: Sequence[object] | None) -> int:
     if len(set(lengths.values())) > 1:
         raise ValueError(f"{owner}: the tensor lists must have one length each, got {lengths}")
     return next(iter(lengths.values()), 0)
+
+
+def run_closure(closure: Callable[[], float] | None) -> float | None:
+    """torch.optim's closure rule: re-evaluate the loss with grad enabled (``step`` itself runs under no_grad)."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+def adam_moments(
+    state: dict[Any, dict[str, Any]], group: dict[str, Any]
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[int | torch.Tensor]]:
+    """``(params with a grad, exp_avgs, exp_avg_sqs, steps)`` of one param group, creating zero moments (fp32, or
+    fp64 for fp64 params) and ``step = 0`` on a parameter's first step."""
+    ps: list[torch.Tensor] = []
+    ms: list[torch.Tensor] = []
+    vs: list[torch.Tensor] = []
+    steps: list[int | torch.Tensor] = []
+    for p in group["params"]:
+        if p.grad is None:
+            continue
+        entry = state[p]
+        if not entry:
+            sdtype = torch.float64 if p.dtype == torch.float64 else torch.float32
+            entry["step"] = 0
+            entry["exp_avg"] = torch.zeros_like(p, dtype=sdtype)
+            entry["exp_avg_sq"] = torch.zeros_like(p, dtype=sdtype)
+        ps.append(p)
+        ms.append(entry["exp_avg"])
+        vs.append(entry["exp_avg_sq"])
+        steps.append(entry["step"])
+    return ps, ms, vs, steps

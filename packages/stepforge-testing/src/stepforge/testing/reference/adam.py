@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ._util import advance_step, check_lists, math_dtype_for, to_math, write_back
+from ._util import adam_moments, advance_step, check_lists, math_dtype_for, run_closure, to_math, write_back
 
 __all__ = ["reference_adam_step", "ReferenceAdam"]
 
@@ -125,26 +125,10 @@ class ReferenceAdam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         for group in self.param_groups:
-            ps, gs, ms, vs, steps = [], [], [], [], []
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    sdtype = torch.float64 if p.dtype == torch.float64 else torch.float32
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p, dtype=sdtype)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=sdtype)
-                ps.append(p)
-                gs.append(p.grad)
-                ms.append(state["exp_avg"])
-                vs.append(state["exp_avg_sq"])
-                steps.append(state["step"])
+            ps, ms, vs, steps = adam_moments(self.state, group)
+            gs = [p.grad for p in ps]
             beta1, beta2 = group["betas"]
             reference_adam_step(
                 ps,

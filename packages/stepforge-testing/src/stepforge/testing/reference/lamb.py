@@ -36,7 +36,7 @@ from typing import Any, Literal
 
 import torch
 
-from ._util import advance_step, check_lists, math_dtype_for, to_math, write_back
+from ._util import adam_moments, advance_step, check_lists, math_dtype_for, run_closure, to_math, write_back
 
 __all__ = ["reference_lamb_step", "reference_global_grad_norm", "ReferenceLamb"]
 
@@ -200,27 +200,11 @@ class ReferenceLamb(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         all_grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
         norm = reference_global_grad_norm(all_grads)
         for group in self.param_groups:
-            ps, ms, vs, steps = [], [], [], []
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    sdtype = torch.float64 if p.dtype == torch.float64 else torch.float32
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p, dtype=sdtype)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=sdtype)
-                ps.append(p)
-                ms.append(state["exp_avg"])
-                vs.append(state["exp_avg_sq"])
-                steps.append(state["step"])
+            ps, ms, vs, steps = adam_moments(self.state, group)
             beta1, beta2 = group["betas"]
             reference_lamb_step(
                 ps,

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ._util import check_lists, math_dtype_for, to_math, write_back
+from ._util import check_lists, math_dtype_for, run_closure, to_math, write_back
 
 __all__ = ["reference_lars_step", "ReferenceLars"]
 
@@ -152,10 +152,7 @@ class ReferenceLars(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         exclude = self.exclude_from_adaptation
         for group in self.param_groups:
             ps = [p for p in group["params"] if p.grad is not None]

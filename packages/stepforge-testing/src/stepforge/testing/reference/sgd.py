@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ._util import check_lists, math_dtype_for, to_math, write_back
+from ._util import check_lists, math_dtype_for, run_closure, to_math, write_back
 
 __all__ = ["reference_sgd_step", "ReferenceSGD"]
 
@@ -129,10 +129,7 @@ class ReferenceSGD(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         for group in self.param_groups:
             ps = [p for p in group["params"] if p.grad is not None]
             bufs: list[torch.Tensor | None] = [self.state[p].get("momentum_buffer") for p in ps]
