@@ -21,12 +21,16 @@ written to temporary names, fsynced and ``os.replace``d, the file first, the man
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
 import uuid
 from collections.abc import Callable
 from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 from .._env import broadcast_object, get_rank
 from ._layout import (
@@ -84,8 +88,6 @@ def _read_sidecar(path: str) -> dict[str, Any] | None:
     sidecar = path + SIDECAR_SUFFIX
     if not os.path.isfile(sidecar):
         return None
-    import json
-
     try:
         with open(sidecar, encoding="utf-8") as f:
             text = f.read()
@@ -100,8 +102,14 @@ def _read_sidecar(path: str) -> dict[str, Any] | None:
             f"(format {FILE_FORMAT!r} with its own CRC-32)"
         )
     data = record.get("data")
-    if not isinstance(data, dict) or not isinstance(data.get("size"), int) or not isinstance(data.get("crc32"), str):
-        raise CheckpointError(f"checkpoint file {path!r}: its manifest {sidecar!r} has no data size and crc32")
+    if (
+        not isinstance(data, dict)
+        or not isinstance(data.get("size"), int)
+        or not isinstance(data.get("crc32"), str)
+    ):
+        raise CheckpointError(
+            f"checkpoint file {path!r}: its manifest {sidecar!r} has no data size and crc32"
+        )
     return data
 
 
@@ -196,7 +204,10 @@ def check_target(path: Any, *, arg: str, where: str, kind: str, work_dir: str | 
             )
     elif os.path.lexists(target):
         if kind == "dir":
-            raise CheckpointError(f"{where}: {arg}={text!r} is an existing file; choose another name")
+            raise CheckpointError(
+                f"{where}: {arg}={text!r} is an existing file, not a checkpoint directory stepforge committed; it "
+                "is never replaced. Choose another name or remove it yourself"
+            )
         try:
             has_manifest = _read_sidecar(target) is not None
         except CheckpointError:
@@ -261,9 +272,19 @@ def _commit(tmp: str, final: str, meta: dict[str, Any], work_dir: str | None, ma
             shutil.rmtree(path, ignore_errors=True)
 
 
-def _gather_failures(status: str | None) -> list[str]:
-    import torch.distributed as dist
+def _cause(exc: BaseException, rank: int) -> BaseException:
+    """The exception to chain to: for DCP's ``CheckpointException`` (which wraps every rank's failure with its
+    traceback) this rank's own, else the first rank's."""
+    if isinstance(exc, dcp.CheckpointException) and exc.failures:
+        wrapped = exc.failures.get(rank) or next(iter(exc.failures.values()))
+        inner: BaseException = wrapped[0]
+        if inner.__cause__ is None and inner is not exc:
+            inner.__context__ = exc
+        return inner
+    return exc
 
+
+def _gather_failures(status: str | None) -> list[str]:
     if not (dist.is_available() and dist.is_initialized()):
         return [status] if status else []
     out: list[Any] = [None] * dist.get_world_size()
@@ -329,10 +350,8 @@ def commit_dir(
     local: BaseException | None = None
     try:
         write(tmp)
-    except BaseException as exc:  # DCP's CheckpointException is a BaseException
-        if isinstance(exc, KeyboardInterrupt | SystemExit):
-            raise
-        local = exc
+    except (Exception, dcp.CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
+        local = _cause(exc, rank)
     failures = _gather_failures(None if local is None else f"{type(local).__name__}: {local}")
     status = None
     if rank == 0:
