@@ -106,7 +106,7 @@ def test_booster_optimizer_and_scheduler_saves_refuse_the_working_directory_and_
     monkeypatch.chdir(tmp_path)
     booster = Booster(plugin="single")
     plain = _model()
-    model, opt, *_ = booster.boost(plain, torch.optim.SGD(plain.parameters(), lr=0.1))
+    _, opt, *_ = booster.boost(plain, torch.optim.SGD(plain.parameters(), lr=0.1))
     sched = torch.optim.lr_scheduler.StepLR(opt, 1)
     (tmp_path / "sched.pt").write_bytes(b"a file of the user")
     before = _snapshot(str(tmp_path))
