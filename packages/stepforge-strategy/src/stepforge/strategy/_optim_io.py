@@ -86,7 +86,9 @@ def load_optimizer(
             f"load_optimizer: {path} is not a torch.distributed.checkpoint directory (no .metadata); pass the "
             "directory given to save_optimizer."
         )
-    verify_dir(str(path), required=True, where="load_optimizer")  # COMMIT.json and every file's CRC-32 first
+    # COMMIT.json and every file's CRC-32 first; a directory without one (torch's own dcp.save, or a save of
+    # stepforge before the one writer) is read as before, through the restricted reader only
+    verify_dir(str(path), required=False, where="load_optimizer")
     model_sd, optim_sd = plugin.get_state_dict(model, optimizer)
     state: dict[str, Any] = {"optimizer": optim_sd}
     scaler = optimizer.scaler_state_dict()
