@@ -90,14 +90,14 @@ def _boosted():
 
 
 def test_optimizer_and_scheduler_saves_are_committed_and_checked(tmp_path):
-    booster, model, opt, sched = _boosted()
+    booster, _, opt, sched = _boosted()
     opt_dir, sched_file = str(tmp_path / "optimizer"), str(tmp_path / "sched.pt")
     booster.save_optimizer(opt, opt_dir)
     booster.save_lr_scheduler(sched, sched_file)
     record = ck._layout.read_commit(opt_dir)
     assert record["meta"] == {"kind": "optimizer"} and ".metadata" in record["files"]
     assert torch.load(sched_file, weights_only=True) == sched.state_dict()  # still a plain torch.save file
-    data = [n for n in os.listdir(opt_dir) if n.endswith(".distcp")][0]
+    data = next(n for n in os.listdir(opt_dir) if n.endswith(".distcp"))
     for victim, load in (
         (os.path.join(opt_dir, data), lambda: booster.load_optimizer(opt, opt_dir)),
         (sched_file, lambda: booster.load_lr_scheduler(sched, sched_file)),
