@@ -6,6 +6,10 @@ Saving gathers the full state dict (FSDP2 DTensors included) with
 rank must call it and rank 0 writes. Loading reads the file(s) on every rank and applies them with
 ``set_model_state_dict(full_state_dict=True)``, which shards them again for FSDP2, so a save loads at any
 world size and into a plain ``nn.Module`` (``safetensors.torch.load_file``).
+
+Every save goes through the one checkpoint writer: a single file via ``checkpoint.commit_file`` (atomic, sidecar
+manifest ``<file>.stepforge.json``), shards via ``checkpoint.commit_dir`` (``COMMIT.json``); loads check the
+manifest when there is one (a Hugging Face download has none and is read as it is).
 """
 
 from __future__ import annotations
@@ -45,11 +49,6 @@ def _is_dist() -> bool:
 
 def _rank() -> int:
     return dist.get_rank() if _is_dist() else 0
-
-
-def _barrier() -> None:
-    if _is_dist():
-        dist.barrier()
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:

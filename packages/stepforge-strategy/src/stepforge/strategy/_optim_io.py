@@ -4,7 +4,8 @@
 The optimizer goes through ``torch.distributed.checkpoint``: the plugin's ``get_state_dict`` gives tensors (or
 DTensors) keyed by parameter FQN, every rank writes its own shard, and ``dcp.load`` fills the same structure
 in place at load time, at any world size. The fp16 loss-scaler state (``grad_scaler``, the boosted optimizer's
-``scaler_state_dict()``) rides along. The plugin and the optimizer meet here only through
+``scaler_state_dict()``) rides along. Saves go through the one checkpoint writer (``checkpoint.commit_dir`` for
+the optimizer directory, ``checkpoint.commit_file`` for the scheduler file); loads check its manifest first. The plugin and the optimizer meet here only through
 :class:`stepforge.core.Plugin` and :class:`stepforge.core.BoostedOptimizer`.
 """
 
