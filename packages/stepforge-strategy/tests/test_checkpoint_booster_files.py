@@ -32,7 +32,9 @@ def _flip(path: str, offset: int) -> None:
 
 
 def _equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
-    return all(torch.equal(p, q) for p, q in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
+    return all(
+        torch.equal(p, q) for p, q in zip(a.state_dict().values(), b.state_dict().values(), strict=True)
+    )
 
 
 @pytest.mark.parametrize("use_safetensors", [True, False])
@@ -83,7 +85,8 @@ def _boosted():
     opt.step()
     opt.zero_grad()
     sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
-    with warnings.catch_warnings():  # torch cannot see the boosted optimizer's step: its order warning is moot
+    # torch cannot see the boosted optimizer's step: its order warning is moot
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         sched.step()
     return booster, model, opt, sched

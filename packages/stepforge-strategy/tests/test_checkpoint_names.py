@@ -102,7 +102,9 @@ def test_booster_save_model_refuses_empty_dot_and_user_files(tmp_path, monkeypat
     booster.save_model(model, "own.pt", shard=shard)
 
 
-def test_booster_optimizer_and_scheduler_saves_refuse_the_working_directory_and_user_files(tmp_path, monkeypatch):
+def test_booster_optimizer_and_scheduler_saves_refuse_the_working_directory_and_user_files(
+    tmp_path, monkeypatch
+):
     monkeypatch.chdir(tmp_path)
     booster = Booster(plugin="single")
     plain = _model()
