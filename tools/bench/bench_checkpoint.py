@@ -4,7 +4,8 @@ one run with the raw ``dcp.save``/``dcp.load`` underneath and the checksum funct
 
     python tools/bench/bench_checkpoint.py [--mb 1024] [--repeats 3] [--dir DIR] [--out FILE]
 
-Rows (median of ``--repeats``, seconds and GB/s of checkpoint bytes):
+Rows (median of ``--repeats``, seconds and GB/s of checkpoint bytes; the rows alternate within every repeat and
+``os.sync()`` runs, untimed, before each):
 
 - ``dcp_save_raw``: ``torch.distributed.checkpoint.save`` into a fresh directory (no manifest, no rename);
 - ``save_committed``: stepforge's writer (``checkpoint.save_dir``): the same DCP files in a temporary directory,
@@ -60,15 +61,11 @@ def _tensors(mb: float) -> dict[str, torch.Tensor]:
     return out
 
 
-def _median_time(fn: Callable[[], Any], repeats: int, before: Callable[[], Any] | None = None) -> float:
-    times = []
-    for _ in range(repeats):
-        if before is not None:
-            before()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def _timed(fn: Callable[[], Any]) -> float:
+    os.sync()  # not timed: no dirty pages of the previous row are flushed inside this one
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def _hash_rate(name: str, data: memoryview) -> Callable[[], Any]:
@@ -82,34 +79,35 @@ def run(mb: float, repeats: int, workdir: str) -> dict[str, Any]:
     state = _tensors(mb)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     raw, committed = os.path.join(workdir, "raw"), os.path.join(workdir, "committed")
-    rows: dict[str, float] = {}
+    times: dict[str, list[float]] = {}
+    target = {k: torch.empty_like(v) for k, v in state.items()}
+
+    def rows_once() -> dict[str, Callable[[], Any]]:
+        return {
+            "dcp_save_raw": lambda: dcp.save(state, checkpoint_id=raw, no_dist=True),
+            "save_committed": lambda: ck.save_dir(
+                committed, tensors=state, objects={}, rank_objects={}, meta={"bench": True}
+            ),
+            "verify": lambda: _layout.validate_files(committed, _layout.read_commit(committed)),
+            "load_committed": lambda: ck.load_dir(committed, target),
+            "dcp_load_raw": lambda: dcp.load(target, checkpoint_id=raw, no_dist=True),
+        }
+
     with warnings.catch_warnings():  # one process, no group: DCP warns on every call
         warnings.filterwarnings("ignore", message="torch.distributed is .*single process")
-
-        def clear_raw() -> None:
+        for _ in range(repeats):  # the rows alternate within every repeat: a load change hits them alike
             shutil.rmtree(raw, ignore_errors=True)
-
-        rows["dcp_save_raw"] = _median_time(
-            lambda: dcp.save(state, checkpoint_id=raw, no_dist=True), repeats, clear_raw
-        )
-        rows["save_committed"] = _median_time(
-            lambda: ck.save_dir(committed, tensors=state, objects={}, rank_objects={}, meta={"bench": True}),
-            repeats,
-        )
-        rows["verify"] = _median_time(
-            lambda: _layout.validate_files(committed, _layout.read_commit(committed)), repeats
-        )
-        target = {k: torch.empty_like(v) for k, v in state.items()}
-        rows["load_committed"] = _median_time(lambda: ck.load_dir(committed, target), repeats)
-        if not all(torch.equal(target[k], state[k]) for k in state):
-            raise AssertionError("the loaded tensors differ from the saved ones")
-        rows["dcp_load_raw"] = _median_time(
-            lambda: dcp.load(target, checkpoint_id=raw, no_dist=True), repeats
-        )
+            for name, fn in rows_once().items():
+                times.setdefault(name, []).append(_timed(fn))
+            if not all(torch.equal(target[k], state[k]) for k in state):
+                raise AssertionError("the loaded tensors differ from the saved ones")
+            for t in target.values():
+                t.zero_()
     flat = torch.cat([t.view(-1) for t in state.values()])
     data = memoryview(flat.numpy()).cast("B")
     for name in ("crc32", "blake2b", "sha256"):
-        rows[f"{name}_memory"] = _median_time(_hash_rate(name, data), repeats)
+        times[f"{name}_memory"] = [_timed(_hash_rate(name, data)) for _ in range(repeats)]
+    rows = {k: statistics.median(v) for k, v in times.items()}
     shutil.rmtree(raw, ignore_errors=True)
     shutil.rmtree(committed, ignore_errors=True)
     files = {"count": len(state), "tensor_mb": _TENSOR_MB}
@@ -119,6 +117,7 @@ def run(mb: float, repeats: int, workdir: str) -> dict[str, Any]:
         "files": files,
         "repeats": repeats,
         "seconds": {k: round(v, 4) for k, v in rows.items()},
+        "seconds_per_repeat": {k: [round(x, 4) for x in v] for k, v in times.items()},
         "gb_per_s": {k: round(nbytes / 1e9 / v, 3) if v > 0 else None for k, v in rows.items()},
         "ratios": {
             "save_committed / dcp_save_raw": round(rows["save_committed"] / rows["dcp_save_raw"], 3),

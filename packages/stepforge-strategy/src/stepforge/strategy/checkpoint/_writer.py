@@ -16,12 +16,13 @@ Directory saves (a Strategy checkpoint, ``Booster.save_optimizer``, ``Booster.sa
 Single-file saves (``Booster.save_model(shard=False)``, ``Booster.save_lr_scheduler``) keep the file where the
 user named it, in its own format (safetensors or ``torch.save``, readable by any reader of that format), and
 put its size and CRC-32 in a sidecar manifest ``<file>.stepforge.json`` (:data:`SIDECAR_SUFFIX`). Both are
-written to temporary names, fsynced and ``os.replace``d, the file first, the manifest last.
+written to temporary names, fsynced and ``os.replace``d, the file first, the manifest last (``_sidecar.py``).
+
+Which names a save may write to is ``_names.py``'s :func:`check_target`.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
@@ -47,6 +48,8 @@ from ._layout import (
     validate_files,
     write_text_atomic,
 )
+from ._names import check_name, check_target, is_committed_dir
+from ._sidecar import FILE_FORMAT, SIDECAR_SUFFIX, verify_file, write_with_sidecar
 
 __all__ = [
     "FILE_FORMAT",
@@ -60,82 +63,6 @@ __all__ = [
     "verify_file",
 ]
 
-#: Sidecar manifest of a single-file save: ``model.pt`` → ``model.pt.stepforge.json``.
-SIDECAR_SUFFIX = ".stepforge.json"
-FILE_FORMAT = "stepforge-file-1"
-
-
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def is_committed_dir(path: str) -> bool:
-    """Whether ``path`` is a directory with a readable stepforge ``COMMIT.json`` (its files are not checked: a
-    damaged earlier save may be replaced)."""
-    try:
-        read_commit(path)
-    except CheckpointError:
-        return False
-    return True
-
-
-def _read_sidecar(path: str) -> dict[str, Any] | None:
-    """The ``{"size", "crc32"}`` record of single file ``path`` from its manifest; None when it has none; ``CheckpointError`` when it is damaged."""
-    sidecar = path + SIDECAR_SUFFIX
-    if not os.path.isfile(sidecar):
-        return None
-    try:
-        with open(sidecar, encoding="utf-8") as f:
-            text = f.read()
-        record = json.loads(text)
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(
-            f"checkpoint file {path!r}: its manifest {sidecar!r} is unreadable ({exc})"
-        ) from exc
-    if not isinstance(record, dict) or record.get("format") != FILE_FORMAT or commit_text(record) != text:
-        raise CheckpointError(
-            f"checkpoint file {path!r}: its manifest {sidecar!r} is damaged or not a stepforge manifest "
-            f"(format {FILE_FORMAT!r} with its own CRC-32)"
-        )
-    data = record.get("data")
-    if (
-        not isinstance(data, dict)
-        or not isinstance(data.get("size"), int)
-        or not isinstance(data.get("crc32"), str)
-    ):
-        raise CheckpointError(
-            f"checkpoint file {path!r}: its manifest {sidecar!r} has no data size and crc32"
-        )
-    return data
-
-
-def verify_file(path: str) -> bool:
-    """Check single file ``path`` against its sidecar manifest before it is read.
-
-    Returns False when the file has no manifest (a file not written by stepforge: a Hugging Face download, a
-    ``torch.save`` of your own), True when it matched. Raises :class:`CheckpointError` naming the file when the
-    size or CRC-32 differs or the manifest is damaged.
-    """
-    record = _read_sidecar(path)
-    if record is None:
-        return False
-    got = file_record(path)
-    if got["size"] != record["size"]:
-        raise CheckpointError(
-            f"checkpoint file {path!r} is damaged: {got['size']} bytes, its manifest recorded {record['size']} "
-            "(truncated or overwritten)"
-        )
-    if got["crc32"] != record["crc32"]:
-        raise CheckpointError(
-            f"checkpoint file {path!r} is damaged: CRC-32 {got['crc32']}, its manifest recorded {record['crc32']} "
-            "(bytes changed on disk after the save)"
-        )
-    return True
-
 
 def verify_dir(path: str, *, required: bool, where: str) -> bool:
     """Check directory ``path`` against its ``COMMIT.json`` (every listed file's size and CRC-32) before it is
@@ -148,77 +75,6 @@ def verify_dir(path: str, *, required: bool, where: str) -> bool:
     except CheckpointError as exc:
         raise CheckpointError(f"{where}: {exc}") from exc
     return True
-
-
-def _protected(target: str, work_dir: str | None) -> list[str]:
-    """Directories a save must never replace: the working directory, ``work_dir`` and their ancestors."""
-    out = [os.getcwd()]
-    if work_dir is not None:
-        out.append(os.path.abspath(work_dir))
-    return [p for p in out if p == target or p.startswith(target.rstrip(os.sep) + os.sep)]
-
-
-def check_name(path: Any, *, arg: str, where: str) -> str:
-    """``path`` as text; ``TypeError``/``ValueError`` naming ``arg`` when it is not a path, empty, or names a
-    directory by ``.`` or ``..`` (which a save would replace)."""
-    if not isinstance(path, str | os.PathLike):
-        raise TypeError(f"{where}: {arg} must be a str or os.PathLike, got {type(path).__name__}")
-    text = os.fspath(path)
-    if not isinstance(text, str) or not text.strip():
-        raise ValueError(f"{where}: {arg} is empty; pass a checkpoint name such as 'iter_100'")
-    if os.path.basename(os.path.normpath(text)) in (".", "..", "") or text.rstrip("/\\").endswith(
-        ("/.", "/..")
-    ):
-        raise ValueError(
-            f"{where}: {arg}={text!r} names a directory by '.' or '..', which a save would replace; pass a new "
-            "name such as 'iter_100'"
-        )
-    return text
-
-
-def check_target(path: Any, *, arg: str, where: str, kind: str, work_dir: str | None = None) -> str:
-    """The absolute path a save may write to, or a clear error naming ``arg`` and the fix.
-
-    Refused: ``""``, ``"."``, ``".."`` (or a path ending in them), the working directory, ``work_dir`` or any
-    ancestor of them, an existing directory that is not a committed stepforge checkpoint (an empty one is
-    allowed: nothing is lost), an existing file that has no stepforge manifest (``kind="file"``), and for
-    ``kind="dir"`` an existing file. A user's folder or file is never replaced.
-    """
-    text = check_name(path, arg=arg, where=where)
-    target = os.path.abspath(text)
-    hit = _protected(target, work_dir)
-    if hit:
-        raise ValueError(
-            f"{where}: {arg}={text!r} is {hit[0]!r} or one of its parent directories (the working or work_dir), "
-            "which a save would replace; pass a name inside it such as 'iter_100'"
-        )
-    if os.path.isdir(target):
-        if kind == "file":
-            raise CheckpointError(
-                f"{where}: {arg}={text!r} is an existing directory; pass a file path (or a new name)"
-            )
-        if os.listdir(target) and not is_committed_dir(target):
-            raise CheckpointError(
-                f"{where}: {arg}={text!r} is an existing directory that is not a committed stepforge checkpoint "
-                f"(no valid {MARKER}); it is never replaced. Choose another name or remove it yourself"
-            )
-    elif os.path.lexists(target):
-        if kind == "dir":
-            raise CheckpointError(
-                f"{where}: {arg}={text!r} is an existing file, not a checkpoint directory stepforge committed; it "
-                "is never replaced. Choose another name or remove it yourself"
-            )
-        try:
-            has_manifest = _read_sidecar(target) is not None
-        except CheckpointError:
-            has_manifest = False
-        if not has_manifest:
-            raise CheckpointError(
-                f"{where}: {arg}={text!r} is an existing file stepforge did not write (no valid "
-                f"{os.path.basename(target) + SIDECAR_SUFFIX}); it is never replaced. Choose another name or remove "
-                "it yourself"
-            )
-    return target
 
 
 def _recover(final: str) -> None:
@@ -328,9 +184,7 @@ def commit_dir(
     setup: tuple[str, str] | tuple[None, BaseException] = (None, CheckpointError("unset"))
     if rank == 0:
         try:
-            final = os.path.abspath(os.fspath(path)) if isinstance(path, str | os.PathLike) else ""
-            if final:
-                _recover(final)
+            _recover(os.path.abspath(check_name(path, arg=arg, where=where)))
             final = check_target(path, arg=arg, where=where, kind="dir", work_dir=work_dir)
             os.makedirs(os.path.dirname(final), exist_ok=True)
             tmp = os.path.join(
@@ -372,36 +226,6 @@ def commit_dir(
     return final
 
 
-def _write_file(final: str, write: Callable[[str], None], where: str, meta: dict[str, Any]) -> None:
-    parent, base = os.path.dirname(final), os.path.basename(final)
-    token = uuid.uuid4().hex[:12]
-    tmp = os.path.join(parent, f".{base}.tmp-{token}")
-    tmp_sidecar = os.path.join(parent, f".{base}{SIDECAR_SUFFIX}.tmp-{token}")
-    try:
-        os.makedirs(parent, exist_ok=True)
-        write(tmp)
-        _fsync_file(tmp)
-        record = {
-            "format": FILE_FORMAT,
-            "file": base,
-            "committed_at": time.time(),
-            "data": file_record(tmp),  # "crc32" at the top level is the manifest's own (commit_text)
-            "meta": meta,
-        }
-        with open(tmp_sidecar, "w", encoding="utf-8") as f:
-            f.write(commit_text(record))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-        os.replace(tmp_sidecar, final + SIDECAR_SUFFIX)
-        fsync_dir(parent)
-    except Exception as exc:
-        for leftover in (tmp, tmp_sidecar):
-            if os.path.lexists(leftover):
-                os.remove(leftover)
-        raise CheckpointError(f"{where}: writing {final!r} failed ({type(exc).__name__}: {exc})") from exc
-
-
 def commit_file(
     path: Any, write: Callable[[str], None], *, arg: str, where: str, meta: dict[str, Any]
 ) -> str:
@@ -420,7 +244,7 @@ def commit_file(
     if get_rank() == 0:
         try:
             final = check_target(path, arg=arg, where=where, kind="file")
-            _write_file(final, write, where, meta)
+            write_with_sidecar(final, write, where, meta)
             outcome = final
         except (ValueError, TypeError, CheckpointError) as exc:
             outcome = exc
