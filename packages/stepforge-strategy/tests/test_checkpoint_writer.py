@@ -78,6 +78,33 @@ def test_a_full_disk_removes_the_temporary_directory_and_keeps_the_committed_one
     assert find_latest_checkpoint(work) == new and not os.path.exists(kept)
 
 
+# an os.replace that fails (an OSError, not a kill) at the marker (0), moving the older copy aside (1) or moving
+# the new one in (2): the older copy is back in place byte for byte and nothing temporary is left
+@pytest.mark.parametrize("fail_at", [0, 1, 2])
+def test_a_failed_rename_puts_the_older_copy_back(tmp_path, monkeypatch, fail_at):
+    work = str(tmp_path)
+    s = _trained(work)
+    kept = s.save_checkpoint("iter_3")
+    before = _snapshot(work)
+    train(s, 3, 6, 0)
+    real, count = os.replace, [0]
+
+    def replace(src, dst):
+        if count[0] == fail_at:
+            count[0] += 1
+            _enospc()
+        count[0] += 1
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(CheckpointError, match="No space left") as info:
+        s.save_checkpoint("iter_3")
+    monkeypatch.undo()
+    assert isinstance(info.value.__cause__, OSError)
+    assert _snapshot(work) == before and _leftovers(work) == []
+    assert find_latest_checkpoint(work) == kept and read_meta(kept)["iter"] == 3
+
+
 def _replace_calls(work: str) -> list[tuple[str, str]]:
     """The os.replace calls of a re-save of ``iter_3``, in order (recorded from a real one)."""
     s = _trained(work)
