@@ -135,7 +135,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument(
         "--dir", default=None, help="where the checkpoints are written (default: a temporary dir)"
     )
-    ap.add_argument("--out", type=Path, default=None, help="JSON report (default: print only)")
+    ap.add_argument(
+        "--out", type=Path, default=None, help="JSON report file, or a folder (default: print only)"
+    )
     args = ap.parse_args(argv)
     load_before = _machine.load_average()
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="bench-ckpt-") as workdir:
@@ -148,9 +150,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "verified and loaded; trust ratios"
     )
     text = json.dumps(report, indent=2)
+    # --out: a .json file, or a folder (nox bench_smoke passes one) that gets checkpoint.json
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+        out = args.out if args.out.suffix == ".json" else args.out / "checkpoint.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
     print(text)
     return report
 
