@@ -61,8 +61,9 @@ def _tensors(mb: float) -> dict[str, torch.Tensor]:
     return out
 
 
-def _timed(fn: Callable[[], Any]) -> float:
-    os.sync()  # not timed: no dirty pages of the previous row are flushed inside this one
+def _timed(fn: Callable[[], Any], sync: bool = True) -> float:
+    if sync:  # not timed: no dirty pages of the previous row are flushed inside this one
+        os.sync()
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
@@ -74,8 +75,11 @@ def _hash_rate(name: str, data: memoryview) -> Callable[[], Any]:
     return lambda: hashlib.new(name, data).digest()
 
 
-def run(mb: float, repeats: int, workdir: str) -> dict[str, Any]:
-    """Time every row at ``mb`` MB inside ``workdir`` (emptied of what it writes); the report as a dict."""
+def run(mb: float, repeats: int, workdir: str, sync: bool = True) -> dict[str, Any]:
+    """Time every row at ``mb`` MB inside ``workdir`` (emptied of what it writes); the report as a dict.
+
+    ``sync=False`` skips the ``os.sync()`` before each row (a smoke run: on a busy shared disk each sync can take
+    seconds)."""
     state = _tensors(mb)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     raw, committed = os.path.join(workdir, "raw"), os.path.join(workdir, "committed")
@@ -98,7 +102,7 @@ def run(mb: float, repeats: int, workdir: str) -> dict[str, Any]:
         for _ in range(repeats):  # the rows alternate within every repeat: a load change hits them alike
             shutil.rmtree(raw, ignore_errors=True)
             for name, fn in rows_once().items():
-                times.setdefault(name, []).append(_timed(fn))
+                times.setdefault(name, []).append(_timed(fn, sync))
             if not all(torch.equal(target[k], state[k]) for k in state):
                 raise AssertionError("the loaded tensors differ from the saved ones")
             for t in target.values():
@@ -106,7 +110,7 @@ def run(mb: float, repeats: int, workdir: str) -> dict[str, Any]:
     flat = torch.cat([t.view(-1) for t in state.values()])
     data = memoryview(flat.numpy()).cast("B")
     for name in ("crc32", "blake2b", "sha256"):
-        times[f"{name}_memory"] = [_timed(_hash_rate(name, data)) for _ in range(repeats)]
+        times[f"{name}_memory"] = [_timed(_hash_rate(name, data), sync) for _ in range(repeats)]
     rows = {k: statistics.median(v) for k, v in times.items()}
     shutil.rmtree(raw, ignore_errors=True)
     shutil.rmtree(committed, ignore_errors=True)
