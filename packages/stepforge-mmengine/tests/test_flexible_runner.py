@@ -47,6 +47,9 @@ def _train_crash_resume(rank: int, world_size: int, root: str) -> dict[str, obje
     else:
         raise AssertionError("the first run was meant to stop after iteration 12")
     first_state = module_state(first)
+    # mmengine's CheckpointHook rewrites last_checkpoint on rank 0 only, in place (truncate, then write), after
+    # the collective save returned: without this barrier rank 1 could read it empty
+    torch.distributed.barrier()
     with open(os.path.join(resume_dir, "last_checkpoint")) as f:
         last = f.read().strip()
 

@@ -134,6 +134,9 @@ def test_booster_load_optimizer_refuses_payloads(tmp_path, marker):
     evil_meta = tmp_path / "o_meta"
     booster.save_optimizer(wrapper.optimizer, evil_meta)
     _evil_metadata(str(evil_meta), marker)
+    # without its COMMIT.json (an unmarked DCP directory, as torch's dcp.save writes) the checksums cannot catch
+    # the change: the restricted reader must
+    (evil_meta / "COMMIT.json").unlink()
     # (b) a non-tensor entry of the optimizer state (a param group's lr) is a payload
     _, osd = booster.plugin.get_state_dict(model, wrapper.optimizer)
     osd["param_groups"][0]["lr"] = Payload(marker)

@@ -6,6 +6,10 @@ Saving gathers the full state dict (FSDP2 DTensors included) with
 rank must call it and rank 0 writes. Loading reads the file(s) on every rank and applies them with
 ``set_model_state_dict(full_state_dict=True)``, which shards them again for FSDP2, so a save loads at any
 world size and into a plain ``nn.Module`` (``safetensors.torch.load_file``).
+
+Every save goes through the one checkpoint writer: a single file via ``checkpoint.commit_file`` (atomic, sidecar
+manifest ``<file>.stepforge.json``), shards via ``checkpoint.commit_dir`` (``COMMIT.json``); loads check the
+manifest when there is one (a Hugging Face download has none and is read as it is).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from torch import nn
 
 from stepforge.core import WrappedModel
 
-from .checkpoint import CheckpointError
+from .checkpoint import CheckpointError, check_name, commit_dir, commit_file, verify_dir, verify_file
 
 __all__ = [
     "save_model",
@@ -45,11 +49,6 @@ def _is_dist() -> bool:
 
 def _rank() -> int:
     return dist.get_rank() if _is_dist() else 0
-
-
-def _barrier() -> None:
-    if _is_dist():
-        dist.barrier()
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -104,15 +103,13 @@ def _unshare(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _write(tensors: dict[str, torch.Tensor], path: Path, use_safetensors: bool) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+def _write(tensors: dict[str, torch.Tensor], path: str, use_safetensors: bool) -> None:
     if use_safetensors:
         from safetensors.torch import save_file
 
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
+        save_file(tensors, path, metadata={"format": "pt"})
     else:
-        torch.save(tensors, tmp)
-    os.replace(tmp, path)
+        torch.save(tensors, path)
 
 
 def _shards(state: dict[str, torch.Tensor], cap_bytes: int) -> list[dict[str, torch.Tensor]]:
@@ -141,35 +138,43 @@ def save_model(
     if not isinstance(size_per_shard, int | float) or size_per_shard <= 0:
         raise ValueError(f"save_model: size_per_shard must be > 0 (MiB), got {size_per_shard!r}.")
     state = gather_full_state_dict(model)
-    if _rank() == 0:
-        state = _unshare(state)
-        path = Path(checkpoint)
-        stem, ext = _file_names(prefix, use_safetensors)
-        if not shard:
-            if path.is_dir():
-                path = path / f"{stem}.{ext}"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            _write(state, path, use_safetensors)
-        else:
-            path.mkdir(parents=True, exist_ok=True)
-            shards = _shards(state, int(size_per_shard * 1024 * 1024))
-            if len(shards) == 1:
-                _write(shards[0], path / f"{stem}.{ext}", use_safetensors)
-            else:
-                weight_map: dict[str, str] = {}
-                total = 0
-                for i, part in enumerate(shards, 1):
-                    name = f"{stem}-{i:05d}-of-{len(shards):05d}.{ext}"
-                    _write(part, path / name, use_safetensors)
-                    for key, tensor in part.items():
-                        weight_map[key] = name
-                        total += tensor.numel() * tensor.element_size()
-                index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-                index_path = path / f"{stem}.{ext}{_INDEX_SUFFIX}"
-                tmp = index_path.with_name(index_path.name + ".tmp")
-                tmp.write_text(json.dumps(index, indent=2, sort_keys=True))
-                os.replace(tmp, index_path)
-    _barrier()
+    stem, ext = _file_names(prefix, use_safetensors)
+    fmt = "safetensors" if use_safetensors else "torch"
+    if not shard:
+        path = Path(check_name(checkpoint, arg="checkpoint", where="save_model"))
+        if path.is_dir():
+            path = path / f"{stem}.{ext}"
+
+        def write_file(tmp: str) -> None:
+            _write(_unshare(state), tmp, use_safetensors)
+
+        commit_file(
+            path, write_file, arg="checkpoint", where="save_model", meta={"kind": "model", "format": fmt}
+        )
+        return
+
+    def write_dir(tmp: str) -> None:
+        if _rank() != 0:
+            return
+        shards = _shards(_unshare(state), int(size_per_shard * 1024 * 1024))
+        if len(shards) == 1:
+            _write(shards[0], os.path.join(tmp, f"{stem}.{ext}"), use_safetensors)
+            return
+        weight_map: dict[str, str] = {}
+        total = 0
+        for i, part in enumerate(shards, 1):
+            name = f"{stem}-{i:05d}-of-{len(shards):05d}.{ext}"
+            _write(part, os.path.join(tmp, name), use_safetensors)
+            for key, tensor in part.items():
+                weight_map[key] = name
+                total += tensor.numel() * tensor.element_size()
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        with open(os.path.join(tmp, f"{stem}.{ext}{_INDEX_SUFFIX}"), "w", encoding="utf-8") as f:
+            f.write(json.dumps(index, indent=2, sort_keys=True))
+
+    commit_dir(
+        checkpoint, write_dir, meta={"kind": "model", "format": fmt}, arg="checkpoint", where="save_model"
+    )
 
 
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save's archive (torch >= 1.6)
@@ -239,11 +244,16 @@ def _files_of_index(index: Path) -> list[Path]:
 def read_full_state_dict(checkpoint: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     """Every tensor of a file, an index JSON or a directory written by :func:`save_model`."""
     path = Path(checkpoint)
+    # checksums first (COMMIT.json of a sharded save, the sidecar manifest of a single file): nothing damaged
+    # is read; a directory or file stepforge did not write (no manifest) is read as it is
     if path.is_dir():
+        verify_dir(str(path), required=False, where="load_model")
         files = list(_files_in(path))
     elif path.name.endswith(_INDEX_SUFFIX):
+        verify_dir(str(path.parent), required=False, where="load_model")
         files = _files_of_index(path)
     elif path.is_file():
+        verify_file(str(path))
         files = [path]
     else:
         raise FileNotFoundError(f"load_model: no checkpoint at {path}.")

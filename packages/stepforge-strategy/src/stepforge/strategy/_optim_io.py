@@ -4,7 +4,8 @@
 The optimizer goes through ``torch.distributed.checkpoint``: the plugin's ``get_state_dict`` gives tensors (or
 DTensors) keyed by parameter FQN, every rank writes its own shard, and ``dcp.load`` fills the same structure
 in place at load time, at any world size. The fp16 loss-scaler state (``grad_scaler``, the boosted optimizer's
-``scaler_state_dict()``) rides along. The plugin and the optimizer meet here only through
+``scaler_state_dict()``) rides along. Saves go through the one checkpoint writer (``checkpoint.commit_dir`` for
+the optimizer directory, ``checkpoint.commit_file`` for the scheduler file); loads check its manifest first. The plugin and the optimizer meet here only through
 :class:`stepforge.core.Plugin` and :class:`stepforge.core.BoostedOptimizer`.
 """
 
@@ -26,7 +27,7 @@ from stepforge.core import BoostedOptimizer, Plugin
 from stepforge.core.plugin_base import unwrap_optimizer
 
 from ._optim_template import complete_template
-from .checkpoint import CheckpointError, safe_dcp_load
+from .checkpoint import CheckpointError, commit_dir, commit_file, safe_dcp_load, verify_dir, verify_file
 
 __all__ = ["save_optimizer", "load_optimizer", "save_lr_scheduler", "load_lr_scheduler"]
 
@@ -58,15 +59,18 @@ def save_optimizer(
     scaler = optimizer.scaler_state_dict()
     if scaler is not None:
         state["grad_scaler"] = scaler
-    Path(checkpoint).mkdir(parents=True, exist_ok=True)
-    with _single_process_quiet():
-        if use_async:
-            pending = dcp.async_save(state, checkpoint_id=str(checkpoint))
-            # torch >= 2.9 returns an AsyncSaveResponse (its upload_completion is the future), older a Future
-            completion: Any = getattr(pending, "upload_completion", pending)
-            completion.result()
-        else:
-            dcp.save(state, checkpoint_id=str(checkpoint))
+
+    def write(tmp: str) -> None:
+        with _single_process_quiet():
+            if use_async:
+                pending = dcp.async_save(state, checkpoint_id=tmp)
+                # torch >= 2.9 returns an AsyncSaveResponse (its upload_completion is the future), older a Future
+                completion: Any = getattr(pending, "upload_completion", pending)
+                completion.result()
+            else:
+                dcp.save(state, checkpoint_id=tmp)
+
+    commit_dir(checkpoint, write, meta={"kind": "optimizer"}, arg="checkpoint", where="save_optimizer")
 
 
 def load_optimizer(
@@ -83,6 +87,9 @@ def load_optimizer(
             f"load_optimizer: {path} is not a torch.distributed.checkpoint directory (no .metadata); pass the "
             "directory given to save_optimizer."
         )
+    # COMMIT.json and every file's CRC-32 first; a directory without one (torch's own dcp.save, or a save of
+    # stepforge before the one writer) is read as before, through the restricted reader only
+    verify_dir(str(path), required=False, where="load_optimizer")
     model_sd, optim_sd = plugin.get_state_dict(model, optimizer)
     state: dict[str, Any] = {"optimizer": optim_sd}
     scaler = optimizer.scaler_state_dict()
@@ -100,19 +107,18 @@ def save_lr_scheduler(lr_scheduler: Any, checkpoint: str | os.PathLike[str]) -> 
     """``torch.save(lr_scheduler.state_dict())`` on rank 0; every rank calls (it ends with a barrier)."""
     if not hasattr(lr_scheduler, "state_dict"):
         raise TypeError(f"save_lr_scheduler: {type(lr_scheduler).__name__} has no state_dict().")
-    if not _is_dist() or dist.get_rank() == 0:
-        path = Path(checkpoint)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        torch.save(lr_scheduler.state_dict(), tmp)
-        os.replace(tmp, path)
-    if _is_dist():
-        dist.barrier()
+    state = lr_scheduler.state_dict()
+
+    def write(tmp: str) -> None:
+        torch.save(state, tmp)
+
+    commit_file(checkpoint, write, arg="checkpoint", where="save_lr_scheduler", meta={"kind": "lr_scheduler"})
 
 
 def load_lr_scheduler(lr_scheduler: Any, checkpoint: str | os.PathLike[str]) -> None:
     """Load a file written by :func:`save_lr_scheduler` (``CheckpointError`` when it holds anything but plain
     values and tensors: no code runs from the file)."""
+    verify_file(str(checkpoint))  # the sidecar manifest's size and CRC-32, when the file has one
     try:
         state = torch.load(Path(checkpoint), map_location="cpu", weights_only=True)
     except FileNotFoundError:

@@ -252,6 +252,12 @@ class Booster:
         ``shard=True``: directory ``checkpoint`` with files of at most ``size_per_shard`` MiB plus
         ``model.safetensors.index.json``. ``prefix`` prefixes the file names; ``use_safetensors=False``
         writes ``pytorch_model*.bin`` with ``torch.save`` instead.
+
+        Through the one checkpoint writer (package README, "Checkpoints"): a single file is written atomically
+        with a sidecar manifest ``<file>.stepforge.json`` (size, CRC-32) and stays a plain safetensors/torch
+        file; a sharded save is a committed directory (``COMMIT.json``). An existing file or directory that
+        stepforge did not write is refused (``CheckpointError``), as are ``""``, ``"."`` and ``".."``
+        (``ValueError``); a failed write raises ``CheckpointError`` and leaves the earlier save as it was.
         """
         if not gather_dtensor:
             raise ValueError(
@@ -291,7 +297,9 @@ class Booster:
         ``torch.distributed.checkpoint``: every rank writes its own shard; loads at another world size.
 
         ``shard``/``size_per_shard``/``prefix`` are accepted for ColossalAI compatibility (DCP always writes
-        per-rank files); ``use_async=True`` uses ``dcp.async_save`` and waits before returning.
+        per-rank files); ``use_async=True`` uses ``dcp.async_save`` and waits before returning. The directory
+        is committed like a Strategy checkpoint (temporary directory, ``COMMIT.json`` with every file's CRC-32
+        written last, atomic rename); the name rules and failures are those of :meth:`save_model`.
         """
         _optim_io.save_optimizer(
             self.plugin, self._model_for(optimizer), optimizer, checkpoint, use_async=use_async
@@ -309,7 +317,9 @@ class Booster:
         _optim_io.load_optimizer(self.plugin, self._model_for(optimizer), optimizer, checkpoint)
 
     def save_lr_scheduler(self, lr_scheduler: Any, checkpoint: str | os.PathLike[str]) -> None:
-        """``torch.save(lr_scheduler.state_dict(), checkpoint)`` on rank 0 (every rank calls)."""
+        """``torch.save(lr_scheduler.state_dict(), checkpoint)`` on rank 0 (every rank calls), written
+        atomically with a sidecar manifest ``<checkpoint>.stepforge.json`` (size, CRC-32) that
+        :meth:`load_lr_scheduler` checks; the name rules and failures are those of :meth:`save_model`."""
         _optim_io.save_lr_scheduler(lr_scheduler, checkpoint)
 
     def load_lr_scheduler(self, lr_scheduler: Any, checkpoint: str | os.PathLike[str]) -> None:

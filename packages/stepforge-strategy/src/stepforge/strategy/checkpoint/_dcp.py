@@ -1,16 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """Crash-safe directory checkpoints on torch.distributed.checkpoint (DCP).
 
-:func:`save_dir` — every rank calls it (it is collective):
-
-1. rank 0 picks a temporary sibling ``.<name>.tmp-<token>/`` (stale ones of the same name are removed);
-2. every rank writes its tensors (model and optimizer shards, never gathered) through ``dcp.save``, plus one
-   pickled blob of shared objects (deduplicated by DCP) and one blob of its own per-rank objects;
-3. rank 0 records every file's size and CRC-32 and the meta in ``COMMIT.json`` (fsynced, written last), renames the
-   directory to ``<name>/`` (an older ``<name>/`` is moved aside first and deleted after), then rewrites
-   ``work_dir/last_checkpoint`` atomically, then deletes the oldest committed checkpoints beyond
-   ``max_keep_ckpts``;
-4. the outcome is broadcast, so a failure on rank 0 raises on every rank.
+:func:`save_dir` — every rank calls it (it is collective): every rank writes its tensors (model and optimizer
+shards, never gathered) through ``dcp.save``, plus one pickled blob of shared objects (deduplicated by DCP) and
+one blob of its own per-rank objects, into the temporary directory of the one writer
+(:func:`stepforge.strategy.checkpoint._writer.commit_dir`: ``COMMIT.json`` last, atomic rename,
+``last_checkpoint``, rotation after the commit, a failure on any rank raises on every rank).
 
 :func:`load_dir` checks the marker, every file's size and CRC-32 and that the template's keys and shapes exist
 in the checkpoint **before** anything is read into memory, so a crashed, truncated, altered or foreign checkpoint
@@ -26,10 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
-import shutil
-import time
-import uuid
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -41,23 +32,12 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from stepforge.core import SafeFileSystemReader, SafeLoadPlanner, flatten_state_dict
 
-from .._env import broadcast_object, get_rank
-from ._layout import (
-    FORMAT,
-    LAST_CHECKPOINT,
-    MARKER,
-    CheckpointError,
-    commit_text,
-    committed_checkpoints,
-    file_record,
-    fsync_dir,
-    read_commit,
-    validate_files,
-    write_text_atomic,
-)
+from .._env import get_rank
+from ._layout import CheckpointError, read_commit, validate_files
 from ._staging import apply_fresh, fresh_like
+from ._writer import commit_dir
 
-__all__ = ["save_dir", "load_dir", "read_meta", "read_dcp_metadata", "safe_dcp_load", "unblob"]
+__all__ = ["dcp_save", "save_dir", "load_dir", "read_meta", "read_dcp_metadata", "safe_dcp_load", "unblob"]
 
 #: Test hook: called as ``hook(rank)`` right after this rank's DCP data file is written (crash-safety tests).
 _AFTER_WRITE_HOOK: Callable[[int], None] | None = None
@@ -135,33 +115,6 @@ def safe_dcp_load(state: dict[str, Any], path: str, *, no_dist: bool) -> None:
         raise CheckpointError(f"checkpoint {path!r}: reading its DCP data failed ({exc})") from exc
 
 
-def _commit(tmp: str, final: str, meta: dict[str, Any], work_dir: str | None, max_keep: int | None) -> None:
-    files = {}
-    for root, _, names in os.walk(tmp):
-        for name in names:
-            full = os.path.join(root, name)
-            files[os.path.relpath(full, tmp)] = file_record(full)
-    record = {"format": FORMAT, "committed_at": time.time(), "files": files, "meta": meta}
-    write_text_atomic(os.path.join(tmp, MARKER), commit_text(record))
-    old = None
-    if os.path.exists(final):
-        old = f"{os.path.join(os.path.dirname(final), '.' + os.path.basename(final))}.old-{uuid.uuid4().hex[:8]}"
-        os.replace(final, old)
-    os.replace(tmp, final)
-    fsync_dir(os.path.dirname(final))
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    if work_dir is not None:
-        os.makedirs(work_dir, exist_ok=True)
-        write_text_atomic(os.path.join(work_dir, LAST_CHECKPOINT), os.path.abspath(final))
-    if max_keep is not None and max_keep > 0:
-        done = committed_checkpoints(os.path.dirname(final))
-        keep = {os.path.abspath(final)}
-        stale = [p for _, p in done if os.path.abspath(p) not in keep]
-        for path in stale[: max(0, len(done) - max_keep)]:
-            shutil.rmtree(path, ignore_errors=True)
-
-
 def save_dir(
     path: str,
     *,
@@ -171,56 +124,48 @@ def save_dir(
     meta: dict[str, Any],
     work_dir: str | None = None,
     max_keep_ckpts: int | None = None,
+    arg: str = "filename",
+    where: str = "save_checkpoint",
 ) -> str:
-    """Write a committed checkpoint directory at ``path`` (collective; see the module docstring).
+    """Write a committed checkpoint directory at ``path`` through :func:`commit_dir` (collective).
 
     Args:
-        path: the checkpoint directory to create (replaced if it exists, only after the new one is committed).
+        path: the checkpoint directory to create (replaced if it is a committed checkpoint, only after the new
+            one is committed; any other existing directory is refused).
         tensors: nested dict of tensors/DTensors (and torch.optim-layout optimizer dicts) for ``dcp.save``.
         objects: picklable objects shared by all ranks (saved once).
         rank_objects: this rank's picklable objects (RNG states, data position), saved per rank.
         meta: JSON-able facts recorded in ``COMMIT.json`` and returned by :func:`read_meta`.
         work_dir: where ``last_checkpoint`` is rewritten after the commit (None: not written).
         max_keep_ckpts: keep at most this many committed checkpoints in ``path``'s folder (None/<=0: all).
+        arg / where: the argument's and the caller's names for error messages.
     """
     if max_keep_ckpts is not None and (
         not isinstance(max_keep_ckpts, int) or isinstance(max_keep_ckpts, bool)
     ):
         raise ValueError(f"max_keep_ckpts must be an int or None, got {max_keep_ckpts!r}")
-    final = os.path.abspath(path)
     rank = get_rank()
     # before any directory exists: an object a load could not read is refused with nothing left on disk
     shared_blob = _blob(objects, "shared objects (extra_ckpt, schedulers, statefuls)")
     rank_blob = _blob(rank_objects, "per-rank objects (statefuls, RNG)")
-    tmp = None
-    if rank == 0:
-        parent = os.path.dirname(final)
-        os.makedirs(parent, exist_ok=True)
-        prefix = f".{os.path.basename(final)}.tmp-"
-        for entry in os.listdir(parent):
-            if entry.startswith(prefix):
-                shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
-        tmp = os.path.join(parent, prefix + uuid.uuid4().hex[:12])
-        os.makedirs(tmp)
-    tmp = broadcast_object(tmp)
     state = {
         "tensors": tensors,
         "objects": shared_blob,
         "rank_objects": {str(rank): rank_blob},
     }
+
+    def write(tmp: str) -> None:
+        dcp_save(state, tmp)
+
+    return commit_dir(
+        path, write, meta=meta, arg=arg, where=where, work_dir=work_dir, max_keep_ckpts=max_keep_ckpts
+    )
+
+
+def dcp_save(state: dict[str, Any], directory: str) -> None:
+    """``dcp.save`` of ``state`` into ``directory`` (collective when a process group exists)."""
     with _single_process_quiet():
-        dcp.save(state, storage_writer=_Writer(tmp), no_dist=not _distributed())
-    status = None
-    if rank == 0:
-        try:
-            _commit(tmp, final, meta, work_dir, max_keep_ckpts)
-            status = "ok"
-        except Exception as exc:
-            status = f"{type(exc).__name__}: {exc}"
-    status = broadcast_object(status)
-    if status != "ok":
-        raise CheckpointError(f"committing checkpoint {final!r} failed on rank 0: {status}")
-    return final
+        dcp.save(state, storage_writer=_Writer(directory), no_dist=not _distributed())
 
 
 def read_meta(path: str) -> dict[str, Any]:

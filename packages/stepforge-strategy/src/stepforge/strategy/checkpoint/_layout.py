@@ -26,6 +26,7 @@ __all__ = [
     "file_record",
     "find_latest_checkpoint",
     "fsync_dir",
+    "orphaned_copies",
     "read_commit",
     "validate_files",
     "write_text_atomic",
@@ -170,11 +171,27 @@ def committed_checkpoints(folder: str) -> list[tuple[float, str]]:
     return sorted(out)
 
 
-def find_latest_checkpoint(work_dir: str) -> str | None:
-    """The checkpoint ``work_dir/last_checkpoint`` names, if committed; else the newest committed one; else None.
+def orphaned_copies(path: str) -> list[str]:
+    """Committed copies of checkpoint ``path`` under its dot-names, oldest first: a re-save killed between its two
+    renames leaves the new one in ``.<name>.tmp-*`` (its ``COMMIT.json`` already written) and the older one in
+    ``.<name>.old-*`` while ``<name>`` itself is missing. The next save of ``<name>`` renames the newest back."""
+    parent, base = os.path.dirname(os.path.abspath(path)), os.path.basename(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        return []
+    found = []
+    for entry in os.listdir(parent):
+        if entry.startswith((f".{base}.tmp-", f".{base}.old-")):
+            try:
+                found.append((float(read_commit(os.path.join(parent, entry))["committed_at"]), entry))
+            except (CheckpointError, KeyError, TypeError, ValueError):
+                continue
+    return [os.path.join(parent, entry) for _, entry in sorted(found)]
 
-    ``last_checkpoint`` is only ever written after a commit, so the fallback matters only when it was removed or
-    edited by hand.
+
+def find_latest_checkpoint(work_dir: str) -> str | None:
+    """The checkpoint ``work_dir/last_checkpoint`` names, if committed; else the newest committed copy of that
+    name a re-save killed between its two renames left under a dot-name (:func:`orphaned_copies`); else the
+    newest committed checkpoint of ``work_dir``; else None.
     """
     named = None
     pointer = os.path.join(work_dir, LAST_CHECKPOINT)
@@ -185,5 +202,9 @@ def find_latest_checkpoint(work_dir: str) -> str | None:
             named = os.path.join(work_dir, named)
         if named and os.path.isfile(os.path.join(named, MARKER)):
             return named
+        if named and not os.path.exists(named):
+            copies = orphaned_copies(named)
+            if copies:
+                return copies[-1]
     found = committed_checkpoints(work_dir)
     return found[-1][1] if found else None

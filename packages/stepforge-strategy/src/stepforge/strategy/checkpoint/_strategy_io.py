@@ -114,6 +114,19 @@ def _json_safe(value: Any) -> Any:
         return repr(value)
 
 
+def _epoch(run: RunState, iteration: int) -> int | None:
+    """The epoch a save falls in: ``dispatch_kwargs['epoch']`` when the loop sets it (an mmengine runner passes
+    its own in ``extra_ckpt['meta']``, which wins), else ``iteration // epoch_length``; None when neither is
+    known (an iteration-based run without ``epoch_length``)."""
+    given = run.dispatch_kwargs.get("epoch")
+    if isinstance(given, int) and not isinstance(given, bool):
+        return given
+    length = run.dispatch_kwargs.get("epoch_length")
+    if isinstance(length, int) and not isinstance(length, bool) and length > 0:
+        return int(iteration) // length
+    return None
+
+
 def save(
     run: RunState,
     filename: str,
@@ -127,6 +140,11 @@ def save(
         raise TypeError(
             f"save_checkpoint: extra_ckpt must be a dict or None, got {type(extra_ckpt).__name__}"
         )
+    if not isinstance(filename, str | os.PathLike) or not os.fspath(filename).strip():
+        raise ValueError(
+            f"save_checkpoint: filename must be a non-empty name or path such as 'iter_100', got {filename!r}"
+        )
+    filename = os.fspath(filename)
     path = filename if os.path.isabs(filename) else os.path.join(run.work_dir, filename)
     model, wrapper, plugin = run.model, run.optim_wrapper, run.plugin
     assert model is not None, "Strategy.save_checkpoint checks that prepare() ran"
@@ -144,9 +162,10 @@ def save(
     with_optim = save_optimizer and wrapper is not None
     msd, osd = plugin.get_state_dict(model, wrapper.optimizer if wrapper is not None and with_optim else [])
     extra = dict(extra_ckpt or {})
+    iteration = window.inner_count if window is not None else run.dispatch_kwargs.get("cur_iter", 0)
     meta = {
-        "iter": window.inner_count if window is not None else run.dispatch_kwargs.get("cur_iter", 0),
-        "epoch": 0,
+        "iter": iteration,
+        "epoch": _epoch(run, iteration),
         "seed": run.seed,
         "experiment_name": run.experiment_name,
         "time": time.strftime("%Y%m%d_%H%M%S", time.localtime()),

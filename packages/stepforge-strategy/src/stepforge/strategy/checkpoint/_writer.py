@@ -1,0 +1,256 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The one checkpoint writer: every save (Strategy and Booster) commits through :func:`commit_dir` or
+:func:`commit_file`.
+
+Directory saves (a Strategy checkpoint, ``Booster.save_optimizer``, ``Booster.save_model(shard=True)``):
+
+1. rank 0 checks the name (:func:`check_target`), recovers a committed copy a kill left in a dot-directory, and
+   makes ``.<name>.tmp-<token>/``;
+2. the caller's ``write(tmp)`` runs on every rank (DCP writes every rank's shard; ``save_model`` writes on rank 0);
+3. rank 0 writes ``COMMIT.json`` last (size and CRC-32 of every file, the meta, its own CRC-32), moves an older
+   ``<name>/`` aside, renames the temporary directory to ``<name>/``, rewrites ``last_checkpoint``, deletes the
+   older copy, then rotates (``max_keep_ckpts``) — rotation only ever follows a commit;
+4. any failure (a full disk, a rank that raised) removes the temporary directory, puts an older ``<name>/`` back
+   if it was already moved aside, and raises :class:`CheckpointError` on every rank, chained to the cause.
+
+Single-file saves (``Booster.save_model(shard=False)``, ``Booster.save_lr_scheduler``) keep the file where the
+user named it, in its own format (safetensors or ``torch.save``, readable by any reader of that format), and
+put its size and CRC-32 in a sidecar manifest ``<file>.stepforge.json`` (:data:`SIDECAR_SUFFIX`). Both are
+written to temporary names, fsynced and ``os.replace``d, the file first, the manifest last (``_sidecar.py``).
+
+Which names a save may write to is ``_names.py``'s :func:`check_target`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from .._env import broadcast_object, get_rank
+from ._layout import (
+    FORMAT,
+    LAST_CHECKPOINT,
+    MARKER,
+    CheckpointError,
+    commit_text,
+    committed_checkpoints,
+    file_record,
+    fsync_dir,
+    orphaned_copies,
+    read_commit,
+    validate_files,
+    write_text_atomic,
+)
+from ._names import check_name, check_target, is_committed_dir
+from ._sidecar import FILE_FORMAT, SIDECAR_SUFFIX, verify_file, write_with_sidecar
+
+__all__ = [
+    "FILE_FORMAT",
+    "SIDECAR_SUFFIX",
+    "check_name",
+    "check_target",
+    "commit_dir",
+    "commit_file",
+    "is_committed_dir",
+    "verify_dir",
+    "verify_file",
+]
+
+
+def verify_dir(path: str, *, required: bool, where: str) -> bool:
+    """Check directory ``path`` against its ``COMMIT.json`` (every listed file's size and CRC-32) before it is
+    read. Returns False when it has no marker and ``required`` is False (a directory stepforge did not write, such
+    as a Hugging Face download); raises :class:`CheckpointError` naming the file otherwise."""
+    if not os.path.isfile(os.path.join(path, MARKER)) and not required:
+        return False
+    try:
+        validate_files(path, read_commit(path))
+    except CheckpointError as exc:
+        raise CheckpointError(f"{where}: {exc}") from exc
+    return True
+
+
+def _recover(final: str) -> None:
+    """Bring back a committed copy a kill left under a dot-name (between the two renames of a re-save), and
+    remove the other leftovers of ``final``'s earlier saves (unfinished temporary or already replaced copies)."""
+    parent, base = os.path.dirname(final), os.path.basename(final)
+    if not os.path.isdir(parent):
+        return
+    if not os.path.exists(final):
+        copies = orphaned_copies(final)
+        if copies:
+            os.replace(copies[-1], final)
+            fsync_dir(parent)
+    if os.path.exists(final) and not is_committed_dir(final):
+        return  # not ours: check_target refuses it; its leftovers are kept for inspection
+    for entry in os.listdir(parent):
+        if entry.startswith((f".{base}.tmp-", f".{base}.old-")):
+            shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+
+
+def _commit(tmp: str, final: str, meta: dict[str, Any], work_dir: str | None, max_keep: int | None) -> None:
+    files = {}
+    for root, _, names in os.walk(tmp):
+        for name in names:
+            full = os.path.join(root, name)
+            files[os.path.relpath(full, tmp)] = file_record(full)
+    record = {"format": FORMAT, "committed_at": time.time(), "files": files, "meta": meta}
+    parent = os.path.dirname(final)
+    old = None
+    try:
+        write_text_atomic(os.path.join(tmp, MARKER), commit_text(record))
+        if os.path.exists(final):
+            old = os.path.join(parent, f".{os.path.basename(final)}.old-{uuid.uuid4().hex[:8]}")
+            os.replace(final, old)
+        os.replace(tmp, final)
+    except Exception:
+        if old is not None and not os.path.exists(final):
+            os.replace(old, final)  # the earlier commit goes back where it was
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(parent)
+    if work_dir is not None:
+        os.makedirs(work_dir, exist_ok=True)
+        write_text_atomic(os.path.join(work_dir, LAST_CHECKPOINT), final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    if max_keep is not None and max_keep > 0:
+        done = committed_checkpoints(parent)
+        stale = [p for _, p in done if os.path.abspath(p) != final]
+        for path in stale[: max(0, len(done) - max_keep)]:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _cause(exc: BaseException, rank: int) -> BaseException:
+    """The exception to chain to: for DCP's ``CheckpointException`` (which wraps every rank's failure with its
+    traceback) this rank's own, else the first rank's."""
+    if isinstance(exc, dcp.CheckpointException) and exc.failures:
+        wrapped = exc.failures.get(rank) or next(iter(exc.failures.values()))
+        inner: BaseException = wrapped[0]
+        if inner.__cause__ is None and inner is not exc:
+            inner.__context__ = exc
+        return inner
+    return exc
+
+
+def _gather_failures(status: str | None) -> list[str]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return [status] if status else []
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, status)
+    return [f"rank {r}: {s}" for r, s in enumerate(out) if s]
+
+
+def commit_dir(
+    path: Any,
+    write: Callable[[str], None],
+    *,
+    meta: dict[str, Any],
+    arg: str,
+    where: str,
+    work_dir: str | None = None,
+    max_keep_ckpts: int | None = None,
+) -> str:
+    """Write a committed checkpoint directory at ``path`` (collective: every rank calls it).
+
+    Args:
+        path: the directory to create (an older committed one is replaced only after the new one is committed).
+        write: ``write(tmp_dir)`` writes this rank's files into the temporary directory (on every rank).
+        meta: JSON-able facts recorded in ``COMMIT.json``.
+        arg / where: the argument's name and the calling function, for error messages.
+        work_dir: where ``last_checkpoint`` is rewritten after the commit (None: not written).
+        max_keep_ckpts: keep at most this many committed checkpoints in ``path``'s folder, after the commit.
+
+    Returns:
+        The absolute path of the committed directory.
+
+    Raises:
+        ValueError / CheckpointError: a refused name (:func:`check_target`), on every rank.
+        CheckpointError: a failed write or commit on any rank (temporary files removed, nothing committed before
+            is touched), chained to this rank's own exception when it had one.
+    """
+    if max_keep_ckpts is not None and (
+        not isinstance(max_keep_ckpts, int) or isinstance(max_keep_ckpts, bool)
+    ):
+        raise ValueError(f"max_keep_ckpts must be an int or None, got {max_keep_ckpts!r}")
+    rank = get_rank()
+    setup: tuple[str, str] | tuple[None, BaseException] = (None, CheckpointError("unset"))
+    if rank == 0:
+        try:
+            _recover(os.path.abspath(check_name(path, arg=arg, where=where)))
+            final = check_target(path, arg=arg, where=where, kind="dir", work_dir=work_dir)
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+            tmp = os.path.join(
+                os.path.dirname(final), f".{os.path.basename(final)}.tmp-{uuid.uuid4().hex[:12]}"
+            )
+            os.makedirs(tmp)
+            setup = (final, tmp)
+        except (ValueError, TypeError, CheckpointError, OSError) as exc:
+            setup = (None, exc)
+    setup = broadcast_object(setup)
+    if setup[0] is None:
+        err = setup[1]
+        if isinstance(err, OSError):
+            raise CheckpointError(f"{where}: cannot create the checkpoint at {path!r} ({err})") from err
+        raise err
+    final, tmp = setup
+    local: BaseException | None = None
+    try:
+        write(tmp)
+    except (Exception, dcp.CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
+        local = _cause(exc, rank)
+    failures = _gather_failures(None if local is None else f"{type(local).__name__}: {local}")
+    status = None
+    if rank == 0:
+        if failures:
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            try:
+                _commit(tmp, final, meta, work_dir, max_keep_ckpts)
+            except Exception as exc:
+                local, status = exc, f"rank 0: {type(exc).__name__}: {exc}"
+    status = broadcast_object(status)
+    problems = failures + ([status] if status else [])
+    if problems:
+        raise CheckpointError(
+            f"{where}: saving {final!r} failed ({'; '.join(problems)}); nothing was committed and the previous "
+            "checkpoint of that name, if any, is unchanged"
+        ) from local
+    return final
+
+
+def commit_file(
+    path: Any, write: Callable[[str], None], *, arg: str, where: str, meta: dict[str, Any]
+) -> str:
+    """Write single file ``path`` and its sidecar manifest atomically (collective: rank 0 writes, every rank
+    gets its outcome).
+
+    ``write(tmp_path)`` writes the file in its own format (called on rank 0 only); the file is fsynced and its
+    size and CRC-32 go to ``<path>.stepforge.json``, written after it. A failure removes the temporary files and
+    raises :class:`CheckpointError` chained to the cause (on every rank); an existing file of that name is
+    replaced only if stepforge wrote it (:func:`check_target`).
+
+    Returns:
+        The absolute path of the file.
+    """
+    outcome: str | BaseException = ""
+    if get_rank() == 0:
+        try:
+            final = check_target(path, arg=arg, where=where, kind="file")
+            write_with_sidecar(final, write, where, meta)
+            outcome = final
+        except (ValueError, TypeError, CheckpointError) as exc:
+            outcome = exc
+    outcome = broadcast_object(outcome)
+    if isinstance(outcome, BaseException):
+        if get_rank() == 0:
+            raise outcome
+        raise type(outcome)(str(outcome))
+    return outcome
