@@ -26,6 +26,7 @@ from .checkpoint import CheckpointError
 
 __all__ = [
     "save_model",
+    "write_full_state_dict",
     "load_model",
     "gather_full_state_dict",
     "unwrap_model",
@@ -142,34 +143,51 @@ def save_model(
         raise ValueError(f"save_model: size_per_shard must be > 0 (MiB), got {size_per_shard!r}.")
     state = gather_full_state_dict(model)
     if _rank() == 0:
-        state = _unshare(state)
-        path = Path(checkpoint)
-        stem, ext = _file_names(prefix, use_safetensors)
-        if not shard:
-            if path.is_dir():
-                path = path / f"{stem}.{ext}"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            _write(state, path, use_safetensors)
-        else:
-            path.mkdir(parents=True, exist_ok=True)
-            shards = _shards(state, int(size_per_shard * 1024 * 1024))
-            if len(shards) == 1:
-                _write(shards[0], path / f"{stem}.{ext}", use_safetensors)
-            else:
-                weight_map: dict[str, str] = {}
-                total = 0
-                for i, part in enumerate(shards, 1):
-                    name = f"{stem}-{i:05d}-of-{len(shards):05d}.{ext}"
-                    _write(part, path / name, use_safetensors)
-                    for key, tensor in part.items():
-                        weight_map[key] = name
-                        total += tensor.numel() * tensor.element_size()
-                index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-                index_path = path / f"{stem}.{ext}{_INDEX_SUFFIX}"
-                tmp = index_path.with_name(index_path.name + ".tmp")
-                tmp.write_text(json.dumps(index, indent=2, sort_keys=True))
-                os.replace(tmp, index_path)
+        write_full_state_dict(
+            state, checkpoint, shard=shard, prefix=prefix, size_per_shard=size_per_shard,
+            use_safetensors=use_safetensors,
+        )  # fmt: skip
     _barrier()
+
+
+def write_full_state_dict(
+    state: dict[str, torch.Tensor],
+    checkpoint: str | os.PathLike[str],
+    *,
+    shard: bool = False,
+    prefix: str | None = None,
+    size_per_shard: int = 1024,
+    use_safetensors: bool = True,
+) -> None:
+    """Write a full state dict (as :func:`gather_full_state_dict` returns it) in the HF layout; the writing half of
+    :func:`save_model`, run by one process (rank 0), not collective (asynchronous saves run it in a thread)."""
+    state = _unshare(state)
+    path = Path(checkpoint)
+    stem, ext = _file_names(prefix, use_safetensors)
+    if not shard:
+        if path.is_dir():
+            path = path / f"{stem}.{ext}"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _write(state, path, use_safetensors)
+    else:
+        path.mkdir(parents=True, exist_ok=True)
+        shards = _shards(state, int(size_per_shard * 1024 * 1024))
+        if len(shards) == 1:
+            _write(shards[0], path / f"{stem}.{ext}", use_safetensors)
+        else:
+            weight_map: dict[str, str] = {}
+            total = 0
+            for i, part in enumerate(shards, 1):
+                name = f"{stem}-{i:05d}-of-{len(shards):05d}.{ext}"
+                _write(part, path / name, use_safetensors)
+                for key, tensor in part.items():
+                    weight_map[key] = name
+                    total += tensor.numel() * tensor.element_size()
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            index_path = path / f"{stem}.{ext}{_INDEX_SUFFIX}"
+            tmp = index_path.with_name(index_path.name + ".tmp")
+            tmp.write_text(json.dumps(index, indent=2, sort_keys=True))
+            os.replace(tmp, index_path)
 
 
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save's archive (torch >= 1.6)

@@ -51,8 +51,11 @@ def save_optimizer(
     checkpoint: str | os.PathLike[str],
     *,
     use_async: bool = False,
-) -> None:
-    """Write the optimizer state of every rank to directory ``checkpoint`` (collective)."""
+) -> Any:
+    """Write the optimizer state of every rank to directory ``checkpoint`` (collective).
+
+    ``use_async``: ``dcp.async_save`` (the state is staged before it returns); returns the future of the
+    background write, which the caller waits on (``.result()``). Otherwise ``None`` after the write."""
     _, optim_sd = plugin.get_state_dict(model, optimizer)
     state: dict[str, Any] = {"optimizer": optim_sd}
     scaler = optimizer.scaler_state_dict()
@@ -64,9 +67,9 @@ def save_optimizer(
             pending = dcp.async_save(state, checkpoint_id=str(checkpoint))
             # torch >= 2.9 returns an AsyncSaveResponse (its upload_completion is the future), older a Future
             completion: Any = getattr(pending, "upload_completion", pending)
-            completion.result()
-        else:
-            dcp.save(state, checkpoint_id=str(checkpoint))
+            return completion
+        dcp.save(state, checkpoint_id=str(checkpoint))
+    return None
 
 
 def load_optimizer(
