@@ -156,4 +156,10 @@ def test_fp16_torch_mixed_precision_configure():
     assert isinstance(wrapped_opt, OptimizerWrapper) and wrapped_opt.unwrap() is opt and crit is criterion
     assert wrapped_opt.loss_scale == 32.0
     assert wrapped(torch.ones(1, 2)).dtype == torch.float16  # the forward runs under fp16 autocast
+    # ColossalAI's test_fp16_torch sequence: backward, clip_grad_by_norm, step
+    wrapped_opt.backward(crit(wrapped(torch.tensor([[3.0, 4.0]])).float(), torch.zeros(1, 1)))
+    assert model.weight.grad.tolist() == [[32 * 2 * 11 * 3.0, 32 * 2 * 11 * 4.0]]  # d(out^2)/dw, scaled by 32
+    assert wrapped_opt.clip_grad_by_norm(1.0).item() == pytest.approx(2 * 11 * 5.0, rel=1e-3)
+    wrapped_opt.step()  # the unit-norm gradient [0.6, 0.8] times lr 0.1
+    assert model.weight[0].tolist() == pytest.approx([1.0 - 0.06, 2.0 - 0.08], rel=1e-3)
     assert FP16TorchMixedPrecision().configure(model)[1] is None

@@ -20,6 +20,7 @@ from torch import nn
 
 from stepforge.strategy import Booster, BoosterCheckpointIO, CheckpointError, GeneralCheckpointIO, _model_io
 from stepforge.strategy._model_io import is_safetensors
+from stepforge.testing.distributed import requires_gloo, run_distributed
 
 WAIT_S = 60  # bound on every wait for a background writer
 
@@ -193,3 +194,53 @@ def test_the_next_save_waits_for_pending_writes_and_failures_raise(tmp_path, mon
     with pytest.raises(CheckpointError, match="disk full"):
         io._sync_io()
     assert io.async_writers == [] and not Path(tmp_path / "third").exists()
+
+
+def test_plain_optimizer_with_several_param_groups(tmp_path):
+    model, _, _ = _trained()
+    groups = [{"params": model[0].parameters(), "lr": 1e-2}, {"params": model[2].parameters(), "lr": 1e-3}]
+    optimizer = torch.optim.Adam(groups)
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    io = GeneralCheckpointIO()
+    io.save_optimizer(optimizer, tmp_path / "optimizer", shard=True, prefix="run", use_async=True)
+    io._sync_io()
+    assert (tmp_path / "optimizer" / "run-pytorch_optim.bin").is_file()
+    new_model, _, _ = _trained(seed=1)
+    fresh = torch.optim.Adam(
+        [{"params": new_model[0].parameters(), "lr": 0.5}, {"params": new_model[2].parameters(), "lr": 0.5}]
+    )
+    io.load_optimizer(fresh, tmp_path / "optimizer", prefix="run")
+    assert [g["lr"] for g in fresh.param_groups] == [1e-2, 1e-3]
+    _assert_same_optimizer(optimizer, fresh)
+
+
+def _ddp_async_round_trip(rank: int, world: int, root: str) -> dict:
+    booster = Booster(plugin="torch_ddp")
+    torch.manual_seed(0)
+    net = nn.Linear(3, 2)
+    boosted, opt, *_ = booster.boost(net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.5))
+    opt.backward(boosted(torch.full((2, 3), float(rank + 1))).sum())
+    opt.step()
+    booster.save_model(boosted, f"{root}/model", shard=True, use_async=True)
+    booster.save_optimizer(opt, f"{root}/optim", use_async=True)
+    pending = len(booster.checkpoint_io.async_writers)
+    booster.checkpoint_io._sync_io()  # collective: every rank waits for rank 0's model write
+    other = Booster(plugin="torch_ddp")
+    torch.manual_seed(1)
+    net2 = nn.Linear(3, 2)
+    boosted2, opt2, *_ = other.boost(net2, torch.optim.SGD(net2.parameters(), lr=0.1, momentum=0.5))
+    other.load_model(boosted2, f"{root}/model")
+    other.load_optimizer(opt2, f"{root}/optim")
+    same_weights = all(torch.equal(a, b) for a, b in zip(net.parameters(), net2.parameters(), strict=True))
+    same_momentum = all(
+        torch.equal(opt.state[a]["momentum_buffer"], opt2.state[b]["momentum_buffer"])
+        for a, b in zip(opt.parameters, opt2.parameters, strict=True)
+    )
+    return {"pending": pending, "same_weights": same_weights, "same_momentum": same_momentum}
+
+
+@requires_gloo
+def test_async_saves_under_ddp_round_trip_on_every_rank(tmp_path):
+    for rank_out in run_distributed(_ddp_async_round_trip, 2, str(tmp_path), timeout=180):
+        assert rank_out == {"pending": 2, "same_weights": True, "same_momentum": True}
