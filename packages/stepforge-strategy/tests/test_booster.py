@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader, TensorDataset
 
 from stepforge.core import Registry, UnknownNameError
-from stepforge.strategy import BoostedOptimizer, Booster, SinglePlugin, StatefulDataLoader
+from stepforge.strategy import BoostedOptimizer, Booster, ModelWrapper, SinglePlugin, StatefulDataLoader
 from stepforge.strategy import booster as booster_module
 
 
@@ -39,7 +39,8 @@ def test_boost_returns_the_five_wrapped():
     sched = torch.optim.lr_scheduler.StepLR(opt, 2)
     crit = torch.nn.MSELoss()
     m, o, c, d, s = booster.boost(model, opt, crit, loader, sched)
-    assert m is model and c is crit and s is sched
+    assert isinstance(m, ModelWrapper) and m.module is model and m.unwrap() is model
+    assert c is crit and s is sched
     assert isinstance(o, BoostedOptimizer) and o.unwrap() is opt
     assert isinstance(d, StatefulDataLoader) and len(d) == 5
     with booster.no_sync(m, o):  # single: supported, nothing to skip
@@ -48,17 +49,17 @@ def test_boost_returns_the_five_wrapped():
 
 def test_save_model_writes_the_hf_layout(tmp_path):
     booster, model, _ = boost("single")
-    booster.save_model(model, tmp_path / "one.safetensors")
+    booster.save_model(model, tmp_path / "one.safetensors", use_safetensors=True)
     plain = make_model(seed=7)
     plain.load_state_dict(load_file(str(tmp_path / "one.safetensors")))
     for p, q in zip(plain.parameters(), model.parameters(), strict=True):
         assert torch.equal(p, q)
     # size-capped shards: every linear layer is > 0.0001 MiB, so each tensor group splits into files
-    booster.save_model(model, tmp_path / "sharded", shard=True, size_per_shard=0.0005)
+    booster.save_model(model, tmp_path / "sharded", shard=True, size_per_shard=0.0005, use_safetensors=True)
     index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
     assert len(files) > 1 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
-    assert set(index["weight_map"]) == set(model.state_dict())
+    assert set(index["weight_map"]) == set(model.unwrap().state_dict())
     other = make_model(seed=3)
     booster.load_model(other, tmp_path / "sharded")
     for p, q in zip(other.parameters(), model.parameters(), strict=True):
@@ -66,7 +67,7 @@ def test_save_model_writes_the_hf_layout(tmp_path):
     # tied weights (one storage under two names) are written as two tensors
     tied = torch.nn.Sequential(torch.nn.Linear(3, 3, bias=False), torch.nn.Linear(3, 3, bias=False))
     tied[1].weight = tied[0].weight
-    booster.save_model(tied, tmp_path / "tied.safetensors")
+    booster.save_model(tied, tmp_path / "tied.safetensors", use_safetensors=True)
     back = load_file(str(tmp_path / "tied.safetensors"))
     assert torch.equal(back["0.weight"], back["1.weight"]) and torch.equal(back["0.weight"], tied[0].weight)
     booster.save_model(model, tmp_path / "bin", shard=True, use_safetensors=False)
@@ -81,6 +82,7 @@ def test_optimizer_and_scheduler_checkpoint_resume_identically(tmp_path):
     booster.save_model(model, tmp_path / "m", shard=True)
     booster.save_optimizer(wrapper.optimizer, tmp_path / "o", use_async=True)
     booster.save_lr_scheduler(sched, tmp_path / "s.pt")
+    booster.checkpoint_io._sync_io()  # ColossalAI's wait for the background writes (another object reads them)
     boosted_steps(model, wrapper, 2, 0, 1, 2, first_step=2)
     expected = [p.detach().clone() for p in model.parameters()]
 

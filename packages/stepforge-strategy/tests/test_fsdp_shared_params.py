@@ -65,7 +65,9 @@ def _train(rank: int, world: int, plugin: dict, net: type[nn.Module] = _TiedNet)
         opt.zero_grad()
         booster.backward(F.mse_loss(model(x[rows]), y[rows]), opt)
         opt.step()
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full = get_model_state_dict(
+        model.unwrap(), options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
     return {k: v.detach().clone() for k, v in full.items()}
 
 

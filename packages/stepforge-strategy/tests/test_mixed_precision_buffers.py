@@ -43,8 +43,10 @@ def _train(plugin: dict, rank: int) -> tuple[dict[str, torch.Tensor], dict[str, 
         opt.zero_grad()
         booster.backward(F.mse_loss(model(x).float(), y), opt)
         opt.step()
-    dtypes = {name: b.dtype for name, b in model.named_buffers() if b.is_floating_point()}
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    dtypes = {name: b.dtype for name, b in model.unwrap().named_buffers() if b.is_floating_point()}
+    full = get_model_state_dict(
+        model.unwrap(), options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
     return {k: v.detach().float().clone() for k, v in full.items()}, dtypes
 
 

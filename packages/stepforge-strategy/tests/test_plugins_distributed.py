@@ -124,7 +124,7 @@ def _all_cases(rank: int, world: int, ckpt: str) -> dict:
     for name in RESUME:
         booster, model, wrapper = boost(_plugin(name, dict(CASES)[name]), k=K)
         boosted_steps(model, wrapper, STEPS, rank, world, K)
-        booster.save_model(model, f"{ckpt}/{name}/model", shard=True)
+        booster.save_model(model, f"{ckpt}/{name}/model", shard=True, use_safetensors=True)
         booster.save_optimizer(wrapper.optimizer, f"{ckpt}/{name}/optim")
         boosted_steps(model, wrapper, MORE, rank, world, K, first_step=STEPS)
         expected = full_params(booster, model)
@@ -193,7 +193,7 @@ def test_checkpoint_loads_at_world_size_one(results, name):
     for p, q in zip(plain.parameters(), model.parameters(), strict=True):
         assert torch.equal(p, q)
     boosted_steps(model, wrapper, MORE, 0, 1, 2 * K, first_step=STEPS)
-    for key, value in model.state_dict().items():
+    for key, value in model.unwrap().state_dict().items():
         torch.testing.assert_close(value, expected[key], rtol=1e-4, atol=1e-5, msg=key)
 
 

@@ -181,6 +181,11 @@ class Plugin(ABC):
         """Clip the gradients of ``optimizer``'s parameters by their global norm (over every rank and shard);
         return that norm (a 0-dim tensor)."""
 
+    def support_lora(self) -> bool:
+        """Whether ``Booster.enable_lora`` may add peft LoRA adapters to a model for this plugin (ColossalAI's
+        member; ``False`` unless a plugin says otherwise: sharded parameters need peft's support)."""
+        return False
+
     # -- checkpoints -------------------------------------------------------------------------------------------
     @abstractmethod
     def control_checkpoint_io(self) -> bool:

@@ -4,8 +4,9 @@
 - :class:`Booster` (``boost``, ``backward``, ``no_sync``, ``save_*``/``load_*``) with plugins from
   ``stepforge.core.PLUGINS`` (each a :class:`stepforge.core.PluginBase` subclass): ``single``, ``torch_ddp``,
   ``torch_fsdp``, ``gemini`` here, ``low_level_zero`` from stepforge-zero;
-- :class:`OptimizerWrapper` (alias ``BoostedOptimizer``), the :class:`stepforge.core.BoostedOptimizer` these
-  plugins return;
+- :class:`ModelWrapper` (the boosted model) and :class:`OptimizerWrapper` (alias ``BoostedOptimizer``), the
+  :class:`stepforge.core.BoostedOptimizer` these plugins return; :class:`CheckpointIO` /
+  :class:`GeneralCheckpointIO` (``booster.checkpoint_io``) and :class:`Accelerator`;
 - mixed precision (``"fp16"``, ``"bf16"``, ``"fp8"``, ``"fp16_apex"``);
 - :class:`ColossalAIOptimWrapper` and :class:`AmpOptimWrapper` (``stepforge.core.OPTIM_WRAPPERS``);
 - :class:`StatefulDataLoader` (the data position in checkpoints);
@@ -19,10 +20,14 @@ from __future__ import annotations
 from stepforge.core.precision import DynamicLossScaler
 
 from ._version import __version__
+from .accelerator import Accelerator
+from .boosted_model import ModelWrapper
 from .boosted_optimizer import BoostedOptimizer, OptimizerWrapper
 from .booster import Booster
 from .checkpoint import CheckpointError, find_latest_checkpoint
+from .checkpoint_io import BoosterCheckpointIO, CheckpointIO
 from .data import StatefulDataLoader, make_stateful
+from .general_checkpoint_io import GeneralCheckpointIO
 from .mixed_precision import (
     BF16MixedPrecision,
     FP8MixedPrecision,
@@ -38,6 +43,11 @@ from .strategy import ColossalAIStrategy, Strategy
 __all__ = [
     "__version__",
     "Booster",
+    "Accelerator",
+    "ModelWrapper",
+    "CheckpointIO",
+    "BoosterCheckpointIO",
+    "GeneralCheckpointIO",
     "OptimizerWrapper",
     "BoostedOptimizer",
     "StatefulDataLoader",

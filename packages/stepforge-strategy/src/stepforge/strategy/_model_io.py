@@ -26,10 +26,21 @@ from torch import nn
 
 from stepforge.core import WrappedModel
 
-from .checkpoint import CheckpointError, check_name, commit_dir, commit_file, verify_dir, verify_file
+from .checkpoint import (
+    CheckpointError,
+    check_name,
+    check_target,
+    commit_dir,
+    commit_dir_here,
+    commit_file,
+    verify_dir,
+    verify_file,
+    write_with_sidecar,
+)
 
 __all__ = [
     "save_model",
+    "write_full_state_dict",
     "load_model",
     "gather_full_state_dict",
     "unwrap_model",
@@ -138,43 +149,85 @@ def save_model(
     if not isinstance(size_per_shard, int | float) or size_per_shard <= 0:
         raise ValueError(f"save_model: size_per_shard must be > 0 (MiB), got {size_per_shard!r}.")
     state = gather_full_state_dict(model)
-    stem, ext = _file_names(prefix, use_safetensors)
     fmt = "safetensors" if use_safetensors else "torch"
     if not shard:
-        path = Path(check_name(checkpoint, arg="checkpoint", where="save_model"))
-        if path.is_dir():
-            path = path / f"{stem}.{ext}"
-
-        def write_file(tmp: str) -> None:
-            _write(_unshare(state), tmp, use_safetensors)
-
         commit_file(
-            path, write_file, arg="checkpoint", where="save_model", meta={"kind": "model", "format": fmt}
-        )
+            _file_target(checkpoint, prefix, use_safetensors), lambda tmp: _write(_unshare(state), tmp, use_safetensors),
+            arg="checkpoint", where="save_model", meta={"kind": "model", "format": fmt},
+        )  # fmt: skip
         return
 
     def write_dir(tmp: str) -> None:
-        if _rank() != 0:
-            return
-        shards = _shards(_unshare(state), int(size_per_shard * 1024 * 1024))
-        if len(shards) == 1:
-            _write(shards[0], os.path.join(tmp, f"{stem}.{ext}"), use_safetensors)
-            return
-        weight_map: dict[str, str] = {}
-        total = 0
-        for i, part in enumerate(shards, 1):
-            name = f"{stem}-{i:05d}-of-{len(shards):05d}.{ext}"
-            _write(part, os.path.join(tmp, name), use_safetensors)
-            for key, tensor in part.items():
-                weight_map[key] = name
-                total += tensor.numel() * tensor.element_size()
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        with open(os.path.join(tmp, f"{stem}.{ext}{_INDEX_SUFFIX}"), "w", encoding="utf-8") as f:
-            f.write(json.dumps(index, indent=2, sort_keys=True))
+        if _rank() == 0:
+            _write_shards(_unshare(state), tmp, prefix, size_per_shard, use_safetensors)
 
     commit_dir(
         checkpoint, write_dir, meta={"kind": "model", "format": fmt}, arg="checkpoint", where="save_model"
     )
+
+
+def write_full_state_dict(
+    state: dict[str, torch.Tensor],
+    checkpoint: str | os.PathLike[str],
+    *,
+    shard: bool = False,
+    prefix: str | None = None,
+    size_per_shard: int = 1024,
+    use_safetensors: bool = True,
+) -> None:
+    """Write a full state dict (as :func:`gather_full_state_dict` returns it) like :func:`save_model` does, through
+    the same commit (checksummed, atomic), by this process alone: not collective, so an asynchronous save runs it
+    on rank 0's writer thread. Raises :class:`CheckpointError` on failure (nothing committed)."""
+    state = _unshare(state)
+    meta = {"kind": "model", "format": "safetensors" if use_safetensors else "torch"}
+    if not shard:
+        target = check_target(
+            _file_target(checkpoint, prefix, use_safetensors),
+            arg="checkpoint",
+            where="save_model",
+            kind="file",
+        )
+        write_with_sidecar(target, lambda tmp: _write(state, tmp, use_safetensors), "save_model", meta)
+        return
+    commit_dir_here(
+        checkpoint, lambda tmp: _write_shards(state, tmp, prefix, size_per_shard, use_safetensors),
+        meta=meta, arg="checkpoint", where="save_model",
+    )  # fmt: skip
+
+
+def _file_target(checkpoint: str | os.PathLike[str], prefix: str | None, use_safetensors: bool) -> Path:
+    """The file an unsharded save writes: ``checkpoint`` itself, or the HF file name inside it when it is a folder."""
+    path = Path(check_name(checkpoint, arg="checkpoint", where="save_model"))
+    if path.is_dir():
+        stem, ext = _file_names(prefix, use_safetensors)
+        path = path / f"{stem}.{ext}"
+    return path
+
+
+def _write_shards(
+    state: dict[str, torch.Tensor],
+    folder: str,
+    prefix: str | None,
+    size_per_shard: float,
+    use_safetensors: bool,
+) -> None:
+    """The HF sharded layout into ``folder``: one file, or numbered shards plus the index JSON."""
+    stem, ext = _file_names(prefix, use_safetensors)
+    shards = _shards(state, int(size_per_shard * 1024 * 1024))
+    if len(shards) == 1:
+        _write(shards[0], os.path.join(folder, f"{stem}.{ext}"), use_safetensors)
+        return
+    weight_map: dict[str, str] = {}
+    total = 0
+    for i, part in enumerate(shards, 1):
+        name = f"{stem}-{i:05d}-of-{len(shards):05d}.{ext}"
+        _write(part, os.path.join(folder, name), use_safetensors)
+        for key, tensor in part.items():
+            weight_map[key] = name
+            total += tensor.numel() * tensor.element_size()
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    with open(os.path.join(folder, f"{stem}.{ext}{_INDEX_SUFFIX}"), "w", encoding="utf-8") as f:
+        f.write(json.dumps(index, indent=2, sort_keys=True))
 
 
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save's archive (torch >= 1.6)

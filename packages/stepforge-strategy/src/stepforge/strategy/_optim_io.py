@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -27,9 +28,18 @@ from stepforge.core import BoostedOptimizer, Plugin
 from stepforge.core.plugin_base import unwrap_optimizer
 
 from ._optim_template import complete_template
-from .checkpoint import CheckpointError, commit_dir, commit_file, safe_dcp_load, verify_dir, verify_file
+from .checkpoint import (
+    CheckpointError,
+    begin_dir,
+    commit_dir,
+    commit_file,
+    finish_dir,
+    safe_dcp_load,
+    verify_dir,
+    verify_file,
+)
 
-__all__ = ["save_optimizer", "load_optimizer", "save_lr_scheduler", "load_lr_scheduler"]
+__all__ = ["PendingCommit", "save_optimizer", "load_optimizer", "save_lr_scheduler", "load_lr_scheduler"]
 
 
 def _is_dist() -> bool:
@@ -52,25 +62,61 @@ def save_optimizer(
     checkpoint: str | os.PathLike[str],
     *,
     use_async: bool = False,
-) -> None:
-    """Write the optimizer state of every rank to directory ``checkpoint`` (collective)."""
+) -> Any:
+    """Write the optimizer state of every rank to directory ``checkpoint`` (collective).
+
+    ``use_async``: ``dcp.async_save`` (the state is staged before it returns); returns the future of the
+    background write, which the caller waits on (``.result()``). Otherwise ``None`` after the write."""
     _, optim_sd = plugin.get_state_dict(model, optimizer)
     state: dict[str, Any] = {"optimizer": optim_sd}
     scaler = optimizer.scaler_state_dict()
     if scaler is not None:
         state["grad_scaler"] = scaler
+    meta = {"kind": "optimizer"}
+    if not use_async:
 
-    def write(tmp: str) -> None:
-        with _single_process_quiet():
-            if use_async:
-                pending = dcp.async_save(state, checkpoint_id=tmp)
-                # torch >= 2.9 returns an AsyncSaveResponse (its upload_completion is the future), older a Future
-                completion: Any = getattr(pending, "upload_completion", pending)
-                completion.result()
-            else:
+        def write(tmp: str) -> None:
+            with _single_process_quiet():
                 dcp.save(state, checkpoint_id=tmp)
 
-    commit_dir(checkpoint, write, meta={"kind": "optimizer"}, arg="checkpoint", where="save_optimizer")
+        commit_dir(checkpoint, write, meta=meta, arg="checkpoint", where="save_optimizer")
+        return None
+    final, tmp = begin_dir(checkpoint, arg="checkpoint", where="save_optimizer")
+    with _single_process_quiet():
+        pending = dcp.async_save(state, checkpoint_id=tmp)
+    # torch >= 2.9 returns an AsyncSaveResponse (its upload_completion is the future), older a Future
+    return PendingCommit(getattr(pending, "upload_completion", pending), final, tmp, meta, "save_optimizer")
+
+
+class PendingCommit(Future):  # type: ignore[type-arg]
+    """The future of an asynchronous directory save: waiting on it (``exception()``/``result()``, on every rank,
+    in the same order: ColossalAI's ``_sync_io`` points) waits for the background write, then commits the
+    directory through the one writer (collective), or removes it and raises :class:`CheckpointError`."""
+
+    def __init__(self, write: Any, final: str, tmp: str, meta: dict[str, Any], where: str) -> None:
+        super().__init__()
+        self._write, self._final, self._tmp, self._meta, self._where = write, final, tmp, meta, where
+
+    def _settle(self) -> None:
+        if self.done():
+            return
+        local: BaseException | None = None
+        try:
+            self._write.result()
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
+            local = exc
+        try:
+            self.set_result(finish_dir(self._final, self._tmp, local, meta=self._meta, where=self._where))
+        except CheckpointError as exc:
+            self.set_exception(exc)
+
+    def result(self, timeout: float | None = None) -> Any:
+        self._settle()
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._settle()
+        return super().exception(timeout)
 
 
 def load_optimizer(

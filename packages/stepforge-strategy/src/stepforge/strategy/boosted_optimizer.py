@@ -3,7 +3,8 @@
 
 ColossalAI's ``OptimizerWrapper``; it implements :class:`stepforge.core.BoostedOptimizer`. The torch optimizer
 surface (``param_groups``, ``state``, ``step``, ``zero_grad``, ``state_dict``...) plus ``backward(loss)``,
-``backward_by_grad``, ``unscale_``, ``clip_grad_norm_``, ``unwrap()`` and, for fp16, a :class:`DynamicLossScaler`
+``backward_by_grad``, ``unscale_``, ``clip_grad_norm_``, ColossalAI's ``clip_grad_by_norm``/``clip_grad_by_value``/
+``get_grad_norm``/``scale_loss``/``parameters``, ``unwrap()``, ``unwrap_model()`` and, for fp16, a :class:`DynamicLossScaler`
 whose state travels in ``state_dict()["grad_scaler"]`` (and through ``scaler_state_dict``). ``max_norm`` > 0
 clips by the global norm inside ``step``. The scaler's process group makes its overflow check agree across the
 ranks of a sharded (FSDP2) optimizer.
@@ -65,6 +66,9 @@ class OptimizerWrapper(torch.optim.Optimizer):
         self.last_step_skipped = False
         self.skipped_steps = 0
         self.grad_norm: torch.Tensor | None = None
+        self._norm_fresh = False  # grad_norm belongs to the gradients there now
+        self._stepped_unscaled = False  # step() unscaled the gradients still there
+        self._model: nn.Module | None = None
 
     # -- torch.optim surface -------------------------------------------------------------------------------
     @property
@@ -95,7 +99,13 @@ class OptimizerWrapper(torch.optim.Optimizer):
         self.optim.add_param_group(group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._norm_fresh = self._stepped_unscaled = False
         self.optim.zero_grad(set_to_none=set_to_none)
+
+    @property
+    def parameters(self) -> list[torch.Tensor]:
+        """Every parameter of every group, in order (ColossalAI's property)."""
+        return [p for group in self.optim.param_groups for p in group["params"]]
 
     @property
     def loss_scale(self) -> float:
@@ -105,12 +115,17 @@ class OptimizerWrapper(torch.optim.Optimizer):
     # -- backward ------------------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         """``loss.backward()``, scaled by the fp16 loss scale when there is one."""
-        if self.scaler is not None:
-            loss = self.scaler.scale(loss)
+        self._norm_fresh = self._stepped_unscaled = False
+        loss = self.scale_loss(loss)
         loss.backward(*args, **kwargs)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the fp16 loss scale (``loss`` itself without scaling)."""
+        return self.scaler.scale(loss) if self.scaler is not None else loss
 
     def backward_by_grad(self, tensor: torch.Tensor, grad: torch.Tensor) -> None:
         """``torch.autograd.backward(tensor, grad)``, with ``grad`` scaled like the loss."""
+        self._norm_fresh = self._stepped_unscaled = False
         if self.scaler is not None:
             grad = self.scaler.scale(grad)
         torch.autograd.backward(tensor, grad)
@@ -137,10 +152,55 @@ class OptimizerWrapper(torch.optim.Optimizer):
             if isinstance(norm, DTensor):
                 norm = norm.full_tensor()
         self.grad_norm = norm
+        self._norm_fresh = True
         return norm
 
-    def clip_grad_by_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:  # ColossalAI
+    def clip_grad_by_norm(
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        *args: Any,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """ColossalAI's name for :meth:`clip_grad_norm_` (unscale, clip by the global norm, return it).
+
+        Raises:
+            RuntimeError: ``error_if_nonfinite`` and the norm is inf/nan (gradients are then left unclipped).
+        """
+        if error_if_nonfinite:
+            norm = self.get_grad_norm(norm_type)
+            if norm is not None and not torch.isfinite(torch.tensor(norm)):
+                raise RuntimeError(
+                    f"clip_grad_by_norm: the total norm of order {norm_type} of the gradients is {norm}; pass "
+                    "error_if_nonfinite=False to clip anyway."
+                )
         return self.clip_grad_norm_(max_norm, norm_type)
+
+    def clip_grad_by_value(self, clip_value: float, *args: Any, **kwargs: Any) -> None:
+        """Unscale, then clamp every gradient element to ``[-clip_value, clip_value]``
+        (``torch.nn.utils.clip_grad_value_``; extra arguments go to it)."""
+        self.unscale_()
+        nn.utils.clip_grad_value_(
+            [p for p in self.parameters if p.grad is not None], clip_value, *args, **kwargs
+        )
+        self._norm_fresh = False
+
+    def get_grad_norm(self, norm_type: float = 2.0, **kwargs: Any) -> float | None:
+        """The global norm (over every rank and shard) of the unscaled gradients there now: the one
+        :meth:`clip_grad_norm_` (or ``max_norm`` inside :meth:`step`) measured, else measured here (collective for
+        sharded models). ``None`` when no parameter has a gradient."""
+        if not any(p.grad is not None for p in self.parameters):
+            return None
+        if not (self._norm_fresh and self.grad_norm is not None):
+            # DTensor gradients (FSDP2) give a norm reduced over the mesh; DDP's are equal on every rank
+            norm = nn.utils.get_total_norm([p.grad for p in self.parameters if p.grad is not None], norm_type)
+            if isinstance(norm, DTensor):
+                norm = norm.full_tensor()
+            if self.scaler is not None and not (self._unscaled or self._stepped_unscaled):
+                norm = norm / self.scaler.get_scale()
+            return float(norm)
+        return float(self.grad_norm)
 
     # -- step ----------------------------------------------------------------------------------------------
     def step(self, *args: Any, **kwargs: Any) -> Any:
@@ -156,6 +216,7 @@ class OptimizerWrapper(torch.optim.Optimizer):
         out = None if self.last_step_skipped else self.optim.step(*args, **kwargs)
         self.scaler.update()
         self._unscaled = False
+        self._stepped_unscaled = True
         self.skipped_steps += int(self.last_step_skipped)
         return out
 
@@ -185,6 +246,23 @@ class OptimizerWrapper(torch.optim.Optimizer):
     def unwrap(self) -> Any:
         """The wrapped torch optimizer."""
         return self.optim
+
+    def bind_model(self, model: nn.Module) -> None:
+        """Remember the boosted model (``Booster.boost`` does it) for :meth:`unwrap_model`."""
+        self._model = model
+
+    def unwrap_model(self) -> nn.Module:
+        """The boosted model this optimizer was boosted with (ColossalAI's FSDP optimizer member).
+
+        Raises:
+            RuntimeError: the wrapper did not come from ``Booster.boost`` with a model.
+        """
+        if self._model is None:
+            raise RuntimeError(
+                "OptimizerWrapper.unwrap_model: no model is bound; use the optimizer Booster.boost(model, optimizer) "
+                "returned (or call bind_model(model))."
+            )
+        return self._model
 
     def __repr__(self) -> str:
         return f"OptimizerWrapper({self.optim!r}, scaler={self.scaler is not None}, max_norm={self.max_norm})"

@@ -25,13 +25,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from stepforge.core import PLUGINS, BoostedOptimizer, Plugin, build_optimizer
+from stepforge.core import PLUGINS, BoostedOptimizer, Plugin, WrappedModel, build_optimizer
 from stepforge.core.plugin_base import unwrap_optimizer
 from stepforge.core.precision import warn_slow_precision
 
-from . import _model_io, _optim_io
+from ._lora import enable_lora, require_peft
+from .accelerator import Accelerator
+from .boosted_model import ModelWrapper, plugin_module
 from .boosted_optimizer import OptimizerWrapper
+from .checkpoint_io import BoosterCheckpointIO
 from .data import make_stateful
+from .general_checkpoint_io import GeneralCheckpointIO
 from .mixed_precision import MixedPrecision, precision_name, resolve_mixed_precision
 
 __all__ = ["Booster"]
@@ -59,7 +63,14 @@ class Booster:
             a registry name (``"torch_fsdp"``, ``"gemini"``, ``"low_level_zero"``...), a dict
             (``dict(type="LowLevelZeroPlugin", stage=2, precision="bf16")``) or a
             :class:`stepforge.core.Plugin` instance.
-        device: passed to a plugin built here when its constructor takes ``device``.
+        device: passed to a plugin built here when its constructor takes ``device``; for a plugin that does not
+            place the model (``control_device()`` is ``False``) the :class:`Accelerator` ``boost`` moves it to.
+
+    Attributes:
+        checkpoint_io: the :class:`~stepforge.strategy.CheckpointIO` every ``save_*``/``load_*`` goes through (a
+            :class:`~stepforge.strategy.GeneralCheckpointIO` when ``plugin`` was ``None``, which also saves
+            optimizers ``boost`` did not wrap).
+        accelerator: the :class:`Accelerator`, or ``None`` when the plugin places the model.
 
     A plugin that controls precision (``plugin.control_precision()``: FSDP2, gemini, ZeRO) adopts
     ``mixed_precision`` unless its precision was set explicitly (``plugin.explicit_precision``); an explicit one
@@ -83,12 +94,17 @@ class Booster:
         if mixed_precision is not None and wanted is None:
             resolve_mixed_precision(mixed_precision)  # raises the precise error
         self.plugin: Plugin = self._build_plugin(plugin, device)
+        self.accelerator: Accelerator | None = None
+        if not self.plugin.control_device():
+            self.accelerator = Accelerator(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if self.plugin.control_precision():
             self._adopt_precision(mixed_precision, wanted)
             self.mixed_precision: MixedPrecision | None = None
         else:
             self.mixed_precision = resolve_mixed_precision(mixed_precision)
-        self._models: dict[int, nn.Module] = {}  # id(boosted optimizer) -> boosted model
+        self.checkpoint_io: BoosterCheckpointIO = (
+            GeneralCheckpointIO(self.plugin) if plugin is None else BoosterCheckpointIO(self.plugin)
+        )
 
     # -- construction --------------------------------------------------------------------------------------
     @staticmethod
@@ -147,9 +163,10 @@ class Booster:
     ) -> tuple[nn.Module, Any, Any, Any, Any]:
         """Wrap the five for the plugin and the mixed precision; returns them in the same order.
 
-        The optimizer comes back as a :class:`stepforge.core.BoostedOptimizer` (the plugin's, or an
-        :class:`OptimizerWrapper` with the Booster's loss scaling); the dataloader comes back with
-        ``state_dict``/``load_state_dict`` (the data position).
+        The model comes back as a :class:`ModelWrapper` (``.module``: DDP/FSDP2's module, ``.unwrap()``: yours)
+        unless the plugin returns its own :class:`stepforge.core.WrappedModel`; the optimizer as a
+        :class:`stepforge.core.BoostedOptimizer` (the plugin's, or an :class:`OptimizerWrapper` with the Booster's
+        loss scaling); the dataloader with ``state_dict``/``load_state_dict`` (the data position).
         """
         plugin = self.plugin
         if not isinstance(model, nn.Module):
@@ -165,6 +182,8 @@ class Booster:
             self.mixed_precision.name if self.mixed_precision is not None else None
         )
         warn_slow_precision(effective, plugin.device, where=f"Booster.boost(plugin={type(plugin).__name__})")
+        if self.accelerator is not None:
+            model = self.accelerator.configure_model(model)
         if self.mixed_precision is not None:
             self.mixed_precision.configure_model(model, plugin.device)
         if (
@@ -183,7 +202,11 @@ class Booster:
                     f"Booster.boost: plugin {plugin.name!r} returned a {type(boosted).__name__} from prepare(); "
                     "a plugin must return an optimizer implementing stepforge.core.BoostedOptimizer."
                 )
-            self._models[id(boosted)] = model
+            self.checkpoint_io.register(boosted, model)
+        if not isinstance(model, WrappedModel):
+            model = ModelWrapper(model)
+        if isinstance(boosted, OptimizerWrapper):
+            boosted.bind_model(model)
         if dataloader is not None:
             dataloader = make_stateful(dataloader)
         return model, boosted, criterion, dataloader, lr_scheduler
@@ -221,7 +244,7 @@ class Booster:
                 f"Booster.no_sync: plugin {self.plugin.name!r} does not support no_sync; accumulate gradients "
                 "without it (every micro-batch synchronises)."
             )
-        return self.plugin.no_sync(model, optimizer)
+        return self.plugin.no_sync(None if model is None else plugin_module(model), optimizer)
 
     def clip_grad_norm_(
         self,
@@ -234,7 +257,48 @@ class Booster:
         _require_boosted(optimizer, "clip_grad_norm_")
         return optimizer.clip_grad_norm_(max_norm, norm_type)
 
-    # -- checkpoints ---------------------------------------------------------------------------------------
+    # -- LoRA ------------------------------------------------------------------------------------------------
+    def enable_lora(
+        self,
+        model: nn.Module,
+        pretrained_dir: str | os.PathLike[str] | None = None,
+        lora_config: Any = None,
+        bnb_quantization_config: Any = None,
+        quantize: bool = False,
+    ) -> nn.Module:
+        """Add LoRA adapters with peft before ``boost``: ``lora_config`` (a ``peft.LoraConfig``) for new
+        adapters, or ``pretrained_dir`` for saved ones; returns the ``PeftModel`` to boost.
+
+        Raises:
+            ImportError: peft is missing (``pip install peft``).
+            ValueError: the plugin does not support LoRA (FSDP2's ``torch_fsdp``/``gemini``), quantisation was
+                asked for, or neither ``lora_config`` nor ``pretrained_dir`` was given.
+        """
+        require_peft("Booster.enable_lora")
+        self._require_lora("enable_lora")
+        if quantize or bnb_quantization_config is not None:
+            raise ValueError(
+                "Booster.enable_lora: quantize/bnb_quantization_config (bitsandbytes QLoRA) is not supported; "
+                "leave them unset."
+            )
+        return enable_lora(model, pretrained_dir, lora_config)
+
+    def save_lora_as_pretrained(
+        self, model: nn.Module, checkpoint: str | os.PathLike[str], use_safetensors: bool = False
+    ) -> None:
+        """Write the LoRA adapters and config to directory ``checkpoint`` (peft's layout; rank 0 writes)."""
+        require_peft("Booster.save_lora_as_pretrained")
+        self._require_lora("save_lora_as_pretrained")
+        self.checkpoint_io.save_lora_as_pretrained(model, checkpoint, use_safetensors)
+
+    def _require_lora(self, what: str) -> None:
+        if not self.plugin.support_lora():
+            raise ValueError(
+                f"Booster.{what}: plugin {self.plugin.name!r} does not support LoRA (as in ColossalAI); use "
+                "'torch_ddp' or 'single'."
+            )
+
+    # -- checkpoints (ColossalAI's signatures; see stepforge.strategy.checkpoint_io) --------------------------
     def save_model(
         self,
         model: nn.Module,
@@ -243,33 +307,13 @@ class Booster:
         gather_dtensor: bool = True,
         prefix: str | None = None,
         size_per_shard: int = 1024,
-        use_safetensors: bool = True,
+        use_safetensors: bool = False,
         use_async: bool = False,
     ) -> None:
-        """Save the full model in the Hugging Face layout (every rank calls; rank 0 writes).
-
-        ``shard=False``: one file at ``checkpoint`` (a directory gets ``model.safetensors`` inside);
-        ``shard=True``: directory ``checkpoint`` with files of at most ``size_per_shard`` MiB plus
-        ``model.safetensors.index.json``. ``prefix`` prefixes the file names; ``use_safetensors=False``
-        writes ``pytorch_model*.bin`` with ``torch.save`` instead.
-
-        Through the one checkpoint writer (package README, "Checkpoints"): a single file is written atomically
-        with a sidecar manifest ``<file>.stepforge.json`` (size, CRC-32) and stays a plain safetensors/torch
-        file; a sharded save is a committed directory (``COMMIT.json``). An existing file or directory that
-        stepforge did not write is refused (``CheckpointError``), as are ``""``, ``"."`` and ``".."``
-        (``ValueError``); a failed write raises ``CheckpointError`` and leaves the earlier save as it was.
-        """
-        if not gather_dtensor:
-            raise ValueError(
-                "Booster.save_model: gather_dtensor=False is not supported; full model saves are gathered "
-                "(save sharded state with save_optimizer or stepforge.strategy's DCP checkpoints)."
-            )
-        if use_async:
-            raise ValueError("Booster.save_model: use_async=True is not supported; saves are synchronous.")
-        _model_io.save_model(
-            model, checkpoint, shard=shard, prefix=prefix, size_per_shard=size_per_shard,
-            use_safetensors=use_safetensors,
-        )  # fmt: skip
+        """:meth:`BoosterCheckpointIO.save_model`: the full model in the HF layout (every rank calls)."""
+        self.checkpoint_io.save_model(
+            model, checkpoint, shard, gather_dtensor, prefix, size_per_shard, use_safetensors, use_async
+        )
 
     def load_model(
         self,
@@ -279,9 +323,8 @@ class Booster:
         low_cpu_mem_mode: bool = True,
         num_threads: int = 1,
     ) -> None:
-        """Load a file or directory written by :meth:`save_model` (or any HF-layout safetensors/bin save)
-        into the boosted ``model``, at any world size."""
-        _model_io.load_model(model, checkpoint, strict=strict)
+        """:meth:`BoosterCheckpointIO.load_model` (any world size)."""
+        self.checkpoint_io.load_model(model, checkpoint, strict, low_cpu_mem_mode, num_threads)
 
     def save_optimizer(
         self,
@@ -293,16 +336,10 @@ class Booster:
         size_per_shard: int = 1024,
         use_async: bool = False,
     ) -> None:
-        """Save the optimizer (and fp16 loss-scaler) state to directory ``checkpoint`` with
-        ``torch.distributed.checkpoint``: every rank writes its own shard; loads at another world size.
-
-        ``shard``/``size_per_shard``/``prefix`` are accepted for ColossalAI compatibility (DCP always writes
-        per-rank files); ``use_async=True`` uses ``dcp.async_save`` and waits before returning. The directory
-        is committed like a Strategy checkpoint (temporary directory, ``COMMIT.json`` with every file's CRC-32
-        written last, atomic rename); the name rules and failures are those of :meth:`save_model`.
-        """
-        _optim_io.save_optimizer(
-            self.plugin, self._model_for(optimizer), optimizer, checkpoint, use_async=use_async
+        """:meth:`BoosterCheckpointIO.save_optimizer`: DCP directory ``checkpoint`` (every rank writes its
+        shard); ``use_async`` returns once staged and writes in the background."""
+        self.checkpoint_io.save_optimizer(
+            optimizer, checkpoint, shard, gather_dtensor, prefix, size_per_shard, use_async=use_async
         )
 
     def load_optimizer(
@@ -313,27 +350,16 @@ class Booster:
         low_cpu_mem_mode: bool = True,
         num_threads: int = 1,
     ) -> None:
-        """Load a directory written by :meth:`save_optimizer` (at any world size) into ``optimizer``."""
-        _optim_io.load_optimizer(self.plugin, self._model_for(optimizer), optimizer, checkpoint)
+        """:meth:`BoosterCheckpointIO.load_optimizer` (any world size)."""
+        self.checkpoint_io.load_optimizer(optimizer, checkpoint, prefix, low_cpu_mem_mode, num_threads)
 
     def save_lr_scheduler(self, lr_scheduler: Any, checkpoint: str | os.PathLike[str]) -> None:
-        """``torch.save(lr_scheduler.state_dict(), checkpoint)`` on rank 0 (every rank calls), written
-        atomically with a sidecar manifest ``<checkpoint>.stepforge.json`` (size, CRC-32) that
-        :meth:`load_lr_scheduler` checks; the name rules and failures are those of :meth:`save_model`."""
-        _optim_io.save_lr_scheduler(lr_scheduler, checkpoint)
+        """``torch.save(lr_scheduler.state_dict(), checkpoint)`` on rank 0 (every rank calls)."""
+        self.checkpoint_io.save_lr_scheduler(lr_scheduler, checkpoint)
 
     def load_lr_scheduler(self, lr_scheduler: Any, checkpoint: str | os.PathLike[str]) -> None:
         """Load a file written by :meth:`save_lr_scheduler`."""
-        _optim_io.load_lr_scheduler(lr_scheduler, checkpoint)
-
-    def _model_for(self, optimizer: Any) -> nn.Module:
-        model = self._models.get(id(optimizer))
-        if model is None:
-            raise ValueError(
-                "Booster: this optimizer was not returned by this Booster's boost(); pass the boosted "
-                "optimizer (the one boost() returned)."
-            )
-        return model
+        self.checkpoint_io.load_lr_scheduler(lr_scheduler, checkpoint)
 
     @staticmethod
     def unwrap_optimizer(optimizer: Any) -> Any:

@@ -70,6 +70,22 @@ class MixedPrecision:
         autocast_forward(model, device.type, self.dtype)
         return model
 
+    def configure(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, criterion: Any = None
+    ) -> tuple[nn.Module, Any, Any]:
+        """ColossalAI's ``configure``: ``model`` in a :class:`~stepforge.strategy.ModelWrapper` whose forward runs
+        under autocast (on the device of the model's first parameter), ``optimizer`` in an
+        :class:`~stepforge.strategy.OptimizerWrapper` with this precision's loss scaler, ``criterion`` unchanged
+        (the loss is computed from autocast outputs; an fp32 criterion is the safer default).
+        """
+        from .boosted_model import ModelWrapper
+        from .boosted_optimizer import OptimizerWrapper
+
+        first = next(iter(model.parameters()), None)
+        self.configure_model(model, first.device if first is not None else torch.device("cpu"))
+        wrapped = OptimizerWrapper(optimizer, scaler=self.make_scaler()) if optimizer is not None else None
+        return ModelWrapper(model), wrapped, criterion
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 

@@ -23,6 +23,7 @@ from stepforge.core import OPTIM_WRAPPERS
 
 from ._env import ENV_KWARGS, get_world_size, setup_env
 from ._logging import LOG_KWARGS, close_logger, setup_logger
+from .boosted_model import plugin_module
 from .booster import Booster
 from .checkpoint import _strategy_io as io
 from .checkpoint import find_latest_checkpoint
@@ -161,6 +162,9 @@ class Strategy:
             model = self.booster.boost(model)[0]
         else:
             model, wrapper = self._build_optim_wrapper(model, optim_wrapper)
+        model = plugin_module(
+            model
+        )  # mmengine's strategies hand back the DDP/FSDP module, not a ModelWrapper
         if self.model_wrapper is not None:
             model = self.model_wrapper(model)
         model = self.compile_model(model, compile)

@@ -8,15 +8,32 @@ from __future__ import annotations
 from ._dcp import load_dir, read_dcp_metadata, read_meta, safe_dcp_load, save_dir, unblob
 from ._layout import LAST_CHECKPOINT, MARKER, CheckpointError, committed_checkpoints, find_latest_checkpoint
 from ._rng import get_rng_state, set_rng_state
-from ._writer import SIDECAR_SUFFIX, check_name, commit_dir, commit_file, verify_dir, verify_file
+from ._sidecar import write_with_sidecar
+from ._writer import (
+    SIDECAR_SUFFIX,
+    begin_dir,
+    check_name,
+    check_target,
+    commit_dir,
+    commit_dir_here,
+    commit_file,
+    finish_dir,
+    verify_dir,
+    verify_file,
+)
 
 __all__ = [
     "LAST_CHECKPOINT",
     "MARKER",
     "SIDECAR_SUFFIX",
+    "begin_dir",
     "check_name",
+    "check_target",
     "commit_dir",
+    "commit_dir_here",
     "commit_file",
+    "finish_dir",
+    "write_with_sidecar",
     "verify_dir",
     "verify_file",
     "CheckpointError",

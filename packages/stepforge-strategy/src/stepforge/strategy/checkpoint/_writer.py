@@ -56,8 +56,11 @@ __all__ = [
     "SIDECAR_SUFFIX",
     "check_name",
     "check_target",
+    "begin_dir",
     "commit_dir",
+    "commit_dir_here",
     "commit_file",
+    "finish_dir",
     "is_committed_dir",
     "verify_dir",
     "verify_file",
@@ -180,18 +183,25 @@ def commit_dir(
         not isinstance(max_keep_ckpts, int) or isinstance(max_keep_ckpts, bool)
     ):
         raise ValueError(f"max_keep_ckpts must be an int or None, got {max_keep_ckpts!r}")
-    rank = get_rank()
+    final, tmp = begin_dir(path, arg=arg, where=where, work_dir=work_dir)
+    local: BaseException | None = None
+    try:
+        write(tmp)
+    except (Exception, dcp.CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
+        local = _cause(exc, get_rank())
+    return finish_dir(
+        final, tmp, local, meta=meta, where=where, work_dir=work_dir, max_keep_ckpts=max_keep_ckpts
+    )
+
+
+def begin_dir(path: Any, *, arg: str, where: str, work_dir: str | None = None) -> tuple[str, str]:
+    """First half of :func:`commit_dir` (collective): check the name, recover an orphaned copy, make the temporary
+    directory; returns ``(final, tmp)`` on every rank. Every rank then writes into ``tmp`` and calls
+    :func:`finish_dir`, at once or later (an asynchronous save)."""
     setup: tuple[str, str] | tuple[None, BaseException] = (None, CheckpointError("unset"))
-    if rank == 0:
+    if get_rank() == 0:
         try:
-            _recover(os.path.abspath(check_name(path, arg=arg, where=where)))
-            final = check_target(path, arg=arg, where=where, kind="dir", work_dir=work_dir)
-            os.makedirs(os.path.dirname(final), exist_ok=True)
-            tmp = os.path.join(
-                os.path.dirname(final), f".{os.path.basename(final)}.tmp-{uuid.uuid4().hex[:12]}"
-            )
-            os.makedirs(tmp)
-            setup = (final, tmp)
+            setup = _make_tmp(path, arg=arg, where=where, work_dir=work_dir)
         except (ValueError, TypeError, CheckpointError, OSError) as exc:
             setup = (None, exc)
     setup = broadcast_object(setup)
@@ -200,12 +210,31 @@ def commit_dir(
         if isinstance(err, OSError):
             raise CheckpointError(f"{where}: cannot create the checkpoint at {path!r} ({err})") from err
         raise err
-    final, tmp = setup
-    local: BaseException | None = None
-    try:
-        write(tmp)
-    except (Exception, dcp.CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
-        local = _cause(exc, rank)
+    return setup[0], setup[1]
+
+
+def _make_tmp(path: Any, *, arg: str, where: str, work_dir: str | None) -> tuple[str, str]:
+    _recover(os.path.abspath(check_name(path, arg=arg, where=where)))
+    final = check_target(path, arg=arg, where=where, kind="dir", work_dir=work_dir)
+    os.makedirs(os.path.dirname(final), exist_ok=True)
+    tmp = os.path.join(os.path.dirname(final), f".{os.path.basename(final)}.tmp-{uuid.uuid4().hex[:12]}")
+    os.makedirs(tmp)
+    return final, tmp
+
+
+def finish_dir(
+    final: str,
+    tmp: str,
+    local: BaseException | None,
+    *,
+    meta: dict[str, Any],
+    where: str,
+    work_dir: str | None = None,
+    max_keep_ckpts: int | None = None,
+) -> str:
+    """Second half of :func:`commit_dir` (collective): ``local`` is this rank's write failure (None when its files
+    are complete). Commits when every rank succeeded; otherwise removes ``tmp`` and raises CheckpointError."""
+    rank = get_rank()
     failures = _gather_failures(None if local is None else f"{type(local).__name__}: {local}")
     status = None
     if rank == 0:
@@ -219,10 +248,35 @@ def commit_dir(
     status = broadcast_object(status)
     problems = failures + ([status] if status else [])
     if problems:
-        raise CheckpointError(
-            f"{where}: saving {final!r} failed ({'; '.join(problems)}); nothing was committed and the previous "
-            "checkpoint of that name, if any, is unchanged"
-        ) from local
+        raise _failed(where, final, "; ".join(problems), local)
+    return final
+
+
+def _failed(where: str, final: str, what: str, cause: BaseException | None) -> CheckpointError:
+    err = CheckpointError(
+        f"{where}: saving {final!r} failed ({what}); nothing was committed and the previous checkpoint of that "
+        "name, if any, is unchanged"
+    )
+    err.__cause__ = cause
+    return err
+
+
+def commit_dir_here(
+    path: Any, write: Callable[[str], None], *, meta: dict[str, Any], arg: str, where: str
+) -> str:
+    """:func:`commit_dir` run by this process alone (no collective): for a save that one rank writes, possibly on
+    a background thread (``Booster.save_model(use_async=True)``). Same steps, names and failure rules.
+
+    Returns:
+        The absolute path of the committed directory.
+    """
+    final, tmp = _make_tmp(path, arg=arg, where=where, work_dir=None)
+    try:
+        write(tmp)
+        _commit(tmp, final, meta, None, None)
+    except Exception as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise _failed(where, final, f"{type(exc).__name__}: {exc}", exc) from exc
     return final
 
 

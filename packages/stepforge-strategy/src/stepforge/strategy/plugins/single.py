@@ -44,6 +44,10 @@ class SinglePlugin(PluginBase):
         model.to(self.device)
         return model, as_boosted(optimizer)
 
+    def support_lora(self) -> bool:
+        """LoRA through peft is supported (as ColossalAI's plugin)."""
+        return True
+
     def no_sync(self, model: nn.Module | None, optimizer: Any = None) -> AbstractContextManager[Any]:
         return nullcontext()
 

@@ -16,11 +16,22 @@ from stepforge.core import PluginBase
 from ..boosted_optimizer import OptimizerWrapper, as_boosted
 from ..data import StatefulDataLoader
 
-__all__ = ["TorchDDPPlugin"]
+__all__ = ["TorchDDPPlugin", "sync_batchnorm"]
+
+
+def sync_batchnorm(model: nn.Module, device: torch.device, process_group: Any = None) -> nn.Module:
+    """BatchNorm layers as ``nn.SyncBatchNorm`` (statistics over every rank), as ColossalAI's DDP plugin does,
+    on an accelerator. torch's ``SyncBatchNorm`` refuses CPU inputs under several ranks, so on CPU the layers
+    stay per-rank ``BatchNorm``. The parameters and buffers are kept (the optimizer's references stay valid)."""
+    if device.type == "cpu":
+        return model
+    converted: nn.Module = nn.SyncBatchNorm.convert_sync_batchnorm(model, process_group)
+    return converted
 
 
 class TorchDDPPlugin(PluginBase):
-    """Data parallelism with torch DDP; ``no_sync`` is DDP's.
+    """Data parallelism with torch DDP; ``no_sync`` is DDP's; BatchNorm becomes ``SyncBatchNorm`` on an
+    accelerator (:func:`sync_batchnorm`).
 
     ColossalAI's arguments, passed to ``DistributedDataParallel``:
 
@@ -82,12 +93,16 @@ class TorchDDPPlugin(PluginBase):
         if isinstance(model, DistributedDataParallel):
             return model, as_boosted(optimizer)
         self.bind_device()
-        model.to(self.device)
+        model = sync_batchnorm(model.to(self.device), self.device, self.process_group)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         ddp = DistributedDataParallel(
             model, device_ids=device_ids, process_group=self.process_group, **self.ddp_kwargs
         )
         return ddp, as_boosted(optimizer)
+
+    def support_lora(self) -> bool:
+        """LoRA through peft is supported (as ColossalAI's plugin)."""
+        return True
 
     def no_sync(self, model: nn.Module | None, optimizer: Any = None) -> AbstractContextManager[Any]:
         """DDP's ``no_sync``: the forward and backward inside skip the all-reduce."""

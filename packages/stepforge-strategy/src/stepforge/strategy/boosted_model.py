@@ -1,0 +1,64 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``ModelWrapper``: the model ``Booster.boost`` returns (ColossalAI's ``colossalai.interface.ModelWrapper``).
+
+``.module`` is what the plugin made of the model (a ``DistributedDataParallel``, an FSDP2 ``FSDPModule``, the
+model itself for ``single``); ``.unwrap()`` is the user's model (DDP's ``.module``; for FSDP2 the same object,
+which ``fully_shard`` changed in place). ``model(x)`` is ``.module(x)``. As in ColossalAI, the wrapper's own
+``state_dict()`` keys carry the ``module.`` prefix; ``unwrap().state_dict()`` (and the Booster's ``save_model``)
+use the original keys. It implements :class:`stepforge.core.WrappedModel`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+__all__ = ["ModelWrapper", "plugin_module"]
+
+
+class ModelWrapper(nn.Module):
+    """Wrap ``module``, the plugin's model, for the Booster.
+
+    Args:
+        module: the prepared model (DDP, FSDP2 or plain ``nn.Module``).
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"ModelWrapper: module must be a torch.nn.Module, got {type(module).__name__}.")
+        super().__init__()
+        self.module = module
+
+    def unwrap(self, unwrap_peft: bool = True) -> nn.Module:
+        """The user's model: nested wrappers and DDP removed; with ``unwrap_peft`` a peft ``PeftModel`` gives its
+        base model (the LoRA layers stay in it, under peft's names)."""
+        inner = self.module
+        model = inner.unwrap(unwrap_peft) if isinstance(inner, ModelWrapper) else inner
+        if isinstance(model, DistributedDataParallel):
+            model = model.module
+        if unwrap_peft and _is_peft_model(model):
+            peft_model: Any = model  # a peft.PeftModel (peft is optional: no static type for it)
+            base: nn.Module = peft_model.get_base_model()
+            return base
+        return model
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+
+def _is_peft_model(model: nn.Module) -> bool:
+    if importlib.util.find_spec("peft") is None:
+        return False
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)
+
+
+def plugin_module(model: nn.Module) -> nn.Module:
+    """What the plugin prepared: ``model.module`` for a :class:`ModelWrapper` (any nesting), else ``model``."""
+    while isinstance(model, ModelWrapper):
+        model = model.module
+    return model
