@@ -27,6 +27,7 @@ __all__ = [
     "import_fused",
     "import_lamb",
     "case_label",
+    "copy_bandwidth",
     "make_bundle",
     "master_values",
     "print_row",
@@ -201,9 +202,24 @@ def compare(
     return row
 
 
-def apply_ceiling(row: dict[str, Any], ceiling: float | None) -> None:
-    """Set ``pct_of_ceiling`` and ``met`` of ``row`` for the Adam-pattern ``ceiling`` in GB/s."""
+def copy_bandwidth(n: int, *, threads: int, repeats: int) -> dict[str, Any]:
+    """STREAM-like copy ``a[:] = b`` (fp32, torch's own threading), counted as 8 B per element (STREAM
+    convention: the write-allocate read is not counted)."""
+    gen = torch.Generator().manual_seed(2)
+    a = torch.zeros(n)
+    b = torch.randn(n, generator=gen)
+    t = _timing.time_interleaved({"copy": lambda: a.copy_(b)}, warmup=1, repeats=repeats)["copy"]
+    return {"gb_per_s": 8 * n / (t.median_ms * 1e-3) / 1e9, "ms": t.median_ms, "elements": n,
+            "bytes_per_element": 8, "threads": threads}  # fmt: skip
+
+
+def apply_ceiling(row: dict[str, Any], ceiling: float | None, stream: dict[str, float] | None = None) -> None:
+    """Set ``pct_of_ceiling`` and ``met`` of ``row`` for the Adam-pattern ``ceiling`` in GB/s, and beside it
+    the row's GB/s as a share of the STREAM-like ``stream`` figures (``{"copy": GB/s, "triad": GB/s}``)."""
     row["pct_of_ceiling"] = 100.0 * row["gb_per_s"] / ceiling if row["gb_per_s"] and ceiling else None
+    for name, gbs in (stream or {}).items():
+        row[f"{name}_gb_per_s"] = gbs
+        row[f"pct_of_{name}"] = 100.0 * row["gb_per_s"] / gbs if row["gb_per_s"] and gbs else None
     target, target_pct = row["target"], row["target_pct_of_ceiling"]
     if row["ratio"] is None or target is None:
         row["met"] = None
@@ -234,6 +250,8 @@ COLUMNS = [
     ("met_str", "met?", ""),
     ("gb_per_s", "GB/s", ".1f"),
     ("pct_of_ceiling", "% ceil", ".0f"),
+    ("pct_of_triad", "% triad", ".0f"),
+    ("pct_of_copy", "% copy", ".0f"),
     ("ratio_min", "ratio(min)", ".2f"),
 ]
 
