@@ -197,7 +197,7 @@ def main(argv: Iterable[str] | None = None) -> int:
             "warmup": args.warmup,
             "seed": args.seed,
             "hyperparameters": {k: list(v) if isinstance(v, tuple) else v for k, v in HP.items()},
-            "timing": "median of repeats, contenders round-robin, only optimizer.step() timed, gc off",
+            "timing": "median of repeats, round-robin (half in each order), only step() timed, gc off",
             "grads": "reuse = same p.grad tensors every step; fresh = alternate between two gradient sets",
             "bytes_per_element": BYTES,
         },
