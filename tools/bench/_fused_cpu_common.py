@@ -27,6 +27,7 @@ __all__ = [
     "import_fused",
     "import_lamb",
     "case_label",
+    "copy_bandwidth",
     "make_bundle",
     "master_values",
     "print_row",
@@ -163,9 +164,17 @@ def compare(
     """Time ``ours`` and every baseline round-robin; the fastest baseline is the reference."""
     contenders = [c for c in [ours, *baselines] if c.step is not None]
     before = {c.name: c.bundle.next_grads for c in contenders if grads == "fresh" and c.bundle is not None}
-    timings = _timing.time_interleaved(
-        {c.name: c.step for c in contenders}, warmup=args.warmup, repeats=args.repeats, before=before
-    )
+    # Half the repeats in each order (ours first, then ours last): a contender that always runs right after
+    # another one inherits its after-effects (dirty lines being written back, the other's spinning threads).
+    order = [(c.name, c.step) for c in contenders]
+    half = max(1, args.repeats // 2)
+    timings = _timing.time_interleaved(dict(order), warmup=args.warmup, repeats=half, before=before)
+    if args.repeats > half:
+        rest = _timing.time_interleaved(
+            dict(order[::-1]), warmup=0, repeats=args.repeats - half, before=before
+        )
+        for name, t in rest.items():
+            timings[name].samples_ms.extend(t.samples_ms)
     nbytes = BYTES[group] * elements
     base_ms = {c.name: timings[c.name].median_ms for c in baselines if c.name in timings}
     best_base = min(base_ms, key=base_ms.__getitem__) if base_ms else None
@@ -201,9 +210,24 @@ def compare(
     return row
 
 
-def apply_ceiling(row: dict[str, Any], ceiling: float | None) -> None:
-    """Set ``pct_of_ceiling`` and ``met`` of ``row`` for the Adam-pattern ``ceiling`` in GB/s."""
+def copy_bandwidth(n: int, *, threads: int, repeats: int) -> dict[str, Any]:
+    """STREAM-like copy ``a[:] = b`` (fp32, torch's own threading), counted as 8 B per element (STREAM
+    convention: the write-allocate read is not counted)."""
+    gen = torch.Generator().manual_seed(2)
+    a = torch.zeros(n)
+    b = torch.randn(n, generator=gen)
+    t = _timing.time_interleaved({"copy": lambda: a.copy_(b)}, warmup=1, repeats=repeats)["copy"]
+    return {"gb_per_s": 8 * n / (t.median_ms * 1e-3) / 1e9, "ms": t.median_ms, "elements": n,
+            "bytes_per_element": 8, "threads": threads}  # fmt: skip
+
+
+def apply_ceiling(row: dict[str, Any], ceiling: float | None, stream: dict[str, float] | None = None) -> None:
+    """Set ``pct_of_ceiling`` and ``met`` of ``row`` for the Adam-pattern ``ceiling`` in GB/s, and beside it
+    the row's GB/s as a share of the STREAM-like ``stream`` figures (``{"copy": GB/s, "triad": GB/s}``)."""
     row["pct_of_ceiling"] = 100.0 * row["gb_per_s"] / ceiling if row["gb_per_s"] and ceiling else None
+    for name, gbs in (stream or {}).items():
+        row[f"{name}_gb_per_s"] = gbs
+        row[f"pct_of_{name}"] = 100.0 * row["gb_per_s"] / gbs if row["gb_per_s"] and gbs else None
     target, target_pct = row["target"], row["target_pct_of_ceiling"]
     if row["ratio"] is None or target is None:
         row["met"] = None
@@ -234,6 +258,8 @@ COLUMNS = [
     ("met_str", "met?", ""),
     ("gb_per_s", "GB/s", ".1f"),
     ("pct_of_ceiling", "% ceil", ".0f"),
+    ("pct_of_triad", "% triad", ".0f"),
+    ("pct_of_copy", "% copy", ".0f"),
     ("ratio_min", "ratio(min)", ".2f"),
 ]
 

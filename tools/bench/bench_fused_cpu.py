@@ -8,7 +8,8 @@
 What it measures (fp32 unless said; every contender gets the same initial values and gradients):
 
 - the memory-bandwidth ceiling of the Adam access pattern (4 reads + 3 in-place writes, trivial math) and a
-  STREAM-like triad, so each kernel's effective GB/s can be read as a fraction of what the machine can move;
+  STREAM-like triad and copy (each row shows its GB/s as % of each), so each kernel's effective GB/s can be
+  read as a fraction of what the machine can move;
 - ``adam``: ``CPUAdam`` vs ``torch.optim.AdamW(fused=True)`` (and ``foreach=True``) on one 50M-element tensor,
   on 2 000 x 10 000 and on 20 000 x 1 000 tensors;
 - ``mixed``: bf16 params and grads with fp32 masters, ``CPUAdam(master_weights=True)`` vs the best torch
@@ -57,6 +58,7 @@ from _fused_cpu_common import (
     HP,
     QUICK,
     apply_ceiling,
+    copy_bandwidth,
     decorate,
     import_fused,
 )
@@ -121,7 +123,9 @@ def main(argv: Iterable[str] | None = None) -> int:
         sizes.ceiling, threads=threads, repeats=max(3, args.repeats // 2)
     )
     triad = _bandwidth.triad_bandwidth(sizes.ceiling, threads=threads, repeats=max(3, args.repeats // 2))
+    copy = copy_bandwidth(sizes.ceiling, threads=threads, repeats=max(3, args.repeats // 2))
     cgbs = ceiling["gb_per_s"]
+    print(f"  STREAM-like copy: {copy['gb_per_s']:.1f} GB/s")
     print(
         f"  Adam-pattern ceiling (4R+3W, trivial math): {cgbs:.1f} GB/s   "
         f"triad: {triad['gb_per_s']:.1f} GB/s (numpy {triad['numpy_gb_per_s']:.1f}, torch {triad['torch_gb_per_s']:.1f})"
@@ -160,13 +164,15 @@ def main(argv: Iterable[str] | None = None) -> int:
     ceiling["gb_per_s_start"] = cgbs
     ceiling["gb_per_s_end"] = ceiling_end["gb_per_s"]
     ceiling["gb_per_s"] = cgbs = max(cgbs, ceiling_end["gb_per_s"])
+    stream = {"triad": triad["gb_per_s"], "copy": copy["gb_per_s"]}
     for row in rows:
-        apply_ceiling(row, cgbs)
+        apply_ceiling(row, cgbs, stream)
 
     print()
     print(
         f"ceiling {cgbs:.1f} GB/s (Adam pattern, {threads} threads; start {ceiling['gb_per_s_start']:.1f}, "
-        f"end {ceiling['gb_per_s_end']:.1f}), triad {triad['gb_per_s']:.1f} GB/s"
+        f"end {ceiling['gb_per_s_end']:.1f}), triad {triad['gb_per_s']:.1f} GB/s, copy {copy['gb_per_s']:.1f} GB/s; "
+        f"load average {info['load_average']} (start) -> {_machine.load_average()} (end)"
     )
     print(_report.format_table([decorate(r) for r in rows], COLUMNS))
     for r in identity:
@@ -191,12 +197,13 @@ def main(argv: Iterable[str] | None = None) -> int:
             "warmup": args.warmup,
             "seed": args.seed,
             "hyperparameters": {k: list(v) if isinstance(v, tuple) else v for k, v in HP.items()},
-            "timing": "median of repeats, contenders round-robin, only optimizer.step() timed, gc off",
+            "timing": "median of repeats, round-robin (half in each order), only step() timed, gc off",
             "grads": "reuse = same p.grad tensors every step; fresh = alternate between two gradient sets",
             "bytes_per_element": BYTES,
         },
         "ceiling": ceiling,
         "triad": triad,
+        "copy": copy,
         "rows": rows,
         "bit_identity": identity,
         "fused_error": err,

@@ -15,6 +15,7 @@ import torch
 from stepforge.core import GroupValidator, HyperParameterError
 
 from ._bucket_cache import BucketCache
+from ._huge_pages import float32_copy, float32_zeros_like
 
 __all__ = ["StateMixin"]
 
@@ -156,7 +157,7 @@ class StateMixin:
         for key in self._state_keys(group):
             buf = state.get(key)
             if buf is None:
-                state[key] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+                state[key] = float32_zeros_like(p)
                 fresh = True
             elif buf.dtype != torch.float32 or buf.device != p.device or not buf.is_contiguous():
                 # A torch checkpoint of fp16/bf16 params keeps low-precision moments: widen them (exact).
@@ -175,7 +176,7 @@ class StateMixin:
         if self.master_weights and p.dtype != torch.float32:
             w = state.get("master_param")
             if w is None or w.shape != p.shape:
-                state["master_param"] = p.detach().to(torch.float32).contiguous()
+                state["master_param"] = float32_copy(p)
             else:
                 if w.dtype != torch.float32 or w.device != p.device or not w.is_contiguous():
                     w = state["master_param"] = w.to(device=p.device, dtype=torch.float32).contiguous()
