@@ -89,6 +89,7 @@ class Booster:
         else:
             self.mixed_precision = resolve_mixed_precision(mixed_precision)
         self._models: dict[int, nn.Module] = {}  # id(boosted optimizer) -> boosted model
+        self._optimizers: dict[int, BoostedOptimizer] = {}  # id(boosted optimizer) -> it (kept alive with it)
 
     # -- construction --------------------------------------------------------------------------------------
     @staticmethod
@@ -184,6 +185,7 @@ class Booster:
                     "a plugin must return an optimizer implementing stepforge.core.BoostedOptimizer."
                 )
             self._models[id(boosted)] = model
+            self._optimizers[id(boosted)] = boosted
         if dataloader is not None:
             dataloader = make_stateful(dataloader)
         return model, boosted, criterion, dataloader, lr_scheduler
@@ -274,8 +276,13 @@ class Booster:
         num_threads: int = 1,
     ) -> None:
         """Load a file or directory written by :meth:`save_model` (or any HF-layout safetensors/bin save)
-        into the boosted ``model``, at any world size."""
+        into the boosted ``model``, at any world size.
+
+        Then the plugin's ``after_model_load`` runs with the optimizers boosted together with ``model`` (a ZeRO
+        plugin copies the loaded weights into their fp32 masters, so the next ``step()`` keeps them)."""
         _model_io.load_model(model, checkpoint, strict=strict)
+        boosted = [self._optimizers[key] for key, owner in self._models.items() if owner is model]
+        self.plugin.after_model_load(model, boosted)
 
     def save_optimizer(
         self,

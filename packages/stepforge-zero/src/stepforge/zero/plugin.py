@@ -273,6 +273,15 @@ class LowLevelZeroPlugin(PluginBase):
         _unwrap(model).load_state_dict(model_state_dict)
         zero.load_sharded_state_dict(optim_state_dict)
 
+    def after_model_load(self, model: torch.nn.Module, optimizers: Iterable[Any]) -> None:
+        """Copy the loaded weights into the fp32 master pieces of every ``LowLevelZeroOptimizer`` among
+        ``optimizers`` (``update_master_params``, as ColossalAI's checkpoint IO does after a model load);
+        without it the next ``step()``, even at lr 0, writes the old weights back. No collective."""
+        module = _unwrap(model)
+        for optimizer in optimizers:
+            if isinstance(optimizer, LowLevelZeroOptimizer):
+                optimizer.update_master_params(module)
+
     # -- helpers -------------------------------------------------------------------------------------
     def _zero(self, optimizer: Any, what: str) -> LowLevelZeroOptimizer:
         if optimizer is None:
