@@ -89,7 +89,7 @@ def test_load_model_hands_the_plugin_the_optimizers_boosted_with_that_model(tmp_
     plugin = _RecordingPlugin()
     booster = Booster(plugin=plugin)
     first, second = _model(), _model()
-    first, opt_a, *_ = booster.boost(first, torch.optim.SGD(first.parameters(), lr=0.1))
+    first, *_ = booster.boost(first, torch.optim.SGD(first.parameters(), lr=0.1))
     second, opt_b, *_ = booster.boost(second, torch.optim.SGD(second.parameters(), lr=0.1))
     bare = _model()
     with contextlib.chdir(tmp_path):
