@@ -17,6 +17,8 @@ expected result is exact by hand:
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -92,6 +94,7 @@ def _grid(rank: int, world: int) -> dict:
         x, partition_grad=True, extra_dp_group=singles[rank], dp_process_group=pairs[rank // 2]
     )
     out["pairs"] = grad
+    out["ckpt"] = _torch_ddp_ckpt(rank, world)
     # two groups that do not span a grid: refused on every rank, naming the arguments
     try:
         _averaged_grad(x, extra_dp_group=pairs[rank // 2], dp_process_group=pairs[rank // 2])
@@ -101,9 +104,44 @@ def _grid(rank: int, world: int) -> dict:
     return out
 
 
+def _torch_ddp_ckpt(rank: int, world: int) -> list[bool]:
+    """ColossalAI's ``test_zero_ckpt.py`` with ``extra_dp_size=2``: after one Adam step (lr 1) the ZeRO state
+    dict read in torch's key order -- ``zip(torch_state.values(), zero_state.values())`` -- matches torch's Adam
+    over the mean of every rank's loss, before and after loading torch's state dict into the ZeRO optimizer."""
+    extra = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]
+    inner = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
+    torch.manual_seed(1453)
+    reference = nn.Sequential(nn.Linear(12, 24), nn.ReLU(), nn.Linear(24, 5))
+    model = copy.deepcopy(reference)
+    zero = LowLevelZeroOptimizer(
+        torch.optim.Adam(model.parameters(), lr=1), overlap_communication=True, initial_scale=1,
+        reduce_bucket_size=262144, dp_process_group=inner, extra_dp_group=extra,
+    )  # fmt: skip
+    inputs = [torch.rand(4, 12, generator=torch.Generator().manual_seed(1453 + r)) for r in range(world)]
+    zero.backward(model(inputs[rank]).mean())
+    zero.step()
+    adam = torch.optim.Adam(reference.parameters(), lr=1)
+    torch.stack([reference(x).mean() for x in inputs]).mean().backward()
+    adam.step()
+    torch_sd = adam.state_dict()
+
+    def matches(zero_sd: dict) -> bool:
+        pairs = zip(torch_sd["state"].values(), zero_sd["state"].values(), strict=True)
+        return all(
+            torch.allclose(torch.as_tensor(t).float(), torch.as_tensor(z).float(), rtol=1e-5, atol=1e-6)
+            for t_state, z_state in pairs
+            for t, z in zip(t_state.values(), z_state.values(), strict=True)
+        )
+
+    before = matches(zero.state_dict())
+    zero.load_state_dict(copy.deepcopy(torch_sd))
+    return [before, matches(zero.state_dict())]
+
+
 def test_extra_dp_group_shards_over_the_2d_grid_at_four_ranks():
     for rank, out in enumerate(run_distributed(_grid, 4, timeout=180)):
         grad, world, piece = out["plugin"]
         assert torch.equal(grad, torch.full((4,), 2.5)) and (world, piece) == (4, 1)
         assert torch.equal(out["pairs"], torch.full((4,), 1.5 if rank < 2 else 3.5))
+        assert out["ckpt"] == [True, True]
         assert "extra_dp_group" in out["bad grid"] and "must span a 2-D grid" in out["bad grid"]
