@@ -56,6 +56,7 @@ def _two_ranks(rank: int, world: int) -> dict:
             out[f"fp8 stage {stage} overlap {overlap}"] = _averaged_grad(
                 x8, stage=stage, fp8_communication=True, overlap_communication=overlap
             )
+    out["zero_1_2"] = _zero_1_2(rank)
     # an overflow still reaches the loss scaler through the fp8 wire (e4m3fn has no inf: it becomes NaN)
     w = nn.Parameter(torch.ones(4, dtype=torch.float16))
     opt = LowLevelZeroOptimizer(torch.optim.SGD([w], lr=1.0), fp8_communication=True, partition_grad=True)
@@ -63,6 +64,43 @@ def _two_ranks(rank: int, world: int) -> dict:
     opt.step()
     out["fp8 overflow skipped"] = opt.last_step_skipped and torch.equal(w.detach(), torch.ones(4).half())
     return out
+
+
+def _zero_1_2(rank: int) -> dict:
+    """ColossalAI's ``exam_zero_1_2``: ZeRO-1 and ZeRO-2 (Adam lr 1, overlap, initial scale 128) on one MLP and
+    one batch per rank give the same gradients (``get_param_grad``) and the same updated parameters; with the
+    fp8 wire they stay within fp8's precision of the fp32-wire gradients."""
+    torch.manual_seed(2001)
+    base = nn.Sequential(nn.Linear(123, 64), nn.ReLU(), nn.Linear(64, 32))
+    x = torch.randn(32, 123, generator=torch.Generator().manual_seed(2001 + rank))
+    grads, params = {}, {}
+    for fp8 in (False, True):
+        for stage in (1, 2):
+            model = copy.deepcopy(base)
+            opt = LowLevelZeroOptimizer(
+                torch.optim.Adam(model.parameters(), lr=1), overlap_communication=True, partition_grad=stage == 2,
+                initial_scale=128, fp8_communication=fp8,
+            )  # fmt: skip
+            opt.backward(model(x).mean())
+            grads[fp8, stage] = [opt.get_param_grad(p) for p in model.parameters()]
+            opt.step()
+            params[fp8, stage] = [p.detach().clone() for p in model.parameters()]
+            opt.close()
+    exact = [torch.allclose(a, b) for a, b in zip(grads[False, 1], grads[False, 2], strict=True)]
+    exact += [torch.allclose(a, b) for a, b in zip(params[False, 1], params[False, 2], strict=True)]
+    # fp8: both stages decode the same bytes with the same scales and sum them in the same order
+    same8 = [torch.equal(a, b) for a, b in zip(grads[True, 1], grads[True, 2], strict=True)]
+    # e4m3 rounds to 3 mantissa bits: each rank's halved gradient is off by at most 1/16 of its own largest
+    # element (one bucket holds the whole model), so the sum by at most the ranks' largest halves over 16
+    plain = copy.deepcopy(base)
+    plain(x).mean().backward()
+    amax = torch.stack([p.grad.abs().max() for p in plain.parameters()]).max().reshape(1) / 2
+    dist.all_reduce(amax)
+    near = [
+        bool(((a - b).abs() <= amax / 16).all()) for a, b in zip(grads[True, 1], grads[False, 1], strict=True)
+    ]
+    differs = any(not torch.equal(a, b) for a, b in zip(grads[True, 1], grads[False, 1], strict=True))
+    return {"exact": all(exact), "same8": all(same8), "near": all(near), "fp8 differs": differs}
 
 
 def test_communication_dtype_and_fp8_wire_at_two_ranks():
@@ -75,6 +113,7 @@ def test_communication_dtype_and_fp8_wire_at_two_ranks():
             for overlap in (False, True):
                 assert torch.equal(out[f"fp8 stage {stage} overlap {overlap}"], fp8), (stage, overlap)
         assert out["fp8 overflow skipped"]
+        assert out["zero_1_2"] == {"exact": True, "same8": True, "near": True, "fp8 differs": True}
 
 
 def _grid(rank: int, world: int) -> dict:
