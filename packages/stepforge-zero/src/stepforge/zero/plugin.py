@@ -19,7 +19,6 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from stepforge.core import BoostedOptimizer, HyperParameterError, PluginBase
 from stepforge.core.precision import PLUGIN_PRECISIONS, check_plugin_precision, validate_loss_scaler_args
@@ -27,6 +26,7 @@ from stepforge.core.precision import PLUGIN_PRECISIONS, check_plugin_precision, 
 from ._grad_norm import check_clip_args
 from ._hybrid import mesh_groups
 from ._model import PRECISIONS, LowLevelZeroModel, UnsupportedPrecisionError, _explain_precision_errors
+from ._plugin_args import check_extra_dp_size, check_number, fixed_stage
 from .low_level import LowLevelZeroOptimizer
 
 __all__ = [
@@ -108,8 +108,8 @@ class LowLevelZeroPlugin(PluginBase):
         # a precision left at its default may be replaced by the Booster's mixed_precision (set_precision)
         explicit = None if precision is _FP16_DEFAULT else check_plugin_precision(precision, owner=_OWNER)
         super().__init__(precision=explicit, default_precision="fp16")
-        _check_number("reduce_bucket_size_in_m", reduce_bucket_size_in_m, 0.0, strict=True)
-        _check_number("max_norm", max_norm, 0.0, strict=False)
+        check_number("reduce_bucket_size_in_m", reduce_bucket_size_in_m, 0.0, strict=True)
+        check_number("max_norm", max_norm, 0.0, strict=False)
         scaler = validate_loss_scaler_args(
             _OWNER,
             initial_scale=initial_scale,
@@ -151,7 +151,7 @@ class LowLevelZeroPlugin(PluginBase):
         self.cast_inputs = cast_inputs
         self.fp8_communication = fp8_communication
         self.use_fp8 = use_fp8
-        self.extra_dp_size = _check_extra_dp_size(extra_dp_size)
+        self.extra_dp_size = check_extra_dp_size(extra_dp_size)
         self.scaler_kwargs: dict[str, Any] = dict(scaler)
         self._optimizers: list[LowLevelZeroOptimizer] = []
         self._groups: tuple[Any, Any] = (None, None)  # (extra_dp_group, dp_process_group)
@@ -356,7 +356,7 @@ class Zero1Plugin(LowLevelZeroPlugin):
     name = "zero1"
 
     def __init__(self, precision: str = _FP16_DEFAULT, **kwargs: Any) -> None:
-        _fixed_stage(kwargs, 1)
+        fixed_stage(kwargs, 1)
         super().__init__(stage=1, precision=precision, **kwargs)
 
 
@@ -366,43 +366,8 @@ class Zero2Plugin(LowLevelZeroPlugin):
     name = "zero2"
 
     def __init__(self, precision: str = _FP16_DEFAULT, **kwargs: Any) -> None:
-        _fixed_stage(kwargs, 2)
+        fixed_stage(kwargs, 2)
         super().__init__(stage=2, precision=precision, **kwargs)
-
-
-def _fixed_stage(kwargs: dict[str, Any], stage: int) -> None:
-    given = kwargs.pop("stage", stage)
-    if given != stage:
-        raise HyperParameterError(
-            f"zero{stage} is LowLevelZeroPlugin(stage={stage}); got stage={given!r}. Use the plugin name "
-            f"'zero{given}' or 'low_level_zero' with stage={given!r}."
-        )
-
-
-def _check_extra_dp_size(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise HyperParameterError(
-            f"LowLevelZeroPlugin: extra_dp_size must be an int >= 1 (1: no extra data-parallel axis), got {value!r}."
-        )
-    if value > 1 and not (dist.is_available() and dist.is_initialized()):
-        raise HyperParameterError(
-            f"LowLevelZeroPlugin: extra_dp_size={value} needs torch.distributed initialised first (its 2-D grid "
-            "is built over the default group); call init_process_group before building the plugin."
-        )
-    return value
-
-
-def _check_number(name: str, value: Any, low: float, *, strict: bool) -> None:
-    ok = (
-        not isinstance(value, bool)
-        and isinstance(value, int | float)
-        and (value > low if strict else value >= low)
-    )
-    if not ok:
-        relation = ">" if strict else ">="
-        raise HyperParameterError(
-            f"LowLevelZeroPlugin: {name} must be a number {relation} {low:g}, got {value!r}."
-        )
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
