@@ -114,7 +114,10 @@ def build(
     from stepforge.zero import LowLevelZeroOptimizer
 
     zero = LowLevelZeroOptimizer(
-        CPUAdam(model.parameters(), lr=LR), stage=1 if scheme == "zero1" else 2, overlap_communication=True
+        CPUAdam(model.parameters(), lr=LR),
+        stage=1 if scheme == "zero1" else 2,
+        overlap_communication=True,
+        reduce_bucket_size=12 * 1024**2,  # the plugin's default (the optimizer's own is ColossalAI's 1 Mi)
     )
 
     def memory() -> dict[str, int]:

@@ -109,7 +109,7 @@ def test_the_abc_declares_colossalai_and_stepforge_members():
                   "support_no_sync", "configure", "no_sync", "control_checkpoint_io", "prepare_dataloader"}  # fmt: skip
     stepforge = {"name", "device", "precision", "explicit_precision", "set_precision", "clip_grad_norm_",
                  "max_norm", "builds_optimizer_config", "get_state_dict", "set_state_dict", "prepare",
-                 "supports_no_sync", "world_size", "rank", "mid_window_save_error"}  # fmt: skip
+                 "supports_no_sync", "world_size", "rank", "mid_window_save_error", "after_model_load"}  # fmt: skip
     assert colossalai | stepforge <= declared
     assert set(PluginBase.__abstractmethods__) == {"name", "prepare"}
 
@@ -144,6 +144,9 @@ def test_plugin_base_defaults_on_one_process():
     assert m is model and isinstance(o, BoostedOptimizer) and o.unwrap() is opt
     assert (crit, loader, sched) == ("crit", "loader", "sched")
     assert plugin.mid_window_save_error(o) is None
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert plugin.after_model_load(model, [o]) is None  # no masters: nothing to refresh, nothing changed
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
 def test_plugin_base_no_sync_suspends_a_no_sync_target_and_refuses_when_unsupported():

@@ -59,6 +59,9 @@ def _masters(rank: int, world: int) -> dict:
     master = w2m[id(model.weight)]
     out["master"] = (master.dtype, master.numel(), m2w[id(master)] is model.weight)
     out["master_values"] = torch.equal(master, new["weight"].float().reshape(-1)[rank * 20 : rank * 20 + 20])
+    # ColossalAI's checkpoint-IO test reads the pieces through the padding: bias 5 over 2 ranks pads 1
+    out["padding"] = (opt.get_param_padding_size(model.weight), opt.get_param_padding_size(model.bias))
+    out["bias piece"] = opt.get_working_to_master_map()[id(model.bias)].tolist()
     # get_param_grad: the full averaged gradient in the parameter's shape and dtype
     opt.zero_grad()
     assert opt.get_param_grad(model.weight) is None
@@ -76,6 +79,11 @@ def test_master_members_at_two_ranks() -> None:
         assert out["with"], f"rank {rank}: update_master_params did not keep the loaded weights"
         assert out["master"] == (torch.float32, 20, True)
         assert out["master_values"]
+        assert out["padding"] == (0, 1)
+        bias = (
+            _new_weights()["bias"].float().tolist()
+        )  # rank 0: elements 0-2, rank 1: 3-4 (its padding dropped)
+        assert out["bias piece"] == (bias[:3] if rank == 0 else bias[3:])
         assert torch.equal(out["grad_w"], torch.full((5, 8), 3.0, dtype=torch.bfloat16))
         assert torch.equal(out["grad_b"], torch.full((5,), 2.0, dtype=torch.bfloat16))
 

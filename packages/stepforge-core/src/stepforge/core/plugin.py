@@ -13,7 +13,9 @@ what its Booster and Strategy ask of a plugin, so they never probe one:
 - ``max_norm`` and ``clip_grad_norm_`` (global-norm clipping over every rank and shard);
 - ``builds_optimizer_config`` (``prepare`` accepts a ``build_optimizer`` config dict);
 - the ``torch.distributed.checkpoint`` pair ``get_state_dict``/``set_state_dict``, ``prepare_dataloader``;
-- ``mid_window_save_error``: whether a checkpoint taken inside an accumulation window can be saved.
+- ``mid_window_save_error``: whether a checkpoint taken inside an accumulation window can be saved;
+- ``after_model_load``: what must follow a load of new weights into a prepared model (a ZeRO plugin copies them
+  into its optimizers' fp32 masters, as ColossalAI's ``update_master_params``).
 
 Every member is abstract here; :class:`~stepforge.core.PluginBase` implements all but ``name`` and
 ``prepare``, and every stepforge plugin subclasses it.
@@ -207,6 +209,19 @@ class Plugin(ABC):
         optim_state_dict: Mapping[str, Any],
     ) -> None:
         """Apply a pair filled by ``dcp.load`` (as :meth:`get_state_dict` returned it)."""
+
+    @abstractmethod
+    def after_model_load(self, model: nn.Module, optimizers: Iterable[Any]) -> None:
+        """Called by ``Booster.load_model`` after new weights were loaded into the prepared ``model``.
+
+        Args:
+            model: the prepared model (what ``prepare`` returned).
+            optimizers: the optimizers ``prepare`` returned together with ``model`` (possibly none).
+
+        A plugin whose optimizer keeps its own copy of the weights (fp32 masters of fp16/bf16 parameters)
+        refreshes that copy here; without it the next ``step()`` writes the old weights back. Plugins whose
+        optimizers step the model's parameters directly do nothing.
+        """
 
     @abstractmethod
     def mid_window_save_error(self, optimizer: Any) -> str | None:

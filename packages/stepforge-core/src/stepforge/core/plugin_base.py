@@ -282,6 +282,9 @@ class PluginBase(Plugin):
             optim_state_dict=dict(optim_state_dict),
         )
 
+    def after_model_load(self, model: nn.Module, optimizers: Iterable[Any]) -> None:
+        """Nothing: a plugin built on this base steps the model's own parameters (no separate masters)."""
+
     def mid_window_save_error(self, optimizer: Any) -> str | None:
         """``None``: a plugin built on this base keeps an accumulation window's gradients in ``param.grad``
         (and FSDP2's pending gradients) until the step."""

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from stepforge.core import Plugin
+from stepforge.core import BoostedOptimizer, Plugin
 
 from . import _model_io, _optim_io
 from .boosted_model import plugin_module
@@ -209,15 +209,22 @@ class BoosterCheckpointIO(CheckpointIO):
                 f"checkpoint_io: plugin must be a stepforge.core.Plugin, got {type(plugin).__name__}."
             )
         self.plugin = plugin
-        self._models: dict[int, nn.Module] = {}  # id(boosted optimizer) -> the plugin's model
+        # id(boosted optimizer) -> (it, the plugin's model); holding the optimizer keeps its id from being reused
+        self._boosted: dict[int, tuple[Any, nn.Module]] = {}
 
     def register(self, optimizer: Any, model: nn.Module) -> None:
         """Record that ``boost`` returned ``optimizer`` with ``model`` (the plugin's model)."""
-        self._models[id(optimizer)] = plugin_module(model)
+        self._boosted[id(optimizer)] = (optimizer, plugin_module(model))
 
     def model_for(self, optimizer: Any) -> nn.Module | None:
         """The plugin's model ``optimizer`` was boosted with (``None``: not boosted here)."""
-        return self._models.get(id(optimizer))
+        entry = self._boosted.get(id(optimizer))
+        return None if entry is None else entry[1]
+
+    def optimizers_for(self, model: nn.Module) -> list[BoostedOptimizer]:
+        """The optimizers ``boost`` returned together with ``model`` (boosted or the plugin's model)."""
+        module = plugin_module(model)
+        return [opt for opt, owner in self._boosted.values() if owner is module]
 
     # -- models ----------------------------------------------------------------------------------------------
     def save_model(
@@ -272,9 +279,13 @@ class BoosterCheckpointIO(CheckpointIO):
         num_threads: int = 1,
     ) -> nn.Module:
         """Load a file, index JSON or directory written by :meth:`save_model` (or any HF-layout save; the format
-        is read from the file) into ``model``, at any world size; returns ``model``."""
+        is read from the file) into ``model``, at any world size; returns ``model``.
+
+        Then the plugin's ``after_model_load`` runs with the optimizers boosted together with ``model`` (a ZeRO
+        plugin copies the loaded weights into its fp32 masters, so the next ``step()`` keeps them)."""
         self._sync_io()
         _model_io.load_model(plugin_module(model), checkpoint, strict=strict)
+        self.plugin.after_model_load(plugin_module(model), self.optimizers_for(model))
         return model
 
     # -- optimizers ------------------------------------------------------------------------------------------

@@ -27,12 +27,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from stepforge.core import queue_backward_callback
 
-from ._comm import reduce_scatter
 from ._partition import Slot, padded_piece
+from ._wire import WireFormat
 
 __all__ = ["GradReducer", "CollectiveCounter", "MAX_IN_FLIGHT"]
 
@@ -66,6 +65,7 @@ class GradReducer:
         bucket_size: elements per bucket (padded count).
         overlap: launch collectives asynchronously.
         group: the process group (``None``: the default group), world_size and rank in it.
+        wire: how buckets travel (``communication_dtype`` / fp8, see :mod:`._wire`); ``None``: as they are.
     """
 
     def __init__(
@@ -78,8 +78,10 @@ class GradReducer:
         group: Any,
         world_size: int,
         rank: int,
+        wire: WireFormat | None = None,
     ) -> None:
         self.slots = slots
+        self.wire = wire if wire is not None else WireFormat()
         self.stage = stage
         self.bucket_size = bucket_size
         self.overlap = overlap
@@ -154,10 +156,12 @@ class GradReducer:
             return
         if self.stage == 2:
             out = torch.empty(per_rank, dtype=dtype, device=device)
-            work = reduce_scatter(out, flat.view(-1), group=self.group, async_op=self.overlap)
+            work = self.wire.reduce_scatter(
+                out, flat.view(-1), group=self.group, world_size=world, async_op=self.overlap
+            )
             self.counter.reduce_scatter += 1
         else:
-            work = dist.all_reduce(flat, group=self.group, async_op=self.overlap)
+            work = self.wire.all_reduce(flat, group=self.group, world_size=world, async_op=self.overlap)
             out = flat[self.rank]
             self.counter.all_reduce += 1
         if self.overlap:

@@ -66,6 +66,29 @@ class ColossalAIMembers:
         """``id(master piece)`` -> the working parameter it belongs to (ColossalAI's mapping)."""
         return {id(s.master): s.param for s in self._layout.slots}
 
+    def get_working_to_master_map(self) -> dict[int, torch.Tensor]:
+        """ColossalAI's getter of :attr:`working_to_master_param`."""
+        return self.working_to_master_param
+
+    def get_master_to_working_map(self) -> dict[int, torch.Tensor]:
+        """ColossalAI's getter of :attr:`master_to_working_param`."""
+        return self.master_to_working_param
+
+    def get_param_padding_size(self, param: torch.Tensor) -> int:
+        """Zeros that pad ``param``'s flat ``numel`` to ``world_size`` equal pieces (ColossalAI's member:
+        ``pad(param.view(-1), (0, padding)).chunk(world_size)[rank]`` is this rank's piece; stepforge's master
+        piece holds only its ``valid`` elements, without the padding).
+
+        Raises:
+            KeyError: ``param`` is not managed by this optimizer.
+        """
+        return self.get_param_padding_map()[id(param)]
+
+    def get_param_padding_map(self) -> dict[int, int]:
+        """``id(working parameter)`` -> its padding (see :meth:`get_param_padding_size`)."""
+        world = self._layout.world_size
+        return {id(s.param): s.piece * world - s.numel for s in self._layout.slots}
+
     @torch.no_grad()
     def update_master_params(self, model: nn.Module | None = None) -> None:
         """Copy the working parameters into this rank's master pieces, e.g. after ``model.load_state_dict``:

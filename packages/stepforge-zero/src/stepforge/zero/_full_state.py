@@ -180,7 +180,9 @@ def full_state_dict(
         for key, spec in entry.items():
             if spec[0] == "scalar":
                 state.setdefault(index, {})[key] = spec[1]
-    ordered = {i: state[i] for i in sorted(state)}
+    # per parameter, the inner optimizer's own key order (torch's Adam: step, exp_avg, exp_avg_sq), as
+    # torch.optim and ColossalAI list them -- not element-wise keys first
+    ordered = {i: {key: state[i][key] for key in structure[i]} for i in sorted(state)}
     return {
         "state": ordered,
         "param_groups": group_entries(layout, param_groups),

@@ -51,16 +51,34 @@ def _explain_precision_errors(device: torch.device, precision: str, where: str) 
 
 class LowLevelZeroModel(torch.nn.Module):
     """The prepared model: the original module (``.module``) in the working dtype; floating-point tensor
-    inputs are cast to that dtype before its forward (``cast_inputs``)."""
+    inputs are cast to that dtype before its forward (``cast_inputs``, ColossalAI's default ``True``)."""
 
     def __init__(
-        self, module: torch.nn.Module, dtype: torch.dtype, precision: str, device: torch.device
+        self,
+        module: torch.nn.Module,
+        dtype: torch.dtype,
+        precision: str,
+        device: torch.device,
+        *,
+        cast_inputs: bool = True,
     ) -> None:
         super().__init__()
         self.module = module
         self.dtype = dtype
         self.precision = precision
         self.device = device
+        self.cast_inputs = cast_inputs
+        self._masters: Any = None  # the LowLevelZeroOptimizer prepared with this model, if any
+
+    def bind_optimizer(self, optimizer: Any) -> None:
+        """Remember the ``LowLevelZeroOptimizer`` prepared with this model (for :meth:`update_master_params`)."""
+        self._masters = optimizer
+
+    def update_master_params(self) -> None:
+        """ColossalAI's ``model.update_master_params()``: copy this model's weights into the fp32 masters of
+        the optimizer prepared with it (after loading weights by hand); nothing without one."""
+        if self._masters is not None:
+            self._masters.update_master_params(self.module)
 
     def unwrap(self) -> torch.nn.Module:
         """The wrapped module (its state dict has the original keys)."""
@@ -76,5 +94,7 @@ class LowLevelZeroModel(torch.nn.Module):
         return value
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.cast_inputs:
+            args, kwargs = self._cast(args), self._cast(kwargs)
         with _explain_precision_errors(self.device, self.precision, "forward"):
-            return self.module(*self._cast(args), **self._cast(kwargs))
+            return self.module(*args, **kwargs)

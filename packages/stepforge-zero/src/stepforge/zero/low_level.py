@@ -21,8 +21,9 @@ gradients already final (a backward in between re-opens it).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -31,48 +32,61 @@ import torch.distributed as dist
 from stepforge.core import HyperParameterError
 from stepforge.core.precision import DynamicLossScaler, validate_loss_scaler_args
 
-from . import _full_state, _sharded_state
-from ._args import check_args, group_facts, resolve_param_gather
+from ._args import check_args, force_dtype, group_facts, resolve_args, resolve_param_gather
 from ._buckets import GradReducer
 from ._colossal_members import ColossalAIMembers
 from ._comm import gather_params
-from ._full_state import zero_scaler_entry
 from ._grad_norm import check_clip_args
 from ._grad_pieces import GradPieces
 from ._offload import cpu_step_error, invalidate_cache, resolve_optimizer
 from ._partition import ShardLayout, build_layout
+from ._state_members import StateDictMembers
 
 __all__ = ["LowLevelZeroOptimizer"]
 
+#: ``verbose=True`` reports here at INFO (ColossalAI's "Found overflow. Skip step" and the sharding set-up)
+logger = logging.getLogger("stepforge.zero")
 
-class LowLevelZeroOptimizer(ColossalAIMembers, torch.optim.Optimizer):
+
+class LowLevelZeroOptimizer(ColossalAIMembers, StateDictMembers, torch.optim.Optimizer):
     """ZeRO stage 1 or 2 around any optimizer whose param groups hold the model's working parameters.
+
+    ColossalAI's constructor, its names, order and defaults (``colossalai.zero.LowLevelZeroOptimizer``), plus
+    stepforge's keyword-only names; a setting given under both names must agree. See the README's table.
 
     Args:
         optimizer: a built optimizer (``torch.optim``, stepforge, ...) over the working parameters, or a
             registry config such as ``dict(type="FusedAdam", lr=1e-3)`` together with ``params``.
-        params: the parameters (module, tensors or param-group dicts) for a config ``optimizer``.
-        stage: 1 (gradients all-reduced, each rank keeps its piece) or 2 (gradients reduce-scattered from
-            backward hooks, no rank holds more than its pieces plus the buckets in flight).
-        reduce_bucket_size: elements per gradient bucket (ColossalAI's unit; padded element count).
+        pg_to_param_list: ColossalAI's ``{group or (extra_dp_group, dp_group): parameters}`` with ONE group
+            holding every parameter (several groups, MoE experts, are refused). A non-mapping here is read as
+            ``params`` (stepforge's earlier second argument).
+        initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis, max_scale: the
+            dynamic loss scaler (fp16 working parameters, or ``dtype_for_loss_scaling="fp16"``).
+        clip_grad_norm: clip the global gradient norm to this in every :meth:`step` (0: off); ``max_norm``.
+        verbose: log skipped steps and the sharding set-up at INFO on the ``stepforge.zero`` logger.
+        reduce_bucket_size: elements per gradient bucket (padded element count).
+        communication_dtype: the dtype gradients are reduced in on the wire (``None``: their own).
         overlap_communication: launch the bucket reductions asynchronously during backward.
+        partition_grad: ZeRO-2 (gradients reduce-scattered); ``stage``.
         cpu_offload: keep masters, gradient pieces and optimizer state on the CPU and step them there
             (an Adam-family config becomes stepforge-fused's ``CPUAdam`` when installed).
-        master_weights: fp32 masters for fp16/bf16 working parameters (else the working dtype is stepped).
-        max_norm: clip the global gradient norm to this value in every :meth:`step` (0: no clipping).
-        initial_scale: the dynamic loss scaler's setting (used for fp16, see ``dtype_for_loss_scaling``).
-        min_scale: the dynamic loss scaler's setting (used for fp16, see ``dtype_for_loss_scaling``).
-        growth_factor: the dynamic loss scaler's setting (used for fp16, see ``dtype_for_loss_scaling``).
-        backoff_factor: the dynamic loss scaler's setting (used for fp16, see ``dtype_for_loss_scaling``).
-        growth_interval: the dynamic loss scaler's setting (used for fp16, see ``dtype_for_loss_scaling``).
-        hysteresis: the dynamic loss scaler's setting (used for fp16, see ``dtype_for_loss_scaling``).
-        max_scale: the dynamic loss scaler's setting (used for fp16, see ``dtype_for_loss_scaling``).
-        process_group: the data-parallel group (``None``: the default group; no group at all: one rank).
+        dp_process_group: the data-parallel group (``None``: the default group); ``process_group``.
+        extra_dp_group: with ``dp_process_group``: shard over the 2-D grid of both groups (see :mod:`._hybrid`;
+            collective over the default group at construction).
+        forced_dtype: convert every working parameter to this dtype first (in place).
+        master_weights: fp32 masters for fp16/bf16 working parameters (``False``: the working pieces
+            themselves are stepped; no fp32 copy).
+        overlap_allgather: accepted; the updated pieces are gathered at the end of :meth:`step` either way.
+        fp8_communication: gradients travel as fp8 bytes and are summed in fp32 (see :mod:`._wire`).
+        backward_context: a callable returning a context manager entered around each backward.
+        params: the parameters (module, tensors or param-group dicts) for a config ``optimizer``.
+        stage: 1 (gradients all-reduced, each rank keeps its piece) or 2 (reduce-scattered from backward hooks).
+        max_norm, process_group: stepforge's names of ``clip_grad_norm``, ``dp_process_group``.
+        norm_type: the norm of ``max_norm`` clipping (2; ``inf`` allowed).
         dtype_for_loss_scaling: ``"fp16"`` forces loss scaling, ``None`` turns it on when a working parameter
             is fp16.
-        param_gather: how updated pieces reach every rank: ``"all_gather"`` (one ``all_gather_into_tensor``
-            per partition), ``"broadcast"`` (one broadcast per rank and partition; gloo's broadcast is several
-            times faster than its all-gather on the CPU), ``None``: broadcast on gloo, all-gather elsewhere.
+        param_gather: how updated pieces reach every rank: ``"all_gather"``, ``"broadcast"`` (one per rank and
+            partition; faster on gloo's CPU), ``None``: broadcast on gloo, all-gather elsewhere.
 
     Attributes:
         last_step_skipped: whether the last :meth:`step` was skipped for an fp16 overflow.
@@ -84,26 +98,39 @@ class LowLevelZeroOptimizer(ColossalAIMembers, torch.optim.Optimizer):
     def __init__(
         self,
         optimizer: torch.optim.Optimizer | Mapping[str, Any],
-        params: Any = None,
-        *,
-        stage: int = 1,
-        reduce_bucket_size: int = 12 * 1024**2,
-        overlap_communication: bool = True,
-        cpu_offload: bool = False,
-        master_weights: bool = True,
-        max_norm: float = 0.0,
+        pg_to_param_list: Any = None,
         initial_scale: float = 2**16,
         min_scale: float = 1,
-        growth_factor: float = 2,
+        growth_factor: float = 2.0,
         backoff_factor: float = 0.5,
-        growth_interval: int = 1000,
+        growth_interval: int = 2000,
         hysteresis: int = 2,
-        max_scale: float = 2**32,
+        max_scale: float = 2**24,
+        clip_grad_norm: float = 0.0,
+        verbose: bool = False,
+        reduce_bucket_size: int = 1024 * 1024,
+        communication_dtype: torch.dtype | None = None,
+        overlap_communication: bool = False,
+        partition_grad: bool = False,
+        cpu_offload: bool = False,
+        dp_process_group: Any = None,
+        extra_dp_group: Any = None,
+        forced_dtype: torch.dtype | None = None,
+        master_weights: bool = True,
+        overlap_allgather: bool = False,
+        fp8_communication: bool = False,
+        backward_context: Callable[[], AbstractContextManager[Any]] | None = None,
+        *,
+        params: Any = None,
+        stage: int | None = None,
+        max_norm: float | None = None,
         process_group: Any = None,
+        norm_type: float = 2.0,
         dtype_for_loss_scaling: str | None = None,
         param_gather: str | None = None,
     ) -> None:
-        check_args(stage, reduce_bucket_size, max_norm, dtype_for_loss_scaling, param_gather)
+        if pg_to_param_list is not None and not isinstance(pg_to_param_list, Mapping) and params is None:
+            params, pg_to_param_list = pg_to_param_list, None
         scaler_args = validate_loss_scaler_args(
             "LowLevelZeroOptimizer",
             initial_scale=initial_scale,
@@ -120,15 +147,29 @@ class LowLevelZeroOptimizer(ColossalAIMembers, torch.optim.Optimizer):
                 "LowLevelZeroOptimizer: the inner optimizer already has state; wrap it before its first step and "
                 "restore checkpoints through LowLevelZeroOptimizer.load_state_dict."
             )
+        args = resolve_args(
+            inner, stage=stage, partition_grad=partition_grad, max_norm=max_norm, clip_grad_norm=clip_grad_norm,
+            process_group=process_group, dp_process_group=dp_process_group, extra_dp_group=extra_dp_group,
+            pg_to_param_list=pg_to_param_list, communication_dtype=communication_dtype,
+            fp8_communication=fp8_communication, forced_dtype=forced_dtype, backward_context=backward_context,
+        )  # fmt: skip
+        check_args(args.stage, reduce_bucket_size, args.max_norm, dtype_for_loss_scaling, param_gather)
+        self.norm_type = check_clip_args(1.0, norm_type)
+        force_dtype(inner, args.forced_dtype)
+        process_group = args.process_group
         self._world, self._rank = group_facts(process_group)
         self.process_group = process_group
         self.param_gather = resolve_param_gather(param_gather, self._world, process_group)
-        self.stage = stage
+        self.stage = args.stage
         self.reduce_bucket_size = reduce_bucket_size
         self.overlap_communication = bool(overlap_communication)
+        self.overlap_allgather = bool(overlap_allgather)
         self.cpu_offload = bool(cpu_offload)
         self.master_weights = bool(master_weights)
-        self.max_norm = float(max_norm)
+        self.max_norm = float(args.max_norm)
+        self.verbose = bool(verbose)
+        self.backward_context = backward_context
+        self.communication = args.wire
         self.optim = inner
 
         working_groups = [dict(g) for g in inner.param_groups]
@@ -147,12 +188,13 @@ class LowLevelZeroOptimizer(ColossalAIMembers, torch.optim.Optimizer):
         invalidate_cache(inner)
         self._reducer = GradReducer(
             self._layout.slots,
-            stage=stage,
+            stage=self.stage,
             bucket_size=reduce_bucket_size,
             overlap=self.overlap_communication,
             group=process_group,
             world_size=self._world,
             rank=self._rank,
+            wire=self.communication,
         )
         self._pieces = GradPieces(self._layout, self._reducer)
         fp16 = any(s.param.dtype == torch.float16 for s in self._layout.slots)
@@ -165,6 +207,9 @@ class LowLevelZeroOptimizer(ColossalAIMembers, torch.optim.Optimizer):
         self._stepped_on_cpu = False
         self.last_step_skipped = False
         self.skipped_steps = 0
+        if self.verbose:
+            logger.info("LowLevelZeroOptimizer: stage %d over %d ranks (rank %d), %d parameters, wire %s",
+                        self.stage, self._world, self._rank, len(self._layout.slots), self.communication)  # fmt: skip
 
     # -- public flags --------------------------------------------------------------------------------------
     @property
@@ -224,13 +269,18 @@ class LowLevelZeroOptimizer(ColossalAIMembers, torch.optim.Optimizer):
         """``loss.backward()``, scaled by the loss scale when fp16 loss scaling is on."""
         if self._scaling:
             loss = self.scaler.scale(loss)
-        loss.backward(**kwargs)
+        with self._backward_context():
+            loss.backward(**kwargs)
 
     def backward_by_grad(self, tensor: torch.Tensor, grad: torch.Tensor, **kwargs: Any) -> None:
         """``torch.autograd.backward(tensor, grad)`` with ``grad`` scaled by the loss scale (fp16)."""
         if self._scaling:
             grad = self.scaler.scale(grad)
-        torch.autograd.backward(tensor, grad, **kwargs)
+        with self._backward_context():
+            torch.autograd.backward(tensor, grad, **kwargs)
+
+    def _backward_context(self) -> AbstractContextManager[Any]:
+        return self.backward_context() if self.backward_context is not None else nullcontext()
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -314,9 +364,11 @@ class LowLevelZeroOptimizer(ColossalAIMembers, torch.optim.Optimizer):
             self.zero_grad(set_to_none=True)
             self.last_step_skipped = True
             self.skipped_steps += 1
+            if self.verbose:
+                logger.info("found overflow, step skipped (loss scale now %g)", self.loss_scale)
             return loss
         if self.max_norm > 0:
-            self.clip_grad_norm_(self.max_norm)
+            self.clip_grad_norm_(self.max_norm, self.norm_type)
         self._copy_hyperparameters(to_inner=True)
         slots = self._layout.slots
         for slot in slots:
@@ -339,61 +391,6 @@ class LowLevelZeroOptimizer(ColossalAIMembers, torch.optim.Optimizer):
         self._pieces.unscaled = False
         self.last_step_skipped = False
         return loss
-
-    # -- state dicts ---------------------------------------------------------------------------------------
-    def _zero_extras(self) -> dict[str, Any]:
-        return {
-            "loss_scaler": zero_scaler_entry(self.scaler.state_dict()),
-            "skipped_steps": self.skipped_steps,
-        }
-
-    def scaler_state_dict(self) -> dict[str, Any] | None:
-        """``None``: the loss scaler's state is part of this optimizer's own state (:meth:`state_dict` and
-        :meth:`sharded_state_dict`, under ``["zero"]["loss_scaler"]``), so nothing has to travel beside it --
-        and checkpoints keep the layout they had before ``stepforge.core.precision``. Read ``scaler.state_dict()``
-        for the scaler alone."""
-        return None
-
-    def load_scaler_state_dict(self, state: Mapping[str, Any] | None) -> None:
-        """Load a loss-scaler state written apart (``DynamicLossScaler``'s or ``torch.amp.GradScaler``'s, or
-        zero's own ``["zero"]["loss_scaler"]`` entry); ``None`` or ``{}`` change nothing."""
-        if state:
-            self.scaler.load_state_dict(state)
-
-    def unwrap(self) -> torch.optim.Optimizer:
-        """The inner optimizer, which steps this rank's master pieces (ColossalAI's ``OptimizerWrapper.unwrap``)."""
-        return self.optim
-
-    def state_dict(self) -> dict[str, Any]:
-        """The full state in ``torch.optim`` layout keyed by global parameter index (collective: every rank
-        must call it; every rank gets the full state). Extra key ``"zero"``: loss scaler, skip counter and
-        the fp32 masters of low-precision parameters."""
-        return _full_state.full_state_dict(self._layout, self.optim, self.param_groups, self._zero_extras())
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load a full state (from :meth:`state_dict` at any world size, or a plain ``torch.optim`` one)."""
-        self._reducer.wait()
-        zero = _full_state.load_full_state_dict(self._layout, self.optim, self.param_groups, state_dict)
-        if "loss_scaler" in zero:
-            self.scaler.load_state_dict(zero["loss_scaler"])
-        self.skipped_steps = int(zero.get("skipped_steps", self.skipped_steps))
-
-    def sharded_state_dict(self) -> dict[str, Any]:
-        """This rank's pieces as 1-D ``DTensor`` (``Shard(0)``) for ``torch.distributed.checkpoint``; no
-        gathering. For a never-stepped optimizer the state tensors are created for the result (a zero-lr step
-        on zero gradients, as ``torch.distributed.checkpoint.state_dict`` does) and then dropped from the
-        optimizer, so the result is a template for ``dcp.load`` and the optimizer stays unstepped."""
-        self._reducer.wait()
-        return _sharded_state.sharded_state_dict(
-            self._layout, self.optim, self.param_groups, self._zero_extras()
-        )
-
-    def load_sharded_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load :meth:`sharded_state_dict`'s form after ``torch.distributed.checkpoint.load`` filled it."""
-        self._reducer.wait()
-        zero = _sharded_state.load_sharded_state_dict(self._layout, self.optim, self.param_groups, state_dict)
-        self.scaler.load_state_dict(zero["loss_scaler"])
-        self.skipped_steps = int(zero.get("skipped_steps", 0))
 
     def __repr__(self) -> str:
         return (

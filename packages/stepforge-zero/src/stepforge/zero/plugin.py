@@ -23,7 +23,10 @@ import torch
 from stepforge.core import BoostedOptimizer, HyperParameterError, PluginBase
 from stepforge.core.precision import PLUGIN_PRECISIONS, check_plugin_precision, validate_loss_scaler_args
 
+from ._grad_norm import check_clip_args
+from ._hybrid import mesh_groups
 from ._model import PRECISIONS, LowLevelZeroModel, UnsupportedPrecisionError, _explain_precision_errors
+from ._plugin_args import check_extra_dp_size, check_number, fixed_stage
 from .low_level import LowLevelZeroOptimizer
 
 __all__ = [
@@ -59,6 +62,15 @@ class LowLevelZeroPlugin(PluginBase):
         overlap_communication: issue gradient reductions from backward hooks asynchronously.
         cpu_offload: keep master shards, gradient shards and optimizer state on CPU (use ``CPUAdam``).
         master_weights: keep fp32 master shards for fp16/bf16 working params.
+        norm_type: the norm of ``max_norm`` clipping (ColossalAI allows only 2.0; any p > 0 or ``inf`` here).
+        communication_dtype: the dtype gradients are reduced in on the wire (``None``: the working dtype).
+        overlap_allgather: accepted; the updated pieces are gathered at the end of ``step`` either way.
+        verbose: the optimizer logs skipped steps and its set-up on the ``stepforge.zero`` logger (INFO).
+        cast_inputs: cast floating-point inputs of the forward to the working dtype.
+        fp8_communication: gradients travel as fp8 bytes, summed in fp32 (``LowLevelZeroOptimizer``).
+        use_fp8: fp8 matrix multiplies in the forward: only ``False`` (a ``True`` is refused, see the README).
+        extra_dp_size: > 1: ColossalAI's ``ProcessGroupMesh(extra_dp_size, world // extra_dp_size)``; the
+            optimizer shards over that 2-D grid (needs ``torch.distributed`` initialised when built).
 
     Raises:
         HyperParameterError: a bad argument (the message names it and the allowed values).
@@ -78,18 +90,26 @@ class LowLevelZeroPlugin(PluginBase):
         hysteresis: int = 2,
         max_scale: float = 2**32,
         max_norm: float = 0.0,
+        norm_type: float = 2.0,
         reduce_bucket_size_in_m: float = 12,
+        communication_dtype: torch.dtype | None = None,
         overlap_communication: bool = True,
+        overlap_allgather: bool = False,
         cpu_offload: bool = False,
         master_weights: bool = True,
+        verbose: bool = False,
+        cast_inputs: bool = True,
+        fp8_communication: bool = False,
+        use_fp8: bool = False,
+        extra_dp_size: int = 1,
     ) -> None:
         if isinstance(stage, bool) or stage not in (1, 2):
             raise HyperParameterError(f"LowLevelZeroPlugin: stage must be 1 or 2, got {stage!r}.")
         # a precision left at its default may be replaced by the Booster's mixed_precision (set_precision)
         explicit = None if precision is _FP16_DEFAULT else check_plugin_precision(precision, owner=_OWNER)
         super().__init__(precision=explicit, default_precision="fp16")
-        _check_number("reduce_bucket_size_in_m", reduce_bucket_size_in_m, 0.0, strict=True)
-        _check_number("max_norm", max_norm, 0.0, strict=False)
+        check_number("reduce_bucket_size_in_m", reduce_bucket_size_in_m, 0.0, strict=True)
+        check_number("max_norm", max_norm, 0.0, strict=False)
         scaler = validate_loss_scaler_args(
             _OWNER,
             initial_scale=initial_scale,
@@ -100,21 +120,43 @@ class LowLevelZeroPlugin(PluginBase):
             hysteresis=hysteresis,
             max_scale=max_scale,
         )
-        for name, value in (
-            ("overlap_communication", overlap_communication),
-            ("cpu_offload", cpu_offload),
-            ("master_weights", master_weights),
-        ):
+        flags = dict(
+            overlap_communication=overlap_communication,
+            overlap_allgather=overlap_allgather,
+            cpu_offload=cpu_offload,
+            master_weights=master_weights,
+            verbose=verbose,
+            cast_inputs=cast_inputs,
+            fp8_communication=fp8_communication,
+            use_fp8=use_fp8,
+        )
+        for name, value in flags.items():
             if not isinstance(value, bool):
                 raise HyperParameterError(f"LowLevelZeroPlugin: {name} must be a bool, got {value!r}.")
+        if use_fp8:
+            raise HyperParameterError(
+                "LowLevelZeroPlugin: use_fp8=True (fp8 matrix multiplies in the forward, ColossalAI's FP8Hook) is "
+                "not available in stepforge; set use_fp8=False (fp8_communication=True is: fp8 gradient wire)."
+            )
+        self.norm_type = check_clip_args(1.0, norm_type)
         self.stage = stage
         self.max_norm = float(max_norm)
         self.reduce_bucket_size_in_m = reduce_bucket_size_in_m
+        self.communication_dtype = communication_dtype
         self.overlap_communication = overlap_communication
+        self.overlap_allgather = overlap_allgather
         self.cpu_offload = cpu_offload
         self.master_weights = master_weights
+        self.verbose = verbose
+        self.cast_inputs = cast_inputs
+        self.fp8_communication = fp8_communication
+        self.use_fp8 = use_fp8
+        self.extra_dp_size = check_extra_dp_size(extra_dp_size)
         self.scaler_kwargs: dict[str, Any] = dict(scaler)
         self._optimizers: list[LowLevelZeroOptimizer] = []
+        self._groups: tuple[Any, Any] = (None, None)  # (extra_dp_group, dp_process_group)
+        if self.extra_dp_size > 1:
+            self._groups = mesh_groups(self.extra_dp_size)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(stage={self.stage}, precision={self.precision!r})"
@@ -189,19 +231,28 @@ class LowLevelZeroPlugin(PluginBase):
         device = self.device
         self.bind_device()
         module = model.to(device=device, dtype=self.dtype)  # in place: the optimizer keeps its parameters
-        wrapped = LowLevelZeroModel(module, self.dtype, self.precision, device)
+        wrapped = LowLevelZeroModel(module, self.dtype, self.precision, device, cast_inputs=self.cast_inputs)
         if optimizer is None:
             return wrapped, None
+        extra_dp_group, dp_process_group = self._groups
         zero = LowLevelZeroOptimizer(
             optimizer,
             stage=self.stage,
             reduce_bucket_size=int(self.reduce_bucket_size_in_m * 1024**2),
+            communication_dtype=self.communication_dtype,
             overlap_communication=self.overlap_communication,
+            overlap_allgather=self.overlap_allgather,
             cpu_offload=self.cpu_offload,
             master_weights=self.master_weights,
             max_norm=self.max_norm,
+            norm_type=self.norm_type,
+            verbose=self.verbose,
+            fp8_communication=self.fp8_communication,
+            dp_process_group=dp_process_group,
+            extra_dp_group=extra_dp_group,
             **self.scaler_kwargs,
         )
+        wrapped.bind_optimizer(zero)
         self._optimizers.append(zero)
         return wrapped, zero
 
@@ -273,6 +324,15 @@ class LowLevelZeroPlugin(PluginBase):
         _unwrap(model).load_state_dict(model_state_dict)
         zero.load_sharded_state_dict(optim_state_dict)
 
+    def after_model_load(self, model: torch.nn.Module, optimizers: Iterable[Any]) -> None:
+        """Copy the loaded weights into the fp32 master pieces of every ``LowLevelZeroOptimizer`` among
+        ``optimizers`` (``update_master_params``, as ColossalAI's checkpoint IO does after a model load);
+        without it the next ``step()``, even at lr 0, writes the old weights back. No collective."""
+        module = _unwrap(model)
+        for optimizer in optimizers:
+            if isinstance(optimizer, LowLevelZeroOptimizer):
+                optimizer.update_master_params(module)
+
     # -- helpers -------------------------------------------------------------------------------------
     def _zero(self, optimizer: Any, what: str) -> LowLevelZeroOptimizer:
         if optimizer is None:
@@ -296,7 +356,7 @@ class Zero1Plugin(LowLevelZeroPlugin):
     name = "zero1"
 
     def __init__(self, precision: str = _FP16_DEFAULT, **kwargs: Any) -> None:
-        _fixed_stage(kwargs, 1)
+        fixed_stage(kwargs, 1)
         super().__init__(stage=1, precision=precision, **kwargs)
 
 
@@ -306,30 +366,8 @@ class Zero2Plugin(LowLevelZeroPlugin):
     name = "zero2"
 
     def __init__(self, precision: str = _FP16_DEFAULT, **kwargs: Any) -> None:
-        _fixed_stage(kwargs, 2)
+        fixed_stage(kwargs, 2)
         super().__init__(stage=2, precision=precision, **kwargs)
-
-
-def _fixed_stage(kwargs: dict[str, Any], stage: int) -> None:
-    given = kwargs.pop("stage", stage)
-    if given != stage:
-        raise HyperParameterError(
-            f"zero{stage} is LowLevelZeroPlugin(stage={stage}); got stage={given!r}. Use the plugin name "
-            f"'zero{given}' or 'low_level_zero' with stage={given!r}."
-        )
-
-
-def _check_number(name: str, value: Any, low: float, *, strict: bool) -> None:
-    ok = (
-        not isinstance(value, bool)
-        and isinstance(value, int | float)
-        and (value > low if strict else value >= low)
-    )
-    if not ok:
-        relation = ">" if strict else ">="
-        raise HyperParameterError(
-            f"LowLevelZeroPlugin: {name} must be a number {relation} {low:g}, got {value!r}."
-        )
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
