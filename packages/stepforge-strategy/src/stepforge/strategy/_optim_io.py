@@ -25,8 +25,9 @@ from torch import nn
 from stepforge.core import BoostedOptimizer, Plugin
 from stepforge.core.plugin_base import unwrap_optimizer
 
-from ._optim_template import complete_template
+from ._optim_template import complete_template, saved_optimizer_state
 from .checkpoint import CheckpointError, safe_dcp_load
+from .checkpoint._staging import fresh_like
 
 __all__ = ["save_optimizer", "load_optimizer", "save_lr_scheduler", "load_lr_scheduler"]
 
@@ -54,7 +55,7 @@ def save_optimizer(
 ) -> None:
     """Write the optimizer state of every rank to directory ``checkpoint`` (collective)."""
     _, optim_sd = plugin.get_state_dict(model, optimizer)
-    state: dict[str, Any] = {"optimizer": optim_sd}
+    state: dict[str, Any] = {"optimizer": saved_optimizer_state(optimizer, optim_sd)}
     scaler = optimizer.scaler_state_dict()
     if scaler is not None:
         state["grad_scaler"] = scaler
@@ -84,16 +85,17 @@ def load_optimizer(
             "directory given to save_optimizer."
         )
     model_sd, optim_sd = plugin.get_state_dict(model, optimizer)
+    # every saved entry gets a place (or CheckpointMismatchError, a ValueError) before any tensor is read
+    complete_template(optim_sd, path, unwrap_optimizer(optimizer))
     state: dict[str, Any] = {"optimizer": optim_sd}
     scaler = optimizer.scaler_state_dict()
     if scaler is not None:
         state["grad_scaler"] = scaler
-    # every saved entry gets a place (or a ValueError) before any tensor is read into the optimizer
-    complete_template(optim_sd, path, unwrap_optimizer(optimizer))
-    safe_dcp_load(state, str(path), no_dist=not _is_dist())  # no code runs from the files (CheckpointError)
-    plugin.set_state_dict(model, optimizer, model_sd, state["optimizer"])
+    fresh = fresh_like(state)  # read into fresh tensors: a failed read leaves the optimizer as it was
+    safe_dcp_load(fresh, str(path), no_dist=not _is_dist())  # no code runs from the files (CheckpointError)
+    plugin.set_state_dict(model, optimizer, model_sd, fresh["optimizer"])
     if scaler is not None:
-        optimizer.load_scaler_state_dict(state["grad_scaler"])
+        optimizer.load_scaler_state_dict(fresh["grad_scaler"])
 
 
 def save_lr_scheduler(lr_scheduler: Any, checkpoint: str | os.PathLike[str]) -> None:

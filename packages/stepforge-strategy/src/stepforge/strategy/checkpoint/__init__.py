@@ -5,13 +5,21 @@
 from __future__ import annotations
 
 from ._dcp import load_dir, read_dcp_metadata, read_meta, safe_dcp_load, save_dir, unblob
-from ._layout import LAST_CHECKPOINT, MARKER, CheckpointError, committed_checkpoints, find_latest_checkpoint
+from ._layout import (
+    LAST_CHECKPOINT,
+    MARKER,
+    CheckpointError,
+    CheckpointMismatchError,
+    committed_checkpoints,
+    find_latest_checkpoint,
+)
 from ._rng import get_rng_state, set_rng_state
 
 __all__ = [
     "LAST_CHECKPOINT",
     "MARKER",
     "CheckpointError",
+    "CheckpointMismatchError",
     "committed_checkpoints",
     "find_latest_checkpoint",
     "get_rng_state",
