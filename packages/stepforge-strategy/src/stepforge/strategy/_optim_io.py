@@ -26,7 +26,8 @@ from stepforge.core import BoostedOptimizer, Plugin
 from stepforge.core.plugin_base import unwrap_optimizer
 
 from ._optim_template import complete_template, saved_optimizer_state
-from .checkpoint import CheckpointError, safe_dcp_load
+from .checkpoint import MARKER, CheckpointError, CheckpointMismatchError, safe_dcp_load
+from .checkpoint._dcp import verify_files
 from .checkpoint._staging import fresh_like
 
 __all__ = ["save_optimizer", "load_optimizer", "save_lr_scheduler", "load_lr_scheduler"]
@@ -84,6 +85,8 @@ def load_optimizer(
             f"load_optimizer: {path} is not a torch.distributed.checkpoint directory (no .metadata); pass the "
             "directory given to save_optimizer."
         )
+    if (path / MARKER).is_file():  # a committed directory: its manifest's sizes and checksums first
+        verify_files(str(path))
     model_sd, optim_sd = plugin.get_state_dict(model, optimizer)
     # every saved entry gets a place (or CheckpointMismatchError, a ValueError) before any tensor is read
     complete_template(optim_sd, path, unwrap_optimizer(optimizer))
@@ -121,4 +124,11 @@ def load_lr_scheduler(lr_scheduler: Any, checkpoint: str | os.PathLike[str]) -> 
         raise
     except Exception as exc:
         raise CheckpointError(f"load_lr_scheduler: {checkpoint} is unreadable or refused ({exc})") from exc
+    live = set(lr_scheduler.state_dict())
+    if not isinstance(state, dict) or set(state) != live:
+        theirs = sorted(state) if isinstance(state, dict) else type(state).__name__
+        raise CheckpointMismatchError(
+            f"load_lr_scheduler: {checkpoint} holds {theirs}, {type(lr_scheduler).__name__} has {sorted(live)}: "
+            "it was saved from another scheduler type; nothing was loaded"
+        )
     lr_scheduler.load_state_dict(state)
