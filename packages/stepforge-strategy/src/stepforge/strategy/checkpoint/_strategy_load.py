@@ -237,10 +237,14 @@ def resume(
                 wrapper.window.load_state_dict(acc)
         if shared.get("base_param_settings") is not None:
             wrapper.base_param_settings = shared["base_param_settings"]
-        cast(BoostedOptimizer, wrapper.optimizer).load_scaler_state_dict(shared.get("scaler"))
+        boosted = cast(BoostedOptimizer, wrapper.optimizer)
+        boosted.load_scaler_state_dict(shared.get("scaler"))
+        # the checkpoint's gradients replace the live ones (a plugin's reduced pieces included): none at a
+        # window boundary, this rank's saved ones inside a window
+        boosted.zero_grad(set_to_none=True)
         grads = (mine or {}).get("grads")
-        _set_grads(model, grads if grads is not None else [None] * len(list(model.parameters())))
         if grads is not None:
+            _set_grads(model, grads)
             set_fsdp_pending_grads(model, (mine or {}).get("fsdp_pending_grads") or [])
     else:
         set_model_state_dict(model, ckpt["state_dict"], options=StateDictOptions(strict=False))
