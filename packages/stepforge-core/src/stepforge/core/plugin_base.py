@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._optim_state import load_optimizer_state_dict, optimizer_state_dict
 from .errors import HyperParameterError
 from .plugin import Optimizers, Plugin
 from .precision import MIXED_PRECISIONS, get_precision
@@ -260,11 +261,12 @@ class PluginBase(Plugin):
     def get_state_dict(
         self, model: nn.Module, optimizers: Optimizers
     ) -> tuple[dict[str, Any], dict[str, Any]]:
-        """``torch.distributed.checkpoint.state_dict.get_state_dict`` of ``model`` and the torch optimizers
-        (keys by parameter FQN; sharded parameters stay DTensors)."""
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+        """``torch.distributed.checkpoint.state_dict.get_state_dict``'s layout for ``model`` and the torch
+        optimizers (keys by parameter FQN; sharded parameters stay DTensors), without torch's zero-lr ``step()``
+        of a never-stepped optimizer: its ``"state"`` is empty (:mod:`stepforge.core._optim_state`)."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        return get_state_dict(model, optimizer_list(optimizers))
+        return get_model_state_dict(model), optimizer_state_dict(model, optimizer_list(optimizers))
 
     def set_state_dict(
         self,
@@ -273,14 +275,14 @@ class PluginBase(Plugin):
         model_state_dict: Mapping[str, Any],
         optim_state_dict: Mapping[str, Any],
     ) -> None:
-        from torch.distributed.checkpoint.state_dict import set_state_dict
+        """Apply a pair filled by ``dcp.load``: the model with ``set_model_state_dict``, the optimizers with
+        ``Optimizer.load_state_dict`` (their state replaced; nothing is stepped)."""
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-        set_state_dict(
-            model,
-            optimizer_list(optimizers),
-            model_state_dict=dict(model_state_dict),
-            optim_state_dict=dict(optim_state_dict),
-        )
+        optims = optimizer_list(optimizers)
+        if optims:
+            load_optimizer_state_dict(model, optims, optim_state_dict)
+        set_model_state_dict(model, dict(model_state_dict))
 
     def after_model_load(self, model: nn.Module, optimizers: Iterable[Any]) -> None:
         """Nothing: a plugin built on this base steps the model's own parameters (no separate masters)."""

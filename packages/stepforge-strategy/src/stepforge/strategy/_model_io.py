@@ -28,6 +28,7 @@ from stepforge.core import WrappedModel
 
 from .checkpoint import (
     CheckpointError,
+    CheckpointMismatchError,
     check_name,
     check_target,
     commit_dir,
@@ -47,6 +48,7 @@ __all__ = [
     "SAFE_WEIGHTS",
     "BIN_WEIGHTS",
     "is_safetensors",
+    "check_full_state_dict",
 ]
 
 SAFE_WEIGHTS = "model.safetensors"
@@ -316,13 +318,47 @@ def read_full_state_dict(checkpoint: str | os.PathLike[str]) -> dict[str, torch.
     return state
 
 
+def check_full_state_dict(
+    checkpoint: str | os.PathLike[str], saved: dict[str, Any], live: dict[str, Any], *, strict: bool
+) -> None:
+    """``saved`` (read from ``checkpoint``) fits ``live`` (the model's state dict; DTensors by their global
+    shape): the same keys when ``strict``, and every common key with the same shape and dtype.
+
+    Raises:
+        CheckpointMismatchError: naming the file and the first differences; nothing has been loaded.
+    """
+    missing = sorted(set(live) - set(saved))
+    unexpected = sorted(set(saved) - set(live))
+    if strict and (missing or unexpected):
+        raise CheckpointMismatchError(
+            f"load_model: {checkpoint} does not match the model: missing keys {missing[:5]}, unexpected keys "
+            f"{unexpected[:5]} (strict=True)"
+        )
+    for key in sorted(set(saved) & set(live)):
+        have, want = saved[key], live[key]
+        if not (isinstance(have, torch.Tensor) and isinstance(want, torch.Tensor)):
+            continue
+        if tuple(have.shape) != tuple(want.shape) or have.dtype != want.dtype:
+            raise CheckpointMismatchError(
+                f"load_model: {checkpoint} does not match the model: {key} is {have.dtype}{tuple(have.shape)} "
+                f"there and {want.dtype}{tuple(want.shape)} here"
+            )
+
+
 def load_model(model: nn.Module, checkpoint: str | os.PathLike[str], *, strict: bool = True) -> None:
     """Load a full HF-layout save into ``model`` (plain, DDP or FSDP2) at any world size. Collective."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
 
     state: dict[str, Any] = read_full_state_dict(checkpoint)
+    module = unwrap_model(model)
+    # verify, then apply: a file of another model raises before any parameter is written
+    check_full_state_dict(checkpoint, state, get_model_state_dict(module), strict=strict)
     options = StateDictOptions(full_state_dict=True, strict=strict)
-    result = set_model_state_dict(unwrap_model(model), state, options=options)
+    result = set_model_state_dict(module, state, options=options)
     if strict and result is not None and (result.missing_keys or result.unexpected_keys):
         raise RuntimeError(
             f"load_model: missing keys {result.missing_keys}, unexpected keys {result.unexpected_keys}."

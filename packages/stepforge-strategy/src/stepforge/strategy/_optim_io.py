@@ -27,9 +27,10 @@ from torch import nn
 from stepforge.core import BoostedOptimizer, Plugin
 from stepforge.core.plugin_base import unwrap_optimizer
 
-from ._optim_template import complete_template
+from ._optim_template import complete_template, saved_optimizer_state
 from .checkpoint import (
     CheckpointError,
+    CheckpointMismatchError,
     begin_dir,
     commit_dir,
     commit_file,
@@ -38,6 +39,7 @@ from .checkpoint import (
     verify_dir,
     verify_file,
 )
+from .checkpoint._staging import fresh_like
 
 __all__ = ["PendingCommit", "save_optimizer", "load_optimizer", "save_lr_scheduler", "load_lr_scheduler"]
 
@@ -68,7 +70,7 @@ def save_optimizer(
     ``use_async``: ``dcp.async_save`` (the state is staged before it returns); returns the future of the
     background write, which the caller waits on (``.result()``). Otherwise ``None`` after the write."""
     _, optim_sd = plugin.get_state_dict(model, optimizer)
-    state: dict[str, Any] = {"optimizer": optim_sd}
+    state: dict[str, Any] = {"optimizer": saved_optimizer_state(optimizer, optim_sd)}
     scaler = optimizer.scaler_state_dict()
     if scaler is not None:
         state["grad_scaler"] = scaler
@@ -137,16 +139,17 @@ def load_optimizer(
     # stepforge before the one writer) is read as before, through the restricted reader only
     verify_dir(str(path), required=False, where="load_optimizer")
     model_sd, optim_sd = plugin.get_state_dict(model, optimizer)
+    # every saved entry gets a place (or CheckpointMismatchError, a ValueError) before any tensor is read
+    complete_template(optim_sd, path, unwrap_optimizer(optimizer))
     state: dict[str, Any] = {"optimizer": optim_sd}
     scaler = optimizer.scaler_state_dict()
     if scaler is not None:
         state["grad_scaler"] = scaler
-    # every saved entry gets a place (or a ValueError) before any tensor is read into the optimizer
-    complete_template(optim_sd, path, unwrap_optimizer(optimizer))
-    safe_dcp_load(state, str(path), no_dist=not _is_dist())  # no code runs from the files (CheckpointError)
-    plugin.set_state_dict(model, optimizer, model_sd, state["optimizer"])
+    fresh = fresh_like(state)  # read into fresh tensors: a failed read leaves the optimizer as it was
+    safe_dcp_load(fresh, str(path), no_dist=not _is_dist())  # no code runs from the files (CheckpointError)
+    plugin.set_state_dict(model, optimizer, model_sd, fresh["optimizer"])
     if scaler is not None:
-        optimizer.load_scaler_state_dict(state["grad_scaler"])
+        optimizer.load_scaler_state_dict(fresh["grad_scaler"])
 
 
 def save_lr_scheduler(lr_scheduler: Any, checkpoint: str | os.PathLike[str]) -> None:
@@ -171,4 +174,11 @@ def load_lr_scheduler(lr_scheduler: Any, checkpoint: str | os.PathLike[str]) -> 
         raise
     except Exception as exc:
         raise CheckpointError(f"load_lr_scheduler: {checkpoint} is unreadable or refused ({exc})") from exc
+    live = set(lr_scheduler.state_dict())
+    if not isinstance(state, dict) or set(state) != live:
+        theirs = sorted(state) if isinstance(state, dict) else type(state).__name__
+        raise CheckpointMismatchError(
+            f"load_lr_scheduler: {checkpoint} holds {theirs}, {type(lr_scheduler).__name__} has {sorted(live)}: "
+            "it was saved from another scheduler type; nothing was loaded"
+        )
     lr_scheduler.load_state_dict(state)

@@ -1,13 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Make a ``dcp.load`` template cover every entry an optimizer checkpoint holds, or refuse before reading.
+"""Fit a ``dcp.load`` template for an optimizer to what a checkpoint holds, from shapes, or refuse before reading.
 
-``torch.distributed.checkpoint.load`` fills only the entries of the state dict it is given. The template of a
-fresh ``SGD(lr=...)`` has no ``momentum_buffer``, so a save of ``SGD(momentum=0.5)`` would load its groups
-(``momentum=0.5``) and silently drop every buffer. torch's ``Optimizer.load_state_dict`` creates the entries a
-fresh optimizer lacks; :func:`complete_template` does the same for the DCP route: it reads the checkpoint's
-metadata (no tensor data), adds a placeholder for each saved entry the template lacks (shaped like its
-parameter, a ``DTensor`` when the parameter is one) and raises ``ValueError`` for what it cannot place (another
-model's parameters, a plugin's own layout), before any tensor of the optimizer is written.
+``torch.distributed.checkpoint.load`` fills exactly the entries of the state dict it is given. The plugin's
+template is the live optimizer's state dict, and it may differ from the checkpoint's without either being wrong:
+
+- a never-stepped optimizer has no state (the plugins never run torch's zero-lr "initialising" ``step()``): each
+  state entry the checkpoint holds gets a placeholder shaped like its parameter (a ``DTensor`` of the same
+  placements for a sharded one) or like the saved entry;
+- a stepped optimizer resuming a checkpoint saved before the first step: the live entries the checkpoint lacks are
+  dropped from the template, and the optimizer comes back unstepped, as it was saved.
+
+Everything else is a :class:`CheckpointMismatchError` naming the difference, raised after reading the metadata
+and the (small) parameter groups only, before any tensor is read: another optimizer type (other state or group
+keys), other parameter groups or parameters, other shapes or dtypes, a plugin's layout where the torch one is
+expected.
 """
 
 from __future__ import annotations
@@ -21,47 +27,24 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from stepforge.core import SafeFileSystemReader
+from stepforge.core.plugin_base import unwrap_optimizer
 
-from .checkpoint import CheckpointError, safe_dcp_load
+from .checkpoint import CheckpointMismatchError, read_dcp_metadata, safe_dcp_load
 
-__all__ = ["complete_template"]
+__all__ = ["complete_template", "fit_template", "saved_optimizer_state"]
 
 _Path = tuple[Any, ...]
 
 
-def _read_metadata(checkpoint: str | os.PathLike[str]) -> Metadata:
-    # the restricted reader: DCP's metadata classes only, so reading it runs no code from the checkpoint
-    try:
-        metadata: Metadata = SafeFileSystemReader(str(checkpoint)).read_metadata()
-    except Exception as exc:
-        raise CheckpointError(
-            f"checkpoint {str(checkpoint)!r}: its DCP metadata is unreadable or refused ({exc})"
-        ) from exc
-    return metadata
-
-
-def _saved_paths(metadata: Metadata, root: str) -> dict[_Path, Any]:
+def _saved_paths(metadata: Metadata, root: _Path) -> dict[_Path, Any]:
     """Object path (below ``root``) -> storage metadata of every saved leaf under ``root``."""
     mapping = metadata.planner_data or {}
     out: dict[_Path, Any] = {}
     for key, item in metadata.state_dict_metadata.items():
         path = tuple(mapping.get(key, (key,)))
-        if path and path[0] == root:
-            out[path[1:]] = item
+        if path[: len(root)] == root:
+            out[path[len(root) :]] = item
     return out
-
-
-def _has(template: Any, path: _Path) -> bool:
-    node = template
-    for part in path:
-        if isinstance(node, Mapping) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and isinstance(part, int) and part < len(node):
-            node = node[part]
-        else:
-            return False
-    return True
 
 
 def _is_torch_layout(template: Mapping[str, Any]) -> bool:
@@ -75,19 +58,22 @@ def _is_torch_layout(template: Mapping[str, Any]) -> bool:
     )
 
 
-def _saved_groups(
-    checkpoint: str | os.PathLike[str], saved: dict[_Path, Any], root: str
-) -> list[dict[str, Any]]:
-    """The saved ``param_groups`` (small, non-tensor values), read on their own."""
+def _saved_groups(checkpoint: str, saved: dict[_Path, Any], root: _Path) -> list[dict[str, Any]]:
+    """The saved ``param_groups`` (small, non-tensor values), read on their own into a fresh holder."""
     groups: dict[int, dict[str, Any]] = {}
     for path in saved:
         if len(path) == 3 and path[0] == "param_groups" and isinstance(path[1], int):
             groups.setdefault(path[1], {})[path[2]] = None
-    holder = {root: {"param_groups": [groups[i] for i in sorted(groups)]}}
-    # the restricted reader and planner: a payload in a saved value raises CheckpointError, it never runs
+    holder: dict[str, Any] = {"param_groups": [groups[i] for i in sorted(groups)]}
+    for part in reversed(root):
+        holder = {part: holder}
     distributed = dist.is_available() and dist.is_initialized()
-    safe_dcp_load(holder, str(checkpoint), no_dist=not distributed)
-    return holder[root]["param_groups"]
+    # the restricted reader and planner: a payload in a saved value raises CheckpointError, it never runs
+    safe_dcp_load(holder, checkpoint, no_dist=not distributed)
+    node: Any = holder
+    for part in root:
+        node = node[part]
+    return list(node["param_groups"])
 
 
 def _placeholder(param: torch.Tensor, item: Any) -> Any:
@@ -100,6 +86,106 @@ def _placeholder(param: torch.Tensor, item: Any) -> Any:
     return torch.empty(size, dtype=dtype, device=device)
 
 
+def _fail(checkpoint: str, what: str) -> CheckpointMismatchError:
+    return CheckpointMismatchError(
+        f"checkpoint {checkpoint!r} does not fit this optimizer: {what}; load it into the optimizer class, "
+        "parameter groups and plugin that saved it"
+    )
+
+
+def fit_template(
+    template: dict[str, Any],
+    checkpoint: str | os.PathLike[str],
+    optimizer: torch.optim.Optimizer,
+    *,
+    root: _Path = ("optimizer",),
+    metadata: Metadata | None = None,
+) -> None:
+    """Make ``template`` (the plugin's optimizer state dict, saved under the object path ``root``) hold exactly
+    the optimizer entries the checkpoint holds (see the module docstring). Reads metadata and groups only.
+
+    Raises:
+        CheckpointMismatchError: the checkpoint was saved for another optimizer type, other groups or other
+            parameters; nothing live has been touched.
+    """
+    path = str(checkpoint)
+    saved = _saved_paths(metadata if metadata is not None else read_dcp_metadata(path), root)
+    if not saved:
+        raise _fail(path, "its optimizer entries are missing (saved with save_optimizer=False?)")
+    saved_state: dict[Any, dict[Any, Any]] = {}
+    for p, item in saved.items():
+        if len(p) >= 3 and p[0] == "state":
+            saved_state.setdefault(p[1], {})[p[2:]] = item
+    live_state = template.get("state")
+    if isinstance(live_state, dict):
+        for key in [k for k in live_state if k not in saved_state]:
+            del live_state[key]  # saved before this parameter's first step: it comes back unstepped
+    if not _is_torch_layout(template):
+        _check_plugin_layout(template, saved, path)
+        return
+    groups = template["param_groups"]
+    saved_groups = _saved_groups(path, saved, root)
+    if len(saved_groups) != len(groups):
+        raise _fail(path, f"{len(saved_groups)} parameter groups there, {len(groups)} here")
+    for i, (mine, theirs) in enumerate(zip(groups, saved_groups, strict=True)):
+        if set(mine) != set(theirs):
+            raise _fail(
+                path,
+                f"parameter group {i} has options {sorted(set(theirs) - {'params'})} there and "
+                f"{sorted(set(mine) - {'params'})} here (another optimizer type)",
+            )
+        if list(theirs.get("params", ())) != list(mine["params"]):
+            extra = sorted(set(theirs.get("params", ())) - set(mine["params"]))
+            absent = sorted(set(mine["params"]) - set(theirs.get("params", ())))
+            raise _fail(
+                path,
+                f"parameter group {i} holds {len(theirs.get('params', ()))} parameters there and "
+                f"{len(mine['params'])} here (only there: {extra[:4]}, only here: {absent[:4]})",
+            )
+    params = {
+        fqn: param
+        for group, torch_group in zip(groups, optimizer.param_groups, strict=True)
+        for fqn, param in zip(group["params"], torch_group["params"], strict=True)
+    }
+    for fqn, entries in saved_state.items():
+        if fqn not in params:
+            raise _fail(path, f"it holds state for {fqn!r}, which no group of this optimizer names")
+        keys = {p[0] for p in entries}
+        live = template["state"].get(fqn)
+        if live is not None and set(live) != keys:
+            raise _fail(path, f"{fqn!r} has state {sorted(keys)} there and {sorted(live)} here")
+        if live is None:
+            template["state"][fqn] = {
+                p[0]: _placeholder(params[fqn], item) for p, item in entries.items() if len(p) == 1
+            }
+            if any(len(p) != 1 for p in entries):
+                raise _fail(path, f"{fqn!r} holds nested state this optimizer has no place for")
+
+
+def _check_plugin_layout(template: Mapping[str, Any], saved: dict[_Path, Any], path: str) -> None:
+    """A plugin's own layout (ZeRO's): every entry of the template is saved, and nothing else is."""
+    from stepforge.core import flatten_state_dict
+
+    flat, mapping = flatten_state_dict(dict(template))
+    live = {tuple(mapping[k]) for k in flat}
+    stored = set(saved)
+    if live != stored:
+        extra = sorted(".".join(map(str, p)) for p in stored - live)
+        absent = sorted(".".join(map(str, p)) for p in live - stored)
+        raise _fail(
+            path, f"entries only there: {extra[:5]}, only here: {absent[:5]} (another plugin or model?)"
+        )
+
+
+def saved_optimizer_state(optimizer: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """What a save writes for ``optimizer``: ``state_dict`` as the plugin built it, except that a never-stepped
+    optimizer (its torch optimizer holds no state) saves no state entries, whatever placeholders a plugin's
+    template carries (ZeRO's): a resume then starts from an unstepped optimizer, as the uninterrupted run."""
+    if unwrap_optimizer(optimizer).state or not isinstance(state_dict.get("state"), dict):
+        return state_dict
+    return {**state_dict, "state": {}}
+
+
 def complete_template(
     template: dict[str, Any],
     checkpoint: str | os.PathLike[str],
@@ -107,52 +193,9 @@ def complete_template(
     *,
     root: str = "optimizer",
 ) -> None:
-    """Add to ``template`` (the plugin's optimizer state dict, saved under ``root``) every entry the checkpoint
-    holds and it lacks, so that ``dcp.load`` restores all saved state.
-
-    Raises:
-        ValueError: the checkpoint's parameter groups name other parameters than ``optimizer``'s, or it holds
-            entries that cannot be placed; nothing has been loaded then.
-    """
-    saved = _saved_paths(_read_metadata(checkpoint), root)
-    missing = [path for path in saved if not _has(template, path)]
-    if not _is_torch_layout(template):
-        if not missing:
-            return
-        shown = ", ".join(".".join(map(str, p)) for p in missing[:8])
-        raise ValueError(
-            f"load_optimizer: {checkpoint} holds optimizer state this optimizer has no place for ({shown}); "
-            "load it into the optimizer class and plugin that saved it."
-        )
-    groups = template["param_groups"]
-    saved_groups = _saved_groups(checkpoint, saved, root)
-    if len(saved_groups) != len(groups):
-        raise ValueError(
-            f"load_optimizer: {checkpoint} has {len(saved_groups)} parameter groups, the optimizer "
-            f"{len(groups)}; build the optimizer with the groups it was saved with."
-        )
-    for i, (mine, theirs) in enumerate(zip(groups, saved_groups, strict=True)):
-        extra, absent = (
-            set(theirs.get("params", ())) - set(mine["params"]),
-            set(mine["params"]) - set(theirs.get("params", ())),
-        )
-        if extra or absent:
-            raise ValueError(
-                f"load_optimizer: parameter group {i} of {checkpoint} holds parameters {sorted(extra)} that the "
-                f"model lacks and lacks {sorted(absent)}; load it into the model it was saved from."
-            )
-    params = {
-        fqn: param
-        for group, torch_group in zip(groups, optimizer.param_groups, strict=True)
-        for fqn, param in zip(group["params"], torch_group["params"], strict=True)
-    }
-    for path in missing:
-        if path[0] == "param_groups" and len(path) == 3:
-            groups[path[1]][path[2]] = None  # a group option the target optimizer does not have
-        elif path[0] == "state" and len(path) == 3 and path[1] in params:
-            template["state"].setdefault(path[1], {})[path[2]] = _placeholder(params[path[1]], saved[path])
-        else:
-            raise ValueError(
-                f"load_optimizer: {checkpoint} holds {'.'.join(map(str, path))}, which this optimizer has no "
-                "place for; load it into the optimizer class that saved it."
-            )
+    """:func:`fit_template` for an optimizer saved under the top-level key ``root`` (the Booster's layout);
+    errors start with ``load_optimizer:``."""
+    try:
+        fit_template(template, checkpoint, optimizer, root=(root,))
+    except CheckpointMismatchError as exc:
+        raise CheckpointMismatchError(f"load_optimizer: {exc}") from exc

@@ -22,6 +22,8 @@ working param groups, not the ``LowLevelZeroOptimizer``.
 
 from __future__ import annotations
 
+import collections
+import copy
 from collections.abc import Mapping
 from typing import Any
 
@@ -51,30 +53,40 @@ def _mesh(layout: ShardLayout, device_type: str) -> DeviceMesh:
 
 
 @torch.no_grad()
-def materialize_state(layout: ShardLayout, inner: torch.optim.Optimizer) -> bool:
-    """Give a never-stepped inner optimizer its state with a zero-lr step on zero gradients (parameters and
-    hyper-parameters unchanged), as ``torch.distributed.checkpoint.state_dict`` does. Returns whether it did."""
+def materialize_state(
+    layout: ShardLayout, inner: torch.optim.Optimizer
+) -> dict[torch.Tensor, dict[str, Any]]:
+    """The state entries of ``inner`` keyed by its masters; for a never-stepped optimizer the entries it will
+    hold, built without stepping it: a shallow copy of it with its own groups and state steps zero copies of the
+    masters once (lr 0, zero gradients) and the copy's entries are returned. ``inner``, its masters and their
+    gradients are never touched."""
+    del layout  # the masters are the inner optimizer's parameters
     if inner.state:
-        return False
-    saved = [group["lr"] for group in inner.param_groups]
-    for slot in layout.slots:
-        if slot.valid:
-            slot.master.grad = torch.zeros_like(slot.master)
+        return dict(inner.state)
+    proxies: dict[torch.Tensor, torch.Tensor] = {}
+    groups = []
+    for group in inner.param_groups:
+        params = []
+        for master in group["params"]:
+            proxy = torch.zeros_like(master, requires_grad=True)
+            proxy.grad = torch.zeros_like(master)
+            proxies[master] = proxy
+            params.append(proxy)
+        options = {k: v for k, v in group.items() if k != "params"}
+        options["lr"] = group["lr"] * 0.0 if torch.is_tensor(group["lr"]) else 0.0
+        groups.append({**options, "params": params})
+    # a shallow copy with its own groups and state: the class's step (never an instance-patched ``step``, as an
+    # lr scheduler installs) runs on the zero copies only
+    throwaway = copy.copy(inner)
+    throwaway.param_groups = groups
+    throwaway.state = collections.defaultdict(dict)
     try:
-        for group in inner.param_groups:
-            group["lr"] = group["lr"] * 0.0 if torch.is_tensor(group["lr"]) else 0.0
-        inner.step()
+        type(inner).step(throwaway)
     finally:
-        for group, lr in zip(inner.param_groups, saved, strict=True):
-            group["lr"] = lr
-        for slot in layout.slots:
-            slot.master.grad = None
-    return True
-
-
-def _forget_state(inner: torch.optim.Optimizer) -> None:
-    inner.state.clear()
-    invalidate_cache(inner)
+        invalidate_cache(inner)  # a cache the copy shares may have seen the copies' tensors
+    return {
+        master: dict(throwaway.state[proxy]) for master, proxy in proxies.items() if proxy in throwaway.state
+    }
 
 
 def _dtensor(local: torch.Tensor, numel: int, mesh: DeviceMesh) -> DTensor:
@@ -92,17 +104,17 @@ def sharded_state_dict(
     """See the module docstring. No collectives on the data (DTensor construction only). ``extras``: the
     entries of ``"zero"`` beside the masters (``loss_scaler``, ``skipped_steps``). Reductions must not be in
     flight."""
-    materialized = materialize_state(layout, inner)
+    entries = materialize_state(layout, inner)  # a never-stepped optimizer is laid out, never stepped
     mesh = _mesh(layout, layout.master_device.type)
     templates: dict[int, dict[str, Any]] = {}  # per group: a local entry to mirror for empty pieces
     for slot in layout.slots:
-        entry = inner.state.get(slot.master) if slot.valid else None
+        entry = entries.get(slot.master) if slot.valid else None
         if entry:
             templates.setdefault(slot.group, dict(entry))
     state: dict[str, dict[str, Any]] = {}
     masters: dict[str, DTensor] = {}
     for slot in layout.slots:
-        entry = inner.state.get(slot.master) if slot.valid else None
+        entry = entries.get(slot.master) if slot.valid else None
         if entry is None and not slot.valid and slot.group in templates:
             # this rank owns nothing of a tiny parameter: an empty piece under the same keys
             entry = {
@@ -131,10 +143,6 @@ def sharded_state_dict(
         "param_groups": group_entries(layout, param_groups),
         "zero": {**extras, "master_weights": masters},
     }
-    if materialized:
-        # the template keeps the created tensors (DCP loads into them); the optimizer itself stays fresh, so
-        # asking for a template never changes the training (no extra step count)
-        _forget_state(inner)
     return out
 
 

@@ -70,9 +70,9 @@ class StateDictMembers:
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """This rank's pieces as 1-D ``DTensor`` (``Shard(0)``) for ``torch.distributed.checkpoint``; no
-        gathering. For a never-stepped optimizer the state tensors are created for the result (a zero-lr step
-        on zero gradients, as ``torch.distributed.checkpoint.state_dict`` does) and then dropped from the
-        optimizer, so the result is a template for ``dcp.load`` and the optimizer stays unstepped."""
+        gathering. For a never-stepped optimizer the state entries are laid out for the result without stepping
+        it (a throwaway optimizer of the same class steps zero copies of the masters), so the result is a
+        template for ``dcp.load`` and the optimizer, its parameters and gradients are untouched."""
         self._reducer.wait()
         return _sharded_state.sharded_state_dict(
             self._layout, self.optim, self.param_groups, self._zero_extras()

@@ -6,7 +6,14 @@ replace), RNG; loads that verify first and run no code from the files."""
 from __future__ import annotations
 
 from ._dcp import load_dir, read_dcp_metadata, read_meta, safe_dcp_load, save_dir, unblob
-from ._layout import LAST_CHECKPOINT, MARKER, CheckpointError, committed_checkpoints, find_latest_checkpoint
+from ._layout import (
+    LAST_CHECKPOINT,
+    MARKER,
+    CheckpointError,
+    CheckpointMismatchError,
+    committed_checkpoints,
+    find_latest_checkpoint,
+)
 from ._rng import get_rng_state, set_rng_state
 from ._sidecar import write_with_sidecar
 from ._writer import (
@@ -37,6 +44,7 @@ __all__ = [
     "verify_dir",
     "verify_file",
     "CheckpointError",
+    "CheckpointMismatchError",
     "committed_checkpoints",
     "find_latest_checkpoint",
     "get_rng_state",

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import io
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -33,11 +33,21 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from stepforge.core import SafeFileSystemReader, SafeLoadPlanner, flatten_state_dict
 
 from .._env import get_rank
-from ._layout import CheckpointError, read_commit, validate_files
+from ._layout import CheckpointError, CheckpointMismatchError, read_commit, validate_files
 from ._staging import apply_fresh, fresh_like
 from ._writer import commit_dir
 
-__all__ = ["dcp_save", "save_dir", "load_dir", "read_meta", "read_dcp_metadata", "safe_dcp_load", "unblob"]
+__all__ = [
+    "dcp_save",
+    "save_dir",
+    "load_dir",
+    "read_dir",
+    "verify_files",
+    "read_meta",
+    "read_dcp_metadata",
+    "safe_dcp_load",
+    "unblob",
+]
 
 #: Test hook: called as ``hook(rank)`` right after this rank's DCP data file is written (crash-safety tests).
 _AFTER_WRITE_HOOK: Callable[[int], None] | None = None
@@ -174,48 +184,70 @@ def read_meta(path: str) -> dict[str, Any]:
     return meta
 
 
-def _check_template(path: str, template: dict[str, Any], metadata: Any) -> None:
+def check_template(path: str, template: dict[str, Any], metadata: Any, exact: Sequence[str] = ()) -> None:
+    """Every template tensor is saved with the same shape and dtype; under the roots named in ``exact`` the
+    checkpoint holds nothing else either (``CheckpointMismatchError`` naming the first differences)."""
     flat, _ = flatten_state_dict({"tensors": template})
     stored = metadata.state_dict_metadata
     missing = [k for k in flat if k not in stored]
     if missing:
         shown = ", ".join(m.removeprefix("tensors.") for m in missing[:5])
-        raise CheckpointError(
+        raise CheckpointMismatchError(
             f"checkpoint {path!r} does not match: {len(missing)} entries missing ({shown}"
             f"{', ...' if len(missing) > 5 else ''}); it was saved for another model or optimizer"
         )
+    for root in exact:
+        prefix = f"tensors.{root}."
+        unexpected = [k for k in stored if k.startswith(prefix) and k not in flat]
+        if unexpected:
+            shown = ", ".join(u.removeprefix("tensors.") for u in unexpected[:5])
+            raise CheckpointMismatchError(
+                f"checkpoint {path!r} does not match: it holds {len(unexpected)} entries this {root} has no "
+                f"place for ({shown}{', ...' if len(unexpected) > 5 else ''}); it was saved for another {root}"
+            )
     for key, value in flat.items():
         if isinstance(value, torch.Tensor):
             meta = stored[key]
             if not isinstance(meta, TensorStorageMetadata) or tuple(meta.size) != tuple(value.shape):
                 shape = tuple(meta.size) if isinstance(meta, TensorStorageMetadata) else "an object"
-                raise CheckpointError(
+                raise CheckpointMismatchError(
                     f"checkpoint {path!r} does not match: {key.removeprefix('tensors.')} has shape {shape} "
                     f"there and {tuple(value.shape)} here; it was saved for another model"
                 )
+            if meta.properties.dtype != value.dtype:
+                raise CheckpointMismatchError(
+                    f"checkpoint {path!r} does not match: {key.removeprefix('tensors.')} has dtype "
+                    f"{meta.properties.dtype} there and {value.dtype} here; it was saved with another precision "
+                    "or plugin"
+                )
 
 
-def load_dir(
+def read_dir(
     path: str,
     tensors: dict[str, Any],
     *,
     map_location: Any = "cpu",
     objects: bool = True,
     rank_objects: bool = True,
-) -> tuple[dict[str, Any] | None, dict[str, Any] | None, dict[str, Any]]:
-    """Validate, then fill ``tensors`` in place from checkpoint ``path``; return (objects, rank objects, meta).
+    exact: Sequence[str] = (),
+    files_checked: bool = False,
+) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any] | None, dict[str, Any]]:
+    """Validate checkpoint ``path`` and read it into fresh tensors shaped like ``tensors``; touch nothing live.
 
-    Every file's size and CRC-32 is checked first, the objects are read next, the tensors are read into fresh
-    tensors, and only then copied into ``tensors``: any failure raises :class:`CheckpointError` with
-    ``tensors`` unchanged.
+    Returns (fresh tensors, objects, rank objects, meta). Checked first, in order: the commit marker, every
+    file's size and CRC-32, the DCP metadata, that every template tensor is saved with its shape and dtype (and,
+    under the roots in ``exact``, nothing else is); then the object blobs are read, then the tensors. Any
+    failure raises :class:`CheckpointError`.
 
     ``rank_objects`` comes back None when this rank has none in the checkpoint (it was saved at a smaller
     world size). ``map_location`` applies to the pickled objects (tensors land where the template's live).
+    ``files_checked``: the caller ran :func:`verify_files` already (the checksums are not computed twice).
     """
     record = read_commit(path)
-    validate_files(path, record)
+    if not files_checked:
+        validate_files(path, record)
     metadata = read_dcp_metadata(path)
-    _check_template(path, tensors, metadata)
+    check_template(path, tensors, metadata, exact)
     rank_key = str(get_rank())
     blobs: dict[str, Any] = {}
     if objects:
@@ -228,10 +260,45 @@ def load_dir(
         safe_dcp_load(blobs, path, no_dist=no_dist)
     shared = unblob(blobs["objects"], map_location, path) if objects else None
     mine = unblob(blobs["rank_objects"][rank_key], map_location, path) if rank_objects and have_rank else None
+    if objects and not isinstance(shared, dict):
+        raise CheckpointError(
+            f"checkpoint {path!r}: its shared objects are {type(shared).__name__}, not a dict"
+        )
+    if mine is not None and not isinstance(mine, dict):
+        raise CheckpointError(
+            f"checkpoint {path!r}: its per-rank objects are {type(mine).__name__}, not a dict"
+        )
     fresh = fresh_like(tensors)
-    safe_dcp_load({"tensors": fresh}, path, no_dist=no_dist)
+    if fresh:
+        safe_dcp_load({"tensors": fresh}, path, no_dist=no_dist)
+    return fresh, shared, mine, record["meta"]
+
+
+def verify_files(path: str) -> dict[str, Any]:
+    """The commit record of ``path`` once its marker and every file's size and CRC-32 are checked."""
+    record = read_commit(path)
+    validate_files(path, record)
+    return record
+
+
+def load_dir(
+    path: str,
+    tensors: dict[str, Any],
+    *,
+    map_location: Any = "cpu",
+    objects: bool = True,
+    rank_objects: bool = True,
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None, dict[str, Any]]:
+    """Validate, then fill ``tensors`` in place from checkpoint ``path``; return (objects, rank objects, meta).
+
+    :func:`read_dir`, then the fresh tensors are copied into ``tensors``: any failure raises
+    :class:`CheckpointError` with ``tensors`` unchanged.
+    """
+    fresh, shared, mine, meta = read_dir(
+        path, tensors, map_location=map_location, objects=objects, rank_objects=rank_objects
+    )
     apply_fresh(tensors, fresh)  # only now are the live tensors written
-    return shared, mine, record["meta"]
+    return shared, mine, meta
 
 
 def barrier() -> None:

@@ -21,6 +21,7 @@ __all__ = [
     "MARKER",
     "LAST_CHECKPOINT",
     "CheckpointError",
+    "CheckpointMismatchError",
     "commit_text",
     "committed_checkpoints",
     "file_record",
@@ -40,6 +41,11 @@ _CHUNK = 8 << 20
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be used: not committed, damaged, or written for another model."""
+
+
+class CheckpointMismatchError(CheckpointError, ValueError):
+    """A sound checkpoint written for other live objects (another model, optimizer, plugin, scheduler list or
+    world size); also a ``ValueError``, as the Booster's loads raised before."""
 
 
 def fsync_dir(path: str) -> None:

@@ -17,30 +17,23 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import time
-import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    set_model_state_dict,
-)
 from torch.distributed.tensor import DTensor
 
 from stepforge.accum import OptimWrapper
 from stepforge.core import BoostedOptimizer, Plugin
 
-from .._env import set_random_seed
+from .._optim_template import saved_optimizer_state
 from .._version import __version__
-from ._dcp import load_dir, read_dcp_metadata, read_meta, save_dir
-from ._fsdp_window import fsdp_pending_grads, set_fsdp_pending_grads
-from ._layout import CheckpointError, read_commit
-from ._rng import get_rng_state, set_rng_state
+from ._dcp import save_dir
+from ._fsdp_window import fsdp_pending_grads
+from ._rng import get_rng_state
+from ._strategy_load import load, resume
 
 __all__ = ["RunState", "save", "load", "resume"]
 
@@ -82,23 +75,6 @@ def _grads(model: torch.nn.Module) -> list[torch.Tensor | None]:
             g = g.to_local()
         out.append(None if g is None else g.detach().clone())
     return out
-
-
-def _set_grads(model: torch.nn.Module, grads: Sequence[torch.Tensor | None]) -> None:
-    params = _params(model)
-    if len(params) != len(grads):
-        raise CheckpointError(
-            f"saved {len(grads)} accumulated gradients for a model with {len(params)} parameters"
-        )
-    for p, g in zip(params, grads, strict=True):
-        if g is None:
-            p.grad = None
-        elif isinstance(p, DTensor):
-            p.grad = DTensor.from_local(
-                g.to(p.to_local().device), p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
-            )
-        else:
-            p.grad = g.to(p.device)
 
 
 def _boosted(wrapper: OptimWrapper) -> BoostedOptimizer:
@@ -161,6 +137,9 @@ def save(
             )
     with_optim = save_optimizer and wrapper is not None
     msd, osd = plugin.get_state_dict(model, wrapper.optimizer if wrapper is not None and with_optim else [])
+    if with_optim:
+        assert wrapper is not None
+        osd = saved_optimizer_state(wrapper.optimizer, osd)
     extra = dict(extra_ckpt or {})
     iteration = window.inner_count if window is not None else run.dispatch_kwargs.get("cur_iter", 0)
     meta = {
@@ -214,137 +193,3 @@ def save(
     )
     run.logger.info(f"saved checkpoint {final} (iter {meta['iter']})")
     return final
-
-
-def _map_location(run: RunState, map_location: Any) -> Any:
-    if map_location == "default":
-        return run.plugin.device
-    return map_location
-
-
-def _revise(keys: Sequence[str], revise_keys: Sequence[tuple[str, str]]) -> dict[str, str]:
-    out = {}
-    for key in keys:
-        new = key
-        for pattern, repl in revise_keys:
-            new = re.sub(pattern, repl, new)
-        out[new] = key
-    return out
-
-
-def load(
-    run: RunState,
-    filename: str,
-    map_location: Any,
-    strict: bool,
-    revise_keys: Sequence[tuple[str, str]],
-    callback: Any,
-) -> dict[str, Any]:
-    if run.model is None:
-        raise RuntimeError("Strategy.load_checkpoint: call prepare(model) first")
-    read_commit(filename)  # a clear error for an unfinished checkpoint before reading its metadata
-    stored = read_dcp_metadata(filename).state_dict_metadata
-    prefix = "tensors.model."
-    saved_keys = [k[len(prefix) :] for k in stored if k.startswith(prefix)]
-    revised = _revise(saved_keys, revise_keys)
-    msd = get_model_state_dict(run.model)
-    missing = sorted(set(msd) - set(revised))
-    unexpected = sorted(set(revised) - set(msd))
-    if strict and (missing or unexpected):
-        raise CheckpointError(
-            f"load_checkpoint(strict=True): {filename!r} does not match the model: missing {missing[:5]}, "
-            f"unexpected {unexpected[:5]} (after revise_keys={list(revise_keys)})"
-        )
-    if missing or unexpected:
-        run.logger.warning(f"load_checkpoint: missing keys {missing}, unexpected keys {unexpected}")
-    template = {revised[k]: msd[k] for k in msd if k in revised}
-    shared, _, meta = load_dir(filename, {"model": template}, map_location=map_location, rank_objects=False)
-    assert shared is not None, "load_dir returns the objects when asked for them (the default)"
-    ckpt = {"meta": meta, "state_dict": msd, **shared["extra"]}
-    if callback is not None:
-        callback(ckpt)
-    set_model_state_dict(run.model, ckpt["state_dict"], options=StateDictOptions(strict=False))
-    run.logger.info(f"loaded model weights from {filename}")
-    return ckpt
-
-
-def resume(
-    run: RunState,
-    filename: str,
-    resume_optimizer: bool,
-    resume_param_scheduler: bool,
-    map_location: Any,
-    callback: Any,
-) -> dict[str, Any]:
-    model, wrapper, plugin = run.model, run.optim_wrapper, run.plugin
-    assert model is not None
-    meta = read_meta(filename)
-    same_world = meta.get("world_size") == run.world_size
-    if meta.get("mid_window") and resume_optimizer and not same_world:
-        raise CheckpointError(
-            f"{filename!r} was saved inside an accumulation window at world size {meta.get('world_size')}; its "
-            f"per-rank gradients cannot be mapped to world size {run.world_size}. Resume at world size "
-            f"{meta.get('world_size')}, or from a checkpoint saved at a window boundary"
-        )
-    with_optim = resume_optimizer and wrapper is not None
-    msd, osd = plugin.get_state_dict(model, wrapper.optimizer if wrapper is not None and with_optim else [])
-    tensors = {"model": msd}
-    if with_optim:
-        tensors["optimizer"] = osd
-    shared, mine, meta = load_dir(filename, tensors, map_location=_map_location(run, map_location))
-    assert shared is not None, "load_dir returns the objects when asked for them (the default)"
-    ckpt: dict[str, Any] = {"meta": meta, "state_dict": msd, **shared["extra"]}
-    if with_optim:
-        ckpt["optimizer"] = osd
-    if callback is not None:
-        callback(ckpt)
-    if with_optim:
-        assert wrapper is not None
-        plugin.set_state_dict(model, wrapper.optimizer, ckpt["state_dict"], ckpt["optimizer"])
-        window = wrapper.window
-        acc = (mine or {}).get("accumulation") or shared.get("accumulation")
-        if acc is not None:
-            with warnings.catch_warnings():
-                if mine is not None and mine.get("grads") is not None:  # restored below: the warning is moot
-                    warnings.filterwarnings("ignore", message=".*middle of an accumulation window")
-                window.load_state_dict(acc)
-        if shared.get("base_param_settings") is not None:
-            wrapper.base_param_settings = shared["base_param_settings"]
-        _boosted(wrapper).load_scaler_state_dict(shared.get("scaler"))
-        if mine is not None and mine.get("grads") is not None:
-            _set_grads(model, mine["grads"])
-            set_fsdp_pending_grads(model, mine.get("fsdp_pending_grads") or [])
-    else:
-        set_model_state_dict(model, ckpt["state_dict"], options=StateDictOptions(strict=False))
-    if resume_param_scheduler and run.param_schedulers and "param_schedulers" in shared["extra"]:
-        saved = shared["extra"]["param_schedulers"]
-        if len(saved) != len(run.param_schedulers):
-            raise CheckpointError(
-                f"{filename!r} holds {len(saved)} param schedulers, this run has {len(run.param_schedulers)}"
-            )
-        for sched, state in zip(run.param_schedulers, saved, strict=True):
-            sched.load_state_dict(state)
-    for name, (obj, per_rank) in run.statefuls.items():
-        source = (mine or {}).get("statefuls", {}) if per_rank else shared["statefuls"]
-        if name in source:
-            obj.load_state_dict(source[name])
-        else:
-            run.logger.warning(f"resume: no state for {name!r} in {filename} (world size changed?)")
-    if meta.get("seed") != run.seed:
-        warnings.warn(
-            f"resume: the checkpoint's seed {meta.get('seed')} differs from this run's {run.seed}; "
-            "the saved random states are restored",
-            UserWarning,
-            stacklevel=3,
-        )
-    if mine is not None:
-        set_rng_state(mine["rng"])
-    else:
-        set_random_seed(int(meta["seed"]), run.deterministic, diff_rank_seed=True)
-        run.logger.warning(
-            f"resume: rank {run.rank} has no saved random state (saved at world size "
-            f"{meta.get('world_size')}); re-seeded from the saved seed + rank"
-        )
-    run.dispatch_kwargs["cur_iter"] = meta.get("iter", 0)
-    run.logger.info(f"resumed from {filename} at iter {meta.get('iter')}")
-    return ckpt
