@@ -90,7 +90,9 @@ def _build(name: str, args: argparse.Namespace) -> tuple[Any, Any, Any]:
 
     # ZeRO keeps ColossalAI's fp16 default; the loop it is compared with is fp32
     spec: Any = dict(type=plugin, precision="fp32") if plugin in ("zero1", "zero2") else plugin
-    strategy = Strategy(plugin=spec, mixed_precision=None, log_kwargs=dict(console=False))
+    strategy = Strategy(
+        plugin=spec, mixed_precision=None, work_dir=args.work_dir, log_kwargs=dict(console=False)
+    )
     wrapped, wrapper = strategy.prepare(
         model,
         optim_wrapper=dict(
@@ -171,6 +173,7 @@ class _nullcontext:
 
 def run_contender(name: str, args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
+        args.work_dir = tmp  # the Strategy's logs go with the run, not into the checkout
         os.environ.update(
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS=str(args.threads)
         )
