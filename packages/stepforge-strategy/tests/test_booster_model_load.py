@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from stepforge.core import PluginBase
-from stepforge.strategy import Booster, OptimizerWrapper
+from stepforge.strategy import Booster, OptimizerWrapper, Strategy
 from stepforge.testing.distributed import requires_gloo, run_distributed
 
 
@@ -97,5 +97,32 @@ def test_load_model_hands_the_plugin_the_optimizers_boosted_with_that_model(tmp_
         booster.load_model(second, "m.safetensors")
         booster.load_model(bare, "m.safetensors")
     assert len(plugin.calls) == 2
-    assert plugin.calls[0][0] is second and plugin.calls[0][1] == [opt_b]
+    # the plugin gets what it prepared (the ModelWrapper's .module), with the optimizer boosted beside it
+    assert plugin.calls[0][0] is second.module and plugin.calls[0][1] == [opt_b]
     assert plugin.calls[1][0] is bare and plugin.calls[1][1] == []
+
+
+def _strategy_load_then_step(rank: int, world: int, work_dir: str) -> dict:
+    # the same defect through Strategy.load_checkpoint (weights only, the optimizer's state is not resumed)
+    strategy = Strategy(
+        plugin=dict(type="zero2", precision="bf16"), work_dir=work_dir, log_kwargs=dict(console=False)
+    )
+    model, wrapper = strategy.prepare(_model(), optim_wrapper=dict(optimizer=dict(type="SGD", lr=0.0)))
+    strategy.save_checkpoint("weights")
+    saved = _weights(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    wrapper.optimizer.update_master_params(model)
+    strategy.load_checkpoint(strategy.find_latest_checkpoint())
+    loaded = _weights(model)
+    wrapper.update_params(model(torch.full((2, 6), float(rank + 1))).float().square().mean())
+    return {"saved": saved, "loaded": loaded, "after_step": _weights(model)}
+
+
+@requires_gloo
+@pytest.mark.distributed
+def test_zero2_strategy_load_checkpoint_survives_the_next_step(tmp_path):
+    for rank, out in enumerate(run_distributed(_strategy_load_then_step, 2, str(tmp_path), timeout=120)):
+        assert all(torch.equal(a, b) for a, b in zip(out["saved"], out["loaded"], strict=True)), rank
+        assert all(torch.equal(a, b) for a, b in zip(out["saved"], out["after_step"], strict=True)), rank

@@ -306,8 +306,12 @@ class LowLevelZeroPlugin(PluginBase):
         | Iterable[torch.optim.Optimizer | BoostedOptimizer],
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         """The DCP pair: the model's full state dict (original keys, replicated on every rank) and the
-        optimizer's sharded, world-size-independent state (``LowLevelZeroOptimizer.sharded_state_dict()``)."""
-        zero = self._zero(_single(optimizers), "get_state_dict")
+        optimizer's sharded, world-size-independent state (``LowLevelZeroOptimizer.sharded_state_dict()``);
+        ``{}`` for the optimizer when ``optimizers`` is empty (a weights-only save or load)."""
+        items = _listed(optimizers)
+        if not items:
+            return _unwrap(model).state_dict(), {}
+        zero = self._zero(_single(items), "get_state_dict")
         return _unwrap(model).state_dict(), zero.sharded_state_dict()
 
     def set_state_dict(
@@ -319,10 +323,13 @@ class LowLevelZeroPlugin(PluginBase):
         model_state_dict: Mapping[str, Any],
         optim_state_dict: Mapping[str, Any],
     ) -> None:
-        """Apply a pair filled by ``torch.distributed.checkpoint.load`` (possibly saved at another world size)."""
-        zero = self._zero(_single(optimizers), "set_state_dict")
+        """Apply a pair filled by ``torch.distributed.checkpoint.load`` (possibly saved at another world size); with
+        no optimizers only the model (a weights-only load: refresh the masters with :meth:`after_model_load`)."""
+        items = _listed(optimizers)
+        zero = self._zero(_single(items), "set_state_dict") if items else None
         _unwrap(model).load_state_dict(model_state_dict)
-        zero.load_sharded_state_dict(optim_state_dict)
+        if zero is not None:
+            zero.load_sharded_state_dict(optim_state_dict)
 
     def after_model_load(self, model: torch.nn.Module, optimizers: Iterable[Any]) -> None:
         """Copy the loaded weights into the fp32 master pieces of every ``LowLevelZeroOptimizer`` among
@@ -374,10 +381,14 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model.unwrap() if isinstance(model, LowLevelZeroModel) else model
 
 
-def _single(optimizers: Any) -> Any:
+def _listed(optimizers: Any) -> list[Any]:
+    """``None`` (the one prepared) or one optimizer as a one-item list, an iterable as a list."""
     if optimizers is None or isinstance(optimizers, torch.optim.Optimizer):
-        return optimizers
-    items = list(optimizers)
+        return [optimizers]
+    return list(optimizers)
+
+
+def _single(items: list[Any]) -> Any:
     if len(items) != 1:
         raise HyperParameterError(
             f"LowLevelZeroPlugin: checkpoints hold one optimizer per model, got {len(items)}; prepare one optimizer."

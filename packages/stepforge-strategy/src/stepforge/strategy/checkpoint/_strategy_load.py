@@ -22,7 +22,6 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
 from stepforge.core import BoostedOptimizer
@@ -68,9 +67,8 @@ def load(
     prefix = "tensors.model."
     saved_keys = [k[len(prefix) :] for k in stored if k.startswith(prefix)]
     revised = _revise(saved_keys, revise_keys)
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    msd = get_model_state_dict(run.model)
+    # the plugin's layout (the keys its saves use), not the wrapper's own state_dict
+    msd, _ = run.plugin.get_state_dict(run.model, [])
     missing = sorted(set(msd) - set(revised))
     unexpected = sorted(set(revised) - set(msd))
     if strict and (missing or unexpected):
@@ -89,9 +87,18 @@ def load(
     ckpt = {"meta": meta, "state_dict": loaded, **shared.get("extra", {})}
     if callback is not None:
         callback(ckpt)
-    set_model_state_dict(run.model, ckpt["state_dict"], options=StateDictOptions(strict=False))
+    _set_weights(run, run.model, ckpt["state_dict"])
     run.logger.info(f"loaded model weights from {filename}")
     return ckpt
+
+
+def _set_weights(run: RunState, model: torch.nn.Module, weights: Mapping[str, Any]) -> None:
+    """New weights without the optimizer's state, through the plugin's pair; then the plugin refreshes what it
+    derives from them (a ZeRO plugin's fp32 masters), or the next ``step()`` would write the old weights back."""
+    current, _ = run.plugin.get_state_dict(model, [])
+    run.plugin.set_state_dict(model, [], {**current, **weights}, {})
+    optimizers = [] if run.optim_wrapper is None else [run.optim_wrapper.optimizer]
+    run.plugin.after_model_load(model, optimizers)
 
 
 def _map_location(run: RunState, map_location: Any) -> Any:
@@ -247,7 +254,7 @@ def resume(
             _set_grads(model, grads)
             set_fsdp_pending_grads(model, (mine or {}).get("fsdp_pending_grads") or [])
     else:
-        set_model_state_dict(model, ckpt["state_dict"], options=StateDictOptions(strict=False))
+        _set_weights(run, model, ckpt["state_dict"])
     if resume_param_scheduler and run.param_schedulers and "param_schedulers" in shared.get("extra", {}):
         for sched, state in zip(run.param_schedulers, shared["extra"]["param_schedulers"], strict=True):
             sched.load_state_dict(state)
