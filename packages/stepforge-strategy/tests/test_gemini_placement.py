@@ -79,9 +79,32 @@ def _train(rank: int, plugin: dict, max_norm: float = 0.0) -> dict:
     )
 
 
-def _cases(rank: int, world: int) -> dict:
+def _full_optimizer_roundtrip(rank: int, path: str) -> dict:
+    """torch_fsdp: FSDP1's unsharded optimizer file (full_optim_state_dict) saved, then loaded into a fresh
+    boosted Adam; its full state read back."""
+    states = []
+    for load in (False, True):
+        booster = Booster(plugin=dict(type="torch_fsdp", precision="fp32"))
+        model = _Net()
+        model, opt, *_ = booster.boost(model, torch.optim.Adam(model.parameters(), lr=0.01))
+        if load:
+            booster.plugin.load_full_optimizer(model, opt, path)
+        else:
+            x, y = _batch(0)
+            booster.backward(
+                F.mse_loss(model(x[rank * ROWS : (rank + 1) * ROWS]), y[rank * ROWS :][:ROWS]), opt
+            )
+            opt.step()
+            booster.plugin.save_full_optimizer(model, opt, path)
+        states.append(opt.full_optim_state_dict(rank0_only=False))
+    file = torch.load(path, weights_only=True) if rank == 0 else None
+    return dict(saved=states[0], loaded=states[1], file=file)
+
+
+def _cases(rank: int, world: int, path: str) -> dict:
     base = dict(type="gemini", precision="fp32")
     return {
+        "full_optimizer": _full_optimizer_roundtrip(rank, path),
         "half": _train(rank, dict(base, shard_param_frac=0.5, offload_optim_frac=0.25)),
         "replicated": _train(rank, dict(base, shard_param_frac=0.0)),
         "param_offload": _train(rank, dict(base, offload_param_frac=0.5)),
@@ -109,8 +132,8 @@ def _params_of(unit: str) -> list[str]:
 
 
 @requires_gloo
-def test_gemini_placement_arguments_place_units_and_train_like_torch():
-    out = run_distributed(_cases, WORLD, timeout=300)
+def test_gemini_placement_arguments_place_units_and_train_like_torch(tmp_path):
+    out = run_distributed(_cases, WORLD, str(tmp_path / "optimizer.pt"), timeout=300)
     expected = {  # unit -> (sharded, offloaded)
         "half": {"blocks.0": (True, True), "blocks.1": (True, False), "blocks.2": (False, False), "": (False, False)},
         "replicated": dict.fromkeys(UNITS, (False, False)),
@@ -154,3 +177,15 @@ def test_gemini_placement_arguments_place_units_and_train_like_torch():
                                            rtol=1e-4, atol=1e-5)  # fmt: skip
         got = out[0][case]["optim_rank0"]["state"]["blocks.0.weight"]["momentum_buffer"]
         torch.testing.assert_close(got, ref_state[0]["momentum_buffer"], rtol=1e-4, atol=1e-5)
+    # FSDP1-style unsharded optimizer file: full shapes keyed by FQN, loaded back at this world size
+    roundtrip = [out[r]["full_optimizer"] for r in range(WORLD)]
+    file = roundtrip[0]["file"]
+    assert file["state"]["blocks.0.weight"]["exp_avg"].shape == (WIDTH, WIDTH)
+    assert file["state"]["head.bias"]["exp_avg_sq"].shape == (WIDTH,)
+    assert file["param_groups"][0]["params"][0] == "blocks.0.weight"
+    assert torch.count_nonzero(file["state"]["blocks.0.weight"]["exp_avg"]) > 0  # a step was taken
+    for r in range(WORLD):
+        for name, entry in roundtrip[r]["saved"]["state"].items():
+            for key, value in entry.items():
+                torch.testing.assert_close(roundtrip[r]["loaded"]["state"][name][key], value, rtol=0, atol=0)
+                torch.testing.assert_close(file["state"][name][key], value, rtol=0, atol=0)

@@ -9,7 +9,9 @@ CPU tensors of the unsharded shapes.
 
 from __future__ import annotations
 
+import os
 import types
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -23,6 +25,8 @@ __all__ = [
     "full_optim_state_dict",
     "FSDPOptimizerWrapper",
     "add_only_rank_0_state_dict",
+    "save_full_optimizer",
+    "load_full_optimizer",
 ]
 
 
@@ -119,3 +123,34 @@ def add_only_rank_0_state_dict(model: nn.Module) -> None:
     """Give the sharded ``model`` ColossalAI's ``state_dict(only_rank_0=...)`` keyword (on this instance only:
     its class, ``FSDPModule`` included, is unchanged, and a plain ``state_dict()`` is the class's)."""
     model.state_dict = types.MethodType(_state_dict, model)  # type: ignore[method-assign]
+
+
+def save_full_optimizer(model: nn.Module, optimizer: Any, checkpoint: str | os.PathLike[str]) -> None:
+    """Write :func:`full_optim_state_dict` (plus ``grad_scaler`` with fp16) to the one file ``checkpoint`` with
+    ``torch.save`` on rank 0, as ColossalAI's FSDP checkpoint IO writes an unsharded optimizer. Collective
+    (every rank calls; it ends with a barrier)."""
+    state = full_optim_state_dict(model, optimizer, rank0_only=True)
+    if isinstance(optimizer, OptimizerWrapper) and state:
+        scaler = optimizer.scaler_state_dict()
+        if scaler is not None:
+            state["grad_scaler"] = scaler
+    if dist.get_rank() == 0:
+        path = Path(checkpoint)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, path)  # a reader never sees half a file
+    dist.barrier()
+
+
+def load_full_optimizer(model: nn.Module, optimizer: Any, checkpoint: str | os.PathLike[str]) -> None:
+    """Load a file written by :func:`save_full_optimizer` (or FSDP1's ``full_optim_state_dict`` keyed by FQN)
+    into ``optimizer`` at this world size: every rank reads the file (``weights_only``: no code runs from it)
+    and keeps its shard. Collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    state = torch.load(Path(checkpoint), map_location="cpu", weights_only=True)
+    scaler = state.pop("grad_scaler", None)
+    set_optimizer_state_dict(model, _unwrap(optimizer), state, options=StateDictOptions(full_state_dict=True))
+    if isinstance(optimizer, OptimizerWrapper):
+        optimizer.load_scaler_state_dict(scaler)

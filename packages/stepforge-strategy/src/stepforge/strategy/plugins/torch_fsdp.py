@@ -9,6 +9,7 @@ DTensor shards), not FSDP1's ``FullyShardedDataParallel`` class. FSDP1's full op
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any
@@ -35,7 +36,13 @@ from ._fsdp_common import (
     world_mesh,
 )
 from ._fsdp_placement import UnitPlacement
-from ._fsdp_state import FSDPOptimizerWrapper, add_only_rank_0_state_dict, full_optim_state_dict
+from ._fsdp_state import (
+    FSDPOptimizerWrapper,
+    add_only_rank_0_state_dict,
+    full_optim_state_dict,
+    load_full_optimizer,
+    save_full_optimizer,
+)
 
 __all__ = ["TorchFSDPPlugin", "FSDP1_ONLY_ARGUMENTS"]
 
@@ -253,6 +260,19 @@ class TorchFSDPPlugin(PluginBase):
         unflattened optimizer state keyed by parameter FQN, on rank 0 (``{}`` elsewhere) or on every rank.
         Collective. Through torch's ``get_optimizer_state_dict(..., StateDictOptions(full_state_dict=True))``."""
         return full_optim_state_dict(model, optimizer, rank0_only=rank0_only)
+
+    def save_full_optimizer(
+        self, model: nn.Module, optimizer: Any, checkpoint: str | os.PathLike[str]
+    ) -> None:
+        """The unsharded optimizer save of ColossalAI's FSDP checkpoint IO: :meth:`full_optim_state_dict` in
+        one ``torch.save`` file (rank 0 writes; collective). ``Booster.save_optimizer`` writes sharded DCP."""
+        save_full_optimizer(model, optimizer, checkpoint)
+
+    def load_full_optimizer(
+        self, model: nn.Module, optimizer: Any, checkpoint: str | os.PathLike[str]
+    ) -> None:
+        """Load a :meth:`save_full_optimizer` file at any world size (each rank keeps its shard; collective)."""
+        load_full_optimizer(model, optimizer, checkpoint)
 
     def supports_no_sync(self) -> bool:
         return True
