@@ -132,3 +132,16 @@ def test_tied_weights_train_under_fsdp_plugins_like_plain_torch():
     assert "shard_modules=()" in out["untraceable_error"]
     for name in ("torch_fsdp", "gemini"):
         assert torch.equal(out[name]["head.weight"], out[name]["blocks.0.weight"]), name  # still one tensor
+
+
+def test_tracing_finds_the_block_read_outside_its_forward():
+    from stepforge.strategy.plugins._fsdp_param_reads import blocks_read_outside
+
+    net = _ParentReads()
+    assert blocks_read_outside(net, [net.fc1, net.fc2]) == {id(net.fc1)}  # fc2 is only called
+    tied = _TiedNet()
+    assert (
+        blocks_read_outside(tied, list(tied.blocks)) == set()
+    )  # the head's read goes through its own forward
+    untraceable = _ParentReadsUntraceable()
+    assert blocks_read_outside(untraceable, [untraceable.fc1, untraceable.fc2]) is None

@@ -101,9 +101,19 @@ def _full_optimizer_roundtrip(rank: int, path: str) -> dict:
     return dict(saved=states[0], loaded=states[1], file=file)
 
 
+def _extra_dp_error() -> str:
+    booster = Booster(plugin=dict(type="gemini", precision="fp32", extra_dp_size=3))
+    try:
+        booster.boost(_Net())
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
 def _cases(rank: int, world: int, path: str) -> dict:
     base = dict(type="gemini", precision="fp32")
     return {
+        "extra_dp_error": _extra_dp_error(),
         "full_optimizer": _full_optimizer_roundtrip(rank, path),
         "half": _train(rank, dict(base, shard_param_frac=0.5, offload_optim_frac=0.25)),
         "replicated": _train(rank, dict(base, shard_param_frac=0.0)),
@@ -177,6 +187,7 @@ def test_gemini_placement_arguments_place_units_and_train_like_torch(tmp_path):
                                            rtol=1e-4, atol=1e-5)  # fmt: skip
         got = out[0][case]["optim_rank0"]["state"]["blocks.0.weight"]["momentum_buffer"]
         torch.testing.assert_close(got, ref_state[0]["momentum_buffer"], rtol=1e-4, atol=1e-5)
+    assert "extra_dp_size=3 does not divide the world size 4" in out[0]["extra_dp_error"]
     # FSDP1-style unsharded optimizer file: full shapes keyed by FQN, loaded back at this world size
     roundtrip = [out[r]["full_optimizer"] for r in range(WORLD)]
     file = roundtrip[0]["file"]

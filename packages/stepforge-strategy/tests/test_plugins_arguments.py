@@ -34,6 +34,7 @@ def test_gemini_plan_takes_leading_units_by_bytes():
     assert leading_units([4, 4, 4, 4], 0.3) == [True, True, False, False]  # until the bytes reach the goal
     assert leading_units([4, 4, 4, 4], 0.0) == [False] * 4
     assert leading_units([4, 4, 4, 4], 1.0) == [True] * 4
+    assert leading_units([4, 4, 0], 1.0) == [True] * 3  # an empty root is sharded with the rest
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2), nn.Linear(2, 1))
     plan = plan_placement(model, list(model), shard_param_frac=0.6, offload_frac=1.0)
     named = {u.name: (u.param_bytes, u.sharded, u.offload) for u in plan.values()}

@@ -146,6 +146,10 @@ def shard_model(
 
     def _shard(module: nn.Module, reshard: bool) -> None:
         unit = plan[id(module)] if plan is not None else None
+        if unit is not None and not unit.sharded and replicate_mesh is None:
+            raise ValueError(
+                f"shard_model: unit {unit.name!r} is planned replicated but no replicate_mesh was given."
+            )
         fully_shard(
             module,
             mesh=mesh if unit is None or unit.sharded else replicate_mesh,

@@ -60,7 +60,7 @@ def leading_units(sizes: list[int], frac: float) -> list[bool]:
     taken = 0
     out = []
     for size in sizes:
-        take = frac > 0 and taken < goal
+        take = frac >= 1.0 or (frac > 0 and taken < goal)  # 1.0 takes every unit, empty ones included
         out.append(take)
         if take:
             taken += size
@@ -93,27 +93,29 @@ def plan_placement(
     goal, taken = offload_frac * total, 0
     plan: dict[int, UnitPlacement] = {}
     for unit, size, shard in zip(ranked, sizes, sharded, strict=True):
-        offload = shard and offload_frac > 0 and taken < goal
+        offload = shard and (offload_frac >= 1.0 or (offload_frac > 0 and taken < goal))
         if offload:
             taken += size
         plan[id(unit)] = UnitPlacement(names[id(unit)], size, shard, offload)
     return plan
 
 
-def hybrid_meshes(device: torch.device, extra_dp_size: int) -> tuple[Any, Any]:
+def hybrid_meshes(device: torch.device, extra_dp_size: int, *, replicate: bool) -> tuple[Any, Any]:
     """``(shard_mesh, replicate_mesh)`` over the world group.
 
     ``shard_mesh``: 1-D ``(world,)`` for ``extra_dp_size=1``, else the HSDP mesh ``(extra_dp_size,
     world // extra_dp_size)`` (dims ``replicate``, ``shard``): parameters sharded inside groups of
     ``world // extra_dp_size`` ranks, replicated across the ``extra_dp_size`` groups, as Gemini's extra DP group.
-    ``replicate_mesh``: ``(world, 1)``: a unit on it is whole on every rank.
+    ``replicate_mesh``: ``(world, 1)``: a unit on it is whole on every rank; built only when ``replicate`` (its
+    process groups cost a collective set-up), else ``None``.
     """
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size()
     if world % extra_dp_size != 0:
         raise ValueError(
-            f"extra_dp_size={extra_dp_size} does not divide the world size {world}; pick a divisor of {world}."
+            f"GeminiPlugin: extra_dp_size={extra_dp_size} does not divide the world size {world}; pick a "
+            f"divisor of {world}."
         )
     names = ("replicate", "shard")
     if extra_dp_size == 1:
@@ -122,5 +124,5 @@ def hybrid_meshes(device: torch.device, extra_dp_size: int) -> tuple[Any, Any]:
         shard_mesh = init_device_mesh(
             device.type, (extra_dp_size, world // extra_dp_size), mesh_dim_names=names
         )
-    replicate_mesh = init_device_mesh(device.type, (world, 1), mesh_dim_names=names)
+    replicate_mesh = init_device_mesh(device.type, (world, 1), mesh_dim_names=names) if replicate else None
     return shard_mesh, replicate_mesh

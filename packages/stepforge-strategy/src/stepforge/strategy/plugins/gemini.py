@@ -204,7 +204,7 @@ class GeminiPlugin(TorchFSDPPlugin):
         return plan
 
     def _meshes(self) -> tuple[Any, Any]:
-        return hybrid_meshes(self.device, self.extra_dp_size)
+        return hybrid_meshes(self.device, self.extra_dp_size, replicate=self.shard_param_frac < 1.0)
 
     def _make_scaler(self) -> DynamicLossScaler | None:
         if self.precision != "fp16":
