@@ -58,6 +58,13 @@ class _ParentReadsUntraceable(_ParentReads):
         return x
 
 
+class _UntraceableClean(_TiedNet):
+    """Data-dependent control flow but no read outside a block: the watched first forward must not object."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) if bool(x.sum() > -1e9) else x
+
+
 def _batch(step: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
     return torch.randn(world * ROWS, 6, generator=g), torch.randn(world * ROWS, 6, generator=g)
@@ -89,6 +96,9 @@ def _cases(rank: int, world: int) -> dict:
             rank, world, dict(type="torch_fsdp", precision="fp32", shard_modules=()), _ParentReadsUntraceable
         ),
         "untraceable_error": _first_forward_error(world),
+        "untraceable_clean": _train(
+            rank, world, dict(type="torch_fsdp", precision="fp32"), _UntraceableClean
+        ),
     }
 
 
@@ -124,6 +134,7 @@ def test_tied_weights_train_under_fsdp_plugins_like_plain_torch():
         ("parent_reads", _ParentReads),
         ("parent_reads_gemini", _ParentReads),
         ("untraceable_workaround", _ParentReadsUntraceable),
+        ("untraceable_clean", _UntraceableClean),
     )
     for name, net in cases:
         for key, value in _reference(net).state_dict().items():

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
@@ -75,8 +76,12 @@ class _SeeShardedParams(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         flat, _ = tree_flatten((args, kwargs or {}))
-        for value in flat:
-            name = self.sharded.get(id(value)) if isinstance(value, torch.Tensor) else None
+        tensors = [value for value in flat if isinstance(value, torch.Tensor)]
+        # only an op mixing a sharded parameter with a plain tensor fails: FSDP2's own bookkeeping touches the
+        # sharded parameters alone (``.data``, ``to_local``...) and must pass
+        plain = any(not isinstance(value, DTensor) for value in tensors)
+        for value in tensors if plain else ():
+            name = self.sharded.get(id(value))
             if name is not None:
                 raise RuntimeError(
                     f"parameter {name!r} is read outside the forward of the fully_shard unit that holds it "
