@@ -45,13 +45,13 @@ def _optimizer(params) -> torch.optim.Optimizer:
 
 
 def _layout(model: nn.Module) -> dict[str, tuple]:
-    """Per parameter: (mesh shape, local rows, full rows)."""
+    """Per parameter: (mesh shape, local rows, full rows, device type of the local shard)."""
     from torch.distributed.tensor import DTensor
 
     out = {}
     for name, p in model.named_parameters():
         assert isinstance(p, DTensor), name
-        out[name] = (tuple(p.device_mesh.shape), p.to_local().shape[0], p.shape[0])
+        out[name] = (tuple(p.device_mesh.shape), p.to_local().shape[0], p.shape[0], p.to_local().device.type)
     return out
 
 
@@ -70,6 +70,7 @@ def _train(rank: int, plugin: dict, max_norm: float = 0.0) -> dict:
         opt.step()
     placement = {k: (v.sharded, v.offload) for k, v in booster.plugin.placement.items()}
     return dict(
+        device=booster.plugin.device.type,
         layout=layout,
         placement=placement,
         everywhere=model.state_dict(only_rank_0=False),
@@ -159,9 +160,11 @@ def test_gemini_placement_arguments_place_units_and_train_like_torch(tmp_path):
     for case, units in expected.items():
         rank0 = out[0][case]
         assert rank0["placement"] == units, case
-        for unit, (sharded, _) in units.items():
+        for unit, (sharded, offloaded) in units.items():
             for name in _params_of(unit):
-                mesh, local, full = rank0["layout"][name]
+                mesh, local, full, device = rank0["layout"][name]
+                # where the shard lives: host memory when offloaded (only tells apart with an accelerator)
+                assert device == ("cpu" if offloaded else rank0["device"]), (case, name)
                 if sharded:  # rows split over the shard dimension
                     want_mesh = shard_mesh.get(case, (WORLD,))
                     assert (mesh, local) == (want_mesh, full // want_mesh[-1]), (case, name)
