@@ -14,11 +14,37 @@ def test_gemini_maps_colossalai_arguments():
     assert GeminiPlugin(placement_policy="auto").cpu_offload
     assert GeminiPlugin(offload_param_frac=1.0).cpu_offload
     assert GeminiPlugin(offload_optim_frac=1.0).cpu_offload
+    g = GeminiPlugin(shard_param_frac=0.25, offload_optim_frac=0.5, offload_param_frac=0.75, extra_dp_size=2)
+    assert (g.shard_param_frac, g.offload_frac, g.extra_dp_size, g.cpu_offload) == (0.25, 0.75, 2, True)
+    auto = GeminiPlugin(placement_policy="auto", shard_param_frac=0.0)  # auto reads no fraction
+    assert (auto.shard_param_frac, auto.offload_frac) == (1.0, 1.0)
     g = GeminiPlugin(precision="bf16", max_norm=1.0, norm_type=2.0, initial_scale=2**8, hysteresis=3)
     assert g.precision == "bf16" and g.max_norm == 1.0 and g._scaler_kwargs["initial_scale"] == 2**8
     assert not g.supports_no_sync() and not g.support_no_sync()
     # arguments of ColossalAI's chunk manager are accepted at their defaults
-    GeminiPlugin(chunk_config_dict=None, search_range_m=32, shard_param_frac=1.0, enable_async_reduce=True)
+    GeminiPlugin(chunk_config_dict=None, search_range_m=32, tp_size=1, enable_async_reduce=True)
+
+
+def test_gemini_plan_takes_leading_units_by_bytes():
+    from torch import nn
+
+    from stepforge.strategy.plugins._fsdp_placement import leading_units, plan_placement
+
+    assert leading_units([4, 4, 4, 4], 0.5) == [True, True, False, False]
+    assert leading_units([4, 4, 4, 4], 0.3) == [True, True, False, False]  # until the bytes reach the goal
+    assert leading_units([4, 4, 4, 4], 0.0) == [False] * 4
+    assert leading_units([4, 4, 4, 4], 1.0) == [True] * 4
+    assert leading_units([4, 4, 0], 1.0) == [True] * 3  # an empty root is sharded with the rest
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2), nn.Linear(2, 1))
+    plan = plan_placement(model, list(model), shard_param_frac=0.6, offload_frac=1.0)
+    named = {u.name: (u.param_bytes, u.sharded, u.offload) for u in plan.values()}
+    # bytes: 20, 10, 3 floats; root owns nothing. 0.6 of 132 bytes = 79.2: the 80-byte unit alone
+    assert named == {
+        "0": (80, True, True),
+        "1": (40, False, False),
+        "2": (12, False, False),
+        "": (0, False, False),
+    }
 
 
 @pytest.mark.parametrize(
@@ -26,10 +52,11 @@ def test_gemini_maps_colossalai_arguments():
     [
         (dict(chunk_config_dict={"x": 1}), ValueError, "chunk_config_dict"),
         (dict(search_range_m=64), ValueError, "search_range_m"),
-        (dict(shard_param_frac=0.5), ValueError, "shard_param_frac"),
-        (dict(tp_size=2), ValueError, "tp_size"),
-        (dict(offload_optim_frac=0.5), ValueError, "offload_optim_frac"),
-        (dict(offload_param_frac=0.3), ValueError, "offload_param_frac"),
+        (dict(shard_param_frac=1.5), ValueError, "shard_param_frac"),
+        (dict(tp_size=2), ValueError, "tp_size=2: tensor parallelism"),
+        (dict(offload_optim_frac=-0.5), ValueError, "offload_optim_frac"),
+        (dict(offload_param_frac="all"), ValueError, "offload_param_frac"),
+        (dict(extra_dp_size=0), ValueError, "extra_dp_size"),
         (dict(placement_policy="cuda"), ValueError, "placement_policy"),
         (dict(master_weights=False), ValueError, "master_weights"),
         (dict(precision="fp8"), ValueError, "precision"),

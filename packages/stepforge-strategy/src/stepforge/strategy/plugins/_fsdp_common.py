@@ -4,7 +4,7 @@ the sharded (DTensor) parameters, the precision policy."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, cast
 
 import torch
@@ -14,8 +14,12 @@ from torch import nn
 from stepforge.core import CachingOptimizer
 from stepforge.core.precision import get_precision
 
+from ._fsdp_param_reads import OutsideReadGuard, blocks_read_outside
+from ._fsdp_placement import UnitPlacement
+
 __all__ = [
     "shard_model",
+    "choose_blocks",
     "cast_floating_buffers",
     "precision_policy",
     "repoint_optimizer",
@@ -93,6 +97,22 @@ def cast_floating_buffers(model: nn.Module, dtype: torch.dtype | None) -> None:
                 setattr(module, name, buffer.to(dtype))
 
 
+def choose_blocks(
+    model: nn.Module, blocks: Callable[[nn.Module], bool] | Iterable[type] | None
+) -> list[nn.Module]:
+    """The modules sharded as their own units: ``blocks`` resolved (``None``: :func:`default_blocks`), less
+    those holding parameters tied to a module outside them and those whose parameters the forward reads outside
+    their own forward (found by tracing; both stay in the enclosing root unit)."""
+    if blocks is None:
+        chosen = default_blocks(model)
+    elif callable(blocks) and not isinstance(blocks, type):
+        chosen = [m for m in model.modules() if m is not model and blocks(m)]
+    else:
+        classes = tuple(cast(Iterable[type], blocks))  # a class is callable: the branch above excludes it
+        chosen = [m for m in model.modules() if m is not model and isinstance(m, classes)]
+    return [block for block in chosen if not holds_shared_parameters(block, model)]
+
+
 def shard_model(
     model: nn.Module,
     *,
@@ -101,27 +121,55 @@ def shard_model(
     reshard_after_forward: bool,
     mp_policy: Any,
     offload_policy: Any,
+    placement: Callable[[nn.Module, list[nn.Module]], Mapping[int, UnitPlacement] | None] | None = None,
+    replicate_mesh: Any = None,
 ) -> nn.Module:
-    """Cast floating buffers to the policy's compute dtype, then ``fully_shard`` each block (except blocks with
-    parameters tied to a module outside them), then the root (one communication group per call)."""
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    """Cast floating buffers to the policy's compute dtype, then ``fully_shard`` each block (see
+    :func:`choose_blocks`), then the root (one communication group per call).
+
+    ``placement(model, blocks)`` (optional) says per unit whether it is sharded over ``mesh`` or replicated
+    over ``replicate_mesh``, and whether it takes ``offload_policy`` (else no offload); without it every unit
+    is sharded over ``mesh`` with ``offload_policy``. A block whose parameters the forward reads outside the
+    block stays in the root unit; when the forward cannot be traced, the first forward is watched and such a
+    read raises an error naming the parameter (:class:`OutsideReadGuard`).
+    """
+    from torch.distributed.fsdp import FSDPModule, OffloadPolicy, fully_shard
 
     if isinstance(model, FSDPModule):
         return model
-    if blocks is None:
-        chosen = default_blocks(model)
-    elif callable(blocks) and not isinstance(blocks, type):
-        chosen = [m for m in model.modules() if m is not model and blocks(m)]
-    else:
-        classes = tuple(cast(Iterable[type], blocks))  # a class is callable: the branch above excludes it
-        chosen = [m for m in model.modules() if m is not model and isinstance(m, classes)]
-    chosen = [block for block in chosen if not holds_shared_parameters(block, model)]
+    chosen = choose_blocks(model, blocks)
+    read_outside = blocks_read_outside(model, chosen)
+    if read_outside is not None:
+        chosen = [block for block in chosen if id(block) not in read_outside]
+    plan = placement(model, chosen) if placement is not None else None
     cast_floating_buffers(model, mp_policy.param_dtype)
-    kwargs: dict[str, Any] = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+
+    def _shard(module: nn.Module, reshard: bool) -> None:
+        unit = plan[id(module)] if plan is not None else None
+        if unit is not None and not unit.sharded and replicate_mesh is None:
+            raise ValueError(
+                f"shard_model: unit {unit.name!r} is planned replicated but no replicate_mesh was given."
+            )
+        fully_shard(
+            module,
+            mesh=mesh if unit is None or unit.sharded else replicate_mesh,
+            reshard_after_forward=reshard,
+            mp_policy=mp_policy,
+            offload_policy=offload_policy if unit is None or unit.offload else OffloadPolicy(),
+        )
+
     for block in reversed(chosen):  # innermost (last registered) first
-        fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
-    fully_shard(model, reshard_after_forward=False, **kwargs)
+        _shard(block, reshard_after_forward)
+    _shard(model, False)
+    if read_outside is None and chosen:
+        names = {n for b in chosen for n, _ in _named_in(model, b)}
+        OutsideReadGuard(model, names)
     return model
+
+
+def _named_in(model: nn.Module, block: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    prefix = next(n for n, m in model.named_modules() if m is block)
+    return [(f"{prefix}.{n}", p) for n, p in block.named_parameters()]
 
 
 def repoint_optimizer(optimizer: Any, before: dict[int, str], model: nn.Module) -> None:
@@ -168,3 +216,32 @@ def world_mesh(device: torch.device) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh(device.type, (dist.get_world_size(),))
+
+
+def clip_grad_norm_by_mesh(params: list[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
+    """Global-norm clipping over gradients that may live on different meshes (sharded and replicated units,
+    HSDP): each mesh's norm is reduced over that mesh, the norms are combined as plain tensors, then every
+    gradient is scaled. Returns the total norm (a plain fp32 tensor)."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is None:
+            continue
+        key = (p.grad.device_mesh, tuple(p.grad.placements)) if isinstance(p.grad, DTensor) else None
+        groups.setdefault(key, []).append(p)
+    if not groups:
+        return torch.zeros(())
+    norms = []
+    for members in groups.values():
+        norm = nn.utils.get_total_norm([cast(torch.Tensor, p.grad) for p in members], norm_type)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        norms.append(norm.float().cpu())
+    total = nn.utils.get_total_norm(norms, norm_type)
+    coef = max_norm / (float(total) + 1e-6)
+    if coef < 1.0:  # torch's clip_grads_with_norm_ rule, as a float so it multiplies DTensors of any mesh
+        with torch.no_grad():
+            for members in groups.values():
+                for p in members:
+                    cast(torch.Tensor, p.grad).mul_(coef)
+    return total

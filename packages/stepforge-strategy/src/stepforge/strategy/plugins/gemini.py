@@ -2,24 +2,24 @@
 """``gemini`` (``GeminiPlugin``): ZeRO-3 with CPU offload, built on FSDP2 (``fully_shard`` +
 ``CPUOffloadPolicy``), with ColossalAI's arguments.
 
-ColossalAI's Gemini manages parameter chunks itself; here FSDP2 does the sharding, so the chunk and
-memory-tracer arguments have no meaning. They are accepted at their ColossalAI defaults and raise, naming the
-argument, when set to anything else. The honoured ones:
+ColossalAI's Gemini places parameter chunks; here the unit of placement is an FSDP2 ``fully_shard`` unit (a
+block: an element of a ``ModuleList``/``Sequential``, or a direct child; and the root with the rest), walked in
+parameter order and weighed by parameter bytes, as Gemini walks its chunks. The table is in the package
+README ("GeminiPlugin and TorchFSDPPlugin arguments"):
 
-====================================== ==============================================================
-ColossalAI argument                    here
-====================================== ==============================================================
-``precision`` ``"fp16"``/``"bf16"``    FSDP2 ``MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32)``;
-                                       ``"fp32"`` also accepted
-``placement_policy="static"``          offload as ``offload_param_frac``/``offload_optim_frac`` say
-``placement_policy="auto"``            ``CPUOffloadPolicy`` (parameters, gradients, optimizer on CPU)
-``offload_param_frac``/``offload_optim_frac`` 0 or 1; FSDP2 offloads parameters, gradients and optimizer
-                                       state together, so either at 1 offloads all three
-``pin_memory``                         ``CPUOffloadPolicy(pin_memory=...)``, only where an accelerator exists
-``max_norm``, ``norm_type``            global-norm clipping over all shards inside ``step``
-``initial_scale`` ... ``max_scale``    fp16 dynamic loss scaling (:class:`DynamicLossScaler`)
-``master_weights``                     ``True`` only: the sharded fp32 parameters are the masters
-====================================== ==============================================================
+- ``placement_policy="static"``: the fractions below decide, once, at ``boost``.
+- ``placement_policy="auto"``: every unit sharded and offloaded (``CPUOffloadPolicy``): Gemini's auto policy
+  keeps gradients and optimizer states of sharded chunks on CPU and moves parameters to the device when used,
+  which FSDP2's offload does per unit; the fractions are not read (as in ColossalAI).
+- ``shard_param_frac``: the leading units holding this fraction of the bytes are sharded, the rest replicated
+  (a ``(world, 1)`` mesh: whole on every rank, gradients all-reduced). 0.0: all replicated (DDP-like).
+- ``offload_optim_frac``/``offload_param_frac``: the leading sharded units holding ``max`` of the two fractions
+  of the bytes get ``CPUOffloadPolicy``: FSDP2 keeps a shard's parameters, gradients and optimizer state
+  together, so a unit's optimizer state goes to CPU with its parameters (the step runs on CPU, as Gemini's
+  offloaded chunks). Replicated units stay on the device, as Gemini's gathered chunks.
+- ``extra_dp_size``: sharded units use the HSDP mesh ``(extra_dp_size, world // extra_dp_size)``.
+- ``tp_size > 1`` raises (tensor parallelism is not offered); the chunk-manager and kernel arguments are
+  accepted at their ColossalAI defaults only.
 
 ``support_no_sync()`` is ``False``, as in ColossalAI. The optimizer for offloaded shards defaults to
 stepforge-fused's ``HybridAdam`` (``boost(model, dict(lr=1e-3))`` or ``dict(type="CPUAdam", ...)``).
@@ -31,9 +31,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from stepforge.core.precision import DynamicLossScaler, validate_loss_scaler_args
 
+from ._fsdp_placement import UnitPlacement, hybrid_meshes, plan_placement
 from .torch_fsdp import TorchFSDPPlugin
 
 __all__ = ["GeminiPlugin", "GEMINI_DEFAULT_ONLY"]
@@ -42,7 +44,6 @@ __all__ = ["GeminiPlugin", "GEMINI_DEFAULT_ONLY"]
 GEMINI_DEFAULT_ONLY: dict[str, Any] = {
     "chunk_config_dict": None,
     "chunk_init_device": None,
-    "shard_param_frac": 1.0,
     "warmup_non_model_data_ratio": 0.8,
     "steady_cuda_cap_ratio": 0.9,
     "force_outputs_fp32": False,
@@ -55,8 +56,6 @@ GEMINI_DEFAULT_ONLY: dict[str, Any] = {
     "enable_gradient_accumulation": False,
     "max_prefetch": 0,
     "enable_async_reduce": True,
-    "tp_size": 1,
-    "extra_dp_size": 1,
     "enable_all_optimization": False,
     "enable_fused_normalization": False,
     "enable_flash_attention": False,
@@ -72,9 +71,20 @@ GEMINI_DEFAULT_ONLY: dict[str, Any] = {
 class GeminiPlugin(TorchFSDPPlugin):
     """ColossalAI's ``GeminiPlugin`` on FSDP2 (see the module docstring for the argument mapping).
 
+    Args:
+        placement_policy: ``"static"`` (the fractions decide) or ``"auto"`` (every unit sharded and offloaded).
+        shard_param_frac: fraction of the parameter bytes sharded, in ``[0, 1]``; the rest is replicated.
+        offload_optim_frac: fraction of the parameter bytes whose optimizer state lives on CPU, in ``[0, 1]``.
+        offload_param_frac: fraction of the parameter bytes kept on CPU, in ``[0, 1]``.
+        extra_dp_size: ``> 1``: shard inside groups of ``world // extra_dp_size`` ranks, replicate across
+            ``extra_dp_size`` groups (HSDP); it must divide the world size (checked at ``boost``).
+        tp_size: ``1`` only (tensor parallelism is not offered).
+        precision, master_weights, pin_memory, the loss-scale arguments, max_norm, norm_type: as ColossalAI.
+        device: the compute device.
+
     Raises:
-        ValueError: a chunk/tracer argument away from its default, a fraction other than 0 or 1, an unknown
-            placement policy or precision, ``master_weights=False``.
+        ValueError: a fraction outside ``[0, 1]``, ``extra_dp_size < 1``, ``tp_size != 1``, a chunk/tracer
+            argument away from its default, an unknown placement policy or precision, ``master_weights=False``.
         TypeError: an unknown argument.
     """
 
@@ -98,6 +108,9 @@ class GeminiPlugin(TorchFSDPPlugin):
         max_scale: float = 2.0**32,
         max_norm: float = 0.0,
         norm_type: float = 2.0,
+        shard_param_frac: float = 1.0,
+        tp_size: int = 1,
+        extra_dp_size: int = 1,
         *,
         device: str | torch.device | None = None,
         **kwargs: Any,
@@ -109,37 +122,56 @@ class GeminiPlugin(TorchFSDPPlugin):
             if value != GEMINI_DEFAULT_ONLY[key]:
                 raise ValueError(
                     f"GeminiPlugin: argument {key}={value!r} has no equivalent on FSDP2 (it tunes ColossalAI's "
-                    f"own chunk manager); leave it at {GEMINI_DEFAULT_ONLY[key]!r}."
+                    f"own chunk manager or kernels); leave it at {GEMINI_DEFAULT_ONLY[key]!r}."
                 )
+        if tp_size != 1:
+            raise ValueError(
+                f"GeminiPlugin: tp_size={tp_size!r}: tensor parallelism is not offered by this plugin (a later "
+                "capability); use tp_size=1 (extra_dp_size gives hybrid sharding)."
+            )
         if placement_policy not in ("static", "auto"):
             raise ValueError(
                 f"GeminiPlugin: placement_policy must be 'static' or 'auto', got {placement_policy!r}."
             )
         for key, frac in (
+            ("shard_param_frac", shard_param_frac),
             ("offload_optim_frac", offload_optim_frac),
             ("offload_param_frac", offload_param_frac),
         ):
-            if frac not in (0, 1):
-                raise ValueError(
-                    f"GeminiPlugin: {key}={frac!r}: FSDP2 offloads all or nothing; use 0.0 or 1.0."
-                )
+            if isinstance(frac, bool) or not isinstance(frac, int | float) or not 0.0 <= frac <= 1.0:
+                raise ValueError(f"GeminiPlugin: {key} must be a number in [0, 1], got {frac!r}.")
+        if isinstance(extra_dp_size, bool) or not isinstance(extra_dp_size, int) or extra_dp_size < 1:
+            raise ValueError(
+                f"GeminiPlugin: extra_dp_size must be an int >= 1 dividing the world size, got {extra_dp_size!r}."
+            )
         if not master_weights:
             raise ValueError(
                 "GeminiPlugin: master_weights=False is not supported; the sharded fp32 parameters are the master "
                 "weights (FSDP2 casts a copy for compute)."
             )
-        offload = placement_policy == "auto" or offload_optim_frac == 1 or offload_param_frac == 1
+        if placement_policy == "auto":
+            shard_param_frac, offload_frac = 1.0, 1.0
+        else:
+            offload_frac = max(float(offload_optim_frac), float(offload_param_frac))
         super().__init__(
             precision=precision,
             reshard_after_forward=True,
-            cpu_offload=offload,
+            cpu_offload=offload_frac > 0,
             max_norm=max_norm,
             device=device,
         )
         self.placement_policy = placement_policy
+        self.shard_param_frac = float(shard_param_frac)
+        self.offload_optim_frac = float(offload_optim_frac)
+        self.offload_param_frac = float(offload_param_frac)
+        self.offload_frac = float(offload_frac)
+        self.extra_dp_size = int(extra_dp_size)
+        self.tp_size = 1
         self.pin_memory = bool(pin_memory)
         self.norm_type = float(norm_type)
         self.default_optimizer = "HybridAdam"
+        #: the plan of the last ``boost``: unit FQN -> :class:`UnitPlacement`
+        self.placement: dict[str, UnitPlacement] = {}
         self._scaler_kwargs = validate_loss_scaler_args(  # now, not at boost
             "GeminiPlugin",
             initial_scale=initial_scale,
@@ -163,6 +195,16 @@ class GeminiPlugin(TorchFSDPPlugin):
         if not self.cpu_offload:
             return OffloadPolicy()
         return CPUOffloadPolicy(pin_memory=self.pin_memory and accelerator_available())
+
+    def _placement(self, model: nn.Module, blocks: list[nn.Module]) -> dict[int, UnitPlacement]:
+        plan = plan_placement(
+            model, blocks, shard_param_frac=self.shard_param_frac, offload_frac=self.offload_frac
+        )
+        self.placement = {unit.name: unit for unit in plan.values()}
+        return plan
+
+    def _meshes(self) -> tuple[Any, Any]:
+        return hybrid_meshes(self.device, self.extra_dp_size, replicate=self.shard_param_frac < 1.0)
 
     def _make_scaler(self) -> DynamicLossScaler | None:
         if self.precision != "fp16":

@@ -1,8 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``torch_fsdp`` (aliases ``fsdp``, ``TorchFSDPPlugin``): FSDP2 ``fully_shard`` per block, then the root."""
+"""``torch_fsdp`` (aliases ``fsdp``, ``TorchFSDPPlugin``): FSDP2 ``fully_shard`` per block, then the root.
+
+The boosted model is the user's model after FSDP2's ``fully_shard``: an ``FSDPModule`` (its parameters are
+DTensor shards), not FSDP1's ``FullyShardedDataParallel`` class. FSDP1's full optimizer state
+(``FSDP.full_optim_state_dict``) is :meth:`TorchFSDPPlugin.full_optim_state_dict` or the boosted optimizer's
+``full_optim_state_dict()``/``state_dict(only_rank_0=...)``, through torch's ``get_optimizer_state_dict``.
+"""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any
@@ -14,18 +21,27 @@ from torch.distributed.fsdp import CPUOffload, MixedPrecisionPolicy, ShardingStr
 from torch.distributed.fsdp import MixedPrecision as FSDP1Precision
 
 from stepforge.core import PluginBase, build_optimizer, fsdp2_no_sync
+from stepforge.core.plugin_base import unwrap_optimizer
 from stepforge.core.precision import PLUGIN_PRECISIONS, DynamicLossScaler
 
-from ..boosted_optimizer import OptimizerWrapper
 from ..data import StatefulDataLoader
 from ._fsdp_common import (
     accelerator_available,
+    clip_grad_norm_by_mesh,
     param_names,
     precision_policy,
     repoint_optimizer,
     require_process_group,
     shard_model,
     world_mesh,
+)
+from ._fsdp_placement import UnitPlacement
+from ._fsdp_state import (
+    FSDPOptimizerWrapper,
+    add_only_rank_0_state_dict,
+    full_optim_state_dict,
+    load_full_optimizer,
+    save_full_optimizer,
 )
 
 __all__ = ["TorchFSDPPlugin", "FSDP1_ONLY_ARGUMENTS"]
@@ -172,6 +188,15 @@ class TorchFSDPPlugin(PluginBase):
             return None
         return DynamicLossScaler(process_group=dist.group.WORLD)
 
+    def _placement(self, model: nn.Module, blocks: list[nn.Module]) -> dict[int, UnitPlacement] | None:
+        """Per-unit placement (sharded/replicated, offloaded); ``None``: every unit sharded over the world
+        with :meth:`_offload_policy` (``gemini`` plans from its fractions)."""
+        return None
+
+    def _meshes(self) -> tuple[Any, Any]:
+        """``(shard_mesh, replicate_mesh)``: here the 1-D world mesh (nothing is replicated)."""
+        return world_mesh(self.device), None
+
     # -- prepare -------------------------------------------------------------------------------------------
     def prepare(self, model: nn.Module, optimizer: Any = None, **kwargs: Any) -> tuple[nn.Module, Any]:
         """Shard ``model`` (moved to the device first) and point ``optimizer`` at the sharded parameters.
@@ -187,14 +212,18 @@ class TorchFSDPPlugin(PluginBase):
         names = param_names(model)
         self.bind_device()
         model.to(self.device)
+        shard_mesh, replicate_mesh = self._meshes()
         shard_model(
             model,
             blocks=self.shard_modules,
-            mesh=world_mesh(self.device),
+            mesh=shard_mesh,
             reshard_after_forward=self.reshard_after_forward,
             mp_policy=self._mp_policy(),
             offload_policy=self._offload_policy(),
+            placement=self._placement,
+            replicate_mesh=replicate_mesh,
         )
+        add_only_rank_0_state_dict(model)
         if optimizer is None:
             return model, None
         if isinstance(optimizer, Mapping):
@@ -206,14 +235,44 @@ class TorchFSDPPlugin(PluginBase):
             repoint_optimizer(optimizer, names, model)
         return model, self._wrap(model, optimizer)
 
-    def _wrap(self, model: nn.Module, optimizer: Any) -> OptimizerWrapper:
-        return OptimizerWrapper(
+    def _wrap(self, model: nn.Module, optimizer: Any) -> FSDPOptimizerWrapper:
+        return FSDPOptimizerWrapper(
             optimizer,
+            model=model,
             scaler=self._make_scaler(),
             max_norm=self.max_norm,
             norm_type=self.norm_type,
             clip_fn=lambda max_norm, norm_type: self.clip_grad_norm_(model, optimizer, max_norm, norm_type),
         )
+
+    def clip_grad_norm_(
+        self, model: nn.Module | None, optimizer: Any, max_norm: float, norm_type: float = 2.0
+    ) -> torch.Tensor:
+        """Global-norm clipping over every gradient of ``optimizer``, whatever mesh its unit uses (sharded,
+        replicated, HSDP); returns the total norm as a plain tensor."""
+        params = [p for g in unwrap_optimizer(optimizer).param_groups for p in g["params"]]
+        return clip_grad_norm_by_mesh(params, max_norm, norm_type)
+
+    def full_optim_state_dict(
+        self, model: nn.Module, optimizer: Any, rank0_only: bool = True
+    ) -> dict[str, Any]:
+        """FSDP1's ``FullyShardedDataParallel.full_optim_state_dict(model, optim, rank0_only=True)``: the full,
+        unflattened optimizer state keyed by parameter FQN, on rank 0 (``{}`` elsewhere) or on every rank.
+        Collective. Through torch's ``get_optimizer_state_dict(..., StateDictOptions(full_state_dict=True))``."""
+        return full_optim_state_dict(model, optimizer, rank0_only=rank0_only)
+
+    def save_full_optimizer(
+        self, model: nn.Module, optimizer: Any, checkpoint: str | os.PathLike[str]
+    ) -> None:
+        """The unsharded optimizer save of ColossalAI's FSDP checkpoint IO: :meth:`full_optim_state_dict` in
+        one ``torch.save`` file (rank 0 writes; collective). ``Booster.save_optimizer`` writes sharded DCP."""
+        save_full_optimizer(model, optimizer, checkpoint)
+
+    def load_full_optimizer(
+        self, model: nn.Module, optimizer: Any, checkpoint: str | os.PathLike[str]
+    ) -> None:
+        """Load a :meth:`save_full_optimizer` file at any world size (each rank keeps its shard; collective)."""
+        load_full_optimizer(model, optimizer, checkpoint)
 
     def supports_no_sync(self) -> bool:
         return True

@@ -1,0 +1,123 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Blocks whose parameters are read outside their own forward (issue 23, defect 6).
+
+FSDP2 swaps a unit's registered parameters for gathered tensors only while that unit runs; outside, they are
+sharded DTensors. A parent whose forward reads a child's parameter (``F.linear(x, self.fc1.weight)``) then
+mixes a plain tensor with a DTensor. Two checks find such a child before or at the first forward:
+
+- :func:`blocks_read_outside` traces the forward of every module around the blocks with ``torch.fx`` (the blocks
+  and modules holding none are leaves, nothing runs) and lists each block whose parameter appears as an
+  attribute read: the plugin leaves it in its parent's unit.
+- :class:`OutsideReadGuard`, for a forward ``torch.fx`` cannot trace (data-dependent control flow), watches
+  the first forward and turns the torch error into one naming the module and the fix.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["blocks_read_outside", "OutsideReadGuard"]
+
+
+def blocks_read_outside(model: nn.Module, blocks: list[nn.Module]) -> set[int] | None:
+    """``id`` of each block in ``blocks`` whose parameters ``model``'s forward reads outside the block's own
+    forward; ``None`` when the forward cannot be traced symbolically (the caller guards the first forward)."""
+    import torch.fx
+
+    if not blocks:
+        return set()
+    block_ids = {id(b) for b in blocks}
+    around = {id(m) for b in blocks for m in _ancestors(model, b)}
+
+    class _Tracer(torch.fx.Tracer):
+        def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+            return id(m) in block_ids or id(m) not in around
+
+    try:
+        graph = _Tracer().trace(model)
+    except Exception:  # any trace failure (control flow on values, unsupported ops) means "cannot tell"
+        return None
+    owner: dict[int, int] = {}
+    for block in blocks:
+        for p in block.parameters():
+            owner.setdefault(id(p), id(block))
+    read: set[int] = set()
+    for node in graph.nodes:
+        if node.op != "get_attr":
+            continue
+        try:
+            value = model.get_parameter(str(node.target))
+        except AttributeError:
+            continue  # a buffer or constant
+        if id(value) in owner:
+            read.add(owner[id(value)])
+    return read
+
+
+def _ancestors(model: nn.Module, block: nn.Module) -> list[nn.Module]:
+    name = next(n for n, m in model.named_modules() if m is block)
+    out = [model]
+    parts = name.split(".")
+    for i in range(1, len(parts)):
+        out.append(model.get_submodule(".".join(parts[:i])))
+    return out
+
+
+class _SeeShardedParams(TorchFunctionMode):
+    def __init__(self, sharded: dict[int, str]) -> None:
+        super().__init__()
+        self.sharded = sharded
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        flat, _ = tree_flatten((args, kwargs or {}))
+        tensors = [value for value in flat if isinstance(value, torch.Tensor)]
+        # only an op mixing a sharded parameter with a plain tensor fails: FSDP2's own bookkeeping touches the
+        # sharded parameters alone (``.data``, ``to_local``...) and must pass
+        plain = any(not isinstance(value, DTensor) for value in tensors)
+        for value in tensors if plain else ():
+            name = self.sharded.get(id(value))
+            if name is not None:
+                raise RuntimeError(
+                    f"parameter {name!r} is read outside the forward of the fully_shard unit that holds it "
+                    "(e.g. a parent calling F.linear(x, self.child.weight)); FSDP2 has it sharded there. Boost "
+                    "with shard_modules=() (one unit for the whole model) or a shard_modules predicate that "
+                    "leaves that module in its parent's unit."
+                )
+        return func(*args, **(kwargs or {}))
+
+
+class OutsideReadGuard:
+    """Watch ``root``'s first forward: a torch op given a sharded block parameter raises a ``RuntimeError``
+    naming the parameter and the fix. The watch ends with that forward, raised or not (later forwards run
+    unwatched).
+
+    The root's ``forward`` is wrapped for one call (an instance attribute, removed after it): FSDP2's hooks run
+    around it, so the root's own parameters are gathered and only the blocks' are sharded while it watches.
+
+    Args:
+        root: the sharded root module.
+        block_params: FQN of every parameter held by a unit below the root.
+    """
+
+    def __init__(self, root: nn.Module, block_params: set[str]) -> None:
+        self._root = root
+        self._names = block_params
+        self._inner = root.forward
+        root.forward = self._watched
+
+    def _watched(self, *args: Any, **kwargs: Any) -> Any:
+        self.close()
+        sharded = {id(p): n for n, p in self._root.named_parameters() if n in self._names}
+        with _SeeShardedParams(sharded):
+            return self._inner(*args, **kwargs)
+
+    def close(self) -> None:
+        """Stop watching before the first forward (idempotent)."""
+        if "forward" in vars(self._root):
+            del self._root.forward

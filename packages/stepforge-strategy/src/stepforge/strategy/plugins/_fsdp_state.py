@@ -1,0 +1,156 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Full (gathered) model and optimizer state of an FSDP2 model, in the shapes ColossalAI's Gemini and FSDP1
+users expect: ``state_dict(only_rank_0=...)`` and ``full_optim_state_dict``.
+
+FSDP2's own ``state_dict()`` holds this rank's DTensor shards; the full forms here go through torch's
+``torch.distributed.checkpoint.state_dict`` (``full_state_dict=True``), keys are parameter FQNs, values plain
+CPU tensors of the unsharded shapes.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..boosted_optimizer import OptimizerWrapper
+
+__all__ = [
+    "full_model_state_dict",
+    "full_optim_state_dict",
+    "FSDPOptimizerWrapper",
+    "add_only_rank_0_state_dict",
+    "save_full_optimizer",
+    "load_full_optimizer",
+]
+
+
+def _options(only_rank_0: bool) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # cpu_offload=True with full_state_dict=True is torch's "rank 0 only": other ranks get an empty dict
+    return StateDictOptions(full_state_dict=True, cpu_offload=only_rank_0)
+
+
+def _unwrap(optimizer: Any) -> torch.optim.Optimizer:
+    inner = optimizer.unwrap() if isinstance(optimizer, OptimizerWrapper) else optimizer
+    if not isinstance(inner, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch optimizer or a boosted one, got {type(inner).__name__}.")
+    return inner
+
+
+def full_model_state_dict(model: nn.Module, only_rank_0: bool = True) -> dict[str, torch.Tensor]:
+    """The whole model's state (every parameter and persistent buffer at its full shape). Collective.
+
+    Args:
+        model: the FSDP2-sharded model.
+        only_rank_0: ``True``: the state on rank 0 (on CPU), ``{}`` on the other ranks (ColossalAI's
+            ``GeminiDDP.state_dict`` default); ``False``: on every rank.
+    """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    state = get_model_state_dict(model, options=_options(only_rank_0))
+    if only_rank_0 and dist.get_rank() != 0:
+        return {}
+    return cast(dict[str, torch.Tensor], dict(state))  # full_state_dict: plain tensors
+
+
+def full_optim_state_dict(model: nn.Module, optimizer: Any, rank0_only: bool = True) -> dict[str, Any]:
+    """FSDP1's ``FullyShardedDataParallel.full_optim_state_dict`` on FSDP2: the unflattened, unsharded optimizer
+    state keyed by parameter FQN (``state[fqn]["exp_avg"]`` has the parameter's full shape;
+    ``param_groups[i]["params"]`` lists FQNs). Collective.
+
+    Args:
+        model: the FSDP2-sharded model the optimizer steps.
+        optimizer: the torch optimizer or the boosted one.
+        rank0_only: ``True``: on rank 0 (CPU tensors), ``{}`` elsewhere; ``False``: on every rank.
+    """
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    state = get_optimizer_state_dict(model, _unwrap(optimizer), options=_options(rank0_only))
+    if rank0_only and dist.get_rank() != 0:
+        return {}
+    return dict(state)
+
+
+class FSDPOptimizerWrapper(OptimizerWrapper):
+    """The boosted optimizer of ``torch_fsdp``/``gemini``: :class:`OptimizerWrapper` plus the full optimizer
+    state (``state_dict(only_rank_0=...)`` as ColossalAI's ``GeminiOptimizer``; :meth:`full_optim_state_dict`
+    as FSDP1).
+
+    Args:
+        optimizer: the torch optimizer over the sharded parameters.
+        model: the FSDP2-sharded model.
+        **kwargs: :class:`OptimizerWrapper`'s (``scaler``, ``max_norm``, ``norm_type``, ``clip_fn``).
+    """
+
+    def __init__(self, optimizer: Any, *, model: nn.Module, **kwargs: Any) -> None:
+        super().__init__(optimizer, **kwargs)
+        self._model = model
+
+    def state_dict(self, only_rank_0: bool | None = None) -> dict[str, Any]:
+        """``only_rank_0=None`` (default): this rank's state of its shards, as torch's ``state_dict()`` (plus
+        ``grad_scaler`` with fp16). ``True``/``False``: the full state keyed by FQN (:meth:`full_optim_state_dict`)
+        on rank 0 only (``{}`` elsewhere) or on every rank. Collective when set."""
+        if only_rank_0 is None:
+            return super().state_dict()
+        state = self.full_optim_state_dict(rank0_only=only_rank_0)
+        if state and self.scaler is not None:
+            state["grad_scaler"] = self.scaler.state_dict()
+        return state
+
+    def full_optim_state_dict(self, rank0_only: bool = True) -> dict[str, Any]:
+        """See :func:`full_optim_state_dict`."""
+        return full_optim_state_dict(self._model, self.optim, rank0_only=rank0_only)
+
+
+def _state_dict(self: nn.Module, *args: Any, only_rank_0: bool | None = None, **kwargs: Any) -> Any:
+    """``only_rank_0=None``: ``nn.Module.state_dict`` (this rank's DTensor shards, what DCP reads);
+    ``True``/``False``: the full state (:func:`full_model_state_dict`), on rank 0 only or on every rank."""
+    if only_rank_0 is None:
+        return type(self).state_dict(self, *args, **kwargs)
+    if args or kwargs:
+        raise TypeError("state_dict(only_rank_0=...) takes no other argument.")
+    return full_model_state_dict(self, only_rank_0=only_rank_0)
+
+
+def add_only_rank_0_state_dict(model: nn.Module) -> None:
+    """Give the sharded ``model`` ColossalAI's ``state_dict(only_rank_0=...)`` keyword (on this instance only:
+    its class, ``FSDPModule`` included, is unchanged, and a plain ``state_dict()`` is the class's)."""
+    model.state_dict = types.MethodType(_state_dict, model)  # type: ignore[method-assign]
+
+
+def save_full_optimizer(model: nn.Module, optimizer: Any, checkpoint: str | os.PathLike[str]) -> None:
+    """Write :func:`full_optim_state_dict` (plus ``grad_scaler`` with fp16) to the one file ``checkpoint`` with
+    ``torch.save`` on rank 0, as ColossalAI's FSDP checkpoint IO writes an unsharded optimizer. Collective
+    (every rank calls; it ends with a barrier)."""
+    state = full_optim_state_dict(model, optimizer, rank0_only=True)
+    if isinstance(optimizer, OptimizerWrapper) and state:
+        scaler = optimizer.scaler_state_dict()
+        if scaler is not None:
+            state["grad_scaler"] = scaler
+    if dist.get_rank() == 0:
+        path = Path(checkpoint)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, path)  # a reader never sees half a file
+    dist.barrier()
+
+
+def load_full_optimizer(model: nn.Module, optimizer: Any, checkpoint: str | os.PathLike[str]) -> None:
+    """Load a file written by :func:`save_full_optimizer` (or FSDP1's ``full_optim_state_dict`` keyed by FQN)
+    into ``optimizer`` at this world size: every rank reads the file (``weights_only``: no code runs from it)
+    and keeps its shard. Collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    state = torch.load(Path(checkpoint), map_location="cpu", weights_only=True)
+    scaler = state.pop("grad_scaler", None)
+    set_optimizer_state_dict(model, _unwrap(optimizer), state, options=StateDictOptions(full_state_dict=True))
+    if isinstance(optimizer, OptimizerWrapper):
+        optimizer.load_scaler_state_dict(scaler)
