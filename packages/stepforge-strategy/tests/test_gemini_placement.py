@@ -59,7 +59,7 @@ def _train(rank: int, plugin: dict, max_norm: float = 0.0) -> dict:
     booster = Booster(plugin=plugin)
     model = _Net()
     model, opt, *_ = booster.boost(model, _optimizer(model.parameters()))
-    layout = _layout(model)
+    layout = _layout(model.unwrap())  # the user's parameter names (the boosted ModelWrapper prefixes module.)
     for step in range(STEPS):
         x, y = _batch(step)
         rows = slice(rank * ROWS, (rank + 1) * ROWS)

@@ -48,6 +48,14 @@ class ModelWrapper(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
+    def state_dict(self, *args: Any, only_rank_0: bool | None = None, **kwargs: Any) -> Any:
+        """``nn.Module.state_dict`` (keys prefixed ``module.``); with ``only_rank_0`` (ColossalAI's
+        ``GeminiDDP.state_dict``) the plugin's module answers: the full state with the original keys, on rank 0
+        only when ``True`` (the ``gemini``/``torch_fsdp`` modules support it; others raise ``TypeError``)."""
+        if only_rank_0 is None:
+            return super().state_dict(*args, **kwargs)
+        return self.module.state_dict(*args, only_rank_0=only_rank_0, **kwargs)
+
 
 def _is_peft_model(model: nn.Module) -> bool:
     if importlib.util.find_spec("peft") is None:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..boosted_model import plugin_module
 from ..boosted_optimizer import OptimizerWrapper
 
 __all__ = [
@@ -52,6 +53,7 @@ def full_model_state_dict(model: nn.Module, only_rank_0: bool = True) -> dict[st
         only_rank_0: ``True``: the state on rank 0 (on CPU), ``{}`` on the other ranks (ColossalAI's
             ``GeminiDDP.state_dict`` default); ``False``: on every rank.
     """
+    model = plugin_module(model)  # the boosted ModelWrapper's .module: the FSDP2 model itself
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     state = get_model_state_dict(model, options=_options(only_rank_0))
@@ -70,6 +72,7 @@ def full_optim_state_dict(model: nn.Module, optimizer: Any, rank0_only: bool = T
         optimizer: the torch optimizer or the boosted one.
         rank0_only: ``True``: on rank 0 (CPU tensors), ``{}`` elsewhere; ``False``: on every rank.
     """
+    model = plugin_module(model)  # the boosted ModelWrapper's .module: the FSDP2 model itself
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     state = get_optimizer_state_dict(model, _unwrap(optimizer), options=_options(rank0_only))
@@ -129,6 +132,7 @@ def save_full_optimizer(model: nn.Module, optimizer: Any, checkpoint: str | os.P
     """Write :func:`full_optim_state_dict` (plus ``grad_scaler`` with fp16) to the one file ``checkpoint`` with
     ``torch.save`` on rank 0, as ColossalAI's FSDP checkpoint IO writes an unsharded optimizer. Collective
     (every rank calls; it ends with a barrier)."""
+    model = plugin_module(model)  # the boosted ModelWrapper's .module: the FSDP2 model itself
     state = full_optim_state_dict(model, optimizer, rank0_only=True)
     if isinstance(optimizer, OptimizerWrapper) and state:
         scaler = optimizer.scaler_state_dict()
@@ -147,6 +151,7 @@ def load_full_optimizer(model: nn.Module, optimizer: Any, checkpoint: str | os.P
     """Load a file written by :func:`save_full_optimizer` (or FSDP1's ``full_optim_state_dict`` keyed by FQN)
     into ``optimizer`` at this world size: every rank reads the file (``weights_only``: no code runs from it)
     and keeps its shard. Collective."""
+    model = plugin_module(model)  # the boosted ModelWrapper's .module: the FSDP2 model itself
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     state = torch.load(Path(checkpoint), map_location="cpu", weights_only=True)
