@@ -322,6 +322,7 @@ BENCH_SMOKE = (
     ("bench_fused_cpu.py", ("--quick", "--no-plot")),
     ("bench_fused_sgd.py", ("--quick", "--no-plot")),
     ("bench_optim.py", ("--reps", "1", "--warmup", "0", "--tensors", "4", "--max-numel", "4096")),
+    ("bench_checkpoint.py", ("--mb", "1", "--repeats", "1")),
 )
 
 
