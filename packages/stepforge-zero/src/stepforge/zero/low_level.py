@@ -32,13 +32,14 @@ from stepforge.core import HyperParameterError
 from stepforge.core.precision import DynamicLossScaler, validate_loss_scaler_args
 
 from . import _full_state, _sharded_state
+from ._algorithm import resolve_comm_algorithm
 from ._args import check_args, group_facts, resolve_param_gather
 from ._buckets import GradReducer
 from ._colossal_members import ColossalAIMembers
 from ._comm import gather_params
 from ._full_state import zero_scaler_entry
 from ._grad_norm import check_clip_args
-from ._grad_pieces import GradPieces
+from ._grad_pieces import GradPieces, copy_hyperparameters
 from ._offload import cpu_step_error, invalidate_cache, resolve_optimizer
 from ._partition import ShardLayout, build_layout
 
@@ -73,6 +74,10 @@ class LowLevelZeroOptimizer(ColossalAIMembers, torch.optim.Optimizer):
         param_gather: how updated pieces reach every rank: ``"all_gather"`` (one ``all_gather_into_tensor``
             per partition), ``"broadcast"`` (one broadcast per rank and partition; gloo's broadcast is several
             times faster than its all-gather on the CPU), ``None``: broadcast on gloo, all-gather elsewhere.
+        comm_algorithm: how gradient buckets are reduced: ``"reduce_scatter"``, ``"all_reduce"`` (then each
+            rank keeps its row and frees the bucket: same 1/N memory, twice the bytes, about twice as fast on
+            gloo) or ``"auto"`` (all-reduce for stage 1 and on gloo, reduce-scatter otherwise; the environment
+            variable ``STEPFORGE_ZERO_COMM_ALGORITHM`` overrides ``"auto"``). Same results either way.
 
     Attributes:
         last_step_skipped: whether the last :meth:`step` was skipped for an fp16 overflow.
@@ -102,6 +107,7 @@ class LowLevelZeroOptimizer(ColossalAIMembers, torch.optim.Optimizer):
         process_group: Any = None,
         dtype_for_loss_scaling: str | None = None,
         param_gather: str | None = None,
+        comm_algorithm: str = "auto",
     ) -> None:
         check_args(stage, reduce_bucket_size, max_norm, dtype_for_loss_scaling, param_gather)
         scaler_args = validate_loss_scaler_args(
@@ -123,6 +129,9 @@ class LowLevelZeroOptimizer(ColossalAIMembers, torch.optim.Optimizer):
         self._world, self._rank = group_facts(process_group)
         self.process_group = process_group
         self.param_gather = resolve_param_gather(param_gather, self._world, process_group)
+        self.comm_algorithm = resolve_comm_algorithm(
+            comm_algorithm, stage=stage, world_size=self._world, process_group=process_group
+        )
         self.stage = stage
         self.reduce_bucket_size = reduce_bucket_size
         self.overlap_communication = bool(overlap_communication)
@@ -153,6 +162,7 @@ class LowLevelZeroOptimizer(ColossalAIMembers, torch.optim.Optimizer):
             group=process_group,
             world_size=self._world,
             rank=self._rank,
+            algorithm=self.comm_algorithm,
         )
         self._pieces = GradPieces(self._layout, self._reducer)
         fp16 = any(s.param.dtype == torch.float16 for s in self._layout.slots)
@@ -282,15 +292,6 @@ class LowLevelZeroOptimizer(ColossalAIMembers, torch.optim.Optimizer):
         return norm
 
     # -- step ----------------------------------------------------------------------------------------------
-    def _copy_hyperparameters(self, *, to_inner: bool) -> None:
-        # edits between steps (schedulers, users) live in our groups and go to the inner optimizer before
-        # its step; what it keeps in its groups (a per-group step count) comes back after
-        for ours, theirs in zip(self.param_groups, self.optim.param_groups, strict=True):
-            source, target = (ours, theirs) if to_inner else (theirs, ours)
-            for key, value in source.items():
-                if key != "params":
-                    target[key] = value
-
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Synchronise (:meth:`sync_grads`), unscale (:meth:`unscale_`), skip on fp16 overflow (every rank
         agrees), clip (``max_norm``), step the pieces with the inner optimizer and all-gather them into the
@@ -317,7 +318,7 @@ class LowLevelZeroOptimizer(ColossalAIMembers, torch.optim.Optimizer):
             return loss
         if self.max_norm > 0:
             self.clip_grad_norm_(self.max_norm)
-        self._copy_hyperparameters(to_inner=True)
+        copy_hyperparameters(self.param_groups, self.optim.param_groups)
         slots = self._layout.slots
         for slot in slots:
             if slot.valid:
@@ -332,7 +333,7 @@ class LowLevelZeroOptimizer(ColossalAIMembers, torch.optim.Optimizer):
             for slot in slots:
                 slot.master.grad = None
         self._stepped_on_cpu = True
-        self._copy_hyperparameters(to_inner=False)
+        copy_hyperparameters(self.optim.param_groups, self.param_groups)
         gather_params(self._layout, self.param_gather)
         if self._scaling:
             self.scaler.update()
