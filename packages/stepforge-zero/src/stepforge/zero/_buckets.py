@@ -181,7 +181,7 @@ class GradReducer:
         if world == 1:
             self._accumulate(flat.view(-1), layout)
             return
-        whole = flat  # an all-reduced bucket stays alive only until its row is copied out
+        whole: torch.Tensor | None = flat  # an all-reduced bucket lives until its row is copied out
         if self.algorithm == "reduce_scatter":
             out = torch.empty(per_rank, dtype=dtype, device=device)
             work = reduce_scatter(out, flat.view(-1), group=self.group, async_op=self.overlap)
