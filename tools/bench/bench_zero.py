@@ -91,7 +91,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def build(
-    scheme: str, model: torch.nn.Module, counter: Counter, originals: dict[str, Any], zero_comm: str = "auto"
+    scheme: str,
+    model: torch.nn.Module,
+    counter: Counter,
+    originals: dict[str, Any],
+    zero_comm: str = "auto",
+    bucket: int | None = None,
 ) -> tuple[Any, Any, Any]:
     """``(module to call, optimizer, memory function)`` for one scheme."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -134,6 +139,7 @@ def build(
         stage=1 if scheme == "zero1" else 2,
         overlap_communication=True,
         comm_algorithm=zero_comm,
+        **({} if bucket is None else {"reduce_bucket_size": bucket}),
     )
 
     def memory() -> dict[str, int]:
@@ -168,7 +174,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, schemes: list[str],
         model = GPT(args.vocab, args.d_model, args.layers, args.heads, args.ctx)
         n_params = sum(p.numel() for p in model.parameters())
         root_params = n_params - sum(p.numel() for p in model.blocks.parameters())
-        module, optimizer, memory = build(scheme, model, counter, originals, args.zero_comm)
+        module, optimizer, memory = build(scheme, model, counter, originals, args.zero_comm, args.bucket)
         reset_peak_rss()
         gen = torch.Generator().manual_seed(1234 + rank)
         times, bytes_per_step, calls = [], [], {}
@@ -286,6 +292,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="a small model and one timed step (smoke run)")
+    parser.add_argument(
+        "--bucket",
+        type=int,
+        help="LowLevelZeroOptimizer's reduce_bucket_size (elements; default: its default)",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench-out"))
     parser.add_argument("--stem", help="file name stem (default cpu-<date>-zero)")
     args = parser.parse_args(argv)

@@ -26,7 +26,12 @@ from stepforge.testing.zero_cases import (
     param_groups,
     reference_run,
 )
-from stepforge.zero._algorithm import COMM_ALGORITHM_ENV, resolve_comm_algorithm
+from stepforge.zero._algorithm import (
+    COLOSSAL_BUCKET_SIZE,
+    COMM_ALGORITHM_ENV,
+    GLOO_BUCKET_SIZE,
+    resolve_comm_algorithm,
+)
 from stepforge.zero._comm import gather_params
 from stepforge.zero._partition import build_layout
 from stepforge.zero.low_level import LowLevelZeroOptimizer
@@ -54,7 +59,11 @@ def _train(rank: int, world: int, stage: int, algorithm: str, accum: int, use_no
 
 
 def _both_paths(rank: int, world: int) -> dict:
-    out = {}
+    out: dict = {
+        "default_bucket": LowLevelZeroOptimizer(
+            torch.optim.SGD(make_model().parameters(), lr=0.1)
+        ).reduce_bucket_size
+    }
     for stage in (1, 2):
         for accum, use_no_sync in ((1, False), (2, False), (3, True)):
             for algorithm in ("all_reduce", "reduce_scatter", "auto"):
@@ -67,6 +76,7 @@ def _both_paths(rank: int, world: int) -> dict:
 def _check_paths(results: list[dict], world: int, *, bitwise: bool) -> None:
     ref = flat_params(reference_run("AdamW", STEPS, 1, torch.float32, max_norm=0.5)[0])
     for rank, out in enumerate(results):
+        assert out.pop("default_bucket") == GLOO_BUCKET_SIZE == 4 * 1024**2  # the measured gloo default
         for (stage, accum, use_no_sync, algorithm), (params, chosen, all_reduces, scatters) in out.items():
             case = (rank, stage, accum, use_no_sync, algorithm)
             # "auto" on gloo: the all-reduce path, at both stages
@@ -120,6 +130,8 @@ def test_environment_variable_forces_auto_and_is_checked(monkeypatch):
     # no process group: stage 1 all-reduces (ColossalAI's arithmetic), stage 2 reduce-scatters
     assert resolve_comm_algorithm("auto", stage=1, world_size=1, process_group=None) == "all_reduce"
     assert resolve_comm_algorithm("auto", stage=2, world_size=1, process_group=None) == "reduce_scatter"
+    # and ColossalAI's bucket size off gloo
+    assert opt.reduce_bucket_size == COLOSSAL_BUCKET_SIZE == 12 * 1024**2
 
 
 # -- the in-place broadcast gather ---------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from stepforge.core import HyperParameterError
 from stepforge.core.precision import DynamicLossScaler, validate_loss_scaler_args
 
 from . import _full_state, _sharded_state
-from ._algorithm import resolve_comm_algorithm
+from ._algorithm import default_bucket_size, resolve_comm_algorithm
 from ._args import check_args, group_facts, resolve_param_gather
 from ._buckets import GradReducer
 from ._colossal_members import ColossalAIMembers
@@ -55,7 +55,8 @@ class LowLevelZeroOptimizer(ColossalAIMembers, torch.optim.Optimizer):
         params: the parameters (module, tensors or param-group dicts) for a config ``optimizer``.
         stage: 1 (gradients all-reduced, each rank keeps its piece) or 2 (gradients reduce-scattered from
             backward hooks, no rank holds more than its pieces plus the buckets in flight).
-        reduce_bucket_size: elements per gradient bucket (ColossalAI's unit; padded element count).
+        reduce_bucket_size: elements per gradient bucket (ColossalAI's unit; padded element count); ``None``:
+            4 Mi on gloo (measured, see ``_algorithm.GLOO_BUCKET_SIZE``), ColossalAI's 12 Mi elsewhere.
         overlap_communication: launch the bucket reductions asynchronously during backward.
         cpu_offload: keep masters, gradient pieces and optimizer state on the CPU and step them there
             (an Adam-family config becomes stepforge-fused's ``CPUAdam`` when installed).
@@ -74,10 +75,8 @@ class LowLevelZeroOptimizer(ColossalAIMembers, torch.optim.Optimizer):
         param_gather: how updated pieces reach every rank: ``"all_gather"`` (one ``all_gather_into_tensor``
             per partition), ``"broadcast"`` (one broadcast per rank and partition; gloo's broadcast is several
             times faster than its all-gather on the CPU), ``None``: broadcast on gloo, all-gather elsewhere.
-        comm_algorithm: how gradient buckets are reduced: ``"reduce_scatter"``, ``"all_reduce"`` (then each
-            rank keeps its row and frees the bucket: same 1/N memory, twice the bytes, about twice as fast on
-            gloo) or ``"auto"`` (all-reduce for stage 1 and on gloo, reduce-scatter otherwise; the environment
-            variable ``STEPFORGE_ZERO_COMM_ALGORITHM`` overrides ``"auto"``). Same results either way.
+        comm_algorithm: ``"reduce_scatter"``, ``"all_reduce"`` (each rank keeps its row of the reduced bucket:
+            same 1/N memory, about twice as fast on gloo) or ``"auto"``; see :mod:`stepforge.zero._algorithm`.
 
     Attributes:
         last_step_skipped: whether the last :meth:`step` was skipped for an fp16 overflow.
@@ -92,7 +91,7 @@ class LowLevelZeroOptimizer(ColossalAIMembers, torch.optim.Optimizer):
         params: Any = None,
         *,
         stage: int = 1,
-        reduce_bucket_size: int = 12 * 1024**2,
+        reduce_bucket_size: int | None = None,
         overlap_communication: bool = True,
         cpu_offload: bool = False,
         master_weights: bool = True,
@@ -109,6 +108,8 @@ class LowLevelZeroOptimizer(ColossalAIMembers, torch.optim.Optimizer):
         param_gather: str | None = None,
         comm_algorithm: str = "auto",
     ) -> None:
+        if reduce_bucket_size is None:
+            reduce_bucket_size = default_bucket_size(process_group)
         check_args(stage, reduce_bucket_size, max_norm, dtype_for_loss_scaling, param_gather)
         scaler_args = validate_loss_scaler_args(
             "LowLevelZeroOptimizer",
