@@ -4,12 +4,23 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Block", "GPT", "Counter", "nbytes", "install_counter", "ddp_counting_hook"]
+__all__ = [
+    "Block",
+    "GPT",
+    "Counter",
+    "nbytes",
+    "install_counter",
+    "ddp_counting_hook",
+    "reset_peak_rss",
+    "peak_rss_mib",
+    "save_plot",
+]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -128,3 +139,61 @@ def ddp_counting_hook(counter: Counter, all_reduce: Any):
         return work.get_future().then(lambda fut: fut.value()[0])
 
     return hook
+
+
+# ---------------------------------------------------------------------------------------------------------
+# memory and plot
+# ---------------------------------------------------------------------------------------------------------
+def reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS mark of this process (``/proc/self/clear_refs``, Linux); whether it worked."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def peak_rss_mib() -> float:
+    """The peak RSS since the last :func:`reset_peak_rss` (``VmHWM``), else since the process started."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def save_plot(path: Path, rows: list[dict[str, Any]], title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 0.45 * len(rows) + 2.4), sharey=True)
+    labels = [f"{r['scheme']} N={r['world']}" for r in rows]
+    y = list(range(len(rows)))
+    panels = (
+        ("step_ms_median", "step time, ms (median, slowest rank)", None),
+        ("sent_mib_per_rank", "MiB sent per rank per step (bar) / theory (tick)", "theory_mib_per_rank"),
+        ("state_mib_per_rank", "grad + optimizer state + master MiB per rank", None),
+    )
+    for ax, (key, label, tick) in zip(axes, panels, strict=True):
+        ax.barh(y, [r[key] for r in rows], color="tab:blue")
+        for yi, r in zip(y, rows, strict=True):
+            ax.text(r[key], yi, f" {r[key]:.0f}", va="center", fontsize=8)
+            if tick:
+                ax.plot([r[tick]] * 2, [yi - 0.4, yi + 0.4], color="black", lw=2)
+        ax.set_xlabel(label, fontsize=9)
+    axes[0].set_yticks(y, labels, fontsize=8)
+    axes[0].invert_yaxis()
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -19,9 +19,16 @@ beside it, with P = parameter bytes:
     fsdp2 (N-1)/N*(3*P_blocks + 2*P_root)   (all-gather in forward and again in backward, reduce-scatter;
                                              the root module's parameters stay unsharded between the two)
 
+zero1/zero2 use the optimizer's default ``comm_algorithm="auto"``: on gloo the buckets are all-reduced (each rank
+keeps its row), which charges 2(N-1)/N*P for the gradients, so their theory is 3(N-1)/N*P; the reduce-scatter path
+(``--zero-comm reduce_scatter``) has zero2's 2(N-1)/N*P. Before the schemes, every collective is timed on the group
+at the bucket sizes stepforge.zero uses (``_zero_collectives.py``): the table behind that choice and behind the
+default bucket size.
+
 Memory: bytes of gradient storage + optimizer state (+ fp32 master shards) held per rank after a step, counted
-from the tensors each scheme holds; the process peak RSS so far is reported beside it (cumulative: one process runs
-the schemes in order, so a scheme inherits the peaks of those before it).
+from the tensors each scheme holds (for stepforge.zero the distinct storages behind the gradient pieces, so a
+retained bucket would show); the peak RSS of each scheme is reported beside it (the kernel's high-water mark is
+reset through ``/proc/self/clear_refs`` before each scheme where the kernel allows it).
 
     python tools/bench/bench_zero.py                         # 2 and 4 processes -> bench-out/cpu-<date>-zero.json/.png
     python tools/bench/bench_zero.py --world 2 --layers 4 --steps 3
@@ -33,7 +40,6 @@ import argparse
 import datetime
 import math
 import os
-import resource
 import statistics
 import sys
 import tempfile
@@ -49,7 +55,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _machine
 import _report
-from _zero_parts import GPT, Counter, ddp_counting_hook, install_counter, nbytes
+from _zero_collectives import BUCKET_SIZES, time_collectives
+from _zero_parts import (
+    GPT,
+    Counter,
+    ddp_counting_hook,
+    install_counter,
+    nbytes,
+    peak_rss_mib,
+    reset_peak_rss,
+    save_plot,
+)
 
 __all__ = ["main"]
 
@@ -75,7 +91,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def build(
-    scheme: str, model: torch.nn.Module, counter: Counter, originals: dict[str, Any]
+    scheme: str,
+    model: torch.nn.Module,
+    counter: Counter,
+    originals: dict[str, Any],
+    zero_comm: str = "auto",
+    bucket: int | None = None,
 ) -> tuple[Any, Any, Any]:
     """``(module to call, optimizer, memory function)`` for one scheme."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -117,15 +138,21 @@ def build(
         CPUAdam(model.parameters(), lr=LR),
         stage=1 if scheme == "zero1" else 2,
         overlap_communication=True,
-        reduce_bucket_size=12 * 1024**2,  # the plugin's default (the optimizer's own is ColossalAI's 1 Mi)
+        comm_algorithm=zero_comm,
+        **({} if bucket is None else {"reduce_bucket_size": bucket}),
     )
 
     def memory() -> dict[str, int]:
         # the tensors the optimizer holds: reduced gradient pieces, inner optimizer state over the pieces,
         # and master pieces that are separate tensors (fp32 working params are their own masters)
         slots = zero.layout.slots
+        storages = {
+            s.grad.untyped_storage().data_ptr(): s.grad.untyped_storage().nbytes()
+            for s in slots
+            if s.grad is not None
+        }
         return {
-            "grad": sum(nbytes(s.grad) for s in slots if s.grad is not None)
+            "grad": sum(storages.values())
             + sum(nbytes(p.grad) for p in model.parameters() if p.grad is not None),
             "optim_state": _state_bytes(zero.optim),
             "master": sum(nbytes(s.master) for s in slots if s.separate_master),
@@ -139,13 +166,16 @@ def _worker(rank: int, world: int, args: argparse.Namespace, schemes: list[str],
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
     counter = Counter(world)
     originals = install_counter(counter)
-    results = {}
+    results: dict[str, Any] = {
+        "_collectives": time_collectives(BUCKET_SIZES if not args.quick else (1 << 16,), 3, originals)
+    }
     for scheme in schemes:
         torch.manual_seed(0)
         model = GPT(args.vocab, args.d_model, args.layers, args.heads, args.ctx)
         n_params = sum(p.numel() for p in model.parameters())
         root_params = n_params - sum(p.numel() for p in model.blocks.parameters())
-        module, optimizer, memory = build(scheme, model, counter, originals)
+        module, optimizer, memory = build(scheme, model, counter, originals, args.zero_comm, args.bucket)
+        reset_peak_rss()
         gen = torch.Generator().manual_seed(1234 + rank)
         times, bytes_per_step, calls = [], [], {}
         for step in range(args.warmup + args.steps):
@@ -177,7 +207,11 @@ def _worker(rank: int, world: int, args: argparse.Namespace, schemes: list[str],
             "calls_last_step": calls,
             "memory_bytes": mem,
             "final_loss": float(loss.detach()),
-            "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "max_rss_mib": peak_rss_mib(),
+            "comm": {
+                k: getattr(optimizer, k, None)
+                for k in ("comm_algorithm", "param_gather", "reduce_bucket_size")
+            },
         }
         del module, optimizer, model
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -191,12 +225,16 @@ def run_world(world: int, args: argparse.Namespace, schemes: list[str]) -> dict[
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         mp.start_processes(_worker, args=(world, args, schemes, tmp), nprocs=world, start_method="spawn")
         per_rank = [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)]
-    out = {}
+    out: dict[str, Any] = {"_collectives": per_rank[0]["_collectives"]}
     for scheme in schemes:
         ranks = [r[scheme] for r in per_rank]
         n_params = ranks[0]["params"]
         p_bytes = 4 * n_params
-        theory = THEORY_FACTOR[scheme] * (world - 1) / world * p_bytes
+        comm = ranks[0]["comm"]
+        factor = THEORY_FACTOR[scheme]
+        if comm["comm_algorithm"] == "all_reduce":
+            factor = 3  # all-reduced gradients (2) + the parameter gather (1)
+        theory = factor * (world - 1) / world * p_bytes
         if scheme == "fsdp2":
             # the root's own parameters (embeddings, final norm, head) stay unsharded from forward to backward:
             # gathered once, not twice
@@ -218,6 +256,9 @@ def run_world(world: int, args: argparse.Namespace, schemes: list[str]) -> dict[
             "memory_bytes_rank0": ranks[0]["memory_bytes"],
             "max_rss_mib": max(r["max_rss_mib"] for r in ranks),
             "final_loss_rank0": ranks[0]["final_loss"],
+            "comm_algorithm": comm["comm_algorithm"] or "-",
+            "param_gather": comm["param_gather"] or "-",
+            "reduce_bucket_size": comm["reduce_bucket_size"],
         }
     return out
 
@@ -228,37 +269,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def save_plot(path: Path, rows: list[dict[str, Any]], title: str) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(15, 0.45 * len(rows) + 2.4), sharey=True)
-    labels = [f"{r['scheme']} N={r['world']}" for r in rows]
-    y = list(range(len(rows)))
-    panels = (
-        ("step_ms_median", "step time, ms (median, slowest rank)", None),
-        ("sent_mib_per_rank", "MiB sent per rank per step (bar) / theory (tick)", "theory_mib_per_rank"),
-        ("state_mib_per_rank", "grad + optimizer state + master MiB per rank", None),
-    )
-    for ax, (key, label, tick) in zip(axes, panels, strict=True):
-        ax.barh(y, [r[key] for r in rows], color="tab:blue")
-        for yi, r in zip(y, rows, strict=True):
-            ax.text(r[key], yi, f" {r[key]:.0f}", va="center", fontsize=8)
-            if tick:
-                ax.plot([r[tick]] * 2, [yi - 0.4, yi + 0.4], color="black", lw=2)
-        ax.set_xlabel(label, fontsize=9)
-    axes[0].set_yticks(y, labels, fontsize=8)
-    axes[0].invert_yaxis()
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -273,9 +283,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--ctx", type=int, default=65, help="tokens per sequence (+1 for the shifted target)")
     parser.add_argument("--batch", type=int, default=1, help="sequences per rank per step")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per scheme")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per scheme")
+    parser.add_argument(
+        "--zero-comm",
+        default="auto",
+        choices=("auto", "all_reduce", "reduce_scatter"),
+        help="LowLevelZeroOptimizer's comm_algorithm for zero1/zero2",
+    )
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="a small model and one timed step (smoke run)")
+    parser.add_argument(
+        "--bucket",
+        type=int,
+        help="LowLevelZeroOptimizer's reduce_bucket_size (elements; default: its default)",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench-out"))
     parser.add_argument("--stem", help="file name stem (default cpu-<date>-zero)")
     args = parser.parse_args(argv)
@@ -285,10 +306,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--d-model must be a multiple of --heads")
     info = _machine.machine_info(threads=1)
     print(f"machine: {info['device']}; load average {info['load_average']}", flush=True)
-    rows = []
+    rows, collectives = [], []
     started = time.monotonic()
     for world in args.world:
         result = run_world(world, args, list(args.schemes))
+        collectives += result.pop("_collectives")
         for scheme, r in result.items():
             rows.append({"scheme": scheme, **r})
         print(f"world {world} done ({time.monotonic() - started:.0f} s)", flush=True)
@@ -310,11 +332,27 @@ def main(argv: list[str] | None = None) -> int:
         r["time_over_fastest_torch"] = r["step_ms_median"] / torch_best
         r["state_over_ddp"] = r["state_mib_per_rank"] / ddp_mem
         base[r["world"]] = torch_best
+    print("gloo collectives at the bucket sizes (ms, slowest rank, median of 3):")
+    print(
+        _report.format_table(
+            collectives,
+            [
+                ("world", "N", "d"),
+                ("elements", "bucket elements", "d"),
+                ("mib", "MiB", ".0f"),
+                ("all_reduce_ms", "all_reduce", ".1f"),
+                ("reduce_scatter_ms", "reduce_scatter", ".1f"),
+                ("all_gather_ms", "all_gather", ".1f"),
+                ("broadcast_ms", "N broadcasts of 1/N", ".1f"),
+            ],
+        )
+    )
     print(
         _report.format_table(
             rows,
             [
                 ("scheme", "scheme", ""),
+                ("comm_algorithm", "grad comm", ""),
                 ("world", "N", "d"),
                 ("step_ms_median", "step ms", ".0f"),
                 ("time_over_fastest_torch", "vs fastest torch", ".2f"),
@@ -323,10 +361,13 @@ def main(argv: list[str] | None = None) -> int:
                 ("sent_over_theory", "sent/theory", ".4f"),
                 ("state_mib_per_rank", "grad+state MiB", ".1f"),
                 ("state_over_ddp", "vs DDP", ".3f"),
-                ("max_rss_mib", "peak RSS so far MiB", ".0f"),
+                ("max_rss_mib", "peak RSS MiB", ".0f"),
             ],
         )
     )
+    goals = _goal_ratios(rows)
+    for line in goals["lines"]:
+        print(line)
     stem = args.stem or f"cpu-{datetime.date.today().isoformat()}-zero"
     model = dict(
         vocab=args.vocab,
@@ -342,6 +383,9 @@ def main(argv: list[str] | None = None) -> int:
         "model": model,
         "steps": args.steps,
         "warmup": args.warmup,
+        "zero_comm": args.zero_comm,
+        "collectives": collectives,
+        "goals": goals["ratios"],
         "rows": rows,
     }
     path = _report.save_json(args.out / f"{stem}.json", report)
@@ -352,6 +396,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"wrote {png}")
     return 0
+
+
+def _goal_ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Issue 19's goals per world: zero2 / DDP and zero1 / torch ZeroRedundancyOptimizer (<= 1.00)."""
+    ratios, lines = {}, []
+    by = {(r["world"], r["scheme"]): r["step_ms_median"] for r in rows}
+    for world in sorted({r["world"] for r in rows}):
+        for zero, base in (("zero2", "ddp_adamw"), ("zero1", "ddp_torchzero")):
+            if (world, zero) in by and (world, base) in by:
+                ratio = by[(world, zero)] / by[(world, base)]
+                ratios[f"{zero}_over_{base}_N{world}"] = ratio
+                verdict = "met" if ratio <= 1.0 else f"missed by {100 * (ratio - 1):.0f}%"
+                lines.append(f"goal N={world}: {zero} / {base} = {ratio:.3f} (<= 1.00: {verdict})")
+    return {"ratios": ratios, "lines": lines}
 
 
 if __name__ == "__main__":

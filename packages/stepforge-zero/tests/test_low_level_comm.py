@@ -60,17 +60,20 @@ def _count_collectives(rank: int, world: int) -> dict[str, Counter]:
                 reduce_bucket_size=BUCKET,
                 overlap_communication=overlap,
                 param_gather="all_gather",
+                # the reduce-scatter path is counted here; gloo's default (all-reduce) at the end
+                comm_algorithm="reduce_scatter" if stage == 2 else "auto",
             )
             for k, use_no_sync in ((1, False), (3, False), (3, True)):
                 out[f"stage{stage}-overlap{overlap}-k{k}-nosync{use_no_sync}"] = _one_step(
                     opt, model, k, use_no_sync
                 )
-    # the gloo default gathers the updated pieces with one broadcast per rank and partition
+    # the gloo default all-reduces the buckets and gathers the updated pieces with one broadcast per rank and
+    # partition
     model = _Flat()
     opt = LowLevelZeroOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1), stage=2, reduce_bucket_size=BUCKET
     )
-    assert opt.param_gather == "broadcast"
+    assert opt.param_gather == "broadcast" and opt.comm_algorithm == "all_reduce"
     out["stage2-default-gather"] = _one_step(opt, model, 1, False)
     return out
 
@@ -121,14 +124,27 @@ def _held_bytes(opt: LowLevelZeroOptimizer) -> int:
     return total
 
 
-def _memory(rank: int, world: int) -> dict[str, float]:
+def _storage_bytes(opt: LowLevelZeroOptimizer) -> int:
+    """Bytes of the distinct storages behind the reduced pieces (a piece may view a bucket's row)."""
+    storages = {
+        s.grad.untyped_storage().data_ptr(): s.grad.untyped_storage().nbytes()
+        for s in opt.layout.slots
+        if s.grad is not None
+    }
+    return sum(storages.values())
+
+
+def _memory(rank: int, world: int, algorithm: str) -> dict[str, float]:
     out = {}
     for dtype in (torch.float32, torch.bfloat16):
         torch.manual_seed(0)
         # 5 layers of 41x41 (+41): 1681 and 41 elements, padded to 1684 and 44 at 4 ranks
         model = nn.Sequential(*[nn.Linear(41, 41) for _ in range(5)]).to(dtype)
         opt = LowLevelZeroOptimizer(
-            torch.optim.AdamW(model.parameters(), lr=1e-3), stage=2, reduce_bucket_size=1500
+            torch.optim.AdamW(model.parameters(), lr=1e-3),
+            stage=2,
+            reduce_bucket_size=1500,
+            comm_algorithm=algorithm,
         )
         x = torch.randn(4, 41, dtype=dtype)
         model(x).square().mean().backward()
@@ -142,13 +158,17 @@ def _memory(rank: int, world: int) -> dict[str, float]:
         per_elem = 4 * 3 + (4 if dtype != torch.float32 else 0)
         out[str(dtype)] = _held_bytes(opt) / (numel * per_elem)
         out[str(dtype) + ".padding"] = (padded - numel) / numel
+        # what the pieces keep alive: this rank's rows only (1/N of the padded gradient), never a whole
+        # all-reduced bucket
+        out[str(dtype) + ".storage"] = _storage_bytes(opt) / (padded * (4 if dtype == torch.float32 else 2))
         # buckets launched but not yet added into the pieces, at their peak during backward (elements)
         out[str(dtype) + ".peak_in_flight"] = opt._reducer.peak_in_flight / padded
     return out
 
 
-def test_per_rank_memory_is_a_quarter_of_the_unsharded_figure_at_four_ranks():
-    results = run_distributed(_memory, 4, timeout=120)
+@pytest.mark.parametrize("algorithm", ["all_reduce", "reduce_scatter"])
+def test_per_rank_memory_is_a_quarter_of_the_unsharded_figure_at_four_ranks(algorithm):
+    results = run_distributed(_memory, 4, algorithm, timeout=120)
     for rank, ratios in enumerate(results):
         for dtype in ("torch.float32", "torch.bfloat16"):
             padding = ratios[dtype + ".padding"]
@@ -158,10 +178,16 @@ def test_per_rank_memory_is_a_quarter_of_the_unsharded_figure_at_four_ranks():
             assert ratios[dtype] >= 0.25 - padding, (rank, dtype, ratios[dtype])  # and really holds its share
             # 5 buckets of 1728 padded elements per backward; at most MAX_IN_FLIGHT + 1 = 3 exist at once
             assert ratios[dtype + ".peak_in_flight"] <= 3 * 1728 / 8640 + 1e-9, (rank, dtype)
+            # fp32 pieces view their bucket's row (no copy); bf16 ones were converted to fp32 masters' dtype
+            assert 0 < ratios[dtype + ".storage"] <= (0.25 if dtype == "torch.float32" else 0.5) + 1e-9, (
+                rank,
+                dtype,
+                ratios[dtype + ".storage"],
+            )
 
 
 def test_gloo_default_gathers_pieces_by_broadcast(counts):
     one = counts["stage2-default-gather"]
     assert one["broadcast"] == 2  # 2 ranks x 1 partition
     assert one["all_gather_into_tensor"] == 0
-    assert one["reduce_scatter_tensor"] == BUCKETS
+    assert one["all_reduce"] == BUCKETS and one["reduce_scatter_tensor"] == 0

@@ -44,6 +44,7 @@ def _build(stage: int) -> tuple[_Flat, LowLevelZeroOptimizer]:
         max_norm=1e6,  # clipping on inside step (never binding here)
         param_gather="all_gather",
         initial_scale=2**4,
+        comm_algorithm="reduce_scatter" if stage == 2 else "auto",  # counted below per stage
     )
     assert opt.loss_scale == 2**4  # fp16 parameters: loss scaling is on
     return model, opt

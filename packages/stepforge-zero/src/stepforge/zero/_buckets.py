@@ -4,15 +4,18 @@
 A hook on every working parameter hands its freshly accumulated ``.grad`` to :class:`GradReducer` and frees it.
 Gradients wait in a bucket per gradient dtype until ``reduce_bucket_size`` elements (counted padded) are
 there; the bucket is then laid out rank-major (rank ``r``'s pieces of every parameter in the bucket side by
-side), divided by the world size and
+side; the division by the world size is done by the same copy) and reduced by the algorithm of
+:mod:`._algorithm`:
 
-- stage 2: ``reduce_scatter_tensor`` -- each rank receives only its pieces;
-- stage 1: ``all_reduce`` -- each rank keeps only its pieces of the result.
+- ``"reduce_scatter"``: ``reduce_scatter_tensor`` -- each rank receives only its row;
+- ``"all_reduce"``: ``all_reduce`` -- each rank copies its row out of the result and frees the bucket.
 
 With ``overlap_communication`` the collective is launched asynchronously and backward goes on; the results
 are added into the slots' fp32 (master-dtype) gradient pieces when :meth:`GradReducer.wait` runs (before
-clipping or stepping), or as soon as more than ``MAX_IN_FLIGHT`` buckets are in flight. A callback queued on the autograd engine launches the last partial bucket at the end of
-every backward, so at most the buckets in flight exist beside the shards.
+clipping or stepping), or as soon as more than ``MAX_IN_FLIGHT`` buckets are in flight. A callback queued on the
+autograd engine launches the last partial bucket at the end of every backward, so at most the buckets in flight
+exist beside the shards. The first reduction of a step hands each slot a view into the bucket's received row
+(no copy: the row is 1/N of the bucket and holds only this rank's pieces), later ones add into it.
 
 While :attr:`GradReducer.enabled` is ``False`` (``no_sync``), hooks leave ``.grad`` alone: full local
 gradients accumulate as usual and are reduced once, by the first synchronised backward or by :meth:`flush_local`.
@@ -30,10 +33,10 @@ import torch
 
 from stepforge.core import queue_backward_callback
 
-from ._partition import Slot, padded_piece
+from ._partition import Slot
 from ._wire import WireFormat
 
-__all__ = ["GradReducer", "CollectiveCounter", "MAX_IN_FLIGHT"]
+__all__ = ["GradReducer", "CollectiveCounter", "MAX_IN_FLIGHT", "write_rank_major"]
 
 #: asynchronous bucket reductions allowed in flight; launching one more first finishes the oldest, so a rank
 #: holds at most its pieces plus this many buckets (and the one being filled) during backward
@@ -50,10 +53,34 @@ class CollectiveCounter:
         self.syncs = 0
 
 
+def write_rank_major(dst: torch.Tensor, grad: torch.Tensor, divisor: int) -> None:
+    """``dst`` (``(W, piece)``, rows may be strided) = ``grad`` flattened, zero-padded to ``W * piece`` and divided
+    by ``divisor`` (1: copied), in one pass over ``grad``."""
+    world, piece = dst.shape
+    flat = grad.reshape(-1)
+    full, rest = divmod(flat.numel(), piece)
+    rows = [(dst[:full], flat[: full * piece].view(full, piece))] if full else []
+    if rest:
+        rows.append((dst[full, :rest], flat[full * piece :]))
+        dst[full, rest:].zero_()
+    for target, source in rows:
+        if divisor == 1:
+            target.copy_(source)
+        else:
+            torch.div(source, divisor, out=target)
+    if full + (1 if rest else 0) < world:
+        dst[full + (1 if rest else 0) :].zero_()
+
+
 class _Bucket:
     def __init__(self) -> None:
         self.items: list[tuple[Slot, torch.Tensor]] = []
         self.elements = 0  # padded elements (piece * world size per item)
+
+
+#: a launched reduction: (work, this rank's row, (slot, offset) per item, bucket elements, the all-reduced
+#: bucket or None)
+_Flight = tuple[Any, torch.Tensor, list[tuple[Slot, int]], int, torch.Tensor | None]
 
 
 class GradReducer:
@@ -61,11 +88,13 @@ class GradReducer:
 
     Args:
         slots: every managed parameter's slot.
-        stage: 1 (all-reduce) or 2 (reduce-scatter).
+        stage: 1 or 2 (picks the algorithm when ``algorithm`` is ``None``: stage 1 all-reduce, stage 2
+            reduce-scatter).
         bucket_size: elements per bucket (padded count).
         overlap: launch collectives asynchronously.
         group: the process group (``None``: the default group), world_size and rank in it.
         wire: how buckets travel (``communication_dtype`` / fp8, see :mod:`._wire`); ``None``: as they are.
+        algorithm: ``"all_reduce"`` or ``"reduce_scatter"`` (see :mod:`._algorithm`).
     """
 
     def __init__(
@@ -79,10 +108,12 @@ class GradReducer:
         world_size: int,
         rank: int,
         wire: WireFormat | None = None,
+        algorithm: str | None = None,
     ) -> None:
         self.slots = slots
         self.wire = wire if wire is not None else WireFormat()
         self.stage = stage
+        self.algorithm = algorithm or ("reduce_scatter" if stage == 2 else "all_reduce")
         self.bucket_size = bucket_size
         self.overlap = overlap
         self.group = group
@@ -92,7 +123,7 @@ class GradReducer:
         self.synced = False  # the reduction of the gradients so far is complete (see sync)
         self.counter = CollectiveCounter()
         self._buckets: dict[torch.dtype, _Bucket] = {}
-        self._in_flight: list[tuple[Any, torch.Tensor, list[tuple[Slot, int]], int]] = []
+        self._in_flight: list[_Flight] = []
         self.peak_in_flight = 0  # most bucket elements launched and not yet added into the pieces
         self._callback_queued = False
         self._by_param: dict[int, Slot] = {id(s.param): s for s in slots}
@@ -145,41 +176,50 @@ class GradReducer:
         layout: list[tuple[Slot, int]] = []
         offset = 0
         for slot, grad in bucket.items:
-            flat[:, offset : offset + slot.piece].copy_(padded_piece(grad.reshape(-1), slot.piece, world))
+            write_rank_major(flat[:, offset : offset + slot.piece], grad, world)
             layout.append((slot, offset))
             offset += slot.piece
-        if world > 1:
-            flat.div_(world)
         bucket.items.clear()
         if world == 1:
             self._accumulate(flat.view(-1), layout)
             return
-        if self.stage == 2:
+        whole: torch.Tensor | None = flat  # an all-reduced bucket lives until its row is copied out
+        if self.algorithm == "reduce_scatter":
             out = torch.empty(per_rank, dtype=dtype, device=device)
             work = self.wire.reduce_scatter(
                 out, flat.view(-1), group=self.group, world_size=world, async_op=self.overlap
             )
             self.counter.reduce_scatter += 1
+            whole = None
         else:
             work = self.wire.all_reduce(flat, group=self.group, world_size=world, async_op=self.overlap)
             out = flat[self.rank]
             self.counter.all_reduce += 1
+        del flat
         if self.overlap:
-            self._in_flight.append((work, out, layout, flat.numel()))
+            self._in_flight.append((work, out, layout, world * per_rank, whole))
             self.peak_in_flight = max(self.peak_in_flight, sum(f[3] for f in self._in_flight))
             while len(self._in_flight) > MAX_IN_FLIGHT:  # bound the memory: finish the oldest
-                work, out, layout, _ = self._in_flight.pop(0)
-                work.wait()
-                self._accumulate(out, layout)
+                self._finish(self._in_flight.pop(0))
         else:
-            self.peak_in_flight = max(self.peak_in_flight, flat.numel())
-            self._accumulate(out, layout)
+            self.peak_in_flight = max(self.peak_in_flight, world * per_rank)
+            self._finish((work, out, layout, world * per_rank, whole))
+
+    def _finish(self, flight: _Flight) -> None:
+        work, out, layout, _, whole = flight
+        if work is not None:  # None: a synchronous collective, already done
+            work.wait()
+        if whole is not None:
+            out = out.clone()  # keep this rank's row only; the all-reduced bucket is freed with ``whole``
+        self._accumulate(out, layout)
 
     def _accumulate(self, out: torch.Tensor, layout: list[tuple[Slot, int]]) -> None:
         for slot, offset in layout:
             piece = out[offset : offset + slot.valid]
             if slot.grad is None:
-                slot.grad = piece.to(device=slot.master.device, dtype=slot.master.dtype, copy=True)
+                same = piece.dtype == slot.master.dtype and piece.device == slot.master.device
+                # a view into the received row (which holds only this rank's pieces): no copy
+                slot.grad = piece if same else piece.to(device=slot.master.device, dtype=slot.master.dtype)
             else:
                 slot.grad.add_(piece.to(device=slot.grad.device, dtype=slot.grad.dtype))
 
@@ -193,9 +233,8 @@ class GradReducer:
         """Launch what is left, wait for every reduction in flight and add the results into the slots."""
         self.launch_all()
         in_flight, self._in_flight = self._in_flight, []
-        for work, out, layout, _ in in_flight:
-            work.wait()
-            self._accumulate(out, layout)
+        for flight in in_flight:
+            self._finish(flight)
 
     def flush_local(self) -> None:
         """Reduce gradients still held in ``param.grad`` (accumulated under ``no_sync``), then :meth:`wait`."""
@@ -220,8 +259,9 @@ class GradReducer:
     def discard(self) -> None:
         """Finish the reductions in flight and drop them with the unlaunched buckets (``zero_grad``)."""
         in_flight, self._in_flight = self._in_flight, []
-        for work, _, _, _ in in_flight:
-            work.wait()
+        for flight in in_flight:
+            if flight[0] is not None:
+                flight[0].wait()
         self._buckets.clear()
         self.synced = False
 

@@ -9,6 +9,8 @@ this object does the tensor work and the small collectives.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -19,7 +21,19 @@ from ._comm import all_reduce_small
 from ._grad_norm import check_clip_args, clip_, global_norm
 from ._partition import ShardLayout
 
-__all__ = ["GradPieces"]
+__all__ = ["GradPieces", "copy_hyperparameters"]
+
+
+def copy_hyperparameters(source: list[dict[str, Any]], target: list[dict[str, Any]]) -> None:
+    """Every key but ``"params"`` of each ``source`` group into the matching ``target`` group.
+
+    Edits between steps (schedulers, users) live in the wrapper's groups and go to the inner optimizer before
+    its step; what the inner optimizer keeps in its groups (a per-group step count) comes back after it.
+    """
+    for theirs, ours in zip(source, target, strict=True):
+        for key, value in theirs.items():
+            if key != "params":
+                ours[key] = value
 
 
 class GradPieces:

@@ -23,6 +23,7 @@ import torch
 from stepforge.core import BoostedOptimizer, HyperParameterError, PluginBase
 from stepforge.core.precision import PLUGIN_PRECISIONS, check_plugin_precision, validate_loss_scaler_args
 
+from ._algorithm import default_bucket_size
 from ._grad_norm import check_clip_args
 from ._hybrid import mesh_groups
 from ._model import PRECISIONS, LowLevelZeroModel, UnsupportedPrecisionError, _explain_precision_errors
@@ -58,7 +59,8 @@ class LowLevelZeroPlugin(PluginBase):
         initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis, max_scale: the
             fp16 dynamic loss scaler (ignored for fp32/bf16).
         max_norm: clip the global gradient norm to this inside ``optimizer.step()``; 0 disables.
-        reduce_bucket_size_in_m: gradient bucket size in millions of elements.
+        reduce_bucket_size_in_m: gradient bucket size in millions of elements; ``None``: 4 on gloo (measured,
+            ``stepforge.zero._algorithm.GLOO_BUCKET_SIZE``), ColossalAI's 12 elsewhere.
         overlap_communication: issue gradient reductions from backward hooks asynchronously.
         cpu_offload: keep master shards, gradient shards and optimizer state on CPU (use ``CPUAdam``).
         master_weights: keep fp32 master shards for fp16/bf16 working params.
@@ -91,7 +93,7 @@ class LowLevelZeroPlugin(PluginBase):
         max_scale: float = 2**32,
         max_norm: float = 0.0,
         norm_type: float = 2.0,
-        reduce_bucket_size_in_m: float = 12,
+        reduce_bucket_size_in_m: float | None = None,
         communication_dtype: torch.dtype | None = None,
         overlap_communication: bool = True,
         overlap_allgather: bool = False,
@@ -108,7 +110,8 @@ class LowLevelZeroPlugin(PluginBase):
         # a precision left at its default may be replaced by the Booster's mixed_precision (set_precision)
         explicit = None if precision is _FP16_DEFAULT else check_plugin_precision(precision, owner=_OWNER)
         super().__init__(precision=explicit, default_precision="fp16")
-        check_number("reduce_bucket_size_in_m", reduce_bucket_size_in_m, 0.0, strict=True)
+        if reduce_bucket_size_in_m is not None:
+            check_number("reduce_bucket_size_in_m", reduce_bucket_size_in_m, 0.0, strict=True)
         check_number("max_norm", max_norm, 0.0, strict=False)
         scaler = validate_loss_scaler_args(
             _OWNER,
@@ -235,10 +238,15 @@ class LowLevelZeroPlugin(PluginBase):
         if optimizer is None:
             return wrapped, None
         extra_dp_group, dp_process_group = self._groups
+        bucket = (
+            default_bucket_size(dp_process_group)
+            if self.reduce_bucket_size_in_m is None
+            else int(self.reduce_bucket_size_in_m * 1024**2)
+        )
         zero = LowLevelZeroOptimizer(
             optimizer,
             stage=self.stage,
-            reduce_bucket_size=int(self.reduce_bucket_size_in_m * 1024**2),
+            reduce_bucket_size=bucket,
             communication_dtype=self.communication_dtype,
             overlap_communication=self.overlap_communication,
             overlap_allgather=self.overlap_allgather,

@@ -1,0 +1,85 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Which collective reduces the gradient buckets: chosen per backend, or forced for tests and benchmarks.
+
+Both algorithms leave every rank with the same averaged pieces (bucket laid out rank-major, divided by the world
+size before the sum):
+
+- ``"reduce_scatter"``: ``reduce_scatter_tensor`` -- each rank receives only its row. The fewest bytes
+  ((N-1)/N of the bucket per rank on a ring); NCCL's is as fast as its all-reduce per byte, so it is the
+  choice there.
+- ``"all_reduce"``: ``all_reduce`` of the whole bucket, then this rank's row is copied out and the bucket freed at
+  once, so between steps a rank still holds only its pieces. Twice the ring bytes, but gloo's all-reduce is
+  about twice as fast as its reduce-scatter on the CPU (208 MiB, 2 ranks: 147 ms against 274 ms; see
+  ``tools/bench/bench_zero.py``'s collective table), so it is the choice on gloo.
+
+``"auto"`` picks ``all_reduce`` for stage 1 (ColossalAI's stage-1 arithmetic) and on gloo, ``reduce_scatter`` for
+stage 2 elsewhere. The environment variable ``STEPFORGE_ZERO_COMM_ALGORITHM`` overrides ``"auto"`` (not an
+explicit argument), so a plugin-built optimizer can be forced too.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch.distributed as dist
+
+from stepforge.core import HyperParameterError
+
+__all__ = [
+    "COMM_ALGORITHMS",
+    "COMM_ALGORITHM_ENV",
+    "COLOSSAL_BUCKET_SIZE",
+    "COLOSSAL_OPTIMIZER_BUCKET_SIZE",
+    "GLOO_BUCKET_SIZE",
+    "check_comm_algorithm",
+    "resolve_comm_algorithm",
+    "default_bucket_size",
+]
+
+COMM_ALGORITHMS = ("auto", "all_reduce", "reduce_scatter")
+COMM_ALGORITHM_ENV = "STEPFORGE_ZERO_COMM_ALGORITHM"
+
+#: ColossalAI's ``reduce_bucket_size`` (elements) of ``LowLevelZeroPlugin`` (``reduce_bucket_size_in_m=12``) and of
+#: ``LowLevelZeroOptimizer`` itself: the defaults off gloo
+COLOSSAL_BUCKET_SIZE = 12 * 1024**2
+COLOSSAL_OPTIMIZER_BUCKET_SIZE = 1024**2
+#: the default on gloo (elements). ``tools/bench/bench_zero.py`` times gloo's all-reduce at 16 MiB as fast per
+#: byte as at 48 or 100 MiB (2 ranks: 16.8 ms against 48.3 ms for three times the bytes), and a smaller bucket
+#: leaves less of the reduction for after backward: zero2 on the bench's GPT ran 0.93x DDP with it, 1.48x with
+#: ColossalAI's 12 Mi elements (2 ranks, same run).
+GLOO_BUCKET_SIZE = 4 * 1024**2
+
+
+def default_bucket_size(process_group: Any, *, elsewhere: int = COLOSSAL_BUCKET_SIZE) -> int:
+    """``reduce_bucket_size`` when none is given: :data:`GLOO_BUCKET_SIZE` on a gloo group of more than one
+    rank, ``elsewhere`` (ColossalAI's default of the caller) otherwise."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1:
+        if dist.get_backend(process_group) == "gloo":
+            return GLOO_BUCKET_SIZE
+    return elsewhere
+
+
+def check_comm_algorithm(value: Any, *, source: str = "comm_algorithm") -> str:
+    """``value`` if it is one of :data:`COMM_ALGORITHMS`, else a :class:`HyperParameterError` naming ``source``."""
+    if value not in COMM_ALGORITHMS:
+        raise HyperParameterError(
+            f"LowLevelZeroOptimizer: {source} must be one of {', '.join(map(repr, COMM_ALGORITHMS))}, got "
+            f"{value!r}."
+        )
+    return str(value)
+
+
+def resolve_comm_algorithm(value: str, *, stage: int, world_size: int, process_group: Any) -> str:
+    """The concrete algorithm (``"all_reduce"`` or ``"reduce_scatter"``) for ``value`` (see the module doc)."""
+    check_comm_algorithm(value)
+    if value == "auto":
+        forced = os.environ.get(COMM_ALGORITHM_ENV, "").strip()
+        if forced:
+            value = check_comm_algorithm(forced, source=f"the environment variable {COMM_ALGORITHM_ENV}")
+    if value != "auto":
+        return value
+    if stage == 1:
+        return "all_reduce"
+    gloo = world_size > 1 and dist.get_backend(process_group) == "gloo"
+    return "all_reduce" if gloo else "reduce_scatter"
