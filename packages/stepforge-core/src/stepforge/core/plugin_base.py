@@ -10,8 +10,8 @@ its own buffers overrides ``mid_window_save_error``.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
-from contextlib import AbstractContextManager
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -42,6 +42,31 @@ def unwrap_optimizer(optimizer: Any) -> Any:
     """The torch optimizer under a :class:`~stepforge.core.BoostedOptimizer` (``optimizer.unwrap()``);
     anything else is returned as it is."""
     return optimizer.unwrap() if isinstance(optimizer, BoostedOptimizer) else optimizer
+
+
+@contextmanager
+def _never_stepped(optimizers: list[Any]) -> Iterator[None]:
+    """Keep torch's ``get_state_dict``/``set_state_dict`` from stepping a never-stepped optimizer.
+
+    Both give an optimizer without state its state by a zero-lr ``step()`` on zero gradients (``_init_optim_state``)
+    unless some parameter has a gradient. That step is not neutral: Adam's step count becomes 1 before any real
+    step, so saving before the first step (or loading into a fresh optimizer) changed the training. A placeholder
+    zero gradient on the smallest parameter of each such optimizer, removed afterwards, keeps it unstepped: its
+    state dict then holds no state, as it truly has none (a load fills the template from the checkpoint).
+    """
+    placed = []
+    for opt in optimizers:
+        params = [p for group in opt.param_groups for p in group["params"] if p.requires_grad]
+        if opt.state or not params or any(p.grad is not None for p in params):
+            continue
+        smallest = min(params, key=lambda p: p.numel())
+        smallest.grad = torch.zeros_like(smallest)
+        placed.append(smallest)
+    try:
+        yield
+    finally:
+        for p in placed:
+            p.grad = None
 
 
 def optimizer_list(optimizers: Any) -> list[Any]:
@@ -264,7 +289,9 @@ class PluginBase(Plugin):
         (keys by parameter FQN; sharded parameters stay DTensors)."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        return get_state_dict(model, optimizer_list(optimizers))
+        opts = optimizer_list(optimizers)
+        with _never_stepped(opts):  # a never-stepped optimizer saves no state, and stays unstepped
+            return get_state_dict(model, opts)
 
     def set_state_dict(
         self,
@@ -275,12 +302,14 @@ class PluginBase(Plugin):
     ) -> None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        set_state_dict(
-            model,
-            optimizer_list(optimizers),
-            model_state_dict=dict(model_state_dict),
-            optim_state_dict=dict(optim_state_dict),
-        )
+        opts = optimizer_list(optimizers)
+        with _never_stepped(opts):  # the loaded state replaces the optimizer's; no zero-lr step first
+            set_state_dict(
+                model,
+                opts,
+                model_state_dict=dict(model_state_dict),
+                optim_state_dict=dict(optim_state_dict),
+            )
 
     def mid_window_save_error(self, optimizer: Any) -> str | None:
         """``None``: a plugin built on this base keeps an accumulation window's gradients in ``param.grad``

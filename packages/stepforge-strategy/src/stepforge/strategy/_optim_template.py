@@ -41,15 +41,32 @@ def _read_metadata(checkpoint: str | os.PathLike[str]) -> Metadata:
     return metadata
 
 
-def _saved_paths(metadata: Metadata, root: str) -> dict[_Path, Any]:
-    """Object path (below ``root``) -> storage metadata of every saved leaf under ``root``."""
+def _saved_paths(metadata: Metadata, root: _Path) -> dict[_Path, Any]:
+    """Object path (below the ``root`` path) -> storage metadata of every saved leaf under ``root``."""
     mapping = metadata.planner_data or {}
     out: dict[_Path, Any] = {}
     for key, item in metadata.state_dict_metadata.items():
         path = tuple(mapping.get(key, (key,)))
-        if path and path[0] == root:
-            out[path[1:]] = item
+        if len(path) > len(root) and path[: len(root)] == root:
+            out[path[len(root) :]] = item
     return out
+
+
+def _prune_state(template: dict[str, Any], saved: dict[_Path, Any]) -> None:
+    """Drop the template's ``state`` entries the checkpoint does not hold: an optimizer saved before its first
+    step holds none, and loading it must leave the optimizer without state (not with the template's)."""
+    state = template.get("state")
+    if not isinstance(state, dict):
+        return
+    for key in list(state):
+        entry = state[key]
+        if isinstance(entry, dict):
+            for name in [n for n in entry if ("state", key, n) not in saved]:
+                del entry[name]
+            if not entry:
+                del state[key]
+        elif ("state", key) not in saved:
+            del state[key]
 
 
 def _has(template: Any, path: _Path) -> bool:
@@ -76,18 +93,22 @@ def _is_torch_layout(template: Mapping[str, Any]) -> bool:
 
 
 def _saved_groups(
-    checkpoint: str | os.PathLike[str], saved: dict[_Path, Any], root: str
+    checkpoint: str | os.PathLike[str], saved: dict[_Path, Any], root: _Path
 ) -> list[dict[str, Any]]:
     """The saved ``param_groups`` (small, non-tensor values), read on their own."""
     groups: dict[int, dict[str, Any]] = {}
     for path in saved:
         if len(path) == 3 and path[0] == "param_groups" and isinstance(path[1], int):
             groups.setdefault(path[1], {})[path[2]] = None
-    holder = {root: {"param_groups": [groups[i] for i in sorted(groups)]}}
+    inner: dict[str, Any] = {"param_groups": [groups[i] for i in sorted(groups)]}
+    holder = inner
+    for part in reversed(root):
+        holder = {part: holder}
     # the restricted reader and planner: a payload in a saved value raises CheckpointError, it never runs
     distributed = dist.is_available() and dist.is_initialized()
     safe_dcp_load(holder, str(checkpoint), no_dist=not distributed)
-    return holder[root]["param_groups"]
+    result: list[dict[str, Any]] = inner["param_groups"]
+    return result
 
 
 def _placeholder(param: torch.Tensor, item: Any) -> Any:
@@ -105,16 +126,23 @@ def complete_template(
     checkpoint: str | os.PathLike[str],
     optimizer: torch.optim.Optimizer,
     *,
-    root: str = "optimizer",
+    root: str | tuple[str, ...] = "optimizer",
+    prune: bool = False,
 ) -> None:
-    """Add to ``template`` (the plugin's optimizer state dict, saved under ``root``) every entry the checkpoint
-    holds and it lacks, so that ``dcp.load`` restores all saved state.
+    """Add to ``template`` (the plugin's optimizer state dict, saved under ``root``, a key or a path of keys)
+    every entry the checkpoint holds and it lacks, so that ``dcp.load`` restores all saved state.
+
+    ``prune=True`` also drops the template's ``state`` entries the checkpoint lacks, so that the loaded optimizer
+    holds exactly the saved state (none for an optimizer saved before its first step).
 
     Raises:
         ValueError: the checkpoint's parameter groups name other parameters than ``optimizer``'s, or it holds
             entries that cannot be placed; nothing has been loaded then.
     """
-    saved = _saved_paths(_read_metadata(checkpoint), root)
+    root_path = (root,) if isinstance(root, str) else tuple(root)
+    saved = _saved_paths(_read_metadata(checkpoint), root_path)
+    if prune:
+        _prune_state(template, saved)
     missing = [path for path in saved if not _has(template, path)]
     if not _is_torch_layout(template):
         if not missing:
@@ -125,7 +153,7 @@ def complete_template(
             "load it into the optimizer class and plugin that saved it."
         )
     groups = template["param_groups"]
-    saved_groups = _saved_groups(checkpoint, saved, root)
+    saved_groups = _saved_groups(checkpoint, saved, root_path)
     if len(saved_groups) != len(groups):
         raise ValueError(
             f"load_optimizer: {checkpoint} has {len(saved_groups)} parameter groups, the optimizer "

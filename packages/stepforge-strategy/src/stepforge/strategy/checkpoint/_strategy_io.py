@@ -36,6 +36,7 @@ from stepforge.accum import OptimWrapper
 from stepforge.core import BoostedOptimizer, Plugin
 
 from .._env import set_random_seed
+from .._optim_template import complete_template
 from .._version import __version__
 from ._dcp import load_dir, read_dcp_metadata, read_meta, save_dir
 from ._fsdp_window import fsdp_pending_grads, set_fsdp_pending_grads
@@ -143,6 +144,10 @@ def save(
             )
     with_optim = save_optimizer and wrapper is not None
     msd, osd = plugin.get_state_dict(model, wrapper.optimizer if wrapper is not None and with_optim else [])
+    if wrapper is not None and with_optim and not _boosted(wrapper).unwrap().state and "state" in osd:
+        # never stepped: save no state (a plugin may have materialised a template's, e.g. ZeRO's pieces), so a
+        # resume leaves the optimizer as fresh as it was and the first real step is step 1
+        osd = {**osd, "state": {}}
     extra = dict(extra_ckpt or {})
     meta = {
         "iter": window.inner_count if window is not None else run.dispatch_kwargs.get("cur_iter", 0),
@@ -271,6 +276,13 @@ def resume(
     msd, osd = plugin.get_state_dict(model, wrapper.optimizer if wrapper is not None and with_optim else [])
     tensors = {"model": msd}
     if with_optim:
+        assert wrapper is not None
+        try:  # the template holds exactly the saved optimizer state: none for a save before the first step
+            complete_template(
+                osd, filename, _boosted(wrapper).unwrap(), root=("tensors", "optimizer"), prune=True
+            )
+        except ValueError as exc:
+            raise CheckpointError(f"resume({filename!r}): {exc}") from exc
         tensors["optimizer"] = osd
     shared, mine, meta = load_dir(filename, tensors, map_location=_map_location(run, map_location))
     assert shared is not None, "load_dir returns the objects when asked for them (the default)"
