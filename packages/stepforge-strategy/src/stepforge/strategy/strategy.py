@@ -26,6 +26,7 @@ from ._logging import LOG_KWARGS, close_logger, setup_logger
 from .booster import Booster
 from .checkpoint import _strategy_io as io
 from .checkpoint import find_latest_checkpoint
+from .checkpoint._auto_resume import checkpoint_to_resume
 from .checkpoint._strategy_io import RunState
 from .optim_wrappers import ColossalAIOptimWrapper
 from .schedulers import build_param_scheduler
@@ -61,6 +62,11 @@ class Strategy:
         auto_scale_lr: ``dict(base_batch_size=..., enable=True)``: lr *= world size * micro-batch *
             accumulative_counts / base_batch_size (needs ``dispatch_kwargs["train_micro_batch_size_per_gpu"]``).
         config: the run's config (any object); its ``repr`` is recorded as ``meta["cfg"]`` in checkpoints.
+        resume: ``"auto"`` (or ``True``): :meth:`prepare` ends by resuming ``find_latest_checkpoint(work_dir)``
+            if any (fresh otherwise), after removing killed saves' temporary directories, so a job under
+            ``torchrun --max-restarts=K`` continues after a rank died; a path: resume that checkpoint; ``False``
+            (default): no resume. :attr:`resumed_from` names the checkpoint used, ``dispatch_kwargs["cur_iter"]``
+            the iteration to continue at.
     """
 
     def __init__(
@@ -75,7 +81,13 @@ class Strategy:
         log_kwargs: Mapping[str, Any] | None = None,
         auto_scale_lr: Mapping[str, Any] | None = None,
         config: Any = None,
+        resume: bool | str = False,
     ) -> None:
+        if not isinstance(resume, bool | str) or resume == "":
+            raise TypeError(
+                f"Strategy: resume must be False, 'auto' (resume from the latest checkpoint of work_dir if any), "
+                f"True (the same) or a checkpoint path, got {resume!r}"
+            )
         env = _check_dict("env_kwargs", env_kwargs, ENV_KWARGS)
         logs = _check_dict("log_kwargs", log_kwargs, LOG_KWARGS)
         self.auto_scale_lr = _check_dict(
@@ -107,6 +119,9 @@ class Strategy:
         self.optim_wrapper: ColossalAIOptimWrapper | None = None
         self.param_schedulers: list[Any] | None = None
         self.statefuls: dict[str, tuple[Any, bool]] = {}
+        self.resume_option: bool | str = resume
+        #: the checkpoint ``resume=`` restored in :meth:`prepare` (None: none, the run started fresh)
+        self.resumed_from: str | None = None
         self._prepared = False
 
     # -- properties ----------------------------------------------------------------------------------------
@@ -188,6 +203,10 @@ class Strategy:
         elif param_scheduler is not None:
             raise ValueError("Strategy.prepare: param_scheduler needs an optim_wrapper to schedule")
         self._prepared = True
+        path = checkpoint_to_resume(self.resume_option, self.work_dir, self.logger)
+        if path is not None:
+            self.resume(path)
+            self.resumed_from = path
         return self._components()
 
     def _components(self) -> Any:
@@ -367,8 +386,9 @@ class Strategy:
     def load_or_resume(
         self, *, load_from: str | None = None, resume: bool | str = False
     ) -> dict[str, Any] | None:
-        """mmengine's rule: ``resume=<path>``; ``resume=True`` → ``load_from`` or the latest; else load."""
-        if isinstance(resume, str):
+        """mmengine's rule: ``resume=<path>``; ``resume=True`` (or ``"auto"``) → ``load_from`` or the latest;
+        else load."""
+        if isinstance(resume, str) and resume != "auto":
             return self.resume(resume)
         if resume:
             path = load_from or self.find_latest_checkpoint()
