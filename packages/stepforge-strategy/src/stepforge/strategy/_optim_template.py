@@ -141,6 +141,8 @@ def complete_template(
     """
     root_path = (root,) if isinstance(root, str) else tuple(root)
     saved = _saved_paths(_read_metadata(checkpoint), root_path)
+    if not saved:
+        return  # no optimizer saved at all: the caller's layout check names what is missing
     if prune:
         _prune_state(template, saved)
     missing = [path for path in saved if not _has(template, path)]

@@ -26,7 +26,7 @@ from ._logging import LOG_KWARGS, close_logger, setup_logger
 from .booster import Booster
 from .checkpoint import _strategy_io as io
 from .checkpoint import find_latest_checkpoint
-from .checkpoint._auto_resume import checkpoint_to_resume
+from .checkpoint._auto_resume import check_resume_option, checkpoint_to_resume
 from .checkpoint._strategy_io import RunState
 from .optim_wrappers import ColossalAIOptimWrapper
 from .schedulers import build_param_scheduler
@@ -62,11 +62,9 @@ class Strategy:
         auto_scale_lr: ``dict(base_batch_size=..., enable=True)``: lr *= world size * micro-batch *
             accumulative_counts / base_batch_size (needs ``dispatch_kwargs["train_micro_batch_size_per_gpu"]``).
         config: the run's config (any object); its ``repr`` is recorded as ``meta["cfg"]`` in checkpoints.
-        resume: ``"auto"`` (or ``True``): :meth:`prepare` ends by resuming ``find_latest_checkpoint(work_dir)``
-            if any (fresh otherwise), after removing killed saves' temporary directories, so a job under
-            ``torchrun --max-restarts=K`` continues after a rank died; a path: resume that checkpoint; ``False``
-            (default): no resume. :attr:`resumed_from` names the checkpoint used, ``dispatch_kwargs["cur_iter"]``
-            the iteration to continue at.
+        resume: ``"auto"``/``True``: :meth:`prepare` ends by resuming the latest checkpoint of ``work_dir`` if
+            any (for ``torchrun --max-restarts``); a path: that checkpoint; ``False``: none (default). See
+            :func:`~stepforge.strategy.checkpoint._auto_resume.checkpoint_to_resume` and :attr:`resumed_from`.
     """
 
     def __init__(
@@ -83,11 +81,7 @@ class Strategy:
         config: Any = None,
         resume: bool | str = False,
     ) -> None:
-        if not isinstance(resume, bool | str) or resume == "":
-            raise TypeError(
-                f"Strategy: resume must be False, 'auto' (resume from the latest checkpoint of work_dir if any), "
-                f"True (the same) or a checkpoint path, got {resume!r}"
-            )
+        check_resume_option(resume)
         env = _check_dict("env_kwargs", env_kwargs, ENV_KWARGS)
         logs = _check_dict("log_kwargs", log_kwargs, LOG_KWARGS)
         self.auto_scale_lr = _check_dict(
@@ -120,8 +114,7 @@ class Strategy:
         self.param_schedulers: list[Any] | None = None
         self.statefuls: dict[str, tuple[Any, bool]] = {}
         self.resume_option: bool | str = resume
-        #: the checkpoint ``resume=`` restored in :meth:`prepare` (None: none, the run started fresh)
-        self.resumed_from: str | None = None
+        self.resumed_from: str | None = None  # the checkpoint prepare() resumed (None: the run started fresh)
         self._prepared = False
 
     # -- properties ----------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import shutil
 from .._env import broadcast_object, get_rank
 from ._layout import LAST_CHECKPOINT, find_latest_checkpoint
 
-__all__ = ["checkpoint_to_resume", "remove_uncommitted"]
+__all__ = ["check_resume_option", "checkpoint_to_resume", "remove_uncommitted"]
 
 _TMP_DIR = re.compile(r"^\..+\.tmp-[0-9a-f]+$")
 _TMP_POINTER = re.compile(rf"^{re.escape(LAST_CHECKPOINT)}\.tmp-\d+$")
@@ -44,6 +44,15 @@ def remove_uncommitted(folder: str) -> list[str]:
     return removed
 
 
+def check_resume_option(option: object) -> None:
+    """``TypeError`` naming ``resume`` unless ``option`` is a bool or a non-empty string."""
+    if not isinstance(option, bool | str) or option == "":
+        raise TypeError(
+            f"Strategy: resume must be False, 'auto' (resume from the latest checkpoint of work_dir if any), "
+            f"True (the same) or a checkpoint path, got {option!r}"
+        )
+
+
 def checkpoint_to_resume(option: bool | str, work_dir: str, logger: logging.Logger) -> str | None:
     """The checkpoint ``Strategy(resume=option)`` resumes (collective: every rank calls it, before training).
 
@@ -55,12 +64,12 @@ def checkpoint_to_resume(option: bool | str, work_dir: str, logger: logging.Logg
         return None
     if option is not True and option != "auto":
         return str(option)
-    path = None
+    latest = None
     if get_rank() == 0:
         for removed in remove_uncommitted(work_dir):
             logger.info(f"resume='auto': removed {removed} (left by a save that did not finish)")
-        path = find_latest_checkpoint(work_dir)
-    path = broadcast_object(path)
+        latest = find_latest_checkpoint(work_dir)
+    path: str | None = broadcast_object(latest)  # every rank resumes the one rank 0 found
     if path is None:
         logger.info("resume='auto': no committed checkpoint in work_dir, training from scratch")
     return path

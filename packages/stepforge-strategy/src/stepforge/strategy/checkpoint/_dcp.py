@@ -257,6 +257,7 @@ def load_dir(
     map_location: Any = "cpu",
     objects: bool = True,
     rank_objects: bool = True,
+    complete: Callable[[dict[str, Any]], None] | None = None,
 ) -> tuple[dict[str, Any] | None, dict[str, Any] | None, dict[str, Any]]:
     """Validate, then fill ``tensors`` in place from checkpoint ``path``; return (objects, rank objects, meta).
 
@@ -266,9 +267,13 @@ def load_dir(
 
     ``rank_objects`` comes back None when this rank has none in the checkpoint (it was saved at a smaller
     world size). ``map_location`` applies to the pickled objects (tensors land where the template's live).
+    ``complete(tensors)`` may adapt the template to the checkpoint once its files are verified, before the
+    template is checked against it (an optimizer template gets exactly the saved state entries).
     """
     record = read_commit(path)
     validate_files(path, record)
+    if complete is not None:
+        complete(tensors)
     metadata = read_dcp_metadata(path)
     _check_template(path, tensors, metadata)
     rank_key = str(get_rank())

@@ -45,6 +45,8 @@ from ._rng import get_rng_state, set_rng_state
 
 __all__ = ["RunState", "save", "load", "resume"]
 
+_OPTIM_ROOT = ("tensors", "optimizer")  # where save_dir puts the optimizer's state dict in the DCP tree
+
 
 @dataclass
 class RunState:
@@ -276,15 +278,22 @@ def resume(
     msd, osd = plugin.get_state_dict(model, wrapper.optimizer if wrapper is not None and with_optim else [])
     tensors = {"model": msd}
     if with_optim:
-        assert wrapper is not None
-        try:  # the template holds exactly the saved optimizer state: none for a save before the first step
-            complete_template(
-                osd, filename, _boosted(wrapper).unwrap(), root=("tensors", "optimizer"), prune=True
-            )
-        except ValueError as exc:
-            raise CheckpointError(f"resume({filename!r}): {exc}") from exc
         tensors["optimizer"] = osd
-    shared, mine, meta = load_dir(filename, tensors, map_location=_map_location(run, map_location))
+
+    def exact_optimizer_template(template: dict[str, Any]) -> None:
+        # run by load_dir once the files are verified: exactly the saved optimizer state entries (none for a
+        # save before the first step), filled in place (``osd`` is ``template["optimizer"]``)
+        if "optimizer" in template:
+            assert wrapper is not None
+            optimizer = _boosted(wrapper).unwrap()
+            try:
+                complete_template(template["optimizer"], filename, optimizer, root=_OPTIM_ROOT, prune=True)
+            except ValueError as exc:
+                raise CheckpointError(f"resume({filename!r}): {exc}") from exc
+
+    shared, mine, meta = load_dir(
+        filename, tensors, map_location=_map_location(run, map_location), complete=exact_optimizer_template
+    )
     assert shared is not None, "load_dir returns the objects when asked for them (the default)"
     ckpt: dict[str, Any] = {"meta": meta, "state_dict": msd, **shared["extra"]}
     if with_optim:
