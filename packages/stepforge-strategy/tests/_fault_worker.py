@@ -9,14 +9,14 @@ iteration ``at``, after appending the death to that file (so the restarted run a
 
 - ``forward``: in the model's forward (a forward pre-hook);
 - ``save_write``: inside a save, at its first ``os.fsync`` (DCP syncs each data file it wrote);
-- ``before_rename``: inside a save, at its first ``os.replace`` (rank 0: the marker is written, the temporary
-  directory not yet renamed);
-- ``between_renames``: inside a save, at its second ``os.replace`` (rank 0: the directory is renamed, the
-  ``last_checkpoint`` pointer not yet).
+- ``before_rename``: inside a save, at the rename onto ``iter_<k>`` (rank 0: the marker is written, the
+  temporary directory not yet renamed);
+- ``between_renames``: inside a save, at the rename onto ``last_checkpoint`` (rank 0: the directory is renamed,
+  the pointer still names the previous checkpoint).
 
-Only this process's own ``os.fsync``/``os.replace`` are wrapped: the library has no test hook. Rank 0 appends
-each start to ``<work>/starts.jsonl``; the run that completes writes its final parameters and those of an
-uninterrupted run in the same processes (a fresh Strategy without saves) to ``<work>/result.pt``.
+Only this process's own ``os.fsync``/``os.replace``/``os.rename`` are wrapped: the library has no test hook.
+Rank 0 appends each start to ``<work>/starts.jsonl``; the run that completes writes its final parameters and
+those of an uninterrupted run in the same processes (a fresh Strategy without saves) to ``<work>/result.pt``.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class Fault:
         self.iteration = 0
         self.saving = False
         self.fsyncs = 0
-        real_fsync, real_replace = os.fsync, os.replace
+        real_fsync, real_replace, real_rename = os.fsync, os.replace, os.rename
 
         def fsync(fd: Any) -> None:
             if self.saving:
@@ -76,16 +76,23 @@ class Fault:
                     self.die()
             real_fsync(fd)
 
-        def replace(src: Any, dst: Any, **kwargs: Any) -> None:
+        def before_rename(dst: Any) -> None:
             name = os.path.basename(os.fspath(dst))
             if self.saving and name == f"iter_{self.iteration}" and self._due("before_rename"):
                 self.die()  # committed in its temporary directory, not renamed yet
             if self.saving and name == "last_checkpoint" and self._due("between_renames"):
                 self.die()  # renamed, the pointer still names the previous checkpoint
+
+        def replace(src: Any, dst: Any, **kwargs: Any) -> None:
+            before_rename(dst)
             real_replace(src, dst, **kwargs)
 
-        if self.entry is not None:
-            os.fsync, os.replace = fsync, replace
+        def rename(src: Any, dst: Any, **kwargs: Any) -> None:
+            before_rename(dst)
+            real_rename(src, dst, **kwargs)
+
+        if self.entry is not None:  # os.rename too: a writer may rename with either
+            os.fsync, os.replace, os.rename = fsync, replace, rename
 
     def die(self) -> None:
         assert self.entry is not None
