@@ -264,3 +264,24 @@ def test_boosted_optimizer_protocol_is_structural_and_complete():
 
     assert not isinstance(NoUnwrap(opt), BoostedOptimizer)
     assert not isinstance(NoScalerState(opt), BoostedOptimizer)
+
+
+def test_state_dict_pair_never_steps_a_fresh_optimizer():
+    """torch's get/set_state_dict give a never-stepped optimizer state by a zero-lr step (Adam's step count 1
+    before any real step); PluginBase's pair must leave it fresh and save no state for it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
+    plugin = _Plain()
+    msd, osd = plugin.get_state_dict(model, opt)
+    assert osd["state"] == {} and len(osd["param_groups"]) == 1 and not opt.state
+    assert all(p.grad is None for p in model.parameters())  # the placeholder gradient is gone
+    plugin.set_state_dict(model, opt, msd, osd)
+    assert not opt.state and all(p.grad is None for p in model.parameters())
+    # a stepped optimizer's state round-trips, and a fresh save loaded into it makes it fresh again
+    model(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    _, stepped = plugin.get_state_dict(model, opt)
+    assert len(stepped["state"]) == 4 and all(float(s["step"]) == 1.0 for s in stepped["state"].values())
+    plugin.set_state_dict(model, opt, msd, osd)
+    assert not opt.state

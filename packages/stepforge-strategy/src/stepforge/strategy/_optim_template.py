@@ -191,7 +191,8 @@ def complete_template(
     checkpoint: str | os.PathLike[str],
     optimizer: torch.optim.Optimizer,
     *,
-    root: str = "optimizer",
+    root: str | tuple[str, ...] = "optimizer",
+    prune: bool = False,
 ) -> None:
     """:func:`fit_template` for an optimizer saved under the top-level key ``root`` (the Booster's layout);
     errors start with ``load_optimizer:``."""

@@ -27,6 +27,7 @@ from .boosted_model import plugin_module
 from .booster import Booster
 from .checkpoint import _strategy_io as io
 from .checkpoint import find_latest_checkpoint
+from .checkpoint._auto_resume import check_resume_option, checkpoint_to_resume
 from .checkpoint._strategy_io import RunState
 from .optim_wrappers import ColossalAIOptimWrapper
 from .schedulers import build_param_scheduler
@@ -62,6 +63,9 @@ class Strategy:
         auto_scale_lr: ``dict(base_batch_size=..., enable=True)``: lr *= world size * micro-batch *
             accumulative_counts / base_batch_size (needs ``dispatch_kwargs["train_micro_batch_size_per_gpu"]``).
         config: the run's config (any object); its ``repr`` is recorded as ``meta["cfg"]`` in checkpoints.
+        resume: ``"auto"``/``True``: :meth:`prepare` ends by resuming the latest checkpoint of ``work_dir`` if
+            any (for ``torchrun --max-restarts``); a path: that checkpoint; ``False``: none (default). See
+            :func:`~stepforge.strategy.checkpoint._auto_resume.checkpoint_to_resume` and :attr:`resumed_from`.
     """
 
     def __init__(
@@ -76,7 +80,9 @@ class Strategy:
         log_kwargs: Mapping[str, Any] | None = None,
         auto_scale_lr: Mapping[str, Any] | None = None,
         config: Any = None,
+        resume: bool | str = False,
     ) -> None:
+        check_resume_option(resume)
         env = _check_dict("env_kwargs", env_kwargs, ENV_KWARGS)
         logs = _check_dict("log_kwargs", log_kwargs, LOG_KWARGS)
         self.auto_scale_lr = _check_dict(
@@ -108,6 +114,8 @@ class Strategy:
         self.optim_wrapper: ColossalAIOptimWrapper | None = None
         self.param_schedulers: list[Any] | None = None
         self.statefuls: dict[str, tuple[Any, bool]] = {}
+        self.resume_option: bool | str = resume
+        self.resumed_from: str | None = None  # the checkpoint prepare() resumed (None: the run started fresh)
         self._prepared = False
 
     # -- properties ----------------------------------------------------------------------------------------
@@ -192,6 +200,10 @@ class Strategy:
         elif param_scheduler is not None:
             raise ValueError("Strategy.prepare: param_scheduler needs an optim_wrapper to schedule")
         self._prepared = True
+        path = checkpoint_to_resume(self.resume_option, self.work_dir, self.logger)
+        if path is not None:
+            self.resume(path)
+            self.resumed_from = path
         return self._components()
 
     def _components(self) -> Any:
@@ -371,8 +383,9 @@ class Strategy:
     def load_or_resume(
         self, *, load_from: str | None = None, resume: bool | str = False
     ) -> dict[str, Any] | None:
-        """mmengine's rule: ``resume=<path>``; ``resume=True`` → ``load_from`` or the latest; else load."""
-        if isinstance(resume, str):
+        """mmengine's rule: ``resume=<path>``; ``resume=True`` (or ``"auto"``) → ``load_from`` or the latest;
+        else load."""
+        if isinstance(resume, str) and resume != "auto":
             return self.resume(resume)
         if resume:
             path = load_from or self.find_latest_checkpoint()

@@ -37,6 +37,8 @@ from ._strategy_load import load, resume
 
 __all__ = ["RunState", "save", "load", "resume"]
 
+_OPTIM_ROOT = ("tensors", "optimizer")  # where save_dir puts the optimizer's state dict in the DCP tree
+
 
 @dataclass
 class RunState:
