@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import MutableMapping
 from types import ModuleType
 from typing import Any
 
@@ -48,7 +49,7 @@ def adam_defaults(
     )
 
 
-def check_adam_group(group: dict[str, Any], *, owner: str, flags: tuple[str, ...]) -> None:
+def check_adam_group(group: MutableMapping[str, Any], *, owner: str, flags: tuple[str, ...]) -> None:
     """The Adam-family checks on one param group (``flags``: its boolean options)."""
     check_adam_like(
         owner,
@@ -69,7 +70,7 @@ class AdamBase(FusedOptimizerBase):
     def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
         return ADAM_STATE_KEYS
 
-    def _check_group(self, group: dict[str, Any]) -> None:
+    def _check_group(self, group: MutableMapping[str, Any]) -> None:
         super()._check_group(group)
         check_adam_group(group, owner=self._owner, flags=("bias_correction", "adamw_mode"))
 
@@ -95,7 +96,8 @@ class AdamBase(FusedOptimizerBase):
         self, module: ModuleType, bucket: Bucket, group: dict[str, Any], launch: Launch
     ) -> bool | None:
         beta1, beta2 = group["betas"]
-        return module.adam(
+        # the extension returns None or whether the kernel's finite check skipped the step
+        skipped: bool | None = module.adam(
             bucket.ptrs["params"],
             bucket.ptrs["grads"],
             bucket.ptrs["exp_avg"],
@@ -118,3 +120,4 @@ class AdamBase(FusedOptimizerBase):
             launch.ctx,
             **launch.kw,
         )
+        return skipped

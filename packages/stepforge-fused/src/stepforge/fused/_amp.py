@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -92,7 +93,12 @@ class AmpUnscaler:
         )
 
     @staticmethod
-    def plan(opt: KernelOwner, divisor: float, grad_scale: object, found_inf: object) -> UnscalePlan:
+    def plan(
+        opt: KernelOwner,
+        divisor: float,
+        grad_scale: torch.Tensor | float | None,
+        found_inf: torch.Tensor | float | None,
+    ) -> UnscalePlan:
         """The step's plan: GradScaler's values that live on the host (or on a device without the sync-free
         path) are read now, device tensors are kept for the device loop."""
         plan = UnscalePlan(divisor)
@@ -117,6 +123,6 @@ class AmpUnscaler:
     def unscale_grads(buckets: list[Bucket], unscale_by: float) -> None:
         """Second pass: divide every grad of ``buckets`` by GradScaler's scale."""
         for b in buckets:
-            grads = [local_tensor(p.grad) for p in b.params]
+            grads = [local_tensor(cast(torch.Tensor, p.grad)) for p in b.params]  # bucketed: has a grad
             if grads:
                 torch._foreach_div_(grads, unscale_by)

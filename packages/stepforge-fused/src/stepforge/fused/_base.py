@@ -12,7 +12,7 @@ It owns the objects that do the work, each in its module with declared fields an
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from types import ModuleType
 from typing import Any
 
@@ -153,7 +153,7 @@ class FusedOptimizerBase(StateMixin, torch.optim.Optimizer):
             raise
         self._bucket_cache.invalidate()
 
-    def _check_group(self, group: dict[str, Any]) -> None:
+    def _check_group(self, group: MutableMapping[str, Any]) -> None:
         """Validate (and normalise) one param group's values; subclasses extend it. Raises
         ``HyperParameterError`` naming the value and the fix."""
         check_lr(group["lr"], owner=self._owner)

@@ -57,10 +57,11 @@ class BucketCache:
         unless the stable-grads hooks vouch for them; a moved parameter rebuilds, moved grads refresh."""
         params = group["params"]
         cached = self.entries.get(index)
-        same = cached is not None and cached.params is params
-        dtensor = cached.dtensor if same else any(map(_is_dtensor, params))
+        if cached is not None and cached.params is not params:
+            cached = None  # another params list: nothing of that entry applies
+        dtensor = cached.dtensor if cached is not None else any(map(_is_dtensor, params))
         stable = self.assume_stable_grads
-        if same and cached.params_unchanged(params):
+        if cached is not None and cached.params_unchanged(params):
             if cached.hooked and not cached.stale[0]:
                 return cached.buckets
             grads = list(map(_get_grad, params))
@@ -76,7 +77,7 @@ class BucketCache:
             gviews = _local_grads(grads) if dtensor else grads
         views = list(map(local_tensor, params)) if dtensor else params
         moved: frozenset[int] = frozenset()
-        if same and len(params) == len(cached.param_ptrs):
+        if cached is not None and len(params) == len(cached.param_ptrs):
             now = _i64(map(_data_ptr, views))
             moved = frozenset(
                 i for i, (a, b) in enumerate(zip(now, cached.param_ptrs, strict=True)) if a != b

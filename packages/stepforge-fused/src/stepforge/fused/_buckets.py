@@ -42,7 +42,7 @@ from ._validate import local_tensor
 __all__ = ["Bucket", "GroupCache", "Launch"]
 
 
-def _i64(values: Iterable[int]) -> array.array:
+def _i64(values: Iterable[int]) -> array.array[int]:
     return array.array("q", values)
 
 
@@ -84,7 +84,7 @@ class Bucket:
         self.grad_dtype = grad_dtype
         self.master = master
         self.params: list[torch.Tensor] = []
-        self.ptrs: dict[str, array.array] = {}
+        self.ptrs: dict[str, array.array[int]] = {}
         self.sizes = _i64(())
         self.steps = torch.zeros(0)
         self.steps_arg = _i64(())
@@ -94,9 +94,9 @@ class Bucket:
         self.numel = 0
         # CUDA buckets: steps live on the device and the kernels read them through step_ptrs (no host copy).
         self.on_device = False
-        self.step_ptrs: array.array | None = None
+        self.step_ptrs: array.array[int] | None = None
 
-    def prepare_steps(self) -> array.array:
+    def prepare_steps(self) -> array.array[int]:
         """Fill ``steps_arg`` with ``state step + 1`` (the step being taken) in two tensor ops."""
         if self._steps_arg_t is not None:
             self._steps_arg_t.copy_(self.steps)

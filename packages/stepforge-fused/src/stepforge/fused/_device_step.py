@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -195,7 +195,7 @@ class DeviceLoop:
                 )
             if len(sumsq) > 1:  # one global norm over every device (device-to-device copies, no host sync)
                 first = next(iter(sumsq))
-                total = sum(t.to(first, non_blocking=True) for t in sumsq.values())
+                total = cast(torch.Tensor, sum(t.to(first, non_blocking=True) for t in sumsq.values()))
                 sumsq = {d: total.to(d, non_blocking=True) for d in sumsq}
         kernel_check = check and not need_norm
         uses_steps = opt._uses_steps
@@ -216,8 +216,8 @@ class DeviceLoop:
                 div, found = clip_divisor_from_sumsq(sumsq[device], divisor=total_div, max_norm=clip_norm)
                 if clip_norm > 0:
                     factor, launch_div = div, 1.0  # div = divisor * scale * clip, all on the device
-                if check:
-                    torch.maximum(flag, found, out=flag)
+                if check:  # check made the flag (device_flag above)
+                    torch.maximum(cast(torch.Tensor, flag), found, out=flag)
             keep = None
             if uses_steps and flag is not None and not kernel_check:
                 keep = 1.0 - flag
@@ -235,14 +235,15 @@ class DeviceLoop:
                 )
                 opt._launch(module, b, group, launch)
                 if uses_steps and kernel_check:
-                    b.steps.sub_(
-                        flag
-                    )  # the kernel's finite check skipped the update: that step does not count
+                    # the kernel's finite check skipped the update: that step does not count (kernel_check
+                    # implies check, so the flag exists)
+                    b.steps.sub_(cast(torch.Tensor, flag))
                 # SGD's first-run flags are host-side: a skipped first step (device decision) still clears them;
                 # with dampening=0 (the default) the first buffer is exact either way (0*momentum + g = g).
                 b.clear_first_run()
             if scale is not None and not kernel_unscale:
-                grads = [p.grad for _g, b in items for p in b.params]
+                # every bucketed parameter has a grad
+                grads = [cast(torch.Tensor, p.grad) for _g, b in items for p in b.params]
                 if grads:
                     by = scale if flag is None else torch.where(flag != 0, torch.ones_like(scale), scale)
                     torch._foreach_div_(grads, by.reshape(()))

@@ -8,7 +8,7 @@ parameter: created on its device, moved when it moves, float32 whatever the para
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -20,8 +20,9 @@ from ._huge_pages import float32_copy, float32_zeros_like
 __all__ = ["StateMixin"]
 
 
-class StateMixin:
-    """Mixed into :class:`~._base.FusedOptimizerBase` (before ``torch.optim.Optimizer`` in the MRO)."""
+class StateMixin(torch.optim.Optimizer):
+    """The state half of :class:`~._base.FusedOptimizerBase`: a ``torch.optim.Optimizer`` subclass, so its
+    ``super()`` calls reach ``torch.optim.Optimizer`` (the MRO is ``FusedOptimizerBase, StateMixin, Optimizer``)."""
 
     _owner: str
     _uses_steps: bool
@@ -30,6 +31,14 @@ class StateMixin:
     master_weights: bool
 
     _PICKLED_OPTIONS = ("master_weights", "skip_nonfinite", "assume_stable_grads", "set_grad_none")
+
+    # Defined by FusedOptimizerBase (a subclass hook and a device helper); declared here for the type checker.
+    if TYPE_CHECKING:
+
+        def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]: ...
+
+        @staticmethod
+        def _device_path(device: torch.device) -> bool: ...
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict of this class or of ``torch.optim.AdamW``/``Adam``/``SGD`` (same state layout).

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import array
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, MutableMapping
 from types import ModuleType
 from typing import Any
 
@@ -137,7 +137,7 @@ class FusedLAMB(FusedOptimizerBase):
         self._shard_buckets: list[Bucket] = []
         self._shard_plans: dict[int, _ShardPlan] = {}
 
-    def _check_group(self, group: dict[str, Any]) -> None:
+    def _check_group(self, group: MutableMapping[str, Any]) -> None:
         super()._check_group(group)
         check_adam_group(
             group, owner=self._owner, flags=("bias_correction", "adam_w_mode", "grad_averaging", "use_nvlamb")
@@ -187,7 +187,7 @@ class FusedLAMB(FusedOptimizerBase):
         return divisor
 
     def _grad_sumsq(self, module: ModuleType, b: Bucket, ptrs: Any, sizes: Any) -> float:
-        norm = module.l2norm(
+        norm: float = module.l2norm(  # the global norm (a float) when no sumsq_out_ptr is given
             ptrs,
             sizes,
             _backend.DTYPE_CODES[b.grad_dtype],
@@ -242,8 +242,11 @@ class FusedLAMB(FusedOptimizerBase):
             launch.divisor,
         )
         plan = self._shard_plans.get(id(bucket)) if self._shard_plans else None
+        # module.lamb returns None or whether the kernel's finite check skipped the step
+        skipped: bool | None
         if plan is None or bucket.on_device:
-            return module.lamb(*lists, launch.found_inf_ptr, launch.check_finite, launch.ctx, **launch.kw)
+            skipped = module.lamb(*lists, launch.found_inf_ptr, launch.check_finite, launch.ctx, **launch.kw)
+            return skipped
         # Sharded tensors: moments and the local sums of p^2, u^2; the sums over the mesh; then the update.
         n = len(bucket.sizes)
         norms = torch.zeros(2 * n, dtype=torch.float64)
@@ -262,7 +265,8 @@ class FusedLAMB(FusedOptimizerBase):
             at = torch.tensor(idx, dtype=torch.long)
             sums[:, at] = mesh_sum_(sums[:, at], groups, comm)
         kw.pop("write_unscaled_grads", None)  # written back by the norms pass
-        return module.lamb(*lists, 0, False, launch.ctx, norms_in_ptr=norms.data_ptr(), **kw)
+        skipped = module.lamb(*lists, 0, False, launch.ctx, norms_in_ptr=norms.data_ptr(), **kw)
+        return skipped
 
     def step(self, closure: Callable[[], Any] | None = None, div_scale: float = -1) -> Any:
         """One optimizer step; ``div_scale > 0`` divides every grad before the norm clip."""
@@ -285,7 +289,7 @@ def _trust_bounds(trust_clip: Any) -> tuple[float, float]:
     return (0.0 if low is None else low), (math.inf if high is None else high)
 
 
-def _pick(values: array.array, idx: list[int]) -> array.array:
+def _pick(values: array.array[int], idx: list[int]) -> array.array[int]:
     return array.array("q", [values[i] for i in idx])
 
 

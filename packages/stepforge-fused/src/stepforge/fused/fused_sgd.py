@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, MutableMapping
 from types import ModuleType
 from typing import Any
 
@@ -103,7 +103,7 @@ class FusedSGD(FusedOptimizerBase):
             capturable=capturable,
         )
 
-    def _check_group(self, group: dict[str, Any]) -> None:
+    def _check_group(self, group: MutableMapping[str, Any]) -> None:
         super()._check_group(group)
         owner = self._owner
         check_momentum(group["momentum"], owner=owner)
@@ -129,7 +129,8 @@ class FusedSGD(FusedOptimizerBase):
         self, module: ModuleType, bucket: Bucket, group: dict[str, Any], launch: Launch
     ) -> bool | None:
         momentum = float(group["momentum"])
-        return module.sgd(
+        # the extension returns None or whether the kernel's finite check skipped the step
+        skipped: bool | None = module.sgd(
             bucket.ptrs["params"],
             bucket.ptrs["grads"],
             bucket.ptrs.get("momentum_buffer"),
@@ -150,6 +151,7 @@ class FusedSGD(FusedOptimizerBase):
             launch.ctx,
             **launch.kw,
         )
+        return skipped
 
     def step(self, closure: Callable[[], Any] | None = None, div_scale: float = -1) -> Any:
         """One optimizer step; ``div_scale > 0`` divides every grad first."""
