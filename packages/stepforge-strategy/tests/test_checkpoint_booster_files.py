@@ -59,7 +59,8 @@ def test_a_single_file_save_is_a_plain_file_with_a_sidecar_manifest(tmp_path, us
 @pytest.mark.parametrize("shard", [False, True])
 def test_a_flipped_byte_in_a_model_file_is_refused_naming_it(tmp_path, shard):
     saved, path = _model(0), str(tmp_path / "ckpt")
-    Booster(plugin="single").save_model(saved, path, shard=shard, size_per_shard=0.0002)
+    # safetensors named explicitly: the default is ColossalAI's use_safetensors=False
+    Booster(plugin="single").save_model(saved, path, shard=shard, size_per_shard=0.0002, use_safetensors=True)
     files = [os.path.join(path, n) for n in os.listdir(path)] if shard else [path]
     weights = [f for f in files if f.endswith((".safetensors", "ckpt"))]
     assert weights and (not shard or len(weights) > 1)  # several shards: each one is checked
@@ -136,8 +137,11 @@ def test_a_full_disk_leaves_the_earlier_save_and_no_temporary_file(tmp_path, mon
     booster, model, opt, sched = _boosted()
     path = str(tmp_path / "ckpt")
     save = {
-        "model": lambda: booster.save_model(model, path),
-        "model_shards": lambda: booster.save_model(model, path, shard=True, size_per_shard=0.0002),
+        # safetensors named: the default is ColossalAI's use_safetensors=False
+        "model": lambda: booster.save_model(model, path, use_safetensors=True),
+        "model_shards": lambda: booster.save_model(
+            model, path, shard=True, size_per_shard=0.0002, use_safetensors=True
+        ),
         "model_torch": lambda: booster.save_model(model, path, use_safetensors=False),
         "optimizer": lambda: booster.save_optimizer(opt, path),
         "scheduler": lambda: booster.save_lr_scheduler(sched, path),
