@@ -11,6 +11,7 @@ use the original keys. It implements :class:`stepforge.core.WrappedModel`.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -54,7 +55,8 @@ class ModelWrapper(nn.Module):
         only when ``True`` (the ``gemini``/``torch_fsdp`` modules support it; others raise ``TypeError``)."""
         if only_rank_0 is None:
             return super().state_dict(*args, **kwargs)
-        return self.module.state_dict(*args, only_rank_0=only_rank_0, **kwargs)
+        plugin_state_dict: Callable[..., Any] = self.module.state_dict  # a plugin's, with only_rank_0
+        return plugin_state_dict(*args, only_rank_0=only_rank_0, **kwargs)
 
 
 def _is_peft_model(model: nn.Module) -> bool:

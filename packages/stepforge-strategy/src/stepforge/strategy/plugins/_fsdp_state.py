@@ -94,7 +94,7 @@ class FSDPOptimizerWrapper(OptimizerWrapper):
 
     def __init__(self, optimizer: Any, *, model: nn.Module, **kwargs: Any) -> None:
         super().__init__(optimizer, **kwargs)
-        self._model = model
+        self._fsdp_model = model  # not OptimizerWrapper's optional bound model: always the sharded one
 
     def state_dict(self, only_rank_0: bool | None = None) -> dict[str, Any]:
         """``only_rank_0=None`` (default): this rank's state of its shards, as torch's ``state_dict()`` (plus
@@ -109,7 +109,7 @@ class FSDPOptimizerWrapper(OptimizerWrapper):
 
     def full_optim_state_dict(self, rank0_only: bool = True) -> dict[str, Any]:
         """See :func:`full_optim_state_dict`."""
-        return full_optim_state_dict(self._model, self.optim, rank0_only=rank0_only)
+        return full_optim_state_dict(self._fsdp_model, self.optim, rank0_only=rank0_only)
 
 
 def _state_dict(self: nn.Module, *args: Any, only_rank_0: bool | None = None, **kwargs: Any) -> Any:

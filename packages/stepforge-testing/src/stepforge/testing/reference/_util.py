@@ -68,16 +68,20 @@ def run_closure(closure: Callable[[], float] | None) -> float | None:
 
 def adam_moments(
     state: dict[Any, dict[str, Any]], group: dict[str, Any]
-) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[int | torch.Tensor]]:
-    """``(params with a grad, exp_avgs, exp_avg_sqs, steps)`` of one param group, creating zero moments (fp32, or
-    fp64 for fp64 params) and ``step = 0`` on a parameter's first step."""
+) -> tuple[
+    list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[int | torch.Tensor]
+]:
+    """``(params with a grad, their grads, exp_avgs, exp_avg_sqs, steps)`` of one param group, creating zero
+    moments (fp32, or fp64 for fp64 params) and ``step = 0`` on a parameter's first step."""
     ps: list[torch.Tensor] = []
+    gs: list[torch.Tensor] = []
     ms: list[torch.Tensor] = []
     vs: list[torch.Tensor] = []
     steps: list[int | torch.Tensor] = []
     for p in group["params"]:
         if p.grad is None:
             continue
+        gs.append(p.grad)
         entry = state[p]
         if not entry:
             sdtype = torch.float64 if p.dtype == torch.float64 else torch.float32
@@ -88,4 +92,4 @@ def adam_moments(
         ms.append(entry["exp_avg"])
         vs.append(entry["exp_avg_sq"])
         steps.append(entry["step"])
-    return ps, ms, vs, steps
+    return ps, gs, ms, vs, steps

@@ -127,8 +127,7 @@ class ReferenceAdam(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         loss = run_closure(closure)
         for group in self.param_groups:
-            ps, ms, vs, steps = adam_moments(self.state, group)
-            gs = [p.grad for p in ps]
+            ps, gs, ms, vs, steps = adam_moments(self.state, group)
             beta1, beta2 = group["betas"]
             reference_adam_step(
                 ps,

@@ -204,11 +204,11 @@ class ReferenceLamb(torch.optim.Optimizer):
         all_grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
         norm = reference_global_grad_norm(all_grads)
         for group in self.param_groups:
-            ps, ms, vs, steps = adam_moments(self.state, group)
+            ps, gs, ms, vs, steps = adam_moments(self.state, group)
             beta1, beta2 = group["betas"]
             reference_lamb_step(
                 ps,
-                [p.grad for p in ps],
+                gs,
                 ms,
                 vs,
                 steps,
