@@ -315,6 +315,14 @@ def bench(session: nox.Session) -> None:
     session.run("python", str(ROOT / "tools" / "bench" / "bench_optim.py"), "--out", out, *quick)
 
 
+@nox.session(python=PYTHON, default=False)
+def faults(session: nox.Session) -> None:
+    """The fault test alone: a 2-rank run under `torchrun --max-restarts` SIGKILLed 5 times finishes bitwise equal
+    to an uninterrupted one (CI runs it inside tests(strategy))."""
+    install_packages(session, "stepforge-strategy", extra=("numpy",), env=CPU_BUILD)
+    run_pytest(session, "stepforge-strategy/tests/test_fault_restarts.py")
+
+
 #: every CPU benchmark at a seconds-long size: CI keeps them working, never times anything (python, args)
 BENCH_SMOKE = (
     ("bench_train.py", ("--tiny",)),
