@@ -15,54 +15,28 @@ save falls inside an accumulation window, this rank's accumulated gradients.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from stepforge.accum import OptimWrapper
-from stepforge.core import BoostedOptimizer, Plugin
+from stepforge.core import BoostedOptimizer
 
 from .._optim_template import saved_optimizer_state
 from .._version import __version__
 from ._dcp import save_dir
 from ._fsdp_window import fsdp_pending_grads
 from ._rng import get_rng_state
+from ._run_state import RunState
 from ._strategy_load import load, resume
 
 __all__ = ["RunState", "save", "load", "resume"]
 
 _OPTIM_ROOT = ("tensors", "optimizer")  # where save_dir puts the optimizer's state dict in the DCP tree
-
-
-@dataclass
-class RunState:
-    """The parts of a run a checkpoint saves and restores, as the Strategy holds them.
-
-    ``dispatch_kwargs`` is the Strategy's own dict (``resume`` sets its ``"cur_iter"``); ``optim_wrapper`` is
-    the accumulation wrapper whose ``optimizer`` is the boosted optimizer.
-    """
-
-    model: torch.nn.Module | None
-    optim_wrapper: OptimWrapper | None
-    plugin: Plugin
-    mixed_precision: str | None  # the Booster's mixed precision, for a plugin that does not own precision
-    param_schedulers: list[Any] | None
-    statefuls: dict[str, tuple[Any, bool]]
-    dispatch_kwargs: dict[str, Any]
-    seed: int
-    experiment_name: str
-    world_size: int
-    rank: int
-    work_dir: str
-    deterministic: bool
-    config: Any
-    logger: logging.Logger
 
 
 def _params(model: torch.nn.Module) -> list[torch.nn.Parameter]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -33,9 +33,7 @@ from ._dcp import check_template, read_dcp_metadata, read_dir, verify_files
 from ._fsdp_window import set_fsdp_pending_grads
 from ._layout import CheckpointError, CheckpointMismatchError
 from ._rng import set_rng_state
-
-if TYPE_CHECKING:
-    from ._strategy_io import RunState
+from ._run_state import RunState
 
 __all__ = ["load", "resume"]
 

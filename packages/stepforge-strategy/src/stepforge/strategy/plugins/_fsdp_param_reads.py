@@ -14,13 +14,13 @@ mixes a plain tensor with a DTensor. Two checks find such a child before or at t
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
 
 __all__ = ["blocks_read_outside", "OutsideReadGuard"]
 
@@ -69,13 +69,25 @@ def _ancestors(model: nn.Module, block: nn.Module) -> list[nn.Module]:
     return out
 
 
+def _leaves(tree: Any) -> Iterator[Any]:
+    """The leaves of nested tuples, lists and dicts (what an op's ``args``/``kwargs`` hold)."""
+    if isinstance(tree, list | tuple):
+        for item in tree:
+            yield from _leaves(item)
+    elif isinstance(tree, dict):
+        for item in tree.values():
+            yield from _leaves(item)
+    else:
+        yield tree
+
+
 class _SeeShardedParams(TorchFunctionMode):
     def __init__(self, sharded: dict[int, str]) -> None:
         super().__init__()
         self.sharded = sharded
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        flat, _ = tree_flatten((args, kwargs or {}))
+        flat = list(_leaves((args, kwargs or {})))
         tensors = [value for value in flat if isinstance(value, torch.Tensor)]
         # only an op mixing a sharded parameter with a plain tensor fails: FSDP2's own bookkeeping touches the
         # sharded parameters alone (``.data``, ``to_local``...) and must pass
