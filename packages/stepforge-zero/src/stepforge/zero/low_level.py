@@ -61,8 +61,13 @@ class LowLevelZeroOptimizer(ColossalAIMembers, StateDictMembers, torch.optim.Opt
         pg_to_param_list: ColossalAI's ``{group or (extra_dp_group, dp_group): parameters}`` with ONE group
             holding every parameter (several groups, MoE experts, are refused). A non-mapping here is read as
             ``params`` (stepforge's earlier second argument).
-        initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis, max_scale: the
-            dynamic loss scaler (fp16 working parameters, or ``dtype_for_loss_scaling="fp16"``).
+        initial_scale: the dynamic loss scaler (fp16 working parameters, or ``dtype_for_loss_scaling="fp16"``).
+        min_scale: as ``initial_scale``.
+        growth_factor: as ``initial_scale``.
+        backoff_factor: as ``initial_scale``.
+        growth_interval: as ``initial_scale``.
+        hysteresis: as ``initial_scale``.
+        max_scale: as ``initial_scale``.
         clip_grad_norm: clip the global gradient norm to this in every :meth:`step` (0: off); ``max_norm``.
         verbose: log skipped steps and the sharding set-up at INFO on the ``stepforge.zero`` logger.
         reduce_bucket_size: elements per gradient bucket (padded element count); ``None``: 4 Mi on gloo
@@ -83,7 +88,8 @@ class LowLevelZeroOptimizer(ColossalAIMembers, StateDictMembers, torch.optim.Opt
         backward_context: a callable returning a context manager entered around each backward.
         params: the parameters (module, tensors or param-group dicts) for a config ``optimizer``.
         stage: 1 (gradients all-reduced, each rank keeps its piece) or 2 (reduce-scattered from backward hooks).
-        max_norm, process_group: stepforge's names of ``clip_grad_norm``, ``dp_process_group``.
+        max_norm: stepforge's name of ``clip_grad_norm``.
+        process_group: stepforge's name of ``dp_process_group``.
         norm_type: the norm of ``max_norm`` clipping (2; ``inf`` allowed).
         dtype_for_loss_scaling: ``"fp16"`` forces loss scaling, ``None`` turns it on when a working parameter
             is fp16.

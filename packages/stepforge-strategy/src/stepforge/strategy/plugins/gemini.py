@@ -79,7 +79,18 @@ class GeminiPlugin(TorchFSDPPlugin):
         extra_dp_size: ``> 1``: shard inside groups of ``world // extra_dp_size`` ranks, replicate across
             ``extra_dp_size`` groups (HSDP); it must divide the world size (checked at ``boost``).
         tp_size: ``1`` only (tensor parallelism is not offered).
-        precision, master_weights, pin_memory, the loss-scale arguments, max_norm, norm_type: as ColossalAI.
+        precision: ``"fp16"``, ``"bf16"`` or ``"fp32"``, as ColossalAI.
+        master_weights: as ColossalAI (only ``True``: FSDP2 steps fp32 parameters).
+        pin_memory: as ColossalAI.
+        initial_scale: the fp16 dynamic loss scaler, as ColossalAI.
+        min_scale: as ``initial_scale``.
+        growth_factor: as ``initial_scale``.
+        backoff_factor: as ``initial_scale``.
+        growth_interval: as ``initial_scale``.
+        hysteresis: as ``initial_scale``.
+        max_scale: as ``initial_scale``.
+        max_norm: clip the global gradient norm to this (0: off), as ColossalAI.
+        norm_type: the norm of ``max_norm`` clipping, as ColossalAI.
         device: the compute device.
 
     Raises:
