@@ -59,106 +59,78 @@ from _zero_collectives import BUCKET_SIZES, time_collectives
 from _zero_parts import (
     GPT,
     Counter,
-    ddp_counting_hook,
     install_counter,
-    nbytes,
     peak_rss_mib,
     reset_peak_rss,
     save_plot,
 )
+from _zero_schemes import SCHEMES, THEORY_FACTOR, build
 
 __all__ = ["main"]
 
-SCHEMES = ("ddp_adamw", "ddp_torchzero", "fsdp2", "zero1", "zero2")
-THEORY_FACTOR = {"ddp_adamw": 2, "ddp_torchzero": 3, "fsdp2": 3, "zero1": 3, "zero2": 2}
-LR = 1e-4
 
-
-# ---------------------------------------------------------------------------------------------------------
-# schemes
-# ---------------------------------------------------------------------------------------------------------
-def _state_bytes(optimizer: Any) -> int:
-    total = 0
-    for state in optimizer.state.values():
-        for value in state.values():
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
-                total += _local(value).numel() * value.element_size()
-    return total
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def build(
+def _run_scheme(
     scheme: str,
-    model: torch.nn.Module,
+    rank: int,
+    args: argparse.Namespace,
     counter: Counter,
     originals: dict[str, Any],
-    zero_comm: str = "auto",
-    bucket: int | None = None,
-) -> tuple[Any, Any, Any]:
-    """``(module to call, optimizer, memory function)`` for one scheme."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    if scheme in ("ddp_adamw", "ddp_torchzero"):
-        ddp = DDP(model, gradient_as_bucket_view=True)
-        ddp.register_comm_hook(None, ddp_counting_hook(counter, originals["all_reduce"]))
-        if scheme == "ddp_adamw":
-            optimizer: Any = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
-            inner = optimizer
-        else:
-            from torch.distributed.optim import ZeroRedundancyOptimizer
-
-            optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, fused=True)
-            inner = optimizer.optim
-
-        def memory() -> dict[str, int]:
-            grads = sum(nbytes(p.grad) for p in model.parameters() if p.grad is not None)
-            return {"grad": grads, "optim_state": _state_bytes(inner), "master": 0}
-
-        return ddp, optimizer, memory
-    if scheme == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-
-        def memory() -> dict[str, int]:
-            grads = sum(nbytes(_local(p.grad)) for p in model.parameters() if p.grad is not None)
-            return {"grad": grads, "optim_state": _state_bytes(optimizer), "master": 0}
-
-        return model, optimizer, memory
-    from stepforge.fused import CPUAdam
-    from stepforge.zero import LowLevelZeroOptimizer
-
-    zero = LowLevelZeroOptimizer(
-        CPUAdam(model.parameters(), lr=LR),
-        stage=1 if scheme == "zero1" else 2,
-        overlap_communication=True,
-        comm_algorithm=zero_comm,
-        **({} if bucket is None else {"reduce_bucket_size": bucket}),
+    results: dict[str, Any],
+    *,
+    first: bool,
+) -> None:
+    """One round of one scheme: ``args.warmup`` + ``args.steps`` steps; timings are appended to ``results``."""
+    torch.manual_seed(0)
+    model = GPT(args.vocab, args.d_model, args.layers, args.heads, args.ctx)
+    n_params = sum(p.numel() for p in model.parameters())
+    root_params = n_params - sum(p.numel() for p in model.blocks.parameters())
+    module, optimizer, memory = build(
+        scheme, model, counter, originals, args.zero_comm, args.bucket, args.overlap_allgather == "on"
     )
-
-    def memory() -> dict[str, int]:
-        # the tensors the optimizer holds: reduced gradient pieces, inner optimizer state over the pieces,
-        # and master pieces that are separate tensors (fp32 working params are their own masters)
-        slots = zero.layout.slots
-        storages = {
-            s.grad.untyped_storage().data_ptr(): s.grad.untyped_storage().nbytes()
-            for s in slots
-            if s.grad is not None
-        }
-        return {
-            "grad": sum(storages.values())
-            + sum(nbytes(p.grad) for p in model.parameters() if p.grad is not None),
-            "optim_state": _state_bytes(zero.optim),
-            "master": sum(nbytes(s.master) for s in slots if s.separate_master),
-        }
-
-    return model, zero, memory
+    reset_peak_rss()
+    gen = torch.Generator().manual_seed(1234 + rank)
+    times, bytes_per_step, calls = [], [], {}
+    for step in range(args.warmup + args.steps):
+        idx = torch.randint(args.vocab, (args.batch, args.ctx), generator=gen)
+        dist.barrier()
+        counter.reset()
+        t0 = time.perf_counter()
+        logits = module(idx[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, args.vocab), idx[:, 1:].reshape(-1))
+        if hasattr(optimizer, "backward"):
+            optimizer.backward(loss)
+        else:
+            loss.backward()
+        optimizer.step()
+        elapsed = time.perf_counter() - t0
+        if step == args.warmup + args.steps - 1:
+            mem = memory()  # gradients and state as the step left them
+        optimizer.zero_grad()
+        if step >= args.warmup:
+            times.append(elapsed * 1e3)
+            bytes_per_step.append(counter.ring_bytes)
+            calls = dict(counter.calls)
+    if hasattr(optimizer, "wait_for_param_gather"):
+        optimizer.wait_for_param_gather()  # the last step's gather, overlapped with a forward that never comes
+    previous = results.get(scheme, {"step_ms": [], "ring_bytes_per_step": []})
+    buffers = mem.pop("buffers", 0)
+    results[scheme] = {
+        "params": n_params,
+        "root_params": root_params,
+        "step_ms": previous["step_ms"] + times,
+        "ring_bytes_per_step": previous["ring_bytes_per_step"] + bytes_per_step,
+        "payload_bytes_last_step": counter.payload_bytes,
+        "calls_last_step": calls,
+        "memory_bytes": mem,
+        "buffer_bytes": buffers,
+        "final_loss": float(loss.detach()),
+        "max_rss_mib": peak_rss_mib() if first else max(peak_rss_mib(), results[scheme]["max_rss_mib"]),
+        "comm": {
+            k: getattr(optimizer, k, None)
+            for k in ("comm_algorithm", "param_gather", "reduce_bucket_size", "overlap_allgather")
+        },
+    }
+    del module, optimizer, model
 
 
 def _worker(rank: int, world: int, args: argparse.Namespace, schemes: list[str], out_dir: str) -> None:
@@ -169,51 +141,9 @@ def _worker(rank: int, world: int, args: argparse.Namespace, schemes: list[str],
     results: dict[str, Any] = {
         "_collectives": time_collectives(BUCKET_SIZES if not args.quick else (1 << 16,), 3, originals)
     }
-    for scheme in schemes:
-        torch.manual_seed(0)
-        model = GPT(args.vocab, args.d_model, args.layers, args.heads, args.ctx)
-        n_params = sum(p.numel() for p in model.parameters())
-        root_params = n_params - sum(p.numel() for p in model.blocks.parameters())
-        module, optimizer, memory = build(scheme, model, counter, originals, args.zero_comm, args.bucket)
-        reset_peak_rss()
-        gen = torch.Generator().manual_seed(1234 + rank)
-        times, bytes_per_step, calls = [], [], {}
-        for step in range(args.warmup + args.steps):
-            idx = torch.randint(args.vocab, (args.batch, args.ctx), generator=gen)
-            dist.barrier()
-            counter.reset()
-            t0 = time.perf_counter()
-            logits = module(idx[:, :-1])
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, args.vocab), idx[:, 1:].reshape(-1))
-            if hasattr(optimizer, "backward"):
-                optimizer.backward(loss)
-            else:
-                loss.backward()
-            optimizer.step()
-            elapsed = time.perf_counter() - t0
-            if step == args.warmup + args.steps - 1:
-                mem = memory()  # gradients and state as the step left them
-            optimizer.zero_grad()
-            if step >= args.warmup:
-                times.append(elapsed * 1e3)
-                bytes_per_step.append(counter.ring_bytes)
-                calls = dict(counter.calls)
-        results[scheme] = {
-            "params": n_params,
-            "root_params": root_params,
-            "step_ms": times,
-            "ring_bytes_per_step": bytes_per_step,
-            "payload_bytes_last_step": counter.payload_bytes,
-            "calls_last_step": calls,
-            "memory_bytes": mem,
-            "final_loss": float(loss.detach()),
-            "max_rss_mib": peak_rss_mib(),
-            "comm": {
-                k: getattr(optimizer, k, None)
-                for k in ("comm_algorithm", "param_gather", "reduce_bucket_size")
-            },
-        }
-        del module, optimizer, model
+    for round_ in range(args.rounds):  # schemes interleaved round by round: drifting load hits them all
+        for scheme in schemes:
+            _run_scheme(scheme, rank, args, counter, originals, results, first=round_ == 0)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
@@ -259,6 +189,8 @@ def run_world(world: int, args: argparse.Namespace, schemes: list[str]) -> dict[
             "comm_algorithm": comm["comm_algorithm"] or "-",
             "param_gather": comm["param_gather"] or "-",
             "reduce_bucket_size": comm["reduce_bucket_size"],
+            "overlap_allgather": comm["overlap_allgather"],
+            "buffer_mib_per_rank": max(r["buffer_bytes"] for r in ranks) / 2**20,
         }
     return out
 
@@ -291,6 +223,18 @@ def main(argv: list[str] | None = None) -> int:
         help="LowLevelZeroOptimizer's comm_algorithm for zero1/zero2",
     )
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="rounds over the schemes (interleaved); steps of all rounds count",
+    )
+    parser.add_argument(
+        "--overlap-allgather",
+        choices=("on", "off"),
+        default="on",
+        help="zero1/zero2: LowLevelZeroOptimizer(overlap_allgather=...) (gather overlapped with the next forward)",
+    )
     parser.add_argument("--quick", action="store_true", help="a small model and one timed step (smoke run)")
     parser.add_argument(
         "--bucket",
@@ -301,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stem", help="file name stem (default cpu-<date>-zero)")
     args = parser.parse_args(argv)
     if args.quick:
-        args.layers, args.d_model, args.vocab, args.steps = 2, 128, 2048, 1
+        args.layers, args.d_model, args.vocab, args.steps, args.rounds = 2, 128, 2048, 1, 1
     if args.d_model % args.heads:
         parser.error("--d-model must be a multiple of --heads")
     info = _machine.machine_info(threads=1)
@@ -361,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
                 ("sent_over_theory", "sent/theory", ".4f"),
                 ("state_mib_per_rank", "grad+state MiB", ".1f"),
                 ("state_over_ddp", "vs DDP", ".3f"),
+                ("buffer_mib_per_rank", "comm buffers MiB", ".1f"),
                 ("max_rss_mib", "peak RSS MiB", ".0f"),
             ],
         )
@@ -384,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps,
         "warmup": args.warmup,
         "zero_comm": args.zero_comm,
+        "overlap_allgather": args.overlap_allgather,
+        "rounds": args.rounds,
         "collectives": collectives,
         "goals": goals["ratios"],
         "rows": rows,

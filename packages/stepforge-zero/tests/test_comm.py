@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``stepforge.zero._comm``: the tensor collectives under torch's current names, the broadcast-based gather,
+"""``stepforge.zero._comm``: the tensor collectives under torch's current names,
 the parameter gather of a layout and the small all-reduce, on one process and on 3 gloo ranks."""
 
 from __future__ import annotations
@@ -14,11 +14,10 @@ from stepforge.zero._comm import (
     all_gather,
     all_gather_name,
     all_reduce_small,
-    gather_by_broadcast,
-    gather_params,
     reduce_scatter,
     reduce_scatter_name,
 )
+from stepforge.zero._param_gather import gather_params
 from stepforge.zero._partition import build_layout
 
 
@@ -58,7 +57,6 @@ def _collectives(rank: int, world: int) -> dict:
     mine = torch.empty(2)
     reduce_scatter(mine, flat, group=None)
     out["reduce_scatter"] = mine
-    out["broadcast_table"] = gather_by_broadcast(local, rank, world, group=None)
     # parameter gather: each rank writes rank-dependent masters; both methods give the same full params
     for method in ("all_gather", "broadcast"):
         params, layout = _layout(world, rank)
@@ -82,7 +80,6 @@ def test_collectives_on_three_ranks():
     for rank, out in enumerate(results):
         assert torch.equal(out["all_gather"], want_gather)
         assert torch.equal(out["reduce_scatter"], total[2 * rank : 2 * rank + 2])
-        assert torch.equal(out["broadcast_table"], want_gather.view(world, 3))
         for method, per_call in (("all_gather", "all_gather_into_tensor"), ("broadcast", "broadcast")):
             params, calls = out["params/" + method]
             # every rank wrote its range [start, start + valid) of arange: the gathered params are arange

@@ -33,7 +33,7 @@ from stepforge.zero._algorithm import (
     GLOO_BUCKET_SIZE,
     resolve_comm_algorithm,
 )
-from stepforge.zero._comm import gather_params
+from stepforge.zero._param_gather import gather_params
 from stepforge.zero._partition import build_layout
 from stepforge.zero.low_level import LowLevelZeroOptimizer
 

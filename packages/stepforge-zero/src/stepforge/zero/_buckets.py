@@ -3,19 +3,21 @@
 
 A hook on every working parameter hands its freshly accumulated ``.grad`` to :class:`GradReducer` and frees it.
 Gradients wait in a bucket per gradient dtype until ``reduce_bucket_size`` elements (counted padded) are
-there; the bucket is then laid out rank-major (rank ``r``'s pieces of every parameter in the bucket side by
-side; the division by the world size is done by the same copy) and reduced by the algorithm of
-:mod:`._algorithm`:
+there; the bucket is then reduced by the algorithm of :mod:`._algorithm`, the division by the world size done
+before the sum (as DDP does):
 
-- ``"reduce_scatter"``: ``reduce_scatter_tensor`` -- each rank receives only its row;
-- ``"all_reduce"``: ``all_reduce`` -- each rank copies its row out of the result and frees the bucket.
+- ``"reduce_scatter"``: the bucket is laid out rank-major (rank ``r``'s pieces of every parameter side by side,
+  divided by the same copy) and ``reduce_scatter_tensor`` hands each rank only its row;
+- ``"all_reduce"``: the gradients are all-reduced as they are laid out (a lone gradient in place, several
+  concatenated), and each rank reads its piece of every parameter at the piece's range (``torch.chunk`` layout:
+  one contiguous range per parameter).
 
 With ``overlap_communication`` the collective is launched asynchronously and backward goes on; the results
 are added into the slots' fp32 (master-dtype) gradient pieces when :meth:`GradReducer.wait` runs (before
 clipping or stepping), or as soon as more than ``MAX_IN_FLIGHT`` buckets are in flight. A callback queued on the
 autograd engine launches the last partial bucket at the end of every backward, so at most the buckets in flight
-exist beside the shards. The first reduction of a step hands each slot a view into the bucket's received row
-(no copy: the row is 1/N of the bucket and holds only this rank's pieces), later ones add into it.
+exist beside the shards. The pieces and the bucket buffers are reused from step to step (:mod:`._grad_storage`):
+the first reduction of a step copies into the pieces, later ones add into them.
 
 While :attr:`GradReducer.enabled` is ``False`` (``no_sync``), hooks leave ``.grad`` alone: full local
 gradients accumulate as usual and are reduced once, by the first synchronised backward or by :meth:`flush_local`.
@@ -27,12 +29,14 @@ reaches a managed parameter (or :meth:`GradReducer.discard`), so calling it agai
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from stepforge.core import queue_backward_callback
 
+from ._grad_storage import BufferPool, PieceStore
 from ._partition import Slot
 from ._wire import WireFormat
 
@@ -78,9 +82,16 @@ class _Bucket:
         self.elements = 0  # padded elements (piece * world size per item)
 
 
-#: a launched reduction: (work, this rank's row, (slot, offset) per item, bucket elements, the all-reduced
-#: bucket or None)
-_Flight = tuple[Any, torch.Tensor, list[tuple[Slot, int]], int, torch.Tensor | None]
+@dataclass(eq=False)
+class _Flight:
+    """A launched reduction: the collective's work, the tensor this rank's pieces are read from, where each slot's
+    piece starts in it, the bucket's padded element count, and the pooled buffers to hand back when done."""
+
+    work: Any
+    received: torch.Tensor
+    layout: list[tuple[Slot, int]]
+    elements: int
+    buffers: list[torch.Tensor] = field(default_factory=list)
 
 
 class GradReducer:
@@ -122,6 +133,8 @@ class GradReducer:
         self.enabled = True
         self.synced = False  # the reduction of the gradients so far is complete (see sync)
         self.counter = CollectiveCounter()
+        self.pieces = PieceStore(slots)
+        self.pool = BufferPool(keep=MAX_IN_FLIGHT + 1, min_numel=bucket_size)
         self._buckets: dict[torch.dtype, _Bucket] = {}
         self._in_flight: list[_Flight] = []
         self.peak_in_flight = 0  # most bucket elements launched and not yet added into the pieces
@@ -136,6 +149,11 @@ class GradReducer:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+    def release(self) -> None:
+        """Drop the reusable storage (pieces and buffers): the optimizer was closed."""
+        self.pieces.release()
+        self.pool.clear()
 
     # -- backward side --------------------------------------------------------------------------------
     def _hook(self, param: torch.Tensor) -> None:
@@ -154,6 +172,7 @@ class GradReducer:
         self.launch_all()
 
     def _add(self, slot: Slot, grad: torch.Tensor) -> None:
+        """Take ``grad`` into its bucket; the reducer owns it from here on (the caller drops ``param.grad``)."""
         if grad.is_sparse:
             raise RuntimeError(
                 f"LowLevelZeroOptimizer: parameter {slot.index} got a sparse gradient; ZeRO shards dense "
@@ -169,57 +188,89 @@ class GradReducer:
         bucket = self._buckets.pop(dtype, None)
         if bucket is None or not bucket.items:
             return
-        world = self.world_size
-        per_rank = sum(slot.piece for slot, _ in bucket.items)
-        device = bucket.items[0][1].device
-        flat = torch.empty((world, per_rank), dtype=dtype, device=device)
-        layout: list[tuple[Slot, int]] = []
-        offset = 0
-        for slot, grad in bucket.items:
-            write_rank_major(flat[:, offset : offset + slot.piece], grad, world)
-            layout.append((slot, offset))
-            offset += slot.piece
-        bucket.items.clear()
-        if world == 1:
-            self._accumulate(flat.view(-1), layout)
-            return
-        whole: torch.Tensor | None = flat  # an all-reduced bucket lives until its row is copied out
-        if self.algorithm == "reduce_scatter":
-            out = torch.empty(per_rank, dtype=dtype, device=device)
-            work = self.wire.reduce_scatter(
-                out, flat.view(-1), group=self.group, world_size=world, async_op=self.overlap
-            )
-            self.counter.reduce_scatter += 1
-            whole = None
+        if self.algorithm == "reduce_scatter" and self.world_size > 1:
+            flight = self._launch_reduce_scatter(bucket.items, dtype)
         else:
-            work = self.wire.all_reduce(flat, group=self.group, world_size=world, async_op=self.overlap)
-            out = flat[self.rank]
-            self.counter.all_reduce += 1
-        del flat
-        if self.overlap:
-            self._in_flight.append((work, out, layout, world * per_rank, whole))
-            self.peak_in_flight = max(self.peak_in_flight, sum(f[3] for f in self._in_flight))
+            flight = self._launch_all_reduce(bucket.items, dtype)
+        flight.elements = bucket.elements
+        bucket.items.clear()
+        if self.overlap and flight.work is not None:
+            self._in_flight.append(flight)
+            self.peak_in_flight = max(self.peak_in_flight, sum(f.elements for f in self._in_flight))
             while len(self._in_flight) > MAX_IN_FLIGHT:  # bound the memory: finish the oldest
                 self._finish(self._in_flight.pop(0))
         else:
-            self.peak_in_flight = max(self.peak_in_flight, world * per_rank)
-            self._finish((work, out, layout, world * per_rank, whole))
+            self.peak_in_flight = max(self.peak_in_flight, flight.elements)
+            self._finish(flight)
+
+    def _launch_reduce_scatter(self, items: list[tuple[Slot, torch.Tensor]], dtype: torch.dtype) -> _Flight:
+        """Lay the bucket out rank-major (divided by the world size) and reduce-scatter it: this rank receives
+        its row, the concatenation of its pieces."""
+        world = self.world_size
+        per_rank = sum(slot.piece for slot, _ in items)
+        device = items[0][1].device
+        send = self.pool.take(world * per_rank, dtype, device)
+        flat = send[: world * per_rank].view(world, per_rank)
+        received = self.pool.take(per_rank, dtype, device)
+        layout: list[tuple[Slot, int]] = []
+        offset = 0
+        for slot, grad in items:
+            write_rank_major(flat[:, offset : offset + slot.piece], grad, world)
+            layout.append((slot, offset))
+            offset += slot.piece
+        work = self.wire.reduce_scatter(
+            received[:per_rank], flat.view(-1), group=self.group, world_size=world, async_op=self.overlap
+        )
+        self.counter.reduce_scatter += 1
+        return _Flight(work, received, layout, 0, [send, received])
+
+    def _launch_all_reduce(self, items: list[tuple[Slot, torch.Tensor]], dtype: torch.dtype) -> _Flight:
+        """All-reduce the bucket's gradients divided by the world size; each slot's piece is then read at its
+        range of the result. A lone contiguous gradient is reduced in place (the reducer owns it: no copy, no
+        new memory); several are concatenated into a pooled buffer."""
+        world = self.world_size
+        if len(items) == 1 and items[0][1].is_contiguous():
+            slot, grad = items[0]
+            flat = grad.view(-1)
+            if world > 1:
+                flat.div_(world)  # the same arithmetic as the copy below: divide, then sum
+            buffers: list[torch.Tensor] = []
+            layout = [(slot, slot.start)]
+        else:
+            total = sum(slot.numel for slot, _ in items)
+            buffer = self.pool.take(total, dtype, items[0][1].device)
+            flat = buffer[:total]
+            layout, offset = [], 0
+            for slot, grad in items:
+                target = flat[offset : offset + slot.numel]
+                if world > 1:
+                    torch.div(grad.reshape(-1), world, out=target)
+                else:
+                    target.copy_(grad.reshape(-1))
+                layout.append((slot, offset + slot.start))
+                offset += slot.numel
+            buffers = [buffer]
+        work = None
+        if world > 1:
+            work = self.wire.all_reduce(flat, group=self.group, world_size=world, async_op=self.overlap)
+            self.counter.all_reduce += 1
+        return _Flight(work, flat, layout, 0, buffers)
 
     def _finish(self, flight: _Flight) -> None:
-        work, out, layout, _, whole = flight
-        if work is not None:  # None: a synchronous collective, already done
-            work.wait()
-        if whole is not None:
-            out = out.clone()  # keep this rank's row only; the all-reduced bucket is freed with ``whole``
-        self._accumulate(out, layout)
+        if flight.work is not None:  # None: a synchronous collective, already done
+            flight.work.wait()
+        self._accumulate(flight.received, flight.layout)
+        for buffer in flight.buffers:
+            self.pool.give(buffer)
 
-    def _accumulate(self, out: torch.Tensor, layout: list[tuple[Slot, int]]) -> None:
+    def _accumulate(self, received: torch.Tensor, layout: list[tuple[Slot, int]]) -> None:
         for slot, offset in layout:
-            piece = out[offset : offset + slot.valid]
+            piece = received[offset : offset + slot.valid]
             if slot.grad is None:
-                same = piece.dtype == slot.master.dtype and piece.device == slot.master.device
-                # a view into the received row (which holds only this rank's pieces): no copy
-                slot.grad = piece if same else piece.to(device=slot.master.device, dtype=slot.master.dtype)
+                slot.grad = self.pieces.view(slot)
+                slot.grad.copy_(piece)  # converts to the master dtype / device where they differ
+            elif piece.dtype == slot.grad.dtype and piece.device == slot.grad.device:
+                slot.grad.add_(piece)
             else:
                 slot.grad.add_(piece.to(device=slot.grad.device, dtype=slot.grad.dtype))
 
@@ -260,8 +311,10 @@ class GradReducer:
         """Finish the reductions in flight and drop them with the unlaunched buckets (``zero_grad``)."""
         in_flight, self._in_flight = self._in_flight, []
         for flight in in_flight:
-            if flight[0] is not None:
-                flight[0].wait()
+            if flight.work is not None:
+                flight.work.wait()
+            for buffer in flight.buffers:
+                self.pool.give(buffer)
         self._buckets.clear()
         self.synced = False
 

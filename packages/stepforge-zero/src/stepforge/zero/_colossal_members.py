@@ -6,6 +6,8 @@ provides the layout, the reducer and the gradient pieces it works on."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -25,6 +27,7 @@ class ColossalAIMembers:
     _reducer: GradReducer
     _pieces: GradPieces
     _closed = False
+    wait_for_param_gather: Callable[[], None]
     _last_grad_norm: float | None = None  # set by clip_grad_norm_ (and so by a step with max_norm > 0)
 
     # -- lifetime ------------------------------------------------------------------------------------------
@@ -40,8 +43,10 @@ class ColossalAIMembers:
         if self._closed:
             return
         self._closed = True
+        self.wait_for_param_gather()
         self._reducer.remove_hooks()
         self._reducer.discard()
+        self._reducer.release()
         for slot in self._layout.slots:
             slot.grad = None
 
@@ -98,6 +103,7 @@ class ColossalAIMembers:
             model: only its parameters that this optimizer manages (ColossalAI's signature); ``None``: every
                 managed parameter. No collective: each rank copies its own pieces.
         """
+        self.wait_for_param_gather()  # a gather landing after this copy would overwrite the weights again
         wanted = None if model is None else {id(p) for p in model.parameters()}
         for slot in self._layout.slots:
             if slot.valid and slot.separate_master and (wanted is None or id(slot.param) in wanted):

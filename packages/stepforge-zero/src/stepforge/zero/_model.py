@@ -80,9 +80,26 @@ class LowLevelZeroModel(torch.nn.Module):
         if self._masters is not None:
             self._masters.update_master_params(self.module)
 
+    def wait_for_param_gather(self) -> None:
+        """Finish the optimizer's overlapped parameter gather (``overlap_allgather``), if one is in flight, so
+        the weights are the last step's (ColossalAI's ``_force_wait_all_gather``)."""
+        if self._masters is not None:
+            self._masters.wait_for_param_gather()
+
     def unwrap(self) -> torch.nn.Module:
-        """The wrapped module (its state dict has the original keys)."""
+        """The wrapped module (its state dict has the original keys), its weights up to date."""
+        self.wait_for_param_gather()
         return self.module
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """``torch.nn.Module.state_dict`` once the weights are up to date (see :meth:`wait_for_param_gather`)."""
+        self.wait_for_param_gather()
+        return super().state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """``torch.nn.Module.load_state_dict`` after any gather in flight landed (it would overwrite the load)."""
+        self.wait_for_param_gather()
+        return super().load_state_dict(*args, **kwargs)
 
     def _cast(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != self.dtype:

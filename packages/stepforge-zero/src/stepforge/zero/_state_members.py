@@ -5,7 +5,7 @@ in :mod:`._full_state` and :mod:`._sharded_state`, which take the layout, never 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -30,6 +30,7 @@ class StateDictMembers:
     param_groups: list[dict[str, Any]]
     scaler: DynamicLossScaler
     skipped_steps: int
+    wait_for_param_gather: Callable[[], None]
 
     def _zero_extras(self) -> dict[str, Any]:
         return {
@@ -58,11 +59,13 @@ class StateDictMembers:
         """The full state in ``torch.optim`` layout keyed by global parameter index (collective: every rank
         must call it; every rank gets the full state). Extra key ``"zero"``: loss scaler, skip counter and
         the fp32 masters of low-precision parameters."""
+        self.wait_for_param_gather()
         return _full_state.full_state_dict(self._layout, self.optim, self.param_groups, self._zero_extras())
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a full state (from :meth:`state_dict` at any world size, or a plain ``torch.optim`` one)."""
         self._reducer.wait()
+        self.wait_for_param_gather()
         zero = _full_state.load_full_state_dict(self._layout, self.optim, self.param_groups, state_dict)
         if "loss_scaler" in zero:
             self.scaler.load_state_dict(zero["loss_scaler"])
@@ -74,6 +77,7 @@ class StateDictMembers:
         it (a throwaway optimizer of the same class steps zero copies of the masters), so the result is a
         template for ``dcp.load`` and the optimizer, its parameters and gradients are untouched."""
         self._reducer.wait()
+        self.wait_for_param_gather()
         return _sharded_state.sharded_state_dict(
             self._layout, self.optim, self.param_groups, self._zero_extras()
         )
@@ -81,6 +85,7 @@ class StateDictMembers:
     def load_sharded_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load :meth:`sharded_state_dict`'s form after ``torch.distributed.checkpoint.load`` filled it."""
         self._reducer.wait()
+        self.wait_for_param_gather()
         zero = _sharded_state.load_sharded_state_dict(self._layout, self.optim, self.param_groups, state_dict)
         self.scaler.load_state_dict(zero["loss_scaler"])
         self.skipped_steps = int(zero.get("skipped_steps", 0))

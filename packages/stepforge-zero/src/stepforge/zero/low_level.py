@@ -36,10 +36,11 @@ from ._algorithm import COLOSSAL_OPTIMIZER_BUCKET_SIZE, default_bucket_size, res
 from ._args import check_args, force_dtype, group_facts, resolve_args, resolve_param_gather
 from ._buckets import GradReducer
 from ._colossal_members import ColossalAIMembers
-from ._comm import gather_params
+from ._grad_members import GradientMembers
 from ._grad_norm import check_clip_args
 from ._grad_pieces import GradPieces, copy_hyperparameters
 from ._offload import cpu_step_error, invalidate_cache, resolve_optimizer
+from ._param_gather import GATHER_CHUNK, GatherInFlight, gather_params, launch_gather
 from ._partition import ShardLayout, build_layout
 from ._state_members import StateDictMembers
 
@@ -49,7 +50,7 @@ __all__ = ["LowLevelZeroOptimizer"]
 logger = logging.getLogger("stepforge.zero")
 
 
-class LowLevelZeroOptimizer(ColossalAIMembers, StateDictMembers, torch.optim.Optimizer):
+class LowLevelZeroOptimizer(GradientMembers, ColossalAIMembers, StateDictMembers, torch.optim.Optimizer):
     """ZeRO stage 1 or 2 around any optimizer whose param groups hold the model's working parameters.
 
     ColossalAI's constructor, its names, order and defaults (``colossalai.zero.LowLevelZeroOptimizer``), plus
@@ -83,7 +84,11 @@ class LowLevelZeroOptimizer(ColossalAIMembers, StateDictMembers, torch.optim.Opt
         forced_dtype: convert every working parameter to this dtype first (in place).
         master_weights: fp32 masters for fp16/bf16 working parameters (``False``: the working pieces
             themselves are stepped; no fp32 copy).
-        overlap_allgather: accepted; the updated pieces are gathered at the end of :meth:`step` either way.
+        overlap_allgather: launch the gather of the updated pieces at the end of :meth:`step` and return; each
+            module's next forward waits for its own parameters only (a global forward pre-hook), so the gather
+            overlaps the next forward. Until then the working parameters are stale: read them through the
+            plugin's model (its ``state_dict``/``unwrap`` wait) or call :meth:`wait_for_param_gather` first;
+            this optimizer's own methods wait by themselves.
         fp8_communication: gradients travel as fp8 bytes and are summed in fp32 (see :mod:`._wire`).
         backward_context: a callable returning a context manager entered around each backward.
         params: the parameters (module, tensors or param-group dicts) for a config ``optimizer``.
@@ -225,6 +230,7 @@ class LowLevelZeroOptimizer(ColossalAIMembers, StateDictMembers, torch.optim.Opt
         )
         self.scaler = DynamicLossScaler(**scaler_args, process_group=scaler_group)
         self._stepped_on_cpu = False
+        self._gather: GatherInFlight | None = None  # an overlapped parameter gather still on the wire
         self.last_step_skipped = False
         self.skipped_steps = 0
         if self.verbose:
@@ -247,15 +253,6 @@ class LowLevelZeroOptimizer(ColossalAIMembers, StateDictMembers, torch.optim.Opt
         """How the working parameters are sharded: slots (this rank's pieces, masters, reduced gradient
         pieces), partitions and the group (read-only view for checkpoints, tests and benchmarks)."""
         return self._layout
-
-    @property
-    def require_grad_sync(self) -> bool:
-        """Whether backward reduces gradients (``False`` inside :meth:`no_sync`; a plugin may set it)."""
-        return self._reducer.enabled
-
-    @require_grad_sync.setter
-    def require_grad_sync(self, value: bool) -> None:
-        self._reducer.enabled = bool(value)
 
     @property
     def loss_scale(self) -> float:
@@ -313,44 +310,6 @@ class LowLevelZeroOptimizer(ColossalAIMembers, StateDictMembers, torch.optim.Opt
         finally:
             self.require_grad_sync = previous
 
-    # -- gradients -----------------------------------------------------------------------------------------
-    def sync_grads(self) -> bool:
-        """Make this step's gradients final: reduce what :meth:`no_sync` left in ``param.grad``, wait for the
-        buckets in flight and add them into this rank's pieces. The one synchronisation point of a step.
-
-        :meth:`scale_grads_`, :meth:`unscale_`, :meth:`clip_grad_norm_` and :meth:`step` call it first; it
-        works once and then does nothing until the next backward reaches a managed parameter or
-        :meth:`zero_grad` runs. Inside :meth:`no_sync` it only waits for reductions in flight (the window's
-        local gradients stay local). Returns whether it synchronised.
-        """
-        return self._pieces.sync(self.require_grad_sync)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop the reduced gradient pieces and any local ``param.grad`` (waits for reductions in flight)."""
-        self._pieces.zero_(set_to_none)
-
-    def scale_grads_(self, factor: float) -> None:
-        """Multiply every gradient the next step will use by ``factor`` (stepforge-accum's window weight)."""
-        self.sync_grads()
-        self._pieces.scale_(factor)
-
-    def unscale_(self) -> None:
-        """Divide the step's gradient pieces by the loss scale, once per step (no-op without fp16 scaling);
-        ``scaler.found_inf`` then says whether any rank overflowed (the step will be skipped)."""
-        self.sync_grads()
-        self._pieces.unscale_(self.scaler if self._scaling else None)
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip by the norm over every rank's gradient pieces (one small all-reduce); returns that norm.
-
-        Same rule as ``torch.nn.utils.clip_grad_norm_``: gradients are multiplied by
-        ``min(1, max_norm / (norm + 1e-6))``. With fp16 loss scaling the gradients are unscaled first.
-        """
-        check_clip_args(max_norm, norm_type)
-        self.unscale_()
-        self._last_grad_norm = float(norm := self._pieces.clip_(max_norm, norm_type))
-        return norm
-
     # -- step ----------------------------------------------------------------------------------------------
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Synchronise (:meth:`sync_grads`), unscale (:meth:`unscale_`), skip on fp16 overflow (every rank
@@ -365,6 +324,7 @@ class LowLevelZeroOptimizer(ColossalAIMembers, StateDictMembers, torch.optim.Opt
                 "LowLevelZeroOptimizer.step() was called inside no_sync(); step after the block, once the "
                 "window's last backward ran with synchronisation on."
             )
+        self.wait_for_param_gather()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -396,12 +356,23 @@ class LowLevelZeroOptimizer(ColossalAIMembers, StateDictMembers, torch.optim.Opt
                 slot.master.grad = None
         self._stepped_on_cpu = True
         copy_hyperparameters(self.optim.param_groups, self.param_groups)
-        gather_params(self._layout, self.param_gather)
+        if self.overlap_allgather and self._world > 1:
+            self._gather = launch_gather(self._layout, self.param_gather, chunk=GATHER_CHUNK)
+            self._gather.wait_in_forward()
+        else:
+            gather_params(self._layout, self.param_gather)
         if self._scaling:
             self.scaler.update()
         self._pieces.unscaled = False
         self.last_step_skipped = False
         return loss
+
+    def wait_for_param_gather(self) -> None:
+        """Finish an overlapped parameter gather (``overlap_allgather``): afterwards every working parameter
+        holds the last step's values. Nothing to do without one in flight."""
+        if self._gather is not None:
+            self._gather.wait_all()
+            self._gather = None
 
     def __repr__(self) -> str:
         return (

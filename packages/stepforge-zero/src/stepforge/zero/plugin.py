@@ -66,7 +66,8 @@ class LowLevelZeroPlugin(PluginBase):
         master_weights: keep fp32 master shards for fp16/bf16 working params.
         norm_type: the norm of ``max_norm`` clipping (ColossalAI allows only 2.0; any p > 0 or ``inf`` here).
         communication_dtype: the dtype gradients are reduced in on the wire (``None``: the working dtype).
-        overlap_allgather: accepted; the updated pieces are gathered at the end of ``step`` either way.
+        overlap_allgather: the updated pieces are gathered while the next forward runs (each module waits for
+            its own parameters); the prepared model's ``state_dict``/``load_state_dict``/``unwrap`` wait first.
         verbose: the optimizer logs skipped steps and its set-up on the ``stepforge.zero`` logger (INFO).
         cast_inputs: cast floating-point inputs of the forward to the working dtype.
         fp8_communication: gradients travel as fp8 bytes, summed in fp32 (``LowLevelZeroOptimizer``).

@@ -1,0 +1,157 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``stepforge.zero._param_gather``: the gather in flight waited per module by the next forward
+(``overlap_allgather``), and ``LowLevelZeroOptimizer(overlap_allgather=True)`` equal to the waited gather.
+
+The per-module waiting is checked with recording stand-ins for the collectives' work objects (which waits
+happen, in which order, is then deterministic); the distributed part checks on 2 gloo ranks that every forward
+output, parameter and optimizer state of an overlapped run is bit-identical to the run that waits in ``step``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from stepforge.testing.distributed import requires_gloo, run_distributed
+from stepforge.zero._model import LowLevelZeroModel
+from stepforge.zero._param_gather import DIRECT_MIN, GatherInFlight, _Entry
+from stepforge.zero.low_level import LowLevelZeroOptimizer
+
+
+class _RecordingWork:
+    def __init__(self, log: list[str], name: str) -> None:
+        self.log, self.name = log, name
+
+    def wait(self) -> bool:
+        self.log.append(self.name)
+        return True
+
+
+def _flight(model: nn.Sequential, log: list[str]) -> GatherInFlight:
+    flight = GatherInFlight()
+    for i, layer in enumerate(model):
+        params = list(layer.parameters(recurse=False))
+        if params:
+            flight.add(_Entry([_RecordingWork(log, f"layer{i}")], params))
+    return flight
+
+
+def test_each_module_waits_for_its_own_parameters_only_and_the_hook_goes_once_all_arrived():
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    log: list[str] = []
+    flight = _flight(model, log)
+    flight.wait_in_forward()
+    assert flight.waiting_in_forward
+    model[0](torch.ones(1, 3))
+    assert log == ["layer0"]  # layer 2's collective is not waited for yet
+    model(torch.ones(1, 3))
+    assert log == ["layer0", "layer2"] and flight.done
+    assert not flight.waiting_in_forward  # removed: later forwards pay nothing
+    model(torch.ones(1, 3))
+    assert log == ["layer0", "layer2"]
+
+
+def test_wait_all_waits_in_launch_order_once_and_runs_the_copy_out():
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    log: list[str] = []
+    flight = _flight(model, log)
+    copied: list[int] = []
+    flight.add(_Entry([_RecordingWork(log, "staged")], [], then=lambda: copied.append(1)))
+    flight.wait_in_forward()
+    flight.wait_all()
+    flight.wait_all()
+    assert log == ["layer0", "layer1", "staged"] and copied == [1]
+    assert not flight.waiting_in_forward
+
+
+class _Gathering:
+    """Stands in for the optimizer bound to a prepared model: counts the waits asked of it."""
+
+    def __init__(self) -> None:
+        self.waits = 0
+
+    def wait_for_param_gather(self) -> None:
+        self.waits += 1
+
+
+def test_the_prepared_model_waits_before_its_weights_are_read_or_loaded():
+    wrapped = LowLevelZeroModel(nn.Linear(2, 2), torch.float32, "fp32", torch.device("cpu"))
+    optimizer = _Gathering()
+    wrapped.bind_optimizer(optimizer)
+    state = wrapped.state_dict()
+    assert optimizer.waits == 1
+    wrapped.load_state_dict(state)
+    assert optimizer.waits == 2
+    assert wrapped.unwrap() is wrapped.module and optimizer.waits == 3
+
+
+# -- 2 gloo ranks: overlapped == waited, bit for bit ---------------------------------------------------------
+def _model(dtype: torch.dtype) -> nn.Sequential:
+    torch.manual_seed(0)
+    # 320 x 256 weights: one parameter above DIRECT_MIN (broadcast in place), the rest staged
+    model = nn.Sequential(nn.Linear(16, 320), nn.Tanh(), nn.Linear(320, 256), nn.Tanh(), nn.Linear(256, 4))
+    assert model[2].weight.numel() >= DIRECT_MIN
+    return model.to(dtype)
+
+
+def _train(rank: int, dtype: torch.dtype, overlap: bool, method: str, stage: int) -> dict:
+    model = _model(dtype)
+    opt = LowLevelZeroOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        stage=stage,
+        overlap_allgather=overlap,
+        param_gather=method,
+        overlap_communication=True,
+        reduce_bucket_size=4096,
+    )
+    outputs = []
+    for step in range(4):
+        gen = torch.Generator().manual_seed(100 * step + rank)
+        x = torch.randn(8, 16, generator=gen).to(dtype)
+        y = torch.randn(8, 4, generator=gen)
+        out = model(x)  # right after the previous step: an overlapped gather is waited for per layer
+        outputs.append(out.detach().float().clone())
+        opt.backward(((out.float() - y) ** 2).mean())
+        opt.step()
+        if step == 2:
+            opt.step()  # a second step on the same gradients, with no forward in between: waits first
+        opt.zero_grad()
+    state = opt.state_dict()  # waits for the last gather (no forward after the last step)
+    return {
+        "outputs": outputs,
+        "params": [p.detach().float().clone() for p in model.parameters()],
+        "state": [v.clone() for s in state["state"].values() for k, v in sorted(s.items()) if k != "step"],
+    }
+
+
+CASES = [
+    ("broadcast", torch.float32, 2),
+    ("broadcast", torch.bfloat16, 2),
+    ("all_gather", torch.float32, 1),
+    ("all_gather", torch.bfloat16, 2),
+]
+
+
+def _both(rank: int, world: int) -> list[tuple[dict, dict]]:
+    return [
+        (_train(rank, dtype, False, method, stage), _train(rank, dtype, True, method, stage))
+        for method, dtype, stage in CASES
+    ]
+
+
+@pytest.mark.distributed
+@requires_gloo
+def test_overlapped_gather_equals_the_waited_gather_bitwise_on_two_ranks():
+    results = run_distributed(_both, 2, timeout=180)
+    for rank, cases in enumerate(results):
+        for (method, dtype, stage), (waited, overlapped) in zip(CASES, cases, strict=True):
+            where = (rank, method, dtype, stage)
+            for key in ("outputs", "params", "state"):
+                assert len(waited[key]) == len(overlapped[key]) > 0, where
+                for a, b in zip(waited[key], overlapped[key], strict=True):
+                    assert torch.equal(a, b), (where, key)
+    # the ranks agree (the gather reached everyone), and training moved the weights
+    for a, b in zip(results[0][0][1]["params"], results[1][0][1]["params"], strict=True):
+        assert torch.equal(a, b)
+    assert not torch.equal(results[0][0][1]["params"][0], _model(torch.float32)[0].weight.detach())
