@@ -134,7 +134,10 @@ class GradReducer:
         self.synced = False  # the reduction of the gradients so far is complete (see sync)
         self.counter = CollectiveCounter()
         self.pieces = PieceStore(slots)
-        self.pool = BufferPool(keep=MAX_IN_FLIGHT + 1, min_numel=bucket_size)
+        # buffers of at least a bucket, so buckets of different sizes share them, but never more than the model
+        self.pool = BufferPool(
+            keep=MAX_IN_FLIGHT + 1, min_numel=min(bucket_size, sum(s.piece for s in slots) * world_size)
+        )
         self._buckets: dict[torch.dtype, _Bucket] = {}
         self._in_flight: list[_Flight] = []
         self.peak_in_flight = 0  # most bucket elements launched and not yet added into the pieces
