@@ -15,6 +15,7 @@ from torch import nn
 
 from stepforge.core import _torch_compat as compat
 from stepforge.core import no_sync, supports_no_sync
+from stepforge.core._torch_compat.errors import private_changed
 from stepforge.testing.distributed import requires_gloo, run_distributed
 
 TORCH = torch.__version__
@@ -37,7 +38,7 @@ def test_private_api_still_exists(private, resolve):
 
 
 def test_changed_private_error_names_private_and_version():
-    error = compat._changed("FSDPParam._orig_size", AttributeError("gone"))
+    error = private_changed("FSDPParam._orig_size", AttributeError("gone"))
     assert isinstance(error, RuntimeError)
     assert "FSDPParam._orig_size" in str(error) and TORCH in str(error) and "gone" in str(error)
 

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The repository's import rules (design §1): no circle inside a package, no private module of another package,
-torch privates only in stepforge.core._torch_compat. First the checker on small made-up trees (it must find
-what it claims to), then the real source tree."""
+torch privates only in the stepforge.core._torch_compat package. First the checker on small made-up trees (it
+must find what it claims to), then the real source tree."""
 
 from __future__ import annotations
 
@@ -132,6 +132,25 @@ def test_torch_privates_are_found_outside_the_compat_module(tmp_path):
     # the documented foreach API, public attributes and a private name torch does not own are fine
     assert "_foreach_" not in text and "._mine" not in text and "public" not in text
     assert len(found) == 7
+
+
+def test_torch_privates_are_allowed_in_the_compat_package_modules_only(tmp_path):
+    use = "import torch\n\ndef f(t):\n    return t._base\n"
+    root = _tree(
+        tmp_path,
+        {
+            "core/__init__.py": "",
+            "core/_torch_compat/__init__.py": use,
+            "core/_torch_compat/tensors.py": use,
+            "core/_torch_compat_extra.py": use,  # a sibling named like the package is not part of it
+            "core/sync.py": use,
+        },
+    )
+    found = import_rules.violations(root)["torch_privates"]
+    assert sorted(line.split(" ")[0] for line in found) == [
+        "stepforge.core._torch_compat_extra",
+        "stepforge.core.sync",
+    ], found
 
 
 def test_checker_rejects_a_root_without_packages(tmp_path):

@@ -12,7 +12,7 @@
   :class:`GradientHandler`, :class:`WrappedModel`, :class:`CachingOptimizer`) and :func:`no_sync`.
 - Validation helpers whose messages name the parameter and the allowed range.
 - torch internals (DTensor local shards, FSDP2 state, DCP key flattening, the DDP/FSDP2 ``no_sync`` adapters),
-  wrapped once in :mod:`stepforge.core._torch_compat` so a torch update breaks one module, not six.
+  wrapped once in :mod:`stepforge.core._torch_compat` so a torch update breaks one package, not six.
 """
 
 from __future__ import annotations

@@ -15,14 +15,12 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch
-import torch.distributed as dist
 from torch import nn
 
-from stepforge.core import OPTIM_WRAPPERS
-
-from ._env import ENV_KWARGS, get_world_size, setup_env
+from . import _prepare
+from ._env import ENV_KWARGS, setup_env
 from ._logging import LOG_KWARGS, close_logger, setup_logger
+from ._options import check_auto_scale_lr, check_dict, check_model_wrapper
 from .boosted_model import plugin_module
 from .booster import Booster
 from .checkpoint import _strategy_io as io
@@ -33,18 +31,6 @@ from .optim_wrappers import ColossalAIOptimWrapper
 from .schedulers import build_param_scheduler
 
 __all__ = ["Strategy", "ColossalAIStrategy"]
-
-_DISPATCH_KEYS = ("epoch_length", "max_epochs", "max_iters", "train_micro_batch_size_per_gpu", "cur_iter")
-
-
-def _check_dict(name: str, value: Any, allowed: frozenset[str] | None = None) -> dict[str, Any]:
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping):
-        raise TypeError(f"{name} must be a dict, got {type(value).__name__}")
-    if allowed is not None and set(value) - allowed:
-        raise ValueError(f"{name}: unknown key(s) {sorted(set(value) - allowed)}; allowed: {sorted(allowed)}")
-    return dict(value)
 
 
 class Strategy:
@@ -83,19 +69,10 @@ class Strategy:
         resume: bool | str = False,
     ) -> None:
         check_resume_option(resume)
-        env = _check_dict("env_kwargs", env_kwargs, ENV_KWARGS)
-        logs = _check_dict("log_kwargs", log_kwargs, LOG_KWARGS)
-        self.auto_scale_lr = _check_dict(
-            "auto_scale_lr", auto_scale_lr, frozenset({"base_batch_size", "enable"})
-        )
-        if self.auto_scale_lr.get("enable", True) and self.auto_scale_lr:
-            base = self.auto_scale_lr.get("base_batch_size")
-            if not isinstance(base, int) or base <= 0:
-                raise ValueError(f"auto_scale_lr needs base_batch_size, a positive int; got {base!r}")
-        if model_wrapper is not None and not callable(model_wrapper):
-            raise TypeError(
-                f"model_wrapper must be None or a callable taking the boosted model, got {model_wrapper!r}"
-            )
+        env = check_dict("env_kwargs", env_kwargs, ENV_KWARGS)
+        logs = check_dict("log_kwargs", log_kwargs, LOG_KWARGS)
+        self.auto_scale_lr = check_auto_scale_lr(auto_scale_lr)
+        check_model_wrapper(model_wrapper)
         self.env = setup_env(**env)
         self.work_dir = os.path.abspath(work_dir)
         os.makedirs(self.work_dir, exist_ok=True)
@@ -161,15 +138,15 @@ class Strategy:
         """
         if self._prepared:
             return self._components()
-        self.dispatch_kwargs.update(_check_dict("dispatch_kwargs", dispatch_kwargs))
+        self.dispatch_kwargs.update(check_dict("dispatch_kwargs", dispatch_kwargs))
         if not isinstance(model, nn.Module):
             raise TypeError(f"Strategy.prepare: model must be a torch.nn.Module, got {type(model).__name__}")
-        self._broadcast_weights(model)
+        _prepare.broadcast_weights(model)
         wrapper = None
         if optim_wrapper is None:
             model = self.booster.boost(model)[0]
         else:
-            model, wrapper = self._build_optim_wrapper(model, optim_wrapper)
+            model, wrapper = _prepare.build_optim_wrapper(self.booster, model, optim_wrapper)
         model = plugin_module(
             model
         )  # mmengine's strategies hand back the DDP/FSDP module, not a ModelWrapper
@@ -178,17 +155,9 @@ class Strategy:
         model = self.compile_model(model, compile)
         self.model, self.optim_wrapper = model, wrapper
         if wrapper is not None:
-            self._scale_lr(wrapper)
-            counts = wrapper.accumulative_counts
-            if counts > 1:
-                max_iters = self.dispatch_kwargs.get("max_iters")
-                if not isinstance(max_iters, int) or max_iters <= 0:
-                    raise ValueError(
-                        f"accumulative_counts={counts} needs dispatch_kwargs['max_iters'] (the number of training "
-                        "iterations, so the last partial window steps too); pass prepare(..., "
-                        "dispatch_kwargs=dict(max_iters=N))"
-                    )
-                wrapper.initialize_count_status(model, 0, max_iters)
+            micro_batch = self.dispatch_kwargs.get("train_micro_batch_size_per_gpu")
+            _prepare.scale_lr(wrapper, self.auto_scale_lr, self.world_size, micro_batch, self.logger)
+            _prepare.start_accumulation(wrapper, model, self.dispatch_kwargs.get("max_iters"))
             if param_scheduler is not None:
                 self.param_schedulers = build_param_scheduler(
                     param_scheduler,
@@ -213,79 +182,10 @@ class Strategy:
             return self.model, self.optim_wrapper
         return self.model, self.optim_wrapper, self.param_schedulers
 
-    def _broadcast_weights(self, model: nn.Module) -> None:
-        if get_world_size() == 1:
-            return
-        with torch.no_grad():
-            for tensor in list(model.parameters()) + list(model.buffers()):
-                dist.broadcast(tensor.data, src=0)
-
-    def _build_optim_wrapper(self, model: nn.Module, cfg: Any) -> tuple[nn.Module, Any]:
-        if isinstance(cfg, ColossalAIOptimWrapper):
-            model, optimizer = self.booster.boost(model, cfg.optimizer)[:2]
-            cfg.optimizer = optimizer
-            cfg.booster = self.booster
-            return model, cfg
-        if not isinstance(cfg, Mapping):
-            raise TypeError(
-                "Strategy.prepare: optim_wrapper must be a dict (dict(optimizer=dict(type='AdamW', lr=1e-3), "
-                f"accumulative_counts=1)) or a ColossalAIOptimWrapper, got {type(cfg).__name__}"
-            )
-        cfg = dict(cfg)
-        name = cfg.pop("type", "ColossalAIOptimWrapper")
-        cls = OPTIM_WRAPPERS.get(name) if isinstance(name, str) else name
-        if not (isinstance(cls, type) and issubclass(cls, ColossalAIOptimWrapper)):
-            raise ValueError(
-                f"Strategy.prepare: optim_wrapper type must be ColossalAIOptimWrapper or a subclass (it drives the "
-                f"Booster), got {name!r}"
-            )
-        for key in ("constructor", "paramwise_cfg"):
-            if key in cfg:
-                raise ValueError(
-                    f"Strategy.prepare: optim_wrapper {key!r} is not supported; build the optimizer with param "
-                    "groups yourself and pass it as optim_wrapper=dict(optimizer=<optimizer>)"
-                )
-        if "optimizer" not in cfg:
-            raise ValueError(
-                "Strategy.prepare: optim_wrapper needs 'optimizer' (a dict such as dict(type='AdamW'))"
-            )
-        optimizer = cfg.pop("optimizer")
-        if isinstance(optimizer, Mapping):
-            optimizer = dict(optimizer)
-        model, optimizer = self.booster.boost(model, optimizer)[:2]
-        return model, cls(optimizer, booster=self.booster, **cfg)
-
     @staticmethod
     def compile_model(model: nn.Module, compile: bool | Mapping[str, Any]) -> nn.Module:
         """Apply ``torch.compile`` to ``model.<target>`` (default ``forward``); ``False``/``disable`` skip."""
-        if compile is False or compile is None:
-            return model
-        kwargs = {} if compile is True else _check_dict("compile", compile)
-        if kwargs.pop("disable", False):
-            return model
-        target = kwargs.pop("target", "forward")
-        setattr(model, target, torch.compile(getattr(model, target), **kwargs))
-        return model
-
-    def _scale_lr(self, wrapper: Any) -> None:
-        cfg = self.auto_scale_lr
-        if not cfg or not cfg.get("enable", True):
-            return
-        micro = self.dispatch_kwargs.get("train_micro_batch_size_per_gpu")
-        if not isinstance(micro, int) or micro <= 0:
-            raise ValueError(
-                "auto_scale_lr needs dispatch_kwargs['train_micro_batch_size_per_gpu'] (samples per rank per "
-                f"micro-batch), got {micro!r}"
-            )
-        ratio = self.world_size * micro * wrapper.accumulative_counts / cfg["base_batch_size"]
-        for group in wrapper.param_groups:
-            group["lr"] = group["lr"] * ratio
-        if wrapper.base_param_settings is not None and "lr" in wrapper.base_param_settings:
-            wrapper.base_param_settings["lr"] *= ratio
-        self.logger.info(
-            f"auto_scale_lr: lr scaled by {ratio:g} = world {self.world_size} x micro-batch {micro} x "
-            f"accumulative_counts {wrapper.accumulative_counts} / base {cfg['base_batch_size']}"
-        )
+        return _prepare.compile_model(model, compile)
 
     # -- checkpoints ---------------------------------------------------------------------------------------
     def register_for_checkpointing(self, name: str, obj: Any, *, per_rank: bool = False) -> None:

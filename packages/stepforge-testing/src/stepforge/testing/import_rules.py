@@ -10,11 +10,12 @@ Three rules (design §1), each reported as plain-text violations that name the f
 - **No private module of another stepforge package.** ``stepforge.zero`` may not import
   ``stepforge.strategy._env`` nor ``from stepforge.strategy import _env``; any name with a leading underscore
   (dunders excepted) below another package is private.
-- **torch private APIs only in** :data:`TORCH_COMPAT_MODULE`: an import of ``torch.x._y`` or of a ``_name``
-  from a torch module, an attribute ``._name`` reached from a name bound to torch (``torch``, ``dist``,
-  ``nn``, an imported torch class...), and the torch-internal attribute names of :data:`TORCH_PRIVATE_ATTRIBUTES`
-  on any object (also as strings in ``getattr``/``hasattr``/``setattr``). ``torch._foreach_*`` is allowed: it
-  is torch's documented multi-tensor API (torch docs, "Foreach Operations"), used by ``torch.optim`` itself.
+- **torch private APIs only in** :data:`TORCH_COMPAT_MODULE` (the package and its modules): an import of
+  ``torch.x._y`` or of a ``_name`` from a torch module, an attribute ``._name`` reached from a name bound to
+  torch (``torch``, ``dist``, ``nn``, an imported torch class...), and the torch-internal attribute names of
+  :data:`TORCH_PRIVATE_ATTRIBUTES` on any object (also as strings in ``getattr``/``hasattr``/``setattr``).
+  ``torch._foreach_*`` is allowed: it is torch's documented multi-tensor API (torch docs, "Foreach
+  Operations"), used by ``torch.optim`` itself.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ __all__ = [
     "violations",
 ]
 
-#: The one module allowed to use torch private APIs.
+#: The one package allowed to use torch private APIs (its modules included: one per area of torch).
 TORCH_COMPAT_MODULE = "stepforge.core._torch_compat"
 
 #: torch-internal attributes reached on objects whose type the ``ast`` cannot see (DTensor, FSDP2 state and
@@ -281,7 +282,7 @@ def torch_private_uses(modules: dict[str, Module]) -> list[str]:
     """Uses of torch private APIs outside :data:`TORCH_COMPAT_MODULE`, as ``"path:line: what"``."""
     found = []
     for module in modules.values():
-        if module.name == TORCH_COMPAT_MODULE:
+        if module.name == TORCH_COMPAT_MODULE or module.name.startswith(TORCH_COMPAT_MODULE + "."):
             continue
         tree = _parse(module)
         aliases = _torch_aliases(tree)

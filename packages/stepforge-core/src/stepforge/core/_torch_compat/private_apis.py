@@ -1,0 +1,60 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The list of every torch private :mod:`stepforge.core._torch_compat` uses, each with a resolver.
+
+``tests/test_torch_compat.py`` resolves every entry, so a torch update that renames or removes one fails
+there, naming the private and the torch version, instead of deep inside a training step.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+
+from .fsdp2 import fsdp2_module_type
+
+__all__ = ["PRIVATE_APIS", "resolve"]
+
+
+def resolve(module: str, name: str) -> Any:
+    """``module.name`` (``module`` imported by its dotted name); raises when torch no longer has it."""
+    return getattr(importlib.import_module(module), name)
+
+
+_DCP = "torch.distributed.checkpoint."
+_DCP_PRIVATES = (
+    ("_traverse", "set_element"),
+    ("filesystem", "_StorageInfo"),
+    ("metadata", "_MEM_FORMAT_ENCODING"),
+)
+
+#: Every torch private the modules of ``_torch_compat`` use, as ``(dotted name, resolver)``; a resolver raises
+#: when the installed torch no longer has the private. Instance attributes (``DTensor._local_tensor``,
+#: ``FSDPParam._orig_size``...) are checked on live objects by the tests.
+PRIVATE_APIS: tuple[tuple[str, Callable[[], Any]], ...] = (
+    (
+        "torch.distributed.checkpoint._nested_dict.flatten_state_dict",
+        lambda: resolve("torch.distributed.checkpoint._nested_dict", "flatten_state_dict"),
+    ),
+    *(
+        (f"torch.distributed.checkpoint.{module}.{name}", lambda m=module, n=name: resolve(_DCP + m, n))
+        for module, name in _DCP_PRIVATES
+    ),
+    ("torch.serialization._get_layout", lambda: resolve("torch.serialization", "_get_layout")),
+    ("FileSystemReader._get_metadata_path", lambda: FileSystemReader._get_metadata_path),
+    ("torch.optim.lr_scheduler._LRScheduler", lambda: resolve("torch.optim.lr_scheduler", "_LRScheduler")),
+    ("torch.nn.modules.batchnorm._NormBase", lambda: resolve("torch.nn.modules.batchnorm", "_NormBase")),
+    ("torch.Tensor._base", lambda: torch.Tensor._base),
+    (
+        "torch.distributed.distributed_c10d._get_default_store",
+        lambda: resolve("torch.distributed.distributed_c10d", "_get_default_store"),
+    ),
+    (
+        "torch.autograd.Variable._execution_engine.queue_callback",
+        lambda: torch.autograd.Variable._execution_engine.queue_callback,
+    ),
+    ("FSDPModule._get_fsdp_state", lambda: fsdp2_module_type()._get_fsdp_state),  # type: ignore[union-attr]
+)

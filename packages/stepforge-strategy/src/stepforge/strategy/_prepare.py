@@ -1,0 +1,128 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The steps of :meth:`Strategy.prepare <stepforge.strategy.Strategy.prepare>` that build the run's objects:
+rank 0's weights on every rank, the optim wrapper on the Booster, ``torch.compile``, the learning rate scaled
+to the global batch and the accumulation window started."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from stepforge.core import OPTIM_WRAPPERS
+
+from ._env import get_world_size
+from ._options import check_dict
+from .booster import Booster
+from .optim_wrappers import ColossalAIOptimWrapper
+
+__all__ = ["broadcast_weights", "build_optim_wrapper", "compile_model", "scale_lr", "start_accumulation"]
+
+
+def broadcast_weights(model: nn.Module) -> None:
+    """Copy rank 0's parameters and buffers into ``model`` on every rank (nothing on a single process)."""
+    if get_world_size() == 1:
+        return
+    with torch.no_grad():
+        for tensor in list(model.parameters()) + list(model.buffers()):
+            dist.broadcast(tensor.data, src=0)
+
+
+def build_optim_wrapper(booster: Booster, model: nn.Module, cfg: Any) -> tuple[nn.Module, Any]:
+    """Boost ``model`` with the optimizer of ``cfg`` (a dict or a built ``ColossalAIOptimWrapper``); returns the
+    boosted model and the optim wrapper driving ``booster``."""
+    if isinstance(cfg, ColossalAIOptimWrapper):
+        model, optimizer = booster.boost(model, cfg.optimizer)[:2]
+        cfg.optimizer = optimizer
+        cfg.booster = booster
+        return model, cfg
+    if not isinstance(cfg, Mapping):
+        raise TypeError(
+            "Strategy.prepare: optim_wrapper must be a dict (dict(optimizer=dict(type='AdamW', lr=1e-3), "
+            f"accumulative_counts=1)) or a ColossalAIOptimWrapper, got {type(cfg).__name__}"
+        )
+    cfg = dict(cfg)
+    name = cfg.pop("type", "ColossalAIOptimWrapper")
+    cls = OPTIM_WRAPPERS.get(name) if isinstance(name, str) else name
+    if not (isinstance(cls, type) and issubclass(cls, ColossalAIOptimWrapper)):
+        raise ValueError(
+            f"Strategy.prepare: optim_wrapper type must be ColossalAIOptimWrapper or a subclass (it drives the "
+            f"Booster), got {name!r}"
+        )
+    for key in ("constructor", "paramwise_cfg"):
+        if key in cfg:
+            raise ValueError(
+                f"Strategy.prepare: optim_wrapper {key!r} is not supported; build the optimizer with param "
+                "groups yourself and pass it as optim_wrapper=dict(optimizer=<optimizer>)"
+            )
+    if "optimizer" not in cfg:
+        raise ValueError(
+            "Strategy.prepare: optim_wrapper needs 'optimizer' (a dict such as dict(type='AdamW'))"
+        )
+    optimizer = cfg.pop("optimizer")
+    if isinstance(optimizer, Mapping):
+        optimizer = dict(optimizer)
+    model, optimizer = booster.boost(model, optimizer)[:2]
+    return model, cls(optimizer, booster=booster, **cfg)
+
+
+def compile_model(model: nn.Module, compile: bool | Mapping[str, Any]) -> nn.Module:
+    """Apply ``torch.compile`` to ``model.<target>`` (default ``forward``); ``False``/``disable`` skip."""
+    if compile is False or compile is None:
+        return model
+    kwargs = {} if compile is True else check_dict("compile", compile)
+    if kwargs.pop("disable", False):
+        return model
+    target = kwargs.pop("target", "forward")
+    setattr(model, target, torch.compile(getattr(model, target), **kwargs))
+    return model
+
+
+def scale_lr(
+    wrapper: Any,
+    auto_scale_lr: Mapping[str, Any],
+    world_size: int,
+    micro_batch: Any,
+    logger: logging.Logger,
+) -> None:
+    """lr *= ``world_size`` * ``micro_batch`` * accumulative_counts / base_batch_size, in place on ``wrapper``'s
+    param groups (and its base settings); nothing when ``auto_scale_lr`` is empty or disabled.
+
+    ``micro_batch`` is ``dispatch_kwargs["train_micro_batch_size_per_gpu"]`` as given (checked here).
+    """
+    if not auto_scale_lr or not auto_scale_lr.get("enable", True):
+        return
+    if not isinstance(micro_batch, int) or micro_batch <= 0:
+        raise ValueError(
+            "auto_scale_lr needs dispatch_kwargs['train_micro_batch_size_per_gpu'] (samples per rank per "
+            f"micro-batch), got {micro_batch!r}"
+        )
+    base = auto_scale_lr["base_batch_size"]
+    ratio = world_size * micro_batch * wrapper.accumulative_counts / base
+    for group in wrapper.param_groups:
+        group["lr"] = group["lr"] * ratio
+    if wrapper.base_param_settings is not None and "lr" in wrapper.base_param_settings:
+        wrapper.base_param_settings["lr"] *= ratio
+    logger.info(
+        f"auto_scale_lr: lr scaled by {ratio:g} = world {world_size} x micro-batch {micro_batch} x "
+        f"accumulative_counts {wrapper.accumulative_counts} / base {base}"
+    )
+
+
+def start_accumulation(wrapper: Any, model: nn.Module, max_iters: Any) -> None:
+    """Start ``wrapper``'s accumulation window at iteration 0 when it accumulates (``accumulative_counts > 1``);
+    ``max_iters`` (``dispatch_kwargs["max_iters"]``, checked here) lets the last partial window step too."""
+    counts = wrapper.accumulative_counts
+    if counts <= 1:
+        return
+    if not isinstance(max_iters, int) or max_iters <= 0:
+        raise ValueError(
+            f"accumulative_counts={counts} needs dispatch_kwargs['max_iters'] (the number of training "
+            "iterations, so the last partial window steps too); pass prepare(..., "
+            "dispatch_kwargs=dict(max_iters=N))"
+        )
+    wrapper.initialize_count_status(model, 0, max_iters)

@@ -1,0 +1,107 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The option checks (``_options``) and prepare steps (``_prepare``) of Strategy, each on its own: the errors
+name the option and the fix, LR scaling multiplies by world x micro-batch x accumulation / base, and the
+accumulation window starts only when it accumulates."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from _strategy_cases import make_model, make_strategy
+
+from stepforge.strategy._options import check_auto_scale_lr, check_dict
+from stepforge.strategy._prepare import compile_model, scale_lr, start_accumulation
+
+
+def test_check_dict_copies_and_names_the_option():
+    source = {"a": 1}
+    checked = check_dict("env_kwargs", source, frozenset({"a", "b"}))
+    assert checked == {"a": 1} and checked is not source
+    assert check_dict("env_kwargs", None) == {}
+    with pytest.raises(TypeError, match="log_kwargs must be a dict, got list"):
+        check_dict("log_kwargs", [1])
+    with pytest.raises(ValueError, match=r"compile: unknown key\(s\) \['c'\]; allowed: \['a', 'b'\]"):
+        check_dict("compile", {"a": 1, "c": 2}, frozenset({"a", "b"}))
+
+
+def test_check_auto_scale_lr_needs_a_base_only_when_enabled():
+    assert check_auto_scale_lr(None) == {}
+    assert check_auto_scale_lr(dict(enable=False)) == {"enable": False}
+    assert check_auto_scale_lr(dict(base_batch_size=4)) == {"base_batch_size": 4}
+    for bad in (0, -1, 2.0, None):
+        with pytest.raises(ValueError, match="base_batch_size, a positive int"):
+            check_auto_scale_lr(dict(base_batch_size=bad))
+
+
+def test_strategy_rejects_a_model_wrapper_that_is_not_callable(tmp_path):
+    with pytest.raises(TypeError, match="model_wrapper must be None or a callable"):
+        make_strategy(str(tmp_path), model_wrapper=3)
+
+
+@pytest.mark.parametrize(
+    "cfg, error, match",
+    [
+        ([("optimizer", "SGD")], TypeError, "optim_wrapper must be a dict"),
+        (
+            dict(optimizer=dict(type="SGD", lr=0.1), paramwise_cfg={}),
+            ValueError,
+            "'paramwise_cfg' is not sup",
+        ),
+        (dict(optimizer=dict(type="SGD", lr=0.1), constructor="X"), ValueError, "'constructor' is not sup"),
+        (dict(accumulative_counts=1), ValueError, "optim_wrapper needs 'optimizer'"),
+    ],
+    ids=["not-a-dict", "paramwise_cfg", "constructor", "no-optimizer"],
+)
+def test_prepare_rejects_bad_optim_wrapper_configs(tmp_path, cfg, error, match):
+    s = make_strategy(str(tmp_path))
+    with pytest.raises(error, match=match):
+        s.prepare(make_model(0), optim_wrapper=cfg)
+    s.close()
+
+
+def test_compile_model_skips_when_disabled():
+    model = make_model(0)
+    forward = model.forward
+    assert compile_model(model, False) is model and model.forward == forward
+    assert compile_model(model, dict(disable=True, backend="eager")) is model and model.forward == forward
+    with pytest.raises(TypeError, match="compile must be a dict"):
+        compile_model(model, "eager")  # type: ignore[arg-type]
+
+
+def _wrapper(lr: float, counts: int, base_lr: float | None) -> Any:
+    settings = None if base_lr is None else {"lr": base_lr}
+    return SimpleNamespace(
+        param_groups=[{"lr": lr}], accumulative_counts=counts, base_param_settings=settings
+    )
+
+
+def test_scale_lr_multiplies_groups_and_base_settings():
+    logger = logging.getLogger("test_scale_lr")
+    wrapper = _wrapper(0.5, counts=4, base_lr=0.25)
+    scale_lr(wrapper, dict(base_batch_size=8), world_size=2, micro_batch=3, logger=logger)
+    assert wrapper.param_groups[0]["lr"] == pytest.approx(0.5 * 2 * 3 * 4 / 8)
+    assert wrapper.base_param_settings["lr"] == pytest.approx(0.25 * 2 * 3 * 4 / 8)
+    untouched = _wrapper(0.5, counts=4, base_lr=None)
+    scale_lr(untouched, dict(base_batch_size=8, enable=False), world_size=2, micro_batch=None, logger=logger)
+    scale_lr(untouched, {}, world_size=2, micro_batch=None, logger=logger)
+    assert untouched.param_groups[0]["lr"] == 0.5
+    with pytest.raises(ValueError, match="train_micro_batch_size_per_gpu"):
+        scale_lr(untouched, dict(base_batch_size=8), world_size=2, micro_batch=0, logger=logger)
+
+
+def test_start_accumulation_only_when_accumulating():
+    calls: list[tuple[Any, ...]] = []
+    model = make_model(0)
+
+    def wrapper(counts: int) -> Any:
+        return SimpleNamespace(accumulative_counts=counts, initialize_count_status=lambda *a: calls.append(a))
+
+    start_accumulation(wrapper(1), model, None)
+    assert calls == []
+    with pytest.raises(ValueError, match=r"accumulative_counts=2 needs dispatch_kwargs\['max_iters'\]"):
+        start_accumulation(wrapper(2), model, 0)
+    start_accumulation(wrapper(2), model, 5)
+    assert calls == [(model, 0, 5)]
