@@ -98,7 +98,7 @@ def build(
             + sum(nbytes(p.grad) for p in model.parameters() if p.grad is not None),
             "optim_state": _state_bytes(zero.optim),
             "master": sum(nbytes(s.master) for s in slots if s.separate_master),
-            "buffers": zero.buffer_bytes,
+            "buffers": zero.communication_buffer_bytes,
         }
 
     return model, zero, memory

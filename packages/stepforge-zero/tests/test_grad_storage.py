@@ -50,7 +50,9 @@ def test_piece_store_hands_out_disjoint_views_of_one_flat_tensor_per_master_dtyp
 
 def test_reducer_reuses_the_piece_storage_after_zero_grad():
     params, slots = _slots()
-    reducer = GradReducer(slots, stage=2, bucket_size=1 << 20, overlap=False, group=None, world_size=1, rank=0)
+    reducer = GradReducer(
+        slots, stage=2, bucket_size=1 << 20, overlap=False, group=None, world_size=1, rank=0
+    )
     sum((p * (i + 1)).sum() for i, p in enumerate(params)).backward()
     reducer.sync()
     first = [s.grad.data_ptr() for s in slots]

@@ -17,6 +17,7 @@ from stepforge.testing.distributed import requires_gloo, run_distributed
 from stepforge.zero._model import LowLevelZeroModel
 from stepforge.zero._param_gather import DIRECT_MIN, GatherInFlight, _Entry
 from stepforge.zero.low_level import LowLevelZeroOptimizer
+from stepforge.zero.plugin import LowLevelZeroPlugin
 
 
 class _RecordingWork:
@@ -133,11 +134,30 @@ CASES = [
 ]
 
 
+PLUGIN = ("plugin", torch.float32, 2)
+
+
+def _plugin_train(rank: int, overlap: bool) -> dict:
+    """Through the plugin: the prepared model's state dict read right after a step (it waits for the gather)."""
+    plugin = LowLevelZeroPlugin(stage=2, precision="fp32", overlap_allgather=overlap)
+    model = _model(torch.float32)
+    wrapped, opt = plugin.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    assert opt is not None
+    for step in range(3):
+        gen = torch.Generator().manual_seed(100 * step + rank)
+        loss = ((wrapped(torch.randn(8, 16, generator=gen)) - torch.randn(8, 4, generator=gen)) ** 2).mean()
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+    return {"params": [v.clone() for v in wrapped.state_dict().values()], "outputs": [], "state": []}
+
+
 def _both(rank: int, world: int) -> list[tuple[dict, dict]]:
-    return [
+    pairs = [
         (_train(rank, dtype, False, method, stage), _train(rank, dtype, True, method, stage))
         for method, dtype, stage in CASES
     ]
+    return [*pairs, (_plugin_train(rank, False), _plugin_train(rank, True))]
 
 
 @pytest.mark.distributed
@@ -145,10 +165,11 @@ def _both(rank: int, world: int) -> list[tuple[dict, dict]]:
 def test_overlapped_gather_equals_the_waited_gather_bitwise_on_two_ranks():
     results = run_distributed(_both, 2, timeout=180)
     for rank, cases in enumerate(results):
-        for (method, dtype, stage), (waited, overlapped) in zip(CASES, cases, strict=True):
+        for (method, dtype, stage), (waited, overlapped) in zip([*CASES, PLUGIN], cases, strict=True):
             where = (rank, method, dtype, stage)
             for key in ("outputs", "params", "state"):
-                assert len(waited[key]) == len(overlapped[key]) > 0, where
+                assert len(waited[key]) == len(overlapped[key]), where
+                assert waited[key] or (method == "plugin" and key != "params"), where
                 for a, b in zip(waited[key], overlapped[key], strict=True):
                     assert torch.equal(a, b), (where, key)
     # the ranks agree (the gather reached everyone), and training moved the weights
