@@ -14,7 +14,7 @@ mixed precision, ``CPUAdam`` from stepforge-fused, ``accumulative_counts=4``, a 
 
 Two launches, each in NEW processes started with ``torchrun``: on gloo with ``--device cpu`` (the default; the
 workers see no GPU), on NCCL with ``--device cuda`` (one GPU per rank, the batches moved to it, ``FusedAdam`` unless
-``--optimizer`` says otherwise):
+``--optimizer`` says otherwise, torch's deterministic algorithms on so the resume can be bitwise):
 
 1. the uninterrupted run trains every step; at ``--save-at`` it writes a checkpoint (a crash-safe DCP directory)
    and goes on to the end without stopping;
@@ -119,7 +119,11 @@ def worker(args: argparse.Namespace) -> None:
         mixed_precision=None if args.precision == "fp32" else args.precision,
         work_dir=str(Path(args.out) / "work"),
         experiment_name="gpt_demo",
-        env_kwargs=dict(backend=BACKENDS[args.device], randomness=dict(seed=args.seed)),
+        # deterministic on cuda (cuBLAS workspace, attention and embedding backward): the resume check is bitwise
+        env_kwargs=dict(
+            backend=BACKENDS[args.device],
+            randomness=dict(seed=args.seed, deterministic=args.device == "cuda"),
+        ),
         log_kwargs=dict(console=False),
     )
     rank, world = strategy.rank, strategy.world_size
