@@ -339,9 +339,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         args.optimizer = "FusedAdam" if args.device == "cuda" else "CPUAdam"
     if args.device == "cuda" and not args.worker:
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus == 0:
+            p.error(
+                "--device cuda: no CUDA device visible (torch.cuda.is_available() is False); use --device cpu"
+            )
         if args.nproc > gpus:  # NCCL refuses two ranks on one GPU
             p.error(
-                f"--device cuda needs one GPU per rank: --nproc {args.nproc} but {gpus} visible; use --nproc {max(1, gpus)}"
+                f"--device cuda needs one GPU per rank: --nproc {args.nproc} but {gpus} visible; use --nproc {gpus}"
             )
     return args
 
