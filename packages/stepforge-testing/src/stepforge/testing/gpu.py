@@ -180,4 +180,4 @@ def relative_error(
         moved += float((ref32 - start[name].detach().float().cpu()).square().sum())
     if moved == 0.0:
         raise ValueError("relative_error: the reference did not move from start; nothing to compare against")
-    return (err / moved) ** 0.5
+    return float((err / moved) ** 0.5)
