@@ -6,14 +6,14 @@
 # when any stage failed:
 #   env      nvidia-smi, python, torch, nvcc (information)
 #   wheels   the wheels in .whl/ (tools/gpu/fetch_wheels.sh, carried), installed --no-deps --no-index
-#   fused    stepforge-fused built with its CUDA module (STEPFORGE_CUDA=ON, archs $STEPFORGE_CUDA_ARCHS, default 90)
 #   pure     the pure packages installed --no-deps --no-build-isolation (the image's torch is used, never replaced)
+#   fused    stepforge-fused built with its CUDA module (STEPFORGE_CUDA=ON, archs $STEPFORGE_CUDA_ARCHS, default 90)
 #   tests-*  `pytest -m gpu` of every package with GPU tests under STEPFORGE_REQUIRE_CUDA=1 (a skip fails)
 #   bench    tools/bench/bench_fused_gpu.py ($BENCH_ARGS, default the full sizes)
 #   demo     examples/train_gpt_demo.py --device cuda --nproc 1 ($DEMO_ARGS, default the full demo)
-# STAGES="env wheels fused pure tests bench demo" (the default) picks stages; one call of the device tool may run
-# 10 minutes, so a first call can run "env wheels fused pure tests" and a second, on the still-warm machine
-# (the build is incremental then), "wheels fused pure bench demo".
+# STAGES="env wheels pure fused tests bench demo" (the default) picks stages; one call of the device tool may run
+# 10 minutes, so a first call can run "env wheels pure fused tests" and a second, on the still-warm machine
+# (the build is incremental then), "wheels pure fused bench demo".
 # Output in $OUT (the device tool's folder) or else benchmarks/results/gpu-<UTC time>/: run_all.log,
 # junit-gpu.xml (every package's suite), bench_fused_gpu.json/.png, gpt_demo_cuda.json/.png, summary.json
 # (at most 8 files: what the device tool brings back).
@@ -123,12 +123,12 @@ print("junit:", totals, "->", sys.argv[1])
 PYEOF
 }
 
-STAGES=" ${STAGES:-env wheels fused pure tests bench demo} "
+STAGES=" ${STAGES:-env wheels pure fused tests bench demo} "
 wanted() { [[ "$STAGES" == *" $1 "* ]]; }
 wanted env && stage env show_env
 wanted wheels && stage wheels install_wheels
+wanted pure && stage pure install_pure  # first: stepforge.fused imports stepforge.core
 wanted fused && stage fused build_fused
-wanted pure && stage pure install_pure
 if wanted tests; then
     for package in "${GPU_PACKAGES[@]}"; do
         stage "tests-${package#stepforge-}" gpu_tests "$package"
