@@ -137,7 +137,8 @@ def worker(args: argparse.Namespace) -> None:
     max_iters = args.steps * args.accum
     warm = max(1, max_iters // 10)
     model, wrapper, schedulers = strategy.prepare(
-        ByteGPT(args.d_model, args.layers, args.heads, args.seq_len),
+        # on the device first: Strategy broadcasts rank 0's weights, and NCCL broadcasts only device tensors
+        ByteGPT(args.d_model, args.layers, args.heads, args.seq_len).to(device),
         optim_wrapper=dict(
             optimizer=dict(type=args.optimizer, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1),
             accumulative_counts=args.accum,
