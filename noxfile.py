@@ -198,12 +198,30 @@ def build_cuda(session: nox.Session) -> None:
     )
 
 
+#: the packages whose ``-m gpu`` tests ``tests_gpu`` runs (each in its own pytest run: same-named files differ)
+GPU_TEST_PACKAGES = (
+    "stepforge-fused",
+    "stepforge-optim",
+    "stepforge-zero",
+    "stepforge-strategy",
+    "stepforge-mmengine",
+)
+
+
 @nox.session(python=PYTHON, tags=["gpu"], default=False)
 def tests_gpu(session: nox.Session) -> None:
-    """GPU tests of stepforge-fused and stepforge-optim (a CUDA torch and a device); a skipped GPU test fails."""
+    """GPU tests of every package that has them (a CUDA torch and a device); a skipped GPU test fails.
+
+    stepforge-fused is built with its CUDA module first; the other packages and their test groups are installed
+    around it (without stepforge-fused, which no package's dependencies name, so the CUDA build stays).
+    """
     _install_fused_cuda(session)
+    others = [p for p in GPU_TEST_PACKAGES if p != "stepforge-fused"]
+    names = [n for p in others for n in _closure(p) if n != "stepforge-fused"]
+    deps = sorted({r for p in others for r in _test_group(p)})
+    session.install(*CONSTRAINTS, *deps, *(str(ROOT / "packages" / n) for n in dict.fromkeys(names)))
     env = {"STEPFORGE_REQUIRE_CUDA": "1", "STEPFORGE_EXPECT_CUDA_BUILD": "1"}
-    for package in ("stepforge-fused", "stepforge-optim"):
+    for package in GPU_TEST_PACKAGES:
         run_pytest(session, f"{package}/tests", "-m", "gpu", env=env)
 
 

@@ -90,14 +90,17 @@ class ByteGPT(nn.Module):
 
 
 @torch.no_grad()
-def generate(model: nn.Module, prompt: bytes, n: int, ctx: int, seed: int) -> bytes:
+def generate(
+    model: nn.Module, prompt: bytes, n: int, ctx: int, seed: int, device: torch.device | None = None
+) -> bytes:
     """``prompt`` plus ``n`` bytes sampled top-k (k=20, temperature 0.8). Every rank runs it in lockstep (a
-    sharded model gathers its parameters in forward)."""
+    sharded model gathers its parameters in forward). The model runs on ``device`` (default CPU); the sampling
+    stays on the CPU with its seeded generator, so a seed gives the same draws on either device."""
     model.eval()
     g = torch.Generator().manual_seed(seed)
     idx = torch.tensor([list(prompt)], dtype=torch.long)
     for _ in range(n):
-        logits = model(idx[:, -ctx:])[0, -1].float()
+        logits = model(idx[:, -ctx:].to(device or "cpu"))[0, -1].float().cpu()
         top = torch.topk(logits, 20)
         probs = torch.softmax(top.values / 0.8, dim=-1)
         nxt = top.indices[torch.multinomial(probs, 1, generator=g)]

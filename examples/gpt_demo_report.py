@@ -90,7 +90,9 @@ def print_summary(summary: dict[str, Any]) -> None:
         f" ByteGPT demo: {s['n_params'] / 1e6:.2f} M params, {s['steps']} optimizer steps, {s['tokens']:,} tokens"
     )
     print(f" plugin {s['plugin']} ({s['plugin_note']}); precision {s['precision']}; optimizer {s['optimizer']}, "
-          f"accumulative_counts={s['accumulative_counts']}; world size {s['world_size']} (torchrun, gloo)")  # fmt: skip
+          f"accumulative_counts={s['accumulative_counts']}; world size {s['world_size']} (torchrun, {s['backend']})")  # fmt: skip
+    gpu = f" ({s['gpu']})" if s.get("gpu") else ""
+    print(f" device {s['device']}{gpu}")
     print(f" stepforge-fused CPU ISA path: {s['isa']}")
     print(f" resume: checkpoint at step {s['save_at']}, resumed in new processes at iter {s['resumed_at_iter']}; "
           f"largest |loss difference| to the uninterrupted run over {s['resume_steps_compared']} steps "
@@ -99,9 +101,12 @@ def print_summary(summary: dict[str, Any]) -> None:
           f"{s['resume_bound_kind']}) -> {'OK' if s['resume_within_bound'] else 'FAILED'}")  # fmt: skip
     print(f" bits per byte: validation {s['val_bpb']:.3f}, final train {s['final_train_bpb']:.3f} | unigram "
           f"baseline {s['unigram_bpb']:.3f} (byte entropy of the training text) | uniform 8")  # fmt: skip
-    print(f" throughput {s['tokens_per_s']:,.0f} tokens/s; optimizer step {s['step_ms']:.1f} ms")
+    print(
+        f" throughput {s['tokens_per_s']:,.0f} tokens/s on {s['device']}; optimizer step {s['step_ms']:.1f} ms"
+    )
     for r, m in enumerate(s["memory"]):
-        print(f" rank {r}: peak RSS {m['rss_mb']:.0f} MB, params {m['param_mb']:.2f} MB, "
+        cuda = f", peak CUDA memory {m['cuda_peak_mb']:.0f} MB" if m.get("cuda_peak_mb") is not None else ""
+        print(f" rank {r}: peak RSS {m['rss_mb']:.0f} MB{cuda}, params {m['param_mb']:.2f} MB, "
               f"optimizer state {m['optim_state_mb']:.2f} MB")  # fmt: skip
     print(f" loss curve: {s['png']}")
     print(" sample:", repr(s["sample"]))

@@ -4,6 +4,7 @@
     python examples/train_gpt_demo.py                    # what `nox -s demo` runs: 2 ranks, ~3 min on 2 cores
     python examples/train_gpt_demo.py --plugin torch_ddp --precision fp32 --nproc 2 --steps 40
     python examples/train_gpt_demo.py --smoke            # a few steps of a tiny model (the CI test)
+    python examples/train_gpt_demo.py --device cuda --nproc 1   # on a GPU: NCCL, FusedAdam, tokens/s on cuda
 
 The text is the Python standard library's own source (``*.py`` under ``sysconfig.get_paths()["stdlib"]``), read
 as bytes: present on every machine with Python, no download. The model (``gpt_demo_model.py``) is a pre-norm
@@ -11,7 +12,9 @@ decoder-only transformer over the 256 byte values. Training goes through ``stepf
 ``zero2`` (stepforge-zero's ZeRO-2) when installed, else ``torch_fsdp`` (the summary says which, and why), ``bf16``
 mixed precision, ``CPUAdam`` from stepforge-fused, ``accumulative_counts=4``, a linear warm-up then cosine schedule.
 
-Two launches, each in NEW processes started with ``torchrun`` on gloo:
+Two launches, each in NEW processes started with ``torchrun``: on gloo with ``--device cpu`` (the default; the
+workers see no GPU), on NCCL with ``--device cuda`` (one GPU per rank, the batches moved to it, ``FusedAdam`` unless
+``--optimizer`` says otherwise, torch's deterministic algorithms on so the resume can be bitwise):
 
 1. the uninterrupted run trains every step; at ``--save-at`` it writes a checkpoint (a crash-safe DCP directory)
    and goes on to the end without stopping;
@@ -49,6 +52,9 @@ from gpt_demo_model import BITS_PER_NAT, ByteGPT, generate, load_corpus, sample_
 from gpt_demo_report import compare_runs, plot_losses, print_summary, write_summary
 from torch import nn
 
+#: --device -> the process-group backend of its workers
+BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
+
 
 # -- one run, on every rank ---------------------------------------------------------------------------------
 def _local_bytes(tree: Any) -> int:
@@ -79,14 +85,20 @@ def _isa_path() -> str:
 
 @torch.no_grad()
 def _val_loss(
-    model: nn.Module, val_data: torch.Tensor, args: argparse.Namespace, rank: int, world: int
+    model: nn.Module,
+    val_data: torch.Tensor,
+    args: argparse.Namespace,
+    rank: int,
+    world: int,
+    device: torch.device,
 ) -> float:
     model.eval()
     val = []
     for i in range(args.val_batches):
         x, y = sample_batch(val_data, args.seq_len, args.micro_batch, args.seed + 1, i, rank)
+        x, y = x.to(device), y.to(device)
         val.append(F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()).item())
-    v = torch.tensor(sum(val) / len(val), dtype=torch.float64)
+    v = torch.tensor(sum(val) / len(val), dtype=torch.float64, device=device)  # NCCL reduces device tensors
     dist.all_reduce(v)
     model.train()
     return v.item() / world
@@ -107,17 +119,26 @@ def worker(args: argparse.Namespace) -> None:
         mixed_precision=None if args.precision == "fp32" else args.precision,
         work_dir=str(Path(args.out) / "work"),
         experiment_name="gpt_demo",
-        env_kwargs=dict(randomness=dict(seed=args.seed)),
+        # deterministic on cuda (cuBLAS workspace, attention and embedding backward): the resume check is bitwise
+        env_kwargs=dict(
+            backend=BACKENDS[args.device],
+            randomness=dict(seed=args.seed, deterministic=args.device == "cuda"),
+        ),
         log_kwargs=dict(console=False),
     )
     rank, world = strategy.rank, strategy.world_size
+    # cuda:LOCAL_RANK under --device cuda: the batches go there, and NCCL reduces only tensors there
+    device = strategy.plugin.device
+    if device.type != args.device:
+        raise SystemExit(f"--device {args.device} but the plugin placed the model on {device}")
     corpus = load_corpus(args.corpus_bytes)
     split = int(corpus.numel() * 0.95)
     train_data, val_data = corpus[:split], corpus[split:]
     max_iters = args.steps * args.accum
     warm = max(1, max_iters // 10)
     model, wrapper, schedulers = strategy.prepare(
-        ByteGPT(args.d_model, args.layers, args.heads, args.seq_len),
+        # on the device first: Strategy broadcasts rank 0's weights, and NCCL broadcasts only device tensors
+        ByteGPT(args.d_model, args.layers, args.heads, args.seq_len).to(device),
         optim_wrapper=dict(
             optimizer=dict(type=args.optimizer, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1),
             accumulative_counts=args.accum,
@@ -143,6 +164,7 @@ def worker(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     for it in range(start, max_iters):
         x, y = sample_batch(train_data, args.seq_len, args.micro_batch, args.seed, it, rank)
+        x, y = x.to(device), y.to(device)
         with wrapper.optim_context(model):
             loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
         wrapper.backward(wrapper.scale_loss(loss))
@@ -153,7 +175,7 @@ def worker(args: argparse.Namespace) -> None:
             wrapper.zero_grad()
             step_times.append(time.perf_counter() - ts)
             # float64 sums of the ranks' float losses: the same order on every run, so exact comparisons hold
-            mean = torch.tensor(sum(window_losses) / len(window_losses), dtype=torch.float64)
+            mean = torch.tensor(sum(window_losses) / len(window_losses), dtype=torch.float64, device=device)
             dist.all_reduce(mean)
             history.append(
                 dict(step=(it + 1) // args.accum, loss=mean.item() / world, lr=wrapper.get_lr()["lr"][0])
@@ -169,6 +191,7 @@ def worker(args: argparse.Namespace) -> None:
     bar.close()
     _, optim_sd = strategy.plugin.get_state_dict(model, wrapper.optimizer)  # the shards this rank holds
     mine = dict(
+        cuda_peak_mb=torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
         rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         param_mb=_local_bytes(list(model.parameters())) / 2**20,
         optim_state_mb=_local_bytes(optim_sd) / 2**20,
@@ -180,12 +203,13 @@ def worker(args: argparse.Namespace) -> None:
         tokens=(max_iters - start) * args.micro_batch * args.seq_len * world, memory=memory,
         step_ms=1000 * sum(step_times) / max(1, len(step_times)), start_iter=start, isa=_isa_path(),
         n_params=sum(p.numel() for p in ByteGPT(args.d_model, args.layers, args.heads, args.seq_len).parameters()),
-        val_loss=_val_loss(model, val_data, args, rank, world), unigram_bpb=unigram_bits_per_byte(train_data),
+        val_loss=_val_loss(model, val_data, args, rank, world, device), unigram_bpb=unigram_bits_per_byte(train_data),
+        device=str(device), backend=dist.get_backend(), gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
     )  # fmt: skip
     if args.phase == "resumed":
-        result["sample"] = generate(model, b"def ", args.sample_bytes, args.seq_len, args.seed).decode(
-            "utf-8", "replace"
-        )
+        result["sample"] = generate(
+            model, b"def ", args.sample_bytes, args.seq_len, args.seed, device
+        ).decode("utf-8", "replace")
     if rank == 0:
         Path(args.out, f"gpt_demo_{args.phase}.json").write_text(json.dumps(result))
     strategy.close()
@@ -220,6 +244,8 @@ def launch(args: argparse.Namespace, phase: str, plugin: str) -> None:
         "--worker", "--phase", phase, "--plugin", plugin,
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // args.nproc)))
+    if args.device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU run stays on the CPU (and gloo) on a machine with a GPU too
     if subprocess.run(cmd, env=env, check=False).returncode != 0:
         raise SystemExit(f"the {phase} half failed (see the output above)")
 
@@ -246,6 +272,7 @@ def report(args: argparse.Namespace, plugin_note: str, wall_s: float) -> dict[st
         precision=args.precision, optimizer=args.optimizer, isa=resumed["isa"], n_params=reference["n_params"],
         accumulative_counts=args.accum, steps=len(hist), save_at=args.save_at, resumed_at_iter=resumed["start_iter"],
         **check,
+        device=reference["device"], backend=reference["backend"], gpu=reference["gpu"],
         tokens=reference["tokens"], tokens_per_s=reference["tokens"] / reference["wall_s"],
         step_ms=reference["step_ms"], final_train_loss=resumed["history"][-1]["loss"], val_loss=resumed["val_loss"],
         final_train_bpb=resumed["history"][-1]["loss"] * BITS_PER_NAT, val_bpb=resumed["val_loss"] * BITS_PER_NAT,
@@ -269,7 +296,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="auto (zero2 if installed, else torch_fsdp), torch_fsdp, torch_ddp, gemini, zero2...",
     )
     p.add_argument(
-        "--optimizer", default="CPUAdam", help="any registered optimizer name (CPUAdam, FusedAdam, AdamW...)"
+        "--optimizer",
+        default=None,
+        help="any registered optimizer name (default: CPUAdam on cpu, FusedAdam on cuda; AdamW...)",
+    )
+    p.add_argument(
+        "--device",
+        default="cpu",
+        choices=sorted(BACKENDS),
+        help="cpu (gloo) or cuda (NCCL, one GPU per rank)",
     )
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--nproc", type=int, default=2, help="world size (processes on this machine)")
@@ -301,6 +336,18 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--save-at must lie in (0, --steps={args.steps}), got {args.save_at}")
     if args.nproc < 1 or args.d_model % args.heads:
         p.error("--nproc must be >= 1 and --d-model divisible by --heads")
+    if args.optimizer is None:
+        args.optimizer = "FusedAdam" if args.device == "cuda" else "CPUAdam"
+    if args.device == "cuda" and not args.worker:
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus == 0:
+            p.error(
+                "--device cuda: no CUDA device visible (torch.cuda.is_available() is False); use --device cpu"
+            )
+        if args.nproc > gpus:  # NCCL refuses two ranks on one GPU
+            p.error(
+                f"--device cuda needs one GPU per rank: --nproc {args.nproc} but {gpus} visible; use --nproc {gpus}"
+            )
     return args
 
 

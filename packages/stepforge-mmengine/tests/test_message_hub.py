@@ -75,3 +75,31 @@ def test_bad_input_is_refused_with_a_clear_error():
 def test_non_plain_states_pass_through_unchanged():
     state = {"log_scalars": {}, "runtime_info": {}}
     assert message_hub_from_plain(state) is state
+
+
+class _DeviceResident(torch.Tensor):
+    """Behaves like a CUDA tensor for ``numpy()`` (refused) and ``cpu()`` (a plain CPU copy)."""
+
+    def numpy(self, *args, **kwargs):
+        raise TypeError(
+            "can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy it first."
+        )
+
+    def cpu(self, *args, **kwargs):
+        return self.as_subclass(torch.Tensor).clone()
+
+
+def test_plain_state_read_onto_a_device_restores():
+    # resume reads the checkpoint's objects with map_location = the plugin's device: on a GPU the histories
+    # and arrays arrive as CUDA tensors, which numpy() refuses
+    hub = _hub()
+    plain = message_hub_to_plain(hub.state_dict())
+    for entry in plain["log_scalars"].values():
+        for key in ("log_history", "count_history"):
+            entry[key] = entry[key].as_subclass(_DeviceResident)
+    plain["runtime_info"]["mask"] = plain["runtime_info"]["mask"].as_subclass(_DeviceResident)
+    restored = message_hub_from_plain(plain)
+    np.testing.assert_array_equal(
+        restored["log_scalars"]["train/loss"].data[0], hub.get_scalar("train/loss").data[0]
+    )
+    np.testing.assert_array_equal(restored["runtime_info"]["mask"], np.arange(3))

@@ -101,17 +101,20 @@ def message_hub_to_plain(state: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def message_hub_from_plain(state: Any) -> Any:
-    """Inverse of :func:`message_hub_to_plain` (``HistoryBuffer`` and numpy arrays back); other input unchanged."""
+    """Inverse of :func:`message_hub_to_plain` (``HistoryBuffer`` and numpy arrays back); other input unchanged.
+
+    The tensors may arrive on a GPU (``resume`` reads with ``map_location`` = the plugin's device): they are
+    copied to the CPU before becoming numpy arrays."""
     if not (isinstance(state, Mapping) and state.get("format") == PLAIN_FORMAT):
         return state
     scalars = {
         name: HistoryBuffer(
-            entry["log_history"].numpy(), entry["count_history"].numpy(), int(entry["max_length"])
+            entry["log_history"].cpu().numpy(), entry["count_history"].cpu().numpy(), int(entry["max_length"])
         )
         for name, entry in state["log_scalars"].items()
     }
     info = dict(state["runtime_info"])
     for name in state.get("ndarray_keys", []):
         if name in info:
-            info[name] = info[name].numpy()
+            info[name] = info[name].cpu().numpy()
     return {"log_scalars": scalars, "runtime_info": info, "resumed_keys": dict(state["resumed_keys"])}

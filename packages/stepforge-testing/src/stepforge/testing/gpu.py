@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Generator
+from collections.abc import Callable, Generator, Mapping
 from typing import Any
 
 import pytest
@@ -32,6 +32,8 @@ __all__ = [
     "requires_cuda",
     "pytest_collection_modifyitems",
     "pytest_runtest_makereport",
+    "run_on_one_gpu",
+    "relative_error",
 ]
 
 REQUIRE_CUDA_ENV = "STEPFORGE_REQUIRE_CUDA"
@@ -114,3 +116,68 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         f"{REQUIRE_CUDA_ENV}=1 but this GPU test was skipped: {reason}\n"
         "(a GPU job must run its GPU tests; unset the variable to allow skipping)"
     )
+
+
+def run_on_one_gpu(
+    fn: Callable[..., Any],
+    *args: Any,
+    timeout: float = 300.0,
+    backend: str = "nccl",
+    env: Mapping[str, str] | None = None,
+) -> Any:
+    """Run ``fn(0, 1, *args)`` in one spawned process whose default group is a 1-rank NCCL group; its result.
+
+    :func:`stepforge.testing.distributed.run_distributed` with one rank: a fresh process per call (NCCL state
+    and the CUDA context never leak between tests), torchrun's variables set (``RANK``, ``WORLD_SIZE``,
+    ``MASTER_ADDR``...), and ``timeout`` seconds for the whole run, also the process-group timeout, so a hung
+    collective fails the test. NCCL's bootstrap is pinned to the loopback interface (``NCCL_SOCKET_IFNAME=lo``
+    unless set): the GPU machine may have no other network.
+
+    Args:
+        fn: a module-level (picklable) function ``fn(rank, world_size, *args)``; return CPU tensors.
+        *args: picklable arguments after ``rank`` and ``world_size``.
+        timeout: seconds for the whole run.
+        backend: the process-group backend (``"gloo"`` runs the same function on the CPU, for trying it out).
+        env: extra environment variables for the child.
+
+    Returns:
+        What ``fn`` returned.
+    """
+    from stepforge.testing.distributed import run_distributed
+
+    child_env = {
+        "NCCL_SOCKET_IFNAME": os.environ.get("NCCL_SOCKET_IFNAME", "lo"),
+        **(dict(env) if env else {}),
+    }
+    return run_distributed(fn, 1, *args, timeout=timeout, backend=backend, env=child_env)[0]
+
+
+def relative_error(
+    got: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor], start: Mapping[str, torch.Tensor]
+) -> float:
+    """How far ``got`` is from ``expected``, relative to how far training moved ``expected`` from ``start``.
+
+    ``||got - expected|| / ||expected - start||`` over all tensors together (fp32). A step that does nothing
+    scores 1.0 (``got == start``), an exact one 0.0: a bound well below 1 fails a do-nothing implementation
+    while leaving room for bf16/fp16 rounding.
+
+    Args:
+        got: name -> tensor (any dtype or device) after the steps under test.
+        expected: name -> tensor of the reference run, same names and shapes.
+        start: name -> the tensors before the first step.
+
+    Raises:
+        ValueError: the names differ, or the reference did not move (the ratio would mean nothing).
+    """
+    if set(got) != set(expected) or set(expected) != set(start):
+        raise ValueError(
+            f"relative_error: names differ: {sorted(got)} / {sorted(expected)} / {sorted(start)}"
+        )
+    err = moved = 0.0
+    for name, ref in expected.items():
+        ref32 = ref.detach().float().cpu()
+        err += float((got[name].detach().float().cpu() - ref32).square().sum())
+        moved += float((ref32 - start[name].detach().float().cpu()).square().sum())
+    if moved == 0.0:
+        raise ValueError("relative_error: the reference did not move from start; nothing to compare against")
+    return float((err / moved) ** 0.5)

@@ -45,7 +45,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
         else:
             kind, keys, pos, has_gauss, cached = state["numpy"]
             if isinstance(keys, torch.Tensor):
-                keys = keys.numpy().astype(np.uint32)
+                # resume's default map_location is the plugin's device: on a GPU the keys arrive on cuda
+                keys = keys.cpu().numpy().astype(np.uint32)
             np.random.set_state((kind, keys, pos, has_gauss, cached))
     if "cuda" in state and torch.cuda.is_available():
         saved = state["cuda"]

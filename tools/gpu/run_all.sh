@@ -1,0 +1,165 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# The GPU proof in one command (issue 21), on the GPU machine, from the repo root:
+#     tools/gpu/run_all.sh
+# Stages, each logged; a failed stage is recorded and the next one still runs; the exit status is non-zero
+# when any stage failed:
+#   env      nvidia-smi, python, torch, nvcc (information)
+#   wheels   the wheels in .whl/ (tools/gpu/fetch_wheels.sh, carried), installed --no-deps --no-index
+#   pure     the pure packages installed --no-deps --no-build-isolation (the image's torch is used, never replaced)
+#   fused    stepforge-fused built with its CUDA module (STEPFORGE_CUDA=ON, archs $STEPFORGE_CUDA_ARCHS, default 90)
+#   tests-*  `pytest -m gpu` of every package with GPU tests under STEPFORGE_REQUIRE_CUDA=1 (a skip fails)
+#   bench    tools/bench/bench_fused_gpu.py ($BENCH_ARGS, default the full sizes)
+#   demo     examples/train_gpt_demo.py --device cuda --nproc 1 ($DEMO_ARGS, default the full demo)
+# STAGES="env wheels pure fused tests bench demo" (the default) picks stages; one call of the device tool may run
+# 10 minutes, so a first call can run "env wheels pure fused tests" and a second, on the still-warm machine
+# (the build is incremental then), "wheels pure fused bench demo".
+# Output in $OUT (the device tool's folder) or else benchmarks/results/gpu-<UTC time>/: run_all.log,
+# junit-gpu.xml (every package's suite), bench_fused_gpu.json/.png, gpt_demo_cuda.json/.png, summary.json
+# (at most 8 files: what the device tool brings back).
+set -uo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+cd "$ROOT" || exit 2
+PY=${PYTHON:-python3}
+OUT_DIR=${OUT:-$ROOT/benchmarks/results/gpu-$(date -u +%Y%m%dT%H%M%SZ)}
+WORK=$(mktemp -d /tmp/stepforge-gpu.XXXXXX)
+mkdir -p "$OUT_DIR"
+exec > >(tee -a "$OUT_DIR/run_all.log") 2>&1
+export PYTHONUNBUFFERED=1 STEPFORGE_SOURCE_ROOT=$ROOT
+GPU_PACKAGES=(stepforge-fused stepforge-optim stepforge-zero stepforge-strategy stepforge-mmengine)
+PURE_PACKAGES=(stepforge-core stepforge-testing stepforge-optim stepforge-accum stepforge-zero stepforge-strategy
+    stepforge-mmengine)
+RESULTS=()
+FAILED=0
+
+stage() {  # stage NAME COMMAND...: run it, record "NAME ok|FAILED (rc) seconds"
+    local name=$1 start rc
+    shift
+    echo
+    echo "=== [$name] $(date -u +%H:%M:%S) $*"
+    start=$(date +%s)
+    "$@"
+    rc=$?
+    if [ "$rc" -eq 0 ]; then
+        RESULTS+=("$name ok $(( $(date +%s) - start ))s")
+    else
+        RESULTS+=("$name FAILED(rc=$rc) $(( $(date +%s) - start ))s")
+        FAILED=1
+    fi
+    echo "=== [$name] rc=$rc"
+}
+
+show_env() {
+    nvidia-smi || true
+    "$PY" -c "import sys, torch; print(sys.version); print('torch', torch.__version__, 'cuda', torch.version.cuda, \
+'available', torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')"
+    command -v nvcc && nvcc --version | tail -2
+    "$PY" -m pip --version
+}
+
+install_wheels() {
+    shopt -s nullglob
+    local wheels=(.whl/*.whl)
+    if [ ${#wheels[@]} -eq 0 ]; then
+        echo "no .whl/*.whl: run tools/gpu/fetch_wheels.sh where there is network and carry .whl (mmengine and"
+        echo "hatchling are not in the GPU image; stepforge-mmengine's tests and the pure installs need them)"
+        return 1
+    fi
+    "$PY" -m pip install -q --no-index --no-deps --no-compile "${wheels[@]}"
+}
+
+build_fused() {
+    local nvcc=${CUDACXX:-$(command -v nvcc || ls -d /usr/local/cuda*/bin/nvcc 2>/dev/null | sort -r | head -1)}
+    if [ -z "$nvcc" ]; then
+        echo "no nvcc (PATH, CUDACXX or /usr/local/cuda*/bin): stepforge-fused's CUDA module cannot be built"
+        return 1
+    fi
+    STEPFORGE_CUDA=ON STEPFORGE_CUDA_ARCHS=${STEPFORGE_CUDA_ARCHS:-90} CUDACXX=$nvcc CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
+        "$PY" -m pip install --no-deps --no-build-isolation --no-index -C build-dir=build/cuda-gpu-run \
+        packages/stepforge-fused || return 1
+    (cd "$WORK" && "$PY" -c "from stepforge.fused import _backend as b; print('cuda:', b.cuda_status()); \
+assert b.cuda_available(), 'stepforge-fused has no usable CUDA module'")
+}
+
+install_pure() {
+    local paths=()
+    for p in "${PURE_PACKAGES[@]}"; do paths+=("packages/$p"); done
+    "$PY" -m pip install -q --no-deps --no-build-isolation --no-index "${paths[@]}" || return 1
+    (cd "$WORK" && "$PY" -c "from stepforge.core import PLUGINS; import stepforge.mmengine; \
+print('plugins:', sorted(PLUGINS.names())); PLUGINS.get('zero2'); PLUGINS.get('gemini')")
+}
+
+gpu_tests() {  # gpu_tests PACKAGE
+    STEPFORGE_REQUIRE_CUDA=1 STEPFORGE_EXPECT_CUDA_BUILD=1 "$PY" -m pytest "packages/$1/tests" -m gpu \
+        -c pyproject.toml --rootdir . -p no:cacheprovider -rA --junitxml="$WORK/junit-$1.xml" -o junit_suite_name="$1"
+}
+
+bench() {
+    # shellcheck disable=SC2086  # BENCH_ARGS is a list of options
+    "$PY" tools/bench/bench_fused_gpu.py --out "$WORK/bench" ${BENCH_ARGS:-} || return 1
+    cp "$WORK"/bench/bench_fused_gpu.* "$OUT_DIR"/
+}
+
+demo() {
+    # shellcheck disable=SC2086  # DEMO_ARGS is a list of options
+    "$PY" examples/train_gpt_demo.py --device cuda --nproc 1 --out "$WORK/demo" ${DEMO_ARGS:-} || return 1
+    cp "$WORK/demo/gpt_demo.json" "$OUT_DIR/gpt_demo_cuda.json"
+    cp "$WORK/demo/gpt_demo_loss.png" "$OUT_DIR/gpt_demo_cuda.png" 2>/dev/null || true
+}
+
+merge_junit() {  # every package's suite in one file (the device tool brings back at most 8 files)
+    "$PY" - "$OUT_DIR/junit-gpu.xml" "$WORK"/junit-*.xml <<'PYEOF'
+import sys
+import xml.etree.ElementTree as ET
+
+merged = ET.Element("testsuites")
+for path in sys.argv[2:]:
+    root = ET.parse(path).getroot()
+    merged.extend(root.findall("testsuite") if root.tag == "testsuites" else [root])
+totals = {k: sum(int(s.get(k, 0)) for s in merged) for k in ("tests", "failures", "errors", "skipped")}
+merged.attrib.update({k: str(v) for k, v in totals.items()})
+ET.ElementTree(merged).write(sys.argv[1], encoding="utf-8", xml_declaration=True)
+print("junit:", totals, "->", sys.argv[1])
+PYEOF
+}
+
+STAGES=" ${STAGES:-env wheels pure fused tests bench demo} "
+wanted() { [[ "$STAGES" == *" $1 "* ]]; }
+wanted env && stage env show_env
+wanted wheels && stage wheels install_wheels
+wanted pure && stage pure install_pure  # first: stepforge.fused imports stepforge.core
+wanted fused && stage fused build_fused
+if wanted tests; then
+    for package in "${GPU_PACKAGES[@]}"; do
+        stage "tests-${package#stepforge-}" gpu_tests "$package"
+    done
+    merge_junit || FAILED=1
+fi
+wanted bench && stage bench bench
+wanted demo && stage demo demo
+
+echo
+echo "=== summary ($(date -u +%Y-%m-%dT%H:%M:%SZ), output in $OUT_DIR)"
+printf '  %s\n' "${RESULTS[@]}"
+"$PY" - "$OUT_DIR/summary.json" "$FAILED" "${RESULTS[@]}" <<'PYEOF'
+import json
+import sys
+
+import torch
+
+out, failed, stages = sys.argv[1], sys.argv[2] == "1", sys.argv[3:]
+cuda = torch.cuda.is_available()
+json.dump(
+    dict(
+        failed=failed,
+        stages=stages,
+        torch=torch.__version__,
+        cuda=torch.version.cuda,
+        device=torch.cuda.get_device_name(0) if cuda else None,
+    ),
+    open(out, "w"),
+    indent=1,
+)
+PYEOF
+rm -rf "$WORK"
+exit "$FAILED"
