@@ -24,12 +24,21 @@ __all__ = ["broadcast_weights", "build_optim_wrapper", "compile_model", "scale_l
 
 
 def broadcast_weights(model: nn.Module) -> None:
-    """Copy rank 0's parameters and buffers into ``model`` on every rank (nothing on a single process)."""
+    """Copy rank 0's parameters and buffers into ``model`` on every rank (nothing on a single process).
+
+    NCCL moves CUDA tensors only: a model still on the CPU (the plugin moves it later) travels through the
+    current CUDA device and is copied back; gloo takes the tensors where they are."""
     if get_world_size() == 1:
         return
+    staging = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
     with torch.no_grad():
         for tensor in list(model.parameters()) + list(model.buffers()):
-            dist.broadcast(tensor.data, src=0)
+            if staging is None or tensor.device == staging:
+                dist.broadcast(tensor.data, src=0)
+            else:
+                staged = tensor.data.to(staging)
+                dist.broadcast(staged, src=0)
+                tensor.data.copy_(staged)
 
 
 def build_optim_wrapper(booster: Booster, model: nn.Module, cfg: Any) -> tuple[nn.Module, Any]:
