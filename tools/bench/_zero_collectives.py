@@ -4,7 +4,8 @@ stepforge.zero uses, so the bench output shows why an algorithm and a bucket siz
 
 Per size (fp32 elements of one bucket, all ranks together): ``all_reduce`` of the bucket, ``reduce_scatter`` of it
 (each rank receives 1/N), ``all_gather`` of it (each rank contributes 1/N), and one ``broadcast`` of 1/N of it from
-every rank in turn (the gather stepforge.zero does on gloo). Median of ``reps`` runs, slowest rank, after a
+every rank in turn (the gather stepforge.zero does on gloo), and ``all_to_all_single`` of it (the transport of
+stepforge.zero's ``"all_to_all"`` reduce-scatter, its gloo default). Median of ``reps`` runs, slowest rank, after a
 barrier; milliseconds and the bucket's GB/s.
 """
 
@@ -43,17 +44,18 @@ def time_collectives(sizes: tuple[int, ...], reps: int, originals: dict[str, Any
     rs_name = "reduce_scatter_single" if "reduce_scatter_single" in originals else "reduce_scatter_tensor"
     ag_name = "all_gather_single" if "all_gather_single" in originals else "all_gather_into_tensor"
     reduce_scatter, all_gather = originals[rs_name], originals[ag_name]
-    ops = (all_reduce, reduce_scatter, all_gather, broadcast)
+    ops = (all_reduce, reduce_scatter, all_gather, broadcast, originals["all_to_all_single"])
     return [_time_size(elements, world, rank, ops, reps) for elements in sizes]
 
 
 def _time_size(elements: int, world: int, rank: int, ops: tuple[Any, ...], reps: int) -> dict[str, Any]:
-    all_reduce, reduce_scatter, all_gather, broadcast = ops
+    all_reduce, reduce_scatter, all_gather, broadcast, all_to_all = ops
     per = -(-elements // world)
     bucket = torch.ones(per * world)
     table = bucket.view(world, per)
     row = torch.empty(per)
     mine = table[rank].clone()
+    received = torch.empty_like(bucket)
 
     def broadcasts() -> None:
         for src in range(world):
@@ -64,6 +66,7 @@ def _time_size(elements: int, world: int, rank: int, ops: tuple[Any, ...], reps:
         "reduce_scatter_ms": _time(lambda: reduce_scatter(row, bucket), reps),
         "all_gather_ms": _time(lambda: all_gather(bucket, mine), reps),
         "broadcast_ms": _time(broadcasts, reps),
+        "all_to_all_ms": _time(lambda: all_to_all(received, bucket), reps),
     }
     mib = bucket.numel() * 4 / 2**20
     return {

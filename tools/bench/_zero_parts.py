@@ -106,6 +106,8 @@ def install_counter(counter: Counter) -> dict[str, Any]:
         "reduce_scatter_single": ("reduce_scatter", lambda a, k: nbytes(a[1] if len(a) > 1 else k["input"])),
         "all_gather_single": ("all_gather", lambda a, k: nbytes(a[0] if a else k["output_tensor"])),
         "all_gather": ("all_gather", lambda a, k: sum(nbytes(t) for t in (a[0] if a else k["tensor_list"]))),
+        # stepforge.zero's "all_to_all" reduce-scatter: each rank sends (N-1)/N of its input
+        "all_to_all_single": ("all_to_all", lambda a, k: nbytes(a[1] if len(a) > 1 else k["input"])),
         "reduce_scatter": (
             "reduce_scatter",
             lambda a, k: sum(nbytes(t) for t in (a[1] if len(a) > 1 else k["input_list"])),

@@ -12,7 +12,8 @@ from _zero_parts import Counter, ddp_counting_hook, nbytes
 __all__ = ["SCHEMES", "THEORY_FACTOR", "LR", "build"]
 
 SCHEMES = ("ddp_adamw", "ddp_torchzero", "fsdp2", "zero1", "zero2")
-THEORY_FACTOR = {"ddp_adamw": 2, "ddp_torchzero": 3, "fsdp2": 3, "zero1": 3, "zero2": 2}
+#: ring bytes per rank in units of (N-1)/N * parameter bytes; stepforge.zero with comm_algorithm="all_reduce": 3
+THEORY_FACTOR = {"ddp_adamw": 2, "ddp_torchzero": 3, "fsdp2": 3, "zero1": 2, "zero2": 2}
 LR = 1e-4
 
 

@@ -12,16 +12,18 @@ Schemes (fp32 GPT-shaped model, same weights, same data; every rank runs ``torch
 Bytes: the collectives are wrapped (``torch.distributed`` functions; DDP's C++ all-reduce through a counting
 communication hook that does what DDP's default does) and each call is charged what a bandwidth-optimal ring
 sends per rank: all-reduce of S bytes 2(N-1)/N*S, reduce-scatter with S bytes of input (N-1)/N*S, all-gather with
-S bytes of output (N-1)/N*S, broadcast of S bytes (N-1)/N*S. The theoretical minimum of each scheme is printed
+S bytes of output (N-1)/N*S, broadcast of S bytes (N-1)/N*S, all_to_all_single of S bytes of input (N-1)/N*S. The theoretical minimum of each scheme is printed
 beside it, with P = parameter bytes:
 
-    ddp_adamw 2(N-1)/N*P   ddp_torchzero 3(N-1)/N*P   zero1 3(N-1)/N*P   zero2 2(N-1)/N*P
+    ddp_adamw 2(N-1)/N*P   ddp_torchzero 3(N-1)/N*P   zero1 2(N-1)/N*P   zero2 2(N-1)/N*P
     fsdp2 (N-1)/N*(3*P_blocks + 2*P_root)   (all-gather in forward and again in backward, reduce-scatter;
                                              the root module's parameters stay unsharded between the two)
 
-zero1/zero2 use the optimizer's default ``comm_algorithm="auto"``: on gloo the buckets are all-reduced (each rank
-keeps its row), which charges 2(N-1)/N*P for the gradients, so their theory is 3(N-1)/N*P; the reduce-scatter path
-(``--zero-comm reduce_scatter``) has zero2's 2(N-1)/N*P. Before the schemes, every collective is timed on the group
+zero1/zero2 use the optimizer's default ``comm_algorithm="auto"``: on gloo a reduce-scatter made of
+``all_to_all_single`` and a local sum ((N-1)/N*P for the gradients, (N-1)/N*P for the parameter gather), and
+``overlap_allgather=True`` (``--overlap-allgather off`` waits for the gather in ``step``); with
+``--zero-comm all_reduce`` the buckets are all-reduced (2(N-1)/N*P for the gradients, theory 3(N-1)/N*P). Schemes
+run interleaved for ``--rounds`` rounds, so a change in the machine's load reaches all of them. Before the schemes, every collective is timed on the group
 at the bucket sizes stepforge.zero uses (``_zero_collectives.py``): the table behind that choice and behind the
 default bucket size.
 
@@ -219,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--zero-comm",
         default="auto",
-        choices=("auto", "all_reduce", "reduce_scatter"),
+        choices=("auto", "all_reduce", "reduce_scatter", "all_to_all"),
         help="LowLevelZeroOptimizer's comm_algorithm for zero1/zero2",
     )
     parser.add_argument("--warmup", type=int, default=1)
@@ -288,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
                 ("reduce_scatter_ms", "reduce_scatter", ".1f"),
                 ("all_gather_ms", "all_gather", ".1f"),
                 ("broadcast_ms", "N broadcasts of 1/N", ".1f"),
+                ("all_to_all_ms", "all_to_all", ".1f"),
             ],
         )
     )

@@ -1,12 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``comm_algorithm``: the gloo path (all-reduce the bucket, keep this rank's row) and the reduce-scatter path
-give the same parameters, each path really runs its collective, ``"auto"`` picks per backend, the environment
-variable forces ``"auto"``, and the in-place broadcast of large parameters gathers the same values.
+"""``comm_algorithm``: the three paths (all-reduce the bucket and read this rank's pieces; reduce-scatter; the
+``all_to_all`` exchange summed locally, gloo's default) give the same parameters, each path really runs its
+collective, ``"auto"`` picks per backend, the environment variable forces ``"auto"``, and the in-place broadcast
+of large parameters gathers the same values.
 
-Same results, bit for bit, at 2 ranks: both paths divide the same rank-major bucket by the world size before
-the sum, and a sum of two addends does not depend on the order gloo adds them in. At 4 ranks the two
-collectives may add the four addends in different orders (a few ulps): compared with the single-process
-reference at the parity tests' fp32 tolerance instead.
+Same results, bit for bit, at 2 ranks: every path divides the gradients by the world size before the sum, and a
+sum of two addends does not depend on the order it is done in. At 4 ranks the paths may add the four addends in
+different orders (a few ulps): compared with the single-process reference at the parity tests' fp32 tolerance
+instead.
 """
 
 from __future__ import annotations
@@ -56,18 +57,23 @@ def _train(rank: int, world: int, stage: int, algorithm: str, accum: int, use_no
                     opt.backward(loss_fn(model, x, y) / accum)
             opt.step()
             opt.zero_grad()
-    return flat_params(model), opt.comm_algorithm, calls["all_reduce"], calls["reduce_scatter_tensor"]
+    counts = (calls["all_reduce"], calls["reduce_scatter_tensor"], calls["all_to_all_single"])
+    return flat_params(model), opt.comm_algorithm, counts
 
 
 def _both_paths(rank: int, world: int) -> dict:
     out: dict = {
         "default_bucket": LowLevelZeroOptimizer(
             torch.optim.SGD(make_model().parameters(), lr=0.1)
-        ).reduce_bucket_size
+        ).reduce_bucket_size,
+        "auto": [
+            LowLevelZeroOptimizer(torch.optim.SGD(make_model().parameters(), lr=0.1), stage=s).comm_algorithm
+            for s in (1, 2)
+        ],
     }
     for stage in (1, 2):
         for accum, use_no_sync in ((1, False), (2, False), (3, True)):
-            for algorithm in ("all_reduce", "reduce_scatter", "auto"):
+            for algorithm in ("all_reduce", "reduce_scatter", "all_to_all"):
                 out[(stage, accum, use_no_sync, algorithm)] = _train(
                     rank, world, stage, algorithm, accum, use_no_sync
                 )
@@ -78,15 +84,18 @@ def _check_paths(results: list[dict], world: int, *, bitwise: bool) -> None:
     ref = flat_params(reference_run("AdamW", STEPS, 1, torch.float32, max_norm=0.5)[0])
     for rank, out in enumerate(results):
         assert out.pop("default_bucket") == GLOO_BUCKET_SIZE == 4 * 1024**2  # the measured gloo default
-        for (stage, accum, use_no_sync, algorithm), (params, chosen, all_reduces, scatters) in out.items():
+        assert out.pop("auto") == ["all_to_all", "all_to_all"]  # "auto" on gloo, both stages
+        for (stage, accum, use_no_sync, algorithm), (params, chosen, counts) in out.items():
             case = (rank, stage, accum, use_no_sync, algorithm)
-            # "auto" on gloo: the all-reduce path, at both stages
-            assert chosen == (algorithm if algorithm != "auto" else "all_reduce"), case
+            assert chosen == algorithm, case
             # each path really ran its own collective (the clipping norm adds one small all-reduce per step)
+            all_reduces, scatters, exchanges = counts
             if chosen == "reduce_scatter":
-                assert scatters > 0 and all_reduces == STEPS, (case, all_reduces, scatters)
+                assert scatters > 0 and all_reduces == STEPS and exchanges == 0, (case, counts)
+            elif chosen == "all_to_all":
+                assert exchanges > 0 and all_reduces == STEPS and scatters == 0, (case, counts)
             else:
-                assert scatters == 0 and all_reduces > STEPS, (case, all_reduces, scatters)
+                assert scatters == 0 and all_reduces > STEPS and exchanges == 0, (case, counts)
             other = out[(stage, accum, use_no_sync, "reduce_scatter")][0]
             if bitwise:
                 assert torch.equal(params, other), case
@@ -99,13 +108,13 @@ def _check_paths(results: list[dict], world: int, *, bitwise: bool) -> None:
 
 @pytest.mark.distributed
 @requires_gloo
-def test_all_reduce_and_reduce_scatter_paths_agree_bit_for_bit_at_two_ranks():
+def test_the_three_reduction_paths_agree_bit_for_bit_at_two_ranks():
     _check_paths(run_distributed(_both_paths, 2, timeout=240), 2, bitwise=True)
 
 
 @pytest.mark.distributed
 @requires_gloo
-def test_all_reduce_and_reduce_scatter_paths_agree_at_four_ranks():
+def test_the_three_reduction_paths_agree_at_four_ranks():
     _check_paths(run_distributed(_both_paths, 4, timeout=240), 4, bitwise=False)
 
 

@@ -65,3 +65,12 @@ def test_reducer_reuses_the_piece_storage_after_zero_grad():
     assert [s.grad.data_ptr() for s in slots] == first  # same memory, new values
     assert torch.equal(slots[0].grad, torch.full((6,), 3.0))
     assert reducer.pool.held_bytes <= (MAX_IN_FLIGHT + 1) * 11 * 4
+
+
+def test_pool_drops_the_smallest_buffer_wherever_it_sits():
+    pool = BufferPool(keep=2, min_numel=1)
+    cpu = torch.device("cpu")
+    big, bigger, small = (pool.take(n, torch.float32, cpu) for n in (50, 70, 5))
+    for buffer in (big, bigger, small):  # the smallest last: found by identity, never by comparing elements
+        pool.give(buffer)
+    assert pool.held_bytes == (50 + 70) * 4

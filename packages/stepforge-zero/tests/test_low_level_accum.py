@@ -49,7 +49,7 @@ def _wrapped(rank: int, world: int) -> dict:
                         loss = loss_fn(model, x, y)
                         wrapper.update_params(loss, num_items=len(x) if weighted else None)
             counts = opt.collective_counts
-            out[(stage, weighted)] = (flat_params(model), counts.reduce_scatter + counts.all_reduce)
+            out[(stage, weighted)] = (flat_params(model), counts.reductions)
     return out
 
 

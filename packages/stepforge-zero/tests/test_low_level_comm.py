@@ -60,20 +60,20 @@ def _count_collectives(rank: int, world: int) -> dict[str, Counter]:
                 reduce_bucket_size=BUCKET,
                 overlap_communication=overlap,
                 param_gather="all_gather",
-                # the reduce-scatter path is counted here; gloo's default (all-reduce) at the end
-                comm_algorithm="reduce_scatter" if stage == 2 else "auto",
+                # the reduce-scatter and all-reduce paths are counted here; gloo's default at the end
+                comm_algorithm="reduce_scatter" if stage == 2 else "all_reduce",
             )
             for k, use_no_sync in ((1, False), (3, False), (3, True)):
                 out[f"stage{stage}-overlap{overlap}-k{k}-nosync{use_no_sync}"] = _one_step(
                     opt, model, k, use_no_sync
                 )
-    # the gloo default all-reduces the buckets and gathers the updated pieces with one broadcast per rank and
-    # partition
+    # the gloo default exchanges the buckets with all_to_all_single (summed locally) and gathers the updated pieces
+    # with one broadcast per rank and partition
     model = _Flat()
     opt = LowLevelZeroOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1), stage=2, reduce_bucket_size=BUCKET
     )
-    assert opt.param_gather == "broadcast" and opt.comm_algorithm == "all_reduce"
+    assert opt.param_gather == "broadcast" and opt.comm_algorithm == "all_to_all"
     out["stage2-default-gather"] = _one_step(opt, model, 1, False)
     return out
 
@@ -158,15 +158,15 @@ def _memory(rank: int, world: int, algorithm: str) -> dict[str, float]:
         per_elem = 4 * 3 + (4 if dtype != torch.float32 else 0)
         out[str(dtype)] = _held_bytes(opt) / (numel * per_elem)
         out[str(dtype) + ".padding"] = (padded - numel) / numel
-        # what the pieces keep alive: this rank's rows only (1/N of the padded gradient), never a whole
-        # all-reduced bucket
+        # what the pieces keep alive: this rank's elements only (1/N of the padded gradient), never a whole
+        # reduced bucket
         out[str(dtype) + ".storage"] = _storage_bytes(opt) / (padded * (4 if dtype == torch.float32 else 2))
         # buckets launched but not yet added into the pieces, at their peak during backward (elements)
         out[str(dtype) + ".peak_in_flight"] = opt._reducer.peak_in_flight / padded
     return out
 
 
-@pytest.mark.parametrize("algorithm", ["all_reduce", "reduce_scatter"])
+@pytest.mark.parametrize("algorithm", ["all_reduce", "reduce_scatter", "all_to_all"])
 def test_per_rank_memory_is_a_quarter_of_the_unsharded_figure_at_four_ranks(algorithm):
     results = run_distributed(_memory, 4, algorithm, timeout=120)
     for rank, ratios in enumerate(results):
@@ -178,7 +178,7 @@ def test_per_rank_memory_is_a_quarter_of_the_unsharded_figure_at_four_ranks(algo
             assert ratios[dtype] >= 0.25 - padding, (rank, dtype, ratios[dtype])  # and really holds its share
             # 5 buckets of 1728 padded elements per backward; at most MAX_IN_FLIGHT + 1 = 3 exist at once
             assert ratios[dtype + ".peak_in_flight"] <= 3 * 1728 / 8640 + 1e-9, (rank, dtype)
-            # fp32 pieces view their bucket's row (no copy); bf16 ones were converted to fp32 masters' dtype
+            # the pieces live in one store of this rank's elements in the masters' dtype (fp32 for bf16 params)
             assert 0 < ratios[dtype + ".storage"] <= (0.25 if dtype == "torch.float32" else 0.5) + 1e-9, (
                 rank,
                 dtype,
@@ -190,4 +190,5 @@ def test_gloo_default_gathers_pieces_by_broadcast(counts):
     one = counts["stage2-default-gather"]
     assert one["broadcast"] == 2  # 2 ranks x 1 partition
     assert one["all_gather_into_tensor"] == 0
-    assert one["all_reduce"] == BUCKETS and one["reduce_scatter_tensor"] == 0
+    assert one["all_to_all_single"] == BUCKETS and one["reduce_scatter_tensor"] == 0
+    assert one["all_reduce"] == 0

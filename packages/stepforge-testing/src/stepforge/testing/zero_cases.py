@@ -220,6 +220,7 @@ COLLECTIVE_NAMES = {
     "all_reduce": "all_reduce",
     "broadcast": "broadcast",
     "all_gather": "all_gather",
+    "all_to_all_single": "all_to_all_single",
 }
 
 

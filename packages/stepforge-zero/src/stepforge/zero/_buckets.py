@@ -10,7 +10,9 @@ before the sum (as DDP does):
   divided by the same copy) and ``reduce_scatter_tensor`` hands each rank only its row;
 - ``"all_reduce"``: the gradients are all-reduced as they are laid out (a lone gradient in place, several
   concatenated), and each rank reads its piece of every parameter at the piece's range (``torch.chunk`` layout:
-  one contiguous range per parameter).
+  one contiguous range per parameter);
+- ``"all_to_all"``: the rank-major bucket goes through ``all_to_all_single`` (rank ``r`` receives every rank's
+  row ``r``) and the ``N`` received rows are summed here, straight into the pieces.
 
 With ``overlap_communication`` the collective is launched asynchronously and backward goes on; the results
 are added into the slots' fp32 (master-dtype) gradient pieces when :meth:`GradReducer.wait` runs (before
@@ -48,13 +50,20 @@ MAX_IN_FLIGHT = 2
 
 
 class CollectiveCounter:
-    """How many reduce collectives were launched, and how many times a step's reduction was completed by
-    :meth:`GradReducer.sync` (for tests and the benchmark)."""
+    """How many reduce collectives were launched (``all_to_all``: the exchanges of the ``"all_to_all"``
+    reduce-scatter), and how many times a step's reduction was completed by :meth:`GradReducer.sync` (for tests
+    and the benchmark)."""
 
     def __init__(self) -> None:
         self.reduce_scatter = 0
         self.all_reduce = 0
+        self.all_to_all = 0
         self.syncs = 0
+
+    @property
+    def reductions(self) -> int:
+        """Bucket reductions launched, whatever the algorithm."""
+        return self.reduce_scatter + self.all_reduce + self.all_to_all
 
 
 def write_rank_major(dst: torch.Tensor, grad: torch.Tensor, divisor: int) -> None:
@@ -92,6 +101,7 @@ class _Flight:
     layout: list[tuple[Slot, int]]
     elements: int
     buffers: list[torch.Tensor] = field(default_factory=list)
+    summed: bool = True  # False: ``received`` is a (W, n) table of every rank's row, to be summed here
 
 
 class GradReducer:
@@ -191,7 +201,7 @@ class GradReducer:
         bucket = self._buckets.pop(dtype, None)
         if bucket is None or not bucket.items:
             return
-        if self.algorithm == "reduce_scatter" and self.world_size > 1:
+        if self.algorithm in ("reduce_scatter", "all_to_all") and self.world_size > 1:
             flight = self._launch_reduce_scatter(bucket.items, dtype)
         else:
             flight = self._launch_all_reduce(bucket.items, dtype)
@@ -208,19 +218,25 @@ class GradReducer:
 
     def _launch_reduce_scatter(self, items: list[tuple[Slot, torch.Tensor]], dtype: torch.dtype) -> _Flight:
         """Lay the bucket out rank-major (divided by the world size) and reduce-scatter it: this rank receives
-        its row, the concatenation of its pieces."""
+        its row, the concatenation of its pieces (``"all_to_all"``: every rank's row, summed when finished)."""
         world = self.world_size
         per_rank = sum(slot.piece for slot, _ in items)
         device = items[0][1].device
         send = self.pool.take(world * per_rank, dtype, device)
         flat = send[: world * per_rank].view(world, per_rank)
-        received = self.pool.take(per_rank, dtype, device)
         layout: list[tuple[Slot, int]] = []
         offset = 0
         for slot, grad in items:
             write_rank_major(flat[:, offset : offset + slot.piece], grad, world)
             layout.append((slot, offset))
             offset += slot.piece
+        if self.algorithm == "all_to_all" and not self.wire.fp8:
+            table = self.pool.take(world * per_rank, self.wire.exchange_dtype(dtype), device)
+            received = table[: world * per_rank].view(world, per_rank)
+            work = self.wire.exchange(received, flat, group=self.group, async_op=self.overlap)
+            self.counter.all_to_all += 1
+            return _Flight(work, received, layout, 0, [send, table], summed=False)
+        received = self.pool.take(per_rank, dtype, device)
         work = self.wire.reduce_scatter(
             received[:per_rank], flat.view(-1), group=self.group, world_size=world, async_op=self.overlap
         )
@@ -262,13 +278,28 @@ class GradReducer:
     def _finish(self, flight: _Flight) -> None:
         if flight.work is not None:  # None: a synchronous collective, already done
             flight.work.wait()
-        self._accumulate(flight.received, flight.layout)
+        self._accumulate(flight.received, flight.layout, summed=flight.summed)
         for buffer in flight.buffers:
             self.pool.give(buffer)
 
-    def _accumulate(self, received: torch.Tensor, layout: list[tuple[Slot, int]]) -> None:
+    def _accumulate(
+        self, received: torch.Tensor, layout: list[tuple[Slot, int]], *, summed: bool = True
+    ) -> None:
+        """Add each slot's piece of ``received`` into its reduced gradient (``summed=False``: ``received`` holds
+        every rank's row, summed here in their dtype, rank order)."""
         for slot, offset in layout:
-            piece = received[offset : offset + slot.valid]
+            if summed:
+                piece = received[offset : offset + slot.valid]
+            elif (
+                slot.grad is None
+                and received.dtype == slot.master.dtype
+                and received.device == slot.master.device
+            ):
+                slot.grad = self.pieces.view(slot)
+                torch.sum(received[:, offset : offset + slot.valid], dim=0, out=slot.grad)
+                continue
+            else:
+                piece = received[:, offset : offset + slot.valid].sum(dim=0)
             if slot.grad is None:
                 slot.grad = self.pieces.view(slot)
                 slot.grad.copy_(piece)  # converts to the master dtype / device where they differ

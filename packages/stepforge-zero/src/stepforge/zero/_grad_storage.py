@@ -49,7 +49,8 @@ class BufferPool:
         """Hand ``buffer`` back once no collective uses it any more."""
         self._free.append(buffer)
         if len(self._free) > self.keep:
-            self._free.remove(min(self._free, key=torch.Tensor.numel))
+            smallest = min(self._free, key=torch.Tensor.numel)
+            self._free = [b for b in self._free if b is not smallest]  # by identity: == compares elements
 
     def clear(self) -> None:
         """Drop every free buffer."""

@@ -107,6 +107,17 @@ class WireFormat:
             return self._done(work, lambda: out.copy_(wire_out), async_op)
         return reduce_scatter(out, flat, group=group, async_op=async_op)
 
+    def exchange_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype rows travel in by :meth:`exchange` (``communication_dtype`` when it casts, else ``dtype``)."""
+        return self.dtype if self.dtype is not None and self.dtype != dtype else dtype
+
+    def exchange(self, received: torch.Tensor, rows: torch.Tensor, *, group: Any, async_op: bool) -> Any:
+        """``received[s]`` = rank ``s``'s ``rows[this rank]`` (``all_to_all_single``; both ``(W, n)``, ``received``
+        in :meth:`exchange_dtype`): the transport of the ``"all_to_all"`` reduce-scatter, summed by the caller
+        in the wire dtype (fp8 goes through :meth:`reduce_scatter`, which decodes and sums itself)."""
+        send = rows if rows.dtype == received.dtype else rows.to(received.dtype)
+        return dist.all_to_all_single(received.view(-1), send.reshape(-1), group=group, async_op=async_op)
+
     def all_reduce(self, flat: torch.Tensor, *, group: Any, world_size: int, async_op: bool) -> Any:
         """``flat`` = the sum over the ranks of ``flat``, on every rank."""
         if self.fp8:

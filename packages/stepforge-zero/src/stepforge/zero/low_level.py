@@ -101,8 +101,9 @@ class LowLevelZeroOptimizer(GradientMembers, ColossalAIMembers, StateDictMembers
         param_gather: how updated pieces reach every rank: ``"all_gather"`` (one ``all_gather_into_tensor``
             per partition), ``"broadcast"`` (one broadcast per rank and partition; gloo's broadcast is several
             times faster than its all-gather on the CPU), ``None``: broadcast on gloo, all-gather elsewhere.
-        comm_algorithm: ``"reduce_scatter"``, ``"all_reduce"`` (each rank keeps its row of the reduced bucket:
-            same 1/N memory, about twice as fast on gloo) or ``"auto"``; see :mod:`stepforge.zero._algorithm`.
+        comm_algorithm: ``"reduce_scatter"``, ``"all_reduce"`` (each rank reads its pieces of the reduced
+            bucket: same 1/N memory), ``"all_to_all"`` (a reduce-scatter by ``all_to_all_single`` and a local sum:
+            about twice as fast as either on gloo) or ``"auto"``; see :mod:`stepforge.zero._algorithm`.
 
     Attributes:
         last_step_skipped: whether the last :meth:`step` was skipped for an fp16 overflow.
