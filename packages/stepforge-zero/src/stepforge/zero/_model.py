@@ -14,7 +14,7 @@ import torch
 from stepforge.core import StepforgeError
 from stepforge.core.precision import PLUGIN_PRECISIONS, get_precision
 
-__all__ = ["PRECISIONS", "LowLevelZeroModel", "UnsupportedPrecisionError"]
+__all__ = ["PRECISIONS", "LowLevelZeroModel", "UnsupportedPrecisionError", "unwrap_prepared"]
 
 #: precision name -> working dtype of the model's parameters: the plugin precisions of
 #: :data:`stepforge.core.precision.PRECISIONS` (the one table), read as ``{name: dtype}``.
@@ -115,3 +115,8 @@ class LowLevelZeroModel(torch.nn.Module):
             args, kwargs = self._cast(args), self._cast(kwargs)
         with _explain_precision_errors(self.device, self.precision, "forward"):
             return self.module(*args, **kwargs)
+
+
+def unwrap_prepared(model: torch.nn.Module) -> torch.nn.Module:
+    """The module inside a :class:`LowLevelZeroModel` (after its gather landed), else ``model`` itself."""
+    return model.unwrap() if isinstance(model, LowLevelZeroModel) else model

@@ -1,16 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
 """The argument checks of :class:`~stepforge.zero.plugin.LowLevelZeroPlugin` that are not the loss scaler's (which
-``stepforge.core.precision.validate_loss_scaler_args`` checks) nor the precision's."""
+``stepforge.core.precision.validate_loss_scaler_args`` checks) nor the precision's, and the reading of its
+``optimizers`` arguments."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from stepforge.core import HyperParameterError
 
-__all__ = ["fixed_stage", "check_extra_dp_size", "check_number"]
+__all__ = ["fixed_stage", "check_extra_dp_size", "check_number", "listed_optimizers", "single_optimizer"]
 
 
 def fixed_stage(kwargs: dict[str, Any], stage: int) -> None:
@@ -49,3 +51,19 @@ def check_number(name: str, value: Any, low: float, *, strict: bool) -> None:
         raise HyperParameterError(
             f"LowLevelZeroPlugin: {name} must be a number {relation} {low:g}, got {value!r}."
         )
+
+
+def listed_optimizers(optimizers: Any) -> list[Any]:
+    """``None`` (the one prepared) or one optimizer as a one-item list, an iterable as a list."""
+    if optimizers is None or isinstance(optimizers, torch.optim.Optimizer):
+        return [optimizers]
+    return list(optimizers)
+
+
+def single_optimizer(items: list[Any]) -> Any:
+    """The one optimizer of ``items``; a checkpoint pair holds one optimizer per model."""
+    if len(items) != 1:
+        raise HyperParameterError(
+            f"LowLevelZeroPlugin: checkpoints hold one optimizer per model, got {len(items)}; prepare one optimizer."
+        )
+    return items[0]

@@ -26,8 +26,20 @@ from stepforge.core.precision import PLUGIN_PRECISIONS, check_plugin_precision, 
 from ._algorithm import default_bucket_size
 from ._grad_norm import check_clip_args
 from ._hybrid import mesh_groups
-from ._model import PRECISIONS, LowLevelZeroModel, UnsupportedPrecisionError, _explain_precision_errors
-from ._plugin_args import check_extra_dp_size, check_number, fixed_stage
+from ._model import (
+    PRECISIONS,
+    LowLevelZeroModel,
+    UnsupportedPrecisionError,
+    _explain_precision_errors,
+    unwrap_prepared,
+)
+from ._plugin_args import (
+    check_extra_dp_size,
+    check_number,
+    fixed_stage,
+    listed_optimizers,
+    single_optimizer,
+)
 from .low_level import LowLevelZeroOptimizer
 
 __all__ = [
@@ -317,11 +329,11 @@ class LowLevelZeroPlugin(PluginBase):
         """The DCP pair: the model's full state dict (original keys, replicated on every rank) and the
         optimizer's sharded, world-size-independent state (``LowLevelZeroOptimizer.sharded_state_dict()``);
         ``{}`` for the optimizer when ``optimizers`` is empty (a weights-only save or load)."""
-        items = _listed(optimizers)
+        items = listed_optimizers(optimizers)
         if not items:
-            return _unwrap(model).state_dict(), {}
-        zero = self._zero(_single(items), "get_state_dict")
-        return _unwrap(model).state_dict(), zero.sharded_state_dict()
+            return unwrap_prepared(model).state_dict(), {}
+        zero = self._zero(single_optimizer(items), "get_state_dict")
+        return unwrap_prepared(model).state_dict(), zero.sharded_state_dict()
 
     def set_state_dict(
         self,
@@ -334,9 +346,9 @@ class LowLevelZeroPlugin(PluginBase):
     ) -> None:
         """Apply a pair filled by ``torch.distributed.checkpoint.load`` (possibly saved at another world size); with
         no optimizers only the model (a weights-only load: refresh the masters with :meth:`after_model_load`)."""
-        items = _listed(optimizers)
-        zero = self._zero(_single(items), "set_state_dict") if items else None
-        _unwrap(model).load_state_dict(model_state_dict)
+        items = listed_optimizers(optimizers)
+        zero = self._zero(single_optimizer(items), "set_state_dict") if items else None
+        unwrap_prepared(model).load_state_dict(model_state_dict)
         if zero is not None:
             zero.load_sharded_state_dict(optim_state_dict)
 
@@ -344,7 +356,7 @@ class LowLevelZeroPlugin(PluginBase):
         """Copy the loaded weights into the fp32 master pieces of every ``LowLevelZeroOptimizer`` among
         ``optimizers`` (``update_master_params``, as ColossalAI's checkpoint IO does after a model load);
         without it the next ``step()``, even at lr 0, writes the old weights back. No collective."""
-        module = _unwrap(model)
+        module = unwrap_prepared(model)
         for optimizer in optimizers:
             if isinstance(optimizer, LowLevelZeroOptimizer):
                 optimizer.update_master_params(module)
@@ -384,22 +396,3 @@ class Zero2Plugin(LowLevelZeroPlugin):
     def __init__(self, precision: str = _FP16_DEFAULT, **kwargs: Any) -> None:
         fixed_stage(kwargs, 2)
         super().__init__(stage=2, precision=precision, **kwargs)
-
-
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    return model.unwrap() if isinstance(model, LowLevelZeroModel) else model
-
-
-def _listed(optimizers: Any) -> list[Any]:
-    """``None`` (the one prepared) or one optimizer as a one-item list, an iterable as a list."""
-    if optimizers is None or isinstance(optimizers, torch.optim.Optimizer):
-        return [optimizers]
-    return list(optimizers)
-
-
-def _single(items: list[Any]) -> Any:
-    if len(items) != 1:
-        raise HyperParameterError(
-            f"LowLevelZeroPlugin: checkpoints hold one optimizer per model, got {len(items)}; prepare one optimizer."
-        )
-    return items[0]
