@@ -275,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:  # round-robin, so slow drift of the machine's load hits every contender alike
             runs[name].append(run_contender(name, args))
     rows = [sorted(runs[n], key=lambda r: r["tokens_per_s"])[len(runs[n]) // 2] for n in names]
+    for name, row in zip(names, rows, strict=True):  # every round, in run order, to judge the spread
+        row["tokens_per_s_rounds"] = [r["tokens_per_s"] for r in runs[name]]
     base = rows[0]["tokens_per_s"]
     for row in rows:
         row["ratio_to_torch_loop"] = row["tokens_per_s"] / base
