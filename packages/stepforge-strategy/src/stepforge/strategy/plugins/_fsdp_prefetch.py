@@ -18,9 +18,17 @@ from torch.distributed.fsdp import BackwardPrefetch
 
 __all__ = ["PrefetchPlan", "prefetch_plan", "apply_prefetch", "BACKWARD_PREFETCH_UNSET"]
 
+
+class _FSDP2Default:
+    """The type of :data:`BACKWARD_PREFETCH_UNSET` (a readable default in signatures and docs)."""
+
+    def __repr__(self) -> str:
+        return "<FSDP2 default>"
+
+
 #: ``backward_prefetch`` not given: FSDP2's own backward prefetching (the previous block, like FSDP1's
 #: ``BACKWARD_PRE``), distinct from an explicit ``None`` (FSDP1: no backward prefetching).
-BACKWARD_PREFETCH_UNSET: Any = object()
+BACKWARD_PREFETCH_UNSET: Any = _FSDP2Default()
 
 
 @dataclass(frozen=True)
