@@ -7,6 +7,9 @@ its own; every rank runs ``torch.set_num_threads(cores // N)``):
     torch_loop       DDP + torch.optim.AdamW(fused=True), accumulation written by hand with ``no_sync``
     strategy_ddp     Strategy(plugin="torch_ddp") + ColossalAIOptimWrapper, torch AdamW(fused=True)
     strategy_fsdp    Strategy(plugin="torch_fsdp") + ColossalAIOptimWrapper, torch AdamW
+    strategy_fsdp_noreshard   the same with reshard_after_forward=False (blocks stay gathered until backward)
+    strategy_fsdp_prefetch    the same with FSDP1's forward_prefetch=True, backward_prefetch="BACKWARD_PRE"
+    strategy_fsdp_prefetch2   the same prefetching two blocks ahead (prefetch_blocks=2)
     strategy_zero1   Strategy(plugin="zero1", fp32, overlap_allgather) + ColossalAIOptimWrapper, stepforge CPUAdam
     strategy_zero2   Strategy(plugin="zero2", fp32, overlap_allgather) + ColossalAIOptimWrapper, stepforge CPUAdam
 
@@ -53,11 +56,15 @@ from gpt_demo_model import ByteGPT, load_corpus, sample_batch  # noqa: E402
 
 __all__ = ["main"]
 
-#: contender -> (plugin, optimizer config); None plugin = the plain torch loop
-CONTENDERS: dict[str, tuple[str | None, dict[str, Any]]] = {
+_PREFETCH = dict(type="torch_fsdp", forward_prefetch=True, backward_prefetch="BACKWARD_PRE")
+#: contender -> (plugin name or config, optimizer config); None plugin = the plain torch loop
+CONTENDERS: dict[str, tuple[str | dict[str, Any] | None, dict[str, Any]]] = {
     "torch_loop": (None, {"type": "AdamW", "fused": True}),
     "strategy_ddp": ("torch_ddp", {"type": "AdamW", "fused": True}),
     "strategy_fsdp": ("torch_fsdp", {"type": "AdamW"}),
+    "strategy_fsdp_noreshard": (dict(type="torch_fsdp", reshard_after_forward=False), {"type": "AdamW"}),
+    "strategy_fsdp_prefetch": (_PREFETCH, {"type": "AdamW"}),
+    "strategy_fsdp_prefetch2": (dict(_PREFETCH, prefetch_blocks=2), {"type": "AdamW"}),
     "strategy_zero1": ("zero1", {"type": "CPUAdam"}),
     "strategy_zero2": ("zero2", {"type": "CPUAdam"}),
 }
@@ -214,6 +221,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--rounds", type=int, default=1, help="run every contender this many times, keep the median"
     )
     p.add_argument("--contenders", default=",".join(CONTENDERS))
+    p.add_argument("--name", default="train", help="the results are cpu-<date>-<name>.json/.png")
     p.add_argument("--corpus-bytes", type=int, default=2_000_000)
     p.add_argument("--tiny", action="store_true", help="a seconds-long run that only checks the bench works")
     args = p.parse_args(argv)
@@ -267,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:  # round-robin, so slow drift of the machine's load hits every contender alike
             runs[name].append(run_contender(name, args))
     rows = [sorted(runs[n], key=lambda r: r["tokens_per_s"])[len(runs[n]) // 2] for n in names]
+    for name, row in zip(names, rows, strict=True):  # every round, in run order, to judge the spread
+        row["tokens_per_s_rounds"] = [r["tokens_per_s"] for r in runs[name]]
     base = rows[0]["tokens_per_s"]
     for row in rows:
         row["ratio_to_torch_loop"] = row["tokens_per_s"] / base
@@ -285,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     machine = _machine.machine_info(threads=args.threads)
     config = {k: v for k, v in vars(args).items() if k != "out"}
     out = Path(args.out)
-    stem = f"cpu-{datetime.date.today().isoformat()}-train{'-tiny' if args.tiny else ''}"
+    stem = f"cpu-{datetime.date.today().isoformat()}-{args.name}{'-tiny' if args.tiny else ''}"
     _report.save_json(
         out / f"{stem}.json", {"machine": machine, "config": config, "params": n_params, "rows": rows}
     )

@@ -73,7 +73,9 @@ def test_gemini_refuses_by_name(kwargs, error, match):
     ("kwargs", "error", "match"),
     [
         (dict(auto_wrap_policy=object()), TypeError, "auto_wrap_policy"),
-        (dict(backward_prefetch="BACKWARD_PRE"), TypeError, "backward_prefetch"),
+        (dict(limit_all_gathers=True), TypeError, "limit_all_gathers"),
+        (dict(backward_prefetch="NO_PREFETCH"), ValueError, "backward_prefetch"),
+        (dict(prefetch_blocks=0), ValueError, "prefetch_blocks"),
         (dict(sync_module_states=True), TypeError, "sync_module_states"),
         (dict(sharding_strategy="NO_SHARD"), ValueError, "NO_SHARD"),
         (dict(precision="fp8"), ValueError, "precision"),
@@ -97,6 +99,12 @@ def test_torch_fsdp_maps_fsdp1_arguments():
     assert TorchFSDPPlugin(cpu_offload=CPUOffload(offload_params=True)).cpu_offload
     assert not TorchFSDPPlugin(cpu_offload=CPUOffload(offload_params=False)).cpu_offload
     assert TorchFSDPPlugin().precision == "fp32"
+    # FSDP1 prefetching -> FSDP2 explicit prefetching of neighbouring blocks (test_fsdp_prefetch.py runs it)
+    from torch.distributed.fsdp import BackwardPrefetch
+
+    both = TorchFSDPPlugin(forward_prefetch=True, backward_prefetch=BackwardPrefetch.BACKWARD_PRE).prefetch
+    assert (both.forward, both.backward) == (1, 1)
+    assert TorchFSDPPlugin(backward_prefetch=None).prefetch.backward == 0  # FSDP1's None: no prefetch
     fsdp1 = TorchFSDPPlugin(
         mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     )

@@ -16,6 +16,7 @@ from stepforge.core.precision import get_precision
 
 from ._fsdp_param_reads import OutsideReadGuard, blocks_read_outside
 from ._fsdp_placement import UnitPlacement
+from ._fsdp_prefetch import PrefetchPlan, apply_prefetch
 
 __all__ = [
     "shard_model",
@@ -123,6 +124,7 @@ def shard_model(
     offload_policy: Any,
     placement: Callable[[nn.Module, list[nn.Module]], Mapping[int, UnitPlacement] | None] | None = None,
     replicate_mesh: Any = None,
+    prefetch: PrefetchPlan | None = None,
 ) -> nn.Module:
     """Cast floating buffers to the policy's compute dtype, then ``fully_shard`` each block (see
     :func:`choose_blocks`), then the root (one communication group per call).
@@ -131,7 +133,8 @@ def shard_model(
     over ``replicate_mesh``, and whether it takes ``offload_policy`` (else no offload); without it every unit
     is sharded over ``mesh`` with ``offload_policy``. A block whose parameters the forward reads outside the
     block stays in the root unit; when the forward cannot be traced, the first forward is watched and such a
-    read raises an error naming the parameter (:class:`OutsideReadGuard`).
+    read raises an error naming the parameter (:class:`OutsideReadGuard`). ``prefetch`` (optional) sets FSDP2
+    explicit prefetching between the root and the sharded blocks (:func:`apply_prefetch`).
     """
     from torch.distributed.fsdp import FSDPModule, OffloadPolicy, fully_shard
 
@@ -161,6 +164,8 @@ def shard_model(
     for block in reversed(chosen):  # innermost (last registered) first
         _shard(block, reshard_after_forward)
     _shard(model, False)
+    if prefetch is not None:
+        apply_prefetch(model, chosen, prefetch)
     if read_outside is None and chosen:
         names = {n for b in chosen for n, _ in _named_in(model, b)}
         OutsideReadGuard(model, names)

@@ -36,6 +36,7 @@ from ._fsdp_common import (
     world_mesh,
 )
 from ._fsdp_placement import UnitPlacement
+from ._fsdp_prefetch import BACKWARD_PREFETCH_UNSET, prefetch_plan
 from ._fsdp_state import (
     FSDPOptimizerWrapper,
     add_only_rank_0_state_dict,
@@ -49,14 +50,12 @@ __all__ = ["TorchFSDPPlugin", "FSDP1_ONLY_ARGUMENTS"]
 #: ColossalAI/FSDP1 arguments with no FSDP2 equivalent: passing any of them raises, naming it.
 FSDP1_ONLY_ARGUMENTS = (
     "auto_wrap_policy",
-    "backward_prefetch",
     "ignored_modules",
     "param_init_fn",
     "sync_module_states",
     "fp8_communication",
     "limit_all_gathers",
     "use_orig_params",
-    "forward_prefetch",
 )
 
 
@@ -79,11 +78,24 @@ class TorchFSDPPlugin(PluginBase):
         shard_modules: which submodules are blocks: a predicate, or module classes; default: the elements of
             ``ModuleList``/``Sequential`` children, else the direct children with parameters.
         max_norm: global-norm gradient clipping inside ``optimizer.step`` (0 = off).
+        forward_prefetch: FSDP1's flag: ``True`` makes each unit (root, then each block) all-gather the next
+            ``prefetch_blocks`` blocks right after its own all-gather (FSDP2
+            ``set_modules_to_forward_prefetch``); ``False`` (default): FSDP2's implicit prefetching.
+        backward_prefetch: FSDP1's ``BackwardPrefetch.BACKWARD_PRE``/``BACKWARD_POST`` (or the name): each unit
+            all-gathers the ``prefetch_blocks`` preceding blocks before its gradient computation (FSDP2
+            ``set_modules_to_backward_prefetch``; FSDP2 has only this pre-backward point, so ``BACKWARD_POST``
+            maps to it too); ``None``: no backward prefetching (one block gathered at a time). Not given:
+            FSDP2's default, the previous block.
+        prefetch_blocks: (stepforge) how many neighbouring blocks are prefetched where prefetching is on
+            (default 1; more overlaps more communication and holds that many more blocks gathered). Above 1,
+            backward prefetching is explicit even when ``backward_prefetch`` is not given. Blocks are taken in
+            registration order, the forward order of a ``ModuleList``/``Sequential`` stack.
         device: compute device (default ``cuda:LOCAL_RANK`` or CPU).
 
     Raises:
-        TypeError: an FSDP1-only argument (``auto_wrap_policy``, ``backward_prefetch``...) or an unknown one.
-        ValueError: an unknown precision or sharding strategy.
+        TypeError: an FSDP1-only argument without an FSDP2 equivalent (``auto_wrap_policy``,
+            ``limit_all_gathers``... see ``FSDP1_ONLY_ARGUMENTS``) or an unknown one.
+        ValueError: an unknown precision, sharding strategy or ``backward_prefetch``, or ``prefetch_blocks`` < 1.
     """
 
     name = "torch_fsdp"
@@ -100,7 +112,10 @@ class TorchFSDPPlugin(PluginBase):
         mixed_precision: Any = None,
         shard_modules: Callable[[nn.Module], bool] | Iterable[type] | None = None,
         max_norm: float = 0.0,
+        forward_prefetch: bool = False,
+        backward_prefetch: Any = BACKWARD_PREFETCH_UNSET,
         *,
+        prefetch_blocks: int = 1,
         device: str | torch.device | None = None,
         process_group: Any = None,
         **kwargs: Any,
@@ -110,7 +125,8 @@ class TorchFSDPPlugin(PluginBase):
             if key in FSDP1_ONLY_ARGUMENTS:
                 raise TypeError(
                     f"{type(self).__name__}: argument {key!r} is FSDP1's and has no FSDP2 (fully_shard) "
-                    "equivalent here; remove it (blocks are chosen with shard_modules)."
+                    "equivalent here; remove it (blocks are chosen with shard_modules; prefetching is "
+                    "forward_prefetch/backward_prefetch/prefetch_blocks)."
                 )
         if kwargs:
             raise TypeError(
@@ -158,6 +174,10 @@ class TorchFSDPPlugin(PluginBase):
             raise ValueError(f"{type(self).__name__}: max_norm must be >= 0, got {max_norm!r}.")
         self.max_norm = float(max_norm)
         self.norm_type = 2.0
+        #: FSDP2 explicit prefetching from ``forward_prefetch``/``backward_prefetch``/``prefetch_blocks``
+        self.prefetch = prefetch_plan(
+            type(self).__name__, forward_prefetch, backward_prefetch, prefetch_blocks
+        )
         self.default_optimizer: str | None = None
 
     def supported_precisions(self) -> list[str]:
@@ -222,6 +242,7 @@ class TorchFSDPPlugin(PluginBase):
             offload_policy=self._offload_policy(),
             placement=self._placement,
             replicate_mesh=replicate_mesh,
+            prefetch=self.prefetch,
         )
         add_only_rank_0_state_dict(model)
         if optimizer is None:
