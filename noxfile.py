@@ -105,7 +105,8 @@ def _torch_base(session: nox.Session) -> pathlib.Path:
     if not base.is_dir():
         # built aside and renamed: an interrupted build never looks complete (a venv finds its site-packages
         # relative to its pyvenv.cfg, and only `python -m pip` is used in it, so the rename is safe)
-        tmp = base.with_name(f"{base.name}.tmp-{os.getpid()}")
+        tmp = base.with_name(f"{base.name}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
         session.run("python", "-m", "venv", "--clear", str(tmp))
         session.run(str(tmp / "bin" / "python"), "-m", "pip", "install", "-q", *CONSTRAINTS, *BASE_PACKAGES,
                     external=True)  # fmt: skip
@@ -144,7 +145,9 @@ def _package_paths(session: nox.Session, names: list[str]) -> list[str]:
     return [fused_wheel(session) if n == "stepforge-fused" else str(ROOT / "packages" / n) for n in names]
 
 
-def install_packages(session: nox.Session, *packages: str, extra: tuple[str, ...] = ()) -> None:
+def install_packages(
+    session: nox.Session, *packages: str, extra: tuple[str, ...] = (), env: dict[str, str] | None = None
+) -> None:
     """Install packages and their local siblings in one pip call, torch pinned by the constraints file and taken
     from the shared torch base; stepforge-fused comes as its CPU-only wheel.
 
@@ -157,7 +160,7 @@ def install_packages(session: nox.Session, *packages: str, extra: tuple[str, ...
             if name not in names:
                 names.append(name)
     reqs = {r for p in packages for r in _test_group(p)} | set(extra)
-    session.install(*CONSTRAINTS, *sorted(reqs), *_package_paths(session, names))
+    session.install(*CONSTRAINTS, *sorted(reqs), *_package_paths(session, names), env=env)
 
 
 def run_pytest(session: nox.Session, tests: str, *args: str, env: dict[str, str] | None = None) -> None:
@@ -220,7 +223,7 @@ def ci_session(**kwargs):  # type: ignore[no-untyped-def]
 def tests(session: nox.Session, package: str) -> None:
     """Install one package with its siblings and run its tests (GPU tests skip without a device)."""
     # torch warns at import without numpy, and the test config turns warnings into errors
-    install_packages(session, package, extra=("numpy",))
+    install_packages(session, package, extra=("numpy",), env=CPU_BUILD)
     run_pytest(session, f"{package}/tests")
 
 
@@ -238,7 +241,6 @@ def _install_fused_cuda(session: nox.Session) -> None:
     nvcc = _nvcc()
     if nvcc is None:
         session.error("needs nvcc for STEPFORGE_CUDA=ON: put it on PATH or set CUDACXX=/path/to/nvcc")
-    use_torch_base(session)
     siblings = [n for n in _closure("stepforge-fused") if n != "stepforge-fused"]
     session.install(
         *CONSTRAINTS,
@@ -260,6 +262,8 @@ def _install_fused_cuda(session: nox.Session) -> None:
 @ci_session()
 def build_cuda(session: nox.Session) -> None:
     """Build stepforge-fused with STEPFORGE_CUDA=ON (sm_80, sm_90) and check _cuda imports without a GPU."""
+    # the base's CPU torch is enough here (tests_gpu needs a CUDA torch: it installs its own)
+    use_torch_base(session)
     _install_fused_cuda(session)
     session.run(
         "python", "-c",
@@ -353,7 +357,7 @@ GPT_DEMO_DEPS = ("numpy", "tqdm", "matplotlib")
 @nox.session(python=PYTHON, default=False)
 def demo(session: nox.Session) -> None:
     """The README's main job: a byte-level GPT trained on 2 torchrun processes, checkpointed and resumed."""
-    install_packages(session, *GPT_DEMO_PACKAGES, extra=GPT_DEMO_DEPS)
+    install_packages(session, *GPT_DEMO_PACKAGES, extra=GPT_DEMO_DEPS, env=CPU_BUILD)
     session.run(
         "python",
         str(ROOT / "examples" / "train_gpt_demo.py"),
@@ -366,7 +370,7 @@ def demo(session: nox.Session) -> None:
 @nox.session(python=PYTHON, default=False)
 def demo_optimizers(session: nox.Session) -> None:
     """A small model trained with CPUAdam, FusedLAMB and torch AdamW side by side (the first demo)."""
-    install_packages(session, *DEMO_PACKAGES, extra=DEMO_DEPS)
+    install_packages(session, *DEMO_PACKAGES, extra=DEMO_DEPS, env=CPU_BUILD)
     session.run(
         "python", str(ROOT / "examples" / "train_demo.py"), "--out", str(ROOT / "demo-out"), *session.posargs
     )
@@ -378,12 +382,12 @@ def bench(session: nox.Session) -> None:
     `-- zero [options]` runs only tools/bench/bench_zero.py, the data-parallel ZeRO schemes on gloo)."""
     out = str(ROOT / "bench-out")
     if session.posargs[:1] == ["zero"]:
-        install_packages(session, *DEMO_PACKAGES, "stepforge-zero", extra=DEMO_DEPS)
+        install_packages(session, *DEMO_PACKAGES, "stepforge-zero", extra=DEMO_DEPS, env=CPU_BUILD)
         session.run(
             "python", str(ROOT / "tools" / "bench" / "bench_zero.py"), "--out", out, *session.posargs[1:]
         )
         return
-    install_packages(session, *DEMO_PACKAGES, extra=DEMO_DEPS)
+    install_packages(session, *DEMO_PACKAGES, extra=DEMO_DEPS, env=CPU_BUILD)
     session.run(
         "python", str(ROOT / "tools" / "bench" / "bench_fused_cpu.py"), "--out", out, *session.posargs
     )
@@ -395,7 +399,7 @@ def bench(session: nox.Session) -> None:
 def faults(session: nox.Session) -> None:
     """The fault test alone: a 2-rank run under `torchrun --max-restarts` SIGKILLed 5 times finishes bitwise equal
     to an uninterrupted one (CI runs it inside tests(strategy))."""
-    install_packages(session, "stepforge-strategy", extra=("numpy",))
+    install_packages(session, "stepforge-strategy", extra=("numpy",), env=CPU_BUILD)
     run_pytest(session, "stepforge-strategy/tests/test_fault_restarts.py")
 
 
@@ -403,8 +407,9 @@ def faults(session: nox.Session) -> None:
 BENCH_SMOKE = (
     ("bench_train.py", ("--tiny",)),
     ("bench_zero.py", ("--quick", "--world", "2")),
-    ("bench_fused_cpu.py", ("--quick", "--no-plot")),
-    ("bench_fused_sgd.py", ("--quick", "--no-plot")),
+    # one warm-up-free timed step per contender: every code path runs, as with --quick's default 2 + 3
+    ("bench_fused_cpu.py", ("--quick", "--no-plot", "--repeats", "1", "--warmup", "0")),
+    ("bench_fused_sgd.py", ("--quick", "--no-plot", "--repeats", "1", "--warmup", "0")),
     ("bench_optim.py", ("--reps", "1", "--warmup", "0", "--tensors", "4", "--max-numel", "4096")),
     ("bench_checkpoint.py", ("--mb", "1", "--repeats", "1")),
 )
@@ -413,7 +418,7 @@ BENCH_SMOKE = (
 @ci_session()
 def bench_smoke(session: nox.Session) -> None:
     """Run every CPU benchmark in tools/bench/ once at a tiny size (a broken bench fails CI; no timing is judged)."""
-    install_packages(session, *GPT_DEMO_PACKAGES, extra=(*GPT_DEMO_DEPS, "scikit-learn"))
+    install_packages(session, *GPT_DEMO_PACKAGES, extra=(*GPT_DEMO_DEPS, "scikit-learn"), env=CPU_BUILD)
     out = pathlib.Path(session.create_tmp()) / "bench-smoke"
     for script, args in BENCH_SMOKE:
         session.run("python", str(ROOT / "tools" / "bench" / script), "--out", str(out), *args)
