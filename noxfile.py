@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import pathlib
 import platform
@@ -70,20 +71,96 @@ def _test_group(package: str) -> list[str]:
     return [r for r in group if isinstance(r, str) and not r.startswith("stepforge-")]
 
 
+# ---- shared pieces of a CI run ---------------------------------------------------------------------------------
+# Installing torch into a fresh venv costs 22-30 s on the 2-core machine and compiling stepforge-fused (16
+# translation units) about 45 s; a CI run used to do both in nearly every session. Both are now done once per
+# content: torch and numpy live in one base environment that the sessions see through a .pth file (pip finds them
+# there, so each session still resolves its packages against the pinned torch), and the CPU wheel of
+# stepforge-fused is built once per source tree and installed by every session that needs it.
+FUSED = ROOT / "packages" / "stepforge-fused"
+BASE_PACKAGES = ("torch", "numpy")
+
+
+def _digest(*paths: pathlib.Path, skip: tuple[str, ...] = ()) -> str:
+    """sha256 (16 hex digits) over the relative names and bytes of every file under ``paths``."""
+    h = hashlib.sha256()
+    for root in paths:
+        files = [root] if root.is_file() else sorted(f for f in root.rglob("*") if f.is_file())
+        for f in files:
+            rel = f.relative_to(ROOT)
+            if any(part in skip for part in rel.parts):
+                continue
+            h.update(str(rel).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def _purelib(session: nox.Session, python: str = "python") -> pathlib.Path:
+    code = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    return pathlib.Path(session.run(python, "-c", code, silent=True, external=True).strip())
+
+
+def _torch_base(session: nox.Session) -> pathlib.Path:
+    """The site-packages of .nox/_base-<digest>: torch and numpy pinned by the constraints file (built once)."""
+    base = ROOT / ".nox" / f"_base-{PYTHON}-{_digest(pathlib.Path(CONSTRAINTS[1]))}"
+    if not base.is_dir():
+        # built aside and renamed: an interrupted build never looks complete (a venv finds its site-packages
+        # relative to its pyvenv.cfg, and only `python -m pip` is used in it, so the rename is safe)
+        tmp = base.with_name(f"{base.name}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        session.run("python", "-m", "venv", "--clear", str(tmp))
+        session.run(str(tmp / "bin" / "python"), "-m", "pip", "install", "-q", *CONSTRAINTS, *BASE_PACKAGES,
+                    external=True)  # fmt: skip
+        tmp.rename(base)
+    return _purelib(session, str(base / "bin" / "python"))
+
+
+def use_torch_base(session: nox.Session) -> None:
+    """Let this session's venv see the shared torch base (after its own site-packages: its own installs win)."""
+    site = _torch_base(session)
+    (_purelib(session) / "_stepforge_torch_base.pth").write_text(f"{site}\n")
+
+
+def fused_wheel(session: nox.Session) -> str:
+    """The CPU-only (STEPFORGE_CUDA=OFF) stepforge-fused wheel of this source tree, built on first use.
+
+    Keyed by the package's files (tests and build dirs aside) and the constraints file: a changed source builds a
+    new wheel. Building it in each session compiled the same 16 translation units again every time (pip's
+    isolated build env is new each time, so scikit-build-core drops the CMake cache and the objects with it).
+    """
+    key = _digest(FUSED, pathlib.Path(CONSTRAINTS[1]), skip=("build", "tests", "__pycache__"))
+    out = ROOT / "build" / "fused-wheels" / f"cpu-{PYTHON}-{key}"
+    if not list(out.glob("stepforge_fused-*.whl")):
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        session.run(
+            "python", "-m", "pip", "wheel", "--no-deps", *CONSTRAINTS, "-w", str(tmp), str(FUSED), env=CPU_BUILD,
+        )  # fmt: skip
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    return str(next(out.glob("stepforge_fused-*.whl")))
+
+
+def _package_paths(session: nox.Session, names: list[str]) -> list[str]:
+    """What pip installs for each local distribution: its folder, or for stepforge-fused the cached CPU wheel."""
+    return [fused_wheel(session) if n == "stepforge-fused" else str(ROOT / "packages" / n) for n in names]
+
+
 def install_packages(
     session: nox.Session, *packages: str, extra: tuple[str, ...] = (), env: dict[str, str] | None = None
 ) -> None:
-    """Install packages and their local siblings in one pip call, torch pinned by the constraints file.
+    """Install packages and their local siblings in one pip call, torch pinned by the constraints file and taken
+    from the shared torch base; stepforge-fused comes as its CPU-only wheel.
 
     One call, so pip never looks for an unreleased sibling on the index.
     """
+    use_torch_base(session)
     names: list[str] = []
     for package in packages:
         for name in _closure(package):
             if name not in names:
                 names.append(name)
     reqs = {r for p in packages for r in _test_group(p)} | set(extra)
-    session.install(*CONSTRAINTS, *sorted(reqs), *(str(ROOT / "packages" / n) for n in names), env=env)
+    session.install(*CONSTRAINTS, *sorted(reqs), *_package_paths(session, names), env=env)
 
 
 def run_pytest(session: nox.Session, tests: str, *args: str, env: dict[str, str] | None = None) -> None:
@@ -101,8 +178,9 @@ def run_pytest(session: nox.Session, tests: str, *args: str, env: dict[str, str]
 CPU_BUILD = {"STEPFORGE_CUDA": "OFF"}
 
 
-# A CI run builds 16 environments of about 1 GB each (torch in every one); kept, they need 15 GB, and a machine
-# with less free space fails half-way with nox's unhelpful "ensurepip returned non-zero exit status".
+# A CI run builds 16 environments; the ones that cannot use the shared torch base (isolation, wheel's clean venv)
+# hold torch themselves (about 1 GB), and a machine with too little free space fails half-way with nox's
+# unhelpful "ensurepip returned non-zero exit status".
 NEEDED_FREE_BYTES = 4 * 1024**3
 KEEP_VENVS_ABOVE_BYTES = 30 * 1024**3
 
@@ -184,6 +262,8 @@ def _install_fused_cuda(session: nox.Session) -> None:
 @ci_session()
 def build_cuda(session: nox.Session) -> None:
     """Build stepforge-fused with STEPFORGE_CUDA=ON (sm_80, sm_90) and check _cuda imports without a GPU."""
+    # the base's CPU torch is enough here (tests_gpu needs a CUDA torch: it installs its own)
+    use_torch_base(session)
     _install_fused_cuda(session)
     session.run(
         "python", "-c",
@@ -345,8 +425,9 @@ def faults(session: nox.Session) -> None:
 BENCH_SMOKE = (
     ("bench_train.py", ("--tiny",)),
     ("bench_zero.py", ("--quick", "--world", "2")),
-    ("bench_fused_cpu.py", ("--quick", "--no-plot")),
-    ("bench_fused_sgd.py", ("--quick", "--no-plot")),
+    # one warm-up-free timed step per contender: every code path runs, as with --quick's default 2 + 3
+    ("bench_fused_cpu.py", ("--quick", "--no-plot", "--repeats", "1", "--warmup", "0")),
+    ("bench_fused_sgd.py", ("--quick", "--no-plot", "--repeats", "1", "--warmup", "0")),
     ("bench_optim.py", ("--reps", "1", "--warmup", "0", "--tensors", "4", "--max-numel", "4096")),
     ("bench_checkpoint.py", ("--mb", "1", "--repeats", "1")),
 )
@@ -376,9 +457,9 @@ INTEGRATION_DEPS = ("numpy", "pytest", "transformers", "accelerate")
 def integrations(session: nox.Session) -> None:
     """transformers.Trainer with stepforge optimizers and accumulation semantics (examples/huggingface)."""
     # not install_packages: the packages' own test groups (scikit-learn, matplotlib...) are not needed here
+    use_torch_base(session)
     names = [n for p in INTEGRATION_PACKAGES for n in _closure(p)]
-    paths = [str(ROOT / "packages" / n) for n in dict.fromkeys(names)]
-    session.install(*CONSTRAINTS, *INTEGRATION_DEPS, *paths, env=CPU_BUILD)
+    session.install(*CONSTRAINTS, *INTEGRATION_DEPS, *_package_paths(session, list(dict.fromkeys(names))))
     session.run(
         "python", "-m", "pytest", str(ROOT / "examples" / "huggingface"),
         "-c", str(ROOT / "pyproject.toml"), "--rootdir", str(ROOT), "-p", "no:cacheprovider",
@@ -437,6 +518,7 @@ def typecheck(session: nox.Session) -> None:
     if problems:
         session.error("typecheck: " + "; ".join(problems))
     # the third-party imports of the packages' sources (pytest: stepforge-testing; safetensors: strategy's IO)
+    use_torch_base(session)
     session.install(*CONSTRAINTS, "mypy", "torch", "numpy", "pytest", "safetensors")
     targets = [arg for mods in modules.values() for mod in mods for arg in ("-p", f"stepforge.{mod.name}")]
     mypy_path = os.pathsep.join(str(folder / "src") for folder in modules)
