@@ -12,6 +12,7 @@ its own; every rank runs ``torch.set_num_threads(cores // N)``):
     strategy_fsdp_prefetch2   the same prefetching two blocks ahead (prefetch_blocks=2)
     strategy_zero1   Strategy(plugin="zero1", fp32, overlap_allgather) + ColossalAIOptimWrapper, stepforge CPUAdam
     strategy_zero2   Strategy(plugin="zero2", fp32, overlap_allgather) + ColossalAIOptimWrapper, stepforge CPUAdam
+    strategy_zero2_waitgather   the same with ColossalAI's default overlap_allgather=False
 
 (``overlap_allgather=True``, a ColossalAI ``LowLevelZeroPlugin`` argument: the updated parameters are gathered
 while the next forward runs; its wait then counts in the forward.)
@@ -65,8 +66,10 @@ CONTENDERS: dict[str, tuple[str | dict[str, Any] | None, dict[str, Any]]] = {
     "strategy_fsdp_noreshard": (dict(type="torch_fsdp", reshard_after_forward=False), {"type": "AdamW"}),
     "strategy_fsdp_prefetch": (_PREFETCH, {"type": "AdamW"}),
     "strategy_fsdp_prefetch2": (dict(_PREFETCH, prefetch_blocks=2), {"type": "AdamW"}),
-    "strategy_zero1": ("zero1", {"type": "CPUAdam"}),
-    "strategy_zero2": ("zero2", {"type": "CPUAdam"}),
+    # ZeRO keeps ColossalAI's fp16 default; the loop it is compared with is fp32
+    "strategy_zero1": (dict(type="zero1", precision="fp32", overlap_allgather=True), {"type": "CPUAdam"}),
+    "strategy_zero2": (dict(type="zero2", precision="fp32", overlap_allgather=True), {"type": "CPUAdam"}),
+    "strategy_zero2_waitgather": (dict(type="zero2", precision="fp32"), {"type": "CPUAdam"}),
 }
 LR = 3e-4
 
@@ -98,11 +101,8 @@ def _build(name: str, args: argparse.Namespace) -> tuple[Any, Any, Any]:
         return ddp, (ddp.no_sync, backward), step
     from stepforge.strategy import Strategy
 
-    # ZeRO keeps ColossalAI's fp16 default; the loop it is compared with is fp32
-    zero = plugin in ("zero1", "zero2")
-    spec: Any = dict(type=plugin, precision="fp32", overlap_allgather=True) if zero else plugin
     strategy = Strategy(
-        plugin=spec, mixed_precision=None, work_dir=args.work_dir, log_kwargs=dict(console=False)
+        plugin=plugin, mixed_precision=None, work_dir=args.work_dir, log_kwargs=dict(console=False)
     )
     wrapped, wrapper = strategy.prepare(
         model,

@@ -90,8 +90,8 @@ def test_the_prepared_model_waits_before_its_weights_are_read_or_loaded():
 # -- 2 gloo ranks: overlapped == waited, bit for bit ---------------------------------------------------------
 def _model(dtype: torch.dtype) -> nn.Sequential:
     torch.manual_seed(0)
-    # 320 x 256 weights: one parameter above DIRECT_MIN (broadcast in place), the rest staged
-    model = nn.Sequential(nn.Linear(16, 320), nn.Tanh(), nn.Linear(320, 256), nn.Tanh(), nn.Linear(256, 4))
+    # 320 x 1024 weights: one parameter above DIRECT_MIN (broadcast in place), the rest staged
+    model = nn.Sequential(nn.Linear(16, 320), nn.Tanh(), nn.Linear(320, 1024), nn.Tanh(), nn.Linear(1024, 4))
     assert model[2].weight.numel() >= DIRECT_MIN
     return model.to(dtype)
 
