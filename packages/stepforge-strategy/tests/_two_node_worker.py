@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import gc
+import os
 import sys
 
 import torch
@@ -21,9 +23,17 @@ def main(out: str, work: str) -> None:
     if strategy.rank == 0:
         torch.save(dict(losses=gathered, params=params, timestamp=strategy.timestamp), out)
     strategy.close()
+    # torch's gloo teardown can abort a worker at interpreter exit ("terminate called without an active
+    # exception") while DDP objects are still alive: drop them, meet, tear down, and leave without the
+    # interpreter's own shutdown (the exit path stepforge.testing.distributed.run_distributed uses)
+    del strategy
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
