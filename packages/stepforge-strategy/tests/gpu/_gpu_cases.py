@@ -180,12 +180,7 @@ def amp_wrapper_run(device: str) -> dict[str, Any]:
     )
     scales = []
     for step in range(STEPS):
-        x, y = window(step)
-        for m in range(COUNTS):
-            rows = slice(m * MICRO, (m + 1) * MICRO)
-            with wrapper.optim_context(model):
-                loss = F.mse_loss(model(x[rows].to(device)).float(), y[rows].to(device))
-            wrapper.update_params(loss)
+        train(model, wrapper, device, step, step + 1)
         scales.append(float(wrapper.loss_scaler.get_scale()))
     return dict(
         state={k: v.detach().float().cpu() for k, v in model.state_dict().items()},
