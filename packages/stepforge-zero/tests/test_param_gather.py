@@ -15,7 +15,8 @@ from torch import nn
 
 from stepforge.testing.distributed import requires_gloo, run_distributed
 from stepforge.zero._model import LowLevelZeroModel
-from stepforge.zero._param_gather import DIRECT_MIN, GatherInFlight, _Entry
+from stepforge.zero._param_gather import DIRECT_MIN, GatherInFlight, StagingBuffers, _Entry, launch_gather
+from stepforge.zero._partition import build_layout
 from stepforge.zero.low_level import LowLevelZeroOptimizer
 from stepforge.zero.plugin import LowLevelZeroPlugin
 
@@ -85,6 +86,43 @@ def test_the_prepared_model_waits_before_its_weights_are_read_or_loaded():
     wrapped.load_state_dict(state)
     assert optimizer.waits == 2
     assert wrapped.unwrap() is wrapped.module and optimizer.waits == 3
+
+
+def test_staging_tables_are_kept_between_gathers_and_carry_each_gathers_values():
+    # bf16 working parameters with fp32 masters: every gather copies the masters through the staged table
+    params = [
+        nn.Parameter(torch.zeros(3, 4, dtype=torch.bfloat16)),
+        nn.Parameter(torch.zeros(5, dtype=torch.bfloat16)),
+    ]
+    layout = build_layout([{"params": params}], 1, 0, group=None, master_weights=True, master_device=None)
+    staging = StagingBuffers()
+    pointers = []
+    for value in (1.5, -2.25):
+        for slot in layout.slots:
+            slot.master.fill_(value)
+        flight = launch_gather(layout, "broadcast", staging=staging)
+        assert flight.done  # one rank: nothing goes on the wire
+        assert [p.detach().unique().tolist() for p in params] == [[value], [value]]
+        pointers.append(staging.table((0, 0), 1, 12 + 5, layout.partitions[0]).data_ptr())
+        assert staging.held_bytes == (12 + 5) * 2  # one bf16 table, kept
+    assert pointers[0] == pointers[1]  # the second gather reused the first one's table
+    staging.clear()
+    assert staging.held_bytes == 0
+
+
+def test_a_staging_table_is_made_zero_filled_and_remade_when_its_chunk_changes_size():
+    layout = build_layout(
+        [{"params": [nn.Parameter(torch.ones(4))]}], 1, 0, group=None, master_weights=True, master_device=None
+    )
+    part = layout.partitions[0]
+    staging = StagingBuffers()
+    first = staging.table((0, 0), 2, 3, part)
+    assert first.shape == (2, 3) and first.dtype == torch.float32 and not first.any()
+    first.fill_(7.0)
+    assert staging.table((0, 0), 2, 3, part) is first
+    other = staging.table((0, 0), 2, 5, part)
+    assert other.shape == (2, 5) and not other.any()
+    assert staging.held_bytes == 2 * 5 * 4
 
 
 # -- 2 gloo ranks: overlapped == waited, bit for bit ---------------------------------------------------------

@@ -15,6 +15,7 @@ from torch import nn
 from ._buckets import GradReducer
 from ._comm import all_gather
 from ._grad_pieces import GradPieces
+from ._param_gather import StagingBuffers
 from ._partition import ShardLayout
 
 __all__ = ["ColossalAIMembers"]
@@ -26,6 +27,7 @@ class ColossalAIMembers:
     _layout: ShardLayout
     _reducer: GradReducer
     _pieces: GradPieces
+    _staging: StagingBuffers
     _closed = False
     wait_for_param_gather: Callable[[], None]
     _last_grad_norm: float | None = None  # set by clip_grad_norm_ (and so by a step with max_norm > 0)
@@ -47,6 +49,7 @@ class ColossalAIMembers:
         self._reducer.remove_hooks()
         self._reducer.discard()
         self._reducer.release()
+        self._staging.clear()
         for slot in self._layout.slots:
             slot.grad = None
 

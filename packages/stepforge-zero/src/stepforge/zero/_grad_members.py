@@ -11,6 +11,7 @@ from stepforge.core.precision import DynamicLossScaler
 
 from ._grad_norm import check_clip_args
 from ._grad_pieces import GradPieces
+from ._param_gather import StagingBuffers
 
 __all__ = ["GradientMembers"]
 
@@ -20,6 +21,7 @@ class GradientMembers:
     reusable communication buffers of a ZeRO optimizer (see the module docstring)."""
 
     _pieces: GradPieces
+    _staging: StagingBuffers
     _scaling: bool
     _last_grad_norm: float | None
     scaler: DynamicLossScaler
@@ -35,9 +37,10 @@ class GradientMembers:
 
     @property
     def communication_buffer_bytes(self) -> int:
-        """Bytes of bucket buffers kept between steps for reuse (at most the buckets in flight plus one; beside
-        the gradient pieces, which are 1/N of the gradients)."""
-        return self._pieces.reducer.pool.held_bytes
+        """Bytes of communication buffers kept between steps for reuse, beside the gradient pieces (1/N of the
+        gradients): the bucket buffers (at most the buckets in flight plus one) and the parameter gather's
+        staging tables (the parameters below ``DIRECT_MIN`` elements, gathered through one table per chunk)."""
+        return self._pieces.reducer.pool.held_bytes + self._staging.held_bytes
 
     def sync_grads(self) -> bool:
         """Make this step's gradients final: reduce what :meth:`no_sync` left in ``param.grad``, wait for the

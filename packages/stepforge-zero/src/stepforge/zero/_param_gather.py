@@ -33,7 +33,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from ._comm import all_gather
 from ._partition import Partition, ShardLayout, Slot, local_range
 
-__all__ = ["DIRECT_MIN", "GATHER_CHUNK", "GatherInFlight", "launch_gather", "gather_params"]
+__all__ = ["DIRECT_MIN", "GATHER_CHUNK", "GatherInFlight", "StagingBuffers", "launch_gather", "gather_params"]
 
 #: parameters with at least this many elements are gathered by ``"broadcast"`` in place: each rank's piece is
 #: broadcast straight from and into the working parameter's own memory (no staging buffer, no copy back). Smaller
@@ -122,19 +122,52 @@ def _source(src: int, group: Any) -> int:
     return src if group is None else dist.get_global_rank(group, src)
 
 
-def _staged(
-    local_slots: list[Slot], dtype: torch.dtype, device: torch.device
-) -> tuple[torch.Tensor, list[int]]:
-    """This rank's pieces of ``local_slots`` side by side (each padded to ``piece``), and their offsets."""
+class StagingBuffers:
+    """The staged gathers' tables, kept from step to step.
+
+    A table is ``(world, n)``: row ``r`` holds rank ``r``'s pieces of one chunk of small parameters side by side,
+    each padded to ``piece``. Allocating it again every step costs a page fault per 4 KiB on the CPU (it is written
+    by the collective and read back once); kept, it costs its bytes between steps, reported by :attr:`held_bytes`
+    beside the 1/N shards. A table is reused only after the gather that filled it was waited for (the optimizer
+    waits before it launches the next one).
+    """
+
+    def __init__(self) -> None:
+        self._tables: dict[tuple[int, int], torch.Tensor] = {}
+
+    def table(self, key: tuple[int, int], world: int, numel: int, part: Partition) -> torch.Tensor:
+        """The ``(world, numel)`` table of chunk ``key`` of ``part`` (zero-filled when first made, so the padding
+        that is never written stays zero)."""
+        table = self._tables.get(key)
+        if table is None or table.shape != (world, numel):
+            table = torch.zeros((world, numel), dtype=part.dtype, device=part.device)
+            self._tables[key] = table
+        return table
+
+    def clear(self) -> None:
+        """Drop every table (the optimizer was closed)."""
+        self._tables.clear()
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the tables held."""
+        return sum(t.numel() * t.element_size() for t in self._tables.values())
+
+
+def _offsets(slots: list[Slot]) -> tuple[list[int], int]:
+    """Where each slot's padded piece starts in a row of its chunk's table, and the row's length."""
     offsets, size = [], 0
-    for slot in local_slots:
+    for slot in slots:
         offsets.append(size)
         size += slot.piece
-    local = torch.zeros(size, dtype=dtype, device=device)
-    for slot, offset in zip(local_slots, offsets, strict=True):
+    return offsets, size
+
+
+def _stage(row: torch.Tensor, slots: list[Slot], offsets: list[int]) -> None:
+    """This rank's updated pieces into ``row`` (the padding is left as it is: never read back)."""
+    for slot, offset in zip(slots, offsets, strict=True):
         if slot.valid:
-            local[offset : offset + slot.valid].copy_(slot.master)
-    return local, offsets
+            row[offset : offset + slot.valid].copy_(slot.master)
 
 
 def _scatter_table(table: torch.Tensor, slots: list[Slot], offsets: list[int]) -> None:
@@ -143,21 +176,25 @@ def _scatter_table(table: torch.Tensor, slots: list[Slot], offsets: list[int]) -
         slot.param.copy_(full.view_as(slot.param))
 
 
-def _launch_staged(layout: ShardLayout, part: Partition, slots: list[Slot], method: str) -> _Entry:
+def _launch_staged(
+    layout: ShardLayout, part: Partition, slots: list[Slot], method: str, table: torch.Tensor
+) -> _Entry:
     world, group = layout.world_size, layout.group
-    local, offsets = _staged(slots, part.dtype, part.device)
-    table = torch.empty((world, local.numel()), dtype=part.dtype, device=part.device)
+    offsets, _ = _offsets(slots)
     params = [s.param for s in slots]
     if world == 1:
-        _scatter_table(local.view(1, -1), slots, offsets)
+        _stage(table[0], slots, offsets)
+        _scatter_table(table, slots, offsets)
         return _Entry([], params, done=True)
     if method == "broadcast":
-        table[layout.rank].copy_(local)
+        _stage(table[layout.rank], slots, offsets)
         works = [
             dist.broadcast(table[src], src=_source(src, group), group=group, async_op=True)
             for src in range(world)
         ]
     else:
+        local = table[layout.rank].clone()  # all_gather_into_tensor's input may not alias its output
+        _stage(local, slots, offsets)
         works = [all_gather(table.view(-1), local, group=group, async_op=True)]
     return _Entry(works, params, then=lambda: _scatter_table(table, slots, offsets))
 
@@ -193,7 +230,12 @@ def _chunks(slots: list[Slot], chunk: int | None) -> list[list[Slot]]:
 
 @torch.no_grad()
 def launch_gather(
-    layout: ShardLayout, method: str, *, direct_min: int = DIRECT_MIN, chunk: int | None = None
+    layout: ShardLayout,
+    method: str,
+    *,
+    direct_min: int = DIRECT_MIN,
+    chunk: int | None = None,
+    staging: StagingBuffers | None = None,
 ) -> GatherInFlight:
     """Start gathering every rank's master pieces into the working parameters (see the module docstring).
 
@@ -202,23 +244,32 @@ def launch_gather(
         method: ``"broadcast"`` or ``"all_gather"``.
         direct_min: with ``"broadcast"``: the smallest parameter broadcast in place.
         chunk: per-rank elements per staged collective (``None``: one per partition).
+        staging: where the staged tables are kept between calls (``None``: fresh ones, dropped afterwards).
     """
+    staging = staging if staging is not None else StagingBuffers()
     flight = GatherInFlight()
-    for part in layout.partitions:
+
+    def staged_entry(p: int, c: int, part: Partition, slots: list[Slot]) -> _Entry:
+        table = staging.table((p, c), layout.world_size, _offsets(slots)[1], part)
+        return _launch_staged(layout, part, slots, method, table)
+
+    for p, part in enumerate(layout.partitions):
         if layout.world_size > 1 and method == "broadcast":
             direct = [s for s in part.slots if s.numel >= direct_min and s.param.is_contiguous()]
             staged = [s for s in part.slots if not any(s is d for d in direct)]
             # the small ones first (in chunks when overlapped): short collectives that the first layers wait for
-            for slots in _chunks(staged, chunk):
-                flight.add(_launch_staged(layout, part, slots, method))
+            for c, slots in enumerate(_chunks(staged, chunk)):
+                flight.add(staged_entry(p, c, part, slots))
             for slot in direct:
                 flight.add(_launch_direct(layout, slot))
         else:
-            for slots in _chunks(part.slots, chunk if layout.world_size > 1 else None):
-                flight.add(_launch_staged(layout, part, slots, method))
+            for c, slots in enumerate(_chunks(part.slots, chunk if layout.world_size > 1 else None)):
+                flight.add(staged_entry(p, c, part, slots))
     return flight
 
 
-def gather_params(layout: ShardLayout, method: str, *, direct_min: int = DIRECT_MIN) -> None:
+def gather_params(
+    layout: ShardLayout, method: str, *, direct_min: int = DIRECT_MIN, staging: StagingBuffers | None = None
+) -> None:
     """:func:`launch_gather` and wait for all of it: one all-gather per partition, or the broadcasts."""
-    launch_gather(layout, method, direct_min=direct_min).wait_all()
+    launch_gather(layout, method, direct_min=direct_min, staging=staging).wait_all()

@@ -40,7 +40,7 @@ from ._grad_members import GradientMembers
 from ._grad_norm import check_clip_args
 from ._grad_pieces import GradPieces, copy_hyperparameters
 from ._offload import cpu_step_error, invalidate_cache, resolve_optimizer
-from ._param_gather import GATHER_CHUNK, GatherInFlight, gather_params, launch_gather
+from ._param_gather import GATHER_CHUNK, GatherInFlight, StagingBuffers, gather_params, launch_gather
 from ._partition import ShardLayout, build_layout
 from ._state_members import StateDictMembers
 
@@ -232,6 +232,7 @@ class LowLevelZeroOptimizer(GradientMembers, ColossalAIMembers, StateDictMembers
         self.scaler = DynamicLossScaler(**scaler_args, process_group=scaler_group)
         self._stepped_on_cpu = False
         self._gather: GatherInFlight | None = None  # an overlapped parameter gather still on the wire
+        self._staging = StagingBuffers()
         self.last_step_skipped = False
         self.skipped_steps = 0
         if self.verbose:
@@ -358,10 +359,12 @@ class LowLevelZeroOptimizer(GradientMembers, ColossalAIMembers, StateDictMembers
         self._stepped_on_cpu = True
         copy_hyperparameters(self.optim.param_groups, self.param_groups)
         if self.overlap_allgather and self._world > 1:
-            self._gather = launch_gather(self._layout, self.param_gather, chunk=GATHER_CHUNK)
+            self._gather = launch_gather(
+                self._layout, self.param_gather, chunk=GATHER_CHUNK, staging=self._staging
+            )
             self._gather.wait_in_forward()
         else:
-            gather_params(self._layout, self.param_gather)
+            gather_params(self._layout, self.param_gather, staging=self._staging)
         if self._scaling:
             self.scaler.update()
         self._pieces.unscaled = False
