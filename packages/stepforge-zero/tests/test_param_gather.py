@@ -88,26 +88,56 @@ def test_the_prepared_model_waits_before_its_weights_are_read_or_loaded():
     assert wrapped.unwrap() is wrapped.module and optimizer.waits == 3
 
 
-def test_staging_tables_are_kept_between_gathers_and_carry_each_gathers_values():
-    # bf16 working parameters with fp32 masters: every gather copies the masters through the staged table
+def test_one_rank_copies_the_masters_into_the_parameters_and_keeps_no_table():
+    # bf16 working parameters with fp32 masters: the "gather" casts the updated masters back
     params = [
         nn.Parameter(torch.zeros(3, 4, dtype=torch.bfloat16)),
         nn.Parameter(torch.zeros(5, dtype=torch.bfloat16)),
     ]
     layout = build_layout([{"params": params}], 1, 0, group=None, master_weights=True, master_device=None)
     staging = StagingBuffers()
-    pointers = []
-    for value in (1.5, -2.25):
-        for slot in layout.slots:
-            slot.master.fill_(value)
-        flight = launch_gather(layout, "broadcast", staging=staging)
-        assert flight.done  # one rank: nothing goes on the wire
-        assert [p.detach().unique().tolist() for p in params] == [[value], [value]]
-        pointers.append(staging.table((0, 0), 1, 12 + 5, layout.partitions[0]).data_ptr())
-        assert staging.held_bytes == (12 + 5) * 2  # one bf16 table, kept
-    assert pointers[0] == pointers[1]  # the second gather reused the first one's table
-    staging.clear()
-    assert staging.held_bytes == 0
+    for slot, value in zip(layout.slots, (1.5, -2.25), strict=True):
+        slot.master.copy_(torch.arange(slot.numel, dtype=torch.float32) * value)
+    flight = launch_gather(layout, "broadcast", staging=staging)
+    assert flight.done and staging.held_bytes == 0
+    assert torch.equal(params[0].detach(), (torch.arange(12.0) * 1.5).view(3, 4).to(torch.bfloat16))
+    assert torch.equal(params[1].detach(), (torch.arange(5.0) * -2.25).to(torch.bfloat16))
+
+
+def _gather_twice(rank: int, world: int) -> dict:
+    # 3 x 4 (pieces of 6) and 5 (pieces of 3, the last rank's padded): both below DIRECT_MIN, one staged table
+    params = [
+        nn.Parameter(torch.zeros(3, 4, dtype=torch.bfloat16)),
+        nn.Parameter(torch.zeros(5, dtype=torch.bfloat16)),
+    ]
+    layout = build_layout(
+        [{"params": params}], world, rank, group=None, master_weights=True, master_device=None
+    )
+    staging = StagingBuffers()
+    out: dict = {"params": [], "pointers": [], "held": []}
+    for step in range(2):
+        for slot in layout.slots:  # each rank's elements: their index in the flat parameter + 100 * step
+            slot.master.copy_(
+                torch.arange(slot.start, slot.start + slot.valid, dtype=torch.float32) + 100 * step
+            )
+        launch_gather(layout, "broadcast", staging=staging).wait_all()
+        out["params"].append([p.detach().float().clone() for p in params])
+        out["pointers"].append(staging.table((0, 0), world, 6 + 3, layout.partitions[0]).data_ptr())
+        out["held"].append(staging.held_bytes)
+    return out
+
+
+@pytest.mark.distributed
+@requires_gloo
+def test_the_staged_broadcast_table_is_kept_between_gathers_and_carries_each_gathers_values():
+    for result in run_distributed(_gather_twice, 2, timeout=60):
+        for step, (weight, bias) in enumerate(result["params"]):
+            assert torch.equal(weight, torch.arange(12.0).view(3, 4) + 100 * step)
+            assert torch.equal(bias, torch.arange(5.0) + 100 * step)
+        assert (
+            result["pointers"][0] == result["pointers"][1]
+        )  # the second gather reused the first one's table
+        assert result["held"] == [2 * 9 * 2, 2 * 9 * 2]  # one (2, 9) bf16 table, kept
 
 
 def test_a_staging_table_is_made_zero_filled_and_remade_when_its_chunk_changes_size():

@@ -182,10 +182,6 @@ def _launch_staged(
     world, group = layout.world_size, layout.group
     offsets, _ = _offsets(slots)
     params = [s.param for s in slots]
-    if world == 1:
-        _stage(table[0], slots, offsets)
-        _scatter_table(table, slots, offsets)
-        return _Entry([], params, done=True)
     if method == "broadcast":
         _stage(table[layout.rank], slots, offsets)
         works = [
@@ -244,17 +240,25 @@ def launch_gather(
         method: ``"broadcast"`` or ``"all_gather"``.
         direct_min: with ``"broadcast"``: the smallest parameter broadcast in place.
         chunk: per-rank elements per staged collective (``None``: one per partition).
-        staging: where the staged tables are kept between calls (``None``: fresh ones, dropped afterwards).
+        staging: where the ``"broadcast"`` tables of the small parameters are kept between calls (``None``: fresh
+            ones). The ``"all_gather"`` tables hold whole partitions and are always fresh: kept, they would cost a
+            copy of the parameters between steps.
     """
-    staging = staging if staging is not None else StagingBuffers()
     flight = GatherInFlight()
+    if layout.world_size == 1:
+        for slot in layout.slots:  # nothing to exchange: the masters are the whole parameters
+            if slot.separate_master and slot.valid:
+                slot.param.copy_(slot.master.view(slot.param.shape))
+        return flight
+    if staging is None or method != "broadcast":
+        staging = StagingBuffers()
 
     def staged_entry(p: int, c: int, part: Partition, slots: list[Slot]) -> _Entry:
         table = staging.table((p, c), layout.world_size, _offsets(slots)[1], part)
         return _launch_staged(layout, part, slots, method, table)
 
     for p, part in enumerate(layout.partitions):
-        if layout.world_size > 1 and method == "broadcast":
+        if method == "broadcast":
             direct = [s for s in part.slots if s.numel >= direct_min and s.param.is_contiguous()]
             staged = [s for s in part.slots if not any(s is d for d in direct)]
             # the small ones first (in chunks when overlapped): short collectives that the first layers wait for
@@ -263,7 +267,7 @@ def launch_gather(
             for slot in direct:
                 flight.add(_launch_direct(layout, slot))
         else:
-            for c, slots in enumerate(_chunks(part.slots, chunk if layout.world_size > 1 else None)):
+            for c, slots in enumerate(_chunks(part.slots, chunk)):
                 flight.add(staged_entry(p, c, part, slots))
     return flight
 
