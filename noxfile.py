@@ -425,6 +425,7 @@ def faults(session: nox.Session) -> None:
 BENCH_SMOKE = (
     ("bench_train.py", ("--tiny",)),
     ("bench_zero.py", ("--quick", "--world", "2")),
+    ("bench_gather.py", ("--tiny",)),
     # one warm-up-free timed step per contender: every code path runs, as with --quick's default 2 + 3
     ("bench_fused_cpu.py", ("--quick", "--no-plot", "--repeats", "1", "--warmup", "0")),
     ("bench_fused_sgd.py", ("--quick", "--no-plot", "--repeats", "1", "--warmup", "0")),
