@@ -104,11 +104,14 @@ def test_one_rank_copies_the_masters_into_the_parameters_and_keeps_no_table():
     assert torch.equal(params[1].detach(), (torch.arange(5.0) * -2.25).to(torch.bfloat16))
 
 
-def _gather_twice(rank: int, world: int) -> dict:
-    # 3 x 4 (pieces of 6) and 5 (pieces of 3, the last rank's padded): both below DIRECT_MIN, one staged table
+def _gather_twice(rank: int, world: int, dtype: torch.dtype) -> dict:
+    # 3 x 4 (pieces of 6), 5 (pieces of 3, the last rank's padded) and a transposed 3 x 2 (not contiguous): all
+    # below DIRECT_MIN, staged into one table. fp32: the contiguous masters are views into the parameters (this
+    # rank's piece is not copied back); bf16: separate fp32 masters
     params = [
-        nn.Parameter(torch.zeros(3, 4, dtype=torch.bfloat16)),
-        nn.Parameter(torch.zeros(5, dtype=torch.bfloat16)),
+        nn.Parameter(torch.zeros(3, 4, dtype=dtype)),
+        nn.Parameter(torch.zeros(5, dtype=dtype)),
+        nn.Parameter(torch.zeros(2, 3, dtype=dtype).t()),
     ]
     layout = build_layout(
         [{"params": params}], world, rank, group=None, master_weights=True, master_device=None
@@ -122,22 +125,26 @@ def _gather_twice(rank: int, world: int) -> dict:
             )
         launch_gather(layout, "broadcast", staging=staging).wait_all()
         out["params"].append([p.detach().float().clone() for p in params])
-        out["pointers"].append(staging.table((0, 0), world, 6 + 3, layout.partitions[0]).data_ptr())
+        out["pointers"].append(staging.table((0, 0), world, 6 + 3 + 3, layout.partitions[0]).data_ptr())
         out["held"].append(staging.held_bytes)
     return out
 
 
 @pytest.mark.distributed
 @requires_gloo
-def test_the_staged_broadcast_table_is_kept_between_gathers_and_carries_each_gathers_values():
-    for result in run_distributed(_gather_twice, 2, timeout=60):
-        for step, (weight, bias) in enumerate(result["params"]):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_staged_broadcast_table_is_kept_between_gathers_and_carries_each_gathers_values(dtype):
+    size = torch.finfo(dtype).bits // 8
+    for result in run_distributed(_gather_twice, 2, dtype, timeout=60):
+        for step, (weight, bias, transposed) in enumerate(result["params"]):
             assert torch.equal(weight, torch.arange(12.0).view(3, 4) + 100 * step)
             assert torch.equal(bias, torch.arange(5.0) + 100 * step)
+            # a non-contiguous parameter is sharded by its flattened (row-major) values
+            assert torch.equal(transposed, torch.arange(6.0).view(3, 2) + 100 * step)
         assert (
             result["pointers"][0] == result["pointers"][1]
         )  # the second gather reused the first one's table
-        assert result["held"] == [2 * 9 * 2, 2 * 9 * 2]  # one (2, 9) bf16 table, kept
+        assert result["held"] == [2 * 12 * size, 2 * 12 * size]  # one (2, 12) table, kept
 
 
 def test_a_staging_table_is_made_zero_filled_and_remade_when_its_chunk_changes_size():
@@ -158,8 +165,10 @@ def test_a_staging_table_is_made_zero_filled_and_remade_when_its_chunk_changes_s
 # -- 2 gloo ranks: overlapped == waited, bit for bit ---------------------------------------------------------
 def _model(dtype: torch.dtype) -> nn.Sequential:
     torch.manual_seed(0)
-    # 320 x 1024 weights: one parameter above DIRECT_MIN (broadcast in place), the rest staged
-    model = nn.Sequential(nn.Linear(16, 320), nn.Tanh(), nn.Linear(320, 1024), nn.Tanh(), nn.Linear(1024, 4))
+    # 1024 x 1024 weights: one parameter at DIRECT_MIN (broadcast in place), the rest staged
+    model = nn.Sequential(
+        nn.Linear(16, 1024), nn.Tanh(), nn.Linear(1024, 1024), nn.Tanh(), nn.Linear(1024, 4)
+    )
     assert model[2].weight.numel() >= DIRECT_MIN
     return model.to(dtype)
 
