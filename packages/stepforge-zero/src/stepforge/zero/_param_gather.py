@@ -38,9 +38,9 @@ __all__ = ["DIRECT_MIN", "GATHER_CHUNK", "GatherInFlight", "StagingBuffers", "la
 #: parameters with at least this many elements are gathered by ``"broadcast"`` in place: each rank's piece is
 #: broadcast straight from and into the working parameter's own memory (no staging buffer, no copy back). Smaller
 #: ones are staged in a table kept between steps: below about 4 MiB a broadcast pair's fixed cost on gloo outweighs
-#: the copy in and out. On the demo GPT (2 ranks, every parameter below this) staging all of them made the
-#: end-to-end step 1.7% faster than staging only those below 256 Ki elements; on the 54.6 M-parameter bench GPT
-#: it changed nothing measurable and keeps 48 MiB of tables
+#: the copy in and out (tools/bench/bench_gather.py: the demo GPT's gather, every parameter below this, takes
+#: 1.65x the floor of two bare broadcasts); on the 54.6 M-parameter bench GPT moving this from 256 Ki changed
+#: nothing measurable and keeps 48 MiB of tables
 DIRECT_MIN = 1 << 20
 #: per-rank elements of one all-gather when the gather is overlapped with the next forward
 GATHER_CHUNK = 1 << 22
