@@ -17,30 +17,8 @@
 
 from __future__ import annotations
 
-from ._torch_compat import (
-    LegacyLRScheduler,
-    SafeFileSystemReader,
-    SafeLoadPlanner,
-    TorchInternalsError,
-    ddp_no_sync,
-    default_store,
-    dtensor_local,
-    flatten_state_dict,
-    fsdp2_module_type,
-    fsdp2_modules,
-    fsdp2_no_sync,
-    fsdp2_param_shape,
-    fsdp2_params,
-    fsdp2_pending_grad,
-    gradient_sync_off,
-    is_ddp,
-    is_dtensor,
-    is_norm_with_running_stats,
-    queue_backward_callback,
-    set_fsdp2_pending_grad,
-    supports_gradient_sync_off,
-    view_base,
-)
+from . import _torch_compat
+from ._torch_compat import *  # noqa: F403 (the torch wrappers: exactly the names of its __all__)
 from ._version import __version__
 from .build import build_optimizer, collect_params
 from .errors import DuplicateNameError, HyperParameterError, RegistryError, StepforgeError, UnknownNameError
@@ -129,27 +107,4 @@ __all__ = [
 ]
 
 # torch internals, wrapped once (stepforge.core._torch_compat): kept apart so the list above stays about the contract
-__all__ += [
-    "LegacyLRScheduler",
-    "SafeFileSystemReader",
-    "SafeLoadPlanner",
-    "TorchInternalsError",
-    "ddp_no_sync",
-    "default_store",
-    "dtensor_local",
-    "flatten_state_dict",
-    "fsdp2_module_type",
-    "fsdp2_modules",
-    "fsdp2_no_sync",
-    "fsdp2_param_shape",
-    "fsdp2_params",
-    "fsdp2_pending_grad",
-    "gradient_sync_off",
-    "is_ddp",
-    "is_dtensor",
-    "is_norm_with_running_stats",
-    "queue_backward_callback",
-    "set_fsdp2_pending_grad",
-    "supports_gradient_sync_off",
-    "view_base",
-]
+__all__ += _torch_compat.__all__

@@ -47,12 +47,11 @@ from .fsdp2 import (
     set_fsdp2_pending_grad,
 )
 from .gradient_sync import ddp_no_sync, fsdp2_no_sync, gradient_sync_off, is_ddp, supports_gradient_sync_off
-from .private_apis import PRIVATE_APIS
+from .private_apis import PRIVATE_APIS as PRIVATE_APIS  # for the tests; not re-exported by stepforge.core
 from .runtime import default_store, queue_backward_callback
 from .tensors import dtensor_local, is_dtensor, view_base
 
 __all__ = [
-    "PRIVATE_APIS",
     "LegacyLRScheduler",
     "SafeFileSystemReader",
     "SafeLoadPlanner",
