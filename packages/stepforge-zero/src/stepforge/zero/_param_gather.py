@@ -189,10 +189,16 @@ def _scatter_table(table: torch.Tensor, slots: list[Slot], offsets: list[int], r
 
 
 def _launch_staged(
-    layout: ShardLayout, part: Partition, slots: list[Slot], method: str, table: torch.Tensor
+    layout: ShardLayout,
+    part: Partition,
+    slots: list[Slot],
+    method: str,
+    staging: StagingBuffers,
+    key: tuple[int, int],
 ) -> _Entry:
     world, group = layout.world_size, layout.group
-    offsets, _ = _offsets(slots)
+    offsets, size = _offsets(slots)
+    table = staging.table(key, world, size, part)
     params = [s.param for s in slots]
     if method == "broadcast":
         _stage(table[layout.rank], slots, offsets)
@@ -265,22 +271,18 @@ def launch_gather(
     if staging is None or method != "broadcast":
         staging = StagingBuffers()
 
-    def staged_entry(p: int, c: int, part: Partition, slots: list[Slot]) -> _Entry:
-        table = staging.table((p, c), layout.world_size, _offsets(slots)[1], part)
-        return _launch_staged(layout, part, slots, method, table)
-
     for p, part in enumerate(layout.partitions):
         if method == "broadcast":
             direct = [s for s in part.slots if s.numel >= direct_min and s.param.is_contiguous()]
             staged = [s for s in part.slots if not any(s is d for d in direct)]
             # the small ones first (in chunks when overlapped): short collectives that the first layers wait for
             for c, slots in enumerate(_chunks(staged, chunk)):
-                flight.add(staged_entry(p, c, part, slots))
+                flight.add(_launch_staged(layout, part, slots, method, staging, (p, c)))
             for slot in direct:
                 flight.add(_launch_direct(layout, slot))
         else:
             for c, slots in enumerate(_chunks(part.slots, chunk)):
-                flight.add(staged_entry(p, c, part, slots))
+                flight.add(_launch_staged(layout, part, slots, method, staging, (p, c)))
     return flight
 
 
