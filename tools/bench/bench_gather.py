@@ -26,7 +26,6 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -44,6 +43,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 import _machine  # noqa: E402
 import _report  # noqa: E402
+from _spawn import free_port, leave_process_group  # noqa: E402
 from gpt_demo_model import ByteGPT  # noqa: E402
 
 __all__ = ["main"]
@@ -95,14 +95,8 @@ def _worker(rank: int, world: int, args: argparse.Namespace, out: str) -> None:
     }
     result = {name: _timed(fn, args.reps) for name, fn in cases.items()}
     Path(out, f"rank{rank}.json").write_text(json.dumps({"ms": result, "params": numel}))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    del cases
+    leave_process_group()
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -125,7 +119,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1")
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         mp.start_processes(_worker, args=(args.world, args, tmp), nprocs=args.world, start_method="spawn")
         ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(args.world)]

@@ -34,7 +34,6 @@ import datetime
 import json
 import os
 import resource
-import socket
 import statistics
 import sys
 import tempfile
@@ -53,6 +52,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 import _machine  # noqa: E402
 import _report  # noqa: E402
+from _spawn import free_port, leave_process_group  # noqa: E402
 from gpt_demo_model import ByteGPT, load_corpus, sample_batch  # noqa: E402
 
 __all__ = ["main"]
@@ -72,12 +72,6 @@ CONTENDERS: dict[str, tuple[str | dict[str, Any] | None, dict[str, Any]]] = {
     "strategy_zero2_waitgather": (dict(type="zero2", precision="fp32"), {"type": "CPUAdam"}),
 }
 LR = 3e-4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _build(name: str, args: argparse.Namespace) -> tuple[Any, Any, Any]:
@@ -170,8 +164,8 @@ def _worker(rank: int, world: int, name: str, args: argparse.Namespace, out: str
         "losses": losses,
     }
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
+    del model, context, backward, step  # what holds the group (DDP, the Strategy), before it goes
+    leave_process_group()
 
 
 class _nullcontext:
@@ -186,7 +180,7 @@ def run_contender(name: str, args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         args.work_dir = tmp  # the Strategy's logs go with the run, not into the checkout
         os.environ.update(
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS=str(args.threads)
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS=str(args.threads)
         )
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         mp.start_processes(

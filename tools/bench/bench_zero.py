@@ -57,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _machine
 import _report
+from _spawn import free_port, leave_process_group
 from _zero_collectives import BUCKET_SIZES, time_collectives
 from _zero_parts import (
     GPT,
@@ -147,13 +148,13 @@ def _worker(rank: int, world: int, args: argparse.Namespace, schemes: list[str],
         for scheme in schemes:
             _run_scheme(scheme, rank, args, counter, originals, results, first=round_ == 0)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    del results  # the schemes dropped their models and optimizers in _run_scheme
+    leave_process_group()
 
 
 def run_world(world: int, args: argparse.Namespace, schemes: list[str]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1")
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         mp.start_processes(_worker, args=(world, args, schemes, tmp), nprocs=world, start_method="spawn")
         per_rank = [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)]
@@ -195,14 +196,6 @@ def run_world(world: int, args: argparse.Namespace, schemes: list[str]) -> dict[
             "buffer_mib_per_rank": max(r["buffer_bytes"] for r in ranks) / 2**20,
         }
     return out
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def main(argv: list[str] | None = None) -> int:
