@@ -4,8 +4,8 @@ stepforge.zero uses, so the bench output shows why an algorithm and a bucket siz
 
 Per size (fp32 elements of one bucket, all ranks together): ``all_reduce`` of the bucket, ``reduce_scatter`` of it
 (each rank receives 1/N), ``all_gather`` of it (each rank contributes 1/N), and one ``broadcast`` of 1/N of it from
-every rank in turn (the gather stepforge.zero does on gloo), and ``all_to_all_single`` of it (the transport of
-stepforge.zero's ``"all_to_all"`` reduce-scatter, its gloo default). Median of ``reps`` runs, slowest rank, after a
+every rank in turn (the gather stepforge.zero does on gloo), and ``all_to_all_single`` of it less each rank's own row (the
+transport of stepforge.zero's ``"all_to_all"`` reduce-scatter, its gloo default). Median of ``reps`` runs, slowest rank, after a
 barrier; milliseconds and the bucket's GB/s.
 """
 
@@ -55,7 +55,8 @@ def _time_size(elements: int, world: int, rank: int, ops: tuple[Any, ...], reps:
     table = bucket.view(world, per)
     row = torch.empty(per)
     mine = table[rank].clone()
-    received = torch.empty_like(bucket)
+    outgoing, others = table[torch.arange(world) != rank].reshape(-1), torch.empty((world - 1) * per)
+    splits = [0 if r == rank else per for r in range(world)]  # stepforge.zero's exchange: own row stays put
 
     def broadcasts() -> None:
         for src in range(world):
@@ -66,7 +67,10 @@ def _time_size(elements: int, world: int, rank: int, ops: tuple[Any, ...], reps:
         "reduce_scatter_ms": _time(lambda: reduce_scatter(row, bucket), reps),
         "all_gather_ms": _time(lambda: all_gather(bucket, mine), reps),
         "broadcast_ms": _time(broadcasts, reps),
-        "all_to_all_ms": _time(lambda: all_to_all(received, bucket), reps),
+        "all_to_all_ms": _time(
+            lambda: all_to_all(others, outgoing, output_split_sizes=splits, input_split_sizes=splits),
+            reps,
+        ),
     }
     mib = bucket.numel() * 4 / 2**20
     return {

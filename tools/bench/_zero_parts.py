@@ -73,12 +73,13 @@ class Counter:
 
     def reset(self) -> None:
         self.ring_bytes = 0.0
-        self.payload_bytes = 0
+        self.payload_bytes = 0.0
         self.calls: dict[str, int] = {}
 
-    def add(self, op: str, nbytes: int) -> None:
+    def add(self, op: str, nbytes: float) -> None:
         n = self.world
-        factor = {"all_reduce": 2 * (n - 1) / n}.get(op, (n - 1) / n)
+        # all_to_all is charged what it sends to the other ranks (see _all_to_all_sent): factor 1
+        factor = {"all_reduce": 2 * (n - 1) / n, "all_to_all": 1.0}.get(op, (n - 1) / n)
         self.ring_bytes += factor * nbytes
         self.payload_bytes += nbytes
         self.calls[op] = self.calls.get(op, 0) + 1
@@ -87,6 +88,18 @@ class Counter:
 def nbytes(t: torch.Tensor) -> int:
     """Bytes of ``t``'s elements."""
     return t.numel() * t.element_size()
+
+
+def _all_to_all_sent(args: tuple[Any, ...], kwargs: dict[str, Any]) -> float:
+    """Bytes an ``all_to_all_single`` call sends to other ranks: its input less the split it keeps for itself
+    (equal splits when none are given)."""
+    data = args[1] if len(args) > 1 else kwargs["input"]
+    splits = args[3] if len(args) > 3 else kwargs.get("input_split_sizes")
+    world = dist.get_world_size(kwargs.get("group"))
+    if not splits:
+        return nbytes(data) * (world - 1) / world
+    own = splits[dist.get_rank(kwargs.get("group"))]
+    return nbytes(data) * (1 - own / data.shape[0])
 
 
 def install_counter(counter: Counter) -> dict[str, Any]:
@@ -106,8 +119,8 @@ def install_counter(counter: Counter) -> dict[str, Any]:
         "reduce_scatter_single": ("reduce_scatter", lambda a, k: nbytes(a[1] if len(a) > 1 else k["input"])),
         "all_gather_single": ("all_gather", lambda a, k: nbytes(a[0] if a else k["output_tensor"])),
         "all_gather": ("all_gather", lambda a, k: sum(nbytes(t) for t in (a[0] if a else k["tensor_list"]))),
-        # stepforge.zero's "all_to_all" reduce-scatter: each rank sends (N-1)/N of its input
-        "all_to_all_single": ("all_to_all", lambda a, k: nbytes(a[1] if len(a) > 1 else k["input"])),
+        # stepforge.zero's "all_to_all" reduce-scatter: each rank sends the other ranks' rows of its bucket
+        "all_to_all_single": ("all_to_all", _all_to_all_sent),
         "reduce_scatter": (
             "reduce_scatter",
             lambda a, k: sum(nbytes(t) for t in (a[1] if len(a) > 1 else k["input_list"])),

@@ -69,6 +69,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, out: str) -> None:
     from stepforge.fused import CPUAdam
     from stepforge.zero import LowLevelZeroOptimizer
     from stepforge.zero._param_gather import StagingBuffers, launch_gather
+    from stepforge.zero._wire import WireFormat
 
     torch.manual_seed(0)
     model = ByteGPT(args.d_model, args.layers, args.heads, args.seq_len)
@@ -76,6 +77,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, out: str) -> None:
     numel = sum(p.numel() for p in model.parameters())
     piece = -(-numel // world)
     flat, send, table = torch.randn(numel), torch.randn(world, piece), torch.empty(world, piece)
+    others = torch.empty(world - 1, piece)
 
     def broadcasts() -> None:
         works = [dist.broadcast(table[src], src=src, async_op=True) for src in range(world)]
@@ -85,7 +87,10 @@ def _worker(rank: int, world: int, args: argparse.Namespace, out: str) -> None:
     kept, all_staged = StagingBuffers(), StagingBuffers()
     cases: dict[str, Callable[[], Any]] = {
         "all_reduce of P (DDP's gradient exchange)": lambda: dist.all_reduce(flat),
-        "all_to_all_single of P (zero2's on gloo)": lambda: dist.all_to_all_single(table, send),
+        # zero2's own exchange on gloo (its own row stays put); send's rows 0..W-2 stand for the other ranks'
+        "all_to_all_single of P (zero2's on gloo)": lambda: WireFormat().exchange(
+            others, send[:-1], rank=rank, group=None, async_op=False
+        ),
         FLOOR: broadcasts,
         "gather (kept tables)": lambda: launch_gather(layout, "broadcast", staging=kept).wait_all(),
         "gather (fresh tables)": lambda: launch_gather(layout, "broadcast").wait_all(),

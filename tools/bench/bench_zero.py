@@ -12,8 +12,9 @@ Schemes (fp32 GPT-shaped model, same weights, same data; every rank runs ``torch
 Bytes: the collectives are wrapped (``torch.distributed`` functions; DDP's C++ all-reduce through a counting
 communication hook that does what DDP's default does) and each call is charged what a bandwidth-optimal ring
 sends per rank: all-reduce of S bytes 2(N-1)/N*S, reduce-scatter with S bytes of input (N-1)/N*S, all-gather with
-S bytes of output (N-1)/N*S, broadcast of S bytes (N-1)/N*S, all_to_all_single of S bytes of input (N-1)/N*S. The theoretical minimum of each scheme is printed
-beside it, with P = parameter bytes:
+S bytes of output (N-1)/N*S, broadcast of S bytes (N-1)/N*S, all_to_all_single what it sends to the other ranks
+(its input less the split it keeps: stepforge.zero's exchange of an S-byte bucket sends (N-1)/N*S). The
+theoretical minimum of each scheme is printed beside it, with P = parameter bytes:
 
     ddp_adamw 2(N-1)/N*P   ddp_torchzero 3(N-1)/N*P   zero1 2(N-1)/N*P   zero2 2(N-1)/N*P
     fsdp2 (N-1)/N*(3*P_blocks + 2*P_root)   (all-gather in forward and again in backward, reduce-scatter;

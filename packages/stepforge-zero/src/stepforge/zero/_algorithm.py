@@ -11,10 +11,10 @@ size before the sum):
   is reused, so between steps a rank still holds only its pieces. Twice the ring bytes of a reduce-scatter;
   gloo's all-reduce is still about twice as fast as its own reduce-scatter on the CPU (208 MiB, 2 ranks: 147 ms
   against 274 ms; see ``tools/bench/bench_zero.py``'s collective table).
-- ``"all_to_all"``: a reduce-scatter made of ``all_to_all_single`` (rank ``r`` receives every rank's row ``r``)
-  and a local sum of the ``N`` rows: the reduce-scatter's (N-1)/N bytes, moved by gloo's pairwise exchange,
-  which is about twice as fast as its all-reduce (2 ranks, 32 MiB: 17.7 ms against 31.4 ms; 4 ranks: 39.1
-  against 93.6 ms). Costs a receive buffer as large as the bucket while it is in flight.
+- ``"all_to_all"``: a reduce-scatter made of ``all_to_all_single`` (rank ``r`` receives every other rank's row
+  ``r``; its own row stays put) and a local sum of the ``N`` rows: the reduce-scatter's (N-1)/N bytes, moved by
+  gloo's pairwise exchange, which is about twice as fast as its all-reduce (2 ranks, 32 MiB: 17.7 ms against
+  31.4 ms; 4 ranks: 39.1 against 93.6 ms). Costs a receive buffer of (N-1)/N of the bucket while it is in flight.
 
 ``"auto"`` picks ``all_to_all`` on gloo, elsewhere ``all_reduce`` for stage 1 (ColossalAI's stage-1 arithmetic)
 and ``reduce_scatter`` for stage 2 (NCCL's reduce-scatter is as fast per byte as its all-reduce). The environment variable ``STEPFORGE_ZERO_COMM_ALGORITHM`` overrides ``"auto"`` (not an

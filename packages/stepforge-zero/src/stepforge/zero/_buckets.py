@@ -11,8 +11,9 @@ before the sum (as DDP does):
 - ``"all_reduce"``: the gradients are all-reduced as they are laid out (a lone gradient in place, several
   concatenated), and each rank reads its piece of every parameter at the piece's range (``torch.chunk`` layout:
   one contiguous range per parameter);
-- ``"all_to_all"``: the rank-major bucket goes through ``all_to_all_single`` (rank ``r`` receives every rank's
-  row ``r``) and the ``N`` received rows are summed here, straight into the pieces.
+- ``"all_to_all"``: the bucket is laid out rank-major with this rank's own row last; ``all_to_all_single`` sends
+  the other ``N - 1`` rows (rank ``r`` receives every other rank's row ``r``; a rank's own row never travels,
+  not even as gloo's local copy) and the ``N`` rows are summed here in rank order, straight into the pieces.
 
 With ``overlap_communication`` the collective is launched asynchronously and backward goes on; the results
 are added into the slots' fp32 (master-dtype) gradient pieces when :meth:`GradReducer.wait` runs (before
@@ -42,7 +43,7 @@ from ._grad_storage import BufferPool, PieceStore
 from ._partition import Slot
 from ._wire import WireFormat
 
-__all__ = ["GradReducer", "CollectiveCounter", "MAX_IN_FLIGHT", "write_rank_major"]
+__all__ = ["GradReducer", "CollectiveCounter", "MAX_IN_FLIGHT", "write_rank_major", "write_own_row_last"]
 
 #: asynchronous bucket reductions allowed in flight; launching one more first finishes the oldest, so a rank
 #: holds at most its pieces plus this many buckets (and the one being filled) during backward
@@ -85,6 +86,17 @@ def write_rank_major(dst: torch.Tensor, grad: torch.Tensor, divisor: int) -> Non
         dst[full + (1 if rest else 0) :].zero_()
 
 
+def write_own_row_last(dst: torch.Tensor, grad: torch.Tensor, divisor: int, rank: int) -> None:
+    """:func:`write_rank_major` with rank ``rank``'s row moved to the end: ``dst`` rows ``0 .. W-2`` hold the other
+    ranks' pieces in rank order (the input of an exchange that skips this rank) and row ``W-1`` this rank's."""
+    world, piece = dst.shape
+    flat = grad.reshape(-1)
+    # (first logical row, end logical row, first physical row)
+    for first, end, at in ((0, rank, 0), (rank, rank + 1, world - 1), (rank + 1, world, rank)):
+        if end > first:
+            write_rank_major(dst[at : at + end - first], flat[first * piece : end * piece], divisor)
+
+
 class _Bucket:
     def __init__(self) -> None:
         self.items: list[tuple[Slot, torch.Tensor]] = []
@@ -97,11 +109,12 @@ class _Flight:
     piece starts in it, the bucket's padded element count, and the pooled buffers to hand back when done."""
 
     work: Any
-    received: torch.Tensor
+    received: torch.Tensor | None  # the reduced row (``None``: ``rows`` are summed here instead)
     layout: list[tuple[Slot, int]]
     elements: int
     buffers: list[torch.Tensor] = field(default_factory=list)
-    summed: bool = True  # False: ``received`` is a (W, n) table of every rank's row, to be summed here
+    # ``"all_to_all"``: every rank's row, in rank order
+    rows: list[torch.Tensor] = field(default_factory=list)
 
 
 class GradReducer:
@@ -218,24 +231,34 @@ class GradReducer:
 
     def _launch_reduce_scatter(self, items: list[tuple[Slot, torch.Tensor]], dtype: torch.dtype) -> _Flight:
         """Lay the bucket out rank-major (divided by the world size) and reduce-scatter it: this rank receives
-        its row, the concatenation of its pieces (``"all_to_all"``: every rank's row, summed when finished)."""
+        its row, the concatenation of its pieces (``"all_to_all"``: every other rank's row, summed with its own
+        when finished)."""
         world = self.world_size
         per_rank = sum(slot.piece for slot, _ in items)
         device = items[0][1].device
         send = self.pool.take(world * per_rank, dtype, device)
         flat = send[: world * per_rank].view(world, per_rank)
+        exchange = self.algorithm == "all_to_all" and not self.wire.fp8
         layout: list[tuple[Slot, int]] = []
         offset = 0
         for slot, grad in items:
-            write_rank_major(flat[:, offset : offset + slot.piece], grad, world)
+            if exchange:
+                write_own_row_last(flat[:, offset : offset + slot.piece], grad, world, self.rank)
+            else:
+                write_rank_major(flat[:, offset : offset + slot.piece], grad, world)
             layout.append((slot, offset))
             offset += slot.piece
-        if self.algorithm == "all_to_all" and not self.wire.fp8:
-            table = self.pool.take(world * per_rank, self.wire.exchange_dtype(dtype), device)
-            received = table[: world * per_rank].view(world, per_rank)
-            work = self.wire.exchange(received, flat, group=self.group, async_op=self.overlap)
+        if exchange:
+            wire_dtype = self.wire.exchange_dtype(dtype)
+            table = self.pool.take((world - 1) * per_rank, wire_dtype, device)
+            others = table[: (world - 1) * per_rank].view(world - 1, per_rank)
+            work = self.wire.exchange(
+                others, flat[:-1], rank=self.rank, group=self.group, async_op=self.overlap
+            )
             self.counter.all_to_all += 1
-            return _Flight(work, received, layout, 0, [send, table], summed=False)
+            own = flat[-1] if wire_dtype == dtype else flat[-1].to(wire_dtype)  # summed in the wire dtype
+            rows = [*others[: self.rank], own, *others[self.rank :]]
+            return _Flight(work, None, layout, 0, [send, table], rows=rows)
         received = self.pool.take(per_rank, dtype, device)
         work = self.wire.reduce_scatter(
             received[:per_rank], flat.view(-1), group=self.group, world_size=world, async_op=self.overlap
@@ -278,35 +301,42 @@ class GradReducer:
     def _finish(self, flight: _Flight) -> None:
         if flight.work is not None:  # None: a synchronous collective, already done
             flight.work.wait()
-        self._accumulate(flight.received, flight.layout, summed=flight.summed)
+        if flight.received is not None:
+            self._accumulate(flight.received, flight.layout)
+        else:
+            self._accumulate_rows(flight.rows, flight.layout)
         for buffer in flight.buffers:
             self.pool.give(buffer)
 
-    def _accumulate(
-        self, received: torch.Tensor, layout: list[tuple[Slot, int]], *, summed: bool = True
-    ) -> None:
-        """Add each slot's piece of ``received`` into its reduced gradient (``summed=False``: ``received`` holds
-        every rank's row, summed here in their dtype, rank order)."""
+    def _accumulate(self, received: torch.Tensor, layout: list[tuple[Slot, int]]) -> None:
+        """Add each slot's piece of the reduced ``received`` into its reduced gradient."""
         for slot, offset in layout:
-            if summed:
-                piece = received[offset : offset + slot.valid]
-            elif (
-                slot.grad is None
-                and received.dtype == slot.master.dtype
-                and received.device == slot.master.device
-            ):
-                slot.grad = self.pieces.view(slot)
-                torch.sum(received[:, offset : offset + slot.valid], dim=0, out=slot.grad)
-                continue
+            self._add_piece(slot, received[offset : offset + slot.valid])
+
+    def _accumulate_rows(self, rows: list[torch.Tensor], layout: list[tuple[Slot, int]]) -> None:
+        """Sum each slot's piece of every rank's row (their dtype, rank order) into its reduced gradient: the
+        first reduction of a step straight into the piece's storage, later ones through a temporary."""
+        for slot, offset in layout:
+            parts = [row[offset : offset + slot.valid] for row in rows]
+            first, master = parts[0], slot.master
+            if slot.grad is None and first.dtype == master.dtype and first.device == master.device:
+                total = torch.add(first, parts[1], out=self.pieces.view(slot))
+                slot.grad = total
             else:
-                piece = received[:, offset : offset + slot.valid].sum(dim=0)
-            if slot.grad is None:
-                slot.grad = self.pieces.view(slot)
-                slot.grad.copy_(piece)  # converts to the master dtype / device where they differ
-            elif piece.dtype == slot.grad.dtype and piece.device == slot.grad.device:
-                slot.grad.add_(piece)
-            else:
-                slot.grad.add_(piece.to(device=slot.grad.device, dtype=slot.grad.dtype))
+                total = parts[0] + parts[1]
+            for part in parts[2:]:
+                total.add_(part)
+            if total is not slot.grad:
+                self._add_piece(slot, total)
+
+    def _add_piece(self, slot: Slot, piece: torch.Tensor) -> None:
+        if slot.grad is None:
+            slot.grad = self.pieces.view(slot)
+            slot.grad.copy_(piece)  # converts to the master dtype / device where they differ
+        elif piece.dtype == slot.grad.dtype and piece.device == slot.grad.device:
+            slot.grad.add_(piece)
+        else:
+            slot.grad.add_(piece.to(device=slot.grad.device, dtype=slot.grad.dtype))
 
     # -- step side -------------------------------------------------------------------------------------
     def launch_all(self) -> None:

@@ -111,12 +111,26 @@ class WireFormat:
         """The dtype rows travel in by :meth:`exchange` (``communication_dtype`` when it casts, else ``dtype``)."""
         return self.dtype if self.dtype is not None and self.dtype != dtype else dtype
 
-    def exchange(self, received: torch.Tensor, rows: torch.Tensor, *, group: Any, async_op: bool) -> Any:
-        """``received[s]`` = rank ``s``'s ``rows[this rank]`` (``all_to_all_single``; both ``(W, n)``, ``received``
-        in :meth:`exchange_dtype`): the transport of the ``"all_to_all"`` reduce-scatter, summed by the caller
-        in the wire dtype (fp8 goes through :meth:`reduce_scatter`, which decodes and sums itself)."""
+    def exchange(
+        self, received: torch.Tensor, rows: torch.Tensor, *, rank: int, group: Any, async_op: bool
+    ) -> Any:
+        """``received[i]`` = the row for rank ``rank`` from the ``i``-th other rank (rank order), where ``rows[i]``
+        is the row for the ``i``-th other rank: both ``(W - 1, n)``, ``received`` in :meth:`exchange_dtype`. One
+        ``all_to_all_single`` whose splits leave this rank out, so its own row is neither sent nor copied; the
+        transport of the ``"all_to_all"`` reduce-scatter, summed by the caller in the wire dtype (fp8 goes
+        through :meth:`reduce_scatter`, which decodes and sums itself)."""
+        n = rows.shape[1]
+        splits = [n] * (rows.shape[0] + 1)
+        splits[rank] = 0
         send = rows if rows.dtype == received.dtype else rows.to(received.dtype)
-        return dist.all_to_all_single(received.view(-1), send.reshape(-1), group=group, async_op=async_op)
+        return dist.all_to_all_single(
+            received.view(-1),
+            send.reshape(-1),
+            output_split_sizes=splits,
+            input_split_sizes=splits,
+            group=group,
+            async_op=async_op,
+        )
 
     def all_reduce(self, flat: torch.Tensor, *, group: Any, world_size: int, async_op: bool) -> Any:
         """``flat`` = the sum over the ranks of ``flat``, on every rank."""
