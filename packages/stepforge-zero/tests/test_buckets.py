@@ -58,7 +58,7 @@ def test_write_own_row_last_moves_this_ranks_row_to_the_end(rank: int, rows: lis
 
 
 def test_write_own_row_last_zero_fills_rows_past_a_short_gradient():
-    # 3 elements over 4 ranks (piece 1): ranks 3's piece is padding, rank 1 keeps its own row last
+    # 3 elements over 4 ranks (piece 1): rank 3's piece is padding, rank 1 keeps its own row last
     table = torch.full((4, 1), -1.0)
     write_own_row_last(table, torch.tensor([2.0, 4.0, 6.0]), 2, 1)
     assert torch.equal(table.view(-1), torch.tensor([1.0, 3.0, 0.0, 2.0]))
