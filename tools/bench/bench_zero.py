@@ -24,7 +24,9 @@ zero1/zero2 use the optimizer's default ``comm_algorithm="auto"``: on gloo a red
 ``all_to_all_single`` and a local sum ((N-1)/N*P for the gradients, (N-1)/N*P for the parameter gather), and
 ``overlap_allgather=True`` (``--overlap-allgather off`` waits for the gather in ``step``); with
 ``--zero-comm all_reduce`` the buckets are all-reduced (2(N-1)/N*P for the gradients, theory 3(N-1)/N*P). Schemes
-run interleaved for ``--rounds`` rounds, so a change in the machine's load reaches all of them. Before the schemes, every collective is timed on the group
+run interleaved for ``--rounds`` rounds, so a change in the machine's load reaches all of them. The timed steps of a
+scheme run back to back after one barrier, each timed from its start to the next one's (the last one waits for
+its own parameter gather): an overlapped gather counts in the forward it overlaps, as in training. Before the schemes, every collective is timed on the group
 at the bucket sizes stepforge.zero uses (``_zero_collectives.py``): the table behind that choice and behind the
 default bucket size.
 
@@ -93,12 +95,17 @@ def _run_scheme(
     )
     reset_peak_rss()
     gen = torch.Generator().manual_seed(1234 + rank)
-    times, bytes_per_step, calls = [], [], {}
+    starts, bytes_per_step, calls = [], [], {}
+    # the timed steps run back to back and each is timed from its start to the next one's: an overlapped
+    # parameter gather is paid where it lands (the next forward), never in a barrier between steps (gloo's
+    # barrier waits for the work in flight, so a per-step barrier would hide the gather from the clock)
     for step in range(args.warmup + args.steps):
         idx = torch.randint(args.vocab, (args.batch, args.ctx), generator=gen)
-        dist.barrier()
+        if step <= args.warmup:
+            dist.barrier()  # warm-up aligned step by step; the last one also lets the warm-up gather land
         counter.reset()
-        t0 = time.perf_counter()
+        if step >= args.warmup:
+            starts.append(time.perf_counter())
         logits = module(idx[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, args.vocab), idx[:, 1:].reshape(-1))
         if hasattr(optimizer, "backward"):
@@ -106,16 +113,16 @@ def _run_scheme(
         else:
             loss.backward()
         optimizer.step()
-        elapsed = time.perf_counter() - t0
         if step == args.warmup + args.steps - 1:
+            if hasattr(optimizer, "wait_for_param_gather"):
+                optimizer.wait_for_param_gather()  # the last gather has no next forward to hide behind
             mem = memory()  # gradients and state as the step left them
-        optimizer.zero_grad()
         if step >= args.warmup:
-            times.append(elapsed * 1e3)
             bytes_per_step.append(counter.ring_bytes)
             calls = dict(counter.calls)
-    if hasattr(optimizer, "wait_for_param_gather"):
-        optimizer.wait_for_param_gather()  # the last step's gather, overlapped with a forward that never comes
+        optimizer.zero_grad()
+    ends = [*starts[1:], time.perf_counter()]
+    times = [(end - start) * 1e3 for start, end in zip(starts, ends, strict=True)]
     previous = results.get(scheme, {"step_ms": [], "ring_bytes_per_step": []})
     buffers = mem.pop("buffers", 0)
     results[scheme] = {
