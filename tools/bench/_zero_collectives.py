@@ -4,9 +4,9 @@ stepforge.zero uses, so the bench output shows why an algorithm and a bucket siz
 
 Per size (fp32 elements of one bucket, all ranks together): ``all_reduce`` of the bucket, ``reduce_scatter`` of it
 (each rank receives 1/N), ``all_gather`` of it (each rank contributes 1/N), and one ``broadcast`` of 1/N of it from
-every rank in turn (the gather stepforge.zero does on gloo), and ``all_to_all_single`` of it less each rank's own row (the
-transport of stepforge.zero's ``"all_to_all"`` reduce-scatter, its gloo default). Median of ``reps`` runs, slowest rank, after a
-barrier; milliseconds and the bucket's GB/s.
+every rank in turn (the gather stepforge.zero does on gloo), and ``all_to_all_single`` of it less each rank's own
+row (the transport of stepforge.zero's ``"all_to_all"`` reduce-scatter, its gloo default). Median of ``reps`` runs,
+slowest rank, after a barrier; milliseconds and the bucket's GB/s.
 """
 
 from __future__ import annotations
