@@ -54,6 +54,7 @@ from torch import nn
 
 #: --device -> the process-group backend of its workers
 BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
+WORKER_ARGV_ENV = "STEPFORGE_DEMO_WORKER_ARGV"  # the demo options, as a JSON list, for the torchrun workers
 
 
 # -- one run, on every rank ---------------------------------------------------------------------------------
@@ -233,17 +234,30 @@ def pick_plugin(requested: str) -> tuple[str, str]:
         )
 
 
+def worker_command(
+    args: argparse.Namespace, argv: list[str], phase: str, plugin: str, port: int
+) -> tuple[list[str], dict[str, str]]:
+    """The torchrun command of one half and its environment.
+
+    The demo's own options travel to the workers in ``WORKER_ARGV_ENV``, not after the script name: torchrun's
+    parser classifies every argument, the script's too, and rejects one that abbreviates two of its own
+    (``--nproc`` matches ``--nproc-per-node`` and ``--nproc_per_node`` in torch 2.11).
+    """
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}", "--nnodes=1",
+        "--master-addr=127.0.0.1", f"--master-port={port}", __file__, "--worker",
+    ]  # fmt: skip
+    forwarded = [a for a in argv if a != "--worker"] + ["--phase", phase, "--plugin", plugin]
+    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // args.nproc)))
+    env[WORKER_ARGV_ENV] = json.dumps(forwarded)
+    return cmd, env
+
+
 def launch(args: argparse.Namespace, phase: str, plugin: str) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    argv = [a for a in sys.argv[1:] if a not in ("--worker",)]
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}", "--nnodes=1",
-        "--master-addr=127.0.0.1", f"--master-port={port}", __file__, *argv,
-        "--worker", "--phase", phase, "--plugin", plugin,
-    ]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // args.nproc)))
+    cmd, env = worker_command(args, sys.argv[1:], phase, plugin, port)
     if args.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU run stays on the CPU (and gloo) on a machine with a GPU too
     if subprocess.run(cmd, env=env, check=False).returncode != 0:
@@ -326,6 +340,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="a tiny model for a few steps (CI)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--phase", choices=["reference", "resumed"], help=argparse.SUPPRESS)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv == ["--worker"]:  # started by torchrun (worker_command): the options come in the environment
+        argv = [*json.loads(os.environ[WORKER_ARGV_ENV]), "--worker"]
     args = p.parse_args(argv)
     if args.smoke:
         args.steps, args.d_model, args.layers, args.seq_len, args.micro_batch = 4, 32, 1, 32, 2

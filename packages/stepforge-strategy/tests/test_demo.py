@@ -128,3 +128,19 @@ def test_compare_runs_reports_a_difference(examples_path):
     assert not result["resume_within_bound"] and result["resume_max_abs_diff"] > 0
     with pytest.raises(ValueError, match="did not continue at step 3"):
         compare_runs(ref, dict(val_loss=3.0, history=same["history"][1:]), 2)
+
+
+def test_worker_options_travel_outside_torchruns_argv(examples_path, monkeypatch):
+    """torchrun sees only ``--worker`` after the script: its parser rejects ``--nproc`` as an ambiguous prefix of
+    its own options (torch 2.11 on the GPU machine); the demo's options reach the worker whole."""
+    import train_gpt_demo as demo
+
+    user = ["--device", "cpu", "--nproc", "3", "--steps", "10", "--save-at", "4", "--out", "x y"]
+    cmd, env = demo.worker_command(demo.parse(user), user, "resumed", "zero2", 29511)
+    assert cmd[cmd.index(demo.__file__) :] == [demo.__file__, "--worker"]
+    assert "--nproc-per-node=3" in cmd and "--master-port=29511" in cmd
+    assert json.loads(env[demo.WORKER_ARGV_ENV]) == [*user, "--phase", "resumed", "--plugin", "zero2"]
+    monkeypatch.setenv(demo.WORKER_ARGV_ENV, env[demo.WORKER_ARGV_ENV])
+    worker = demo.parse(["--worker"])
+    assert (worker.worker, worker.nproc, worker.steps, worker.save_at, worker.out) == (True, 3, 10, 4, "x y")
+    assert (worker.phase, worker.plugin) == ("resumed", "zero2")
