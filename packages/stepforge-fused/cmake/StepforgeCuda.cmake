@@ -12,7 +12,7 @@
 # CMAKE_CUDA_ARCHITECTURES different from STEPFORGE_CUDA_ARCHS (a user override) is used as given.
 #
 # The CUDA runtime is linked statically (CUDA::cudart_static): the module imports on machines without
-# libcudart.so or without a driver, and stepforge.fused._cuda.status() says why it cannot run there.
+# libcudart.so or without a driver, and stepforge.fused._backend.cuda_status() says why it cannot run there.
 
 include_guard(GLOBAL)
 

@@ -29,7 +29,7 @@ void register_cuda_kernels(py::module_& m);
 
 PYBIND11_MODULE(_cuda, m) {
   m.doc() = "stepforge-fused CUDA kernels (raw pointers; see csrc/README.md). Imports without a GPU; "
-            "status() says why it cannot run.";
+            "stepforge.fused._backend.cuda_status() says why it cannot run.";
   m.attr("DTYPE_FLOAT32") = int(stepforge::kFloat32);
   m.attr("DTYPE_FLOAT16") = int(stepforge::kFloat16);
   m.attr("DTYPE_BFLOAT16") = int(stepforge::kBFloat16);
@@ -39,7 +39,6 @@ PYBIND11_MODULE(_cuda, m) {
 #endif
   stepforge::bindings::register_cuda_kernels(m);
 
-  m.def("status", &sc::status, "One line: built architectures, runtime, and the device or why there is none");
   m.def("available", &sc::available, "True when a CUDA device is usable from this module");
   m.def("device_count", &sc::device_count, "Number of CUDA devices (RuntimeError without a driver)");
   m.def("runtime_version", &sc::runtime_version, "Version of the statically linked CUDA runtime (e.g. 13000)");

@@ -115,7 +115,6 @@ void scale(std::vector<TensorRow>& rows, int src_dtype, int dst_dtype, double sc
            Launch launch);
 
 // Diagnostics.
-std::string status();              // "built for sm_80, sm_90 (CUDA 13.0); <device or why not>"
 bool available();                  // a device is usable from this module
 std::vector<std::string> built_archs();
 int device_count();                // throws std::runtime_error (CUDA error string) without driver/device

@@ -80,45 +80,6 @@ int driver_version() {
   return v;
 }
 
-std::string status() {
-  std::ostringstream os;
-  os << "built for";
-  const auto archs = built_archs();
-  for (std::size_t i = 0; i < archs.size(); ++i) {
-    std::string a = archs[i];
-    std::string kind = "cubin";
-    if (auto d = a.find('-'); d != std::string::npos) {
-      kind = a.substr(d + 1) == "virtual" ? "PTX" : "cubin";
-      a = a.substr(0, d);
-    }
-    os << (i ? ", " : " ") << "sm_" << a << " (" << kind << ")";
-  }
-  int runtime = 0, driver = 0;
-  cudaRuntimeGetVersion(&runtime);
-  cudaDriverGetVersion(&driver);
-  os << "; CUDA runtime " << runtime / 1000 << "." << (runtime % 1000) / 10 << " (static)";
-  int n = 0;
-  cudaError_t err = cudaGetDeviceCount(&n);
-  if (err != cudaSuccess) {
-    cudaGetLastError();
-    os << "; no CUDA driver/device: " << cudaGetErrorName(err) << " (" << cudaGetErrorString(err) << ")";
-    if (driver == 0) os << "; no NVIDIA driver is installed or loadable (libcuda.so)";
-    return os.str();
-  }
-  if (n == 0) {
-    os << "; driver " << driver / 1000 << "." << (driver % 1000) / 10 << " but no CUDA device visible";
-    return os.str();
-  }
-  os << "; driver " << driver / 1000 << "." << (driver % 1000) / 10 << "; " << n << " device(s):";
-  for (int d = 0; d < n; ++d) {
-    cudaDeviceProp prop{};
-    if (cudaGetDeviceProperties(&prop, d) == cudaSuccess) {
-      os << (d ? ", " : " ") << d << "=" << prop.name << " sm_" << prop.major << prop.minor;
-    }
-  }
-  return os.str();
-}
-
 cudaStream_t prepare(const Launch& launch) {
   int cur = -1;
   cudaError_t err = cudaGetDevice(&cur);

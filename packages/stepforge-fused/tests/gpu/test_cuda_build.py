@@ -54,7 +54,7 @@ def _args_adam(n_ptrs, n_sizes, dtype=0):
 
 
 def test_contract_surface(mod):
-    for name in ("adam", "sgd", "lamb", "l2norm", "scale", "device_count", "runtime_version", "status"):
+    for name in ("adam", "sgd", "lamb", "l2norm", "scale", "device_count", "runtime_version", "built_archs"):
         assert callable(getattr(mod, name)), name
     assert (mod.DTYPE_FLOAT32, mod.DTYPE_FLOAT16, mod.DTYPE_BFLOAT16) == (0, 1, 2)
     assert mod.runtime_version() >= 12000
@@ -63,11 +63,11 @@ def test_contract_surface(mod):
 def test_status_names_built_architectures(mod):
     archs = mod.built_archs()
     assert archs, "no CUDA architecture recorded"
-    status = mod.status()
+    status = _backend.cuda_status()
     for arch in archs:
-        sm = re.match(r"(\d+[af]?)", arch).group(1)
-        assert f"sm_{sm}" in status
-    assert "static" in status
+        sm, _, kind = arch.partition("-")
+        assert f"sm_{sm} ({'PTX' if kind == 'virtual' else 'cubin'})" in status, status
+    assert "(static runtime)" in status
     if not os.environ.get("STEPFORGE_CUDA_ARCHS"):
         # The default build: cubins for Ampere and Hopper, PTX for newer GPUs.
         assert archs == ["80-real", "90-real", "90-virtual"]

@@ -8,6 +8,9 @@ reason, and under ``STEPFORGE_REQUIRE_CUDA=1`` the skip is a failure.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -23,6 +26,18 @@ from stepforge.testing.fused_cuda_cases import (
 )
 
 pytestmark = pytest.mark.gpu
+
+
+def test_status_names_the_device_before_torch_touches_it(cuda_mod, tmp_path):
+    # A fresh process: the C++ status string this replaced crashed one on an H200.
+    code = "from stepforge.fused import _backend as b; print(b.cuda_status())"
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    major, minor = torch.cuda.get_device_capability(0)
+    assert f"0={torch.cuda.get_device_name(0)} sm_{major}{minor}" in proc.stdout, proc.stdout
+    assert f"sm_{major}{minor} (cubin)" in proc.stdout and "(static runtime)" in proc.stdout, proc.stdout
 
 
 # ---- l2norm / scale ---------------------------------------------------------------------------------------

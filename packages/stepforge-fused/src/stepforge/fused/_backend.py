@@ -90,9 +90,13 @@ def cuda_module() -> ModuleType:
 def cuda_status() -> str:
     """One line for humans: built architectures and runtime, and the device or why there is none.
 
+    Composed here from the module's small queries and torch's device names: a C++ status string that read the
+    device's properties through the statically linked runtime crashed the process on an H200 (driver 580).
+
     Returns:
-        e.g. ``"built for sm_80 (cubin), sm_90 (cubin), sm_90 (PTX); CUDA runtime 13.0 (static); no CUDA
-        driver/device: cudaErrorInsufficientDriver (...)"``, or why the module is missing and how to build it.
+        e.g. ``"built for sm_90 (cubin), sm_90 (PTX); CUDA 13.0 (static runtime); 1 device(s): 0=NVIDIA H200
+        sm_90"``, ``"...; no CUDA driver/device: stepforge CUDA error in cudaGetDeviceCount:
+        cudaErrorInsufficientDriver (...)"``, or why the module is missing and how to build it.
     """
     mod, why = _load("_cuda")
     if mod is None:
@@ -100,10 +104,30 @@ def cuda_status() -> str:
             "stepforge-fused was built without CUDA; rebuild with STEPFORGE_CUDA=ON and nvcc on PATH "
             f"(STEPFORGE_CUDA=ON pip install --no-build-isolation packages/stepforge-fused) ({why})"
         )
-    status = str(mod.status())
-    if not torch.cuda.is_available() and mod.available():
-        status += f"; but torch {torch.__version__} cannot use CUDA (a CPU-only torch build?)"
-    return status
+    built = ", ".join(_describe_arch(a) for a in mod.built_archs())
+    status = f"built for {built}; CUDA {getattr(mod, 'TOOLKIT_VERSION', '?')} (static runtime)"
+    if not mod.available():
+        try:
+            mod.device_count()
+        except RuntimeError as exc:
+            status += f"; no CUDA driver/device: {exc}"
+            if mod.driver_version() == 0:
+                status += "; no NVIDIA driver is installed or loadable (libcuda.so)"
+            return status
+        return status + "; no CUDA device visible"
+    if not torch.cuda.is_available():
+        return status + f"; but torch {torch.__version__} cannot use CUDA (a CPU-only torch build?)"
+    devices = []
+    for d in range(torch.cuda.device_count()):
+        major, minor = torch.cuda.get_device_capability(d)
+        devices.append(f"{d}={torch.cuda.get_device_name(d)} sm_{major}{minor}")
+    return status + f"; {len(devices)} device(s): " + ", ".join(devices)
+
+
+def _describe_arch(arch: str) -> str:
+    """``"90-real"`` -> ``"sm_90 (cubin)"``, ``"90-virtual"`` -> ``"sm_90 (PTX)"``."""
+    sm, _, kind = arch.partition("-")
+    return f"sm_{sm} ({'PTX' if kind == 'virtual' else 'cubin'})"
 
 
 def cuda_available() -> bool:
