@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -59,7 +61,9 @@ def test_fused_adam_matches_torch_adamw(fused):
 
 
 def test_fused_adam_state_dict_round_trips_with_torch(fused):
-    # torch AdamW(fused) -> FusedAdam -> torch AdamW(fused): each leg continues the same trajectory.
+    # torch AdamW(fused) -> FusedAdam -> torch AdamW(fused): each leg continues the same trajectory. Each leg
+    # loads a deep copy: torch's load_state_dict keeps the very tensors it is given (same dtype and device), so
+    # the next leg's steps would otherwise advance the previous optimizer's state too.
     ref = params()
     ref_opt = torch.optim.AdamW(ref, fused=True, **HP)
     run(ref_opt, ref, 6)
@@ -69,11 +73,11 @@ def test_fused_adam_state_dict_round_trips_with_torch(fused):
     run(a_opt, a, 2)
     b = [p.detach().clone().requires_grad_() for p in a]
     b_opt = fused.FusedAdam(b, **HP)
-    b_opt.load_state_dict(a_opt.state_dict())
+    b_opt.load_state_dict(copy.deepcopy(a_opt.state_dict()))
     run(b_opt, b, 2, start=2)
     c = [p.detach().clone().requires_grad_() for p in b]
     c_opt = torch.optim.AdamW(c, fused=True, **HP)
-    c_opt.load_state_dict(b_opt.state_dict())
+    c_opt.load_state_dict(copy.deepcopy(b_opt.state_dict()))
     run(c_opt, c, 2, start=4)
     assert_params_close(c, ref)
     for p in b:
@@ -121,10 +125,10 @@ def test_fused_sgd_matches_torch_and_loads_its_state(fused, nesterov):
     m_opt = fused.FusedSGD(mine, **hp)
     run(m_opt, mine, 2)
     assert_params_close(mine, theirs)
-    # torch's momentum buffers continue inside FusedSGD.
+    # torch's momentum buffers continue inside FusedSGD (a copy: loading keeps the tensors it is given).
     cont = [p.detach().clone().requires_grad_() for p in theirs]
     c_opt = fused.FusedSGD(cont, **hp)
-    c_opt.load_state_dict(t_opt.state_dict())
+    c_opt.load_state_dict(copy.deepcopy(t_opt.state_dict()))
     run(c_opt, cont, 2, start=2)
     run(t_opt, theirs, 2, start=2)
     assert_params_close(cont, theirs)

@@ -11,6 +11,7 @@ device (``sumsq_out_ptr``).
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import pytest
 import torch
@@ -61,8 +62,11 @@ def guard(cuda_mod, monkeypatch):
 @contextlib.contextmanager
 def no_sync():
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
     try:
+        # torch warns that the debug mode is a prototype: an error under this suite's -W error
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Synchronization debug mode", category=UserWarning)
+            torch.cuda.set_sync_debug_mode("error")
         yield
     finally:
         torch.cuda.set_sync_debug_mode("default")

@@ -47,13 +47,16 @@ def increment_device_steps(steps: Sequence[torch.Tensor], found_inf: torch.Tenso
         return
     if found_inf is None:
         torch._foreach_add_(list(steps), 1.0)
-    else:
-        keep = (1.0 - found_inf.to(torch.float32)).reshape(())  # foreach takes a 0-dim tensor scalar
-        torch._foreach_add_(list(steps), keep)
+        return
+    # One add_ per counter, not _foreach_add_(steps, tensor): that overload broke CUDA-graph capture on torch
+    # 2.11 (cudaErrorStreamCaptureUnsupported on an H200); an elementwise add_ of a 0-dim CUDA tensor is captured.
+    keep = (1.0 - found_inf.to(torch.float32)).reshape(())
+    for step in steps:
+        step.add_(keep)
 
 
 def rollback_skipped_steps(steps: Sequence[torch.Tensor], found_inf: torch.Tensor) -> None:
     """``step -= found_inf`` on the device: undo the increment of a step the kernel skipped (inf/NaN grads)."""
-    if steps:
-        # torch's stubs lack the overload with a 0-d tensor as the scalar (the op has it)
-        torch._foreach_sub_(list(steps), found_inf.to(torch.float32).reshape(()))  # type: ignore[call-overload]
+    skipped = found_inf.to(torch.float32).reshape(())
+    for step in steps:  # per counter, for the reason given in increment_device_steps
+        step.sub_(skipped)
