@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import math
 import statistics
+import subprocess
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-__all__ = ["hbm_bandwidth", "time_gpu", "why_no_gpu"]
+__all__ = ["hbm_bandwidth", "nvidia_driver_version", "time_gpu", "why_no_gpu"]
 
 
 def why_no_gpu() -> str | None:
@@ -28,6 +29,18 @@ def why_no_gpu() -> str | None:
     if not _cuda_runtime.cuda_available():
         return _cuda_runtime.cuda_status()
     return None
+
+
+def nvidia_driver_version() -> str | None:
+    """The NVIDIA driver's version as ``nvidia-smi`` reports it (e.g. ``580.159.04``), None without it."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=30, check=True,
+        ).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.strip().splitlines()[0] if out.strip() else None
 
 
 def hbm_bandwidth(numel: int = 1 << 29) -> dict[str, Any]:

@@ -40,7 +40,7 @@ import _machine
 import _report
 from _gpu_cases import BYTES, CASES, shape_sets
 from _gpu_contenders import contenders
-from _gpu_device import hbm_bandwidth, time_gpu, why_no_gpu
+from _gpu_device import hbm_bandwidth, nvidia_driver_version, time_gpu, why_no_gpu
 
 __all__ = ["main"]
 
@@ -68,8 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     info = _machine.machine_info()
     info["gpu"] = torch.cuda.get_device_name()
     info["device"] = f"{info['gpu']} (host: {info['device']})"
-    info["cuda_status"] = _cuda_runtime.cuda_status()
+    info["torch_cuda"] = torch.version.cuda
+    info["driver"] = nvidia_driver_version()
     bw = hbm_bandwidth(1 << 26 if args.quick else 1 << 29)
+    info["cuda_status"] = _cuda_runtime.cuda_status()
     print(f"# {info['gpu']}: device copy {bw['copy_gb_per_s']:.0f} GB/s (read+write)")
     sets = shape_sets(args)
     rows: list[dict[str, Any]] = []
@@ -103,6 +105,16 @@ def main(argv: list[str] | None = None) -> int:
             del fns, bundles
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
+            # Saved after every case: a run stopped at a time limit keeps what it measured.
+            _report.save_json(Path(args.out) / "bench_fused_gpu.json", _payload(info, bw, args, rows, raw))
+            print(
+                f"# {kind} {shape_name}: "
+                + ", ".join(
+                    f"{r['contender']} {r['median_ms']:.3f} ms"
+                    for r in rows
+                    if r["case"].startswith(f"{kind} {shape_name}:")
+                )
+            )
     print(
         _report.format_table(
             rows,
@@ -116,8 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     out = Path(args.out)
-    payload = {"machine": info, "hbm": bw, "args": vars(args), "rows": rows, "samples": raw}
-    json_path = _report.save_json(out / "bench_fused_gpu.json", payload)
+    json_path = _report.save_json(out / "bench_fused_gpu.json", _payload(info, bw, args, rows, raw))
     plot_rows = [r for r in rows if not r["is_baseline"]]
     png = _report.save_ratio_plot(
         out / "bench_fused_gpu.png",
@@ -127,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"wrote {json_path} and {png}")
     return 0
+
+
+def _payload(info: dict, bw: dict, args: argparse.Namespace, rows: list, raw: dict) -> dict[str, Any]:
+    return {"machine": info, "hbm": bw, "args": vars(args), "rows": rows, "samples": raw}
 
 
 if __name__ == "__main__":
