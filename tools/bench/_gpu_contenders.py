@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from _gpu_cases import HP, LAMB_HP, Bundle
@@ -68,14 +69,14 @@ def foreach_lamb(b: Bundle) -> Callable[[], None]:
     return step
 
 
-def _stepforge_class(kind: str, b: Bundle) -> Callable[[], None] | None:
+def _stepforge_class(kind: str, b: Bundle, **extra: Any) -> Callable[[], None] | None:
     try:
         import stepforge.fused as fused
 
         if kind == "adam":
             opt = fused.FusedAdam(b.params, bias_correction=True, **HP)
         elif kind == "mixed":
-            opt = fused.FusedAdam(b.params, bias_correction=True, master_weights=True, **HP)
+            opt = fused.FusedAdam(b.params, bias_correction=True, master_weights=True, **HP, **extra)
         elif kind == "sgd":
             opt = fused.FusedSGD(b.params, lr=HP["lr"], momentum=0.9)
         else:
@@ -119,4 +120,8 @@ def contenders(kind: str, shapes: list[tuple]) -> tuple[dict[str, Callable[[], N
     cls = _stepforge_class(kind, fresh())
     if cls is not None:
         fns[f"stepforge {'FusedAdam' if kind in ('adam', 'mixed') else 'Fused' + kind.upper()}"] = cls
+    if kind == "mixed":  # the default overflow pre-check is a pass over the grads: its cost, measured apart
+        unchecked = _stepforge_class(kind, fresh(), skip_nonfinite=False)
+        if unchecked is not None:
+            fns["stepforge FusedAdam skip_nonfinite=False"] = unchecked
     return fns, bundles, baseline

@@ -16,6 +16,7 @@ Cases (every contender gets the same initial values and gradients; only ``step()
   vs ``torch.optim.AdamW(fused=True)`` and ``AdamW(foreach=True)``;
 - ``mixed``: bf16 params and grads with fp32 masters, stepforge's one-pass master-weight kernel vs the best torch
   composition (bf16 grads copied into fp32 master grads, fused AdamW on the masters, masters copied back);
+  ``FusedAdam`` runs twice, with its default overflow pre-check and with ``skip_nonfinite=False``;
 - ``sgd``: momentum 0.9: ``FusedSGD`` / ``_cuda.sgd`` vs ``torch.optim.SGD(fused=True)`` and ``foreach=True``;
 - ``lamb``: ``FusedLAMB`` / ``_cuda.lamb`` vs a ``torch._foreach_*`` LAMB with the same math (global grad-norm
   clip, per-tensor trust ratios, all on the device, no host synchronisation).
