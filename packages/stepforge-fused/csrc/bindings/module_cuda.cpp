@@ -20,6 +20,10 @@
 #include "../cuda/launch_api.h"
 #include "stepforge/dtype_codes.h"
 
+#ifndef STEPFORGE_CUDA_TOOLKIT_VERSION  // set by cmake/StepforgeCuda.cmake
+#define STEPFORGE_CUDA_TOOLKIT_VERSION "unknown"
+#endif
+
 namespace py = pybind11;
 namespace sc = stepforge::cuda;
 
@@ -34,9 +38,7 @@ PYBIND11_MODULE(_cuda, m) {
   m.attr("DTYPE_FLOAT16") = int(stepforge::kFloat16);
   m.attr("DTYPE_BFLOAT16") = int(stepforge::kBFloat16);
   m.attr("CHUNK_SIZE") = sc::kChunk;
-#ifdef STEPFORGE_CUDA_TOOLKIT_VERSION
   m.attr("TOOLKIT_VERSION") = STEPFORGE_CUDA_TOOLKIT_VERSION;
-#endif
   stepforge::bindings::register_cuda_kernels(m);
 
   m.def("available", &sc::available, "True when a CUDA device is usable from this module");

@@ -90,8 +90,8 @@ def cuda_module() -> ModuleType:
 def cuda_status() -> str:
     """One line for humans: built architectures and runtime, and the device or why there is none.
 
-    Composed here from the module's small queries and torch's device names: a C++ status string that read the
-    device's properties through the statically linked runtime crashed the process on an H200 (driver 580).
+    Composed here from the module's small queries and torch's device names: the C++ status string this replaced
+    crashed the process once a device was present (an H200, driver 580), while each of these queries ran fine.
 
     Returns:
         e.g. ``"built for sm_90 (cubin), sm_90 (PTX); CUDA 13.0 (static runtime); 1 device(s): 0=NVIDIA H200
@@ -105,7 +105,7 @@ def cuda_status() -> str:
             f"(STEPFORGE_CUDA=ON pip install --no-build-isolation packages/stepforge-fused) ({why})"
         )
     built = ", ".join(_describe_arch(a) for a in mod.built_archs())
-    status = f"built for {built}; CUDA {getattr(mod, 'TOOLKIT_VERSION', '?')} (static runtime)"
+    status = f"built for {built}; CUDA {mod.TOOLKIT_VERSION} (static runtime)"
     if not mod.available():
         try:
             mod.device_count()
