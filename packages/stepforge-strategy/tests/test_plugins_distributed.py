@@ -13,12 +13,16 @@ One spawn runs every case (each spawn costs seconds on this machine):
   atol 1e-5;
 - ``no_sync`` really skips synchronisation (DDP gradients differ between ranks inside it; FSDP2 sharded
   gradients stay unset), also with mmengine's forward-only ``optim_context``;
+- ``TorchDDPPlugin(broadcast_buffers=...)`` keeps ColossalAI's meaning on torch versions that renamed the argument
+  (True: rank 0's buffers at construction and every forward; False: every rank keeps its own), warning-free;
 - save_model/save_optimizer after 3 steps, 2 more steps recorded; a fresh model loaded from the checkpoint at
   the same world size makes identical next steps (bitwise), and the parent process loads the same checkpoint at
   world size 1 (plugin ``single``) and matches within rtol 1e-4 / atol 1e-5.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -120,6 +124,7 @@ def _all_cases(rank: int, world: int, ckpt: str) -> dict:
     _, model, wrapper = boost(dict(type="gemini", precision="fp32", max_norm=0.05), k=K, optimizer="SGD")
     boosted_steps(model, wrapper, STEPS, rank, world, K)
     out["gemini_clip"] = full_params(wrapper.booster, model)
+    out["ddp_buffers"] = {sync: _ddp_buffer_sync(sync, rank) for sync in (True, False)}
     # checkpoint -> resume at the same world size
     for name in RESUME:
         booster, model, wrapper = boost(_plugin(name, dict(CASES)[name]), k=K)
@@ -137,6 +142,34 @@ def _all_cases(rank: int, world: int, ckpt: str) -> dict:
             assert torch.equal(got[key], expected[key]), (name, key)
         out["resume"][name] = expected
     return out
+
+
+class _Counted(torch.nn.Module):
+    """A linear layer and a buffer the forward does not touch (it only moves when DDP syncs it)."""
+
+    def __init__(self, value: float) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(6, 2)
+        self.register_buffer("mark", torch.full((3,), value))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+def _ddp_buffer_sync(sync: bool, rank: int) -> tuple[list[float], list[float], list[str]]:
+    """The buffer after boost and after one forward that follows a local change on rank 1, and the
+    deprecation warnings that torch raised while the plugin built DDP."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, *_ = Booster(plugin=dict(type="torch_ddp", broadcast_buffers=sync)).boost(_Counted(rank + 1.0))
+    after_boost = model.unwrap().mark.tolist()
+    if rank == 1:
+        model.unwrap().mark.fill_(7.0)
+    model(torch.ones(2, 6))
+    deprecations = [
+        str(w.message) for w in caught if issubclass(w.category, FutureWarning | DeprecationWarning)
+    ]
+    return after_boost, model.unwrap().mark.tolist(), deprecations
 
 
 @pytest.fixture(scope="module")
@@ -242,3 +275,19 @@ def test_forward_only_optim_context_still_skips_fsdp_sync(results):
     ref, _ = reference_run(STEPS, rows=2 * K * MICRO)
     for key, value in ref.state_dict().items():
         torch.testing.assert_close(params[key], value, rtol=1e-4, atol=1e-5, msg=key)
+
+
+@requires_gloo
+def test_ddp_broadcast_buffers_keeps_colossalai_meaning_without_deprecation(results):
+    # True: rank 0's buffers at construction and before every forward; False: every rank keeps its own, at
+    # construction too (torch < 2.12's broadcast_buffers=False; forward_sync_buffers=False would sync once)
+    _, _, per_rank = results
+    expected = {
+        True: ([[1.0] * 3, [1.0] * 3], [[1.0] * 3, [1.0] * 3]),
+        False: ([[1.0] * 3, [2.0] * 3], [[1.0] * 3, [7.0] * 3]),
+    }
+    for sync, (after_boost, after_forward) in expected.items():
+        got = [r["ddp_buffers"][sync] for r in per_rank]
+        assert [g[0] for g in got] == after_boost, sync
+        assert [g[1] for g in got] == after_forward, sync
+        assert [g[2] for g in got] == [[], []], sync

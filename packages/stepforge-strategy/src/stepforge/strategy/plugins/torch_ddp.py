@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import inspect
+import warnings
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -17,6 +19,18 @@ from ..boosted_optimizer import OptimizerWrapper, as_boosted
 from ..data import StatefulDataLoader
 
 __all__ = ["TorchDDPPlugin", "sync_batchnorm"]
+
+#: torch >= 2.12 renamed DDP's ``broadcast_buffers`` to ``forward_sync_buffers`` and warns on the old name
+_HAS_FORWARD_SYNC = "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+
+
+def _buffer_sync_kwargs(broadcast_buffers: bool) -> dict[str, bool]:
+    """DDP's keyword for ColossalAI's ``broadcast_buffers`` on this torch. ``False`` keeps the old name: the new
+    ``forward_sync_buffers=False`` would still sync the buffers once at construction, which the old one did not
+    (torch's own warning says to keep it until a separate switch for that exists)."""
+    if _HAS_FORWARD_SYNC and broadcast_buffers:
+        return {"forward_sync_buffers": True}
+    return {"broadcast_buffers": broadcast_buffers}
 
 
 def sync_batchnorm(model: nn.Module, device: torch.device, process_group: Any = None) -> nn.Module:
@@ -36,7 +50,8 @@ class TorchDDPPlugin(PluginBase):
     ColossalAI's arguments, passed to ``DistributedDataParallel``:
 
     Args:
-        broadcast_buffers: broadcast buffers from rank 0 at every forward.
+        broadcast_buffers: broadcast buffers from rank 0 at construction and at every forward (False: every rank
+            keeps its own); passed under the name this torch's DDP expects, without its deprecation warning.
         bucket_cap_mb: gradient bucket size in MiB.
         find_unused_parameters: tolerate parameters that get no gradient.
         check_reduction: accepted for compatibility (torch ignores it).
@@ -67,7 +82,7 @@ class TorchDDPPlugin(PluginBase):
         if not isinstance(bucket_cap_mb, int | float) or bucket_cap_mb <= 0:
             raise ValueError(f"TorchDDPPlugin: bucket_cap_mb must be > 0, got {bucket_cap_mb!r}.")
         self.ddp_kwargs: dict[str, Any] = dict(
-            broadcast_buffers=broadcast_buffers,
+            **_buffer_sync_kwargs(broadcast_buffers),
             bucket_cap_mb=bucket_cap_mb,
             find_unused_parameters=find_unused_parameters,
             check_reduction=check_reduction,
@@ -95,9 +110,12 @@ class TorchDDPPlugin(PluginBase):
         self.bind_device()
         model = sync_batchnorm(model.to(self.device), self.device, self.process_group)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        ddp = DistributedDataParallel(
-            model, device_ids=device_ids, process_group=self.process_group, **self.ddp_kwargs
-        )
+        with warnings.catch_warnings():
+            # only reached with broadcast_buffers=False, the one case torch advises to keep the old name for
+            warnings.filterwarnings("ignore", "`broadcast_buffers` is deprecated", FutureWarning)
+            ddp = DistributedDataParallel(
+                model, device_ids=device_ids, process_group=self.process_group, **self.ddp_kwargs
+            )
         return ddp, as_boosted(optimizer)
 
     def support_lora(self) -> bool:
