@@ -424,6 +424,7 @@ def faults(session: nox.Session) -> None:
 #: every CPU benchmark at a seconds-long size: CI keeps them working, never times anything (python, args)
 BENCH_SMOKE = (
     ("bench_train.py", ("--tiny",)),
+    ("bench_train_interleaved.py", ("--tiny",)),
     ("bench_zero.py", ("--quick", "--world", "2")),
     ("bench_gather.py", ("--tiny",)),
     # one warm-up-free timed step per contender: every code path runs, as with --quick's default 2 + 3

@@ -38,6 +38,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +58,7 @@ import _report  # noqa: E402
 from _spawn import free_port, leave_process_group  # noqa: E402
 from gpt_demo_model import ByteGPT, load_corpus, sample_batch  # noqa: E402
 
-__all__ = ["main"]
+__all__ = ["CONTENDERS", "Built", "add_model_arguments", "build", "main", "shrink_to_tiny"]
 
 _PREFETCH = dict(type="torch_fsdp", forward_prefetch=True, backward_prefetch="BACKWARD_PRE")
 #: contender -> (plugin name or config, optimizer config); None plugin = the plain torch loop
@@ -74,8 +77,21 @@ CONTENDERS: dict[str, tuple[str | dict[str, Any] | None, dict[str, Any]]] = {
 LR = 3e-4
 
 
-def _build(name: str, args: argparse.Namespace) -> tuple[Any, Any, Any]:
-    """``(model to call, no_sync context factory or None, step function)`` for one contender."""
+@dataclass
+class Built:
+    """One contender ready to train: the model to call, the context of a micro-step that must not synchronise
+    (the loop uses it on all but the window's last), backward, the optimizer step (with zero_grad), and what
+    finishes the step's asynchronous work (a ZeRO parameter gather overlapped with the next forward)."""
+
+    model: Any
+    no_sync: Callable[[], AbstractContextManager[Any]]
+    backward: Callable[[torch.Tensor], None]
+    step: Callable[[], None]
+    finish: Callable[[], None]
+
+
+def build(name: str, args: argparse.Namespace) -> Built:
+    """Contender ``name`` (a key of :data:`CONTENDERS`) on the model ``args`` describes."""
     torch.manual_seed(0)
     model = ByteGPT(args.d_model, args.layers, args.heads, args.seq_len)
     plugin, opt_cfg = CONTENDERS[name]
@@ -92,8 +108,9 @@ def _build(name: str, args: argparse.Namespace) -> tuple[Any, Any, Any]:
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        return ddp, (ddp.no_sync, backward), step
+        return Built(ddp, ddp.no_sync, backward, step, finish=lambda: None)
     from stepforge.strategy import Strategy
+    from stepforge.zero.low_level import LowLevelZeroOptimizer
 
     strategy = Strategy(
         plugin=plugin, mixed_precision=None, work_dir=args.work_dir, log_kwargs=dict(console=False)
@@ -113,14 +130,22 @@ def _build(name: str, args: argparse.Namespace) -> tuple[Any, Any, Any]:
     def wrapper_backward(loss: torch.Tensor) -> None:
         wrapper.backward(wrapper.scale_loss(loss))
 
-    return wrapped, (lambda: wrapper.optim_context(wrapped), wrapper_backward), wrapper_step
+    zero = wrapper.optimizer if isinstance(wrapper.optimizer, LowLevelZeroOptimizer) else None
+    return Built(
+        wrapped,
+        lambda: wrapper.optim_context(wrapped),
+        wrapper_backward,
+        wrapper_step,
+        finish=zero.wait_for_param_gather if zero is not None else lambda: None,
+    )
 
 
 def _worker(rank: int, world: int, name: str, args: argparse.Namespace, out: str) -> None:
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
     corpus = load_corpus(args.corpus_bytes)
-    model, (context, backward), step = _build(name, args)
+    built = build(name, args)
+    model, context, backward, step = built.model, built.no_sync, built.backward, built.step
     fwd, bwd_sync, bwd_local, opt_ms, losses = [], [], [], [], []
     plain = CONTENDERS[name][0] is None
     t_start = 0.0
@@ -132,7 +157,7 @@ def _worker(rank: int, world: int, name: str, args: argparse.Namespace, out: str
         last = (it + 1) % args.accum == 0
         x, y = sample_batch(corpus, args.seq_len, args.micro_batch, 0, it, rank)
         # the torch loop skips DDP's all-reduce inside the window by hand; the wrapper decides it itself
-        ctx = context() if (not plain or not last) else _nullcontext()
+        ctx = context() if (not plain or not last) else nullcontext()
         t0 = time.perf_counter()
         with ctx:
             loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
@@ -164,16 +189,8 @@ def _worker(rank: int, world: int, name: str, args: argparse.Namespace, out: str
         "losses": losses,
     }
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
-    del model, context, backward, step  # what holds the group (DDP, the Strategy), before it goes
+    del built, model, context, backward, step  # what holds the group (DDP, the Strategy), before it goes
     leave_process_group()
-
-
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def run_contender(name: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -198,9 +215,8 @@ def run_contender(name: str, args: argparse.Namespace) -> dict[str, Any]:
     return row
 
 
-def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=str(ROOT / "bench-out"))
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of the run that every contender shares (also bench_train_interleaved's)."""
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--threads", type=int, default=0, help="threads per rank (0: cores // world, at least 1)")
     p.add_argument("--d-model", type=int, default=256)
@@ -209,6 +225,20 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--accum", type=int, default=2)
+    p.add_argument("--corpus-bytes", type=int, default=2_000_000)
+    p.add_argument("--tiny", action="store_true", help="a seconds-long run that only checks the bench works")
+
+
+def shrink_to_tiny(args: argparse.Namespace) -> None:
+    """``--tiny``: a one-block model on a small corpus."""
+    args.d_model, args.layers, args.heads, args.seq_len, args.micro_batch = 32, 1, 2, 16, 2
+    args.corpus_bytes = 100_000
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(p)
+    p.add_argument("--out", default=str(ROOT / "bench-out"))
     p.add_argument("--steps", type=int, default=8, help="measured optimizer steps")
     p.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps first")
     p.add_argument(
@@ -216,12 +246,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--contenders", default=",".join(CONTENDERS))
     p.add_argument("--name", default="train", help="the results are cpu-<date>-<name>.json/.png")
-    p.add_argument("--corpus-bytes", type=int, default=2_000_000)
-    p.add_argument("--tiny", action="store_true", help="a seconds-long run that only checks the bench works")
     args = p.parse_args(argv)
     if args.tiny:
-        args.d_model, args.layers, args.heads, args.seq_len, args.micro_batch = 32, 1, 2, 16, 2
-        args.steps, args.warmup, args.corpus_bytes = 1, 1, 100_000
+        shrink_to_tiny(args)
+        args.steps, args.warmup = 1, 1
     if args.threads <= 0:
         args.threads = max(1, (os.cpu_count() or 2) // args.world)
     return args
