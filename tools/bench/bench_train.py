@@ -58,7 +58,16 @@ import _report  # noqa: E402
 from _spawn import free_port, leave_process_group  # noqa: E402
 from gpt_demo_model import ByteGPT, load_corpus, sample_batch  # noqa: E402
 
-__all__ = ["CONTENDERS", "Built", "add_model_arguments", "build", "main", "shrink_to_tiny"]
+__all__ = [
+    "CONTENDERS",
+    "Built",
+    "add_model_arguments",
+    "build",
+    "main",
+    "save_results",
+    "shrink_to_tiny",
+    "spawn_ranks",
+]
 
 _PREFETCH = dict(type="torch_fsdp", forward_prefetch=True, backward_prefetch="BACKWARD_PRE")
 #: contender -> (plugin name or config, optimizer config); None plugin = the plain torch loop
@@ -193,17 +202,23 @@ def _worker(rank: int, world: int, name: str, args: argparse.Namespace, out: str
     leave_process_group()
 
 
-def run_contender(name: str, args: argparse.Namespace) -> dict[str, Any]:
+def spawn_ranks(worker: Callable[..., None], what: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Run ``worker(rank, world, what, args, folder)`` on ``args.world`` fresh gloo processes and return what each
+    rank wrote to ``folder/rank<r>.json``. The Strategies' logs go to that temporary folder, not the checkout."""
     with tempfile.TemporaryDirectory() as tmp:
-        args.work_dir = tmp  # the Strategy's logs go with the run, not into the checkout
+        args.work_dir = tmp
         os.environ.update(
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS=str(args.threads)
         )
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         mp.start_processes(
-            _worker, args=(args.world, name, args, tmp), nprocs=args.world, start_method="spawn"
+            worker, args=(args.world, what, args, tmp), nprocs=args.world, start_method="spawn"
         )
-        ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(args.world)]
+        return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(args.world)]
+
+
+def run_contender(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    ranks = spawn_ranks(_worker, name, args)
     wall = max(r["wall_s"] for r in ranks)
     row: dict[str, Any] = {"contender": name, "plugin": CONTENDERS[name][0] or "DDP (hand-written loop)"}
     row["optimizer"] = CONTENDERS[name][1]["type"]
@@ -284,6 +299,31 @@ def _plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def save_results(
+    args: argparse.Namespace,
+    rows: list[dict[str, Any]],
+    plot: Callable[[list[dict[str, Any]], Path, str], None],
+    timed: str,
+) -> None:
+    """Write ``<out>/cpu-<date>-<name>[-tiny].json`` (machine, options, parameter count, ``rows``) and the ``.png``
+    that ``plot`` draws, titled with the model, the ranks and ``timed`` (what was measured)."""
+    n_params = sum(
+        p.numel() for p in ByteGPT(args.d_model, args.layers, args.heads, args.seq_len).parameters()
+    )
+    machine = _machine.machine_info(threads=args.threads)
+    config = {k: v for k, v in vars(args).items() if k not in ("out", "work_dir")}
+    out = Path(args.out)
+    stem = f"cpu-{datetime.date.today().isoformat()}-{args.name}{'-tiny' if args.tiny else ''}"
+    _report.save_json(
+        out / f"{stem}.json", {"machine": machine, "config": config, "params": n_params, "rows": rows}
+    )
+    title = (f"{n_params / 1e6:.2f} M-param byte GPT, {args.world} gloo ranks x {args.threads} threads, "
+             f"accum {args.accum}, {timed}; {machine.get('cpu', {}).get('model', '')}; "
+             f"load {machine.get('load_average')}")  # fmt: skip
+    plot(rows, out / f"{stem}.png", title)
+    print(f"wrote {out / stem}.json and .png")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     names = [n.strip() for n in args.contenders.split(",") if n.strip()]
@@ -311,21 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"  {row['contender']:<15} peak RSS per rank (MiB): {[round(v) for v in row['peak_rss_mib_per_rank']]}"
         )
-    n_params = sum(
-        p.numel() for p in ByteGPT(args.d_model, args.layers, args.heads, args.seq_len).parameters()
-    )
-    machine = _machine.machine_info(threads=args.threads)
-    config = {k: v for k, v in vars(args).items() if k != "out"}
-    out = Path(args.out)
-    stem = f"cpu-{datetime.date.today().isoformat()}-{args.name}{'-tiny' if args.tiny else ''}"
-    _report.save_json(
-        out / f"{stem}.json", {"machine": machine, "config": config, "params": n_params, "rows": rows}
-    )
-    title = (f"{n_params / 1e6:.2f} M-param byte GPT, {args.world} gloo ranks x {args.threads} threads, "
-             f"accum {args.accum}, {args.steps} steps; {machine.get('cpu', {}).get('model', '')}; "
-             f"load {machine.get('load_average')}")  # fmt: skip
-    _plot(rows, out / f"{stem}.png", title)
-    print(f"wrote {out / stem}.json and .png")
+    save_results(args, rows, _plot, f"{args.steps} steps")
     return 0
 
 

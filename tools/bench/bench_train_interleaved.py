@@ -30,7 +30,6 @@ import math
 import os
 import statistics
 import sys
-import tempfile
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -38,17 +37,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
-import _machine
-import _report
 import bench_train
-from _spawn import free_port, leave_process_group
-from gpt_demo_model import ByteGPT, load_corpus, sample_batch
+from _spawn import leave_process_group
+from gpt_demo_model import load_corpus, sample_batch
 
 __all__ = ["main", "paired_ratios"]
 
@@ -174,16 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.blocks < 2:
         raise SystemExit("--blocks: at least 2 (the interval needs two pairs)")
-    with tempfile.TemporaryDirectory() as tmp:
-        args.work_dir = tmp  # the Strategies' logs go with the run, not into the checkout
-        os.environ.update(
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS=str(args.threads)
-        )
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        mp.start_processes(
-            _worker, args=(args.world, names, args, tmp), nprocs=args.world, start_method="spawn"
-        )
-        ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(args.world)]
+    ranks = bench_train.spawn_ranks(_worker, names, args)
     # a block ends at a barrier, so every rank's time is the same block; rank 0's is taken
     block_s = ranks[0]["block_s"]
     tokens = args.block_steps * args.accum * args.micro_batch * args.seq_len * args.world
@@ -202,21 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             f"x loop: mean {pr['mean']:.4f}  95% [{pr['ci95'][0]:.4f}, {pr['ci95'][1]:.4f}]  "
             f"median {pr['median']:.4f}"
         )
-    n_params = sum(
-        p.numel() for p in ByteGPT(args.d_model, args.layers, args.heads, args.seq_len).parameters()
-    )
-    machine = _machine.machine_info(threads=args.threads)
-    config = {k: v for k, v in vars(args).items() if k not in ("out", "work_dir")}
-    out = Path(args.out)
-    stem = f"cpu-{datetime.date.today().isoformat()}-{args.name}{'-tiny' if args.tiny else ''}"
-    _report.save_json(
-        out / f"{stem}.json", {"machine": machine, "config": config, "params": n_params, "rows": rows}
-    )
-    title = (f"{n_params / 1e6:.2f} M-param byte GPT, {args.world} gloo ranks x {args.threads} threads, "
-             f"accum {args.accum}, {args.blocks} blocks x {args.block_steps} steps (ABBA); "
-             f"{machine.get('cpu', {}).get('model', '')}")  # fmt: skip
-    _plot(rows, out / f"{stem}.png", title)
-    print(f"wrote {out / stem}.json and .png")
+    bench_train.save_results(args, rows, _plot, f"{args.blocks} blocks x {args.block_steps} steps (ABBA)")
     return 0
 
 
