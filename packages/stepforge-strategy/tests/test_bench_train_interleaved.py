@@ -14,12 +14,13 @@ import pytest
 
 ROOT = pathlib.Path(os.environ.get("STEPFORGE_SOURCE_ROOT") or pathlib.Path(__file__).resolve().parents[3])
 SCRIPT = ROOT / "tools" / "bench" / "bench_train_interleaved.py"
+pytestmark = pytest.mark.skipif(
+    not SCRIPT.is_file(), reason="needs the source tree's tools/bench (an sdist has none)"
+)
 
 
 @pytest.fixture(scope="module")
 def bench():
-    if not SCRIPT.is_file():
-        pytest.skip("needs the source tree's tools/bench (an sdist has none)")
     spec = importlib.util.spec_from_file_location("bench_train_interleaved", SCRIPT)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
