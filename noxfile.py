@@ -273,6 +273,7 @@ def build_cuda(session: nox.Session) -> None:
     run_pytest(
         session,
         "stepforge-fused/tests/gpu/test_cuda_build.py",
+        str(ROOT / "packages" / "stepforge-fused" / "tests" / "gpu" / "test_cuda_kernel_resources.py"),
         "-q",
         env={"STEPFORGE_EXPECT_CUDA_BUILD": "1"},
     )
