@@ -26,7 +26,8 @@ WORK=$(mktemp -d /tmp/stepforge-gpu.XXXXXX)
 mkdir -p "$OUT_DIR"
 exec > >(tee -a "$OUT_DIR/run_all.log") 2>&1
 export PYTHONUNBUFFERED=1 STEPFORGE_SOURCE_ROOT=$ROOT
-GPU_PACKAGES=(stepforge-fused stepforge-optim stepforge-zero stepforge-strategy stepforge-mmengine)
+# GPU_PACKAGES="stepforge-fused" (space-separated) narrows the tests stage, e.g. to rerun one package's suite.
+read -r -a GPU_PACKAGES <<<"${GPU_PACKAGES:-stepforge-fused stepforge-optim stepforge-zero stepforge-strategy stepforge-mmengine}"
 PURE_PACKAGES=(stepforge-core stepforge-testing stepforge-optim stepforge-accum stepforge-zero stepforge-strategy
     stepforge-mmengine)
 RESULTS=()
