@@ -10,7 +10,6 @@
 
 #include <cstdint>
 #include <cstdio>
-#include <vector>
 
 #include "stepforge/adam_math.h"
 
