@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""stepforge.core._torch_compat: every torch private it wraps still exists, and every wrapper still does its job.
+"""stepforge.core.torch_compat: every torch private it wraps still exists, and every wrapper still does its job.
 
-A failure here after a torch update names the private and the torch version: update ``_torch_compat`` (and only
+A failure here after a torch update names the private and the torch version: update ``torch_compat`` (and only
 it) for that version.
 """
 
@@ -13,9 +13,9 @@ import pytest
 import torch
 from torch import nn
 
-from stepforge.core import _torch_compat as compat
+from stepforge.core import torch_compat as compat
 from stepforge.core import no_sync, supports_no_sync
-from stepforge.core._torch_compat.errors import private_changed
+from stepforge.core.torch_compat.errors import private_changed
 from stepforge.testing.distributed import requires_gloo, run_distributed
 
 TORCH = torch.__version__
@@ -24,7 +24,7 @@ TORCH = torch.__version__
 def _require(obj: Any, attribute: str, private: str) -> Any:
     """``obj.<attribute>``, or a failure naming the private and the torch version."""
     if not hasattr(obj, attribute):
-        pytest.fail(f"torch {TORCH} no longer has {private}: update stepforge.core._torch_compat")
+        pytest.fail(f"torch {TORCH} no longer has {private}: update stepforge.core.torch_compat")
     return getattr(obj, attribute)
 
 
@@ -33,7 +33,7 @@ def test_private_api_still_exists(private, resolve):
     try:
         found = resolve()
     except (AttributeError, ImportError, KeyError) as error:
-        pytest.fail(f"torch {TORCH} no longer has {private} ({error!r}): update stepforge.core._torch_compat")
+        pytest.fail(f"torch {TORCH} no longer has {private} ({error!r}): update stepforge.core.torch_compat")
     assert found is not None, f"torch {TORCH}: {private} resolved to None"
 
 

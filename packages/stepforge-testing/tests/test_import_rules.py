@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """The repository's import rules (design §1): no circle inside a package, no private module of another package,
-torch privates only in the stepforge.core._torch_compat package. First the checker on small made-up trees (it
+torch privates only in the stepforge.core.torch_compat package. First the checker on small made-up trees (it
 must find what it claims to), then the real source tree."""
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def test_torch_privates_are_found_outside_the_compat_module(tmp_path):
         """
     root = _tree(
         tmp_path,
-        {"core/__init__.py": "", "core/_torch_compat.py": use, "alpha/__init__.py": "", "alpha/a.py": use},
+        {"core/__init__.py": "", "core/torch_compat.py": use, "alpha/__init__.py": "", "alpha/a.py": use},
     )
     found = import_rules.violations(root)["torch_privates"]
     assert all(line.startswith("stepforge.alpha.a (packages/stepforge-alpha/") for line in found), found
@@ -140,16 +140,16 @@ def test_torch_privates_are_allowed_in_the_compat_package_modules_only(tmp_path)
         tmp_path,
         {
             "core/__init__.py": "",
-            "core/_torch_compat/__init__.py": use,
-            "core/_torch_compat/tensors.py": use,
-            "core/_torch_compat_extra.py": use,  # a sibling named like the package is not part of it
+            "core/torch_compat/__init__.py": use,
+            "core/torch_compat/tensors.py": use,
+            "core/torch_compat_extra.py": use,  # a sibling named like the package is not part of it
             "core/sync.py": use,
         },
     )
     found = import_rules.violations(root)["torch_privates"]
     assert sorted(line.split(" ")[0] for line in found) == [
-        "stepforge.core._torch_compat_extra",
         "stepforge.core.sync",
+        "stepforge.core.torch_compat_extra",
     ], found
 
 

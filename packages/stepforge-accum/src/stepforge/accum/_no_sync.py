@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """``no_sync`` for torch DDP and FSDP2: built into :func:`stepforge.core.no_sync` (its adapters live in
-:mod:`stepforge.core._torch_compat`, the one copy of FSDP2's switch shared with the FSDP2 plugins).
+:mod:`stepforge.core.torch_compat`, the one copy of FSDP2's switch shared with the FSDP2 plugins).
 
 - DDP: ``model.no_sync()``. DDP arms its all-reduce in the *forward*, so the forward of every non-final
   micro-batch must run inside the block (the wrappers warn when only the backward does).
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from stepforge.core import fsdp2_modules as core_fsdp2_modules
+from stepforge.core.torch_compat import fsdp2_modules as core_fsdp2_modules
 
 __all__ = ["fsdp2_modules", "install_adapters"]
 

@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from stepforge.core import LegacyLRScheduler
+from stepforge.core.torch_compat import LegacyLRScheduler
 
 from ._window import AccumulatingOptimizer, AccumulationWarning, AccumulationWindow
 

@@ -11,14 +11,14 @@
 - Protocols (:class:`NoSyncModel`, :class:`GradientSyncSwitch`, :class:`ShardedOptimizer`,
   :class:`GradientHandler`, :class:`WrappedModel`, :class:`CachingOptimizer`) and :func:`no_sync`.
 - Validation helpers whose messages name the parameter and the allowed range.
-- torch internals (DTensor local shards, FSDP2 state, DCP key flattening, the DDP/FSDP2 ``no_sync`` adapters),
-  wrapped once in :mod:`stepforge.core._torch_compat` so a torch update breaks one package, not six.
+- :mod:`stepforge.core.torch_compat`: the torch internals (DTensor local shards, FSDP2 state, DCP key flattening,
+  the DDP/FSDP2 ``no_sync`` adapters), wrapped once so a torch update breaks one module, not six packages; its
+  names are imported from there (``from stepforge.core.torch_compat import dtensor_local``), not from here.
 """
 
 from __future__ import annotations
 
-from . import _torch_compat
-from ._torch_compat import *  # noqa: F403 (the torch wrappers: exactly the names of its __all__)
+from . import torch_compat
 from ._version import __version__
 from .build import build_optimizer, collect_params
 from .errors import DuplicateNameError, HyperParameterError, RegistryError, StepforgeError, UnknownNameError
@@ -63,6 +63,7 @@ from .validation import (
 
 __all__ = [
     "__version__",
+    "torch_compat",
     "build_optimizer",
     "collect_params",
     "DuplicateNameError",
@@ -105,6 +106,3 @@ __all__ = [
     "GroupValidator",
     "validate_hyperparameters",
 ]
-
-# torch internals, wrapped once (stepforge.core._torch_compat): kept apart so the list above stays about the contract
-__all__ += _torch_compat.__all__

@@ -3,7 +3,7 @@
 
 Gradient accumulation calls it around every micro-batch but the last of a window. Each target may be an
 object with a registered adapter, a torch DDP module, a module holding FSDP2 modules (the built-in torch
-adapters of :mod:`._torch_compat`), a :class:`~stepforge.core.protocols.NoSyncModel` (ZeRO optimizers), a
+adapters of :mod:`.torch_compat`), a :class:`~stepforge.core.protocols.NoSyncModel` (ZeRO optimizers), a
 :class:`~stepforge.core.protocols.GradientSyncSwitch`, or ``None``/a plain module (nothing to suspend).
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any
 
-from ._torch_compat import gradient_sync_off, supports_gradient_sync_off
+from .torch_compat import gradient_sync_off, supports_gradient_sync_off
 from .protocols import GradientSyncSwitch, NoSyncModel
 
 __all__ = ["no_sync", "register_no_sync_adapter", "supports_no_sync"]

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from stepforge.core import view_base
+from stepforge.core.torch_compat import view_base
 
 from ._buckets import Bucket, GroupCache, _i64, _is_dtensor, _local_grads
 from ._protocol import KernelOwner

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from stepforge.core import is_dtensor
+from stepforge.core.torch_compat import is_dtensor
 
 from ._validate import local_tensor
 

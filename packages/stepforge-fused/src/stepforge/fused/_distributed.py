@@ -3,7 +3,7 @@
 every rank (skipping a step on inf/NaN gradients) are reduced over the DTensor's device mesh.
 
 Only ``torch.distributed`` is used, and only when a DTensor is present (``torch.distributed.tensor`` is never
-imported here: DTensors are recognised by :func:`stepforge.core.is_dtensor`).
+imported here: DTensors are recognised by :func:`stepforge.core.torch_compat.is_dtensor`).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from stepforge.core import dtensor_local
-from stepforge.core import is_dtensor as core_is_dtensor
+from stepforge.core.torch_compat import dtensor_local
+from stepforge.core.torch_compat import is_dtensor as core_is_dtensor
 
 __all__ = ["comm_device", "is_dtensor", "mesh_all_true", "mesh_sum_", "shard_dims", "shard_groups"]
 

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from stepforge.core import dtensor_local
-from stepforge.core import is_dtensor as core_is_dtensor
+from stepforge.core.torch_compat import dtensor_local
+from stepforge.core.torch_compat import is_dtensor as core_is_dtensor
 
 __all__ = ["is_dtensor", "local", "mesh_key", "reduce_square_sums", "reduce_norms"]
 

@@ -164,7 +164,7 @@ def fit_template(
 
 def _check_plugin_layout(template: Mapping[str, Any], saved: dict[_Path, Any], path: str) -> None:
     """A plugin's own layout (ZeRO's): every entry of the template is saved, and nothing else is."""
-    from stepforge.core import flatten_state_dict
+    from stepforge.core.torch_compat import flatten_state_dict
 
     flat, mapping = flatten_state_dict(dict(template))
     live = {tuple(mapping[k]) for k in flat}

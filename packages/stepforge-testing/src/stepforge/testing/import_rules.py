@@ -39,7 +39,7 @@ __all__ = [
 ]
 
 #: The one package allowed to use torch private APIs (its modules included: one per area of torch).
-TORCH_COMPAT_MODULE = "stepforge.core._torch_compat"
+TORCH_COMPAT_MODULE = "stepforge.core.torch_compat"
 
 #: torch-internal attributes reached on objects whose type the ``ast`` cannot see (DTensor, FSDP2 state and
 #: parameters, tensor views). Any ``obj.<name>`` or ``getattr(obj, "<name>")`` outside the compat module is a

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
-from stepforge.core import is_dtensor
+from stepforge.core.torch_compat import is_dtensor
 
 __all__ = [
     "BlockNet",

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from stepforge.core import default_store
+from stepforge.core.torch_compat import default_store
 
 __all__ = ["ArrivalTimeout", "wait_for_all_ranks"]
 

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from stepforge.core import queue_backward_callback
+from stepforge.core.torch_compat import queue_backward_callback
 
 from ._grad_storage import BufferPool, PieceStore
 from ._partition import Slot

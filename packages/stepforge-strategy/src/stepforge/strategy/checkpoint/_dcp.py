@@ -12,8 +12,8 @@ in the checkpoint **before** anything is read into memory, so a crashed, truncat
 raises :class:`CheckpointError` and leaves the model and optimizer untouched.
 
 No code runs from a checkpoint: ``.metadata`` is unpickled allowing only DCP's metadata classes
-(:class:`stepforge.core.SafeFileSystemReader`), DCP's non-tensor entries and the blobs of objects are read with
-``torch.load(weights_only=True)`` (:class:`stepforge.core.SafeLoadPlanner`, :func:`unblob`), and a blob that would
+(:class:`stepforge.core.torch_compat.SafeFileSystemReader`), DCP's non-tensor entries and the blobs of objects are read with
+``torch.load(weights_only=True)`` (:class:`stepforge.core.torch_compat.SafeLoadPlanner`, :func:`unblob`), and a blob that would
 not load that way is refused at save time.
 """
 
@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from stepforge.core import SafeFileSystemReader, SafeLoadPlanner, flatten_state_dict
+from stepforge.core.torch_compat import SafeFileSystemReader, SafeLoadPlanner, flatten_state_dict
 
 from .._env import get_rank
 from ._layout import CheckpointError, CheckpointMismatchError, read_commit, validate_files

@@ -5,7 +5,7 @@ them back on resume.
 Why FSDP2 internals: under ``set_requires_gradient_sync(False)`` FSDP2 keeps each micro-batch's gradient on its
 *unsharded* parameter (``FSDPParam._unsharded_param.grad``, or ``FSDPParam.unsharded_accumulated_grad`` when a
 ``reduce_dtype`` differs from the parameter dtype) and reduce-scatters the sum only in the first synchronised
-backward. No public torch API exposes these tensors: :mod:`stepforge.core._torch_compat` reaches them for this module.
+backward. No public torch API exposes these tensors: :mod:`stepforge.core.torch_compat` reaches them for this module.
 
 Restore writes ``unsharded_accumulated_grad``: FSDP2's post-backward adds the next micro-batch's gradient into it
 (``accumulate_unsharded_grad_if_needed``: saved + new, the same operands autograd adds in the uninterrupted run)
@@ -19,12 +19,18 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from stepforge.core import (
+from stepforge.core.torch_compat import (
+
     fsdp2_param_shape,
+
     fsdp2_params,
+
     fsdp2_pending_grad,
+
     is_dtensor,
+
     set_fsdp2_pending_grad,
+
 )
 
 __all__ = ["fsdp_pending_grads", "set_fsdp_pending_grads"]

@@ -20,7 +20,9 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffload, MixedPrecisionPolicy, ShardingStrategy
 from torch.distributed.fsdp import MixedPrecision as FSDP1Precision
 
-from stepforge.core import PluginBase, build_optimizer, fsdp2_no_sync
+from stepforge.core import PluginBase, build_optimizer
+
+from stepforge.core.torch_compat import fsdp2_no_sync
 from stepforge.core.plugin_base import unwrap_optimizer
 from stepforge.core.precision import PLUGIN_PRECISIONS, DynamicLossScaler
 

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The list of every torch private :mod:`stepforge.core._torch_compat` uses, each with a resolver.
+"""The list of every torch private :mod:`stepforge.core.torch_compat` uses, each with a resolver.
 
 ``tests/test_torch_compat.py`` resolves every entry, so a torch update that renames or removes one fails
 there, naming the private and the torch version, instead of deep inside a training step.
@@ -31,7 +31,7 @@ _DCP_PRIVATES = (
     ("metadata", "_MEM_FORMAT_ENCODING"),
 )
 
-#: Every torch private the modules of ``_torch_compat`` use, as ``(dotted name, resolver)``; a resolver raises
+#: Every torch private the modules of ``torch_compat`` use, as ``(dotted name, resolver)``; a resolver raises
 #: when the installed torch no longer has the private. Instance attributes (``DTensor._local_tensor``,
 #: ``FSDPParam._orig_size``...) are checked on live objects by the tests.
 PRIVATE_APIS: tuple[tuple[str, Callable[[], Any]], ...] = (

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The one place stepforge uses torch private APIs; every package reaches them through here.
+"""stepforge.core.torch_compat: the one public module through which stepforge uses torch private APIs.
 
 Each wrapper names the private it needs in :data:`PRIVATE_APIS`; ``tests/test_torch_compat.py`` resolves every
 entry and exercises every wrapper on real torch objects, so a torch update that renames or removes one fails
