@@ -28,7 +28,9 @@ def _unrole(match: re.Match[str]) -> str:
 
 def on_files(files: Files, config) -> Files:
     for png in sorted(RESULTS.rglob("*.png")):
-        files.append(File.generated(config, f"results/{png.relative_to(RESULTS).as_posix()}", abs_src_path=str(png)))
+        files.append(
+            File.generated(config, f"results/{png.relative_to(RESULTS).as_posix()}", abs_src_path=str(png))
+        )
     return files
 
 
