@@ -68,10 +68,15 @@ def test_checker_skips_fences_placeholders_and_urls_and_expands_globs_and_braces
         },
     )
     assert repo_docs.missing_references(root, root / "README.md") == []
-    (root / "README.md").write_text("`benchmarks/results/zero/*.png` and `cpu-2026-01-03-zero.json`\n")
+    (root / "README.md").write_text(
+        "`benchmarks/results/zero/*.png`, `cpu-2026-01-03-zero.json`, `zero/cpu-2026-01-02-zero.json`, "
+        "`train/cpu-2026-01-02-zero.json`\n"
+    )
     assert repo_docs.missing_references(root, root / "README.md") == [
         "README.md: names `benchmarks/results/zero/*.png`, which does not exist",
         "README.md: names the result `cpu-2026-01-03-zero.json`, which is not under benchmarks/results/",
+        "README.md: names the result `train/cpu-2026-01-02-zero.json`, which is not "
+        "benchmarks/results/train/cpu-2026-01-02-zero.json",
     ]
 
 
@@ -90,6 +95,23 @@ def test_checker_resolves_the_docs_sites_results_folder_and_relative_names(tmp_p
     ]
     assert repo_docs.missing_references(root, root / "tools/bench/README.md", relative_suffixes=(".py",)) == [
         "tools/bench/README.md: names `bench_b.py` (relative to its folder), which does not exist"
+    ]
+
+
+def test_a_page_among_the_results_names_results_relative_to_its_folder(tmp_path):
+    root = _tree(
+        tmp_path,
+        {
+            "benchmarks/results/gpu-runs/logs/gpu-2026-01-02-run.log": "",
+            "benchmarks/results/demo/gpu-2026-01-02-demo.json": "{}",
+            "benchmarks/results/gpu-runs/report.md": (
+                "`logs/gpu-2026-01-02-run.log`, `../demo/gpu-2026-01-02-demo.json`, `gpu-runs/gpu-2026-01-02-run.log`\n"
+            ),
+        },
+    )
+    assert repo_docs.missing_references(root, root / "benchmarks/results/gpu-runs/report.md") == [
+        "benchmarks/results/gpu-runs/report.md: names the result `gpu-runs/gpu-2026-01-02-run.log`, which is not "
+        "benchmarks/results/gpu-runs/gpu-runs/gpu-2026-01-02-run.log"
     ]
 
 
@@ -117,7 +139,14 @@ def test_checker_finds_unlisted_bench_scripts_and_results(tmp_path):
 # ---- the real tree --------------------------------------------------------------------------------------------
 
 PAGES = sorted(
-    [ROOT / "README.md", ROOT / "tools" / "gpu" / "README.md", *(ROOT / "docs").rglob("*.md")],
+    [
+        ROOT / "README.md",
+        ROOT / "tools" / "gpu" / "README.md",
+        *(ROOT / "docs").rglob("*.md"),
+        *(ROOT / "packages").glob("*/README.md"),
+        *(ROOT / "examples").rglob("README.md"),
+        *(p for p in (ROOT / "benchmarks" / "results").rglob("*.md") if p.name != "README.md"),
+    ],
 )
 
 

@@ -9,8 +9,10 @@ What counts as naming a file:
 - a word of an inline code span that starts with a top-level entry of the repository (``tools/bench/x.py``,
   ``benchmarks/results/``, ``noxfile.py``), resolved against the repository root; ``*`` globs must match something and ``{a,b}``
   alternatives are expanded; words with placeholders (``<x>``, ``$OUT``, ``…``) are skipped;
-- a word of an inline code span that is the name of a committed result (``cpu-2026-11-25-zero.json``): it must be
-  found under ``benchmarks/results/``;
+- a word of an inline code span that is the name of a committed result: a bare name
+  (``cpu-2026-11-25-zero.json``) must be found somewhere under ``benchmarks/results/``, a path
+  (``zero/cpu-2026-11-25-zero.json``) must exist below it (below the page's own folder on a page among the
+  results);
 - on pages that name files relative to themselves (``tools/bench/README.md`` its scripts,
   ``benchmarks/results/README.md`` its results), a word of an inline code span with one of the suffixes the caller
   gives, resolved against the page's folder.
@@ -118,6 +120,9 @@ def missing_references(
     results = (
         {p.name for p in (root / RESULTS).rglob("*") if p.is_file()} if (root / RESULTS).is_dir() else set()
     )
+    # a result's path is relative to the page's folder on a page among the results, else to the results folder
+    in_results = rel_page.is_relative_to(RESULTS)
+    results_base = folder if in_results else root / RESULTS
     for word in code_words(text):
         if _PLACEHOLDER.search(word) or "://" in word:
             continue
@@ -125,8 +130,11 @@ def missing_references(
         if bare.split("/", 1)[0] in tops:
             if not _exists(root, bare):
                 problems.append(f"{rel_page}: names `{bare}`, which does not exist")
-        elif _RESULT_NAME.match(bare):
-            if bare not in results:
+        elif _RESULT_NAME.match(bare.rsplit("/", 1)[-1]):
+            if "/" in bare and not _exists(results_base, bare):
+                where = (results_base / bare).resolve().relative_to(root)
+                problems.append(f"{rel_page}: names the result `{bare}`, which is not {where}")
+            elif "/" not in bare and bare not in results:
                 problems.append(f"{rel_page}: names the result `{bare}`, which is not under {RESULTS}/")
         elif relative_suffixes and bare.endswith(relative_suffixes):
             if not _exists(folder, bare):
