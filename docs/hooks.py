@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """MkDocs hooks.
 
-- Serve the committed benchmark plots (benchmarks/results/*.png) as results/<name>.png: the plots stay where the
-  benchmarks write them; nothing is copied into docs/.
+- Serve the committed benchmark plots (benchmarks/results/<topic>/*.png) as results/<topic>/<name>.png: the plots
+  stay where the benchmarks write them; nothing is copied into docs/.
 - The docstrings use Sphinx cross-reference roles (``:class:`~stepforge.fused.FusedAdam` ``), which the
   Markdown renderer leaves as literal text before the code span: drop the role, and a ``~``-shortened path keeps
   only its last component, as Sphinx shows it.
@@ -27,8 +27,10 @@ def _unrole(match: re.Match[str]) -> str:
 
 
 def on_files(files: Files, config) -> Files:
-    for png in sorted(RESULTS.glob("*.png")):
-        files.append(File.generated(config, f"results/{png.name}", abs_src_path=str(png)))
+    for png in sorted(RESULTS.rglob("*.png")):
+        files.append(
+            File.generated(config, f"results/{png.relative_to(RESULTS).as_posix()}", abs_src_path=str(png))
+        )
     return files
 
 

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Per-step cost of the pointer-cache revalidation: ``CPUAdam`` of a git ref vs the installed one, side by side.
 
-    python tools/bench/bench_cache_check.py --ref <commit> --out benchmarks/results/<date>-cache-check.json
+    python tools/bench/bench_cache_check.py --ref <commit> --out benchmarks/results/fused-cpu/cpu-<date>-cache-check.json
 
 The Python layer of ``stepforge.fused`` at ``--ref`` (``_base.py``, ``_adam_base.py``, ``cpu_adam.py``, plus
 whatever they import that the installed package lacks) is loaded as extra submodules of the installed

@@ -4,7 +4,7 @@ in one run (issue 19; the target ratio is against the fused one).
 
     python tools/bench/bench_fused_sgd.py                  # full run (~2-4 min on 2 cores)
     python tools/bench/bench_fused_sgd.py --quick          # smaller sizes, 3 repeats: a smoke run
-    python tools/bench/bench_fused_sgd.py --threads 2 --repeats 15 --out benchmarks/results \\
+    python tools/bench/bench_fused_sgd.py --threads 2 --repeats 15 --out benchmarks/results/fused-cpu \\
         --stem cpu-2026-11-25-fused-sgd
 
 Cases: one 50M-element tensor, 2 000 x 10 000 and 20 000 x 1 000 tensors, each with momentum 0.9 and without

@@ -14,14 +14,14 @@
 #   demo     examples/train_gpt_demo.py --device cuda --nproc 1 ($DEMO_ARGS, default the full demo)
 # STAGES="env wheels pure fused tests bench demo" (the default) picks stages; one call of the device tool may run
 # 10 minutes; on an H200 the whole run took 4.5 (setup 1, tests 1.4, demo 0.7, bench 1.4 at full size).
-# Output in $OUT (the device tool's folder) or else benchmarks/results/gpu-<UTC time>/: run_all.log,
+# Output in $OUT (the device tool's folder) or else benchmarks/results/gpu-runs/gpu-<UTC time>/: run_all.log,
 # junit-gpu.xml (every package's suite), bench_fused_gpu.json/.png, gpt_demo_cuda.json/.png, summary.json
 # (at most 8 files: what the device tool brings back).
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$ROOT" || exit 2
 PY=${PYTHON:-python3}
-OUT_DIR=${OUT:-$ROOT/benchmarks/results/gpu-$(date -u +%Y%m%dT%H%M%SZ)}
+OUT_DIR=${OUT:-$ROOT/benchmarks/results/gpu-runs/gpu-$(date -u +%Y%m%dT%H%M%SZ)}
 WORK=$(mktemp -d /tmp/stepforge-gpu.XXXXXX)
 mkdir -p "$OUT_DIR"
 exec > >(tee -a "$OUT_DIR/run_all.log") 2>&1

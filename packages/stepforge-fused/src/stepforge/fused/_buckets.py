@@ -16,7 +16,7 @@ are also compared by identity each step (re-allocated by backward, assigned by h
 storage stays alive elsewhere (a view or reference kept by other code: the kernel then updates that live memory,
 not the parameter) and resizing a storage in place (``untyped_storage().resize_()``); call
 :meth:`~._base.FusedOptimizerBase.invalidate_cache` after those. A per-step ``data_ptr()`` comparison would catch them but cost
-+26% on the 20 000-tensor benchmark (``benchmarks/results/cpu-2026-11-23-cache-check.json``).
++26% on the 20 000-tensor benchmark (``benchmarks/results/fused-cpu/cpu-2026-11-23-cache-check.json``).
 
 With ``assume_stable_grads=True`` the ``p.grad`` identity check is skipped too: gradients newly allocated by
 backward are seen through post-accumulate-grad hooks, ``zero_grad(set_to_none=True)`` makes the next step check

@@ -37,7 +37,7 @@ objects (the tensors given to a collective, a ``Future.then`` callback) and need
 has started finalising, which ends them abruptly. stepforge.accum starts no thread and leaves no work handle
 pending (plain accumulation launches no collective; weighted mode waits for its one all-reduce before the
 step); the same DDP + accumulation script written with plain torch has the same exit path
-(``tools/repro/ddp_accum_exit.py``, tallies in ``benchmarks/results/sigabrt-50runs-*.txt``: no SIGABRT in 50
+(``tools/repro/ddp_accum_exit.py``, tallies in ``benchmarks/results/accum/logs/sigabrt-50runs-*.txt``: no SIGABRT in 50
 runs with stepforge nor in 51 with plain torch, torch 2.13.0; the attribution to torch's teardown rests on that
 elimination and on upstream reports, pytorch/pytorch#190489 and #65513, not on a local reproduction). The workaround,
 for this launcher and for users' scripts alike: before returning, drop the objects that hold the group (DDP /
