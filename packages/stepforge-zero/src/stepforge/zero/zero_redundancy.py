@@ -29,7 +29,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer as _TorchZeroRedunda
 
 from stepforge.core import OPTIMIZERS, HyperParameterError, StepforgeError
 
-from ._arrival import ArrivalTimeout, wait_for_all_ranks
+from .comm.arrival import ArrivalTimeout, wait_for_all_ranks
 
 __all__ = ["ZeroRedundancyOptimizer", "CollectiveCallError", "DEFAULT_CONSOLIDATE_TIMEOUT"]
 

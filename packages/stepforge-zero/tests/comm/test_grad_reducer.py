@@ -1,0 +1,157 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``stepforge.zero.comm.grad_reducer.GradReducer``: hooks, buckets, the once-per-step sync and the rank-major reduction.
+
+One process (world size 1: no collective, the bucket lands in the pieces directly) for the hook and sync logic;
+2 gloo ranks for the reduction itself, against the mean of the ranks' gradients computed by hand.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stepforge.testing.distributed import requires_gloo, run_distributed
+from stepforge.zero.comm.grad_reducer import MAX_IN_FLIGHT, GradReducer, write_own_row_last, write_rank_major
+from stepforge.zero.state.partition import build_partitions
+
+
+def _reducer(params: list[torch.nn.Parameter], *, world: int = 1, rank: int = 0, stage: int = 2, **kw):
+    slots, _ = build_partitions([{"params": params}], world, rank, master_weights=True, master_device=None)
+    options = dict(bucket_size=1 << 20, overlap=False, group=None, world_size=world, rank=rank)
+    options.update(kw)
+    return slots, GradReducer(slots, stage=stage, **options)
+
+
+def _params() -> list[torch.nn.Parameter]:
+    torch.manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(3, 2)), torch.nn.Parameter(torch.randn(4))]
+
+
+def _backward(params: list[torch.nn.Parameter], factor: float) -> None:
+    sum((p * factor * (i + 1)).sum() for i, p in enumerate(params)).backward()
+
+
+def test_write_rank_major_pads_and_divides_into_strided_rows():
+    # 7 elements over 4 ranks, piece 2: rows [1 2] [3 4] [5 6] [7 0] of the gradient halved, in a column slice
+    table = torch.full((4, 5), -1.0)
+    write_rank_major(table[:, 1:3], torch.arange(1.0, 8.0), 2)
+    expected = torch.tensor(
+        [[-1, 0.5, 1, -1, -1], [-1, 1.5, 2, -1, -1], [-1, 2.5, 3, -1, -1], [-1, 3.5, 0, -1, -1]]
+    )
+    assert torch.equal(table, expected)
+
+
+@pytest.mark.parametrize(
+    "rank, rows",
+    [
+        # own row (rank 0's piece [1 2]) last, the others in rank order
+        (0, [[3, 4], [5, 6], [7, 0], [1, 2]]),
+        (1, [[1, 2], [5, 6], [7, 0], [3, 4]]),
+        (2, [[1, 2], [3, 4], [7, 0], [5, 6]]),
+        (3, [[1, 2], [3, 4], [5, 6], [7, 0]]),
+    ],
+)
+def test_write_own_row_last_moves_this_ranks_row_to_the_end(rank: int, rows: list[list[float]]):
+    table = torch.full((4, 2), -1.0)
+    write_own_row_last(table, torch.arange(1.0, 8.0), 1, rank)
+    assert torch.equal(table, torch.tensor(rows, dtype=torch.float32))
+
+
+def test_write_own_row_last_zero_fills_rows_past_a_short_gradient():
+    # 3 elements over 4 ranks (piece 1): rank 3's piece is padding, rank 1 keeps its own row last
+    table = torch.full((4, 1), -1.0)
+    write_own_row_last(table, torch.tensor([2.0, 4.0, 6.0]), 2, 1)
+    assert torch.equal(table.view(-1), torch.tensor([1.0, 3.0, 0.0, 2.0]))
+
+
+def test_hooks_move_each_gradient_into_its_piece_and_free_param_grad():
+    params = _params()
+    slots, reducer = _reducer(params)
+    _backward(params, 1.0)
+    assert all(p.grad is None for p in params)
+    assert torch.equal(slots[0].grad, torch.full((6,), 1.0))
+    assert torch.equal(slots[1].grad, torch.full((4,), 2.0))
+    _backward(params, 0.5)  # a second backward accumulates into the pieces
+    assert torch.equal(slots[1].grad, torch.full((4,), 3.0))
+    reducer.remove_hooks()
+    _backward(params, 1.0)
+    assert params[0].grad is not None  # detached: torch's own accumulation again
+
+
+def test_disabled_reducer_leaves_gradients_local_until_flush():
+    params = _params()
+    slots, reducer = _reducer(params)
+    reducer.enabled = False  # no_sync
+    _backward(params, 1.0)
+    _backward(params, 1.0)
+    assert torch.equal(params[0].grad, torch.full((3, 2), 2.0))
+    assert all(s.grad is None for s in slots)
+    reducer.flush_local()
+    assert params[0].grad is None and torch.equal(slots[0].grad, torch.full((6,), 2.0))
+
+
+def test_sync_works_once_until_a_backward_reopens_it():
+    params = _params()
+    slots, reducer = _reducer(params)
+    _backward(params, 1.0)
+    assert reducer.sync() is True
+    assert reducer.sync() is False and reducer.sync() is False
+    assert reducer.counter.syncs == 1
+    reducer.enabled = False
+    _backward(params, 1.0)  # even a no_sync backward makes the next sync do work (it must flush)
+    reducer.enabled = True
+    assert reducer.sync() is True and params[0].grad is None
+    assert torch.equal(slots[0].grad, torch.full((6,), 2.0))
+    reducer.discard()  # zero_grad: the next step starts unsynced
+    assert reducer.sync() is True and reducer.counter.syncs == 3
+
+
+def test_sparse_gradients_are_refused_naming_the_parameter():
+    emb = torch.nn.Embedding(5, 2, sparse=True)
+    _reducer(list(emb.parameters()))  # the hooks keep the reducer alive
+    with pytest.raises(RuntimeError, match="parameter 0 got a sparse gradient"):
+        emb(torch.tensor([1, 2])).sum().backward()
+
+
+# -- the reduction on 2 ranks ------------------------------------------------------------------------------
+def _reduce(rank: int, world: int) -> dict:
+    out = {}
+    for stage in (1, 2):
+        for overlap in (False, True):
+            # 5 and 3 elements: pieces 3 and 2 (6 and 4 padded elements), both padded at 2 ranks; a bucket of 4
+            # padded elements closes after either parameter, so two buckets go out whatever the hook order
+            params = [torch.nn.Parameter(torch.zeros(5)), torch.nn.Parameter(torch.zeros(3))]
+            slots, reducer = _reducer(
+                params, world=world, rank=rank, stage=stage, bucket_size=4, overlap=overlap, group=None
+            )
+            # rank r's gradient of parameter i: (r + 1) * (i + 1) * [1, 2, ...]
+            loss = sum(
+                (p * torch.arange(1.0, p.numel() + 1) * (rank + 1) * (i + 1)).sum()
+                for i, p in enumerate(params)
+            )
+            loss.backward()
+            reducer.sync()
+            counts = reducer.counter
+            out[(stage, overlap)] = (
+                [None if s.grad is None else s.grad.clone() for s in slots],
+                [(s.start, s.valid) for s in slots],
+                counts.reduce_scatter,
+                counts.all_reduce,
+                reducer.peak_in_flight,
+            )
+    return out
+
+
+@pytest.mark.distributed
+@requires_gloo
+def test_two_ranks_receive_their_pieces_of_the_mean_gradient():
+    results = run_distributed(_reduce, 2, timeout=120)
+    mean_rank_factor = (1 + 2) / 2
+    for rank in range(2):
+        for (stage, overlap), (grads, ranges, rs, ar, peak) in results[rank].items():
+            for i, (grad, (start, valid)) in enumerate(zip(grads, ranges, strict=True)):
+                numel = (5, 3)[i]
+                full = torch.arange(1.0, numel + 1) * mean_rank_factor * (i + 1)
+                torch.testing.assert_close(grad, full[start : start + valid], rtol=0, atol=0)
+            assert (rs, ar) == ((2, 0) if stage == 2 else (0, 2)), (stage, overlap)
+            assert peak <= (MAX_IN_FLIGHT + 1) * 6
