@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``stepforge.zero.comm.grad_reducer.GradReducer``: hooks, buckets, the once-per-step sync and the rank-major reduction.
+"""``stepforge.zero.comm.grad_reducer.GradReducer``: hooks, buckets, the once-per-step sync and the rank-major
+reduction; ``plan_buckets``/``pool_buffer_numel`` give the buckets and buffers without tensors.
 
 One process (world size 1: no collective, the bucket lands in the pieces directly) for the hook and sync logic;
 2 gloo ranks for the reduction itself, against the mean of the ranks' gradients computed by hand.
@@ -11,7 +12,14 @@ import pytest
 import torch
 
 from stepforge.testing.distributed import requires_gloo, run_distributed
-from stepforge.zero.comm.grad_reducer import MAX_IN_FLIGHT, GradReducer, write_own_row_last, write_rank_major
+from stepforge.zero.comm.grad_reducer import (
+    MAX_IN_FLIGHT,
+    GradReducer,
+    plan_buckets,
+    pool_buffer_numel,
+    write_own_row_last,
+    write_rank_major,
+)
 from stepforge.zero.state.partition import build_partitions
 
 
@@ -62,6 +70,22 @@ def test_write_own_row_last_zero_fills_rows_past_a_short_gradient():
     table = torch.full((4, 1), -1.0)
     write_own_row_last(table, torch.tensor([2.0, 4.0, 6.0]), 2, 1)
     assert torch.equal(table.view(-1), torch.tensor([1.0, 3.0, 0.0, 2.0]))
+
+
+def test_plan_buckets_closes_a_bucket_once_it_holds_the_bucket_size():
+    # world 2, pieces 3, 2, 5, 1 -> 6, 4, 10, 2 padded elements; bucket 8: 6 + 4 = 10 closes, 10 closes, 2 is the
+    # partial bucket launched at the end of backward
+    assert plan_buckets([3, 2, 5, 1], 8, 2) == [10, 10, 2]
+    assert plan_buckets([3, 2, 5, 1], 1 << 20, 2) == [22]
+    assert plan_buckets([], 8, 2) == []
+    assert pool_buffer_numel(8, [3, 2, 5, 1], 2) == 8  # a bucket
+    assert pool_buffer_numel(100, [3, 2, 5, 1], 2) == 22  # never more than every piece padded
+
+
+def test_the_reducers_pool_buffers_are_the_planned_size():
+    params = _params()  # 6 and 4 elements: pieces of 6 and 4 at one rank
+    _, reducer = _reducer(params, bucket_size=8)
+    assert reducer.pool.min_numel == pool_buffer_numel(8, [6, 4], 1) == 8
 
 
 def test_hooks_move_each_gradient_into_its_piece_and_free_param_grad():
@@ -154,4 +178,5 @@ def test_two_ranks_receive_their_pieces_of_the_mean_gradient():
                 full = torch.arange(1.0, numel + 1) * mean_rank_factor * (i + 1)
                 torch.testing.assert_close(grad, full[start : start + valid], rtol=0, atol=0)
             assert (rs, ar) == ((2, 0) if stage == 2 else (0, 2)), (stage, overlap)
+            assert len(plan_buckets([3, 2], 4, 2)) == rs + ar  # the plan is what the reducer launched
             assert peak <= (MAX_IN_FLIGHT + 1) * 6

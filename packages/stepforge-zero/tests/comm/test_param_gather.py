@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """``stepforge.zero.comm.param_gather``: the gather in flight waited per module by the next forward
-(``overlap_allgather``), and ``LowLevelZeroOptimizer(overlap_allgather=True)`` equal to the waited gather.
+(``overlap_allgather``), ``LowLevelZeroOptimizer(overlap_allgather=True)`` equal to the waited gather, and
+ColossalAI's ``_force_wait_all_gather()`` (optimizer and prepared model) landing it before a raw read.
 
 The per-module waiting is checked with recording stand-ins for the collectives' work objects (which waits
 happen, in which order, is then deterministic); the distributed part checks on 2 gloo ranks that every forward
@@ -253,3 +254,49 @@ def test_overlapped_gather_equals_the_waited_gather_bitwise_on_two_ranks():
     for a, b in zip(results[0][0][1]["params"], results[1][0][1]["params"], strict=True):
         assert torch.equal(a, b)
     assert not torch.equal(results[0][0][1]["params"][0], _model(torch.float32)[0].weight.detach())
+
+
+def _colossalai_force_wait(rank: int, world: int) -> dict:
+    """ColossalAI's pattern (its tests and checkpoint IO): a step with ``overlap_allgather``, then
+    ``_force_wait_all_gather()`` on the optimizer or the prepared model, then the raw working parameters read
+    with no forward in between."""
+
+    def one_step(model: nn.Module, opt: LowLevelZeroOptimizer, run: nn.Module) -> None:
+        gen = torch.Generator().manual_seed(7 + rank)
+        opt.backward(((run(torch.randn(8, 16, generator=gen)) - torch.randn(8, 4, generator=gen)) ** 2).mean())
+        opt.step()
+
+    out: dict = {}
+    for overlap in (False, True):
+        model = _model(torch.float32)
+        opt = LowLevelZeroOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=1e-2), stage=2, overlap_allgather=overlap,
+            overlap_communication=True, param_gather="broadcast",
+        )  # fmt: skip
+        one_step(model, opt, model)
+        out[f"stale_{overlap}"] = [p.detach().clone() for p in model.parameters()]
+        opt._force_wait_all_gather()
+        out[overlap] = [p.detach().clone() for p in model.parameters()]
+    plugin = LowLevelZeroPlugin(stage=2, precision="fp32", overlap_allgather=True)
+    model = _model(torch.float32)
+    wrapped, opt = plugin.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    assert isinstance(opt, LowLevelZeroOptimizer)
+    one_step(model, opt, wrapped)
+    wrapped._force_wait_all_gather()
+    out["plugin"] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+@pytest.mark.distributed
+@requires_gloo
+def test_force_wait_all_gather_lands_the_overlapped_gather_as_colossalai_calls_it():
+    for rank, out in enumerate(run_distributed(_colossalai_force_wait, 2, timeout=120)):
+        waited = out[False]
+        # overlapped: after the step the staged parameters still hold the other rank's old pieces ...
+        assert any(not torch.equal(a, b) for a, b in zip(out["stale_True"], waited, strict=True)), rank
+        # ... and after _force_wait_all_gather every parameter is the waited run's, on the optimizer and the model
+        for a, b in zip(out[True], waited, strict=True):
+            assert torch.equal(a, b), rank
+        for a, b in zip(out["plugin"], waited, strict=True):
+            assert torch.equal(a, b), rank
+        assert all(torch.equal(a, b) for a, b in zip(out["stale_False"], waited, strict=True)), rank

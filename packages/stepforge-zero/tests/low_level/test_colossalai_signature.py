@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """ColossalAI's ``LowLevelZeroOptimizer`` constructor on one process: its names, order and defaults
 (from ``colossalai/zero/low_level/low_level_optim.py`` at 4f9953b), the aliases of stepforge's names,
-``forced_dtype``, ``master_weights=False``, ``verbose``, ``backward_context`` and torch's state-dict key order.
+``forced_dtype``, ``master_weights=False``, ``verbose``, ``backward_context``, torch's state-dict key order, and
+ColossalAI's rule that only parameters requiring grad are managed (frozen ones get no master, state or gather).
 Expected values are written out (exactly representable numbers), never produced by the code under test."""
 
 from __future__ import annotations
@@ -170,3 +171,18 @@ def test_state_dict_lists_per_parameter_keys_in_torchs_order():
     opt.step()
     assert list(opt.state_dict()["state"][0]) == ["step", "exp_avg", "exp_avg_sq"]
     assert list(opt.state_dict()["state"][1]) == ["step", "exp_avg", "exp_avg_sq"]
+
+
+def test_parameters_that_do_not_require_grad_are_not_managed():
+    model = nn.Sequential(_linear(torch.bfloat16), nn.Linear(1, 1, bias=False).to(torch.bfloat16))
+    with torch.no_grad():
+        model[1].weight.fill_(2.0)
+    model[0].requires_grad_(False)  # a frozen base weight, as peft leaves it under LoRA
+    opt = LowLevelZeroOptimizer(_sgd(model, lr=0.25))
+    assert set(opt.working_to_master_param) == {id(model[1].weight)}  # no fp32 master of the frozen weight
+    model(torch.ones(1, 4, dtype=torch.bfloat16)).sum().backward()  # model[1]'s gradient: 1 + 2 + 3 + 4 = 10
+    opt.step()
+    assert model[0].weight.tolist() == [[1.0, 2.0, 3.0, 4.0]] and model[0].weight.grad is None
+    assert model[1].weight.tolist() == [[-0.5]]  # 2 - 0.25 * 10
+    state = opt.state_dict()
+    assert [g["params"] for g in state["param_groups"]] == [[0]] and list(state["state"]) == []  # SGD: no state

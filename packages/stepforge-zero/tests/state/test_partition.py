@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``stepforge.zero.state.partition``: the ``torch.chunk`` piece layout, slots, partitions and masters (one process)."""
+"""``stepforge.zero.state.partition``: the ``torch.chunk`` piece layout, slots, partitions and masters (one
+process), and the same geometry planned without allocating (parameters on the ``meta`` device)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,12 @@ from stepforge.zero.state.partition import (
     build_layout,
     build_partitions,
     local_range,
+    managed_param_groups,
     padded_piece,
+    padding,
+    partition_sizes,
     piece_size,
+    plan_pieces,
 )
 
 
@@ -107,3 +112,44 @@ def test_layout_packs_the_group_facts():
     assert layout.master_device == torch.device("cpu")
     empty = build_layout([{"params": []}], 1, 0, group=None, master_weights=True, master_device=None)
     assert empty.slots == [] and empty.master_device == torch.device("cpu")
+
+
+def test_padding_fills_the_last_piece():
+    # world 4: 15 -> pieces of 4, 16 padded; 16 -> none; 2 -> pieces of 1, 4 padded
+    assert [padding(n, 4) for n in (15, 16, 2, 0)] == [1, 0, 2, 0]
+
+
+def _meta_groups() -> list[dict]:
+    with torch.device("meta"):
+        return [
+            {"params": [torch.nn.Parameter(torch.empty(5, 3)), torch.nn.Parameter(torch.empty(4, dtype=torch.bfloat16)),
+                        torch.nn.Parameter(torch.empty(2))]},
+            {"params": [torch.nn.Parameter(torch.empty(7))], "lr": 0.1},
+        ]  # fmt: skip
+
+
+@pytest.mark.parametrize("rank", [0, 3])
+def test_plan_on_the_meta_device_is_the_geometry_that_is_then_allocated(rank):
+    plans = plan_pieces(_meta_groups(), 4, rank, master_weights=True, master_device=None)
+    slots, parts = build_partitions(_groups(), 4, rank, master_weights=True, master_device=None)
+    assert [(p.index, p.group, p.numel, p.piece, p.start, p.valid, p.offset, p.separate_master) for p in plans] == [
+        (s.index, s.group, s.numel, s.piece, s.start, s.valid, s.offset, s.separate_master) for s in slots
+    ]
+    assert [p.master_dtype for p in plans] == [torch.float32] * 4  # bf16 gets an fp32 master
+    assert list(partition_sizes(plans).values()) == [p.size for p in parts] == [5, 1, 2]
+    assert all(p.master_device.type == "meta" for p in plans)  # nothing was made on a real device
+
+
+def test_plan_with_offload_places_masters_on_the_cpu_as_copies():
+    plans = plan_pieces(_meta_groups(), 2, 0, master_weights=False, master_device=torch.device("cpu"))
+    assert [p.master_device.type for p in plans] == ["cpu"] * 4
+    assert [p.master_dtype for p in plans] == [torch.float32, torch.bfloat16, torch.float32, torch.float32]
+    assert all(p.separate_master for p in plans)  # meta -> cpu is always a copy
+
+
+def test_only_parameters_that_require_grad_are_managed():
+    groups = _groups()
+    frozen = groups[0]["params"][1].requires_grad_(False)
+    managed = managed_param_groups(groups)
+    assert [len(g["params"]) for g in managed] == [2, 1] and all(p is not frozen for p in managed[0]["params"])
+    assert managed[1]["lr"] == 0.1 and len(groups[0]["params"]) == 3  # a new list; the input is left alone
