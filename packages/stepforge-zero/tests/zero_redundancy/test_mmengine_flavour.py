@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """ZeroRedundancyOptimizer: registry-resolved local optimizers against a single-process run on the whole batch,
-a consolidated checkpoint resumed at another world size, and the bounded wait of a one-rank state_dict().
+a consolidated checkpoint resumed at another world size, the bounded wait of a one-rank state_dict(), and bad or
+missing arguments named in the error (a missing optimizer_type is a TypeError, as mmengine's own test expects).
 
 Reference: the same model and data on one process with the plain optimizer (torch.optim.AdamW for "AdamW" and
 "FusedAdam"; stepforge.optim.Lamb for "Lamb"), loss = mean over the concatenated batch. The distributed runs
@@ -27,7 +28,7 @@ from stepforge.testing.zero_cases import (
     regression_batch,
     train_reference,
 )
-from stepforge.zero import CollectiveCallError, ZeroRedundancyOptimizer
+from stepforge.zero import CollectiveCallError, MissingArgumentError, ZeroRedundancyOptimizer
 
 RTOL, ATOL = 1e-5, 1e-6
 GLOBAL_BATCH = 12  # divisible by 2 and 3
@@ -172,6 +173,18 @@ def test_bad_arguments_are_named():
         ZeroRedundancyOptimizer(params, "Lamb", max_grad_norm=1.0)
     with pytest.raises(HyperParameterError, match="overlap_with_ddp"):
         ZeroRedundancyOptimizer(params, "AdamW", overlap_with_ddp=True)
+
+
+def test_a_missing_optimizer_type_is_a_type_error_naming_it():
+    # mmengine's test_zero_redundancy_optimizer builds it without optimizer_type and expects TypeError, as Python
+    # raises for a missing argument; the error is also a HyperParameterError that names the fix
+    for build in (
+        lambda: ZeroRedundancyOptimizer(_model().parameters(), lr=1e-3),
+        lambda: build_optimizer(dict(type="ZeroRedundancyOptimizer", lr=1e-3, momentum=0.1), _model()),
+    ):
+        with pytest.raises(TypeError, match="optimizer_type='AdamW'") as caught:
+            build()
+        assert isinstance(caught.value, MissingArgumentError) and isinstance(caught.value, HyperParameterError)
 
 
 def test_needs_an_initialised_process_group():

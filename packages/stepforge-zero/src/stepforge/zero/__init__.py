@@ -29,7 +29,12 @@ from .plugin import (
     Zero1Plugin,
     Zero2Plugin,
 )
-from .zero_redundancy import DEFAULT_CONSOLIDATE_TIMEOUT, CollectiveCallError, ZeroRedundancyOptimizer
+from .zero_redundancy import (
+    DEFAULT_CONSOLIDATE_TIMEOUT,
+    CollectiveCallError,
+    MissingArgumentError,
+    ZeroRedundancyOptimizer,
+)
 
 __all__ = [
     "__version__",
@@ -38,6 +43,7 @@ __all__ = [
     "LowLevelZeroModel",
     "LowLevelZeroOptimizer",
     "LowLevelZeroPlugin",
+    "MissingArgumentError",
     "PRECISIONS",
     "UnsupportedPrecisionError",
     "Zero1Plugin",
