@@ -73,7 +73,9 @@ def _case(rank: int, workdir: str, shard: bool, offload: bool) -> dict:
     trained = {k: v.clone() for k, v in model.unwrap().state_dict().items()}
 
     tag = f"{int(shard)}{int(offload)}"
-    adapter, weights, optim = (os.path.join(workdir, f"{name}-{tag}") for name in ("adapter", "model", "optim"))
+    adapter, weights, optim = (
+        os.path.join(workdir, f"{name}-{tag}") for name in ("adapter", "model", "optim")
+    )
     booster.save_lora_as_pretrained(model, adapter)
     booster.save_model(model, weights, shard=shard)
     booster.save_optimizer(optimizer, optim, shard=shard)
@@ -87,7 +89,9 @@ def _case(rank: int, workdir: str, shard: bool, offload: bool) -> dict:
     working = {id(p) for p in new_model.parameters()}
     for p_id, master in new_optimizer.working_to_master_param.items():
         param = new_optimizer.master_to_working_param[id(master)]
-        padded = torch.nn.functional.pad(param.data.view(-1), (0, new_optimizer.get_param_padding_size(param)))
+        padded = torch.nn.functional.pad(
+            param.data.view(-1), (0, new_optimizer.get_param_padding_size(param))
+        )
         piece = padded.chunk(dist.get_world_size())[dist.get_rank()]
         masters_are_pieces &= p_id in working and torch.equal(piece[: master.numel()], master.to(piece.dtype))
     new_booster.load_optimizer(new_optimizer, optim)
@@ -113,7 +117,11 @@ def _case(rank: int, workdir: str, shard: bool, offload: bool) -> dict:
 
 
 def _all_cases(rank: int, world: int, workdir: str) -> dict:
-    return {(shard, offload): _case(rank, workdir, shard, offload) for shard in (True, False) for offload in (False, True)}
+    return {
+        (shard, offload): _case(rank, workdir, shard, offload)
+        for shard in (True, False)
+        for offload in (False, True)
+    }
 
 
 @pytest.mark.distributed

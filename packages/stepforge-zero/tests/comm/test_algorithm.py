@@ -35,8 +35,8 @@ from stepforge.zero.comm.algorithm import (
     resolve_comm_algorithm,
 )
 from stepforge.zero.comm.param_gather import gather_params
-from stepforge.zero.state.partition import build_layout
 from stepforge.zero.low_level import LowLevelZeroOptimizer
+from stepforge.zero.state.partition import build_layout
 
 STEPS = 3
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from stepforge.zero.comm.grad_reducer import MAX_IN_FLIGHT, GradReducer
 from stepforge.zero.comm.buffers import BufferPool, PieceStore
+from stepforge.zero.comm.grad_reducer import MAX_IN_FLIGHT, GradReducer
 from stepforge.zero.state.partition import build_partitions
 
 

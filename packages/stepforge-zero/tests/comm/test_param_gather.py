@@ -15,11 +15,11 @@ import torch
 from torch import nn
 
 from stepforge.testing.distributed import requires_gloo, run_distributed
-from stepforge.zero.plugin.model import LowLevelZeroModel
 from stepforge.zero.comm.param_gather import DIRECT_MIN, GatherInFlight, StagingBuffers, _Entry, launch_gather
-from stepforge.zero.state.partition import build_layout
 from stepforge.zero.low_level import LowLevelZeroOptimizer
 from stepforge.zero.plugin import LowLevelZeroPlugin
+from stepforge.zero.plugin.model import LowLevelZeroModel
+from stepforge.zero.state.partition import build_layout
 
 
 class _RecordingWork:
@@ -263,7 +263,9 @@ def _colossalai_force_wait(rank: int, world: int) -> dict:
 
     def one_step(model: nn.Module, opt: LowLevelZeroOptimizer, run: nn.Module) -> None:
         gen = torch.Generator().manual_seed(7 + rank)
-        opt.backward(((run(torch.randn(8, 16, generator=gen)) - torch.randn(8, 4, generator=gen)) ** 2).mean())
+        opt.backward(
+            ((run(torch.randn(8, 16, generator=gen)) - torch.randn(8, 4, generator=gen)) ** 2).mean()
+        )
         opt.step()
 
     out: dict = {}

@@ -185,4 +185,6 @@ def test_parameters_that_do_not_require_grad_are_not_managed():
     assert model[0].weight.tolist() == [[1.0, 2.0, 3.0, 4.0]] and model[0].weight.grad is None
     assert model[1].weight.tolist() == [[-0.5]]  # 2 - 0.25 * 10
     state = opt.state_dict()
-    assert [g["params"] for g in state["param_groups"]] == [[0]] and list(state["state"]) == []  # SGD: no state
+    assert [g["params"] for g in state["param_groups"]] == [[0]] and list(
+        state["state"]
+    ) == []  # SGD: no state

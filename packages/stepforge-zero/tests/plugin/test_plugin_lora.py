@@ -54,7 +54,10 @@ def test_adapters_join_the_group_of_their_base_weight():
     model = _Model()
     # the optimizer was built over the base model, one group per layer (peft then froze these)
     opt = torch.optim.SGD(
-        [{"params": list(model.first.base_layer.parameters())}, {"params": list(model.second.base_layer.parameters())}],
+        [
+            {"params": list(model.first.base_layer.parameters())},
+            {"params": list(model.second.base_layer.parameters())},
+        ],
         lr=0.1,
     )
     _freeze_base(model)
@@ -67,7 +70,10 @@ def test_adapters_join_the_group_of_their_base_weight():
     ]
     first, second = (list(map(id, g["params"])) for g in opt.param_groups)
     assert first[2:] == [id(model.first.lora_A["default"].weight), id(model.first.lora_B["default"].weight)]
-    assert second[2:] == [id(model.second.lora_A["default"].weight), id(model.second.lora_B["default"].weight)]
+    assert second[2:] == [
+        id(model.second.lora_A["default"].weight),
+        id(model.second.lora_B["default"].weight),
+    ]
     assert add_adapters_to_optimizer(model, opt) == []  # already held: nothing is added twice
 
 

@@ -132,9 +132,9 @@ def _meta_groups() -> list[dict]:
 def test_plan_on_the_meta_device_is_the_geometry_that_is_then_allocated(rank):
     plans = plan_pieces(_meta_groups(), 4, rank, master_weights=True, master_device=None)
     slots, parts = build_partitions(_groups(), 4, rank, master_weights=True, master_device=None)
-    assert [(p.index, p.group, p.numel, p.piece, p.start, p.valid, p.offset, p.separate_master) for p in plans] == [
-        (s.index, s.group, s.numel, s.piece, s.start, s.valid, s.offset, s.separate_master) for s in slots
-    ]
+    assert [
+        (p.index, p.group, p.numel, p.piece, p.start, p.valid, p.offset, p.separate_master) for p in plans
+    ] == [(s.index, s.group, s.numel, s.piece, s.start, s.valid, s.offset, s.separate_master) for s in slots]
     assert [p.master_dtype for p in plans] == [torch.float32] * 4  # bf16 gets an fp32 master
     assert list(partition_sizes(plans).values()) == [p.size for p in parts] == [5, 1, 2]
     assert all(p.master_device.type == "meta" for p in plans)  # nothing was made on a real device
@@ -151,5 +151,7 @@ def test_only_parameters_that_require_grad_are_managed():
     groups = _groups()
     frozen = groups[0]["params"][1].requires_grad_(False)
     managed = managed_param_groups(groups)
-    assert [len(g["params"]) for g in managed] == [2, 1] and all(p is not frozen for p in managed[0]["params"])
+    assert [len(g["params"]) for g in managed] == [2, 1] and all(
+        p is not frozen for p in managed[0]["params"]
+    )
     assert managed[1]["lr"] == 0.1 and len(groups[0]["params"]) == 3  # a new list; the input is left alone

@@ -184,7 +184,9 @@ def test_a_missing_optimizer_type_is_a_type_error_naming_it():
     ):
         with pytest.raises(TypeError, match="optimizer_type='AdamW'") as caught:
             build()
-        assert isinstance(caught.value, MissingArgumentError) and isinstance(caught.value, HyperParameterError)
+        assert isinstance(caught.value, MissingArgumentError) and isinstance(
+            caught.value, HyperParameterError
+        )
 
 
 def test_needs_an_initialised_process_group():

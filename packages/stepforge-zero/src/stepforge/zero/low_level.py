@@ -33,13 +33,13 @@ from torch import nn
 from stepforge.core.precision import DynamicLossScaler, validate_loss_scaler_args
 
 from .comm.grad_reducer import CollectiveCounter, GradReducer
-from .comm.param_gather import GATHER_CHUNK, GatherInFlight, StagingBuffers, gather_params, launch_gather
+from .comm.param_gather import GatherInFlight, StagingBuffers, gather_after_step
 from .config import LowLevelZeroConfig, force_dtype, resolve_config
 from .grads.norm import check_clip_args
-from .grads.pieces import GradPieces, copy_hyperparameters
+from .grads.pieces import GradPieces
 from .state import full, sharded
 from .state.full import zero_scaler_entry
-from .state.inner import cpu_step_error, invalidate_cache, resolve_optimizer
+from .state.inner import invalidate_cache, resolve_optimizer, step_inner
 from .state.partition import ShardLayout, build_layout, managed_param_groups
 
 __all__ = ["LowLevelZeroOptimizer"]
@@ -166,15 +166,15 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
     def _build(self, inner: torch.optim.Optimizer, config: LowLevelZeroConfig) -> None:
         """Partition the trainable parameters, point the inner optimizer at this rank's master pieces and hook
         the gradient reduction."""
-        sharding, comm = config.sharding, config.comm
+        sh, co, st = config.sharding, config.comm, config.step
         self.config = config
         # ColossalAI's and stepforge's attribute names of the settings
-        self.process_group, self._world, self._rank = sharding.process_group, sharding.world_size, sharding.rank
-        self.stage, self.cpu_offload, self.master_weights = sharding.stage, sharding.cpu_offload, sharding.master_weights
-        self.reduce_bucket_size, self.communication = comm.reduce_bucket_size, comm.wire
-        self.comm_algorithm, self.param_gather = comm.algorithm, comm.param_gather
-        self.overlap_communication, self.overlap_allgather = comm.overlap_communication, comm.overlap_allgather
-        self.max_norm, self.norm_type = config.step.max_norm, config.step.norm_type
+        self.process_group, self._world, self._rank = sh.process_group, sh.world_size, sh.rank
+        self.stage, self.cpu_offload, self.master_weights = sh.stage, sh.cpu_offload, sh.master_weights
+        self.reduce_bucket_size, self.communication = co.reduce_bucket_size, co.wire
+        self.comm_algorithm, self.param_gather = co.algorithm, co.param_gather
+        self.overlap_communication, self.overlap_allgather = co.overlap_communication, co.overlap_allgather
+        self.max_norm, self.norm_type = st.max_norm, st.norm_type
         self.verbose, self.backward_context = config.verbose, config.backward_context
         self.optim = inner
         super().__init__(managed_param_groups(inner.param_groups), dict(inner.defaults))
@@ -193,10 +193,10 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         )  # fmt: skip
         self._pieces = GradPieces(self._layout, self._reducer)
         fp16 = any(s.param.dtype == torch.float16 for s in self._layout.slots)
-        self._scaling = config.step.dtype_for_loss_scaling == "fp16" or fp16
+        self._scaling = st.dtype_for_loss_scaling == "fp16" or fp16
         # the overflow verdict must be the same on every rank (each sees only its pieces)
         world_group = self.process_group if self.process_group is not None else dist.group.WORLD
-        self.scaler = DynamicLossScaler(**config.step.scaler, process_group=None if self._world == 1 else world_group)
+        self.scaler = DynamicLossScaler(**st.scaler, process_group=None if self._world == 1 else world_group)
         self._stepped_on_cpu = False
         self._gather: GatherInFlight | None = None  # an overlapped parameter gather still on the wire
         self._staging = StagingBuffers()
@@ -355,7 +355,9 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         agrees), clip (``max_norm``), step the pieces with the inner optimizer and gather them into the
         working parameters."""
         if self._closed:
-            raise RuntimeError("LowLevelZeroOptimizer.step(): the optimizer was closed (close()); build a new one.")
+            raise RuntimeError(
+                "LowLevelZeroOptimizer.step(): the optimizer was closed (close()); build a new one."
+            )
         if not self.require_grad_sync:
             raise RuntimeError(
                 "LowLevelZeroOptimizer.step() was called inside no_sync(); step after the block, once the "
@@ -377,36 +379,17 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
             return loss
         if self.max_norm > 0:
             self.clip_grad_norm_(self.max_norm, self.norm_type)
-        self._step_inner()
-        if self.overlap_allgather and self._world > 1:
-            self._gather = launch_gather(self._layout, self.param_gather, chunk=GATHER_CHUNK, staging=self._staging)
-            self._gather.wait_in_forward()
-        else:
-            gather_params(self._layout, self.param_gather, staging=self._staging)
+        explain = self.cpu_offload and not self._stepped_on_cpu
+        step_inner(self.optim, self._layout, self.param_groups, explain_cpu_failure=explain)
+        self._stepped_on_cpu = True
+        self._gather = gather_after_step(
+            self._layout, self.param_gather, overlap=self.overlap_allgather, staging=self._staging
+        )
         if self._scaling:
             self.scaler.update()
         self._pieces.unscaled = False
         self.last_step_skipped = False
         return loss
-
-    def _step_inner(self) -> None:
-        """The inner optimizer's step over the master pieces, their gradients attached for its duration."""
-        copy_hyperparameters(self.param_groups, self.optim.param_groups)
-        slots = self._layout.slots
-        for slot in slots:
-            if slot.valid:
-                slot.master.grad = slot.grad
-        try:
-            self.optim.step()
-        except (RuntimeError, TypeError, NotImplementedError) as exc:
-            if self.cpu_offload and not self._stepped_on_cpu:
-                raise cpu_step_error(self.optim, exc) from exc
-            raise
-        finally:
-            for slot in slots:
-                slot.master.grad = None
-        self._stepped_on_cpu = True
-        copy_hyperparameters(self.optim.param_groups, self.param_groups)
 
     def wait_for_param_gather(self) -> None:
         """Finish an overlapped parameter gather (``overlap_allgather``): afterwards every working parameter
@@ -492,7 +475,10 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
 
     # -- state dicts ---------------------------------------------------------------------------------------
     def _zero_extras(self) -> dict[str, Any]:
-        return {"loss_scaler": zero_scaler_entry(self.scaler.state_dict()), "skipped_steps": self.skipped_steps}
+        return {
+            "loss_scaler": zero_scaler_entry(self.scaler.state_dict()),
+            "skipped_steps": self.skipped_steps,
+        }
 
     def scaler_state_dict(self) -> dict[str, Any] | None:
         """``None``: the loss scaler's state is part of this optimizer's own state (under

@@ -31,7 +31,12 @@ from stepforge.core import OPTIMIZERS, HyperParameterError, StepforgeError
 
 from .comm.arrival import ArrivalTimeout, wait_for_all_ranks
 
-__all__ = ["ZeroRedundancyOptimizer", "CollectiveCallError", "MissingArgumentError", "DEFAULT_CONSOLIDATE_TIMEOUT"]
+__all__ = [
+    "ZeroRedundancyOptimizer",
+    "CollectiveCallError",
+    "MissingArgumentError",
+    "DEFAULT_CONSOLIDATE_TIMEOUT",
+]
 
 #: Seconds every rank of the group gets to enter ``state_dict()``/``consolidate_state_dict()``.
 DEFAULT_CONSOLIDATE_TIMEOUT = 60.0

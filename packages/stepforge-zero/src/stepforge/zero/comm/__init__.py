@@ -2,8 +2,9 @@
 """Everything ZeRO sends between ranks.
 
 - :mod:`.grad_reducer`: gradients taken from backward hooks, bucketed and reduced into this rank's pieces
-  (:class:`~.grad_reducer.GradReducer`), and :func:`~.grad_reducer.plan_buckets` (the buckets a backward
-  launches, without tensors).
+  (:class:`~.grad_reducer.GradReducer`).
+- :mod:`.bucket_layout`: how a bucket is laid out (rank-major rows) and :func:`~.bucket_layout.plan_buckets`,
+  the buckets a backward launches, computed without tensors.
 - :mod:`.algorithm`: which collective reduces a bucket (``reduce_scatter``, ``all_reduce``, ``all_to_all``) and the
   default bucket size per backend.
 - :mod:`.wire`: how a bucket travels (as it is, cast to ``communication_dtype``, or as fp8 bytes).

@@ -20,7 +20,8 @@ are added into the slots' fp32 (master-dtype) gradient pieces when :meth:`GradRe
 clipping or stepping), or as soon as more than ``MAX_IN_FLIGHT`` buckets are in flight. A callback queued on the
 autograd engine launches the last partial bucket at the end of every backward, so at most the buckets in flight
 exist beside the shards. The pieces and the bucket buffers are reused from step to step (:mod:`.buffers`):
-the first reduction of a step copies into the pieces, later ones add into them.
+the first reduction of a step copies into the pieces, later ones add into them. How a bucket is laid out, and
+which buckets a backward launches, are pure functions of :mod:`.bucket_layout`.
 
 While :attr:`GradReducer.enabled` is ``False`` (``no_sync``), hooks leave ``.grad`` alone: full local
 gradients accumulate as usual and are reduced once, by the first synchronised backward or by :meth:`flush_local`.
@@ -32,7 +33,6 @@ reaches a managed parameter (or :meth:`GradReducer.discard`), so calling it agai
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,46 +40,16 @@ import torch
 
 from stepforge.core.torch_compat import queue_backward_callback
 
-from .buffers import BufferPool, PieceStore
 from ..state.partition import Slot
+from .bucket_layout import pool_buffer_numel, write_own_row_last, write_rank_major
+from .buffers import BufferPool, PieceStore
 from .wire import WireFormat
 
-__all__ = [
-    "GradReducer",
-    "CollectiveCounter",
-    "MAX_IN_FLIGHT",
-    "plan_buckets",
-    "pool_buffer_numel",
-    "write_rank_major",
-    "write_own_row_last",
-]
+__all__ = ["GradReducer", "CollectiveCounter", "MAX_IN_FLIGHT"]
 
 #: asynchronous bucket reductions allowed in flight; launching one more first finishes the oldest, so a rank
 #: holds at most its pieces plus this many buckets (and the one being filled) during backward
 MAX_IN_FLIGHT = 2
-
-
-def plan_buckets(pieces: Iterable[int], bucket_size: int, world_size: int) -> list[int]:
-    """The padded element counts of the buckets one backward launches when gradients of one dtype arrive with
-    these per-rank ``pieces``, in this order: each adds ``piece * world_size`` to the open bucket, which launches
-    once it holds ``bucket_size``; the last, partial one launches at the end of backward. No tensor is made, so
-    it answers for a model on the ``meta`` device (the reducer launches exactly these)."""
-    buckets: list[int] = []
-    elements = 0
-    for piece in pieces:
-        elements += piece * world_size
-        if elements >= bucket_size:
-            buckets.append(elements)
-            elements = 0
-    if elements:
-        buckets.append(elements)
-    return buckets
-
-
-def pool_buffer_numel(bucket_size: int, pieces: Iterable[int], world_size: int) -> int:
-    """The smallest buffer the reducer's pool allocates: a bucket, so buckets of different sizes share buffers,
-    but never more than every piece padded (``sum(pieces) * world_size``). Pure, as :func:`plan_buckets`."""
-    return min(bucket_size, sum(pieces) * world_size)
 
 
 class CollectiveCounter:
@@ -97,36 +67,6 @@ class CollectiveCounter:
     def reductions(self) -> int:
         """Bucket reductions launched, whatever the algorithm."""
         return self.reduce_scatter + self.all_reduce + self.all_to_all
-
-
-def write_rank_major(dst: torch.Tensor, grad: torch.Tensor, divisor: int) -> None:
-    """``dst`` (``(W, piece)``, rows may be strided) = ``grad`` flattened, zero-padded to ``W * piece`` and divided
-    by ``divisor`` (1: copied), in one pass over ``grad``."""
-    world, piece = dst.shape
-    flat = grad.reshape(-1)
-    full, rest = divmod(flat.numel(), piece)
-    rows = [(dst[:full], flat[: full * piece].view(full, piece))] if full else []
-    if rest:
-        rows.append((dst[full, :rest], flat[full * piece :]))
-        dst[full, rest:].zero_()
-    for target, source in rows:
-        if divisor == 1:
-            target.copy_(source)
-        else:
-            torch.div(source, divisor, out=target)
-    if full + (1 if rest else 0) < world:
-        dst[full + (1 if rest else 0) :].zero_()
-
-
-def write_own_row_last(dst: torch.Tensor, grad: torch.Tensor, divisor: int, rank: int) -> None:
-    """:func:`write_rank_major` with rank ``rank``'s row moved to the end: ``dst`` rows ``0 .. W-2`` hold the other
-    ranks' pieces in rank order (the input of an exchange that skips this rank) and row ``W-1`` this rank's."""
-    world, piece = dst.shape
-    flat = grad.reshape(-1)
-    # (first logical row, end logical row, first physical row)
-    for first, end, at in ((0, rank, 0), (rank, rank + 1, world - 1), (rank + 1, world, rank)):
-        if end > first:
-            write_rank_major(dst[at : at + end - first], flat[first * piece : end * piece], divisor)
 
 
 class _Bucket:
@@ -191,7 +131,8 @@ class GradReducer:
         self.pieces = PieceStore(slots)
         # buffers of at least a bucket, so buckets of different sizes share them, but never more than the model
         self.pool = BufferPool(
-            keep=MAX_IN_FLIGHT + 1, min_numel=pool_buffer_numel(bucket_size, (s.piece for s in slots), world_size)
+            keep=MAX_IN_FLIGHT + 1,
+            min_numel=pool_buffer_numel(bucket_size, (s.piece for s in slots), world_size),
         )
         self._buckets: dict[torch.dtype, _Bucket] = {}
         self._in_flight: list[_Flight] = []

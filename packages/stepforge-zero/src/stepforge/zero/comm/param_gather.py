@@ -30,10 +30,18 @@ import torch
 import torch.distributed as dist
 from torch.nn.modules.module import register_module_forward_pre_hook
 
-from .collectives import all_gather
 from ..state.partition import Partition, ShardLayout, Slot, local_range
+from .collectives import all_gather
 
-__all__ = ["DIRECT_MIN", "GATHER_CHUNK", "GatherInFlight", "StagingBuffers", "launch_gather", "gather_params"]
+__all__ = [
+    "DIRECT_MIN",
+    "GATHER_CHUNK",
+    "GatherInFlight",
+    "StagingBuffers",
+    "launch_gather",
+    "gather_params",
+    "gather_after_step",
+]
 
 #: parameters with at least this many elements are gathered by ``"broadcast"`` in place: each rank's piece is
 #: broadcast straight from and into the working parameter's own memory (no staging buffer, no copy back). Smaller
@@ -293,3 +301,17 @@ def gather_params(
 ) -> None:
     """:func:`launch_gather` and wait for all of it: one all-gather per partition, or the broadcasts."""
     launch_gather(layout, method, direct_min=direct_min, staging=staging).wait_all()
+
+
+def gather_after_step(
+    layout: ShardLayout, method: str, *, overlap: bool, staging: StagingBuffers
+) -> GatherInFlight | None:
+    """The gather at the end of a step: waited at once, or with ``overlap`` (over more than one rank) launched
+    in chunks of :data:`GATHER_CHUNK` and left for each module's next forward to wait for; the gather in flight
+    is returned, for the caller to wait on before it reads or writes the parameters itself."""
+    if overlap and layout.world_size > 1:
+        flight = launch_gather(layout, method, chunk=GATHER_CHUNK, staging=staging)
+        flight.wait_in_forward()
+        return flight
+    gather_params(layout, method, staging=staging)
+    return None

@@ -9,8 +9,6 @@ from backward hooks) and is owned by ``LowLevelZeroOptimizer``; the optimizer de
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 
@@ -18,22 +16,10 @@ from stepforge.core.precision import DynamicLossScaler
 
 from ..comm.collectives import all_gather, all_reduce_small
 from ..comm.grad_reducer import GradReducer
-from .norm import check_clip_args, clip_, global_norm
 from ..state.partition import ShardLayout, Slot
+from .norm import check_clip_args, clip_, global_norm
 
-__all__ = ["GradPieces", "copy_hyperparameters"]
-
-
-def copy_hyperparameters(source: list[dict[str, Any]], target: list[dict[str, Any]]) -> None:
-    """Every key but ``"params"`` of each ``source`` group into the matching ``target`` group.
-
-    Edits between steps (schedulers, users) live in the wrapper's groups and go to the inner optimizer before
-    its step; what the inner optimizer keeps in its groups (a per-group step count) comes back after it.
-    """
-    for theirs, ours in zip(source, target, strict=True):
-        for key, value in theirs.items():
-            if key != "params":
-                ours[key] = value
+__all__ = ["GradPieces"]
 
 
 class GradPieces:

@@ -43,16 +43,18 @@ def add_adapters_to_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer
     group_of_base: dict[str, int] = {}
     for name, param in named:
         if ".base_layer." in name and id(param) in held:
-            prefix = name[: name.index(".base_layer.") + len(".base_layer.")]
-            group_of_base.setdefault(prefix, held[id(param)])
+            layer = name[: name.index(".base_layer.") + len(".base_layer.")]
+            group_of_base.setdefault(layer, held[id(param)])
     added: list[str] = []
     for name, param in named:
-        prefix = _base_prefix(name)
-        if prefix is None or not param.requires_grad or id(param) in held:
+        base = _base_prefix(name)
+        if base is None or not param.requires_grad or id(param) in held:
             continue
-        group = group_of_base.get(prefix)
+        group = group_of_base.get(base)
         if group is None:
-            logger.warning("LoRA parameter %s: its base layer is not in the optimizer; it will not be trained", name)
+            logger.warning(
+                "LoRA parameter %s: its base layer is not in the optimizer; it will not be trained", name
+            )
             continue
         optimizer.param_groups[group]["params"].append(param)
         held[id(param)] = group

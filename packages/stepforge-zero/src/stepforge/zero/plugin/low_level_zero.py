@@ -225,7 +225,9 @@ class LowLevelZeroPlugin(PluginBase):
             return wrapped, None
         add_adapters_to_optimizer(module, optimizer)  # LoRA adapters the optimizer does not hold yet
         extra_dp_group, dp_process_group = self._groups
-        zero = LowLevelZeroOptimizer(optimizer, **self.options.optimizer_kwargs(dp_process_group, extra_dp_group))
+        zero = LowLevelZeroOptimizer(
+            optimizer, **self.options.optimizer_kwargs(dp_process_group, extra_dp_group)
+        )
         wrapped.bind_optimizer(zero)
         self._optimizers.append(zero)
         return wrapped, zero

@@ -18,7 +18,16 @@ import torch
 
 from stepforge.core import OPTIMIZERS, CachingOptimizer, HyperParameterError, build_optimizer
 
-__all__ = ["resolve_optimizer", "CPU_ADAM_FAMILY", "cpu_step_error", "invalidate_cache"]
+from .partition import ShardLayout
+
+__all__ = [
+    "resolve_optimizer",
+    "CPU_ADAM_FAMILY",
+    "copy_hyperparameters",
+    "cpu_step_error",
+    "invalidate_cache",
+    "step_inner",
+]
 
 #: registry names that CPU offload turns into ``CPUAdam`` (value: its ``adamw_mode``)
 CPU_ADAM_FAMILY = {"adam": False, "adamw": True, "fusedadam": None, "hybridadam": None}
@@ -102,3 +111,46 @@ def invalidate_cache(inner: torch.optim.Optimizer) -> None:
     """Drop ``inner``'s cached tensor lists (after its params or state were swapped); no-op for others."""
     if isinstance(inner, CachingOptimizer):
         inner.invalidate_cache()
+
+
+def copy_hyperparameters(source: list[dict[str, Any]], target: list[dict[str, Any]]) -> None:
+    """Every key but ``"params"`` of each ``source`` group into the matching ``target`` group.
+
+    Edits between steps (schedulers, users) live in the wrapper's groups and go to the inner optimizer before
+    its step; what the inner optimizer keeps in its groups (a per-group step count) comes back after it.
+    """
+    for theirs, ours in zip(source, target, strict=True):
+        for key, value in theirs.items():
+            if key != "params":
+                ours[key] = value
+
+
+def step_inner(
+    inner: torch.optim.Optimizer,
+    layout: ShardLayout,
+    param_groups: list[dict[str, Any]],
+    *,
+    explain_cpu_failure: bool,
+) -> None:
+    """One step of ``inner`` over this rank's master pieces: the wrapper's ``param_groups`` hyper-parameters go in,
+    each slot's reduced gradient piece is the master's ``.grad`` for the step only, and what the inner optimizer
+    keeps in its groups comes back.
+
+    Raises:
+        RuntimeError: with ``explain_cpu_failure`` (CPU offload, first step), an inner optimizer that cannot step
+            the CPU pieces: :func:`cpu_step_error`'s message.
+    """
+    copy_hyperparameters(param_groups, inner.param_groups)
+    for slot in layout.slots:
+        if slot.valid:
+            slot.master.grad = slot.grad
+    try:
+        inner.step()
+    except (RuntimeError, TypeError, NotImplementedError) as exc:
+        if explain_cpu_failure:
+            raise cpu_step_error(inner, exc) from exc
+        raise
+    finally:
+        for slot in layout.slots:
+            slot.master.grad = None
+    copy_hyperparameters(inner.param_groups, param_groups)
