@@ -68,7 +68,8 @@ def peft_model_of(model: nn.Module) -> Any:
     from peft import PeftModel
 
     inner = model.unwrap(unwrap_peft=False) if isinstance(model, ModelWrapper) else model
-    for _ in range(8):  # a plugin's own wrapper (stepforge-zero's LowLevelZeroModel) holds the PeftModel inside
+    # a plugin's own wrapper (stepforge-zero's LowLevelZeroModel) holds the PeftModel inside
+    for _ in range(8):
         if isinstance(inner, PeftModel) or not isinstance(inner, WrappedModel):
             break
         inner = inner.unwrap()
