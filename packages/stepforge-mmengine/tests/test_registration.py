@@ -118,6 +118,16 @@ def test_override_works_before_or_after_mmengines_runner_is_imported(imports):
     assert out.stdout.strip().endswith("ok")
 
 
+def test_zero_redundancy_optimizer_without_optimizer_type_is_a_type_error_through_mmengine():
+    # mmengine's test_zero_redundancy_optimizer: a config without optimizer_type must raise TypeError (mmengine's
+    # builder re-raises the same exception type with the class named in front)
+    cfg = dict(
+        optimizer=dict(type="StepforgeZeroRedundancyOptimizer", lr=0.01, weight_decay=0.9, momentum=1e-4)
+    )
+    with pytest.raises(TypeError, match="optimizer_type"):
+        build_optim_wrapper(torch.nn.Linear(2, 2), cfg)
+
+
 def test_register_all_is_idempotent():
     before = sm.registered_names()
     assert sm.register_all() == before
