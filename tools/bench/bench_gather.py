@@ -7,7 +7,7 @@ the exchanges either scheme runs on the gradients (DDP's all-reduce of P, ZeRO's
 P = the model's parameter bytes; every rank runs ``torch.set_num_threads(1)``; each row is the mean of ``--reps``
 calls between barriers, slowest rank.
 
-Gather variants (``stepforge.zero._param_gather.launch_gather`` on a ``LowLevelZeroOptimizer``'s layout, waited;
+Gather variants (``stepforge.zero.comm.param_gather.launch_gather`` on a ``LowLevelZeroOptimizer``'s layout, waited;
 the bench times this internal directly, as the zero package's tests do, because no public call runs the gather
 without the optimizer step around it):
 
@@ -68,8 +68,8 @@ def _worker(rank: int, world: int, args: argparse.Namespace, out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
     from stepforge.fused import CPUAdam
     from stepforge.zero import LowLevelZeroOptimizer
-    from stepforge.zero._param_gather import StagingBuffers, launch_gather
-    from stepforge.zero._wire import WireFormat
+    from stepforge.zero.comm.param_gather import StagingBuffers, launch_gather
+    from stepforge.zero.comm.wire import WireFormat
 
     torch.manual_seed(0)
     model = ByteGPT(args.d_model, args.layers, args.heads, args.seq_len)

@@ -85,6 +85,49 @@ def test_override_takes_the_colossalai_names_in_a_fresh_process():
     assert out.stdout.strip().endswith("ok")
 
 
+_OVERRIDE_FIRST = "import stepforge.mmengine.override\nfrom mmengine.runner import FlexibleRunner, Runner\n"
+_RUNNER_FIRST = "from mmengine.runner import FlexibleRunner, Runner\nimport stepforge.mmengine.override\n"
+# a config's custom_imports, processed as Config.fromfile(import_custom_modules=True) does, before the runner
+_CUSTOM_IMPORTS = (
+    "from mmengine.config import Config\n"
+    "from mmengine.utils import import_modules_from_strings\n"
+    "cfg = Config(dict(custom_imports=dict(imports=['stepforge.mmengine.override'], allow_failed_imports=False)))\n"
+    "import_modules_from_strings(**cfg.custom_imports)\n"
+    "from mmengine.runner import FlexibleRunner, Runner\n"
+)
+
+
+@pytest.mark.parametrize(
+    "imports",
+    [_OVERRIDE_FIRST, _RUNNER_FIRST, _CUSTOM_IMPORTS],
+    ids=["override-first", "runner-first", "custom-imports-first"],
+)
+def test_override_works_before_or_after_mmengines_runner_is_imported(imports):
+    # mmengine's own _strategy/colossalai.py registers ColossalAIOptimWrapper (without force) when the runner is
+    # first imported; the override must neither collide with it nor be undone by it, in either order
+    code = imports + (
+        "from mmengine.registry import OPTIM_WRAPPERS, STRATEGIES\n"
+        "import stepforge.mmengine\n"
+        "from stepforge.strategy import ColossalAIOptimWrapper\n"
+        "assert OPTIM_WRAPPERS.get('ColossalAIOptimWrapper') is ColossalAIOptimWrapper\n"
+        "assert STRATEGIES.get('ColossalAIStrategy') is stepforge.mmengine.StepforgeColossalAIStrategy\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().endswith("ok")
+
+
+def test_zero_redundancy_optimizer_without_optimizer_type_is_a_type_error_through_mmengine():
+    # mmengine's test_zero_redundancy_optimizer: a config without optimizer_type must raise TypeError (mmengine's
+    # builder re-raises the same exception type with the class named in front)
+    cfg = dict(
+        optimizer=dict(type="StepforgeZeroRedundancyOptimizer", lr=0.01, weight_decay=0.9, momentum=1e-4)
+    )
+    with pytest.raises(TypeError, match="optimizer_type"):
+        build_optim_wrapper(torch.nn.Linear(2, 2), cfg)
+
+
 def test_register_all_is_idempotent():
     before = sm.registered_names()
     assert sm.register_all() == before

@@ -12,7 +12,9 @@ same thing with or without ColossalAI installed.
 Opt-in override: :func:`register_all` with ``override=True`` (what importing ``stepforge.mmengine.override``
 does, e.g. from ``custom_imports``) also registers the ColossalAI names — the optimizers above, the
 ``ColossalAIOptimWrapper`` and the ``ColossalAIStrategy`` — with ``force=True``, replacing mmengine's
-ColossalAI entries, so an existing ColossalAI config runs on stepforge unchanged. mmengine's own
+ColossalAI entries, so an existing ColossalAI config runs on stepforge unchanged. It works whatever the import
+order: mmengine's own ColossalAI module is imported first (``import mmengine.runner``), so its registrations never
+collide with ours. mmengine's own
 ``OptimWrapper``/``AmpOptimWrapper``/``ZeroRedundancyOptimizer`` are never replaced (the plain ``Runner`` and
 mmengine's schedulers rely on them).
 
@@ -23,6 +25,7 @@ of them with the same semantics).
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from mmengine.registry import MODEL_WRAPPERS, OPTIM_WRAPPERS, OPTIMIZERS, PARAM_SCHEDULERS, STRATEGIES
@@ -64,6 +67,17 @@ def _stepforge_entries(registry: Any) -> dict[str, Any]:
     return out
 
 
+def _import_mmengine_colossalai_entries() -> None:
+    """Let mmengine register its own ColossalAI entries before ours replace them.
+
+    mmengine's ``mmengine/_strategy/colossalai.py`` registers ``ColossalAIOptimWrapper`` and ``ColossalAIStrategy``
+    without ``force`` when it is first imported, which ``import mmengine.runner`` does (through the
+    ``FlexibleRunner``). Were ours registered first, that later import would fail with "already registered"; so
+    the runner package is imported here, whatever the order of the user's imports, and ours go in after it.
+    """
+    importlib.import_module("mmengine.runner")
+
+
 def register_all(*, override: bool = False) -> dict[str, list[str]]:
     """Register stepforge's objects in mmengine's registries; idempotent.
 
@@ -87,6 +101,7 @@ def register_all(*, override: bool = False) -> dict[str, list[str]]:
     _put(STRATEGIES, "strategy", "StepforgeColossalAIStrategy", StepforgeColossalAIStrategy)
     _put(MODEL_WRAPPERS, "model_wrapper", "StepforgeModelWrapper", StepforgeModelWrapper)
     if override:
+        _import_mmengine_colossalai_entries()
         for name in COLOSSALAI_NAMES["optimizer"]:
             if name in optimizers:
                 _put(OPTIMIZERS, "optimizer", name, optimizers[name])

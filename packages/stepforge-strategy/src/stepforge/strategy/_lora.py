@@ -10,6 +10,8 @@ from typing import Any
 
 from torch import nn
 
+from stepforge.core import WrappedModel
+
 from .boosted_model import ModelWrapper
 
 __all__ = ["require_peft", "enable_lora", "peft_model_of"]
@@ -55,7 +57,8 @@ def enable_lora(
 
 
 def peft_model_of(model: nn.Module) -> Any:
-    """The ``peft.PeftModel`` inside a boosted (or plain) model.
+    """The ``peft.PeftModel`` inside a boosted (or plain) model, under the Booster's ``ModelWrapper`` or a
+    plugin's own :class:`stepforge.core.WrappedModel`.
 
     Raises:
         ImportError: peft is missing.
@@ -65,6 +68,11 @@ def peft_model_of(model: nn.Module) -> Any:
     from peft import PeftModel
 
     inner = model.unwrap(unwrap_peft=False) if isinstance(model, ModelWrapper) else model
+    # a plugin's own wrapper (stepforge-zero's LowLevelZeroModel) holds the PeftModel inside
+    for _ in range(8):
+        if isinstance(inner, PeftModel) or not isinstance(inner, WrappedModel):
+            break
+        inner = inner.unwrap()
     if not isinstance(inner, PeftModel):
         raise ValueError(
             "save_lora_as_pretrained: the model has no LoRA adapters; call booster.enable_lora(model, "

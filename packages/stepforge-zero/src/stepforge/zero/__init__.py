@@ -10,6 +10,11 @@
   DCP-sharded and full state dicts); see ``docs/low_level.md``.
 - :class:`LowLevelZeroPlugin` (``plugin="low_level_zero"``, ``"zero1"``, ``"zero2"``): ColossalAI's plugin
   signature for the Booster of stepforge-strategy.
+
+Where things live: :mod:`.low_level` (the optimizer class), :mod:`.config` (its settings), :mod:`.comm` (every
+collective: gradient reduction, wire format, parameter gather, process groups), :mod:`.state` (partition of the
+parameters into pieces, the inner optimizer, full and sharded state dicts), :mod:`.grads` (sync once, unscale,
+clip), :mod:`.plugin` (the Booster plugin and its model wrapper), :mod:`.zero_redundancy`.
 """
 
 from __future__ import annotations
@@ -24,7 +29,12 @@ from .plugin import (
     Zero1Plugin,
     Zero2Plugin,
 )
-from .zero_redundancy import DEFAULT_CONSOLIDATE_TIMEOUT, CollectiveCallError, ZeroRedundancyOptimizer
+from .zero_redundancy import (
+    DEFAULT_CONSOLIDATE_TIMEOUT,
+    CollectiveCallError,
+    MissingArgumentError,
+    ZeroRedundancyOptimizer,
+)
 
 __all__ = [
     "__version__",
@@ -33,6 +43,7 @@ __all__ = [
     "LowLevelZeroModel",
     "LowLevelZeroOptimizer",
     "LowLevelZeroPlugin",
+    "MissingArgumentError",
     "PRECISIONS",
     "UnsupportedPrecisionError",
     "Zero1Plugin",

@@ -1,22 +1,22 @@
 # SPDX-License-Identifier: Apache-2.0
 """``LowLevelZeroOptimizer``: ZeRO-1/2 over ``torch.distributed`` with fp32 masters, loss scaling and CPU offload.
 
-::
-
-    opt = LowLevelZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), stage=2)
-    for batch in loader:
-        opt.backward(model(batch).loss)      # or loss.backward() when no fp16 loss scaling is needed
-        opt.step()
-        opt.zero_grad()
-
-Each rank holds only its piece (``torch.chunk`` layout, see :mod:`stepforge.zero._partition`) of every
+``opt = LowLevelZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), stage=2)``, then per batch
+``opt.backward(loss)`` (or ``loss.backward()`` without fp16 loss scaling), ``opt.step()``, ``opt.zero_grad()``.
+Each rank holds only its piece (``torch.chunk`` layout, :mod:`stepforge.zero.state.partition`) of every trainable
 parameter's master weights, gradient and optimizer state; the inner optimizer steps those pieces, and the
-updated pieces are all-gathered into the working parameters (one collective per (param group, dtype)).
-Gradients are averaged over the ranks as DDP does. See ``docs/low_level.md`` for the trade-offs.
+updated pieces are gathered into the working parameters (:mod:`stepforge.zero.comm.param_gather`). Gradients are
+averaged over the ranks as DDP does, in buckets reduced from backward hooks (:mod:`stepforge.zero.comm`).
+See ``docs/low_level.md`` for the trade-offs.
 
 Gradient synchronisation happens once per step, at :meth:`LowLevelZeroOptimizer.sync_grads`: the first of
 ``scale_grads_``, ``unscale_``, ``clip_grad_norm_`` and ``step`` calls it, and the later ones find the step's
 gradients already final (a backward in between re-opens it).
+
+Why this module runs past 400 lines: it is one class with ColossalAI's whole public member list (``torch.optim``
+interface, gradients, master weights, state dicts, lifetime: 45 members, each with its docstring), and each
+member is a few lines over the concern packages that do the work (:mod:`~stepforge.zero.comm`,
+:mod:`~stepforge.zero.state`, :mod:`~stepforge.zero.grads`); :mod:`stepforge.zero.config` holds its settings.
 """
 
 from __future__ import annotations
@@ -28,21 +28,19 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from stepforge.core import HyperParameterError
 from stepforge.core.precision import DynamicLossScaler, validate_loss_scaler_args
 
-from ._algorithm import COLOSSAL_OPTIMIZER_BUCKET_SIZE, default_bucket_size, resolve_comm_algorithm
-from ._args import check_args, force_dtype, group_facts, resolve_args, resolve_param_gather
-from ._buckets import GradReducer
-from ._colossal_members import ColossalAIMembers
-from ._grad_members import GradientMembers
-from ._grad_norm import check_clip_args
-from ._grad_pieces import GradPieces, copy_hyperparameters
-from ._offload import cpu_step_error, invalidate_cache, resolve_optimizer
-from ._param_gather import GATHER_CHUNK, GatherInFlight, StagingBuffers, gather_params, launch_gather
-from ._partition import ShardLayout, build_layout
-from ._state_members import StateDictMembers
+from .comm.grad_reducer import CollectiveCounter, GradReducer
+from .comm.param_gather import GatherInFlight, StagingBuffers, gather_after_step
+from .config import LowLevelZeroConfig, force_dtype, resolve_config
+from .grads.norm import check_clip_args
+from .grads.pieces import GradPieces
+from .state import full, sharded
+from .state.full import zero_scaler_entry
+from .state.inner import invalidate_cache, resolve_optimizer, step_inner
+from .state.partition import ShardLayout, build_layout, managed_param_groups
 
 __all__ = ["LowLevelZeroOptimizer"]
 
@@ -50,11 +48,14 @@ __all__ = ["LowLevelZeroOptimizer"]
 logger = logging.getLogger("stepforge.zero")
 
 
-class LowLevelZeroOptimizer(GradientMembers, ColossalAIMembers, StateDictMembers, torch.optim.Optimizer):
+class LowLevelZeroOptimizer(torch.optim.Optimizer):
     """ZeRO stage 1 or 2 around any optimizer whose param groups hold the model's working parameters.
 
     ColossalAI's constructor, its names, order and defaults (``colossalai.zero.LowLevelZeroOptimizer``), plus
-    stepforge's keyword-only names; a setting given under both names must agree. See the README's table.
+    stepforge's keyword-only names; a setting given under both names must agree. See the README's table. As in
+    ColossalAI, only parameters that require grad are managed (a LoRA model's frozen base weights get no
+    master, state or gather). The settings are kept as :class:`~stepforge.zero.config.LowLevelZeroConfig`
+    (:attr:`config`).
 
     Args:
         optimizer: a built optimizer (``torch.optim``, stepforge, ...) over the working parameters, or a
@@ -62,48 +63,40 @@ class LowLevelZeroOptimizer(GradientMembers, ColossalAIMembers, StateDictMembers
         pg_to_param_list: ColossalAI's ``{group or (extra_dp_group, dp_group): parameters}`` with ONE group
             holding every parameter (several groups, MoE experts, are refused). A non-mapping here is read as
             ``params`` (stepforge's earlier second argument).
-        initial_scale: the dynamic loss scaler (fp16 working parameters, or ``dtype_for_loss_scaling="fp16"``).
-        min_scale: as ``initial_scale``.
-        growth_factor: as ``initial_scale``.
-        backoff_factor: as ``initial_scale``.
-        growth_interval: as ``initial_scale``.
-        hysteresis: as ``initial_scale``.
-        max_scale: as ``initial_scale``.
+        initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis, max_scale: the
+            dynamic loss scaler (fp16 working parameters, or ``dtype_for_loss_scaling="fp16"``).
         clip_grad_norm: clip the global gradient norm to this in every :meth:`step` (0: off); ``max_norm``.
         verbose: log skipped steps and the sharding set-up at INFO on the ``stepforge.zero`` logger.
-        reduce_bucket_size: elements per gradient bucket (padded element count); ``None``: 4 Mi on gloo
-            (measured, see ``_algorithm.GLOO_BUCKET_SIZE``), ColossalAI's 1 Mi elsewhere.
+        reduce_bucket_size: elements per gradient bucket (padded count); ``None``: 4 Mi on gloo (measured, see
+            ``stepforge.zero.comm.algorithm.GLOO_BUCKET_SIZE``), ColossalAI's 1 Mi elsewhere.
         communication_dtype: the dtype gradients are reduced in on the wire (``None``: their own).
         overlap_communication: launch the bucket reductions asynchronously during backward.
         partition_grad: ZeRO-2 (gradients reduce-scattered); ``stage``.
-        cpu_offload: keep masters, gradient pieces and optimizer state on the CPU and step them there
-            (an Adam-family config becomes stepforge-fused's ``CPUAdam`` when installed).
+        cpu_offload: keep masters, gradient pieces and optimizer state on the CPU and step them there (an
+            Adam-family config becomes stepforge-fused's ``CPUAdam`` when installed).
         dp_process_group: the data-parallel group (``None``: the default group); ``process_group``.
-        extra_dp_group: with ``dp_process_group``: shard over the 2-D grid of both groups (see :mod:`._hybrid`;
-            collective over the default group at construction).
+        extra_dp_group: with ``dp_process_group``: shard over the 2-D grid of both groups
+            (:mod:`stepforge.zero.comm.grid`; collective over the default group at construction).
         forced_dtype: convert every working parameter to this dtype first (in place).
-        master_weights: fp32 masters for fp16/bf16 working parameters (``False``: the working pieces
-            themselves are stepped; no fp32 copy).
+        master_weights: fp32 masters for fp16/bf16 working parameters (``False``: the working pieces themselves
+            are stepped; no fp32 copy).
         overlap_allgather: launch the gather of the updated pieces at the end of :meth:`step` and return; each
-            module's next forward waits for its own parameters only (a global forward pre-hook), so the gather
-            overlaps the next forward. Until then the working parameters are stale: read them through the
-            plugin's model (its ``state_dict``/``unwrap`` wait) or call :meth:`wait_for_param_gather` first;
-            this optimizer's own methods wait by themselves.
-        fp8_communication: gradients travel as fp8 bytes and are summed in fp32 (see :mod:`._wire`).
+            module's next forward waits for its own parameters only (a global forward pre-hook). Until then the
+            working parameters are stale: read them through the plugin's model (its ``state_dict``/``unwrap``
+            wait) or call :meth:`wait_for_param_gather` first; this optimizer's own methods wait by themselves.
+        fp8_communication: gradients travel as fp8 bytes and are summed in fp32 (:mod:`stepforge.zero.comm.wire`).
         backward_context: a callable returning a context manager entered around each backward.
         params: the parameters (module, tensors or param-group dicts) for a config ``optimizer``.
         stage: 1 (gradients all-reduced, each rank keeps its piece) or 2 (reduce-scattered from backward hooks).
-        max_norm: stepforge's name of ``clip_grad_norm``.
-        process_group: stepforge's name of ``dp_process_group``.
+        max_norm: stepforge's name of ``clip_grad_norm``; process_group: of ``dp_process_group``.
         norm_type: the norm of ``max_norm`` clipping (2; ``inf`` allowed).
         dtype_for_loss_scaling: ``"fp16"`` forces loss scaling, ``None`` turns it on when a working parameter
             is fp16.
-        param_gather: how updated pieces reach every rank: ``"all_gather"`` (one ``all_gather_into_tensor``
-            per partition), ``"broadcast"`` (one broadcast per rank and partition; gloo's broadcast is several
-            times faster than its all-gather on the CPU), ``None``: broadcast on gloo, all-gather elsewhere.
-        comm_algorithm: ``"reduce_scatter"``, ``"all_reduce"`` (each rank reads its pieces of the reduced
-            bucket: same 1/N memory), ``"all_to_all"`` (a reduce-scatter by ``all_to_all_single`` and a local sum:
-            about twice as fast as either on gloo) or ``"auto"``; see :mod:`stepforge.zero._algorithm`.
+        param_gather: how updated pieces reach every rank: ``"all_gather"``, ``"broadcast"`` (gloo's broadcast
+            is several times faster than its all-gather on the CPU), ``None``: broadcast on gloo, all-gather
+            elsewhere.
+        comm_algorithm: ``"reduce_scatter"``, ``"all_reduce"``, ``"all_to_all"`` or ``"auto"`` (see
+            :mod:`stepforge.zero.comm.algorithm`).
 
     Attributes:
         last_step_skipped: whether the last :meth:`step` was skipped for an fp16 overflow.
@@ -111,6 +104,8 @@ class LowLevelZeroOptimizer(GradientMembers, ColossalAIMembers, StateDictMembers
     """
 
     _built = False  # set once the partitions exist: add_param_group is refused from then on
+    _closed = False
+    _last_grad_norm: float | None = None  # set by clip_grad_norm_ (and so by a step with max_norm > 0)
 
     def __init__(
         self,
@@ -149,87 +144,59 @@ class LowLevelZeroOptimizer(GradientMembers, ColossalAIMembers, StateDictMembers
     ) -> None:
         if pg_to_param_list is not None and not isinstance(pg_to_param_list, Mapping) and params is None:
             params, pg_to_param_list = pg_to_param_list, None
-        scaler_args = validate_loss_scaler_args(
-            "LowLevelZeroOptimizer",
-            initial_scale=initial_scale,
-            min_scale=min_scale,
-            growth_factor=growth_factor,
-            backoff_factor=backoff_factor,
-            growth_interval=growth_interval,
-            hysteresis=hysteresis,
-            max_scale=max_scale,
-        )
-        inner = resolve_optimizer(optimizer, params, cpu_offload=cpu_offload)
-        if inner.state:
-            raise HyperParameterError(
-                "LowLevelZeroOptimizer: the inner optimizer already has state; wrap it before its first step and "
-                "restore checkpoints through LowLevelZeroOptimizer.load_state_dict."
-            )
-        args = resolve_args(
-            inner, stage=stage, partition_grad=partition_grad, max_norm=max_norm, clip_grad_norm=clip_grad_norm,
-            process_group=process_group, dp_process_group=dp_process_group, extra_dp_group=extra_dp_group,
-            pg_to_param_list=pg_to_param_list, communication_dtype=communication_dtype,
-            fp8_communication=fp8_communication, forced_dtype=forced_dtype, backward_context=backward_context,
+        scaler = validate_loss_scaler_args(
+            "LowLevelZeroOptimizer", initial_scale=initial_scale, min_scale=min_scale,
+            growth_factor=growth_factor, backoff_factor=backoff_factor, growth_interval=growth_interval,
+            hysteresis=hysteresis, max_scale=max_scale,
         )  # fmt: skip
-        if reduce_bucket_size is None:
-            reduce_bucket_size = default_bucket_size(
-                args.process_group, elsewhere=COLOSSAL_OPTIMIZER_BUCKET_SIZE
-            )
-        check_args(args.stage, reduce_bucket_size, args.max_norm, dtype_for_loss_scaling, param_gather)
-        self.norm_type = check_clip_args(1.0, norm_type)
-        force_dtype(inner, args.forced_dtype)
-        process_group = args.process_group
-        self._world, self._rank = group_facts(process_group)
-        self.process_group = process_group
-        self.param_gather = resolve_param_gather(param_gather, self._world, process_group)
-        self.comm_algorithm = resolve_comm_algorithm(
-            comm_algorithm, stage=args.stage, world_size=self._world, process_group=process_group
-        )
-        self.stage = args.stage
-        self.reduce_bucket_size = reduce_bucket_size
-        self.overlap_communication = bool(overlap_communication)
-        self.overlap_allgather = bool(overlap_allgather)
-        self.cpu_offload = bool(cpu_offload)
-        self.master_weights = bool(master_weights)
-        self.max_norm = float(args.max_norm)
-        self.verbose = bool(verbose)
-        self.backward_context = backward_context
-        self.communication = args.wire
-        self.optim = inner
+        inner = resolve_optimizer(optimizer, params, cpu_offload=cpu_offload)
+        config = resolve_config(
+            inner, scaler=scaler, stage=stage, partition_grad=partition_grad, max_norm=max_norm,
+            clip_grad_norm=clip_grad_norm, norm_type=norm_type, dtype_for_loss_scaling=dtype_for_loss_scaling,
+            process_group=process_group, dp_process_group=dp_process_group, extra_dp_group=extra_dp_group,
+            pg_to_param_list=pg_to_param_list, reduce_bucket_size=reduce_bucket_size,
+            communication_dtype=communication_dtype, fp8_communication=fp8_communication,
+            comm_algorithm=comm_algorithm, param_gather=param_gather, overlap_communication=overlap_communication,
+            overlap_allgather=overlap_allgather, cpu_offload=cpu_offload, master_weights=master_weights,
+            forced_dtype=forced_dtype, verbose=verbose, backward_context=backward_context,
+        )  # fmt: skip
+        force_dtype(inner, config.sharding.forced_dtype)
+        self._build(inner, config)
 
-        working_groups = [dict(g) for g in inner.param_groups]
-        super().__init__([{**g, "params": list(g["params"])} for g in working_groups], dict(inner.defaults))
+    def _build(self, inner: torch.optim.Optimizer, config: LowLevelZeroConfig) -> None:
+        """Partition the trainable parameters, point the inner optimizer at this rank's master pieces and hook
+        the gradient reduction."""
+        sh, co, st = config.sharding, config.comm, config.step
+        self.config = config
+        # ColossalAI's and stepforge's attribute names of the settings
+        self.process_group, self._world, self._rank = sh.process_group, sh.world_size, sh.rank
+        self.stage, self.cpu_offload, self.master_weights = sh.stage, sh.cpu_offload, sh.master_weights
+        self.reduce_bucket_size, self.communication = co.reduce_bucket_size, co.wire
+        self.comm_algorithm, self.param_gather = co.algorithm, co.param_gather
+        self.overlap_communication, self.overlap_allgather = co.overlap_communication, co.overlap_allgather
+        self.max_norm, self.norm_type = st.max_norm, st.norm_type
+        self.verbose, self.backward_context = config.verbose, config.backward_context
+        self.optim = inner
+        super().__init__(managed_param_groups(inner.param_groups), dict(inner.defaults))
         self._built = True
         self._layout = build_layout(
-            self.param_groups,
-            self._world,
-            self._rank,
-            group=process_group,
-            master_weights=self.master_weights,
-            master_device=torch.device("cpu") if self.cpu_offload else None,
-        )
+            self.param_groups, self._world, self._rank, group=self.process_group,
+            master_weights=self.master_weights, master_device=torch.device("cpu") if self.cpu_offload else None,
+        )  # fmt: skip
         for g, group in enumerate(inner.param_groups):
             group["params"] = [s.master for s in self._layout.group_slots(g) if s.valid > 0]
         invalidate_cache(inner)
         self._reducer = GradReducer(
-            self._layout.slots,
-            stage=self.stage,
-            bucket_size=reduce_bucket_size,
-            overlap=self.overlap_communication,
-            group=process_group,
-            world_size=self._world,
-            rank=self._rank,
-            wire=self.communication,
-            algorithm=self.comm_algorithm,
-        )
+            self._layout.slots, stage=self.stage, bucket_size=self.reduce_bucket_size,
+            overlap=self.overlap_communication, group=self.process_group, world_size=self._world,
+            rank=self._rank, wire=self.communication, algorithm=self.comm_algorithm,
+        )  # fmt: skip
         self._pieces = GradPieces(self._layout, self._reducer)
         fp16 = any(s.param.dtype == torch.float16 for s in self._layout.slots)
-        self._scaling = dtype_for_loss_scaling == "fp16" or fp16
+        self._scaling = st.dtype_for_loss_scaling == "fp16" or fp16
         # the overflow verdict must be the same on every rank (each sees only its pieces)
-        scaler_group = (
-            None if self._world == 1 else process_group if process_group is not None else dist.group.WORLD
-        )
-        self.scaler = DynamicLossScaler(**scaler_args, process_group=scaler_group)
+        world_group = self.process_group if self.process_group is not None else dist.group.WORLD
+        self.scaler = DynamicLossScaler(**st.scaler, process_group=None if self._world == 1 else world_group)
         self._stepped_on_cpu = False
         self._gather: GatherInFlight | None = None  # an overlapped parameter gather still on the wire
         self._staging = StagingBuffers()
@@ -239,7 +206,7 @@ class LowLevelZeroOptimizer(GradientMembers, ColossalAIMembers, StateDictMembers
             logger.info("LowLevelZeroOptimizer: stage %d over %d ranks (rank %d), %d parameters, wire %s",
                         self.stage, self._world, self._rank, len(self._layout.slots), self.communication)  # fmt: skip
 
-    # -- public flags --------------------------------------------------------------------------------------
+    # -- facts ---------------------------------------------------------------------------------------------
     @property
     def world_size(self) -> int:
         """Ranks in the data-parallel group."""
@@ -262,7 +229,7 @@ class LowLevelZeroOptimizer(GradientMembers, ColossalAIMembers, StateDictMembers
         return self.scaler.get_scale() if self._scaling else 1.0
 
     @property
-    def collective_counts(self) -> Any:
+    def collective_counts(self) -> CollectiveCounter:
         """How many gradient reduce-scatters / all-reduces were launched so far, and how many times
         :meth:`sync_grads` completed a step's reduction (``syncs``)."""
         return self._reducer.counter
@@ -274,6 +241,22 @@ class LowLevelZeroOptimizer(GradientMembers, ColossalAIMembers, StateDictMembers
         inside :meth:`no_sync` (then the window lives in the parameters' ``.grad``)."""
         return self._pieces.held
 
+    @property
+    def require_grad_sync(self) -> bool:
+        """Whether backward reduces gradients (``False`` inside ``no_sync``; a plugin may set it)."""
+        return self._reducer.enabled
+
+    @require_grad_sync.setter
+    def require_grad_sync(self, value: bool) -> None:
+        self._reducer.enabled = bool(value)
+
+    @property
+    def communication_buffer_bytes(self) -> int:
+        """Bytes of communication buffers kept between steps for reuse, beside the gradient pieces (1/N of the
+        gradients): the bucket buffers (at most the buckets in flight plus one) and the parameter gather's
+        staging tables (the parameters below ``DIRECT_MIN`` elements, gathered through one table per chunk)."""
+        return self._reducer.pool.held_bytes + self._staging.held_bytes
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Only during construction: the partitions are fixed once built."""
         if self._built:
@@ -283,7 +266,7 @@ class LowLevelZeroOptimizer(GradientMembers, ColossalAIMembers, StateDictMembers
             )
         super().add_param_group(param_group)
 
-    # -- backward ------------------------------------------------------------------------------------------
+    # -- backward and gradients ----------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()``, scaled by the loss scale when fp16 loss scaling is on."""
         if self._scaling:
@@ -312,10 +295,64 @@ class LowLevelZeroOptimizer(GradientMembers, ColossalAIMembers, StateDictMembers
         finally:
             self.require_grad_sync = previous
 
+    def sync_grads(self) -> bool:
+        """Make this step's gradients final: reduce what :meth:`no_sync` left in ``param.grad``, wait for the
+        buckets in flight and add them into this rank's pieces. The one synchronisation point of a step: the
+        first of :meth:`scale_grads_`, :meth:`unscale_`, :meth:`clip_grad_norm_` and :meth:`step` calls it, and
+        it does nothing again until the next backward reaches a managed parameter or :meth:`zero_grad` runs.
+        Inside :meth:`no_sync` it only waits for reductions in flight. Returns whether it synchronised."""
+        return self._pieces.sync(self.require_grad_sync)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the reduced gradient pieces and any local ``param.grad`` (waits for reductions in flight)."""
+        self._pieces.zero_(set_to_none)
+
+    def scale_grads_(self, factor: float) -> None:
+        """Multiply every gradient the next step will use by ``factor`` (stepforge-accum's window weight)."""
+        self.sync_grads()
+        self._pieces.scale_(factor)
+
+    def unscale_(self) -> None:
+        """Divide the step's gradient pieces by the loss scale, once per step (no-op without fp16 scaling);
+        ``scaler.found_inf`` then says whether any rank overflowed (the step will be skipped)."""
+        self.sync_grads()
+        self._pieces.unscale_(self.scaler if self._scaling else None)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip by the norm over every rank's gradient pieces (one small all-reduce); returns that norm, by
+        ``torch.nn.utils.clip_grad_norm_``'s rule ``min(1, max_norm / (norm + 1e-6))``, unscaled first."""
+        check_clip_args(max_norm, norm_type)
+        self.unscale_()
+        self._last_grad_norm = float(norm := self._pieces.clip_(max_norm, norm_type))
+        return norm
+
+    def get_grad_norm(self, norm_type: float = 2.0, **kwargs: object) -> float | None:
+        """The global gradient norm of the last clipping (ColossalAI's member; ``norm_type`` and ``kwargs``
+        are ignored there as here), recorded by every :meth:`step` with ``max_norm > 0``; ``None`` before any
+        (without clipping stepforge skips that all-reduce, where ColossalAI always makes it)."""
+        return self._last_grad_norm
+
+    def get_param_grad(self, working_param: torch.Tensor) -> torch.Tensor | None:
+        """The full reduced (averaged) gradient of ``working_param``, shaped and typed like it (ColossalAI's
+        member). Collective: every rank asks for the same parameter; the step's gradients are synchronised
+        first. Before ``unscale_``/the step it carries the fp16 loss scale; ``None`` without a backward since
+        ``zero_grad``.
+
+        Raises:
+            KeyError: ``working_param`` is not managed by this optimizer.
+        """
+        slot = self._layout.slot_of(working_param)
+        if slot is None:
+            raise KeyError(
+                "get_param_grad: working_param is not one of this optimizer's parameters; pass a parameter "
+                "of the model the optimizer was built over."
+            )
+        return self._pieces.full_grad(slot, self.require_grad_sync)
+
     # -- step ----------------------------------------------------------------------------------------------
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Synchronise (:meth:`sync_grads`), unscale (:meth:`unscale_`), skip on fp16 overflow (every rank
-        agrees), clip (``max_norm``), step the pieces with the inner optimizer and all-gather them into the
+        agrees), clip (``max_norm``), step the pieces with the inner optimizer and gather them into the
         working parameters."""
         if self._closed:
             raise RuntimeError(
@@ -342,29 +379,12 @@ class LowLevelZeroOptimizer(GradientMembers, ColossalAIMembers, StateDictMembers
             return loss
         if self.max_norm > 0:
             self.clip_grad_norm_(self.max_norm, self.norm_type)
-        copy_hyperparameters(self.param_groups, self.optim.param_groups)
-        slots = self._layout.slots
-        for slot in slots:
-            if slot.valid:
-                slot.master.grad = slot.grad
-        try:
-            self.optim.step()
-        except (RuntimeError, TypeError, NotImplementedError) as exc:
-            if self.cpu_offload and not self._stepped_on_cpu:
-                raise cpu_step_error(self.optim, exc) from exc
-            raise
-        finally:
-            for slot in slots:
-                slot.master.grad = None
+        explain = self.cpu_offload and not self._stepped_on_cpu
+        step_inner(self.optim, self._layout, self.param_groups, explain_cpu_failure=explain)
         self._stepped_on_cpu = True
-        copy_hyperparameters(self.optim.param_groups, self.param_groups)
-        if self.overlap_allgather and self._world > 1:
-            self._gather = launch_gather(
-                self._layout, self.param_gather, chunk=GATHER_CHUNK, staging=self._staging
-            )
-            self._gather.wait_in_forward()
-        else:
-            gather_params(self._layout, self.param_gather, staging=self._staging)
+        self._gather = gather_after_step(
+            self._layout, self.param_gather, overlap=self.overlap_allgather, staging=self._staging
+        )
         if self._scaling:
             self.scaler.update()
         self._pieces.unscaled = False
@@ -377,6 +397,136 @@ class LowLevelZeroOptimizer(GradientMembers, ColossalAIMembers, StateDictMembers
         if self._gather is not None:
             self._gather.wait_all()
             self._gather = None
+
+    def _force_wait_all_gather(self) -> None:
+        """ColossalAI's name of :meth:`wait_for_param_gather` (its tests and plugins call it after a step with
+        ``overlap_allgather=True``)."""
+        self.wait_for_param_gather()
+
+    # -- lifetime ------------------------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran (the parameters' gradients are no longer taken by this optimizer)."""
+        return self._closed
+
+    def close(self) -> None:
+        """Stop managing the working parameters: remove the backward hooks (a later backward fills
+        ``param.grad`` as without ZeRO), finish the reductions in flight and drop the gradient pieces, so
+        nothing but this object keeps the masters. Idempotent; a :meth:`step` afterwards raises."""
+        if self._closed:
+            return
+        self._closed = True
+        self.wait_for_param_gather()
+        self._pieces.close()
+        self._staging.clear()
+
+    def __del__(self) -> None:
+        # the hooks hold the reducer (and through it the masters) and would keep taking the gradients of a dead
+        # optimizer's parameters; ColossalAI removes them here as well. No collective waits in a finaliser.
+        reducer = self.__dict__.get("_reducer")  # absent when __init__ failed before building it
+        if reducer is not None:
+            reducer.remove_hooks()
+
+    # -- master weights (ColossalAI's members) -------------------------------------------------------------
+    @property
+    def working_to_master_param(self) -> dict[int, torch.Tensor]:
+        """``id(working parameter)`` -> this rank's master piece of it (1-D, ``valid`` elements, fp32 for an
+        fp16/bf16 parameter with ``master_weights``; a view into the parameter when it is its own master).
+        ColossalAI's mapping, keyed the same way; a new dict at every read."""
+        return {id(s.param): s.master for s in self._layout.slots}
+
+    @property
+    def master_to_working_param(self) -> dict[int, torch.Tensor]:
+        """``id(master piece)`` -> the working parameter it belongs to (ColossalAI's mapping)."""
+        return {id(s.master): s.param for s in self._layout.slots}
+
+    def get_working_to_master_map(self) -> dict[int, torch.Tensor]:
+        """ColossalAI's getter of :attr:`working_to_master_param`."""
+        return self.working_to_master_param
+
+    def get_master_to_working_map(self) -> dict[int, torch.Tensor]:
+        """ColossalAI's getter of :attr:`master_to_working_param`."""
+        return self.master_to_working_param
+
+    def get_param_padding_size(self, param: torch.Tensor) -> int:
+        """Zeros that pad ``param``'s flat ``numel`` to ``world_size`` equal pieces (ColossalAI's member:
+        ``pad(param.view(-1), (0, padding)).chunk(world_size)[rank]`` is this rank's piece; stepforge's master
+        piece holds only its ``valid`` elements, without the padding).
+
+        Raises:
+            KeyError: ``param`` is not managed by this optimizer.
+        """
+        return self.get_param_padding_map()[id(param)]
+
+    def get_param_padding_map(self) -> dict[int, int]:
+        """``id(working parameter)`` -> its padding (see :meth:`get_param_padding_size`)."""
+        return self._layout.padding_map()
+
+    def update_master_params(self, model: nn.Module | None = None) -> None:
+        """Copy the working parameters into this rank's master pieces, e.g. after ``model.load_state_dict``:
+        without it the next :meth:`step` (even at lr 0) writes the old masters back into the model.
+
+        Args:
+            model: only its parameters that this optimizer manages (ColossalAI's signature); ``None``: every
+                managed parameter. No collective: each rank copies its own pieces.
+        """
+        self.wait_for_param_gather()  # a gather landing after this copy would overwrite the weights again
+        self._layout.copy_params_into_masters(None if model is None else {id(p) for p in model.parameters()})
+
+    # -- state dicts ---------------------------------------------------------------------------------------
+    def _zero_extras(self) -> dict[str, Any]:
+        return {
+            "loss_scaler": zero_scaler_entry(self.scaler.state_dict()),
+            "skipped_steps": self.skipped_steps,
+        }
+
+    def scaler_state_dict(self) -> dict[str, Any] | None:
+        """``None``: the loss scaler's state is part of this optimizer's own state (under
+        ``["zero"]["loss_scaler"]`` of :meth:`state_dict` and :meth:`sharded_state_dict`), so nothing travels
+        beside it. Read ``scaler.state_dict()`` for the scaler alone."""
+        return None
+
+    def load_scaler_state_dict(self, state: Mapping[str, Any] | None) -> None:
+        """Load a loss-scaler state written apart (``DynamicLossScaler``'s or ``torch.amp.GradScaler``'s, or
+        zero's own ``["zero"]["loss_scaler"]`` entry); ``None`` or ``{}`` change nothing."""
+        if state:
+            self.scaler.load_state_dict(state)
+
+    def unwrap(self) -> torch.optim.Optimizer:
+        """The inner optimizer, which steps this rank's master pieces (ColossalAI's ``OptimizerWrapper.unwrap``)."""
+        return self.optim
+
+    def state_dict(self) -> dict[str, Any]:
+        """The full state in ``torch.optim`` layout keyed by global parameter index (collective: every rank
+        must call it; every rank gets the full state). Extra key ``"zero"``: loss scaler, skip counter and the
+        fp32 masters of low-precision parameters (:mod:`stepforge.zero.state.full`)."""
+        self.wait_for_param_gather()
+        return full.full_state_dict(self._layout, self.optim, self.param_groups, self._zero_extras())
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a full state (from :meth:`state_dict` at any world size, or a plain ``torch.optim`` one)."""
+        self._reducer.wait()
+        self.wait_for_param_gather()
+        zero = full.load_full_state_dict(self._layout, self.optim, self.param_groups, state_dict)
+        if "loss_scaler" in zero:
+            self.scaler.load_state_dict(zero["loss_scaler"])
+        self.skipped_steps = int(zero.get("skipped_steps", self.skipped_steps))
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's pieces as 1-D ``DTensor`` (``Shard(0)``) for ``torch.distributed.checkpoint``, no
+        gathering (:mod:`stepforge.zero.state.sharded`). A never-stepped optimizer is laid out without stepping
+        it, so the result is a template for ``dcp.load`` and nothing of the optimizer changes."""
+        self._reducer.wait()
+        self.wait_for_param_gather()
+        return sharded.sharded_state_dict(self._layout, self.optim, self.param_groups, self._zero_extras())
+
+    def load_sharded_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load :meth:`sharded_state_dict`'s form after ``torch.distributed.checkpoint.load`` filled it."""
+        self._reducer.wait()
+        self.wait_for_param_gather()
+        zero = sharded.load_sharded_state_dict(self._layout, self.optim, self.param_groups, state_dict)
+        self.scaler.load_state_dict(zero["loss_scaler"])
+        self.skipped_steps = int(zero.get("skipped_steps", 0))
 
     def __repr__(self) -> str:
         return (

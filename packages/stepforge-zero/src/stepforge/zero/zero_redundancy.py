@@ -29,9 +29,14 @@ from torch.distributed.optim import ZeroRedundancyOptimizer as _TorchZeroRedunda
 
 from stepforge.core import OPTIMIZERS, HyperParameterError, StepforgeError
 
-from ._arrival import ArrivalTimeout, wait_for_all_ranks
+from .comm.arrival import ArrivalTimeout, wait_for_all_ranks
 
-__all__ = ["ZeroRedundancyOptimizer", "CollectiveCallError", "DEFAULT_CONSOLIDATE_TIMEOUT"]
+__all__ = [
+    "ZeroRedundancyOptimizer",
+    "CollectiveCallError",
+    "MissingArgumentError",
+    "DEFAULT_CONSOLIDATE_TIMEOUT",
+]
 
 #: Seconds every rank of the group gets to enter ``state_dict()``/``consolidate_state_dict()``.
 DEFAULT_CONSOLIDATE_TIMEOUT = 60.0
@@ -39,6 +44,12 @@ DEFAULT_CONSOLIDATE_TIMEOUT = 60.0
 # Keys that make an optimizer compute a norm over *all* of its parameters: under ZeRO each rank's local
 # optimizer sees only its own parameters, so such a norm would be wrong without any error.
 _GLOBAL_NORM_KEYS = ("max_grad_norm",)
+
+
+class MissingArgumentError(HyperParameterError, TypeError):
+    """A required argument was not given: a ``TypeError``, as Python raises for a missing argument (mmengine's
+    tests expect it for ``ZeroRedundancyOptimizer`` without ``optimizer_type``), and a
+    :class:`~stepforge.core.HyperParameterError` whose message names the argument and the fix."""
 
 
 class CollectiveCallError(StepforgeError, RuntimeError):
@@ -74,6 +85,8 @@ class ZeroRedundancyOptimizer(_TorchZeroRedundancyOptimizer):
 
     Raises:
         TypeError: ``params`` is a bare tensor (as torch's class).
+        MissingArgumentError: neither ``optimizer_type`` nor ``optimizer_class`` was given (a ``TypeError``,
+            as mmengine's tests expect, and a ``HyperParameterError``).
         UnknownNameError: ``optimizer_type`` is not registered (the message says what to install).
         HyperParameterError: a bad argument, or a local optimizer that would clip by a global norm
             (``max_grad_norm``) it cannot see under sharding.
@@ -253,7 +266,7 @@ def _one_optimizer(optimizer_type: Any, optimizer_class: Any) -> Any:
             "optimizer_class (torch's), not both."
         )
     if optimizer_type is None and optimizer_class is None:
-        raise HyperParameterError(
+        raise MissingArgumentError(
             "ZeroRedundancyOptimizer: the local optimizer is missing; pass optimizer_type='AdamW' (mmengine) or "
             "optimizer_class=torch.optim.AdamW (torch)."
         )

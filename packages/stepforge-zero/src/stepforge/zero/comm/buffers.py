@@ -1,0 +1,97 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Memory the gradient reduction reuses from step to step instead of allocating it again.
+
+A fresh CPU tensor of a few MiB comes from ``mmap`` and is paid for again on first touch, one page fault per
+4 KiB: on the bench's 54.6 M-parameter GPT (2 gloo ranks) zero2 took 16 000-37 000 more page faults per step than
+DDP, whose buckets live as long as the model. Two stores avoid that while keeping a rank's gradient memory at
+1/N of the model:
+
+- :class:`PieceStore`: this rank's reduced gradient pieces, one flat tensor per (master dtype, device) holding
+  every slot's ``valid`` elements. ``slot.grad`` is a view into it; ``zero_grad(set_to_none=True)`` drops the view,
+  the storage stays for the next step (as DDP keeps its buckets, which hold the full gradients).
+- :class:`BufferPool`: the communication buffers of the buckets in flight, handed back when their reduction has
+  been added into the pieces. It keeps at most ``keep`` buffers (the buckets in flight plus the one filling).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..state.partition import Slot
+
+__all__ = ["BufferPool", "PieceStore"]
+
+
+class BufferPool:
+    """Flat buffers for bucket collectives, reused across buckets and steps.
+
+    Args:
+        keep: how many free buffers to hold at most; one handed back beyond that is dropped (the smallest).
+        min_numel: the smallest buffer allocated (the bucket size), so buckets of slightly different sizes
+            share buffers.
+    """
+
+    def __init__(self, keep: int, min_numel: int) -> None:
+        self.keep = keep
+        self.min_numel = min_numel
+        self._free: list[torch.Tensor] = []
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A 1-D tensor of at least ``numel`` elements (contents undefined); the caller slices what it needs."""
+        fitting = [b for b in self._free if b.dtype == dtype and b.device == device and b.numel() >= numel]
+        if fitting:
+            best = min(fitting, key=torch.Tensor.numel)
+            self._free = [b for b in self._free if b is not best]
+            return best
+        return torch.empty(max(numel, self.min_numel), dtype=dtype, device=device)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        """Hand ``buffer`` back once no collective uses it any more."""
+        self._free.append(buffer)
+        if len(self._free) > self.keep:
+            smallest = min(self._free, key=torch.Tensor.numel)
+            self._free = [b for b in self._free if b is not smallest]  # by identity: == compares elements
+
+    def clear(self) -> None:
+        """Drop every free buffer."""
+        self._free.clear()
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the free buffers held."""
+        return sum(b.numel() * b.element_size() for b in self._free)
+
+
+class PieceStore:
+    """Storage of this rank's reduced gradient pieces (``valid`` elements per slot, master dtype and device).
+
+    Args:
+        slots: the managed parameters' slots.
+    """
+
+    def __init__(self, slots: list[Slot]) -> None:
+        self._offsets: dict[int, int] = {}
+        self._sizes: dict[tuple[torch.dtype, torch.device], int] = {}
+        for slot in slots:
+            key = (slot.master.dtype, slot.master.device)
+            self._offsets[slot.index] = self._sizes.get(key, 0)
+            self._sizes[key] = self._sizes.get(key, 0) + slot.valid
+        self._flat: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+    def view(self, slot: Slot) -> torch.Tensor:
+        """The ``valid`` elements reserved for ``slot``'s reduced piece (allocated with the first request)."""
+        key = (slot.master.dtype, slot.master.device)
+        flat = self._flat.get(key)
+        if flat is None:
+            flat = self._flat[key] = torch.empty(self._sizes[key], dtype=key[0], device=key[1])
+        start = self._offsets[slot.index]
+        return flat[start : start + slot.valid]
+
+    def release(self) -> None:
+        """Drop the storage (the optimizer was closed); views handed out keep theirs alive."""
+        self._flat.clear()
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes allocated for the pieces."""
+        return sum(t.numel() * t.element_size() for t in self._flat.values())

@@ -1,0 +1,317 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The parameter gather after a step: every rank's updated master pieces into every rank's working parameters.
+
+:func:`launch_gather` starts the collectives and returns a :class:`GatherInFlight`; :func:`gather_params` waits
+for it at once (ColossalAI's default). With ``overlap_allgather`` the optimizer instead lets the next forward
+wait: :meth:`GatherInFlight.wait_in_forward` installs a global forward pre-hook
+(``torch.nn.modules.module.register_module_forward_pre_hook``) that, before a module runs, waits only for the
+collectives that carry that module's own parameters, and removes itself once everything arrived. The
+collectives are launched in parameter order (a model's registration order is, for almost every model, the
+order its forward uses them), small parameters first in one staged collective, so the first layers can start
+while the last ones are still on the wire.
+
+Methods (see ``LowLevelZeroOptimizer(param_gather=...)``):
+
+- ``"broadcast"``: every contiguous parameter of at least ``direct_min`` elements gets one broadcast per rank of
+  that rank's piece, in place in the parameter's own memory; the smaller ones of a partition are staged into
+  one buffer and gathered by one broadcast per rank (gloo's broadcast is several times faster than its
+  all-gather on the CPU).
+- ``"all_gather"``: the partition's padded per-rank pieces are all-gathered (one collective per partition, or
+  per chunk of about ``chunk`` elements when the gather is overlapped, so the first chunk lands first).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.modules.module import register_module_forward_pre_hook
+
+from ..state.partition import Partition, ShardLayout, Slot, local_range
+from .collectives import all_gather
+
+__all__ = [
+    "DIRECT_MIN",
+    "GATHER_CHUNK",
+    "GatherInFlight",
+    "StagingBuffers",
+    "launch_gather",
+    "gather_params",
+    "gather_after_step",
+]
+
+#: parameters with at least this many elements are gathered by ``"broadcast"`` in place: each rank's piece is
+#: broadcast straight from and into the working parameter's own memory (no staging buffer, no copy back). Smaller
+#: ones are staged in a table kept between steps: below about 4 MiB a broadcast pair's fixed cost on gloo outweighs
+#: the copy in and out (tools/bench/bench_gather.py: the demo GPT's gather, every parameter below this, takes
+#: 1.65x the floor of two bare broadcasts); on the 54.6 M-parameter bench GPT moving this from 256 Ki changed
+#: nothing measurable (zero2 at 2 ranks, steps timed back to back: 494 ms at 1 Mi, 489 at 256 Ki) and keeps 48 MiB of tables
+DIRECT_MIN = 1 << 20
+#: per-rank elements of one all-gather when the gather is overlapped with the next forward
+GATHER_CHUNK = 1 << 22
+
+
+@dataclass(eq=False)
+class _Entry:
+    """Collectives carrying some parameters, and what to run once they finished (copy a staged table out)."""
+
+    works: list[Any]
+    params: list[torch.Tensor]
+    then: Callable[[], None] | None = None
+    done: bool = False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        for work in self.works:
+            work.wait()
+        if self.then is not None:
+            with torch.no_grad():
+                self.then()
+        self.done = True
+
+
+@dataclass(eq=False)
+class GatherInFlight:
+    """The collectives of one parameter gather, waited for per parameter or all at once."""
+
+    entries: list[_Entry] = field(default_factory=list)
+    _by_param: dict[int, list[_Entry]] = field(default_factory=dict)
+    _hook: Any = None
+
+    def add(self, entry: _Entry) -> None:
+        self.entries.append(entry)
+        for param in entry.params:
+            self._by_param.setdefault(id(param), []).append(entry)
+
+    @property
+    def done(self) -> bool:
+        """Whether every collective finished and every parameter holds its updated values."""
+        return all(e.done for e in self.entries)
+
+    @property
+    def waiting_in_forward(self) -> bool:
+        """Whether the forward pre-hook of :meth:`wait_in_forward` is installed."""
+        return self._hook is not None
+
+    def wait_params(self, params: Iterable[torch.Tensor]) -> None:
+        """Wait for the collectives that carry ``params`` (other parameters may still be on the wire)."""
+        for param in params:
+            for entry in self._by_param.get(id(param), ()):
+                entry.wait()
+
+    def wait_all(self) -> None:
+        """Wait for everything, in launch order, and remove the forward hook."""
+        for entry in self.entries:
+            entry.wait()
+        self._remove_hook()
+
+    def wait_in_forward(self) -> None:
+        """Let each module's forward wait for its own parameters (a global forward pre-hook, removed once the
+        whole gather arrived)."""
+        if self.done:
+            return
+
+        def before_forward(module: torch.nn.Module, args: Any) -> None:
+            self.wait_params(module.parameters(recurse=False))
+            if self.done:
+                self._remove_hook()
+
+        self._hook = register_module_forward_pre_hook(before_forward)
+
+    def _remove_hook(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+
+def _source(src: int, group: Any) -> int:
+    return src if group is None else dist.get_global_rank(group, src)
+
+
+class StagingBuffers:
+    """The staged gathers' tables, kept from step to step.
+
+    A table is ``(world, n)``: row ``r`` holds rank ``r``'s pieces of one chunk of small parameters side by side,
+    each padded to ``piece``. Allocating it again every step costs a page fault per 4 KiB on the CPU (it is written
+    by the collective and read back once); kept, it costs its bytes between steps, reported by :attr:`held_bytes`
+    beside the 1/N shards. A table is reused only after the gather that filled it was waited for (the optimizer
+    waits before it launches the next one).
+    """
+
+    def __init__(self) -> None:
+        self._tables: dict[tuple[int, int], torch.Tensor] = {}
+
+    def table(self, key: tuple[int, int], world: int, numel: int, part: Partition) -> torch.Tensor:
+        """The ``(world, numel)`` table of chunk ``key`` of ``part`` (zero-filled when first made, so the padding
+        that is never written stays zero)."""
+        table = self._tables.get(key)
+        if table is None or table.shape != (world, numel):
+            table = torch.zeros((world, numel), dtype=part.dtype, device=part.device)
+            self._tables[key] = table
+        return table
+
+    def clear(self) -> None:
+        """Drop every table (the optimizer was closed)."""
+        self._tables.clear()
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the tables held."""
+        return sum(t.numel() * t.element_size() for t in self._tables.values())
+
+
+def _offsets(slots: list[Slot]) -> tuple[list[int], int]:
+    """Where each slot's padded piece starts in a row of its chunk's table, and the row's length."""
+    offsets, size = [], 0
+    for slot in slots:
+        offsets.append(size)
+        size += slot.piece
+    return offsets, size
+
+
+def _stage(row: torch.Tensor, slots: list[Slot], offsets: list[int]) -> None:
+    """This rank's updated pieces into ``row`` (the padding is left as it is: never read back)."""
+    for slot, offset in zip(slots, offsets, strict=True):
+        if slot.valid:
+            row[offset : offset + slot.valid].copy_(slot.master)
+
+
+def _scatter_table(table: torch.Tensor, slots: list[Slot], offsets: list[int], rank: int) -> None:
+    """Every rank's row of ``table`` into the working parameters, piece by piece in place (no temporary). This
+    rank's own piece is skipped where the master is a view into the parameter: the step already wrote it there."""
+    world = table.shape[0]
+    for slot, offset in zip(slots, offsets, strict=True):
+        if not slot.param.is_contiguous():
+            full = table[:, offset : offset + slot.piece].reshape(-1)[: slot.numel]
+            slot.param.copy_(full.view_as(slot.param))
+            continue
+        flat = slot.param.view(-1)
+        for src in range(world):
+            start, stop = local_range(slot.numel, world, src)
+            if stop > start and (src != rank or slot.separate_master):
+                flat[start:stop].copy_(table[src, offset : offset + stop - start])
+
+
+def _launch_staged(
+    layout: ShardLayout,
+    part: Partition,
+    slots: list[Slot],
+    method: str,
+    staging: StagingBuffers,
+    key: tuple[int, int],
+) -> _Entry:
+    world, group = layout.world_size, layout.group
+    offsets, size = _offsets(slots)
+    table = staging.table(key, world, size, part)
+    params = [s.param for s in slots]
+    if method == "broadcast":
+        _stage(table[layout.rank], slots, offsets)
+        works = [
+            dist.broadcast(table[src], src=_source(src, group), group=group, async_op=True)
+            for src in range(world)
+        ]
+    else:
+        local = table[layout.rank].clone()  # all_gather_into_tensor's input may not alias its output
+        _stage(local, slots, offsets)
+        works = [all_gather(table.view(-1), local, group=group, async_op=True)]
+    return _Entry(works, params, then=lambda: _scatter_table(table, slots, offsets, layout.rank))
+
+
+def _launch_direct(layout: ShardLayout, slot: Slot) -> _Entry:
+    world, group = layout.world_size, layout.group
+    flat = slot.param.detach().view(-1)
+    if slot.separate_master and slot.valid:
+        flat[slot.start : slot.start + slot.valid].copy_(slot.master)
+    works = []
+    for src in range(world):
+        start, stop = local_range(slot.numel, world, src)
+        if stop > start:
+            works.append(
+                dist.broadcast(flat[start:stop], src=_source(src, group), group=group, async_op=True)
+            )
+    return _Entry(works, [slot.param])
+
+
+def _chunks(slots: list[Slot], chunk: int | None) -> list[list[Slot]]:
+    if chunk is None:
+        return [slots] if slots else []
+    out: list[list[Slot]] = []
+    size = 0
+    for slot in slots:
+        if not out or size + slot.piece > chunk:
+            out.append([])
+            size = 0
+        out[-1].append(slot)
+        size += slot.piece
+    return out
+
+
+@torch.no_grad()
+def launch_gather(
+    layout: ShardLayout,
+    method: str,
+    *,
+    direct_min: int = DIRECT_MIN,
+    chunk: int | None = None,
+    staging: StagingBuffers | None = None,
+) -> GatherInFlight:
+    """Start gathering every rank's master pieces into the working parameters (see the module docstring).
+
+    Args:
+        layout: the sharding.
+        method: ``"broadcast"`` or ``"all_gather"``.
+        direct_min: with ``"broadcast"``: the smallest parameter broadcast in place.
+        chunk: per-rank elements per staged collective (``None``: one per partition).
+        staging: where the ``"broadcast"`` tables of the small parameters are kept between calls (``None``: fresh
+            ones). The ``"all_gather"`` tables hold whole partitions and are always fresh: kept, they would cost a
+            copy of the parameters between steps.
+    """
+    flight = GatherInFlight()
+    if layout.world_size == 1:
+        for slot in layout.slots:  # nothing to exchange: the masters are the whole parameters
+            if slot.separate_master and slot.valid:
+                slot.param.copy_(slot.master.view(slot.param.shape))
+        return flight
+    if staging is None or method != "broadcast":
+        staging = StagingBuffers()
+
+    for p, part in enumerate(layout.partitions):
+        if method == "broadcast":
+            direct: list[Slot] = []
+            staged: list[Slot] = []
+            for slot in part.slots:
+                (direct if slot.numel >= direct_min and slot.param.is_contiguous() else staged).append(slot)
+            # the small ones first (in chunks when overlapped): short collectives that the first layers wait for
+            for c, slots in enumerate(_chunks(staged, chunk)):
+                flight.add(_launch_staged(layout, part, slots, method, staging, (p, c)))
+            for slot in direct:
+                flight.add(_launch_direct(layout, slot))
+        else:
+            for c, slots in enumerate(_chunks(part.slots, chunk)):
+                flight.add(_launch_staged(layout, part, slots, method, staging, (p, c)))
+    return flight
+
+
+def gather_params(
+    layout: ShardLayout, method: str, *, direct_min: int = DIRECT_MIN, staging: StagingBuffers | None = None
+) -> None:
+    """:func:`launch_gather` and wait for all of it: one all-gather per partition, or the broadcasts."""
+    launch_gather(layout, method, direct_min=direct_min, staging=staging).wait_all()
+
+
+def gather_after_step(
+    layout: ShardLayout, method: str, *, overlap: bool, staging: StagingBuffers
+) -> GatherInFlight | None:
+    """The gather at the end of a step: waited at once, or with ``overlap`` (over more than one rank) launched
+    in chunks of :data:`GATHER_CHUNK` and left for each module's next forward to wait for; the gather in flight
+    is returned, for the caller to wait on before it reads or writes the parameters itself."""
+    if overlap and layout.world_size > 1:
+        flight = launch_gather(layout, method, chunk=GATHER_CHUNK, staging=staging)
+        flight.wait_in_forward()
+        return flight
+    gather_params(layout, method, staging=staging)
+    return None

@@ -1,0 +1,62 @@
+# SPDX-License-Identifier: Apache-2.0
+"""LoRA under ZeRO: peft's adapter parameters join the optimizer that was built over the base model.
+
+ColossalAI's ``LowLevelZeroPlugin`` does this when LoRA is enabled, so the usual order works: build the optimizer
+over ``model.parameters()``, ``booster.enable_lora(model, lora_config=...)`` (peft freezes those parameters and
+adds ``lora_A``/``lora_B`` layers), then ``boost``: each adapter parameter the optimizer does not hold joins the
+param group of its layer's frozen base weight (``<layer>.base_layer.*``). The frozen weights themselves are not
+managed by ``LowLevelZeroOptimizer`` (no master, no state). Read from peft's parameter names alone (peft is not
+imported here).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+__all__ = ["ADAPTER_PREFIX", "add_adapters_to_optimizer"]
+
+#: the first name component of peft's adapter layers (``lora_A``, ``lora_B``, ``lora_embedding_A``, ...)
+ADAPTER_PREFIX = "lora_"
+
+logger = logging.getLogger("stepforge.zero")
+
+
+def _base_prefix(name: str) -> str | None:
+    """``"<layer>.base_layer."`` for an adapter parameter named ``"<layer>.lora_A.<adapter>.weight"``."""
+    parts = name.split(".")
+    at = next((i for i, part in enumerate(parts) if part.startswith(ADAPTER_PREFIX)), None)
+    if not at:  # not an adapter, or one at the root without a layer around it
+        return None
+    return ".".join(parts[:at]) + ".base_layer."
+
+
+def add_adapters_to_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """Append every trainable adapter parameter of ``model`` that ``optimizer`` does not hold to the param
+    group of its layer's base weight; returns their names. An adapter whose base weight is not in the optimizer
+    either stays out (logged on the ``stepforge.zero`` logger, as ColossalAI warns). Nothing changes for a
+    model without adapters or an optimizer that already holds them."""
+    held = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
+    named = list(model.named_parameters())
+    group_of_base: dict[str, int] = {}
+    for name, param in named:
+        if ".base_layer." in name and id(param) in held:
+            layer = name[: name.index(".base_layer.") + len(".base_layer.")]
+            group_of_base.setdefault(layer, held[id(param)])
+    added: list[str] = []
+    for name, param in named:
+        base = _base_prefix(name)
+        if base is None or not param.requires_grad or id(param) in held:
+            continue
+        group = group_of_base.get(base)
+        if group is None:
+            logger.warning(
+                "LoRA parameter %s: its base layer is not in the optimizer; it will not be trained", name
+            )
+            continue
+        optimizer.param_groups[group]["params"].append(param)
+        held[id(param)] = group
+        added.append(name)
+    return added
