@@ -44,6 +44,22 @@ def test_checker_finds_a_missing_code_path_and_a_missing_link(tmp_path):
     ]
 
 
+def test_checker_does_not_take_build_outputs_for_repository_files(tmp_path):
+    # build/ is ignored: whether a build left build/x behind must not decide whether the page is right
+    root = _tree(
+        tmp_path,
+        {
+            ".gitignore": "__pycache__/\nbuild/\n/demo-out/\n",
+            "build/fused-wheels/x.whl": "",
+            "README.md": "Outputs land in `build/asan-*` and `demo-out/loss.png`; sources in `tools/gone.py`.\n",
+            "tools/run.py": "",
+        },
+    )
+    assert repo_docs.missing_references(root, root / "README.md") == [
+        "README.md: names `tools/gone.py`, which does not exist"
+    ]
+
+
 def test_checker_refuses_a_link_outside_the_repository(tmp_path):
     (tmp_path / "shared").mkdir()
     (tmp_path / "shared" / "design.md").write_text("")

@@ -87,8 +87,21 @@ def _exists(base: pathlib.Path, word: str) -> bool:
     return True
 
 
+def _ignored_folders(root: pathlib.Path) -> set[str]:
+    """Top-level folders ``.gitignore`` names (``build/``, ``/demo-out/``): build outputs, present or not."""
+    ignore = root / ".gitignore"
+    lines = ignore.read_text(encoding="utf-8").splitlines() if ignore.is_file() else []
+    return {
+        line.strip().strip("/")
+        for line in lines
+        if line.strip().endswith("/") and "/" not in line.strip().strip("/") and "*" not in line
+    }
+
+
 def _top_level(root: pathlib.Path) -> set[str]:
-    return {entry.name for entry in root.iterdir() if entry.name not in {".git", ".nox"}}
+    """The repository's own top-level entries: a page naming ``build/...`` names a build output, not a file."""
+    skip = {".git", ".nox"} | _ignored_folders(root)
+    return {entry.name for entry in root.iterdir() if entry.name not in skip}
 
 
 def missing_references(
