@@ -14,47 +14,54 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Iterator
-from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
 from stepforge.core import BoostedOptimizer, Plugin
 from stepforge.core.plugin_base import unwrap_optimizer
 
+from .._env import is_distributed
+from ._dcp import safe_dcp_load
+from ._layout import CheckpointMismatchError
 from ._optim_template import complete_template, saved_optimizer_state
-from .checkpoint import (
-    CheckpointError,
-    CheckpointMismatchError,
-    begin_dir,
-    commit_dir,
-    commit_file,
-    finish_dir,
-    safe_dcp_load,
-    verify_dir,
-    verify_file,
-)
-from .checkpoint._staging import fresh_like
+from ._pending import PendingWrites, async_save_group
+from ._sidecar import read_torch_file
+from ._staging import fresh_like
+from ._writer import begin_dir, commit_dir, commit_file, finish_dir, verify_dir
 
-__all__ = ["PendingCommit", "save_optimizer", "load_optimizer", "save_lr_scheduler", "load_lr_scheduler"]
-
-
-def _is_dist() -> bool:
-    return dist.is_available() and dist.is_initialized()
+__all__ = [
+    "save_optimizer",
+    "load_optimizer",
+    "save_lr_scheduler",
+    "load_lr_scheduler",
+]
 
 
 @contextmanager
 def _single_process_quiet() -> Iterator[None]:
     """Without a process group DCP saves/loads in this process and warns each time; that is the intent here."""
     with warnings.catch_warnings():
-        if not _is_dist():
+        if not is_distributed():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         yield
+
+
+def _saved_state(plugin: Plugin, model: nn.Module, optimizer: BoostedOptimizer) -> dict[str, Any]:
+    _, optim_sd = plugin.get_state_dict(model, optimizer)
+    state: dict[str, Any] = {"optimizer": saved_optimizer_state(optimizer, optim_sd)}
+    scaler = optimizer.scaler_state_dict()
+    if scaler is not None:
+        state["grad_scaler"] = scaler
+    return state
+
+
+_META = {"kind": "optimizer"}
 
 
 def save_optimizer(
@@ -63,62 +70,35 @@ def save_optimizer(
     optimizer: BoostedOptimizer,
     checkpoint: str | os.PathLike[str],
     *,
-    use_async: bool = False,
-) -> Any:
+    pending: PendingWrites | None = None,
+) -> None:
     """Write the optimizer state of every rank to directory ``checkpoint`` (collective).
 
-    ``use_async``: ``dcp.async_save`` (the state is staged before it returns); returns the future of the
-    background write, which the caller waits on (``.result()``). Otherwise ``None`` after the write."""
-    _, optim_sd = plugin.get_state_dict(model, optimizer)
-    state: dict[str, Any] = {"optimizer": saved_optimizer_state(optimizer, optim_sd)}
-    scaler = optimizer.scaler_state_dict()
-    if scaler is not None:
-        state["grad_scaler"] = scaler
-    meta = {"kind": "optimizer"}
-    if not use_async:
+    ``pending`` (an asynchronous save): the state is staged (copied to CPU) and the directory begun here; the
+    DCP write and the commit run on the background writer (``_pending.py``), on its own process group."""
+    state = _saved_state(plugin, model, optimizer)
+    if pending is None:
 
         def write(tmp: str) -> None:
             with _single_process_quiet():
                 dcp.save(state, checkpoint_id=tmp)
 
-        commit_dir(checkpoint, write, meta=meta, arg="checkpoint", where="save_optimizer")
-        return None
+        commit_dir(checkpoint, write, meta=_META, arg="checkpoint", where="save_optimizer")
+        return
+    copy = BlockingAsyncStager().stage(state)  # a CPU copy (DTensors stay DTensors): what the writer reads
     final, tmp = begin_dir(checkpoint, arg="checkpoint", where="save_optimizer")
-    with _single_process_quiet():
-        pending = dcp.async_save(state, checkpoint_id=tmp)
-    # torch >= 2.9 returns an AsyncSaveResponse (its upload_completion is the future), older a Future
-    return PendingCommit(getattr(pending, "upload_completion", pending), final, tmp, meta, "save_optimizer")
+    group = async_save_group()
 
-
-class PendingCommit(Future):  # type: ignore[type-arg]
-    """The future of an asynchronous directory save: waiting on it (``exception()``/``result()``, on every rank,
-    in the same order: ColossalAI's ``_sync_io`` points) waits for the background write, then commits the
-    directory through the one writer (collective), or removes it and raises :class:`CheckpointError`."""
-
-    def __init__(self, write: Any, final: str, tmp: str, meta: dict[str, Any], where: str) -> None:
-        super().__init__()
-        self._write, self._final, self._tmp, self._meta, self._where = write, final, tmp, meta, where
-
-    def _settle(self) -> None:
-        if self.done():
-            return
+    def write_and_commit() -> str:
         local: BaseException | None = None
         try:
-            self._write.result()
-        except BaseException as exc:  # DCP's CheckpointException is a BaseException
+            with _single_process_quiet():
+                dcp.save(copy, checkpoint_id=tmp, process_group=group)
+        except (Exception, dcp.CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
             local = exc
-        try:
-            self.set_result(finish_dir(self._final, self._tmp, local, meta=self._meta, where=self._where))
-        except CheckpointError as exc:
-            self.set_exception(exc)
+        return finish_dir(final, tmp, local, meta=_META, where="save_optimizer", group=group)
 
-    def result(self, timeout: float | None = None) -> Any:
-        self._settle()
-        return super().result(timeout)
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        self._settle()
-        return super().exception(timeout)
+    pending.submit(write_and_commit, where="save_optimizer")
 
 
 def load_optimizer(
@@ -146,7 +126,9 @@ def load_optimizer(
     if scaler is not None:
         state["grad_scaler"] = scaler
     fresh = fresh_like(state)  # read into fresh tensors: a failed read leaves the optimizer as it was
-    safe_dcp_load(fresh, str(path), no_dist=not _is_dist())  # no code runs from the files (CheckpointError)
+    safe_dcp_load(
+        fresh, str(path), no_dist=not is_distributed()
+    )  # no code runs from the files (CheckpointError)
     plugin.set_state_dict(model, optimizer, model_sd, fresh["optimizer"])
     if scaler is not None:
         optimizer.load_scaler_state_dict(fresh["grad_scaler"])
@@ -167,13 +149,7 @@ def save_lr_scheduler(lr_scheduler: Any, checkpoint: str | os.PathLike[str]) -> 
 def load_lr_scheduler(lr_scheduler: Any, checkpoint: str | os.PathLike[str]) -> None:
     """Load a file written by :func:`save_lr_scheduler` (``CheckpointError`` when it holds anything but plain
     values and tensors: no code runs from the file)."""
-    verify_file(str(checkpoint))  # the sidecar manifest's size and CRC-32, when the file has one
-    try:
-        state = torch.load(Path(checkpoint), map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise
-    except Exception as exc:
-        raise CheckpointError(f"load_lr_scheduler: {checkpoint} is unreadable or refused ({exc})") from exc
+    state = read_torch_file(checkpoint, where="load_lr_scheduler")
     live = set(lr_scheduler.state_dict())
     if not isinstance(state, dict) or set(state) != live:
         theirs = sorted(state) if isinstance(state, dict) else type(state).__name__
