@@ -287,7 +287,10 @@ def commit_dir_here(
     Returns:
         The absolute path of the committed directory.
     """
-    final, tmp = _make_tmp(path, arg=arg, where=where, work_dir=None)
+    try:
+        final, tmp = _make_tmp(path, arg=arg, where=where, work_dir=None)
+    except OSError as exc:
+        raise CheckpointError(f"{where}: cannot create the checkpoint at {path!r} ({exc})") from exc
     try:
         write(tmp)
         _commit(tmp, final, meta, None, None)
