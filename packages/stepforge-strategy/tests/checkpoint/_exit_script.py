@@ -6,11 +6,13 @@ rank 0's lives on, one more collective, then a normal return: no ``_sync_io``, n
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import gc
 import os
 import sys
+import threading
 
 import torch
 import torch.distributed as dist
@@ -19,7 +21,14 @@ from torch import nn
 from stepforge.strategy import Booster, TorchDDPPlugin
 
 
+def _report_threads(rank: int) -> None:
+    # registered before stepforge is used, so it runs after stepforge's own exit handler
+    names = sorted(t.name for t in threading.enumerate())
+    print(f"rank {rank}: threads at exit {names}", file=sys.stderr, flush=True)
+
+
 def main(rank: int, port: int, folder: str) -> None:
+    atexit.register(_report_threads, rank)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))

@@ -78,3 +78,31 @@ def test_a_finalised_checkpoint_io_waits_for_its_writes_without_raising(tmp_path
         del io
         gc.collect()
     assert "No space left on device" in caplog.text
+
+
+def test_every_checkpoint_io_has_the_waits_a_subclass_included():
+    """ColossalAI's users subclass ``CheckpointIO``; ``_sync_d2h``, ``_sync_io`` and ``async_writers`` work on such a
+    subclass too, also one whose ``__init__`` does not call ``CheckpointIO.__init__``."""
+    from stepforge.strategy import CheckpointIO
+
+    class MyCheckpointIO(CheckpointIO):
+        def __init__(self) -> None:  # ColossalAI's own subclasses call super().__init__(); this one forgets
+            self.calls: list[str] = []
+
+        def save_model(self, *args, **kwargs):
+            self.calls.append("save_model")
+
+        def load_model(self, model, *args, **kwargs):
+            return model
+
+        def save_optimizer(self, *args, **kwargs):
+            self.calls.append("save_optimizer")
+
+        def load_optimizer(self, *args, **kwargs):
+            self.calls.append("load_optimizer")
+
+    io = MyCheckpointIO()
+    io._sync_d2h()
+    io._sync_io()
+    io.synchronize()
+    assert io.async_writers == [] and io.calls == []

@@ -13,9 +13,9 @@ save fails), a directory receives the save's files and keeps the user's other fi
 Hugging Face workflow). Directories the user did not name (the working directory, ``""``, ``"."``, ``".."``) are
 refused.
 
-``use_async=True`` returns once the state is staged (copied away from the live tensors); the files are written
-in the background (a thread for models and plain optimizers, ``dcp.async_save`` on a process group of its own
-for boosted optimizers). As in ColossalAI, the next ``save_model`` waits for every pending write first
+``use_async=True`` returns once the state is staged (copied away from the live tensors) and the target checked;
+the files are written in the background by the process's one writer thread, whose collectives (DCP's, the commit,
+the ranks agreeing on the outcome) run on a process group of their own. As in ColossalAI, the next ``save_model`` waits for every pending write first
 (``_sync_io``), ``_sync_d2h``/``synchronize()`` is the point before the weights change (staging is already done
 when ``save_*`` returns, so it returns at once). A failed write raises the same ``CheckpointError`` on every rank
 at the wait. At interpreter exit, and when the object is garbage collected, pending writes are finished and the
@@ -51,7 +51,15 @@ class CheckpointIO(ABC):
     asynchronous-write bookkeeping (``async_writers``, ``_sync_io``, ``_sync_d2h``, ``synchronize``)."""
 
     def __init__(self) -> None:
-        self._pending = PendingWrites()
+        self._writes: PendingWrites | None = PendingWrites()
+
+    @property
+    def _pending(self) -> PendingWrites:
+        # created on first use too: a subclass that does not call CheckpointIO.__init__ still waits correctly
+        writes = self.__dict__.get("_writes")
+        if writes is None:
+            writes = self._writes = PendingWrites()
+        return writes
 
     @property
     def async_writers(self) -> list[Future[Any]]:
@@ -74,9 +82,9 @@ class CheckpointIO(ABC):
 
     def __del__(self) -> None:
         # no collective here: a finaliser runs at a different moment on each rank; it never raises
-        pending = self.__dict__.get("_pending")
-        if pending is not None:
-            pending.close()
+        writes = self.__dict__.get("_writes")
+        if writes is not None:
+            writes.close()
 
     # -- the interface ---------------------------------------------------------------------------------------
     @abstractmethod

@@ -168,10 +168,16 @@ def save_dir(
     )
 
 
-def dcp_save(state: dict[str, Any], directory: str) -> None:
-    """``dcp.save`` of ``state`` into ``directory`` (collective when a process group exists)."""
+def dcp_save(state: dict[str, Any], directory: str, *, process_group: Any = None) -> None:
+    """``dcp.save`` of ``state`` into ``directory``, the one writer's temporary directory (collective over
+    ``process_group``, default the world, when a process group exists): every DCP write of Strategy and Booster."""
     with _single_process_quiet():
-        dcp.save(state, storage_writer=_Writer(directory), no_dist=not is_distributed())
+        dcp.save(
+            state,
+            storage_writer=_Writer(directory),
+            process_group=process_group,
+            no_dist=not is_distributed(),
+        )
 
 
 def read_meta(path: str) -> dict[str, Any]:

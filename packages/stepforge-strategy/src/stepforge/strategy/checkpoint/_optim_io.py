@@ -4,17 +4,16 @@
 The optimizer goes through ``torch.distributed.checkpoint``: the plugin's ``get_state_dict`` gives tensors (or
 DTensors) keyed by parameter FQN, every rank writes its own shard, and ``dcp.load`` fills the same structure
 in place at load time, at any world size. The fp16 loss-scaler state (``grad_scaler``, the boosted optimizer's
-``scaler_state_dict()``) rides along. Saves go through the one checkpoint writer (``checkpoint.commit_dir`` for
-the optimizer directory, ``checkpoint.commit_file`` for the scheduler file); loads check its manifest first. The plugin and the optimizer meet here only through
-:class:`stepforge.core.Plugin` and :class:`stepforge.core.BoostedOptimizer`.
+``scaler_state_dict()``) rides along. Saves go through the one checkpoint writer (``commit_dir`` for the optimizer
+directory, written by ``_dcp.dcp_save`` as every DCP save; ``commit_file`` for the scheduler file); an
+asynchronous save runs on the background writer (``_pending.py``). Loads check the manifest first. The plugin
+and the optimizer meet here only through :class:`stepforge.core.Plugin` and
+:class:`stepforge.core.BoostedOptimizer`.
 """
 
 from __future__ import annotations
 
 import os
-import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,7 @@ from stepforge.core import BoostedOptimizer, Plugin
 from stepforge.core.plugin_base import unwrap_optimizer
 
 from .._env import is_distributed
-from ._dcp import safe_dcp_load
+from ._dcp import dcp_save, safe_dcp_load
 from ._layout import CheckpointMismatchError
 from ._optim_template import complete_template, saved_optimizer_state
 from ._pending import PendingWrites, async_save_group
@@ -41,15 +40,6 @@ __all__ = [
     "save_lr_scheduler",
     "load_lr_scheduler",
 ]
-
-
-@contextmanager
-def _single_process_quiet() -> Iterator[None]:
-    """Without a process group DCP saves/loads in this process and warns each time; that is the intent here."""
-    with warnings.catch_warnings():
-        if not is_distributed():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        yield
 
 
 def _saved_state(plugin: Plugin, model: nn.Module, optimizer: BoostedOptimizer) -> dict[str, Any]:
@@ -80,8 +70,7 @@ def save_optimizer(
     if pending is None:
 
         def write(tmp: str) -> None:
-            with _single_process_quiet():
-                dcp.save(state, checkpoint_id=tmp)
+            dcp_save(state, tmp)
 
         commit_dir(checkpoint, write, meta=_META, arg="checkpoint", where="save_optimizer")
         return
@@ -92,8 +81,7 @@ def save_optimizer(
     def write_and_commit() -> str:
         local: BaseException | None = None
         try:
-            with _single_process_quiet():
-                dcp.save(copy, checkpoint_id=tmp, process_group=group)
+            dcp_save(copy, tmp, process_group=group)
         except (Exception, dcp.CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
             local = exc
         return finish_dir(final, tmp, local, meta=_META, where="save_optimizer", group=group)
@@ -135,7 +123,8 @@ def load_optimizer(
 
 
 def save_lr_scheduler(lr_scheduler: Any, checkpoint: str | os.PathLike[str]) -> None:
-    """``torch.save(lr_scheduler.state_dict())`` on rank 0; every rank calls (it ends with a barrier)."""
+    """``torch.save(lr_scheduler.state_dict())`` to file ``checkpoint`` on rank 0, through the one writer (an
+    existing file is replaced atomically); every rank calls and gets the outcome."""
     if not hasattr(lr_scheduler, "state_dict"):
         raise TypeError(f"save_lr_scheduler: {type(lr_scheduler).__name__} has no state_dict().")
     state = lr_scheduler.state_dict()

@@ -15,7 +15,8 @@ wait for each other until the backend's timeout. One thread keeps the tasks them
 
 So waiting (:meth:`PendingWrites.wait`, ColossalAI's ``_sync_io``) is local: no collective, safe in a finaliser.
 At interpreter exit the writer thread finishes its tasks before the interpreter starts tearing down
-(``concurrent.futures`` joins it), then :func:`close_at_exit` reports failures nobody waited for.
+(``concurrent.futures`` joins it), then :func:`close_at_exit` reports failures nobody waited for and destroys the
+writer's process group, whose gloo threads are then joined while the interpreter is whole.
 """
 
 from __future__ import annotations
@@ -133,9 +134,24 @@ class PendingWrites:
 _LIVE: weakref.WeakSet[PendingWrites] = weakref.WeakSet()
 
 
+def _release_group() -> None:
+    """Destroy :func:`async_save_group` (no collective for gloo) and drop the last reference to it, so its gloo
+    threads are joined now rather than during interpreter teardown."""
+    if not _GROUP:
+        return
+    group = _GROUP.pop()
+    try:
+        dist.get_backend(group)
+    except (ValueError, RuntimeError):
+        return  # already destroyed with the default group (destroy_process_group())
+    dist.destroy_process_group(group)
+
+
 @atexit.register
 def close_at_exit() -> None:
-    """Report the failures of saves nobody waited for, while the interpreter is fully alive (the writer thread
-    has finished every task by now: ``concurrent.futures`` joins it before ``atexit`` runs)."""
+    """At interpreter exit, while the interpreter is fully alive: report the failures of saves nobody waited for
+    (the writer thread has finished every task by now: ``concurrent.futures`` joins it before ``atexit`` runs),
+    then release the writer's process group, so no thread of this module outlives the interpreter."""
     for pending in list(_LIVE):
         pending.close()
+    _release_group()
