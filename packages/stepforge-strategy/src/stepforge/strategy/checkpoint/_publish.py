@@ -8,9 +8,9 @@ one whose every file a stepforge commit lists, as a whole; a directory holding a
 this save's files into a private temporary directory inside the target and returns their names in the order they
 go live (the index last). Each file is fsynced and renamed into place (a reader sees an old or a new file, never
 half of one), in that order, then ``COMMIT.json`` listing exactly this save's files (size and CRC-32) is the last
-write. Files of the earlier save that this one no longer writes (the files its ``COMMIT.json`` listed, and the
-shards ``stale`` names, as transformers' ``save_pretrained`` removes them) are removed after that commit; no
-other file is touched. A save killed half-way leaves the earlier ``COMMIT.json``, whose checksums then no longer
+write. Files of the earlier save of the same kind that this one no longer writes (the files its ``COMMIT.json``
+listed, and the shards ``stale`` names, as transformers' ``save_pretrained`` removes them) are removed after that
+commit; no other file is touched. A save killed half-way leaves the earlier ``COMMIT.json``, whose checksums then no longer
 match the replaced files: a load says the checkpoint is damaged instead of reading a mix.
 
 Any failure removes the temporary files and raises :class:`CheckpointError` chained to the cause.
@@ -74,8 +74,10 @@ def publish_files(
     for entry in os.listdir(final):  # a killed earlier save's temporary files
         if entry.startswith(TMP_PREFIX):
             shutil.rmtree(os.path.join(final, entry), ignore_errors=True)
-    try:
-        previous = set(read_commit(final)["files"])
+    try:  # the earlier save of this kind (a model's shards, not an optimizer's files that share the folder)
+        earlier = read_commit(final)
+        same_kind = isinstance(earlier["meta"], dict) and earlier["meta"].get("kind") == meta.get("kind")
+        previous = set(earlier["files"]) if same_kind else set()
     except CheckpointError:
         previous = set()
     try:
