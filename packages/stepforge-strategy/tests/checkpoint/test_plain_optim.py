@@ -68,7 +68,7 @@ def _assert_equal(a, b, where: str = "") -> None:
 
 @pytest.mark.parametrize("use_safetensors", [True, False])
 @pytest.mark.parametrize("use_async", [False, True])
-def test_unsharded_checkpoint(use_safetensors, use_async):
+def test_unsharded_checkpoint(tmp_path, use_safetensors, use_async):
     model = _net(0)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.001)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
@@ -76,9 +76,9 @@ def test_unsharded_checkpoint(use_safetensors, use_async):
     scheduler.step()
     suffix = ".safetensors" if use_async or use_safetensors else ".bin"
     with (
-        tempfile.NamedTemporaryFile(suffix=suffix) as model_file,
-        tempfile.NamedTemporaryFile(suffix=suffix if use_async else "") as optimizer_file,
-        tempfile.NamedTemporaryFile() as scheduler_file,
+        tempfile.NamedTemporaryFile(suffix=suffix, dir=tmp_path) as model_file,
+        tempfile.NamedTemporaryFile(suffix=suffix if use_async else "", dir=tmp_path) as optimizer_file,
+        tempfile.NamedTemporaryFile(dir=tmp_path) as scheduler_file,
     ):
         io = GeneralCheckpointIO()
         io.save_model(model, model_file.name, use_safetensors=use_safetensors, use_async=use_async)
@@ -96,8 +96,6 @@ def test_unsharded_checkpoint(use_safetensors, use_async):
         _assert_equal(model.state_dict(), new_model.state_dict())
         _assert_equal(optimizer.state_dict(), new_optimizer.state_dict())
         _assert_equal(scheduler.state_dict(), new_scheduler.state_dict())
-        for name in (model_file.name, optimizer_file.name, scheduler_file.name):
-            os.remove(name + ".stepforge.json")  # the manifests beside the temporary files
 
 
 @pytest.mark.parametrize("use_safetensors", [True, False])
