@@ -94,7 +94,7 @@ def full_params(booster: Booster, model: nn.Module) -> dict[str, torch.Tensor]:
     """Full fp32 CPU parameters of a boosted model (gathered for FSDP2; collective)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from stepforge.strategy._model_io import unwrap_model
+    from stepforge.strategy.checkpoint._model_io import unwrap_model
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     sd = get_model_state_dict(unwrap_model(model), options=options)

@@ -18,8 +18,9 @@ import pytest
 import torch
 from torch import nn
 
-from stepforge.strategy import Booster, BoosterCheckpointIO, CheckpointError, GeneralCheckpointIO, _model_io
-from stepforge.strategy._model_io import is_safetensors
+from stepforge.strategy import Booster, BoosterCheckpointIO, CheckpointError, GeneralCheckpointIO
+from stepforge.strategy.checkpoint import _model_io
+from stepforge.strategy.checkpoint._hf_layout import is_safetensors
 from stepforge.testing.distributed import requires_gloo, run_distributed
 
 WAIT_S = 60  # bound on every wait for a background writer
@@ -205,7 +206,7 @@ def test_plain_optimizer_with_several_param_groups(tmp_path):
     io = GeneralCheckpointIO()
     io.save_optimizer(optimizer, tmp_path / "optimizer", shard=True, prefix="run", use_async=True)
     io._sync_io()
-    assert (tmp_path / "optimizer" / "run-pytorch_optim.bin").is_file()
+    assert (tmp_path / "optimizer" / "run-pytorch_optim.bin.index.json").is_file()
     new_model, _, _ = _trained(seed=1)
     fresh = torch.optim.Adam(
         [{"params": new_model[0].parameters(), "lr": 0.5}, {"params": new_model[2].parameters(), "lr": 0.5}]

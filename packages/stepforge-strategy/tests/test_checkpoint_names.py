@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Name protection of every save (``_writer.check_target``): ``""``, ``"."``, ``".."``, ``work_dir``, its
-ancestors, the working directory, and any existing file or folder stepforge did not commit are refused with an
-error naming the argument, and nothing on disk changes (a user's folder is never deleted)."""
+"""Name protection of every save (``_names.check_target``): ``""``, ``"."``, ``".."``, ``work_dir``, its
+ancestors and the working directory are refused with an error naming the argument, and nothing on disk changes; a
+save that replaces a directory as a whole (a Strategy checkpoint, a DCP optimizer) refuses a folder or file
+stepforge did not commit (a user's folder is never deleted)."""
 
 from __future__ import annotations
 
@@ -80,29 +81,28 @@ def _model() -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("shard", [False, True])
-def test_booster_save_model_refuses_empty_dot_and_user_files(tmp_path, monkeypatch, shard):
+def test_booster_save_model_refuses_empty_and_dot_names(tmp_path, monkeypatch, shard):
     monkeypatch.chdir(tmp_path)
     booster, model = Booster(plugin="single"), _model()
-    for bad in ("", ".", ".."):
-        with pytest.raises(ValueError, match="checkpoint"):
-            booster.save_model(model, bad, shard=shard)
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "keep.txt").write_text("mine")
     (tmp_path / "model.pt").write_bytes(b"a file of the user")
     before = _snapshot(str(tmp_path))
-    # shard=True replaces a directory; shard=False writes mine/model.safetensors (nothing replaced): allowed
-    if shard:
-        with pytest.raises(CheckpointError, match="checkpoint='mine'.*not a committed stepforge checkpoint"):
-            booster.save_model(model, "mine", shard=True)
-    with pytest.raises(CheckpointError, match="checkpoint='model.pt' is an existing file.*never replaced"):
-        booster.save_model(model, "model.pt", shard=shard)
+    for bad in ("", ".", "..", "mine/.."):
+        with pytest.raises(ValueError, match="checkpoint"):
+            booster.save_model(model, bad, shard=shard)
+    if shard:  # a sharded save names a directory: an existing file there is never turned into one
+        with pytest.raises(
+            CheckpointError, match="checkpoint='model.pt' is an existing file.*never replaced"
+        ):
+            booster.save_model(model, "model.pt", shard=True)
     assert _snapshot(str(tmp_path)) == before
     # its own earlier save is replaced
     booster.save_model(model, "own.pt", shard=shard)
     booster.save_model(model, "own.pt", shard=shard)
 
 
-def test_booster_optimizer_and_scheduler_saves_refuse_the_working_directory_and_user_files(
+def test_booster_optimizer_and_scheduler_saves_refuse_the_working_directory_and_empty_names(
     tmp_path, monkeypatch
 ):
     monkeypatch.chdir(tmp_path)
@@ -110,14 +110,18 @@ def test_booster_optimizer_and_scheduler_saves_refuse_the_working_directory_and_
     plain = _model()
     _, opt, *_ = booster.boost(plain, torch.optim.SGD(plain.parameters(), lr=0.1))
     sched = torch.optim.lr_scheduler.StepLR(opt, 1)
-    (tmp_path / "sched.pt").write_bytes(b"a file of the user")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "keep.txt").write_text("mine")
     before = _snapshot(str(tmp_path))
     with pytest.raises(ValueError, match="checkpoint="):
         booster.save_optimizer(opt, str(tmp_path))
     with pytest.raises(ValueError, match="checkpoint="):
         booster.save_optimizer(opt, os.path.dirname(str(tmp_path)))
-    with pytest.raises(CheckpointError, match="checkpoint='sched.pt'"):
-        booster.save_lr_scheduler(sched, "sched.pt")
+    # a DCP optimizer save replaces its directory as a whole: a folder of the user's is never deleted
+    with pytest.raises(CheckpointError, match="checkpoint='mine'.*not a committed stepforge checkpoint"):
+        booster.save_optimizer(opt, "mine")
+    with pytest.raises(CheckpointError, match="checkpoint='mine' is an existing directory"):
+        booster.save_lr_scheduler(sched, "mine")
     with pytest.raises(ValueError, match="empty"):
         booster.save_lr_scheduler(sched, "")
     assert _snapshot(str(tmp_path)) == before

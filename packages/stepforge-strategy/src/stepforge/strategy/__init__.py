@@ -25,9 +25,8 @@ from .boosted_model import ModelWrapper
 from .boosted_optimizer import BoostedOptimizer, OptimizerWrapper
 from .booster import Booster
 from .checkpoint import CheckpointError, find_latest_checkpoint
-from .checkpoint_io import BoosterCheckpointIO, CheckpointIO
+from .checkpoint_io import BoosterCheckpointIO, CheckpointIO, GeneralCheckpointIO
 from .data import StatefulDataLoader, make_stateful
-from .general_checkpoint_io import GeneralCheckpointIO
 from .mixed_precision import (
     BF16MixedPrecision,
     FP8MixedPrecision,

@@ -24,6 +24,7 @@ import torch.distributed as dist
 __all__ = [
     "EnvInfo",
     "broadcast_object",
+    "is_distributed",
     "default_backend",
     "detect_launcher",
     "get_rank",
@@ -51,19 +52,26 @@ class EnvInfo:
     timestamp: str
 
 
+def is_distributed() -> bool:
+    """Whether this run is distributed: torch.distributed is built in and its default group is initialised.
+
+    The one place stepforge.strategy decides it; everything else asks here."""
+    return dist.is_available() and dist.is_initialized()
+
+
 def get_rank() -> int:
     """This process's rank in the default group (0 when not distributed)."""
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return dist.get_rank() if is_distributed() else 0
 
 
 def get_world_size() -> int:
     """The default group's size (1 when not distributed)."""
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return dist.get_world_size() if is_distributed() else 1
 
 
 def detect_launcher() -> str:
     """``"pytorch"`` under ``torchrun`` (or with an initialised group), else ``"none"``."""
-    if dist.is_available() and dist.is_initialized():
+    if is_distributed():
         return "pytorch"
     return "pytorch" if {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"} <= set(os.environ) else "none"
 
@@ -73,12 +81,12 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def broadcast_object(obj: Any, src: int = 0) -> Any:
-    """Rank ``src``'s ``obj`` on every rank (identity when not distributed)."""
+def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
+    """Rank ``src``'s ``obj`` on every rank of ``group`` (default: the world; identity when not distributed)."""
     if get_world_size() == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
 
 
@@ -118,7 +126,7 @@ def _check_keys(where: str, given: Mapping[str, Any], allowed: set[str]) -> None
 
 
 def _init_group(backend: str | None, dist_cfg: Mapping[str, Any]) -> str:
-    if dist.is_initialized():
+    if is_distributed():
         actual = dist.get_backend()
         if backend is not None and backend != actual:
             raise ValueError(f"env_kwargs backend={backend!r} but the process group already uses {actual!r}")

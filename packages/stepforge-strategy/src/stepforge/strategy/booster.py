@@ -22,20 +22,19 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from stepforge.core import PLUGINS, BoostedOptimizer, Plugin, WrappedModel, build_optimizer
 from stepforge.core.plugin_base import unwrap_optimizer
 from stepforge.core.precision import warn_slow_precision
 
+from ._env import get_world_size
 from ._lora import enable_lora, require_peft
 from .accelerator import Accelerator
 from .boosted_model import ModelWrapper, plugin_module
 from .boosted_optimizer import OptimizerWrapper
-from .checkpoint_io import BoosterCheckpointIO
+from .checkpoint_io import BoosterCheckpointIO, GeneralCheckpointIO
 from .data import make_stateful
-from .general_checkpoint_io import GeneralCheckpointIO
 from .mixed_precision import MixedPrecision, precision_name, resolve_mixed_precision
 
 __all__ = ["Booster"]
@@ -47,10 +46,6 @@ def _accepts(cls: Any, name: str) -> bool:
     except (TypeError, ValueError):
         return False
     return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 class Booster:
@@ -110,7 +105,7 @@ class Booster:
     @staticmethod
     def _build_plugin(plugin: Any, device: Any) -> Plugin:
         if plugin is None:
-            plugin = "torch_ddp" if _world() > 1 else "single"
+            plugin = "torch_ddp" if get_world_size() > 1 else "single"
         if isinstance(plugin, str | Mapping):
             kwargs: dict[str, Any] = {}
             if isinstance(plugin, Mapping):

@@ -1,17 +1,25 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``CheckpointIO`` and ``GeneralCheckpointIO``: ColossalAI's checkpoint objects (``booster.checkpoint_io``).
+"""``CheckpointIO``, ``BoosterCheckpointIO`` and ``GeneralCheckpointIO``: ColossalAI's checkpoint objects
+(``booster.checkpoint_io``), a thin layer with ColossalAI's method names and signatures over
+:mod:`stepforge.strategy.checkpoint`, where every save and load lives.
 
-A thin layer over the Booster's savers (:mod:`._model_io`, :mod:`._optim_io`) with ColossalAI's method names and
-signatures. Models are written in the Hugging Face layout (one file, or shards with an index; safetensors or
-``torch.save`` by ``use_safetensors``, ColossalAI's default ``False``); an optimizer that ``Booster.boost``
-returned goes through ``torch.distributed.checkpoint`` keyed by parameter name (any world size); an optimizer
-``boost`` did not wrap (:class:`~stepforge.strategy.GeneralCheckpointIO` only, in :mod:`.general_checkpoint_io`) is ``torch.save``-d as its own ``state_dict()``.
+Models are written in the Hugging Face layout (one file, or shards with an index; safetensors or ``torch.save``
+by ``use_safetensors``, ColossalAI's default ``False``); an optimizer that ``Booster.boost`` returned goes through
+``torch.distributed.checkpoint`` keyed by parameter name (any world size); an optimizer ``boost`` did not wrap
+(:class:`GeneralCheckpointIO`) is saved as its own ``state_dict()``, in one file or sharded.
 
-``use_async=True`` returns once the state is staged (copied away from the live tensors); the files are written
-in the background (a thread for models and plain optimizers, ``dcp.async_save`` for boosted optimizers). As in
-ColossalAI, the next ``save_model`` waits for every pending write first (``_sync_io``), ``synchronize()`` is the
-point before the weights change (staging is already done when ``save_*`` returns, so it returns at once) and the
-object waits for its writes when it is garbage collected. A failed background write raises at the wait.
+The path a save is given is the save's: a file there is replaced (atomically: the old one stays whole if the
+save fails), a directory receives the save's files and keeps the user's other files (``config.json`` of the
+Hugging Face workflow). Directories the user did not name (the working directory, ``""``, ``"."``, ``".."``) are
+refused.
+
+``use_async=True`` returns once the state is staged (copied away from the live tensors) and the target checked;
+the files are written in the background by the process's one writer thread, whose collectives (DCP's, the commit,
+the ranks agreeing on the outcome) run on a process group of their own. As in ColossalAI, the next ``save_model`` waits for every pending write first
+(``_sync_io``), ``_sync_d2h``/``synchronize()`` is the point before the weights change (staging is already done
+when ``save_*`` returns, so it returns at once). A failed write raises the same ``CheckpointError`` on every rank
+at the wait. At interpreter exit, and when the object is garbage collected, pending writes are finished and the
+writer thread is joined.
 """
 
 from __future__ import annotations
@@ -19,50 +27,23 @@ from __future__ import annotations
 import logging
 import os
 from abc import ABC, abstractmethod
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
+from functools import partial
 from typing import Any
 
-import torch
-import torch.distributed as dist
 from torch import nn
 
 from stepforge.core import BoostedOptimizer, Plugin
 
-from . import _model_io, _optim_io
+from ._env import get_rank
 from .boosted_model import plugin_module
-from .checkpoint import CheckpointError
+from .checkpoint import _model_io, _optim_io, _plain_optim
+from .checkpoint._pending import PendingWrites, staged
+from .checkpoint._writer import commit_files
 
-__all__ = ["CheckpointIO", "BoosterCheckpointIO"]
+__all__ = ["CheckpointIO", "BoosterCheckpointIO", "GeneralCheckpointIO"]
 
 logger = logging.getLogger("stepforge.strategy")
-
-
-def is_dist() -> bool:
-    """Whether a process group is initialised."""
-    return dist.is_available() and dist.is_initialized()
-
-
-def rank() -> int:
-    """This process's rank (0 without a process group)."""
-    return dist.get_rank() if is_dist() else 0
-
-
-def staged(value: Any) -> Any:
-    """A copy of every tensor in ``value`` (dicts/lists/tuples walked), on CPU: what a background write reads."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {k: staged(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(staged(v) for v in value)
-    return value
-
-
-def done_future() -> Future[None]:
-    """A finished future: a rank with nothing to write still takes part in :meth:`CheckpointIO._sync_io`."""
-    future: Future[None] = Future()
-    future.set_result(None)
-    return future
 
 
 class CheckpointIO(ABC):
@@ -70,33 +51,26 @@ class CheckpointIO(ABC):
     asynchronous-write bookkeeping (``async_writers``, ``_sync_io``, ``_sync_d2h``, ``synchronize``)."""
 
     def __init__(self) -> None:
-        self.async_writers: list[Future[Any]] = []
-        self._pool: ThreadPoolExecutor | None = None
+        self._writes: PendingWrites | None = PendingWrites()
+
+    @property
+    def _pending(self) -> PendingWrites:
+        # created on first use too: a subclass that does not call CheckpointIO.__init__ still waits correctly
+        writes = self.__dict__.get("_writes")
+        if writes is None:
+            writes = self._writes = PendingWrites()
+        return writes
+
+    @property
+    def async_writers(self) -> list[Future[Any]]:
+        """The pending asynchronous writes (one entry per ``use_async=True`` save, on every rank)."""
+        return self._pending.futures
 
     # -- asynchronous writes ---------------------------------------------------------------------------------
-    def _submit(self, fn: Any, *args: Any, **kwargs: Any) -> None:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stepforge-ckpt")
-        self.async_writers.append(self._pool.submit(fn, *args, **kwargs))
-
     def _sync_io(self) -> None:
-        """Wait for every pending background write (re-raising the first failure); collective when there were
-        some under a process group (every rank then agrees the files are complete)."""
-        had_writes = bool(self.async_writers)
-        errors = self._wait_writers()
-        if had_writes and is_dist():
-            dist.barrier()
-        if errors:
-            raise CheckpointError(f"an asynchronous checkpoint write failed: {errors[0]}") from errors[0]
-
-    def _wait_writers(self) -> list[BaseException]:
-        writers, self.async_writers = self.async_writers, []
-        errors: list[BaseException] = []
-        for writer in writers:
-            error = writer.exception()  # waits; every writer finishes before a failure is raised
-            if error is not None:
-                errors.append(error)
-        return errors
+        """Wait for every pending background save. The ranks agreed on each save's outcome in the background, so
+        a failure on any rank raises the same ``CheckpointError`` on every rank here (no collective)."""
+        self._pending.wait()
 
     def _sync_d2h(self) -> None:  # noqa: B027 (deliberately empty: staging is synchronous)
         """Wait until pending writes no longer read the live tensors: staging finishes before ``save_*``
@@ -107,12 +81,10 @@ class CheckpointIO(ABC):
         self._sync_d2h()
 
     def __del__(self) -> None:
-        # wait only: a finaliser runs at a different moment on each rank, so no collective here, and it never
-        # raises (a failure is still reported)
-        for error in self._wait_writers():
-            logger.error("checkpoint_io: an asynchronous checkpoint write failed: %s", error)
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        # no collective here: a finaliser runs at a different moment on each rank; it never raises
+        writes = self.__dict__.get("_writes")
+        if writes is not None:
+            writes.close()
 
     # -- the interface ---------------------------------------------------------------------------------------
     @abstractmethod
@@ -165,7 +137,8 @@ class CheckpointIO(ABC):
         """Load an optimizer save into ``optimizer``."""
 
     def save_lr_scheduler(self, lr_scheduler: Any, checkpoint: str | os.PathLike[str]) -> None:
-        """``torch.save(lr_scheduler.state_dict())`` on rank 0 (every rank calls)."""
+        """``torch.save(lr_scheduler.state_dict())`` to file ``checkpoint`` on rank 0 (every rank calls; an
+        existing file there is replaced atomically)."""
         _optim_io.save_lr_scheduler(lr_scheduler, checkpoint)
 
     def load_lr_scheduler(self, lr_scheduler: Any, checkpoint: str | os.PathLike[str]) -> None:
@@ -179,8 +152,8 @@ class CheckpointIO(ABC):
         use_safetensors: bool = False,
         state_dict: dict[str, Any] | None = None,
     ) -> None:
-        """Write the LoRA adapters and their config (peft's ``save_pretrained``) to directory ``checkpoint`` on
-        rank 0; every rank calls.
+        """Write the LoRA adapters and their config (peft's ``save_pretrained``) into directory ``checkpoint``
+        on rank 0, through the one writer (the directory's other files stay); every rank calls.
 
         Raises:
             ValueError: the model has no LoRA adapters (``Booster.enable_lora`` before ``boost``).
@@ -188,14 +161,14 @@ class CheckpointIO(ABC):
         from ._lora import peft_model_of
 
         peft_model = peft_model_of(model)
-        if rank() == 0:
-            if state_dict is None:
-                state_dict = staged(peft_model.state_dict())
-            peft_model.save_pretrained(
-                str(checkpoint), safe_serialization=use_safetensors, state_dict=state_dict
-            )
-        if is_dist():
-            dist.barrier()
+
+        def write(tmp: str) -> None:
+            state = staged(peft_model.state_dict()) if state_dict is None else state_dict
+            peft_model.save_pretrained(tmp, safe_serialization=use_safetensors, state_dict=state)
+
+        commit_files(
+            checkpoint, write, arg="checkpoint", where="save_lora_as_pretrained", meta={"kind": "lora"}
+        )
 
 
 class BoosterCheckpointIO(CheckpointIO):
@@ -239,9 +212,10 @@ class BoosterCheckpointIO(CheckpointIO):
         use_async: bool = False,
     ) -> None:
         """Save the full model in the HF layout (gathered; rank 0 writes). ``shard=False``: one file at
-        ``checkpoint`` (a directory gets ``model.safetensors``/``pytorch_model.bin`` inside); ``shard=True``:
-        directory ``checkpoint`` with files of at most ``size_per_shard`` MiB and an index JSON. ``prefix``
-        prefixes the file names. ``use_async`` writes safetensors (as ColossalAI) in the background."""
+        ``checkpoint`` (a directory gets ``model.safetensors``/``pytorch_model.bin`` inside; an existing file is
+        replaced atomically); ``shard=True``: files of at most ``size_per_shard`` MiB and an index JSON into
+        directory ``checkpoint`` (its other files, such as ``config.json``, stay). ``prefix`` prefixes the file
+        names. ``use_async`` writes safetensors (as ColossalAI) in the background."""
         self._sync_io()
         if not gather_dtensor:
             raise ValueError(
@@ -262,13 +236,13 @@ class BoosterCheckpointIO(CheckpointIO):
                 "save_model: use_async=True writes safetensors (use_safetensors set to True), as ColossalAI."
             )
         state = staged(_model_io.gather_full_state_dict(model))  # collective, on this thread
-        if rank() == 0:
-            self._submit(
-                _model_io.write_full_state_dict, state, checkpoint, shard=shard, prefix=prefix,
-                size_per_shard=size_per_shard, use_safetensors=True,
-            )  # fmt: skip
-        else:
-            self.async_writers.append(done_future())  # every rank waits (and meets the barrier) in _sync_io
+        # the name is checked now, on every rank: a refused one raises here, not at the wait
+        _model_io.claim_model_target(checkpoint, shard=shard, prefix=prefix, use_safetensors=True)
+        write = partial(
+            _model_io.write_full_state_dict, state, checkpoint, shard=shard, prefix=prefix,
+            size_per_shard=size_per_shard, use_safetensors=True,
+        )  # fmt: skip
+        self._pending.submit(write if get_rank() == 0 else None, where="save_model")
 
     def load_model(
         self,
@@ -304,11 +278,11 @@ class BoosterCheckpointIO(CheckpointIO):
         ``shard``/``prefix``/``size_per_shard`` are accepted (DCP always writes per-rank files)."""
         model = self.model_for(optimizer)
         if model is None:
-            self._save_plain_optimizer(optimizer, checkpoint, shard, prefix, use_async)
+            self._save_plain_optimizer(optimizer, checkpoint, shard, prefix, size_per_shard, use_async)
             return
-        pending = _optim_io.save_optimizer(self.plugin, model, optimizer, checkpoint, use_async=use_async)
-        if pending is not None:
-            self.async_writers.append(pending)
+        _optim_io.save_optimizer(
+            self.plugin, model, optimizer, checkpoint, pending=self._pending if use_async else None
+        )
 
     def load_optimizer(
         self,
@@ -328,7 +302,13 @@ class BoosterCheckpointIO(CheckpointIO):
         _optim_io.load_optimizer(self.plugin, model, optimizer, checkpoint)
 
     def _save_plain_optimizer(
-        self, optimizer: Any, checkpoint: Any, shard: bool, prefix: str | None, use_async: bool
+        self,
+        optimizer: Any,
+        checkpoint: Any,
+        shard: bool,
+        prefix: str | None,
+        size_per_shard: float,
+        use_async: bool,
     ) -> None:
         raise ValueError(
             "save_optimizer: this optimizer was not returned by this Booster's boost(); pass the boosted "
@@ -342,3 +322,53 @@ class BoosterCheckpointIO(CheckpointIO):
             "optimizer (the one boost() returned), or load a plain optimizer with a plugin-less Booster or "
             "GeneralCheckpointIO()."
         )
+
+
+class GeneralCheckpointIO(BoosterCheckpointIO):
+    """ColossalAI's ``GeneralCheckpointIO``: the checkpoint IO of a plugin-less Booster, also usable on its own
+    (``GeneralCheckpointIO()``) for plain models and optimizers.
+
+    Besides what :class:`BoosterCheckpointIO` does, it saves an optimizer that ``boost`` did not wrap (a plain
+    ``torch.optim.Optimizer``) on rank 0: ``shard=False``: ``torch.save(optimizer.state_dict())`` to file
+    ``checkpoint``; ``shard=True``: directory ``checkpoint`` with ColossalAI's sharded layout (param groups file,
+    shards of at most ``size_per_shard`` MiB, ``[prefix-]pytorch_optim.bin.index.json``). Loads read with
+    ``weights_only`` and ``optimizer.load_state_dict`` (every saved state entry restored).
+
+    Args:
+        plugin: the Booster's plugin; ``None`` (standalone) uses ``single``.
+    """
+
+    def __init__(self, plugin: Plugin | None = None) -> None:
+        if plugin is None:
+            from .plugins.single import SinglePlugin
+
+            plugin = SinglePlugin()
+        super().__init__(plugin)
+
+    def _save_plain_optimizer(
+        self,
+        optimizer: Any,
+        checkpoint: Any,
+        shard: bool,
+        prefix: str | None,
+        size_per_shard: float,
+        use_async: bool,
+    ) -> None:
+        if not isinstance(size_per_shard, int | float) or size_per_shard <= 0:
+            raise ValueError(f"save_optimizer: size_per_shard must be > 0 (MiB), got {size_per_shard!r}.")
+        if not use_async:
+            _plain_optim.save_plain_optimizer(
+                optimizer, checkpoint, shard=shard, prefix=prefix, size_per_shard=size_per_shard
+            )
+            return
+        _plain_optim.claim_plain_target(optimizer, checkpoint, shard=shard)
+        write = None
+        if get_rank() == 0:
+            write = partial(
+                _plain_optim.write_plain_optimizer, staged(optimizer.state_dict()), checkpoint, shard=shard,
+                prefix=prefix, size_per_shard=size_per_shard,
+            )  # fmt: skip
+        self._pending.submit(write, where="save_optimizer")
+
+    def _load_plain_optimizer(self, optimizer: Any, checkpoint: Any, prefix: str | None) -> None:
+        _plain_optim.load_plain_optimizer(optimizer, checkpoint, prefix)

@@ -19,6 +19,7 @@ from torch import nn
 from stepforge.accum import OptimWrapper
 from stepforge.core import BoostedOptimizer
 
+from ._env import is_distributed
 from .booster import Booster
 
 __all__ = ["ColossalAIOptimWrapper", "AmpOptimWrapper"]
@@ -200,10 +201,9 @@ class AmpOptimWrapper(OptimWrapper):
             )
         enabled = dtype == torch.float16
         if use_fsdp:
-            import torch.distributed as dist
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-            if not (dist.is_available() and dist.is_initialized()):
+            if not is_distributed():
                 raise RuntimeError(
                     "AmpOptimWrapper: use_fsdp=True agrees on overflows across ranks and needs an initialised "
                     "process group; leave use_fsdp=False on one process."

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from stepforge.core.torch_compat import SafeFileSystemReader, SafeLoadPlanner, flatten_state_dict
 
-from .._env import get_rank
+from .._env import get_rank, is_distributed
 from ._layout import CheckpointError, CheckpointMismatchError, read_commit, validate_files
 from ._staging import apply_fresh, fresh_like
 from ._writer import commit_dir
@@ -60,10 +60,6 @@ class _Writer(dcp.FileSystemWriter):
             fut.wait()
             _AFTER_WRITE_HOOK(get_rank())
         return fut
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
 
 
 @contextlib.contextmanager
@@ -172,10 +168,16 @@ def save_dir(
     )
 
 
-def dcp_save(state: dict[str, Any], directory: str) -> None:
-    """``dcp.save`` of ``state`` into ``directory`` (collective when a process group exists)."""
+def dcp_save(state: dict[str, Any], directory: str, *, process_group: Any = None) -> None:
+    """``dcp.save`` of ``state`` into ``directory``, the one writer's temporary directory (collective over
+    ``process_group``, default the world, when a process group exists): every DCP write of Strategy and Booster."""
     with _single_process_quiet():
-        dcp.save(state, storage_writer=_Writer(directory), no_dist=not _distributed())
+        dcp.save(
+            state,
+            storage_writer=_Writer(directory),
+            process_group=process_group,
+            no_dist=not is_distributed(),
+        )
 
 
 def read_meta(path: str) -> dict[str, Any]:
@@ -255,7 +257,7 @@ def read_dir(
     have_rank = f"rank_objects.{rank_key}" in metadata.state_dict_metadata
     if rank_objects and have_rank:
         blobs["rank_objects"] = {rank_key: b""}
-    no_dist = not _distributed()
+    no_dist = not is_distributed()
     if blobs:  # the objects first: a refused or damaged blob fails before any tensor is read
         safe_dcp_load(blobs, path, no_dist=no_dist)
     shared = unblob(blobs["objects"], map_location, path) if objects else None
@@ -303,5 +305,5 @@ def load_dir(
 
 def barrier() -> None:
     """A barrier when distributed (no-op otherwise)."""
-    if dist.is_available() and dist.is_initialized():
+    if is_distributed():
         dist.barrier()

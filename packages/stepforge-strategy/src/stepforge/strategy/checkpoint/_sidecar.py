@@ -14,7 +14,14 @@ from typing import Any
 
 from ._layout import CheckpointError, commit_text, file_record, fsync_dir
 
-__all__ = ["FILE_FORMAT", "SIDECAR_SUFFIX", "read_sidecar", "verify_file", "write_with_sidecar"]
+__all__ = [
+    "FILE_FORMAT",
+    "SIDECAR_SUFFIX",
+    "read_sidecar",
+    "read_torch_file",
+    "verify_file",
+    "write_with_sidecar",
+]
 
 #: Sidecar manifest of a single-file save: ``model.pt`` → ``model.pt.stepforge.json``.
 SIDECAR_SUFFIX = ".stepforge.json"
@@ -82,6 +89,28 @@ def verify_file(path: str) -> bool:
             "(bytes changed on disk after the save)"
         )
     return True
+
+
+def read_torch_file(path: str | os.PathLike[str], *, where: str, verify: bool = True) -> Any:
+    """``torch.load`` of a single ``torch.save`` file, checked against its sidecar manifest first (when it has
+    one), with ``weights_only=True`` (no code runs from it) and through a file object (``torch.load`` reads a
+    path named ``*.safetensors`` as safetensors, and ColossalAI's users name asynchronous saves so).
+
+    Raises:
+        FileNotFoundError: no file there.
+        CheckpointError: a damaged file, or one holding anything but tensors and plain containers.
+    """
+    import torch
+
+    if verify:  # False: the caller checked it (a directory's COMMIT.json lists it)
+        verify_file(os.fspath(path))
+    try:
+        with open(path, "rb") as f:
+            return torch.load(f, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(f"{where}: {os.fspath(path)} is unreadable or refused ({exc})") from exc
 
 
 def write_with_sidecar(final: str, write: Callable[[str], None], where: str, meta: dict[str, Any]) -> None:

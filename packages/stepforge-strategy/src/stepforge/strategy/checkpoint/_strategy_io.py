@@ -26,10 +26,10 @@ from torch.distributed.tensor import DTensor
 from stepforge.accum import OptimWrapper
 from stepforge.core import BoostedOptimizer
 
-from .._optim_template import saved_optimizer_state
 from .._version import __version__
 from ._dcp import save_dir
 from ._fsdp_window import fsdp_pending_grads
+from ._optim_template import saved_optimizer_state
 from ._rng import get_rng_state
 from ._run_state import RunState
 from ._strategy_load import load, resume

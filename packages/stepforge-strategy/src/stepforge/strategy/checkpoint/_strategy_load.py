@@ -3,7 +3,7 @@
 
 Phase 1 touches nothing live: the commit marker and every file's CRC-32, the plugin and world size recorded in
 the meta, the model's keys, shapes and dtypes, the optimizer's groups, parameters and state layout
-(:func:`~stepforge.strategy._optim_template.fit_template`), then every object blob and every tensor is read
+(:func:`~stepforge.strategy.checkpoint._optim_template.fit_template`), then every object blob and every tensor is read
 into fresh tensors, and the scheduler list, accumulation state, saved gradients and RNG states are checked
 against the live run. Only then, phase 2 applies them: weights and optimizer (``Plugin.set_state_dict``, its
 lr included), accumulation window, scaler, gradients, schedulers, statefuls, RNG, iteration. Any failure of
@@ -28,10 +28,10 @@ from stepforge.core import BoostedOptimizer
 from stepforge.core.plugin_base import unwrap_optimizer
 
 from .._env import set_random_seed
-from .._optim_template import fit_template
 from ._dcp import check_template, read_dcp_metadata, read_dir, verify_files
 from ._fsdp_window import set_fsdp_pending_grads
 from ._layout import CheckpointError, CheckpointMismatchError
+from ._optim_template import fit_template
 from ._rng import set_rng_state
 from ._run_state import RunState
 

@@ -13,10 +13,20 @@ Directory saves (a Strategy checkpoint, ``Booster.save_optimizer``, ``Booster.sa
 4. any failure (a full disk, a rank that raised) removes the temporary directory, puts an older ``<name>/`` back
    if it was already moved aside, and raises :class:`CheckpointError` on every rank, chained to the cause.
 
-Single-file saves (``Booster.save_model(shard=False)``, ``Booster.save_lr_scheduler``) keep the file where the
-user named it, in its own format (safetensors or ``torch.save``, readable by any reader of that format), and
-put its size and CRC-32 in a sidecar manifest ``<file>.stepforge.json`` (:data:`SIDECAR_SUFFIX`). Both are
-written to temporary names, fsynced and ``os.replace``d, the file first, the manifest last (``_sidecar.py``).
+Single-file saves (``Booster.save_model(shard=False)``, ``save_lr_scheduler``, a plain optimizer's
+``save_optimizer(shard=False)``) go through :func:`commit_file`: the file stays where the user named it, in its own
+format (safetensors or ``torch.save``, readable by any reader of that format), with its size and CRC-32 in a
+sidecar manifest ``<file>.stepforge.json`` (:data:`SIDECAR_SUFFIX`). Both are written to temporary names, fsynced
+and ``os.replace``d, the file first, the manifest last (``_sidecar.py``); a file already at that path, whoever
+wrote it, is replaced only by a complete new one (as ``torch.save`` and ColossalAI replace it, but atomically).
+
+Saves of several files into a directory the user names (``Booster.save_model(shard=True)``, LoRA adapters) go
+through :func:`commit_files`: a new or empty directory, or one holding only a stepforge save's files, is
+committed as a whole as above; a directory holding other files (``config.json`` of the Hugging Face workflow)
+receives this save's files one by one, its other files untouched (``_publish.py``).
+
+Every save ends the same way on every rank: a failure on any rank raises the same :class:`CheckpointError` on
+all of them at once (``_agree.py``), never leaving a rank in a later collective until the backend's timeout.
 
 Which names a save may write to is ``_names.py``'s :func:`check_target`.
 """
@@ -27,13 +37,14 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from .._env import broadcast_object, get_rank
+from .._env import broadcast_object, get_rank, is_distributed
+from ._agree import on_rank0
 from ._layout import (
     FORMAT,
     LAST_CHECKPOINT,
@@ -48,7 +59,8 @@ from ._layout import (
     validate_files,
     write_text_atomic,
 )
-from ._names import check_name, check_target, is_committed_dir
+from ._names import check_name, check_target, foreign_files, is_committed_dir
+from ._publish import publish_files
 from ._sidecar import FILE_FORMAT, SIDECAR_SUFFIX, verify_file, write_with_sidecar
 
 __all__ = [
@@ -60,10 +72,13 @@ __all__ = [
     "commit_dir",
     "commit_dir_here",
     "commit_file",
+    "commit_files",
     "finish_dir",
     "is_committed_dir",
     "verify_dir",
     "verify_file",
+    "write_file",
+    "write_files",
 ]
 
 
@@ -143,11 +158,11 @@ def _cause(exc: BaseException, rank: int) -> BaseException:
     return exc
 
 
-def _gather_failures(status: str | None) -> list[str]:
-    if not (dist.is_available() and dist.is_initialized()):
+def _gather_failures(status: str | None, group: Any = None) -> list[str]:
+    if not is_distributed():
         return [status] if status else []
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, status)
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, status, group=group)
     return [f"rank {r}: {s}" for r, s in enumerate(out) if s]
 
 
@@ -231,11 +246,13 @@ def finish_dir(
     where: str,
     work_dir: str | None = None,
     max_keep_ckpts: int | None = None,
+    group: Any = None,
 ) -> str:
-    """Second half of :func:`commit_dir` (collective): ``local`` is this rank's write failure (None when its files
-    are complete). Commits when every rank succeeded; otherwise removes ``tmp`` and raises CheckpointError."""
+    """Second half of :func:`commit_dir` (collective over ``group``, default the world: a background writer
+    passes its own): ``local`` is this rank's write failure (None when its files are complete). Commits when
+    every rank succeeded; otherwise removes ``tmp`` and raises CheckpointError."""
     rank = get_rank()
-    failures = _gather_failures(None if local is None else f"{type(local).__name__}: {local}")
+    failures = _gather_failures(None if local is None else f"{type(local).__name__}: {local}", group)
     status = None
     if rank == 0:
         if failures:
@@ -245,7 +262,7 @@ def finish_dir(
                 _commit(tmp, final, meta, work_dir, max_keep_ckpts)
             except Exception as exc:
                 local, status = exc, f"rank 0: {type(exc).__name__}: {exc}"
-    status = broadcast_object(status)
+    status = broadcast_object(status, group=group)
     problems = failures + ([status] if status else [])
     if problems:
         raise _failed(where, final, "; ".join(problems), local)
@@ -270,13 +287,24 @@ def commit_dir_here(
     Returns:
         The absolute path of the committed directory.
     """
-    final, tmp = _make_tmp(path, arg=arg, where=where, work_dir=None)
+    try:
+        final, tmp = _make_tmp(path, arg=arg, where=where, work_dir=None)
+    except OSError as exc:
+        raise CheckpointError(f"{where}: cannot create the checkpoint at {path!r} ({exc})") from exc
     try:
         write(tmp)
         _commit(tmp, final, meta, None, None)
     except Exception as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         raise _failed(where, final, f"{type(exc).__name__}: {exc}", exc) from exc
+    return final
+
+
+def write_file(path: Any, write: Callable[[str], None], *, arg: str, where: str, meta: dict[str, Any]) -> str:
+    """:func:`commit_file` in this process alone (no collective): check the name, write the file and its manifest.
+    For rank 0's background writer of an asynchronous save (the name was checked when the save was called)."""
+    final = check_target(path, arg=arg, where=where, kind="file")
+    write_with_sidecar(final, write, where, meta)
     return final
 
 
@@ -287,24 +315,64 @@ def commit_file(
     gets its outcome).
 
     ``write(tmp_path)`` writes the file in its own format (called on rank 0 only); the file is fsynced and its
-    size and CRC-32 go to ``<path>.stepforge.json``, written after it. A failure removes the temporary files and
-    raises :class:`CheckpointError` chained to the cause (on every rank); an existing file of that name is
-    replaced only if stepforge wrote it (:func:`check_target`).
+    size and CRC-32 go to ``<path>.stepforge.json``, written after it. An existing file at ``path`` (whoever wrote
+    it) is replaced only by the complete new one; a failure leaves it as it was, removes the temporary files and
+    raises :class:`CheckpointError` chained to the cause, on every rank.
 
     Returns:
         The absolute path of the file.
     """
-    outcome: str | BaseException = ""
-    if get_rank() == 0:
-        try:
-            final = check_target(path, arg=arg, where=where, kind="file")
-            write_with_sidecar(final, write, where, meta)
-            outcome = final
-        except (ValueError, TypeError, CheckpointError) as exc:
-            outcome = exc
-    outcome = broadcast_object(outcome)
-    if isinstance(outcome, BaseException):
-        if get_rank() == 0:
-            raise outcome
-        raise type(outcome)(str(outcome))
-    return outcome
+    return on_rank0(lambda: write_file(path, write, arg=arg, where=where, meta=meta), where=where)
+
+
+def write_files(
+    path: Any,
+    write: Callable[[str], Sequence[str] | None],
+    *,
+    arg: str,
+    where: str,
+    meta: dict[str, Any],
+    stale: Callable[[str], bool] | None = None,
+) -> str:
+    """:func:`commit_files` in this process alone (no collective), for rank 0 or its background writer.
+
+    A new or empty directory, or one holding only a stepforge save's files, is committed as a whole
+    (:func:`commit_dir_here`); a directory holding other files gets this save's files added (``_publish.py``:
+    each file atomically in ``write``'s order, ``COMMIT.json`` last, the earlier save's files this one does not
+    rewrite and the ``stale`` ones removed afterwards, nothing else touched).
+    """
+    final = check_target(path, arg=arg, where=where, kind="files")
+    if os.path.isdir(final) and foreign_files(final):
+        return publish_files(final, write, meta=meta, where=where, stale=stale)
+
+    def into_tmp(tmp: str) -> None:
+        write(tmp)
+
+    return commit_dir_here(final, into_tmp, meta=meta, arg=arg, where=where)
+
+
+def commit_files(
+    path: Any,
+    write: Callable[[str], Sequence[str] | None],
+    *,
+    arg: str,
+    where: str,
+    meta: dict[str, Any],
+    stale: Callable[[str], bool] | None = None,
+) -> str:
+    """Save several files (shards and their index, LoRA adapters) into directory ``path``, which may already hold
+    files of the user's (collective: rank 0 writes, every rank gets its outcome); see :func:`write_files`.
+
+    Args:
+        path: the directory (created when missing).
+        write: ``write(tmp)`` writes this save's files into ``tmp`` and returns their names in the order they go
+            live (an index last); called on rank 0 only.
+        meta: JSON-able facts recorded in ``COMMIT.json``.
+        stale: names a file of an earlier save of this kind (a shard) to remove when this save does not rewrite it.
+
+    Returns:
+        The absolute path of the directory.
+    """
+    return on_rank0(
+        lambda: write_files(path, write, arg=arg, where=where, meta=meta, stale=stale), where=where
+    )

@@ -14,6 +14,7 @@ from torch import nn
 from stepforge.core import CachingOptimizer
 from stepforge.core.precision import get_precision
 
+from .._env import is_distributed
 from ._fsdp_param_reads import OutsideReadGuard, blocks_read_outside
 from ._fsdp_placement import UnitPlacement
 from ._fsdp_prefetch import PrefetchPlan, apply_prefetch
@@ -210,7 +211,7 @@ def param_names(model: nn.Module) -> dict[int, str]:
 
 
 def require_process_group(owner: str) -> None:
-    if not (dist.is_available() and dist.is_initialized()):
+    if not is_distributed():
         raise RuntimeError(
             f"{owner} needs an initialised process group (torchrun, or torch.distributed.init_process_group); "
             "on one process use plugin='single'."

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import types
-from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -20,6 +19,7 @@ from torch import nn
 
 from ..boosted_model import plugin_module
 from ..boosted_optimizer import OptimizerWrapper
+from ..checkpoint import commit_file, read_torch_file
 
 __all__ = [
     "full_model_state_dict",
@@ -130,21 +130,18 @@ def add_only_rank_0_state_dict(model: nn.Module) -> None:
 
 def save_full_optimizer(model: nn.Module, optimizer: Any, checkpoint: str | os.PathLike[str]) -> None:
     """Write :func:`full_optim_state_dict` (plus ``grad_scaler`` with fp16) to the one file ``checkpoint`` with
-    ``torch.save`` on rank 0, as ColossalAI's FSDP checkpoint IO writes an unsharded optimizer. Collective
-    (every rank calls; it ends with a barrier)."""
+    ``torch.save`` on rank 0, as ColossalAI's FSDP checkpoint IO writes an unsharded optimizer, through the one
+    checkpoint writer (atomic, with its sidecar manifest; every rank gets the outcome). Collective."""
     model = plugin_module(model)  # the boosted ModelWrapper's .module: the FSDP2 model itself
     state = full_optim_state_dict(model, optimizer, rank0_only=True)
     if isinstance(optimizer, OptimizerWrapper) and state:
         scaler = optimizer.scaler_state_dict()
         if scaler is not None:
             state["grad_scaler"] = scaler
-    if dist.get_rank() == 0:
-        path = Path(checkpoint)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        torch.save(state, tmp)
-        os.replace(tmp, path)  # a reader never sees half a file
-    dist.barrier()
+    commit_file(
+        checkpoint, lambda tmp: torch.save(state, tmp), arg="checkpoint", where="save_optimizer",
+        meta={"kind": "optimizer", "format": "torch", "layout": "full"},
+    )  # fmt: skip
 
 
 def load_full_optimizer(model: nn.Module, optimizer: Any, checkpoint: str | os.PathLike[str]) -> None:
@@ -154,7 +151,7 @@ def load_full_optimizer(model: nn.Module, optimizer: Any, checkpoint: str | os.P
     model = plugin_module(model)  # the boosted ModelWrapper's .module: the FSDP2 model itself
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    state = torch.load(Path(checkpoint), map_location="cpu", weights_only=True)
+    state = read_torch_file(checkpoint, where="load_optimizer")  # checked, weights_only
     scaler = state.pop("grad_scaler", None)
     set_optimizer_state_dict(model, _unwrap(optimizer), state, options=StateDictOptions(full_state_dict=True))
     if isinstance(optimizer, OptimizerWrapper):

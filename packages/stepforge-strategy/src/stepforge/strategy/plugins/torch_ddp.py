@@ -9,12 +9,12 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from stepforge.core import PluginBase
 
+from .._env import is_distributed
 from ..boosted_optimizer import OptimizerWrapper, as_boosted
 from ..data import StatefulDataLoader
 
@@ -96,7 +96,7 @@ class TorchDDPPlugin(PluginBase):
     ) -> tuple[nn.Module, OptimizerWrapper | None]:
         """Move ``model`` to the device and wrap it in DDP (the optimizer's parameters are DDP's); the optimizer
         comes back boosted (an :class:`OptimizerWrapper` unless the Booster's mixed precision wrapped it)."""
-        if not (dist.is_available() and dist.is_initialized()):
+        if not is_distributed():
             raise RuntimeError(
                 "TorchDDPPlugin needs an initialised process group (torchrun, or "
                 "torch.distributed.init_process_group); on one process use plugin='single'."

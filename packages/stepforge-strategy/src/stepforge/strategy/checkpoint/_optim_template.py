@@ -23,13 +23,14 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 from stepforge.core.plugin_base import unwrap_optimizer
 
-from .checkpoint import CheckpointMismatchError, read_dcp_metadata, safe_dcp_load
+from .._env import is_distributed
+from ._dcp import read_dcp_metadata, safe_dcp_load
+from ._layout import CheckpointMismatchError
 
 __all__ = ["complete_template", "fit_template", "saved_optimizer_state"]
 
@@ -67,9 +68,8 @@ def _saved_groups(checkpoint: str, saved: dict[_Path, Any], root: _Path) -> list
     holder: dict[str, Any] = {"param_groups": [groups[i] for i in sorted(groups)]}
     for part in reversed(root):
         holder = {part: holder}
-    distributed = dist.is_available() and dist.is_initialized()
     # the restricted reader and planner: a payload in a saved value raises CheckpointError, it never runs
-    safe_dcp_load(holder, checkpoint, no_dist=not distributed)
+    safe_dcp_load(holder, checkpoint, no_dist=not is_distributed())
     node: Any = holder
     for part in root:
         node = node[part]

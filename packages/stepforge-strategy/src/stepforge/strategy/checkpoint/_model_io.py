@@ -1,0 +1,243 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Full-model save/load in the Hugging Face layout (``model.safetensors`` or size-capped shards + index).
+
+Saving gathers the full state dict (FSDP2 DTensors included) with
+``torch.distributed.checkpoint.state_dict.get_model_state_dict(full_state_dict=True, cpu_offload=True)``; every
+rank must call it and rank 0 writes. Loading reads the file(s) on every rank and applies them with
+``set_model_state_dict(full_state_dict=True)``, which shards them again for FSDP2, so a save loads at any
+world size and into a plain ``nn.Module`` (``safetensors.torch.load_file``).
+
+Every save goes through the one checkpoint writer: a single file via ``commit_file`` (an existing file at that path
+is replaced atomically; sidecar manifest ``<file>.stepforge.json``), shards and their index via ``commit_files``
+(into the directory the user names, which may already hold ``config.json`` and tokenizer files; ``COMMIT.json``
+lists this save's files and names its entry). The layout itself is ``_hf_layout.py``. Loads check the manifest
+when there is one (a Hugging Face download has none and is read as it is).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from stepforge.core import WrappedModel
+
+from ._agree import on_rank0
+from ._hf_layout import (
+    BIN_WEIGHTS,
+    INDEX_SUFFIX,
+    SAFE_WEIGHTS,
+    entry_name,
+    files_to_read,
+    is_safetensors,
+    read_state,
+    stale_shards,
+    unshare,
+    weight_names,
+    write_shards,
+    write_tensors,
+)
+from ._layout import CheckpointMismatchError
+from ._names import check_name, check_target
+from ._writer import commit_file, commit_files, verify_dir, verify_file, write_file, write_files
+
+__all__ = [
+    "save_model",
+    "claim_model_target",
+    "write_full_state_dict",
+    "load_model",
+    "read_full_state_dict",
+    "gather_full_state_dict",
+    "unwrap_model",
+    "SAFE_WEIGHTS",
+    "BIN_WEIGHTS",
+    "is_safetensors",
+    "check_full_state_dict",
+]
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The module under a plugin's model wrapper (a :class:`stepforge.core.WrappedModel`, as ColossalAI's
+    ``ModelWrapper`` and stepforge-zero's ``LowLevelZeroModel``); DDP and FSDP2 modules are returned as they are
+    (torch's state-dict functions handle them)."""
+    for _ in range(8):
+        if not isinstance(model, WrappedModel):
+            return model
+        inner = model.unwrap()
+        if not isinstance(inner, nn.Module) or inner is model:
+            return model
+        model = inner
+    return model
+
+
+def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The full, unsharded CPU state dict of ``model`` on rank 0 (other ranks get an empty dict for FSDP2).
+
+    Collective: every rank must call it.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_model_state_dict(unwrap_model(model), options=options)
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def _meta(use_safetensors: bool, entry: str | None = None) -> dict[str, Any]:
+    meta: dict[str, Any] = {"kind": "model", "format": "safetensors" if use_safetensors else "torch"}
+    if entry is not None:
+        meta["entry"] = entry
+    return meta
+
+
+def _file_target(checkpoint: str | os.PathLike[str], prefix: str | None, use_safetensors: bool) -> Path:
+    """The file an unsharded save writes: ``checkpoint`` itself, or the HF file name inside it when it is a folder."""
+    path = Path(check_name(checkpoint, arg="checkpoint", where="save_model"))
+    if path.is_dir():
+        stem, ext = weight_names(prefix, use_safetensors)
+        path = path / f"{stem}.{ext}"
+    return path
+
+
+def claim_model_target(
+    checkpoint: str | os.PathLike[str], *, shard: bool, prefix: str | None, use_safetensors: bool
+) -> str:
+    """Check where a model save goes before anything is written (collective: rank 0 checks, every rank gets the
+    absolute target or the same error): an asynchronous save refuses a bad name when it is called, not later."""
+
+    def check() -> str:
+        if shard:
+            return check_target(checkpoint, arg="checkpoint", where="save_model", kind="files")
+        target = _file_target(checkpoint, prefix, use_safetensors)
+        return check_target(target, arg="checkpoint", where="save_model", kind="file")
+
+    return on_rank0(check, where="save_model")
+
+
+def _shard_writer(
+    state: dict[str, torch.Tensor], prefix: str | None, size_per_shard: float, use_safetensors: bool
+) -> tuple[Any, dict[str, Any]]:
+    """The writer of a sharded save and its meta (the entry names the index, or the one file)."""
+    entry = entry_name(state, prefix, size_per_shard, use_safetensors)
+
+    def write(tmp: str) -> list[str]:
+        return write_shards(unshare(state), tmp, prefix, size_per_shard, use_safetensors)
+
+    return write, _meta(use_safetensors, entry)
+
+
+def save_model(
+    model: nn.Module,
+    checkpoint: str | os.PathLike[str],
+    *,
+    shard: bool = False,
+    prefix: str | None = None,
+    size_per_shard: float = 1024,
+    use_safetensors: bool = True,
+) -> None:
+    """Write ``model``'s full state in the HF layout (see the module docstring). Collective: every rank gathers,
+    rank 0 writes, every rank gets the outcome (the same :class:`CheckpointError` on failure)."""
+    if not isinstance(size_per_shard, int | float) or size_per_shard <= 0:
+        raise ValueError(f"save_model: size_per_shard must be > 0 (MiB), got {size_per_shard!r}.")
+    state = gather_full_state_dict(model)
+    if not shard:
+        commit_file(
+            _file_target(checkpoint, prefix, use_safetensors),
+            lambda tmp: write_tensors(unshare(state), tmp, use_safetensors),
+            arg="checkpoint", where="save_model", meta=_meta(use_safetensors),
+        )  # fmt: skip
+        return
+    write, meta = _shard_writer(state, prefix, size_per_shard, use_safetensors)
+    commit_files(
+        checkpoint, write, arg="checkpoint", where="save_model", meta=meta,
+        stale=stale_shards(prefix, use_safetensors),
+    )  # fmt: skip
+
+
+def write_full_state_dict(
+    state: dict[str, torch.Tensor],
+    checkpoint: str | os.PathLike[str],
+    *,
+    shard: bool = False,
+    prefix: str | None = None,
+    size_per_shard: float = 1024,
+    use_safetensors: bool = True,
+) -> None:
+    """Write a full state dict (as :func:`gather_full_state_dict` returns it) like :func:`save_model` does, through
+    the same writer (checksummed, atomic), by this process alone: not collective, so an asynchronous save runs it
+    on rank 0's writer thread. Raises :class:`CheckpointError` on failure (nothing committed)."""
+    if not shard:
+        write_file(
+            _file_target(checkpoint, prefix, use_safetensors),
+            lambda tmp: write_tensors(unshare(state), tmp, use_safetensors),
+            arg="checkpoint", where="save_model", meta=_meta(use_safetensors),
+        )  # fmt: skip
+        return
+    write, meta = _shard_writer(state, prefix, size_per_shard, use_safetensors)
+    write_files(
+        checkpoint, write, arg="checkpoint", where="save_model", meta=meta,
+        stale=stale_shards(prefix, use_safetensors),
+    )  # fmt: skip
+
+
+def read_full_state_dict(checkpoint: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """Every tensor of a file, an index JSON or a directory written by :func:`save_model`."""
+    path = Path(checkpoint)
+    # checksums first (COMMIT.json of a sharded save, the sidecar manifest of a single file): nothing damaged
+    # is read; a directory or file stepforge did not write (no manifest) is read as it is
+    if path.is_dir():
+        verify_dir(str(path), required=False, where="load_model")
+    elif path.name.endswith(INDEX_SUFFIX):
+        verify_dir(str(path.parent), required=False, where="load_model")
+    elif path.is_file():
+        verify_file(str(path))
+    return read_state(files_to_read(path))
+
+
+def check_full_state_dict(
+    checkpoint: str | os.PathLike[str], saved: dict[str, Any], live: dict[str, Any], *, strict: bool
+) -> None:
+    """``saved`` (read from ``checkpoint``) fits ``live`` (the model's state dict; DTensors by their global
+    shape): the same keys when ``strict``, and every common key with the same shape and dtype.
+
+    Raises:
+        CheckpointMismatchError: naming the file and the first differences; nothing has been loaded.
+    """
+    missing = sorted(set(live) - set(saved))
+    unexpected = sorted(set(saved) - set(live))
+    if strict and (missing or unexpected):
+        raise CheckpointMismatchError(
+            f"load_model: {checkpoint} does not match the model: missing keys {missing[:5]}, unexpected keys "
+            f"{unexpected[:5]} (strict=True)"
+        )
+    for key in sorted(set(saved) & set(live)):
+        have, want = saved[key], live[key]
+        if not (isinstance(have, torch.Tensor) and isinstance(want, torch.Tensor)):
+            continue
+        if tuple(have.shape) != tuple(want.shape) or have.dtype != want.dtype:
+            raise CheckpointMismatchError(
+                f"load_model: {checkpoint} does not match the model: {key} is {have.dtype}{tuple(have.shape)} "
+                f"there and {want.dtype}{tuple(want.shape)} here"
+            )
+
+
+def load_model(model: nn.Module, checkpoint: str | os.PathLike[str], *, strict: bool = True) -> None:
+    """Load a full HF-layout save into ``model`` (plain, DDP or FSDP2) at any world size. Collective."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
+
+    state: dict[str, Any] = read_full_state_dict(checkpoint)
+    module = unwrap_model(model)
+    # verify, then apply: a file of another model raises before any parameter is written
+    check_full_state_dict(checkpoint, state, get_model_state_dict(module), strict=strict)
+    options = StateDictOptions(full_state_dict=True, strict=strict)
+    result = set_model_state_dict(module, state, options=options)
+    if strict and result is not None and (result.missing_keys or result.unexpected_keys):
+        raise RuntimeError(
+            f"load_model: missing keys {result.missing_keys}, unexpected keys {result.unexpected_keys}."
+        )
