@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from stepforge.core import torch_compat as compat
 from stepforge.core import no_sync, supports_no_sync
+from stepforge.core import torch_compat as compat
 from stepforge.core.torch_compat.errors import private_changed
 from stepforge.testing.distributed import requires_gloo, run_distributed
 
@@ -106,6 +106,34 @@ def test_flatten_state_dict_keys_are_dcp_paths():
     assert set(flat) == {"model.w", "model.layers.0", "step"}
     assert flat["model.w"] is t1 and flat["model.layers.0"] is t2 and flat["step"] is t3
     assert mapping["model.layers.0"] == ("model", "layers", "0")
+
+
+def test_an_instance_state_dict_is_what_callers_get_and_dcp_helpers_step_around_it():
+    import gc
+    import weakref
+
+    from torch.distributed.checkpoint import state_dict as dcp_state_dict
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    model = nn.Linear(2, 3)
+    ref = weakref.ref(model)
+
+    def doubled(*args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
+        module = ref()
+        assert module is not None
+        return {k: 2 * v for k, v in nn.Module.state_dict(module).items()}
+
+    compat.set_instance_state_dict(model, doubled)
+    assert torch.equal(model.state_dict()["weight"], 2 * model.weight.detach())
+    through_dcp = get_model_state_dict(model)
+    assert torch.equal(through_dcp["weight"], model.weight.detach()) and through_dcp.keys() == {
+        "weight",
+        "bias",
+    }
+    assert doubled in dcp_state_dict._patched_state_dict
+    del model
+    gc.collect()
+    assert ref() is None and doubled not in dcp_state_dict._patched_state_dict  # no module kept alive
 
 
 def test_plain_tensors_and_modules_are_not_torch_parallel():
