@@ -17,41 +17,26 @@ from torch import nn
 
 from stepforge.strategy import Booster
 from stepforge.testing.distributed import requires_gloo, run_distributed
+from stepforge.testing.models import block_net, regression_batch
 
 ROWS, WIDTH = 4, 6
 
 
-class _Counted(nn.Linear):
-    """A block with a buffer its forward updates in place (FSDP2 keeps buffers whole on every rank: a state
-    dict must copy them, not hold them)."""
-
-    def __init__(self) -> None:
-        super().__init__(WIDTH, WIDTH)
-        self.register_buffer("calls", torch.zeros(()))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls.add_(1)
-        return super().forward(x)
+def _net() -> nn.Module:
+    """Two blocks (each an FSDP2 unit) and a head; the first block counts its calls in a buffer updated in place
+    (FSDP2 keeps buffers whole on every rank: a state dict must copy them, not hold them)."""
+    net = block_net(0, d_in=WIDTH, width=WIDTH)
+    net.blocks[0].register_buffer("calls", torch.zeros(()))
+    net.blocks[0].register_forward_pre_hook(_count)
+    return net
 
 
-class _Net(nn.Module):
-    """Two blocks (each an FSDP2 unit) and a head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.blocks = nn.ModuleList([_Counted(), nn.Linear(WIDTH, WIDTH)])
-        self.head = nn.Linear(WIDTH, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = torch.tanh(block(x))
-        return self.head(x)
+def _count(block: nn.Module, args: tuple) -> None:
+    block.calls.add_(1)
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(step)
-    return torch.randn(2 * ROWS, WIDTH, generator=g), torch.randn(2 * ROWS, 1, generator=g)
+    return regression_batch(2 * ROWS, WIDTH, 1, seed=step)
 
 
 def _step(model: nn.Module, opt: torch.optim.Optimizer, step: int, rows: slice) -> None:
@@ -72,7 +57,7 @@ def _run(rank: int, world: int) -> dict:
     rows = slice(rank * ROWS, (rank + 1) * ROWS)
     out: dict = {}
     booster = Booster(plugin="torch_fsdp")
-    net = _Net()
+    net = _net()
     model, opt, *_ = booster.boost(net, torch.optim.SGD(net.parameters(), lr=0.1))
     _step(model, opt, 0, rows)
     first = model.state_dict()  # the boosted ModelWrapper: keys prefixed "module." as in ColossalAI
@@ -97,7 +82,7 @@ def _run(rank: int, world: int) -> dict:
     out["explicit"] = {k: v.clone() for k, v in model.state_dict(only_rank_0=False).items()}
 
     gemini = Booster(plugin=dict(type="gemini", precision="fp32", placement_policy="static"))
-    net = _Net()
+    net = _net()
     gmodel, gopt, *_ = gemini.boost(net, torch.optim.SGD(net.parameters(), lr=0.1))
     _step(gmodel, gopt, 0, rows)
     out["gemini"] = gmodel.unwrap().state_dict()
@@ -106,7 +91,7 @@ def _run(rank: int, world: int) -> dict:
 
 
 def _reference(steps: int) -> dict:
-    net = _Net()
+    net = _net()
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     for step in range(steps):
         _step(net, opt, step, slice(None))

@@ -18,8 +18,10 @@ with its import pointed here, works with :class:`~stepforge.strategy.Booster`::
         ...
 
 Both classes are :class:`stepforge.core.Plugin` subclasses: ``name`` defaults to the class name, ``prepare`` to
-``configure`` (the model and optimizer it returns); ``support_no_sync`` answers ``supports_no_sync``;
-``precision``, ``rank`` and ``world_size`` may be assigned in ``__init__`` as ColossalAI's plugins do. As with
+``configure`` (the model and optimizer it returns), ``prepare_dataloader`` to core's (this rank's
+``DistributedSampler`` share, ColossalAI's signature); ``supports_no_sync`` answers ``support_no_sync``;
+``precision`` may be assigned in ``__init__`` as ColossalAI's plugins do (and, on ``DPPluginBase``, ``rank`` and
+``world_size``, which it sets from the process group). As with
 every stepforge plugin, ``configure`` receives the optimizer already wrapped in an
 :class:`~stepforge.strategy.OptimizerWrapper` when the plugin does not control precision (the Booster's mixed
 precision wraps it first); ColossalAI's own plugins check ``isinstance(optimizer, OptimizerWrapper)`` before
@@ -76,15 +78,9 @@ class Plugin(CorePlugin):
 
     # -- ColossalAI's abstract methods -----------------------------------------------------------------------
     @abstractmethod
-    def configure(
-        self,
-        model: nn.Module,
-        optimizer: Any = None,
-        criterion: Any = None,
-        dataloader: Any = None,
-        lr_scheduler: Any = None,
-    ) -> tuple[nn.Module, BoostedOptimizer | None, Any, Any, Any]:
-        """Wrap the five for the back-end; ``Booster.boost`` returns what this returns."""
+    def configure(self, model: nn.Module, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
+        """``configure(model, optimizer, criterion, dataloader, lr_scheduler)``: wrap the five for the back-end;
+        ``Booster.boost`` returns the five this returns."""
 
     @abstractmethod
     def control_checkpoint_io(self) -> bool:
@@ -118,25 +114,10 @@ class Plugin(CorePlugin):
     def support_no_sync(self) -> bool:
         """Whether :meth:`no_sync` is supported."""
 
-    @abstractmethod
-    def prepare_dataloader(
-        self,
-        dataset: Any,
-        batch_size: int,
-        shuffle: bool = False,
-        seed: int = 1024,
-        drop_last: bool = False,
-        pin_memory: bool = False,
-        num_workers: int = 0,
-        distributed_sampler_cls: Any = None,
-        **kwargs: Any,
-    ) -> Any:
-        """A dataloader for distributed training (:class:`DPPluginBase` gives one)."""
-
 
 class DPPluginBase(Plugin):
-    """ColossalAI's ``DPPluginBase``: :class:`Plugin` with the process group's ``rank`` and ``world_size`` and
-    ``prepare_dataloader`` (this rank's ``DistributedSampler`` share, ColossalAI's signature).
+    """ColossalAI's ``DPPluginBase``: :class:`Plugin` with the process group's ``rank`` and ``world_size``, which
+    ``prepare_dataloader`` (this rank's ``DistributedSampler`` share, ColossalAI's signature) reads.
 
     Raises:
         RuntimeError: no process group is initialised (``stepforge.strategy.launch_from_torch()`` under
@@ -157,22 +138,3 @@ class DPPluginBase(Plugin):
             )
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-
-    def prepare_dataloader(
-        self,
-        dataset: Any,
-        batch_size: int,
-        shuffle: bool = False,
-        seed: int = 1024,
-        drop_last: bool = False,
-        pin_memory: bool = False,
-        num_workers: int = 0,
-        distributed_sampler_cls: Any = None,
-        **kwargs: Any,
-    ) -> Any:
-        """A ``DataLoader`` over this rank's ``DistributedSampler`` share of ``dataset`` (the order depends only
-        on ``seed`` and the epoch); ``kwargs`` go to ``DataLoader``."""
-        return CorePlugin.prepare_dataloader(
-            self, dataset, batch_size, shuffle, seed, drop_last, pin_memory, num_workers,
-            distributed_sampler_cls, **kwargs,
-        )  # fmt: skip
