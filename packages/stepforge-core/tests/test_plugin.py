@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The Plugin ABC refuses incomplete plugins; PluginBase's defaults behave (one process and 2 gloo ranks)."""
+"""The Plugin ABC: only ``name`` and ``prepare`` are a plugin's to write, the defaults of every other member
+behave (one process and 2 gloo ranks)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 
 from stepforge.core import BoostedOptimizer, HyperParameterError, Plugin, PluginBase
+from stepforge.core.plugin import default_device
 from stepforge.core.plugin_base import optimizer_list, unwrap_optimizer
 from stepforge.testing.distributed import run_distributed
 
@@ -103,15 +105,50 @@ def test_an_incomplete_plugin_cannot_be_instantiated_and_the_error_names_the_mem
         PluginBase()
 
 
-def test_the_abc_declares_colossalai_and_stepforge_members():
-    declared = set(Plugin.__abstractmethods__)
+def test_only_name_and_prepare_are_abstract_and_every_other_member_is_concrete():
+    assert set(Plugin.__abstractmethods__) == {"name", "prepare"}
+    assert PluginBase is Plugin  # the earlier name of the one contract
     colossalai = {"supported_devices", "supported_precisions", "control_precision", "control_device",
-                  "support_no_sync", "configure", "no_sync", "control_checkpoint_io", "prepare_dataloader"}  # fmt: skip
-    stepforge = {"name", "device", "precision", "explicit_precision", "set_precision", "clip_grad_norm_",
-                 "max_norm", "builds_optimizer_config", "get_state_dict", "set_state_dict", "prepare",
-                 "supports_no_sync", "world_size", "rank", "mid_window_save_error", "after_model_load"}  # fmt: skip
-    assert colossalai | stepforge <= declared
-    assert set(PluginBase.__abstractmethods__) == {"name", "prepare"}
+                  "support_no_sync", "configure", "no_sync", "control_checkpoint_io", "get_checkpoint_io",
+                  "prepare_dataloader", "support_lora"}  # fmt: skip
+    stepforge = {"device", "precision", "explicit_precision", "set_precision", "clip_grad_norm_", "max_norm",
+                 "builds_optimizer_config", "get_state_dict", "set_state_dict", "supports_no_sync",
+                 "world_size", "rank", "mid_window_save_refusal", "after_model_load", "bind_device"}  # fmt: skip
+    for member in colossalai | stepforge:
+        assert member in vars(Plugin), member
+
+    class Minimal(Plugin):
+        name = "minimal"
+
+        def prepare(self, model, optimizer=None, **kwargs):
+            return model, optimizer
+
+    plugin = Minimal()  # instantiates with nothing else defined
+    assert plugin.supports_no_sync() and plugin.support_no_sync() and plugin.get_checkpoint_io() is None
+    assert plugin.mid_window_save_refusal(None) is None and plugin.device == default_device()
+
+
+def test_a_plugin_whose_init_skips_the_base_init_still_answers():
+    class NoSuperInit(Plugin):
+        name = "no_super_init"
+
+        def __init__(self, width):
+            self.width = width
+
+        def prepare(self, model, optimizer=None, **kwargs):
+            return model, optimizer
+
+    plugin = NoSuperInit(3)
+    assert plugin.device == default_device() and plugin.precision is None and not plugin.explicit_precision
+    assert plugin.world_size == 1 and plugin.rank == 0 and repr(plugin) == "NoSuperInit(precision=None)"
+
+
+def test_an_override_under_the_old_name_of_a_renamed_member_is_refused():
+    with pytest.raises(TypeError, match="mid_window_save_error was renamed to mid_window_save_refusal"):
+
+        class Old(_Plain):
+            def mid_window_save_error(self, optimizer):
+                return "refused"
 
 
 def test_a_structural_look_alike_is_not_a_plugin():
@@ -128,10 +165,10 @@ def test_a_structural_look_alike_is_not_a_plugin():
     assert isinstance(_Plain(), Plugin)
 
 
-# -- PluginBase defaults ----------------------------------------------------------------------------------------
+# -- the defaults ---------------------------------------------------------------------------------------------
 def test_plugin_base_defaults_on_one_process():
     plugin = _Plain(device="cpu")
-    assert plugin.device == torch.device("cpu") and plugin.world_size == 1 and plugin.rank == 0
+    assert plugin.device == default_device() and plugin.world_size == 1 and plugin.rank == 0
     assert plugin.supported_devices() == ["cpu", "cuda"] and plugin.control_device()
     assert plugin.control_checkpoint_io() and plugin.supports_no_sync() and plugin.support_no_sync()
     assert not plugin.control_precision() and plugin.precision is None and not plugin.explicit_precision
@@ -143,7 +180,7 @@ def test_plugin_base_defaults_on_one_process():
     m, o, crit, loader, sched = plugin.configure(model, opt, "crit", "loader", "sched")
     assert m is model and isinstance(o, BoostedOptimizer) and o.unwrap() is opt
     assert (crit, loader, sched) == ("crit", "loader", "sched")
-    assert plugin.mid_window_save_error(o) is None
+    assert plugin.mid_window_save_refusal(o) is None
     before = {k: v.clone() for k, v in model.state_dict().items()}
     assert plugin.after_model_load(model, [o]) is None  # no masters: nothing to refresh, nothing changed
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

@@ -108,6 +108,34 @@ def test_flatten_state_dict_keys_are_dcp_paths():
     assert mapping["model.layers.0"] == ("model", "layers", "0")
 
 
+def test_an_instance_state_dict_is_what_callers_get_and_dcp_helpers_step_around_it():
+    import gc
+    import weakref
+
+    from torch.distributed.checkpoint import state_dict as dcp_state_dict
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    model = nn.Linear(2, 3)
+    ref = weakref.ref(model)
+
+    def doubled(*args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
+        module = ref()
+        assert module is not None
+        return {k: 2 * v for k, v in nn.Module.state_dict(module).items()}
+
+    compat.set_instance_state_dict(model, doubled)
+    assert torch.equal(model.state_dict()["weight"], 2 * model.weight.detach())
+    through_dcp = get_model_state_dict(model)
+    assert torch.equal(through_dcp["weight"], model.weight.detach()) and through_dcp.keys() == {
+        "weight",
+        "bias",
+    }
+    assert doubled in dcp_state_dict._patched_state_dict
+    del model
+    gc.collect()
+    assert ref() is None and doubled not in dcp_state_dict._patched_state_dict  # no module kept alive
+
+
 def test_plain_tensors_and_modules_are_not_torch_parallel():
     t = torch.zeros(2)
     assert not compat.is_dtensor(t) and compat.dtensor_local(t) is t

@@ -53,7 +53,8 @@ def snapshot(s: Strategy) -> dict[str, Any]:
     index = {p: i for i, p in enumerate(params)}
     return _plain(
         dict(
-            model={k: v for k, v in model.state_dict().items()},
+            # the class's state_dict: this rank's shards under FSDP2 (whose instance state_dict() gathers)
+            model={k: v for k, v in type(model).state_dict(model).items()},
             params=params,
             grads=[p.grad for p in params],
             pending=fsdp_pending_grads(model),

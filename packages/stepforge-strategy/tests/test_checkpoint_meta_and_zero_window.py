@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The saved meta holds the real epoch, and the ZeRO mid-window guard (``Plugin.mid_window_save_error``) fires
+"""The saved meta holds the real epoch, and the ZeRO mid-window guard (``Plugin.mid_window_save_refusal``) fires
 through ``Strategy.save_checkpoint`` on 2 gloo ranks for ``zero1`` and ``zero2``: a window whose micro-batches ran
 under ``no_sync`` (the optim wrapper's ``optim_context``) is saved with its gradients and resumes bit for bit; a
 window with a synchronised backward (the booster's own, bypassing the wrapper) is refused with an error naming the plugin and the fix, and nothing is

@@ -63,7 +63,7 @@ class _PrecisionPlugin(_PlainPlugin):
 class _RefusingPlugin(SinglePlugin):
     name = "refusing"
 
-    def mid_window_save_error(self, optimizer):
+    def mid_window_save_refusal(self, optimizer):
         assert isinstance(optimizer, core.BoostedOptimizer)
         return "its gradients live on another planet"
 
@@ -81,6 +81,36 @@ def test_every_strategy_plugin_is_a_core_plugin_base():
     assert fsdp.control_precision() and fsdp.precision == "fp32" and not fsdp.explicit_precision
     assert gemini.precision == "bf16" and gemini.explicit_precision and fsdp.builds_optimizer_config
     assert not SinglePlugin().control_precision() and SinglePlugin().precision is None
+
+
+def test_a_plugin_with_only_name_and_prepare_trains_and_saves_through_the_booster(tmp_path):
+    class Minimal(core.Plugin):
+        name = "minimal"
+
+        def prepare(self, model, optimizer=None, **kwargs):
+            return model, optimizer  # already an OptimizerWrapper: the plugin does not control precision
+
+    booster = Booster(plugin=Minimal())
+    model = make_model(0)
+    reference = make_model(0)
+    model, opt, criterion, _, _ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=0.1), "crit")
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    assert isinstance(opt, OptimizerWrapper) and criterion == "crit" and booster.supports_no_sync()
+    model.eval()
+    reference.eval()
+    x = torch.randn(4, 8)
+    with booster.no_sync(model, opt):
+        booster.backward(model(x).square().mean(), opt)
+    opt.step()
+    reference(x).square().mean().backward()
+    ref_opt.step()
+    for p, q in zip(model.unwrap().parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p, q)
+    booster.save_model(model, str(tmp_path / "model.pt"))
+    fresh = Booster(plugin=Minimal()).boost(make_model(1))[0]
+    Booster(plugin=Minimal()).load_model(fresh, str(tmp_path / "model.pt"))
+    for p, q in zip(fresh.unwrap().parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p, q)
 
 
 # fp16 on CPU is what this tests: the one-time slowness note is expected

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """LowLevelZeroPlugin against core's contract: it subclasses ``PluginBase`` (and so is a ``Plugin``), its
 ``prepare`` returns a ``BoostedOptimizer``, its precisions come from ``stepforge.core.precision``, and
-``mid_window_save_error`` tells whether an accumulation window can be checkpointed (zero1 and zero2, on one
+``mid_window_save_refusal`` tells whether an accumulation window can be checkpointed (zero1 and zero2, on one
 process and on 2 gloo ranks)."""
 
 from __future__ import annotations
@@ -76,19 +76,19 @@ def test_prepare_returns_a_boosted_optimizer():
 
 
 def _window(plugin: LowLevelZeroPlugin, rank: int, world: int) -> list[str | None]:
-    """``mid_window_save_error`` after: no backward, a no_sync backward, a synchronised one, zero_grad."""
+    """``mid_window_save_refusal`` after: no backward, a no_sync backward, a synchronised one, zero_grad."""
     model, opt = _prepared(plugin)
     x, y = regression_batch(1, 4, 6, 3)
     rows = rank_rows(rank, world, 4)
-    out = [plugin.mid_window_save_error(opt)]
+    out = [plugin.mid_window_save_refusal(opt)]
     with plugin.no_sync(model, opt):
         plugin.backward(torch.nn.functional.mse_loss(model(x[rows]), y[rows]), opt)
-    out.append(plugin.mid_window_save_error(opt))
+    out.append(plugin.mid_window_save_refusal(opt))
     plugin.backward(torch.nn.functional.mse_loss(model(x[rows]), y[rows]), opt)
-    out.append(plugin.mid_window_save_error(opt))
+    out.append(plugin.mid_window_save_refusal(opt))
     opt.step()
     opt.zero_grad()
-    out.append(plugin.mid_window_save_error(None))  # the one prepared optimizer
+    out.append(plugin.mid_window_save_refusal(None))  # the one prepared optimizer
     return out
 
 
@@ -100,7 +100,7 @@ def _check_window(answers: list[str | None], stage: int) -> None:
 
 
 @pytest.mark.parametrize("plugin_cls", [Zero1Plugin, Zero2Plugin])
-def test_mid_window_save_error_one_process(plugin_cls):
+def test_mid_window_save_refusal_one_process(plugin_cls):
     plugin = plugin_cls(precision="fp32")
     _check_window(_window(plugin, 0, 1), plugin.stage)
 
@@ -114,7 +114,7 @@ def _window_two_ranks(rank: int, world: int) -> dict:
 
 @pytest.mark.distributed
 @requires_gloo
-def test_mid_window_save_error_two_ranks():
+def test_mid_window_save_refusal_two_ranks():
     for per_rank in run_distributed(_window_two_ranks, 2, timeout=120):
         for stage, answers in per_rank.items():
             _check_window(answers, stage)

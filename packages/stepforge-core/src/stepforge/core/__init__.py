@@ -5,9 +5,10 @@
   ``stepforge.optimizers``, ``stepforge.plugins`` and ``stepforge.optim_wrappers``.
 - :func:`build_optimizer`: ``build_optimizer(dict(type="FusedAdam", lr=1e-3), model)``; an unknown name says
   which distribution to install.
-- The training contract: :class:`Plugin` (an abstract base class, ColossalAI's ``Plugin`` as the model) with
-  :class:`PluginBase`, the implementation every plugin subclasses, and the :class:`BoostedOptimizer` protocol
-  that every plugin's ``prepare`` returns (``backward(loss)`` is the only backward route).
+- The training contract: :class:`Plugin` (an abstract base class, ColossalAI's ``Plugin`` as the model; a new
+  plugin is a class with ``name`` and ``prepare``, everything else has a default; ``PluginBase`` is its earlier
+  name) and the :class:`BoostedOptimizer` protocol that every plugin's ``prepare`` returns (``backward(loss)`` is
+  the only backward route).
 - Protocols (:class:`NoSyncModel`, :class:`GradientSyncSwitch`, :class:`ShardedOptimizer`,
   :class:`GradientHandler`, :class:`WrappedModel`, :class:`CachingOptimizer`) and :func:`no_sync`.
 - Validation helpers whose messages name the parameter and the allowed range.

@@ -9,7 +9,7 @@ abstract base class instead (:mod:`stepforge.core.plugin`): a plugin declares it
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any, Protocol, runtime_checkable
 
@@ -23,6 +23,8 @@ __all__ = [
     "BoostedOptimizer",
     "WrappedModel",
     "CachingOptimizer",
+    "unwrap_optimizer",
+    "optimizer_list",
 ]
 
 
@@ -131,3 +133,22 @@ class CachingOptimizer(Protocol):
     parameters of its groups calls ``invalidate_cache()`` afterwards."""
 
     def invalidate_cache(self) -> None: ...
+
+
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer under a :class:`BoostedOptimizer` (``optimizer.unwrap()``); anything else is returned
+    as it is."""
+    return optimizer.unwrap() if isinstance(optimizer, BoostedOptimizer) else optimizer
+
+
+def optimizer_list(optimizers: Any) -> list[Any]:
+    """``optimizers`` (one optimizer, an iterable of them, or ``None``) as a list of torch optimizers."""
+    if optimizers is None:
+        return []
+    if isinstance(optimizers, torch.optim.Optimizer | BoostedOptimizer):
+        return [unwrap_optimizer(optimizers)]
+    if isinstance(optimizers, Iterable):
+        return [unwrap_optimizer(o) for o in optimizers]
+    raise TypeError(
+        f"optimizers must be an optimizer or an iterable of optimizers, got {type(optimizers).__name__}."
+    )

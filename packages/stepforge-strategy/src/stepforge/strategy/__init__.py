@@ -12,7 +12,10 @@
 - :class:`StatefulDataLoader` (the data position in checkpoints);
 - :class:`Strategy` / :class:`ColossalAIStrategy` (mmengine's API: ``prepare``, ``save_checkpoint``,
   ``load_checkpoint``, ``resume``) with crash-safe DCP directory checkpoints (:mod:`.checkpoint`) and
-  mmengine-semantics parameter schedulers (:mod:`.schedulers`).
+  mmengine-semantics parameter schedulers (:mod:`.schedulers`);
+- what ColossalAI's scripts call around the Booster: :func:`launch_from_torch` / :func:`launch`,
+  :class:`DistCoordinator`, :func:`get_accelerator` / :func:`set_accelerator`, and its plugin base classes
+  ``Plugin`` / :class:`DPPluginBase` (:mod:`.plugins`).
 """
 
 from __future__ import annotations
@@ -20,13 +23,15 @@ from __future__ import annotations
 from stepforge.core.precision import DynamicLossScaler
 
 from ._version import __version__
-from .accelerator import Accelerator
+from .accelerator import Accelerator, get_accelerator, set_accelerator
 from .boosted_model import ModelWrapper
 from .boosted_optimizer import BoostedOptimizer, OptimizerWrapper
 from .booster import Booster
 from .checkpoint import CheckpointError, find_latest_checkpoint
 from .checkpoint_io import BoosterCheckpointIO, CheckpointIO, GeneralCheckpointIO
 from .data import StatefulDataLoader, make_stateful
+from .dist_coordinator import DistCoordinator
+from .launch import launch, launch_from_torch
 from .mixed_precision import (
     BF16MixedPrecision,
     FP8MixedPrecision,
@@ -36,13 +41,19 @@ from .mixed_precision import (
     resolve_mixed_precision,
 )
 from .optim_wrappers import AmpOptimWrapper, ColossalAIOptimWrapper
-from .plugins import GeminiPlugin, PluginBase, SinglePlugin, TorchDDPPlugin, TorchFSDPPlugin
+from .plugins import DPPluginBase, GeminiPlugin, PluginBase, SinglePlugin, TorchDDPPlugin, TorchFSDPPlugin
 from .strategy import ColossalAIStrategy, Strategy
 
 __all__ = [
     "__version__",
     "Booster",
     "Accelerator",
+    "get_accelerator",
+    "set_accelerator",
+    "launch",
+    "launch_from_torch",
+    "DistCoordinator",
+    "DPPluginBase",
     "ModelWrapper",
     "CheckpointIO",
     "BoosterCheckpointIO",

@@ -5,7 +5,8 @@
 model itself for ``single``); ``.unwrap()`` is the user's model (DDP's ``.module``; for FSDP2 the same object,
 which ``fully_shard`` changed in place). ``model(x)`` is ``.module(x)``. As in ColossalAI, the wrapper's own
 ``state_dict()`` keys carry the ``module.`` prefix; ``unwrap().state_dict()`` (and the Booster's ``save_model``)
-use the original keys. It implements :class:`stepforge.core.WrappedModel`.
+use the original keys; for FSDP2 (``torch_fsdp``, ``gemini``) both are the full state, as FSDP1's and
+``GeminiDDP``'s. It implements :class:`stepforge.core.WrappedModel`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Any
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+
+from stepforge.core.torch_compat import fsdp2_module_type
 
 __all__ = ["ModelWrapper", "plugin_module"]
 
@@ -50,13 +53,18 @@ class ModelWrapper(nn.Module):
         return self.module(*args, **kwargs)
 
     def state_dict(self, *args: Any, only_rank_0: bool | None = None, **kwargs: Any) -> Any:
-        """``nn.Module.state_dict`` (keys prefixed ``module.``); with ``only_rank_0`` (ColossalAI's
-        ``GeminiDDP.state_dict``) the plugin's module answers: the full state with the original keys, on rank 0
-        only when ``True`` (the ``gemini``/``torch_fsdp`` modules support it; others raise ``TypeError``)."""
-        if only_rank_0 is None:
-            return super().state_dict(*args, **kwargs)
+        """``nn.Module.state_dict`` (keys prefixed ``module.``). An FSDP2 module (``torch_fsdp``, ``gemini``)
+        gives its full state here too, a fresh snapshot, as FSDP1 and ``GeminiDDP`` did (collective). With
+        ``only_rank_0`` (ColossalAI's ``GeminiDDP.state_dict``) the plugin's module answers: the full state with
+        the original keys, on rank 0 only when ``True`` (the ``gemini``/``torch_fsdp`` modules support it;
+        others raise ``TypeError``)."""
         plugin_state_dict: Callable[..., Any] = self.module.state_dict  # a plugin's, with only_rank_0
-        return plugin_state_dict(*args, only_rank_0=only_rank_0, **kwargs)
+        if only_rank_0 is not None:
+            return plugin_state_dict(*args, only_rank_0=only_rank_0, **kwargs)
+        fsdp2 = fsdp2_module_type()
+        if args or kwargs or fsdp2 is None or not isinstance(self.module, fsdp2):
+            return super().state_dict(*args, **kwargs)
+        return {f"module.{key}": value for key, value in plugin_state_dict().items()}
 
 
 def _is_peft_model(model: nn.Module) -> bool:

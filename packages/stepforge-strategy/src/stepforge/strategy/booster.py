@@ -33,7 +33,7 @@ from ._lora import enable_lora, require_peft
 from .accelerator import Accelerator
 from .boosted_model import ModelWrapper, plugin_module
 from .boosted_optimizer import OptimizerWrapper
-from .checkpoint_io import BoosterCheckpointIO, GeneralCheckpointIO
+from .checkpoint_io import BoosterCheckpointIO, CheckpointIO, GeneralCheckpointIO
 from .data import make_stateful
 from .mixed_precision import MixedPrecision, precision_name, resolve_mixed_precision
 
@@ -62,9 +62,11 @@ class Booster:
             place the model (``control_device()`` is ``False``) the :class:`Accelerator` ``boost`` moves it to.
 
     Attributes:
-        checkpoint_io: the :class:`~stepforge.strategy.CheckpointIO` every ``save_*``/``load_*`` goes through (a
-            :class:`~stepforge.strategy.GeneralCheckpointIO` when ``plugin`` was ``None``, which also saves
-            optimizers ``boost`` did not wrap).
+        checkpoint_io: the :class:`~stepforge.strategy.CheckpointIO` every ``save_*``/``load_*`` goes through:
+            the plugin's ``get_checkpoint_io()`` when it returns one and ``control_checkpoint_io()`` is true (as in
+            ColossalAI), else a :class:`~stepforge.strategy.BoosterCheckpointIO` over the plugin (a
+            :class:`~stepforge.strategy.GeneralCheckpointIO`, which also saves optimizers ``boost`` did not wrap,
+            when ``plugin`` was ``None`` or its ``control_checkpoint_io()`` is false).
         accelerator: the :class:`Accelerator`, or ``None`` when the plugin places the model.
 
     A plugin that controls precision (``plugin.control_precision()``: FSDP2, gemini, ZeRO) adopts
@@ -97,9 +99,7 @@ class Booster:
             self.mixed_precision: MixedPrecision | None = None
         else:
             self.mixed_precision = resolve_mixed_precision(mixed_precision)
-        self.checkpoint_io: BoosterCheckpointIO = (
-            GeneralCheckpointIO(self.plugin) if plugin is None else BoosterCheckpointIO(self.plugin)
-        )
+        self.checkpoint_io: CheckpointIO = self._checkpoint_io(default_plugin=plugin is None)
 
     # -- construction --------------------------------------------------------------------------------------
     @staticmethod
@@ -122,9 +122,25 @@ class Booster:
         if not isinstance(plugin, Plugin):
             raise TypeError(
                 "Booster: plugin must be a name, a dict with 'type', or an instance of a subclass of "
-                f"stepforge.core.Plugin (usually stepforge.core.PluginBase); got {type(plugin).__name__}."
+                f"stepforge.core.Plugin (a class with name and prepare); got {type(plugin).__name__}."
             )
         return plugin
+
+    def _checkpoint_io(self, *, default_plugin: bool) -> CheckpointIO:
+        """The plugin's checkpoint IO (ColossalAI's ``get_checkpoint_io``), else the Booster's own: a
+        :class:`GeneralCheckpointIO` for the default plugin or one that does not control checkpoint IO (as
+        ColossalAI's Booster), else a :class:`BoosterCheckpointIO`."""
+        controls = bool(self.plugin.control_checkpoint_io())
+        own = self.plugin.get_checkpoint_io() if controls else None
+        if own is None:
+            general = default_plugin or not controls
+            return GeneralCheckpointIO(self.plugin) if general else BoosterCheckpointIO(self.plugin)
+        if not isinstance(own, CheckpointIO):
+            raise TypeError(
+                f"Booster: plugin {self.plugin.name!r} returned a {type(own).__name__} from get_checkpoint_io(); "
+                "return a stepforge.strategy.CheckpointIO, or None for the Booster's own."
+            )
+        return own
 
     def _adopt_precision(self, mixed_precision: Any, wanted: str | None) -> None:
         """Give a precision-controlling plugin the Booster's ``mixed_precision`` (or refuse a conflict)."""
@@ -188,16 +204,19 @@ class Booster:
         ):
             # ColossalAI's order: the Booster's mixed precision wraps the optimizer, then the plugin prepares
             optimizer = self._wrap_for_mixed_precision(model, optimizer)
-        model, boosted = plugin.prepare(
-            model, optimizer, criterion=criterion, dataloader=dataloader, lr_scheduler=lr_scheduler
+        # ColossalAI's call: a stepforge plugin's configure is its prepare with the other three passed through
+        model, boosted, criterion, dataloader, lr_scheduler = plugin.configure(
+            model, optimizer, criterion, dataloader, lr_scheduler
         )
         if boosted is not None:
             if not isinstance(boosted, BoostedOptimizer):
                 raise TypeError(
-                    f"Booster.boost: plugin {plugin.name!r} returned a {type(boosted).__name__} from prepare(); "
-                    "a plugin must return an optimizer implementing stepforge.core.BoostedOptimizer."
+                    f"Booster.boost: plugin {plugin.name!r} returned a {type(boosted).__name__} from prepare() "
+                    "(or configure()); a plugin must return an optimizer implementing "
+                    "stepforge.core.BoostedOptimizer (wrap a torch optimizer in stepforge.strategy.OptimizerWrapper)."
                 )
-            self.checkpoint_io.register(boosted, model)
+            if isinstance(self.checkpoint_io, BoosterCheckpointIO):
+                self.checkpoint_io.register(boosted, model)
         if not isinstance(model, WrappedModel):
             model = ModelWrapper(model)
         if isinstance(boosted, OptimizerWrapper):

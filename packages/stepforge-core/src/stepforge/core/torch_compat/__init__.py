@@ -17,10 +17,11 @@ offers none. One module per area of torch, each listing the privates it needs an
 - :mod:`.runtime`: ``Variable._execution_engine.queue_callback`` (run a function when the backward pass
   ends) and ``distributed_c10d._get_default_store`` (arrival barriers with a timeout, which ``barrier()``
   lacks on gloo).
-- :mod:`.dcp`: DCP's ``flatten_state_dict`` (the key layout DCP writes), and
+- :mod:`.dcp`: DCP's ``flatten_state_dict`` (the key layout DCP writes),
   :class:`SafeFileSystemReader` / :class:`SafeLoadPlanner`, which read DCP checkpoints without running code
   from them (DCP's metadata classes ``filesystem._StorageInfo``, ``metadata._MEM_FORMAT_ENCODING`` and
-  ``_traverse.set_element``).
+  ``_traverse.set_element``), and :func:`set_instance_state_dict`, a module's own ``state_dict`` that DCP's
+  state-dict helpers step around (``state_dict._patched_state_dict``).
 - :mod:`.fsdp2`: FSDP2's module class (in ``torch.distributed._composable.fsdp`` before torch 2.6) and
   its pending unsharded gradients (``FSDPModule._get_fsdp_state()._fsdp_param_group.fsdp_params``,
   ``FSDPParam._unsharded_param``, ``FSDPParam._orig_size``), which checkpoints inside an accumulation window
@@ -36,7 +37,7 @@ offers none. One module per area of torch, each listing the privates it needs an
 from __future__ import annotations
 
 from .base_classes import LegacyLRScheduler, is_norm_with_running_stats
-from .dcp import SafeFileSystemReader, SafeLoadPlanner, flatten_state_dict
+from .dcp import SafeFileSystemReader, SafeLoadPlanner, flatten_state_dict, set_instance_state_dict
 from .errors import TorchInternalsError
 from .fsdp2 import (
     fsdp2_module_type,
@@ -72,6 +73,7 @@ __all__ = [
     "is_norm_with_running_stats",
     "queue_backward_callback",
     "set_fsdp2_pending_grad",
+    "set_instance_state_dict",
     "supports_gradient_sync_off",
     "view_base",
 ]

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""torch.distributed.checkpoint (DCP) internals: its key flattening (``_nested_dict.flatten_state_dict``)
-and a reader and planner that run no code from a checkpoint.
+"""torch.distributed.checkpoint (DCP) internals: its key flattening (``_nested_dict.flatten_state_dict``),
+a reader and planner that run no code from a checkpoint, and an instance ``state_dict`` that DCP's state-dict
+helpers step around (``state_dict._patched_state_dict``).
 
 torch's ``FileSystemReader`` unpickles ``.metadata`` with plain ``pickle.load`` and its ``DefaultLoadPlanner``
 reads non-tensor entries with ``torch.load(weights_only=False)``: a checkpoint could run code. The safe
@@ -14,15 +15,17 @@ import collections
 import io
 import pathlib
 import pickle
-from collections.abc import Mapping
+import weakref
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 
 from .private_apis import resolve
 
-__all__ = ["SafeFileSystemReader", "SafeLoadPlanner", "flatten_state_dict"]
+__all__ = ["SafeFileSystemReader", "SafeLoadPlanner", "flatten_state_dict", "set_instance_state_dict"]
 
 
 def flatten_state_dict(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -33,6 +36,23 @@ def flatten_state_dict(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], d
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict as flatten
 
     return flatten(dict(state_dict))
+
+
+def set_instance_state_dict(module: nn.Module, state_dict: Callable[..., Any]) -> None:
+    """Make ``state_dict`` the ``state_dict`` of this ``module`` instance while torch's DCP helpers
+    (``get_model_state_dict``, ``get_state_dict``, ...) keep calling the class's ``state_dict`` on it.
+
+    DCP's helpers call ``module.state_dict()`` and use the class's method instead only for callables in its
+    ``_patched_state_dict`` set (its own ``_patch_model_state_dict`` registers there). ``state_dict`` is added to
+    that set for as long as ``module`` lives; it must not hold ``module`` strongly (use a weak reference), or the
+    set keeps the module alive.
+    """
+    from torch.distributed.checkpoint import state_dict as dcp_state_dict
+
+    patched: set[Callable[..., Any]] = dcp_state_dict._patched_state_dict
+    module.state_dict = state_dict  # type: ignore[method-assign]
+    patched.add(state_dict)
+    weakref.finalize(module, patched.discard, state_dict)
 
 
 def _dcp_metadata_globals() -> dict[tuple[str, str], Any]:

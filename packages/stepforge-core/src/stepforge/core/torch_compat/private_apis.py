@@ -27,6 +27,7 @@ def resolve(module: str, name: str) -> Any:
 _DCP = "torch.distributed.checkpoint."
 _DCP_PRIVATES = (
     ("_traverse", "set_element"),
+    ("state_dict", "_patched_state_dict"),
     ("filesystem", "_StorageInfo"),
     ("metadata", "_MEM_FORMAT_ENCODING"),
 )

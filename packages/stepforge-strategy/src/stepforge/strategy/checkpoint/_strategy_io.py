@@ -104,7 +104,7 @@ def save(
     mid_window = bool(window is not None and window.position)
     if mid_window:
         assert wrapper is not None and window is not None
-        refusal = plugin.mid_window_save_error(wrapper.optimizer)
+        refusal = plugin.mid_window_save_refusal(wrapper.optimizer)
         if refusal is not None:
             raise ValueError(
                 f"save_checkpoint: {window.position} micro-batch(es) of an accumulation window are not stepped "

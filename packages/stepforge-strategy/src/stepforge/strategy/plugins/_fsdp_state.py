@@ -1,21 +1,26 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Full (gathered) model and optimizer state of an FSDP2 model, in the shapes ColossalAI's Gemini and FSDP1
-users expect: ``state_dict(only_rank_0=...)`` and ``full_optim_state_dict``.
+"""Full (gathered) model and optimizer state of an FSDP2 model, in the shapes ColossalAI's FSDP1 and Gemini
+users expect: the model's ``state_dict()`` / ``state_dict(only_rank_0=...)`` and ``full_optim_state_dict``.
 
-FSDP2's own ``state_dict()`` holds this rank's DTensor shards; the full forms here go through torch's
-``torch.distributed.checkpoint.state_dict`` (``full_state_dict=True``), keys are parameter FQNs, values plain
-CPU tensors of the unsharded shapes.
+FSDP2's own ``nn.Module.state_dict`` holds this rank's DTensor shards, aliasing the live parameters. The prepared
+model's ``state_dict()`` is the full state instead, a fresh snapshot on every call, as FSDP1's default
+``FULL_STATE_DICT`` and ColossalAI's ``GeminiDDP.state_dict`` give; the sharded form stays one documented call
+away: ``torch.distributed.checkpoint.state_dict.get_model_state_dict(model)`` (what DCP and stepforge's
+checkpoints save). The full forms go through the same torch module (``full_state_dict=True``); keys are
+parameter FQNs, values plain tensors of the unsharded shapes.
 """
 
 from __future__ import annotations
 
 import os
-import types
+import weakref
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from stepforge.core.torch_compat import dtensor_local, set_instance_state_dict
 
 from ..boosted_model import plugin_module
 from ..boosted_optimizer import OptimizerWrapper
@@ -25,7 +30,7 @@ __all__ = [
     "full_model_state_dict",
     "full_optim_state_dict",
     "FSDPOptimizerWrapper",
-    "add_only_rank_0_state_dict",
+    "attach_full_state_dict",
     "save_full_optimizer",
     "load_full_optimizer",
 ]
@@ -46,12 +51,14 @@ def _unwrap(optimizer: Any) -> torch.optim.Optimizer:
 
 
 def full_model_state_dict(model: nn.Module, only_rank_0: bool = True) -> dict[str, torch.Tensor]:
-    """The whole model's state (every parameter and persistent buffer at its full shape). Collective.
+    """The whole model's state (every parameter and persistent buffer at its full shape), a snapshot that no
+    later step changes. Collective.
 
     Args:
         model: the FSDP2-sharded model.
         only_rank_0: ``True``: the state on rank 0 (on CPU), ``{}`` on the other ranks (ColossalAI's
-            ``GeminiDDP.state_dict`` default); ``False``: on every rank.
+            ``GeminiDDP.state_dict`` default); ``False``: on every rank, on the parameters' device (FSDP1's
+            ``FULL_STATE_DICT`` default).
     """
     model = plugin_module(model)  # the boosted ModelWrapper's .module: the FSDP2 model itself
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -59,7 +66,12 @@ def full_model_state_dict(model: nn.Module, only_rank_0: bool = True) -> dict[st
     state = get_model_state_dict(model, options=_options(only_rank_0))
     if only_rank_0 and dist.get_rank() != 0:
         return {}
-    return cast(dict[str, torch.Tensor], dict(state))  # full_state_dict: plain tensors
+    # a gathered shard is a new tensor, but a replicated unit's parameter or a buffer is the live one
+    live = {dtensor_local(t).untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    return {
+        key: value.detach().clone() if value.untyped_storage().data_ptr() in live else value.detach()
+        for key, value in cast(dict[str, torch.Tensor], state).items()  # full_state_dict: plain tensors
+    }
 
 
 def full_optim_state_dict(model: nn.Module, optimizer: Any, rank0_only: bool = True) -> dict[str, Any]:
@@ -112,20 +124,26 @@ class FSDPOptimizerWrapper(OptimizerWrapper):
         return full_optim_state_dict(self._fsdp_model, self.optim, rank0_only=rank0_only)
 
 
-def _state_dict(self: nn.Module, *args: Any, only_rank_0: bool | None = None, **kwargs: Any) -> Any:
-    """``only_rank_0=None``: ``nn.Module.state_dict`` (this rank's DTensor shards, what DCP reads);
-    ``True``/``False``: the full state (:func:`full_model_state_dict`), on rank 0 only or on every rank."""
-    if only_rank_0 is None:
-        return type(self).state_dict(self, *args, **kwargs)
-    if args or kwargs:
-        raise TypeError("state_dict(only_rank_0=...) takes no other argument.")
-    return full_model_state_dict(self, only_rank_0=only_rank_0)
+def attach_full_state_dict(model: nn.Module, *, only_rank_0: bool) -> None:
+    """Make the sharded ``model``'s ``state_dict()`` the full state (:func:`full_model_state_dict`), on rank 0
+    only or on every rank as ``only_rank_0`` says unless the call names it (ColossalAI's ``only_rank_0``
+    keyword). On this instance only: its class (``FSDPModule`` included) is unchanged; called with
+    ``nn.Module.state_dict``'s own arguments (a parent module gathering its children's state), and from torch's
+    DCP helpers, it is the class's: this rank's DTensor shards."""
+    model_ref = weakref.ref(model)  # DCP's registry of such methods must not keep the model alive
+    default = only_rank_0
 
+    def state_dict(*args: Any, only_rank_0: bool | None = None, **kwargs: Any) -> Any:
+        module = model_ref()
+        if module is None:  # pragma: no cover - the method lives in the module's own __dict__
+            raise RuntimeError("state_dict: the model it belongs to no longer exists.")
+        if args or kwargs:
+            if only_rank_0 is not None:
+                raise TypeError("state_dict(only_rank_0=...) takes no other argument.")
+            return type(module).state_dict(module, *args, **kwargs)
+        return full_model_state_dict(module, only_rank_0=default if only_rank_0 is None else only_rank_0)
 
-def add_only_rank_0_state_dict(model: nn.Module) -> None:
-    """Give the sharded ``model`` ColossalAI's ``state_dict(only_rank_0=...)`` keyword (on this instance only:
-    its class, ``FSDPModule`` included, is unchanged, and a plain ``state_dict()`` is the class's)."""
-    model.state_dict = types.MethodType(_state_dict, model)  # type: ignore[method-assign]
+    set_instance_state_dict(model, state_dict)
 
 
 def save_full_optimizer(model: nn.Module, optimizer: Any, checkpoint: str | os.PathLike[str]) -> None:

@@ -21,7 +21,9 @@ README ("GeminiPlugin and TorchFSDPPlugin arguments"):
 - ``tp_size > 1`` raises (tensor parallelism is not offered); the chunk-manager and kernel arguments are
   accepted at their ColossalAI defaults only.
 
-``support_no_sync()`` is ``False``, as in ColossalAI. The optimizer for offloaded shards defaults to
+``support_no_sync()`` is ``False``, as in ColossalAI. As ``GeminiDDP.state_dict``, the prepared model's
+``state_dict()`` is the full state on rank 0 (``{}`` elsewhere; ``only_rank_0=False``: on every rank), a fresh
+snapshot; this rank's shards are ``torch.distributed.checkpoint.state_dict.get_model_state_dict(model)``. The optimizer for offloaded shards defaults to
 stepforge-fused's ``HybridAdam`` (``boost(model, dict(lr=1e-3))`` or ``dict(type="CPUAdam", ...)``).
 """
 
@@ -101,6 +103,8 @@ class GeminiPlugin(TorchFSDPPlugin):
 
     name = "gemini"
     DEFAULT_PRECISION = "fp16"  # ColossalAI's default
+    #: the prepared model's ``state_dict()``: the full state on rank 0, ``{}`` elsewhere (``GeminiDDP``'s default)
+    FULL_STATE_DICT_RANK_0_ONLY = True
 
     def __init__(
         self,

@@ -2,7 +2,10 @@
 """``torch_fsdp`` (aliases ``fsdp``, ``TorchFSDPPlugin``): FSDP2 ``fully_shard`` per block, then the root.
 
 The boosted model is the user's model after FSDP2's ``fully_shard``: an ``FSDPModule`` (its parameters are
-DTensor shards), not FSDP1's ``FullyShardedDataParallel`` class. FSDP1's full optimizer state
+DTensor shards), not FSDP1's ``FullyShardedDataParallel`` class. As FSDP1's, its ``state_dict()`` (and the
+boosted ``ModelWrapper``'s) is the full, unsharded state on every rank, a fresh snapshot on every call
+(collective); this rank's DTensor shards are
+``torch.distributed.checkpoint.state_dict.get_model_state_dict(model.unwrap())``. FSDP1's full optimizer state
 (``FSDP.full_optim_state_dict``) is :meth:`TorchFSDPPlugin.full_optim_state_dict` or the boosted optimizer's
 ``full_optim_state_dict()``/``state_dict(only_rank_0=...)``, through torch's ``get_optimizer_state_dict``.
 """
@@ -40,7 +43,7 @@ from ._fsdp_placement import UnitPlacement
 from ._fsdp_prefetch import BACKWARD_PREFETCH_UNSET, prefetch_plan
 from ._fsdp_state import (
     FSDPOptimizerWrapper,
-    add_only_rank_0_state_dict,
+    attach_full_state_dict,
     full_optim_state_dict,
     load_full_optimizer,
     save_full_optimizer,
@@ -103,6 +106,8 @@ class TorchFSDPPlugin(PluginBase):
     builds_optimizer_config = True
     #: the precision when none is given (the Booster's ``mixed_precision`` may replace it)
     DEFAULT_PRECISION = "fp32"
+    #: what the prepared model's ``state_dict()`` gives: the full state on every rank (FSDP1's default)
+    FULL_STATE_DICT_RANK_0_ONLY = False
 
     def __init__(
         self,
@@ -245,7 +250,7 @@ class TorchFSDPPlugin(PluginBase):
             replicate_mesh=replicate_mesh,
             prefetch=self.prefetch,
         )
-        add_only_rank_0_state_dict(model)
+        attach_full_state_dict(model, only_rank_0=self.FULL_STATE_DICT_RANK_0_ONLY)
         if optimizer is None:
             return model, None
         if isinstance(optimizer, Mapping):

@@ -266,12 +266,12 @@ class LowLevelZeroPlugin(PluginBase):
         return self._zero(optimizer, "clip_grad_norm_").clip_grad_norm_(max_norm, norm_type)
 
     # -- checkpoints ---------------------------------------------------------------------------------
-    def mid_window_save_error(self, optimizer: Any) -> str | None:
+    def mid_window_save_refusal(self, optimizer: Any) -> str | None:
         """``None`` while the accumulation window's gradients are all in the parameters' ``.grad`` (every
         backward of the window so far ran under ``no_sync``); otherwise the reason a checkpoint cannot carry
         the window: part of it is already reduced into this rank's gradient pieces, which a checkpoint does
         not hold (a synchronised backward ran, at either stage)."""
-        zero = self._zero(optimizer, "mid_window_save_error")
+        zero = self._zero(optimizer, "mid_window_save_refusal")
         if not zero.has_reduced_grads:
             return None
         return (

@@ -1,0 +1,143 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``DistCoordinator``: ColossalAI's helper for "who does what" in a distributed script
+(``colossalai.cluster.DistCoordinator``), on ``torch.distributed``.
+
+::
+
+    coordinator = DistCoordinator()
+    with coordinator.priority_execution():      # rank 0 downloads first, the others then read its files
+        dataset = CIFAR10(root, download=True)
+    coordinator.print_on_master(f"{coordinator.world_size} ranks")
+
+Unlike ColossalAI's, it is not a process-wide singleton: each instance reads the rank and world size of the
+default group when it is made (two instances answer alike).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+__all__ = ["DistCoordinator"]
+
+_R = TypeVar("_R")
+
+
+class DistCoordinator:
+    """Rank facts and rank-0-first helpers for the default process group (or the ``process_group`` given).
+
+    Attributes:
+        rank: this process's rank; world_size: the group's size; local_rank: ``LOCAL_RANK`` (-1 when unset).
+
+    Raises:
+        RuntimeError: no process group is initialised (``stepforge.strategy.launch_from_torch()`` first).
+    """
+
+    def __init__(self) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "DistCoordinator: torch.distributed is not initialised; call stepforge.strategy.launch_from_torch() "
+                "(under torchrun) or torch.distributed.init_process_group first."
+            )
+        # the attribute names of ColossalAI's coordinator, which some scripts read directly
+        self._rank = dist.get_rank()
+        self._world_size = dist.get_world_size()
+        self._local_rank = int(os.environ.get("LOCAL_RANK", -1))
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the default group."""
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        """The default group's size."""
+        return self._world_size
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its node (``LOCAL_RANK``, set by torchrun; -1 when unset)."""
+        return self._local_rank
+
+    def _require_local_rank(self) -> None:
+        if self._local_rank < 0:
+            raise RuntimeError(
+                "DistCoordinator: LOCAL_RANK is not set, so the rank on this node is unknown; start the script "
+                "with torchrun."
+            )
+
+    def is_master(self, process_group: Any = None) -> bool:
+        """Whether this is rank 0 (of ``process_group``, default the whole group)."""
+        return bool(dist.get_rank(group=process_group) == 0)
+
+    def is_node_master(self) -> bool:
+        """Whether this is local rank 0 (the first process on this node).
+
+        Raises:
+            RuntimeError: ``LOCAL_RANK`` is not set.
+        """
+        self._require_local_rank()
+        return self._local_rank == 0
+
+    def is_last_process(self, process_group: Any = None) -> bool:
+        """Whether this is the last rank (of ``process_group``)."""
+        return bool(dist.get_rank(group=process_group) == dist.get_world_size(group=process_group) - 1)
+
+    def print_on_master(self, msg: str, process_group: Any = None) -> None:
+        """``print(msg)`` on rank 0 only."""
+        if self.is_master(process_group):
+            print(msg)
+
+    def print_on_node_master(self, msg: str) -> None:
+        """``print(msg)`` on local rank 0 only.
+
+        Raises:
+            RuntimeError: ``LOCAL_RANK`` is not set.
+        """
+        if self.is_node_master():
+            print(msg)
+
+    def block_all(self, process_group: Any = None) -> None:
+        """A barrier: return when every rank of ``process_group`` has called it."""
+        dist.barrier(group=process_group)
+
+    @contextmanager
+    def priority_execution(self, executor_rank: int = 0, process_group: Any = None) -> Iterator[None]:
+        """Run the block on ``executor_rank`` first; the other ranks enter it only after that rank has left it
+        (for a download or a cache one process must write before the others read).
+
+        Each rank calls :meth:`block_all` once: the others before the block, the executor after it (also when
+        its block raised, so the others go on to fail on their own instead of waiting out the backend timeout).
+        """
+        if dist.get_rank(group=process_group) != executor_rank:
+            self.block_all(process_group)
+            yield
+            return
+        try:
+            yield
+        finally:
+            self.block_all(process_group)
+
+    def on_master_only(
+        self, process_group: Any = None
+    ) -> Callable[[Callable[..., _R]], Callable[..., _R | None]]:
+        """A decorator: the function runs on rank 0 and returns ``None`` elsewhere."""
+        master = self.is_master(process_group)
+
+        def decorate(func: Callable[..., _R]) -> Callable[..., _R | None]:
+            @functools.wraps(func)
+            def run(*args: Any, **kwargs: Any) -> _R | None:
+                return func(*args, **kwargs) if master else None
+
+            return run
+
+        return decorate
+
+    def destroy(self, process_group: Any = None) -> None:
+        """``torch.distributed.destroy_process_group(process_group)``."""
+        dist.destroy_process_group(process_group)

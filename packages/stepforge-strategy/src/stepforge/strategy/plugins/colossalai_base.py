@@ -1,0 +1,140 @@
+# SPDX-License-Identifier: Apache-2.0
+"""ColossalAI's plugin base classes, ``Plugin`` and ``DPPluginBase``, on stepforge's contract.
+
+ColossalAI's extension point is a subclass of ``colossalai.booster.plugin.Plugin`` (or ``DPPluginBase``) that
+implements ``configure``, ``control_checkpoint_io``, ``get_checkpoint_io``, ``no_sync``, ``supported_devices``,
+``supported_precisions``, ``control_precision``, ``control_device`` and ``support_no_sync``. The same class,
+with its import pointed here, works with :class:`~stepforge.strategy.Booster`::
+
+    from stepforge.strategy import OptimizerWrapper
+    from stepforge.strategy.plugins import DPPluginBase
+
+    class MyDDPPlugin(DPPluginBase):
+        def configure(self, model, optimizer=None, criterion=None, dataloader=None, lr_scheduler=None):
+            model = DistributedDataParallel(model)
+            if optimizer is not None and not isinstance(optimizer, OptimizerWrapper):
+                optimizer = OptimizerWrapper(optimizer)
+            return model, optimizer, criterion, dataloader, lr_scheduler
+        ...
+
+Both classes are :class:`stepforge.core.Plugin` subclasses: ``name`` defaults to the class name, ``prepare`` to
+``configure`` (the model and optimizer it returns), ``prepare_dataloader`` to core's (this rank's
+``DistributedSampler`` share, ColossalAI's signature); ``supports_no_sync`` answers ``support_no_sync``;
+``precision`` may be assigned in ``__init__`` as ColossalAI's plugins do (and, on ``DPPluginBase``, ``rank`` and
+``world_size``, which it sets from the process group). As with
+every stepforge plugin, ``configure`` receives the optimizer already wrapped in an
+:class:`~stepforge.strategy.OptimizerWrapper` when the plugin does not control precision (the Booster's mixed
+precision wraps it first); ColossalAI's own plugins check ``isinstance(optimizer, OptimizerWrapper)`` before
+wrapping, and so should these.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from stepforge.core import BoostedOptimizer
+from stepforge.core import Plugin as CorePlugin
+
+__all__ = ["Plugin", "DPPluginBase"]
+
+
+class Plugin(CorePlugin):
+    """ColossalAI's ``Plugin``: implement its abstract methods (listed in the module docstring); ``name`` and
+    ``prepare`` come from them."""
+
+    @property
+    def name(self) -> str:
+        """The class name (ColossalAI's plugins have no registry name)."""
+        return type(self).__name__
+
+    @property
+    def precision(self) -> str | None:
+        """The precision the plugin applies (``None`` unless :meth:`control_precision`); assignable, as in
+        ColossalAI's plugins, which set ``self.precision`` in ``__init__`` (an assigned one is explicit)."""
+        return self._precision if self.control_precision() else None
+
+    @precision.setter
+    def precision(self, value: str | None) -> None:
+        self._precision = value
+        self._explicit_precision = value is not None
+
+    def prepare(
+        self, model: nn.Module, optimizer: Any = None, **kwargs: Any
+    ) -> tuple[nn.Module, BoostedOptimizer | None]:
+        """:meth:`configure`'s model and optimizer."""
+        model, boosted, *_ = self.configure(
+            model, optimizer, kwargs.get("criterion"), kwargs.get("dataloader"), kwargs.get("lr_scheduler")
+        )
+        return model, boosted
+
+    def supports_no_sync(self) -> bool:
+        """:meth:`support_no_sync`, ColossalAI's spelling, which a subclass implements."""
+        return bool(self.support_no_sync())
+
+    # -- ColossalAI's abstract methods -----------------------------------------------------------------------
+    @abstractmethod
+    def configure(self, model: nn.Module, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
+        """``configure(model, optimizer, criterion, dataloader, lr_scheduler)``: wrap the five for the back-end;
+        ``Booster.boost`` returns the five this returns."""
+
+    @abstractmethod
+    def control_checkpoint_io(self) -> bool:
+        """Whether :meth:`get_checkpoint_io` gives the Booster its checkpoint IO."""
+
+    @abstractmethod
+    def get_checkpoint_io(self) -> Any:
+        """A :class:`~stepforge.strategy.CheckpointIO`, or ``None`` for the Booster's own."""
+
+    @abstractmethod
+    def no_sync(self, model: nn.Module | None, optimizer: Any = None) -> AbstractContextManager[Any]:
+        """Skip gradient synchronisation for the block."""
+
+    @abstractmethod
+    def supported_devices(self) -> list[str]:
+        """Device types the plugin runs on."""
+
+    @abstractmethod
+    def supported_precisions(self) -> list[str]:
+        """Precision names the plugin takes."""
+
+    @abstractmethod
+    def control_precision(self) -> bool:
+        """Whether the plugin applies precision itself."""
+
+    @abstractmethod
+    def control_device(self) -> bool:
+        """Whether ``configure`` places the model (else the Booster's ``Accelerator`` moves it)."""
+
+    @abstractmethod
+    def support_no_sync(self) -> bool:
+        """Whether :meth:`no_sync` is supported."""
+
+
+class DPPluginBase(Plugin):
+    """ColossalAI's ``DPPluginBase``: :class:`Plugin` with the process group's ``rank`` and ``world_size``, which
+    ``prepare_dataloader`` (this rank's ``DistributedSampler`` share, ColossalAI's signature) reads.
+
+    Raises:
+        RuntimeError: no process group is initialised (``stepforge.strategy.launch_from_torch()`` under
+            torchrun makes one).
+    """
+
+    #: the default group's rank and size, set by ``__init__`` (plain attributes, as in ColossalAI)
+    rank: int = 0
+    world_size: int = 1
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                f"{type(self).__name__}: torch.distributed is not initialised; call "
+                "stepforge.strategy.launch_from_torch() (under torchrun) or torch.distributed.init_process_group "
+                "before creating the plugin."
+            )
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
