@@ -170,6 +170,8 @@ def asan(session: nox.Session) -> None:
     session.log("AddressSanitizer: no report")
 
 
+#: the benchmarks: a topic folder each, every script declaring its smoke run (tools/bench/README.md)
+BENCH = ROOT / "tools" / "bench"
 DEMO_PACKAGES = ("stepforge-core", "stepforge-optim", "stepforge-fused")
 DEMO_DEPS = ("numpy", "scikit-learn", "tqdm", "matplotlib")
 
@@ -211,20 +213,16 @@ def demo_optimizers(session: nox.Session) -> None:
 @nox.session(python=PYTHON, default=False)
 def bench(session: nox.Session) -> None:
     """CPU benchmarks vs torch and the peers' semantics: tables, JSON and PNG into bench-out/ (posargs: --quick;
-    `-- zero [options]` runs only tools/bench/bench_zero.py, the data-parallel ZeRO schemes on gloo)."""
+    `-- zero [options]` runs only tools/bench/zero/bench_zero.py, the data-parallel ZeRO schemes on gloo)."""
     out = str(ROOT / "bench-out")
     if session.posargs[:1] == ["zero"]:
         install_packages(session, *DEMO_PACKAGES, "stepforge-zero", extra=DEMO_DEPS, env=CPU_BUILD)
-        session.run(
-            "python", str(ROOT / "tools" / "bench" / "bench_zero.py"), "--out", out, *session.posargs[1:]
-        )
+        session.run("python", str(BENCH / "zero" / "bench_zero.py"), "--out", out, *session.posargs[1:])
         return
     install_packages(session, *DEMO_PACKAGES, extra=DEMO_DEPS, env=CPU_BUILD)
-    session.run(
-        "python", str(ROOT / "tools" / "bench" / "bench_fused_cpu.py"), "--out", out, *session.posargs
-    )
+    session.run("python", str(BENCH / "fused" / "bench_fused_cpu.py"), "--out", out, *session.posargs)
     quick = ("--quick",) if "--quick" in session.posargs else ()
-    session.run("python", str(ROOT / "tools" / "bench" / "bench_optim.py"), "--out", out, *quick)
+    session.run("python", str(BENCH / "optim" / "bench_optim.py"), "--out", out, *quick)
 
 
 @nox.session(python=PYTHON, default=False)
@@ -235,27 +233,24 @@ def faults(session: nox.Session) -> None:
     run_pytest(session, "stepforge-strategy/tests/test_fault_restarts.py")
 
 
-#: every CPU benchmark at a seconds-long size: CI keeps them working, never times anything (python, args)
-BENCH_SMOKE = (
-    ("bench_train.py", ("--tiny",)),
-    ("bench_train_interleaved.py", ("--tiny",)),
-    ("bench_zero.py", ("--quick", "--world", "2")),
-    ("bench_gather.py", ("--tiny",)),
-    # one warm-up-free timed step per contender: every code path runs, as with --quick's default 2 + 3
-    ("bench_fused_cpu.py", ("--quick", "--no-plot", "--repeats", "1", "--warmup", "0")),
-    ("bench_fused_sgd.py", ("--quick", "--no-plot", "--repeats", "1", "--warmup", "0")),
-    ("bench_optim.py", ("--reps", "1", "--warmup", "0", "--tensors", "4", "--max-numel", "4096")),
-    ("bench_checkpoint.py", ("--mb", "1", "--repeats", "1")),
-)
-
-
 @ci_session()
 def bench_smoke(session: nox.Session) -> None:
-    """Run every CPU benchmark in tools/bench/ once at a tiny size (a broken bench fails CI; no timing is judged)."""
-    install_packages(session, *GPT_DEMO_PACKAGES, extra=(*GPT_DEMO_DEPS, "scikit-learn"), env=CPU_BUILD)
+    """Every bench in tools/bench/ once at its declared seconds-long size, after the tests of tools/bench/.
+
+    Each script declares its arguments (SMOKE_ARGS; tools/bench/smoke.py finds every bench_*.py and fails on one
+    without them), so a new bench cannot be left out. A broken bench fails CI; no timing is judged. posargs pick
+    benches: `-- zero`, `-- train/bench_train.py`, `-- bench_gather`.
+    """
+    install_packages(
+        session, *GPT_DEMO_PACKAGES, extra=(*GPT_DEMO_DEPS, "scikit-learn", "pytest"), env=CPU_BUILD
+    )
+    session.run(
+        "python", "-m", "pytest", str(BENCH / "tests"),
+        "-c", str(ROOT / "pyproject.toml"), "--rootdir", str(ROOT), "-p", "no:cacheprovider", "-q",
+    )  # fmt: skip
     out = pathlib.Path(session.create_tmp()) / "bench-smoke"
-    for script, args in BENCH_SMOKE:
-        session.run("python", str(ROOT / "tools" / "bench" / script), "--out", str(out), *args)
+    shutil.rmtree(out, ignore_errors=True)
+    session.run("python", str(BENCH / "smoke.py"), "--out", str(out), *session.posargs)
 
 
 # The Hugging Face Trainer example and its test (examples/huggingface/): a tiny GPT-2, CI-sized.

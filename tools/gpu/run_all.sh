@@ -10,7 +10,7 @@
 #   fused    stepforge-fused built with its CUDA module (STEPFORGE_CUDA=ON, archs $STEPFORGE_CUDA_ARCHS, default 90)
 #   tests-*  `pytest -m gpu` of every package with GPU tests under STEPFORGE_REQUIRE_CUDA=1 (a skip fails), the
 #            packages in parallel, each tests/gpu file in its own process
-#   bench    tools/bench/bench_fused_gpu.py ($BENCH_ARGS, default the full sizes)
+#   bench    tools/bench/gpu/bench_fused_gpu.py ($BENCH_ARGS, default the full sizes)
 #   demo     examples/train_gpt_demo.py --device cuda --nproc 1 ($DEMO_ARGS, default the full demo)
 # STAGES="env wheels pure fused tests bench demo" (the default) picks stages; one call of the device tool may run
 # 10 minutes; on an H200 the whole run took 4.5 (setup 1, tests 1.4, demo 0.7, bench 1.4 at full size).
@@ -138,7 +138,7 @@ all_gpu_tests() {  # every package's suite at once (one GPU holds them all), the
 
 bench() {  # writes straight into the output folder: a run stopped at its time limit keeps the cases it finished
     # shellcheck disable=SC2086  # BENCH_ARGS is a list of options
-    "$PY" tools/bench/bench_fused_gpu.py --out "$OUT_DIR" ${BENCH_ARGS:-}
+    "$PY" tools/bench/gpu/bench_fused_gpu.py --out "$OUT_DIR" ${BENCH_ARGS:-}
 }
 
 demo() {

@@ -152,6 +152,24 @@ def test_checker_finds_unlisted_bench_scripts_and_results(tmp_path):
     assert repo_docs.unlisted_results(root) == ["zero/b.png"]
 
 
+def test_checker_finds_bench_folders_the_readme_does_not_name(tmp_path):
+    root = _tree(
+        tmp_path,
+        {
+            "tools/bench/README.md": "| `zero/` | the schemes |\n| `zero/bench_z.py`, `train` | z |\n",
+            "tools/bench/__init__.py": "",
+            "tools/bench/smoke.py": "",
+            "tools/bench/zero/bench_z.py": "",
+            "tools/bench/train/bench_t.py": "",
+            "tools/bench/train/parts/_p.py": "",
+            "tools/bench/tests/test_t.py": "",
+            "tools/bench/notes/README.md": "",
+        },
+    )
+    # `train` without its slash is not a folder line; a folder with no Python file needs none
+    assert repo_docs.unlisted_bench_folders(root) == ["tests/", "train/", "train/parts/"]
+
+
 # ---- the real tree --------------------------------------------------------------------------------------------
 
 PAGES = sorted(
@@ -176,10 +194,12 @@ def test_bench_readme_names_only_files_that_exist():
     assert repo_docs.missing_references(ROOT, page, relative_suffixes=(".py",)) == []
 
 
-def test_bench_readme_lists_every_bench_script():
+def test_bench_readme_lists_every_bench_script_and_folder():
     scripts = sorted((ROOT / "tools" / "bench").rglob("bench_*.py"))
     assert len(scripts) >= 10, scripts  # the checker looks at the real folder
+    assert len({p.parent for p in scripts}) >= 6, scripts  # ... and into its topic folders
     assert repo_docs.unlisted_bench_scripts(ROOT) == []
+    assert repo_docs.unlisted_bench_folders(ROOT) == []
 
 
 def test_results_index_names_only_files_that_exist():

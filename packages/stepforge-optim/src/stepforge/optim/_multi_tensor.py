@@ -12,7 +12,7 @@ bucket's tensors, and every element-wise step of the optimizer is one ``torch._f
   Each segment is cut into waves of about ``chunk_size`` elements (small tensors share a wave, large ones are
   split) so that the element-wise passes of a wave run on data in L2. CPU updates are bound by memory and
   element-wise compute, so this is about as fast as a per-parameter loop or somewhat faster (1-1.7x in
-  ``tools/bench/bench_optim.py``); the multi-tensor gain proper is on accelerators.
+  ``tools/bench/optim/bench_optim.py``); the multi-tensor gain proper is on accelerators.
 
 Per-tensor reductions (parameter and update norms) are summed over a tensor's pieces with ``index_add_`` on
 the device: nothing here synchronises with the host.

@@ -32,6 +32,7 @@ __all__ = [
     "code_words",
     "link_targets",
     "missing_references",
+    "unlisted_bench_folders",
     "unlisted_bench_scripts",
     "unlisted_results",
 ]
@@ -159,8 +160,26 @@ def _named_in(page: pathlib.Path) -> set[str]:
     return {word.rstrip(_TRAILING) for word in code_words(page.read_text(encoding="utf-8"))}
 
 
+def unlisted_bench_folders(root: pathlib.Path) -> list[str]:
+    """The folders under ``tools/bench/`` that hold Python files and that its README does not name as ``folder/``.
+
+    The benches live in topic folders (``zero/``, ``train/``, ...); each gets a line in the README's layout.
+    """
+    bench = root / BENCH
+    named = _named_in(bench / "README.md")
+    folders = sorted(
+        {
+            p.parent.relative_to(bench).as_posix() + "/"
+            for p in bench.rglob("*.py")
+            if p.parent != bench and "__pycache__" not in p.parts
+        }
+    )
+    return [folder for folder in folders if folder not in named]
+
+
 def unlisted_bench_scripts(root: pathlib.Path) -> list[str]:
-    """The Python files under ``tools/bench/`` (their path relative to it) that its README does not name.
+    """The Python files under ``tools/bench/`` and its folders (their path relative to it) that its README does
+    not name.
 
     Tests and ``__init__.py`` files are not scripts and need no line.
     """

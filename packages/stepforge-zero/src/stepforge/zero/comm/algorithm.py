@@ -10,7 +10,7 @@ size before the sum):
 - ``"all_reduce"``: ``all_reduce`` of the whole bucket, then each rank reads its pieces out of it and the bucket
   is reused, so between steps a rank still holds only its pieces. Twice the ring bytes of a reduce-scatter;
   gloo's all-reduce is still about twice as fast as its own reduce-scatter on the CPU (208 MiB, 2 ranks: 147 ms
-  against 274 ms; see ``tools/bench/bench_zero.py``'s collective table).
+  against 274 ms; see ``tools/bench/zero/bench_zero.py``'s collective table).
 - ``"all_to_all"``: a reduce-scatter made of ``all_to_all_single`` (rank ``r`` receives every other rank's row
   ``r``; its own row stays put) and a local sum of the ``N`` rows: the reduce-scatter's (N-1)/N bytes, moved by
   gloo's pairwise exchange, which is about twice as fast as its all-reduce (2 ranks, 32 MiB: 17.7 ms against
@@ -48,7 +48,7 @@ COMM_ALGORITHM_ENV = "STEPFORGE_ZERO_COMM_ALGORITHM"
 #: ``LowLevelZeroOptimizer`` itself: the defaults off gloo
 COLOSSAL_BUCKET_SIZE = 12 * 1024**2
 COLOSSAL_OPTIMIZER_BUCKET_SIZE = 1024**2
-#: the default on gloo (elements). ``tools/bench/bench_zero.py`` times gloo's all-reduce at 16 MiB as fast per
+#: the default on gloo (elements). ``tools/bench/zero/bench_zero.py`` times gloo's all-reduce at 16 MiB as fast per
 #: byte as at 48 or 100 MiB (2 ranks: 16.8 ms against 48.3 ms for three times the bytes), and a smaller bucket
 #: leaves less of the reduction for after backward: zero2 on the bench's GPT ran 0.93x DDP with it, 1.48x with
 #: ColossalAI's 12 Mi elements (2 ranks, same run).

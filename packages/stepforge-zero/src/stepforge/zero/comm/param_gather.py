@@ -46,7 +46,7 @@ __all__ = [
 #: parameters with at least this many elements are gathered by ``"broadcast"`` in place: each rank's piece is
 #: broadcast straight from and into the working parameter's own memory (no staging buffer, no copy back). Smaller
 #: ones are staged in a table kept between steps: below about 4 MiB a broadcast pair's fixed cost on gloo outweighs
-#: the copy in and out (tools/bench/bench_gather.py: the demo GPT's gather, every parameter below this, takes
+#: the copy in and out (tools/bench/zero/bench_gather.py: the demo GPT's gather, every parameter below this, takes
 #: 1.65x the floor of two bare broadcasts); on the 54.6 M-parameter bench GPT moving this from 256 Ki changed
 #: nothing measurable (zero2 at 2 ranks, steps timed back to back: 494 ms at 1 Mi, 489 at 256 Ki) and keeps 48 MiB of tables
 DIRECT_MIN = 1 << 20

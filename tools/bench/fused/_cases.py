@@ -8,7 +8,8 @@ import gc
 from typing import Any
 
 import torch
-from _fused_cpu_common import (
+
+from bench.fused._parts import (
     HP,
     Sizes,
     case_label,
@@ -26,7 +27,7 @@ __all__ = ["adam_cases", "fusedadam_cases", "lamb_cases", "mixed_cases", "sgd_ca
 def adam_cases(args: argparse.Namespace, sizes: Sizes, ceiling: float, fused: Any, err: str | None):
     rows = []
     shapes = [
-        # issue 19: >= 0.98x at the memory ceiling on one big tensor, >= 3x on 2 000 x 10k, >= 10x on 20 000 x 1k
+        # targets: >= 0.98x at the memory ceiling on one big tensor, >= 3x on 2 000 x 10k, >= 10x on 20 000 x 1k
         ((1, sizes.big), 0.98, 90.0, ("reuse",), True),
         (sizes.medium, 3.0, None, ("reuse", "fresh"), False),
         (sizes.small, 10.0, None, ("reuse", "fresh"), False),

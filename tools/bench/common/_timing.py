@@ -7,8 +7,8 @@
   garbage collector off, and reports the median of the repeats. On a shared machine the load changes over
   seconds; interleaving lets every contender see the same load, so the *ratios* are the numbers to trust.
 
-The scripts import this module as ``_timing`` (``python tools/bench/<script>.py`` puts ``tools/bench`` first on
-``sys.path``).
+The scripts import this module as ``from bench.common import _timing`` (a script puts ``tools/`` first on
+``sys.path``; see tools/bench/README.md).
 """
 
 from __future__ import annotations

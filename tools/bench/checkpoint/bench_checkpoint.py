@@ -2,7 +2,7 @@
 """Cost of a committed checkpoint: save, checksum-verify and load of ``--mb`` MB of fp32 tensors, side by side in
 one run with the raw ``dcp.save``/``dcp.load`` underneath and the checksum functions alone.
 
-    python tools/bench/bench_checkpoint.py [--mb 1024] [--repeats 3] [--dir DIR] [--out FILE]
+    python tools/bench/checkpoint/bench_checkpoint.py [--mb 1024] [--repeats 3] [--dir DIR] [--out FILE]
 
 Rows (median of ``--repeats``, seconds and GB/s of checkpoint bytes; the rows alternate within every repeat and
 ``os.sync()`` runs, untimed, before each):
@@ -40,13 +40,15 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _machine
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tools/: the `bench` package
+from bench.common import _machine
 from stepforge.strategy import checkpoint as ck
 from stepforge.strategy.checkpoint import _layout
 
 _TENSOR_MB = 64
+
+#: what `nox -s bench_smoke` runs (tools/bench/smoke.py): seconds, every code path, no timing judged
+SMOKE_ARGS = ("--mb", "1", "--repeats", "1", "--out", "{out}")
 
 
 def _tensors(mb: float) -> dict[str, torch.Tensor]:

@@ -8,7 +8,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from _fused_cpu_common import HP, import_lamb
+
+from bench.fused._parts import HP, import_lamb
 
 __all__ = ["bit_identity"]
 

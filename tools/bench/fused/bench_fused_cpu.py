@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """CPU benchmark of stepforge-fused's optimizers against the best torch equivalents, side by side in one run.
 
-    python tools/bench/bench_fused_cpu.py                 # full run (~3-6 min on 2 cores)
-    python tools/bench/bench_fused_cpu.py --quick         # smaller sizes, 3 repeats: a smoke run (~30 s)
-    python tools/bench/bench_fused_cpu.py --cases adam,bitident --threads 2 --repeats 15 --out bench-out
+    python tools/bench/fused/bench_fused_cpu.py                 # full run (~3-6 min on 2 cores)
+    python tools/bench/fused/bench_fused_cpu.py --quick         # smaller sizes, 3 repeats: a smoke run (~30 s)
+    python tools/bench/fused/bench_fused_cpu.py --cases adam,bitident --threads 2 --repeats 15 --out bench-out
 
 What it measures (fp32 unless said; every contender gets the same initial values and gradients):
 
@@ -26,11 +26,11 @@ optimizer a different set of gradient tensors (other objects at other addresses)
 when nothing changes. Creating those tensors is not timed.
 
 Only ``optimizer.step()`` is timed: contenders run round-robin, median of ``--repeats`` after ``--warmup`` steps.
-Effective GB/s = minimum bytes an ideal kernel moves / time (Adam fp32: 28 B per element; see README.md).
+Effective GB/s = minimum bytes an ideal kernel moves / time (Adam fp32: 28 B per element; see tools/bench/README.md).
 Results: a table on stdout, ``<out>/<stem>.json`` and ``<out>/<stem>.png``.
 
-Layout: this file (options, the run, the JSON); ``_fused_cpu_common.py`` (sizes, tensors, one timed
-comparison, rows); ``_fused_cpu_cases.py`` (the timed case groups); ``_fused_cpu_bitident.py`` (``bitident``).
+Layout: this file (options, the run, the JSON); ``_parts.py`` (sizes, tensors, one timed comparison, rows);
+``_cases.py`` (the timed case groups); ``_bitident.py`` (``bitident``).
 """
 
 from __future__ import annotations
@@ -43,14 +43,11 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _bandwidth
-import _machine
-import _report
-import _timing
-from _fused_cpu_bitident import bit_identity
-from _fused_cpu_cases import adam_cases, fusedadam_cases, lamb_cases, mixed_cases, sgd_cases
-from _fused_cpu_common import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tools/: the `bench` package
+from bench.common import _bandwidth, _machine, _report, _timing
+from bench.fused._bitident import bit_identity
+from bench.fused._cases import adam_cases, fusedadam_cases, lamb_cases, mixed_cases, sgd_cases
+from bench.fused._parts import (
     BYTES,
     CASE_GROUPS,
     COLUMNS,
@@ -64,6 +61,10 @@ from _fused_cpu_common import (
 )
 
 __all__ = ["main"]
+
+#: what `nox -s bench_smoke` runs (tools/bench/smoke.py): one warm-up-free timed step per contender, so every
+#: code path runs, in seconds; no timing is judged
+SMOKE_ARGS = ("--quick", "--no-plot", "--repeats", "1", "--warmup", "0", "--out", "{out}")
 
 
 def _parse_cases(text: str) -> list[str]:

@@ -4,12 +4,12 @@
 The parameter list is model-shaped: by default 200 tensors with sizes log-spaced from 1 K to 4 M elements
 (about 98 M elements in all); ``--case small`` adds a list of many small tensors, where per-tensor overhead
 dominates. Each optimizer is warmed up, then baseline and stepforge steps are timed round-robin with
-``tools/bench/_timing.py``; the ratio is ``median loop time / median stepforge time`` (higher is better),
+``tools/bench/common/_timing.py``; the ratio is ``median loop time / median stepforge time`` (higher is better),
 and the best-step ratio is printed beside it.
 
-    python tools/bench/bench_optim.py                       # CPU, both optimizers -> bench-out/cpu-<date>-optim.json
-    python tools/bench/bench_optim.py --case model small --threads 1 --reps 9
-    python tools/bench/bench_optim.py --device cuda
+    python tools/bench/optim/bench_optim.py                       # CPU, both optimizers -> bench-out/cpu-<date>-optim.json
+    python tools/bench/optim/bench_optim.py --case model small --threads 1 --reps 9
+    python tools/bench/optim/bench_optim.py --device cuda
 """
 
 from __future__ import annotations
@@ -24,16 +24,16 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tools/: the `bench` package
 
-import _machine
-import _report
-import _timing
-from _optim_loop import LoopLamb, LoopLars
-
+from bench.common import _machine, _report, _timing
+from bench.optim._loop import LoopLamb, LoopLars
 from stepforge.optim import Lamb, Lars
 
 __all__ = ["main"]
+
+#: what `nox -s bench_smoke` runs (tools/bench/smoke.py): seconds, every code path, no timing judged
+SMOKE_ARGS = ("--reps", "1", "--warmup", "0", "--tensors", "4", "--max-numel", "4096", "--out", "{out}")
 
 CASES = {
     "model": dict(count=200, low=1_000, high=4_000_000),
@@ -89,7 +89,7 @@ def bench_one(
     loop.step()
     ours.step()
     diff = max(float((a - b).detach().abs().max()) for a, b in zip(loop_params, ours_params, strict=True))
-    # Round-robin after a warm-up, gc off (tools/bench/_timing.py), so load changes hit both alike.
+    # Round-robin after a warm-up, gc off (tools/bench/common/_timing.py), so load changes hit both alike.
     timings = _timing.time_interleaved(
         {"loop": _stepper(loop, device), "stepforge": _stepper(ours, device)}, warmup=warmup, repeats=reps
     )
@@ -120,7 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=7, help="timed steps per optimizer (median reported)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: all usable cores)")
-    parser.add_argument("--target", type=float, default=3.0, help="ratio the issue asks for")
+    parser.add_argument(
+        "--target", type=float, default=3.0, help="the speed-up each row must reach (its `met` field)"
+    )
     parser.add_argument("--out", type=Path, default=Path("bench-out"), help="directory for <stem>.json/.png")
     parser.add_argument(
         "--quick", action="store_true", help="smoke run: 20 tensors of at most 200 K elements"

@@ -16,8 +16,8 @@ without the optimizer step around it):
     gather (fresh tables)     the same, tables allocated per call (what it did before they were kept)
     gather (all staged)       every parameter through one kept table (two broadcasts at 2 ranks, copies in/out)
 
-    python tools/bench/bench_gather.py                 # -> bench-out/cpu-<date>-gather.json/.png
-    python tools/bench/bench_gather.py --tiny --out /tmp/x
+    python tools/bench/zero/bench_gather.py                 # -> bench-out/cpu-<date>-gather.json/.png
+    python tools/bench/zero/bench_gather.py --tiny --out /tmp/x
 """
 
 from __future__ import annotations
@@ -37,16 +37,20 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tools/: the `bench` package
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
 
-import _machine  # noqa: E402
-import _report  # noqa: E402
-from _spawn import free_port, leave_process_group  # noqa: E402
-from gpt_demo_model import ByteGPT  # noqa: E402
+from gpt_demo_model import ByteGPT
+
+from bench.common import _machine, _report
+from bench.common._spawn import free_port, leave_process_group
+
+ROOT = Path(__file__).resolve().parents[3]
 
 __all__ = ["main"]
+
+#: what `nox -s bench_smoke` runs (tools/bench/smoke.py): seconds, every code path, no timing judged
+SMOKE_ARGS = ("--tiny", "--out", "{out}")
 
 FLOOR = "N broadcasts of P/N"
 

@@ -14,7 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from _timing import Timing
+from bench.common._timing import Timing
 
 __all__ = ["format_table", "save_json", "save_ratio_plot"]
 

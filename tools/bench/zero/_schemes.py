@@ -7,7 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from _zero_parts import Counter, ddp_counting_hook, nbytes
+
+from bench.zero._parts import Counter, ddp_counting_hook, nbytes
 
 __all__ = ["SCHEMES", "THEORY_FACTOR", "LR", "build"]
 

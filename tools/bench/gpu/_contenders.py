@@ -10,8 +10,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from _gpu_cases import HP, LAMB_HP, Bundle
-from _gpu_kernels import kernel_adam, kernel_lamb, kernel_sgd
+
+from bench.gpu._cases import HP, LAMB_HP, Bundle
+from bench.gpu._kernels import kernel_adam, kernel_lamb, kernel_sgd
 
 __all__ = ["contenders", "foreach_lamb", "torch_mixed"]
 

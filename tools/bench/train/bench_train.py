@@ -23,8 +23,8 @@ is what a synchronising backward costs beyond a ``no_sync`` one (the mean of the
 minus the mean of the others), so it is measured the same way for every contender, whatever engine moves the
 bytes; for a plugin that communicates in ``step`` the wait shows up there instead.
 
-    python tools/bench/bench_train.py                       # -> bench-out/cpu-<date>-train.json/.png
-    python tools/bench/bench_train.py --tiny --out /tmp/x   # seconds; what CI runs to keep it working
+    python tools/bench/train/bench_train.py                       # -> bench-out/cpu-<date>-train.json/.png
+    python tools/bench/train/bench_train.py --tiny --out /tmp/x   # seconds; what CI runs to keep it working
 """
 
 from __future__ import annotations
@@ -49,14 +49,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tools/: the `bench` package
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
 
-import _machine  # noqa: E402
-import _report  # noqa: E402
-from _spawn import free_port, leave_process_group  # noqa: E402
-from gpt_demo_model import ByteGPT, load_corpus, sample_batch  # noqa: E402
+from gpt_demo_model import ByteGPT, load_corpus, sample_batch
+
+from bench.common import _machine, _report
+from bench.common._spawn import free_port, leave_process_group
+
+ROOT = Path(__file__).resolve().parents[3]
 
 __all__ = [
     "CONTENDERS",
@@ -68,6 +69,9 @@ __all__ = [
     "shrink_to_tiny",
     "spawn_ranks",
 ]
+
+#: what `nox -s bench_smoke` runs (tools/bench/smoke.py): seconds, every code path, no timing judged
+SMOKE_ARGS = ("--tiny", "--out", "{out}")
 
 _PREFETCH = dict(type="torch_fsdp", forward_prefetch=True, backward_prefetch="BACKWARD_PRE")
 #: contender -> (plugin name or config, optimizer config); None plugin = the plain torch loop

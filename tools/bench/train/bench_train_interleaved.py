@@ -17,8 +17,8 @@ at every ``--block-steps`` steps, hence the default of 8. The ratio of a contend
 
 Peak memory is not measured here (every contender lives in the same process): ``bench_train.py`` measures it.
 
-    python tools/bench/bench_train_interleaved.py                    # -> bench-out/cpu-<date>-train-interleaved.*
-    python tools/bench/bench_train_interleaved.py --tiny --out /tmp/x  # seconds; what CI runs to keep it working
+    python tools/bench/train/bench_train_interleaved.py                    # -> bench-out/cpu-<date>-train-interleaved.*
+    python tools/bench/train/bench_train_interleaved.py --tiny --out /tmp/x  # seconds; what CI runs to keep it working
 """
 
 from __future__ import annotations
@@ -39,14 +39,18 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tools/: the `bench` package
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
 
-import bench_train
-from _spawn import leave_process_group
 from gpt_demo_model import load_corpus, sample_batch
 
+from bench.common._spawn import leave_process_group
+from bench.train import bench_train
+
 __all__ = ["main", "paired_ratios"]
+
+#: what `nox -s bench_smoke` runs (tools/bench/smoke.py): seconds, every code path, no timing judged
+SMOKE_ARGS = ("--tiny", "--out", "{out}")
 
 #: two-sided 95 % Student t quantiles by degrees of freedom (beyond the table: the normal's 1.96)
 _T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23,

@@ -9,7 +9,8 @@ import math
 from collections.abc import Callable
 
 import torch
-from _gpu_cases import HP, LAMB_HP, Bundle
+
+from bench.gpu._cases import HP, LAMB_HP, Bundle
 
 __all__ = ["kernel_adam", "kernel_lamb", "kernel_sgd"]
 

@@ -1,10 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """CPU benchmark of ``FusedSGD`` against ``torch.optim.SGD(fused=True)`` and ``SGD(foreach=True)``, side by side
-in one run (issue 19; the target ratio is against the fused one).
+in one run (the target ratio is against the fused one).
 
-    python tools/bench/bench_fused_sgd.py                  # full run (~2-4 min on 2 cores)
-    python tools/bench/bench_fused_sgd.py --quick          # smaller sizes, 3 repeats: a smoke run
-    python tools/bench/bench_fused_sgd.py --threads 2 --repeats 15 --out benchmarks/results/fused-cpu \\
+    python tools/bench/fused/bench_fused_sgd.py                  # full run (~2-4 min on 2 cores)
+    python tools/bench/fused/bench_fused_sgd.py --quick          # smaller sizes, 3 repeats: a smoke run
+    python tools/bench/fused/bench_fused_sgd.py --threads 2 --repeats 15 --out benchmarks/results/fused-cpu \\
         --stem cpu-2026-11-25-fused-sgd
 
 Cases: one 50M-element tensor, 2 000 x 10 000 and 20 000 x 1 000 tensors, each with momentum 0.9 and without
@@ -15,7 +15,7 @@ Effective GB/s = minimum bytes an ideal single-pass kernel moves / step time: wi
 (read p, g, buf; write p, buf), without 12 B (read p, g; write p). The ceiling beside it is the same access
 pattern with trivial math (numpy ``buf += g; p += buf`` resp. ``p += g`` on L2-sized chunks of torch-allocated
 arrays, one Python thread per core), measured before and after the cases; the higher one is kept.
-Results: a table on stdout, ``<out>/<stem>.json`` and ``<out>/<stem>.png`` (see README.md for the layout).
+Results: a table on stdout, ``<out>/<stem>.json`` and ``<out>/<stem>.png`` (see tools/bench/README.md for the layout).
 """
 
 from __future__ import annotations
@@ -30,17 +30,18 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _machine
-import _report
-import _timing
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tools/: the `bench` package
+from bench.common import _machine, _report, _timing
 
 __all__ = ["main", "sgd_pattern_ceiling"]
+
+#: what `nox -s bench_smoke` runs (tools/bench/smoke.py): seconds, every code path, no timing judged
+SMOKE_ARGS = ("--quick", "--no-plot", "--repeats", "1", "--warmup", "0", "--out", "{out}")
 
 BYTES = {True: 20, False: 12}  # per element, with / without a momentum buffer
 FULL = ((1, 50_000_000), (2_000, 10_000), (20_000, 1_000))
 QUICK = ((1, 4_000_000), (200, 10_000), (2_000, 1_000))
-TARGETS = (1.0, 1.0, 2.0)  # issue 19, per shape above, with and without momentum
+TARGETS = (1.0, 1.0, 2.0)  # per shape above, with and without momentum
 HP = dict(lr=0.01, weight_decay=1e-4)
 
 

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Cost of the kernels' unscaled-grad write-back (``write_unscaled_grads=True``), side by side in one run.
 
-    python tools/bench/bench_grad_writeback.py [--numel 20000000] [--tensors 1] [--repeats 15] [--out DIR]
+    python tools/bench/experiments/bench_grad_writeback.py [--numel 20000000] [--tensors 1] [--repeats 15] [--out DIR]
 
 For Adam (fp32, and bf16 params/grads with fp32 masters), SGD (momentum) and LAMB, each step runs with a grad
 divisor of 1024 without and with the write-back, alternating, median of ``--repeats``; torch's fused AdamW with
@@ -24,6 +24,9 @@ import torch
 from stepforge.fused import _backend
 
 cpu = _backend.cpu_module()
+
+#: what `nox -s bench_smoke` runs (tools/bench/smoke.py): seconds, every code path, no timing judged
+SMOKE_ARGS = ("--numel", "4096", "--tensors", "2", "--repeats", "1", "--out", "{out}")
 
 
 def _ptrs(ts):

@@ -27,7 +27,7 @@ zero1/zero2 use the optimizer's default ``comm_algorithm="auto"``: on gloo a red
 run interleaved for ``--rounds`` rounds, so a change in the machine's load reaches all of them. The timed steps of a
 scheme run back to back after one barrier, each timed from its start to the next one's (the last one waits for
 its own parameter gather): an overlapped gather counts in the forward it overlaps, as in training. Before the schemes, every collective is timed on the group
-at the bucket sizes stepforge.zero uses (``_zero_collectives.py``): the table behind that choice and behind the
+at the bucket sizes stepforge.zero uses (``_collectives.py``): the table behind that choice and behind the
 default bucket size.
 
 Memory: bytes of gradient storage + optimizer state (+ fp32 master shards) held per rank after a step, counted
@@ -35,8 +35,8 @@ from the tensors each scheme holds (for stepforge.zero the distinct storages beh
 retained bucket would show); the peak RSS of each scheme is reported beside it (the kernel's high-water mark is
 reset through ``/proc/self/clear_refs`` before each scheme where the kernel allows it).
 
-    python tools/bench/bench_zero.py                         # 2 and 4 processes -> bench-out/cpu-<date>-zero.json/.png
-    python tools/bench/bench_zero.py --world 2 --layers 4 --steps 3
+    python tools/bench/zero/bench_zero.py                         # 2 and 4 processes -> bench-out/cpu-<date>-zero.json/.png
+    python tools/bench/zero/bench_zero.py --world 2 --layers 4 --steps 3
 """
 
 from __future__ import annotations
@@ -56,13 +56,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tools/: the `bench` package
 
-import _machine
-import _report
-from _spawn import free_port, leave_process_group
-from _zero_collectives import BUCKET_SIZES, time_collectives
-from _zero_parts import (
+from bench.common import _machine, _report
+from bench.common._spawn import free_port, leave_process_group
+from bench.zero._collectives import BUCKET_SIZES, time_collectives
+from bench.zero._parts import (
     GPT,
     Counter,
     install_counter,
@@ -70,9 +69,12 @@ from _zero_parts import (
     reset_peak_rss,
     save_plot,
 )
-from _zero_schemes import SCHEMES, THEORY_FACTOR, build
+from bench.zero._schemes import SCHEMES, THEORY_FACTOR, build
 
 __all__ = ["main"]
+
+#: what `nox -s bench_smoke` runs (tools/bench/smoke.py): seconds, every code path, no timing judged
+SMOKE_ARGS = ("--quick", "--world", "2", "--out", "{out}")
 
 
 def _run_scheme(

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from _timing import time_interleaved
+from bench.common._timing import time_interleaved
 
 __all__ = ["ADAM_PATTERN_BYTES", "TRIAD_BYTES", "adam_pattern_ceiling", "triad_bandwidth"]
 

@@ -8,8 +8,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import _timing
 import torch
+
+from bench.common import _timing
 
 __all__ = [
     "BYTES",

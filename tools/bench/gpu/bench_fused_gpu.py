@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """GPU benchmark of stepforge-fused's CUDA kernels against torch's best optimizers, side by side in one run.
 
-    python tools/bench/bench_fused_gpu.py                    # full run (one H100/H200: a few minutes)
-    python tools/bench/bench_fused_gpu.py --quick            # small sizes, smoke run
-    python tools/bench/bench_fused_gpu.py --cases adam,sgd --big-numel 250000000 --out bench-out
+    python tools/bench/gpu/bench_fused_gpu.py                    # full run (one H100/H200: a few minutes)
+    python tools/bench/gpu/bench_fused_gpu.py --quick            # small sizes, smoke run
+    python tools/bench/gpu/bench_fused_gpu.py --cases adam,sgd --big-numel 250000000 --out bench-out
 
 Needs a CUDA device, a CUDA build of torch and stepforge-fused built with ``STEPFORGE_CUDA=ON``; without them it
 exits at once (status 2) saying which is missing.
@@ -36,14 +36,18 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _machine
-import _report
-from _gpu_cases import BYTES, CASES, shape_sets
-from _gpu_contenders import contenders
-from _gpu_device import hbm_bandwidth, nvidia_driver_version, time_gpu, why_no_gpu
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tools/: the `bench` package
+from bench.common import _machine, _report
+from bench.gpu._cases import BYTES, CASES, shape_sets
+from bench.gpu._contenders import contenders
+from bench.gpu._device import hbm_bandwidth, nvidia_driver_version, time_gpu, why_no_gpu
 
 __all__ = ["main"]
+
+#: what `nox -s bench_smoke` runs (tools/bench/smoke.py): seconds, every code path, no timing judged
+SMOKE_ARGS = ("--quick", "--shapes", "small", "--out", "{out}")
+#: no CUDA device: the smoke run expects this bench's refusal (exit 2, `cannot run here`) instead
+SMOKE_NEEDS_CUDA = True
 
 
 def main(argv: list[str] | None = None) -> int:

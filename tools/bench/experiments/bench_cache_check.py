@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Per-step cost of the pointer-cache revalidation: ``CPUAdam`` of a git ref vs the installed one, side by side.
 
-    python tools/bench/bench_cache_check.py --ref <commit> --out benchmarks/results/fused-cpu/cpu-<date>-cache-check.json
+    python tools/bench/experiments/bench_cache_check.py --ref <commit> --out benchmarks/results/fused-cpu/cpu-<date>-cache-check.json
 
 The Python layer of ``stepforge.fused`` at ``--ref`` (``_base.py``, ``_adam_base.py``, ``cpu_adam.py``, plus
 whatever they import that the installed package lacks) is loaded as extra submodules of the installed
@@ -26,8 +26,25 @@ import torch
 
 import stepforge.fused as fused
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SRC = "packages/stepforge-fused/src/stepforge/fused"
+
+#: what `nox -s bench_smoke` runs (tools/bench/smoke.py): HEAD's Python layer against the installed one (the same
+#: code twice), every path once, in seconds; no timing is judged
+SMOKE_ARGS = (
+    "--ref",
+    "HEAD",
+    "--count",
+    "20",
+    "--numel",
+    "1000",
+    "--repeats",
+    "1",
+    "--warmup",
+    "0",
+    "--out",
+    "{out}/cache-check.json",
+)
 
 
 def _load_old(ref: str) -> type:
@@ -39,7 +56,9 @@ def _load_old(ref: str) -> type:
     for name in extra + names:
         try:
             text = subprocess.check_output(
-                ["git", "-C", str(ROOT), "show", f"{ref}:{SRC}/{name}.py"], text=True
+                ["git", "-C", str(ROOT), "show", f"{ref}:{SRC}/{name}.py"],
+                text=True,
+                stderr=subprocess.DEVNULL,  # a module the ref does not have is skipped, not an error
             )
         except subprocess.CalledProcessError:
             continue
@@ -128,7 +147,7 @@ def main() -> int:
         rows.append(row)
         contenders = None
     result = {
-        "what": "per-step revalidation of the pointer cache (issue 9 section 1), before vs after, one process",
+        "what": "per-step revalidation of the pointer cache, before vs after, one process",
         "ref_before": args.ref,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),

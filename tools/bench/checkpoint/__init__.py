@@ -1,0 +1,2 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The cost of a committed checkpoint against raw torch.distributed.checkpoint."""

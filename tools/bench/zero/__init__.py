@@ -1,0 +1,2 @@
+# SPDX-License-Identifier: Apache-2.0
+"""stepforge.zero's data-parallel schemes and its parameter gather on gloo ranks."""
