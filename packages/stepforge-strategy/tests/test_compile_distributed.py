@@ -20,8 +20,11 @@ steps of 2 accumulated micro-batches through ``ColossalAIOptimWrapper``, eager a
 
 A compile that did nothing would match eager exactly, so every compiled run also counts, through a counting
 backend around the real one, that exactly one graph was compiled (both FSDP2 blocks share it) and that it ran at
-every micro-batch (40 forwards; 80 for FSDP2, one per block). ZeRO's gradient hooks and DDP's/FSDP2's
-reductions are exercised by the compiled backward: a missed reduction would break the loss match.
+every micro-batch (40 forwards; 80 for FSDP2, one per block), and that the compiled methods are the two FSDP2
+blocks' ``forward`` (the root eager) for torch_fsdp/gemini and the root's ``forward`` otherwise. (Compiling the
+root of an FSDP2 model instead gives the same counts here: dynamo skips the root frame at the loop over the
+dynamo-disabled FSDP2 hooks and compiles the blocks' frames it calls.) ZeRO's gradient hooks and DDP's/FSDP2's
+reductions run after the compiled backward: a missed reduction would break the loss match.
 
 Checkpoints from compiled models (torch_fsdp through ``Booster.save_model``, zero2 through
 ``Strategy.save_checkpoint``): no ``_orig_mod.`` in their keys, they load into an eager model with the same
