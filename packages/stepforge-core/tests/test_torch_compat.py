@@ -53,6 +53,20 @@ def test_legacy_lr_scheduler_is_the_old_name_and_a_public_lr_scheduler():
     assert not isinstance(sched, compat.LegacyLRScheduler)
 
 
+def test_is_compiled_module_tells_the_compile_wrapper_from_a_module_compiled_in_place():
+    """torch.compile(module) returns a wrapper (keys prefixed ``_orig_mod.``); module.compile() keeps the
+    module itself. Only the wrapper is reported, and compiling costs nothing until a call."""
+    wrapped = torch.compile(nn.Linear(2, 2))
+    assert compat.is_compiled_module(wrapped)
+    assert isinstance(wrapped, compat.compiled_module_type())
+    assert next(iter(wrapped.state_dict())).startswith("_orig_mod.")
+    in_place = nn.Linear(2, 2)
+    in_place.compile()
+    assert not compat.is_compiled_module(in_place)
+    assert not compat.is_compiled_module(nn.Linear(2, 2))
+    assert not compat.is_compiled_module("not a module")
+
+
 def test_view_base():
     flat = torch.arange(6.0)
     pieces = [flat[0:2], flat[2:6]]

@@ -73,3 +73,45 @@ def test_an_optim_wrapper_that_cannot_drive_the_booster_is_refused(strategy, mon
             dict(type="ToyRegressor"),
             optim_wrapper=dict(type="OptimWrapper", optimizer=dict(type="SGD", lr=0.1)),
         )
+
+
+class _CountingBackend:
+    """A torch.compile backend that runs the captured graph as it is and counts the graphs and their calls."""
+
+    def __init__(self) -> None:
+        self.graphs = self.runs = 0
+
+    def __call__(self, gm, example_inputs):
+        self.graphs += 1
+
+        def run(*args):
+            self.runs += 1
+            return gm(*args)
+
+        return run
+
+
+@pytest.mark.parametrize("disable", [False, True])
+def test_flexible_runners_compile_option_compiles_the_models_forward_unless_disabled(
+    strategy, monkeypatch, disable
+):
+    """FlexibleRunner passes ``compile=dict(target="train_step", ...)`` (its default target); train_step lives on
+    the strategy's wrapper, so the model's forward (which train_step calls) is what gets compiled, and
+    ``disable=True`` compiles nothing."""
+    monkeypatch.syspath_prepend(EXAMPLE_DIR)
+    import toy_regression  # noqa: F401
+
+    torch.compiler.reset()
+    backend = _CountingBackend()
+    compile = dict(target="train_step", backend=backend, disable=disable)
+    model, wrapper = strategy.prepare(
+        dict(type="ToyRegressor"),
+        optim_wrapper=dict(type="StepforgeColossalAIOptimWrapper", optimizer=dict(type="SGD", lr=0.1)),
+        compile=compile,
+    )
+    assert compile == dict(target="train_step", backend=backend, disable=disable)  # the runner's dict unchanged
+    batch = {"inputs": torch.randn(4, 8), "targets": torch.randn(4, 1)}
+    for _ in range(2):
+        model.train_step(batch, optim_wrapper=wrapper)
+    assert (backend.graphs, backend.runs) == ((0, 0) if disable else (1, 2))
+    torch.compiler.reset()

@@ -13,7 +13,7 @@ import pytest
 from _strategy_cases import make_model, make_strategy
 
 from stepforge.strategy._options import check_auto_scale_lr, check_dict
-from stepforge.strategy._prepare import compile_model, scale_lr, start_accumulation
+from stepforge.strategy._prepare import scale_lr, start_accumulation
 
 
 def test_check_dict_copies_and_names_the_option():
@@ -60,15 +60,6 @@ def test_prepare_rejects_bad_optim_wrapper_configs(tmp_path, cfg, error, match):
     with pytest.raises(error, match=match):
         s.prepare(make_model(0), optim_wrapper=cfg)
     s.close()
-
-
-def test_compile_model_skips_when_disabled():
-    model = make_model(0)
-    forward = model.forward
-    assert compile_model(model, False) is model and model.forward == forward
-    assert compile_model(model, dict(disable=True, backend="eager")) is model and model.forward == forward
-    with pytest.raises(TypeError, match="compile must be a dict"):
-        compile_model(model, "eager")  # type: ignore[arg-type]
 
 
 def _wrapper(lr: float, counts: int, base_lr: float | None) -> Any:

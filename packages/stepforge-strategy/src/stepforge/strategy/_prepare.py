@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The steps of :meth:`Strategy.prepare <stepforge.strategy.Strategy.prepare>` that build the run's objects:
-rank 0's weights on every rank, the optim wrapper on the Booster, ``torch.compile``, the learning rate scaled
-to the global batch and the accumulation window started."""
+rank 0's weights on every rank, the optim wrapper on the Booster (which also applies ``compile``), the learning
+rate scaled to the global batch and the accumulation window started."""
 
 from __future__ import annotations
 
@@ -16,11 +16,10 @@ from torch import nn
 from stepforge.core import OPTIM_WRAPPERS
 
 from ._env import get_world_size
-from ._options import check_dict
 from .booster import Booster
 from .optim_wrappers import ColossalAIOptimWrapper
 
-__all__ = ["broadcast_weights", "build_optim_wrapper", "compile_model", "scale_lr", "start_accumulation"]
+__all__ = ["broadcast_weights", "build_optim_wrapper", "scale_lr", "start_accumulation"]
 
 
 def broadcast_weights(model: nn.Module) -> None:
@@ -41,11 +40,14 @@ def broadcast_weights(model: nn.Module) -> None:
                 tensor.data.copy_(staged)
 
 
-def build_optim_wrapper(booster: Booster, model: nn.Module, cfg: Any) -> tuple[nn.Module, Any]:
-    """Boost ``model`` with the optimizer of ``cfg`` (a dict or a built ``ColossalAIOptimWrapper``); returns the
-    boosted model and the optim wrapper driving ``booster``."""
+def build_optim_wrapper(
+    booster: Booster, model: nn.Module, cfg: Any, compile: Any = False
+) -> tuple[nn.Module, Any]:
+    """Boost ``model`` with the optimizer of ``cfg`` (a dict or a built ``ColossalAIOptimWrapper``) and
+    ``compile`` (see :mod:`stepforge.strategy.compile`); returns the boosted model and the optim wrapper driving
+    ``booster``."""
     if isinstance(cfg, ColossalAIOptimWrapper):
-        model, optimizer = booster.boost(model, cfg.optimizer)[:2]
+        model, optimizer = booster.boost(model, cfg.optimizer, compile=compile)[:2]
         cfg.optimizer = optimizer
         cfg.booster = booster
         return model, cfg
@@ -75,20 +77,8 @@ def build_optim_wrapper(booster: Booster, model: nn.Module, cfg: Any) -> tuple[n
     optimizer = cfg.pop("optimizer")
     if isinstance(optimizer, Mapping):
         optimizer = dict(optimizer)
-    model, optimizer = booster.boost(model, optimizer)[:2]
+    model, optimizer = booster.boost(model, optimizer, compile=compile)[:2]
     return model, cls(optimizer, booster=booster, **cfg)
-
-
-def compile_model(model: nn.Module, compile: bool | Mapping[str, Any]) -> nn.Module:
-    """Apply ``torch.compile`` to ``model.<target>`` (default ``forward``); ``False``/``disable`` skip."""
-    if compile is False or compile is None:
-        return model
-    kwargs = {} if compile is True else check_dict("compile", compile)
-    if kwargs.pop("disable", False):
-        return model
-    target = kwargs.pop("target", "forward")
-    setattr(model, target, torch.compile(getattr(model, target), **kwargs))
-    return model
 
 
 def scale_lr(

@@ -34,6 +34,7 @@ from .accelerator import Accelerator
 from .boosted_model import ModelWrapper, plugin_module
 from .boosted_optimizer import OptimizerWrapper
 from .checkpoint_io import BoosterCheckpointIO, CheckpointIO, GeneralCheckpointIO
+from .compile import apply_compile, compile_config, refuse_compiled_wrapper
 from .data import make_stateful
 from .mixed_precision import MixedPrecision, precision_name, resolve_mixed_precision
 
@@ -171,6 +172,8 @@ class Booster:
         criterion: Any = None,
         dataloader: Any = None,
         lr_scheduler: Any = None,
+        *,
+        compile: bool | Mapping[str, Any] | None = False,
     ) -> tuple[nn.Module, Any, Any, Any, Any]:
         """Wrap the five for the plugin and the mixed precision; returns them in the same order.
 
@@ -178,10 +181,18 @@ class Booster:
         unless the plugin returns its own :class:`stepforge.core.WrappedModel`; the optimizer as a
         :class:`stepforge.core.BoostedOptimizer` (the plugin's, or an :class:`OptimizerWrapper` with the Booster's
         loss scaling); the dataloader with ``state_dict``/``load_state_dict`` (the data position).
+
+        ``compile`` (keyword only; not in ColossalAI): ``True`` or a dict of ``torch.compile`` arguments with
+        optional ``target`` (the method of your model, default ``"forward"``) and ``disable``; the model is
+        compiled in place once the plugin prepared it (per FSDP2 block for ``torch_fsdp``/``gemini``), so its
+        state-dict keys and checkpoints stay those of the eager model (:mod:`stepforge.strategy.compile`).
         """
         plugin = self.plugin
         if not isinstance(model, nn.Module):
             raise TypeError(f"Booster.boost: model must be a torch.nn.Module, got {type(model).__name__}.")
+        compile_cfg = compile_config(compile, where="Booster.boost")
+        if compile_cfg is not None:
+            refuse_compiled_wrapper(model, where="Booster.boost")
         if isinstance(optimizer, Mapping) and not plugin.builds_optimizer_config:
             optimizer = build_optimizer(dict(optimizer), model.parameters())
         if optimizer is not None and not isinstance(optimizer, Mapping | torch.optim.Optimizer):
@@ -217,6 +228,8 @@ class Booster:
                 )
             if isinstance(self.checkpoint_io, BoosterCheckpointIO):
                 self.checkpoint_io.register(boosted, model)
+        if compile_cfg is not None:
+            apply_compile(model, compile_cfg, where="Booster.boost")
         if not isinstance(model, WrappedModel):
             model = ModelWrapper(model)
         if isinstance(boosted, OptimizerWrapper):

@@ -27,6 +27,7 @@ from .checkpoint import _strategy_io as io
 from .checkpoint import find_latest_checkpoint
 from .checkpoint._auto_resume import check_resume_option, checkpoint_to_resume
 from .checkpoint._strategy_io import RunState
+from .compile import compile_config, compile_model
 from .optim_wrappers import ColossalAIOptimWrapper
 from .schedulers import build_param_scheduler
 
@@ -133,7 +134,9 @@ class Strategy:
             optim_wrapper: ``dict(optimizer=dict(type=..., lr=...), accumulative_counts=1, clip_grad=None,
                 type="ColossalAIOptimWrapper")`` or a built ``ColossalAIOptimWrapper``.
             param_scheduler: a dict, list of dicts or built schedulers (see :func:`build_param_scheduler`).
-            compile: ``True`` or ``torch.compile`` kwargs (``target`` names the method, default ``forward``).
+            compile: ``True`` or a dict of ``torch.compile`` arguments, with ``target`` (the method of your model,
+                default ``"forward"``) and ``disable`` (``True``: nothing is compiled); applied by the Booster once
+                the plugin prepared the model, per block for FSDP2 (see :mod:`stepforge.strategy.compile`).
             dispatch_kwargs: ``max_iters``, ``max_epochs``, ``epoch_length``, ``train_micro_batch_size_per_gpu``.
         """
         if self._prepared:
@@ -141,18 +144,23 @@ class Strategy:
         self.dispatch_kwargs.update(check_dict("dispatch_kwargs", dispatch_kwargs))
         if not isinstance(model, nn.Module):
             raise TypeError(f"Strategy.prepare: model must be a torch.nn.Module, got {type(model).__name__}")
+        compile_cfg = compile_config(compile, where="Strategy.prepare")
         _prepare.broadcast_weights(model)
         wrapper = None
         if optim_wrapper is None:
-            model = self.booster.boost(model)[0]
+            model = self.booster.boost(model, compile=compile)[0]
         else:
-            model, wrapper = _prepare.build_optim_wrapper(self.booster, model, optim_wrapper)
+            model, wrapper = _prepare.build_optim_wrapper(self.booster, model, optim_wrapper, compile)
+        if compile_cfg is not None:
+            self.logger.info(
+                f"torch.compile({dict(compile_cfg.options)}) applied to the model's {compile_cfg.target!r} (per "
+                "FSDP2 block under torch_fsdp/gemini); the first iterations are slow while it compiles"
+            )
         model = plugin_module(
             model
         )  # mmengine's strategies hand back the DDP/FSDP module, not a ModelWrapper
         if self.model_wrapper is not None:
             model = self.model_wrapper(model)
-        model = self.compile_model(model, compile)
         self.model, self.optim_wrapper = model, wrapper
         if wrapper is not None:
             micro_batch = self.dispatch_kwargs.get("train_micro_batch_size_per_gpu")
@@ -184,8 +192,11 @@ class Strategy:
 
     @staticmethod
     def compile_model(model: nn.Module, compile: bool | Mapping[str, Any]) -> nn.Module:
-        """Apply ``torch.compile`` to ``model.<target>`` (default ``forward``); ``False``/``disable`` skip."""
-        return _prepare.compile_model(model, compile)
+        """mmengine's ``compile_model``: compile ``<target>`` (default ``forward``) of the model inside ``model``
+        in place (per FSDP2 block for a sharded model) and return ``model``; ``False``/``disable=True`` compile
+        nothing. :meth:`prepare` does this through the Booster (see :mod:`stepforge.strategy.compile`)."""
+        compile_model(model, compile, where="Strategy.compile_model")
+        return model
 
     # -- checkpoints ---------------------------------------------------------------------------------------
     def register_for_checkpointing(self, name: str, obj: Any, *, per_rank: bool = False) -> None:

@@ -26,6 +26,8 @@ offers none. One module per area of torch, each listing the privates it needs an
   its pending unsharded gradients (``FSDPModule._get_fsdp_state()._fsdp_param_group.fsdp_params``,
   ``FSDPParam._unsharded_param``, ``FSDPParam._orig_size``), which checkpoints inside an accumulation window
   need.
+- :mod:`.dynamo`: ``torch._dynamo.eval_frame.OptimizedModule``, the wrapper ``torch.compile(module)`` returns
+  (its keys carry ``_orig_mod.``), so the Booster can tell it apart (``compile=`` on it is refused).
 - :mod:`.gradient_sync`: :func:`gradient_sync_off`, the ``no_sync`` adapter for torch DDP
   (``model.no_sync()``) and FSDP2 (``set_requires_gradient_sync(False)`` on every FSDP module of the
   target), used by :func:`stepforge.core.no_sync` and by the FSDP2 plugins: the one place FSDP2's switch is
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 from .base_classes import LegacyLRScheduler, is_norm_with_running_stats
 from .dcp import SafeFileSystemReader, SafeLoadPlanner, flatten_state_dict, set_instance_state_dict
+from .dynamo import compiled_module_type, is_compiled_module
 from .errors import TorchInternalsError
 from .fsdp2 import (
     fsdp2_module_type,
@@ -57,6 +60,7 @@ __all__ = [
     "SafeFileSystemReader",
     "SafeLoadPlanner",
     "TorchInternalsError",
+    "compiled_module_type",
     "ddp_no_sync",
     "default_store",
     "dtensor_local",
@@ -68,6 +72,7 @@ __all__ = [
     "fsdp2_param_shape",
     "fsdp2_pending_grad",
     "gradient_sync_off",
+    "is_compiled_module",
     "is_ddp",
     "is_dtensor",
     "is_norm_with_running_stats",

@@ -58,4 +58,8 @@ PRIVATE_APIS: tuple[tuple[str, Callable[[], Any]], ...] = (
         lambda: torch.autograd.Variable._execution_engine.queue_callback,
     ),
     ("FSDPModule._get_fsdp_state", lambda: fsdp2_module_type()._get_fsdp_state),  # type: ignore[union-attr]
+    (
+        "torch._dynamo.eval_frame.OptimizedModule",
+        lambda: resolve("torch._dynamo.eval_frame", "OptimizedModule"),
+    ),
 )
