@@ -57,10 +57,11 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tools/: the `bench` package
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
 
+from gpt_demo_model import ByteGPT, load_corpus, sample_batch
+
 from bench.common import _machine, _report
 from bench.train import bench_train
 from bench.train.bench_train_interleaved import paired_ratios
-from gpt_demo_model import ByteGPT, load_corpus, sample_batch
 
 __all__ = ["CONTENDERS", "main"]
 
