@@ -109,7 +109,8 @@ def test_flexible_runners_compile_option_compiles_the_models_forward_unless_disa
         optim_wrapper=dict(type="StepforgeColossalAIOptimWrapper", optimizer=dict(type="SGD", lr=0.1)),
         compile=compile,
     )
-    assert compile == dict(target="train_step", backend=backend, disable=disable)  # the runner's dict unchanged
+    # the runner's dict unchanged
+    assert compile == dict(target="train_step", backend=backend, disable=disable)
     batch = {"inputs": torch.randn(4, 8), "targets": torch.randn(4, 1)}
     for _ in range(2):
         model.train_step(batch, optim_wrapper=wrapper)
