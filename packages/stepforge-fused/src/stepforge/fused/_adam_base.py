@@ -141,6 +141,5 @@ class AdamBase(FusedOptimizerBase):
         torch.ops.stepforge_fused.adam_(
             params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, lr_tensor, float(beta1), float(beta2),
             float(group["eps"]), float(group["weight_decay"]), bool(group["adamw_mode"]),
-            bool(group["bias_correction"]), grad_divisor, grad_divisor_tensor, found_inf, check_finite, False,
-            False, 0,
+            bool(group["bias_correction"]), grad_divisor, grad_divisor_tensor, found_inf, check_finite, False, 0,
         )  # fmt: skip

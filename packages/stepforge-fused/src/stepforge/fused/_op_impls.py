@@ -79,7 +79,6 @@ def adam_(
     grad_divisor_tensor: Tensor | None,
     found_inf: Tensor | None,
     check_finite: bool,
-    write_unscaled_grads: bool,
     stochastic_rounding: bool,
     seed: int,
 ) -> None:
@@ -95,7 +94,7 @@ def adam_(
         return
     lists = pointer_lists(params, grads, exp_avgs, exp_avg_sqs, masters, sizes_of=params)
     common = (grad_divisor, grad_divisor_tensor, found_inf, check_finite, stochastic_rounding)
-    kw = {"write_unscaled_grads": write_unscaled_grads}
+    kw: dict[str, Any] = {}
     if device.type == "cpu":
         skipped = k.launch_cpu("adam_", "adam", lists, (pdt, gdt), lr, lr_tensor, hyper, *common, steps=steps, **kw)
         k.finish_steps_cpu(steps, skipped)
@@ -154,7 +153,6 @@ def sgd_(
     grad_divisor_tensor: Tensor | None,
     found_inf: Tensor | None,
     check_finite: bool,
-    write_unscaled_grads: bool,
     stochastic_rounding: bool,
     seed: int,
 ) -> None:
@@ -171,7 +169,7 @@ def sgd_(
     flags = first_run.to(torch.int64).tolist() if first_run is not None else None
     lists = [*pointer_lists(params, grads, momentum_buffers, masters, sizes_of=params), flags]
     common = (grad_divisor, grad_divisor_tensor, found_inf, check_finite, stochastic_rounding)
-    kw = {"write_unscaled_grads": write_unscaled_grads}
+    kw: dict[str, Any] = {}
     if device.type == "cpu":
         skipped = k.launch_cpu("sgd_", "sgd", lists, (pdt, gdt), lr, lr_tensor, hyper, *common, steps=None, **kw)
     else:

@@ -87,7 +87,6 @@ def lamb_(
     grad_divisor_tensor: Tensor | None,
     found_inf: Tensor | None,
     check_finite: bool,
-    write_unscaled_grads: bool,
     stochastic_rounding: bool,
     seed: int,
 ) -> None:
@@ -105,7 +104,7 @@ def lamb_(
     hyper = [beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, grad_averaging, use_nvlamb,
              trust_clip_min, trust_clip_max]  # fmt: skip
     common = (grad_divisor, grad_divisor_tensor, found_inf, check_finite, stochastic_rounding)
-    kw = {"write_unscaled_grads": write_unscaled_grads}
+    kw: dict[str, Any] = {}
     if device.type == "cpu":
         skipped = k.launch_cpu("lamb_", "lamb", lists, (pdt, gdt), lr, lr_tensor, hyper, *common, steps=steps, **kw)
         k.finish_steps_cpu(steps, skipped)
@@ -135,7 +134,6 @@ def lamb_moments_(
     grad_divisor_tensor: Tensor | None,
     found_inf: Tensor | None,
     check_finite: bool,
-    write_unscaled_grads: bool,
 ) -> Tensor:
     """LAMB's first phase: the finite check, the moments and the grad write-back; returns the per-tensor sums
     of ``p^2`` (``[0, n)``) and of ``u^2`` (``[n, 2n)``) as float64 on the params' device, leaving the params and
@@ -157,7 +155,7 @@ def lamb_moments_(
     hyper = [beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, grad_averaging, use_nvlamb, 0.0,
              float("inf")]  # fmt: skip
     common = (grad_divisor, grad_divisor_tensor, found_inf, check_finite, False)
-    kw = {"write_unscaled_grads": write_unscaled_grads, "norms_out_ptr": norms.data_ptr()}
+    kw = {"norms_out_ptr": norms.data_ptr()}
     if device.type == "cpu":
         k.launch_cpu("lamb_moments_", "lamb", lists, (pdt, gdt), 0.0, None, hyper, *common, steps=steps, **kw)
     else:

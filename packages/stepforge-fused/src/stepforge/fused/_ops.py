@@ -18,6 +18,10 @@ state.
 ``scale_``         ``dst = src * scale`` with an inf/NaN flag (:func:`._op_impls.scale_`)
 ================== ============================================================================================
 
+Gradients are read only: no operator writes ``p.grad`` (the kernels' ``write_unscaled_grads``, GradScaler's
+contract, serves the eager step; ``scale_`` unscales in a pass of its own), so a compiled step does not mutate
+its gradient inputs (CUDA graphs of ``mode="reduce-overhead"`` keep them as plain inputs).
+
 ``steps`` (float32, one element per parameter) count the steps taken: an update uses ``step + 1`` and advances
 them unless it was skipped (``found_inf`` raised on entry, or ``check_finite`` found a non-finite gradient and
 raised it; on CUDA that is decided on the device, without a sync). ``lr_tensor`` replaces ``lr`` and
@@ -59,12 +63,10 @@ def _l2norm_out(args: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
 
 #: name -> (implementation, the arguments it mutates, its checks, what its fake returns; None: nothing)
 _SPECS: dict[str, tuple[Callable[..., Any], tuple[str, ...], _Checks, _FakeOut]] = {
-    "adam_": (adam_, ("params", "grads", "exp_avgs", "exp_avg_sqs", "masters", "steps", "found_inf"), adam_checks,
-              None),
-    "sgd_": (sgd_, ("params", "grads", "momentum_buffers", "masters", "first_run", "found_inf"), sgd_checks, None),
-    "lamb_": (lamb_, ("params", "grads", "exp_avgs", "exp_avg_sqs", "masters", "steps", "found_inf"), lamb_checks,
-              None),
-    "lamb_moments_": (lamb_moments_, ("grads", "exp_avgs", "exp_avg_sqs", "found_inf"), lamb_checks,
+    "adam_": (adam_, ("params", "exp_avgs", "exp_avg_sqs", "masters", "steps", "found_inf"), adam_checks, None),
+    "sgd_": (sgd_, ("params", "momentum_buffers", "masters", "first_run", "found_inf"), sgd_checks, None),
+    "lamb_": (lamb_, ("params", "exp_avgs", "exp_avg_sqs", "masters", "steps", "found_inf"), lamb_checks, None),
+    "lamb_moments_": (lamb_moments_, ("exp_avgs", "exp_avg_sqs", "found_inf"), lamb_checks,
                       lambda a: lamb_norms_like(a["params"])),
     "lamb_apply_": (lamb_apply_, ("params", "masters", "steps"), lamb_checks, None),
     "l2norm": (l2norm, (), l2norm_checks, _l2norm_out),

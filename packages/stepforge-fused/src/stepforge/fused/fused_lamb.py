@@ -287,7 +287,7 @@ class FusedLAMB(FusedOptimizerBase):
             params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, lr_tensor, float(beta1), float(beta2),
             float(group["eps"]), float(group["weight_decay"]), bool(group["adam_w_mode"]),
             bool(group["bias_correction"]), bool(group["grad_averaging"]), bool(group["use_nvlamb"]), float(low),
-            float(high), grad_divisor, grad_divisor_tensor, found_inf, check_finite, False, False, 0,
+            float(high), grad_divisor, grad_divisor_tensor, found_inf, check_finite, False, 0,
         )  # fmt: skip
 
     def step(self, closure: Callable[[], Any] | None = None, div_scale: float = -1) -> Any:

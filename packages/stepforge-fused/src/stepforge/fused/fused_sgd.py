@@ -171,8 +171,7 @@ class FusedSGD(FusedOptimizerBase):
         torch.ops.stepforge_fused.sgd_(
             params, grads, bufs, masters, first_run, lr, lr_tensor, float(group["momentum"]),
             float(group["dampening"]), float(group["weight_decay"]), bool(group["nesterov"]),
-            bool(group["wd_after_momentum"]), grad_divisor, grad_divisor_tensor, found_inf, check_finite, False,
-            False, 0,
+            bool(group["wd_after_momentum"]), grad_divisor, grad_divisor_tensor, found_inf, check_finite, False, 0,
         )  # fmt: skip
 
     def step(self, closure: Callable[[], Any] | None = None, div_scale: float = -1) -> Any:
