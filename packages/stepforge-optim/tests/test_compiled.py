@@ -111,3 +111,30 @@ def test_eager_steps_after_compiled_ones_continue_the_same_trajectory():
     assert_close_in_ulps(reference, mixed, reference_params, mixed_params, "after 6 steps")
     state = mixed.state_dict()
     assert state["state"][0]["exp_avg"].dtype == torch.float32
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", CASES)
+def test_compiled_step_on_cuda_is_one_graph_and_matches_eager(name):
+    """The same on CUDA tensors with a device tensor lr: one graph for 10 scheduled steps, no break, within
+    ULP_BOUND of the eager step (``gpu`` marker: skips without a device)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA: torch.cuda.is_available() is False")
+    eager_params = [torch.nn.Parameter(p.detach().cuda()) for p in make_params()]
+    compiled_params = [torch.nn.Parameter(p.detach().cuda()) for p in make_params()]
+    eager, compiled = CASES[name](eager_params), CASES[name](compiled_params)
+    for opt in (eager, compiled):
+        opt.param_groups[0]["lr"] = opt.param_groups[0]["lr"].cuda()
+    step = torch.compile(compiled.step, fullgraph=True)
+    schedulers = lambda_schedule([eager, compiled])
+    compiled._opt_called = True
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for i in range(10):
+            set_grads([eager_params, compiled_params], i)
+            eager.step()
+            step()
+            for s in schedulers:
+                s.step()
+    assert dict(counters["graph_break"]) == {}
+    assert counters["stats"]["unique_graphs"] == 1
+    assert_close_in_ulps(eager, compiled, eager_params, compiled_params, "cuda, step 10")
