@@ -34,7 +34,7 @@ def adam_args(pdtype=torch.float32, gdtype=None, masters=False, check=False, **k
     params, grads = tensors(pdtype), tensors(gdtype or pdtype, seed=1)
     m, v = tensors(seed=2), [t.abs() for t in tensors(seed=3)]
     w = [p.float() for p in params] if masters else []
-    steps = [torch.tensor(float(i)) for i in range(len(params))]
+    steps = torch.arange(len(params), dtype=torch.float32)
     flag = torch.zeros(1) if check else None
     lr_t, div_t = kw.get("lr_tensor"), kw.get("divisor_tensor")
     return (params, grads, m, v, w, steps, 1e-3, lr_t, *HP, True, True, kw.get("divisor", 1.0), div_t, flag,
@@ -53,7 +53,7 @@ def lamb_args(masters=False):
     params = tensors(torch.bfloat16 if masters else torch.float32)
     grads, m, v = tensors(seed=1), tensors(seed=2), [t.abs() for t in tensors(seed=3)]
     w = [p.float() for p in params] if masters else []
-    steps = [torch.tensor(3.0) for _ in params]
+    steps = torch.full((len(params),), 3.0)
     return (params, grads, m, v, w, steps, 1e-3, torch.tensor(2e-3), *HP, True, True, True, False, 0.01, 10.0,
             2.0, None, torch.zeros(1), True, False, 0)  # fmt: skip
 
@@ -78,7 +78,7 @@ def test_every_kernel_is_an_operator_whose_schema_declares_what_it_mutates():
         assert written == mutated, name
         returns = [str(r.type) for r in schema.returns]
         assert returns == {"l2norm": ["Tensor", "Tensor"], "lamb_moments_": ["Tensor"]}.get(name, []), name
-    assert "Tensor(a0!)[] params" in str(OPS.adam_.default._schema)
+    assert "Tensor(a!)[] params" in str(OPS.adam_.default._schema)
 
 
 OPCHECK_CASES = {
@@ -99,7 +99,7 @@ OPCHECK_CASES = {
     ),
     "lamb_apply": (
         OPS.lamb_apply_,
-        lambda: (tensors(), tensors(seed=2), [t.abs() for t in tensors(seed=3)], [], [torch.tensor(1.0)] * 3,
+        lambda: (tensors(), tensors(seed=2), [t.abs() for t in tensors(seed=3)], [], torch.ones(3),
                  torch.rand(6, dtype=torch.float64) + 0.5, 1e-3, None, *HP, True, True, True, False, 0.0, math.inf,
                  None, False, 0),  # fmt: skip
     ),
@@ -126,7 +126,7 @@ def test_adam_operator_gives_the_eager_optimizers_bits():
     opt = sf.FusedAdam(params, lr=torch.tensor(2e-3), weight_decay=0.01, master_weights=True, skip_nonfinite=False)
     p2 = [p.detach().clone() for p in params]
     m, v, w = zeros_like(p2), zeros_like(p2), [p.float() for p in p2]
-    steps = [torch.zeros(()) for _ in p2]
+    steps = torch.zeros(len(p2))
     for i in range(3):
         grads = tensors(torch.bfloat16, seed=10 + i)
         for p, g in zip(params, grads, strict=True):

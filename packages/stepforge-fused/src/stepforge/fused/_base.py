@@ -198,7 +198,7 @@ class FusedOptimizerBase(StateMixin, torch.optim.Optimizer):
     def _op_launch(
         self,
         group: dict[str, Any],
-        lists: tuple[list[torch.Tensor], ...],
+        lists: tuple[Any, ...],
         grad_divisor: float,
         grad_divisor_tensor: torch.Tensor | None,
         found_inf: torch.Tensor | None,
@@ -206,7 +206,8 @@ class FusedOptimizerBase(StateMixin, torch.optim.Optimizer):
         first_run: torch.Tensor | None,
     ) -> None:
         """The compiled step's kernel call on one bucket: this optimizer's ``torch.ops.stepforge_fused``
-        operator on ``lists`` = ``(params, grads, state_a, state_b, masters, steps)`` (see _compiled_step)."""
+        operator on ``lists`` = ``(params, grads, state_a, state_b, masters, steps)``: tensor lists, ``steps`` one
+        ``(n,)`` float32 tensor or None (see _compiled_step)."""
         raise NotImplementedError
 
     # ---- step routing --------------------------------------------------------------------------------------
@@ -218,13 +219,12 @@ class FusedOptimizerBase(StateMixin, torch.optim.Optimizer):
         state_a: list[torch.Tensor],
         state_b: list[torch.Tensor],
         masters: list[torch.Tensor],
-        steps: list[torch.Tensor],
         extras: list[torch.Tensor],
     ) -> tuple[BucketPlan, ...]:
         """What ``torch.compile`` runs eagerly while tracing ``step()``: validate ``group``, create its state and
         fill the (empty) lists bucket by bucket; returns the bucket plan (:mod:`._compiled_init`)."""
         self._groups.revalidate(self.param_groups)
-        return init_group(self, group, params, grads, state_a, state_b, masters, steps, extras)
+        return init_group(self, group, params, grads, state_a, state_b, masters, extras)
 
     @torch.no_grad()
     def _fused_step(self, closure: Callable[[], Any] | None, div_scale: float = -1) -> Any:

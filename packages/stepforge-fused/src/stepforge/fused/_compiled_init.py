@@ -5,8 +5,13 @@
 ``step()``, puts the tensors the lists then hold into the graph as inputs (parameters and state as static
 addresses, guarded) and takes its return value as a constant. So everything a compiled step must not trace
 happens here, once per compilation: argument checks, state creation (the same ``_init_state`` as the eager step),
-the grouping into kernel buckets, and the flag tensors the graph mutates. The return value says where each
-bucket lies in the lists (:data:`BucketPlan`).
+the grouping into kernel buckets, and the tensors the graph mutates besides the state lists (each bucket's step
+counts as one flat tensor, skip flags). The return value says where each bucket lies in the lists
+(:data:`BucketPlan`).
+
+Steps are laid out as the eager step lays them out: one float32 ``(n,)`` tensor per bucket whose elements *are*
+``state[p]["step"]`` (0-dim views). The graph takes that tensor (one input, one operator argument) instead of n
+0-dim inputs, and the state sees every update through the views.
 """
 
 from __future__ import annotations
@@ -15,19 +20,19 @@ from typing import Any
 
 import torch
 
-from stepforge.core.torch_compat import view_base
-
+from ._bucket_cache import device_steps
 from ._distributed import is_dtensor
 from ._protocol import KernelOwner
 from ._validate import check_pair
 
 __all__ = ["BucketPlan", "init_group"]
 
-#: ``(start, stop, masters_start, masters_stop, device, flag_index, count_index, first_run_index)`` of one
-#: bucket: its slice of the params/grads/state/steps lists, its slice of the masters list, its device as a
+#: ``(start, stop, masters_start, masters_stop, device, flag_index, count_index, first_run_index, steps_index)``
+#: of one bucket: its slice of the params/grads/state lists, its slice of the masters list, its device as a
 #: string, and indices into the ``extras`` list (``-1``: none) of its device's skip flag and skip counter
-#: (float32 ``(1,)``, when the step checks for inf/NaN) and of its SGD first-run flags (CPU int64 ``(n,)``).
-BucketPlan = tuple[int, int, int, int, str, int, int, int]
+#: (float32 ``(1,)``, when the step checks for inf/NaN), of its SGD first-run flags (CPU int64 ``(n,)``) and of
+#: its step counts (float32 ``(n,)``, whose elements are the state's ``step`` tensors).
+BucketPlan = tuple[int, int, int, int, str, int, int, int, int]
 
 
 def _refuse_unsupported(opt: Any, group: dict[str, Any]) -> None:
@@ -47,12 +52,13 @@ def _refuse_unsupported(opt: Any, group: dict[str, Any]) -> None:
             )
 
 
-def _own_step(state: dict[str, Any]) -> None:
-    """Give ``state["step"]`` storage of its own: the eager step keeps a bucket's steps as views of one tensor,
-    and views of one base as graph inputs that the graph mutates would make the compiled step alias them."""
-    step = state.get("step")
-    if isinstance(step, torch.Tensor) and view_base(step) is not None:
-        state["step"] = step.detach().clone()
+def _bucket_steps(states: list[dict[str, Any]], device: torch.device) -> torch.Tensor:
+    """One float32 ``(n,)`` tensor on ``device`` holding the bucket's steps, its elements put back into the
+    states as 0-dim views (the eager step's tensor is kept when the states already view it in order)."""
+    flat = device_steps([st["step"] for st in states], device)
+    for j, st in enumerate(states):
+        st["step"] = flat[j]
+    return flat
 
 
 def init_group(
@@ -63,14 +69,13 @@ def init_group(
     state_a: list[torch.Tensor],
     state_b: list[torch.Tensor],
     masters: list[torch.Tensor],
-    steps: list[torch.Tensor],
     extras: list[torch.Tensor],
 ) -> tuple[BucketPlan, ...]:
     """Fill the lists with ``group``'s parameters that have a gradient, bucket by bucket, and return the plan.
 
     ``state_a``/``state_b`` get the optimizer's state tensors in ``_state_keys(group)`` order (``exp_avg``,
-    ``exp_avg_sq``; or ``momentum_buffer``), ``masters`` the float32 masters of master-weight buckets,
-    ``steps`` the step tensors (optimizers that keep steps), ``extras`` the flag tensors of the plan.
+    ``exp_avg_sq``; or ``momentum_buffer``), ``masters`` the float32 masters of master-weight buckets, ``extras``
+    the steps and flag tensors of the plan.
     """
     owner = opt._owner
     _refuse_unsupported(opt, group)
@@ -88,8 +93,6 @@ def init_group(
                 "capturable=False for CPU parameters (torch.optim raises for capturable=True on CPU too)."
             )
         state, fresh = opt._init_state(p, group)
-        if opt._uses_steps:
-            _own_step(state)
         master = opt.master_weights and p.dtype != torch.float32
         staged.setdefault((p.device, p.dtype, g.dtype, master), []).append((p, g, state, fresh))
     opt._compile_first_run.pop(id(group), None)
@@ -113,9 +116,9 @@ def init_group(
                 state_b.append(state[keys[1]])
             if master:
                 masters.append(state["master_param"])
-            if opt._uses_steps:
-                steps.append(state["step"])
-        flag = count = first = -1
+        flag = count = first = steps = -1
+        if opt._uses_steps:
+            steps = extra(_bucket_steps([e[2] for e in entries], device))
         if check:
             skips = opt._skips
             flag = extra(skips.device_flag(device, None))
@@ -125,7 +128,7 @@ def init_group(
             flags = torch.tensor([int(e[3]) for e in entries], dtype=torch.int64)
             opt._compile_first_run.setdefault(id(group), []).append(flags)  # kept alive: the graph reads it
             first = extra(flags)
-        plan.append((start, len(params), m_start, len(masters), str(device), flag, count, first))
-    # the eager step's pointer cache may point at step tensors replaced above: it rebuilds at its next step
+        plan.append((start, len(params), m_start, len(masters), str(device), flag, count, first, steps))
+    # the eager step's buckets may hold step tensors replaced above: they are rebuilt at the next eager step
     opt._bucket_cache.invalidate()
     return tuple(plan)

@@ -68,8 +68,8 @@ def traced_step(opt: Any, closure: Any, div_scale: float) -> Any:
     opt._skips.begin_step()
     work = []
     for group in opt.param_groups:
-        params, grads, state_a, state_b, masters, steps, extras = [], [], [], [], [], [], []
-        plan = opt._init_group(group, params, grads, state_a, state_b, masters, steps, extras)
+        params, grads, state_a, state_b, masters, extras = [], [], [], [], [], []
+        plan = opt._init_group(group, params, grads, state_a, state_b, masters, extras)
         for bucket in plan:
             start, stop, m_start, m_stop = bucket[0], bucket[1], bucket[2], bucket[3]
             lists = (
@@ -78,7 +78,7 @@ def traced_step(opt: Any, closure: Any, div_scale: float) -> Any:
                 state_a[start:stop],
                 state_b[start:stop],
                 masters[m_start:m_stop],
-                steps[start:stop],
+                extras[bucket[8]] if bucket[8] >= 0 else None,
             )
             work.append((group, lists, bucket, extras))
     if not work:

@@ -58,11 +58,9 @@ def _code(dtype: torch.dtype | None) -> int:
     return _backend.DTYPE_CODES[dtype] if dtype is not None else 0
 
 
-def _host_steps(steps: Sequence[torch.Tensor]) -> list[int]:
+def _host_steps(steps: torch.Tensor) -> list[int]:
     """The step being taken per tensor (``state step + 1``), as the CPU kernels take it."""
-    if not steps:
-        return []
-    return torch.stack([s.reshape(()) for s in steps]).to(torch.int64).add_(1).tolist()
+    return steps.to(torch.int64).add_(1).tolist()
 
 
 def launch_cpu(
@@ -79,7 +77,7 @@ def launch_cpu(
     check_finite: bool,
     stochastic_rounding: bool,
     *,
-    steps: Sequence[torch.Tensor] | None,
+    steps: torch.Tensor | None,
     **kw: Any,
 ) -> bool:
     """One CPU kernel call: ``kernel(*lists, [host steps], dtype codes, lr, *hyper, divisor, flag, check, threads,
@@ -101,10 +99,10 @@ def launch_cpu(
     return bool(fn(*args, flag, check_finite, _backend.get_num_threads(), **kw))
 
 
-def finish_steps_cpu(steps: Sequence[torch.Tensor] | None, skipped: bool) -> None:
+def finish_steps_cpu(steps: torch.Tensor | None, skipped: bool) -> None:
     """Advance the step counters of an update that was not skipped (the kernels never do)."""
-    if steps and not skipped:
-        torch._foreach_add_(list(steps), 1.0)
+    if steps is not None and not skipped:
+        steps.add_(1.0)
 
 
 def _device_scalar(t: torch.Tensor, device: torch.device, keep: list[torch.Tensor]) -> int:
@@ -131,7 +129,7 @@ def launch_cuda(
     stochastic_rounding: bool,
     seed: int,
     *,
-    steps: Sequence[torch.Tensor] | None,
+    steps: torch.Tensor | None,
     **kw: Any,
 ) -> Any:
     """One CUDA kernel call on the caller's current stream, never synchronising when ``found_inf`` is given: lr
@@ -153,9 +151,9 @@ def launch_cuda(
     args = [*lists]
     if steps is not None:
         args.append(None)  # device steps: read through step_ptrs
-        if steps:
-            torch._foreach_add_(list(steps), 1.0)
-        kw["step_ptrs"] = ptrs(steps)
+        steps.add_(1.0)
+        first = steps.data_ptr()
+        kw["step_ptrs"] = list(range(first, first + 4 * steps.numel(), 4))
     args += [_code(dtypes[0]), _code(dtypes[1]), host_lr, *hyper, _check_divisor(op, grad_divisor)]
     flag = found_inf.data_ptr() if found_inf is not None else 0
     return getattr(module, kernel)(
@@ -170,16 +168,15 @@ def launch_cuda(
     )
 
 
-def finish_steps_cuda(steps: Sequence[torch.Tensor] | None, found_inf: torch.Tensor | None, result: Any) -> None:
+def finish_steps_cuda(steps: torch.Tensor | None, found_inf: torch.Tensor | None, result: Any) -> None:
     """Take back the step of a CUDA update that was skipped: by the device flag (no sync), or by the kernel's
     host answer when no flag was given."""
-    if not steps:
+    if steps is None:
         return
     if found_inf is not None:
-        skipped = found_inf.reshape(()).ne(0).to(torch.float32)
-        torch._foreach_add_(list(steps), skipped, alpha=-1.0)
+        steps.sub_(found_inf.ne(0).to(torch.float32))
     elif result:
-        torch._foreach_add_(list(steps), -1.0)
+        steps.sub_(1.0)
 
 
 def l2norm_cpu(tensors: Sequence[torch.Tensor], dtype: torch.dtype, per_tensor: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,7 +25,7 @@ def lamb_checks(
     exp_avgs: list[Tensor],
     exp_avg_sqs: list[Tensor],
     masters: list[Tensor],
-    steps: list[Tensor],
+    steps: Tensor,
     grads: list[Tensor] | None = None,
     lr_tensor: Tensor | None = None,
     grad_divisor_tensor: Tensor | None = None,
@@ -70,7 +70,7 @@ def lamb_(
     exp_avgs: list[Tensor],
     exp_avg_sqs: list[Tensor],
     masters: list[Tensor],
-    steps: list[Tensor],
+    steps: Tensor,
     lr: float,
     lr_tensor: Tensor | None,
     beta1: float,
@@ -121,7 +121,7 @@ def lamb_moments_(
     exp_avgs: list[Tensor],
     exp_avg_sqs: list[Tensor],
     masters: list[Tensor],
-    steps: list[Tensor],
+    steps: Tensor,
     beta1: float,
     beta2: float,
     eps: float,
@@ -162,7 +162,7 @@ def lamb_moments_(
         k.launch_cuda(
             "lamb_moments_", "lamb", lists, (pdt, gdt), device, 0.0, None, hyper, *common, 0, steps=steps, **kw
         )
-        torch._foreach_add_(list(steps), -1.0)  # the device kernel read step + 1; this phase does not advance
+        steps.sub_(1.0)  # the device kernel read step + 1; this phase does not advance
     return norms
 
 
@@ -171,7 +171,7 @@ def lamb_apply_(
     exp_avgs: list[Tensor],
     exp_avg_sqs: list[Tensor],
     masters: list[Tensor],
-    steps: list[Tensor],
+    steps: Tensor,
     norms: Tensor,
     lr: float,
     lr_tensor: Tensor | None,

@@ -272,7 +272,7 @@ class FusedLAMB(FusedOptimizerBase):
     def _op_launch(
         self,
         group: dict[str, Any],
-        lists: tuple[list[torch.Tensor], ...],
+        lists: tuple[Any, ...],
         grad_divisor: float,
         grad_divisor_tensor: torch.Tensor | None,
         found_inf: torch.Tensor | None,

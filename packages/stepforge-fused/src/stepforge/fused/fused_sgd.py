@@ -159,7 +159,7 @@ class FusedSGD(FusedOptimizerBase):
     def _op_launch(
         self,
         group: dict[str, Any],
-        lists: tuple[list[torch.Tensor], ...],
+        lists: tuple[Any, ...],
         grad_divisor: float,
         grad_divisor_tensor: torch.Tensor | None,
         found_inf: torch.Tensor | None,

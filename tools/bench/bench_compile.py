@@ -1,0 +1,231 @@
+# SPDX-License-Identifier: Apache-2.0
+"""torch.compile of optimizer steps: stepforge's optimizers against torch's AdamW(foreach) and AdamW(fused).
+
+    python tools/bench/bench_compile.py                       # CPU: GPT-2 small + the demo GPT (~10-20 min)
+    python tools/bench/bench_compile.py --models demo --optimizers FusedAdam,AdamW(fused) --repeats 20
+    python tools/bench/bench_compile.py --device cuda         # mode="reduce-overhead" (CUDA graphs)
+    python tools/bench/bench_compile.py --tiny --no-plot      # seconds: every code path once (CI smoke)
+
+For every parameter list (``gpt2``: GPT-2 small's 148 tensors, 124M parameters, fp32; ``demo``: the byte GPT of
+``examples/train_gpt_demo.py``, 0.39M parameters) and every optimizer, eager and compiled the same way
+(``torch.compile(opt.step, fullgraph=True)``; torch's optimizers break the graph on purpose around their update
+(``_use_grad_for_differentiable``), so where dynamo refuses ``fullgraph=True`` the step is compiled without it, as
+torch's compiled-optimizer recipe does; on CUDA ``mode="reduce-overhead"``, the step replayed as a CUDA
+graph; a tensor learning rate, as the compiled-optimizer recipe has it):
+
+- ``first step s``: the first call -- for a compiled step dynamo + inductor + that step, with a cold on-disk
+  inductor cache (a fresh ``TORCHINDUCTOR_CACHE_DIR`` per contender unless ``--warm-cache``; the one-time start-up
+  of the compiler is taken by a trivial compile first and reported apart); for an eager step the state creation;
+- steady-state ``ms`` per step: median of ``--repeats`` after ``--warmup``, pooled over ``--rounds`` rounds (each
+  round rebuilds and recompiles every contender, one at a time: GPT-2 small's Adam state is 1 GB, so only one
+  contender lives at a time; the rounds spread the drift of a shared machine over all of them);
+- ``x fused-c``: compiled torch AdamW(fused) time / this row's time (>= 1: at least as fast; the goal for the
+  compiled stepforge steps is >= 1.0);
+- graph breaks and graphs of the compiled step, and the peak transient allocation of one steady-state step
+  (CPU: the allocator's records via the torch profiler; CUDA: max_memory_allocated).
+
+All contenders share one parameter list and one set of gradients (reused every step). Results: a table,
+``<out>/<stem>.json`` (device, versions, date) and ``<out>/<stem>.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+if "--warm-cache" not in sys.argv and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    # a cold inductor cache, so the first step's time is a real compile time (set before torch is imported)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench-compile-inductor-")
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _machine
+import _report
+import _timing
+from _compile_cases import CONTENDERS, Result, demo_shapes, gpt2_small_shapes, measure, tiny_shapes, warm_up_compiler
+
+__all__ = ["main"]
+
+MODELS = {"gpt2": gpt2_small_shapes, "demo": demo_shapes, "tiny": tiny_shapes}
+DEFAULT_OPTIMIZERS = "FusedAdam,CPUAdam,FusedLAMB,Lamb,AdamW(foreach),AdamW(fused)"
+BASELINE = "AdamW(fused)"
+COLUMNS = [
+    ("model", "model", ""),
+    ("optimizer", "optimizer", ""),
+    ("mode", "mode", ""),
+    ("first_step_s", "first step s", ".2f"),
+    ("median_ms", "ms/step", ".3f"),
+    ("vs_fused_compiled", "x fused-c", ".2f"),
+    ("fullgraph", "fullgraph", ""),
+    ("graph_breaks", "breaks", ""),
+    ("graphs", "graphs", ""),
+    ("peak_extra_mb", "extra MB", ".3f"),
+    ("error", "error", ""),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--models", default="gpt2,demo", help="comma list of gpt2, demo, tiny (default gpt2,demo)")
+    p.add_argument("--optimizers", default=DEFAULT_OPTIMIZERS, help=f"comma list of {', '.join(CONTENDERS)}")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or auto (cuda when available)")
+    p.add_argument("--threads", type=int, default=0, help="intra-op threads (default: all usable cores)")
+    p.add_argument("--repeats", type=int, default=10, help="timed steps per contender and round (default 10)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps after the first (default 2)")
+    p.add_argument("--rounds", type=int, default=2, help="rebuild-and-time rounds (default 2)")
+    p.add_argument("--tiny", action="store_true", help="the tiny parameter list, 1 round, 2 repeats (CI smoke)")
+    p.add_argument("--warm-cache", action="store_true", help="keep inductor's cache (compile times then lie)")
+    p.add_argument("--out", default="bench-out", help="output folder for JSON + PNG (default bench-out/)")
+    p.add_argument("--stem", default=None, help="output file stem (default <device>-<date>-compile)")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    return p
+
+
+def _params(shapes: list[tuple[int, ...]], device: torch.device, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    params = []
+    for shape in shapes:
+        p = torch.nn.Parameter((torch.randn(shape, generator=gen) * 0.02).to(device))
+        p.grad = (torch.randn(shape, generator=gen) * 1e-3).to(device)
+        params.append(p)
+    return params
+
+
+def _rows(results: list[Result]) -> list[dict[str, Any]]:
+    pooled: dict[tuple[str, str, str], Result] = {}
+    for r in results:
+        key = (r.model, r.optimizer, r.mode)
+        if key not in pooled:
+            pooled[key] = Result(r.model, r.optimizer, r.family, r.mode, r.first_step_s, [], r.graph_breaks,
+                                 r.graphs, r.fullgraph, r.peak_extra_mb, r.error)  # fmt: skip
+        pooled[key].samples_ms += r.samples_ms
+        pooled[key].error = pooled[key].error or r.error
+    rows = []
+    for (model, optimizer, mode), r in pooled.items():
+        base = pooled.get((model, BASELINE, "compiled"))
+        ratio = base.median_ms / r.median_ms if base is not None and r.samples_ms else float("nan")
+        rows.append({
+            "model": model, "optimizer": optimizer, "family": r.family, "mode": mode,
+            "first_step_s": r.first_step_s, "median_ms": r.median_ms, "samples_ms": r.samples_ms,
+            "vs_fused_compiled": ratio, "graph_breaks": r.graph_breaks if mode == "compiled" else None,
+            "graphs": r.graphs if mode == "compiled" else None, "fullgraph": r.fullgraph,
+            "peak_extra_mb": r.peak_extra_mb, "error": r.error,
+        })  # fmt: skip
+    return rows
+
+
+def _plot(path: Path, rows: list[dict[str, Any]], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(len(models), 2, figsize=(13, 3.2 * len(models) + 0.8), squeeze=False)
+    for (ax_t, ax_c), model in zip(axes, models, strict=True):
+        mine = [r for r in rows if r["model"] == model]
+        names = list(dict.fromkeys(r["optimizer"] for r in mine))
+        y = list(range(len(names)))
+        for offset, mode, color in ((-0.2, "eager", "tab:gray"), (0.2, "compiled", "tab:blue")):
+            by = {r["optimizer"]: r for r in mine if r["mode"] == mode}
+            values = [by[n]["median_ms"] if n in by else 0.0 for n in names]
+            ax_t.barh([v + offset for v in y], values, height=0.4, color=color, label=mode)
+            if mode == "compiled":
+                firsts = [by[n]["first_step_s"] if n in by else 0.0 for n in names]
+                ax_c.barh(y, firsts, height=0.6, color=color)
+        ax_t.set_yticks(y, names, fontsize=8)
+        ax_t.invert_yaxis()
+        ax_t.set_xlabel(f"{model}: ms per step (median; lower is better)")
+        ax_t.legend(fontsize=8)
+        ax_c.set_yticks(y, names, fontsize=8)
+        ax_c.invert_yaxis()
+        ax_c.set_xlabel(f"{model}: compiled first step, s (dynamo + inductor, cold cache)")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.tiny:
+        args.models, args.rounds, args.repeats, args.warmup = "tiny", 1, 2, 1
+    device_name = args.device
+    if device_name == "auto":
+        device_name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device_name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device")
+    compile_mode = "reduce-overhead" if device.type == "cuda" else None
+    optimizers = [o.strip() for o in args.optimizers.split(",") if o.strip()]
+    unknown = [o for o in optimizers if o not in CONTENDERS]
+    if unknown:
+        raise SystemExit(f"--optimizers: unknown {unknown}; choose from {', '.join(CONTENDERS)}")
+    if BASELINE not in optimizers:
+        optimizers.append(BASELINE)
+    threads = _timing.configure_threads(args.threads)
+    machine = _machine.machine_info(threads)
+    print(f"{machine['device']}, {threads} threads, torch {torch.__version__}, {device}, load {machine['load_average']}")
+    started = time.perf_counter()
+    startup_s = warm_up_compiler(device)
+    print(f"compiler start-up (first trivial compile, not charged to any contender): {startup_s:.1f} s")
+    results: list[Result] = []
+    for model in [m.strip() for m in args.models.split(",") if m.strip()]:
+        if model not in MODELS:
+            raise SystemExit(f"--models: unknown {model!r}; choose from {', '.join(MODELS)}")
+        params = _params(MODELS[model](), device)
+        print(f"[{model}] {len(params)} tensors, {sum(p.numel() for p in params) / 1e6:.2f}M parameters")
+        for rnd in range(args.rounds):
+            for name in optimizers:
+                for mode in ("eager", "compiled"):
+                    r = measure(Result(model, name, CONTENDERS[name][0], mode), params, device=device,
+                                warmup=args.warmup, repeats=args.repeats, compile_mode=compile_mode,
+                                cold_cache=not args.warm_cache and rnd == 0)  # fmt: skip
+                    if rnd > 0:
+                        r.first_step_s = float("nan")  # warm caches after round 0: not a compile time
+                    results.append(r)
+                    note = r.error or f"{r.median_ms:.3f} ms/step, first {r.first_step_s:.2f} s"
+                    print(f"  round {rnd} {name:15s} {mode:8s} {note}", flush=True)
+        del params
+    rows = _rows(results)
+    for row in rows:  # the first round's first-step time is the cold one
+        first = next(r for r in results if (r.model, r.optimizer, r.mode) == (row["model"], row["optimizer"],
+                                                                              row["mode"]))  # fmt: skip
+        row["first_step_s"] = first.first_step_s
+    print(_report.format_table(rows, COLUMNS))
+    date = machine["date_utc"][:10]
+    stem = args.stem or f"{device.type}-{date}-compile{'-tiny' if args.tiny else ''}"
+    report = {
+        "benchmark": "bench_compile",
+        "machine": machine,
+        "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
+        "compile": {
+            "fullgraph": "True where dynamo accepts it (see each row's fullgraph)",
+            "mode": compile_mode,
+            "cold_inductor_cache": not args.warm_cache,
+            "compiler_startup_s": startup_s,
+        },
+        "args": vars(args),
+        "baseline": f"{BASELINE} compiled",
+        "rows": rows,
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
+    path = _report.save_json(Path(args.out) / f"{stem}.json", report)
+    print(f"wrote {path}")
+    if not args.no_plot:
+        png = Path(args.out) / f"{stem}.png"
+        _plot(png, rows, f"torch.compile(opt.step) on {report['device']}, torch {torch.__version__}, {date}")
+        print(f"wrote {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
