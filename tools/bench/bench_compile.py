@@ -38,6 +38,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+# inductor compiles in this process: its pool of compile workers would compete for the cores being timed
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 if "--warm-cache" not in sys.argv and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     # a cold inductor cache, so the first step's time is a real compile time (set before torch is imported)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench-compile-inductor-")

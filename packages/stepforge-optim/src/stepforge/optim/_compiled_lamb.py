@@ -6,6 +6,11 @@ bias corrections computed in float64 from the step tensors (the eager step compu
 Inductor fuses the element-wise passes; its float32 arithmetic rounds each operation like the eager
 ``torch._foreach_*`` calls except where ATen contracts a multiply-add, so parameters after 10 steps agree with
 the eager step to a few ulp (the bound the tests hold it to is in ``tests/test_compiled.py``).
+
+Memory: the update ``u`` is written as per-tensor element-wise expressions and norms, not ``torch._foreach_*``
+(inductor realises every foreach output as a buffer), so inductor computes it inside the norm's loop and again
+inside the update's: the compiled step holds no ``u`` at all (the eager step holds one segment's), measured on
+tensors larger than a segment by ``test_compiled_lamb_keeps_no_update_buffer``.
 """
 
 from __future__ import annotations
@@ -135,13 +140,15 @@ def _update(
         u = [m / (v.pow(0.5) + eps) for m, v in zip(exp_avgs, exp_avg_sqs, strict=True)]
         scale = bc2.sqrt() / bc1 if mode == "step_size" else one
     if adam_w and wd != 0:
-        u = list(torch._foreach_add(u, p32, alpha=wd))
+        u = [x + p * wd for x, p in zip(u, p32, strict=True)]
     lr64 = lr.to(torch.float64) if isinstance(lr, torch.Tensor) else lr
     factor = (-lr64 * scale).to(mdtype)
     coef = factor
     if adapt:
         w = torch.stack(list(torch._foreach_norm(p32)))
-        n = torch.stack(list(torch._foreach_norm(u)))
+        # per-tensor element-wise expressions and norms (no _foreach_*: inductor realises every foreach output),
+        # so inductor computes u inside the norm's loop and again inside the update's instead of keeping it
+        n = torch.stack([torch.linalg.vector_norm(x) for x in u])
         ratio = torch.where((w > 0) & (n > 0), w / n, torch.ones_like(w))
         low, high = group["trust_clip"] or (None, None)
         if low is not None or high is not None:
