@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The parts of ``bench_compile.py``: parameter lists (GPT-2 small, the demo GPT), the contenders, and one
-measured contender (compile time of the first step, steady-state step time, peak transient memory)."""
+measured group of contenders (compile time of the first step, steady-state step time timed round-robin, peak
+transient memory)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,15 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
-__all__ = ["CONTENDERS", "Result", "demo_shapes", "gpt2_small_shapes", "measure", "tiny_shapes", "warm_up_compiler"]
+__all__ = [
+    "CONTENDERS",
+    "Result",
+    "demo_shapes",
+    "gpt2_small_shapes",
+    "measure_group",
+    "tiny_shapes",
+    "warm_up_compiler",
+]
 
 LR = 1e-3
 
@@ -91,6 +100,7 @@ class Result:
     fullgraph: bool | None = None  # compiled with fullgraph=True (torch's optimizers break the graph on purpose)
     peak_extra_mb: float = float("nan")  # transient allocation of one steady-state step
     error: str | None = None
+    reference_for: str | None = None  # the baseline run timed beside this optimizer (a group's reference)
 
     @property
     def median_ms(self) -> float:
@@ -150,7 +160,6 @@ def _compile_first(
     if cold_cache:  # a fresh on-disk inductor cache: identical kernels compiled for an earlier contender are not reused
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench-compile-inductor-")
     for fullgraph in (True, False):
-        torch._dynamo.reset()
         counters.clear()
         step = torch.compile(opt.step, fullgraph=fullgraph, mode=compile_mode)
         try:
@@ -160,12 +169,14 @@ def _compile_first(
                 raise
             continue
         result.fullgraph = fullgraph
+        result.graph_breaks = sum(counters["graph_break"].values())
+        result.graphs = int(counters["stats"]["unique_graphs"])
         return step
     raise AssertionError("unreachable")
 
 
-def measure(
-    result: Result,
+def measure_group(
+    results: list[Result],
     params: list[torch.Tensor],
     *,
     device: torch.device,
@@ -173,42 +184,49 @@ def measure(
     repeats: int,
     compile_mode: str | None,
     cold_cache: bool = True,
-) -> Result:
-    """Build the contender on ``params`` (grads already set), time its first step (compiling it when
-    ``result.mode == "compiled"``), then ``repeats`` steady-state steps after ``warmup``."""
-    from torch._dynamo.utils import counters
-
-    factory = CONTENDERS[result.optimizer][1]
-    opt = factory(params, torch.tensor(LR, device=device))
-    step: Callable[[], Any] = opt.step
-    try:
-        t0 = time.perf_counter()
-        if result.mode == "compiled":
-            step = _compile_first(opt, compile_mode, result, cold_cache)
-        else:
-            step()
-        _sync(device)
-        result.first_step_s = time.perf_counter() - t0
-        for _ in range(warmup):
-            step()
-        _sync(device)
-        gc.collect()
-        gc.disable()
+) -> list[Result]:
+    """Build every contender of ``results`` on ``params`` (grads already set; each optimizer has its own state),
+    time each one's first step (compiling it for ``mode == "compiled"``), then time them round-robin (A, B, C, A,
+    B, C, ...) for ``repeats`` steady-state steps after ``warmup``: the drift of a shared machine hits the
+    contenders of a group alike, so ratios within a group are the numbers to trust."""
+    torch._dynamo.reset()
+    steps: list[Callable[[], Any] | None] = []
+    opts = []
+    for result in results:
+        opt = CONTENDERS[result.optimizer][1](params, torch.tensor(LR, device=device))
+        opts.append(opt)
+        step: Callable[[], Any] | None = opt.step
         try:
-            for _ in range(repeats):
+            t0 = time.perf_counter()
+            if result.mode == "compiled":
+                step = _compile_first(opt, compile_mode, result, cold_cache)
+            else:
+                opt.step()
+            _sync(device)
+            result.first_step_s = time.perf_counter() - t0
+        except Exception as exc:  # a contender that cannot compile is reported, not fatal
+            result.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+            step = None
+        steps.append(step)
+    live = [(r, s) for r, s in zip(results, steps, strict=True) if s is not None]
+    for _ in range(warmup):
+        for _r, step in live:
+            step()
+    _sync(device)
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(repeats):
+            for result, step in live:
                 t0 = time.perf_counter_ns()
                 step()
                 _sync(device)
                 result.samples_ms.append((time.perf_counter_ns() - t0) / 1e6)
-        finally:
-            gc.enable()
+    finally:
+        gc.enable()
+    for result, step in live:
         result.peak_extra_mb = _peak_extra_mb(step, device)
-        if result.mode == "compiled":
-            result.graph_breaks = sum(counters["graph_break"].values())
-            result.graphs = int(counters["stats"]["unique_graphs"])
-    except Exception as exc:  # a contender that cannot compile is reported, not fatal
-        result.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
-    del opt, step
+    del opts, steps, live
     torch._dynamo.reset()
     gc.collect()
-    return result
+    return results

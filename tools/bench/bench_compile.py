@@ -16,11 +16,13 @@ graph; a tensor learning rate, as the compiled-optimizer recipe has it):
 - ``first step s``: the first call -- for a compiled step dynamo + inductor + that step, with a cold on-disk
   inductor cache (a fresh ``TORCHINDUCTOR_CACHE_DIR`` per contender unless ``--warm-cache``; the one-time start-up
   of the compiler is taken by a trivial compile first and reported apart); for an eager step the state creation;
-- steady-state ``ms`` per step: median of ``--repeats`` after ``--warmup``, pooled over ``--rounds`` rounds (each
-  round rebuilds and recompiles every contender, one at a time: GPT-2 small's Adam state is 1 GB, so only one
-  contender lives at a time; the rounds spread the drift of a shared machine over all of them);
-- ``x fused-c``: compiled torch AdamW(fused) time / this row's time (>= 1: at least as fast; the goal for the
-  compiled stepforge steps is >= 1.0);
+- steady-state ``ms`` per step: median of ``--repeats`` after ``--warmup``, pooled over ``--rounds`` rounds. Each
+  optimizer is timed in a group of three built side by side and stepped round-robin (A, B, C, A, ...): its eager
+  step, its compiled step, and a compiled torch AdamW(fused) as the group's reference (torch's own optimizers form
+  groups of two; GPT-2 small's Adam state is 1 GB, so one group lives at a time; every round rebuilds and
+  recompiles them);
+- ``x fused-c``: the group's compiled AdamW(fused) time / this row's time, median over the rounds (torch's rows:
+  against the AdamW(fused) group's; >= 1: at least as fast; the goal for the compiled stepforge steps is >= 1.0);
 - graph breaks and graphs of the compiled step, and the peak transient allocation of one steady-state step
   (CPU: the allocator's records via the torch profiler; CUDA: max_memory_allocated).
 
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -50,7 +53,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _machine
 import _report
 import _timing
-from _compile_cases import CONTENDERS, Result, demo_shapes, gpt2_small_shapes, measure, tiny_shapes, warm_up_compiler
+from _compile_cases import (
+    CONTENDERS,
+    Result,
+    demo_shapes,
+    gpt2_small_shapes,
+    measure_group,
+    tiny_shapes,
+    warm_up_compiler,
+)
 
 __all__ = ["main"]
 
@@ -102,24 +113,36 @@ def _params(shapes: list[tuple[int, ...]], device: torch.device, seed: int = 0) 
 
 
 def _rows(results: list[Result]) -> list[dict[str, Any]]:
-    pooled: dict[tuple[str, str, str], Result] = {}
+    """One row per (model, optimizer, mode), samples pooled over the rounds; ``vs_fused_compiled`` is the
+    median over the rounds of (the group's compiled AdamW(fused) median / this contender's median)."""
+    pooled: dict[tuple[str, str, str], list[Result]] = {}
+    references: dict[tuple[str, str, int], Result] = {}
+    index: dict[int, int] = {}
     for r in results:
-        key = (r.model, r.optimizer, r.mode)
-        if key not in pooled:
-            pooled[key] = Result(r.model, r.optimizer, r.family, r.mode, r.first_step_s, [], r.graph_breaks,
-                                 r.graphs, r.fullgraph, r.peak_extra_mb, r.error)  # fmt: skip
-        pooled[key].samples_ms += r.samples_ms
-        pooled[key].error = pooled[key].error or r.error
+        if r.reference_for is not None:
+            references[(r.model, r.reference_for, index.setdefault(id(r), len(references)))] = r
+            continue
+        pooled.setdefault((r.model, r.optimizer, r.mode), []).append(r)
+    by_group: dict[tuple[str, str], list[Result]] = {}
+    for (model, name, _n), ref in references.items():
+        by_group.setdefault((model, name), []).append(ref)
     rows = []
-    for (model, optimizer, mode), r in pooled.items():
-        base = pooled.get((model, BASELINE, "compiled"))
-        ratio = base.median_ms / r.median_ms if base is not None and r.samples_ms else float("nan")
+    for (model, optimizer, mode), runs in pooled.items():
+        refs = by_group.get((model, optimizer), [])
+        if not refs:  # torch's rows: the baseline's own compiled runs, round by round (other groups: noisier)
+            refs = list(pooled.get((model, BASELINE, "compiled"), []))
+        ratios = [ref.median_ms / run.median_ms for ref, run in zip(refs, runs, strict=False)
+                  if ref.samples_ms and run.samples_ms]  # fmt: skip
+        first = runs[0]
+        samples = [s for run in runs for s in run.samples_ms]
         rows.append({
-            "model": model, "optimizer": optimizer, "family": r.family, "mode": mode,
-            "first_step_s": r.first_step_s, "median_ms": r.median_ms, "samples_ms": r.samples_ms,
-            "vs_fused_compiled": ratio, "graph_breaks": r.graph_breaks if mode == "compiled" else None,
-            "graphs": r.graphs if mode == "compiled" else None, "fullgraph": r.fullgraph,
-            "peak_extra_mb": r.peak_extra_mb, "error": r.error,
+            "model": model, "optimizer": optimizer, "family": first.family, "mode": mode,
+            "first_step_s": first.first_step_s, "median_ms": statistics.median(samples) if samples else float("nan"),
+            "samples_ms": samples, "vs_fused_compiled": statistics.median(ratios) if ratios else float("nan"),
+            "reference_ms": [ref.median_ms for ref in refs],
+            "graph_breaks": first.graph_breaks if mode == "compiled" else None,
+            "graphs": first.graphs if mode == "compiled" else None, "fullgraph": first.fullgraph,
+            "peak_extra_mb": max(run.peak_extra_mb for run in runs), "error": next((r.error for r in runs if r.error), None),
         })  # fmt: skip
     return rows
 
@@ -173,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--optimizers: unknown {unknown}; choose from {', '.join(CONTENDERS)}")
     if BASELINE not in optimizers:
         optimizers.append(BASELINE)
+    # several optimizer instances of one class are compiled side by side (a group and its reference): shapes are
+    # static, so a second instance must not turn them dynamic (torch's foreach AdamW fails on dynamic shapes)
+    torch._dynamo.config.automatic_dynamic_shapes = False
     threads = _timing.configure_threads(args.threads)
     machine = _machine.machine_info(threads)
     print(f"{machine['device']}, {threads} threads, torch {torch.__version__}, {device}, load {machine['load_average']}")
@@ -187,21 +213,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{model}] {len(params)} tensors, {sum(p.numel() for p in params) / 1e6:.2f}M parameters")
         for rnd in range(args.rounds):
             for name in optimizers:
-                for mode in ("eager", "compiled"):
-                    r = measure(Result(model, name, CONTENDERS[name][0], mode), params, device=device,
-                                warmup=args.warmup, repeats=args.repeats, compile_mode=compile_mode,
-                                cold_cache=not args.warm_cache and rnd == 0)  # fmt: skip
+                # one group per optimizer: its eager and compiled steps beside the compiled baseline, round-robin
+                group = [Result(model, name, CONTENDERS[name][0], mode) for mode in ("eager", "compiled")]
+                if CONTENDERS[name][0] == "stepforge":
+                    # (not beside torch's foreach AdamW: a second AdamW compiled in one dynamo session breaks it)
+                    group.append(Result(model, BASELINE, "torch", "compiled", reference_for=name))
+                measure_group(group, params, device=device, warmup=args.warmup, repeats=args.repeats,
+                              compile_mode=compile_mode, cold_cache=not args.warm_cache and rnd == 0)  # fmt: skip
+                for r in group:
                     if rnd > 0:
                         r.first_step_s = float("nan")  # warm caches after round 0: not a compile time
                     results.append(r)
                     note = r.error or f"{r.median_ms:.3f} ms/step, first {r.first_step_s:.2f} s"
-                    print(f"  round {rnd} {name:15s} {mode:8s} {note}", flush=True)
+                    ref = f" (reference for {r.reference_for})" if r.reference_for else ""
+                    print(f"  round {rnd} {r.optimizer:15s} {r.mode:8s} {note}{ref}", flush=True)
         del params
     rows = _rows(results)
-    for row in rows:  # the first round's first-step time is the cold one
-        first = next(r for r in results if (r.model, r.optimizer, r.mode) == (row["model"], row["optimizer"],
-                                                                              row["mode"]))  # fmt: skip
-        row["first_step_s"] = first.first_step_s
     print(_report.format_table(rows, COLUMNS))
     date = machine["date_utc"][:10]
     stem = args.stem or f"{device.type}-{date}-compile{'-tiny' if args.tiny else ''}"
