@@ -33,12 +33,27 @@ __all__ = [
 LR = 1e-3
 
 
-def gpt2_small_shapes(layers: int = 12, d: int = 768, vocab: int = 50257, ctx: int = 1024) -> list[tuple[int, ...]]:
+def gpt2_small_shapes(
+    layers: int = 12, d: int = 768, vocab: int = 50257, ctx: int = 1024
+) -> list[tuple[int, ...]]:
     """GPT-2 small's parameters (124M, 148 tensors; the output head shares the token embedding)."""
     shapes: list[tuple[int, ...]] = [(vocab, d), (ctx, d)]
     for _ in range(layers):
-        shapes += [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,), (d,), (d,), (d, 4 * d), (4 * d,), (4 * d, d), (d,)]
-    return shapes + [(d,), (d,)]
+        shapes += [
+            (d,),
+            (d,),
+            (d, 3 * d),
+            (3 * d,),
+            (d, d),
+            (d,),
+            (d,),
+            (d,),
+            (d, 4 * d),
+            (4 * d,),
+            (4 * d, d),
+            (d,),
+        ]
+    return [*shapes, (d,), (d,)]
 
 
 def demo_shapes() -> list[tuple[int, ...]]:
@@ -97,7 +112,9 @@ class Result:
     samples_ms: list[float] = field(default_factory=list)
     graph_breaks: int = 0
     graphs: int = 0
-    fullgraph: bool | None = None  # compiled with fullgraph=True (torch's optimizers break the graph on purpose)
+    fullgraph: bool | None = (
+        None  # compiled with fullgraph=True (torch's optimizers break the graph on purpose)
+    )
     peak_extra_mb: float = float("nan")  # transient allocation of one steady-state step
     error: str | None = None
     reference_for: str | None = None  # the baseline run timed beside this optimizer (a group's reference)
@@ -157,7 +174,9 @@ def _compile_first(
     from torch._dynamo.exc import Unsupported
     from torch._dynamo.utils import counters
 
-    if cold_cache:  # a fresh on-disk inductor cache: identical kernels compiled for an earlier contender are not reused
+    if (
+        cold_cache
+    ):  # a fresh on-disk inductor cache: identical kernels compiled for an earlier contender are not reused
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench-compile-inductor-")
     for fullgraph in (True, False):
         counters.clear()

@@ -94,7 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=10, help="timed steps per contender and round (default 10)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps after the first (default 2)")
     p.add_argument("--rounds", type=int, default=2, help="rebuild-and-time rounds (default 2)")
-    p.add_argument("--tiny", action="store_true", help="the tiny parameter list, 1 round, 2 repeats (CI smoke)")
+    p.add_argument(
+        "--tiny", action="store_true", help="the tiny parameter list, 1 round, 2 repeats (CI smoke)"
+    )
     p.add_argument("--warm-cache", action="store_true", help="keep inductor's cache (compile times then lie)")
     p.add_argument("--out", default="bench-out", help="output folder for JSON + PNG (default bench-out/)")
     p.add_argument("--stem", default=None, help="output file stem (default <device>-<date>-compile)")
@@ -201,7 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     torch._dynamo.config.automatic_dynamic_shapes = False
     threads = _timing.configure_threads(args.threads)
     machine = _machine.machine_info(threads)
-    print(f"{machine['device']}, {threads} threads, torch {torch.__version__}, {device}, load {machine['load_average']}")
+    print(
+        f"{machine['device']}, {threads} threads, torch {torch.__version__}, {device}, load {machine['load_average']}"
+    )
     started = time.perf_counter()
     startup_s = warm_up_compiler(device)
     print(f"compiler start-up (first trivial compile, not charged to any contender): {startup_s:.1f} s")

@@ -67,7 +67,9 @@ def test_compiled_step_is_one_graph_compiled_once_with_the_eager_bits(name):
     compiled = cls(compiled_params, lr=torch.tensor(0.02), **kw)
     step = torch.compile(compiled.step, fullgraph=True)
     schedulers = lambda_schedule([eager, compiled])
-    compiled._opt_called = True  # the scheduler patched opt.step after we compiled it (torch's tests do this too)
+    compiled._opt_called = (
+        True  # the scheduler patched opt.step after we compiled it (torch's tests do this too)
+    )
     with torch._dynamo.config.patch(error_on_recompile=True):
         for i in range(20):
             set_grads([eager_params, compiled_params], i)
@@ -178,7 +180,9 @@ def test_a_compiled_function_calling_step_and_the_tutorial_pattern():
         fn()
     assert_same_state(eager, compiled, eager_params, compiled_params, "pattern 2")
     assert counters["graph_break"], "the scheduler's wrappers are skipped by dynamo: expected breaks there"
-    assert all("lr_scheduler.py" in reason for reason in counters["graph_break"]), dict(counters["graph_break"])
+    assert all("lr_scheduler.py" in reason for reason in counters["graph_break"]), dict(
+        counters["graph_break"]
+    )
     assert counters["stats"]["unique_graphs"] == 1
 
 
@@ -201,7 +205,10 @@ def test_float_lr_still_works_eagerly_and_compiled():
     """A float lr: eager steps as before, and a compiled step with it equals the eager one (the value is a
     constant of the graph, as for torch.optim)."""
     eager_params, compiled_params = make_params(), make_params()
-    eager, compiled = sf.FusedSGD(eager_params, lr=0.1, momentum=0.9), sf.FusedSGD(compiled_params, lr=0.1, momentum=0.9)
+    eager, compiled = (
+        sf.FusedSGD(eager_params, lr=0.1, momentum=0.9),
+        sf.FusedSGD(compiled_params, lr=0.1, momentum=0.9),
+    )
     step = torch.compile(compiled.step, fullgraph=True)
     for i in range(3):
         set_grads([eager_params, compiled_params], i)
@@ -219,7 +226,9 @@ def test_without_the_operators_the_step_runs_eagerly_with_one_warning(monkeypatc
     eager_params, compiled_params = make_params(), make_params()
     eager, compiled = sf.FusedAdam(eager_params, lr=0.01), sf.FusedAdam(compiled_params, lr=0.01)
     step = torch.compile(compiled.step)
-    with pytest.warns(RuntimeWarning, match=r"runs FusedAdam.step\(\) eagerly.*no torch.library.custom_op") as rec:
+    with pytest.warns(
+        RuntimeWarning, match=r"runs FusedAdam.step\(\) eagerly.*no torch.library.custom_op"
+    ) as rec:
         for i in range(3):
             set_grads([eager_params, compiled_params], i)
             eager.step()

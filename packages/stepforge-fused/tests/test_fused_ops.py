@@ -37,16 +37,51 @@ def adam_args(pdtype=torch.float32, gdtype=None, masters=False, check=False, **k
     steps = torch.arange(len(params), dtype=torch.float32)
     flag = torch.zeros(1) if check else None
     lr_t, div_t = kw.get("lr_tensor"), kw.get("divisor_tensor")
-    return (params, grads, m, v, w, steps, 1e-3, lr_t, *HP, True, True, kw.get("divisor", 1.0), div_t, flag,
-            check, False, 0)  # fmt: skip
+    return (
+        params,
+        grads,
+        m,
+        v,
+        w,
+        steps,
+        1e-3,
+        lr_t,
+        *HP,
+        True,
+        True,
+        kw.get("divisor", 1.0),
+        div_t,
+        flag,
+        check,
+        False,
+        0,
+    )
 
 
 def sgd_args(momentum=0.9, first=True, check=False):
     params, grads = tensors(), tensors(seed=1)
     bufs = tensors(seed=2) if momentum else []
     first_run = torch.tensor([1, 0, 1]) if first and momentum else None
-    return (params, grads, bufs, [], first_run, 0.1, None, momentum, 0.1, 1e-4, False, False, 1.0, None,
-            torch.zeros(1) if check else None, check, False, 0)  # fmt: skip
+    return (
+        params,
+        grads,
+        bufs,
+        [],
+        first_run,
+        0.1,
+        None,
+        momentum,
+        0.1,
+        1e-4,
+        False,
+        False,
+        1.0,
+        None,
+        torch.zeros(1) if check else None,
+        check,
+        False,
+        0,
+    )
 
 
 def lamb_args(masters=False):
@@ -54,8 +89,29 @@ def lamb_args(masters=False):
     grads, m, v = tensors(seed=1), tensors(seed=2), [t.abs() for t in tensors(seed=3)]
     w = [p.float() for p in params] if masters else []
     steps = torch.full((len(params),), 3.0)
-    return (params, grads, m, v, w, steps, 1e-3, torch.tensor(2e-3), *HP, True, True, True, False, 0.01, 10.0,
-            2.0, None, torch.zeros(1), True, False, 0)  # fmt: skip
+    return (
+        params,
+        grads,
+        m,
+        v,
+        w,
+        steps,
+        1e-3,
+        torch.tensor(2e-3),
+        *HP,
+        True,
+        True,
+        True,
+        False,
+        0.01,
+        10.0,
+        2.0,
+        None,
+        torch.zeros(1),
+        True,
+        False,
+        0,
+    )
 
 
 def test_every_kernel_is_an_operator_whose_schema_declares_what_it_mutates():
@@ -85,8 +141,14 @@ OPCHECK_CASES = {
     "adam fp32": (OPS.adam_, lambda: adam_args()),
     "adam bf16 masters, tensor lr and divisor, check": (
         OPS.adam_,
-        lambda: adam_args(torch.bfloat16, masters=True, check=True, lr_tensor=torch.tensor(2e-3),
-                          divisor=2.0, divisor_tensor=torch.tensor(4.0)),  # fmt: skip
+        lambda: adam_args(
+            torch.bfloat16,
+            masters=True,
+            check=True,
+            lr_tensor=torch.tensor(2e-3),
+            divisor=2.0,
+            divisor_tensor=torch.tensor(4.0),
+        ),
     ),
     "adam fp16 params, fp32 grads": (OPS.adam_, lambda: adam_args(torch.float16, torch.float32)),
     "sgd momentum, first run": (OPS.sgd_, lambda: sgd_args()),
@@ -99,9 +161,26 @@ OPCHECK_CASES = {
     ),
     "lamb_apply": (
         OPS.lamb_apply_,
-        lambda: (tensors(), tensors(seed=2), [t.abs() for t in tensors(seed=3)], [], torch.ones(3),
-                 torch.rand(6, dtype=torch.float64) + 0.5, 1e-3, None, *HP, True, True, True, False, 0.0, math.inf,
-                 None, False, 0),  # fmt: skip
+        lambda: (
+            tensors(),
+            tensors(seed=2),
+            [t.abs() for t in tensors(seed=3)],
+            [],
+            torch.ones(3),
+            torch.rand(6, dtype=torch.float64) + 0.5,
+            1e-3,
+            None,
+            *HP,
+            True,
+            True,
+            True,
+            False,
+            0.0,
+            math.inf,
+            None,
+            False,
+            0,
+        ),
     ),
     "l2norm": (OPS.l2norm, lambda: (tensors(), True)),
     "l2norm bf16": (OPS.l2norm, lambda: (tensors(torch.bfloat16), False)),
@@ -123,7 +202,9 @@ def test_adam_operator_gives_the_eager_optimizers_bits():
     """adam_ on bf16 params with fp32 masters, a loss-scale divisor and a tensor lr, three calls, equals
     FusedAdam(master_weights=True).step(div_scale=...) bit for bit, steps included."""
     params = [torch.nn.Parameter(t) for t in tensors(torch.bfloat16)]
-    opt = sf.FusedAdam(params, lr=torch.tensor(2e-3), weight_decay=0.01, master_weights=True, skip_nonfinite=False)
+    opt = sf.FusedAdam(
+        params, lr=torch.tensor(2e-3), weight_decay=0.01, master_weights=True, skip_nonfinite=False
+    )
     p2 = [p.detach().clone() for p in params]
     m, v, w = zeros_like(p2), zeros_like(p2), [p.float() for p in p2]
     steps = torch.zeros(len(p2))
@@ -132,8 +213,25 @@ def test_adam_operator_gives_the_eager_optimizers_bits():
         for p, g in zip(params, grads, strict=True):
             p.grad = g.clone()
         opt.step(div_scale=8.0)
-        OPS.adam_(p2, grads, m, v, w, steps, 0.0, torch.tensor(2e-3), *HP, True, True, 8.0, None, None, False,
-                  False, 0)  # fmt: skip
+        OPS.adam_(
+            p2,
+            grads,
+            m,
+            v,
+            w,
+            steps,
+            0.0,
+            torch.tensor(2e-3),
+            *HP,
+            True,
+            True,
+            8.0,
+            None,
+            None,
+            False,
+            False,
+            0,
+        )
     for p, q, mi, vi, wi, si in zip(params, p2, m, v, w, steps, strict=True):
         st = opt.state[p]
         assert same_bits(p.detach(), q) and same_bits(st["master_param"], wi)
@@ -153,8 +251,26 @@ def test_sgd_operator_first_run_flags_give_the_eager_optimizers_bits():
         for p, g in zip(params, grads, strict=True):
             p.grad = g.clone()
         opt.step()
-        OPS.sgd_(p2, grads, bufs, [], first, 0.1, None, 0.9, 0.1, 1e-4, False, False, 1.0, None, None, False,
-                 False, 0)  # fmt: skip
+        OPS.sgd_(
+            p2,
+            grads,
+            bufs,
+            [],
+            first,
+            0.1,
+            None,
+            0.9,
+            0.1,
+            1e-4,
+            False,
+            False,
+            1.0,
+            None,
+            None,
+            False,
+            False,
+            0,
+        )
         assert first.tolist() == [0, 0, 0]
     for p, q, b in zip(params, p2, bufs, strict=True):
         assert same_bits(p.detach(), q) and same_bits(opt.state[p]["momentum_buffer"], b)
@@ -191,13 +307,32 @@ def test_lamb_two_phases_equal_the_single_call():
     OPS.lamb_(*one)
     params, grads, m, v, w, steps = two[:6]
     p_before = [p.clone() for p in params]
-    norms = OPS.lamb_moments_(params, grads, m, v, w, steps, *HP, True, True, True, False, 2.0, None, two[20],
-                              True)  # fmt: skip
+    norms = OPS.lamb_moments_(
+        params, grads, m, v, w, steps, *HP, True, True, True, False, 2.0, None, two[20], True
+    )
     assert norms.dtype == torch.float64 and norms.shape == (6,)
     assert all(same_bits(a, b) for a, b in zip(p_before, params, strict=True))
     assert [float(s) for s in steps] == [3.0, 3.0, 3.0]
-    OPS.lamb_apply_(params, m, v, w, steps, norms, 1e-3, torch.tensor(2e-3), *HP, True, True, True, False, 0.01,
-                    10.0, two[20], False, 0)  # fmt: skip
+    OPS.lamb_apply_(
+        params,
+        m,
+        v,
+        w,
+        steps,
+        norms,
+        1e-3,
+        torch.tensor(2e-3),
+        *HP,
+        True,
+        True,
+        True,
+        False,
+        0.01,
+        10.0,
+        two[20],
+        False,
+        0,
+    )
     for i in range(6):
         assert all(same_bits(a, b) for a, b in zip(one[i], two[i], strict=True)), i
 
@@ -223,10 +358,22 @@ def test_l2norm_and_scale_values():
 
 BAD_CALLS = {
     "lengths": (lambda a: a[2].pop(), r"exp_avgs has 2 tensors, expected 3"),
-    "state dtype": (lambda a: a[3].__setitem__(0, a[3][0].half()), r"exp_avg_sqs\[0\] has dtype torch.float16"),
-    "grad dtypes mixed": (lambda a: a[1].__setitem__(1, a[1][1].double()), r"grads\[1\] has dtype torch.float64"),
-    "sizes": (lambda a: a[2].__setitem__(2, torch.zeros(3)), r"exp_avgs\[2\] has 3 elements but its parameter 24"),
-    "masters for fp32": (lambda a: a[4].extend(t.clone() for t in a[0]), "masters were given for float32 params"),
+    "state dtype": (
+        lambda a: a[3].__setitem__(0, a[3][0].half()),
+        r"exp_avg_sqs\[0\] has dtype torch.float16",
+    ),
+    "grad dtypes mixed": (
+        lambda a: a[1].__setitem__(1, a[1][1].double()),
+        r"grads\[1\] has dtype torch.float64",
+    ),
+    "sizes": (
+        lambda a: a[2].__setitem__(2, torch.zeros(3)),
+        r"exp_avgs\[2\] has 3 elements but its parameter 24",
+    ),
+    "masters for fp32": (
+        lambda a: a[4].extend(t.clone() for t in a[0]),
+        "masters were given for float32 params",
+    ),
     "non-contiguous": (lambda a: a[0].__setitem__(0, a[0][0].t()), r"params\[0\] is not contiguous"),
 }
 

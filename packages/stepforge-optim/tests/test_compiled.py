@@ -29,12 +29,18 @@ ULP_BOUND = 4
 SHAPES = [(33, 7), (100,), (5, 5, 3)]
 
 CASES = {
-    "Lamb": lambda ps: Lamb(ps, lr=torch.tensor(0.02), weight_decay=0.01, bias_correction=True, trust_clip=(0.1, 5)),
+    "Lamb": lambda ps: Lamb(
+        ps, lr=torch.tensor(0.02), weight_decay=0.01, bias_correction=True, trust_clip=(0.1, 5)
+    ),
     "Lamb.fused_lamb": lambda ps: Lamb.fused_lamb(ps, lr=torch.tensor(0.02), max_grad_norm=0.5),
     "Lars": lambda ps: Lars(
-        ps, lr=torch.tensor(0.1), momentum=0.9, dampening=0.1, weight_decay=1e-3,
+        ps,
+        lr=torch.tensor(0.1),
+        momentum=0.9,
+        dampening=0.1,
+        weight_decay=1e-3,
         exclude_from_adaptation=Lars.exclude_bias_and_norm,
-    ),  # fmt: skip
+    ),
 }
 
 
@@ -74,7 +80,9 @@ def test_compiled_step_is_one_graph_compiled_once_and_matches_eager(name):
     eager, compiled = CASES[name](eager_params), CASES[name](compiled_params)
     step = torch.compile(compiled.step, fullgraph=True)
     schedulers = lambda_schedule([eager, compiled])
-    compiled._opt_called = True  # the scheduler patched opt.step after we compiled it (torch's tests do this too)
+    compiled._opt_called = (
+        True  # the scheduler patched opt.step after we compiled it (torch's tests do this too)
+    )
     with torch._dynamo.config.patch(error_on_recompile=True):
         for i in range(20):
             set_grads([eager_params, compiled_params], i)

@@ -93,7 +93,10 @@ def opcheck_cases():
         "lamb_moments": (ops.lamb_moments_, moments),
         "lamb_apply": (ops.lamb_apply_, apply),
         "l2norm": (ops.l2norm, lambda: (tensors(), True)),
-        "scale": (ops.scale_, lambda: (tensors(), tensors(torch.bfloat16, 4), 0.5, torch.zeros(1, device="cuda"))),
+        "scale": (
+            ops.scale_,
+            lambda: (tensors(), tensors(torch.bfloat16, 4), 0.5, torch.zeros(1, device="cuda")),
+        ),
     }
 
 

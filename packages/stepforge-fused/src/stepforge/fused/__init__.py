@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+from . import ops
 from ._backend import (
     BackendUnavailableError,
     cpu_features,
@@ -27,7 +28,6 @@ from ._backend import (
     set_num_threads,
 )
 from ._version import __version__
-from . import ops
 from .cpu_adam import CPUAdam
 from .fused_adam import FusedAdam
 from .fused_lamb import FusedLAMB

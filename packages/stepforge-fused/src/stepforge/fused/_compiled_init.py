@@ -22,7 +22,6 @@ import torch
 
 from ._bucket_cache import device_steps
 from ._distributed import is_dtensor
-from ._protocol import KernelOwner
 from ._validate import check_pair
 
 __all__ = ["BucketPlan", "init_group"]
@@ -62,7 +61,7 @@ def _bucket_steps(states: list[dict[str, Any]], device: torch.device) -> torch.T
 
 
 def init_group(
-    opt: KernelOwner,
+    opt: Any,
     group: dict[str, Any],
     params: list[torch.Tensor],
     grads: list[torch.Tensor],
@@ -71,7 +70,8 @@ def init_group(
     masters: list[torch.Tensor],
     extras: list[torch.Tensor],
 ) -> tuple[BucketPlan, ...]:
-    """Fill the lists with ``group``'s parameters that have a gradient, bucket by bucket, and return the plan.
+    """Fill the lists with ``group``'s parameters that have a gradient, bucket by bucket, and return the plan
+    (``opt``: the :class:`~._base.FusedOptimizerBase`, which imports this module).
 
     ``state_a``/``state_b`` get the optimizer's state tensors in ``_state_keys(group)`` order (``exp_avg``,
     ``exp_avg_sq``; or ``momentum_buffer``), ``masters`` the float32 masters of master-weight buckets, ``extras``

@@ -20,6 +20,7 @@ dynamo's error, since the step cannot be part of the graph).
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,12 +44,15 @@ def _announce_fallback(owner: str) -> None:
     )
 
 
-@torch.compiler.disable
-def eager_fallback(opt: Any, closure: Any, div_scale: float) -> Any:
-    """The eager step, called from compiled code when the operators are missing (dynamo does not trace it)."""
+def _eager(opt: Any, closure: Any, div_scale: float) -> Any:
     _announce_fallback(opt._owner)
     with torch.no_grad():
         return opt._eager_step(closure, div_scale)
+
+
+#: The eager step, called from compiled code when the operators are missing (``torch.compiler.disable``: dynamo
+#: does not trace it, the compiled code breaks there and calls it).
+eager_fallback: Callable[[Any, Any, float], Any] = torch.compiler.disable(_eager)
 
 
 def _combined(flags: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -68,7 +72,12 @@ def traced_step(opt: Any, closure: Any, div_scale: float) -> Any:
     opt._skips.begin_step()
     work = []
     for group in opt.param_groups:
-        params, grads, state_a, state_b, masters, extras = [], [], [], [], [], []
+        params: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
+        state_a: list[torch.Tensor] = []
+        state_b: list[torch.Tensor] = []
+        masters: list[torch.Tensor] = []
+        extras: list[torch.Tensor] = []
         plan = opt._init_group(group, params, grads, state_a, state_b, masters, extras)
         for bucket in plan:
             start, stop, m_start, m_stop = bucket[0], bucket[1], bucket[2], bucket[3]
@@ -90,7 +99,11 @@ def traced_step(opt: Any, closure: Any, div_scale: float) -> Any:
         if bucket[5] >= 0:
             flags[bucket[4]] = (extras[bucket[5]], extras[bucket[6]])
     need_norms = clip > 0 or (check and len(work) > 1)
-    norms = [torch.ops.stepforge_fused.l2norm(lists[1], False)[0] for _g, lists, _b, _e in work] if need_norms else []
+    norms = (
+        [torch.ops.stepforge_fused.l2norm(lists[1], False)[0] for _g, lists, _b, _e in work]
+        if need_norms
+        else []
+    )
     kernel_check = check and len(work) == 1
     for flag, _count in flags.values():
         flag.zero_()
@@ -100,7 +113,7 @@ def traced_step(opt: Any, closure: Any, div_scale: float) -> Any:
         bad = _combined([~torch.isfinite(n / divisor) for n in norms], home)
         for flag, _count in flags.values():
             flag.copy_(bad.to(device=flag.device, dtype=torch.float32).reshape(1))
-    divisor_tensor = None
+    divisor_tensor: torch.Tensor | None = None
     if clip > 0:
         # LAMB's global clip, in the eager step's order: total = sum ||g_b||^2, c = max(1, sqrt(total)/div/max)
         home = norms[0].device
@@ -111,10 +124,12 @@ def traced_step(opt: Any, closure: Any, div_scale: float) -> Any:
         clipped = torch.isfinite(global_norm) & (global_norm > clip)
         divisor_tensor = divisor * torch.where(clipped, global_norm / clip, torch.ones_like(global_norm))
     for group, lists, bucket, extras in work:
-        flag = extras[bucket[5]] if bucket[5] >= 0 else None
+        found_inf = extras[bucket[5]] if bucket[5] >= 0 else None
         first_run = extras[bucket[7]] if bucket[7] >= 0 else None
         div_t = divisor_tensor.to(lists[0][0].device) if divisor_tensor is not None else None
-        opt._op_launch(group, lists, divisor if div_t is None else 1.0, div_t, flag, kernel_check, first_run)
+        opt._op_launch(
+            group, lists, divisor if div_t is None else 1.0, div_t, found_inf, kernel_check, first_run
+        )
     for flag, count in flags.values():
         count.add_(flag.ne(0).to(torch.float32))
         opt._skips.last_flags.append(flag)

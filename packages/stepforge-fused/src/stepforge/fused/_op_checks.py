@@ -13,7 +13,7 @@ list in Python to name the offending entry.
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -51,7 +51,7 @@ def one_device(op: str, lists: dict[str, Sequence[torch.Tensor]]) -> torch.devic
                         f"{_OP}{op}: {name}[{i}] is on {t.device}, other tensors on {first}; one call steps the "
                         "tensors of one device (split the lists by device)."
                     )
-    (device,) = devices
+    device: torch.device = next(iter(devices))
     if device.type not in ("cpu", "cuda"):
         raise RuntimeError(f"{_OP}{op}: tensors on {device}; the kernels run on CPU and CUDA tensors only.")
     return device
@@ -90,7 +90,9 @@ def check_list(
         )
     if like is not None and list(map(_numel, tensors)) != list(map(_numel, like)):
         i = next(i for i, (t, p) in enumerate(zip(tensors, like, strict=True)) if t.numel() != p.numel())
-        raise ValueError(f"{_OP}{op}: {name}[{i}] has {tensors[i].numel()} elements but its parameter {like[i].numel()}.")
+        raise ValueError(
+            f"{_OP}{op}: {name}[{i}] has {tensors[i].numel()} elements but its parameter {like[i].numel()}."
+        )
     return dtype
 
 
@@ -127,14 +129,16 @@ def check_flag(op: str, found_inf: torch.Tensor | None, device: torch.device | N
             f"{found_inf.dtype}."
         )
     if device is not None and found_inf.device != device:
-        raise RuntimeError(f"{_OP}{op}: found_inf is on {found_inf.device}; put it on {device} with the tensors.")
+        raise RuntimeError(
+            f"{_OP}{op}: found_inf is on {found_inf.device}; put it on {device} with the tensors."
+        )
 
 
 def check_update(
     op: str,
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor] | None,
-    states: dict[str, Sequence[torch.Tensor]],
+    states: Mapping[str, Sequence[torch.Tensor]],
     masters: Sequence[torch.Tensor],
     steps: torch.Tensor | None,
 ) -> tuple[torch.device | None, torch.dtype | None, torch.dtype | None]:

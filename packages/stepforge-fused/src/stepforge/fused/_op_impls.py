@@ -31,7 +31,9 @@ def pointer_lists(*lists: list[Tensor], sizes_of: list[Tensor]) -> list[Any]:
     return [k.ptrs(t) if t else None for t in lists] + [k.sizes(sizes_of)]
 
 
-def scalar_checks(op: str, device: Any, lr_tensor: Tensor | None, divisor: Tensor | None, flag: Tensor | None) -> None:
+def scalar_checks(
+    op: str, device: Any, lr_tensor: Tensor | None, divisor: Tensor | None, flag: Tensor | None
+) -> None:
     """The optional one-element tensors of an update."""
     check_scalar_tensor(op, "lr_tensor", lr_tensor, device)
     check_scalar_tensor(op, "grad_divisor_tensor", divisor, device)
@@ -96,7 +98,9 @@ def adam_(
     common = (grad_divisor, grad_divisor_tensor, found_inf, check_finite, stochastic_rounding)
     kw: dict[str, Any] = {}
     if device.type == "cpu":
-        skipped = k.launch_cpu("adam_", "adam", lists, (pdt, gdt), lr, lr_tensor, hyper, *common, steps=steps, **kw)
+        skipped = k.launch_cpu(
+            "adam_", "adam", lists, (pdt, gdt), lr, lr_tensor, hyper, *common, steps=steps, **kw
+        )
         k.finish_steps_cpu(steps, skipped)
     else:
         result = k.launch_cuda(
@@ -171,10 +175,16 @@ def sgd_(
     common = (grad_divisor, grad_divisor_tensor, found_inf, check_finite, stochastic_rounding)
     kw: dict[str, Any] = {}
     if device.type == "cpu":
-        skipped = k.launch_cpu("sgd_", "sgd", lists, (pdt, gdt), lr, lr_tensor, hyper, *common, steps=None, **kw)
+        skipped = k.launch_cpu(
+            "sgd_", "sgd", lists, (pdt, gdt), lr, lr_tensor, hyper, *common, steps=None, **kw
+        )
     else:
-        k.launch_cuda("sgd_", "sgd", lists, (pdt, gdt), device, lr, lr_tensor, hyper, *common, seed, steps=None, **kw)
-        skipped = False  # decided on the device: the host flags are cleared either way, as the eager CUDA step does
+        k.launch_cuda(
+            "sgd_", "sgd", lists, (pdt, gdt), device, lr, lr_tensor, hyper, *common, seed, steps=None, **kw
+        )
+        skipped = (
+            False  # decided on the device: the host flags are cleared either way, as the eager CUDA step does
+        )
     if first_run is not None and not skipped:
         first_run.zero_()
 
@@ -201,7 +211,9 @@ def l2norm(tensors: list[Tensor], per_tensor: bool) -> tuple[Tensor, Tensor]:
 
 
 # ---- scale_ ---------------------------------------------------------------------------------------------------
-def scale_checks(*, src: list[Tensor], dst: list[Tensor], found_inf: Tensor | None, **_: Any) -> tuple[Any, Any, Any]:
+def scale_checks(
+    *, src: list[Tensor], dst: list[Tensor], found_inf: Tensor | None, **_: Any
+) -> tuple[Any, Any, Any]:
     """The argument checks of :func:`scale_`."""
     device = one_device("scale_", {"src": src, "dst": dst})
     src_dtype = check_list("scale_", "src", src, len(src))

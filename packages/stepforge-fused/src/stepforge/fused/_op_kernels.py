@@ -179,11 +179,17 @@ def finish_steps_cuda(steps: torch.Tensor | None, found_inf: torch.Tensor | None
         steps.sub_(1.0)
 
 
-def l2norm_cpu(tensors: Sequence[torch.Tensor], dtype: torch.dtype, per_tensor: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def l2norm_cpu(
+    tensors: Sequence[torch.Tensor], dtype: torch.dtype, per_tensor: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Global norm (0-dim float64: the kernel accumulates in double) and per-tensor norms (float32)."""
     each = torch.zeros(len(tensors) if per_tensor else 0, dtype=torch.float32)
     norm = _backend.cpu_module().l2norm(
-        ptrs(tensors), sizes(tensors), _code(dtype), each.data_ptr() if per_tensor else 0, _backend.get_num_threads()
+        ptrs(tensors),
+        sizes(tensors),
+        _code(dtype),
+        each.data_ptr() if per_tensor else 0,
+        _backend.get_num_threads(),
     )
     return torch.tensor(norm, dtype=torch.float64), each
 

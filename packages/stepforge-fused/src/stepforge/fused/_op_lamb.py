@@ -106,7 +106,9 @@ def lamb_(
     common = (grad_divisor, grad_divisor_tensor, found_inf, check_finite, stochastic_rounding)
     kw: dict[str, Any] = {}
     if device.type == "cpu":
-        skipped = k.launch_cpu("lamb_", "lamb", lists, (pdt, gdt), lr, lr_tensor, hyper, *common, steps=steps, **kw)
+        skipped = k.launch_cpu(
+            "lamb_", "lamb", lists, (pdt, gdt), lr, lr_tensor, hyper, *common, steps=steps, **kw
+        )
         k.finish_steps_cpu(steps, skipped)
     else:
         result = k.launch_cuda(
@@ -155,12 +157,23 @@ def lamb_moments_(
     hyper = [beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, grad_averaging, use_nvlamb, 0.0,
              float("inf")]  # fmt: skip
     common = (grad_divisor, grad_divisor_tensor, found_inf, check_finite, False)
-    kw = {"norms_out_ptr": norms.data_ptr()}
+    kw: dict[str, Any] = {"norms_out_ptr": norms.data_ptr()}
     if device.type == "cpu":
         k.launch_cpu("lamb_moments_", "lamb", lists, (pdt, gdt), 0.0, None, hyper, *common, steps=steps, **kw)
     else:
         k.launch_cuda(
-            "lamb_moments_", "lamb", lists, (pdt, gdt), device, 0.0, None, hyper, *common, 0, steps=steps, **kw
+            "lamb_moments_",
+            "lamb",
+            lists,
+            (pdt, gdt),
+            device,
+            0.0,
+            None,
+            hyper,
+            *common,
+            0,
+            steps=steps,
+            **kw,
         )
         steps.sub_(1.0)  # the device kernel read step + 1; this phase does not advance
     return norms
@@ -203,7 +216,7 @@ def lamb_apply_(
     hyper = [beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, grad_averaging, use_nvlamb,
              trust_clip_min, trust_clip_max]  # fmt: skip
     common = (1.0, None, found_inf, False, stochastic_rounding)
-    kw = {"norms_in_ptr": norms.data_ptr()}
+    kw: dict[str, Any] = {"norms_in_ptr": norms.data_ptr()}
     if device.type == "cpu":
         skipped = k.launch_cpu(
             "lamb_apply_", "lamb", lists, (pdt, pdt), lr, lr_tensor, hyper, *common, steps=steps, **kw
@@ -211,6 +224,17 @@ def lamb_apply_(
         k.finish_steps_cpu(steps, skipped)
     else:
         result = k.launch_cuda(
-            "lamb_apply_", "lamb", lists, (pdt, pdt), device, lr, lr_tensor, hyper, *common, seed, steps=steps, **kw
+            "lamb_apply_",
+            "lamb",
+            lists,
+            (pdt, pdt),
+            device,
+            lr,
+            lr_tensor,
+            hyper,
+            *common,
+            seed,
+            steps=steps,
+            **kw,
         )
         k.finish_steps_cuda(steps, found_inf, result)

@@ -162,7 +162,9 @@ def register() -> bool:
                 lib.impl(name, fn, key)
             torch.library.register_fake(f"{NAMESPACE}::{name}", _fake(fn, checks, out), lib=lib)
     except Exception as exc:  # an older torch that cannot hold one of the schemas, or a second registration
-        _status.update(available=False, reason=f"registering {NAMESPACE}::{name} failed: {type(exc).__name__}: {exc}")
+        _status.update(
+            available=False, reason=f"registering {NAMESPACE}::{name} failed: {type(exc).__name__}: {exc}"
+        )
         return False
     _libraries.append(lib)
     _status.update(available=True, reason="")

@@ -8,8 +8,14 @@ from typing import Any
 
 import torch
 
-from stepforge.core import HyperParameterError, check_betas, check_bool, check_lr, check_range, check_weight_decay
-
+from stepforge.core import (
+    HyperParameterError,
+    check_betas,
+    check_bool,
+    check_lr,
+    check_range,
+    check_weight_decay,
+)
 from stepforge.core.torch_compat import dtensor_local
 
 from . import _backend

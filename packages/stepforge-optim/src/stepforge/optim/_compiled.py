@@ -27,7 +27,12 @@ __all__ = ["as_int_steps", "as_step_tensor", "group_params", "lr_of"]
 
 def as_step_tensor(step: Any, device: torch.device) -> torch.Tensor:
     """``state["step"]`` as a 0-dim float32 tensor on ``device`` (the compiled step reads and advances it)."""
-    if isinstance(step, torch.Tensor) and step.dtype == torch.float32 and step.device == device and step.dim() == 0:
+    if (
+        isinstance(step, torch.Tensor)
+        and step.dtype == torch.float32
+        and step.device == device
+        and step.dim() == 0
+    ):
         return step
     return torch.tensor(float(step), dtype=torch.float32, device=device)
 

@@ -107,7 +107,11 @@ def _update(
     mdtype = math_dtype_of(params[0].dtype)
     beta1, beta2 = group["betas"]
     lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
-    adam_w, mode, bias_correction = group["adam_w_mode"], group["bias_correction_mode"], group["bias_correction"]
+    adam_w, mode, bias_correction = (
+        group["adam_w_mode"],
+        group["bias_correction_mode"],
+        group["bias_correction"],
+    )
     b3 = 1.0 - beta1 if group["grad_averaging"] else 1.0
     adapt = not group["adam"] and (wd != 0 or group["always_adapt"])
     torch._foreach_add_(steps, 1.0)

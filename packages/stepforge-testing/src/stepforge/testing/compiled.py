@@ -24,7 +24,9 @@ __all__ = [
 ]
 
 
-def set_grads(groups: Sequence[Sequence[torch.Tensor]], step: int, *, dtype: torch.dtype | None = None) -> None:
+def set_grads(
+    groups: Sequence[Sequence[torch.Tensor]], step: int, *, dtype: torch.dtype | None = None
+) -> None:
     """Give every parameter of each list the same fresh gradient (new tensors, seeded by ``step``), so two
     optimizers stepping their own copies of the parameters see equal inputs."""
     first = groups[0]
@@ -83,7 +85,7 @@ def peak_transient_bytes(fn: Callable[[], Any]) -> int:
         fn()
     events = sorted(
         (e.start_ns(), e.nbytes())
-        for e in prof.profiler.kineto_results.events()  # type: ignore[union-attr]
+        for e in prof.profiler.kineto_results.events()
         if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
     )
     live = peak = 0
