@@ -104,6 +104,29 @@ def test_compiled_step_is_one_graph_compiled_once_and_matches_eager(name):
     assert resident + compiled_peak <= 1.01 * (resident + eager_peak), (resident, eager_peak, compiled_peak)
 
 
+def test_a_fullgraph_function_calling_step_is_one_graph():
+    """The second documented pattern: a function that works on the grads and calls opt.step(), compiled with
+    fullgraph=True, is one graph and matches the eager step within the bound."""
+    eager_params, compiled_params = make_params(), make_params()
+    eager, compiled = CASES["Lars"](eager_params), CASES["Lars"](compiled_params)
+
+    @torch.compile(fullgraph=True)
+    def train_step(scale):
+        for p in compiled_params:
+            p.grad.mul_(scale)
+        compiled.step()
+
+    for i in range(4):
+        set_grads([eager_params, compiled_params], i)
+        for p in eager_params:
+            p.grad.mul_(0.5)
+        eager.step()
+        train_step(0.5)
+    assert dict(counters["graph_break"]) == {}
+    assert counters["stats"]["unique_graphs"] == 1
+    assert_close_in_ulps(eager, compiled, eager_params, compiled_params, "after 4 steps")
+
+
 def test_compiled_lamb_keeps_no_update_buffer():
     """The compiled Lamb step recomputes the update u inside the norm and the update loops instead of holding it
     for the whole bucket: with tensors larger than the eager step's segments (which hold one tensor's u at a
