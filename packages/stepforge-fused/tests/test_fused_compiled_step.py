@@ -239,3 +239,16 @@ def test_without_the_operators_the_step_runs_eagerly_with_one_warning(monkeypatc
     torch._dynamo.reset()  # else the cached non-fullgraph code of this frame would serve the next call
     with pytest.raises(torch._dynamo.exc.Unsupported, match="disable"):
         torch.compile(compiled.step, fullgraph=True)()
+
+
+def test_gradscaler_state_is_refused_while_tracing_naming_the_fix():
+    """GradScaler's grad_scale/found_inf (set by scaler.step around step()) are not compiled: dynamo's trace
+    fails with the optimizer's message, which names the way out, and nothing was stepped."""
+    params = make_params()
+    opt = sf.FusedAdam(params, lr=0.01)
+    set_grads([params], 0)
+    before = [p.detach().clone() for p in params]
+    opt.grad_scale = torch.tensor(2.0)
+    with pytest.raises(Exception, match=r"does not take torch.amp.GradScaler.*scaler.unscale_\(optimizer\)"):
+        torch.compile(opt.step, fullgraph=True)()
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
