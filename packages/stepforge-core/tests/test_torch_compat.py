@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from stepforge.core import torch_compat as compat
 from stepforge.core import no_sync, supports_no_sync
+from stepforge.core import torch_compat as compat
 from stepforge.core.torch_compat.errors import private_changed
 from stepforge.testing.distributed import requires_gloo, run_distributed
 

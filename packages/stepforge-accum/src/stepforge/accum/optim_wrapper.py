@@ -26,7 +26,6 @@ import torch
 from torch import nn
 
 from stepforge.core import no_sync, supports_no_sync
-
 from stepforge.core.torch_compat import is_norm_with_running_stats
 
 from ._clip import clip_grad_norm, clip_grad_value, parse_clip_grad

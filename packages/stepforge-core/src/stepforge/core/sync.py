@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any
 
-from .torch_compat import gradient_sync_off, supports_gradient_sync_off
 from .protocols import GradientSyncSwitch, NoSyncModel
+from .torch_compat import gradient_sync_off, supports_gradient_sync_off
 
 __all__ = ["no_sync", "register_no_sync_adapter", "supports_no_sync"]
 

@@ -20,17 +20,11 @@ import torch
 from torch import nn
 
 from stepforge.core.torch_compat import (
-
     fsdp2_param_shape,
-
     fsdp2_params,
-
     fsdp2_pending_grad,
-
     is_dtensor,
-
     set_fsdp2_pending_grad,
-
 )
 
 __all__ = ["fsdp_pending_grads", "set_fsdp_pending_grads"]

@@ -21,10 +21,9 @@ from torch.distributed.fsdp import CPUOffload, MixedPrecisionPolicy, ShardingStr
 from torch.distributed.fsdp import MixedPrecision as FSDP1Precision
 
 from stepforge.core import PluginBase, build_optimizer
-
-from stepforge.core.torch_compat import fsdp2_no_sync
 from stepforge.core.plugin_base import unwrap_optimizer
 from stepforge.core.precision import PLUGIN_PRECISIONS, DynamicLossScaler
+from stepforge.core.torch_compat import fsdp2_no_sync
 
 from ..data import StatefulDataLoader
 from ._fsdp_common import (
