@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """torch.compile of optimizer steps: stepforge's optimizers against torch's AdamW(foreach) and AdamW(fused).
 
-    python tools/bench/bench_compile.py                       # CPU: GPT-2 small + the demo GPT (~10-20 min)
+    python tools/bench/bench_compile.py                       # CPU (+ CUDA if present): GPT-2 small, demo GPT
     python tools/bench/bench_compile.py --models demo --optimizers FusedAdam,AdamW(fused) --repeats 20
-    python tools/bench/bench_compile.py --device cuda         # mode="reduce-overhead" (CUDA graphs)
+    python tools/bench/bench_compile.py --device cuda         # only CUDA: mode="reduce-overhead" (CUDA graphs)
     python tools/bench/bench_compile.py --tiny --no-plot      # seconds: every code path once (CI smoke)
 
 For every parameter list (``gpt2``: GPT-2 small's 148 tensors, 124M parameters, fp32; ``demo``: the byte GPT of
@@ -26,8 +26,9 @@ graph; a tensor learning rate, as the compiled-optimizer recipe has it):
 - graph breaks and graphs of the compiled step, and the peak transient allocation of one steady-state step
   (CPU: the allocator's records via the torch profiler; CUDA: max_memory_allocated).
 
-All contenders share one parameter list and one set of gradients (reused every step). Results: a table,
-``<out>/<stem>.json`` (device, versions, date) and ``<out>/<stem>.png``.
+All contenders share one parameter list and one set of gradients (reused every step). Results, per device (the
+CUDA cases run when torch sees a device): a table, ``<out>/<device>-<date>-compile.json`` (device, versions,
+date) and the PNG beside it.
 """
 
 from __future__ import annotations
@@ -89,7 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--models", default="gpt2,demo", help="comma list of gpt2, demo, tiny (default gpt2,demo)")
     p.add_argument("--optimizers", default=DEFAULT_OPTIMIZERS, help=f"comma list of {', '.join(CONTENDERS)}")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or auto (cuda when available)")
+    p.add_argument(
+        "--device",
+        default="all",
+        help="cpu, cuda, or all (default: the CPU, and CUDA when torch sees a device)",
+    )
     p.add_argument("--threads", type=int, default=0, help="intra-op threads (default: all usable cores)")
     p.add_argument("--repeats", type=int, default=10, help="timed steps per contender and round (default 10)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps after the first (default 2)")
@@ -181,27 +186,20 @@ def _plot(path: Path, rows: list[dict[str, Any]], title: str) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.tiny:
-        args.models, args.rounds, args.repeats, args.warmup = "tiny", 1, 2, 1
-    device_name = args.device
-    if device_name == "auto":
-        device_name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device_name)
-    if device.type == "cuda" and not torch.cuda.is_available():
+def _devices(choice: str) -> list[torch.device]:
+    """``cpu``, ``cuda``, or ``all``: the CPU, and CUDA when torch sees a device (the CUDA cases' device check)."""
+    if choice == "all":
+        return [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
+    if choice not in ("cpu", "cuda"):
+        raise SystemExit(f"--device: {choice!r}; choose cpu, cuda or all")
+    if choice == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device")
+    return [torch.device(choice)]
+
+
+def run_device(device: torch.device, args: argparse.Namespace, optimizers: list[str], threads: int) -> Path:
+    """Every model and optimizer on ``device``; writes ``<out>/<stem>.json`` (and the PNG); returns the JSON."""
     compile_mode = "reduce-overhead" if device.type == "cuda" else None
-    optimizers = [o.strip() for o in args.optimizers.split(",") if o.strip()]
-    unknown = [o for o in optimizers if o not in CONTENDERS]
-    if unknown:
-        raise SystemExit(f"--optimizers: unknown {unknown}; choose from {', '.join(CONTENDERS)}")
-    if BASELINE not in optimizers:
-        optimizers.append(BASELINE)
-    # several optimizer instances of one class are compiled side by side (a group and its reference): shapes are
-    # static, so a second instance must not turn them dynamic (torch's foreach AdamW fails on dynamic shapes)
-    torch._dynamo.config.automatic_dynamic_shapes = False
-    threads = _timing.configure_threads(args.threads)
     machine = _machine.machine_info(threads)
     print(
         f"{machine['device']}, {threads} threads, torch {torch.__version__}, {device}, load {machine['load_average']}"
@@ -236,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     print(_report.format_table(rows, COLUMNS))
     date = machine["date_utc"][:10]
     stem = args.stem or f"{device.type}-{date}-compile{'-tiny' if args.tiny else ''}"
+    if args.stem and device.type != "cpu":
+        stem = f"{args.stem}-{device.type}"
     report = {
         "benchmark": "bench_compile",
         "machine": machine,
@@ -257,6 +257,26 @@ def main(argv: list[str] | None = None) -> int:
         png = Path(args.out) / f"{stem}.png"
         _plot(png, rows, f"torch.compile(opt.step) on {report['device']}, torch {torch.__version__}, {date}")
         print(f"wrote {png}")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.tiny:
+        args.models, args.rounds, args.repeats, args.warmup = "tiny", 1, 2, 1
+    devices = _devices(args.device)
+    optimizers = [o.strip() for o in args.optimizers.split(",") if o.strip()]
+    unknown = [o for o in optimizers if o not in CONTENDERS]
+    if unknown:
+        raise SystemExit(f"--optimizers: unknown {unknown}; choose from {', '.join(CONTENDERS)}")
+    if BASELINE not in optimizers:
+        optimizers.append(BASELINE)
+    # several optimizer instances of one class are compiled side by side (a group and its reference): shapes are
+    # static, so a second instance must not turn them dynamic (torch's foreach AdamW fails on dynamic shapes)
+    torch._dynamo.config.automatic_dynamic_shapes = False
+    threads = _timing.configure_threads(args.threads)
+    for device in devices:
+        run_device(device, args, optimizers, threads)
     return 0
 
 
