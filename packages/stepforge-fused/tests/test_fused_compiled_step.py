@@ -223,6 +223,7 @@ def test_without_the_operators_the_step_runs_eagerly_with_one_warning(monkeypatc
     monkeypatch.setattr(_ops, "available", lambda: False)
     monkeypatch.setitem(_ops._status, "reason", "torch 2.3 has no torch.library.custom_op (simulated)")
     monkeypatch.setattr(_compiled_step, "_warned", set())
+    monkeypatch.setattr(_compiled_step, "_fallback", [])  # made when the optimizers below are built
     eager_params, compiled_params = make_params(), make_params()
     eager, compiled = sf.FusedAdam(eager_params, lr=0.01), sf.FusedAdam(compiled_params, lr=0.01)
     step = torch.compile(compiled.step)

@@ -6,6 +6,8 @@ optimizers' bits, skip semantics, LAMB's two phases, and argument errors raised 
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -390,6 +392,18 @@ def test_bad_arguments_fail_clearly_eagerly_and_while_tracing(case):
     torch._dynamo.reset()
     with pytest.raises(Exception, match=match):
         torch.compile(lambda: OPS.adam_(*args), fullgraph=True, backend="aot_eager")()
+
+
+def test_importing_the_package_registers_the_operators_without_importing_dynamo():
+    """Registering the operators costs milliseconds: `import stepforge.fused` defines them all and leaves
+    torch._dynamo (about a second to import) unimported until something compiles."""
+    code = (
+        "import sys, torch, stepforge.fused; "
+        "assert stepforge.fused.ops.available(), stepforge.fused.ops.unavailable_reason(); "
+        "assert all(hasattr(torch.ops.stepforge_fused, n) for n in stepforge.fused.ops.OPERATORS); "
+        "assert 'torch._dynamo' not in sys.modules, 'torch._dynamo was imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 def test_stochastic_rounding_is_refused_on_cpu():

@@ -24,7 +24,7 @@ from ._amp import AmpUnscaler
 from ._bucket_cache import BucketCache
 from ._buckets import Bucket, Launch
 from ._compiled_init import BucketPlan, init_group
-from ._compiled_step import traced_step
+from ._compiled_step import prepare_fallback, traced_step
 from ._device_step import DeviceLoop, device_env, device_kw, device_path, launch_ctx
 from ._host_step import HostLoop
 from ._skips import SkipTracker
@@ -102,6 +102,7 @@ class FusedOptimizerBase(StateMixin, torch.optim.Optimizer):
         self._device_loop = DeviceLoop()
         self._groups = GroupValidator(self._check_group, owner=self._owner)
         self._compile_first_run = {}
+        prepare_fallback()
 
     def __getstate__(self) -> dict[str, Any]:
         # torch.optim pickles defaults/state/param_groups only; keep our options, never the pointer caches.

@@ -27,7 +27,7 @@ import torch
 
 from . import _ops
 
-__all__ = ["eager_fallback", "traced_step"]
+__all__ = ["lr_args", "prepare_fallback", "traced_step"]
 
 _warned: set[str] = set()
 
@@ -50,9 +50,16 @@ def _eager(opt: Any, closure: Any, div_scale: float) -> Any:
         return opt._eager_step(closure, div_scale)
 
 
-#: The eager step, called from compiled code when the operators are missing (``torch.compiler.disable``: dynamo
-#: does not trace it, the compiled code breaks there and calls it).
-eager_fallback: Callable[[Any, Any, float], Any] = torch.compiler.disable(_eager)
+#: The eager step behind ``torch.compiler.disable`` (dynamo does not trace it: the compiled code breaks there and
+#: calls it), made by :func:`prepare_fallback` outside tracing and only without the operators: creating it imports
+#: torch._dynamo (about a second), which an ``import stepforge.fused`` must not cost.
+_fallback: list[Callable[[Any, Any, float], Any]] = []
+
+
+def prepare_fallback() -> None:
+    """Called when an optimizer is built: without the operators, prepare the eager step compiled code calls."""
+    if not _ops.available() and not _fallback:
+        _fallback.append(torch.compiler.disable(_eager))
 
 
 def _combined(flags: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -63,7 +70,7 @@ def _combined(flags: list[torch.Tensor], device: torch.device) -> torch.Tensor:
 def traced_step(opt: Any, closure: Any, div_scale: float) -> Any:
     """The compiled step (traced by dynamo; see the module docstring)."""
     if not _ops.available():
-        return eager_fallback(opt, closure, div_scale)
+        return _fallback[0](opt, closure, div_scale)
     divisor = opt._amp.divisor(opt, div_scale)
     loss = None
     if closure is not None:
