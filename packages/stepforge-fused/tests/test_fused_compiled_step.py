@@ -218,17 +218,17 @@ def test_float_lr_still_works_eagerly_and_compiled():
 
 
 def test_without_the_operators_the_step_runs_eagerly_with_one_warning(monkeypatch):
-    """A torch without torch.library.custom_op (simulated): the compiled code calls the eager step (one graph
+    """A torch without torch.library.register_fake (simulated): the compiled code calls the eager step (one graph
     break, one warning naming the reason), results unchanged; fullgraph=True refuses the break."""
     monkeypatch.setattr(_ops, "available", lambda: False)
-    monkeypatch.setitem(_ops._status, "reason", "torch 2.3 has no torch.library.custom_op (simulated)")
+    monkeypatch.setitem(_ops._status, "reason", "torch 2.3 has no torch.library.register_fake (simulated)")
     monkeypatch.setattr(_compiled_step, "_warned", set())
     monkeypatch.setattr(_compiled_step, "_fallback", [])  # made when the optimizers below are built
     eager_params, compiled_params = make_params(), make_params()
     eager, compiled = sf.FusedAdam(eager_params, lr=0.01), sf.FusedAdam(compiled_params, lr=0.01)
     step = torch.compile(compiled.step)
     with pytest.warns(
-        RuntimeWarning, match=r"runs FusedAdam.step\(\) eagerly.*no torch.library.custom_op"
+        RuntimeWarning, match=r"runs FusedAdam.step\(\) eagerly.*no torch.library.register_fake"
     ) as rec:
         for i in range(3):
             set_grads([eager_params, compiled_params], i)

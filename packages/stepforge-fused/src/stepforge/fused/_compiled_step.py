@@ -12,7 +12,7 @@ A ``torch.Tensor`` learning rate (and the per-parameter ``step`` tensors) are re
 scheduler that writes the tensor in place (``LRScheduler`` does for tensor lrs) never recompiles it; a float lr
 is a constant of the graph (dynamo recompiles when it changes, as it does for torch.optim).
 
-Without the operators (a torch lacking ``torch.library.custom_op``, see :func:`._ops.available`) the step runs
+Without the operators (a torch lacking ``torch.library.register_fake``, see :func:`._ops.available`) the step runs
 eagerly inside the compiled code: a graph break, announced by one warning (``fullgraph=True`` then raises
 dynamo's error, since the step cannot be part of the graph).
 """
