@@ -59,7 +59,7 @@ def opcheck_cases():
         params, grads = tensors(dtype), tensors(dtype, seed=1)
         m, v = tensors(seed=2), [t.abs() for t in tensors(seed=3)]
         w = [p.float() for p in params] if masters else []
-        steps = [torch.tensor(2.0, device="cuda") for _ in params]
+        steps = torch.full((len(params),), 2.0, device="cuda")
         lr = torch.tensor(1e-3, device="cuda")
         return (params, grads, m, v, w, steps, 0.0, lr, *HP, True, True, 2.0, torch.tensor(2.0, device="cuda"),
                 torch.zeros(1, device="cuda"), True, masters, 7)  # fmt: skip
@@ -67,7 +67,7 @@ def opcheck_cases():
     def lamb():
         params, grads = tensors(), tensors(seed=1)
         m, v = tensors(seed=2), [t.abs() for t in tensors(seed=3)]
-        steps = [torch.tensor(2.0, device="cuda") for _ in params]
+        steps = torch.full((len(params),), 2.0, device="cuda")
         return (params, grads, m, v, [], steps, 1e-3, None, *HP, True, True, True, False, 0.0, math.inf, 1.0, None,
                 torch.zeros(1, device="cuda"), True, False, 0)  # fmt: skip
 
