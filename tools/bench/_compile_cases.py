@@ -5,8 +5,10 @@ transient memory)."""
 
 from __future__ import annotations
 
+import atexit
 import gc
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -24,6 +26,7 @@ __all__ = [
     "CONTENDERS",
     "Result",
     "demo_shapes",
+    "fresh_cache_dir",
     "gpt2_small_shapes",
     "measure_group",
     "tiny_shapes",
@@ -154,6 +157,13 @@ def _peak_extra_mb(step: Callable[[], Any], device: torch.device) -> float:
     return peak / 2**20
 
 
+def fresh_cache_dir() -> str:
+    """A new temporary inductor cache directory, removed when the process exits."""
+    path = tempfile.mkdtemp(prefix="bench-compile-inductor-")
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
 def warm_up_compiler(device: torch.device) -> float:
     """Compile and run a trivial function once, so the one-time start-up of dynamo and inductor (imports, the
     C++ toolchain probe) is not charged to the first contender; returns its seconds."""
@@ -174,10 +184,9 @@ def _compile_first(
     from torch._dynamo.exc import Unsupported
     from torch._dynamo.utils import counters
 
-    if (
-        cold_cache
-    ):  # a fresh on-disk inductor cache: identical kernels compiled for an earlier contender are not reused
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench-compile-inductor-")
+    if cold_cache:
+        # a fresh on-disk inductor cache: identical kernels compiled for an earlier contender are not reused
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = fresh_cache_dir()
     for fullgraph in (True, False):
         counters.clear()
         step = torch.compile(opt.step, fullgraph=fullgraph, mode=compile_mode)

@@ -34,7 +34,9 @@ date) and the PNG beside it.
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -46,7 +48,9 @@ from typing import Any
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 if "--warm-cache" not in sys.argv and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     # a cold inductor cache, so the first step's time is a real compile time (set before torch is imported)
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench-compile-inductor-")
+    _first_cache = tempfile.mkdtemp(prefix="bench-compile-inductor-")
+    atexit.register(shutil.rmtree, _first_cache, True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _first_cache
 
 import torch
 
