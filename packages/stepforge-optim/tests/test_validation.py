@@ -17,7 +17,9 @@ def _p():
 LAMB_BAD = [
     ({"lr": -1.0}, "lr"),
     ({"lr": "0.1"}, "lr"),
-    ({"lr": torch.tensor(0.1)}, "lr must be a Python number"),
+    ({"lr": torch.tensor(1)}, "tensor lr must be floating point"),
+    ({"lr": torch.tensor([0.1, 0.2])}, "tensor lr must hold one element"),
+    ({"lr": torch.tensor(-0.1)}, "lr"),
     ({"betas": (0.9,)}, "betas"),
     ({"betas": (1.0, 0.999)}, r"betas\[0\]"),
     ({"betas": (0.9, -0.1)}, r"betas\[1\]"),
@@ -46,7 +48,8 @@ LAMB_BAD = [
 
 LARS_BAD = [
     ({"lr": -0.1}, "lr"),
-    ({"lr": torch.tensor(0.1)}, "lr must be a Python number"),
+    ({"lr": torch.tensor(1)}, "tensor lr must be floating point"),
+    ({"lr": torch.tensor(-0.1)}, "lr"),
     ({"momentum": -0.9}, "momentum"),
     ({"dampening": 1.5}, "dampening"),
     ({"weight_decay": -1e-4}, "weight_decay"),

@@ -6,6 +6,8 @@
 - :class:`CPUAdam`, :class:`HybridAdam`: CPU and CUDA params in one optimizer, ``step(div_scale=...)``.
 - ``master_weights=True`` on all of them: float32 masters for fp16/bf16 params, updated in one fused pass
   (grad unscale, inf/NaN check and skip, master update, low-precision copy).
+- every kernel is also a torch operator (``torch.ops.stepforge_fused.adam_`` ..., :mod:`stepforge.fused.ops`), so
+  ``torch.compile(optimizer.step, fullgraph=True)`` gives one graph with the kernels in it.
 - :func:`cpu_features` reports the CPU kernel path picked at import (``STEPFORGE_CPU_ISA`` forces one);
   :func:`set_num_threads` sets the kernel threads (default: ``torch.get_num_threads()``).
 
@@ -16,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+from . import ops
 from ._backend import (
     BackendUnavailableError,
     cpu_features,
@@ -42,6 +45,7 @@ __all__ = [
     "cpu_features",
     "get_num_threads",
     "has_cuda",
+    "ops",
     "set_cpu_isa",
     "set_num_threads",
 ]

@@ -7,8 +7,11 @@ from collections.abc import MutableMapping
 from types import ModuleType
 from typing import Any
 
+import torch
+
 from . import _backend
 from ._base import Bucket, FusedOptimizerBase, Launch
+from ._compiled_step import lr_args
 from ._validate import check_adam_like
 
 __all__ = ["ADAM_STATE_KEYS", "AdamBase", "adam_defaults", "check_adam_group"]
@@ -121,3 +124,22 @@ class AdamBase(FusedOptimizerBase):
             **launch.kw,
         )
         return skipped
+
+    def _op_launch(
+        self,
+        group: dict[str, Any],
+        lists: tuple[Any, ...],
+        grad_divisor: float,
+        grad_divisor_tensor: torch.Tensor | None,
+        found_inf: torch.Tensor | None,
+        check_finite: bool,
+        first_run: torch.Tensor | None,
+    ) -> None:
+        params, grads, exp_avgs, exp_avg_sqs, masters, steps = lists
+        lr, lr_tensor = lr_args(group)
+        beta1, beta2 = group["betas"]
+        torch.ops.stepforge_fused.adam_(
+            params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, lr_tensor, float(beta1), float(beta2),
+            float(group["eps"]), float(group["weight_decay"]), bool(group["adamw_mode"]),
+            bool(group["bias_correction"]), grad_divisor, grad_divisor_tensor, found_inf, check_finite, False, 0,
+        )  # fmt: skip

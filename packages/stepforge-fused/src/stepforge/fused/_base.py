@@ -23,6 +23,8 @@ from stepforge.core import GroupValidator, HyperParameterError, check_bool, chec
 from ._amp import AmpUnscaler
 from ._bucket_cache import BucketCache
 from ._buckets import Bucket, Launch
+from ._compiled_init import BucketPlan, init_group
+from ._compiled_step import prepare_fallback, traced_step
 from ._device_step import DeviceLoop, device_env, device_kw, device_path, launch_ctx
 from ._host_step import HostLoop
 from ._skips import SkipTracker
@@ -57,6 +59,8 @@ class FusedOptimizerBase(StateMixin, torch.optim.Optimizer):
     _amp: AmpUnscaler
     _host_loop: HostLoop
     _device_loop: DeviceLoop
+    #: ``id(group)`` -> SGD first-run flag tensors a compiled step reads (kept alive here; see _compiled_init)
+    _compile_first_run: dict[int, list[torch.Tensor]]
 
     def __init__(
         self,
@@ -97,6 +101,8 @@ class FusedOptimizerBase(StateMixin, torch.optim.Optimizer):
         self._host_loop = HostLoop()
         self._device_loop = DeviceLoop()
         self._groups = GroupValidator(self._check_group, owner=self._owner)
+        self._compile_first_run = {}
+        prepare_fallback()
 
     def __getstate__(self) -> dict[str, Any]:
         # torch.optim pickles defaults/state/param_groups only; keep our options, never the pointer caches.
@@ -190,11 +196,49 @@ class FusedOptimizerBase(StateMixin, torch.optim.Optimizer):
     _device_kw = staticmethod(device_kw)
     _ctx = staticmethod(launch_ctx)
 
+    def _op_launch(
+        self,
+        group: dict[str, Any],
+        lists: tuple[Any, ...],
+        grad_divisor: float,
+        grad_divisor_tensor: torch.Tensor | None,
+        found_inf: torch.Tensor | None,
+        check_finite: bool,
+        first_run: torch.Tensor | None,
+    ) -> None:
+        """The compiled step's kernel call on one bucket: this optimizer's ``torch.ops.stepforge_fused``
+        operator on ``lists`` = ``(params, grads, state_a, state_b, masters, steps)``: tensor lists, ``steps`` one
+        ``(n,)`` float32 tensor or None (see _compiled_step)."""
+        raise NotImplementedError
+
     # ---- step routing --------------------------------------------------------------------------------------
+    def _init_group(
+        self,
+        group: dict[str, Any],
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        state_a: list[torch.Tensor],
+        state_b: list[torch.Tensor],
+        masters: list[torch.Tensor],
+        extras: list[torch.Tensor],
+    ) -> tuple[BucketPlan, ...]:
+        """What ``torch.compile`` runs eagerly while tracing ``step()``: validate ``group``, create its state and
+        fill the (empty) lists bucket by bucket; returns the bucket plan (:mod:`._compiled_init`)."""
+        self._groups.revalidate(self.param_groups)
+        return init_group(self, group, params, grads, state_a, state_b, masters, extras)
+
     @torch.no_grad()
     def _fused_step(self, closure: Callable[[], Any] | None, div_scale: float = -1) -> Any:
+        """One step: under ``torch.compile`` the traceable operator step (:mod:`._compiled_step`), else the
+        eager step over the cached pointer arrays (the operator path would read every tensor's address each
+        step: the pybind path is kept here on purpose)."""
+        if torch.compiler.is_compiling():
+            return traced_step(self, closure, div_scale)
+        return self._eager_step(closure, div_scale)
+
+    def _eager_step(self, closure: Callable[[], Any] | None, div_scale: float = -1) -> Any:
         """Validate, run the closure, plan the grad division, then route the buckets to the device loop (all
-        on CUDA: no host sync) or the host loop."""
+        on CUDA: no host sync) or the host loop (called with gradients disabled)."""
         divisor = self._amp.divisor(self, div_scale)
         self._groups.revalidate(self.param_groups)  # bad input is refused before the closure runs
         loss = None

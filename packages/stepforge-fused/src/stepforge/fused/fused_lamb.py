@@ -16,6 +16,7 @@ from stepforge.core import HyperParameterError, check_bool, check_range, check_t
 from . import _backend
 from ._adam_base import ADAM_STATE_KEYS, adam_defaults, check_adam_group
 from ._base import Bucket, FusedOptimizerBase, Launch
+from ._compiled_step import lr_args
 from ._distributed import comm_device, is_dtensor, mesh_sum_, shard_dims, shard_groups
 
 __all__ = ["FusedLAMB"]
@@ -267,6 +268,27 @@ class FusedLAMB(FusedOptimizerBase):
         kw.pop("write_unscaled_grads", None)  # written back by the norms pass
         skipped = module.lamb(*lists, 0, False, launch.ctx, norms_in_ptr=norms.data_ptr(), **kw)
         return skipped
+
+    def _op_launch(
+        self,
+        group: dict[str, Any],
+        lists: tuple[Any, ...],
+        grad_divisor: float,
+        grad_divisor_tensor: torch.Tensor | None,
+        found_inf: torch.Tensor | None,
+        check_finite: bool,
+        first_run: torch.Tensor | None,
+    ) -> None:
+        params, grads, exp_avgs, exp_avg_sqs, masters, steps = lists
+        lr, lr_tensor = lr_args(group)
+        beta1, beta2 = group["betas"]
+        low, high = group.get("trust_clip", (0.0, math.inf))
+        torch.ops.stepforge_fused.lamb_(
+            params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, lr_tensor, float(beta1), float(beta2),
+            float(group["eps"]), float(group["weight_decay"]), bool(group["adam_w_mode"]),
+            bool(group["bias_correction"]), bool(group["grad_averaging"]), bool(group["use_nvlamb"]), float(low),
+            float(high), grad_divisor, grad_divisor_tensor, found_inf, check_finite, False, 0,
+        )  # fmt: skip
 
     def step(self, closure: Callable[[], Any] | None = None, div_scale: float = -1) -> Any:
         """One optimizer step; ``div_scale > 0`` divides every grad before the norm clip."""

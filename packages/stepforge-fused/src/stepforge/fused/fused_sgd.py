@@ -7,6 +7,8 @@ from collections.abc import Callable, Iterable, MutableMapping
 from types import ModuleType
 from typing import Any
 
+import torch
+
 from stepforge.core import (
     HyperParameterError,
     check_bool,
@@ -19,6 +21,7 @@ from stepforge.core import (
 
 from . import _backend
 from ._base import Bucket, FusedOptimizerBase, Launch
+from ._compiled_step import lr_args
 
 __all__ = ["FusedSGD"]
 
@@ -152,6 +155,24 @@ class FusedSGD(FusedOptimizerBase):
             **launch.kw,
         )
         return skipped
+
+    def _op_launch(
+        self,
+        group: dict[str, Any],
+        lists: tuple[Any, ...],
+        grad_divisor: float,
+        grad_divisor_tensor: torch.Tensor | None,
+        found_inf: torch.Tensor | None,
+        check_finite: bool,
+        first_run: torch.Tensor | None,
+    ) -> None:
+        params, grads, bufs, _unused, masters, _steps = lists
+        lr, lr_tensor = lr_args(group)
+        torch.ops.stepforge_fused.sgd_(
+            params, grads, bufs, masters, first_run, lr, lr_tensor, float(group["momentum"]),
+            float(group["dampening"]), float(group["weight_decay"]), bool(group["nesterov"]),
+            bool(group["wd_after_momentum"]), grad_divisor, grad_divisor_tensor, found_inf, check_finite, False, 0,
+        )  # fmt: skip
 
     def step(self, closure: Callable[[], Any] | None = None, div_scale: float = -1) -> Any:
         """One optimizer step; ``div_scale > 0`` divides every grad first."""

@@ -66,17 +66,21 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
         self._validate_group(defaults)
         # one helper from stepforge.core: groups are checked where they enter and re-checked when edited
         self._groups = GroupValidator(self._validate_group, owner=owner)
+        #: ``id(group)`` -> flag tensors a compiled step reads (kept alive here; see _compiled_lars)
+        self._compile_first_flags: dict[int, list[torch.Tensor]] = {}
         super().__init__(params, defaults)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._groups = GroupValidator(self._validate_group, owner=self.OWNER)
+        self._compile_first_flags = {}
 
     def _check_lr(self, lr: Any) -> None:
-        if isinstance(lr, torch.Tensor):
+        """A number, or a one-element float tensor (torch.optim's tensor lr: an LR scheduler writes it in place,
+        so a compiled step reads the new value without recompiling)."""
+        if isinstance(lr, torch.Tensor) and not lr.is_floating_point():
             raise HyperParameterError(
-                f"{self.OWNER}: lr must be a Python number, got a tensor; tensor learning rates (for CUDA graph "
-                "capture) are not supported here. Pass float(lr)."
+                f"{self.OWNER}: a tensor lr must be floating point, got {lr.dtype}; pass e.g. torch.tensor(1e-3)."
             )
         check_lr(lr, owner=self.OWNER)
 
@@ -85,6 +89,10 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     def _step(self) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def _compiled_step(self) -> None:  # pragma: no cover - overridden
+        """The update traced by ``torch.compile`` (see :mod:`._compiled`)."""
         raise NotImplementedError
 
     # -- torch.optim.Optimizer ------------------------------------------------------------------------------
@@ -110,6 +118,14 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
         Returns:
             the closure's loss, or ``None``.
         """
+        if torch.compiler.is_compiling():
+            # dynamo traces this: ``_init_group`` (run eagerly by dynamo) validates and creates state
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            self._compiled_step()
+            return loss
         self._groups.revalidate(self.param_groups)
         loss = None
         if closure is not None:

@@ -19,6 +19,8 @@ from stepforge.core import (
 )
 
 from ._base import MultiTensorOptimizer, check_trust_clip, math_dtype_of
+from ._compiled import as_int_steps, lr_of
+from ._compiled_lamb import lamb_compiled_step, lamb_init_group
 from ._dtensor import local, mesh_key, reduce_norms, reduce_square_sums
 from ._multi_tensor import (
     TensorList,
@@ -98,6 +100,9 @@ class Lamb(MultiTensorOptimizer):
     OWNER = "Lamb"
     STATE_TENSORS = ("exp_avg", "exp_avg_sq")
     STATE_SCALARS = ("step",)
+    # torch.compile: dynamo runs _init_group eagerly and traces _compiled_step (see _compiled_lamb)
+    _init_group = lamb_init_group
+    _compiled_step = lamb_compiled_step
 
     def __init__(
         self,
@@ -233,6 +238,7 @@ class Lamb(MultiTensorOptimizer):
             params = self._params_with_grads(group)
             if not params:
                 continue
+            as_int_steps([self.state[p] for p in params])  # tensors after a compiled step
             for p in params:
                 state = self.state[p]
                 if "step" not in state:
@@ -264,7 +270,7 @@ class Lamb(MultiTensorOptimizer):
         device, pdtype = params[0].device, params[0].dtype
         mdtype = math_dtype_of(pdtype)
         beta1, beta2 = group["betas"]
-        lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+        lr, eps, wd = lr_of(group), group["eps"], group["weight_decay"]
         adam_w, mode = group["adam_w_mode"], group["bias_correction_mode"]
         b3 = 1.0 - beta1 if group["grad_averaging"] else 1.0
         adapt = not group["adam"] and (wd != 0 or group["always_adapt"])

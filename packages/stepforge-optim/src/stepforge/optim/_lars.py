@@ -19,6 +19,8 @@ from stepforge.core import (
 )
 
 from ._base import MultiTensorOptimizer, check_trust_clip, math_dtype_of
+from ._compiled import lr_of
+from ._compiled_lars import lars_compiled_step, lars_init_group
 from ._dtensor import local, mesh_key, reduce_norms
 from ._multi_tensor import (
     TensorList,
@@ -86,6 +88,9 @@ class Lars(MultiTensorOptimizer):
 
     OWNER = "Lars"
     STATE_TENSORS = ("momentum_buffer",)
+    # torch.compile: dynamo runs _init_group eagerly and traces _compiled_step (see _compiled_lars)
+    _init_group = lars_init_group
+    _compiled_step = lars_compiled_step
     exclude_bias_and_norm = staticmethod(_exclude_bias_and_norm)
 
     def __init__(
@@ -189,7 +194,7 @@ class Lars(MultiTensorOptimizer):
     def _update_bucket(self, params: list[torch.Tensor], group: Mapping[str, Any], adapt: bool) -> None:
         device, pdtype = params[0].device, params[0].dtype
         mdtype = math_dtype_of(pdtype)
-        lr, mu, damp, nesterov = group["lr"], group["momentum"], group["dampening"], group["nesterov"]
+        lr, mu, damp, nesterov = lr_of(group), group["momentum"], group["dampening"], group["nesterov"]
         wd = group["weight_decay"] if group["lars"] else 0.0  # ColossalAI: lars=False groups skip decay too
         eeta, eps, clip, maximize = group["eeta"], group["epsilon"], group["grad_clip"], group["maximize"]
         sharded = params  # DTensor parameters: local shards are updated, norms reduced over the mesh

@@ -1,0 +1,256 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The CPU and CUDA implementations of the ``stepforge_fused`` operators: tensors in, raw addresses to the
+pybind11 kernels (``_cpu``/``_cuda``, contract in ``csrc/README.md``), steps advanced unless the step was skipped.
+
+Each function takes the operator's arguments after :mod:`._op_checks` has accepted them (the caller, in
+:mod:`._ops`, checks first). Per call they read every tensor's address (about 0.2 us each): the operators serve
+compiled steps and direct calls; the optimizers' eager steps keep their cached pointer arrays.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from . import _backend
+from ._device_step import device_env
+
+__all__ = [
+    "host_scalar",
+    "launch_cpu",
+    "launch_cuda",
+    "finish_steps_cpu",
+    "finish_steps_cuda",
+    "l2norm_cpu",
+    "l2norm_cuda",
+    "ptrs",
+    "scale_cpu",
+    "scale_cuda",
+    "sizes",
+]
+
+
+def ptrs(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """The addresses of ``tensors`` (an int64 list the kernels accept)."""
+    return [t.data_ptr() for t in tensors]
+
+
+def sizes(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """Element counts of ``tensors``."""
+    return [t.numel() for t in tensors]
+
+
+def host_scalar(value: float, tensor: torch.Tensor | None) -> float:
+    """``tensor``'s value when given (read on the host: CPU steps only), else ``value``."""
+    return float(tensor) if tensor is not None else float(value)
+
+
+def _check_divisor(op: str, divisor: float) -> float:
+    if not math.isfinite(divisor) or divisor <= 0:
+        raise ValueError(f"stepforge_fused::{op}: grad_divisor must be positive and finite, got {divisor}.")
+    return divisor
+
+
+def _code(dtype: torch.dtype | None) -> int:
+    return _backend.DTYPE_CODES[dtype] if dtype is not None else 0
+
+
+def _host_steps(steps: torch.Tensor) -> list[int]:
+    """The step being taken per tensor (``state step + 1``), as the CPU kernels take it."""
+    return steps.to(torch.int64).add_(1).tolist()
+
+
+def launch_cpu(
+    op: str,
+    kernel: str,
+    lists: list[Any],
+    dtypes: tuple[torch.dtype | None, torch.dtype | None],
+    lr: float,
+    lr_tensor: torch.Tensor | None,
+    hyper: list[Any],
+    grad_divisor: float,
+    grad_divisor_tensor: torch.Tensor | None,
+    found_inf: torch.Tensor | None,
+    check_finite: bool,
+    stochastic_rounding: bool,
+    *,
+    steps: torch.Tensor | None,
+    **kw: Any,
+) -> bool:
+    """One CPU kernel call: ``kernel(*lists, [host steps], dtype codes, lr, *hyper, divisor, flag, check, threads,
+    **kw)``; returns whether the kernel skipped the update (a raised ``found_inf`` or its finite check)."""
+    if stochastic_rounding:
+        raise ValueError(
+            f"stepforge_fused::{op}: stochastic rounding is done by the CUDA kernels only; the CPU kernels round "
+            "to nearest even. Pass stochastic_rounding=False for CPU tensors."
+        )
+    # the divisor tensor multiplies the float, as the CUDA kernels do with grad_divisor_ptr
+    divisor = grad_divisor if grad_divisor_tensor is None else grad_divisor * float(grad_divisor_tensor)
+    divisor = _check_divisor(op, divisor)
+    args = [*lists]
+    if steps is not None:
+        args.append(_host_steps(steps))
+    args += [_code(dtypes[0]), _code(dtypes[1]), host_scalar(lr, lr_tensor), *hyper, divisor]
+    flag = found_inf.data_ptr() if found_inf is not None else 0
+    fn = getattr(_backend.cpu_module(), kernel)
+    return bool(fn(*args, flag, check_finite, _backend.get_num_threads(), **kw))
+
+
+def finish_steps_cpu(steps: torch.Tensor | None, skipped: bool) -> None:
+    """Advance the step counters of an update that was not skipped (the kernels never do)."""
+    if steps is not None and not skipped:
+        steps.add_(1.0)
+
+
+def _device_scalar(t: torch.Tensor, device: torch.device, keep: list[torch.Tensor]) -> int:
+    """Address of ``t`` as a float32 element on ``device`` (a converted copy is kept alive in ``keep``)."""
+    if t.device != device or t.dtype != torch.float32 or not t.is_contiguous():
+        t = t.to(device=device, dtype=torch.float32).contiguous()
+        keep.append(t)
+    return t.data_ptr()
+
+
+def launch_cuda(
+    op: str,
+    kernel: str,
+    lists: list[Any],
+    dtypes: tuple[torch.dtype | None, torch.dtype | None],
+    device: torch.device,
+    lr: float,
+    lr_tensor: torch.Tensor | None,
+    hyper: list[Any],
+    grad_divisor: float,
+    grad_divisor_tensor: torch.Tensor | None,
+    found_inf: torch.Tensor | None,
+    check_finite: bool,
+    stochastic_rounding: bool,
+    seed: int,
+    *,
+    steps: torch.Tensor | None,
+    **kw: Any,
+) -> Any:
+    """One CUDA kernel call on the caller's current stream, never synchronising when ``found_inf`` is given: lr
+    and the divisor tensor are read by the kernel on the device, steps through their addresses (advanced before
+    the launch; :func:`finish_steps_cuda` takes a skipped step back). Returns the kernel's result (``None``: the
+    decision is on the device)."""
+    module = _backend.cuda_module()
+    ctx, index = device_env(device)
+    keep: list[torch.Tensor] = []
+    host_lr = float(lr)
+    if lr_tensor is not None:
+        if lr_tensor.device.type == "cpu":
+            host_lr = float(lr_tensor)
+        else:
+            kw["lr_ptr"] = _device_scalar(lr_tensor, device, keep)
+            host_lr = 0.0
+    if grad_divisor_tensor is not None:
+        kw["grad_divisor_ptr"] = _device_scalar(grad_divisor_tensor, device, keep)
+    args = [*lists]
+    if steps is not None:
+        args.append(None)  # device steps: read through step_ptrs
+        steps.add_(1.0)
+        first = steps.data_ptr()
+        kw["step_ptrs"] = list(range(first, first + 4 * steps.numel(), 4))
+    args += [_code(dtypes[0]), _code(dtypes[1]), host_lr, *hyper, _check_divisor(op, grad_divisor)]
+    flag = found_inf.data_ptr() if found_inf is not None else 0
+    return getattr(module, kernel)(
+        *args,
+        flag,
+        check_finite,
+        ctx,
+        stochastic_rounding=stochastic_rounding,
+        seed=seed,
+        device=index,
+        **kw,
+    )
+
+
+def finish_steps_cuda(steps: torch.Tensor | None, found_inf: torch.Tensor | None, result: Any) -> None:
+    """Take back the step of a CUDA update that was skipped: by the device flag (no sync), or by the kernel's
+    host answer when no flag was given."""
+    if steps is None:
+        return
+    if found_inf is not None:
+        steps.sub_(found_inf.ne(0).to(torch.float32))
+    elif result:
+        steps.sub_(1.0)
+
+
+def l2norm_cpu(
+    tensors: Sequence[torch.Tensor], dtype: torch.dtype, per_tensor: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global norm (0-dim float64: the kernel accumulates in double) and per-tensor norms (float32)."""
+    each = torch.zeros(len(tensors) if per_tensor else 0, dtype=torch.float32)
+    norm = _backend.cpu_module().l2norm(
+        ptrs(tensors),
+        sizes(tensors),
+        _code(dtype),
+        each.data_ptr() if per_tensor else 0,
+        _backend.get_num_threads(),
+    )
+    return torch.tensor(norm, dtype=torch.float64), each
+
+
+def l2norm_cuda(
+    tensors: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.device, per_tensor: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global norm (0-dim float32, the square root of the device sum of squares: no sync) and per-tensor norms."""
+    ctx, index = device_env(device)
+    each = torch.zeros(len(tensors) if per_tensor else 0, dtype=torch.float32, device=device)
+    sumsq = torch.zeros(1, dtype=torch.float32, device=device)
+    _backend.cuda_module().l2norm(
+        ptrs(tensors),
+        sizes(tensors),
+        _code(dtype),
+        each.data_ptr() if per_tensor else 0,
+        ctx,
+        sumsq_out_ptr=sumsq.data_ptr(),
+        device=index,
+    )
+    return sumsq.sqrt().reshape(()), each
+
+
+def scale_cpu(
+    src: Sequence[torch.Tensor],
+    dst: Sequence[torch.Tensor],
+    dtypes: tuple[torch.dtype | None, torch.dtype | None],
+    scale: float,
+    found_inf: torch.Tensor | None,
+) -> None:
+    """``dst = src * scale`` with dtype conversion; a non-finite input raises ``found_inf``."""
+    _backend.cpu_module().scale(
+        ptrs(src),
+        ptrs(dst),
+        sizes(src),
+        _code(dtypes[0]),
+        _code(dtypes[1]),
+        scale,
+        found_inf.data_ptr() if found_inf is not None else 0,
+        _backend.get_num_threads(),
+    )
+
+
+def scale_cuda(
+    src: Sequence[torch.Tensor],
+    dst: Sequence[torch.Tensor],
+    dtypes: tuple[torch.dtype | None, torch.dtype | None],
+    device: torch.device,
+    scale: float,
+    found_inf: torch.Tensor | None,
+) -> None:
+    """The CUDA ``scale`` on the current stream (no sync)."""
+    ctx, index = device_env(device)
+    _backend.cuda_module().scale(
+        ptrs(src),
+        ptrs(dst),
+        sizes(src),
+        _code(dtypes[0]),
+        _code(dtypes[1]),
+        scale,
+        found_inf.data_ptr() if found_inf is not None else 0,
+        ctx,
+        device=index,
+    )
