@@ -13,7 +13,7 @@ import torch
 from stepforge.core import HyperParameterError
 from stepforge.core.precision import STATE_KEYS, DynamicLossScaler, validate_loss_scaler_args
 
-FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "loss_scaler"
+FIXTURES = pathlib.Path(__file__).parents[1] / "fixtures" / "loss_scaler"
 GRADSCALER_KEYS = {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}
 
 
