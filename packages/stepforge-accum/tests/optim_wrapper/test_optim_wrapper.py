@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """OptimWrapper (mmengine API): step/divisor sequences, exactness, weighted mode, clipping, optimizer surface.
 
-State and misuse: ``test_accum_optim_wrapper_state.py``; the extension hooks: ``test_accum_optim_wrapper_hooks.py``.
+State and misuse: ``test_state.py``; the extension hooks: ``test_hooks.py`` (both beside this file).
 
 The references are written out by hand (mmengine's documented sequences) or computed with plain torch on the
 whole batch; nothing is derived from the code under test.
