@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-ROOT = pathlib.Path(os.environ.get("STEPFORGE_SOURCE_ROOT") or pathlib.Path(__file__).resolve().parents[3])
+ROOT = pathlib.Path(os.environ.get("STEPFORGE_SOURCE_ROOT") or pathlib.Path(__file__).resolve().parents[4])
 WORKFLOW = ROOT / ".github" / "workflows" / "ci.yml"
 
 

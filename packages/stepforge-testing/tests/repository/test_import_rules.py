@@ -13,7 +13,7 @@ import pytest
 
 from stepforge.testing import import_rules
 
-ROOT = pathlib.Path(os.environ.get("STEPFORGE_SOURCE_ROOT") or pathlib.Path(__file__).resolve().parents[3])
+ROOT = pathlib.Path(os.environ.get("STEPFORGE_SOURCE_ROOT") or pathlib.Path(__file__).resolve().parents[4])
 
 
 def _tree(tmp_path: pathlib.Path, files: dict[str, str]) -> pathlib.Path:

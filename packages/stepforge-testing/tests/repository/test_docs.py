@@ -12,7 +12,7 @@ import pytest
 
 from stepforge.testing import repo_docs
 
-ROOT = pathlib.Path(os.environ.get("STEPFORGE_SOURCE_ROOT") or pathlib.Path(__file__).resolve().parents[3])
+ROOT = pathlib.Path(os.environ.get("STEPFORGE_SOURCE_ROOT") or pathlib.Path(__file__).resolve().parents[4])
 
 #: the suffixes of files benchmarks/results/README.md names relative to its own folder
 RESULT_SUFFIXES = (".json", ".png", ".md", ".txt", ".log", ".xml")

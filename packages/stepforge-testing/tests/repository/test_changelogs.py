@@ -12,7 +12,7 @@ import pytest
 
 from stepforge.testing.changelogs import changelog_problems
 
-ROOT = pathlib.Path(os.environ.get("STEPFORGE_SOURCE_ROOT") or pathlib.Path(__file__).resolve().parents[3])
+ROOT = pathlib.Path(os.environ.get("STEPFORGE_SOURCE_ROOT") or pathlib.Path(__file__).resolve().parents[4])
 
 GOOD = """# Changelog: stepforge-demo
 
