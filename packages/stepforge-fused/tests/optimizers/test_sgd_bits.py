@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""FusedSGD is bit-identical to torch.optim.SGD wherever it was before the kernel was made fast (issue 19).
+"""FusedSGD is bit-identical to torch.optim.SGD wherever it was before the kernel was made fast.
 
 Pinned on every ISA path (the ``isa`` fixture), with tensors above the parallel cut-off so thread chunks split
 them, and with sizes that leave every SIMD tail:

@@ -3,7 +3,7 @@
 module and ``STEPFORGE_CUDA_ARCHS`` its architectures, in every combination.
 
 An override table used to replace ``cmake.define`` whole, so ``STEPFORGE_CUDA=ON`` silently dropped the chosen
-architectures and built the default ``80;90`` (seen on the H200 run of issue 21).
+architectures and built the default ``80;90`` (seen on the first H200 run, ``benchmarks/results/gpu-runs/gpu-2026-11-26-h200-runs.md``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from scikit_build_core.settings.skbuild_read_settings import SettingsReader
 
-PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 
 
 @pytest.mark.parametrize(

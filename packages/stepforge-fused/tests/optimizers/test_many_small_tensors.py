@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Many small tensors and large state (issue 19): one kernel call over a long list, and huge-page state.
+"""Many small tensors and large state: one kernel call over a long list, and huge-page state.
 
 The 20 000 x 1k benchmark case in a test: on every ISA path (the ``isa`` fixture) FusedSGD stays bit-identical
 to torch's for-loop SGD and CPUAdam to torch's fused AdamW over a list of many tensors, with sizes around the

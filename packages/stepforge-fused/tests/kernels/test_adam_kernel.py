@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The `_cpu` kernels called directly (contract: csrc/README.md): Adam, every ISA, threads, bounds, arguments.
 
-SGD, LAMB, l2norm and scale are in test_fused_kernels_ops.py, the unscaled-grad write-back in
-test_fused_kernels_unscale.py; the shared helpers in ``stepforge.testing.fused_cases``.
+SGD, LAMB, l2norm and scale are in test_op_kernels.py, the unscaled-grad write-back in
+test_unscale_kernels.py; the shared helpers in ``stepforge.testing.fused_cases``.
 
 References: stepforge-testing's written-out optimizers run on the same values, rounding to the same storage
 dtype every step (so a 16-bit result is compared with what the same step gives in that dtype, not with a

@@ -97,7 +97,7 @@ def test_low_precision_params_without_masters_match_reference(pdt, gdt):
         set_grads(ours, ref, dtype=gdt or pdt)
         opt.step()
         ref_opt.step()
-    # The error is measured against the update (test_fused_properties.py): a quarter of it plus one ulp per
+    # The error is measured against the update (test_properties.py): a quarter of it plus one ulp per
     # element. The former fixed rtol=atol=1e-2 (bf16) / 2e-3 (fp16) let a do-nothing step through.
     check_update_close(ours, ref, start, f"FusedAdam {pdt}")
     with pytest.raises(AssertionError, match="update"):

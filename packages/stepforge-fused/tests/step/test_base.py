@@ -84,7 +84,7 @@ def test_sgd_leaves_unscaled_grads_like_torch_fused_sgd(momentum):
         amp_step(opt)
         amp_step(torch_opt)
         assert bits_equal([p.grad for p in ours], [q.grad for q in ref]), f"grads, step {k}"
-        # FusedSGD's momentum update is not bit-identical to torch's (test_fused_sgd_lamb.py: same tolerance)
+        # FusedSGD's momentum update is not bit-identical to torch's (optimizers/test_sgd_lamb.py: same tolerance)
         for p, q in zip(ours, ref, strict=True):
             torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
 

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """The `_cpu` kernels called directly: SGD, LAMB, l2norm and scale against the written-out references
-(see test_fused_kernels.py for the conventions)."""
+(see test_adam_kernel.py for the conventions)."""
 
 from __future__ import annotations
 

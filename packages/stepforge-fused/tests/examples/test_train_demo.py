@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(os.environ.get("STEPFORGE_SOURCE_ROOT") or pathlib.Path(__file__).resolve().parents[3])
+ROOT = pathlib.Path(os.environ.get("STEPFORGE_SOURCE_ROOT") or pathlib.Path(__file__).resolve().parents[4])
 DEMO = ROOT / "examples" / "train_demo.py"
 
 pytest.importorskip("sklearn", reason="the demo's data set comes from scikit-learn (fused test group)")

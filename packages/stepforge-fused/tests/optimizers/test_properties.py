@@ -103,7 +103,7 @@ def test_low_precision_matches_same_dtype_reference_relative_to_the_update(
 
 @pytest.mark.parametrize(("dtype", "lr"), [(torch.bfloat16, 1e-2), (torch.float16, 1e-3)])
 def test_a_do_nothing_step_fails_the_check_that_the_real_step_passes(dtype, lr):
-    """The demonstration the issue asks for: the fixed tolerances of the existing low-precision tests (bf16
+    """Why the update-relative check exists: the fixed tolerances of the existing low-precision tests (bf16
     rtol=atol=1e-2, fp16 2e-3) let a do-nothing optimizer through; the update-relative check does not."""
     shapes = [(64, 32), (33,)]
     start = [p.detach().clone() for p in _params(shapes, dtype, 5)]

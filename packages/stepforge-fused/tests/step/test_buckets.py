@@ -2,7 +2,7 @@
 """The pointer cache (``_buckets.py``): every move of a parameter's or gradient's memory is seen at the next step.
 
 Reference: ``torch.optim.AdamW(fused=True)`` / ``torch.optim.SGD`` driven through the very same sequence of
-moves on a twin model; float32 results must be bit-identical (torch's fused AdamW is, see test_fused_adam.py).
+moves on a twin model; float32 results must be bit-identical (torch's fused AdamW is, see optimizers/test_adam.py).
 """
 
 from __future__ import annotations
