@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``CheckpointIO`` / ``GeneralCheckpointIO`` (issue #23), written from ColossalAI's
+"""``CheckpointIO`` / ``GeneralCheckpointIO``, written from ColossalAI's
 ``tests/test_checkpoint_io/test_general_checkpoint_io.py`` as explicit sequences:
 
 save a model, an optimizer (after one Adam step, so it has state) and an lr scheduler, wait for the background

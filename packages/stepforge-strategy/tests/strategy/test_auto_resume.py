@@ -2,7 +2,7 @@
 """``Strategy(resume="auto" | True | <path>)``: prepare() resumes the latest committed checkpoint of work_dir (after
 removing what killed saves left), starts fresh when there is none, and refuses a bad value where it enters.
 
-Two processes under torchrun with killed ranks: test_fault_restarts.py.
+Two processes under torchrun with killed ranks: test_fault_restarts.py (beside this file).
 """
 
 from __future__ import annotations

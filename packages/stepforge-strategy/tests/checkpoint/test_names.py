@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 from _strategy_cases import make_strategy, prepare, train
-from test_checkpoint_writer import _snapshot
+from test_writer_failures import _snapshot
 
 from stepforge.strategy import Booster, CheckpointError
 from stepforge.strategy import checkpoint as ck

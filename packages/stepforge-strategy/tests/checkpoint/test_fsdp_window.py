@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """stepforge.strategy.checkpoint._fsdp_window: FSDP2's pending unsharded gradients, saved and restored.
 
-The round trip on a real FSDP2 model inside an accumulation window is covered by test_strategy_distributed.py
-(resume mid-window) and, for the torch internals it goes through, by stepforge-core's test_torch_compat.py.
+The round trip on a real FSDP2 model inside an accumulation window is covered by strategy/test_resume_distributed.py
+(resume mid-window) and, for the torch internals it goes through, by stepforge-core's torch_compat/test_wrappers.py.
 """
 
 from __future__ import annotations

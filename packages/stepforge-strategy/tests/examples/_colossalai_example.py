@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """ColossalAI's examples/images/resnet/train.py, shrunk, with its ``colossalai`` imports pointed at stepforge and
-``.cuda()`` replaced by the accelerator's device; run by test_colossalai_example_script.py under torchrun.
+``.cuda()`` replaced by the accelerator's device; run by test_colossalai_example.py under torchrun.
 
 The structure and the calls are the example's (``launch_from_torch``, ``DistCoordinator``, ``priority_execution``
 around the dataset "download", ``plugin.prepare_dataloader``, ``get_accelerator().get_current_device()``,

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""GeminiPlugin's placement arguments on FSDP2 (issue 23): each one changes where parameters live, and training
+"""GeminiPlugin's placement arguments on FSDP2: each one changes where parameters live, and training
 stays equal to plain torch on one process over the concatenated batch.
 
 One spawn of 4 gloo ranks runs every case (CI budget), bounded by its timeout. The model has four units of

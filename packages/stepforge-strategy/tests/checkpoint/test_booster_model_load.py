@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``Booster.load_model`` refreshes a ZeRO optimizer's fp32 masters (issue 23, defect 2).
+"""``Booster.load_model`` refreshes a ZeRO optimizer's fp32 masters.
 
 Under ``zero2`` with bf16 working weights the optimizer steps fp32 master pieces and copies them back into the
 model. Loading a checkpoint changed only the model, so the next ``step()`` -- even at lr 0 -- wrote the old

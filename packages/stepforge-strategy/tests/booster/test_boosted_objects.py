@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The boosted objects as ColossalAI's code touches them (issue #23), from ColossalAI's
+"""The boosted objects as ColossalAI's code touches them, from ColossalAI's
 ``tests/test_booster/test_plugin/test_torch_ddp_plugin.py`` and ``colossalai/interface``:
 
 - the model is a ``ModelWrapper``: ``.module`` is what the plugin made (DDP under ``torch_ddp``), ``.unwrap()``

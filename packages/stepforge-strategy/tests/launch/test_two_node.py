@@ -13,11 +13,12 @@ import torch
 from stepforge.testing.distributed import free_port, requires_gloo
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(HERE)  # the worker imports the shared _strategy_cases from there
 WORKER = os.path.join(HERE, "_two_node_worker.py")
 
 
 def _env() -> dict[str, str]:
-    path = os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])
+    path = os.pathsep.join([HERE, TESTS, os.environ.get("PYTHONPATH", "")])
     return dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
 
 

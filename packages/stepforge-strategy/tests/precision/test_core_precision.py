@@ -17,7 +17,7 @@ from stepforge.core import PLUGINS
 from stepforge.strategy import Booster
 from stepforge.testing.distributed import run_distributed
 
-FIXTURES = pathlib.Path(__file__).parent / "fixtures"
+FIXTURES = pathlib.Path(__file__).parents[1] / "fixtures"
 INFO = json.loads((FIXTURES / "booster_fixtures.json").read_text())
 SLOW_ON_CPU = "stepforge.core.precision.SlowConfigurationWarning"
 HAVE_ZERO = "zero2" in PLUGINS

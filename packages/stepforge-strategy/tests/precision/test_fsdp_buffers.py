@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""FSDP2 plugins cast floating buffers to the compute dtype, as ColossalAI does (issue 23, defect 5).
+"""FSDP2 plugins cast floating buffers to the compute dtype, as ColossalAI does.
 
 A BatchNorm model under ``torch_fsdp`` with bf16, or ``gemini`` with fp16, used to crash in the forward (the
 parameters were cast by FSDP2's ``MixedPrecisionPolicy``, the running statistics stayed fp32). 2 gloo ranks, one

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``Booster.load_model`` reads what ``save_model`` wrote at any path, whatever its name (issue 23, defect 4).
+"""``Booster.load_model`` reads what ``save_model`` wrote at any path, whatever its name.
 
 The reader is chosen from the file's first bytes (a safetensors header, a torch zip archive, a legacy pickle),
 never from its suffix: ``save_model(model, "ckpt/model")`` and ``save_model(model, "model.pt")`` write

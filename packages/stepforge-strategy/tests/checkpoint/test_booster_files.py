@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 import torch
-from test_checkpoint_writer import _leftovers, _snapshot
+from test_writer_failures import _leftovers, _snapshot
 
 from stepforge.strategy import Booster, CheckpointError
 from stepforge.strategy import checkpoint as ck

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``Booster.enable_lora`` / ``save_lora_as_pretrained`` through Hugging Face peft (issue #23), from ColossalAI's
+"""``Booster.enable_lora`` / ``save_lora_as_pretrained`` through Hugging Face peft, from ColossalAI's
 ``tests/test_lora/test_lora.py`` and its DDP plugin: adapters are added before ``boost``, only they train, the
 saved adapter directory loads back into a fresh base model with equal LoRA weights; without peft the error
 names ``pip install peft``; FSDP2 plugins refuse LoRA as ColossalAI's do.

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""FSDP2 plugins keep tied parameters in one ``fully_shard`` unit (issue 23, defect 6).
+"""FSDP2 plugins keep tied parameters in one ``fully_shard`` unit.
 
 A head tied to a block's weight (``head.weight = blocks[0].weight``, as tied embeddings are) used to fail under
 ``torch_fsdp`` and ``gemini`` with "mixed torch.Tensor and DTensor": the block was sharded on its own, so its

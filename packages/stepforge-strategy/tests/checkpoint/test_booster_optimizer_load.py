@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``Booster.load_optimizer`` restores every saved state entry or fails and changes nothing (issue 23, defect 1).
+"""``Booster.load_optimizer`` restores every saved state entry or fails and changes nothing.
 
 torch's ``Optimizer.load_state_dict`` creates the state entries a fresh optimizer lacks; a DCP load fills only
 the entries of its template, so a plain ``SGD(lr=...)`` (no momentum buffers) loading a ``SGD(momentum=0.5)``

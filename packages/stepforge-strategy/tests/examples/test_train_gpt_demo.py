@@ -22,7 +22,7 @@ import pytest
 from stepforge.testing.distributed import requires_gloo
 
 ROOT = os.environ.get("STEPFORGE_SOURCE_ROOT") or os.path.abspath(
-    os.path.join(os.path.dirname(__file__), "..", "..", "..")
+    os.path.join(os.path.dirname(__file__), "..", "..", "..", "..")
 )
 EXAMPLES = os.path.join(ROOT, "examples")
 DEMO = os.path.join(EXAMPLES, "train_gpt_demo.py")
