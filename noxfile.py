@@ -230,7 +230,7 @@ def faults(session: nox.Session) -> None:
     """The fault test alone: a 2-rank run under `torchrun --max-restarts` SIGKILLed 5 times finishes bitwise equal
     to an uninterrupted one (CI runs it inside tests(strategy))."""
     install_packages(session, "stepforge-strategy", extra=("numpy",), env=CPU_BUILD)
-    run_pytest(session, "stepforge-strategy/tests/test_fault_restarts.py")
+    run_pytest(session, "stepforge-strategy/tests/strategy/test_fault_restarts.py")
 
 
 @ci_session()

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 //
-// Probe (issue 21): which access pattern lets the master-weight Adam pass (fp32 master r/w, bf16 grad r, fp32 m
+// Probe: which access pattern lets the master-weight Adam pass (fp32 master r/w, bf16 grad r, fp32 m
 // and v r/w, bf16 param copy w: 28 bytes per element) reach the device's copy bandwidth. Standalone, built with
 // nvcc on the GPU machine: nvcc -O3 -std=c++17 --expt-relaxed-constexpr -arch=sm_90 -Ipackages/stepforge-fused/
 // csrc/include -Ipackages/stepforge-fused/csrc/cuda tools/gpu/probe_adam_streams.cu -o probe && ./probe

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
-# The GPU proof in one command (issue 21), on the GPU machine, from the repo root:
+# The GPU proof in one command, on the GPU machine, from the repo root:
 #     tools/gpu/run_all.sh
 # Stages, each logged; a failed stage is recorded and the next one still runs; the exit status is non-zero
 # when any stage failed:

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """How much slower is an fp16 training step than a bf16 (and fp32) one on this CPU, through the Booster?
 
-The figure behind the one-time note of ``stepforge.core.precision.warn_slow_precision`` (issue 19 item 4). One
+The figure behind the one-time note of ``stepforge.core.precision.warn_slow_precision``. One
 process, one thread, ``Booster(plugin=LowLevelZeroPlugin(stage=2, precision=p))``, a GPT-block-shaped MLP
 (``--width`` wide, ``--layers`` deep, ``--rows`` tokens per step), AdamW. The precisions are interleaved round by
 round and the median step time of each is printed with its ratio to bf16::

@@ -151,7 +151,7 @@ def run_case(
         }
         row["pct_of_ceiling"] = 100.0 * row["best_gb_per_s"] / ceiling[momentum]
         # same start, grads and step count: without momentum equal at any size; with it, where torch's vector
-        # body covers the tensor (its scalar tail rounds buf*m + g*(1-d) differently, see test_fused_sgd_bits)
+        # body covers the tensor (its scalar tail rounds buf*m + g*(1-d) differently, see stepforge-fused's tests/optimizers/test_sgd_bits.py)
         pairs = zip(ours_params, ref_params, strict=True)
         row["bit_identical_to_torch_fused"] = all(torch.equal(a, b) for a, b in pairs)
     return row

@@ -352,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _goal_ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Issue 19's goals per world: zero2 / DDP and zero1 / torch ZeroRedundancyOptimizer (<= 1.00)."""
+    """The speed goals per world: zero2 / DDP and zero1 / torch ZeroRedundancyOptimizer (<= 1.00)."""
     ratios, lines = {}, []
     by = {(r["world"], r["scheme"]): r["step_ms_median"] for r in rows}
     for world in sorted({r["world"] for r in rows}):

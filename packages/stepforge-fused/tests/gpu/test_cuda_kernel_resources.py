@@ -6,7 +6,7 @@ stepforge-fused without its CUDA module and skip, and under ``STEPFORGE_EXPECT_C
 fails.
 
 Unbounded, ptxas gave ``adam_kernel`` 96-100 registers: 2 blocks of 256 threads per SM, too few loads in flight
-for the five streams of the master-weight pass (84% of the copy bandwidth on an H200, issue 21). Capped at 4
+for the five streams of the master-weight pass (84% of the copy bandwidth on an H200). Capped at 4
 blocks per SM it reached 90-91% (``benchmarks/results/gpu-runs/gpu-2026-11-26b-h200-runs.md``). This test keeps the cap
 (at most 64 registers) and checks that it costs no more than a token spill.
 """

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """FlexibleRunner + ``StepforgeStrategy`` with the ``zero2`` plugin on CUDA, 1 NCCL rank: CheckpointHook saves,
-a resumed run continues bit-identically (the CPU test on 2 gloo ranks: ``../test_flexible_runner.py``).
+a resumed run continues bit-identically (the CPU test on 2 gloo ranks: ``../runner/test_flexible_runner.py``).
 
 Two set-ups of the example config (``examples/mmengine/zero2_cpuadam.py``), each trained three times in one
 process: uninterrupted for 24 iterations; stopped after iteration 12 (CheckpointHook saved there); resumed with

@@ -2,7 +2,7 @@
 """ColossalAI's ``LowLevelZeroPlugin`` argument list (``colossalai/booster/plugin/low_level_zero_plugin.py`` at
 4f9953b) on one process: names, order and defaults, what reaches the optimizer, and the arguments whose effect
 shows here (``norm_type``, ``cast_inputs``, ``support_no_sync``, ``model.update_master_params()``). The
-2-D grid of ``extra_dp_size`` runs at 4 ranks in ``test_colossal_wire.py``. Expected values are written out."""
+2-D grid of ``extra_dp_size`` runs at 4 ranks in ``comm/test_wire_and_grid.py``. Expected values are written out."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """stepforge.core.torch_compat: the one public module through which stepforge uses torch private APIs.
 
-Each wrapper names the private it needs in :data:`PRIVATE_APIS`; ``tests/test_torch_compat.py`` resolves every
+Each wrapper names the private it needs in :data:`PRIVATE_APIS`; ``tests/torch_compat/test_wrappers.py`` resolves every
 entry and exercises every wrapper on real torch objects, so a torch update that renames or removes one fails
 there, naming the private and the torch version, instead of deep inside a training step. Where torch has a
 public spelling it is used (``isinstance(t, DTensor)``, ``torch.distributed.fsdp.FSDPModule``,

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The list of every torch private :mod:`stepforge.core.torch_compat` uses, each with a resolver.
 
-``tests/test_torch_compat.py`` resolves every entry, so a torch update that renames or removes one fails
+``tests/torch_compat/test_wrappers.py`` resolves every entry, so a torch update that renames or removes one fails
 there, naming the private and the torch version, instead of deep inside a training step.
 """
 
