@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """``compile=`` on one process: the option check, ``disable`` really skipping, ``target`` naming the method that
 is compiled, a model already compiled by ``torch.compile`` refused only with ``compile=``, and Strategy's
-``prepare``/``compile_model`` on the same path. (Every plugin against its eager run: test_compile_distributed.)"""
+``prepare``/``compile_model`` on the same path. (Every plugin against its eager run: compile/test_compiled_vs_eager.py.)"""
 
 from __future__ import annotations
 
