@@ -222,6 +222,21 @@ def install_packages(
                 names.append(name)
     reqs = {r for p in packages for r in test_group(p)} | set(extra)
     session.install(*CONSTRAINTS, *sorted(reqs), *package_paths(session, names), env=env)
+    if "stepforge-fused" in names:
+        _refresh_fused(session)
+
+
+def _refresh_fused(session: nox.Session) -> None:
+    """Reinstall stepforge-fused when a reused venv holds another build of the same version.
+
+    pip keeps an installed distribution whose version equals the wheel's, so after a source change a reused venv
+    (``nox -r``) would go on testing the old build; a marker in the venv names the wheel last installed.
+    """
+    wheel = fused_wheel(session)
+    marker = _purelib(session) / "_stepforge_fused_wheel.txt"
+    if not marker.is_file() or marker.read_text() != wheel:
+        session.install("--no-deps", "--force-reinstall", wheel)
+        marker.write_text(wheel)
 
 
 def run_pytest(session: nox.Session, tests: str, *args: str, env: dict[str, str] | None = None) -> None:
