@@ -12,7 +12,10 @@
 - :class:`StatefulDataLoader` (the data position in checkpoints);
 - :class:`Strategy` / :class:`ColossalAIStrategy` (mmengine's API: ``prepare``, ``save_checkpoint``,
   ``load_checkpoint``, ``resume``) with crash-safe DCP directory checkpoints (:mod:`.checkpoint`) and
-  mmengine-semantics parameter schedulers (:mod:`.schedulers`).
+  mmengine-semantics parameter schedulers (:mod:`.schedulers`);
+- :func:`estimate` / :class:`Estimate` (:mod:`.memory`): memory per rank (device and host, per component, peak)
+  and bytes communicated per step of a configuration, before launch, from the plugins' own layout code; the
+  console command ``stepforge-estimate``.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from .checkpoint import CheckpointError, find_latest_checkpoint
 from .checkpoint_io import BoosterCheckpointIO, CheckpointIO
 from .data import StatefulDataLoader, make_stateful
 from .general_checkpoint_io import GeneralCheckpointIO
+from .memory import Estimate, estimate
 from .mixed_precision import (
     BF16MixedPrecision,
     FP8MixedPrecision,
@@ -70,4 +74,6 @@ __all__ = [
     "ColossalAIStrategy",
     "CheckpointError",
     "find_latest_checkpoint",
+    "estimate",
+    "Estimate",
 ]

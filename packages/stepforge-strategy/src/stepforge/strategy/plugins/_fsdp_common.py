@@ -20,6 +20,7 @@ from ._fsdp_prefetch import PrefetchPlan, apply_prefetch
 
 __all__ = [
     "shard_model",
+    "plan_units",
     "choose_blocks",
     "cast_floating_buffers",
     "precision_policy",
@@ -114,6 +115,23 @@ def choose_blocks(
     return [block for block in chosen if not holds_shared_parameters(block, model)]
 
 
+def plan_units(
+    model: nn.Module,
+    blocks: Callable[[nn.Module], bool] | Iterable[type] | None,
+    placement: Callable[[nn.Module, list[nn.Module]], Mapping[int, UnitPlacement] | None] | None = None,
+) -> tuple[list[nn.Module], set[int] | None, Mapping[int, UnitPlacement] | None]:
+    """``(blocks, read_outside, plan)``: the modules :func:`shard_model` shards as their own units (see
+    :func:`choose_blocks`, less those whose parameters the forward reads outside them), the ids of those found
+    read outside (``None``: the forward could not be traced) and ``placement``'s plan. Nothing is changed: the
+    memory plan reads the same units."""
+    chosen = choose_blocks(model, blocks)
+    read_outside = blocks_read_outside(model, chosen)
+    if read_outside is not None:
+        chosen = [block for block in chosen if id(block) not in read_outside]
+    plan = placement(model, chosen) if placement is not None else None
+    return chosen, read_outside, plan
+
+
 def shard_model(
     model: nn.Module,
     *,
@@ -140,11 +158,7 @@ def shard_model(
 
     if isinstance(model, FSDPModule):
         return model
-    chosen = choose_blocks(model, blocks)
-    read_outside = blocks_read_outside(model, chosen)
-    if read_outside is not None:
-        chosen = [block for block in chosen if id(block) not in read_outside]
-    plan = placement(model, chosen) if placement is not None else None
+    chosen, read_outside, plan = plan_units(model, blocks, placement)
     cast_floating_buffers(model, mp_policy.param_dtype)
 
     def _shard(module: nn.Module, reshard: bool) -> None:
