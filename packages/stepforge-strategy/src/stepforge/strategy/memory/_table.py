@@ -11,7 +11,7 @@ from stepforge.core.memory_plan import COMPONENTS
 if TYPE_CHECKING:
     from ._estimate import Estimate
 
-__all__ = ["estimate_table", "format_bytes", "column_title"]
+__all__ = ["estimate_table", "markdown_table", "format_bytes", "column_title"]
 
 _UNITS = (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024))
 
@@ -68,4 +68,26 @@ def estimate_table(estimates: Sequence[Estimate], *, fits: Sequence[bool | None]
             + " | "
             + " | ".join(v.rjust(w) for v, w in zip(values, widths, strict=True))
         )
+    return "\n".join(lines)
+
+
+def markdown_table(estimates: Sequence[Estimate], *, fits: Sequence[bool | None] | None = None) -> str:
+    """One row per estimate (plugin and settings): device bytes per component and peak, host peak, bytes sent
+    per step, and (``fits``) whether it fits, as a Markdown table."""
+    components = [c for c in COMPONENTS if any(e.device[c] for e in estimates)]
+    head = ["plugin", *(f"device {c}" for c in components), "device peak", "host peak", "sent / step"]
+    if fits is not None:
+        head.append("fits")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for i, e in enumerate(estimates):
+        cells = [f"`{column_title(e)}`"]
+        cells += [format_bytes(e.device[c]) for c in components]
+        cells += [
+            f"**{format_bytes(e.device['peak'])}**",
+            format_bytes(e.host["peak"]),
+            format_bytes(e.sent_bytes),
+        ]
+        if fits is not None:
+            cells.append("-" if fits[i] is None else "yes" if fits[i] else "no")
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
