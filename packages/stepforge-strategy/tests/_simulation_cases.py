@@ -244,7 +244,7 @@ def dcp_reshard(save_world: int, load_world: int, load_ranks: tuple[int, ...]) -
                     dict(
                         rank=rank,
                         fqn=fqn,
-                        rows=tuple(tensor.to_local().shape)[0],
+                        rows=tensor.to_local().shape[0],
                         offset=_row_offset(shapes[fqn][0], load_world, rank),
                         saved_chunks=[
                             (c.offsets[0], c.sizes[0]) for c in metadata.state_dict_metadata[fqn].chunks

@@ -7,11 +7,10 @@ rules (``torch.chunk`` pieces of ``ceil(n / N)``, buckets launched once they rea
 
 from __future__ import annotations
 
+import _simulation_cases as cases
 import pytest
 
 from stepforge.testing.fake_world import run_isolated
-
-import _simulation_cases as cases
 
 BF16, FP32 = 2, 4
 ZERO_BUCKET = 12 * 1024**2  # the plugin's bucket on a non-gloo backend (ColossalAI's 12 Mi elements)
