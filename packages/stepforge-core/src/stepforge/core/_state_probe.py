@@ -71,6 +71,7 @@ class OptimizerStateProbe:
         self.name = kind if isinstance(kind, str) else getattr(kind, "__name__", str(kind))
         self._cache: dict[tuple[tuple[int, ...], torch.dtype], tuple[StateTensor, ...]] = {}
         self._fits: dict[torch.dtype, list[tuple[str, float, float, torch.dtype, bool]]] = {}
+        self._temporaries: dict[torch.dtype, tuple[float, float, float]] = {}
         self.method = "meta"  # "cpu-fit" once the meta probe failed
 
     def _build(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
@@ -150,6 +151,44 @@ class OptimizerStateProbe:
             StateTensor(name, round(per_element * numel + fixed), state_dtype, with_param)
             for name, per_element, fixed, state_dtype, with_param in self._fit(dtype)
         )
+
+    def step_temporaries(self, numels: list[int], dtype: torch.dtype) -> int:
+        """Bytes of the temporaries one ``step()`` allocates beside the state, for stepped tensors of ``numels``
+        elements: ``a * largest + c * second largest + b * the rest``, fitted from steady-state steps (the second
+        step) of the optimizer over one, two and three equal stand-in parameters, counted by torch's
+        ``MemTracker``. A loop over tensors keeps one tensor's temporaries and what the previous one left
+        (``b`` = 0); a multi-tensor step keeps every tensor's (``a = c = b``)."""
+        if not numels:
+            return 0
+        fit = self._temporaries.get(dtype)
+        if fit is None:
+            fit = self._temporaries[dtype] = self._fit_temporaries(dtype)
+        ordered = sorted(numels, reverse=True)
+        second = ordered[1] if len(ordered) > 1 else 0
+        rest = sum(ordered[2:])
+        return max(0, round(fit[0] * ordered[0] + fit[1] * second + fit[2] * rest))
+
+    def _fit_temporaries(self, dtype: torch.dtype) -> tuple[float, float, float]:
+        from .torch_compat import memory_tracker, tracker_bytes
+
+        n = 4096 if self.method == "meta" else _FIT_SIZES[1]
+        device = "meta" if self.method == "meta" else "cpu"
+        peaks = []
+        for count in (1, 2, 3):
+            params = [
+                torch.nn.Parameter(torch.full((n,), 0.5, dtype=dtype, device=device)) for _ in range(count)
+            ]
+            optimizer = self._build(list(params))
+            for p in params:
+                p.grad = torch.full_like(p, 1e-3)
+            optimizer.step()  # the first step creates the state
+            tracker = memory_tracker()
+            with tracker:
+                optimizer.step()
+            current = sum(d["Total"] for d in tracker_bytes(tracker).values())
+            peak = sum(d["Total"] for d in tracker_bytes(tracker, "peak").values())
+            peaks.append(max(0, peak - current))
+        return peaks[0] / n, max(0.0, peaks[1] - peaks[0]) / n, max(0.0, peaks[2] - peaks[1]) / n
 
     def describe(self, dtype: torch.dtype = torch.float32) -> str:
         """The layout for a 1-D parameter of 1 000 elements, for logs: ``"exp_avg fp32 x1, ..."``."""

@@ -263,11 +263,16 @@ def add_optimizer_state(
     place: str,
 ) -> None:
     """Add the state ``optimizer`` (a ``build_optimizer`` config) keeps for tensors of these shapes and dtypes,
-    as the optimizer itself lays it out; state it keeps on the CPU whatever the tensor's device (torch's
-    ``step`` counters) is host memory."""
+    as the optimizer itself lays it out, and the temporaries of its step; state it keeps on the CPU whatever the
+    tensor's device (torch's ``step`` counters) is host memory."""
     probe = optimizer_state_probe(optimizer)
     with_param = on_host = 0
+    by_dtype: dict[torch.dtype, list[int]] = {}
     for shape, dtype in tensors:
+        numel = 1
+        for s in shape:
+            numel *= s
+        by_dtype.setdefault(dtype, []).append(numel)
         for state in probe.state(shape, dtype):
             if state.with_param:
                 with_param += state.nbytes
@@ -275,3 +280,5 @@ def add_optimizer_state(
                 on_host += state.nbytes
     plan.add("optimizer_state", place, with_param, f"{probe.name} state", "step")
     plan.add("optimizer_state", "host", on_host, f"{probe.name} state kept on the CPU", "step")
+    temporaries = sum(probe.step_temporaries(numels, dtype) for dtype, numels in by_dtype.items())
+    plan.add("buffers", place, temporaries, f"{probe.name} step temporaries", "update")

@@ -63,6 +63,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=("table", "markdown", "json"), default="table")
     p.add_argument("--what-fits", action="store_true", help="print the docs page docs/what-fits.md")
     p.add_argument("--accuracy", default=None, help="with --what-fits: the bench_estimate JSON to quote")
+    p.add_argument("--out", default=None, help="write to this file instead of standard output")
     return p
 
 
@@ -113,10 +114,19 @@ def estimate_plugins(
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command; returns the exit status."""
     args = parser().parse_args(argv)
+    out = open(args.out, "w") if args.out else sys.stdout  # closed below
+    try:
+        return _run(args, out)
+    finally:
+        if args.out:
+            out.close()
+
+
+def _run(args: argparse.Namespace, out: Any) -> int:
     if args.what_fits:
         from ._what_fits import what_fits_page
 
-        sys.stdout.write(what_fits_page(accuracy=args.accuracy))
+        out.write(what_fits_page(accuracy=args.accuracy))
         return 0
     if args.model is None:
         parser().error("a model is needed (or --what-fits)")
@@ -141,11 +151,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     fits = [e.fits(args.device_memory, args.host_memory) for e in estimates] if checked else None
     if args.format == "json":
         payload = [dict(e.to_dict(), fits=None if fits is None else fits[i]) for i, e in enumerate(estimates)]
-        sys.stdout.write(json.dumps(payload, indent=2) + "\n")
+        out.write(json.dumps(payload, indent=2) + "\n")
     elif args.format == "markdown":
-        sys.stdout.write(markdown_table(estimates, fits=fits) + "\n")
+        out.write(markdown_table(estimates, fits=fits) + "\n")
     else:
-        sys.stdout.write(estimate_table(estimates, fits=fits) + "\n")
+        out.write(estimate_table(estimates, fits=fits) + "\n")
     return NONE_FITS if fits is not None and not any(fits) else 0
 
 

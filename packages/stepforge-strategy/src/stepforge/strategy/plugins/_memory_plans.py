@@ -100,7 +100,8 @@ def fsdp_memory_plan(
     ranks and are replicated across ``extra_dp_size`` groups (HSDP); replicated units are whole on every rank.
     Offloaded shards are page-locked with ``pin_memory`` on an accelerator ``device`` (default: the plugin's),
     as ``CPUOffloadPolicy`` pins them only where an accelerator exists."""
-    pinned = pin_memory and torch.device(device if device is not None else plugin.device).type != "cpu"
+    on_cpu = torch.device(device if device is not None else plugin.device).type == "cpu"
+    pinned = pin_memory and not on_cpu
     if world_size % extra_dp_size:
         raise ValueError(
             f"{type(plugin).__name__}: extra_dp_size={extra_dp_size} does not divide world_size={world_size}."
@@ -132,7 +133,9 @@ def fsdp_memory_plan(
             continue
         label = f"unit {name or '<root>'}"
         plan.add("params", place, stored, "sharded parameters (padded)", pinned=offload and pinned)
-        grad_bytes = tensor_bytes(local_numel if offload else padded_numel, reduce_dtype)
+        # gradients are views of the unit's padded reduce-scatter output; offloaded from an accelerator, each
+        # is copied to the CPU unpadded (on a CPU device that copy is the view itself)
+        grad_bytes = tensor_bytes(local_numel if offload and not on_cpu else padded_numel, reduce_dtype)
         plan.add("grads", place, grad_bytes, "sharded gradients", "grads")
         gathered.append((tensor_bytes(full, param_dtype), tensor_bytes(full, reduce_dtype)))
         gather_calls = 2 if reshard else 1
