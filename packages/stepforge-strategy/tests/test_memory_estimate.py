@@ -85,7 +85,7 @@ def test_plugins_take_precision_as_the_booster_gives_it() -> None:
     precision that differs is refused; keyword arguments reach the plugin."""
     zero, precision, autocast = make_plugin("zero2", precision="bf16", cpu_offload=True)
     assert (zero.name, precision, autocast, zero.cpu_offload) == ("zero2", "bf16", None, True)  # type: ignore[attr-defined]
-    ddp, precision, autocast = make_plugin("torch_ddp", device="cpu", precision="bf16")
+    _ddp, precision, autocast = make_plugin("torch_ddp", device="cpu", precision="bf16")
     assert (precision, autocast) == ("bf16", torch.bfloat16)
     _, precision, autocast = make_plugin(dict(type="torch_fsdp", precision="fp32"), device="cpu")
     assert (precision, autocast) == ("fp32", None)

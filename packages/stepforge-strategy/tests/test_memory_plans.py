@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from stepforge.strategy.plugins import GeminiPlugin, TorchDDPPlugin, TorchFSDPPlugin
@@ -58,7 +57,7 @@ def _ddp(rank: int, world: int) -> dict[str, Any]:
 
     plugin = TorchDDPPlugin(bucket_cap_mb=0.004, device="cpu")  # 4 KiB buckets: several for this model
     plan = plugin.memory_plan(_Net(), world_size=world, optimizer=dict(type="SGD", lr=0.1, momentum=0.9))
-    model, optimizer = plugin.prepare(_Net(), None)
+    model, _optimizer = plugin.prepare(_Net(), None)
     sizes: list[int] = []
 
     def hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations against its own classes
