@@ -31,7 +31,7 @@ from .checkpoint import CheckpointError, find_latest_checkpoint
 from .checkpoint_io import BoosterCheckpointIO, CheckpointIO
 from .data import StatefulDataLoader, make_stateful
 from .general_checkpoint_io import GeneralCheckpointIO
-from .memory import Estimate, estimate
+from .memory import Estimate, MemoryBudgetError, estimate
 from .mixed_precision import (
     BF16MixedPrecision,
     FP8MixedPrecision,
@@ -76,4 +76,5 @@ __all__ = [
     "find_latest_checkpoint",
     "estimate",
     "Estimate",
+    "MemoryBudgetError",
 ]

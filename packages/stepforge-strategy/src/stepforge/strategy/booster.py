@@ -29,6 +29,7 @@ from stepforge.core import PLUGINS, BoostedOptimizer, Plugin, WrappedModel, buil
 from stepforge.core.plugin_base import unwrap_optimizer
 from stepforge.core.precision import warn_slow_precision
 
+from ._auto_boost import PendingAutoPlugin, auto_candidates, is_auto, resolve_at_boost
 from ._lora import enable_lora, require_peft
 from .accelerator import Accelerator
 from .boosted_model import ModelWrapper, plugin_module
@@ -65,6 +66,12 @@ class Booster:
             :class:`stepforge.core.Plugin` instance.
         device: passed to a plugin built here when its constructor takes ``device``; for a plugin that does not
             place the model (``control_device()`` is ``False``) the :class:`Accelerator` ``boost`` moves it to.
+        memory_budget: ``dict(device=..., host=..., inputs=..., criterion=...)``: bytes (or ``"70GiB"``) a rank
+            may use (default: the free memory), optionally an example micro-batch whose activations count. With
+            ``plugin="auto"`` (or ``dict(type="auto", candidates=[...])``) ``boost`` takes the fastest plugin
+            whose :func:`~stepforge.strategy.estimate` fits (order: ``docs/what-fits.md``) and logs why; with
+            another plugin it checks that one. What cannot fit raises :class:`~stepforge.strategy.MemoryBudgetError`
+            at ``boost``, before any large allocation, naming what would fit.
 
     Attributes:
         checkpoint_io: the :class:`~stepforge.strategy.CheckpointIO` every ``save_*``/``load_*`` goes through (a
@@ -89,11 +96,25 @@ class Booster:
         plugin: str | Mapping[str, Any] | Plugin | None = None,
         *,
         device: str | torch.device | None = None,
+        memory_budget: Mapping[str, Any] | None = None,
     ) -> None:
         wanted = precision_name(mixed_precision)
         if mixed_precision is not None and wanted is None:
             resolve_mixed_precision(mixed_precision)  # raises the precise error
-        self.plugin: Plugin = self._build_plugin(plugin, device)
+        self._spec = (mixed_precision, wanted, device)
+        self.memory_budget = memory_budget
+        #: the candidates of ``plugin="auto"`` until ``boost`` chose one (``None``: a plugin was given)
+        self._auto = auto_candidates(plugin) if is_auto(plugin) else None
+        if self._auto is not None:
+            self._configure(PendingAutoPlugin(device), general_io=False)
+        else:
+            self._configure(self._build_plugin(plugin, device), general_io=plugin is None)
+
+    def _configure(self, plugin: Plugin, *, general_io: bool) -> None:
+        """Adopt ``plugin``: the accelerator where it does not place the model, its precision or the Booster's
+        mixed precision, the checkpoint IO."""
+        mixed_precision, wanted, device = self._spec
+        self.plugin: Plugin = plugin
         self.accelerator: Accelerator | None = None
         if not self.plugin.control_device():
             self.accelerator = Accelerator(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -103,7 +124,7 @@ class Booster:
         else:
             self.mixed_precision = resolve_mixed_precision(mixed_precision)
         self.checkpoint_io: BoosterCheckpointIO = (
-            GeneralCheckpointIO(self.plugin) if plugin is None else BoosterCheckpointIO(self.plugin)
+            GeneralCheckpointIO(self.plugin) if general_io else BoosterCheckpointIO(self.plugin)
         )
 
     # -- construction --------------------------------------------------------------------------------------
@@ -168,9 +189,11 @@ class Booster:
         :class:`stepforge.core.BoostedOptimizer` (the plugin's, or an :class:`OptimizerWrapper` with the Booster's
         loss scaling); the dataloader with ``state_dict``/``load_state_dict`` (the data position).
         """
-        plugin = self.plugin
         if not isinstance(model, nn.Module):
             raise TypeError(f"Booster.boost: model must be a torch.nn.Module, got {type(model).__name__}.")
+        if self._auto is not None or self.memory_budget is not None:
+            self._fit_memory(model, optimizer)
+        plugin = self.plugin
         if isinstance(optimizer, Mapping) and not plugin.builds_optimizer_config:
             optimizer = build_optimizer(dict(optimizer), model.parameters())
         if optimizer is not None and not isinstance(optimizer, Mapping | torch.optim.Optimizer):
@@ -210,6 +233,17 @@ class Booster:
         if dataloader is not None:
             dataloader = make_stateful(dataloader)
         return model, boosted, criterion, dataloader, lr_scheduler
+
+    def _fit_memory(self, model: nn.Module, optimizer: Any) -> None:
+        """``auto``: choose the plugin and adopt it; a budget: check the plugin fits (see ``memory_budget``)."""
+        precision = self._spec[1] or ("fp32" if self._auto is not None else None)  # one precision for all
+        chosen = resolve_at_boost(self.plugin, self._auto, self.memory_budget, model, optimizer, precision)
+        if chosen is not None:
+            self._auto = None
+            plugin = self._build_plugin(chosen, self._spec[2])
+            if plugin.control_precision() and self._spec[1] is None:
+                plugin.set_precision("fp32")  # as estimated, not the plugin's own default (ZeRO's fp16)
+            self._configure(plugin, general_io=False)
 
     def _wrap_for_mixed_precision(
         self, model: nn.Module, optimizer: torch.optim.Optimizer

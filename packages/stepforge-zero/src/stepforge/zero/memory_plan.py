@@ -203,9 +203,7 @@ def zero_memory_plan(
     reducer, wire, pool = _drive_reducer(layout, plugin, bucket, algorithm)
     plan.add("grads", host_or_device, reducer.pieces.held_bytes, "reduced gradient pieces", "step")
     plan.add("buffers", "device", pool.held_bytes, "gradient bucket buffers (kept)", "step")
-    plan.add(
-        "buffers", "device", max(0, pool.peak - pool.held_bytes), "gradient buckets in flight", "compute"
-    )
+    plan.add("buffers", "device", max(0, pool.peak - pool.held_bytes), "gradient buckets in flight", "reduce")
     # gradients wait in the filling bucket (working dtype) until it is launched
     waiting = min(bucket, sum(s.numel for s in slots)) * tensor_bytes(1, dtype)
     plan.add("grads", "device", waiting, "gradients waiting in a bucket", "reduce")

@@ -77,8 +77,9 @@ class Estimate:
     def _activation_bytes(self) -> int:
         return self.activations.forward if self.activations is not None else 0
 
-    def peak(self, place: str) -> int:
-        """The most bytes held at once on ``place`` over a training step: the larger of
+    def peak(self, place: str | None) -> int:
+        """The most bytes held at once on ``place`` (``None``: device and host together, one memory as on a CPU
+        device) over a training step: the larger of
 
         - forward/backward: what is held from boost and the first step on, the tensors that live throughout
           compute (gathered parameters), and the larger of the traced activations (with the gradients as they
@@ -92,7 +93,7 @@ class Estimate:
         compute = plan.total(place=place, lifetimes=("compute",))
         reduce = plan.total(place=place, lifetimes=("reduce",))
         update = plan.total(place=place, lifetimes=("update",))
-        trace = self.activations if place == "device" else None
+        trace = self.activations if place != "host" else None
         traced = 0 if trace is None else trace.peak_with_grads if plan.full_grads else trace.peak
         during = persistent + compute + max(traced, grads + reduce)
         return max(during, persistent + grads + update)
