@@ -90,7 +90,7 @@ def test_replicated_plan_of_a_meta_model() -> None:
     assert plan.total(component="optimizer_state", place="host") == 5 * 4  # the frozen bias has none
     assert plan.collectives == [] and plan.full_grads
     assert plan == replicated_plan(
-        _Replicated(device="cpu"), model, world_size=8, optimizer=dict(type="AdamW", lr=1e-3)
+        "replicated_test", model, world_size=8, optimizer=dict(type="AdamW", lr=1e-3)
     )
 
 

@@ -17,15 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from ._state_probe import OptimizerStateProbe, StateTensor, optimizer_state_probe
-
-if TYPE_CHECKING:
-    from .plugin import Plugin
 
 __all__ = [
     "COMPONENTS",
@@ -235,7 +232,7 @@ def tensor_bytes(numel: int, dtype: torch.dtype) -> int:
 
 
 def replicated_plan(
-    plugin: Plugin,
+    plugin: str,
     model: nn.Module,
     *,
     world_size: int,
@@ -243,8 +240,9 @@ def replicated_plan(
     optimizer: Mapping[str, Any] | None = None,
 ) -> MemoryPlan:
     """Every rank holds every parameter (in its own dtype), its gradient in ``param.grad`` and the optimizer's
-    state for it, all on the plugin's device; the model's buffers too; nothing is communicated."""
-    plan = MemoryPlan(plugin.name, world_size, rank, full_grads=True)
+    state for it, all on the device; the model's buffers too; nothing is communicated (``plugin``: the name the
+    plan carries)."""
+    plan = MemoryPlan(plugin, world_size, rank, full_grads=True)
     params = unique_parameters(model)
     plan.add("params", "device", sum(p.numel() * p.element_size() for _, p in params), "parameters")
     trainable = [p for _, p in params if p.requires_grad]

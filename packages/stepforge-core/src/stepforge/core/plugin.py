@@ -266,4 +266,4 @@ class Plugin(ABC):
         """
         from .memory_plan import replicated_plan
 
-        return replicated_plan(self, model, world_size=world_size, rank=rank, optimizer=optimizer)
+        return replicated_plan(self.name, model, world_size=world_size, rank=rank, optimizer=optimizer)

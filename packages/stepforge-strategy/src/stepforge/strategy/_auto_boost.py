@@ -14,6 +14,7 @@ from stepforge.core import Plugin, PluginBase
 
 from .memory._auto import (
     AUTO_CANDIDATES,
+    AutoChoice,
     MemoryBudget,
     check_budget,
     choose_plugin,
@@ -68,9 +69,9 @@ def resolve_at_boost(
     model: nn.Module,
     optimizer: Any,
     precision: str | None,
-) -> dict[str, Any] | None:
-    """For ``auto`` (``auto`` = its candidates): the chosen plugin's spec, ``dict(type=name, **settings)``. For
-    an explicit plugin with a budget: ``None`` once it is found to fit.
+) -> AutoChoice | None:
+    """For ``auto`` (``auto`` = its candidates): the choice (its plugin, settings, table and reason). For an
+    explicit plugin with a budget: ``None`` once it is found to fit.
 
     Raises:
         MemoryBudgetError: nothing fits (``auto``) or the explicit plugin does not; the message names what
@@ -89,8 +90,7 @@ def resolve_at_boost(
     candidates = auto if dist.is_available() and dist.is_initialized() else tuple(
         c for c in auto if c in _WITHOUT_GROUP
     )  # fmt: skip
-    choice = choose_plugin(
+    return choose_plugin(
         model, world_size=world, precision=precision, optimizer=config, device=device, backend=backend,
         budget=budget, candidates=candidates, rank=rank,
     )  # fmt: skip
-    return dict(type=choice.plugin, **choice.settings)

@@ -37,6 +37,7 @@ from .boosted_optimizer import OptimizerWrapper
 from .checkpoint_io import BoosterCheckpointIO
 from .data import make_stateful
 from .general_checkpoint_io import GeneralCheckpointIO
+from .memory import AutoChoice
 from .mixed_precision import MixedPrecision, precision_name, resolve_mixed_precision
 
 __all__ = ["Booster"]
@@ -105,6 +106,8 @@ class Booster:
         self.memory_budget = memory_budget
         #: the candidates of ``plugin="auto"`` until ``boost`` chose one (``None``: a plugin was given)
         self._auto = auto_candidates(plugin) if is_auto(plugin) else None
+        #: what ``plugin="auto"`` chose at ``boost`` (the plugin, the table, the reason), else ``None``
+        self.auto_choice: AutoChoice | None = None
         if self._auto is not None:
             self._configure(PendingAutoPlugin(device), general_io=False)
         else:
@@ -237,10 +240,11 @@ class Booster:
     def _fit_memory(self, model: nn.Module, optimizer: Any) -> None:
         """``auto``: choose the plugin and adopt it; a budget: check the plugin fits (see ``memory_budget``)."""
         precision = self._spec[1] or ("fp32" if self._auto is not None else None)  # one precision for all
-        chosen = resolve_at_boost(self.plugin, self._auto, self.memory_budget, model, optimizer, precision)
-        if chosen is not None:
+        choice = resolve_at_boost(self.plugin, self._auto, self.memory_budget, model, optimizer, precision)
+        if choice is not None:
             self._auto = None
-            plugin = self._build_plugin(chosen, self._spec[2])
+            self.auto_choice = choice
+            plugin = self._build_plugin(dict(type=choice.plugin, **choice.settings), self._spec[2])
             if plugin.control_precision() and self._spec[1] is None:
                 plugin.set_precision("fp32")  # as estimated, not the plugin's own default (ZeRO's fp16)
             self._configure(plugin, general_io=False)

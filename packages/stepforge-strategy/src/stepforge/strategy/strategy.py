@@ -156,6 +156,8 @@ class Strategy:
             model = self.booster.boost(model)[0]
         else:
             model, wrapper = _prepare.build_optim_wrapper(self.booster, model, optim_wrapper)
+        if self.booster.auto_choice is not None:  # into the run's own log (mmengine's, under FlexibleRunner)
+            self.logger.info("%s\n%s", self.booster.auto_choice.reason, self.booster.auto_choice.table)
         model = plugin_module(
             model
         )  # mmengine's strategies hand back the DDP/FSDP module, not a ModelWrapper

@@ -19,7 +19,7 @@ what it built.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -35,10 +35,28 @@ from ._param_gather import DIRECT_MIN, GATHER_CHUNK, _chunks, split_direct
 from ._partition import ShardLayout, build_layout
 from ._wire import WireFormat
 
-if TYPE_CHECKING:
-    from .plugin import LowLevelZeroPlugin
+__all__ = ["zero_memory_plan", "RecordingWire", "ZeroSettings"]
 
-__all__ = ["zero_memory_plan", "RecordingWire"]
+
+class ZeroSettings(Protocol):
+    """What the plan reads of ``LowLevelZeroPlugin``."""
+
+    name: str
+    stage: int
+    cpu_offload: bool
+    master_weights: bool
+    reduce_bucket_size_in_m: float | None
+    communication_dtype: torch.dtype | None
+    fp8_communication: bool
+    overlap_communication: bool
+    overlap_allgather: bool
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
 
 _SCALE_BYTES = 4  # fp8 wire: a float32 scale travels behind each row
 
@@ -116,7 +134,7 @@ def _stand_ins(model: nn.Module, dtype: torch.dtype) -> list[nn.Parameter]:
     return out
 
 
-def _drive_reducer(layout: ShardLayout, plugin: LowLevelZeroPlugin, bucket: int, algorithm: str) -> Any:
+def _drive_reducer(layout: ShardLayout, plugin: ZeroSettings, bucket: int, algorithm: str) -> Any:
     """Run :class:`GradReducer` over one backward's gradients (backward order) and the step's sync, recording;
     returns ``(reducer, wire, pool)``."""
     wire = RecordingWire(WireFormat(plugin.communication_dtype, plugin.fp8_communication))
@@ -142,7 +160,7 @@ def _drive_reducer(layout: ShardLayout, plugin: LowLevelZeroPlugin, bucket: int,
 
 
 def zero_memory_plan(
-    plugin: LowLevelZeroPlugin,
+    plugin: ZeroSettings,
     model: nn.Module,
     *,
     world_size: int,

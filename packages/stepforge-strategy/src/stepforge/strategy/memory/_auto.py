@@ -27,7 +27,8 @@ from torch import nn
 
 from stepforge.core import StepforgeError
 
-from ._estimate import Estimate
+from ._compare import estimate_plugins
+from ._estimate import Estimate, estimate
 from ._specs import parse_plugin, parse_size, plugin_label
 from ._table import estimate_table, format_bytes
 
@@ -163,8 +164,6 @@ class AutoChoice:
 
 
 def _estimates(model: nn.Module, candidates: Sequence[str], world_size: int, **kwargs: Any) -> list[Estimate]:
-    from .cli import estimate_plugins
-
     return estimate_plugins(model, candidates, world_size=world_size, **kwargs)
 
 
@@ -263,8 +262,6 @@ def check_budget(
 ) -> Estimate:
     """Estimate the configured ``plugin`` (an instance) and raise :class:`MemoryBudgetError` naming the plugins
     that would fit when it does not."""
-    from ._estimate import estimate
-
     est = estimate(
         model, plugin, world_size=world_size, precision=precision, optimizer=optimizer, inputs=budget.inputs,
         criterion=budget.criterion, rank=rank, device=str(device), backend=backend,

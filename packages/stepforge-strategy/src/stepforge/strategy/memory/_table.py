@@ -4,14 +4,31 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from stepforge.core.memory_plan import COMPONENTS
 
-if TYPE_CHECKING:
-    from ._estimate import Estimate
+__all__ = ["estimate_table", "markdown_table", "format_bytes", "column_title", "EstimateRow"]
 
-__all__ = ["estimate_table", "markdown_table", "format_bytes", "column_title"]
+
+class EstimateRow(Protocol):
+    """What the tables read of an :class:`~stepforge.strategy.memory.Estimate`."""
+
+    plugin: str
+    settings: dict[str, Any]
+    world_size: int
+    rank: int
+    precision: str
+    optimizer: str | None
+    backend: str
+    parameters: int
+    device: dict[str, int]
+    host: dict[str, int]
+    activations: Any
+
+    @property
+    def sent_bytes(self) -> int: ...
+
 
 _UNITS = (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024))
 
@@ -24,13 +41,13 @@ def format_bytes(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
-def column_title(est: Estimate) -> str:
+def column_title(est: EstimateRow) -> str:
     """The plugin name and the settings that differ from its defaults (``"zero2 cpu_offload=True"``)."""
     extra = " ".join(f"{k}={v}" for k, v in est.settings.items())
     return f"{est.plugin} {extra}".strip()
 
 
-def estimate_table(estimates: Sequence[Estimate], *, fits: Sequence[bool | None] | None = None) -> str:
+def estimate_table(estimates: Sequence[EstimateRow], *, fits: Sequence[bool | None] | None = None) -> str:
     """A table with one column per estimate: device and host bytes per component and peak, bytes sent per step,
     and (``fits``) whether each fits the given memory."""
     if not estimates:
@@ -71,7 +88,7 @@ def estimate_table(estimates: Sequence[Estimate], *, fits: Sequence[bool | None]
     return "\n".join(lines)
 
 
-def markdown_table(estimates: Sequence[Estimate], *, fits: Sequence[bool | None] | None = None) -> str:
+def markdown_table(estimates: Sequence[EstimateRow], *, fits: Sequence[bool | None] | None = None) -> str:
     """One row per estimate (plugin and settings): device bytes per component and peak, host peak, bytes sent
     per step, and (``fits``) whether it fits, as a Markdown table."""
     components = [c for c in COMPONENTS if any(e.device[c] for e in estimates)]

@@ -12,6 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ._auto import AUTO_CANDIDATES
+from ._compare import estimate_plugins
 from ._specs import DEFAULT_PLUGINS
 from ._table import format_bytes, markdown_table
 from .gpt import GPT_SHAPES, gpt
@@ -52,6 +54,25 @@ all-gather (N-1)/N).
 | shape | layers | d_model | heads | parameters |
 |---|---|---|---|---|
 {shapes}
+"""
+
+_AUTO = """\
+## `plugin="auto"`
+
+`Booster(plugin="auto", memory_budget=dict(device="70GiB", host="200GiB"))` (also `Strategy(...)` and
+`strategy=dict(type="StepforgeStrategy", plugin="auto", memory_budget=...)` in an mmengine config) estimates
+{candidates} for the run's model, optimizer, precision and world size at `boost`, and takes the fastest whose
+peaks fit the budget (default: the device's free memory, and the host's free memory shared by the ranks of the
+node; `inputs=` adds a micro-batch's activations), in this order:
+
+1. the optimizer steps on the device before it steps on the host (offloading plugins last);
+2. fewer bytes sent per optimizer step;
+3. less optimizer work per rank (bytes of optimizer state the rank updates).
+
+The table and the reason are logged (`stepforge.strategy`, INFO). When nothing fits, `boost` raises
+`MemoryBudgetError` before the model is moved or sharded, with the table and the plugins that would fit: the
+smallest world size at which each would, and the host memory an offloading one needs. An explicit plugin with a
+`memory_budget` is checked the same way.
 """
 
 _FAKE_PG = """\
@@ -111,8 +132,6 @@ def _accuracy(path: str | None) -> str:
 
 def what_fits_page(accuracy: str | None = None) -> str:
     """The whole page (Markdown)."""
-    from .cli import estimate_plugins
-
     name = Path(accuracy).as_posix() if accuracy is not None else "<none>"
     parts = [
         _INTRO.format(
@@ -131,5 +150,6 @@ def what_fits_page(accuracy: str | None = None) -> str:
             fits = [e.fits(DEVICE_MEMORY, HOST_MEMORY) for e in estimates]
             parts.append(f"## `{model_name}` on {world} ranks\n\n{markdown_table(estimates, fits=fits)}\n")
     parts.append(_accuracy(accuracy))
+    parts.append(_AUTO.format(candidates=", ".join(f"`{c}`" for c in AUTO_CANDIDATES)))
     parts.append(_FAKE_PG)
     return "\n".join(parts)

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from ._estimate import Estimate, estimate
-from ._specs import DEFAULT_PLUGINS, load_model, parse_plugin, parse_size
+from ._compare import estimate_plugins
+from ._specs import DEFAULT_PLUGINS, load_model, parse_size
 from ._table import estimate_table, markdown_table
 
 __all__ = ["main", "parser", "estimate_plugins"]
@@ -74,41 +74,6 @@ def _optimizer(args: argparse.Namespace) -> dict[str, Any] | None:
     if args.momentum is not None:
         config["momentum"] = args.momentum
     return config
-
-
-def estimate_plugins(
-    model: torch.nn.Module,
-    plugins: Sequence[str],
-    *,
-    world_size: int,
-    precision: str,
-    optimizer: dict[str, Any] | None,
-    inputs: Any = None,
-    device: str = "cuda",
-    backend: str | None = None,
-    rank: int = 0,
-) -> list[Estimate]:
-    """One :class:`Estimate` per plugin spec (``single`` is left out above one rank)."""
-    out = []
-    for spec in plugins:
-        name, kwargs = parse_plugin(spec)
-        if name == "single" and world_size > 1:
-            continue
-        out.append(
-            estimate(
-                model,
-                name,
-                world_size=1 if name == "single" else world_size,
-                precision=precision,
-                optimizer=optimizer,
-                inputs=inputs,
-                rank=rank,
-                device=device,
-                backend=backend,
-                **kwargs,
-            )
-        )
-    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -11,8 +11,8 @@ replicated layout plus DDP's gradient buckets, assigned by torch's own bucketing
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -27,13 +27,33 @@ from stepforge.core.memory_plan import (
 from stepforge.core.torch_compat import ddp_bucket_assignment
 
 from ._fsdp_common import plan_units
-from ._fsdp_placement import unit_params
+from ._fsdp_placement import UnitPlacement, unit_params
 
-if TYPE_CHECKING:
-    from .torch_ddp import TorchDDPPlugin
-    from .torch_fsdp import TorchFSDPPlugin
+__all__ = ["ddp_memory_plan", "fsdp_memory_plan", "shard_rows", "DDPSettings", "FSDPSettings"]
 
-__all__ = ["ddp_memory_plan", "fsdp_memory_plan", "shard_rows"]
+
+class DDPSettings(Protocol):
+    """What the DDP plan reads of ``TorchDDPPlugin``."""
+
+    name: str
+    ddp_kwargs: dict[str, Any]
+
+
+class FSDPSettings(Protocol):
+    """What the FSDP2 plan reads of ``TorchFSDPPlugin``/``GeminiPlugin``."""
+
+    name: str
+    shard_modules: Callable[[nn.Module], bool] | Iterable[type] | None
+    reshard_after_forward: bool
+    cpu_offload: bool
+    default_optimizer: str | None
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def _placement(self, model: nn.Module, blocks: list[nn.Module]) -> Mapping[int, UnitPlacement] | None: ...
+
+    def _mp_policy(self) -> Any: ...
 
 
 def shard_rows(dim0: int, shards: int, index: int) -> tuple[int, int]:
@@ -45,7 +65,7 @@ def shard_rows(dim0: int, shards: int, index: int) -> tuple[int, int]:
 
 
 def ddp_memory_plan(
-    plugin: TorchDDPPlugin,
+    plugin: DDPSettings,
     model: nn.Module,
     *,
     world_size: int,
@@ -55,8 +75,7 @@ def ddp_memory_plan(
     """The replicated layout plus DDP's buckets: every gradient also lives in a bucket (one copy of the
     gradients; none with ``gradient_as_bucket_view``, where the gradients are views of the buckets), all-reduced
     bucket by bucket in backward."""
-    plan = replicated_plan(plugin, model, world_size=world_size, rank=rank, optimizer=optimizer)
-    plan.plugin = plugin.name
+    plan = replicated_plan(plugin.name, model, world_size=world_size, rank=rank, optimizer=optimizer)
     grads = [p for _, p in unique_parameters(model) if p.requires_grad]
     cap = int(plugin.ddp_kwargs["bucket_cap_mb"] * 1024**2)
     buckets = ddp_bucket_assignment(list(reversed(grads)), cap)
@@ -68,9 +87,7 @@ def ddp_memory_plan(
     return plan
 
 
-def _units(
-    plugin: TorchFSDPPlugin, model: nn.Module
-) -> list[tuple[str, list[nn.Parameter], bool, bool, bool]]:
+def _units(plugin: FSDPSettings, model: nn.Module) -> list[tuple[str, list[nn.Parameter], bool, bool, bool]]:
     """``(name, parameters, sharded, offloaded, resharded after forward)`` of every unit, blocks first."""
     blocks, _, placement = plan_units(model, plugin.shard_modules, plugin._placement)
     names = {id(m): n for n, m in model.named_modules()}
@@ -86,7 +103,7 @@ def _units(
 
 
 def fsdp_memory_plan(
-    plugin: TorchFSDPPlugin,
+    plugin: FSDPSettings,
     model: nn.Module,
     *,
     world_size: int,
