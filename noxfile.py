@@ -442,6 +442,7 @@ BENCH_SMOKE = (
     ("bench_fused_sgd.py", ("--quick", "--no-plot", "--repeats", "1", "--warmup", "0")),
     ("bench_optim.py", ("--reps", "1", "--warmup", "0", "--tensors", "4", "--max-numel", "4096")),
     ("bench_checkpoint.py", ("--mb", "1", "--repeats", "1")),
+    ("bench_estimate.py", ("--tiny", "--no-plot")),
 )
 
 

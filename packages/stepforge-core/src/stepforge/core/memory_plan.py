@@ -15,7 +15,7 @@ parameters of the planned shapes and stepped once, and its state tensors are rea
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -256,7 +256,7 @@ def replicated_plan(
 def add_optimizer_state(
     plan: MemoryPlan,
     optimizer: Mapping[str, Any],
-    tensors: list[tuple[tuple[int, ...], torch.dtype]],
+    tensors: Sequence[tuple[tuple[int, ...], torch.dtype]],
     *,
     place: str,
 ) -> None:

@@ -91,7 +91,8 @@ def _loss(output: Any) -> torch.Tensor:
     if isinstance(output, torch.Tensor):
         return output.float().mean()
     if isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor):
-        return output["loss"]
+        loss: torch.Tensor = output["loss"]
+        return loss
     leaves = list(output.values()) if isinstance(output, Mapping) else list(output)
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():

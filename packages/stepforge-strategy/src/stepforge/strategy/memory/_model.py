@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 from collections.abc import Callable
 from typing import Any
@@ -11,15 +12,19 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["resolve_model", "parameter_count"]
+__all__ = ["resolve_model", "parameter_count", "load_transformers_config"]
+
+
+def _transformers() -> Any:
+    """The ``transformers`` module, or ``None`` when it is not installed (an optional dependency)."""
+    if importlib.util.find_spec("transformers") is None:
+        return None
+    return importlib.import_module("transformers")
 
 
 def _transformers_config(model: Any) -> bool:
-    if importlib.util.find_spec("transformers") is None:
-        return False
-    from transformers import PretrainedConfig
-
-    return isinstance(model, PretrainedConfig)
+    transformers = _transformers()
+    return transformers is not None and isinstance(model, transformers.PretrainedConfig)
 
 
 def resolve_model(model: nn.Module | Callable[[], nn.Module] | Any) -> nn.Module:
@@ -31,11 +36,9 @@ def resolve_model(model: nn.Module | Callable[[], nn.Module] | Any) -> nn.Module
     if isinstance(model, nn.Module):
         return model
     if _transformers_config(model):
-        from transformers import AutoModelForCausalLM
-
         with torch.device("meta"):
-            built: Any = AutoModelForCausalLM.from_config(model)
-        return built  # type: ignore[no-any-return]
+            built: nn.Module = _transformers().AutoModelForCausalLM.from_config(model)
+        return built
     if callable(model):
         with torch.device("meta"):
             built = model()
@@ -60,3 +63,15 @@ def parameter_count(model: nn.Module) -> int:
             seen.add(id(p))
             total += p.numel()
     return total
+
+
+def load_transformers_config(name: str) -> Any:
+    """``transformers.AutoConfig.from_pretrained(name)`` (a local path or a hub name).
+
+    Raises:
+        ImportError: transformers is not installed (``pip install transformers``).
+    """
+    transformers = _transformers()
+    if transformers is None:
+        raise ImportError("a transformers config needs transformers: pip install transformers")
+    return transformers.AutoConfig.from_pretrained(name)

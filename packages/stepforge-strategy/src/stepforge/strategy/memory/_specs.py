@@ -91,14 +91,12 @@ def load_model(spec: str) -> nn.Module:
     Raises:
         ValueError: a spec of none of these forms.
     """
-    from ._model import resolve_model
+    from ._model import load_transformers_config, resolve_model
 
     if spec in GPT_SHAPES:
         return gpt(spec)
     if spec.startswith("hf:"):
-        from transformers import AutoConfig
-
-        return resolve_model(AutoConfig.from_pretrained(spec[3:]))
+        return resolve_model(load_transformers_config(spec[3:]))
     module, colon, attr = spec.partition(":")
     if colon and module and attr:
         factory = getattr(importlib.import_module(module), attr)
