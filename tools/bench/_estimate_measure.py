@@ -35,7 +35,13 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "adamw-fp32": dict(precision="fp32", optimizer=dict(type="AdamW", lr=1e-4)),
     "adamw-bf16": dict(precision="bf16", optimizer=dict(type="AdamW", lr=1e-4)),
     "sgd-fp32": dict(precision="fp32", optimizer=dict(type="SGD", lr=1e-2, momentum=0.9)),
+    # the GPT demo's own (examples/train_gpt_demo.py: zero2, bf16, CPUAdam): --demo only
+    "cpuadam-bf16": dict(
+        precision="bf16", optimizer=dict(type="CPUAdam", lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    ),
 }
+#: the configurations measured by default
+DEFAULT_CONFIGS = ("adamw-fp32", "adamw-bf16", "sgd-fp32")
 
 
 def build_model(size: dict[str, int]) -> torch.nn.Module:

@@ -46,6 +46,8 @@ __all__ = ["main"]
 
 SIZE = dict(d_model=512, layers=10, heads=8, seq_len=128, micro_batch=4)
 TINY = dict(d_model=32, layers=1, heads=2, seq_len=16, micro_batch=2)
+#: examples/train_gpt_demo.py's default model and micro-batch (--demo)
+DEMO = dict(d_model=96, layers=3, heads=4, seq_len=64, micro_batch=8)
 #: plugin label -> (registry name, plugin arguments)
 PLUGINS: dict[str, tuple[str, dict[str, Any]]] = {
     "single": ("single", {}),
@@ -119,18 +121,25 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="bench-out")
     p.add_argument("--plugins", nargs="+", default=list(PLUGINS), choices=list(PLUGINS))
-    p.add_argument("--configs", nargs="+", default=list(measure.CONFIGS), choices=list(measure.CONFIGS))
+    p.add_argument(
+        "--configs", nargs="+", default=list(measure.DEFAULT_CONFIGS), choices=list(measure.CONFIGS)
+    )
     p.add_argument("--worlds", nargs="+", type=int, default=[1, 2, 4])
     p.add_argument("--tiny", action="store_true", help="a tiny GPT, two plugins at 1 and 2 ranks (seconds)")
+    p.add_argument(
+        "--demo", action="store_true", help="the GPT demo's default model, zero2 + bf16 + CPUAdam at 2 ranks"
+    )
     p.add_argument("--no-plot", action="store_true")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    size = TINY if args.tiny else SIZE
+    size = TINY if args.tiny else DEMO if args.demo else SIZE
     if args.tiny:
         args.plugins, args.configs, args.worlds = ["single", "zero2"], ["adamw-bf16"], [1, 2]
+    if args.demo:
+        args.plugins, args.configs, args.worlds = ["zero2"], ["cpuadam-bf16"], [2]
     machine = _machine.machine_info(threads=1)
     start = time.perf_counter()
     rows = []
@@ -154,11 +163,13 @@ def main(argv: list[str] | None = None) -> int:
         machine=machine,
         wall_s=round(wall, 1),
         model=dict(size, parameters=sum(p.numel() for p in model.parameters()), kind="ByteGPT (examples)"),
-        configs=measure.CONFIGS,
+        configs={c: measure.CONFIGS[c] for c in args.configs},
         cases=rows,
         summary=summary(rows),
     )
-    stem = f"cpu-{machine['date_utc'][:10]}-estimate" + ("-tiny" if args.tiny else "")
+    stem = f"cpu-{machine['date_utc'][:10]}-estimate" + (
+        "-tiny" if args.tiny else "-demo" if args.demo else ""
+    )
     path = _report.save_json(Path(args.out) / f"{stem}.json", payload)
     if not args.no_plot:
         plot(

@@ -126,7 +126,17 @@ def _accuracy(path: str | None) -> str:
             f"| {row['quantity']} | {row['cases']} | {row['min']:.3f} | {row['max']:.3f} | "
             f"{row['within']}/{row['cases']} (±{row['goal'] * 100:.0f}%) |"
         )
-    lines += ["", summary["deepspeed"], ""]
+    lines += [
+        "",
+        summary["deepspeed"],
+        "",
+        "What this does not cover: it was measured on a CPU device, where a tensor costs its bytes. On CUDA the "
+        "caching allocator rounds every block up (to 512 B) and keeps freed blocks for reuse, and the CUDA context "
+        "and NCCL's buffers take memory outside torch's tensors; none of that is in these tables, and the GPU "
+        "check (`torch.cuda.max_memory_allocated` of one rank of 8-1024 on the fake process group) has not been "
+        "run yet. Activations traced under bf16 autocast use the CPU's autocast op lists.",
+        "",
+    ]
     return "\n".join(lines)
 
 
