@@ -226,6 +226,15 @@ def bench(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON, default=False)
+def what_fits(session: nox.Session) -> None:
+    """Regenerate docs/what-fits.md with `stepforge-estimate --what-fits` (tests(strategy) checks it matches)."""
+    install_packages(session, "stepforge-strategy", "stepforge-zero", "stepforge-fused", env=CPU_BUILD)
+    results = sorted((ROOT / "benchmarks" / "results" / "estimate").glob("cpu-*-estimate.json"))
+    accuracy = ("--accuracy", str(results[-1].relative_to(ROOT))) if results else ()
+    session.run("stepforge-estimate", "--what-fits", *accuracy, "--out", str(ROOT / "docs" / "what-fits.md"))
+
+
+@nox.session(python=PYTHON, default=False)
 def faults(session: nox.Session) -> None:
     """The fault test alone: a 2-rank run under `torchrun --max-restarts` SIGKILLed 5 times finishes bitwise equal
     to an uninterrupted one (CI runs it inside tests(strategy))."""

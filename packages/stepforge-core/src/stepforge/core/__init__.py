@@ -11,6 +11,9 @@
   the only backward route).
 - Protocols (:class:`NoSyncModel`, :class:`GradientSyncSwitch`, :class:`ShardedOptimizer`,
   :class:`GradientHandler`, :class:`WrappedModel`, :class:`CachingOptimizer`) and :func:`no_sync`.
+- :mod:`stepforge.core.memory_plan`: :class:`MemoryPlan`, what :meth:`Plugin.memory_plan` says one rank holds
+  and communicates before anything is allocated, and :class:`OptimizerStateProbe` (state bytes read from the
+  optimizer itself).
 - Validation helpers whose messages name the parameter and the allowed range.
 - :mod:`stepforge.core.torch_compat`: the torch internals (DTensor local shards, FSDP2 state, DCP key flattening,
   the DDP/FSDP2 ``no_sync`` adapters), wrapped once so a torch update breaks one module, not six packages; its
@@ -23,6 +26,7 @@ from . import torch_compat
 from ._version import __version__
 from .build import build_optimizer, collect_params
 from .errors import DuplicateNameError, HyperParameterError, RegistryError, StepforgeError, UnknownNameError
+from .memory_plan import MemoryPlan, OptimizerStateProbe, PlannedCollective, PlannedTensor
 from .plugin import Plugin
 from .plugin_base import PluginBase
 from .protocols import (
@@ -77,6 +81,10 @@ __all__ = [
     "NoSyncModel",
     "Plugin",
     "PluginBase",
+    "MemoryPlan",
+    "PlannedTensor",
+    "PlannedCollective",
+    "OptimizerStateProbe",
     "BoostedOptimizer",
     "CachingOptimizer",
     "ShardedOptimizer",

@@ -22,7 +22,7 @@ import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,9 @@ from .errors import HyperParameterError
 from .precision import MIXED_PRECISIONS, get_precision
 from .protocols import BoostedOptimizer, optimizer_list, unwrap_optimizer
 from .sync import no_sync as core_no_sync
+
+if TYPE_CHECKING:
+    from .memory_plan import MemoryPlan
 
 __all__ = ["Plugin", "Optimizers", "default_device"]
 
@@ -372,3 +375,36 @@ class Plugin(ABC):
         """ColossalAI's member: the checkpoint IO object the Booster uses when :meth:`control_checkpoint_io`
         is true; ``None`` (the default): the Booster's own."""
         return None
+
+    # -- memory plan (concrete; plugins override it with their own layout) -----------------------------------
+    def memory_plan(
+        self,
+        model: nn.Module,
+        *,
+        world_size: int,
+        rank: int = 0,
+        optimizer: Mapping[str, Any] | None = None,
+        backend: str | None = None,
+        device: str | torch.device | None = None,
+    ) -> MemoryPlan:
+        """What one rank would hold and communicate if ``model`` were prepared by this plugin, without
+        allocating it (``model`` may live on the meta device; it is not changed).
+
+        Args:
+            model: the model as it would be passed to ``boost``.
+            world_size: the data-parallel world to plan for (need not be the current one).
+            rank: the rank described (0, the default, holds the most where pieces are cut ``torch.chunk``-style).
+            optimizer: the ``build_optimizer`` config the run would use (``None``: no optimizer state).
+            backend: ``"nccl"``, ``"gloo"``... where the plugin picks settings by backend (``None``: gloo on a
+                CPU device, nccl otherwise).
+            device: the device the model would be trained on (``None``: the plugin's :attr:`device`); a plan made
+                on a CPU machine for a GPU run passes ``"cuda"`` (what moves to the host depends on it).
+
+        Returns:
+            A :class:`~stepforge.core.memory_plan.MemoryPlan`. This default is a replicated layout (every rank
+            holds every parameter, gradient and optimizer state; nothing is communicated); plugins that shard,
+            offload or communicate override it from their own layout code.
+        """
+        from .memory_plan import replicated_plan
+
+        return replicated_plan(self.name, model, world_size=world_size, rank=rank, optimizer=optimizer)

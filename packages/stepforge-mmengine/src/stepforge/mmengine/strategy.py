@@ -78,6 +78,8 @@ class StepforgeStrategy:
         log_kwargs: mmengine's logger settings.
         auto_scale_lr: mmengine's ``auto_scale_lr`` (``base_batch_size``, ``enable``).
         config: recorded as ``meta["cfg"]`` when the runner does not record its own.
+        memory_budget: stepforge's ``memory_budget`` (``dict(device="70GiB", host="200GiB")``); with
+            ``plugin="auto"`` the fastest plugin that fits is chosen when the runner prepares the model.
 
     The optim wrapper config is stepforge's: ``dict(type="ColossalAIOptimWrapper", optimizer=dict(type="CPUAdam",
     lr=1e-3), accumulative_counts=4)``; the ``Stepforge`` prefix of mmengine's registry names is accepted too.
@@ -94,6 +96,7 @@ class StepforgeStrategy:
         log_kwargs: Mapping[str, Any] | None = None,
         auto_scale_lr: Mapping[str, Any] | None = None,
         config: Any = None,
+        memory_budget: Mapping[str, Any] | None = None,
     ) -> None:
         logs = dict(log_kwargs or {})
         self._env_kwargs = _env_for_stepforge(env_kwargs)
@@ -106,6 +109,7 @@ class StepforgeStrategy:
             log_kwargs={k: v for k, v in logs.items() if v is not None},
             auto_scale_lr=auto_scale_lr,
             config=config,
+            memory_budget=memory_budget,
         )
         # one log file, written by mmengine's logger (the runner's hooks log through MMLogger)
         self.strategy.close()

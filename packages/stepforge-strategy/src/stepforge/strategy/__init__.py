@@ -16,6 +16,9 @@
 - what ColossalAI's scripts call around the Booster: :func:`launch_from_torch` / :func:`launch`,
   :class:`DistCoordinator`, :func:`get_accelerator` / :func:`set_accelerator`, and its plugin base classes
   ``Plugin`` / :class:`DPPluginBase` (:mod:`.plugins`).
+- :func:`estimate` / :class:`Estimate` (:mod:`.memory`): memory per rank (device and host, per component, peak)
+  and bytes communicated per step of a configuration, before launch, from the plugins' own layout code; the
+  console command ``stepforge-estimate``.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from .checkpoint_io import BoosterCheckpointIO, CheckpointIO, GeneralCheckpointI
 from .data import StatefulDataLoader, make_stateful
 from .dist_coordinator import DistCoordinator
 from .launch import launch, launch_from_torch
+from .memory import Estimate, MemoryBudgetError, estimate
 from .mixed_precision import (
     BF16MixedPrecision,
     FP8MixedPrecision,
@@ -80,4 +84,7 @@ __all__ = [
     "ColossalAIStrategy",
     "CheckpointError",
     "find_latest_checkpoint",
+    "estimate",
+    "Estimate",
+    "MemoryBudgetError",
 ]

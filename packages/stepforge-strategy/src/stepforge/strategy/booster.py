@@ -28,6 +28,7 @@ from stepforge.core import PLUGINS, BoostedOptimizer, Plugin, WrappedModel, buil
 from stepforge.core.plugin_base import unwrap_optimizer
 from stepforge.core.precision import warn_slow_precision
 
+from ._auto_boost import PendingAutoPlugin, auto_candidates, is_auto, resolve_at_boost
 from ._env import get_world_size
 from ._lora import enable_lora, require_peft
 from .accelerator import Accelerator
@@ -36,6 +37,7 @@ from .boosted_optimizer import OptimizerWrapper
 from .checkpoint_io import BoosterCheckpointIO, CheckpointIO, GeneralCheckpointIO
 from .compile import apply_compile, compile_config, refuse_compiled_wrapper
 from .data import make_stateful
+from .memory import AutoChoice
 from .mixed_precision import MixedPrecision, precision_name, resolve_mixed_precision
 
 __all__ = ["Booster"]
@@ -61,6 +63,12 @@ class Booster:
             :class:`stepforge.core.Plugin` instance.
         device: passed to a plugin built here when its constructor takes ``device``; for a plugin that does not
             place the model (``control_device()`` is ``False``) the :class:`Accelerator` ``boost`` moves it to.
+        memory_budget: ``dict(device=..., host=..., inputs=..., criterion=...)``: bytes (or ``"70GiB"``) a rank
+            may use (default: the free memory), optionally an example micro-batch whose activations count. With
+            ``plugin="auto"`` (or ``dict(type="auto", candidates=[...])``) ``boost`` takes the fastest plugin
+            whose :func:`~stepforge.strategy.estimate` fits (order: ``docs/what-fits.md``) and logs why; with
+            another plugin it checks that one. What cannot fit raises :class:`~stepforge.strategy.MemoryBudgetError`
+            at ``boost``, before any large allocation, naming what would fit.
 
     Attributes:
         checkpoint_io: the :class:`~stepforge.strategy.CheckpointIO` every ``save_*``/``load_*`` goes through:
@@ -87,11 +95,27 @@ class Booster:
         plugin: str | Mapping[str, Any] | Plugin | None = None,
         *,
         device: str | torch.device | None = None,
+        memory_budget: Mapping[str, Any] | None = None,
     ) -> None:
         wanted = precision_name(mixed_precision)
         if mixed_precision is not None and wanted is None:
             resolve_mixed_precision(mixed_precision)  # raises the precise error
-        self.plugin: Plugin = self._build_plugin(plugin, device)
+        self._spec = (mixed_precision, wanted, device)
+        self.memory_budget = memory_budget
+        #: the candidates of ``plugin="auto"`` until ``boost`` chose one (``None``: a plugin was given)
+        self._auto = auto_candidates(plugin) if is_auto(plugin) else None
+        #: what ``plugin="auto"`` chose at ``boost`` (the plugin, the table, the reason), else ``None``
+        self.auto_choice: AutoChoice | None = None
+        if self._auto is not None:
+            self._configure(PendingAutoPlugin(device), general_io=False)
+        else:
+            self._configure(self._build_plugin(plugin, device), general_io=plugin is None)
+
+    def _configure(self, plugin: Plugin, *, general_io: bool) -> None:
+        """Adopt ``plugin``: the accelerator where it does not place the model, its precision or the Booster's
+        mixed precision, the checkpoint IO."""
+        mixed_precision, wanted, device = self._spec
+        self.plugin: Plugin = plugin
         self.accelerator: Accelerator | None = None
         if not self.plugin.control_device():
             self.accelerator = Accelerator(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -100,7 +124,7 @@ class Booster:
             self.mixed_precision: MixedPrecision | None = None
         else:
             self.mixed_precision = resolve_mixed_precision(mixed_precision)
-        self.checkpoint_io: CheckpointIO = self._checkpoint_io(default_plugin=plugin is None)
+        self.checkpoint_io: CheckpointIO = self._checkpoint_io(default_plugin=general_io)
 
     # -- construction --------------------------------------------------------------------------------------
     @staticmethod
@@ -187,12 +211,14 @@ class Booster:
         compiled in place once the plugin prepared it (per FSDP2 block for ``torch_fsdp``/``gemini``), so its
         state-dict keys and checkpoints stay those of the eager model (:mod:`stepforge.strategy.compile`).
         """
-        plugin = self.plugin
         if not isinstance(model, nn.Module):
             raise TypeError(f"Booster.boost: model must be a torch.nn.Module, got {type(model).__name__}.")
         compile_cfg = compile_config(compile, where="Booster.boost")
         if compile_cfg is not None:
             refuse_compiled_wrapper(model, where="Booster.boost")
+        if self._auto is not None or self.memory_budget is not None:
+            self._fit_memory(model, optimizer)
+        plugin = self.plugin
         if isinstance(optimizer, Mapping) and not plugin.builds_optimizer_config:
             optimizer = build_optimizer(dict(optimizer), model.parameters())
         if optimizer is not None and not isinstance(optimizer, Mapping | torch.optim.Optimizer):
@@ -237,6 +263,18 @@ class Booster:
         if dataloader is not None:
             dataloader = make_stateful(dataloader)
         return model, boosted, criterion, dataloader, lr_scheduler
+
+    def _fit_memory(self, model: nn.Module, optimizer: Any) -> None:
+        """``auto``: choose the plugin and adopt it; a budget: check the plugin fits (see ``memory_budget``)."""
+        precision = self._spec[1] or ("fp32" if self._auto is not None else None)  # one precision for all
+        choice = resolve_at_boost(self.plugin, self._auto, self.memory_budget, model, optimizer, precision)
+        if choice is not None:
+            self._auto = None
+            self.auto_choice = choice
+            plugin = self._build_plugin(dict(type=choice.plugin, **choice.settings), self._spec[2])
+            if plugin.control_precision() and self._spec[1] is None:
+                plugin.set_precision("fp32")  # as estimated, not the plugin's own default (ZeRO's fp16)
+            self._configure(plugin, general_io=False)
 
     def _wrap_for_mixed_precision(
         self, model: nn.Module, optimizer: torch.optim.Optimizer

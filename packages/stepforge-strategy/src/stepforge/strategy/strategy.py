@@ -17,6 +17,8 @@ from typing import Any
 
 from torch import nn
 
+from stepforge.core import Plugin
+
 from . import _prepare
 from ._env import ENV_KWARGS, setup_env
 from ._logging import LOG_KWARGS, close_logger, setup_logger
@@ -50,6 +52,8 @@ class Strategy:
         auto_scale_lr: ``dict(base_batch_size=..., enable=True)``: lr *= world size * micro-batch *
             accumulative_counts / base_batch_size (needs ``dispatch_kwargs["train_micro_batch_size_per_gpu"]``).
         config: the run's config (any object); its ``repr`` is recorded as ``meta["cfg"]`` in checkpoints.
+        memory_budget: the Booster's ``memory_budget`` (with ``plugin="auto"``: the fastest plugin that fits is
+            chosen at :meth:`prepare`; :attr:`plugin` is the chosen one from then on).
         resume: ``"auto"``/``True``: :meth:`prepare` ends by resuming the latest checkpoint of ``work_dir`` if
             any (for ``torchrun --max-restarts``); a path: that checkpoint; ``False``: none (default). See
             :func:`~stepforge.strategy.checkpoint._auto_resume.checkpoint_to_resume` and :attr:`resumed_from`.
@@ -68,6 +72,7 @@ class Strategy:
         auto_scale_lr: Mapping[str, Any] | None = None,
         config: Any = None,
         resume: bool | str = False,
+        memory_budget: Mapping[str, Any] | None = None,
     ) -> None:
         check_resume_option(resume)
         env = check_dict("env_kwargs", env_kwargs, ENV_KWARGS)
@@ -85,8 +90,7 @@ class Strategy:
         )
         self.config = config
         self.model_wrapper = model_wrapper
-        self.booster = Booster(mixed_precision=mixed_precision, plugin=plugin)
-        self.plugin = self.booster.plugin
+        self.booster = Booster(mixed_precision=mixed_precision, plugin=plugin, memory_budget=memory_budget)
         self.dispatch_kwargs: dict[str, Any] = {}
         self.model: nn.Module | None = None
         self.optim_wrapper: ColossalAIOptimWrapper | None = None
@@ -109,6 +113,11 @@ class Strategy:
     @property
     def world_size(self) -> int:
         return self.env.world_size
+
+    @property
+    def plugin(self) -> Plugin:
+        """The Booster's plugin (with ``plugin="auto"``, the chosen one once :meth:`prepare` ran)."""
+        return self.booster.plugin
 
     @property
     def plugin_name(self) -> str:
@@ -156,6 +165,8 @@ class Strategy:
                 f"torch.compile({dict(compile_cfg.options)}) applied to the model's {compile_cfg.target!r} (per "
                 "FSDP2 block under torch_fsdp/gemini); the first iterations are slow while it compiles"
             )
+        if self.booster.auto_choice is not None:  # into the run's own log (mmengine's, under FlexibleRunner)
+            self.logger.info("%s\n%s", self.booster.auto_choice.reason, self.booster.auto_choice.table)
         model = plugin_module(
             model
         )  # mmengine's strategies hand back the DDP/FSDP module, not a ModelWrapper

@@ -36,6 +36,7 @@ __all__ = [
     "resolve_config",
     "group_facts",
     "resolve_param_gather",
+    "param_gather_for",
     "force_dtype",
 ]
 
@@ -127,8 +128,13 @@ def resolve_param_gather(param_gather: str | None, world_size: int, process_grou
     all-gather on the CPU), ``"all_gather"`` elsewhere."""
     if param_gather is not None:
         return param_gather
-    gloo = world_size > 1 and dist.get_backend(process_group) == "gloo"
-    return "broadcast" if gloo else "all_gather"
+    return param_gather_for(dist.get_backend(process_group) if world_size > 1 else None)
+
+
+def param_gather_for(backend: str | None) -> str:
+    """The automatic ``param_gather`` on ``backend`` (``None``: one rank): ``"broadcast"`` on gloo, else
+    ``"all_gather"`` (the rule without a live group, for memory plans)."""
+    return "broadcast" if backend == "gloo" else "all_gather"
 
 
 def _check_own_args(

@@ -32,6 +32,10 @@ offers none. One module per area of torch, each listing the privates it needs an
   (``model.no_sync()``) and FSDP2 (``set_requires_gradient_sync(False)`` on every FSDP module of the
   target), used by :func:`stepforge.core.no_sync` and by the FSDP2 plugins: the one place FSDP2's switch is
   written.
+- :mod:`.simulation`: planning and simulating a run without its memory: ``FakeTensorMode``
+  (``torch._subclasses``), ``MemTracker`` (``torch.distributed._tools``), the ``"fake"`` process-group backend
+  (``torch.testing._internal.distributed.fake_pg``) and DDP's bucket assignment
+  (``torch.distributed._compute_bucket_assignment_by_size``).
 - :mod:`.private_apis`: :data:`PRIVATE_APIS`, every private above with a resolver; :mod:`.errors`:
   :class:`TorchInternalsError`, raised when one of them changed.
 """
@@ -53,6 +57,13 @@ from .fsdp2 import (
 from .gradient_sync import ddp_no_sync, fsdp2_no_sync, gradient_sync_off, is_ddp, supports_gradient_sync_off
 from .private_apis import PRIVATE_APIS as PRIVATE_APIS  # for the tests; not re-exported by stepforge.core
 from .runtime import default_store, queue_backward_callback
+from .simulation import (
+    ddp_bucket_assignment,
+    fake_tensor_mode,
+    memory_tracker,
+    register_fake_backend,
+    tracker_bytes,
+)
 from .tensors import dtensor_local, is_dtensor, view_base
 
 __all__ = [
@@ -61,7 +72,12 @@ __all__ = [
     "SafeLoadPlanner",
     "TorchInternalsError",
     "compiled_module_type",
+    "ddp_bucket_assignment",
     "ddp_no_sync",
+    "fake_tensor_mode",
+    "memory_tracker",
+    "register_fake_backend",
+    "tracker_bytes",
     "default_store",
     "dtensor_local",
     "flatten_state_dict",

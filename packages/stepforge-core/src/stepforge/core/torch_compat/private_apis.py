@@ -15,6 +15,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from .fsdp2 import fsdp2_module_type
+from .simulation import FAKE_PG_MODULE, FAKE_TENSOR_MODULE, MEM_TRACKER_MODULE
 
 __all__ = ["PRIVATE_APIS", "resolve"]
 
@@ -61,5 +62,16 @@ PRIVATE_APIS: tuple[tuple[str, Callable[[], Any]], ...] = (
     (
         "torch._dynamo.eval_frame.OptimizedModule",
         lambda: resolve("torch._dynamo.eval_frame", "OptimizedModule"),
+    ),
+    (f"{FAKE_TENSOR_MODULE}.FakeTensorMode", lambda: resolve(FAKE_TENSOR_MODULE, "FakeTensorMode")),
+    (f"{MEM_TRACKER_MODULE}.MemTracker", lambda: resolve(MEM_TRACKER_MODULE, "MemTracker")),
+    (f"{FAKE_PG_MODULE}.FakeStore", lambda: resolve(FAKE_PG_MODULE, "FakeStore")),
+    (
+        "torch.distributed._compute_bucket_assignment_by_size",
+        lambda: resolve("torch.distributed", "_compute_bucket_assignment_by_size"),
+    ),
+    (
+        "torch.distributed._DEFAULT_FIRST_BUCKET_BYTES",
+        lambda: resolve("torch.distributed", "_DEFAULT_FIRST_BUCKET_BYTES"),
     ),
 )

@@ -21,6 +21,7 @@ from ._fsdp_prefetch import PrefetchPlan, apply_prefetch
 
 __all__ = [
     "shard_model",
+    "plan_units",
     "choose_blocks",
     "cast_floating_buffers",
     "precision_policy",
@@ -69,18 +70,28 @@ def default_blocks(model: nn.Module) -> list[nn.Module]:
     return out
 
 
-def holds_shared_parameters(block: nn.Module, model: nn.Module) -> bool:
+def holds_shared_parameters(
+    block: nn.Module, model: nn.Module, owners: Mapping[int, list[int]] | None = None
+) -> bool:
     """Whether a parameter of ``block`` is also registered on a module of ``model`` outside ``block`` (tied
     weights). Such a block is not sharded on its own: its parameters stay in the enclosing (root) unit, so the
-    other module reads the same unsharded tensor instead of meeting a resharded DTensor."""
+    other module reads the same unsharded tensor instead of meeting a resharded DTensor.
+
+    ``owners`` (optional, from :func:`parameter_owners`): ``id(param)`` -> ids of the modules registering it,
+    computed once for many blocks (otherwise every module of ``model`` is walked per block)."""
+    if owners is None:
+        owners = parameter_owners(model)
     inside = {id(m) for m in block.modules()}
-    mine = {id(p) for p in block.parameters()}
+    return any(owner not in inside for p in block.parameters() for owner in owners.get(id(p), ()))
+
+
+def parameter_owners(model: nn.Module) -> dict[int, list[int]]:
+    """``id(param)`` -> the ids of the modules of ``model`` that register it directly."""
+    owners: dict[int, list[int]] = {}
     for module in model.modules():
-        if id(module) in inside:
-            continue
-        if any(id(p) in mine for p in module.parameters(recurse=False)):
-            return True
-    return False
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(id(module))
+    return owners
 
 
 def cast_floating_buffers(model: nn.Module, dtype: torch.dtype | None) -> None:
@@ -112,7 +123,25 @@ def choose_blocks(
     else:
         classes = tuple(cast(Iterable[type], blocks))  # a class is callable: the branch above excludes it
         chosen = [m for m in model.modules() if m is not model and isinstance(m, classes)]
-    return [block for block in chosen if not holds_shared_parameters(block, model)]
+    owners = parameter_owners(model)
+    return [block for block in chosen if not holds_shared_parameters(block, model, owners)]
+
+
+def plan_units(
+    model: nn.Module,
+    blocks: Callable[[nn.Module], bool] | Iterable[type] | None,
+    placement: Callable[[nn.Module, list[nn.Module]], Mapping[int, UnitPlacement] | None] | None = None,
+) -> tuple[list[nn.Module], set[int] | None, Mapping[int, UnitPlacement] | None]:
+    """``(blocks, read_outside, plan)``: the modules :func:`shard_model` shards as their own units (see
+    :func:`choose_blocks`, less those whose parameters the forward reads outside them), the ids of those found
+    read outside (``None``: the forward could not be traced) and ``placement``'s plan. Nothing is changed: the
+    memory plan reads the same units."""
+    chosen = choose_blocks(model, blocks)
+    read_outside = blocks_read_outside(model, chosen)
+    if read_outside is not None:
+        chosen = [block for block in chosen if id(block) not in read_outside]
+    plan = placement(model, chosen) if placement is not None else None
+    return chosen, read_outside, plan
 
 
 def shard_model(
@@ -141,11 +170,7 @@ def shard_model(
 
     if isinstance(model, FSDPModule):
         return model
-    chosen = choose_blocks(model, blocks)
-    read_outside = blocks_read_outside(model, chosen)
-    if read_outside is not None:
-        chosen = [block for block in chosen if id(block) not in read_outside]
-    plan = placement(model, chosen) if placement is not None else None
+    chosen, read_outside, plan = plan_units(model, blocks, placement)
     cast_floating_buffers(model, mp_policy.param_dtype)
 
     def _shard(module: nn.Module, reshard: bool) -> None:

@@ -29,12 +29,14 @@ stepforge-fused's ``HybridAdam`` (``boost(model, dict(lr=1e-3))`` or ``dict(type
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from stepforge.core import MemoryPlan
 from stepforge.core.precision import DynamicLossScaler, validate_loss_scaler_args
 
 from ._fsdp_placement import UnitPlacement, hybrid_meshes, plan_placement
@@ -210,6 +212,31 @@ class GeminiPlugin(TorchFSDPPlugin):
         if not self.cpu_offload:
             return OffloadPolicy()
         return CPUOffloadPolicy(pin_memory=self.pin_memory and accelerator_available())
+
+    def memory_plan(
+        self,
+        model: nn.Module,
+        *,
+        world_size: int,
+        rank: int = 0,
+        optimizer: Mapping[str, Any] | None = None,
+        backend: str | None = None,
+        device: str | torch.device | None = None,
+    ) -> MemoryPlan:
+        """:meth:`TorchFSDPPlugin.memory_plan` with this plugin's placement (sharded/replicated, offloaded units)
+        and ``extra_dp_size`` (HSDP); the optimizer defaults to ``HybridAdam`` as in ``boost``."""
+        from ._memory_plans import fsdp_memory_plan
+
+        return fsdp_memory_plan(
+            self,
+            model,
+            world_size=world_size,
+            rank=rank,
+            optimizer=optimizer,
+            extra_dp_size=self.extra_dp_size,
+            device=device,
+            pin_memory=self.pin_memory,
+        )
 
     def _placement(self, model: nn.Module, blocks: list[nn.Module]) -> dict[int, UnitPlacement]:
         plan = plan_placement(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -12,7 +13,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from stepforge.core import PluginBase
+from stepforge.core import MemoryPlan, PluginBase
 
 from .._env import is_distributed
 from ..boosted_optimizer import OptimizerWrapper, as_boosted
@@ -121,6 +122,22 @@ class TorchDDPPlugin(PluginBase):
     def support_lora(self) -> bool:
         """LoRA through peft is supported (as ColossalAI's plugin)."""
         return True
+
+    def memory_plan(
+        self,
+        model: nn.Module,
+        *,
+        world_size: int,
+        rank: int = 0,
+        optimizer: Mapping[str, Any] | None = None,
+        backend: str | None = None,
+        device: str | torch.device | None = None,
+    ) -> MemoryPlan:
+        """The replicated layout plus DDP's gradient buckets and their all-reduces
+        (:func:`~._memory_plans.ddp_memory_plan`)."""
+        from ._memory_plans import ddp_memory_plan
+
+        return ddp_memory_plan(self, model, world_size=world_size, rank=rank, optimizer=optimizer)
 
     def no_sync(self, model: nn.Module | None, optimizer: Any = None) -> AbstractContextManager[Any]:
         """DDP's ``no_sync``: the forward and backward inside skip the all-reduce."""

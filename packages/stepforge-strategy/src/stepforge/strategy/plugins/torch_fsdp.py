@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffload, MixedPrecisionPolicy, ShardingStrategy
 from torch.distributed.fsdp import MixedPrecision as FSDP1Precision
 
-from stepforge.core import PluginBase, build_optimizer
+from stepforge.core import MemoryPlan, PluginBase, build_optimizer
 from stepforge.core.plugin_base import unwrap_optimizer
 from stepforge.core.precision import PLUGIN_PRECISIONS, DynamicLossScaler
 from stepforge.core.torch_compat import fsdp2_no_sync
@@ -300,6 +300,24 @@ class TorchFSDPPlugin(PluginBase):
     ) -> None:
         """Load a :meth:`save_full_optimizer` file at any world size (each rank keeps its shard; collective)."""
         load_full_optimizer(model, optimizer, checkpoint)
+
+    def memory_plan(
+        self,
+        model: nn.Module,
+        *,
+        world_size: int,
+        rank: int = 0,
+        optimizer: Mapping[str, Any] | None = None,
+        backend: str | None = None,
+        device: str | torch.device | None = None,
+    ) -> MemoryPlan:
+        """What one rank holds and communicates: this plugin's units and placement, each parameter sized as FSDP2
+        shards and pads it (:func:`~._memory_plans.fsdp_memory_plan`)."""
+        from ._memory_plans import fsdp_memory_plan
+
+        return fsdp_memory_plan(
+            self, model, world_size=world_size, rank=rank, optimizer=optimizer, device=device, pin_memory=True
+        )
 
     def supports_no_sync(self) -> bool:
         return True

@@ -38,7 +38,9 @@ __all__ = [
     "GLOO_BUCKET_SIZE",
     "check_comm_algorithm",
     "resolve_comm_algorithm",
+    "comm_algorithm_for",
     "default_bucket_size",
+    "bucket_size_for",
 ]
 
 COMM_ALGORITHMS = ("auto", "all_reduce", "reduce_scatter", "all_to_all")
@@ -58,10 +60,18 @@ GLOO_BUCKET_SIZE = 4 * 1024**2
 def default_bucket_size(process_group: Any, *, elsewhere: int = COLOSSAL_BUCKET_SIZE) -> int:
     """``reduce_bucket_size`` when none is given: :data:`GLOO_BUCKET_SIZE` on a gloo group of more than one
     rank, ``elsewhere`` (ColossalAI's default of the caller) otherwise."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1:
-        if dist.get_backend(process_group) == "gloo":
-            return GLOO_BUCKET_SIZE
+    if dist.is_available() and dist.is_initialized():
+        world = dist.get_world_size(process_group)
+        return bucket_size_for(
+            dist.get_backend(process_group) if world > 1 else None, world, elsewhere=elsewhere
+        )
     return elsewhere
+
+
+def bucket_size_for(backend: str | None, world_size: int, *, elsewhere: int = COLOSSAL_BUCKET_SIZE) -> int:
+    """:func:`default_bucket_size` for a group of ``world_size`` ranks on ``backend`` (the rule without a live
+    group, for memory plans)."""
+    return GLOO_BUCKET_SIZE if world_size > 1 and backend == "gloo" else elsewhere
 
 
 def check_comm_algorithm(value: Any, *, source: str = "comm_algorithm") -> str:
@@ -77,6 +87,13 @@ def check_comm_algorithm(value: Any, *, source: str = "comm_algorithm") -> str:
 def resolve_comm_algorithm(value: str, *, stage: int, world_size: int, process_group: Any) -> str:
     """The concrete algorithm (``"all_reduce"``, ``"reduce_scatter"`` or ``"all_to_all"``) for ``value`` (see
     the module doc)."""
+    backend = dist.get_backend(process_group) if world_size > 1 and value in ("auto",) else None
+    return comm_algorithm_for(value, stage=stage, world_size=world_size, backend=backend)
+
+
+def comm_algorithm_for(value: str, *, stage: int, world_size: int, backend: str | None) -> str:
+    """:func:`resolve_comm_algorithm` for a group of ``world_size`` ranks on ``backend`` (the rule without a live
+    group, for memory plans)."""
     check_comm_algorithm(value)
     if value == "auto":
         forced = os.environ.get(COMM_ALGORITHM_ENV, "").strip()
@@ -84,6 +101,6 @@ def resolve_comm_algorithm(value: str, *, stage: int, world_size: int, process_g
             value = check_comm_algorithm(forced, source=f"the environment variable {COMM_ALGORITHM_ENV}")
     if value != "auto":
         return value
-    if world_size > 1 and dist.get_backend(process_group) == "gloo":
+    if world_size > 1 and backend == "gloo":
         return "all_to_all"
     return "all_reduce" if stage == 1 else "reduce_scatter"

@@ -41,6 +41,7 @@ __all__ = [
     "launch_gather",
     "gather_params",
     "gather_after_step",
+    "split_direct",
 ]
 
 #: parameters with at least this many elements are gathered by ``"broadcast"`` in place: each rank's piece is
@@ -236,6 +237,16 @@ def _launch_direct(layout: ShardLayout, slot: Slot) -> _Entry:
     return _Entry(works, [slot.param])
 
 
+def split_direct(slots: list[Slot], direct_min: int) -> tuple[list[Slot], list[Slot]]:
+    """``(direct, staged)``: the slots ``"broadcast"`` gathers in place (contiguous, at least ``direct_min``
+    elements) and those it stages in a table, in order (also read by the memory plan)."""
+    direct: list[Slot] = []
+    staged: list[Slot] = []
+    for slot in slots:
+        (direct if slot.numel >= direct_min and slot.param.is_contiguous() else staged).append(slot)
+    return direct, staged
+
+
 def _chunks(slots: list[Slot], chunk: int | None) -> list[list[Slot]]:
     if chunk is None:
         return [slots] if slots else []
@@ -281,10 +292,7 @@ def launch_gather(
 
     for p, part in enumerate(layout.partitions):
         if method == "broadcast":
-            direct: list[Slot] = []
-            staged: list[Slot] = []
-            for slot in part.slots:
-                (direct if slot.numel >= direct_min and slot.param.is_contiguous() else staged).append(slot)
+            direct, staged = split_direct(part.slots, direct_min)
             # the small ones first (in chunks when overlapped): short collectives that the first layers wait for
             for c, slots in enumerate(_chunks(staged, chunk)):
                 flight.add(_launch_staged(layout, part, slots, method, staging, (p, c)))

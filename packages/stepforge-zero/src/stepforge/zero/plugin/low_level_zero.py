@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from stepforge.core import BoostedOptimizer, HyperParameterError, PluginBase
+from stepforge.core import BoostedOptimizer, HyperParameterError, MemoryPlan, PluginBase
 from stepforge.core.precision import PLUGIN_PRECISIONS, check_plugin_precision, validate_loss_scaler_args
 
 from ..comm.grid import mesh_groups
@@ -321,6 +321,25 @@ class LowLevelZeroPlugin(PluginBase):
         for optimizer in optimizers:
             if isinstance(optimizer, LowLevelZeroOptimizer):
                 optimizer.update_master_params(module)
+
+    # -- memory plan ---------------------------------------------------------------------------------
+    def memory_plan(
+        self,
+        model: torch.nn.Module,
+        *,
+        world_size: int,
+        rank: int = 0,
+        optimizer: Mapping[str, Any] | None = None,
+        backend: str | None = None,
+        device: str | torch.device | None = None,
+    ) -> MemoryPlan:
+        """What one rank holds and communicates for ``model`` under this plugin's settings, from the optimizer's
+        own partition and bucket code run on meta tensors (:mod:`stepforge.zero.plugin.memory_plan`)."""
+        from .memory_plan import zero_memory_plan
+
+        return zero_memory_plan(
+            self, model, world_size=world_size, rank=rank, optimizer=optimizer, backend=backend, device=device
+        )
 
     # -- helpers -------------------------------------------------------------------------------------
     def _zero(self, optimizer: Any, what: str) -> LowLevelZeroOptimizer:

@@ -1,0 +1,211 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Optimizer state bytes, read from the optimizer itself rather than from a table that can drift from it.
+
+:class:`OptimizerStateProbe` builds the optimizer of a ``build_optimizer`` config on one stand-in parameter of
+the planned shape and dtype on the meta device (no memory), gives it a gradient, steps it once and reads what
+it put in ``optimizer.state``: each state tensor's bytes, and whether it lives with the parameter (on its
+device) or on the CPU whatever the parameter's device (torch's ``step`` counters). Shapes are probed once each.
+
+An optimizer that cannot step meta tensors (a compiled kernel that needs real memory, a norm read with
+``.item()``) is probed instead on small CPU parameters: the bytes of each state tensor are fitted as
+``a * numel + b`` from two sizes and checked on a third, 2-D, parameter; state that is not linear in the element
+count raises (the estimate would not know it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["OptimizerStateProbe", "StateTensor", "optimizer_state_probe"]
+
+
+@dataclass(frozen=True)
+class StateTensor:
+    """One state tensor the optimizer keeps for a parameter.
+
+    Attributes:
+        key: its key in ``optimizer.state[param]`` (``"exp_avg"``, ``"step"``...).
+        nbytes: its bytes.
+        dtype: its dtype.
+        with_param: ``True``: created on the parameter's device; ``False``: on the CPU whatever that device is.
+    """
+
+    key: str
+    nbytes: int
+    dtype: torch.dtype
+    with_param: bool
+
+
+# (numel of the two fit sizes, the 2-D check shape whose numel is the second size)
+_FIT_SIZES = (32, 64)
+_FIT_CHECK = (8, 8)
+
+
+def _state_of(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    state = optimizer.state.get(param, {})
+    return [(str(k), v) for k, v in state.items() if isinstance(v, torch.Tensor)]
+
+
+class OptimizerStateProbe:
+    """The state layout of the optimizer a ``build_optimizer`` config builds.
+
+    Args:
+        config: ``{"type": ..., **hyperparameters}``.
+
+    Raises:
+        ValueError: ``config`` has no ``type``.
+    """
+
+    def __init__(self, config: Mapping[str, Any]) -> None:
+        if "type" not in config:
+            raise ValueError(
+                f"OptimizerStateProbe: the optimizer config needs a 'type', e.g. dict(type='AdamW', lr=1e-3); got "
+                f"{dict(config)!r}."
+            )
+        self.config = dict(config)
+        kind = self.config["type"]
+        self.name = kind if isinstance(kind, str) else getattr(kind, "__name__", str(kind))
+        self._cache: dict[tuple[tuple[int, ...], torch.dtype], tuple[StateTensor, ...]] = {}
+        self._fits: dict[torch.dtype, list[tuple[str, float, float, torch.dtype, bool]]] = {}
+        self._temporaries: dict[torch.dtype, tuple[float, float, float]] = {}
+        self.method = "meta"  # "cpu-fit" once the meta probe failed
+
+    def _build(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        from .build import build_optimizer
+
+        return build_optimizer(dict(self.config), params)
+
+    def state(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[StateTensor, ...]:
+        """The state tensors kept for one parameter of ``shape`` and ``dtype``."""
+        key = (tuple(int(s) for s in shape), dtype)
+        found = self._cache.get(key)
+        if found is None:
+            found = self._probe_meta(*key) if self.method == "meta" else None
+            if found is None:
+                found = self._from_fit(*key)
+            self._cache[key] = found
+        return found
+
+    def nbytes(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
+        """Bytes of every state tensor of one parameter of ``shape`` and ``dtype``."""
+        return sum(s.nbytes for s in self.state(shape, dtype))
+
+    def _probe_meta(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[StateTensor, ...] | None:
+        param = torch.nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"))
+        try:
+            optimizer = self._build([param])
+            param.grad = torch.zeros_like(param)
+            optimizer.step()
+        except Exception:  # any failure on meta tensors: fall back to the CPU fit for this optimizer
+            self.method = "cpu-fit"
+            return None
+        return tuple(
+            StateTensor(k, v.numel() * v.element_size(), v.dtype, v.device == param.device)
+            for k, v in _state_of(optimizer, param)
+        )
+
+    def _fit(self, dtype: torch.dtype) -> list[tuple[str, float, float, torch.dtype, bool]]:
+        found = self._fits.get(dtype)
+        if found is not None:
+            return found
+        shapes: list[tuple[int, ...]] = [(_FIT_SIZES[0],), (_FIT_SIZES[1],), _FIT_CHECK]
+        params = [torch.nn.Parameter(torch.full(s, 0.5, dtype=dtype)) for s in shapes]
+        try:
+            optimizer = self._build(list(params))
+            for p in params:
+                p.grad = torch.full_like(p, 1e-3)
+            optimizer.step()
+        except Exception as exc:
+            raise RuntimeError(
+                f"OptimizerStateProbe: the optimizer {self.name!r} could not be stepped on meta tensors nor on "
+                f"small {dtype} CPU tensors ({type(exc).__name__}: {exc}); its state size cannot be read."
+            ) from exc
+        states = [dict(_state_of(optimizer, p)) for p in params]
+        fits = []
+        (n1, n2), (small, large, check) = _FIT_SIZES, states
+        for name, first in small.items():
+            b1 = first.numel() * first.element_size()
+            second = large[name]
+            b2 = second.numel() * second.element_size()
+            per_element = (b2 - b1) / (n2 - n1)
+            fixed = b1 - per_element * n1
+            other = check.get(name)
+            if other is None or other.numel() * other.element_size() != b2:
+                raise RuntimeError(
+                    f"OptimizerStateProbe: the state {name!r} of {self.name!r} depends on the parameter's shape, "
+                    "not only on its element count; the estimate cannot size it."
+                )
+            fits.append((name, per_element, fixed, first.dtype, True))
+        self._fits[dtype] = fits
+        return fits
+
+    def _from_fit(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[StateTensor, ...]:
+        numel = 1
+        for s in shape:
+            numel *= s
+        return tuple(
+            StateTensor(name, round(per_element * numel + fixed), state_dtype, with_param)
+            for name, per_element, fixed, state_dtype, with_param in self._fit(dtype)
+        )
+
+    def step_temporaries(self, numels: list[int], dtype: torch.dtype) -> int:
+        """Bytes of the temporaries one ``step()`` allocates beside the state, for stepped tensors of ``numels``
+        elements: ``a * largest + c * second largest + b * the rest``, fitted from steady-state steps (the second
+        step) of the optimizer over one, two and three equal stand-in parameters, counted by torch's
+        ``MemTracker``. A loop over tensors keeps one tensor's temporaries and what the previous one left
+        (``b`` = 0); a multi-tensor step keeps every tensor's (``a = c = b``)."""
+        if not numels:
+            return 0
+        fit = self._temporaries.get(dtype)
+        if fit is None:
+            fit = self._temporaries[dtype] = self._fit_temporaries(dtype)
+        ordered = sorted(numels, reverse=True)
+        second = ordered[1] if len(ordered) > 1 else 0
+        rest = sum(ordered[2:])
+        return max(0, round(fit[0] * ordered[0] + fit[1] * second + fit[2] * rest))
+
+    def _fit_temporaries(self, dtype: torch.dtype) -> tuple[float, float, float]:
+        from .torch_compat import memory_tracker, tracker_bytes
+
+        n = 4096 if self.method == "meta" else _FIT_SIZES[1]
+        device = "meta" if self.method == "meta" else "cpu"
+        peaks = []
+        for count in (1, 2, 3):
+            params = [
+                torch.nn.Parameter(torch.full((n,), 0.5, dtype=dtype, device=device)) for _ in range(count)
+            ]
+            optimizer = self._build(list(params))
+            for p in params:
+                p.grad = torch.full_like(p, 1e-3)
+            optimizer.step()  # the first step creates the state
+            tracker = memory_tracker()
+            with tracker:
+                optimizer.step()
+            current = sum(d["Total"] for d in tracker_bytes(tracker).values())
+            peak = sum(d["Total"] for d in tracker_bytes(tracker, "peak").values())
+            peaks.append(max(0, peak - current))
+        return peaks[0] / n, max(0.0, peaks[1] - peaks[0]) / n, max(0.0, peaks[2] - peaks[1]) / n
+
+    def describe(self, dtype: torch.dtype = torch.float32) -> str:
+        """The layout for a 1-D parameter of 1 000 elements, for logs: ``"exp_avg fp32 x1, ..."``."""
+        parts = []
+        for s in self.state((1000,), dtype):
+            size = torch.empty((), dtype=s.dtype, device="meta").element_size()
+            parts.append(f"{s.key} {str(s.dtype).removeprefix('torch.')} {s.nbytes / size / 1000:g}x")
+        return ", ".join(parts) or "no state"
+
+
+_PROBES: dict[str, OptimizerStateProbe] = {}
+
+
+def optimizer_state_probe(config: Mapping[str, Any]) -> OptimizerStateProbe:
+    """The probe of ``config``, shared by every plan in this process (one probe per distinct config)."""
+    key = repr(sorted((str(k), repr(v)) for k, v in config.items()))
+    probe = _PROBES.get(key)
+    if probe is None:
+        probe = _PROBES[key] = OptimizerStateProbe(config)
+    return probe

@@ -1,0 +1,282 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What a plugin will hold per rank and move per step, described before anything is allocated.
+
+:meth:`stepforge.core.Plugin.memory_plan` returns a :class:`MemoryPlan`: every kind of tensor the plugin keeps on
+one rank (:class:`PlannedTensor`: which component, on the device or the host, how many bytes, from when on) and
+every collective it runs in one optimizer step (:class:`PlannedCollective`). Each plugin builds its plan from its
+own layout code (partitioning, padding, buckets, what is offloaded), so the plan and the implementation share
+one source; ``stepforge.strategy.estimate`` adds activations and the peak on top.
+
+The default plan (:func:`replicated_plan`) is a replicated layout: every rank holds every parameter, its gradient
+and its optimizer state, and nothing is communicated (plugins that communicate override ``memory_plan``).
+Optimizer state bytes come from the optimizer itself (:class:`OptimizerStateProbe`): it is built on stand-in
+parameters of the planned shapes and stepped once, and its state tensors are read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._state_probe import OptimizerStateProbe, StateTensor, optimizer_state_probe
+
+__all__ = [
+    "COMPONENTS",
+    "PLACES",
+    "LIFETIMES",
+    "COLLECTIVE_OPS",
+    "PlannedTensor",
+    "PlannedCollective",
+    "MemoryPlan",
+    "OptimizerStateProbe",
+    "StateTensor",
+    "optimizer_state_probe",
+    "unique_parameters",
+    "tensor_bytes",
+    "replicated_plan",
+    "add_optimizer_state",
+]
+
+#: the memory components of a plan and of an estimate, in table order
+COMPONENTS = ("params", "grads", "master", "optimizer_state", "buffers", "activations")
+#: ``"device"``: memory on the plugin's device; ``"host"``: CPU memory besides it (offloaded state, pinned and
+#: staging buffers). On a CPU device the process holds both.
+PLACES = ("device", "host")
+#: when a planned tensor exists:
+#:
+#: - ``"boost"``: from ``boost`` (``prepare``) on;
+#: - ``"step"``: from the first step on (optimizer state, gradient pieces and buffers kept between steps);
+#: - ``"grads"``: from the backward until ``zero_grad`` (gradients a plugin keeps in ``param.grad``);
+#: - ``"compute"``: throughout forward and backward (gathered parameters);
+#: - ``"reduce"``: in backward, while gradients are reduced (buckets in flight, gradients waiting for their
+#:   bucket, unsharded gradients): they grow as the activations are freed, so the peak takes the larger of the
+#:   two;
+#: - ``"update"``: only inside ``optimizer.step()`` (gather tables, temporaries of the update).
+LIFETIMES = ("boost", "step", "grads", "compute", "reduce", "update")
+#: the collectives a plan may list
+COLLECTIVE_OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all")
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    """Bytes of one kind of tensor on this rank.
+
+    Attributes:
+        component: one of :data:`COMPONENTS` (not ``"activations"``: the estimate traces those).
+        place: ``"device"`` or ``"host"``.
+        nbytes: the bytes (padding included where the layout pads).
+        label: what it is, for tables and logs (``"fp32 master pieces"``, ``"gradient bucket buffers"``).
+        lifetime: one of :data:`LIFETIMES`.
+        pinned: page-locked host memory.
+    """
+
+    component: str
+    place: str
+    nbytes: int
+    label: str
+    lifetime: str = "boost"
+    pinned: bool = False
+
+    def __post_init__(self) -> None:
+        if self.component not in COMPONENTS[:-1]:
+            raise ValueError(
+                f"PlannedTensor: component must be one of {COMPONENTS[:-1]}, got {self.component!r}."
+            )
+        if self.place not in PLACES:
+            raise ValueError(f"PlannedTensor: place must be one of {PLACES}, got {self.place!r}.")
+        if self.lifetime not in LIFETIMES:
+            raise ValueError(f"PlannedTensor: lifetime must be one of {LIFETIMES}, got {self.lifetime!r}.")
+        if self.nbytes < 0:
+            raise ValueError(f"PlannedTensor: nbytes must be >= 0, got {self.nbytes}.")
+
+
+@dataclass(frozen=True)
+class PlannedCollective:
+    """The calls of one collective in one optimizer step, on this rank.
+
+    Attributes:
+        op: one of :data:`COLLECTIVE_OPS`.
+        phase: ``"forward"``, ``"backward"`` or ``"step"``.
+        calls: how many calls per optimizer step.
+        nbytes: the payload of all those calls together: the full buffer each call works on (an all-reduce's
+            tensor, a reduce-scatter's input, an all-gather's output, a broadcast's tensor, an all-to-all's
+            input), in bytes.
+        group_size: ranks taking part in each call.
+        label: what travels (``"gradient buckets"``, ``"updated parameter pieces"``).
+    """
+
+    op: str
+    phase: str
+    calls: int
+    nbytes: int
+    group_size: int
+    label: str
+
+    def __post_init__(self) -> None:
+        if self.op not in COLLECTIVE_OPS:
+            raise ValueError(f"PlannedCollective: op must be one of {COLLECTIVE_OPS}, got {self.op!r}.")
+
+    @property
+    def sent_bytes(self) -> int:
+        """Bytes this rank sends over the network for these calls, by the bandwidth-optimal (ring) algorithm:
+        an all-reduce ``2 (n-1)/n`` of its payload, a reduce-scatter, all-gather or all-to-all ``(n-1)/n``, a
+        broadcast ``(n-1)/n`` (pipelined: each rank forwards what it receives)."""
+        n = self.group_size
+        if n <= 1:
+            return 0
+        factor = 2 if self.op == "all_reduce" else 1
+        return factor * self.nbytes * (n - 1) // n
+
+
+@dataclass
+class MemoryPlan:
+    """Everything one rank of ``plugin`` holds and communicates for a model (see the module docstring).
+
+    Attributes:
+        plugin: the plugin's registry name.
+        world_size, rank: the data-parallel world planned for and the rank described (rank 0 holds the most
+            wherever pieces are cut ``torch.chunk``-style).
+        tensors: the planned tensors.
+        collectives: the planned collectives of one optimizer step.
+        compute_dtype: the dtype the parameters have during forward/backward (``None``: their own; the
+            Booster's autocast may then apply).
+        offloads: whether the optimizer step runs on the host (its state lives there).
+        full_grads: whether backward accumulates the whole model's gradients in ``param.grad`` (a replicated
+            layout); ``False`` where gradients are reduced into shards or pieces as they arrive.
+        notes: settings that shaped the plan, for logs (``"bucket 4 Mi elements"``...).
+    """
+
+    plugin: str
+    world_size: int
+    rank: int
+    tensors: list[PlannedTensor] = field(default_factory=list)
+    collectives: list[PlannedCollective] = field(default_factory=list)
+    compute_dtype: torch.dtype | None = None
+    offloads: bool = False
+    full_grads: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    def add(
+        self,
+        component: str,
+        place: str,
+        nbytes: int,
+        label: str,
+        lifetime: str = "boost",
+        *,
+        pinned: bool = False,
+    ) -> None:
+        """Add ``nbytes`` to the :class:`PlannedTensor` of this kind, appending it the first time (``nbytes`` 0
+        is skipped)."""
+        if not nbytes:
+            return
+        for i, t in enumerate(self.tensors):
+            if (t.component, t.place, t.label, t.lifetime, t.pinned) == (
+                component,
+                place,
+                label,
+                lifetime,
+                pinned,
+            ):
+                self.tensors[i] = PlannedTensor(
+                    component, place, t.nbytes + int(nbytes), label, lifetime, pinned
+                )
+                return
+        self.tensors.append(PlannedTensor(component, place, int(nbytes), label, lifetime, pinned))
+
+    def collective(self, op: str, phase: str, calls: int, nbytes: int, group_size: int, label: str) -> None:
+        """Append a :class:`PlannedCollective` (no calls or a group of one rank is skipped)."""
+        if calls and group_size > 1:
+            self.collectives.append(PlannedCollective(op, phase, calls, int(nbytes), group_size, label))
+
+    def total(
+        self,
+        *,
+        component: str | None = None,
+        place: str | None = None,
+        lifetimes: Iterable[str] | None = None,
+    ) -> int:
+        """Bytes of the planned tensors matching every given filter."""
+        allowed = set(lifetimes) if lifetimes is not None else None
+        return sum(
+            t.nbytes
+            for t in self.tensors
+            if (component is None or t.component == component)
+            and (place is None or t.place == place)
+            and (allowed is None or t.lifetime in allowed)
+        )
+
+    def sent_bytes(self) -> int:
+        """Bytes this rank sends per optimizer step, all collectives together."""
+        return sum(c.sent_bytes for c in self.collectives)
+
+
+def unique_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``model``'s parameters with their first name, each once (tied weights are held once)."""
+    seen: set[int] = set()
+    out = []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append((name, p))
+    return out
+
+
+def tensor_bytes(numel: int, dtype: torch.dtype) -> int:
+    """``numel`` elements of ``dtype`` in bytes."""
+    return numel * torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+def replicated_plan(
+    plugin: str,
+    model: nn.Module,
+    *,
+    world_size: int,
+    rank: int = 0,
+    optimizer: Mapping[str, Any] | None = None,
+) -> MemoryPlan:
+    """Every rank holds every parameter (in its own dtype), its gradient in ``param.grad`` and the optimizer's
+    state for it, all on the device; the model's buffers too; nothing is communicated (``plugin``: the name the
+    plan carries)."""
+    plan = MemoryPlan(plugin, world_size, rank, full_grads=True)
+    params = unique_parameters(model)
+    plan.add("params", "device", sum(p.numel() * p.element_size() for _, p in params), "parameters")
+    trainable = [p for _, p in params if p.requires_grad]
+    plan.add("grads", "device", sum(p.numel() * p.element_size() for p in trainable), "gradients", "grads")
+    plan.add("buffers", "device", sum(b.numel() * b.element_size() for b in model.buffers()), "model buffers")
+    if optimizer is not None:
+        add_optimizer_state(plan, optimizer, [(tuple(p.shape), p.dtype) for p in trainable], place="device")
+    return plan
+
+
+def add_optimizer_state(
+    plan: MemoryPlan,
+    optimizer: Mapping[str, Any],
+    tensors: Sequence[tuple[tuple[int, ...], torch.dtype]],
+    *,
+    place: str,
+) -> None:
+    """Add the state ``optimizer`` (a ``build_optimizer`` config) keeps for tensors of these shapes and dtypes,
+    as the optimizer itself lays it out, and the temporaries of its step; state it keeps on the CPU whatever the
+    tensor's device (torch's ``step`` counters) is host memory."""
+    probe = optimizer_state_probe(optimizer)
+    with_param = on_host = 0
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for shape, dtype in tensors:
+        numel = 1
+        for s in shape:
+            numel *= s
+        by_dtype.setdefault(dtype, []).append(numel)
+        for state in probe.state(shape, dtype):
+            if state.with_param:
+                with_param += state.nbytes
+            else:
+                on_host += state.nbytes
+    plan.add("optimizer_state", place, with_param, f"{probe.name} state", "step")
+    plan.add("optimizer_state", "host", on_host, f"{probe.name} state kept on the CPU", "step")
+    temporaries = sum(probe.step_temporaries(numels, dtype) for dtype, numels in by_dtype.items())
+    plan.add("buffers", place, temporaries, f"{probe.name} step temporaries", "update")

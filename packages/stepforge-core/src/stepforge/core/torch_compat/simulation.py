@@ -1,0 +1,93 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What torch offers for planning and simulating a run without its memory, wrapped once.
+
+- :func:`fake_tensor_mode`: ``torch._subclasses.fake_tensor.FakeTensorMode`` (tensors with shapes, dtypes and
+  devices but no storage; a forward and backward run on them allocate nothing).
+- :func:`memory_tracker`: ``torch.distributed._tools.mem_tracker.MemTracker``, which counts the live tensor
+  storage per device and category (parameters, gradients, activations, temporaries, optimizer state) at every
+  operation, real or fake; :func:`tracker_bytes` reads its snapshots with plain string keys.
+- :func:`register_fake_backend`: torch's ``"fake"`` process-group backend (registered when
+  ``torch.testing._internal.distributed.fake_pg`` is imported): one process plays rank ``r`` of ``N``;
+  collectives return at once without moving or reducing anything.
+- :func:`ddp_bucket_assignment`: ``torch.distributed._compute_bucket_assignment_by_size``, the function DDP
+  assigns its gradient buckets with.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .errors import private_changed
+
+__all__ = [
+    "FAKE_PG_MODULE",
+    "MEM_TRACKER_MODULE",
+    "FAKE_TENSOR_MODULE",
+    "ddp_bucket_assignment",
+    "fake_tensor_mode",
+    "memory_tracker",
+    "register_fake_backend",
+    "tracker_bytes",
+]
+
+FAKE_PG_MODULE = "torch.testing._internal.distributed.fake_pg"
+MEM_TRACKER_MODULE = "torch.distributed._tools.mem_tracker"
+FAKE_TENSOR_MODULE = "torch._subclasses.fake_tensor"
+
+
+def fake_tensor_mode() -> Any:
+    """A new ``FakeTensorMode`` that also accepts real tensors as inputs (they are converted on use)."""
+    try:
+        cls = importlib.import_module(FAKE_TENSOR_MODULE).FakeTensorMode
+    except (ImportError, AttributeError) as exc:
+        raise private_changed(f"{FAKE_TENSOR_MODULE}.FakeTensorMode", exc) from exc
+    return cls(allow_non_fake_inputs=True)
+
+
+def memory_tracker() -> Any:
+    """A new ``MemTracker`` (a context manager; ``track_external(*modules_or_optimizers)`` before entering)."""
+    try:
+        cls = importlib.import_module(MEM_TRACKER_MODULE).MemTracker
+    except (ImportError, AttributeError) as exc:
+        raise private_changed(f"{MEM_TRACKER_MODULE}.MemTracker", exc) from exc
+    return cls()
+
+
+def tracker_bytes(tracker: Any, kind: str = "current") -> dict[str, dict[str, int]]:
+    """``MemTracker.get_tracker_snapshot(kind)`` as ``{device: {category: bytes}}`` with string keys: the
+    categories ``"Parameter"``, ``"Buffer"``, ``"Gradient"``, ``"Activation"``, ``"Temp"``, ``"Optstate"``,
+    ``"Other"`` and ``"Total"``."""
+    snapshot = tracker.get_tracker_snapshot(kind)
+    return {
+        str(device): {str(getattr(key, "value", key)): int(value) for key, value in snap.items()}
+        for device, snap in snapshot.items()
+    }
+
+
+def register_fake_backend() -> None:
+    """Make ``init_process_group("fake", rank=r, world_size=N, store=...)`` available (idempotent)."""
+    try:
+        importlib.import_module(FAKE_PG_MODULE)
+    except ImportError as exc:
+        raise private_changed(FAKE_PG_MODULE, exc) from exc
+
+
+def ddp_bucket_assignment(params: Sequence[torch.Tensor], bucket_cap_bytes: int) -> list[list[int]]:
+    """How DDP buckets ``params`` (in the order given: DDP passes them last-registered first) with its default
+    limits: a first bucket of ``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`` (1 MiB), then ``bucket_cap_bytes``
+    each; the indices of each bucket. Works on meta tensors."""
+    try:
+        assign = dist._compute_bucket_assignment_by_size
+        first = int(dist._DEFAULT_FIRST_BUCKET_BYTES)
+    except AttributeError as exc:
+        raise private_changed("torch.distributed._compute_bucket_assignment_by_size", exc) from exc
+    if not params:
+        return []
+    limits = [first, bucket_cap_bytes] if first < bucket_cap_bytes else [bucket_cap_bytes]
+    buckets, _ = assign(list(params), limits, [False] * len(params))
+    return [list(b) for b in buckets]

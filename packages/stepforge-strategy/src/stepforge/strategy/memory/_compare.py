@@ -1,0 +1,50 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Several plugins estimated side by side, from command-line plugin specs (the command, the "What fits" page and
+``plugin="auto"`` share it)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ._estimate import Estimate, estimate
+from ._specs import parse_plugin
+
+__all__ = ["estimate_plugins"]
+
+
+def estimate_plugins(
+    model: torch.nn.Module,
+    plugins: Sequence[str],
+    *,
+    world_size: int,
+    precision: str,
+    optimizer: dict[str, Any] | None,
+    inputs: Any = None,
+    device: str = "cuda",
+    backend: str | None = None,
+    rank: int = 0,
+) -> list[Estimate]:
+    """One :class:`Estimate` per plugin spec (``single`` is left out above one rank)."""
+    out = []
+    for spec in plugins:
+        name, kwargs = parse_plugin(spec)
+        if name == "single" and world_size > 1:
+            continue
+        out.append(
+            estimate(
+                model,
+                name,
+                world_size=1 if name == "single" else world_size,
+                precision=precision,
+                optimizer=optimizer,
+                inputs=inputs,
+                rank=rank,
+                device=device,
+                backend=backend,
+                **kwargs,
+            )
+        )
+    return out

@@ -1,0 +1,285 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``estimate``: per-rank memory and communication of a training configuration, before launch.
+
+The plugin's own :meth:`~stepforge.core.Plugin.memory_plan` says what one rank holds and communicates (from its
+partition, padding, bucket and offload code); a traced forward and backward of the example micro-batch on
+fake tensors adds the activations (:mod:`._activations`); the peak combines the two by when each tensor lives
+(see :meth:`Estimate.peak`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from stepforge.core import PLUGINS, MemoryPlan, Plugin
+from stepforge.core.memory_plan import COMPONENTS
+from stepforge.core.precision import get_precision
+
+from ._activations import ActivationTrace, trace_activations
+from ._model import parameter_count, resolve_model
+from ._table import estimate_table
+
+__all__ = ["Estimate", "estimate", "make_plugin"]
+
+#: the lifetimes held between steps (a plan's steady state after a step, before ``zero_grad``)
+HELD = ("boost", "step", "grads")
+
+
+@dataclass
+class Estimate:
+    """What one rank of a configuration holds (bytes) and communicates per optimizer step.
+
+    Attributes:
+        plugin: the plugin's registry name; ``settings``: the arguments it was built with.
+        world_size, rank: the world planned for and the rank described.
+        precision: the precision in effect (the plugin's own, or the Booster's mixed precision).
+        optimizer: the optimizer's name (``None``: no optimizer state).
+        backend: the process-group backend the plan assumed.
+        parameters: the model's parameter count.
+        device, host: bytes per component (:data:`~stepforge.core.memory_plan.COMPONENTS` and ``"peak"``):
+            what is held between steps (after a step, before ``zero_grad``), the activations (what the traced
+            forward keeps for backward; backward's temporaries count in the peak), and the peak over a step
+            (see :meth:`peak`).
+        after_boost: ``{"device": bytes, "host": bytes}`` held right after ``boost``.
+        plan: the plugin's :class:`~stepforge.core.MemoryPlan`.
+        activations: the activation trace (``None`` without ``inputs``).
+    """
+
+    plugin: str
+    settings: dict[str, Any]
+    world_size: int
+    rank: int
+    precision: str
+    optimizer: str | None
+    backend: str
+    parameters: int
+    plan: MemoryPlan
+    activations: ActivationTrace | None = None
+    device: dict[str, int] = field(default_factory=dict)
+    host: dict[str, int] = field(default_factory=dict)
+    after_boost: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        plan = self.plan
+        for place, table in (("device", self.device), ("host", self.host)):
+            for component in COMPONENTS[:-1]:
+                table[component] = plan.total(component=component, place=place, lifetimes=HELD)
+            table["activations"] = self._activation_bytes() if place == "device" else 0
+            table["peak"] = self.peak(place)
+            self.after_boost[place] = plan.total(place=place, lifetimes=("boost",))
+
+    def _activation_bytes(self) -> int:
+        return self.activations.forward if self.activations is not None else 0
+
+    def peak(self, place: str | None) -> int:
+        """The most bytes held at once on ``place`` (``None``: device and host together, one memory as on a CPU
+        device) over a training step: the larger of
+
+        - forward/backward: what is held from boost and the first step on, the tensors that live throughout
+          compute (gathered parameters), and the larger of the traced activations (with the gradients as they
+          build up in the trace, for a replicated layout) and what backward adds as the activations are freed
+          (the gradients, buckets in flight, unsharded gradients);
+        - the optimizer step: what is held between steps plus the update's own buffers.
+        """
+        plan = self.plan
+        persistent = plan.total(place=place, lifetimes=("boost", "step"))
+        grads = plan.total(place=place, lifetimes=("grads",))
+        compute = plan.total(place=place, lifetimes=("compute",))
+        reduce = plan.total(place=place, lifetimes=("reduce",))
+        update = plan.total(place=place, lifetimes=("update",))
+        trace = self.activations if place != "host" else None
+        traced = 0 if trace is None else trace.peak_with_grads if plan.full_grads else trace.peak
+        during = persistent + compute + max(traced, grads + reduce)
+        return max(during, persistent + grads + update)
+
+    @property
+    def collectives(self) -> dict[str, dict[str, int]]:
+        """Per collective op: ``calls``, ``bytes`` (payload) and ``sent_bytes`` (ring estimate) per step."""
+        out: dict[str, dict[str, int]] = {}
+        for c in self.plan.collectives:
+            entry = out.setdefault(c.op, {"calls": 0, "bytes": 0, "sent_bytes": 0})
+            entry["calls"] += c.calls
+            entry["bytes"] += c.nbytes
+            entry["sent_bytes"] += c.sent_bytes
+        return out
+
+    @property
+    def sent_bytes(self) -> int:
+        """Bytes this rank sends per optimizer step, every collective together."""
+        return self.plan.sent_bytes()
+
+    def fits(self, device: int | None = None, host: int | None = None) -> bool:
+        """Whether the peaks fit ``device`` and ``host`` bytes (``None``: not checked)."""
+        return (device is None or self.device["peak"] <= device) and (
+            host is None or self.host["peak"] <= host
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict: ``device``, ``host`` (bytes per component and ``peak``), ``collectives``, and the
+        configuration, the state right after boost, the plan's tensors and notes."""
+        return {
+            "plugin": self.plugin,
+            "settings": {
+                k: repr(v) if not isinstance(v, int | float | str | bool) else v
+                for k, v in self.settings.items()
+            },
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "precision": self.precision,
+            "optimizer": self.optimizer,
+            "backend": self.backend,
+            "parameters": self.parameters,
+            "device": dict(self.device),
+            "host": dict(self.host),
+            "after_boost": dict(self.after_boost),
+            "collectives": self.collectives,
+            "sent_bytes_per_step": self.sent_bytes,
+            "activations_traced": self.activations is not None,
+            "tensors": [asdict(t) for t in self.plan.tensors],
+            "notes": list(self.plan.notes),
+        }
+
+    def __str__(self) -> str:
+        return estimate_table([self])
+
+
+def _names_device(cls: Any) -> bool:
+    """Whether ``cls`` takes ``device`` by name (a ``**kwargs`` passing it on to a base that has none does not
+    count: ``Zero2Plugin``)."""
+    try:
+        return "device" in inspect.signature(cls).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def make_plugin(
+    plugin: str | Mapping[str, Any] | Plugin,
+    *,
+    device: str | torch.device | None = None,
+    precision: str | None = None,
+    **plugin_kwargs: Any,
+) -> tuple[Plugin, str, torch.dtype | None]:
+    """``(plugin, precision in effect, autocast dtype)``: the plugin built as the Booster builds it, with
+    ``precision`` adopted by a plugin that applies precision itself, or applied as the Booster's autocast.
+
+    Raises:
+        TypeError: a plugin instance together with keyword arguments, or not a plugin.
+        HyperParameterError: a precision the plugin does not take.
+    """
+    if isinstance(plugin, Plugin):
+        if plugin_kwargs:
+            raise TypeError(
+                "estimate: plugin arguments were given with a plugin instance; pass a name (plugin='zero2', "
+                "stage=...) or configure the instance."
+            )
+        built = plugin
+    else:
+        kwargs = dict(plugin_kwargs)
+        if isinstance(plugin, Mapping):
+            kwargs = {**dict(plugin), **kwargs}
+            name = kwargs.pop("type", None)
+            if not isinstance(name, str):
+                raise TypeError(f"estimate: a plugin dict needs a 'type' name, got {dict(plugin)!r}.")
+        else:
+            name = plugin
+        cls = PLUGINS.get(name)
+        if device is not None and "device" not in kwargs and _names_device(cls):
+            kwargs["device"] = device
+        built = cls(**kwargs)
+        if not isinstance(built, Plugin):
+            raise TypeError(f"estimate: {name!r} did not build a stepforge.core.Plugin.")
+    autocast = None
+    if built.control_precision():
+        if precision is not None and not (built.explicit_precision and built.precision == precision):
+            built.set_precision(precision)
+        effective = str(built.precision)
+    else:
+        effective = get_precision(precision).name if precision is not None else "fp32"
+        autocast = get_precision(effective).autocast_dtype
+    return built, effective, autocast
+
+
+def estimate(
+    model: nn.Module | Callable[[], nn.Module] | Any,
+    plugin: str | Mapping[str, Any] | Plugin = "single",
+    *,
+    world_size: int = 1,
+    precision: str | None = None,
+    optimizer: Mapping[str, Any] | None = None,
+    inputs: Any = None,
+    criterion: Callable[[Any], torch.Tensor] | None = None,
+    rank: int = 0,
+    device: str | torch.device | None = None,
+    backend: str | None = None,
+    **plugin_kwargs: Any,
+) -> Estimate:
+    """Per-rank memory and communication of training ``model`` with ``plugin`` on ``world_size`` ranks, before
+    anything is allocated.
+
+    ::
+
+        est = estimate(model, plugin="zero2", world_size=1024, precision="bf16",
+                       optimizer=dict(type="AdamW", lr=1e-4), inputs=batch)
+        print(est)                      # a table
+        est.to_dict()["device"]["peak"]
+
+    Args:
+        model: an ``nn.Module`` (real or on the meta device; not changed), a function building one (called
+            under ``torch.device("meta")``) or a Hugging Face ``transformers`` config.
+        plugin: a plugin name (``"zero2"``, ``"torch_fsdp"``...), a dict with ``type``, or an instance.
+        world_size: the data-parallel world to plan for.
+        precision: ``"fp32"``, ``"bf16"``, ``"fp16"``: the plugin's own precision, or the Booster's mixed
+            precision for plugins without one (``None``: the plugin's default, fp32 for the others).
+        optimizer: the ``build_optimizer`` config (``None``: no optimizer state). State bytes are read from
+            the optimizer itself.
+        inputs: an example micro-batch as the forward takes it (a tensor, a tuple of positional arguments or a
+            dict of keyword arguments; real or meta tensors): activations are traced from it. ``None``: no
+            activations.
+        criterion: a function of the output returning the loss (default: the output's mean).
+        rank: the rank described (0 holds the most).
+        device: the device the plugin places the model on (``"cuda"``, ``"cpu"``; default: CUDA if available).
+        backend: the process-group backend to plan for (default: gloo on a CPU device, nccl otherwise).
+        **plugin_kwargs: the plugin's own arguments (``stage``, ``cpu_offload``, ``placement_policy``...).
+
+    Returns:
+        An :class:`Estimate`.
+    """
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"estimate: world_size must be an int >= 1, got {world_size!r}.")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"estimate: rank must lie in [0, world_size={world_size}), got {rank!r}.")
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    built, effective, autocast = make_plugin(plugin, device=device, precision=precision, **plugin_kwargs)
+    if backend is None:
+        backend = "gloo" if torch.device(device).type == "cpu" else "nccl"
+    module = resolve_model(model)
+    plan = built.memory_plan(
+        module, world_size=world_size, rank=rank, optimizer=optimizer, backend=backend, device=device
+    )
+    trace = None
+    if inputs is not None:
+        trace = trace_activations(
+            module, inputs, compute_dtype=plan.compute_dtype, autocast_dtype=autocast, criterion=criterion
+        )
+    settings = dict(plugin_kwargs)
+    if isinstance(plugin, Mapping):
+        settings = {**{k: v for k, v in plugin.items() if k != "type"}, **settings}
+    return Estimate(
+        plugin=built.name,
+        settings=settings,
+        world_size=world_size,
+        rank=rank,
+        precision=effective,
+        optimizer=None if optimizer is None else str(optimizer.get("type", "")) or None,
+        backend=backend,
+        parameters=parameter_count(module),
+        plan=plan,
+        activations=trace,
+    )

@@ -1,0 +1,206 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The memory plans of ``torch_ddp``, ``torch_fsdp`` and ``gemini`` (their ``memory_plan`` methods).
+
+``torch_fsdp``/``gemini`` take their units from the code that shards (:func:`~._fsdp_common.plan_units`: the
+same block choice, the same blocks left in the root, gemini's same placement plan) and size each parameter as
+FSDP2 stores it: dimension 0 cut ``torch.chunk``-style into ``S`` pieces of ``ceil(dim0 / S)`` rows, every rank's
+storage padded to that many rows; gradients reduce-scattered into one padded buffer per unit (copied to the CPU,
+unpadded, when the unit is offloaded); the optimizer stepping the local (unpadded) shards. ``torch_ddp`` is the
+replicated layout plus DDP's gradient buckets, assigned by torch's own bucketing function.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from stepforge.core.memory_plan import (
+    MemoryPlan,
+    add_optimizer_state,
+    replicated_plan,
+    tensor_bytes,
+    unique_parameters,
+)
+from stepforge.core.torch_compat import ddp_bucket_assignment
+
+from ._fsdp_common import plan_units
+from ._fsdp_placement import UnitPlacement, unit_params
+
+__all__ = ["ddp_memory_plan", "fsdp_memory_plan", "shard_rows", "DDPSettings", "FSDPSettings"]
+
+
+class DDPSettings(Protocol):
+    """What the DDP plan reads of ``TorchDDPPlugin``."""
+
+    name: str
+    ddp_kwargs: dict[str, Any]
+
+
+class FSDPSettings(Protocol):
+    """What the FSDP2 plan reads of ``TorchFSDPPlugin``/``GeminiPlugin``."""
+
+    name: str
+    shard_modules: Callable[[nn.Module], bool] | Iterable[type] | None
+    reshard_after_forward: bool
+    cpu_offload: bool
+    default_optimizer: str | None
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def _placement(self, model: nn.Module, blocks: list[nn.Module]) -> Mapping[int, UnitPlacement] | None: ...
+
+    def _mp_policy(self) -> Any: ...
+
+
+def shard_rows(dim0: int, shards: int, index: int) -> tuple[int, int]:
+    """``(rows, padded_rows)`` of shard ``index`` of ``shards`` of a dimension of ``dim0`` rows, as FSDP2 cuts it
+    (``torch.chunk``: pieces of ``ceil(dim0 / shards)`` rows, the last ones shorter or empty; storage padded)."""
+    padded = -(-dim0 // shards)
+    rows = max(0, min(padded, dim0 - index * padded))
+    return rows, padded
+
+
+def ddp_memory_plan(
+    plugin: DDPSettings,
+    model: nn.Module,
+    *,
+    world_size: int,
+    rank: int = 0,
+    optimizer: Mapping[str, Any] | None = None,
+) -> MemoryPlan:
+    """The replicated layout plus DDP's buckets: every gradient also lives in a bucket (one copy of the
+    gradients; none with ``gradient_as_bucket_view``, where the gradients are views of the buckets), all-reduced
+    bucket by bucket in backward."""
+    plan = replicated_plan(plugin.name, model, world_size=world_size, rank=rank, optimizer=optimizer)
+    grads = [p for _, p in unique_parameters(model) if p.requires_grad]
+    cap = int(plugin.ddp_kwargs["bucket_cap_mb"] * 1024**2)
+    buckets = ddp_bucket_assignment(list(reversed(grads)), cap)
+    total = sum(p.numel() * p.element_size() for p in grads)
+    if not plugin.ddp_kwargs["gradient_as_bucket_view"]:
+        plan.add("buffers", "device", total, "DDP gradient buckets")
+    plan.collective("all_reduce", "backward", len(buckets), total, world_size, "gradient buckets")
+    plan.notes.append(f"{len(buckets)} buckets of <= {plugin.ddp_kwargs['bucket_cap_mb']} MiB")
+    return plan
+
+
+def _units(plugin: FSDPSettings, model: nn.Module) -> list[tuple[str, list[nn.Parameter], bool, bool, bool]]:
+    """``(name, parameters, sharded, offloaded, resharded after forward)`` of every unit, blocks first."""
+    blocks, _, placement = plan_units(model, plugin.shard_modules, plugin._placement)
+    names = {id(m): n for n, m in model.named_modules()}
+    units = [*blocks, model]
+    out = []
+    for unit in units:
+        where = placement.get(id(unit)) if placement is not None else None
+        sharded = where.sharded if where is not None else True
+        offload = where.offload if where is not None else plugin.cpu_offload
+        reshard = plugin.reshard_after_forward if unit is not model else False
+        out.append((names[id(unit)], unit_params(unit, units), sharded, offload, reshard))
+    return out
+
+
+def fsdp_memory_plan(
+    plugin: FSDPSettings,
+    model: nn.Module,
+    *,
+    world_size: int,
+    rank: int = 0,
+    optimizer: Mapping[str, Any] | None = None,
+    extra_dp_size: int = 1,
+    device: str | torch.device | None = None,
+    pin_memory: bool = False,
+) -> MemoryPlan:
+    """See the module docstring. ``extra_dp_size`` > 1: sharded units shard over ``world_size // extra_dp_size``
+    ranks and are replicated across ``extra_dp_size`` groups (HSDP); replicated units are whole on every rank.
+    Offloaded shards are page-locked with ``pin_memory`` on an accelerator ``device`` (default: the plugin's),
+    as ``CPUOffloadPolicy`` pins them only where an accelerator exists."""
+    on_cpu = torch.device(device if device is not None else plugin.device).type == "cpu"
+    pinned = pin_memory and not on_cpu
+    if world_size % extra_dp_size:
+        raise ValueError(
+            f"{type(plugin).__name__}: extra_dp_size={extra_dp_size} does not divide world_size={world_size}."
+        )
+    policy = plugin._mp_policy()
+    plan = MemoryPlan(plugin.name, world_size, rank, compute_dtype=policy.param_dtype)
+    units = _units(plugin, model)
+    plan.offloads = any(offload for *_, offload, _ in units)
+    stepped: dict[bool, list[tuple[tuple[int, ...], torch.dtype]]] = {True: [], False: []}
+    gathered: list[tuple[int, int]] = []  # per unit: gathered parameter bytes, reduce-scatter input bytes
+    for name, params, sharded, offload, reshard in units:
+        shards, replicas = (world_size // extra_dp_size, extra_dp_size) if sharded else (1, world_size)
+        index = rank % shards
+        place = "host" if offload else "device"
+        param_dtype = policy.param_dtype or (params[0].dtype if params else torch.float32)
+        reduce_dtype = policy.reduce_dtype or param_dtype
+        stored = padded_numel = local_numel = full = 0
+        for p in params:
+            rest = p[0].numel() if p.dim() else 1
+            rows, padded = shard_rows(p.shape[0] if p.dim() else 1, shards, index)
+            stored += padded * rest * p.element_size()
+            padded_numel += padded * rest
+            local_numel += rows * rest
+            full += shards * padded * rest
+            if p.requires_grad:
+                shape = (rows, *p.shape[1:]) if p.dim() else ()
+                stepped[offload].append((shape, p.dtype))
+        if not params:
+            continue
+        label = f"unit {name or '<root>'}"
+        plan.add("params", place, stored, "sharded parameters (padded)", pinned=offload and pinned)
+        # gradients are views of the unit's padded reduce-scatter output; offloaded from an accelerator, each
+        # is copied to the CPU unpadded (on a CPU device that copy is the view itself)
+        grad_bytes = tensor_bytes(local_numel if offload and not on_cpu else padded_numel, reduce_dtype)
+        plan.add("grads", place, grad_bytes, "sharded gradients", "grads")
+        gathered.append((tensor_bytes(full, param_dtype), tensor_bytes(full, reduce_dtype)))
+        gather_calls = 2 if reshard else 1
+        plan.collective(
+            "all_gather", "forward", 1, tensor_bytes(full, param_dtype), shards, f"{label} parameters"
+        )
+        if gather_calls == 2:
+            plan.collective(
+                "all_gather", "backward", 1, tensor_bytes(full, param_dtype), shards, f"{label} parameters"
+            )
+        plan.collective(
+            "reduce_scatter", "backward", 1, tensor_bytes(full, reduce_dtype), shards, f"{label} grads"
+        )
+        plan.collective(
+            "all_reduce", "backward", 1, tensor_bytes(padded_numel, reduce_dtype), replicas, f"{label} grads"
+        )
+    buffers = sum(
+        tensor_bytes(
+            b.numel(), policy.param_dtype if b.is_floating_point() and policy.param_dtype else b.dtype
+        )
+        for b in model.buffers()
+    )
+    plan.add("buffers", "device", buffers, "model buffers")
+    _plan_gathered(plan, gathered)
+    if optimizer is not None:
+        config = dict(optimizer)
+        if plugin.default_optimizer is not None:
+            config.setdefault("type", plugin.default_optimizer)
+        for offload, shapes in stepped.items():
+            if shapes:
+                add_optimizer_state(plan, config, shapes, place="host" if offload else "device")
+    plan.notes.append(f"{len(units)} units")
+    return plan
+
+
+def _plan_gathered(plan: MemoryPlan, gathered: list[tuple[int, int]]) -> None:
+    """What forward/backward hold besides the shards, from each unit's ``(gathered parameter bytes, reduce-scatter
+    input bytes)`` (the root last): the root unit gathered throughout (it is not resharded after forward), and
+    the largest block gathered with, in backward, its unsharded gradients (compute dtype) and its reduce-scatter
+    input. The first units of backward run at the activation peak, so these count beside the activations
+    (measured at 1-4 gloo ranks, ``tools/bench/estimate/bench_estimate.py``)."""
+    if not gathered:
+        return
+    (root, root_reduce), blocks = gathered[-1], gathered[:-1]
+    plan.add("params", "device", root, "root unit, gathered", "compute")
+    largest, largest_reduce = max(blocks) if blocks else (0, 0)
+    plan.add("params", "device", largest, "largest block, gathered", "compute")
+    plan.add("grads", "device", max(largest, root), "unsharded gradients of a unit", "compute")
+    plan.add(
+        "buffers", "device", max(largest_reduce, root_reduce), "reduce-scatter input of a unit", "compute"
+    )

@@ -1,0 +1,276 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The memory plan of ``zero1``/``zero2`` (:meth:`LowLevelZeroPlugin.memory_plan`), from the code that allocates.
+
+Nothing here restates the layout: the plan runs the optimizer's own code on meta tensors (no memory) and reads
+what it built.
+
+- :func:`~..state.partition.build_layout` cuts stand-in working parameters (the model's shapes, in the working dtype,
+  on the meta device) into this rank's pieces: piece sizes, padding, which pieces need a separate fp32 master.
+- :class:`~..comm.grad_reducer.GradReducer`, the class that reduces gradients in backward, is fed one meta gradient per
+  parameter in backward order through a :class:`~..comm.wire.WireFormat` that records each collective instead of
+  running it; the buckets it launches, the buffers its pool keeps, its peak in flight and the gradient pieces
+  it allocates are read off it.
+- The parameter gather after the step is sized from the partitions by the gather's own split
+  (:func:`~..comm.param_gather.split_direct`).
+- Optimizer state comes from the inner optimizer the plugin would build (CPU offload turns an Adam config into
+  ``CPUAdam`` as :func:`~..state.inner.resolve_optimizer` does), probed on the pieces' shapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from stepforge.core.memory_plan import MemoryPlan, add_optimizer_state, tensor_bytes, unique_parameters
+
+from ..comm.algorithm import bucket_size_for, comm_algorithm_for
+from ..comm.buffers import BufferPool
+from ..comm.grad_reducer import GradReducer
+from ..comm.param_gather import DIRECT_MIN, GATHER_CHUNK, _chunks, split_direct
+from ..comm.wire import WireFormat
+from ..config import param_gather_for
+from ..state.inner import _cpu_adam_config
+from ..state.partition import ShardLayout, build_layout
+
+__all__ = ["zero_memory_plan", "RecordingWire", "ZeroSettings"]
+
+
+class ZeroSettings(Protocol):
+    """What the plan reads of ``LowLevelZeroPlugin``."""
+
+    name: str
+    stage: int
+    cpu_offload: bool
+    master_weights: bool
+    reduce_bucket_size_in_m: float | None
+    communication_dtype: torch.dtype | None
+    fp8_communication: bool
+    overlap_communication: bool
+    overlap_allgather: bool
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+
+_SCALE_BYTES = 4  # fp8 wire: a float32 scale travels behind each row
+
+
+class _Done:
+    """A finished collective (what the recording wire returns for an asynchronous call)."""
+
+    def wait(self) -> bool:
+        return True
+
+
+class RecordingWire(WireFormat):
+    """A :class:`WireFormat` that records each bucket collective (op, payload bytes) instead of running it."""
+
+    def __init__(self, wire: WireFormat) -> None:
+        super().__init__(wire.dtype, wire.fp8)
+        self.calls: list[tuple[str, int]] = []
+
+    def _itemsize(self, tensor: torch.Tensor) -> int:
+        dtype = self.dtype if self._cast(tensor) and self.dtype is not None else tensor.dtype
+        return tensor_bytes(1, dtype)
+
+    def reduce_scatter(
+        self, out: torch.Tensor, flat: torch.Tensor, *, group: Any, world_size: int, async_op: bool
+    ) -> Any:
+        if self.fp8:  # fp8 bytes and a scale per row, by one all-to-all
+            self.calls.append(("all_to_all", flat.numel() + world_size * _SCALE_BYTES))
+        else:
+            self.calls.append(("reduce_scatter", flat.numel() * self._itemsize(flat)))
+        return _Done() if async_op else None
+
+    def exchange(
+        self, received: torch.Tensor, rows: torch.Tensor, *, rank: int, group: Any, async_op: bool
+    ) -> Any:
+        # the payload of the all-to-all is every rank's row; this rank's own is neither sent nor copied
+        self.calls.append(("all_to_all", (rows.shape[0] + 1) * rows.shape[1] * received.element_size()))
+        return _Done() if async_op else None
+
+    def all_reduce(self, flat: torch.Tensor, *, group: Any, world_size: int, async_op: bool) -> Any:
+        if self.fp8:  # every rank's fp8 bytes gathered, summed locally
+            self.calls.append(("all_gather", world_size * (flat.numel() + _SCALE_BYTES)))
+        else:
+            self.calls.append(("all_reduce", flat.numel() * self._itemsize(flat)))
+        return _Done() if async_op else None
+
+
+class _CountingPool(BufferPool):
+    """The reducer's buffer pool, counting the bytes of the buffers it has handed out and not yet received back
+    (plus those it holds free), and their peak."""
+
+    def __init__(self, keep: int, min_numel: int) -> None:
+        super().__init__(keep, min_numel)
+        self.out = 0
+        self.peak = 0
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        buffer = super().take(numel, dtype, device)
+        self.out += buffer.numel() * buffer.element_size()
+        self.peak = max(self.peak, self.out + self.held_bytes)
+        return buffer
+
+    def give(self, buffer: torch.Tensor) -> None:
+        self.out -= buffer.numel() * buffer.element_size()
+        super().give(buffer)
+
+
+def _stand_ins(model: nn.Module, dtype: torch.dtype) -> list[nn.Parameter]:
+    """Meta parameters of ``model``'s trainable shapes, floating ones in the working ``dtype`` (as ``prepare``
+    casts the model)."""
+    out = []
+    for _, p in unique_parameters(model):
+        if p.requires_grad:
+            kind = dtype if p.is_floating_point() else p.dtype
+            out.append(nn.Parameter(torch.empty(p.shape, dtype=kind, device="meta")))
+    return out
+
+
+def _drive_reducer(layout: ShardLayout, plugin: ZeroSettings, bucket: int, algorithm: str) -> Any:
+    """Run :class:`GradReducer` over one backward's gradients (backward order) and the step's sync, recording;
+    returns ``(reducer, wire, pool)``."""
+    wire = RecordingWire(WireFormat(plugin.communication_dtype, plugin.fp8_communication))
+    reducer = GradReducer(
+        layout.slots,
+        stage=plugin.stage,
+        bucket_size=bucket,
+        overlap=plugin.overlap_communication,
+        group=None,
+        world_size=layout.world_size,
+        rank=layout.rank,
+        wire=wire,
+        algorithm=algorithm,
+    )
+    reducer.remove_hooks()  # the plan feeds the gradients itself
+    pool = _CountingPool(reducer.pool.keep, reducer.pool.min_numel)
+    reducer.pool = pool
+    for slot in reversed(layout.slots):  # backward reaches the last parameters first
+        if slot.param.requires_grad:
+            reducer._add(slot, torch.empty(slot.param.shape, dtype=slot.param.dtype, device="meta"))
+    reducer.sync()
+    return reducer, wire, pool
+
+
+def zero_memory_plan(
+    plugin: ZeroSettings,
+    model: nn.Module,
+    *,
+    world_size: int,
+    rank: int = 0,
+    optimizer: Mapping[str, Any] | None = None,
+    backend: str | None = None,
+    device: str | torch.device | None = None,
+) -> MemoryPlan:
+    """:meth:`LowLevelZeroPlugin.memory_plan` (see the module docstring)."""
+    on_cpu = torch.device(device if device is not None else plugin.device).type == "cpu"
+    if backend is None:
+        backend = "gloo" if on_cpu else "nccl"
+    dtype = plugin.dtype
+    offload = plugin.cpu_offload
+    host_or_device = "host" if offload else "device"
+    plan = MemoryPlan(plugin.name, world_size, rank, compute_dtype=dtype, offloads=offload)
+    bucket = (
+        bucket_size_for(backend, world_size)
+        if plugin.reduce_bucket_size_in_m is None
+        else int(plugin.reduce_bucket_size_in_m * 1024**2)
+    )
+    algorithm = comm_algorithm_for("auto", stage=plugin.stage, world_size=world_size, backend=backend)
+    gather = param_gather_for(backend if world_size > 1 else None)
+    plan.notes += [f"stage {plugin.stage}", f"bucket {bucket / 1024**2:g} Mi elements", algorithm, gather]
+
+    params = _stand_ins(model, dtype)
+    layout = build_layout(
+        [{"params": params}],
+        world_size,
+        rank,
+        group=None,
+        master_weights=plugin.master_weights,
+        master_device=None,
+    )
+    slots = layout.slots
+    plan.add(
+        "params",
+        "device",
+        sum(s.numel * s.param.element_size() for s in slots),
+        f"{dtype} working parameters",
+    )
+    buffers = sum(
+        tensor_bytes(b.numel(), dtype if b.is_floating_point() else b.dtype) for b in model.buffers()
+    )
+    plan.add("buffers", "device", buffers, "model buffers")
+    # offload from an accelerator copies every piece to the CPU (a master of its own, whatever the dtype); on a
+    # CPU device an fp32 piece stays a view of its parameter, as build_layout decides
+    masters = [s for s in slots if s.valid and (s.separate_master or (offload and not on_cpu))]
+    plan.add(
+        "master",
+        host_or_device,
+        sum(s.valid * s.master.element_size() for s in masters),
+        "fp32 master pieces",
+    )
+    padding = sum(s.piece - s.valid for s in slots)
+    plan.notes.append(f"padding {padding} elements (this rank's pieces)")
+
+    reducer, wire, pool = _drive_reducer(layout, plugin, bucket, algorithm)
+    plan.add("grads", host_or_device, reducer.pieces.held_bytes, "reduced gradient pieces", "step")
+    plan.add("buffers", "device", pool.held_bytes, "gradient bucket buffers (kept)", "step")
+    plan.add("buffers", "device", max(0, pool.peak - pool.held_bytes), "gradient buckets in flight", "reduce")
+    # gradients wait in the filling bucket (working dtype) until it is launched
+    waiting = min(bucket, sum(s.numel for s in slots)) * tensor_bytes(1, dtype)
+    plan.add("grads", "device", waiting, "gradients waiting in a bucket", "reduce")
+    totals: dict[str, tuple[int, int]] = {}
+    for op, nbytes in wire.calls:
+        calls, size = totals.get(op, (0, 0))
+        totals[op] = (calls + 1, size + nbytes)
+    for op, (calls, size) in totals.items():
+        plan.collective(op, "backward", calls, size, world_size, "gradient buckets")
+    plan.notes.append(f"{reducer.counter.reductions} bucket reductions")
+
+    _plan_gather(plan, layout, gather, chunk=GATHER_CHUNK if plugin.overlap_allgather else None)
+
+    if optimizer is not None:
+        config = dict(optimizer)
+        if offload:
+            config = _cpu_adam_config(config) or config
+        stepped = [((s.valid,), s.master.dtype) for s in slots if s.valid > 0]
+        add_optimizer_state(plan, config, stepped, place=host_or_device)
+    return plan
+
+
+def _plan_gather(plan: MemoryPlan, layout: ShardLayout, method: str, *, chunk: int | None) -> None:
+    """The parameter gather after the step (:func:`~..comm.param_gather.launch_gather`'s collectives and tables)."""
+    world = layout.world_size
+    if world == 1:
+        return
+    calls = staged_calls = 0
+    payload = staged_payload = kept = fresh = 0
+    for part in layout.partitions:
+        itemsize = tensor_bytes(1, part.dtype)
+        if method == "broadcast":
+            direct, staged = split_direct(part.slots, DIRECT_MIN)
+            for slot in direct:  # one broadcast per rank holding a piece, in place
+                calls += sum(1 for r in range(world) if r * slot.piece < slot.numel)
+                payload += slot.numel * itemsize
+            for run in _chunks(staged, chunk):  # a kept table of every rank's padded pieces
+                size = sum(s.piece for s in run)
+                staged_calls += world
+                staged_payload += world * size * itemsize
+                kept += world * size * itemsize
+        else:
+            for run in _chunks(part.slots, chunk):  # a fresh table and a copy of this rank's row
+                size = sum(s.piece for s in run)
+                staged_calls += 1
+                staged_payload += world * size * itemsize
+                fresh += (world + 1) * size * itemsize
+    plan.collective("broadcast", "step", calls, payload, world, "updated pieces, in place")
+    op = "broadcast" if method == "broadcast" else "all_gather"
+    plan.collective(op, "step", staged_calls, staged_payload, world, "updated pieces, staged")
+    plan.add("buffers", "device", kept, "parameter gather tables (kept)", "step")
+    plan.add("buffers", "device", fresh, "parameter gather table", "update")

@@ -1,0 +1,183 @@
+# SPDX-License-Identifier: Apache-2.0
+"""One rank of ``bench_estimate.py``: train a configuration for two steps and measure what the rank holds.
+
+Every tensor storage the rank allocates, from building the model on, is counted by torch's ``MemTracker``
+(``stepforge.core.torch_compat.memory_tracker``): the total live bytes after ``boost``, at the end of step 2's
+forward, after step 2's ``optimizer.step()`` (before ``zero_grad``), and the peak over step 2. The total after
+the step is split by walking the live objects: the model's parameters (local shards), their gradients (and
+ZeRO's reduced gradient pieces), ZeRO's separate fp32 masters, the optimizer's state; whatever else is alive
+(model buffers, buckets, pools, tables, gathered parameters) is ``buffers``. Each storage counts once. Peak RSS
+growth (``ru_maxrss``) is recorded beside it.
+
+Imported by the driver (``estimate/bench_estimate.py``) as ``measure``; :func:`run_rank` runs in each spawned process.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import resource
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
+
+__all__ = ["CONFIGS", "build_model", "batch", "criterion_for", "run_rank"]
+
+#: precision x optimizer configurations the bench measures
+CONFIGS: dict[str, dict[str, Any]] = {
+    "adamw-fp32": dict(precision="fp32", optimizer=dict(type="AdamW", lr=1e-4)),
+    "adamw-bf16": dict(precision="bf16", optimizer=dict(type="AdamW", lr=1e-4)),
+    "sgd-fp32": dict(precision="fp32", optimizer=dict(type="SGD", lr=1e-2, momentum=0.9)),
+    # the GPT demo's own (examples/train_gpt_demo.py: zero2, bf16, CPUAdam): --demo only
+    "cpuadam-bf16": dict(
+        precision="bf16", optimizer=dict(type="CPUAdam", lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    ),
+}
+#: the configurations measured by default
+DEFAULT_CONFIGS = ("adamw-fp32", "adamw-bf16", "sgd-fp32")
+
+
+def build_model(size: dict[str, int]) -> torch.nn.Module:
+    """The bench's byte-level GPT (``examples/gpt_demo_model.py``), seeded."""
+    from gpt_demo_model import ByteGPT
+
+    torch.manual_seed(0)
+    return ByteGPT(size["d_model"], size["layers"], size["heads"], size["seq_len"])
+
+
+def batch(size: dict[str, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One micro-batch: ``(inputs, targets)``, int64 ``(micro_batch, seq_len)``."""
+    g = torch.Generator().manual_seed(1)
+    shape = (size["micro_batch"], size["seq_len"])
+    return torch.randint(0, 256, shape, generator=g), torch.randint(0, 256, shape, generator=g)
+
+
+def criterion_for(targets: torch.Tensor) -> Any:
+    """The language-model loss of ``targets`` as a function of the logits."""
+
+    def loss(logits: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    return loss
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _storages(tensors: Iterable[Any]) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            s = _local(t).untyped_storage()
+            out[s.data_ptr()] = s.nbytes()
+    return out
+
+
+def components(model: torch.nn.Module, optimizer: Any, total: int) -> dict[str, int]:
+    """``total`` split into params, grads, master, optimizer_state and the rest (``buffers``), by walking the
+    live objects; each storage counted once (the first category that holds it)."""
+    from stepforge.core.plugin_base import unwrap_optimizer
+    from stepforge.zero import LowLevelZeroOptimizer
+
+    zero = isinstance(optimizer, LowLevelZeroOptimizer)
+    inner = optimizer if zero else unwrap_optimizer(optimizer)
+    layout = inner.layout if zero else None
+    stepped = inner.optim if zero else inner
+    params = list(model.parameters())
+    groups = {
+        "params": _storages(params),
+        "master": _storages(s.master for s in layout.slots if s.separate_master)
+        if layout is not None
+        else {},
+        "grads": _storages([p.grad for p in params] + ([s.grad for s in layout.slots] if layout else [])),
+        "optimizer_state": _storages(v for st in stepped.state.values() for v in st.values()),
+    }
+    seen: set[int] = set()
+    out: dict[str, int] = {}
+    for name, storages in groups.items():
+        out[name] = sum(n for ptr, n in storages.items() if ptr not in seen)
+        seen |= set(storages)
+    out["buffers"] = total - sum(out.values())
+    return out
+
+
+def _total(tracker: Any, kind: str = "current") -> int:
+    from stepforge.core.torch_compat import tracker_bytes
+
+    return sum(dev.get("Total", 0) for dev in tracker_bytes(tracker, kind).values())
+
+
+def _booster(case: dict[str, Any]) -> Any:
+    from stepforge.strategy import Booster
+
+    precision = CONFIGS[case["config"]]["precision"]
+    kwargs = dict(case.get("plugin_kwargs", {}))
+    name = case["plugin"]
+    if name in ("zero1", "zero2", "torch_fsdp", "gemini"):
+        return Booster(plugin=dict(type=name, precision=precision, **kwargs))
+    return Booster(
+        mixed_precision=None if precision == "fp32" else precision, plugin=dict(type=name, **kwargs)
+    )
+
+
+def run_rank(rank: int, world: int, case: dict[str, Any], port: int, out_dir: str) -> None:
+    """Measure ``case`` on this rank and write ``rank<r>.pt`` into ``out_dir``."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
+    from stepforge.core.torch_compat import memory_tracker
+
+    size = case["size"]
+    x, y = batch(size)
+    loss_of = criterion_for(y)
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    tracker = memory_tracker()
+    with tracker:
+        model = build_model(size)
+        booster = _booster(case)
+        model, optimizer, *_ = booster.boost(model, dict(CONFIGS[case["config"]]["optimizer"]))
+    boosted = _total(tracker)
+    after_boost = components(model, optimizer, boosted)
+
+    with tracker:
+        booster.backward(loss_of(model(x)), optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+        tracker.reset_mod_stats()
+    base = _total(tracker)
+    with tracker:  # entering again starts the peak from here: step 2's peak
+        loss = loss_of(model(x))
+        forward_end = _total(tracker)
+        booster.backward(loss, optimizer)
+        del loss
+        optimizer.step()
+        held = _total(tracker)
+        peak = _total(tracker, "peak")
+        after_step = components(model, optimizer, held)
+        optimizer.zero_grad()
+    rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    result = dict(
+        after_boost=dict(total=boosted, **after_boost),
+        after_step=dict(total=held, **after_step),
+        activations=forward_end - base,
+        peak=peak,
+        rss_growth=(rss1 - rss0) * 1024,
+    )
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    del model, optimizer, booster, tracker
+    from bench.common._spawn import leave_process_group
+
+    leave_process_group()
