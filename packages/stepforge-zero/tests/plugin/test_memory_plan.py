@@ -23,8 +23,8 @@ from stepforge.zero.comm.algorithm import (
     bucket_size_for,
     comm_algorithm_for,
 )
-from stepforge.zero.config import param_gather_for
 from stepforge.zero.comm.param_gather import split_direct
+from stepforge.zero.config import param_gather_for
 
 #: small buckets (about 600 elements) so a 4-layer MLP launches several
 SETTINGS: list[dict[str, Any]] = [
