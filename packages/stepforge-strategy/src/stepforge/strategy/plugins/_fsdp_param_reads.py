@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Blocks whose parameters are read outside their own forward (issue 23, defect 6).
+"""Blocks whose parameters are read outside their own forward.
 
 FSDP2 swaps a unit's registered parameters for gathered tensors only while that unit runs; outside, they are
 sharded DTensors. A parent whose forward reads a child's parameter (``F.linear(x, self.fc1.weight)``) then
