@@ -73,7 +73,9 @@ def test_each_phase_of_an_offloaded_step_brackets_the_work_it_names() -> None:
     ]  # fmt: skip
     assert {name for name, _ in names} == set(PHASES)
     by = {(name, kind): snap for name, kind, snap in rec.events}
-    weight_landing = [i for i, (_, kind, snap) in enumerate(rec.events) if kind == "exit" and snap["grad"] is not None]
+    weight_landing = [
+        i for i, (_, kind, snap) in enumerate(rec.events) if kind == "exit" and snap["grad"] is not None
+    ]
     first_exit = weight_landing[0]
     assert rec.events[first_exit - 1][2]["grad"] is None  # the weight's piece was empty when its phase began
     # d(sum(x W^T + b))/dW = column sums of x = 2, kept in fp32 on the host
