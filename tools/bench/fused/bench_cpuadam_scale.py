@@ -117,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{available / 2**30:.1f} GiB available; --numel {fits} fits"
         )
     threads = _timing.configure_threads(args.threads)
+    machine = _machine.machine_info(threads)  # before the run: its load average is the one at the start
     sizes = gpt_layout(args.numel, args.d_model) if args.layout == "gpt" else [args.numel]
     grads = _fill(sizes, -1e-2, 1e-2)
     steps: dict[str, Callable[[], Any]] = {}
@@ -149,7 +150,6 @@ def main(argv: list[str] | None = None) -> int:
                 "baseline_gb_per_s": gbs[name],
             }
         )
-    machine = _machine.machine_info(threads)
     config = {k: v for k, v in vars(args).items() if k != "out"} | {"tensors": len(sizes), "threads": threads}
     out = Path(args.out)
     stem = args.stem or f"cpuadam-{args.numel}"
