@@ -192,8 +192,10 @@ PYEOF
         sizes=gpt-1.3b,largest
         extra=(--capacity-json "$OUT_DIR/capacity.json")
     fi
+    # the capacity tries ran with expandable segments; the largest size sits at their edge
     # shellcheck disable=SC2086  # OFFLOAD_ARGS is a list of options
-    limited "${OFFLOAD_TIMEOUT_S:-140}" "$PY" tools/bench/gpu_train/bench_offload.py --sizes "$sizes" "${extra[@]}" \
+    PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} \
+        limited "${OFFLOAD_TIMEOUT_S:-140}" "$PY" tools/bench/gpu_train/bench_offload.py --sizes "$sizes" ${extra[@]+"${extra[@]}"} \
         --out "$OUT_DIR" ${OFFLOAD_ARGS:---steps 4 --warmup 1}
 }
 

@@ -34,6 +34,7 @@ import argparse
 import gc
 import json
 import math
+import os
 import re
 import statistics
 import sys
@@ -238,16 +239,24 @@ def main(argv: list[str] | None = None) -> int:
         "machine": info,
         "config": {k: v for k, v in vars(args).items() if k != "out"},
         "goal_offload_over_plain": GOAL_RATIO,
+        "pytorch_cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
         "rows": [],
     }
     for size, shape, batch in sizes:
         rows = []
         for name in names:
             print(f"# {size} ({shape.parameters / 1e9:.2f} B parameters, batch {batch}): {name}", flush=True)
-            rows.append({"size": size, **measure(name, shape, batch, args, device)})
-        plain = next((r for r in rows if r["contender"] == "fused"), None)
+            try:
+                rows.append({"size": size, **measure(name, shape, batch, args, device)})
+            except torch.OutOfMemoryError as exc:  # recorded; the other contenders and sizes still run
+                rows.append({"size": size, "contender": name, "parameters": shape.parameters, "batch": batch,
+                             "error": f"OutOfMemoryError: {str(exc).splitlines()[0]}"})  # fmt: skip
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+        plain = next((r for r in rows if r["contender"] == "fused" and "step_ms" in r), None)
         for r in rows:
-            r["over_plain"] = r["step_ms"] / plain["step_ms"] if plain else None
+            r["over_plain"] = r["step_ms"] / plain["step_ms"] if plain and "step_ms" in r else None
         payload["rows"] += rows
         _report.save_json(out / f"{args.stem}.json", payload)
     print(
@@ -268,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     title = f"zero2 + cpu_offload + HybridAdam vs all-on-device FusedAdam on {info['gpu'] or 'CPU'}; {info['cpu']['model']}"
-    _plot(payload["rows"], out / f"{args.stem}.png", title)
+    _plot([r for r in payload["rows"] if "step_ms" in r], out / f"{args.stem}.png", title)
     print(f"wrote {out / args.stem}.json and .png")
     return 0
 
