@@ -121,7 +121,8 @@ def plot(payload: dict[str, Any], parameters_of: Callable[[int], int], path: Pat
                 )
         left.scatter([], [], color=c, label=name)
     left.set_xlabel("parameters (B)")
-    left.set_ylabel("peak GiB (filled: device reserved, hollow: host beyond start-up; x: failed)")
+    left.set_ylabel("peak GiB")
+    left.set_title("filled: device (reserved); hollow: host beyond start-up; x: the try failed", fontsize=8)
     left.legend(fontsize=8)
     names = list(payload["contenders"])
     lo = [(payload["contenders"][n].get("largest") or {}).get("parameters", 0) / 1e9 for n in names]
