@@ -85,6 +85,8 @@ class GPT(nn.Module):
 
     def __init__(self, shape: GPTShape) -> None:
         super().__init__()
+        if shape.d_model % shape.heads:
+            raise ValueError(f"GPT: d_model {shape.d_model} is not a multiple of heads {shape.heads}")
         self.shape = shape
         d = shape.d_model
         self.tok, self.pos = nn.Embedding(shape.vocab, d), nn.Embedding(shape.seq_len, d)

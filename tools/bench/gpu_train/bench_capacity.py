@@ -50,15 +50,20 @@ SMOKE_ARGS = ("--device", "cpu", "--tiny", "--out", "{out}")
 
 CONTENDERS = ("fused", "zero2_offload", "gemini")
 GIB = 2**30
+#: failures that no depth would avoid: the search stops at the first (its time goes to the other contenders)
+NOT_MEMORY = ("error", "loss")
 
 
 def _per_contender(text: str, names: list[str], cast: type, option: str) -> dict[str, Any]:
-    """``"8"`` (every contender) or ``"fused=8,gemini=24"`` (the others keep the first plain value, else error)."""
+    """``"8"`` (every contender) or ``"fused=8,gemini=24"`` (the others keep the plain value, else error); values
+    for contenders not run are ignored, names that are no contender are refused."""
     plain = [p for p in text.split(",") if p and "=" not in p]
     named = dict(p.split("=", 1) for p in text.split(",") if "=" in p)
-    unknown = sorted(set(named) - set(names))
+    unknown = sorted(set(named) - set(CONTENDERS))
     if unknown or len(plain) > 1:
-        raise SystemExit(f"{option}: give one value or name=value pairs for {names} (got {text!r})")
+        raise SystemExit(
+            f"{option}: give one value or name=value pairs for {list(CONTENDERS)} (got {text!r})"
+        )
     out = {}
     for name in names:
         if name in named:
@@ -125,6 +130,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                 setattr(args, key, value)
     if args.resolution < 1:
         raise SystemExit("--resolution: at least 1")
+    if args.d_model % args.heads:
+        raise SystemExit(f"--heads {args.heads}: must divide --d-model {args.d_model}")
     return args
 
 
@@ -228,6 +235,13 @@ def search(args: argparse.Namespace, name: str, host_limit: int, work: Path, sav
             flush=True,
         )
         save()
+        if (
+            result.get("kind") in NOT_MEMORY
+        ):  # a defect, not a bound: deeper or shallower tries would repeat it
+            entry["stopped"] = (
+                f"a try failed for another reason than memory ({result['kind']}) at depth {depth}"
+            )
+            break
     entry["search_s"] = time.perf_counter() - t0
     b = bracket([_capacity_report.as_try(r) for r in entry["tries"]])
     entry["bracket"] = {"lo": b.lo, "hi": b.hi}
