@@ -12,11 +12,22 @@
 #            packages in parallel, each tests/gpu file in its own process
 #   bench    tools/bench/gpu/bench_fused_gpu.py ($BENCH_ARGS, default the full sizes)
 #   demo     examples/train_gpt_demo.py --device cuda --nproc 1 ($DEMO_ARGS, default the full demo)
+# Training on one GPU (tools/bench/gpu_train/, tools/bench/fused/, tools/bench/train/; not in the default STAGES),
+# each under its own time limit (<STAGE>_TIMEOUT_S, seconds) and with its options in <STAGE>_ARGS:
+#   capacity  bench_capacity.py: the deepest GPT (d=4096) that trains with FusedAdam / zero2 offload / gemini
+#   speed     bench_speed.py: GPT-2 124 M and 1.3 B through Booster/Strategy against the plain loop, MFU
+#   offload   bench_offload.py: zero2 + cpu_offload step split into phases at 1.3 B (and at the largest size both
+#             capacity contenders trained, when capacity.json is there)
+#   cpuadam   bench_cpuadam_scale.py: CPUAdam against torch AdamW foreach/fused on the host cores, 1 B fp32
+#   cpu_zero  bench_train_interleaved.py at 2 and 4 gloo ranks, each rank pinned to its cores, with and without
+#             spare cores for communication (one tarball: cpu_zero.tar.gz)
 # STAGES="env wheels pure fused tests bench demo" (the default) picks stages; one call of the device tool may run
 # 10 minutes; on an H200 the whole run took 4.5 (setup 1, tests 1.4, demo 0.7, bench 1.4 at full size).
+# tools/gpu/README.md has the plan of the two calls for the training stages.
 # Output in $OUT (the device tool's folder) or else benchmarks/results/gpu-runs/gpu-<UTC time>/: run_all.log,
-# junit-gpu.xml (every package's suite), bench_fused_gpu.json/.png, gpt_demo_cuda.json/.png, summary.json
-# (at most 8 files: what the device tool brings back).
+# summary.json, and per stage: junit-gpu.xml (every package's suite), bench_fused_gpu.json/.png,
+# gpt_demo_cuda.json/.png, capacity.json/.png, speed.json/.png, offload.json/.png, cpuadam.json/.png,
+# cpu_zero.tar.gz (at most 8 files per call come back: pick the stages accordingly).
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$ROOT" || exit 2
@@ -148,6 +159,73 @@ demo() {
     cp "$WORK/demo/gpt_demo_loss.png" "$OUT_DIR/gpt_demo_cuda.png" 2>/dev/null || true
 }
 
+# -- training on one GPU ---------------------------------------------------------------------------------------
+# Each runs under `timeout` (SIGTERM to the whole process group, so a capacity try in its own process goes too,
+# then SIGKILL 15 s later); the benches save their JSON as they go, so a stage stopped at its limit keeps what it
+# measured.
+limited() {  # limited SECONDS COMMAND...
+    timeout --kill-after=15 "$@"
+}
+
+capacity() {
+    # shellcheck disable=SC2086  # CAPACITY_ARGS is a list of options
+    limited "${CAPACITY_TIMEOUT_S:-270}" "$PY" tools/bench/gpu_train/bench_capacity.py --out "$OUT_DIR" \
+        ${CAPACITY_ARGS:---start-depth fused=16,zero2_offload=24,gemini=24 --budget-s fused=50,zero2_offload=90,gemini=80}
+}
+
+speed() {
+    # shellcheck disable=SC2086  # SPEED_ARGS is a list of options
+    limited "${SPEED_TIMEOUT_S:-110}" "$PY" tools/bench/gpu_train/bench_speed.py --out "$OUT_DIR" \
+        ${SPEED_ARGS:---steps 15 --warmup 3}
+}
+
+offload() {  # at the largest size too when this call's (or a carried) capacity.json has both contenders' largest
+    local sizes=gpt-1.3b extra=()
+    if [ -f "$OUT_DIR/capacity.json" ] && "$PY" - "$OUT_DIR/capacity.json" <<'PYEOF'
+import json
+import sys
+
+found = json.load(open(sys.argv[1]))["contenders"]
+sys.exit(0 if all((found.get(n) or {}).get("largest") for n in ("fused", "zero2_offload")) else 1)
+PYEOF
+    then
+        sizes=gpt-1.3b,largest
+        extra=(--capacity-json "$OUT_DIR/capacity.json")
+    fi
+    # the capacity tries ran with expandable segments; the largest size sits at their edge
+    # shellcheck disable=SC2086  # OFFLOAD_ARGS is a list of options
+    PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} \
+        limited "${OFFLOAD_TIMEOUT_S:-140}" "$PY" tools/bench/gpu_train/bench_offload.py --sizes "$sizes" ${extra[@]+"${extra[@]}"} \
+        --out "$OUT_DIR" ${OFFLOAD_ARGS:---steps 4 --warmup 1}
+}
+
+cpuadam() {
+    # shellcheck disable=SC2086  # CPUADAM_ARGS is a list of options
+    limited "${CPUADAM_TIMEOUT_S:-120}" "$PY" tools/bench/fused/bench_cpuadam_scale.py --stem cpuadam --out "$OUT_DIR" \
+        ${CPUADAM_ARGS:-}
+}
+
+cpu_zero() {  # 2 and 4 ranks, each pinned to its share of the cores; compute threads = all of them, then fewer
+    local cores world per threads rc=0 dir="$WORK/cpu_zero"
+    cores=$(nproc)
+    mkdir -p "$dir"
+    for world in 2 4; do
+        per=$((cores / world))
+        for threads in "$per" $((per > 4 ? per - 2 : per - 1)); do
+            [ "$threads" -ge 1 ] || continue
+            echo "--- cpu_zero: $world ranks x $threads compute threads, $per cores each"
+            # shellcheck disable=SC2086  # CPU_ZERO_ARGS is a list of options
+            limited "${CPU_ZERO_RUN_TIMEOUT_S:-70}" "$PY" tools/bench/train/bench_train_interleaved.py \
+                --world "$world" --cores-per-rank "$per" --threads "$threads" --out "$dir" \
+                --name "train-interleaved-w${world}-t${threads}of${per}" \
+                ${CPU_ZERO_ARGS:---d-model 512 --layers 12 --heads 8 --seq-len 64 --micro-batch 1 --blocks 6 --block-steps 4} \
+                || rc=1
+        done
+    done
+    tar -czf "$OUT_DIR/cpu_zero.tar.gz" -C "$WORK" cpu_zero
+    return $rc
+}
+
 merge_junit() {  # every package's suite in one file (the device tool brings back at most 8 files)
     "$PY" - "$OUT_DIR/junit-gpu.xml" "$WORK"/junit-*.xml <<'PYEOF'
 import sys
@@ -176,6 +254,9 @@ if wanted tests; then
 fi
 wanted bench && stage bench bench
 wanted demo && stage demo demo
+for name in capacity speed offload cpuadam cpu_zero; do
+    wanted "$name" && stage "$name" "$name"
+done
 
 echo
 echo "=== summary ($(date -u +%Y-%m-%dT%H:%M:%SZ), output in $OUT_DIR)"

@@ -14,7 +14,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-__all__ = ["load_average", "machine_info", "utc_now"]
+__all__ = ["available_memory_bytes", "load_average", "machine_info", "utc_now"]
 
 
 def utc_now() -> str:
@@ -70,6 +70,17 @@ def _meminfo_gib() -> float | None:
             if line.startswith("MemTotal:"):
                 return round(int(line.split()[1]) / 2**20, 1)
     except OSError:
+        pass
+    return None
+
+
+def available_memory_bytes() -> int | None:
+    """The machine's ``MemAvailable`` in bytes (what can be allocated without swapping); ``None`` without ``/proc``."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
         pass
     return None
 

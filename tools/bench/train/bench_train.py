@@ -65,6 +65,8 @@ __all__ = [
     "add_model_arguments",
     "build",
     "main",
+    "pin_rank",
+    "resolve_threads",
     "save_results",
     "shrink_to_tiny",
     "spawn_ranks",
@@ -153,7 +155,20 @@ def build(name: str, args: argparse.Namespace) -> Built:
     )
 
 
+def pin_rank(rank: int, cores_per_rank: int) -> list[int] | None:
+    """Pin this rank's process to its own ``cores_per_rank`` cores (rank ``r``: the ``r``-th block of the usable
+    cores, in order) before any thread starts, so its compute threads and the threads gloo starts later share only
+    those; ``0``: no pinning (``None``)."""
+    if cores_per_rank <= 0:
+        return None
+    usable = sorted(os.sched_getaffinity(0))
+    cores = usable[rank * cores_per_rank : (rank + 1) * cores_per_rank]
+    os.sched_setaffinity(0, cores)
+    return cores
+
+
 def _worker(rank: int, world: int, name: str, args: argparse.Namespace, out: str) -> None:
+    cores = pin_rank(rank, args.cores_per_rank)
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
     corpus = load_corpus(args.corpus_bytes)
@@ -200,6 +215,7 @@ def _worker(rank: int, world: int, name: str, args: argparse.Namespace, out: str
         "optimizer_ms": ms * statistics.fmean(opt_ms),
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "losses": losses,
+        "cores": cores,
     }
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     del built, model, context, backward, step  # what holds the group (DDP, the Strategy), before it goes
@@ -231,13 +247,26 @@ def run_contender(name: str, args: argparse.Namespace) -> dict[str, Any]:
         row[key] = statistics.fmean(r[key] for r in ranks)
     row["peak_rss_mib_per_rank"] = [r["peak_rss_mib"] for r in ranks]
     row["final_loss_rank0"] = ranks[0]["losses"][-1]
+    row["cores_per_rank"] = [r["cores"] for r in ranks]
     return row
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """The options of the run that every contender shares (also bench_train_interleaved's)."""
     p.add_argument("--world", type=int, default=2)
-    p.add_argument("--threads", type=int, default=0, help="threads per rank (0: cores // world, at least 1)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="compute threads per rank (0: --cores-per-rank if given, else cores // world, at least 1)",
+    )
+    p.add_argument(
+        "--cores-per-rank",
+        type=int,
+        default=0,
+        help="pin rank r to the r-th block of this many usable cores (0: no pinning); with --threads below it, "
+        "the rank's other cores are left to communication (gloo's threads)",
+    )
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
@@ -269,9 +298,24 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if args.tiny:
         shrink_to_tiny(args)
         args.steps, args.warmup = 1, 1
-    if args.threads <= 0:
-        args.threads = max(1, (os.cpu_count() or 2) // args.world)
+    resolve_threads(args)
     return args
+
+
+def resolve_threads(args: argparse.Namespace) -> None:
+    """Check ``--cores-per-rank`` against the usable cores and ``--threads`` against it; fill in ``--threads``."""
+    usable = len(os.sched_getaffinity(0))
+    if args.cores_per_rank < 0 or args.world * args.cores_per_rank > usable:
+        raise SystemExit(
+            f"--cores-per-rank {args.cores_per_rank}: {args.world} ranks x {args.cores_per_rank} cores needs more "
+            f"than the {usable} usable cores; at most {usable // args.world}"
+        )
+    if args.threads <= 0:
+        args.threads = args.cores_per_rank or max(1, usable // args.world)
+    if args.cores_per_rank and args.threads > args.cores_per_rank:
+        raise SystemExit(
+            f"--threads {args.threads} above --cores-per-rank {args.cores_per_rank} oversubscribes each rank's cores"
+        )
 
 
 def _plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
@@ -321,7 +365,8 @@ def save_results(
     _report.save_json(
         out / f"{stem}.json", {"machine": machine, "config": config, "params": n_params, "rows": rows}
     )
-    title = (f"{n_params / 1e6:.2f} M-param byte GPT, {args.world} gloo ranks x {args.threads} threads, "
+    pinned = f" (pinned, {args.cores_per_rank} cores each)" if args.cores_per_rank else ""
+    title = (f"{n_params / 1e6:.2f} M-param byte GPT, {args.world} gloo ranks x {args.threads} threads{pinned}, "
              f"accum {args.accum}, {timed}; {machine.get('cpu', {}).get('model', '')}; "
              f"load {machine.get('load_average')}")  # fmt: skip
     plot(rows, out / f"{stem}.png", title)

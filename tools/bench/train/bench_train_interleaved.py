@@ -27,7 +27,6 @@ import argparse
 import datetime
 import json
 import math
-import os
 import statistics
 import sys
 import time
@@ -77,6 +76,7 @@ def paired_ratios(loop_s: list[float], other_s: list[float]) -> dict[str, Any]:
 
 
 def _worker(rank: int, world: int, names: list[str], args: argparse.Namespace, out: str) -> None:
+    cores = bench_train.pin_rank(rank, args.cores_per_rank)
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
     corpus = load_corpus(args.corpus_bytes)
@@ -112,7 +112,9 @@ def _worker(rank: int, world: int, names: list[str], args: argparse.Namespace, o
             finish[name].append(run(name, args.block_steps))
             dist.barrier()
             times[name].append(time.perf_counter() - t0)
-    Path(out, f"rank{rank}.json").write_text(json.dumps({"block_s": times, "finish_s": finish}))
+    Path(out, f"rank{rank}.json").write_text(
+        json.dumps({"block_s": times, "finish_s": finish, "cores": cores})
+    )
     built.clear()  # what holds the group (DDP, the Strategies), before it goes
     leave_process_group()
 
@@ -135,8 +137,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if args.tiny:
         bench_train.shrink_to_tiny(args)
         args.blocks, args.block_steps, args.warmup = 2, 1, 1
-    if args.threads <= 0:
-        args.threads = max(1, (os.cpu_count() or 2) // args.world)
+    bench_train.resolve_threads(args)
     args.steps = args.blocks * args.block_steps  # the Strategies' max_iters
     return args
 
@@ -182,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         row: dict[str, Any] = {"contender": name, "block_s": block_s[name]}
         row["finish_s_per_rank"] = [r["finish_s"][name] for r in ranks]
+        row["cores_per_rank"] = [r["cores"] for r in ranks]
         row["tokens_per_s_median"] = tokens / statistics.median(block_s[name])
         row["paired"] = paired_ratios(block_s["torch_loop"], block_s[name])
         rows.append(row)

@@ -37,6 +37,7 @@ from .comm.param_gather import GatherInFlight, StagingBuffers, gather_after_step
 from .config import LowLevelZeroConfig, force_dtype, resolve_config
 from .grads.norm import check_clip_args
 from .grads.pieces import GradPieces
+from .phases import PhaseObserver, no_phase
 from .state import full, sharded
 from .state.full import zero_scaler_entry
 from .state.inner import invalidate_cache, resolve_optimizer, step_inner
@@ -200,6 +201,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         self._stepped_on_cpu = False
         self._gather: GatherInFlight | None = None  # an overlapped parameter gather still on the wire
         self._staging = StagingBuffers()
+        self._phase: PhaseObserver = no_phase
         self.last_step_skipped = False
         self.skipped_steps = 0
         if self.verbose:
@@ -380,11 +382,13 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         if self.max_norm > 0:
             self.clip_grad_norm_(self.max_norm, self.norm_type)
         explain = self.cpu_offload and not self._stepped_on_cpu
-        step_inner(self.optim, self._layout, self.param_groups, explain_cpu_failure=explain)
+        with self._phase("inner_step"):
+            step_inner(self.optim, self._layout, self.param_groups, explain_cpu_failure=explain)
         self._stepped_on_cpu = True
-        self._gather = gather_after_step(
-            self._layout, self.param_gather, overlap=self.overlap_allgather, staging=self._staging
-        )
+        with self._phase("param_gather"):
+            self._gather = gather_after_step(
+                self._layout, self.param_gather, overlap=self.overlap_allgather, staging=self._staging
+            )
         if self._scaling:
             self.scaler.update()
         self._pieces.unscaled = False
@@ -397,6 +401,13 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         if self._gather is not None:
             self._gather.wait_all()
             self._gather = None
+
+    def observe_phases(self, observer: PhaseObserver | None) -> None:
+        """Run each phase of the step inside ``observer(name)`` (``"grad_to_pieces"``, ``"inner_step"``,
+        ``"param_gather"``: :mod:`stepforge.zero.phases`), e.g. to time the device-to-host gradient copy, the CPU
+        step and the host-to-device parameter copy of ``cpu_offload``; ``None`` removes the observer."""
+        self._phase = observer if observer is not None else no_phase
+        self._reducer.phase = self._phase
 
     def _force_wait_all_gather(self) -> None:
         """ColossalAI's name of :meth:`wait_for_param_gather` (its tests and plugins call it after a step with

@@ -40,6 +40,7 @@ import torch
 
 from stepforge.core.torch_compat import queue_backward_callback
 
+from ..phases import PhaseObserver, no_phase
 from ..state.partition import Slot
 from .bucket_layout import pool_buffer_numel, write_own_row_last, write_rank_major
 from .buffers import BufferPool, PieceStore
@@ -138,6 +139,9 @@ class GradReducer:
         self._in_flight: list[_Flight] = []
         self.peak_in_flight = 0  # most bucket elements launched and not yet added into the pieces
         self._callback_queued = False
+        #: the optimizer's phase observer (:mod:`stepforge.zero.phases`): adding a bucket into the pieces runs
+        #: inside ``phase("grad_to_pieces")``
+        self.phase: PhaseObserver = no_phase
         self._by_param: dict[int, Slot] = {id(s.param): s for s in slots}
         self._handles = [
             s.param.register_post_accumulate_grad_hook(self._hook) for s in slots if s.param.requires_grad
@@ -274,10 +278,11 @@ class GradReducer:
     def _finish(self, flight: _Flight) -> None:
         if flight.work is not None:  # None: a synchronous collective, already done
             flight.work.wait()
-        if flight.received is not None:
-            self._accumulate(flight.received, flight.layout)
-        else:
-            self._accumulate_rows(flight.rows, flight.layout)
+        with self.phase("grad_to_pieces"):
+            if flight.received is not None:
+                self._accumulate(flight.received, flight.layout)
+            else:
+                self._accumulate_rows(flight.rows, flight.layout)
         for buffer in flight.buffers:
             self.pool.give(buffer)
 
