@@ -214,8 +214,9 @@ cpu_zero() {  # 2 and 4 ranks, each pinned to its share of the cores; compute th
         for threads in "$per" $((per > 4 ? per - 2 : per - 1)); do
             [ "$threads" -ge 1 ] || continue
             echo "--- cpu_zero: $world ranks x $threads compute threads, $per cores each"
+            # no GPU visible: the plugins would otherwise place the ranks on cuda:LOCAL_RANK
             # shellcheck disable=SC2086  # CPU_ZERO_ARGS is a list of options
-            limited "${CPU_ZERO_RUN_TIMEOUT_S:-70}" "$PY" tools/bench/train/bench_train_interleaved.py \
+            CUDA_VISIBLE_DEVICES="" limited "${CPU_ZERO_RUN_TIMEOUT_S:-70}" "$PY" tools/bench/train/bench_train_interleaved.py \
                 --world "$world" --cores-per-rank "$per" --threads "$threads" --out "$dir" \
                 --name "train-interleaved-w${world}-t${threads}of${per}" \
                 ${CPU_ZERO_ARGS:---d-model 512 --layers 12 --heads 8 --seq-len 64 --micro-batch 1 --blocks 6 --block-steps 4} \

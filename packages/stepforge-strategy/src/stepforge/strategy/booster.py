@@ -44,11 +44,19 @@ __all__ = ["Booster"]
 
 
 def _accepts(cls: Any, name: str) -> bool:
+    """Whether ``cls``'s constructor takes ``name``: named in its signature, or passed by its ``**kwargs`` to the
+    next constructor up that names it (``Zero2Plugin(**kwargs)`` ends in ColossalAI's ``LowLevelZeroPlugin``
+    signature, which has no ``device``)."""
     try:
         params = inspect.signature(cls).parameters
     except (TypeError, ValueError):
         return False
-    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    if name in params:
+        return True
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return False
+    parent = next((b for b in cls.__mro__[1:] if "__init__" in vars(b)), object)
+    return parent is not object and _accepts(parent, name)
 
 
 class Booster:
@@ -144,6 +152,12 @@ class Booster:
             if device is not None and "device" not in kwargs and _accepts(cls, "device"):
                 kwargs["device"] = device
             plugin = cls(**kwargs)
+            if device is not None and torch.device(device).type != plugin.device.type:
+                raise ValueError(
+                    f"Booster: device={str(device)!r}, but plugin {name!r} takes no device argument and places the "
+                    f"model on {plugin.device} (cuda:LOCAL_RANK when a GPU is visible, else the CPU); for a CPU "
+                    "run on a GPU machine hide the GPUs (CUDA_VISIBLE_DEVICES=''), or leave device out."
+                )
         if not isinstance(plugin, Plugin):
             raise TypeError(
                 "Booster: plugin must be a name, a dict with 'type', or an instance of a subclass of "
