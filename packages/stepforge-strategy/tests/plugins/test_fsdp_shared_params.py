@@ -158,3 +158,32 @@ def test_tracing_finds_the_block_read_outside_its_forward():
     )  # the head's read goes through its own forward
     untraceable = _ParentReadsUntraceable()
     assert blocks_read_outside(untraceable, [untraceable.fc1, untraceable.fc2]) is None
+
+
+class _CountsItsForwards(torch.nn.Module):
+    """A root whose forward updates its own state in place: a buffer and a Python counter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(4, 4)
+        self.fc2 = torch.nn.Linear(4, 4)
+        self.register_buffer("seen", torch.zeros(()))
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.add_(1)
+        self.calls += 1
+        return self.fc2(self.fc1(x))
+
+
+def test_tracing_leaves_the_model_as_it_was():
+    from stepforge.strategy.plugins._fsdp_param_reads import blocks_read_outside
+
+    net = _CountsItsForwards()
+    buffer = net.seen
+    assert blocks_read_outside(net, [net.fc1, net.fc2]) == set()
+    # the trace ran the forward's in-place updates on the real objects; preparing must not count a forward
+    assert net.seen is buffer and net.seen.item() == 0.0
+    assert net.calls == 0
+    net(torch.ones(2, 4))
+    assert net.seen.item() == 1.0 and net.calls == 1
