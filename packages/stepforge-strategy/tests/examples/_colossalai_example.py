@@ -13,13 +13,12 @@ The imports, ColossalAI's -> here: ``colossalai`` -> ``stepforge.strategy`` (``l
 ``colossalai.booster.plugin.TorchDDPPlugin`` -> ``stepforge.strategy``; ``colossalai.booster.plugin.dp_plugin_base
 .DPPluginBase`` -> ``stepforge.strategy.plugins``; ``LowLevelZeroPlugin`` -> ``stepforge.zero``;
 ``colossalai.nn.optimizer.HybridAdam`` -> ``stepforge.fused``. Added for stepforge: the data loader's position on
-resume and a clean exit (marked below).
+resume (marked below).
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 from pathlib import Path
 
@@ -170,11 +169,6 @@ def main() -> None:
             booster.save_lr_scheduler(lr_scheduler, f"{args.checkpoint}/lr_scheduler_{epoch + 1}.pth")
 
     evaluate(model, test_dataloader, coordinator)
-    # added: the clean exit stepforge.testing.distributed describes (gloo's threads joined before teardown)
-    del model, optimizer, criterion, lr_scheduler, booster, plugin, train_dataloader, test_dataloader
-    gc.collect()
-    coordinator.block_all()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

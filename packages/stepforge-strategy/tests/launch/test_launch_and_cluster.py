@@ -140,3 +140,40 @@ def test_dist_coordinator_at_two_ranks(tmp_path):
         4,
     )
     assert (results[1]["enter_1"], results[0]["enter_1"]) == (1, 2)
+
+
+_EXIT_SCRIPT = """
+import atexit, sys
+import torch, torch.distributed as dist
+# registered first, so it runs last (atexit is last-in, first-out): what a script's final moment sees
+atexit.register(lambda: print("default group at exit:", dist.is_initialized(), flush=True))
+from stepforge.strategy import launch_from_torch
+launch_from_torch(backend="gloo", seed=3, verbose=False)
+t = torch.ones(4)
+work = dist.all_reduce(t, async_op=True)  # left to gloo's thread: the script just returns
+del t, work
+"""
+
+
+@requires_gloo
+def test_launch_from_torch_tears_its_group_down_at_exit(tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "script.py"
+    script.write_text(_EXIT_SCRIPT)
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES="")  # fmt: skip
+        procs.append(
+            subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, text=True)
+        )
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    # stepforge made the group, so stepforge destroyed it before teardown: gloo's threads were joined in time
+    assert all("default group at exit: False" in out for out in outs), outs

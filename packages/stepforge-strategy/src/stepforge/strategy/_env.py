@@ -10,6 +10,7 @@ process group is reused (so several strategies can live in one process).
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import random
@@ -27,6 +28,7 @@ __all__ = [
     "is_distributed",
     "default_backend",
     "detect_launcher",
+    "destroy_group_at_exit",
     "get_rank",
     "get_world_size",
     "set_random_seed",
@@ -119,6 +121,27 @@ def set_random_seed(
     return seed
 
 
+def destroy_group_at_exit() -> None:
+    """Destroy the default process group at interpreter exit (registered once, by whoever made the group here).
+
+    gloo's worker threads can still hold the last reference to a Python tensor when a script returns; released in
+    a finalising interpreter, it ends the thread inside a ``noexcept`` frame and the process aborts ("terminate
+    called without an active exception"). Destroyed from ``atexit``, the group joins its threads while the
+    interpreter is alive. A script that destroyed the group itself is left as it is.
+    """
+    if not _EXIT_HOOK:
+        atexit.register(_destroy_default_group)
+        _EXIT_HOOK.append(_destroy_default_group)
+
+
+_EXIT_HOOK: list[Any] = []
+
+
+def _destroy_default_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _check_keys(where: str, given: Mapping[str, Any], allowed: set[str]) -> None:
     unknown = set(given) - allowed
     if unknown:
@@ -138,6 +161,7 @@ def _init_group(backend: str | None, dist_cfg: Mapping[str, Any]) -> str:
     if backend == "nccl" and torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend=backend, **kwargs)
+    destroy_group_at_exit()
     return backend
 
 

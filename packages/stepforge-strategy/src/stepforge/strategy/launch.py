@@ -19,7 +19,7 @@ import os
 
 import torch.distributed as dist
 
-from ._env import set_random_seed
+from ._env import destroy_group_at_exit, set_random_seed
 from .accelerator import get_accelerator
 
 __all__ = ["launch", "launch_from_torch"]
@@ -73,6 +73,7 @@ def launch(
         dist.init_process_group(
             backend=backend, init_method=f"tcp://{address}:{port}", rank=rank, world_size=world_size
         )
+        destroy_group_at_exit()
     if accelerator.support_set_device:
         accelerator.set_device(local_rank)
     set_random_seed(seed)
