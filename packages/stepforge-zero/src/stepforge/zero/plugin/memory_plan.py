@@ -34,6 +34,7 @@ from ..comm.wire import WireFormat
 from ..config import param_gather_for
 from ..state.inner import _cpu_adam_config
 from ..state.partition import ShardLayout, build_layout
+from .options import OptimizerOptions
 
 __all__ = ["zero_memory_plan", "RecordingWire", "ZeroSettings"]
 
@@ -43,13 +44,7 @@ class ZeroSettings(Protocol):
 
     name: str
     stage: int
-    cpu_offload: bool
-    master_weights: bool
-    reduce_bucket_size_in_m: float | None
-    communication_dtype: torch.dtype | None
-    fp8_communication: bool
-    overlap_communication: bool
-    overlap_allgather: bool
+    options: OptimizerOptions
 
     @property
     def device(self) -> torch.device: ...
@@ -137,12 +132,12 @@ def _stand_ins(model: nn.Module, dtype: torch.dtype) -> list[nn.Parameter]:
 def _drive_reducer(layout: ShardLayout, plugin: ZeroSettings, bucket: int, algorithm: str) -> Any:
     """Run :class:`GradReducer` over one backward's gradients (backward order) and the step's sync, recording;
     returns ``(reducer, wire, pool)``."""
-    wire = RecordingWire(WireFormat(plugin.communication_dtype, plugin.fp8_communication))
+    wire = RecordingWire(WireFormat(plugin.options.communication_dtype, plugin.options.fp8_communication))
     reducer = GradReducer(
         layout.slots,
         stage=plugin.stage,
         bucket_size=bucket,
-        overlap=plugin.overlap_communication,
+        overlap=plugin.options.overlap_communication,
         group=None,
         world_size=layout.world_size,
         rank=layout.rank,
@@ -174,13 +169,13 @@ def zero_memory_plan(
     if backend is None:
         backend = "gloo" if on_cpu else "nccl"
     dtype = plugin.dtype
-    offload = plugin.cpu_offload
+    offload = plugin.options.cpu_offload
     host_or_device = "host" if offload else "device"
     plan = MemoryPlan(plugin.name, world_size, rank, compute_dtype=dtype, offloads=offload)
     bucket = (
         bucket_size_for(backend, world_size)
-        if plugin.reduce_bucket_size_in_m is None
-        else int(plugin.reduce_bucket_size_in_m * 1024**2)
+        if plugin.options.reduce_bucket_size_in_m is None
+        else int(plugin.options.reduce_bucket_size_in_m * 1024**2)
     )
     algorithm = comm_algorithm_for("auto", stage=plugin.stage, world_size=world_size, backend=backend)
     gather = param_gather_for(backend if world_size > 1 else None)
@@ -192,7 +187,7 @@ def zero_memory_plan(
         world_size,
         rank,
         group=None,
-        master_weights=plugin.master_weights,
+        master_weights=plugin.options.master_weights,
         master_device=None,
     )
     slots = layout.slots
@@ -233,7 +228,7 @@ def zero_memory_plan(
         plan.collective(op, "backward", calls, size, world_size, "gradient buckets")
     plan.notes.append(f"{reducer.counter.reductions} bucket reductions")
 
-    _plan_gather(plan, layout, gather, chunk=GATHER_CHUNK if plugin.overlap_allgather else None)
+    _plan_gather(plan, layout, gather, chunk=GATHER_CHUNK if plugin.options.overlap_allgather else None)
 
     if optimizer is not None:
         config = dict(optimizer)
