@@ -64,8 +64,14 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         pg_to_param_list: ColossalAI's ``{group or (extra_dp_group, dp_group): parameters}`` with ONE group
             holding every parameter (several groups, MoE experts, are refused). A non-mapping here is read as
             ``params`` (stepforge's earlier second argument).
-        initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis, max_scale: the
-            dynamic loss scaler (fp16 working parameters, or ``dtype_for_loss_scaling="fp16"``).
+        initial_scale: the dynamic loss scaler's first scale (fp16 working parameters, or
+            ``dtype_for_loss_scaling="fp16"``); the scaler's other settings follow.
+        min_scale: the scale never drops below this.
+        growth_factor: the scale is multiplied by this after ``growth_interval`` clean steps.
+        backoff_factor: the scale is multiplied by this after ``hysteresis`` overflowing steps.
+        growth_interval: clean steps between growths.
+        hysteresis: overflowing steps tolerated before a backoff.
+        max_scale: the scale never grows above this.
         clip_grad_norm: clip the global gradient norm to this in every :meth:`step` (0: off); ``max_norm``.
         verbose: log skipped steps and the sharding set-up at INFO on the ``stepforge.zero`` logger.
         reduce_bucket_size: elements per gradient bucket (padded count); ``None``: 4 Mi on gloo (measured, see
