@@ -1,16 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The CPU and CUDA implementations of the ``stepforge_fused`` operators: tensors in, raw addresses to the
-pybind11 kernels (``_cpu``/``_cuda``, contract in ``csrc/README.md``), steps advanced unless the step was skipped.
+"""The CPU and CUDA implementations of the ``stepforge_fused`` operators: the pointer arrays of a checked layout
+(:mod:`._op_layouts`) and the operator's scalars to the pybind11 kernels (``_cpu``/``_cuda``, contract in
+``csrc/README.md``), steps advanced unless the step was skipped.
 
-Each function takes the operator's arguments after :mod:`._op_checks` has accepted them (the caller, in
-:mod:`._ops`, checks first). Per call they read every tensor's address (about 0.2 us each): the operators serve
-compiled steps and direct calls; the optimizers' eager steps keep their cached pointer arrays.
+Each function takes the operator's arguments after :mod:`._op_checks` has accepted them (the callers, in
+:mod:`._op_impls` and :mod:`._op_lamb`, check first).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -26,21 +25,9 @@ __all__ = [
     "finish_steps_cuda",
     "l2norm_cpu",
     "l2norm_cuda",
-    "ptrs",
     "scale_cpu",
     "scale_cuda",
-    "sizes",
 ]
-
-
-def ptrs(tensors: Sequence[torch.Tensor]) -> list[int]:
-    """The addresses of ``tensors`` (an int64 list the kernels accept)."""
-    return [t.data_ptr() for t in tensors]
-
-
-def sizes(tensors: Sequence[torch.Tensor]) -> list[int]:
-    """Element counts of ``tensors``."""
-    return [t.numel() for t in tensors]
 
 
 def host_scalar(value: float, tensor: torch.Tensor | None) -> float:
@@ -179,31 +166,26 @@ def finish_steps_cuda(steps: torch.Tensor | None, found_inf: torch.Tensor | None
         steps.sub_(1.0)
 
 
-def l2norm_cpu(
-    tensors: Sequence[torch.Tensor], dtype: torch.dtype, per_tensor: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Global norm (0-dim float64: the kernel accumulates in double) and per-tensor norms (float32)."""
-    each = torch.zeros(len(tensors) if per_tensor else 0, dtype=torch.float32)
+def l2norm_cpu(ptrs: Any, sizes: Any, dtype: torch.dtype, per_tensor: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global norm (0-dim float64: the kernel accumulates in double) and the per-tensor norms of the first
+    ``per_tensor`` tensors (float32; 0: none) of the tensors at ``ptrs`` (``sizes`` elements each)."""
+    each = torch.zeros(per_tensor, dtype=torch.float32)
     norm = _backend.cpu_module().l2norm(
-        ptrs(tensors),
-        sizes(tensors),
-        _code(dtype),
-        each.data_ptr() if per_tensor else 0,
-        _backend.get_num_threads(),
+        ptrs, sizes, _code(dtype), each.data_ptr() if per_tensor else 0, _backend.get_num_threads()
     )
     return torch.tensor(norm, dtype=torch.float64), each
 
 
 def l2norm_cuda(
-    tensors: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.device, per_tensor: bool
+    ptrs: Any, sizes: Any, dtype: torch.dtype, device: torch.device, per_tensor: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Global norm (0-dim float32, the square root of the device sum of squares: no sync) and per-tensor norms."""
     ctx, index = device_env(device)
-    each = torch.zeros(len(tensors) if per_tensor else 0, dtype=torch.float32, device=device)
+    each = torch.zeros(per_tensor, dtype=torch.float32, device=device)
     sumsq = torch.zeros(1, dtype=torch.float32, device=device)
     _backend.cuda_module().l2norm(
-        ptrs(tensors),
-        sizes(tensors),
+        ptrs,
+        sizes,
         _code(dtype),
         each.data_ptr() if per_tensor else 0,
         ctx,
@@ -214,17 +196,18 @@ def l2norm_cuda(
 
 
 def scale_cpu(
-    src: Sequence[torch.Tensor],
-    dst: Sequence[torch.Tensor],
+    src: Any,
+    dst: Any,
+    sizes: Any,
     dtypes: tuple[torch.dtype | None, torch.dtype | None],
     scale: float,
     found_inf: torch.Tensor | None,
 ) -> None:
-    """``dst = src * scale`` with dtype conversion; a non-finite input raises ``found_inf``."""
+    """``dst = src * scale`` with dtype conversion (pointer arrays); a non-finite input raises ``found_inf``."""
     _backend.cpu_module().scale(
-        ptrs(src),
-        ptrs(dst),
-        sizes(src),
+        src,
+        dst,
+        sizes,
         _code(dtypes[0]),
         _code(dtypes[1]),
         scale,
@@ -234,8 +217,9 @@ def scale_cpu(
 
 
 def scale_cuda(
-    src: Sequence[torch.Tensor],
-    dst: Sequence[torch.Tensor],
+    src: Any,
+    dst: Any,
+    sizes: Any,
     dtypes: tuple[torch.dtype | None, torch.dtype | None],
     device: torch.device,
     scale: float,
@@ -244,9 +228,9 @@ def scale_cuda(
     """The CUDA ``scale`` on the current stream (no sync)."""
     ctx, index = device_env(device)
     _backend.cuda_module().scale(
-        ptrs(src),
-        ptrs(dst),
-        sizes(src),
+        src,
+        dst,
+        sizes,
         _code(dtypes[0]),
         _code(dtypes[1]),
         scale,

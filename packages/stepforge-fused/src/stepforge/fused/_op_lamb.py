@@ -11,12 +11,41 @@ from typing import Any
 import torch
 
 from . import _op_kernels as k
-from ._op_checks import check_update
-from ._op_impls import pointer_lists, scalar_checks
+from ._op_checks import check_steps, check_update
+from ._op_impls import scalar_checks, update_layout
 
 __all__ = ["lamb_", "lamb_apply_", "lamb_checks", "lamb_moments_", "lamb_norms_like"]
 
 Tensor = torch.Tensor
+
+
+def _lamb_args(
+    op: str,
+    device: Any,
+    n: int,
+    steps: Tensor,
+    lr_tensor: Tensor | None,
+    divisor: Tensor | None,
+    flag: Tensor | None,
+    norms: Tensor | None,
+    trust_clip_min: float,
+    trust_clip_max: float,
+) -> None:
+    """The checks of a LAMB operator's arguments other than its tensor lists (run at every call)."""
+    check_steps(op, steps, n, device)
+    scalar_checks(op, device, lr_tensor, divisor, flag)
+    if trust_clip_min > trust_clip_max:
+        raise ValueError(
+            f"stepforge_fused::{op}: trust_clip_min={trust_clip_min} > trust_clip_max={trust_clip_max}; pass "
+            "(0.0, inf) for no clamp."
+        )
+    if norms is not None and (norms.dtype != torch.float64 or norms.numel() != 2 * n or not norms.is_contiguous()):
+        raise ValueError(
+            f"stepforge_fused::{op}: norms must be the contiguous float64 (2n,) tensor lamb_moments_ returns "
+            f"(n = {n}), got shape {tuple(norms.shape)} {norms.dtype}."
+        )
+    if norms is not None and device is not None and norms.device != device:
+        raise RuntimeError(f"stepforge_fused::{op}: norms is on {norms.device}; it must be on {device}.")
 
 
 def lamb_checks(
@@ -33,28 +62,19 @@ def lamb_checks(
     norms: Tensor | None = None,
     trust_clip_min: float = 0.0,
     trust_clip_max: float = 0.0,
+    op: str = "",
     **_: Any,
 ) -> tuple[Any, Any, Any]:
     """The argument checks of the LAMB operators (by name; ``grads`` absent for ``lamb_apply_``, ``norms``
-    present only there)."""
-    op = "lamb_apply_" if norms is not None else "lamb_"
+    present only there; ``op`` names the operator in messages, by default ``lamb_apply_`` or ``lamb_``); their
+    fake implementations run them."""
+    op = op or ("lamb_apply_" if norms is not None else "lamb_")
     states = {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
-    device, pdt, gdt = check_update(op, params, grads, states, masters, steps)
-    scalar_checks(op, device, lr_tensor, grad_divisor_tensor, found_inf)
-    if trust_clip_min > trust_clip_max:
-        raise ValueError(
-            f"stepforge_fused::{op}: trust_clip_min={trust_clip_min} > trust_clip_max={trust_clip_max}; pass "
-            "(0.0, inf) for no clamp."
-        )
-    if norms is not None and (
-        norms.dtype != torch.float64 or norms.numel() != 2 * len(params) or not norms.is_contiguous()
-    ):
-        raise ValueError(
-            f"stepforge_fused::{op}: norms must be the contiguous float64 (2n,) tensor lamb_moments_ returns "
-            f"(n = {len(params)}), got shape {tuple(norms.shape)} {norms.dtype}."
-        )
-    if norms is not None and device is not None and norms.device != device:
-        raise RuntimeError(f"stepforge_fused::{op}: norms is on {norms.device}; it must be on {device}.")
+    device, pdt, gdt = check_update(op, params, grads, states, masters, None)
+    _lamb_args(
+        op, device, len(params), steps, lr_tensor, grad_divisor_tensor, found_inf, norms, trust_clip_min,
+        trust_clip_max,
+    )  # fmt: skip
     return device, pdt, gdt
 
 
@@ -93,14 +113,15 @@ def lamb_(
     """LAMB with apex ``FusedLAMB`` semantics and per-tensor trust ratios (``||p||`` before the update, of the
     master when ``masters`` are given), clamped to ``[trust_clip_min, trust_clip_max]``. A global grad-norm clip
     is folded into the divisor by the caller (``grad_divisor_tensor``)."""
-    device, pdt, gdt = lamb_checks(
-        params=params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, masters=masters, steps=steps,
-        lr_tensor=lr_tensor, grad_divisor_tensor=grad_divisor_tensor, found_inf=found_inf,
-        trust_clip_min=trust_clip_min, trust_clip_max=trust_clip_max,
+    layout = update_layout("lamb_", params, grads, {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}, masters)
+    device, pdt, gdt = layout.verdict
+    _lamb_args(
+        "lamb_", device, len(params), steps, lr_tensor, grad_divisor_tensor, found_inf, None, trust_clip_min,
+        trust_clip_max,
     )  # fmt: skip
     if device is None:
         return
-    lists = pointer_lists(params, grads, exp_avgs, exp_avg_sqs, masters, sizes_of=params)
+    lists = [*layout.ptrs, layout.sizes]
     hyper = [beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, grad_averaging, use_nvlamb,
              trust_clip_min, trust_clip_max]  # fmt: skip
     common = (grad_divisor, grad_divisor_tensor, found_inf, check_finite, stochastic_rounding)
@@ -141,10 +162,10 @@ def lamb_moments_(
     of ``p^2`` (``[0, n)``) and of ``u^2`` (``[n, 2n)``) as float64 on the params' device, leaving the params and
     the steps alone. A skip (``check_finite``, which needs ``found_inf``) is reported in ``found_inf`` only, so
     pass that flag on to :func:`lamb_apply_`."""
-    device, pdt, gdt = lamb_checks(
-        params=params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, masters=masters, steps=steps,
-        grad_divisor_tensor=grad_divisor_tensor, found_inf=found_inf,
-    )  # fmt: skip
+    states = {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
+    layout = update_layout("lamb_moments_", params, grads, states, masters)
+    device, pdt, gdt = layout.verdict
+    _lamb_args("lamb_moments_", device, len(params), steps, None, grad_divisor_tensor, found_inf, None, 0.0, 0.0)
     if check_finite and found_inf is None:
         raise ValueError(
             "stepforge_fused::lamb_moments_: check_finite=True needs found_inf (the skip is reported there and "
@@ -153,7 +174,7 @@ def lamb_moments_(
     norms = lamb_norms_like(params)
     if device is None:
         return norms
-    lists = pointer_lists(params, grads, exp_avgs, exp_avg_sqs, masters, sizes_of=params)
+    lists = [*layout.ptrs, layout.sizes]
     hyper = [beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, grad_averaging, use_nvlamb, 0.0,
              float("inf")]  # fmt: skip
     common = (grad_divisor, grad_divisor_tensor, found_inf, check_finite, False)
@@ -205,14 +226,18 @@ def lamb_apply_(
     """LAMB's second phase: the update with trust ratios from ``norms`` (e.g. summed over ranks); reads no
     grads, skips when ``found_inf`` is raised, advances the steps otherwise. With the sums of
     :func:`lamb_moments_` unchanged, the two phases give the bits of :func:`lamb_`."""
-    device, pdt, _ = lamb_checks(
-        params=params, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, masters=masters, steps=steps, norms=norms,
-        lr_tensor=lr_tensor, found_inf=found_inf, trust_clip_min=trust_clip_min, trust_clip_max=trust_clip_max,
+    states = {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
+    layout = update_layout("lamb_apply_", params, None, states, masters)
+    device, pdt, _ = layout.verdict
+    _lamb_args(
+        "lamb_apply_", device, len(params), steps, lr_tensor, None, found_inf, norms, trust_clip_min,
+        trust_clip_max,
     )  # fmt: skip
     if device is None:
         return
     # the apply pass reads no grads: the params stand in for them (list lengths and dtype codes must be valid)
-    lists = pointer_lists(params, params, exp_avgs, exp_avg_sqs, masters, sizes_of=params)
+    p_ptrs, m_ptrs, v_ptrs, w_ptrs = layout.ptrs
+    lists = [p_ptrs, p_ptrs, m_ptrs, v_ptrs, w_ptrs, layout.sizes]
     hyper = [beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, grad_averaging, use_nvlamb,
              trust_clip_min, trust_clip_max]  # fmt: skip
     common = (1.0, None, found_inf, False, stochastic_rounding)

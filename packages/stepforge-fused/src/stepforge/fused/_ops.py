@@ -39,6 +39,7 @@ without ``torch.library.register_fake`` (torch < 2.4), or where registering fail
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -106,7 +107,11 @@ _IMPLS: dict[str, tuple[Callable[..., Any], _Checks, _FakeOut]] = {
     "adam_": (adam_, adam_checks, None),
     "sgd_": (sgd_, sgd_checks, None),
     "lamb_": (lamb_, lamb_checks, None),
-    "lamb_moments_": (lamb_moments_, lamb_checks, lambda a: lamb_norms_like(a["params"])),
+    "lamb_moments_": (
+        lamb_moments_,
+        functools.partial(lamb_checks, op="lamb_moments_"),
+        lambda a: lamb_norms_like(a["params"]),
+    ),
     "lamb_apply_": (lamb_apply_, lamb_checks, None),
     "l2norm": (l2norm, l2norm_checks, _l2norm_out),
     "scale_": (scale_, scale_checks, None),
