@@ -175,7 +175,7 @@ def test_a_budget_that_fits_one_micro_batch_refuses_a_window_of_four() -> None:
     without accumulation and raises :class:`MemoryBudgetError` naming the window with ``accumulation_steps=4``,
     from ``boost`` or from the budget."""
     limit, x = _window_budget()
-    spec = dict(device=limit, host=0, inputs=x)
+    spec = dict(device=limit, host=limit, inputs=x)  # on a CPU device one memory: the smaller must fit
     Booster(plugin="single", memory_budget=spec).boost(_mlp(), ADAMW)
     with pytest.raises(MemoryBudgetError, match="4 micro-batches per step"):
         Booster(plugin="single", memory_budget=spec).boost(_mlp(), ADAMW, accumulation_steps=4)
@@ -190,7 +190,7 @@ def test_strategy_passes_the_wrappers_accumulative_counts_to_the_budget(tmp_path
     for counts, fits in ((1, True), (4, False)):
         strategy = Strategy(
             plugin="single", work_dir=str(tmp_path / str(counts)), log_kwargs=dict(console=False),
-            memory_budget=dict(device=limit, host=0, inputs=x),
+            memory_budget=dict(device=limit, host=limit, inputs=x),
         )  # fmt: skip
         wrapper = dict(optimizer=ADAMW, accumulative_counts=counts)
         try:
