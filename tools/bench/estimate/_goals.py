@@ -20,7 +20,7 @@ TOTAL_GOAL = 0.10
 COMPONENT_GOAL = 0.15
 #: a component under this share of the held total is reported, not judged
 NEGLIGIBLE = 0.01
-TOTALS = ("after_boost", "held_total", "peak")
+TOTALS = ("after_boost", "held_total", "peak", "window")
 
 
 def _largest_layer(model: nn.Module) -> int:
@@ -61,9 +61,15 @@ def judge(row: dict[str, Any]) -> dict[str, Any]:
         "peak": _ratio(est["peak"], meas["peak"]),
         "activations": _ratio(est["activations"], meas["activations"]),
     }
+    # between two micro-batches of a window: measured only when accumulating
+    window = meas.get("window")
+    ratios["window"] = _ratio(est["window"], window["total"]) if window else None
     met: dict[str, bool | None] = {}
     for key in TOTALS:
         value = ratios[key]
+        if key == "window" and not window:
+            met[key] = None
+            continue
         met[key] = value is not None and abs(value - 1) <= TOTAL_GOAL
     value = ratios["activations"]
     met["activations"] = value is not None and abs(value - 1) <= COMPONENT_GOAL
@@ -89,6 +95,7 @@ def summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "after_boost": "total after boost",
         "held_total": "total held after a step",
         "peak": "peak over a step",
+        "window": "total between micro-batches",
         "activations": "activations (forward)",
     }
     for key in (*TOTALS, "activations", *COMPONENTS):
@@ -130,10 +137,10 @@ def plot(path: Path, rows: Sequence[dict[str, Any]], *, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{r['plugin']} {r['config']} N={r['world']}" for r in rows]
+    labels = [f"{r['plugin']} {r['config']} N={r['world']}" + (f" x{r['accumulation']}" if r.get("accumulation", 1) > 1 else "") for r in rows]
     y = list(range(len(rows)))
     fig, (left, right) = plt.subplots(1, 2, figsize=(14, 0.28 * len(rows) + 2.5), sharey=True)
-    markers = {"after_boost": "s", "held_total": "o", "peak": "^", "activations": "x"}
+    markers = {"after_boost": "s", "held_total": "o", "peak": "^", "window": "v", "activations": "x"}
     for key, marker in markers.items():
         xs = [r["ratios"].get(key) for r in rows]
         left.scatter(

@@ -9,6 +9,11 @@ ZeRO's reduced gradient pieces), ZeRO's separate fp32 masters, the optimizer's s
 (model buffers, buckets, pools, tables, gathered parameters) is ``buffers``. Each storage counts once. Peak RSS
 growth (``ru_maxrss``) is recorded beside it.
 
+With ``case["accumulation"]`` N > 1 each optimizer step takes N micro-batches through ``ColossalAIOptimWrapper``
+as the GPT demo drives it (the forward inside ``optim_context``, every micro-batch but the window's last under the
+plugin's ``no_sync``): step 2's window is measured, and also the total held between its first and second
+micro-batch (``window``), with the bytes in the parameters' ``.grad`` at that point.
+
 Imported by the driver (``estimate/bench_estimate.py``) as ``measure``; :func:`run_rank` runs in each spawned process.
 """
 
@@ -151,6 +156,13 @@ def run_rank(rank: int, world: int, case: dict[str, Any], port: int, out_dir: st
         model, optimizer, *_ = booster.boost(model, dict(CONFIGS[case["config"]]["optimizer"]))
     boosted = _total(tracker)
     after_boost = components(model, optimizer, boosted)
+    steps = case.get("accumulation", 1)
+    if steps > 1:
+        result = _measure_window(model, optimizer, booster, tracker, x, loss_of, steps)
+        _save(rank, out_dir, dict(after_boost=dict(total=boosted, **after_boost), **result), rss0)
+        del model, optimizer, booster, tracker
+        _leave()
+        return
 
     with tracker:
         booster.backward(loss_of(model(x)), optimizer)
@@ -168,16 +180,73 @@ def run_rank(rank: int, world: int, case: dict[str, Any], port: int, out_dir: st
         peak = _total(tracker, "peak")
         after_step = components(model, optimizer, held)
         optimizer.zero_grad()
-    rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     result = dict(
         after_boost=dict(total=boosted, **after_boost),
         after_step=dict(total=held, **after_step),
         activations=forward_end - base,
         peak=peak,
-        rss_growth=(rss1 - rss0) * 1024,
     )
-    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    _save(rank, out_dir, result, rss0)
     del model, optimizer, booster, tracker
+    _leave()
+
+
+def _save(rank: int, out_dir: str, result: dict[str, Any], rss0: int) -> None:
+    """Add the peak RSS growth and write ``rank<r>.pt``."""
+    rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    result["rss_growth"] = (rss1 - rss0) * 1024
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def _leave() -> None:
     from bench.common._spawn import leave_process_group
 
     leave_process_group()
+
+
+def _measure_window(
+    model: Any, optimizer: Any, booster: Any, tracker: Any, x: torch.Tensor, loss_of: Any, steps: int
+) -> dict[str, Any]:
+    """Two optimizer steps of ``steps`` micro-batches each through ``ColossalAIOptimWrapper`` (the demo's loop);
+    step 2 measured: the activations of its first forward, what is held after its first micro-batch's backward
+    (``window``, and the bytes in ``.grad`` then), after its ``step()``, and its peak."""
+    from stepforge.strategy import ColossalAIOptimWrapper
+
+    wrapper = ColossalAIOptimWrapper(optimizer, booster=booster, accumulative_counts=steps)
+    wrapper.initialize_count_status(model, 0, 2 * steps)
+
+    def micro_batch() -> torch.Tensor:
+        tracker.reset_mod_stats()  # MemTracker's module statistics take one forward each (its peak stays)
+        with wrapper.optim_context(model):
+            return loss_of(model(x))
+
+    with tracker:
+        for _ in range(steps):
+            wrapper.backward(wrapper.scale_loss(micro_batch()))
+        wrapper.step()
+        wrapper.zero_grad()
+        tracker.reset_mod_stats()
+    base = _total(tracker)
+    window: dict[str, int] = {}
+    with tracker:  # entering again starts the peak from here: step 2's window
+        for i in range(steps):
+            loss = micro_batch()
+            if i == 0:
+                forward_end = _total(tracker)
+            wrapper.backward(wrapper.scale_loss(loss))
+            del loss
+            if i == 0:
+                grads = _storages(p.grad for p in model.parameters())
+                window = dict(total=_total(tracker), param_grads=sum(grads.values()))
+        assert wrapper.should_update()
+        wrapper.step()
+        held = _total(tracker)
+        peak = _total(tracker, "peak")
+        after_step = components(model, optimizer, held)
+        wrapper.zero_grad()
+    return dict(
+        after_step=dict(total=held, **after_step),
+        window=window,
+        activations=forward_end - base,
+        peak=peak,
+    )

@@ -141,3 +141,63 @@ def test_strategy_with_auto_on_two_ranks(tmp_path) -> None:
     names = {name for name, _ in results}
     assert len(names) == 1 and names.pop() in ("zero1", "zero2", "torch_fsdp")
     assert results[0][1] == pytest.approx(results[1][1])
+
+
+def _window_budget() -> tuple[int, torch.Tensor]:
+    """A CPU budget between ``single``'s peak with one micro-batch per step and with four (the window's
+    gradients held beside a later micro-batch's activations), and the example batch."""
+    from stepforge.strategy import estimate
+
+    x = torch.randn(512, 256)
+    common = dict(optimizer=ADAMW, inputs=x, device="cpu")
+    one = estimate(_mlp, "single", **common).peak(None)  # type: ignore[arg-type]
+    four = estimate(_mlp, "single", accumulation_steps=4, **common).peak(None)  # type: ignore[arg-type]
+    assert four > one
+    return (one + four) // 2, x
+
+
+def test_accumulation_steps_in_the_budget_and_from_the_run() -> None:
+    """``accumulation_steps`` comes from the budget or from ``boost`` (the run's own count); the two may agree
+    but not differ; a count below 1 is named."""
+    cpu = torch.device("cpu")
+    assert memory_budget(dict(device=1), cpu).accumulation_steps == 1
+    assert memory_budget(dict(accumulation_steps=3), cpu).accumulation_steps == 3
+    assert memory_budget({}, cpu, accumulation_steps=4).accumulation_steps == 4
+    assert memory_budget(dict(accumulation_steps=4), cpu, accumulation_steps=4).accumulation_steps == 4
+    with pytest.raises(ValueError, match="accumulation_steps=2 contradicts the run's 4"):
+        memory_budget(dict(accumulation_steps=2), cpu, accumulation_steps=4)
+    with pytest.raises(ValueError, match="memory_budget: accumulation_steps must be an int >= 1"):
+        memory_budget(dict(accumulation_steps=0), cpu)
+
+
+def test_a_budget_that_fits_one_micro_batch_refuses_a_window_of_four() -> None:
+    """``single`` under a budget between its peaks for one and for four micro-batches per step: ``boost`` passes
+    without accumulation and raises :class:`MemoryBudgetError` naming the window with ``accumulation_steps=4``,
+    from ``boost`` or from the budget."""
+    limit, x = _window_budget()
+    spec = dict(device=limit, host=limit, inputs=x)  # on a CPU device one memory: the smaller must fit
+    Booster(plugin="single", memory_budget=spec).boost(_mlp(), ADAMW)
+    with pytest.raises(MemoryBudgetError, match="4 micro-batches per step"):
+        Booster(plugin="single", memory_budget=spec).boost(_mlp(), ADAMW, accumulation_steps=4)
+    with pytest.raises(MemoryBudgetError, match="4 micro-batches per step"):
+        Booster(plugin="single", memory_budget=dict(spec, accumulation_steps=4)).boost(_mlp(), ADAMW)
+
+
+def test_strategy_passes_the_wrappers_accumulative_counts_to_the_budget(tmp_path) -> None:
+    """``Strategy.prepare`` with ``accumulative_counts=4``: the budget is checked for a window of four
+    micro-batches (refused); with ``accumulative_counts=1`` the same budget passes."""
+    limit, x = _window_budget()
+    for counts, fits in ((1, True), (4, False)):
+        strategy = Strategy(
+            plugin="single", work_dir=str(tmp_path / str(counts)), log_kwargs=dict(console=False),
+            memory_budget=dict(device=limit, host=limit, inputs=x),
+        )  # fmt: skip
+        wrapper = dict(optimizer=ADAMW, accumulative_counts=counts)
+        try:
+            if fits:
+                strategy.prepare(_mlp(), optim_wrapper=wrapper)
+            else:
+                with pytest.raises(MemoryBudgetError, match="4 micro-batches per step"):
+                    strategy.prepare(_mlp(), optim_wrapper=wrapper)
+        finally:
+            strategy.close()

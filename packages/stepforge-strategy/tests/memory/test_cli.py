@@ -100,3 +100,23 @@ def test_committed_what_fits_page_is_the_commands_output() -> None:
     finally:
         os.chdir(cwd)
     assert page == expected, "regenerate with: nox -s what_fits"
+
+
+def test_accumulation_steps(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--accumulation-steps 4`` with ZeRO-2 in bf16: the estimate describes a window of four micro-batches, in
+    which every rank also holds the whole model's local bf16 gradients (kept under ``no_sync``) between
+    micro-batches; 0 is refused."""
+    from stepforge.strategy.memory.gpt import gpt
+
+    args = ["gpt-1.3b", "--plugin", "zero2", "--precision", "bf16", "--world-size", "8", "--format", "json"]
+    runs = {}
+    for steps in (1, 4):
+        assert cli.main([*args, "--accumulation-steps", str(steps)]) == 0
+        (runs[steps],) = json.loads(capsys.readouterr().out)
+        assert runs[steps]["accumulation_steps"] == steps
+    numel = sum(p.numel() for p in gpt("gpt-1.3b").parameters())
+    assert runs[4]["window"]["device"] - runs[1]["window"]["device"] == 2 * numel
+    assert runs[4]["device"]["peak"] >= runs[1]["device"]["peak"]
+    with pytest.raises(SystemExit):
+        cli.main([*args, "--accumulation-steps", "0"])
+    assert "--accumulation-steps must be >= 1" in capsys.readouterr().err

@@ -148,3 +148,104 @@ def test_fsdp_plan_equals_the_shards_grads_state_and_collectives(which: str) -> 
             assert r["replicated"] and r["offloaded"] > 0 and "all_reduce" in r["planned"]
         else:
             assert not r["replicated"] and r["offloaded"] == 0 and "all_reduce" not in r["planned"]
+
+
+def _ddp_window(steps: int, x: torch.Tensor) -> dict[str, Any]:
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    plugin = TorchDDPPlugin(bucket_cap_mb=0.004, device="cpu")
+    plan = plugin.memory_plan(_Net(), world_size=2, optimizer=dict(type="SGD", lr=0.1), accumulation_steps=steps)
+    model, _optimizer = plugin.prepare(_Net(), None)
+    sizes: list[int] = []
+
+    def hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations against its own classes
+        sizes.append(bucket.buffer().numel() * bucket.buffer().element_size())
+        return allreduce_hook(state, bucket)
+
+    model.register_comm_hook(None, hook)
+    model(x).sum().backward()  # DDP rebuilds its buckets after the first iteration
+    model.zero_grad(set_to_none=True)
+    sizes.clear()
+    for i in range(steps):
+        if i < steps - 1:
+            with plugin.no_sync(model):
+                model(x).sum().backward()
+        else:
+            model(x).sum().backward()
+    (collective,) = plan.collectives
+    return dict(
+        reduced=(len(sizes), sum(sizes)),
+        planned=(collective.calls, collective.nbytes),
+        grads=_local_bytes(p.grad for p in model.parameters()),
+        plan_summed=plan.total(lifetimes=("accumulated",)),
+        plan_window=plan.total(lifetimes=("window",)),
+    )
+
+
+def _fsdp_window(steps: int, x: torch.Tensor, which: str, rank: int) -> dict[str, Any]:
+    from stepforge.core.torch_compat import memory_tracker, tracker_bytes
+
+    plugin: TorchFSDPPlugin
+    if which == "gemini":
+        plugin = GeminiPlugin(precision="bf16", shard_param_frac=0.6, offload_optim_frac=0.3, device="cpu")
+    else:
+        plugin = TorchFSDPPlugin(precision="bf16", device="cpu")
+    adamw = dict(type="AdamW", lr=1e-3)
+    plan = plugin.memory_plan(_Net(), world_size=2, rank=rank, optimizer=adamw, accumulation_steps=steps)
+    model, optimizer = plugin.prepare(_Net(), adamw)
+    kept = 0
+    with CollectiveRecorder() as recorder:
+        for i in range(steps):
+            if i < steps - 1 and plugin.supports_no_sync():
+                tracker = memory_tracker()
+                with tracker:  # what the first micro-batch leaves besides the parameters it saw, from its start
+                    with plugin.no_sync(model):
+                        optimizer.backward(model(x).float().sum())
+                    snap = tracker_bytes(tracker)["cpu"]
+                    kept = kept or snap["Total"] - snap["Parameter"] - snap["Buffer"]
+            else:
+                optimizer.backward(model(x).float().sum())
+    planned: dict[str, tuple[int, int]] = {}
+    for c in plan.collectives:
+        calls, nbytes = planned.get(c.op, (0, 0))
+        planned[c.op] = (calls + c.calls, nbytes + c.nbytes)
+    return dict(
+        kept=kept,
+        plan_window=plan.total(lifetimes=("window",)),
+        grads=_local_bytes(p.grad for p in model.parameters()),
+        plan_grads=plan.total(component="grads", lifetimes=("grads", "accumulated")),
+        plan_summed=plan.total(lifetimes=("accumulated",)),
+        recorded=recorder.totals(),
+        planned=planned,
+    )
+
+
+def _windows(rank: int, world: int, steps: int) -> dict[str, dict[str, Any]]:
+    x = torch.randn(4, 7, generator=torch.Generator().manual_seed(rank))
+    return dict(
+        torch_ddp=_ddp_window(steps, x),
+        torch_fsdp=_fsdp_window(steps, x, "torch_fsdp", rank),
+        gemini=_fsdp_window(steps, x, "gemini", rank),
+    )
+
+
+@requires_gloo
+def test_plans_of_an_accumulation_window_at_two_ranks() -> None:
+    """Three micro-batches per step on 2 gloo ranks, all but the last under ``no_sync`` where the plugin has it: DDP
+    all-reduces its buckets once for the window and keeps the full gradients in ``param.grad`` through it (the
+    plan's summed gradients); FSDP2 in bf16 keeps each unit's unsharded gradient in fp32 after a ``no_sync``
+    backward (counted by MemTracker: the plan's window bytes), gathers its units every micro-batch and
+    reduce-scatters once; gemini, without ``no_sync``, reduces every micro-batch into its sharded gradients (the
+    plan's summed gradients); every collective (calls and bytes) as planned."""
+    for r in run_distributed(_windows, 2, 3):
+        ddp, fsdp, gemini = r["torch_ddp"], r["torch_fsdp"], r["gemini"]
+        assert ddp["reduced"] == ddp["planned"] and ddp["planned"][0] > 2
+        assert ddp["grads"] == ddp["plan_summed"] > 0 and ddp["plan_window"] == 0
+        assert fsdp["kept"] == fsdp["plan_window"] > 0
+        assert fsdp["grads"] == fsdp["plan_grads"] and fsdp["plan_summed"] == 0
+        assert fsdp["recorded"] == fsdp["planned"]
+        assert fsdp["planned"]["all_gather"][0] == 3 * 9 and fsdp["planned"]["reduce_scatter"][0] == 5
+        assert gemini["kept"] == gemini["plan_window"] == 0
+        assert gemini["grads"] == gemini["plan_summed"] > 0
+        assert gemini["recorded"] == gemini["planned"]
+        assert gemini["planned"]["all_reduce"][0] % 3 == 0 and gemini["planned"]["reduce_scatter"][0] % 3 == 0

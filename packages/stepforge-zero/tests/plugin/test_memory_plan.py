@@ -116,6 +116,67 @@ def test_plan_equals_what_the_optimizer_holds_and_calls_at_two_ranks() -> None:
                 assert m["masters"] == 0  # an fp32 piece on the CPU is a view of its parameter
 
 
+def _window(rank: int, world: int, steps: int) -> list[dict[str, Any]]:
+    """A window of ``steps`` micro-batches (all but the last under the plugin's ``no_sync``) and its step, for
+    stage 2 in bf16 and stage 1 in fp32 with CPU offload: the local gradients held before the last backward, the
+    collectives of the whole window, and the plan of the same window."""
+    out = []
+    for settings in (SETTINGS[1], dict(SETTINGS[2], stage=1)):
+        plugin = LowLevelZeroPlugin(**settings)
+        plan = plugin.memory_plan(
+            _model(), world_size=world, rank=rank, optimizer=dict(type="AdamW", lr=1e-3), backend="gloo",
+            accumulation_steps=steps,
+        )  # fmt: skip
+        model = _model()
+        model, optimizer = plugin.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        x, y = regression_batch(3, 4, 6, 3)
+        slots = optimizer.layout.slots
+        local = 0
+        with CollectiveRecorder() as recorder:
+            for i in range(steps):
+                loss = torch.nn.functional.mse_loss(model(x).float(), y)
+                if i < steps - 1:
+                    with plugin.no_sync(model, optimizer):
+                        optimizer.backward(loss)
+                    local = sum(s.param.grad.numel() * s.param.grad.element_size() for s in slots)
+                else:
+                    optimizer.backward(loss)
+            optimizer.step()
+            optimizer.wait_for_param_gather()
+        planned: dict[str, int] = {}
+        for c in plan.collectives:
+            planned[c.op] = planned.get(c.op, 0) + c.calls
+        out.append(
+            dict(
+                local=local,
+                left=sum(1 for s in slots if s.param.grad is not None),
+                plan_window=plan.total(lifetimes=("window",)),
+                plan_window_device=plan.total(lifetimes=("window",), place="device"),
+                recorded={op: calls for op, (calls, _) in recorder.totals().items()},
+                planned=planned,
+                reductions=optimizer.collective_counts.reductions,
+                grads=sum(s.grad.numel() * s.grad.element_size() for s in slots if s.grad is not None),
+                plan_grads=plan.total(component="grads", lifetimes=("step",)),
+            )
+        )
+    return out
+
+
+@requires_gloo
+def test_plan_of_an_accumulation_window_at_two_ranks() -> None:
+    """Three micro-batches per step on 2 gloo ranks (stage 2 bf16; stage 1 fp32 offloaded): under ``no_sync`` every
+    parameter keeps its whole local gradient in the working dtype on the device, the bytes the plan holds for the
+    window; the last backward takes them (none left after the step), the buckets are reduced once per window and
+    the window's collectives are the plan's calls; the reduced pieces are the plan's as without accumulation."""
+    for rank_results in run_distributed(_window, 2, 3):
+        for m in rank_results:
+            assert m["local"] > 0 and m["local"] == m["plan_window"] == m["plan_window_device"]
+            assert m["left"] == 0
+            assert m["recorded"] == m["planned"]
+            assert m["planned"]["all_to_all"] == m["reductions"] > 2
+            assert m["grads"] == m["plan_grads"]
+
+
 def test_plan_equals_what_the_optimizer_holds_on_one_process() -> None:
     """Without a process group (one rank): the same equalities, and no collectives in the plan."""
     for settings in SETTINGS[:2]:
@@ -154,7 +215,8 @@ def test_split_direct_keeps_large_contiguous_slots_in_place() -> None:
 def test_plan_at_scale_is_one_nth_of_the_model(stage: int) -> None:
     """At 1024 ranks in bf16 the plan's fp32 masters, gradient pieces and AdamW state are 4, 4 and 8 bytes per
     element of rank 0's pieces (``ceil(n / 1024)`` of every parameter), the working parameters the whole model
-    in bf16."""
+    in bf16; accumulating 4 micro-batches adds the whole model's bf16 gradients for the window and not one
+    collective."""
     model = mlp((512, 1024, 1000))
     numels = [p.numel() for p in model.parameters()]
     pieces = sum(-(-n // 1024) for n in numels)
@@ -165,3 +227,10 @@ def test_plan_at_scale_is_one_nth_of_the_model(stage: int) -> None:
     assert plan.total(component="master") == 4 * pieces
     assert plan.total(component="grads", lifetimes=("step",)) == 4 * pieces
     assert plan.total(component="optimizer_state", place="device") == 8 * pieces
+    window = LowLevelZeroPlugin(stage=stage, precision="bf16").memory_plan(
+        model, world_size=1024, optimizer=dict(type="AdamW", lr=1e-3), backend="nccl", accumulation_steps=4
+    )
+    assert window.total(lifetimes=("window",)) == 2 * sum(numels)  # no_sync: the whole model's bf16 gradients
+    assert [(c.op, c.calls, c.nbytes) for c in window.collectives] == [
+        (c.op, c.calls, c.nbytes) for c in plan.collectives
+    ]  # reduced once per optimizer step, as without accumulation

@@ -39,6 +39,8 @@ __all__ = [
     "tensor_bytes",
     "replicated_plan",
     "add_optimizer_state",
+    "check_accumulation_steps",
+    "summed_grads_lifetime",
 ]
 
 #: the memory components of a plan and of an estimate, in table order
@@ -55,8 +57,19 @@ PLACES = ("device", "host")
 #: - ``"reduce"``: in backward, while gradients are reduced (buckets in flight, gradients waiting for their
 #:   bucket, unsharded gradients): they grow as the activations are freed, so the peak takes the larger of the
 #:   two;
-#: - ``"update"``: only inside ``optimizer.step()`` (gather tables, temporaries of the update).
-LIFETIMES = ("boost", "step", "grads", "compute", "reduce", "update")
+#: - ``"update"``: only inside ``optimizer.step()`` (gather tables, temporaries of the update);
+#:
+#: and, in a plan for gradient accumulation (``accumulation_steps > 1``: each optimizer step takes several
+#: micro-batches, all but the last run under the plugin's ``no_sync`` where it has one, as
+#: ``ColossalAIOptimWrapper`` runs them):
+#:
+#: - ``"window"``: from a window's first backward until its last backward reduces them: gradients kept local
+#:   under ``no_sync`` (ZeRO's full ``param.grad``, FSDP2's unsharded gradients); gone after the step;
+#: - ``"accumulated"``: from a window's first backward until ``zero_grad``: gradients summed in place over the
+#:   window (a replicated ``param.grad``, shards reduced every micro-batch); held after the step as ``"grads"``.
+#:
+#: Both live through the forward and backward of the window's later micro-batches.
+LIFETIMES = ("boost", "step", "grads", "compute", "reduce", "update", "window", "accumulated")
 #: the collectives a plan may list
 COLLECTIVE_OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all")
 
@@ -148,6 +161,8 @@ class MemoryPlan:
         full_grads: whether backward accumulates the whole model's gradients in ``param.grad`` (a replicated
             layout); ``False`` where gradients are reduced into shards or pieces as they arrive.
         notes: settings that shaped the plan, for logs (``"bucket 4 Mi elements"``...).
+        accumulation_steps: micro-batches per optimizer step the plan describes (see :data:`LIFETIMES`:
+            ``"window"`` and ``"accumulated"``); the collectives are those of one whole optimizer step.
     """
 
     plugin: str
@@ -159,6 +174,7 @@ class MemoryPlan:
     offloads: bool = False
     full_grads: bool = False
     notes: list[str] = field(default_factory=list)
+    accumulation_steps: int = 1
 
     def add(
         self,
@@ -231,6 +247,25 @@ def tensor_bytes(numel: int, dtype: torch.dtype) -> int:
     return numel * torch.empty((), dtype=dtype, device="meta").element_size()
 
 
+def check_accumulation_steps(value: Any, where: str) -> int:
+    """``value`` as the number of micro-batches per optimizer step.
+
+    Raises:
+        ValueError: not an int >= 1 (the message names ``where`` and the parameter).
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"{where}: accumulation_steps must be an int >= 1 (micro-batches per optimizer step), got {value!r}."
+        )
+    return value
+
+
+def summed_grads_lifetime(accumulation_steps: int) -> str:
+    """The lifetime of gradients that backward sums in place until ``zero_grad``: ``"grads"``, or
+    ``"accumulated"`` when a window of several micro-batches keeps them through its later micro-batches."""
+    return "accumulated" if accumulation_steps > 1 else "grads"
+
+
 def replicated_plan(
     plugin: str,
     model: nn.Module,
@@ -238,15 +273,18 @@ def replicated_plan(
     world_size: int,
     rank: int = 0,
     optimizer: Mapping[str, Any] | None = None,
+    accumulation_steps: int = 1,
 ) -> MemoryPlan:
     """Every rank holds every parameter (in its own dtype), its gradient in ``param.grad`` and the optimizer's
     state for it, all on the device; the model's buffers too; nothing is communicated (``plugin``: the name the
-    plan carries)."""
-    plan = MemoryPlan(plugin, world_size, rank, full_grads=True)
+    plan carries). Accumulating, the gradients are summed in ``param.grad`` through the window."""
+    steps = check_accumulation_steps(accumulation_steps, f"{plugin}.memory_plan")
+    plan = MemoryPlan(plugin, world_size, rank, full_grads=True, accumulation_steps=steps)
     params = unique_parameters(model)
     plan.add("params", "device", sum(p.numel() * p.element_size() for _, p in params), "parameters")
     trainable = [p for _, p in params if p.requires_grad]
-    plan.add("grads", "device", sum(p.numel() * p.element_size() for p in trainable), "gradients", "grads")
+    grads = sum(p.numel() * p.element_size() for p in trainable)
+    plan.add("grads", "device", grads, "gradients", summed_grads_lifetime(steps))
     plan.add("buffers", "device", sum(b.numel() * b.element_size() for b in model.buffers()), "model buffers")
     if optimizer is not None:
         add_optimizer_state(plan, optimizer, [(tuple(p.shape), p.dtype) for p in trainable], place="device")

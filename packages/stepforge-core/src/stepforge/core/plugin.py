@@ -386,6 +386,7 @@ class Plugin(ABC):
         optimizer: Mapping[str, Any] | None = None,
         backend: str | None = None,
         device: str | torch.device | None = None,
+        accumulation_steps: int = 1,
     ) -> MemoryPlan:
         """What one rank would hold and communicate if ``model`` were prepared by this plugin, without
         allocating it (``model`` may live on the meta device; it is not changed).
@@ -399,6 +400,11 @@ class Plugin(ABC):
                 CPU device, nccl otherwise).
             device: the device the model would be trained on (``None``: the plugin's :attr:`device`); a plan made
                 on a CPU machine for a GPU run passes ``"cuda"`` (what moves to the host depends on it).
+            accumulation_steps: micro-batches per optimizer step. Above 1 the plan describes a window as
+                ``ColossalAIOptimWrapper`` runs it (every micro-batch but the last under :meth:`no_sync` when
+                :meth:`supports_no_sync`): the gradients the window keeps (lifetimes ``"window"`` and
+                ``"accumulated"``, :data:`~stepforge.core.memory_plan.LIFETIMES`) and the collectives of the
+                whole optimizer step (a reduction skipped by ``no_sync`` runs once per window).
 
         Returns:
             A :class:`~stepforge.core.memory_plan.MemoryPlan`. This default is a replicated layout (every rank
@@ -407,4 +413,11 @@ class Plugin(ABC):
         """
         from .memory_plan import replicated_plan
 
-        return replicated_plan(self.name, model, world_size=world_size, rank=rank, optimizer=optimizer)
+        return replicated_plan(
+            self.name,
+            model,
+            world_size=world_size,
+            rank=rank,
+            optimizer=optimizer,
+            accumulation_steps=accumulation_steps,
+        )

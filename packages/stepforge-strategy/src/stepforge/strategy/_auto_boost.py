@@ -69,16 +69,18 @@ def resolve_at_boost(
     model: nn.Module,
     optimizer: Any,
     precision: str | None,
+    accumulation_steps: int | None = None,
 ) -> AutoChoice | None:
     """For ``auto`` (``auto`` = its candidates): the choice (its plugin, settings, table and reason). For an
-    explicit plugin with a budget: ``None`` once it is found to fit.
+    explicit plugin with a budget: ``None`` once it is found to fit. ``accumulation_steps``: the run's
+    micro-batches per optimizer step when known (``None``: the budget's ``accumulation_steps``, default 1).
 
     Raises:
         MemoryBudgetError: nothing fits (``auto``) or the explicit plugin does not; the message names what
             would.
     """
     device = plugin.device
-    budget: MemoryBudget = memory_budget(budget_spec, device)
+    budget: MemoryBudget = memory_budget(budget_spec, device, accumulation_steps=accumulation_steps)
     world, rank, backend = _world()
     config = optimizer_config(optimizer)
     if auto is None:

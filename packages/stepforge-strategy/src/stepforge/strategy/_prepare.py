@@ -40,14 +40,23 @@ def broadcast_weights(model: nn.Module) -> None:
                 tensor.data.copy_(staged)
 
 
+def _window(counts: Any) -> int | None:
+    """The wrapper's ``accumulative_counts`` for the Booster's memory estimate (``None`` where it is not a
+    positive int: the wrapper's own check names it)."""
+    return counts if isinstance(counts, int) and not isinstance(counts, bool) and counts >= 1 else None
+
+
 def build_optim_wrapper(
     booster: Booster, model: nn.Module, cfg: Any, compile: Any = False
 ) -> tuple[nn.Module, Any]:
     """Boost ``model`` with the optimizer of ``cfg`` (a dict or a built ``ColossalAIOptimWrapper``) and
     ``compile`` (see :mod:`stepforge.strategy.compile`); returns the boosted model and the optim wrapper driving
-    ``booster``."""
+    ``booster``. The wrapper's ``accumulative_counts`` reaches ``boost`` as ``accumulation_steps`` (for
+    ``plugin="auto"`` and ``memory_budget``)."""
     if isinstance(cfg, ColossalAIOptimWrapper):
-        model, optimizer = booster.boost(model, cfg.optimizer, compile=compile)[:2]
+        model, optimizer = booster.boost(
+            model, cfg.optimizer, compile=compile, accumulation_steps=_window(cfg.accumulative_counts)
+        )[:2]
         cfg.optimizer = optimizer
         cfg.booster = booster
         return model, cfg
@@ -77,7 +86,8 @@ def build_optim_wrapper(
     optimizer = cfg.pop("optimizer")
     if isinstance(optimizer, Mapping):
         optimizer = dict(optimizer)
-    model, optimizer = booster.boost(model, optimizer, compile=compile)[:2]
+    steps = _window(cfg.get("accumulative_counts", 1))
+    model, optimizer = booster.boost(model, optimizer, compile=compile, accumulation_steps=steps)[:2]
     return model, cls(optimizer, booster=booster, **cfg)
 
 

@@ -71,8 +71,10 @@ class Booster:
             :class:`stepforge.core.Plugin` instance.
         device: passed to a plugin built here when its constructor takes ``device``; for a plugin that does not
             place the model (``control_device()`` is ``False``) the :class:`Accelerator` ``boost`` moves it to.
-        memory_budget: ``dict(device=..., host=..., inputs=..., criterion=...)``: bytes (or ``"70GiB"``) a rank
-            may use (default: the free memory), optionally an example micro-batch whose activations count. With
+        memory_budget: ``dict(device=..., host=..., inputs=..., criterion=..., accumulation_steps=...)``: bytes
+            (or ``"70GiB"``) a rank may use (default: the free memory), optionally an example micro-batch whose
+            activations count and the micro-batches per optimizer step (gradient accumulation, default 1; also
+            ``boost(..., accumulation_steps=)``, which ``Strategy.prepare`` fills from the optim wrapper). With
             ``plugin="auto"`` (or ``dict(type="auto", candidates=[...])``) ``boost`` takes the fastest plugin
             whose :func:`~stepforge.strategy.estimate` fits (order: ``docs/what-fits.md``) and logs why; with
             another plugin it checks that one. What cannot fit raises :class:`~stepforge.strategy.MemoryBudgetError`
@@ -212,6 +214,7 @@ class Booster:
         lr_scheduler: Any = None,
         *,
         compile: bool | Mapping[str, Any] | None = False,
+        accumulation_steps: int | None = None,
     ) -> tuple[nn.Module, Any, Any, Any, Any]:
         """Wrap the five for the plugin and the mixed precision; returns them in the same order.
 
@@ -224,6 +227,11 @@ class Booster:
         optional ``target`` (the method of your model, default ``"forward"``) and ``disable``; the model is
         compiled in place once the plugin prepared it (per FSDP2 block for ``torch_fsdp``/``gemini``), so its
         state-dict keys and checkpoints stay those of the eager model (:mod:`stepforge.strategy.compile`).
+
+        ``accumulation_steps`` (keyword only; not in ColossalAI): the micro-batches per optimizer step the run
+        will accumulate, for ``plugin="auto"`` and ``memory_budget``, whose estimates then hold a whole window
+        (``Strategy.prepare`` passes the optim wrapper's ``accumulative_counts``); ``None``: the budget's
+        ``accumulation_steps`` (default 1).
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"Booster.boost: model must be a torch.nn.Module, got {type(model).__name__}.")
@@ -231,7 +239,7 @@ class Booster:
         if compile_cfg is not None:
             refuse_compiled_wrapper(model, where="Booster.boost")
         if self._auto is not None or self.memory_budget is not None:
-            self._fit_memory(model, optimizer)
+            self._fit_memory(model, optimizer, accumulation_steps)
         plugin = self.plugin
         if isinstance(optimizer, Mapping) and not plugin.builds_optimizer_config:
             optimizer = build_optimizer(dict(optimizer), model.parameters())
@@ -278,10 +286,12 @@ class Booster:
             dataloader = make_stateful(dataloader)
         return model, boosted, criterion, dataloader, lr_scheduler
 
-    def _fit_memory(self, model: nn.Module, optimizer: Any) -> None:
+    def _fit_memory(self, model: nn.Module, optimizer: Any, accumulation_steps: int | None) -> None:
         """``auto``: choose the plugin and adopt it; a budget: check the plugin fits (see ``memory_budget``)."""
         precision = self._spec[1] or ("fp32" if self._auto is not None else None)  # one precision for all
-        choice = resolve_at_boost(self.plugin, self._auto, self.memory_budget, model, optimizer, precision)
+        choice = resolve_at_boost(
+            self.plugin, self._auto, self.memory_budget, model, optimizer, precision, accumulation_steps
+        )
         if choice is not None:
             self._auto = None
             self.auto_choice = choice

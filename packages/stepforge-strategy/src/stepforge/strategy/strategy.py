@@ -53,7 +53,8 @@ class Strategy:
             accumulative_counts / base_batch_size (needs ``dispatch_kwargs["train_micro_batch_size_per_gpu"]``).
         config: the run's config (any object); its ``repr`` is recorded as ``meta["cfg"]`` in checkpoints.
         memory_budget: the Booster's ``memory_budget`` (with ``plugin="auto"``: the fastest plugin that fits is
-            chosen at :meth:`prepare`; :attr:`plugin` is the chosen one from then on).
+            chosen at :meth:`prepare`; :attr:`plugin` is the chosen one from then on). :meth:`prepare` passes the
+            optim wrapper's ``accumulative_counts``, so each estimate holds a whole accumulation window.
         resume: ``"auto"``/``True``: :meth:`prepare` ends by resuming the latest checkpoint of ``work_dir`` if
             any (for ``torchrun --max-restarts``); a path: that checkpoint; ``False``: none (default). See
             :func:`~stepforge.strategy.checkpoint._auto_resume.checkpoint_to_resume` and :attr:`resumed_from`.

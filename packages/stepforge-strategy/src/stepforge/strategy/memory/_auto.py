@@ -12,6 +12,10 @@ run. Of those whose peaks fit the budget, the fastest is taken, in this document
 
 When none fits, :class:`MemoryBudgetError` says so, with the table, and names the plugins and settings that would
 fit: the smallest world size each candidate fits at, and the host memory an offloading one would need.
+
+With gradient accumulation (``accumulation_steps`` of the budget: ``Strategy.prepare`` takes it from the optim
+wrapper's ``accumulative_counts``) every candidate is estimated for the whole window: the gradients it keeps
+between micro-batches count in its peak, and its bytes sent are those of one optimizer step.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch
 from torch import nn
 
 from stepforge.core import StepforgeError
+from stepforge.core.memory_plan import check_accumulation_steps
 
 from ._compare import estimate_plugins
 from ._estimate import Estimate, estimate
@@ -67,12 +72,14 @@ class MemoryBudgetError(StepforgeError, RuntimeError):
 @dataclass(frozen=True)
 class MemoryBudget:
     """Bytes one rank may use: ``device`` (its accelerator, or the process's memory on a CPU device) and
-    ``host``; ``inputs`` (optional): an example micro-batch, whose traced activations then count too."""
+    ``host``; ``inputs`` (optional): an example micro-batch, whose traced activations then count too;
+    ``accumulation_steps``: micro-batches per optimizer step the run accumulates."""
 
     device: int
     host: int
     inputs: Any = None
     criterion: Callable[[Any], torch.Tensor] | None = None
+    accumulation_steps: int = 1
 
     def admits(self, est: Estimate, on_cpu: bool) -> bool:
         """Whether ``est``'s peaks fit (on a CPU device, device and host are one memory: their sum must fit
@@ -93,20 +100,38 @@ def _host_free() -> int:
     return available // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
-def memory_budget(spec: Mapping[str, Any] | None, device: torch.device) -> MemoryBudget:
-    """The budget of ``memory_budget=dict(device=..., host=..., inputs=..., criterion=...)``: sizes in bytes or as
-    strings (``"70GiB"``); a missing one is the free memory (the device's, and the host's shared by the ranks of
-    this node).
+#: the keys ``memory_budget`` takes
+BUDGET_KEYS = ("device", "host", "inputs", "criterion", "accumulation_steps")
+
+
+def memory_budget(
+    spec: Mapping[str, Any] | None, device: torch.device, *, accumulation_steps: int | None = None
+) -> MemoryBudget:
+    """The budget of ``memory_budget=dict(device=..., host=..., inputs=..., criterion=..., accumulation_steps=...)``:
+    sizes in bytes or as strings (``"70GiB"``); a missing one is the free memory (the device's, and the host's
+    shared by the ranks of this node). ``accumulation_steps`` (default 1): micro-batches per optimizer step; the
+    keyword argument of that name is the run's own count (the optim wrapper's ``accumulative_counts``), which
+    the spec may repeat but not contradict.
 
     Raises:
-        ValueError: an unknown key or a size that is not a positive number or a size string.
+        ValueError: an unknown key, a size that is not a positive number or a size string, an accumulation count
+            below 1 or two that differ.
     """
     spec = dict(spec or {})
-    unknown = sorted(set(spec) - {"device", "host", "inputs", "criterion"})
+    unknown = sorted(set(spec) - set(BUDGET_KEYS))
     if unknown:
         raise ValueError(
-            f"memory_budget: unknown key(s) {', '.join(map(repr, unknown))}; use device, host, inputs, criterion."
+            f"memory_budget: unknown key(s) {', '.join(map(repr, unknown))}; use {', '.join(BUDGET_KEYS)}."
         )
+    steps = check_accumulation_steps(spec.get("accumulation_steps", 1), "memory_budget")
+    if accumulation_steps is not None:
+        given = check_accumulation_steps(accumulation_steps, "boost")
+        if "accumulation_steps" in spec and steps != given:
+            raise ValueError(
+                f"memory_budget: accumulation_steps={steps} contradicts the run's {given} micro-batches per "
+                "optimizer step (the optim wrapper's accumulative_counts); drop it from memory_budget."
+            )
+        steps = given
 
     def size(key: str, default: Callable[[], int]) -> int:
         value = spec.get(key)
@@ -125,7 +150,11 @@ def memory_budget(spec: Mapping[str, Any] | None, device: torch.device) -> Memor
         return _host_free()
 
     return MemoryBudget(
-        size("device", device_free), size("host", _host_free), spec.get("inputs"), spec.get("criterion")
+        size("device", device_free),
+        size("host", _host_free),
+        spec.get("inputs"),
+        spec.get("criterion"),
+        steps,
     )
 
 
@@ -168,7 +197,12 @@ def _estimates(model: nn.Module, candidates: Sequence[str], world_size: int, **k
 
 
 def _budget_text(budget: MemoryBudget, world_size: int) -> str:
-    return f"device {format_bytes(budget.device)}, host {format_bytes(budget.host)} per rank at {world_size} ranks"
+    steps = budget.accumulation_steps
+    window = f", {steps} micro-batches per step" if steps > 1 else ""
+    return (
+        f"device {format_bytes(budget.device)}, host {format_bytes(budget.host)} per rank at {world_size} ranks"
+        f"{window}"
+    )
 
 
 def _would_fit(
@@ -220,7 +254,7 @@ def choose_plugin(
     """
     kwargs: dict[str, Any] = dict(
         precision=precision, optimizer=optimizer, inputs=budget.inputs, device=str(device), backend=backend,
-        rank=rank,
+        rank=rank, accumulation_steps=budget.accumulation_steps,
     )  # fmt: skip
     if budget.criterion is not None:
         kwargs["criterion"] = budget.criterion
@@ -265,6 +299,7 @@ def check_budget(
     est = estimate(
         model, plugin, world_size=world_size, precision=precision, optimizer=optimizer, inputs=budget.inputs,
         criterion=budget.criterion, rank=rank, device=str(device), backend=backend,
+        accumulation_steps=budget.accumulation_steps,
     )  # fmt: skip
     if budget.admits(est, device.type == "cpu"):
         return est

@@ -26,6 +26,7 @@ def estimate_plugins(
     device: str = "cuda",
     backend: str | None = None,
     rank: int = 0,
+    accumulation_steps: int = 1,
 ) -> list[Estimate]:
     """One :class:`Estimate` per plugin spec (``single`` is left out above one rank)."""
     out = []
@@ -44,6 +45,7 @@ def estimate_plugins(
                 rank=rank,
                 device=device,
                 backend=backend,
+                accumulation_steps=accumulation_steps,
                 **kwargs,
             )
         )

@@ -4,7 +4,9 @@
 The plugin's own :meth:`~stepforge.core.Plugin.memory_plan` says what one rank holds and communicates (from its
 partition, padding, bucket and offload code); a traced forward and backward of the example micro-batch on
 fake tensors adds the activations (:mod:`._activations`); the peak combines the two by when each tensor lives
-(see :meth:`Estimate.peak`).
+(see :meth:`Estimate.peak`). With ``accumulation_steps`` the plan describes a whole accumulation window: the
+gradients each plugin keeps between micro-batches (under its ``no_sync``) live through the later micro-batches'
+forward and backward, beside their activations.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 from torch import nn
 
 from stepforge.core import PLUGINS, MemoryPlan, Plugin
-from stepforge.core.memory_plan import COMPONENTS
+from stepforge.core.memory_plan import COMPONENTS, check_accumulation_steps
 from stepforge.core.precision import get_precision
 
 from ._activations import ActivationTrace, trace_activations
@@ -28,7 +30,9 @@ from ._table import estimate_table
 __all__ = ["Estimate", "estimate", "make_plugin"]
 
 #: the lifetimes held between steps (a plan's steady state after a step, before ``zero_grad``)
-HELD = ("boost", "step", "grads")
+HELD = ("boost", "step", "grads", "accumulated")
+#: the lifetimes held between two micro-batches of an accumulation window (after a ``no_sync`` backward)
+IN_WINDOW = ("boost", "step", "accumulated", "window")
 
 
 @dataclass
@@ -47,7 +51,10 @@ class Estimate:
             forward keeps for backward; backward's temporaries count in the peak), and the peak over a step
             (see :meth:`peak`).
         after_boost: ``{"device": bytes, "host": bytes}`` held right after ``boost``.
-        plan: the plugin's :class:`~stepforge.core.MemoryPlan`.
+        window: ``{"device": bytes, "host": bytes}`` held between two micro-batches of an accumulation window
+            (after a backward under ``no_sync``; with one micro-batch per step, what is held before a forward).
+        plan: the plugin's :class:`~stepforge.core.MemoryPlan` (its ``accumulation_steps``: micro-batches per
+            optimizer step).
         activations: the activation trace (``None`` without ``inputs``).
     """
 
@@ -64,6 +71,7 @@ class Estimate:
     device: dict[str, int] = field(default_factory=dict)
     host: dict[str, int] = field(default_factory=dict)
     after_boost: dict[str, int] = field(default_factory=dict)
+    window: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         plan = self.plan
@@ -73,30 +81,45 @@ class Estimate:
             table["activations"] = self._activation_bytes() if place == "device" else 0
             table["peak"] = self.peak(place)
             self.after_boost[place] = plan.total(place=place, lifetimes=("boost",))
+            self.window[place] = plan.total(place=place, lifetimes=IN_WINDOW)
+
+    @property
+    def accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step (the plan's)."""
+        return self.plan.accumulation_steps
 
     def _activation_bytes(self) -> int:
         return self.activations.forward if self.activations is not None else 0
 
     def peak(self, place: str | None) -> int:
         """The most bytes held at once on ``place`` (``None``: device and host together, one memory as on a CPU
-        device) over a training step: the larger of
+        device) over a training step: the largest of
 
-        - forward/backward: what is held from boost and the first step on, the tensors that live throughout
-          compute (gathered parameters), and the larger of the traced activations (with the gradients as they
-          build up in the trace, for a replicated layout) and what backward adds as the activations are freed
-          (the gradients, buckets in flight, unsharded gradients);
+        - forward/backward of a step's first micro-batch: what is held from boost and the first step on, the
+          tensors that live throughout compute (gathered parameters), and the larger of the traced activations
+          (with the gradients as they build up in the trace, for a replicated layout) and what backward adds as
+          the activations are freed (the gradients, buckets in flight, unsharded gradients);
+        - accumulating, forward/backward of a later micro-batch of the window: the same, with the gradients the
+          window keeps (``"window"``, ``"accumulated"``) held throughout beside the activations;
         - the optimizer step: what is held between steps plus the update's own buffers.
         """
         plan = self.plan
         persistent = plan.total(place=place, lifetimes=("boost", "step"))
         grads = plan.total(place=place, lifetimes=("grads",))
+        summed = plan.total(place=place, lifetimes=("accumulated",))
+        kept = plan.total(place=place, lifetimes=("window",))
         compute = plan.total(place=place, lifetimes=("compute",))
         reduce = plan.total(place=place, lifetimes=("reduce",))
         update = plan.total(place=place, lifetimes=("update",))
         trace = self.activations if place != "host" else None
         traced = 0 if trace is None else trace.peak_with_grads if plan.full_grads else trace.peak
-        during = persistent + compute + max(traced, grads + reduce)
-        return max(during, persistent + grads + update)
+        first = persistent + compute + max(traced, grads + summed + reduce)
+        step = persistent + grads + summed + update
+        if plan.accumulation_steps == 1:
+            return max(first, step)
+        acts = 0 if trace is None else trace.peak
+        later = persistent + summed + kept + compute + max(acts, grads + reduce)
+        return max(first, later, step)
 
     @property
     def collectives(self) -> dict[str, dict[str, int]]:
@@ -138,6 +161,8 @@ class Estimate:
             "device": dict(self.device),
             "host": dict(self.host),
             "after_boost": dict(self.after_boost),
+            "accumulation_steps": self.accumulation_steps,
+            "window": dict(self.window),
             "collectives": self.collectives,
             "sent_bytes_per_step": self.sent_bytes,
             "activations_traced": self.activations is not None,
@@ -217,6 +242,7 @@ def estimate(
     rank: int = 0,
     device: str | torch.device | None = None,
     backend: str | None = None,
+    accumulation_steps: int = 1,
     **plugin_kwargs: Any,
 ) -> Estimate:
     """Per-rank memory and communication of training ``model`` with ``plugin`` on ``world_size`` ranks, before
@@ -245,6 +271,10 @@ def estimate(
         rank: the rank described (0 holds the most).
         device: the device the plugin places the model on (``"cuda"``, ``"cpu"``; default: CUDA if available).
         backend: the process-group backend to plan for (default: gloo on a CPU device, nccl otherwise).
+        accumulation_steps: micro-batches per optimizer step (gradient accumulation), run as
+            ``ColossalAIOptimWrapper`` runs them: all but the last under the plugin's ``no_sync`` where it has
+            one. The gradients each plugin keeps between micro-batches count in :attr:`Estimate.window` and the
+            peak, and the collectives are those of a whole optimizer step.
         **plugin_kwargs: the plugin's own arguments (``stage``, ``cpu_offload``, ``placement_policy``...).
 
     Returns:
@@ -254,6 +284,7 @@ def estimate(
         raise ValueError(f"estimate: world_size must be an int >= 1, got {world_size!r}.")
     if not 0 <= rank < world_size:
         raise ValueError(f"estimate: rank must lie in [0, world_size={world_size}), got {rank!r}.")
+    check_accumulation_steps(accumulation_steps, "estimate")
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     built, effective, autocast = make_plugin(plugin, device=device, precision=precision, **plugin_kwargs)
@@ -261,7 +292,13 @@ def estimate(
         backend = "gloo" if torch.device(device).type == "cpu" else "nccl"
     module = resolve_model(model)
     plan = built.memory_plan(
-        module, world_size=world_size, rank=rank, optimizer=optimizer, backend=backend, device=device
+        module,
+        world_size=world_size,
+        rank=rank,
+        optimizer=optimizer,
+        backend=backend,
+        device=device,
+        accumulation_steps=accumulation_steps,
     )
     trace = None
     if inputs is not None:

@@ -24,7 +24,11 @@ class EstimateRow(Protocol):
     parameters: int
     device: dict[str, int]
     host: dict[str, int]
+    window: dict[str, int]
     activations: Any
+
+    @property
+    def accumulation_steps(self) -> int: ...
 
     @property
     def sent_bytes(self) -> int: ...
@@ -57,6 +61,9 @@ def estimate_table(estimates: Sequence[EstimateRow], *, fits: Sequence[bool | No
         f"per rank of {first.world_size} (rank {first.rank}), {first.parameters / 1e6:,.1f} M parameters, "
         f"optimizer {first.optimizer or 'none'}, backend {first.backend}"
     )
+    accumulating = any(e.accumulation_steps > 1 for e in estimates)
+    if accumulating:
+        head += f", {first.accumulation_steps} micro-batches per step"
     titles = [column_title(e) + f" [{e.precision}]" for e in estimates]
     rows: list[tuple[str, list[str]]] = []
     for place in ("device", "host"):
@@ -65,6 +72,9 @@ def estimate_table(estimates: Sequence[EstimateRow], *, fits: Sequence[bool | No
             if component != "peak" and not any(values):
                 continue
             rows.append((f"{place} {component}", [format_bytes(v) for v in values]))
+        if accumulating:
+            values = [e.window[place] for e in estimates]
+            rows.append((f"{place} between micro-batches", [format_bytes(v) for v in values]))
     rows.append(("sent per step", [format_bytes(e.sent_bytes) for e in estimates]))
     if fits is not None:
         rows.append(("fits", ["-" if f is None else "yes" if f else "NO" for f in fits]))
@@ -90,15 +100,19 @@ def estimate_table(estimates: Sequence[EstimateRow], *, fits: Sequence[bool | No
 
 def markdown_table(estimates: Sequence[EstimateRow], *, fits: Sequence[bool | None] | None = None) -> str:
     """One row per estimate (plugin and settings): device bytes per component and peak, host peak, bytes sent
-    per step, and (``fits``) whether it fits, as a Markdown table."""
+    per step, and (``fits``) whether it fits, as a Markdown table; accumulating, also what the device holds
+    between micro-batches."""
     components = [c for c in COMPONENTS if any(e.device[c] for e in estimates)]
-    head = ["plugin", *(f"device {c}" for c in components), "device peak", "host peak", "sent / step"]
+    accumulating = any(e.accumulation_steps > 1 for e in estimates)
+    window = ["device between micro-batches"] if accumulating else []
+    head = ["plugin", *(f"device {c}" for c in components), *window, "device peak", "host peak", "sent / step"]
     if fits is not None:
         head.append("fits")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for i, e in enumerate(estimates):
         cells = [f"`{column_title(e)}`"]
         cells += [format_bytes(e.device[c]) for c in components]
+        cells += [format_bytes(e.window["device"])] if accumulating else []
         cells += [
             f"**{format_bytes(e.device['peak'])}**",
             format_bytes(e.host["peak"]),

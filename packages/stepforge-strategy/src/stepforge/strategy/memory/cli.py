@@ -6,12 +6,15 @@
     stepforge-estimate gpt-7b --world-size 64 --precision bf16 --optimizer AdamW \\
         --batch 1 --seq-len 2048 --device-memory 80GiB --host-memory 256GiB
     stepforge-estimate mypkg.models:build --plugin zero2 --plugin "zero2:cpu_offload=True" --format json
+    stepforge-estimate gpt-7b --world-size 64 --accumulation-steps 4 --batch 1 --seq-len 2048
     stepforge-estimate --what-fits > docs/what-fits.md
 
 The model is a GPT shape (``gpt-1.3b``, ``gpt-7b``, ``gpt-70b``), an importable factory ``package.module:function``
 (called on the meta device) or ``hf:<config name or path>`` (a transformers config). ``--plugin`` (repeatable)
 is a registry name with optional settings, ``name:key=value,...`` (Python literals); by default every plugin.
-With ``--batch``/``--seq-len`` an int64 token batch is traced for activations. ``--device-memory`` and
+With ``--batch``/``--seq-len`` an int64 token batch is traced for activations; ``--accumulation-steps N`` plans
+N micro-batches per optimizer step (the gradients each plugin keeps between them, under its ``no_sync``, count
+in the peak and in a "between micro-batches" row). ``--device-memory`` and
 ``--host-memory`` add a "fits" row; the exit status is 0 when at least one plugin fits (or none was asked), 3
 when none does.
 """
@@ -56,6 +59,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--momentum", type=float, default=None, help="for SGD/Lars")
     p.add_argument("--batch", type=int, default=None, help="micro-batch size per rank (traces activations)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (with --batch)")
+    p.add_argument(
+        "--accumulation-steps", type=int, default=1, help="micro-batches per optimizer step (default 1)"
+    )
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu: the device being planned for")
     p.add_argument("--backend", default=None, help="nccl or gloo (default: by device)")
     p.add_argument("--device-memory", type=parse_size, default=None, help="e.g. 80GiB: say which fit")
@@ -97,6 +103,8 @@ def _run(args: argparse.Namespace, out: Any) -> int:
         parser().error("a model is needed (or --what-fits)")
     if (args.batch is None) != (args.seq_len is None):
         parser().error("--batch and --seq-len go together")
+    if args.accumulation_steps < 1:
+        parser().error(f"--accumulation-steps must be >= 1, got {args.accumulation_steps}")
     model = load_model(args.model)
     inputs = None
     if args.batch is not None:
@@ -111,6 +119,7 @@ def _run(args: argparse.Namespace, out: Any) -> int:
         device=args.device,
         backend=args.backend,
         rank=args.rank,
+        accumulation_steps=args.accumulation_steps,
     )
     checked = args.device_memory is not None or args.host_memory is not None
     fits = [e.fits(args.device_memory, args.host_memory) for e in estimates] if checked else None

@@ -7,6 +7,13 @@ FSDP2 stores it: dimension 0 cut ``torch.chunk``-style into ``S`` pieces of ``ce
 storage padded to that many rows; gradients reduce-scattered into one padded buffer per unit (copied to the CPU,
 unpadded, when the unit is offloaded); the optimizer stepping the local (unpadded) shards. ``torch_ddp`` is the
 replicated layout plus DDP's gradient buckets, assigned by torch's own bucketing function.
+
+Accumulating (``accumulation_steps`` N > 1, every micro-batch but the last under ``no_sync`` where the plugin
+supports it): DDP keeps its full gradients in ``param.grad`` through the window and all-reduces once per
+optimizer step; FSDP2 under ``set_requires_gradient_sync(False)`` keeps every unit's unsharded gradient (in the
+reduce dtype, on the device) until the window's last backward reduce-scatters it, and gathers its parameters
+every micro-batch; without ``no_sync`` (``gemini``) every micro-batch reduces into the sharded gradients, which
+are summed in place through the window.
 """
 
 from __future__ import annotations
@@ -20,7 +27,9 @@ from torch import nn
 from stepforge.core.memory_plan import (
     MemoryPlan,
     add_optimizer_state,
+    check_accumulation_steps,
     replicated_plan,
+    summed_grads_lifetime,
     tensor_bytes,
     unique_parameters,
 )
@@ -38,6 +47,8 @@ class DDPSettings(Protocol):
     name: str
     ddp_kwargs: dict[str, Any]
 
+    def supports_no_sync(self) -> bool: ...
+
 
 class FSDPSettings(Protocol):
     """What the FSDP2 plan reads of ``TorchFSDPPlugin``/``GeminiPlugin``."""
@@ -50,6 +61,8 @@ class FSDPSettings(Protocol):
 
     @property
     def device(self) -> torch.device: ...
+
+    def supports_no_sync(self) -> bool: ...
 
     def _placement(self, model: nn.Module, blocks: list[nn.Module]) -> Mapping[int, UnitPlacement] | None: ...
 
@@ -71,19 +84,33 @@ def ddp_memory_plan(
     world_size: int,
     rank: int = 0,
     optimizer: Mapping[str, Any] | None = None,
+    accumulation_steps: int = 1,
 ) -> MemoryPlan:
     """The replicated layout plus DDP's buckets: every gradient also lives in a bucket (one copy of the
     gradients; none with ``gradient_as_bucket_view``, where the gradients are views of the buckets), all-reduced
-    bucket by bucket in backward."""
-    plan = replicated_plan(plugin.name, model, world_size=world_size, rank=rank, optimizer=optimizer)
+    bucket by bucket in backward: once per optimizer step, as ``no_sync`` skips the window's other
+    micro-batches."""
+    plan = replicated_plan(
+        plugin.name,
+        model,
+        world_size=world_size,
+        rank=rank,
+        optimizer=optimizer,
+        accumulation_steps=accumulation_steps,
+    )
+    reductions = 1 if plugin.supports_no_sync() else plan.accumulation_steps
     grads = [p for _, p in unique_parameters(model) if p.requires_grad]
     cap = int(plugin.ddp_kwargs["bucket_cap_mb"] * 1024**2)
     buckets = ddp_bucket_assignment(list(reversed(grads)), cap)
     total = sum(p.numel() * p.element_size() for p in grads)
     if not plugin.ddp_kwargs["gradient_as_bucket_view"]:
         plan.add("buffers", "device", total, "DDP gradient buckets")
-    plan.collective("all_reduce", "backward", len(buckets), total, world_size, "gradient buckets")
+    plan.collective(
+        "all_reduce", "backward", reductions * len(buckets), reductions * total, world_size, "gradient buckets"
+    )
     plan.notes.append(f"{len(buckets)} buckets of <= {plugin.ddp_kwargs['bucket_cap_mb']} MiB")
+    if plan.accumulation_steps > 1:
+        plan.notes.append(f"{plan.accumulation_steps} micro-batches per step, all-reduced {reductions}x")
     return plan
 
 
@@ -112,11 +139,16 @@ def fsdp_memory_plan(
     extra_dp_size: int = 1,
     device: str | torch.device | None = None,
     pin_memory: bool = False,
+    accumulation_steps: int = 1,
 ) -> MemoryPlan:
     """See the module docstring. ``extra_dp_size`` > 1: sharded units shard over ``world_size // extra_dp_size``
     ranks and are replicated across ``extra_dp_size`` groups (HSDP); replicated units are whole on every rank.
     Offloaded shards are page-locked with ``pin_memory`` on an accelerator ``device`` (default: the plugin's),
     as ``CPUOffloadPolicy`` pins them only where an accelerator exists."""
+    steps = check_accumulation_steps(accumulation_steps, f"{type(plugin).__name__}.memory_plan")
+    no_sync = steps > 1 and plugin.supports_no_sync()
+    reductions = 1 if no_sync else steps  # per unit and optimizer step; every micro-batch gathers
+    grads_lifetime = "grads" if no_sync else summed_grads_lifetime(steps)
     on_cpu = torch.device(device if device is not None else plugin.device).type == "cpu"
     pinned = pin_memory and not on_cpu
     if world_size % extra_dp_size:
@@ -124,7 +156,9 @@ def fsdp_memory_plan(
             f"{type(plugin).__name__}: extra_dp_size={extra_dp_size} does not divide world_size={world_size}."
         )
     policy = plugin._mp_policy()
-    plan = MemoryPlan(plugin.name, world_size, rank, compute_dtype=policy.param_dtype)
+    plan = MemoryPlan(
+        plugin.name, world_size, rank, compute_dtype=policy.param_dtype, accumulation_steps=steps
+    )
     units = _units(plugin, model)
     plan.offloads = any(offload for *_, offload, _ in units)
     stepped: dict[bool, list[tuple[tuple[int, ...], torch.dtype]]] = {True: [], False: []}
@@ -153,22 +187,23 @@ def fsdp_memory_plan(
         # gradients are views of the unit's padded reduce-scatter output; offloaded from an accelerator, each
         # is copied to the CPU unpadded (on a CPU device that copy is the view itself)
         grad_bytes = tensor_bytes(local_numel if offload and not on_cpu else padded_numel, reduce_dtype)
-        plan.add("grads", place, grad_bytes, "sharded gradients", "grads")
+        plan.add("grads", place, grad_bytes, "sharded gradients", grads_lifetime)
+        if no_sync:  # set_requires_gradient_sync(False): each unsharded gradient kept in the reduce dtype
+            unsharded = sum(p.numel() for p in params if p.requires_grad)
+            plan.add("grads", "device", tensor_bytes(unsharded, reduce_dtype), "unsharded gradients (no_sync)", "window")
         gathered.append((tensor_bytes(full, param_dtype), tensor_bytes(full, reduce_dtype)))
-        gather_calls = 2 if reshard else 1
+        gather_bytes = steps * tensor_bytes(full, param_dtype)
+        plan.collective("all_gather", "forward", steps, gather_bytes, shards, f"{label} parameters")
+        if reshard:
+            plan.collective("all_gather", "backward", steps, gather_bytes, shards, f"{label} parameters")
         plan.collective(
-            "all_gather", "forward", 1, tensor_bytes(full, param_dtype), shards, f"{label} parameters"
-        )
-        if gather_calls == 2:
-            plan.collective(
-                "all_gather", "backward", 1, tensor_bytes(full, param_dtype), shards, f"{label} parameters"
-            )
+            "reduce_scatter", "backward", reductions, reductions * tensor_bytes(full, reduce_dtype), shards,
+            f"{label} grads",
+        )  # fmt: skip
         plan.collective(
-            "reduce_scatter", "backward", 1, tensor_bytes(full, reduce_dtype), shards, f"{label} grads"
-        )
-        plan.collective(
-            "all_reduce", "backward", 1, tensor_bytes(padded_numel, reduce_dtype), replicas, f"{label} grads"
-        )
+            "all_reduce", "backward", reductions, reductions * tensor_bytes(padded_numel, reduce_dtype),
+            replicas, f"{label} grads",
+        )  # fmt: skip
     buffers = sum(
         tensor_bytes(
             b.numel(), policy.param_dtype if b.is_floating_point() and policy.param_dtype else b.dtype
@@ -185,6 +220,8 @@ def fsdp_memory_plan(
             if shapes:
                 add_optimizer_state(plan, config, shapes, place="host" if offload else "device")
     plan.notes.append(f"{len(units)} units")
+    if steps > 1:
+        plan.notes.append(f"{steps} micro-batches per step, gradients reduced {reductions}x")
     return plan
 
 

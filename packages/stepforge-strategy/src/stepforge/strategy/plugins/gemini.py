@@ -222,9 +222,11 @@ class GeminiPlugin(TorchFSDPPlugin):
         optimizer: Mapping[str, Any] | None = None,
         backend: str | None = None,
         device: str | torch.device | None = None,
+        accumulation_steps: int = 1,
     ) -> MemoryPlan:
         """:meth:`TorchFSDPPlugin.memory_plan` with this plugin's placement (sharded/replicated, offloaded units)
-        and ``extra_dp_size`` (HSDP); the optimizer defaults to ``HybridAdam`` as in ``boost``."""
+        and ``extra_dp_size`` (HSDP); the optimizer defaults to ``HybridAdam`` as in ``boost``. Without
+        ``no_sync``, an accumulating window reduces every micro-batch into the sharded gradients."""
         from ._memory_plans import fsdp_memory_plan
 
         return fsdp_memory_plan(
@@ -236,6 +238,7 @@ class GeminiPlugin(TorchFSDPPlugin):
             extra_dp_size=self.extra_dp_size,
             device=device,
             pin_memory=self.pin_memory,
+            accumulation_steps=accumulation_steps,
         )
 
     def _placement(self, model: nn.Module, blocks: list[nn.Module]) -> dict[int, UnitPlacement]:

@@ -132,12 +132,20 @@ class TorchDDPPlugin(PluginBase):
         optimizer: Mapping[str, Any] | None = None,
         backend: str | None = None,
         device: str | torch.device | None = None,
+        accumulation_steps: int = 1,
     ) -> MemoryPlan:
-        """The replicated layout plus DDP's gradient buckets and their all-reduces
-        (:func:`~._memory_plans.ddp_memory_plan`)."""
+        """The replicated layout plus DDP's gradient buckets and their all-reduces, once per optimizer step
+        (``no_sync`` skips them inside an accumulation window) (:func:`~._memory_plans.ddp_memory_plan`)."""
         from ._memory_plans import ddp_memory_plan
 
-        return ddp_memory_plan(self, model, world_size=world_size, rank=rank, optimizer=optimizer)
+        return ddp_memory_plan(
+            self,
+            model,
+            world_size=world_size,
+            rank=rank,
+            optimizer=optimizer,
+            accumulation_steps=accumulation_steps,
+        )
 
     def no_sync(self, model: nn.Module | None, optimizer: Any = None) -> AbstractContextManager[Any]:
         """DDP's ``no_sync``: the forward and backward inside skip the all-reduce."""

@@ -310,13 +310,22 @@ class TorchFSDPPlugin(PluginBase):
         optimizer: Mapping[str, Any] | None = None,
         backend: str | None = None,
         device: str | torch.device | None = None,
+        accumulation_steps: int = 1,
     ) -> MemoryPlan:
         """What one rank holds and communicates: this plugin's units and placement, each parameter sized as FSDP2
-        shards and pads it (:func:`~._memory_plans.fsdp_memory_plan`)."""
+        shards and pads it; accumulating, the unsharded gradients ``no_sync`` keeps through the window
+        (:func:`~._memory_plans.fsdp_memory_plan`)."""
         from ._memory_plans import fsdp_memory_plan
 
         return fsdp_memory_plan(
-            self, model, world_size=world_size, rank=rank, optimizer=optimizer, device=device, pin_memory=True
+            self,
+            model,
+            world_size=world_size,
+            rank=rank,
+            optimizer=optimizer,
+            device=device,
+            pin_memory=True,
+            accumulation_steps=accumulation_steps,
         )
 
     def supports_no_sync(self) -> bool:

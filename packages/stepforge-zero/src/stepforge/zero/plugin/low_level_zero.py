@@ -332,13 +332,22 @@ class LowLevelZeroPlugin(PluginBase):
         optimizer: Mapping[str, Any] | None = None,
         backend: str | None = None,
         device: str | torch.device | None = None,
+        accumulation_steps: int = 1,
     ) -> MemoryPlan:
         """What one rank holds and communicates for ``model`` under this plugin's settings, from the optimizer's
-        own partition and bucket code run on meta tensors (:mod:`stepforge.zero.plugin.memory_plan`)."""
+        own partition and bucket code run on meta tensors; accumulating, the local gradients ``no_sync`` keeps
+        through the window (:mod:`stepforge.zero.plugin.memory_plan`)."""
         from .memory_plan import zero_memory_plan
 
         return zero_memory_plan(
-            self, model, world_size=world_size, rank=rank, optimizer=optimizer, backend=backend, device=device
+            self,
+            model,
+            world_size=world_size,
+            rank=rank,
+            optimizer=optimizer,
+            backend=backend,
+            device=device,
+            accumulation_steps=accumulation_steps,
         )
 
     # -- helpers -------------------------------------------------------------------------------------

@@ -14,6 +14,10 @@ what it built.
   (:func:`~..comm.param_gather.split_direct`).
 - Optimizer state comes from the inner optimizer the plugin would build (CPU offload turns an Adam config into
   ``CPUAdam`` as :func:`~..state.inner.resolve_optimizer` does), probed on the pieces' shapes.
+- Accumulating (``accumulation_steps`` > 1): inside ``no_sync`` the reducer's hooks leave ``param.grad`` alone
+  (:attr:`~..comm.grad_reducer.GradReducer.enabled` is ``False``), so every trainable parameter keeps its full
+  local gradient, in the working dtype on the device, until the window's last backward hands it to the buckets;
+  the buckets are launched once per window, so the collectives are those of one backward.
 """
 
 from __future__ import annotations
@@ -24,7 +28,13 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from stepforge.core.memory_plan import MemoryPlan, add_optimizer_state, tensor_bytes, unique_parameters
+from stepforge.core.memory_plan import (
+    MemoryPlan,
+    add_optimizer_state,
+    check_accumulation_steps,
+    tensor_bytes,
+    unique_parameters,
+)
 
 from ..comm.algorithm import bucket_size_for, comm_algorithm_for
 from ..comm.buffers import BufferPool
@@ -40,7 +50,8 @@ __all__ = ["zero_memory_plan", "RecordingWire", "ZeroSettings"]
 
 
 class ZeroSettings(Protocol):
-    """What the plan reads of ``LowLevelZeroPlugin``."""
+    """What the plan reads of ``LowLevelZeroPlugin``: its name, the options of the optimizers it builds, its
+    device and working dtype, and whether it has ``no_sync``."""
 
     name: str
     stage: int
@@ -51,6 +62,8 @@ class ZeroSettings(Protocol):
 
     @property
     def dtype(self) -> torch.dtype: ...
+
+    def supports_no_sync(self) -> bool: ...
 
 
 _SCALE_BYTES = 4  # fp8 wire: a float32 scale travels behind each row
@@ -163,15 +176,19 @@ def zero_memory_plan(
     optimizer: Mapping[str, Any] | None = None,
     backend: str | None = None,
     device: str | torch.device | None = None,
+    accumulation_steps: int = 1,
 ) -> MemoryPlan:
     """:meth:`LowLevelZeroPlugin.memory_plan` (see the module docstring)."""
+    steps = check_accumulation_steps(accumulation_steps, f"{type(plugin).__name__}.memory_plan")
     on_cpu = torch.device(device if device is not None else plugin.device).type == "cpu"
     if backend is None:
         backend = "gloo" if on_cpu else "nccl"
     dtype = plugin.dtype
     offload = plugin.options.cpu_offload
     host_or_device = "host" if offload else "device"
-    plan = MemoryPlan(plugin.name, world_size, rank, compute_dtype=dtype, offloads=offload)
+    plan = MemoryPlan(
+        plugin.name, world_size, rank, compute_dtype=dtype, offloads=offload, accumulation_steps=steps
+    )
     bucket = (
         bucket_size_for(backend, world_size)
         if plugin.options.reduce_bucket_size_in_m is None
@@ -224,9 +241,15 @@ def zero_memory_plan(
     for op, nbytes in wire.calls:
         calls, size = totals.get(op, (0, 0))
         totals[op] = (calls + 1, size + nbytes)
+    # a window without no_sync would reduce every micro-batch; with it, the last backward reduces the sum
+    reductions = 1 if plugin.supports_no_sync() else steps
     for op, (calls, size) in totals.items():
-        plan.collective(op, "backward", calls, size, world_size, "gradient buckets")
+        plan.collective(op, "backward", reductions * calls, reductions * size, world_size, "gradient buckets")
     plan.notes.append(f"{reducer.counter.reductions} bucket reductions")
+    if steps > 1 and reductions == 1:  # no_sync: hooks leave param.grad alone through the window
+        local = sum(s.numel for s in slots if s.param.requires_grad) * tensor_bytes(1, dtype)
+        plan.add("grads", "device", local, "local gradients (no_sync)", "window")
+        plan.notes.append(f"{steps} micro-batches per step, reduced once (no_sync)")
 
     _plan_gather(plan, layout, gather, chunk=GATHER_CHUNK if plugin.options.overlap_allgather else None)
 
