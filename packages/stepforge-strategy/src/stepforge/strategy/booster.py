@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import inspect
 import os
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
@@ -24,13 +23,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from stepforge.core import PLUGINS, BoostedOptimizer, Plugin, WrappedModel, build_optimizer
+from stepforge.core import BoostedOptimizer, Plugin, WrappedModel, build_optimizer
 from stepforge.core.plugin_base import unwrap_optimizer
 from stepforge.core.precision import warn_slow_precision
 
 from ._auto_boost import PendingAutoPlugin, auto_candidates, is_auto, resolve_at_boost
-from ._env import get_world_size
 from ._lora import enable_lora, require_peft
+from ._plugin_setup import adopt_precision, build_plugin
 from .accelerator import Accelerator
 from .boosted_model import ModelWrapper, plugin_module
 from .boosted_optimizer import OptimizerWrapper
@@ -41,22 +40,6 @@ from .memory import AutoChoice
 from .mixed_precision import MixedPrecision, precision_name, resolve_mixed_precision
 
 __all__ = ["Booster"]
-
-
-def _accepts(cls: Any, name: str) -> bool:
-    """Whether ``cls``'s constructor takes ``name``: named in its signature, or passed by its ``**kwargs`` to the
-    next constructor up that names it (``Zero2Plugin(**kwargs)`` ends in ColossalAI's ``LowLevelZeroPlugin``
-    signature, which has no ``device``)."""
-    try:
-        params = inspect.signature(cls).parameters
-    except (TypeError, ValueError):
-        return False
-    if name in params:
-        return True
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return False
-    parent = next((b for b in cls.__mro__[1:] if "__init__" in vars(b)), object)
-    return parent is not object and _accepts(parent, name)
 
 
 class Booster:
@@ -119,7 +102,7 @@ class Booster:
         if self._auto is not None:
             self._configure(PendingAutoPlugin(device), general_io=False)
         else:
-            self._configure(self._build_plugin(plugin, device), general_io=plugin is None)
+            self._configure(build_plugin(plugin, device), general_io=plugin is None)
 
     def _configure(self, plugin: Plugin, *, general_io: bool) -> None:
         """Adopt ``plugin``: the accelerator where it does not place the model, its precision or the Booster's
@@ -130,42 +113,11 @@ class Booster:
         if not self.plugin.control_device():
             self.accelerator = Accelerator(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if self.plugin.control_precision():
-            self._adopt_precision(mixed_precision, wanted)
+            adopt_precision(self.plugin, mixed_precision, wanted)
             self.mixed_precision: MixedPrecision | None = None
         else:
             self.mixed_precision = resolve_mixed_precision(mixed_precision)
         self.checkpoint_io: CheckpointIO = self._checkpoint_io(default_plugin=general_io)
-
-    # -- construction --------------------------------------------------------------------------------------
-    @staticmethod
-    def _build_plugin(plugin: Any, device: Any) -> Plugin:
-        if plugin is None:
-            plugin = "torch_ddp" if get_world_size() > 1 else "single"
-        if isinstance(plugin, str | Mapping):
-            kwargs: dict[str, Any] = {}
-            if isinstance(plugin, Mapping):
-                kwargs = dict(plugin)
-                name = kwargs.pop("type", None)
-                if not isinstance(name, str):
-                    raise ValueError(f"Booster: a plugin dict needs a 'type' name, got {dict(plugin)!r}.")
-            else:
-                name = plugin
-            cls = PLUGINS.get(name)
-            if device is not None and "device" not in kwargs and _accepts(cls, "device"):
-                kwargs["device"] = device
-            plugin = cls(**kwargs)
-            if device is not None and torch.device(device).type != plugin.device.type:
-                raise ValueError(
-                    f"Booster: device={str(device)!r}, but plugin {name!r} takes no device argument and places the "
-                    f"model on {plugin.device} (cuda:LOCAL_RANK when a GPU is visible, else the CPU); for a CPU "
-                    "run on a GPU machine hide the GPUs (CUDA_VISIBLE_DEVICES=''), or leave device out."
-                )
-        if not isinstance(plugin, Plugin):
-            raise TypeError(
-                "Booster: plugin must be a name, a dict with 'type', or an instance of a subclass of "
-                f"stepforge.core.Plugin (a class with name and prepare); got {type(plugin).__name__}."
-            )
-        return plugin
 
     def _checkpoint_io(self, *, default_plugin: bool) -> CheckpointIO:
         """The plugin's checkpoint IO (ColossalAI's ``get_checkpoint_io``), else the Booster's own: a
@@ -182,27 +134,6 @@ class Booster:
                 "return a stepforge.strategy.CheckpointIO, or None for the Booster's own."
             )
         return own
-
-    def _adopt_precision(self, mixed_precision: Any, wanted: str | None) -> None:
-        """Give a precision-controlling plugin the Booster's ``mixed_precision`` (or refuse a conflict)."""
-        plugin = self.plugin
-        if wanted is None:
-            return
-        if plugin.explicit_precision:
-            if wanted != plugin.precision:
-                raise ValueError(
-                    f"Booster: mixed_precision={_show(mixed_precision)} conflicts with the precision "
-                    f"{plugin.precision!r} of plugin {plugin.name!r}, which applies precision itself; set one of "
-                    "them, or the same value on both."
-                )
-            return
-        supported = plugin.supported_precisions()
-        if wanted not in supported:
-            raise ValueError(
-                f"Booster: plugin {plugin.name!r} applies precision itself and takes {'/'.join(supported)}; "
-                f"mixed_precision={_show(mixed_precision)} is not one of them."
-            )
-        plugin.set_precision(wanted)
 
     # -- boost ---------------------------------------------------------------------------------------------
     def boost(
@@ -295,7 +226,7 @@ class Booster:
         if choice is not None:
             self._auto = None
             self.auto_choice = choice
-            plugin = self._build_plugin(dict(type=choice.plugin, **choice.settings), self._spec[2])
+            plugin = build_plugin(dict(type=choice.plugin, **choice.settings), self._spec[2])
             if plugin.control_precision() and self._spec[1] is None:
                 plugin.set_precision("fp32")  # as estimated, not the plugin's own default (ZeRO's fp16)
             self._configure(plugin, general_io=False)
@@ -465,7 +396,3 @@ def _require_boosted(optimizer: Any, what: str) -> None:
             f"Booster.{what}: optimizer must be the boosted optimizer boost() returned (a "
             f"stepforge.core.BoostedOptimizer), got {type(optimizer).__name__}."
         )
-
-
-def _show(spec: Any) -> str:
-    return repr(spec if not isinstance(spec, MixedPrecision) else spec.name)
