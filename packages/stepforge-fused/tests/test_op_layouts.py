@@ -41,7 +41,7 @@ def test_a_repeated_call_is_served_by_its_layout_and_steps_as_a_checked_one() ->
     """Two steps with the cache equal two steps with the cache emptied before each (the full checks every time),
     bit for bit; the second call added no layout."""
     cached, fresh = _lists(), _lists()
-    for i in range(2):
+    for _ in range(2):
         _adam(*cached)
         assert layouts.size() == (1, 4 * len(SHAPES))
         layouts.clear()
