@@ -137,7 +137,11 @@ def plot(path: Path, rows: Sequence[dict[str, Any]], *, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{r['plugin']} {r['config']} N={r['world']}" + (f" x{r['accumulation']}" if r.get("accumulation", 1) > 1 else "") for r in rows]
+    labels = [
+        f"{r['plugin']} {r['config']} N={r['world']}"
+        + (f" x{r['accumulation']}" if r.get("accumulation", 1) > 1 else "")
+        for r in rows
+    ]
     y = list(range(len(rows)))
     fig, (left, right) = plt.subplots(1, 2, figsize=(14, 0.28 * len(rows) + 2.5), sharey=True)
     markers = {"after_boost": "s", "held_total": "o", "peak": "^", "window": "v", "activations": "x"}

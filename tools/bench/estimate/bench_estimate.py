@@ -216,7 +216,11 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.out) / f"{stem}.png",
             rows,
             title=f"estimate / measured, {payload['model']['parameters'] / 1e6:.1f} M-param GPT, gloo ranks on {machine['device']}"
-            + (f", {'/'.join(map(str, accumulations))} micro-batches per step" if max(accumulations) > 1 else ""),
+            + (
+                f", {'/'.join(map(str, accumulations))} micro-batches per step"
+                if max(accumulations) > 1
+                else ""
+            ),
         )
     print(f"{len(rows)} cases in {wall:.0f} s -> {path}")
     for line in payload["summary"]["rows"]:

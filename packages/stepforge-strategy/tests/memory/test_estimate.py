@@ -87,7 +87,10 @@ def test_estimate_of_an_accumulation_window_of_single_equals_a_measured_run() ->
     the estimate of one micro-batch per step, whose gradients only build up as the activations are freed."""
     x, y = torch.randn(512, 64), torch.randn(512, 10)  # activations above the step's temporaries
     common = dict(
-        optimizer=dict(type="AdamW", lr=1e-3), inputs=x, criterion=lambda out: F.mse_loss(out, y), device="cpu"
+        optimizer=dict(type="AdamW", lr=1e-3),
+        inputs=x,
+        criterion=lambda out: F.mse_loss(out, y),
+        device="cpu",
     )
     est = estimate(_mlp, "single", accumulation_steps=3, **common)  # type: ignore[arg-type]
     one = estimate(_mlp, "single", **common)  # type: ignore[arg-type]

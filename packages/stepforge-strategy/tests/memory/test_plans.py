@@ -154,7 +154,9 @@ def _ddp_window(steps: int, x: torch.Tensor) -> dict[str, Any]:
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     plugin = TorchDDPPlugin(bucket_cap_mb=0.004, device="cpu")
-    plan = plugin.memory_plan(_Net(), world_size=2, optimizer=dict(type="SGD", lr=0.1), accumulation_steps=steps)
+    plan = plugin.memory_plan(
+        _Net(), world_size=2, optimizer=dict(type="SGD", lr=0.1), accumulation_steps=steps
+    )
     model, _optimizer = plugin.prepare(_Net(), None)
     sizes: list[int] = []
 
@@ -198,7 +200,9 @@ def _fsdp_window(steps: int, x: torch.Tensor, which: str, rank: int) -> dict[str
         for i in range(steps):
             if i < steps - 1 and plugin.supports_no_sync():
                 tracker = memory_tracker()
-                with tracker:  # what the first micro-batch leaves besides the parameters it saw, from its start
+                with (
+                    tracker
+                ):  # what the first micro-batch leaves besides the parameters it saw, from its start
                     with plugin.no_sync(model):
                         optimizer.backward(model(x).float().sum())
                     snap = tracker_bytes(tracker)["cpu"]

@@ -178,7 +178,14 @@ def sgd_checks(
     bufs = {"momentum_buffers": momentum_buffers} if momentum_buffers else {}
     device, pdt, gdt = check_update("sgd_", params, grads, bufs, masters, None)
     _sgd_args(
-        device, len(params), momentum, len(momentum_buffers), first_run, lr_tensor, grad_divisor_tensor, found_inf
+        device,
+        len(params),
+        momentum,
+        len(momentum_buffers),
+        first_run,
+        lr_tensor,
+        grad_divisor_tensor,
+        found_inf,
     )
     return device, pdt, gdt
 
@@ -209,7 +216,14 @@ def sgd_(
     layout = _sgd_layout(params, grads, momentum_buffers, masters)
     device, pdt, gdt = layout.verdict
     _sgd_args(
-        device, len(params), momentum, len(momentum_buffers), first_run, lr_tensor, grad_divisor_tensor, found_inf
+        device,
+        len(params),
+        momentum,
+        len(momentum_buffers),
+        first_run,
+        lr_tensor,
+        grad_divisor_tensor,
+        found_inf,
     )
     if device is None:
         return
@@ -220,8 +234,12 @@ def sgd_(
     if device.type == "cpu":
         skipped = k.launch_cpu("sgd_", "sgd", lists, (pdt, gdt), lr, lr_tensor, hyper, *common, steps=None)
     else:
-        k.launch_cuda("sgd_", "sgd", lists, (pdt, gdt), device, lr, lr_tensor, hyper, *common, seed, steps=None)
-        skipped = False  # decided on the device: the host flags are cleared either way, as the eager CUDA step does
+        k.launch_cuda(
+            "sgd_", "sgd", lists, (pdt, gdt), device, lr, lr_tensor, hyper, *common, seed, steps=None
+        )
+        skipped = (
+            False  # decided on the device: the host flags are cleared either way, as the eager CUDA step does
+        )
     if first_run is not None and not skipped:
         first_run.zero_()
 

@@ -166,7 +166,9 @@ def finish_steps_cuda(steps: torch.Tensor | None, found_inf: torch.Tensor | None
         steps.sub_(1.0)
 
 
-def l2norm_cpu(ptrs: Any, sizes: Any, dtype: torch.dtype, per_tensor: int) -> tuple[torch.Tensor, torch.Tensor]:
+def l2norm_cpu(
+    ptrs: Any, sizes: Any, dtype: torch.dtype, per_tensor: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Global norm (0-dim float64: the kernel accumulates in double) and the per-tensor norms of the first
     ``per_tensor`` tensors (float32; 0: none) of the tensors at ``ptrs`` (``sizes`` elements each)."""
     each = torch.zeros(per_tensor, dtype=torch.float32)

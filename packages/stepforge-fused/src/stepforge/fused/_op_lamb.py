@@ -39,7 +39,9 @@ def _lamb_args(
             f"stepforge_fused::{op}: trust_clip_min={trust_clip_min} > trust_clip_max={trust_clip_max}; pass "
             "(0.0, inf) for no clamp."
         )
-    if norms is not None and (norms.dtype != torch.float64 or norms.numel() != 2 * n or not norms.is_contiguous()):
+    if norms is not None and (
+        norms.dtype != torch.float64 or norms.numel() != 2 * n or not norms.is_contiguous()
+    ):
         raise ValueError(
             f"stepforge_fused::{op}: norms must be the contiguous float64 (2n,) tensor lamb_moments_ returns "
             f"(n = {n}), got shape {tuple(norms.shape)} {norms.dtype}."
@@ -113,7 +115,9 @@ def lamb_(
     """LAMB with apex ``FusedLAMB`` semantics and per-tensor trust ratios (``||p||`` before the update, of the
     master when ``masters`` are given), clamped to ``[trust_clip_min, trust_clip_max]``. A global grad-norm clip
     is folded into the divisor by the caller (``grad_divisor_tensor``)."""
-    layout = update_layout("lamb_", params, grads, {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}, masters)
+    layout = update_layout(
+        "lamb_", params, grads, {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}, masters
+    )
     device, pdt, gdt = layout.verdict
     _lamb_args(
         "lamb_", device, len(params), steps, lr_tensor, grad_divisor_tensor, found_inf, None, trust_clip_min,
@@ -165,7 +169,9 @@ def lamb_moments_(
     states = {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
     layout = update_layout("lamb_moments_", params, grads, states, masters)
     device, pdt, gdt = layout.verdict
-    _lamb_args("lamb_moments_", device, len(params), steps, None, grad_divisor_tensor, found_inf, None, 0.0, 0.0)
+    _lamb_args(
+        "lamb_moments_", device, len(params), steps, None, grad_divisor_tensor, found_inf, None, 0.0, 0.0
+    )
     if check_finite and found_inf is None:
         raise ValueError(
             "stepforge_fused::lamb_moments_: check_finite=True needs found_inf (the skip is reported there and "

@@ -105,7 +105,14 @@ def markdown_table(estimates: Sequence[EstimateRow], *, fits: Sequence[bool | No
     components = [c for c in COMPONENTS if any(e.device[c] for e in estimates)]
     accumulating = any(e.accumulation_steps > 1 for e in estimates)
     window = ["device between micro-batches"] if accumulating else []
-    head = ["plugin", *(f"device {c}" for c in components), *window, "device peak", "host peak", "sent / step"]
+    head = [
+        "plugin",
+        *(f"device {c}" for c in components),
+        *window,
+        "device peak",
+        "host peak",
+        "sent / step",
+    ]
     if fits is not None:
         head.append("fits")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

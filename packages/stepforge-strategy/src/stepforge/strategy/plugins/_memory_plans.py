@@ -106,7 +106,12 @@ def ddp_memory_plan(
     if not plugin.ddp_kwargs["gradient_as_bucket_view"]:
         plan.add("buffers", "device", total, "DDP gradient buckets")
     plan.collective(
-        "all_reduce", "backward", reductions * len(buckets), reductions * total, world_size, "gradient buckets"
+        "all_reduce",
+        "backward",
+        reductions * len(buckets),
+        reductions * total,
+        world_size,
+        "gradient buckets",
     )
     plan.notes.append(f"{len(buckets)} buckets of <= {plugin.ddp_kwargs['bucket_cap_mb']} MiB")
     if plan.accumulation_steps > 1:
@@ -190,7 +195,13 @@ def fsdp_memory_plan(
         plan.add("grads", place, grad_bytes, "sharded gradients", grads_lifetime)
         if no_sync:  # set_requires_gradient_sync(False): each unsharded gradient kept in the reduce dtype
             unsharded = sum(p.numel() for p in params if p.requires_grad)
-            plan.add("grads", "device", tensor_bytes(unsharded, reduce_dtype), "unsharded gradients (no_sync)", "window")
+            plan.add(
+                "grads",
+                "device",
+                tensor_bytes(unsharded, reduce_dtype),
+                "unsharded gradients (no_sync)",
+                "window",
+            )
         gathered.append((tensor_bytes(full, param_dtype), tensor_bytes(full, reduce_dtype)))
         gather_bytes = steps * tensor_bytes(full, param_dtype)
         plan.collective("all_gather", "forward", steps, gather_bytes, shards, f"{label} parameters")
