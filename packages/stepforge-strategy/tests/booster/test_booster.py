@@ -15,9 +15,9 @@ from _cases import MICRO, boost, boosted_steps, make_model, make_optimizer, refe
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader, TensorDataset
 
+import stepforge.strategy._plugin_setup as plugin_setup
 from stepforge.core import Registry, UnknownNameError
 from stepforge.strategy import BoostedOptimizer, Booster, ModelWrapper, SinglePlugin, StatefulDataLoader
-from stepforge.strategy import booster as booster_module
 
 
 def test_single_plugin_with_accumulation_equals_the_concatenated_batch():
@@ -126,7 +126,7 @@ def test_missing_plugin_package_gives_the_install_hint(monkeypatch):
     # a registry where stepforge-zero is not installed, whatever this venv holds
     empty = Registry("stepforge.no_such_group", "plugin", install_hints={"low_level_zero": "stepforge-zero",
                                                                         "zero2": "stepforge-zero"})  # fmt: skip
-    monkeypatch.setattr(booster_module, "PLUGINS", empty)
+    monkeypatch.setattr(plugin_setup, "PLUGINS", empty)  # where the Booster builds its plugin
     for spec in ("low_level_zero", "zero2", dict(type="zero2", stage=2)):
         with pytest.raises(UnknownNameError, match="pip install stepforge-zero"):
             Booster(plugin=spec)
