@@ -229,33 +229,44 @@ def lamb_cases(args: argparse.Namespace, sizes: Sizes, ceiling: float, fused: An
     return [row]
 
 
-def sgd_cases(args: argparse.Namespace, sizes: Sizes, ceiling: float, fused: Any, err: str | None):
+def _against_torch_fused(
+    args: argparse.Namespace,
+    sizes: Sizes,
+    ceiling: float,
+    err: str | None,
+    ours: tuple[str, Any],
+    torch_ref: tuple[str, Any],
+    group: str,
+    note: str | None = None,
+):
+    """One stepforge optimizer against torch's fused one on the big tensor and the medium list: ``ours`` and
+    ``torch_ref`` are ``(label, params -> optimizer)`` (``ours``'s factory ``None``: stepforge-fused is missing,
+    ``err`` says why)."""
+    (ours_name, make_ours), (ref_name, make_ref) = ours, torch_ref
     rows = []
-    sgd_hp = dict(lr=0.01, momentum=0.9, weight_decay=1e-4)
     for count, numel in ((1, sizes.big), sizes.medium):
         init, grad = master_values(count, numel, args.seed)
 
-        def ours_build(
-            count: int = count, numel: int = numel, init: torch.Tensor = init, grad: torch.Tensor = grad
+        def build(
+            make: Any,
+            count: int = count,
+            numel: int = numel,
+            init: torch.Tensor = init,
+            grad: torch.Tensor = grad,
         ):
-            if fused is None:
+            if make is None:
                 raise RuntimeError(err)
             b = make_bundle(init, grad, count, numel, dtype=torch.float32, fresh=False)
-            return fused.FusedSGD(b.params, **sgd_hp).step, b
+            return make(b.params).step, b
 
-        def torch_build(
-            count: int = count, numel: int = numel, init: torch.Tensor = init, grad: torch.Tensor = grad
-        ):
-            b = make_bundle(init, grad, count, numel, dtype=torch.float32, fresh=False)
-            return torch.optim.SGD(b.params, fused=True, **sgd_hp).step, b
-
-        ours = try_build("FusedSGD", ours_build)
-        ref = try_build("SGD(fused)", torch_build)
+        mine = try_build(ours_name, lambda: build(make_ours))
+        ref = try_build(ref_name, lambda: build(make_ref))
+        extra = {"note": note} if note is not None else {}
         rows.append(
             compare(
-                case=f"FusedSGD vs SGD(fused) {case_label(count, numel)}",
-                group="sgd",
-                ours=ours,
+                case=f"{ours_name} vs {ref_name} {case_label(count, numel)}",
+                group=group,
+                ours=mine,
                 baselines=[ref],
                 elements=count * numel,
                 tensors=count,
@@ -264,52 +275,32 @@ def sgd_cases(args: argparse.Namespace, sizes: Sizes, ceiling: float, fused: Any
                 target_pct=None,
                 ceiling=ceiling,
                 args=args,
-                note="momentum 0.9, weight_decay 1e-4",
+                **extra,
             )
         )
         print_row(rows[-1])
-        ours = ref = init = grad = None
+        mine = ref = init = grad = None
         gc.collect()
     return rows
+
+
+def sgd_cases(args: argparse.Namespace, sizes: Sizes, ceiling: float, fused: Any, err: str | None):
+    sgd_hp = dict(lr=0.01, momentum=0.9, weight_decay=1e-4)
+    ours = None if fused is None else (lambda ps: fused.FusedSGD(ps, **sgd_hp))
+    ref = lambda ps: torch.optim.SGD(ps, fused=True, **sgd_hp)  # noqa: E731
+    note = "momentum 0.9, weight_decay 1e-4"
+    return _against_torch_fused(
+        args, sizes, ceiling, err, ("FusedSGD", ours), ("SGD(fused)", ref), group="sgd", note=note
+    )
 
 
 def fusedadam_cases(args: argparse.Namespace, sizes: Sizes, ceiling: float, fused: Any, err: str | None):
-    rows = []
-    for count, numel in ((1, sizes.big), sizes.medium):
-        init, grad = master_values(count, numel, args.seed)
-
-        def ours_build(
-            count: int = count, numel: int = numel, init: torch.Tensor = init, grad: torch.Tensor = grad
-        ):
-            if fused is None:
-                raise RuntimeError(err)
-            b = make_bundle(init, grad, count, numel, dtype=torch.float32, fresh=False)
-            return fused.FusedAdam(b.params, bias_correction=True, adamw_mode=True, **HP).step, b
-
-        def torch_build(
-            count: int = count, numel: int = numel, init: torch.Tensor = init, grad: torch.Tensor = grad
-        ):
-            b = make_bundle(init, grad, count, numel, dtype=torch.float32, fresh=False)
-            return torch.optim.AdamW(b.params, fused=True, **HP).step, b
-
-        ours = try_build("FusedAdam", ours_build)
-        ref = try_build("AdamW(fused)", torch_build)
-        rows.append(
-            compare(
-                case=f"FusedAdam vs AdamW(fused) {case_label(count, numel)}",
-                group="adam",
-                ours=ours,
-                baselines=[ref],
-                elements=count * numel,
-                tensors=count,
-                grads="reuse",
-                target=1.0,
-                target_pct=None,
-                ceiling=ceiling,
-                args=args,
-            )
-        )
-        print_row(rows[-1])
-        ours = ref = init = grad = None
-        gc.collect()
-    return rows
+    ours = (
+        None
+        if fused is None
+        else (lambda ps: fused.FusedAdam(ps, bias_correction=True, adamw_mode=True, **HP))
+    )
+    ref = lambda ps: torch.optim.AdamW(ps, fused=True, **HP)  # noqa: E731
+    return _against_torch_fused(
+        args, sizes, ceiling, err, ("FusedAdam", ours), ("AdamW(fused)", ref), group="adam"
+    )
