@@ -128,6 +128,32 @@ def _shard_writer(
     return write, _meta(use_safetensors, entry)
 
 
+def _write_state(
+    state: dict[str, torch.Tensor],
+    checkpoint: str | os.PathLike[str],
+    shard: bool,
+    prefix: str | None,
+    size_per_shard: float,
+    use_safetensors: bool,
+    writers: tuple[Any, Any],
+) -> None:
+    """``state`` as one file or as shards and an index, through ``writers``: the writer's ``(one file, files)``
+    pair, collective (``commit_file``/``commit_files``) or by this process alone (``write_file``/``write_files``)."""
+    one_file, files = writers
+    if not shard:
+        one_file(
+            _file_target(checkpoint, prefix, use_safetensors),
+            lambda tmp: write_tensors(unshare(state), tmp, use_safetensors),
+            arg="checkpoint", where="save_model", meta=_meta(use_safetensors),
+        )  # fmt: skip
+        return
+    write, meta = _shard_writer(state, prefix, size_per_shard, use_safetensors)
+    files(
+        checkpoint, write, arg="checkpoint", where="save_model", meta=meta,
+        stale=stale_shards(prefix, use_safetensors),
+    )  # fmt: skip
+
+
 def save_model(
     model: nn.Module,
     checkpoint: str | os.PathLike[str],
@@ -142,18 +168,9 @@ def save_model(
     if not isinstance(size_per_shard, int | float) or size_per_shard <= 0:
         raise ValueError(f"save_model: size_per_shard must be > 0 (MiB), got {size_per_shard!r}.")
     state = gather_full_state_dict(model)
-    if not shard:
-        commit_file(
-            _file_target(checkpoint, prefix, use_safetensors),
-            lambda tmp: write_tensors(unshare(state), tmp, use_safetensors),
-            arg="checkpoint", where="save_model", meta=_meta(use_safetensors),
-        )  # fmt: skip
-        return
-    write, meta = _shard_writer(state, prefix, size_per_shard, use_safetensors)
-    commit_files(
-        checkpoint, write, arg="checkpoint", where="save_model", meta=meta,
-        stale=stale_shards(prefix, use_safetensors),
-    )  # fmt: skip
+    _write_state(
+        state, checkpoint, shard, prefix, size_per_shard, use_safetensors, (commit_file, commit_files)
+    )
 
 
 def write_full_state_dict(
@@ -168,18 +185,7 @@ def write_full_state_dict(
     """Write a full state dict (as :func:`gather_full_state_dict` returns it) like :func:`save_model` does, through
     the same writer (checksummed, atomic), by this process alone: not collective, so an asynchronous save runs it
     on rank 0's writer thread. Raises :class:`CheckpointError` on failure (nothing committed)."""
-    if not shard:
-        write_file(
-            _file_target(checkpoint, prefix, use_safetensors),
-            lambda tmp: write_tensors(unshare(state), tmp, use_safetensors),
-            arg="checkpoint", where="save_model", meta=_meta(use_safetensors),
-        )  # fmt: skip
-        return
-    write, meta = _shard_writer(state, prefix, size_per_shard, use_safetensors)
-    write_files(
-        checkpoint, write, arg="checkpoint", where="save_model", meta=meta,
-        stale=stale_shards(prefix, use_safetensors),
-    )  # fmt: skip
+    _write_state(state, checkpoint, shard, prefix, size_per_shard, use_safetensors, (write_file, write_files))
 
 
 def read_full_state_dict(checkpoint: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
