@@ -14,6 +14,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 __all__ = [
+    "compiled_beside_eager",
     "lambda_schedule",
     "peak_transient_bytes",
     "resident_bytes",
@@ -98,3 +99,39 @@ def peak_transient_bytes(fn: Callable[[], Any]) -> int:
 def lambda_schedule(optimizers: Iterable[torch.optim.Optimizer], decay: float = 0.9) -> list[Any]:
     """One ``LambdaLR`` (``lr * decay**epoch``) per optimizer: every step changes the learning rate."""
     return [torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: decay**epoch) for opt in optimizers]
+
+
+def compiled_beside_eager(
+    eager: torch.optim.Optimizer,
+    compiled: torch.optim.Optimizer,
+    eager_params: Sequence[torch.Tensor],
+    compiled_params: Sequence[torch.Tensor],
+    compare: Callable[[str], None],
+    *,
+    steps: int = 20,
+    check_at: Iterable[int] = (9, 19),
+) -> Callable[[], Any]:
+    """``torch.compile(compiled.step, fullgraph=True)`` stepped beside ``eager.step`` for ``steps`` steps with
+    the same fresh gradients while a :func:`lambda_schedule` changes the learning rate every step (callers run it
+    under dynamo's ``error_on_recompile``, so a second compile raises); ``compare(label)`` runs after the steps in
+    ``check_at``.
+    Then one more set of gradients, and the compiled step's peak allocation is asserted within 1% of the eager
+    step's (resident state included). Returns the compiled step; the caller reads dynamo's counters."""
+    step = torch.compile(compiled.step, fullgraph=True)
+    schedulers = lambda_schedule([eager, compiled])
+    compiled._opt_called = True  # type: ignore[attr-defined]  # the scheduler patched opt.step after compiling
+    checks = set(check_at)
+    for i in range(steps):
+        set_grads([eager_params, compiled_params], i)
+        eager.step()
+        step()
+        for s in schedulers:
+            s.step()
+        if i in checks:
+            compare(f"step {i + 1}")
+    set_grads([eager_params, compiled_params], steps)
+    resident = resident_bytes(compiled)
+    eager_peak = peak_transient_bytes(eager.step)
+    compiled_peak = peak_transient_bytes(step)
+    assert resident + compiled_peak <= 1.01 * (resident + eager_peak), (resident, eager_peak, compiled_peak)
+    return step
