@@ -17,7 +17,8 @@ What it measures (fp32 unless said; every contender gets the same initial values
 - ``lamb``: ``FusedLAMB`` vs the pure-Python ``stepforge.optim.Lamb``;
 - ``sgd``: ``FusedSGD`` (momentum 0.9) vs ``torch.optim.SGD(fused=True)``;
 - ``fusedadam``: ``FusedAdam`` vs ``torch.optim.AdamW(fused=True)``;
-- ``bitident``: ``FusedAdam``/``CPUAdam`` vs ``torch.optim.AdamW(fused=True)`` after a few steps, ``torch.equal``.
+- ``bitident``: ``FusedAdam``/``CPUAdam`` vs ``torch.optim.AdamW(fused=True)``, ``FusedSGD`` vs torch's for-loop
+  ``SGD`` after a few steps, ``torch.equal`` (see ``_bitident.py``).
 
 Gradients. The headline rows reuse the same ``p.grad`` tensors every step, refreshed in place -- what a loop with
 ``zero_grad(set_to_none=False)`` or gradients living in a DDP/ZeRO bucket has. Rows marked ``fresh`` hand the
