@@ -13,8 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from stepforge.testing.distributed import requires_gloo, run_distributed
+from stepforge.testing.fake_world import fake_group, run_isolated
 from stepforge.zero.comm.param_gather import DIRECT_MIN, GatherInFlight, StagingBuffers, _Entry, launch_gather
 from stepforge.zero.low_level import LowLevelZeroOptimizer
 from stepforge.zero.plugin import LowLevelZeroPlugin
@@ -108,7 +110,7 @@ def test_one_rank_copies_the_masters_into_the_parameters_and_keeps_no_table():
 def _gather_twice(rank: int, world: int, dtype: torch.dtype) -> dict:
     # 3 x 4 (pieces of 6), 5 (pieces of 3, the last rank's padded) and a transposed 3 x 2 (not contiguous): all
     # below DIRECT_MIN, staged into one table. fp32: the contiguous masters are views into the parameters (this
-    # rank's piece is not copied back); bf16: separate fp32 masters
+    # rank's piece is copied back with its own bits); bf16: separate fp32 masters
     params = [
         nn.Parameter(torch.zeros(3, 4, dtype=dtype)),
         nn.Parameter(torch.zeros(5, dtype=dtype)),
@@ -302,3 +304,55 @@ def test_force_wait_all_gather_lands_the_overlapped_gather_as_colossalai_calls_i
         for a, b in zip(out["plugin"], waited, strict=True):
             assert torch.equal(a, b), rank
         assert all(torch.equal(a, b) for a, b in zip(out["stale_False"], waited, strict=True)), rank
+
+
+class _CountCopies(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.copies = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.copies += func is torch.ops.aten.copy_.default
+        return func(*args, **(kwargs or {}))
+
+
+def _copy_out_at(world: int, rank: int) -> dict:
+    """Rank ``rank`` of ``world`` (fake group: the broadcasts move nothing). Every other rank's row of the staged
+    table is filled beforehand with what that rank would send: element ``j`` of the piece of rank ``src`` holds
+    its flat index ``src * piece + j`` plus ``1000 * parameter``; this rank's own row is staged from its masters
+    holding the same numbers. Returns the parameters after the copy-out and the copies it took."""
+    params = [
+        nn.Parameter(torch.zeros(40, 70)),  # 2800: pieces of 3 at 1024 ranks, the 934th short, the rest empty
+        nn.Parameter(torch.zeros(2 * world)),  # whole pieces on every rank
+        nn.Parameter(torch.zeros(5)),  # fewer elements than ranks
+        nn.Parameter(torch.zeros(3, 7).t()),  # not contiguous: sharded by its row-major values
+    ]
+    with fake_group(rank, world):
+        layout = build_layout(
+            [{"params": params}], world, rank, group=None, master_weights=True, master_device=None
+        )
+        staging = StagingBuffers()
+        size = sum(slot.piece for slot in layout.slots)
+        table = staging.table((0, 0), world, size, layout.partitions[0])
+        for i, slot in enumerate(layout.slots):
+            index = torch.arange(world * slot.piece, dtype=torch.float32).view(world, slot.piece)
+            table[:, slot.offset : slot.offset + slot.piece] = index + 1000 * i
+            slot.master.copy_(torch.arange(slot.start, slot.start + slot.valid) + 1000.0 * i)
+        flight = launch_gather(layout, "broadcast", staging=staging)
+        with _CountCopies() as counter:
+            flight.wait_all()
+    return dict(params=[p.detach().clone() for p in params], copies=counter.copies)
+
+
+@pytest.mark.parametrize("world", [5, 1024])
+def test_the_copy_out_puts_every_ranks_piece_in_place_with_at_most_two_copies_per_parameter(world):
+    """However many ranks, the staged table goes into each parameter in at most two copies (its whole pieces as
+    one strided copy, a last short piece as another): not one per rank, which at 1024 ranks was hundreds of
+    thousands of copies a step for a GPT."""
+    result = run_isolated(_copy_out_at, world, 3, timeout=120)
+    weight, bias, small, transposed = result["params"]
+    assert torch.equal(weight, torch.arange(2800.0).view(40, 70))
+    assert torch.equal(bias, torch.arange(2.0 * world) + 1000)
+    assert torch.equal(small, torch.arange(5.0) + 2000)
+    assert torch.equal(transposed, (torch.arange(21.0) + 3000).view(7, 3))
+    assert result["copies"] <= 2 * 4
