@@ -155,7 +155,7 @@ def measure(
             with clock.span("optimizer_step"):
                 trainer.step()
         t = clock.totals()  # synchronises: steps are timed one by one
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if i >= args.warmup:
             totals.append(t)
             step_ms.append(t["total"]["device_ms"])
