@@ -110,7 +110,7 @@ def test_one_rank_copies_the_masters_into_the_parameters_and_keeps_no_table():
 def _gather_twice(rank: int, world: int, dtype: torch.dtype) -> dict:
     # 3 x 4 (pieces of 6), 5 (pieces of 3, the last rank's padded) and a transposed 3 x 2 (not contiguous): all
     # below DIRECT_MIN, staged into one table. fp32: the contiguous masters are views into the parameters (this
-    # rank's piece is copied back with its own bits); bf16: separate fp32 masters
+    # rank's piece is not copied back); bf16: separate fp32 masters
     params = [
         nn.Parameter(torch.zeros(3, 4, dtype=dtype)),
         nn.Parameter(torch.zeros(5, dtype=dtype)),
@@ -345,14 +345,16 @@ def _copy_out_at(world: int, rank: int) -> dict:
 
 
 @pytest.mark.parametrize("world", [5, 1024])
-def test_the_copy_out_puts_every_ranks_piece_in_place_with_at_most_two_copies_per_parameter(world):
-    """However many ranks, the staged table goes into each parameter in at most two copies (its whole pieces as
-    one strided copy, a last short piece as another): not one per rank, which at 1024 ranks was hundreds of
-    thousands of copies a step for a GPT."""
+def test_the_copy_out_puts_every_ranks_piece_in_place_in_a_few_copies_per_parameter(world):
+    """However many ranks, the staged table goes into each parameter in a few copies (the whole pieces before and
+    after this rank's own as one strided copy each, a last short piece as another): not one per rank, which at
+    1024 ranks was hundreds of thousands of copies a step for a GPT."""
     result = run_isolated(_copy_out_at, world, 3, timeout=120)
     weight, bias, small, transposed = result["params"]
     assert torch.equal(weight, torch.arange(2800.0).view(40, 70))
     assert torch.equal(bias, torch.arange(2.0 * world) + 1000)
     assert torch.equal(small, torch.arange(5.0) + 2000)
     assert torch.equal(transposed, (torch.arange(21.0) + 3000).view(7, 3))
-    assert result["copies"] <= 2 * 4
+    # fp32 masters are views into the parameters: this rank's own piece is never copied back; 3 contiguous
+    # parameters with at most 3 copies each, the transposed one in 1
+    assert result["copies"] <= 3 * 3 + 1

@@ -181,12 +181,11 @@ def _stage(row: torch.Tensor, slots: list[Slot], offsets: list[int]) -> None:
             row[offset : offset + slot.valid].copy_(slot.master)
 
 
-def _scatter_table(table: torch.Tensor, slots: list[Slot], offsets: list[int]) -> None:
+def _scatter_table(table: torch.Tensor, slots: list[Slot], offsets: list[int], rank: int) -> None:
     """Every rank's row of ``table`` into the working parameters, in place (no temporary for a contiguous
-    parameter). The ranks' pieces lie in rank order in the flat parameter, so its whole pieces are one strided
-    copy from the table's columns and a last short piece one more: at most two copies per parameter at any world
-    size (a copy per rank and parameter was hundreds of thousands of copies a step at 1024 ranks). This rank's
-    own piece is copied too: the table's row was staged from it, so it is rewritten with its own bits."""
+    parameter). This rank's own piece is skipped where the master is a view into the parameter: the step already
+    wrote it there."""
+    world = table.shape[0]
     for slot, offset in zip(slots, offsets, strict=True):
         if slot.numel == 0:
             continue
@@ -194,11 +193,21 @@ def _scatter_table(table: torch.Tensor, slots: list[Slot], offsets: list[int]) -
         if not slot.param.is_contiguous():
             slot.param.copy_(columns.reshape(-1)[: slot.numel].view_as(slot.param))
             continue
-        flat = slot.param.view(-1)
-        whole, rest = divmod(slot.numel, slot.piece)
-        flat[: whole * slot.piece].view(whole, slot.piece).copy_(columns[:whole])
-        if rest:
-            flat[whole * slot.piece :].copy_(columns[whole, :rest])
+        rows = ((0, world),) if slot.separate_master else ((0, rank), (rank + 1, world))
+        for first, stop in rows:
+            _copy_rows(slot.param.view(-1), columns, slot.piece, first, stop)
+
+
+def _copy_rows(flat: torch.Tensor, columns: torch.Tensor, piece: int, first: int, stop: int) -> None:
+    """Ranks ``[first, stop)``'s pieces from ``columns`` (``(world, piece)``) into ``flat``. The pieces lie in
+    rank order in the flat parameter, so the whole ones are one strided copy and a last short one another: at
+    most two copies at any world size (a copy per rank was hundreds of thousands a step at 1024 ranks)."""
+    whole, rest = divmod(flat.numel(), piece)
+    end = min(stop, whole)
+    if end > first:
+        flat[first * piece : end * piece].view(end - first, piece).copy_(columns[first:end])
+    if rest and first <= whole < stop:
+        flat[whole * piece :].copy_(columns[whole, :rest])
 
 
 def _launch_staged(
@@ -223,7 +232,7 @@ def _launch_staged(
         local = table[layout.rank].clone()  # all_gather_into_tensor's input may not alias its output
         _stage(local, slots, offsets)
         works = [all_gather(table.view(-1), local, group=group, async_op=True)]
-    return _Entry(works, params, then=lambda: _scatter_table(table, slots, offsets))
+    return _Entry(works, params, then=lambda: _scatter_table(table, slots, offsets, layout.rank))
 
 
 def _launch_direct(layout: ShardLayout, slot: Slot) -> _Entry:
