@@ -18,6 +18,8 @@
 #   speed     bench_speed.py: GPT-2 124 M and 1.3 B through Booster/Strategy against the plain loop, MFU
 #   offload   bench_offload.py: zero2 + cpu_offload step split into phases at 1.3 B (and at the largest size both
 #             capacity contenders trained, when capacity.json is there)
+#   estimate  bench_estimate.py --fake-worlds: rank 0 and N-1 of 8 and 1024 fake ranks trained on the one GPU,
+#             torch.cuda.max_memory_allocated and the tracker's totals against the estimate
 #   cpuadam   bench_cpuadam_scale.py: CPUAdam against torch AdamW foreach/fused on the host cores, 1 B fp32
 #   cpu_zero  bench_train_interleaved.py at 2 and 4 gloo ranks, each rank pinned to its cores, with and without
 #             spare cores for communication (one tarball: cpu_zero.tar.gz)
@@ -26,7 +28,7 @@
 # tools/gpu/README.md has the plan of the two calls for the training stages.
 # Output in $OUT (the device tool's folder) or else benchmarks/results/gpu-runs/gpu-<UTC time>/: run_all.log,
 # summary.json, and per stage: junit-gpu.xml (every package's suite), bench_fused_gpu.json/.png,
-# gpt_demo_cuda.json/.png, capacity.json/.png, speed.json/.png, offload.json/.png, cpuadam.json/.png,
+# gpt_demo_cuda.json/.png, capacity.json/.png, speed.json/.png, offload.json/.png, estimate.json/.png, cpuadam.json/.png,
 # cpu_zero.tar.gz (at most 8 files per call come back: pick the stages accordingly).
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -199,6 +201,12 @@ PYEOF
         --out "$OUT_DIR" ${OFFLOAD_ARGS:---steps 4 --warmup 1}
 }
 
+estimate() {
+    # shellcheck disable=SC2086  # ESTIMATE_ARGS is a list of options
+    limited "${ESTIMATE_TIMEOUT_S:-150}" "$PY" tools/bench/estimate/bench_estimate.py --stem estimate --out "$OUT_DIR" \
+        ${ESTIMATE_ARGS:---fake-worlds 8 1024 --plugins zero2 zero2-offload torch_fsdp gemini --device cuda}
+}
+
 cpuadam() {
     # shellcheck disable=SC2086  # CPUADAM_ARGS is a list of options
     limited "${CPUADAM_TIMEOUT_S:-120}" "$PY" tools/bench/fused/bench_cpuadam_scale.py --stem cpuadam --out "$OUT_DIR" \
@@ -255,7 +263,7 @@ if wanted tests; then
 fi
 wanted bench && stage bench bench
 wanted demo && stage demo demo
-for name in capacity speed offload cpuadam cpu_zero; do
+for name in capacity speed offload estimate cpuadam cpu_zero; do
     wanted "$name" && stage "$name" "$name"
 done
 

@@ -139,6 +139,7 @@ def plot(path: Path, rows: Sequence[dict[str, Any]], *, title: str) -> None:
 
     labels = [
         f"{r['plugin']} {r['config']} N={r['world']}"
+        + (f" r{r['rank']}" if "rank" in r else "")
         + (f" x{r['accumulation']}" if r.get("accumulation", 1) > 1 else "")
         for r in rows
     ]

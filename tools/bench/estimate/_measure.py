@@ -14,7 +14,12 @@ as the GPT demo drives it (the forward inside ``optim_context``, every micro-bat
 plugin's ``no_sync``): step 2's window is measured, and also the total held between its first and second
 micro-batch (``window``), with the bytes in the parameters' ``.grad`` at that point.
 
-Imported by the driver (``estimate/bench_estimate.py``) as ``measure``; :func:`run_rank` runs in each spawned process.
+:func:`run_fake_ranks` measures one rank of a large world instead, on torch's fake process group in one process
+(``--fake-worlds``); on a CUDA device ``torch.cuda.memory_allocated``/``max_memory_allocated`` are recorded beside
+the tracker's totals.
+
+Imported by the driver (``estimate/bench_estimate.py``) as ``measure``; :func:`run_rank` runs in each spawned
+process, :func:`run_fake_ranks` in one per plugin.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
 
-__all__ = ["CONFIGS", "build_model", "batch", "criterion_for", "run_rank"]
+__all__ = ["CONFIGS", "build_model", "batch", "criterion_for", "measure_rank", "run_fake_ranks", "run_rank"]
 
 #: precision x optimizer configurations the bench measures
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -136,18 +141,40 @@ def _booster(case: dict[str, Any]) -> Any:
 
 
 def run_rank(rank: int, world: int, case: dict[str, Any], port: int, out_dir: str) -> None:
-    """Measure ``case`` on this rank and write ``rank<r>.pt`` into ``out_dir``."""
-    import warnings
-
-    warnings.filterwarnings("ignore")
+    """Measure ``case`` as ``rank`` of ``world`` gloo ranks and write ``rank<r>.pt`` into ``out_dir``."""
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
+    torch.save(measure_rank(case), os.path.join(out_dir, f"rank{rank}.pt"))
+    _leave()
+
+
+def run_fake_ranks(runs: list[tuple[int, int, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Measure each ``(rank, world, case)`` in turn in this process, as that rank on torch's fake process group:
+    the collectives move nothing (the values are garbage) but every buffer the plugin allocates for them is real.
+    On a GPU machine every simulated rank runs on the one device."""
+    from stepforge.testing.fake_world import fake_group
+
+    torch.set_num_threads(1)
+    os.environ["LOCAL_RANK"] = "0"
+    out = []
+    for rank, world, case in runs:
+        with fake_group(rank, world):
+            out.append(measure_rank(case))
+    return out
+
+
+def measure_rank(case: dict[str, Any]) -> dict[str, Any]:
+    """Build, boost and train ``case`` for two steps in the initialised process group; what this rank held.
+    On a CUDA device ``cuda`` adds ``torch.cuda``'s own counts: allocated after boost and after step 2, and
+    ``max_memory_allocated`` over step 2."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
     from stepforge.core.torch_compat import memory_tracker
 
     size = case["size"]
     x, y = batch(size)
-    loss_of = criterion_for(y)
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     tracker = memory_tracker()
     with tracker:
@@ -155,14 +182,19 @@ def run_rank(rank: int, world: int, case: dict[str, Any], port: int, out_dir: st
         booster = _booster(case)
         model, optimizer, *_ = booster.boost(model, dict(CONFIGS[case["config"]]["optimizer"]))
     boosted = _total(tracker)
+    cuda = _CudaCounts.start()
     after_boost = components(model, optimizer, boosted)
+    from stepforge.strategy import get_accelerator
+
+    device = (
+        get_accelerator().get_current_device()
+    )  # where the plugin computes (gemini keeps shards on the host)
+    x, y = x.to(device), y.to(device)
+    loss_of = criterion_for(y)
     steps = case.get("accumulation", 1)
     if steps > 1:
-        result = _measure_window(model, optimizer, booster, tracker, x, loss_of, steps)
-        _save(rank, out_dir, dict(after_boost=dict(total=boosted, **after_boost), **result), rss0)
-        del model, optimizer, booster, tracker
-        _leave()
-        return
+        result = _measure_window(model, optimizer, booster, tracker, x, loss_of, steps, cuda)
+        return _finish(dict(after_boost=dict(total=boosted, **after_boost), **result), rss0, cuda)
 
     with tracker:
         booster.backward(loss_of(model(x)), optimizer)
@@ -170,6 +202,7 @@ def run_rank(rank: int, world: int, case: dict[str, Any], port: int, out_dir: st
         optimizer.zero_grad()
         tracker.reset_mod_stats()
     base = _total(tracker)
+    cuda.reset_peak()
     with tracker:  # entering again starts the peak from here: step 2's peak
         loss = loss_of(model(x))
         forward_end = _total(tracker)
@@ -178,6 +211,7 @@ def run_rank(rank: int, world: int, case: dict[str, Any], port: int, out_dir: st
         optimizer.step()
         held = _total(tracker)
         peak = _total(tracker, "peak")
+        cuda.after_step()
         after_step = components(model, optimizer, held)
         optimizer.zero_grad()
     result = dict(
@@ -186,16 +220,39 @@ def run_rank(rank: int, world: int, case: dict[str, Any], port: int, out_dir: st
         activations=forward_end - base,
         peak=peak,
     )
-    _save(rank, out_dir, result, rss0)
-    del model, optimizer, booster, tracker
-    _leave()
+    return _finish(result, rss0, cuda)
 
 
-def _save(rank: int, out_dir: str, result: dict[str, Any], rss0: int) -> None:
-    """Add the peak RSS growth and write ``rank<r>.pt``."""
+class _CudaCounts:
+    """``torch.cuda``'s allocator counts beside the tracker's, when CUDA is in use (else records nothing)."""
+
+    def __init__(self, on: bool) -> None:
+        self.on, self.counts = on, {}
+        if on:
+            self.counts["after_boost"] = torch.cuda.memory_allocated()
+
+    @classmethod
+    def start(cls) -> _CudaCounts:
+        return cls(torch.cuda.is_available() and torch.cuda.memory_allocated() > 0)
+
+    def reset_peak(self) -> None:
+        if self.on:
+            torch.cuda.reset_peak_memory_stats()
+
+    def after_step(self) -> None:
+        if self.on:
+            self.counts.update(
+                after_step=torch.cuda.memory_allocated(), peak=torch.cuda.max_memory_allocated()
+            )
+
+
+def _finish(result: dict[str, Any], rss0: int, cuda: _CudaCounts) -> dict[str, Any]:
+    """Add the peak RSS growth and the CUDA counts."""
     rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     result["rss_growth"] = (rss1 - rss0) * 1024
-    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    if cuda.counts:
+        result["cuda"] = dict(cuda.counts)
+    return result
 
 
 def _leave() -> None:
@@ -205,7 +262,14 @@ def _leave() -> None:
 
 
 def _measure_window(
-    model: Any, optimizer: Any, booster: Any, tracker: Any, x: torch.Tensor, loss_of: Any, steps: int
+    model: Any,
+    optimizer: Any,
+    booster: Any,
+    tracker: Any,
+    x: torch.Tensor,
+    loss_of: Any,
+    steps: int,
+    cuda: _CudaCounts,
 ) -> dict[str, Any]:
     """Two optimizer steps of ``steps`` micro-batches each through ``ColossalAIOptimWrapper`` (the demo's loop);
     step 2 measured: the activations of its first forward, what is held after its first micro-batch's backward
@@ -227,6 +291,7 @@ def _measure_window(
         wrapper.zero_grad()
         tracker.reset_mod_stats()
     base = _total(tracker)
+    cuda.reset_peak()
     window: dict[str, int] = {}
     with tracker:  # entering again starts the peak from here: step 2's window
         for i in range(steps):
@@ -242,6 +307,7 @@ def _measure_window(
         wrapper.step()
         held = _total(tracker)
         peak = _total(tracker, "peak")
+        cuda.after_step()
         after_step = components(model, optimizer, held)
         wrapper.zero_grad()
     return dict(

@@ -25,7 +25,13 @@ and without CPU offload) and ``estimate_zero3_model_states_mem_needs`` (torch_fs
     python tools/bench/estimate/bench_estimate.py --plugins zero2 --worlds 2 --configs adamw-bf16
     python tools/bench/estimate/bench_estimate.py --accumulation 4 --worlds 1 2 --configs adamw-bf16
     python tools/bench/estimate/bench_estimate.py --demo              # zero2, bf16, CPUAdam, accumulation 4
+    python tools/bench/estimate/bench_estimate.py --fake-worlds 8 64 256 1024   # -> <device>-<date>-estimate-fake-worlds.*
     python tools/bench/estimate/bench_estimate.py --tiny --out /tmp/x # seconds (CI keeps it working)
+
+``--fake-worlds`` measures rank 0 and the last rank of each world on torch's fake process group instead, one
+process per plugin playing every world in turn, on the CPU or (``--device cuda``) on the one GPU, where
+``torch.cuda.max_memory_allocated`` over step 2 is judged against the estimate's device peak too
+(``cuda_ratios``). Nothing is reduced or gathered there: the values are garbage, the buffers real.
 """
 
 from __future__ import annotations
@@ -79,7 +85,9 @@ def _measure(case: dict[str, Any], world: int) -> list[dict[str, Any]]:
         return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(world)]
 
 
-def _estimate(case: dict[str, Any], world: int) -> dict[str, Any]:
+def _estimate(
+    case: dict[str, Any], world: int, rank: int = 0, backend: str | None = None, device: str = "cpu"
+) -> dict[str, Any]:
     from stepforge.strategy import estimate
 
     x, y = measure.batch(case["size"])
@@ -92,12 +100,16 @@ def _estimate(case: dict[str, Any], world: int) -> dict[str, Any]:
         optimizer=config["optimizer"],
         inputs=x,
         criterion=measure.criterion_for(y),
-        device="cpu",
+        rank=rank,
+        device=device,
+        backend=backend,
         accumulation_steps=case["accumulation"],
         **case["plugin_kwargs"],
     )
     held = {c: est.device[c] + est.host[c] for c in COMPONENTS}
     return dict(
+        device_held=sum(est.device[c] for c in COMPONENTS),
+        device_peak=est.peak("device"),
         after_boost=est.after_boost["device"] + est.after_boost["host"],
         window=est.window["device"] + est.window["host"],
         held=held,
@@ -107,6 +119,58 @@ def _estimate(case: dict[str, Any], world: int) -> dict[str, Any]:
         sent_bytes=est.sent_bytes,
         parameters=est.parameters,
     )
+
+
+#: the plugins of a --fake-worlds run: the sharded ones (DDP's memory does not depend on the world, and its reducer
+#: cannot run on the fake group: torch's comm hook asserts on the fake all-reduce's empty result)
+FAKE_PLUGINS = ("zero1", "zero2", "zero2-offload", "torch_fsdp", "gemini")
+
+
+def run_fake_plugin(
+    label: str, configs: list[str], worlds: list[int], size: dict[str, int], accumulation: int, device: str
+) -> list[dict[str, Any]]:
+    """Rank 0 and rank ``N - 1`` of every world on the fake process group, measured in one process, beside the
+    estimate of that rank."""
+    from stepforge.testing.fake_world import run_isolated
+
+    name, kwargs = PLUGINS[label]
+    runs = [
+        (
+            rank,
+            world,
+            dict(plugin=name, plugin_kwargs=kwargs, config=config, size=size, accumulation=accumulation),
+        )
+        for config in configs
+        for world in worlds
+        for rank in dict.fromkeys((0, world - 1))
+    ]
+    start = time.perf_counter()
+    measured = run_isolated(measure.run_fake_ranks, runs, timeout=3600)
+    wall = (time.perf_counter() - start) / len(runs)
+    rows = []
+    for (rank, world, case), result in zip(runs, measured, strict=True):
+        est = _estimate(case, world, rank=rank, backend="fake", device=device)
+        row = dict(
+            plugin=label,
+            config=case["config"],
+            world=world,
+            rank=rank,
+            accumulation=accumulation,
+            estimate=est,
+            measured=result,
+            wall_s=round(wall, 1),
+        )
+        row["deepspeed"] = deepspeed_bytes(
+            label, case["config"], world, est["parameters"], measure.build_model(size)
+        )
+        row.update(judge(row))
+        cuda = result.get("cuda")
+        if cuda:  # the allocator's own counts against the estimate's device figures
+            row["cuda_ratios"] = dict(
+                held=est["device_held"] / cuda["after_step"], peak=est["device_peak"] / cuda["peak"]
+            )
+        rows.append(row)
+    return rows
 
 
 def run_case(
@@ -156,13 +220,99 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="micro-batches per optimizer step, one run each (default 1; --demo: 4; --tiny: 1 and 2)",
     )
+    p.add_argument(
+        "--fake-worlds",
+        nargs="+",
+        type=int,
+        default=None,
+        help="measure rank 0 and the last rank of these worlds on the fake process group (plugins: "
+        + ", ".join(FAKE_PLUGINS)
+        + "; --configs default adamw-bf16)",
+    )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default=None,
+        help="--fake-worlds only: where the model trains (default: cuda when torch sees a GPU)",
+    )
+    p.add_argument("--stem", default=None, help="--fake-worlds only: the output's file name without suffix")
     p.add_argument("--no-plot", action="store_true")
     return p.parse_args(argv)
+
+
+def main_fake_worlds(args: argparse.Namespace, size: dict[str, int], plugins: list[str]) -> Path:
+    """The ``--fake-worlds`` run: every plugin's rows, the summary, JSON and PNG."""
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    configs = args.configs if args.configs != list(measure.DEFAULT_CONFIGS) else ["adamw-bf16"]
+    accumulation = (args.accumulation or [1])[0]
+    machine = _machine.machine_info(threads=1)
+    start = time.perf_counter()
+    rows = []
+    for label in plugins:
+        for row in run_fake_plugin(label, configs, args.fake_worlds, size, accumulation, device):
+            rows.append(row)
+            r, cuda = row["ratios"], row.get("cuda_ratios")
+            on_device = f"  cuda held {cuda['held']:.3f} peak {cuda['peak']:.3f}" if cuda else ""
+            print(
+                f"{label:14s} {row['config']:11s} rank {row['rank']:4d} of {row['world']:4d}  held "
+                f"{r['held_total']:.3f}  boost {r['after_boost']:.3f}  peak {r['peak']:.3f}  acts "
+                f"{r['activations']:.3f}{on_device}",
+                flush=True,
+            )
+    model = measure.build_model(size)
+    payload = dict(
+        benchmark="estimate on the fake process group",
+        machine=machine,
+        device=device,
+        wall_s=round(time.perf_counter() - start, 1),
+        model=dict(size, parameters=sum(p.numel() for p in model.parameters()), kind="ByteGPT (examples)"),
+        accumulation=[accumulation],
+        configs={c: measure.CONFIGS[c] for c in configs},
+        cases=rows,
+        summary=summary(rows),
+    )
+    cuda_rows = [r["cuda_ratios"] for r in rows if "cuda_ratios" in r]
+    if cuda_rows:
+        payload["summary"]["cuda"] = {
+            key: dict(
+                min=min(c[key] for c in cuda_rows), max=max(c[key] for c in cuda_rows), cases=len(cuda_rows)
+            )
+            for key in ("held", "peak")
+        }
+    stem = args.stem or f"{device}-{machine['date_utc'][:10]}-estimate-fake-worlds" + (
+        "-tiny" if args.tiny else ""
+    )
+    path = _report.save_json(Path(args.out) / f"{stem}.json", payload)
+    if not args.no_plot:
+        plot(
+            Path(args.out) / f"{stem}.png",
+            rows,
+            title=f"estimate / measured, rank 0 and N-1 of N fake ranks, "
+            f"{payload['model']['parameters'] / 1e6:.1f} M-param GPT on {device} ({machine['device']})",
+        )
+    _print_summary(payload)
+    return path
+
+
+def _print_summary(payload: dict[str, Any]) -> None:
+    for line in payload["summary"]["rows"]:
+        print(
+            f"  {line['quantity']:28s} {line['min']:.3f}-{line['max']:.3f}  within ±{line['goal'] * 100:.0f}%: {line['within']}/{line['cases']}"
+        )
+    print("  " + payload["summary"]["deepspeed"])
+    for key, line in payload["summary"].get("cuda", {}).items():
+        print(
+            f"  torch.cuda {key:4s} (device)        {line['min']:.3f}-{line['max']:.3f} ({line['cases']} cases)"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     size = TINY if args.tiny else DEMO if args.demo else SIZE
+    if args.fake_worlds:
+        plugins = args.plugins if args.plugins != list(PLUGINS) else list(FAKE_PLUGINS)
+        print(f"{len(plugins)} plugins -> {main_fake_worlds(args, size, plugins)}")
+        return 0
     if args.tiny:
         args.plugins, args.configs, args.worlds = ["single", "zero2"], ["adamw-bf16"], [1, 2]
     if args.demo:
@@ -223,11 +373,10 @@ def main(argv: list[str] | None = None) -> int:
             ),
         )
     print(f"{len(rows)} cases in {wall:.0f} s -> {path}")
-    for line in payload["summary"]["rows"]:
-        print(
-            f"  {line['quantity']:28s} {line['min']:.3f}-{line['max']:.3f}  within ±{line['goal'] * 100:.0f}%: {line['within']}/{line['cases']}"
-        )
-    print("  " + payload["summary"]["deepspeed"])
+    _print_summary(payload)
+    if args.tiny:  # the fake-group path too: rank 0 and 7 of 8
+        args.fake_worlds = [8]
+        main_fake_worlds(args, size, ["zero2", "torch_fsdp"])
     return 0
 
 
