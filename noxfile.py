@@ -229,8 +229,14 @@ def bench(session: nox.Session) -> None:
 def what_fits(session: nox.Session) -> None:
     """Regenerate docs/what-fits.md with `stepforge-estimate --what-fits` (tests(strategy) checks it matches)."""
     install_packages(session, "stepforge-strategy", "stepforge-zero", "stepforge-fused", env=CPU_BUILD)
-    results = sorted((ROOT / "benchmarks" / "results" / "estimate").glob("cpu-*-estimate.json"))
-    accuracy = ("--accuracy", str(results[-1].relative_to(ROOT))) if results else ()
+    found = ROOT / "benchmarks" / "results" / "estimate"
+    # the latest gloo-rank result and the latest fake-world one (a GPU run's when there is one)
+    latest = [
+        sorted(found.glob(pattern))[-1]
+        for pattern in ("cpu-*-estimate.json", "*-estimate-fake-worlds.json")
+        if any(found.glob(pattern))
+    ]
+    accuracy = ("--accuracy", *(str(p.relative_to(ROOT)) for p in latest)) if latest else ()
     session.run("stepforge-estimate", "--what-fits", *accuracy, "--out", str(ROOT / "docs" / "what-fits.md"))
 
 

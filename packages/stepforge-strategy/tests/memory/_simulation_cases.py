@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from stepforge.core.torch_compat import fake_tensor_mode
-from stepforge.strategy.memory.gpt import GPT, GPT_SHAPES
+from stepforge.strategy.memory.gpt import GPT, GPT_SHAPES, GPTShape
 from stepforge.testing.fake_world import CollectiveRecorder, fake_group, fake_parameters
 
 MODELS = ("gpt-1.3b", "gpt-7b")
@@ -197,6 +197,53 @@ def real_shard_at_1024() -> dict[str, int]:
             p.to_local().untyped_storage().nbytes() for p in wrapped.parameters() if isinstance(p, DTensor)
         )
     return dict(held=held, planned=plan.total(component="params", lifetimes=("boost",)))
+
+
+#: the measured-training cases' GPT: 31.6 M parameters, so that a rank of 1024 FSDP2 ranks still holds about
+#: half a megabyte of state beside torch's few KiB of its own
+TRAINED = GPTShape(layers=10, d_model=512, heads=8, vocab=256, context=128)
+
+
+def trained_rank(plugin_name: str, world: int, rank: int) -> dict[str, int]:
+    """``plugin_name`` (bf16, AdamW) trained two steps as ``rank`` of ``world`` on the fake group, its shards and
+    buffers really allocated (the collectives move nothing, so the values are garbage): torch's ``MemTracker``
+    over every allocation, what the rank holds after step 2's ``optimizer.step()`` and the peak over step 2;
+    beside ``estimate`` of the same rank, made on fake tensors."""
+    from stepforge.core.torch_compat import memory_tracker, tracker_bytes
+    from stepforge.strategy import Booster, estimate
+
+    warnings.filterwarnings("ignore")
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, TRAINED.vocab, (2, TRAINED.context), generator=gen)
+    targets = torch.randint(0, TRAINED.vocab, (2, TRAINED.context), generator=gen)
+
+    def loss_of(logits: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    optimizer = dict(type="AdamW", lr=1e-4)
+    plugin = dict(type=plugin_name, precision="bf16")
+    total = lambda kind: tracker_bytes(tracker, kind)["cpu"]["Total"]  # noqa: E731
+    est = estimate(
+        lambda: GPT(TRAINED), plugin, world_size=world, rank=rank, optimizer=optimizer, inputs=tokens,
+        criterion=loss_of, device="cpu", backend="fake",
+    )  # fmt: skip
+    held_components = ("params", "grads", "master", "optimizer_state", "buffers")
+    with fake_group(rank, world):
+        tracker = memory_tracker()
+        with tracker:
+            booster = Booster(plugin=plugin)
+            model, opt, *_ = booster.boost(GPT(TRAINED), optimizer)
+            booster.backward(loss_of(model(tokens)), opt)
+            opt.step()
+            opt.zero_grad()
+            tracker.reset_mod_stats()
+        with tracker:  # entering again starts the peak from here: step 2's
+            booster.backward(loss_of(model(tokens)), opt)
+            opt.step()
+            held = total("current")
+        peak = total("peak")
+    est_held = sum(est.device[c] + est.host[c] for c in held_components)
+    return dict(held=held, peak=peak, est_held=est_held, est_peak=est.peak(None))
 
 
 def dcp_reshards(

@@ -96,7 +96,7 @@ def test_committed_what_fits_page_is_the_commands_output() -> None:
     cwd = os.getcwd()
     os.chdir(ROOT)
     try:
-        expected = what_fits_page(accuracy=None if marker == "<none>" else marker)
+        expected = what_fits_page(accuracy=None if marker == "<none>" else marker.split())
     finally:
         os.chdir(cwd)
     assert page == expected, "regenerate with: nox -s what_fits"

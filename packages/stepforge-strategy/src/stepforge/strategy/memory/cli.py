@@ -68,7 +68,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--host-memory", type=parse_size, default=None, help="host memory per rank, e.g. 256GiB")
     p.add_argument("--format", choices=("table", "markdown", "json"), default="table")
     p.add_argument("--what-fits", action="store_true", help="print the docs page docs/what-fits.md")
-    p.add_argument("--accuracy", default=None, help="with --what-fits: the bench_estimate JSON to quote")
+    p.add_argument(
+        "--accuracy",
+        nargs="+",
+        default=None,
+        help="with --what-fits: the bench_estimate JSON results to quote",
+    )
     p.add_argument("--out", default=None, help="write to this file instead of standard output")
     return p
 
