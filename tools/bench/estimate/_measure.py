@@ -186,9 +186,8 @@ def measure_rank(case: dict[str, Any]) -> dict[str, Any]:
     after_boost = components(model, optimizer, boosted)
     from stepforge.strategy import get_accelerator
 
-    device = (
-        get_accelerator().get_current_device()
-    )  # where the plugin computes (gemini keeps shards on the host)
+    # where the plugin computes, not where the parameters live (gemini keeps its shards on the host)
+    device = get_accelerator().get_current_device()
     x, y = x.to(device), y.to(device)
     loss_of = criterion_for(y)
     steps = case.get("accumulation", 1)

@@ -30,7 +30,7 @@ and without CPU offload) and ``estimate_zero3_model_states_mem_needs`` (torch_fs
 
 ``--fake-worlds`` measures rank 0 and the last rank of each world on torch's fake process group instead, one
 process per plugin playing every world in turn, on the CPU or (``--device cuda``) on the one GPU, where
-``torch.cuda.max_memory_allocated`` over step 2 is judged against the estimate's device peak too
+``torch.cuda.max_memory_allocated`` over step 2 is compared with the estimate's device peak too
 (``cuda_ratios``). Nothing is reduced or gathered there: the values are garbage, the buffers real.
 """
 
