@@ -182,12 +182,12 @@ def measure_rank(case: dict[str, Any]) -> dict[str, Any]:
         booster = _booster(case)
         model, optimizer, *_ = booster.boost(model, dict(CONFIGS[case["config"]]["optimizer"]))
     boosted = _total(tracker)
-    cuda = _CudaCounts.start()
-    after_boost = components(model, optimizer, boosted)
     from stepforge.strategy import get_accelerator
 
     # where the plugin computes, not where the parameters live (gemini keeps its shards on the host)
     device = get_accelerator().get_current_device()
+    cuda = _CudaCounts(device.type == "cuda")
+    after_boost = components(model, optimizer, boosted)
     x, y = x.to(device), y.to(device)
     loss_of = criterion_for(y)
     steps = case.get("accumulation", 1)
@@ -223,16 +223,12 @@ def measure_rank(case: dict[str, Any]) -> dict[str, Any]:
 
 
 class _CudaCounts:
-    """``torch.cuda``'s allocator counts beside the tracker's, when CUDA is in use (else records nothing)."""
+    """``torch.cuda``'s allocator counts beside the tracker's, when the plugin computes on CUDA (else nothing)."""
 
     def __init__(self, on: bool) -> None:
         self.on, self.counts = on, {}
         if on:
             self.counts["after_boost"] = torch.cuda.memory_allocated()
-
-    @classmethod
-    def start(cls) -> _CudaCounts:
-        return cls(torch.cuda.is_available() and torch.cuda.memory_allocated() > 0)
 
     def reset_peak(self) -> None:
         if self.on:
