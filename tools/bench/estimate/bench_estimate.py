@@ -147,6 +147,7 @@ def run_fake_plugin(
     start = time.perf_counter()
     measured = run_isolated(measure.run_fake_ranks, runs, timeout=3600)
     wall = (time.perf_counter() - start) / len(runs)
+    model = measure.build_model(size)  # DeepSpeed's ZeRO-3 formula reads its largest layer
     rows = []
     for (rank, world, case), result in zip(runs, measured, strict=True):
         est = _estimate(case, world, rank=rank, backend="fake", device=device)
@@ -160,9 +161,7 @@ def run_fake_plugin(
             measured=result,
             wall_s=round(wall, 1),
         )
-        row["deepspeed"] = deepspeed_bytes(
-            label, case["config"], world, est["parameters"], measure.build_model(size)
-        )
+        row["deepspeed"] = deepspeed_bytes(label, case["config"], world, est["parameters"], model)
         row.update(judge(row))
         cuda = result.get("cuda")
         if cuda:  # the allocator's own counts against the estimate's device figures

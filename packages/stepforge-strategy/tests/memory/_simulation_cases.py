@@ -222,7 +222,10 @@ def trained_rank(plugin_name: str, world: int, rank: int) -> dict[str, int]:
 
     optimizer = dict(type="AdamW", lr=1e-4)
     plugin = dict(type=plugin_name, precision="bf16")
-    total = lambda kind: tracker_bytes(tracker, kind)["cpu"]["Total"]  # noqa: E731
+
+    def total(kind: str) -> int:
+        return tracker_bytes(tracker, kind)["cpu"]["Total"]
+
     est = estimate(
         lambda: GPT(TRAINED), plugin, world_size=world, rank=rank, optimizer=optimizer, inputs=tokens,
         criterion=loss_of, device="cpu", backend="fake",
