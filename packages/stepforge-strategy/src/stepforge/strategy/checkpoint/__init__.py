@@ -10,7 +10,9 @@
   Hugging Face model layout (``_hf_layout.py``, ``_model_io.py``), boosted optimizers on DCP (``_optim_io.py``,
   with ``_optim_template.py`` fitting the load template), plain optimizers (``_plain_optim.py``), asynchronous
   writes (``_pending.py``);
-- loads verify first, read into fresh tensors, and run no code from the files.
+- loads verify first, read into fresh tensors, and run no code from the files;
+- the ``stepforge-checkpoint`` command (``cli.py``): inspect any of these saves, export its model as one Hugging
+  Face directory.
 """
 
 from __future__ import annotations

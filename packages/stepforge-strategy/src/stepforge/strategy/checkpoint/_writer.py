@@ -73,6 +73,7 @@ __all__ = [
     "commit_dir_here",
     "commit_file",
     "commit_files",
+    "commit_tmp_dir",
     "finish_dir",
     "is_committed_dir",
     "verify_dir",
@@ -113,7 +114,13 @@ def _recover(final: str) -> None:
             shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
 
 
-def _commit(tmp: str, final: str, meta: dict[str, Any], work_dir: str | None, max_keep: int | None) -> None:
+def commit_tmp_dir(
+    tmp: str, final: str, meta: dict[str, Any], work_dir: str | None = None, max_keep: int | None = None
+) -> None:
+    """Commit the complete temporary directory ``tmp`` as ``final`` (this process alone): ``COMMIT.json`` with
+    every file's size and CRC-32, then the atomic rename (an existing ``final`` is moved aside first and deleted
+    after), ``last_checkpoint`` in ``work_dir`` and rotation to ``max_keep`` committed checkpoints. On failure
+    ``tmp`` is removed and an older ``final`` put back; the caller checked that ``final`` may be replaced."""
     files = {}
     for root, _, names in os.walk(tmp):
         for name in names:
@@ -259,7 +266,7 @@ def finish_dir(
             shutil.rmtree(tmp, ignore_errors=True)
         else:
             try:
-                _commit(tmp, final, meta, work_dir, max_keep_ckpts)
+                commit_tmp_dir(tmp, final, meta, work_dir, max_keep_ckpts)
             except Exception as exc:
                 local, status = exc, f"rank 0: {type(exc).__name__}: {exc}"
     status = broadcast_object(status, group=group)
@@ -293,7 +300,7 @@ def commit_dir_here(
         raise CheckpointError(f"{where}: cannot create the checkpoint at {path!r} ({exc})") from exc
     try:
         write(tmp)
-        _commit(tmp, final, meta, None, None)
+        commit_tmp_dir(tmp, final, meta)
     except Exception as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         raise _failed(where, final, f"{type(exc).__name__}: {exc}", exc) from exc
