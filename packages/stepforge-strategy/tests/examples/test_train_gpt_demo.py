@@ -46,8 +46,13 @@ def _has_zero2() -> bool:
 
 
 @pytest.fixture(scope="module")
-def smoke_run(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("demo") / "out")
+def demo_out(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("demo") / "out")
+
+
+@pytest.fixture(scope="module")
+def smoke_run(demo_out):
+    out = demo_out
     proc = subprocess.run(
         [sys.executable, DEMO, "--smoke", "--out", out],
         capture_output=True,
@@ -114,6 +119,33 @@ def test_demo_summary_names_the_setup(smoke_run):
     assert len(summary["load_average"]) == 3 and "load average" in stdout
     # the fallback is visible in the summary
     assert ("FALLBACK" in stdout) == (summary["plugin"] == "torch_fsdp") == (not _has_zero2())
+
+
+@requires_gloo
+def test_the_demo_checkpoint_inspects_and_exports(smoke_run, demo_out, examples_path, tmp_path, capsys):
+    """``stepforge-checkpoint`` on the demo's mid-run checkpoint: plugin, world size and iteration as the run
+    saved them; the export holds the GPT's weights by name and shape (it has no config.json: said, not fatal)."""
+    from gpt_demo_model import ByteGPT
+
+    from stepforge.strategy.checkpoint.cli import main
+
+    _, summary, _, _ = smoke_run
+    work = os.path.join(demo_out, "work")
+    assert main(["inspect", work, "--json"]) == 0  # a work_dir: its last checkpoint
+    info = json.loads(capsys.readouterr().out)
+    assert (
+        info["path"].endswith("step_2") and info["verified"] and info["kind"] == "Strategy checkpoint (DCP)"
+    )
+    assert (info["plugin"], info["world_size"], info["iter"]) == (summary["plugin"], 2, 8)
+    assert main(["export", work, str(tmp_path / "hf")]) == 0
+    assert "no config.json" in capsys.readouterr().err
+    from safetensors.torch import load_file
+
+    exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    expected = ByteGPT(32, 1, 4, 32).state_dict()  # the smoke size: d_model 32, 1 layer, 4 heads, seq 32
+    assert {k: tuple(v.shape) for k, v in exported.items()} == {
+        k: tuple(v.shape) for k, v in expected.items()
+    }
 
 
 def test_compare_runs_reports_a_difference(examples_path):

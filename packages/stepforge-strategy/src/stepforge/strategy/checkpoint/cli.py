@@ -54,7 +54,7 @@ PROG = "stepforge-checkpoint"
 _MODEL_ROOT = "tensors.model."
 _DISTCP = re.compile(r"__(\d+)_\d+\.distcp")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_VERIFY_FIX = "restore the file or use another checkpoint; nothing was read or written"
+_VERIFY_FIX = "restore the file or use another checkpoint; nothing was written"
 
 
 class _Refused(Exception):
@@ -125,15 +125,18 @@ def _stream_dcp(path: str, model: dict[str, tuple[str, TensorStorageMetadata]]) 
 
 
 def _stream_files(files: list[Path]) -> Iterator[tuple[str, Any]]:
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     for file in files:
-        if is_safetensors(file):
+        try:
+            if not is_safetensors(file):  # a torch.save file is one pickle: read whole (weights_only), alone
+                yield from read_file(file).items()
+                continue
             with safe_open(str(file), framework="pt") as f:
                 for key in f.keys():
                     yield key, f.get_tensor(key)
-        else:  # a torch.save file is one pickle: read whole (weights_only), one file at a time
-            yield from read_file(file).items()
+        except (CheckpointError, OSError, ValueError, SafetensorError) as exc:
+            raise _Refused(f"{file} is unreadable ({exc})", _VERIFY_FIX) from exc
 
 
 def _source(path: str) -> tuple[dict[str, Any], Iterator[tuple[str, Any]]]:
@@ -142,7 +145,7 @@ def _source(path: str) -> tuple[dict[str, Any], Iterator[tuple[str, Any]]]:
     path = _resolve(path)
     manifest, record = _verified(path)
     meta: dict[str, Any] = dict((record or {}).get("meta") or {})
-    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, ".metadata")) and not record:
+    if os.path.isdir(path) and record is None:
         names = [n for n in sorted(os.listdir(path)) if os.path.isfile(os.path.join(path, n))]
         listed = {n: {"size": os.path.getsize(os.path.join(path, n))} for n in names}
     else:
