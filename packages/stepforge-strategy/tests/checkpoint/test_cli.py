@@ -5,7 +5,8 @@ model checkpoint into one Hugging Face directory that ``AutoModelForCausalLM.fro
 Round trips (one launch of 2 gloo ranks): a GPT-2 trained under ``torch_fsdp`` and a Llama under ``zero2``, saved
 as Strategy checkpoints (DCP), as ``Booster.save_model`` ``.bin`` shards and as one safetensors file; each export
 loads with ``from_pretrained`` and equals the trained model's full state dict tensor for tensor, logits too. A
-damaged file, an occupied OUT and a missing config are refused or reported in one line, and nothing is written.
+damaged file, an optimizer save, an occupied OUT and a missing config are refused or reported in one line, and
+nothing is written; a DCP directory torch wrote (no manifest) is read, shown as not verified.
 The peak memory of an export of a 9-shard checkpoint stays under 2 shards (measured in a fresh process)."""
 
 from __future__ import annotations
@@ -194,6 +195,24 @@ def test_out_is_refused_when_occupied_replaced_with_overwrite_and_never_the_sour
     assert "holds the checkpoint" in capsys.readouterr().err and (ckpt / "COMMIT.json").is_file()
     assert main(["export", str(ckpt), str(tmp_path / "x"), "--config", str(tmp_path / "nope.json")]) == 2
     assert "--config" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+def test_an_optimizer_save_is_refused_and_a_foreign_dcp_directory_is_read_unverified(tmp_path, capsys):
+    from stepforge.strategy import Booster
+
+    model = transformers.GPT2LMHeadModel(_gpt2_config())
+    booster = Booster(plugin="single")
+    _, optimizer, *_ = booster.boost(model, torch.optim.AdamW(model.parameters()))
+    booster.save_optimizer(optimizer, str(tmp_path / "optim"))
+    assert main(["export", str(tmp_path / "optim"), str(tmp_path / "out")]) == 2
+    assert "optimizer save, not model weights" in capsys.readouterr().err and not (tmp_path / "out").exists()
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(model.state_dict(), storage_writer=dcp.FileSystemWriter(str(tmp_path / "plain")), no_dist=True)
+    assert main(["inspect", str(tmp_path / "plain"), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert (info["kind"], info["verified"], info["world_size"]) == ("DCP directory", False, 1)
+    assert info["model_tensors"] == len(model.state_dict())
 
 
 def test_a_plain_torch_file_with_a_prefix_exports_cast_and_renamed(tmp_path):

@@ -57,21 +57,19 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 _VERIFY_FIX = "restore the file or use another checkpoint; nothing was written"
 
 
-class _Refused(Exception):
-    """A one-line error for the user: what is wrong and the fix."""
-
-    def __init__(self, what: str, fix: str) -> None:
-        super().__init__(f"{what} ({fix})")
+def _refused(what: str, fix: str) -> CheckpointError:
+    """The one-line error the command prints: what is wrong and the fix."""
+    return CheckpointError(f"{what} ({fix})")
 
 
 def _resolve(path: str) -> str:
     """``path``, or the last committed checkpoint when it is a ``work_dir`` holding ``last_checkpoint``."""
     if not os.path.exists(path):
-        raise _Refused(f"no checkpoint at {path!r}", "check the path")
+        raise _refused(f"no checkpoint at {path!r}", "check the path")
     if os.path.isfile(os.path.join(path, LAST_CHECKPOINT)):
         latest = find_latest_checkpoint(path)
         if latest is None:
-            raise _Refused(f"{path!r} names no committed checkpoint", "pass a checkpoint directory")
+            raise _refused(f"{path!r} names no committed checkpoint", "pass a checkpoint directory")
         return latest
     return os.path.abspath(path)
 
@@ -92,19 +90,19 @@ def _verified(path: str) -> tuple[str | None, dict[str, Any] | None]:
             "files": {os.path.basename(path): read_sidecar(path)}
         }
     except CheckpointError as exc:
-        raise _Refused(str(exc), _VERIFY_FIX) from exc
+        raise _refused(str(exc), _VERIFY_FIX) from exc
 
 
 def _dcp_model(path: str, meta: dict[str, Any]) -> tuple[str, dict[str, tuple[str, TensorStorageMetadata]]]:
     """The kind of DCP directory ``path`` and its model tensors: ``name -> (DCP key, storage metadata)``."""
     if meta.get("kind") == "optimizer":
-        raise _Refused(
+        raise _refused(
             f"{path!r} holds a Booster optimizer save, not model weights", "export the model's save instead"
         )
     try:
         stored = read_dcp_metadata(path).state_dict_metadata
     except CheckpointError as exc:
-        raise _Refused(str(exc), _VERIFY_FIX) from exc
+        raise _refused(str(exc), _VERIFY_FIX) from exc
     tensors = {k: m for k, m in stored.items() if isinstance(m, TensorStorageMetadata)}
     if any(k.startswith(_MODEL_ROOT) for k in tensors):
         kind = "Strategy checkpoint (DCP)"
@@ -120,7 +118,7 @@ def _stream_dcp(path: str, model: dict[str, tuple[str, TensorStorageMetadata]]) 
         try:  # only this key is planned, so only its bytes are read (the restricted reader: no code runs)
             safe_dcp_load(one, path, no_dist=True)
         except CheckpointError as exc:
-            raise _Refused(str(exc), _VERIFY_FIX) from exc
+            raise _refused(str(exc), _VERIFY_FIX) from exc
         yield name, one[key]
 
 
@@ -136,7 +134,7 @@ def _stream_files(files: list[Path]) -> Iterator[tuple[str, Any]]:
                 for key in f.keys():
                     yield key, f.get_tensor(key)
         except (CheckpointError, OSError, ValueError, SafetensorError) as exc:
-            raise _Refused(f"{file} is unreadable ({exc})", _VERIFY_FIX) from exc
+            raise _refused(f"{file} is unreadable ({exc})", _VERIFY_FIX) from exc
 
 
 def _source(path: str) -> tuple[dict[str, Any], Iterator[tuple[str, Any]]]:
@@ -152,6 +150,7 @@ def _source(path: str) -> tuple[dict[str, Any], Iterator[tuple[str, Any]]]:
         listed = (record or {}).get("files") or {os.path.basename(path): {"size": os.path.getsize(path)}}
     info: dict[str, Any] = {
         "path": os.path.abspath(path),
+        "kind": None,
         "manifest": manifest,
         "verified": record is not None,
         "plugin": meta.get("plugin"),
@@ -170,13 +169,13 @@ def _source(path: str) -> tuple[dict[str, Any], Iterator[tuple[str, Any]]]:
         info["model_bytes"] = sum(m.size.numel() * m.properties.dtype.itemsize for _, m in model.values())
         return info, _stream_dcp(path, model)
     if meta.get("kind") not in (None, "model"):
-        raise _Refused(
+        raise _refused(
             f"{path!r} holds a stepforge {meta['kind']} save, not model weights", "export a model save"
         )
     try:
         files = files_to_read(Path(path))
     except (OSError, ValueError) as exc:
-        raise _Refused(
+        raise _refused(
             str(exc).removeprefix("load_model: "), "pass a stepforge checkpoint or model save"
         ) from exc
     info["kind"] = (
@@ -186,8 +185,8 @@ def _source(path: str) -> tuple[dict[str, Any], Iterator[tuple[str, Any]]]:
 
 
 def inspect_checkpoint(path: str) -> dict[str, Any]:
-    """Plugin, world size, step, files with sizes and CRC-32 of checkpoint ``path`` (every checksum verified:
-    a damaged file raises)."""
+    """Plugin, world size, step, files with sizes and CRC-32 of checkpoint ``path``, every checksum verified
+    (:class:`CheckpointError` naming a damaged file and the fix)."""
     return _source(path)[0]
 
 
@@ -199,7 +198,7 @@ def _config_file(checkpoint: str, config: str | None) -> str | None:
                 if not isinstance(json.load(f), dict):
                     raise ValueError("not a JSON object")
         except (OSError, ValueError) as exc:
-            raise _Refused(
+            raise _refused(
                 f"--config {config!r} is not a readable config.json ({exc})",
                 "pass the model's config.json, as model.config.save_pretrained(dir) writes it",
             ) from exc
@@ -213,12 +212,12 @@ def _out_dir(out: str, checkpoint: str, overwrite: bool) -> str:
     try:  # never "", ".", the working directory or its parents
         final = check_target(out, arg="OUT", where=f"{PROG} export", kind="files")
     except (ValueError, CheckpointError) as exc:
-        raise _Refused(str(exc), "name a new directory") from exc
+        raise _refused(str(exc), "name a new directory") from exc
     source = os.path.realpath(checkpoint)
     if os.path.commonpath([source, os.path.realpath(final)]) == os.path.realpath(final):
-        raise _Refused(f"OUT {out!r} holds the checkpoint being exported", "name a directory outside it")
+        raise _refused(f"OUT {out!r} holds the checkpoint being exported", "name a directory outside it")
     if os.path.isdir(final) and os.listdir(final) and not overwrite:
-        raise _Refused(
+        raise _refused(
             f"OUT {out!r} exists and is not empty", "pass --overwrite to replace it, or a new directory"
         )
     return final
@@ -246,7 +245,7 @@ def _write_shards(
         for prefix in strip:
             name = name.removeprefix(prefix)
         if name in seen:
-            raise _Refused(f"two tensors are named {name!r} after --strip-prefix", "strip fewer prefixes")
+            raise _refused(f"two tensors are named {name!r} after --strip-prefix", "strip fewer prefixes")
         seen.add(name)
         if dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(dtype)
@@ -258,7 +257,7 @@ def _write_shards(
         size += nbytes
         total += nbytes
     if not seen:
-        raise _Refused("the checkpoint holds no model tensors", "pass a checkpoint with model weights")
+        raise _refused("the checkpoint holds no model tensors", "pass a checkpoint with model weights")
     flush()
     if len(parts) == 1:
         os.replace(os.path.join(folder, ".part-0"), os.path.join(folder, f"{stem}.{ext}"))
@@ -290,7 +289,8 @@ def export_checkpoint(
     written; without it ``from_pretrained`` cannot load the directory).
 
     Raises:
-        _Refused: a damaged or unsupported checkpoint, or an ``out`` that may not be replaced; nothing written.
+        CheckpointError: a damaged or unsupported checkpoint, or an ``out`` that may not be replaced (the message
+            says what and the fix); nothing is written.
     """
     info, stream = _source(checkpoint)
     final = _out_dir(out, info["path"], overwrite)
@@ -307,8 +307,8 @@ def export_checkpoint(
         commit_tmp_dir(tmp, final, meta)  # COMMIT.json, then the rename: OUT appears whole or not at all
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(exc, OSError | CheckpointError):
-            raise _Refused(
+        if isinstance(exc, OSError):
+            raise _refused(
                 f"writing {final!r} failed ({exc})", "check the space and permissions there"
             ) from exc
         raise
@@ -393,7 +393,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.checkpoint, args.out, config=args.config, max_shard_size=args.max_shard_size,
             dtype=_DTYPES.get(args.dtype), strip_prefixes=args.strip_prefix, overwrite=args.overwrite,
         )  # fmt: skip
-    except _Refused as exc:
+    except CheckpointError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {done['tensors']} tensors to {done['out']} ({done['entry']})")
