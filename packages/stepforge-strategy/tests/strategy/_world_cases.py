@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ from _strategy_cases import full_params, make_strategy
 from torch import nn
 from torch.utils.data import Dataset
 
-from stepforge.strategy import Strategy
+from stepforge.strategy import Strategy, make_stateful
 
 N = 36  # samples per epoch: 3 optimizer steps
 GLOBAL = 12  # divides over 1, 2, 3 and 4 ranks of micro-batch 1
@@ -51,11 +52,12 @@ def plugin_cfg(name: str) -> Any:
     return name if name in ("torch_ddp", "torch_fsdp") else dict(type=name, precision="fp32")
 
 
-def start(work: str, plugin: str, world_size: int) -> tuple[Strategy, Any]:
-    """A prepared Strategy and its registered loader, at this world size."""
-    s = make_strategy(work, plugin=plugin_cfg(plugin), global_batch_size=GLOBAL)
-    loader = s.plugin.prepare_dataloader(Samples(), batch_size=1, shuffle=True, seed=SEED)
-    counts = GLOBAL // world_size
+def prepare_run(s: Strategy, world_size: int) -> Any:
+    """Build the loader, register it (before ``prepare``: ``resume="auto"`` restores it there), prepare ``s``;
+    returns the loader."""
+    # ColossalAI's signature; the ZeRO plugins return a plain DataLoader, which make_stateful wraps
+    loader = make_stateful(s.plugin.prepare_dataloader(Samples(), batch_size=1, shuffle=True, seed=SEED))
+    s.register_for_checkpointing("loader", loader)
     s.prepare(
         make_model(),
         optim_wrapper=dict(optimizer=dict(type="AdamW", lr=LR, weight_decay=0.01)),
@@ -70,36 +72,37 @@ def start(work: str, plugin: str, world_size: int) -> tuple[Strategy, Any]:
             )
         ],
         dispatch_kwargs=dict(
-            max_iters=STEPS * counts, epoch_length=len(loader), train_micro_batch_size_per_gpu=1
+            max_iters=STEPS * GLOBAL // world_size, epoch_length=len(loader), train_micro_batch_size_per_gpu=1
         ),
     )
-    s.register_for_checkpointing("loader", loader)
-    return s, loader
+    return loader
 
 
-def train(s: Strategy, loader: Any, until: int) -> dict[str, Any]:
-    """Train to optimizer step ``until``; the ids each iteration drew on this rank, the lr each step used."""
+def batches(loader: Any) -> Iterator[Any]:
+    """The loader's batches, epoch after epoch (one iterator for the whole run, as a training loop holds it)."""
+    while True:
+        yield from loader
+
+
+def train(s: Strategy, stream: Iterator[Any], until: int) -> dict[str, Any]:
+    """Train to optimizer step ``until`` from :func:`batches`; the ids each iteration drew on this rank (by
+    iteration) and the lr each optimizer step used."""
     model, wrapper, schedulers = s._components()
     model.train()
-    it = s.dispatch_kwargs.get("cur_iter", 0)
-    stop = until * wrapper.accumulative_counts
+    window = wrapper._window
     ids: dict[int, list[int]] = {}
     lrs: list[float] = []
-    while it < stop:
-        for sample_ids, x, y in loader:
-            with wrapper.optim_context(model):
-                loss = (model(x) - y).square().mean()
-            lr = wrapper.param_groups[0]["lr"]
-            steps = wrapper._window.steps
-            wrapper.update_params(loss)
-            if wrapper._window.steps != steps:
-                lrs.append(lr)
-            for sched in schedulers:
-                sched.step()
-            ids[it] = sample_ids.tolist()
-            it += 1
-            if it == stop:
-                break
+    while window.steps < until:
+        sample_ids, x, y = next(stream)
+        it, steps, lr = window.inner_count, window.steps, wrapper.param_groups[0]["lr"]
+        with wrapper.optim_context(model):
+            loss = (model(x) - y).square().mean()
+        wrapper.update_params(loss)
+        if window.steps != steps:
+            lrs.append(lr)
+        for sched in schedulers:
+            sched.step()
+        ids[it] = sample_ids.tolist()
     return dict(ids=ids, lrs=lrs)
 
 
@@ -122,14 +125,15 @@ def leg(
     rank: int, world_size: int, work: str, plugin: str, source: str | None, until: int, save: str
 ) -> dict:
     """Resume ``source`` (None: start fresh) at this world size, train to step ``until``, save ``save``."""
-    s, loader = start(os.path.join(work, f"run-{save}"), plugin, world_size)
+    s = make_strategy(os.path.join(work, f"run-{save}"), plugin=plugin_cfg(plugin), global_batch_size=GLOBAL)
+    loader = prepare_run(s, world_size)
     resumed = None
     if source is not None:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="resume: the checkpoint's seed")
             s.resume(os.path.join(work, source))
         resumed = counters(s, loader)
-    got = train(s, loader, until)
+    got = train(s, batches(loader), until)
     s.save_checkpoint(os.path.join(work, save))
     out = dict(resumed=resumed, params=full_params(s.model), **got)
     s.close()
