@@ -135,7 +135,9 @@ def leg(
         resumed = counters(s, loader)
     got = train(s, batches(loader), until)
     s.save_checkpoint(os.path.join(work, save))
-    out = dict(resumed=resumed, params=full_params(s.model), **got)
+    # the ZeRO plugins' model keeps its "module." prefix in the state dict; the reference has none
+    params = {k.removeprefix("module."): v for k, v in full_params(s.model).items()}
+    out = dict(resumed=resumed, params=params, **got)
     s.close()
     return out
 
