@@ -98,9 +98,10 @@ class StatefulDataLoader:
                 sampler.set_epoch(self.epoch)
 
     def _distributed(self) -> DistributedSampler[Any] | None:
-        """The loader's ``DistributedSampler`` when it batches its items itself (``batch_size`` given)."""
+        """The loader's ``DistributedSampler`` when it batches its items itself (``batch_size`` given); not a
+        subclass, whose order may be its own (it resumes by batches, at the same world size)."""
         sampler = self.loader.sampler
-        if isinstance(sampler, DistributedSampler) and self.loader.batch_size is not None:
+        if type(sampler) is DistributedSampler and self.loader.batch_size is not None:
             return sampler
         return None
 
@@ -183,16 +184,15 @@ class StatefulDataLoader:
         if epoch < 0 or done < 0 or (samples is not None and samples < 0):
             raise ValueError(f"StatefulDataLoader.load_state_dict: negative position {dict(state)!r}.")
         self.epoch = epoch
-        if samples is not None and self._distributed() is not None:
-            sampler = self._distributed()
-            assert sampler is not None and self.loader.batch_size is not None
+        sampler = self._distributed()
+        if samples is not None and sampler is not None:
+            assert self.loader.batch_size is not None
             # this rank's batches of the epoch so far, as if the epoch had run at this world size
             self._resume, self._resume_samples = 0, samples
             self.batches_yielded = samples // (self.loader.batch_size * sampler.num_replicas)
             self._base = (samples, self.batches_yielded)
-            return
-        self.batches_yielded = done
-        self._resume = done
+        else:
+            self._resume, self._resume_samples, self.batches_yielded = done, None, done
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or name == "loader":

@@ -225,7 +225,9 @@ class Strategy:
     def register_for_checkpointing(self, name: str, obj: Any, *, per_rank: bool = False) -> None:
         """Save ``obj.state_dict()`` in every checkpoint and restore it on :meth:`resume` (dataloaders...).
 
-        ``per_rank=True`` keeps one copy per rank (restored only on the same rank of a same-size run).
+        ``per_rank=True`` keeps one copy per rank (restored only on the same rank of a same-size run). Register a
+        :class:`~stepforge.strategy.StatefulDataLoader` shared (the default): over a ``DistributedSampler`` its
+        position resumes at any world size. With ``resume="auto"``, register before :meth:`prepare` (it resumes).
         """
         if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
             raise TypeError(f"register_for_checkpointing({name!r}): obj needs state_dict and load_state_dict")
@@ -282,6 +284,8 @@ class Strategy:
     ) -> dict[str, Any]:
         """Restore model, optimizer (with loss scaler and accumulation counters), schedulers, registered
         statefuls and every rank's RNG states; sets ``dispatch_kwargs['cur_iter']``. Returns the checkpoint dict.
+        At another accumulation count with ``global_batch_size`` kept, the iteration counters (``cur_iter``,
+        ``meta["iter"]``, the window's, per-iteration schedulers') are converted to the new count.
         """
         if not self._prepared:
             raise RuntimeError("Strategy.resume: call prepare() first (resume fills the prepared objects)")
