@@ -25,7 +25,7 @@ from _world_cases import GAMMA, GLOBAL, LR, N, expected_ids, leg, reference
 
 from stepforge.testing.distributed import requires_gloo, run_distributed
 
-pytestmark = requires_gloo
+pytestmark = [requires_gloo, pytest.mark.distributed]
 
 # (name, world size, resumed checkpoint, optimizer step trained to)
 LEGS = [
