@@ -1,17 +1,21 @@
 # SPDX-License-Identifier: Apache-2.0
 """A resume whose accumulation count changes with the global batch kept, in one process: the micro-batch size
 changes (4 x 1 -> 2 x 2 samples per step), so ``accumulative_counts`` goes 4 -> 2 and the iteration counters are
-halved; a checkpoint saved inside a window is refused at the new count before anything is applied."""
+halved; a checkpoint saved inside a window is refused at the new count before anything is applied. Without
+``global_batch_size``, a resume that changes the global batch logs how to keep it."""
 
 from __future__ import annotations
 
+import logging
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
 from _strategy_cases import make_model, make_strategy
 
 from stepforge.strategy.checkpoint import CheckpointMismatchError
+from stepforge.strategy.checkpoint._strategy_load import _note_global_batch
 
 
 def _strategy(work: str, micro: int):
@@ -62,3 +66,21 @@ def test_counters_convert_at_a_window_boundary_and_a_mid_window_save_is_refused(
     assert ckpt["meta"]["global_batch_size"] == 4 and ckpt["meta"]["accumulative_counts"] == 4
     again.close()
     assert os.path.isdir(boundary)
+
+
+def test_a_resume_that_changes_the_global_batch_says_how_to_keep_it(caplog):
+    logger = logging.getLogger("test_rescale")
+    run = SimpleNamespace(  # 3 ranks x micro-batch 1 x accumulative_counts 3 = 9
+        dispatch_kwargs={"train_micro_batch_size_per_gpu": 1},
+        optim_wrapper=SimpleNamespace(accumulative_counts=3),
+        world_size=3,
+        logger=logger,
+    )
+    with caplog.at_level(logging.WARNING, logger="test_rescale"):
+        _note_global_batch(run, {"global_batch_size": 9, "world_size": 4})  # kept: silent
+        _note_global_batch(run, {"global_batch_size": 12, "world_size": 3})  # same world size: silent
+        _note_global_batch(run, {"global_batch_size": 12, "world_size": 4})
+    assert [r.getMessage() for r in caplog.records] == [
+        "resume: the global batch changes from 12 (world size 4) to 9 (world size 3); pass "
+        "Strategy(global_batch_size=12) to keep it"
+    ]
