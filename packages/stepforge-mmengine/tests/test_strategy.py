@@ -116,3 +116,21 @@ def test_flexible_runners_compile_option_compiles_the_models_forward_unless_disa
         model.train_step(batch, optim_wrapper=wrapper)
     assert (backend.graphs, backend.runs) == ((0, 0) if disable else (1, 2))
     torch.compiler.reset()
+
+
+def test_global_batch_size_derives_accumulative_counts_from_the_loaders_batch_size(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(EXAMPLE_DIR)
+    import toy_regression  # noqa: F401  (registers ToyRegressor)
+
+    with pytest.raises(ValueError, match="global_batch_size must be None or a positive int"):
+        StepforgeStrategy(work_dir=str(tmp_path), global_batch_size=0)
+    s = StepforgeStrategy(
+        work_dir=str(tmp_path), env_kwargs=dict(launcher="none", randomness=dict(seed=3)), global_batch_size=8
+    )
+    _, wrapper = s.prepare(
+        dict(type="ToyRegressor"),
+        optim_wrapper=dict(type="ColossalAIOptimWrapper", optimizer=dict(type="SGD", lr=0.1)),
+        dispatch_kwargs=dict(train_micro_batch_size_per_gpu=4, max_iters=4),  # what FlexibleRunner passes
+    )
+    assert wrapper.accumulative_counts == 2  # 8 = 1 rank x batch_size 4 x 2
+    s.strategy.close()

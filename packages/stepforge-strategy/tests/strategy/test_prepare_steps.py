@@ -13,7 +13,12 @@ import pytest
 from _strategy_cases import make_model, make_strategy
 
 from stepforge.strategy._options import check_auto_scale_lr, check_dict
-from stepforge.strategy._prepare import scale_lr, start_accumulation
+from stepforge.strategy._prepare import (
+    accumulation_for_global_batch,
+    keep_global_batch,
+    scale_lr,
+    start_accumulation,
+)
 
 
 def test_check_dict_copies_and_names_the_option():
@@ -96,3 +101,46 @@ def test_start_accumulation_only_when_accumulating():
         start_accumulation(wrapper(2), model, 0)
     start_accumulation(wrapper(2), model, 5)
     assert calls == [(model, 0, 5)]
+
+
+def test_global_batch_derives_the_accumulation_or_names_what_divides():
+    # DeepSpeed's rule: train_batch_size = micro-batch x accumulation x world size
+    assert [accumulation_for_global_batch(12, w, 1) for w in (1, 2, 3, 4)] == [12, 6, 4, 3]
+    assert accumulation_for_global_batch(12, 4, 3) == 1
+    with pytest.raises(ValueError) as info:
+        accumulation_for_global_batch(12, 3, 3)
+    message = str(info.value)
+    assert "global_batch_size=12 is not a multiple of world size 3 x micro-batch 3" in message
+    assert "micro-batch sizes [1, 2, 4] work; with micro-batch 3, world sizes [1, 2, 4]" in message
+    with pytest.raises(
+        ValueError, match=r"micro-batch sizes \[\] work; with micro-batch 1, world sizes \[1, 2, 3, 4"
+    ):
+        accumulation_for_global_batch(12, 5, 1)
+    with pytest.raises(ValueError, match=r"needs dispatch_kwargs\['train_micro_batch_size_per_gpu'\]"):
+        accumulation_for_global_batch(12, 2, None)
+    cfg = dict(optimizer=dict(type="SGD", lr=0.1))
+    assert (
+        keep_global_batch(cfg, 12, 3, 1) == {**cfg, "accumulative_counts": 4}
+        and "accumulative_counts" not in cfg
+    )
+    assert keep_global_batch({**cfg, "accumulative_counts": 4}, 12, 3, 1)["accumulative_counts"] == 4
+    with pytest.raises(ValueError, match="accumulative_counts=3 contradicts global_batch_size=12"):
+        keep_global_batch({**cfg, "accumulative_counts": 3}, 12, 3, 1)
+
+
+def test_strategy_global_batch_size_is_checked_where_it_enters_and_used_by_prepare(tmp_path):
+    for bad in (0, -4, True, 2.5, "12"):
+        with pytest.raises(ValueError, match="global_batch_size must be None or a positive int"):
+            make_strategy(str(tmp_path), global_batch_size=bad)
+    s = make_strategy(str(tmp_path), global_batch_size=6)
+    _, wrapper = s.prepare(
+        make_model(0),
+        optim_wrapper=dict(optimizer=dict(type="SGD", lr=0.1)),
+        dispatch_kwargs=dict(train_micro_batch_size_per_gpu=2, max_iters=6),
+    )
+    assert wrapper.accumulative_counts == 3  # 6 = 1 rank x micro-batch 2 x 3
+    s.close()
+    s = make_strategy(str(tmp_path), global_batch_size=6)
+    with pytest.raises(ValueError, match="train_micro_batch_size_per_gpu"):
+        s.prepare(make_model(0), optim_wrapper=dict(optimizer=dict(type="SGD", lr=0.1)))
+    s.close()

@@ -80,6 +80,9 @@ class StepforgeStrategy:
         config: recorded as ``meta["cfg"]`` when the runner does not record its own.
         memory_budget: stepforge's ``memory_budget`` (``dict(device="70GiB", host="200GiB")``); with
             ``plugin="auto"`` the fastest plugin that fits is chosen when the runner prepares the model.
+        global_batch_size: samples per optimizer step over all ranks, kept at every world size: the optim
+            wrapper's ``accumulative_counts`` is derived from it and the train loader's ``batch_size`` (see
+            :class:`stepforge.strategy.Strategy`); leave ``accumulative_counts`` out of the optim wrapper config.
 
     The optim wrapper config is stepforge's: ``dict(type="ColossalAIOptimWrapper", optimizer=dict(type="CPUAdam",
     lr=1e-3), accumulative_counts=4)``; the ``Stepforge`` prefix of mmengine's registry names is accepted too.
@@ -97,6 +100,7 @@ class StepforgeStrategy:
         auto_scale_lr: Mapping[str, Any] | None = None,
         config: Any = None,
         memory_budget: Mapping[str, Any] | None = None,
+        global_batch_size: int | None = None,
     ) -> None:
         logs = dict(log_kwargs or {})
         self._env_kwargs = _env_for_stepforge(env_kwargs)
@@ -110,6 +114,7 @@ class StepforgeStrategy:
             auto_scale_lr=auto_scale_lr,
             config=config,
             memory_budget=memory_budget,
+            global_batch_size=global_batch_size,
         )
         # one log file, written by mmengine's logger (the runner's hooks log through MMLogger)
         self.strategy.close()

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["check_auto_scale_lr", "check_dict", "check_model_wrapper"]
+__all__ = ["check_auto_scale_lr", "check_dict", "check_global_batch_size", "check_model_wrapper"]
 
 _AUTO_SCALE_LR_KEYS = frozenset({"base_batch_size", "enable"})
 
@@ -39,3 +39,13 @@ def check_model_wrapper(model_wrapper: Any) -> None:
         raise TypeError(
             f"model_wrapper must be None or a callable taking the boosted model, got {model_wrapper!r}"
         )
+
+
+def check_global_batch_size(value: Any) -> int | None:
+    """``global_batch_size`` is ``None`` or a positive int (samples per optimizer step over every rank)."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+        raise ValueError(
+            "global_batch_size must be None or a positive int (samples per optimizer step over all ranks: world "
+            f"size x train_micro_batch_size_per_gpu x accumulative_counts), got {value!r}"
+        )
+    return value

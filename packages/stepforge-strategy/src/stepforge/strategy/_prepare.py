@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The steps of :meth:`Strategy.prepare <stepforge.strategy.Strategy.prepare>` that build the run's objects:
-rank 0's weights on every rank, the optim wrapper on the Booster (which also applies ``compile``), the learning
-rate scaled to the global batch and the accumulation window started."""
+rank 0's weights on every rank, the accumulation count that keeps a named global batch, the optim wrapper on the
+Booster (which also applies ``compile``), the learning rate scaled to the global batch and the accumulation window
+started."""
 
 from __future__ import annotations
 
@@ -19,7 +20,14 @@ from ._env import get_world_size
 from .booster import Booster
 from .optim_wrappers import ColossalAIOptimWrapper
 
-__all__ = ["broadcast_weights", "build_optim_wrapper", "scale_lr", "start_accumulation"]
+__all__ = [
+    "accumulation_for_global_batch",
+    "broadcast_weights",
+    "build_optim_wrapper",
+    "keep_global_batch",
+    "scale_lr",
+    "start_accumulation",
+]
 
 
 def broadcast_weights(model: nn.Module) -> None:
@@ -38,6 +46,49 @@ def broadcast_weights(model: nn.Module) -> None:
                 staged = tensor.data.to(staging)
                 dist.broadcast(staged, src=0)
                 tensor.data.copy_(staged)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def accumulation_for_global_batch(global_batch: int, world_size: int, micro_batch: Any) -> int:
+    """The ``accumulative_counts`` with ``world_size`` x ``micro_batch`` x counts == ``global_batch`` (DeepSpeed's
+    ``train_batch_size`` rule); a ``ValueError`` that lists the micro-batch sizes and world sizes that would work
+    when there is none. ``micro_batch`` is ``dispatch_kwargs["train_micro_batch_size_per_gpu"]`` (checked here)."""
+    if not isinstance(micro_batch, int) or isinstance(micro_batch, bool) or micro_batch <= 0:
+        raise ValueError(
+            f"global_batch_size={global_batch} needs dispatch_kwargs['train_micro_batch_size_per_gpu'] (samples "
+            f"per rank per micro-batch; FlexibleRunner passes the train dataloader's batch_size), got {micro_batch!r}"
+        )
+    per_iteration = world_size * micro_batch
+    if global_batch % per_iteration == 0:
+        return global_batch // per_iteration
+    micro = _divisors(global_batch // world_size) if global_batch % world_size == 0 else []
+    worlds = _divisors(global_batch // micro_batch) if global_batch % micro_batch == 0 else []
+    raise ValueError(
+        f"global_batch_size={global_batch} is not a multiple of world size {world_size} x micro-batch "
+        f"{micro_batch} (train_micro_batch_size_per_gpu) = {per_iteration}, so no accumulative_counts keeps it. "
+        f"At world size {world_size}, micro-batch sizes {micro} work; with micro-batch {micro_batch}, world sizes "
+        f"{worlds}; or set global_batch_size to a multiple of {per_iteration}"
+    )
+
+
+def keep_global_batch(cfg: Any, global_batch: int, world_size: int, micro_batch: Any) -> Any:
+    """The optim wrapper config ``cfg`` with the ``accumulative_counts`` that keeps ``global_batch``
+    (:func:`accumulation_for_global_batch`); a count given in ``cfg`` or on a built wrapper must be that one."""
+    counts = accumulation_for_global_batch(global_batch, world_size, micro_batch)
+    given = cfg.accumulative_counts if isinstance(cfg, ColossalAIOptimWrapper) else None
+    if isinstance(cfg, Mapping):
+        given = cfg.get("accumulative_counts")
+        cfg = {**cfg, "accumulative_counts": counts}
+    if given is not None and given != counts:
+        raise ValueError(
+            f"optim_wrapper accumulative_counts={given!r} contradicts global_batch_size={global_batch} = world size "
+            f"{world_size} x micro-batch {micro_batch} x {counts}: leave accumulative_counts out (global_batch_size "
+            "derives it at every world size) or drop global_batch_size"
+        )
+    return cfg
 
 
 def _window(counts: Any) -> int | None:

@@ -22,7 +22,7 @@ from stepforge.core import Plugin
 from . import _prepare
 from ._env import ENV_KWARGS, setup_env
 from ._logging import LOG_KWARGS, close_logger, setup_logger
-from ._options import check_auto_scale_lr, check_dict, check_model_wrapper
+from ._options import check_auto_scale_lr, check_dict, check_global_batch_size, check_model_wrapper
 from .boosted_model import plugin_module
 from .booster import Booster
 from .checkpoint import _strategy_io as io
@@ -58,6 +58,11 @@ class Strategy:
         resume: ``"auto"``/``True``: :meth:`prepare` ends by resuming the latest checkpoint of ``work_dir`` if
             any (for ``torchrun --max-restarts``); a path: that checkpoint; ``False``: none (default). See
             :func:`~stepforge.strategy.checkpoint._auto_resume.checkpoint_to_resume` and :attr:`resumed_from`.
+        global_batch_size: samples per optimizer step over all ranks (DeepSpeed's ``train_batch_size``), kept at
+            every world size: :meth:`prepare` derives the optim wrapper's ``accumulative_counts`` = global batch /
+            (world size x ``dispatch_kwargs["train_micro_batch_size_per_gpu"]``), or raises listing the sizes that
+            would divide. A resume at another world size then converts the iteration counters (``cur_iter``, the
+            accumulation window, per-iteration schedulers) to the new count; see docs/checkpoints.md.
     """
 
     def __init__(
@@ -74,8 +79,10 @@ class Strategy:
         config: Any = None,
         resume: bool | str = False,
         memory_budget: Mapping[str, Any] | None = None,
+        global_batch_size: int | None = None,
     ) -> None:
         check_resume_option(resume)
+        self.global_batch_size = check_global_batch_size(global_batch_size)
         env = check_dict("env_kwargs", env_kwargs, ENV_KWARGS)
         logs = check_dict("log_kwargs", log_kwargs, LOG_KWARGS)
         self.auto_scale_lr = check_auto_scale_lr(auto_scale_lr)
@@ -157,6 +164,11 @@ class Strategy:
         compile_cfg = compile_config(compile, where="Strategy.prepare")
         _prepare.broadcast_weights(model)
         wrapper = None
+        micro_batch = self.dispatch_kwargs.get("train_micro_batch_size_per_gpu")
+        if optim_wrapper is not None and self.global_batch_size is not None:
+            optim_wrapper = _prepare.keep_global_batch(
+                optim_wrapper, self.global_batch_size, self.world_size, micro_batch
+            )
         if optim_wrapper is None:
             model = self.booster.boost(model, compile=compile)[0]
         else:
@@ -175,7 +187,6 @@ class Strategy:
             model = self.model_wrapper(model)
         self.model, self.optim_wrapper = model, wrapper
         if wrapper is not None:
-            micro_batch = self.dispatch_kwargs.get("train_micro_batch_size_per_gpu")
             _prepare.scale_lr(wrapper, self.auto_scale_lr, self.world_size, micro_batch, self.logger)
             _prepare.start_accumulation(wrapper, model, self.dispatch_kwargs.get("max_iters"))
             if param_scheduler is not None:
@@ -214,7 +225,9 @@ class Strategy:
     def register_for_checkpointing(self, name: str, obj: Any, *, per_rank: bool = False) -> None:
         """Save ``obj.state_dict()`` in every checkpoint and restore it on :meth:`resume` (dataloaders...).
 
-        ``per_rank=True`` keeps one copy per rank (restored only on the same rank of a same-size run).
+        ``per_rank=True`` keeps one copy per rank (restored only on the same rank of a same-size run). Register a
+        :class:`~stepforge.strategy.StatefulDataLoader` shared (the default): over a ``DistributedSampler`` its
+        position resumes at any world size. With ``resume="auto"``, register before :meth:`prepare` (it resumes).
         """
         if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
             raise TypeError(f"register_for_checkpointing({name!r}): obj needs state_dict and load_state_dict")
@@ -271,6 +284,8 @@ class Strategy:
     ) -> dict[str, Any]:
         """Restore model, optimizer (with loss scaler and accumulation counters), schedulers, registered
         statefuls and every rank's RNG states; sets ``dispatch_kwargs['cur_iter']``. Returns the checkpoint dict.
+        At another accumulation count with ``global_batch_size`` kept, the iteration counters (``cur_iter``,
+        ``meta["iter"]``, the window's, per-iteration schedulers') are converted to the new count.
         """
         if not self._prepared:
             raise RuntimeError("Strategy.resume: call prepare() first (resume fills the prepared objects)")
@@ -290,6 +305,7 @@ class Strategy:
             statefuls=self.statefuls,
             dispatch_kwargs=self.dispatch_kwargs,
             seed=self.seed,
+            global_batch_size=self.global_batch_size,
             experiment_name=self.experiment_name,
             world_size=self.world_size,
             rank=self.rank,

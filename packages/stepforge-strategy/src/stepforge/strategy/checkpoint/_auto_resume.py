@@ -58,7 +58,8 @@ def checkpoint_to_resume(option: bool | str, work_dir: str, logger: logging.Logg
 
     ``"auto"``/``True``: rank 0 removes the unfinished saves of ``work_dir`` (:func:`remove_uncommitted`) and
     picks ``find_latest_checkpoint(work_dir)``, broadcast so that every rank resumes the same one (``None``: start
-    fresh). Any other string is the path itself; ``False`` gives ``None``.
+    fresh). Any other string is the path itself; ``False`` gives ``None``. An elastic restart at another world
+    size (``torchrun --nnodes=MIN:MAX``) resumes the same checkpoint (tests/strategy/test_elastic_shrink.py).
     """
     if option is False:
         return None

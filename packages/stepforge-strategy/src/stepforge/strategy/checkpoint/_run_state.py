@@ -20,8 +20,9 @@ __all__ = ["RunState"]
 class RunState:
     """The parts of a run a checkpoint saves and restores, as the Strategy holds them.
 
-    ``dispatch_kwargs`` is the Strategy's own dict (``resume`` sets its ``"cur_iter"``); ``optim_wrapper`` is
-    the accumulation wrapper whose ``optimizer`` is the boosted optimizer.
+    ``dispatch_kwargs`` is the Strategy's own dict (``resume`` sets its ``"cur_iter"``; its
+    ``"train_micro_batch_size_per_gpu"`` gives the global batch); ``optim_wrapper`` is the accumulation wrapper
+    whose ``optimizer`` is the boosted optimizer.
     """
 
     model: torch.nn.Module | None
@@ -32,6 +33,7 @@ class RunState:
     statefuls: dict[str, tuple[Any, bool]]
     dispatch_kwargs: dict[str, Any]
     seed: int
+    global_batch_size: int | None  # the run's Strategy(global_batch_size=...): kept across world sizes
     experiment_name: str
     world_size: int
     rank: int

@@ -79,6 +79,14 @@ def _epoch(run: RunState, iteration: int) -> int | None:
     return None
 
 
+def _global_batch(run: RunState, counts: int) -> int | None:
+    """Samples per optimizer step over all ranks, when the micro-batch size is known."""
+    micro = run.dispatch_kwargs.get("train_micro_batch_size_per_gpu")
+    if isinstance(micro, int) and not isinstance(micro, bool) and micro > 0:
+        return run.world_size * micro * counts
+    return run.global_batch_size
+
+
 def save(
     run: RunState,
     filename: str,
@@ -130,6 +138,7 @@ def save(
         "plugin": plugin.name,
         "precision": plugin.precision or run.mixed_precision,
         "accumulative_counts": wrapper.accumulative_counts if wrapper is not None else 1,
+        "global_batch_size": _global_batch(run, wrapper.accumulative_counts if wrapper is not None else 1),
         "mid_window": mid_window,
         "cfg": None if run.config is None else repr(run.config),
     }

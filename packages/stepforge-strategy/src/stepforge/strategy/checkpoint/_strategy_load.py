@@ -32,6 +32,7 @@ from ._dcp import check_template, read_dcp_metadata, read_dir, verify_files
 from ._fsdp_window import set_fsdp_pending_grads
 from ._layout import CheckpointError, CheckpointMismatchError
 from ._optim_template import fit_template
+from ._rescale import iteration_scale
 from ._rng import set_rng_state
 from ._run_state import RunState
 
@@ -110,6 +111,26 @@ def _check_meta(run: RunState, filename: str, meta: Mapping[str, Any], with_opti
             f"{filename!r} was saved inside an accumulation window at world size {meta.get('world_size')}; its "
             f"per-rank gradients cannot be mapped to world size {run.world_size}. Resume at world size "
             f"{meta.get('world_size')}, or from a checkpoint saved at a window boundary"
+        )
+
+
+def _note_global_batch(run: RunState, meta: Mapping[str, Any]) -> None:
+    """Warn when a resume at another world size changes the global batch (nothing keeps it)."""
+    saved = meta.get("global_batch_size")
+    micro = run.dispatch_kwargs.get("train_micro_batch_size_per_gpu")
+    wrapper = run.optim_wrapper
+    if (
+        saved is None
+        or wrapper is None
+        or not isinstance(micro, int)
+        or meta.get("world_size") == run.world_size
+    ):
+        return
+    now = run.world_size * micro * wrapper.accumulative_counts
+    if now != saved:
+        run.logger.warning(
+            f"resume: the global batch changes from {saved} (world size {meta.get('world_size')}) to {now} "
+            f"(world size {run.world_size}); pass Strategy(global_batch_size={saved}) to keep it"
         )
 
 
@@ -226,6 +247,26 @@ def resume(
     assert shared is not None, "read_dir returns the objects when asked for them (the default)"
     _check_objects(run, filename, shared, mine, resume_param_scheduler)
     acc = (mine or {}).get("accumulation") or shared.get("accumulation")
+    sched_states = shared.get("extra", {}).get("param_schedulers")
+    if not (resume_param_scheduler and run.param_schedulers):
+        sched_states = None
+    scale = None
+    if with_optim:
+        assert wrapper is not None
+        scale = iteration_scale(meta, run.global_batch_size, wrapper.accumulative_counts, filename)
+        _note_global_batch(run, meta)
+    if scale is not None:  # the global batch is kept at another accumulation count: counters in the new unit
+        assert wrapper is not None
+        if acc is not None:
+            acc = scale.window(acc, wrapper.window.state_dict())
+        if sched_states is not None:
+            assert run.param_schedulers is not None
+            sched_states = scale.schedulers(run.param_schedulers, sched_states)
+        meta = {**meta, "iter": scale("iter", int(meta.get("iter", 0)))}
+        run.logger.info(
+            f"resume: accumulative_counts {scale.old} -> {scale.new} keeps global_batch_size="
+            f"{run.global_batch_size}; iteration counters converted (iter {meta['iter']})"
+        )
     ckpt: dict[str, Any] = {"meta": meta, "state_dict": fresh["model"], **shared.get("extra", {})}
     if with_optim:
         ckpt["optimizer"] = fresh["optimizer"]
@@ -253,8 +294,9 @@ def resume(
             set_fsdp_pending_grads(model, (mine or {}).get("fsdp_pending_grads") or [])
     else:
         _set_weights(run, model, ckpt["state_dict"])
-    if resume_param_scheduler and run.param_schedulers and "param_schedulers" in shared.get("extra", {}):
-        for sched, state in zip(run.param_schedulers, shared["extra"]["param_schedulers"], strict=True):
+    if sched_states is not None:
+        assert run.param_schedulers is not None
+        for sched, state in zip(run.param_schedulers, sched_states, strict=True):
             sched.load_state_dict(state)
     for name, (obj, per_rank) in run.statefuls.items():
         source = (mine or {}).get("statefuls", {}) if per_rank else shared.get("statefuls", {})
