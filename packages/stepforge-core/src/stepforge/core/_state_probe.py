@@ -14,6 +14,9 @@ count raises (the estimate would not know it).
 
 from __future__ import annotations
 
+import copy
+import weakref
+from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -50,34 +53,60 @@ def _state_of(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> list[tup
     return [(str(k), v) for k, v in state.items() if isinstance(v, torch.Tensor)]
 
 
+def _holding(optimizer: torch.optim.Optimizer, group: Mapping[str, Any], params: list[Any]) -> Any:
+    """A copy of ``optimizer`` (``copy.copy``: its class and what it pickles) with no state and one param group:
+    ``params`` with ``group``'s hyperparameters."""
+    held = copy.copy(optimizer)
+    held.state = defaultdict(dict)
+    held.param_groups = [{**group, "params": params}]
+    return held
+
+
 class OptimizerStateProbe:
-    """The state layout of the optimizer a ``build_optimizer`` config builds.
+    """The state layout of an optimizer: the one a ``build_optimizer`` config builds, or an instance's.
 
     Args:
-        config: ``{"type": ..., **hyperparameters}``.
+        optimizer: ``{"type": ..., **hyperparameters}``, or an optimizer instance (probed through copies of it
+            holding stand-in parameters; see the module docstring).
 
     Raises:
-        ValueError: ``config`` has no ``type``.
+        ValueError: a config without ``type``.
+        TypeError: neither a config nor an optimizer.
     """
 
-    def __init__(self, config: Mapping[str, Any]) -> None:
-        if "type" not in config:
-            raise ValueError(
-                f"OptimizerStateProbe: the optimizer config needs a 'type', e.g. dict(type='AdamW', lr=1e-3); got "
-                f"{dict(config)!r}."
+    def __init__(self, optimizer: Mapping[str, Any] | torch.optim.Optimizer) -> None:
+        self.config: dict[str, Any] | None = None
+        self._template: torch.optim.Optimizer | None = None
+        if isinstance(optimizer, torch.optim.Optimizer):
+            self.name = type(optimizer).__name__
+            # hyperparameters of the first group; the copy keeps no parameter and no state of the instance
+            self._group = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+            self._template = _holding(optimizer, self._group, [])
+        elif isinstance(optimizer, Mapping):
+            if "type" not in optimizer:
+                raise ValueError(
+                    "OptimizerStateProbe: the optimizer config needs a 'type', e.g. dict(type='AdamW', lr=1e-3); "
+                    f"got {dict(optimizer)!r}."
+                )
+            self.config = dict(optimizer)
+            kind = self.config["type"]
+            self.name = kind if isinstance(kind, str) else getattr(kind, "__name__", str(kind))
+        else:
+            raise TypeError(
+                "OptimizerStateProbe: the optimizer must be a torch.optim.Optimizer or a build_optimizer config "
+                f"(dict(type='AdamW', lr=1e-3)), got {type(optimizer).__name__}."
             )
-        self.config = dict(config)
-        kind = self.config["type"]
-        self.name = kind if isinstance(kind, str) else getattr(kind, "__name__", str(kind))
         self._cache: dict[tuple[tuple[int, ...], torch.dtype], tuple[StateTensor, ...]] = {}
         self._fits: dict[torch.dtype, list[tuple[str, float, float, torch.dtype, bool]]] = {}
         self._temporaries: dict[torch.dtype, tuple[float, float, float]] = {}
         self.method = "meta"  # "cpu-fit" once the meta probe failed
 
     def _build(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        if self._template is not None:
+            return _holding(self._template, self._group, params)
         from .build import build_optimizer
 
-        return build_optimizer(dict(self.config), params)
+        return build_optimizer(dict(self.config or {}), params)
 
     def state(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[StateTensor, ...]:
         """The state tensors kept for one parameter of ``shape`` and ``dtype``."""
@@ -200,12 +229,22 @@ class OptimizerStateProbe:
 
 
 _PROBES: dict[str, OptimizerStateProbe] = {}
+# an instance's probe lives as long as the instance (the probe holds a copy of it, never the instance)
+_INSTANCE_PROBES: weakref.WeakKeyDictionary[torch.optim.Optimizer, OptimizerStateProbe] = (
+    weakref.WeakKeyDictionary()
+)
 
 
-def optimizer_state_probe(config: Mapping[str, Any]) -> OptimizerStateProbe:
-    """The probe of ``config``, shared by every plan in this process (one probe per distinct config)."""
-    key = repr(sorted((str(k), repr(v)) for k, v in config.items()))
+def optimizer_state_probe(optimizer: Mapping[str, Any] | torch.optim.Optimizer) -> OptimizerStateProbe:
+    """The probe of ``optimizer`` (a config or an instance), shared by every plan in this process: one probe per
+    distinct config, one per instance."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        found = _INSTANCE_PROBES.get(optimizer)
+        if found is None:
+            found = _INSTANCE_PROBES[optimizer] = OptimizerStateProbe(optimizer)
+        return found
+    key = repr(sorted((str(k), repr(v)) for k, v in optimizer.items()))
     probe = _PROBES.get(key)
     if probe is None:
-        probe = _PROBES[key] = OptimizerStateProbe(config)
+        probe = _PROBES[key] = OptimizerStateProbe(optimizer)
     return probe

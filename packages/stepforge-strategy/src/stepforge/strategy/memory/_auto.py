@@ -45,7 +45,6 @@ __all__ = [
     "choose_plugin",
     "check_budget",
     "memory_budget",
-    "optimizer_config",
 ]
 
 logger = logging.getLogger("stepforge.strategy")
@@ -158,18 +157,6 @@ def memory_budget(
     )
 
 
-def optimizer_config(optimizer: Any) -> dict[str, Any] | None:
-    """The ``build_optimizer`` config of what ``boost`` receives: a config dict as it is, a built optimizer as
-    its class and defaults, ``None`` as no optimizer."""
-    if optimizer is None:
-        return None
-    if isinstance(optimizer, Mapping):
-        return dict(optimizer)
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return {"type": type(optimizer), **optimizer.defaults}
-    raise TypeError(f"optimizer must be a torch optimizer or a config dict, got {type(optimizer).__name__}.")
-
-
 def _rank_key(est: Estimate) -> tuple[bool, int, int]:
     return est.plan.offloads, est.sent_bytes, est.plan.total(component="optimizer_state")
 
@@ -240,7 +227,7 @@ def choose_plugin(
     *,
     world_size: int,
     precision: str | None,
-    optimizer: Mapping[str, Any] | None,
+    optimizer: Mapping[str, Any] | torch.optim.Optimizer | None,
     device: torch.device,
     backend: str | None,
     budget: MemoryBudget,
@@ -288,7 +275,7 @@ def check_budget(
     *,
     world_size: int,
     precision: str | None,
-    optimizer: Mapping[str, Any] | None,
+    optimizer: Mapping[str, Any] | torch.optim.Optimizer | None,
     device: torch.device,
     backend: str | None,
     budget: MemoryBudget,

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -21,7 +21,7 @@ def estimate_plugins(
     *,
     world_size: int,
     precision: str,
-    optimizer: dict[str, Any] | None,
+    optimizer: Mapping[str, Any] | torch.optim.Optimizer | None,
     inputs: Any = None,
     device: str = "cuda",
     backend: str | None = None,

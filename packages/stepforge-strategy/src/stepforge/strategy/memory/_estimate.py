@@ -174,6 +174,13 @@ class Estimate:
         return estimate_table([self])
 
 
+def _optimizer_name(optimizer: Mapping[str, Any] | torch.optim.Optimizer | None) -> str | None:
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return type(optimizer).__name__
+    kind = None if optimizer is None else optimizer.get("type")
+    return kind if isinstance(kind, str) or kind is None else getattr(kind, "__name__", str(kind))
+
+
 def _names_device(cls: Any) -> bool:
     """Whether ``cls`` takes ``device`` by name (a ``**kwargs`` passing it on to a base that has none does not
     count: ``Zero2Plugin``)."""
@@ -236,7 +243,7 @@ def estimate(
     *,
     world_size: int = 1,
     precision: str | None = None,
-    optimizer: Mapping[str, Any] | None = None,
+    optimizer: Mapping[str, Any] | torch.optim.Optimizer | None = None,
     inputs: Any = None,
     criterion: Callable[[Any], torch.Tensor] | None = None,
     rank: int = 0,
@@ -262,8 +269,9 @@ def estimate(
         world_size: the data-parallel world to plan for.
         precision: ``"fp32"``, ``"bf16"``, ``"fp16"``: the plugin's own precision, or the Booster's mixed
             precision for plugins without one (``None``: the plugin's default, fp32 for the others).
-        optimizer: the ``build_optimizer`` config (``None``: no optimizer state). State bytes are read from
-            the optimizer itself.
+        optimizer: the ``build_optimizer`` config or the optimizer instance the run uses (``None``: no optimizer
+            state). State bytes are read from the optimizer itself: a config's optimizer is built on stand-in
+            parameters, an instance is copied onto them (never stepped or changed itself).
         inputs: an example micro-batch as the forward takes it (a tensor, a tuple of positional arguments or a
             dict of keyword arguments; real or meta tensors): activations are traced from it. ``None``: no
             activations.
@@ -285,6 +293,11 @@ def estimate(
     if not 0 <= rank < world_size:
         raise ValueError(f"estimate: rank must lie in [0, world_size={world_size}), got {rank!r}.")
     check_accumulation_steps(accumulation_steps, "estimate")
+    if optimizer is not None and not isinstance(optimizer, Mapping | torch.optim.Optimizer):
+        raise TypeError(
+            "estimate: optimizer must be a torch.optim.Optimizer, a build_optimizer config "
+            f"(dict(type='AdamW', lr=1e-4)) or None, got {type(optimizer).__name__}."
+        )
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     built, effective, autocast = make_plugin(plugin, device=device, precision=precision, **plugin_kwargs)
@@ -314,7 +327,7 @@ def estimate(
         world_size=world_size,
         rank=rank,
         precision=effective,
-        optimizer=None if optimizer is None else str(optimizer.get("type", "")) or None,
+        optimizer=_optimizer_name(optimizer),
         backend=backend,
         parameters=parameter_count(module),
         plan=plan,
