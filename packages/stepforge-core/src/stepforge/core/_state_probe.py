@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from .errors import OptimizerStateError
+
 __all__ = ["OptimizerStateProbe", "StateTensor", "optimizer_state_probe"]
 
 
@@ -109,7 +111,13 @@ class OptimizerStateProbe:
         return build_optimizer(dict(self.config or {}), params)
 
     def state(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[StateTensor, ...]:
-        """The state tensors kept for one parameter of ``shape`` and ``dtype``."""
+        """The state tensors kept for one parameter of ``shape`` and ``dtype``.
+
+        Raises:
+            OptimizerStateError: the optimizer cannot be stepped on stand-in parameters (one that needs a
+                closure, ``LBFGS``; sparse gradients, ``SparseAdam``; 2-D parameters only, ``Muon``), or its state
+                depends on the shape and cannot be probed on meta tensors (``Adafactor``'s factored moments).
+        """
         key = (tuple(int(s) for s in shape), dtype)
         found = self._cache.get(key)
         if found is None:
@@ -149,9 +157,10 @@ class OptimizerStateProbe:
                 p.grad = torch.full_like(p, 1e-3)
             optimizer.step()
         except Exception as exc:
-            raise RuntimeError(
-                f"OptimizerStateProbe: the optimizer {self.name!r} could not be stepped on meta tensors nor on "
-                f"small {dtype} CPU tensors ({type(exc).__name__}: {exc}); its state size cannot be read."
+            raise OptimizerStateError(
+                f"the optimizer {self.name!r} cannot be stepped on stand-in parameters (meta, nor small {dtype} "
+                f"CPU ones: {type(exc).__name__}: {exc}), so its state size cannot be read (estimate without an "
+                "optimizer, or with one of the same state layout)"
             ) from exc
         states = [dict(_state_of(optimizer, p)) for p in params]
         fits = []
@@ -164,9 +173,10 @@ class OptimizerStateProbe:
             fixed = b1 - per_element * n1
             other = check.get(name)
             if other is None or other.numel() * other.element_size() != b2:
-                raise RuntimeError(
-                    f"OptimizerStateProbe: the state {name!r} of {self.name!r} depends on the parameter's shape, "
-                    "not only on its element count; the estimate cannot size it."
+                raise OptimizerStateError(
+                    f"the state {name!r} of the optimizer {self.name!r} depends on the parameter's shape, not only "
+                    "on its element count, and it cannot be stepped on meta tensors, so its size cannot be read "
+                    "(estimate without an optimizer, or with one of the same state layout)"
                 )
             fits.append((name, per_element, fixed, first.dtype, True))
         self._fits[dtype] = fits
@@ -200,20 +210,29 @@ class OptimizerStateProbe:
     def _fit_temporaries(self, dtype: torch.dtype) -> tuple[float, float, float]:
         from .torch_compat import memory_tracker, tracker_bytes
 
-        n = 4096 if self.method == "meta" else _FIT_SIZES[1]
+        # square stand-ins: an optimizer of matrices only (Muon) steps them too
+        shape = (64, 64) if self.method == "meta" else _FIT_CHECK
+        n = shape[0] * shape[1]
         device = "meta" if self.method == "meta" else "cpu"
         peaks = []
         for count in (1, 2, 3):
             params = [
-                torch.nn.Parameter(torch.full((n,), 0.5, dtype=dtype, device=device)) for _ in range(count)
+                torch.nn.Parameter(torch.full(shape, 0.5, dtype=dtype, device=device)) for _ in range(count)
             ]
-            optimizer = self._build(list(params))
-            for p in params:
-                p.grad = torch.full_like(p, 1e-3)
-            optimizer.step()  # the first step creates the state
             tracker = memory_tracker()
-            with tracker:
-                optimizer.step()
+            try:
+                optimizer = self._build(list(params))
+                for p in params:
+                    p.grad = torch.full_like(p, 1e-3)
+                optimizer.step()  # the first step creates the state
+                with tracker:
+                    optimizer.step()
+            except Exception as exc:
+                raise OptimizerStateError(
+                    f"the optimizer {self.name!r} cannot be stepped twice on {count} stand-in {shape} parameters "
+                    f"({type(exc).__name__}: {exc}), so the temporaries of its step cannot be read (estimate "
+                    "without an optimizer, or with one of the same state layout)"
+                ) from exc
             current = sum(d["Total"] for d in tracker_bytes(tracker).values())
             peak = sum(d["Total"] for d in tracker_bytes(tracker, "peak").values())
             peaks.append(max(0, peak - current))

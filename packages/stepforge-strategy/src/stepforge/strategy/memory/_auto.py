@@ -29,11 +29,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from stepforge.core import StepforgeError
+from stepforge.core import OptimizerStateError, StepforgeError
 from stepforge.core.memory_plan import check_accumulation_steps
 
 from ._compare import estimate_plugins
-from ._estimate import Estimate, estimate
+from ._estimate import Estimate, estimate, shared_traces
 from ._specs import parse_plugin, parse_size, plugin_label
 from ._table import estimate_table, format_bytes
 
@@ -180,7 +180,20 @@ class AutoChoice:
 
 
 def _estimates(model: nn.Module, candidates: Sequence[str], world_size: int, **kwargs: Any) -> list[Estimate]:
-    return estimate_plugins(model, candidates, world_size=world_size, **kwargs)
+    """The candidates' estimates; one whose layout the optimizer cannot step (Muon's matrices on ZeRO's flat
+    shards) is left out and logged, and when every one is, the first error is raised."""
+    out: list[Estimate] = []
+    errors: list[OptimizerStateError] = []
+    with shared_traces():
+        for spec in candidates:
+            try:
+                out += estimate_plugins(model, [spec], world_size=world_size, **kwargs)
+            except OptimizerStateError as exc:
+                logger.info("plugin='auto' leaves out %s: %s", spec, exc)
+                errors.append(exc)
+    if errors and not out:
+        raise errors[0]
+    return out
 
 
 def _budget_text(budget: MemoryBudget, world_size: int) -> str:

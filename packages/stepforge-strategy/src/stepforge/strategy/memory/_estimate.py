@@ -12,7 +12,9 @@ forward and backward, beside their activations.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -27,7 +29,7 @@ from ._activations import ActivationTrace, trace_activations
 from ._model import parameter_count, resolve_model
 from ._table import estimate_table
 
-__all__ = ["Estimate", "estimate", "make_plugin"]
+__all__ = ["Estimate", "estimate", "make_plugin", "shared_traces"]
 
 #: the lifetimes held between steps (a plan's steady state after a step, before ``zero_grad``)
 HELD = ("boost", "step", "grads", "accumulated")
@@ -181,6 +183,34 @@ def _optimizer_name(optimizer: Mapping[str, Any] | torch.optim.Optimizer | None)
     return kind if isinstance(kind, str) or kind is None else getattr(kind, "__name__", str(kind))
 
 
+#: within :func:`shared_traces`: ``(model, inputs, trace arguments, trace)`` of the traces made so far
+_TRACES: ContextVar[list[tuple[Any, Any, dict[str, Any], ActivationTrace]] | None] = ContextVar(
+    "stepforge_estimate_traces", default=None
+)
+
+
+@contextmanager
+def shared_traces() -> Iterator[None]:
+    """Within it, estimates of the same model (object) and micro-batch (object) reuse one activation trace per
+    set of trace arguments (compute and autocast dtype, criterion): several plugins are traced once."""
+    token = _TRACES.set([])
+    try:
+        yield
+    finally:
+        _TRACES.reset(token)
+
+
+def _trace(model: Any, module: nn.Module, inputs: Any, arguments: dict[str, Any]) -> ActivationTrace:
+    kept = _TRACES.get()
+    for seen_model, seen_inputs, seen_arguments, trace in kept or ():
+        if seen_model is model and seen_inputs is inputs and seen_arguments == arguments:
+            return trace
+    trace = trace_activations(module, inputs, **arguments)
+    if kept is not None:
+        kept.append((model, inputs, arguments, trace))
+    return trace
+
+
 def _names_device(cls: Any) -> bool:
     """Whether ``cls`` takes ``device`` by name (a ``**kwargs`` passing it on to a base that has none does not
     count: ``Zero2Plugin``)."""
@@ -315,8 +345,11 @@ def estimate(
     )
     trace = None
     if inputs is not None:
-        trace = trace_activations(
-            module, inputs, compute_dtype=plan.compute_dtype, autocast_dtype=autocast, criterion=criterion
+        trace = _trace(
+            model,
+            module,
+            inputs,
+            dict(compute_dtype=plan.compute_dtype, autocast_dtype=autocast, criterion=criterion),
         )
     settings = dict(plugin_kwargs)
     if isinstance(plugin, Mapping):
