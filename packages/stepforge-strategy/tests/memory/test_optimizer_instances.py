@@ -103,3 +103,16 @@ def test_an_optimizer_whose_state_cannot_be_read_is_named(
         cli.main(["_optimizer_cases:model", "--optimizer", f"_optimizer_cases:{name}", "--plugin", "zero2"])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.count("\n") == 1 and f"'{label}'" in err and reason in err
+
+
+def test_auto_leaves_out_the_candidates_the_optimizer_cannot_step(caplog: pytest.LogCaptureFixture) -> None:
+    """Muon steps matrices only, so ZeRO's flat shards cannot hold it: ``plugin="auto"`` leaves zero1/zero2 out
+    (logged) and, when ``single`` does not fit either, fails with the budget error, not the optimizer's."""
+    from stepforge.strategy import MemoryBudgetError
+
+    net = model()
+    booster = Booster(plugin="auto", memory_budget=dict(device=100, host=100))
+    with caplog.at_level("INFO", logger="stepforge.strategy"), pytest.raises(MemoryBudgetError) as raised:
+        booster.boost(net, READABLE["muon"](net.parameters()))
+    assert "zero" not in str(raised.value) and "single" in str(raised.value)
+    assert "plugin='auto' leaves out zero2: the optimizer 'Muon' cannot be stepped" in caplog.text

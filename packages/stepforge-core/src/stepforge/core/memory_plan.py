@@ -298,9 +298,9 @@ def add_optimizer_state(
     *,
     place: str,
 ) -> None:
-    """Add the state ``optimizer`` (a ``build_optimizer`` config or an optimizer instance) keeps for tensors of these shapes and dtypes,
-    as the optimizer itself lays it out, and the temporaries of its step; state it keeps on the CPU whatever the
-    tensor's device (torch's ``step`` counters) is host memory."""
+    """Add the state ``optimizer`` (a ``build_optimizer`` config or an optimizer instance) keeps for tensors of
+    these shapes and dtypes, as the optimizer itself lays it out, and the temporaries of its step; state it keeps
+    on the CPU whatever the tensor's device (torch's ``step`` counters) is host memory."""
     probe = optimizer_state_probe(optimizer)
     with_param = on_host = 0
     by_dtype: dict[torch.dtype, list[int]] = {}

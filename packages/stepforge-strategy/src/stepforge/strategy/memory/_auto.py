@@ -216,22 +216,26 @@ def _would_fit(
     """Plugins and settings that would fit: the smallest larger world size per candidate, and the host memory an
     offloading candidate that fits the device would need."""
     out = []
-    for spec in candidates:
-        name, settings = parse_plugin(spec)
-        if name == "single":
-            continue
-        label = plugin_label(name, settings)
-        world = world_size * 2
-        while world <= MAX_SUGGESTED_WORLD:
-            (est,) = _estimates(model, [spec], world, **kwargs)
-            if budget.admits(est, on_cpu):
-                out.append(f"{label} at {world} ranks")
-                break
-            world *= 2
-        (here,) = _estimates(model, [spec], world_size, **kwargs)
-        device_fits = here.device["peak"] <= budget.device
-        if not on_cpu and device_fits and here.host["peak"] > budget.host:
-            out.append(f"{label} with {format_bytes(here.host['peak'])} of host memory per rank")
+    with shared_traces():  # every world size and candidate traces the same micro-batch
+        for spec in candidates:
+            name, settings = parse_plugin(spec)
+            if name == "single":
+                continue
+            label = plugin_label(name, settings)
+            try:
+                (here,) = _estimates(model, [spec], world_size, **kwargs)
+            except OptimizerStateError:
+                continue  # the optimizer cannot step this candidate's layout (left out of the choice)
+            world = world_size * 2
+            while world <= MAX_SUGGESTED_WORLD:
+                (est,) = _estimates(model, [spec], world, **kwargs)
+                if budget.admits(est, on_cpu):
+                    out.append(f"{label} at {world} ranks")
+                    break
+                world *= 2
+            device_fits = here.device["peak"] <= budget.device
+            if not on_cpu and device_fits and here.host["peak"] > budget.host:
+                out.append(f"{label} with {format_bytes(here.host['peak'])} of host memory per rank")
     return out
 
 

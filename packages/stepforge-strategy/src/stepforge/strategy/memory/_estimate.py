@@ -192,12 +192,14 @@ _TRACES: ContextVar[list[tuple[Any, Any, dict[str, Any], ActivationTrace]] | Non
 @contextmanager
 def shared_traces() -> Iterator[None]:
     """Within it, estimates of the same model (object) and micro-batch (object) reuse one activation trace per
-    set of trace arguments (compute and autocast dtype, criterion): several plugins are traced once."""
-    token = _TRACES.set([])
+    set of trace arguments (compute and autocast dtype, criterion): several plugins are traced once. Nested, the
+    outermost context's traces are shared."""
+    token = _TRACES.set([]) if _TRACES.get() is None else None
     try:
         yield
     finally:
-        _TRACES.reset(token)
+        if token is not None:
+            _TRACES.reset(token)
 
 
 def _trace(model: Any, module: nn.Module, inputs: Any, arguments: dict[str, Any]) -> ActivationTrace:
