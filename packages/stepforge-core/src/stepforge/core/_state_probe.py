@@ -210,6 +210,7 @@ class OptimizerStateProbe:
     def _fit_temporaries(self, dtype: torch.dtype) -> tuple[float, float, float]:
         from .torch_compat import memory_tracker, tracker_bytes
 
+        self.state(_FIT_CHECK, dtype)  # settles the method: meta, or the CPU fit when meta cannot step
         # square stand-ins: an optimizer of matrices only (Muon) steps them too
         shape = (64, 64) if self.method == "meta" else _FIT_CHECK
         n = shape[0] * shape[1]
