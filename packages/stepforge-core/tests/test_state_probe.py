@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Optimizer state bytes read from the optimizer itself: torch's Adam family and SGD on meta stand-ins, an
-optimizer that cannot step meta tensors through the CPU fit, and state the fit cannot describe refused."""
+optimizer that cannot step meta tensors through the CPU fit, state the fit cannot describe refused, and an
+optimizer instance read through copies of it."""
 
 from __future__ import annotations
 
@@ -89,3 +90,39 @@ def test_probes_are_shared_per_config() -> None:
     assert optimizer_state_probe(dict(type="SGD", lr=0.1)) is not optimizer_state_probe(
         dict(type="SGD", lr=0.2)
     )
+
+
+def test_an_instance_is_probed_through_copies_never_rebuilt_nor_changed() -> None:
+    """An optimizer instance: the layout of its class with its own group's hyperparameters (``amsgrad`` adds
+    ``max_exp_avg_sq``), read without calling its constructor (its ``defaults`` may hold a key the constructor
+    refuses) and without touching its parameters, groups or state; one probe per instance."""
+    built = []
+
+    class Counted(torch.optim.AdamW):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            built.append(kwargs)
+            super().__init__(*args, **kwargs)
+
+    param = torch.nn.Parameter(torch.ones(3))
+    optimizer = Counted([param], lr=1e-3, amsgrad=True)
+    optimizer.defaults["not_an_argument"] = 1
+    groups = [dict(g) for g in optimizer.param_groups]
+    probe = optimizer_state_probe(optimizer)
+    state = {s.key: s.nbytes for s in probe.state((64, 32), torch.float32)}
+    assert state == {"step": 4, "exp_avg": 8192, "exp_avg_sq": 8192, "max_exp_avg_sq": 8192}
+    assert probe.name == "Counted" and len(built) == 1
+    assert (
+        not optimizer.state
+        and optimizer.param_groups == groups
+        and optimizer.param_groups[0]["params"] == [param]
+    )
+    assert optimizer_state_probe(optimizer) is probe
+
+
+def test_an_optimizer_that_cannot_step_stand_ins_is_named() -> None:
+    """LBFGS steps only with a closure: an ``OptimizerStateError`` names it and the reason."""
+    from stepforge.core import OptimizerStateError
+
+    optimizer = torch.optim.LBFGS([torch.nn.Parameter(torch.ones(3))])
+    with pytest.raises(OptimizerStateError, match="'LBFGS'.*closure"):
+        OptimizerStateProbe(optimizer).state((4,), torch.float32)

@@ -123,3 +123,23 @@ def test_lars_intermittent_grads_match_reference():
     got = run_steps(lambda ps: Lars(ps, **kw), shapes, torch.float32, steps=20, seed=6, skip=skip)
     want = run_steps(lambda ps: ReferenceLars(ps, **kw), shapes, torch.float32, steps=20, seed=6, skip=skip)
     assert_trajectories_close(got, want, torch.float32)
+
+
+def test_a_pickled_lars_keeps_its_exclusion_and_steps_as_the_original():
+    """A pickle round trip (also how ``copy.copy`` copies an optimizer) keeps ``exclude_from_adaptation``: the
+    copy's next step equals the original's."""
+    import pickle
+
+    torch.manual_seed(0)
+    weight, bias = torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.randn(4))
+    opt = Lars([weight, bias], lr=0.1, momentum=0.9, exclude_from_adaptation=Lars.exclude_bias_and_norm)
+    weight.grad, bias.grad = torch.randn(4, 4), torch.randn(4)
+    opt.step()
+    twin = pickle.loads(pickle.dumps(opt))
+    assert twin.exclude_from_adaptation is Lars.exclude_bias_and_norm
+    twin_params = twin.param_groups[0]["params"]
+    for mine, theirs in zip([weight, bias], twin_params, strict=True):
+        theirs.grad = mine.grad.clone()
+    opt.step()
+    twin.step()
+    assert all(torch.equal(a, b) for a, b in zip([weight, bias], twin_params, strict=True))

@@ -204,3 +204,22 @@ def test_lamb_non_finite_grads_skip_or_propagate():
     opt2 = FusedLAMB(ours, lr=1e-2)  # apex behaviour: NaN/inf propagate into the update, no exception
     opt2.step()
     assert not torch.isfinite(ours[1]).all()
+
+
+def test_a_pickled_lamb_steps_as_the_original():
+    """A pickle round trip (also how ``copy.copy`` copies an optimizer) rebuilds the sharded-norm caches it does
+    not pickle: the copy's next step equals the original's."""
+    import pickle
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.randn(4))]
+    opt = FusedLAMB(params, lr=1e-2)
+    set_grads(params)
+    opt.step()
+    twin = pickle.loads(pickle.dumps(opt))
+    twin_params = twin.param_groups[0]["params"]
+    for mine, theirs in zip(params, twin_params, strict=True):
+        theirs.grad = mine.grad.clone()
+    opt.step()
+    twin.step()
+    assert all(torch.equal(a, b) for a, b in zip(params, twin_params, strict=True))

@@ -16,7 +16,7 @@ from torch import nn
 
 from stepforge.strategy import Booster, MemoryBudgetError, Strategy
 from stepforge.strategy.memory import choose_plugin, memory_budget
-from stepforge.strategy.memory._auto import MemoryBudget, optimizer_config
+from stepforge.strategy.memory._auto import MemoryBudget
 from stepforge.strategy.memory.gpt import gpt
 from stepforge.testing.distributed import requires_gloo, run_distributed
 
@@ -49,7 +49,9 @@ def test_nothing_fitting_fails_at_boost_before_touching_the_model() -> None:
     booster = Booster(
         plugin="auto", mixed_precision="bf16", memory_budget=dict(device=2_000_000, host=2_000_000)
     )
-    with pytest.raises(MemoryBudgetError, match=r"no plugin fits the memory budget(.|\n)*fits +\| +NO"):
+    with pytest.raises(
+        MemoryBudgetError, match=r"no plugin fits the memory budget(.|\n)*  fits\n(.|\n)*  NO\n"
+    ):
         booster.boost(model, ADAMW)
     assert all(
         torch.equal(a, b) and b.dtype == torch.float32
@@ -113,8 +115,6 @@ def test_budget_defaults_and_spellings() -> None:
         memory_budget(dict(hots=1), torch.device("cpu"))
     with pytest.raises(ValueError, match="device"):
         memory_budget(dict(device=-5), torch.device("cpu"))
-    opt = torch.optim.SGD(_mlp().parameters(), lr=0.1, momentum=0.9)
-    assert optimizer_config(opt)["type"] is torch.optim.SGD and optimizer_config(opt)["momentum"] == 0.9
 
 
 def _strategy_auto(rank: int, world: int, work_dir: str) -> tuple[str, float]:

@@ -1,12 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 """``stepforge-estimate``: memory sizes and plugin specs as the command spells them, the models it builds, the
-side-by-side table, Markdown and JSON, the "fits" row and its exit status; and the committed "What fits" page
-is exactly what ``--what-fits`` prints."""
+table of plugins in 100 columns, Markdown and JSON, the "fits" column (unknown without activations; a GPT shape
+traces batch 1 at its context by default) and its exit status, every bad input as one line with exit status 2;
+and the committed "What fits" page is exactly what ``--what-fits`` prints."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -60,31 +64,127 @@ def test_models_by_name_and_factory() -> None:
     assert all(p.is_meta for p in built.parameters())
     with pytest.raises(ValueError, match="gpt-7b"):
         load_model("nonsense")
+    with pytest.raises(ValueError, match="no function 'nope'"):
+        load_model("stepforge.testing.models:nope")
 
 
-def test_table_with_fits_row_and_exit_status(capsys: pytest.CaptureFixture[str]) -> None:
-    """The table has one column per plugin and a "fits" row; exit 0 when one fits, 3 when none does."""
-    args = ["gpt-1.3b", "--world-size", "8", "--plugin", "torch_ddp", "--plugin", "zero2:cpu_offload=True"]
-    assert cli.main([*args, "--device-memory", "16GiB", "--host-memory", "64GiB"]) == 0
+def test_default_table_reads_in_100_columns_with_activations_of_the_default_batch(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A GPT shape without ``--batch``/``--seq-len``: every default plugin on one row each, no line over 100
+    characters, the activations of batch 1 at the shape's context traced (and said so), the "fits" column from
+    peaks that include them; exit 0 when one fits, 3 when none does."""
+    assert (
+        cli.main(["gpt-1.3b", "--world-size", "8", "--device-memory", "16GiB", "--host-memory", "64GiB"]) == 0
+    )
+    lines = capsys.readouterr().out.splitlines()
+    assert max(len(line) for line in lines) <= 100
+    assert "activations: batch 1 x 2048 tokens (gpt-1.3b's context; --batch/--seq-len to change)" in lines
+    header = next(line for line in lines if line.startswith("plugin"))
+    assert header.split() == ["plugin", "held", "acts", "peak", "host", "peak", "sent/step", "fits"]
+    rows = {line.rsplit("  ", 1)[0].split("  ")[0].strip(): line.split()[-1] for line in lines[3:10]}
+    assert rows == {"torch_ddp": "NO", "zero1": "yes", "zero2": "yes", "zero2 cpu_offload=True": "yes",
+                    "torch_fsdp": "yes", "gemini": "yes", "gemini placement_policy=auto": "yes"}  # fmt: skip
+    assert cli.main(["gpt-1.3b", "--plugin", "zero2", "--seq-len", "16", "--batch", "1",
+                     "--device-memory", "1GiB"]) == cli.NONE_FITS  # fmt: skip
+
+
+def test_default_batch_is_batch_1_at_the_context_length(capsys: pytest.CaptureFixture[str]) -> None:
+    """No ``--batch``/``--seq-len`` on a GPT shape traces exactly what ``--batch 1 --seq-len 2048`` does."""
+    runs = []
+    for extra in ([], ["--batch", "1", "--seq-len", "2048"]):
+        assert cli.main(["gpt-1.3b", "--plugin", "zero2", "--format", "json", *extra]) == 0
+        (run,) = json.loads(capsys.readouterr().out)
+        runs.append(run)
+    assert runs[0]["activations_traced"] and runs[0]["device"]["activations"] > 0
+    assert runs[0]["device"] == runs[1]["device"]
+
+
+def test_fits_is_unknown_without_activations(capsys: pytest.CaptureFixture[str]) -> None:
+    """Another model without an example batch: "fits: unknown (activations not estimated)" where the model
+    states fit (exit 0: it may fit), "NO" where they alone do not (exit 3)."""
+    args = [
+        "stepforge.testing.models:tanh_mlp",
+        "--world-size",
+        "2",
+        "--plugin",
+        "zero2",
+        "--plugin",
+        "torch_ddp",
+    ]
+    assert cli.main([*args, "--device-memory", "1GiB"]) == 0
     out = capsys.readouterr().out
-    assert "torch_ddp" in out and "zero2 cpu_offload=True" in out
-    fits_row = next(line for line in out.splitlines() if line.startswith("fits"))
-    assert fits_row.split("|")[1:] and [c.strip() for c in fits_row.split("|")[1:]] == ["NO", "yes"]
-    assert cli.main([*args, "--device-memory", "1GiB"]) == cli.NONE_FITS
+    assert [line.split()[-1] for line in out.splitlines()[3:5]] == ["unknown", "unknown"]
+    assert "fits: unknown (activations not estimated)" in out
+    assert cli.main([*args, "--device-memory", "100", "--format", "json"]) == cli.NONE_FITS
+    assert [e["fits"] for e in json.loads(capsys.readouterr().out)] == [False, False]
+    assert cli.main([*args, "--device-memory", "1GiB", "--format", "json"]) == 0
+    assert [e["fits"] for e in json.loads(capsys.readouterr().out)] == ["unknown", "unknown"]
+
+
+#: one bad input per kind, and the words its one-line error must hold
+BAD_INPUTS = [
+    (["gpt-9b"], "unknown model 'gpt-9b' (use a GPT shape: gpt-1.3b, gpt-7b, gpt-70b;"),
+    (["gpt-7b", "--world-size", "0"], "--world-size must be >= 1, got 0 ("),
+    (["gpt-7b", "--precision", "fp64"], "invalid choice: 'fp64' (choose from 'fp32', 'bf16', 'fp16')"),
+    (["gpt-7b", "--plugin", "nosuch"], "unknown plugin 'nosuch' (available: "),
+    (["mypkg.none:build"], "model factory 'mypkg.none:build': No module named 'mypkg' (install"),
+    (["gpt-7b", "--optimizer", "Nope"], "unknown optimizer 'Nope' (available: ASGD, Adadelta,"),
+    (
+        ["hf:does-not-exist"],
+        "hf:does-not-exist is neither a local folder nor in the local Hugging Face cache (",
+    ),
+    (["gpt-7b", "--plugin", "zero2:stage=7"], "--plugin 'zero2:stage=7': "),
+    (["gpt-7b", "--batch", "1"], "--batch and --seq-len go together ("),
+    (["gpt-7b", "--world-size", "x"], "invalid int value: 'x' (see stepforge-estimate --help)"),
+]
+
+
+@pytest.mark.parametrize(("argv", "words"), BAD_INPUTS, ids=[" ".join(a) for a, _ in BAD_INPUTS])
+def test_bad_input_is_one_line_and_exit_status_2(
+    argv: list[str], words: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every user error: one line ``stepforge-estimate: error: <what> (<the fix>)`` on standard error, exit
+    status 2, nothing on standard output; an unknown name lists what is available; ``hf:`` never opens a
+    connection (the local cache only)."""
+    import socket
+
+    def no_network(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the command opened a network connection")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    captured = capsys.readouterr()
+    assert exit_.value.code == 2 and captured.out == ""
+    assert re.fullmatch(r"stepforge-estimate: error: [^\n]+ \([^\n]+\)\n", captured.err), captured.err
+    assert words in captured.err
+
+
+def test_the_console_command_prints_no_traceback() -> None:
+    """The installed entry point (``python -m``) ends a bad input with the one line, not a traceback."""
+    done = subprocess.run(
+        [sys.executable, "-m", "stepforge.strategy.memory.cli", "gpt-9b"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert (
+        done.stderr.startswith("stepforge-estimate: error: unknown model 'gpt-9b'")
+        and done.stderr.count("\n") == 1
+    )
 
 
 def test_json_and_markdown(capsys: pytest.CaptureFixture[str]) -> None:
     """JSON: one ``Estimate.to_dict()`` per plugin with ``fits``; Markdown: one row per plugin; with a batch the
     activations are traced."""
-    assert cli.main(["gpt-1.3b", "--plugin", "zero1", "--format", "json", "--device-memory", "80GiB"]) == 0
+    assert cli.main(["gpt-1.3b", "--plugin", "zero1", "--format", "json", "--device-memory", "80GiB",
+                     "--batch", "1", "--seq-len", "16"]) == 0  # fmt: skip
     data = json.loads(capsys.readouterr().out)
     assert data[0]["plugin"] == "zero1" and data[0]["fits"] is True and data[0]["world_size"] == 8
     assert cli.main(["stepforge.testing.models:tanh_mlp", "--plugin", "single", "--world-size", "1",
                      "--format", "markdown", "--optimizer", "SGD", "--momentum", "0.9"]) == 0  # fmt: skip
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("| plugin |") and lines[2].startswith("| `single`")
-    with pytest.raises(SystemExit):
-        cli.main(["gpt-1.3b", "--batch", "1"])  # --seq-len missing
 
 
 def test_committed_what_fits_page_is_the_commands_output() -> None:
@@ -108,7 +208,8 @@ def test_accumulation_steps(capsys: pytest.CaptureFixture[str]) -> None:
     micro-batches; 0 is refused."""
     from stepforge.strategy.memory.gpt import gpt
 
-    args = ["gpt-1.3b", "--plugin", "zero2", "--precision", "bf16", "--world-size", "8", "--format", "json"]
+    args = ["gpt-1.3b", "--plugin", "zero2", "--precision", "bf16", "--world-size", "8", "--format", "json",
+            "--batch", "1", "--seq-len", "16"]  # fmt: skip
     runs = {}
     for steps in (1, 4):
         assert cli.main([*args, "--accumulation-steps", str(steps)]) == 0

@@ -25,7 +25,14 @@ from __future__ import annotations
 from . import torch_compat
 from ._version import __version__
 from .build import build_optimizer, collect_params
-from .errors import DuplicateNameError, HyperParameterError, RegistryError, StepforgeError, UnknownNameError
+from .errors import (
+    DuplicateNameError,
+    HyperParameterError,
+    OptimizerStateError,
+    RegistryError,
+    StepforgeError,
+    UnknownNameError,
+)
 from .memory_plan import MemoryPlan, OptimizerStateProbe, PlannedCollective, PlannedTensor
 from .plugin import Plugin
 from .plugin_base import PluginBase
@@ -73,6 +80,7 @@ __all__ = [
     "collect_params",
     "DuplicateNameError",
     "HyperParameterError",
+    "OptimizerStateError",
     "RegistryError",
     "StepforgeError",
     "UnknownNameError",

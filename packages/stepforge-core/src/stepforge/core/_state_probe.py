@@ -14,11 +14,16 @@ count raises (the estimate would not know it).
 
 from __future__ import annotations
 
+import copy
+import weakref
+from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from .errors import OptimizerStateError
 
 __all__ = ["OptimizerStateProbe", "StateTensor", "optimizer_state_probe"]
 
@@ -50,37 +55,69 @@ def _state_of(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> list[tup
     return [(str(k), v) for k, v in state.items() if isinstance(v, torch.Tensor)]
 
 
+def _holding(optimizer: torch.optim.Optimizer, group: Mapping[str, Any], params: list[Any]) -> Any:
+    """A copy of ``optimizer`` (``copy.copy``: its class and what it pickles) with no state and one param group:
+    ``params`` with ``group``'s hyperparameters."""
+    held = copy.copy(optimizer)
+    held.state = defaultdict(dict)
+    held.param_groups = [{**group, "params": params}]
+    return held
+
+
 class OptimizerStateProbe:
-    """The state layout of the optimizer a ``build_optimizer`` config builds.
+    """The state layout of an optimizer: the one a ``build_optimizer`` config builds, or an instance's.
 
     Args:
-        config: ``{"type": ..., **hyperparameters}``.
+        optimizer: ``{"type": ..., **hyperparameters}``, or an optimizer instance (probed through copies of it
+            holding stand-in parameters; see the module docstring).
 
     Raises:
-        ValueError: ``config`` has no ``type``.
+        ValueError: a config without ``type``.
+        TypeError: neither a config nor an optimizer.
     """
 
-    def __init__(self, config: Mapping[str, Any]) -> None:
-        if "type" not in config:
-            raise ValueError(
-                f"OptimizerStateProbe: the optimizer config needs a 'type', e.g. dict(type='AdamW', lr=1e-3); got "
-                f"{dict(config)!r}."
+    def __init__(self, optimizer: Mapping[str, Any] | torch.optim.Optimizer) -> None:
+        self.config: dict[str, Any] | None = None
+        self._template: torch.optim.Optimizer | None = None
+        if isinstance(optimizer, torch.optim.Optimizer):
+            self.name = type(optimizer).__name__
+            # hyperparameters of the first group; the copy keeps no parameter and no state of the instance
+            self._group = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+            self._template = _holding(optimizer, self._group, [])
+        elif isinstance(optimizer, Mapping):
+            if "type" not in optimizer:
+                raise ValueError(
+                    "OptimizerStateProbe: the optimizer config needs a 'type', e.g. dict(type='AdamW', lr=1e-3); "
+                    f"got {dict(optimizer)!r}."
+                )
+            self.config = dict(optimizer)
+            kind = self.config["type"]
+            self.name = kind if isinstance(kind, str) else getattr(kind, "__name__", str(kind))
+        else:
+            raise TypeError(
+                "OptimizerStateProbe: the optimizer must be a torch.optim.Optimizer or a build_optimizer config "
+                f"(dict(type='AdamW', lr=1e-3)), got {type(optimizer).__name__}."
             )
-        self.config = dict(config)
-        kind = self.config["type"]
-        self.name = kind if isinstance(kind, str) else getattr(kind, "__name__", str(kind))
         self._cache: dict[tuple[tuple[int, ...], torch.dtype], tuple[StateTensor, ...]] = {}
         self._fits: dict[torch.dtype, list[tuple[str, float, float, torch.dtype, bool]]] = {}
         self._temporaries: dict[torch.dtype, tuple[float, float, float]] = {}
         self.method = "meta"  # "cpu-fit" once the meta probe failed
 
     def _build(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        if self._template is not None:
+            return _holding(self._template, self._group, params)
         from .build import build_optimizer
 
-        return build_optimizer(dict(self.config), params)
+        return build_optimizer(dict(self.config or {}), params)
 
     def state(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[StateTensor, ...]:
-        """The state tensors kept for one parameter of ``shape`` and ``dtype``."""
+        """The state tensors kept for one parameter of ``shape`` and ``dtype``.
+
+        Raises:
+            OptimizerStateError: the optimizer cannot be stepped on stand-in parameters (one that needs a
+                closure, ``LBFGS``; sparse gradients, ``SparseAdam``; 2-D parameters only, ``Muon``), or its state
+                depends on the shape and cannot be probed on meta tensors (``Adafactor``'s factored moments).
+        """
         key = (tuple(int(s) for s in shape), dtype)
         found = self._cache.get(key)
         if found is None:
@@ -120,9 +157,10 @@ class OptimizerStateProbe:
                 p.grad = torch.full_like(p, 1e-3)
             optimizer.step()
         except Exception as exc:
-            raise RuntimeError(
-                f"OptimizerStateProbe: the optimizer {self.name!r} could not be stepped on meta tensors nor on "
-                f"small {dtype} CPU tensors ({type(exc).__name__}: {exc}); its state size cannot be read."
+            raise OptimizerStateError(
+                f"the optimizer {self.name!r} cannot be stepped on stand-in parameters (meta, nor small {dtype} "
+                f"CPU ones: {type(exc).__name__}: {exc}), so its state size cannot be read (estimate without an "
+                "optimizer, or with one of the same state layout)"
             ) from exc
         states = [dict(_state_of(optimizer, p)) for p in params]
         fits = []
@@ -135,9 +173,10 @@ class OptimizerStateProbe:
             fixed = b1 - per_element * n1
             other = check.get(name)
             if other is None or other.numel() * other.element_size() != b2:
-                raise RuntimeError(
-                    f"OptimizerStateProbe: the state {name!r} of {self.name!r} depends on the parameter's shape, "
-                    "not only on its element count; the estimate cannot size it."
+                raise OptimizerStateError(
+                    f"the state {name!r} of the optimizer {self.name!r} depends on the parameter's shape, not only "
+                    "on its element count, and it cannot be stepped on meta tensors, so its size cannot be read "
+                    "(estimate without an optimizer, or with one of the same state layout)"
                 )
             fits.append((name, per_element, fixed, first.dtype, True))
         self._fits[dtype] = fits
@@ -171,20 +210,30 @@ class OptimizerStateProbe:
     def _fit_temporaries(self, dtype: torch.dtype) -> tuple[float, float, float]:
         from .torch_compat import memory_tracker, tracker_bytes
 
-        n = 4096 if self.method == "meta" else _FIT_SIZES[1]
+        self.state(_FIT_CHECK, dtype)  # settles the method: meta, or the CPU fit when meta cannot step
+        # square stand-ins: an optimizer of matrices only (Muon) steps them too
+        shape = (64, 64) if self.method == "meta" else _FIT_CHECK
+        n = shape[0] * shape[1]
         device = "meta" if self.method == "meta" else "cpu"
         peaks = []
         for count in (1, 2, 3):
             params = [
-                torch.nn.Parameter(torch.full((n,), 0.5, dtype=dtype, device=device)) for _ in range(count)
+                torch.nn.Parameter(torch.full(shape, 0.5, dtype=dtype, device=device)) for _ in range(count)
             ]
-            optimizer = self._build(list(params))
-            for p in params:
-                p.grad = torch.full_like(p, 1e-3)
-            optimizer.step()  # the first step creates the state
             tracker = memory_tracker()
-            with tracker:
-                optimizer.step()
+            try:
+                optimizer = self._build(list(params))
+                for p in params:
+                    p.grad = torch.full_like(p, 1e-3)
+                optimizer.step()  # the first step creates the state
+                with tracker:
+                    optimizer.step()
+            except Exception as exc:
+                raise OptimizerStateError(
+                    f"the optimizer {self.name!r} cannot be stepped twice on {count} stand-in {shape} parameters "
+                    f"({type(exc).__name__}: {exc}), so the temporaries of its step cannot be read (estimate "
+                    "without an optimizer, or with one of the same state layout)"
+                ) from exc
             current = sum(d["Total"] for d in tracker_bytes(tracker).values())
             peak = sum(d["Total"] for d in tracker_bytes(tracker, "peak").values())
             peaks.append(max(0, peak - current))
@@ -200,12 +249,22 @@ class OptimizerStateProbe:
 
 
 _PROBES: dict[str, OptimizerStateProbe] = {}
+# an instance's probe lives as long as the instance (the probe holds a copy of it, never the instance)
+_INSTANCE_PROBES: weakref.WeakKeyDictionary[torch.optim.Optimizer, OptimizerStateProbe] = (
+    weakref.WeakKeyDictionary()
+)
 
 
-def optimizer_state_probe(config: Mapping[str, Any]) -> OptimizerStateProbe:
-    """The probe of ``config``, shared by every plan in this process (one probe per distinct config)."""
-    key = repr(sorted((str(k), repr(v)) for k, v in config.items()))
+def optimizer_state_probe(optimizer: Mapping[str, Any] | torch.optim.Optimizer) -> OptimizerStateProbe:
+    """The probe of ``optimizer`` (a config or an instance), shared by every plan in this process: one probe per
+    distinct config, one per instance."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        found = _INSTANCE_PROBES.get(optimizer)
+        if found is None:
+            found = _INSTANCE_PROBES[optimizer] = OptimizerStateProbe(optimizer)
+        return found
+    key = repr(sorted((str(k), repr(v)) for k, v in optimizer.items()))
     probe = _PROBES.get(key)
     if probe is None:
-        probe = _PROBES[key] = OptimizerStateProbe(config)
+        probe = _PROBES[key] = OptimizerStateProbe(optimizer)
     return probe

@@ -9,6 +9,7 @@ __all__ = [
     "RegistryError",
     "UnknownNameError",
     "DuplicateNameError",
+    "OptimizerStateError",
 ]
 
 
@@ -36,3 +37,8 @@ class UnknownNameError(RegistryError, KeyError):
 
 class DuplicateNameError(RegistryError):
     """Two distributions (or a distribution and an in-process registration) claim one name."""
+
+
+class OptimizerStateError(StepforgeError, RuntimeError):
+    """An optimizer's state layout cannot be read before training (it cannot be stepped on stand-in parameters,
+    or its state is not sized by each parameter alone); the message names the optimizer and why."""

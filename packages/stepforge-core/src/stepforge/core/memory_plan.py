@@ -272,7 +272,7 @@ def replicated_plan(
     *,
     world_size: int,
     rank: int = 0,
-    optimizer: Mapping[str, Any] | None = None,
+    optimizer: Mapping[str, Any] | torch.optim.Optimizer | None = None,
     accumulation_steps: int = 1,
 ) -> MemoryPlan:
     """Every rank holds every parameter (in its own dtype), its gradient in ``param.grad`` and the optimizer's
@@ -293,14 +293,14 @@ def replicated_plan(
 
 def add_optimizer_state(
     plan: MemoryPlan,
-    optimizer: Mapping[str, Any],
+    optimizer: Mapping[str, Any] | torch.optim.Optimizer,
     tensors: Sequence[tuple[tuple[int, ...], torch.dtype]],
     *,
     place: str,
 ) -> None:
-    """Add the state ``optimizer`` (a ``build_optimizer`` config) keeps for tensors of these shapes and dtypes,
-    as the optimizer itself lays it out, and the temporaries of its step; state it keeps on the CPU whatever the
-    tensor's device (torch's ``step`` counters) is host memory."""
+    """Add the state ``optimizer`` (a ``build_optimizer`` config or an optimizer instance) keeps for tensors of
+    these shapes and dtypes, as the optimizer itself lays it out, and the temporaries of its step; state it keeps
+    on the CPU whatever the tensor's device (torch's ``step`` counters) is host memory."""
     probe = optimizer_state_probe(optimizer)
     with_param = on_host = 0
     by_dtype: dict[torch.dtype, list[int]] = {}

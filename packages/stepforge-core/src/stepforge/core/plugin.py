@@ -383,7 +383,7 @@ class Plugin(ABC):
         *,
         world_size: int,
         rank: int = 0,
-        optimizer: Mapping[str, Any] | None = None,
+        optimizer: Mapping[str, Any] | torch.optim.Optimizer | None = None,
         backend: str | None = None,
         device: str | torch.device | None = None,
         accumulation_steps: int = 1,
@@ -395,7 +395,8 @@ class Plugin(ABC):
             model: the model as it would be passed to ``boost``.
             world_size: the data-parallel world to plan for (need not be the current one).
             rank: the rank described (0, the default, holds the most where pieces are cut ``torch.chunk``-style).
-            optimizer: the ``build_optimizer`` config the run would use (``None``: no optimizer state).
+            optimizer: the ``build_optimizer`` config or the optimizer instance the run would use (``None``: no
+                optimizer state); an instance is read, never stepped or changed.
             backend: ``"nccl"``, ``"gloo"``... where the plugin picks settings by backend (``None``: gloo on a
                 CPU device, nccl otherwise).
             device: the device the model would be trained on (``None``: the plugin's :attr:`device`); a plan made

@@ -138,6 +138,12 @@ class FusedLAMB(FusedOptimizerBase):
         self._shard_buckets: list[Bucket] = []
         self._shard_plans: dict[int, _ShardPlan] = {}
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        # the sharded-norm caches are not pickled (like the bucket cache): the next step rebuilds them
+        self._shard_buckets = []
+        self._shard_plans = {}
+
     def _check_group(self, group: MutableMapping[str, Any]) -> None:
         super()._check_group(group)
         check_adam_group(

@@ -136,6 +136,14 @@ class Lars(MultiTensorOptimizer):
         )
         super().__init__(params, defaults)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # torch.optim pickles defaults/state/param_groups only; the predicate is this optimizer's own setting
+        return {**super().__getstate__(), "exclude_from_adaptation": self.exclude_from_adaptation}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("exclude_from_adaptation", None)
+
     def _validate_group(self, group: Mapping[str, Any]) -> None:
         owner = self.OWNER
         self._check_lr(group["lr"])

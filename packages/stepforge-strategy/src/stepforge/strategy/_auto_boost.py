@@ -19,7 +19,6 @@ from .memory._auto import (
     check_budget,
     choose_plugin,
     memory_budget,
-    optimizer_config,
 )
 
 __all__ = ["PendingAutoPlugin", "is_auto", "auto_candidates", "resolve_at_boost"]
@@ -82,10 +81,9 @@ def resolve_at_boost(
     device = plugin.device
     budget: MemoryBudget = memory_budget(budget_spec, device, accumulation_steps=accumulation_steps)
     world, rank, backend = _world()
-    config = optimizer_config(optimizer)
     if auto is None:
         check_budget(
-            plugin, model, world_size=world, precision=precision, optimizer=config, device=device,
+            plugin, model, world_size=world, precision=precision, optimizer=optimizer, device=device,
             backend=backend, budget=budget, rank=rank,
         )  # fmt: skip
         return None
@@ -93,6 +91,6 @@ def resolve_at_boost(
         c for c in auto if c in _WITHOUT_GROUP
     )  # fmt: skip
     return choose_plugin(
-        model, world_size=world, precision=precision, optimizer=config, device=device, backend=backend,
+        model, world_size=world, precision=precision, optimizer=optimizer, device=device, backend=backend,
         budget=budget, candidates=candidates, rank=rank,
     )  # fmt: skip

@@ -29,11 +29,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from stepforge.core import StepforgeError
+from stepforge.core import OptimizerStateError, StepforgeError
 from stepforge.core.memory_plan import check_accumulation_steps
 
 from ._compare import estimate_plugins
-from ._estimate import Estimate, estimate
+from ._estimate import Estimate, estimate, shared_traces
 from ._specs import parse_plugin, parse_size, plugin_label
 from ._table import estimate_table, format_bytes
 
@@ -45,7 +45,6 @@ __all__ = [
     "choose_plugin",
     "check_budget",
     "memory_budget",
-    "optimizer_config",
 ]
 
 logger = logging.getLogger("stepforge.strategy")
@@ -158,18 +157,6 @@ def memory_budget(
     )
 
 
-def optimizer_config(optimizer: Any) -> dict[str, Any] | None:
-    """The ``build_optimizer`` config of what ``boost`` receives: a config dict as it is, a built optimizer as
-    its class and defaults, ``None`` as no optimizer."""
-    if optimizer is None:
-        return None
-    if isinstance(optimizer, Mapping):
-        return dict(optimizer)
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return {"type": type(optimizer), **optimizer.defaults}
-    raise TypeError(f"optimizer must be a torch optimizer or a config dict, got {type(optimizer).__name__}.")
-
-
 def _rank_key(est: Estimate) -> tuple[bool, int, int]:
     return est.plan.offloads, est.sent_bytes, est.plan.total(component="optimizer_state")
 
@@ -193,7 +180,20 @@ class AutoChoice:
 
 
 def _estimates(model: nn.Module, candidates: Sequence[str], world_size: int, **kwargs: Any) -> list[Estimate]:
-    return estimate_plugins(model, candidates, world_size=world_size, **kwargs)
+    """The candidates' estimates; one whose layout the optimizer cannot step (Muon's matrices on ZeRO's flat
+    shards) is left out and logged, and when every one is, the first error is raised."""
+    out: list[Estimate] = []
+    errors: list[OptimizerStateError] = []
+    with shared_traces():
+        for spec in candidates:
+            try:
+                out += estimate_plugins(model, [spec], world_size=world_size, **kwargs)
+            except OptimizerStateError as exc:
+                logger.info("plugin='auto' leaves out %s: %s", spec, exc)
+                errors.append(exc)
+    if errors and not out:
+        raise errors[0]
+    return out
 
 
 def _budget_text(budget: MemoryBudget, world_size: int) -> str:
@@ -216,22 +216,26 @@ def _would_fit(
     """Plugins and settings that would fit: the smallest larger world size per candidate, and the host memory an
     offloading candidate that fits the device would need."""
     out = []
-    for spec in candidates:
-        name, settings = parse_plugin(spec)
-        if name == "single":
-            continue
-        label = plugin_label(name, settings)
-        world = world_size * 2
-        while world <= MAX_SUGGESTED_WORLD:
-            (est,) = _estimates(model, [spec], world, **kwargs)
-            if budget.admits(est, on_cpu):
-                out.append(f"{label} at {world} ranks")
-                break
-            world *= 2
-        (here,) = _estimates(model, [spec], world_size, **kwargs)
-        device_fits = here.device["peak"] <= budget.device
-        if not on_cpu and device_fits and here.host["peak"] > budget.host:
-            out.append(f"{label} with {format_bytes(here.host['peak'])} of host memory per rank")
+    with shared_traces():  # every world size and candidate traces the same micro-batch
+        for spec in candidates:
+            name, settings = parse_plugin(spec)
+            if name == "single":
+                continue
+            label = plugin_label(name, settings)
+            try:
+                (here,) = _estimates(model, [spec], world_size, **kwargs)
+            except OptimizerStateError:
+                continue  # the optimizer cannot step this candidate's layout (left out of the choice)
+            world = world_size * 2
+            while world <= MAX_SUGGESTED_WORLD:
+                (est,) = _estimates(model, [spec], world, **kwargs)
+                if budget.admits(est, on_cpu):
+                    out.append(f"{label} at {world} ranks")
+                    break
+                world *= 2
+            device_fits = here.device["peak"] <= budget.device
+            if not on_cpu and device_fits and here.host["peak"] > budget.host:
+                out.append(f"{label} with {format_bytes(here.host['peak'])} of host memory per rank")
     return out
 
 
@@ -240,7 +244,7 @@ def choose_plugin(
     *,
     world_size: int,
     precision: str | None,
-    optimizer: Mapping[str, Any] | None,
+    optimizer: Mapping[str, Any] | torch.optim.Optimizer | None,
     device: torch.device,
     backend: str | None,
     budget: MemoryBudget,
@@ -288,7 +292,7 @@ def check_budget(
     *,
     world_size: int,
     precision: str | None,
-    optimizer: Mapping[str, Any] | None,
+    optimizer: Mapping[str, Any] | torch.optim.Optimizer | None,
     device: torch.device,
     backend: str | None,
     budget: MemoryBudget,

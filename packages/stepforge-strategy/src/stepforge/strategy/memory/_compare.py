@@ -4,12 +4,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from ._estimate import Estimate, estimate
+from ._estimate import Estimate, estimate, shared_traces
 from ._specs import parse_plugin
 
 __all__ = ["estimate_plugins"]
@@ -21,32 +21,34 @@ def estimate_plugins(
     *,
     world_size: int,
     precision: str,
-    optimizer: dict[str, Any] | None,
+    optimizer: Mapping[str, Any] | torch.optim.Optimizer | None,
     inputs: Any = None,
     device: str = "cuda",
     backend: str | None = None,
     rank: int = 0,
     accumulation_steps: int = 1,
 ) -> list[Estimate]:
-    """One :class:`Estimate` per plugin spec (``single`` is left out above one rank)."""
+    """One :class:`Estimate` per plugin spec (``single`` is left out above one rank); the activations are traced
+    once per compute dtype."""
     out = []
-    for spec in plugins:
-        name, kwargs = parse_plugin(spec)
-        if name == "single" and world_size > 1:
-            continue
-        out.append(
-            estimate(
-                model,
-                name,
-                world_size=1 if name == "single" else world_size,
-                precision=precision,
-                optimizer=optimizer,
-                inputs=inputs,
-                rank=rank,
-                device=device,
-                backend=backend,
-                accumulation_steps=accumulation_steps,
-                **kwargs,
+    with shared_traces():
+        for spec in plugins:
+            name, kwargs = parse_plugin(spec)
+            if name == "single" and world_size > 1:
+                continue
+            out.append(
+                estimate(
+                    model,
+                    name,
+                    world_size=1 if name == "single" else world_size,
+                    precision=precision,
+                    optimizer=optimizer,
+                    inputs=inputs,
+                    rank=rank,
+                    device=device,
+                    backend=backend,
+                    accumulation_steps=accumulation_steps,
+                    **kwargs,
+                )
             )
-        )
     return out

@@ -12,7 +12,9 @@ forward and backward, beside their activations.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -27,7 +29,7 @@ from ._activations import ActivationTrace, trace_activations
 from ._model import parameter_count, resolve_model
 from ._table import estimate_table
 
-__all__ = ["Estimate", "estimate", "make_plugin"]
+__all__ = ["Estimate", "estimate", "make_plugin", "shared_traces"]
 
 #: the lifetimes held between steps (a plan's steady state after a step, before ``zero_grad``)
 HELD = ("boost", "step", "grads", "accumulated")
@@ -174,6 +176,43 @@ class Estimate:
         return estimate_table([self])
 
 
+def _optimizer_name(optimizer: Mapping[str, Any] | torch.optim.Optimizer | None) -> str | None:
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return type(optimizer).__name__
+    kind = None if optimizer is None else optimizer.get("type")
+    return kind if isinstance(kind, str) or kind is None else getattr(kind, "__name__", str(kind))
+
+
+#: within :func:`shared_traces`: ``(model, inputs, trace arguments, trace)`` of the traces made so far
+_TRACES: ContextVar[list[tuple[Any, Any, dict[str, Any], ActivationTrace]] | None] = ContextVar(
+    "stepforge_estimate_traces", default=None
+)
+
+
+@contextmanager
+def shared_traces() -> Iterator[None]:
+    """Within it, estimates of the same model (object) and micro-batch (object) reuse one activation trace per
+    set of trace arguments (compute and autocast dtype, criterion): several plugins are traced once. Nested, the
+    outermost context's traces are shared."""
+    token = _TRACES.set([]) if _TRACES.get() is None else None
+    try:
+        yield
+    finally:
+        if token is not None:
+            _TRACES.reset(token)
+
+
+def _trace(model: Any, module: nn.Module, inputs: Any, arguments: dict[str, Any]) -> ActivationTrace:
+    kept = _TRACES.get()
+    for seen_model, seen_inputs, seen_arguments, trace in kept or ():
+        if seen_model is model and seen_inputs is inputs and seen_arguments == arguments:
+            return trace
+    trace = trace_activations(module, inputs, **arguments)
+    if kept is not None:
+        kept.append((model, inputs, arguments, trace))
+    return trace
+
+
 def _names_device(cls: Any) -> bool:
     """Whether ``cls`` takes ``device`` by name (a ``**kwargs`` passing it on to a base that has none does not
     count: ``Zero2Plugin``)."""
@@ -236,7 +275,7 @@ def estimate(
     *,
     world_size: int = 1,
     precision: str | None = None,
-    optimizer: Mapping[str, Any] | None = None,
+    optimizer: Mapping[str, Any] | torch.optim.Optimizer | None = None,
     inputs: Any = None,
     criterion: Callable[[Any], torch.Tensor] | None = None,
     rank: int = 0,
@@ -262,8 +301,9 @@ def estimate(
         world_size: the data-parallel world to plan for.
         precision: ``"fp32"``, ``"bf16"``, ``"fp16"``: the plugin's own precision, or the Booster's mixed
             precision for plugins without one (``None``: the plugin's default, fp32 for the others).
-        optimizer: the ``build_optimizer`` config (``None``: no optimizer state). State bytes are read from
-            the optimizer itself.
+        optimizer: the ``build_optimizer`` config or the optimizer instance the run uses (``None``: no optimizer
+            state). State bytes are read from the optimizer itself: a config's optimizer is built on stand-in
+            parameters, an instance is copied onto them (never stepped or changed itself).
         inputs: an example micro-batch as the forward takes it (a tensor, a tuple of positional arguments or a
             dict of keyword arguments; real or meta tensors): activations are traced from it. ``None``: no
             activations.
@@ -285,6 +325,11 @@ def estimate(
     if not 0 <= rank < world_size:
         raise ValueError(f"estimate: rank must lie in [0, world_size={world_size}), got {rank!r}.")
     check_accumulation_steps(accumulation_steps, "estimate")
+    if optimizer is not None and not isinstance(optimizer, Mapping | torch.optim.Optimizer):
+        raise TypeError(
+            "estimate: optimizer must be a torch.optim.Optimizer, a build_optimizer config "
+            f"(dict(type='AdamW', lr=1e-4)) or None, got {type(optimizer).__name__}."
+        )
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     built, effective, autocast = make_plugin(plugin, device=device, precision=precision, **plugin_kwargs)
@@ -302,8 +347,11 @@ def estimate(
     )
     trace = None
     if inputs is not None:
-        trace = trace_activations(
-            module, inputs, compute_dtype=plan.compute_dtype, autocast_dtype=autocast, criterion=criterion
+        trace = _trace(
+            model,
+            module,
+            inputs,
+            dict(compute_dtype=plan.compute_dtype, autocast_dtype=autocast, criterion=criterion),
         )
     settings = dict(plugin_kwargs)
     if isinstance(plugin, Mapping):
@@ -314,7 +362,7 @@ def estimate(
         world_size=world_size,
         rank=rank,
         precision=effective,
-        optimizer=None if optimizer is None else str(optimizer.get("type", "")) or None,
+        optimizer=_optimizer_name(optimizer),
         backend=backend,
         parameters=parameter_count(module),
         plan=plan,

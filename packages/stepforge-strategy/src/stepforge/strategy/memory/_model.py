@@ -66,12 +66,20 @@ def parameter_count(model: nn.Module) -> int:
 
 
 def load_transformers_config(name: str) -> Any:
-    """``transformers.AutoConfig.from_pretrained(name)`` (a local path or a hub name).
+    """The transformers config of ``name``: a local folder holding ``config.json``, or a hub name already in the
+    local Hugging Face cache (``local_files_only``: the network is never used).
 
     Raises:
         ImportError: transformers is not installed (``pip install transformers``).
+        ValueError: ``name`` is neither a local folder nor in the local cache; the message says how to get it.
     """
     transformers = _transformers()
     if transformers is None:
-        raise ImportError("a transformers config needs transformers: pip install transformers")
-    return transformers.AutoConfig.from_pretrained(name)
+        raise ImportError("hf: models need transformers (pip install transformers)")
+    try:
+        return transformers.AutoConfig.from_pretrained(name, local_files_only=True)
+    except (OSError, ValueError) as exc:  # not cached, not a folder, or not a valid hub name
+        raise ValueError(
+            f"hf:{name} is neither a local folder nor in the local Hugging Face cache (download it first: "
+            f"huggingface-cli download {name} config.json; or give a folder holding config.json)"
+        ) from exc

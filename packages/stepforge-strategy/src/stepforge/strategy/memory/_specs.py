@@ -7,13 +7,14 @@ from __future__ import annotations
 import ast
 import importlib
 import re
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 from torch import nn
 
 from .gpt import GPT_SHAPES, gpt
 
-__all__ = ["DEFAULT_PLUGINS", "parse_size", "parse_plugin", "plugin_label", "load_model"]
+__all__ = ["DEFAULT_PLUGINS", "parse_size", "parse_plugin", "plugin_label", "import_factory", "load_model"]
 
 #: the plugins the command compares by default (``single`` only at world size 1)
 DEFAULT_PLUGINS = (
@@ -83,13 +84,39 @@ def plugin_label(name: str, kwargs: dict[str, Any]) -> str:
     return " ".join([name, *(f"{k}={v}" for k, v in kwargs.items())])
 
 
-def load_model(spec: str) -> nn.Module:
-    """The model of a command-line spec, on the meta device: a GPT shape name (``gpt-7b``), a factory
-    ``package.module:function`` (called without arguments), or ``hf:<name or path>`` (a transformers config,
-    needs transformers).
+def import_factory(spec: str, what: str) -> Callable[..., Any]:
+    """The function ``package.module:function`` names (``what``: ``"model"``, ``"optimizer"``, for messages).
 
     Raises:
-        ValueError: a spec of none of these forms.
+        ValueError: ``spec`` is not of that form, its module cannot be imported or has no such function; the
+            message reads ``<what> (<the fix>)``.
+    """
+    module_name, colon, attr = spec.partition(":")
+    if not (colon and module_name and attr):
+        raise ValueError(
+            f"{what} factory {spec!r} is not package.module:function (name a function to import)"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(
+            f"{what} factory {spec!r}: {exc} (install its package or add its folder to PYTHONPATH)"
+        ) from exc
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ValueError(
+            f"{what} factory {spec!r}: module {module_name!r} has no function {attr!r} (name one defined there)"
+        )
+    return cast(Callable[..., Any], factory)
+
+
+def load_model(spec: str) -> nn.Module:
+    """The model of a command-line spec, on the meta device: a GPT shape name (``gpt-7b``), a factory
+    ``package.module:function`` (called without arguments), or ``hf:<name or folder>`` (a transformers config
+    from a local folder or the local Hugging Face cache; needs transformers).
+
+    Raises:
+        ValueError: a spec that names no model; the message reads ``<what> (<the fix>)`` and lists the shapes.
     """
     from ._model import load_transformers_config, resolve_model
 
@@ -97,10 +124,9 @@ def load_model(spec: str) -> nn.Module:
         return gpt(spec)
     if spec.startswith("hf:"):
         return resolve_model(load_transformers_config(spec[3:]))
-    module, colon, attr = spec.partition(":")
-    if colon and module and attr:
-        factory = getattr(importlib.import_module(module), attr)
-        return resolve_model(factory)
+    if ":" in spec:
+        return resolve_model(import_factory(spec, "model"))
     raise ValueError(
-        f"model {spec!r}: use a GPT shape ({', '.join(GPT_SHAPES)}), package.module:factory, or hf:<config>."
+        f"unknown model {spec!r} (use a GPT shape: {', '.join(GPT_SHAPES)}; package.module:factory; or "
+        "hf:<config name or folder>)"
     )

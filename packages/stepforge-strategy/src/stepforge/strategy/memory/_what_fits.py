@@ -45,9 +45,12 @@ stepforge-estimate gpt-7b --world-size 64 --precision bf16 --optimizer AdamW --d
     --host-memory 128GiB --batch 1 --seq-len 2048
 ```
 
-`--batch`/`--seq-len` trace a forward and backward on fake tensors and add the activations, which these tables
-leave out (they depend on the micro-batch; the peak column is the model states, buffers and the plugin's
-transient buffers). "fits" means the peak fits {device} of device memory and the host peak {host} per rank.
+`--batch`/`--seq-len` trace a forward and backward on fake tensors and add the activations; without them the
+command traces batch 1 at a GPT shape's context length (2048 tokens), and for any other model it prints "fits:
+unknown (activations not estimated)" where the model states fit. These tables leave the activations out (they
+depend on the micro-batch; the peak column is the model states, buffers and the plugin's transient buffers), so
+their "fits" says whether the model states fit: the peak without activations within {device} of device memory
+and the host peak within {host} per rank.
 Columns: what a rank holds between steps (after a step, before `zero_grad`) and the peak over a step; "sent /
 step" is what the rank sends by ring collectives (all-reduce 2(N-1)/N of the payload, reduce-scatter and
 all-gather (N-1)/N).

@@ -83,7 +83,7 @@ def ddp_memory_plan(
     *,
     world_size: int,
     rank: int = 0,
-    optimizer: Mapping[str, Any] | None = None,
+    optimizer: Mapping[str, Any] | torch.optim.Optimizer | None = None,
     accumulation_steps: int = 1,
 ) -> MemoryPlan:
     """The replicated layout plus DDP's buckets: every gradient also lives in a bucket (one copy of the
@@ -140,7 +140,7 @@ def fsdp_memory_plan(
     *,
     world_size: int,
     rank: int = 0,
-    optimizer: Mapping[str, Any] | None = None,
+    optimizer: Mapping[str, Any] | torch.optim.Optimizer | None = None,
     extra_dp_size: int = 1,
     device: str | torch.device | None = None,
     pin_memory: bool = False,
@@ -224,9 +224,9 @@ def fsdp_memory_plan(
     plan.add("buffers", "device", buffers, "model buffers")
     _plan_gathered(plan, gathered)
     if optimizer is not None:
-        config = dict(optimizer)
-        if plugin.default_optimizer is not None:
-            config.setdefault("type", plugin.default_optimizer)
+        config = optimizer  # an instance is the optimizer the plugin keeps
+        if isinstance(optimizer, Mapping) and plugin.default_optimizer is not None:
+            config = {"type": plugin.default_optimizer, **optimizer}
         for offload, shapes in stepped.items():
             if shapes:
                 add_optimizer_state(plan, config, shapes, place="host" if offload else "device")

@@ -219,7 +219,7 @@ class GeminiPlugin(TorchFSDPPlugin):
         *,
         world_size: int,
         rank: int = 0,
-        optimizer: Mapping[str, Any] | None = None,
+        optimizer: Mapping[str, Any] | torch.optim.Optimizer | None = None,
         backend: str | None = None,
         device: str | torch.device | None = None,
         accumulation_steps: int = 1,

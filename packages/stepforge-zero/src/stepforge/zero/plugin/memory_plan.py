@@ -173,7 +173,7 @@ def zero_memory_plan(
     *,
     world_size: int,
     rank: int = 0,
-    optimizer: Mapping[str, Any] | None = None,
+    optimizer: Mapping[str, Any] | torch.optim.Optimizer | None = None,
     backend: str | None = None,
     device: str | torch.device | None = None,
     accumulation_steps: int = 1,
@@ -254,9 +254,9 @@ def zero_memory_plan(
     _plan_gather(plan, layout, gather, chunk=GATHER_CHUNK if plugin.options.overlap_allgather else None)
 
     if optimizer is not None:
-        config = dict(optimizer)
-        if offload:
-            config = _cpu_adam_config(config) or config
+        config = optimizer  # an instance is the optimizer the plugin keeps (only a config becomes CPUAdam)
+        if offload and isinstance(optimizer, Mapping):
+            config = _cpu_adam_config(optimizer) or optimizer
         stepped = [((s.valid,), s.master.dtype) for s in slots if s.valid > 0]
         add_optimizer_state(plan, config, stepped, place=host_or_device)
     return plan
