@@ -445,7 +445,8 @@ def materialize_model(
     missing = [n for key, views in names.items() if key not in known for n, _ in views]
     if missing:
         raise ValueError(
-            f"materialize: {', '.join(missing[:5])} of this meta-device model are not initialised by any module's "
+            f"materialize: {', '.join(missing[:5])} ({len(missing)} in all) of this meta-device model are not "
+            "initialised by any module's "
             "reset_parameters(); build the model under stepforge.strategy.LazyInitContext (which records its "
             "whole construction) instead of torch.device('meta')."
         )
