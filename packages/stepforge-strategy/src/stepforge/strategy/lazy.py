@@ -45,7 +45,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-__all__ = ["LazyInitContext", "has_meta_tensors", "materialize_model", "lazy_state_names", "allocate"]
+__all__ = ["LazyInitContext", "has_meta_tensors", "materialize_model", "lazy_state_names"]
 
 #: in-place operations that write every element of their first argument without reading it
 _OVERWRITES = {
@@ -65,7 +65,7 @@ _OVERWRITES = {
 
 def _storage_key(t: torch.Tensor) -> int:
     """The identity of ``t``'s storage (views, ``.data`` and ``nn.Parameter`` wrappers share it)."""
-    return int(t.untyped_storage()._cdata)
+    return int(t.untyped_storage()._cdata)  # the StorageImpl's address: unique while the storage lives
 
 
 def _storage_numel(t: torch.Tensor) -> int:
@@ -203,26 +203,22 @@ class LazyInitContext:
             )
         self.default_device = torch.device("cpu" if default_device is None else default_device)
         self._record: _Record | None = None
-        self._stack: list[Any] = []
+        self._recorder: _Recorder | None = None
 
     def __enter__(self) -> LazyInitContext:
         if self._record is not None:
             raise RuntimeError("LazyInitContext: the context is already entered; use a new one.")
         rng, cuda = _rng_state(self.default_device)
         self._record = _Record(rng, cuda, self.default_device)
-        recorder = _Recorder(self._record, create_on_meta=True)
-        recorder.__enter__()
-        self._stack = [recorder]
+        self._recorder = _Recorder(self._record, create_on_meta=True)
+        self._recorder.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        for ctx in reversed(self._stack):
-            ctx.__exit__(*exc)
-        self._stack = []
-        record = self._record
-        assert record is not None
-        for key in record.storages:
-            _RECORDS[key] = record
+        assert self._recorder is not None and self._record is not None
+        self._recorder.__exit__(*exc)
+        for key in self._record.storages:
+            _RECORDS[key] = self._record
 
     @staticmethod
     def materialize(module: nn.Module, verbose: bool = False) -> nn.Module:
@@ -405,7 +401,7 @@ def _real(leaf: Any, live: dict[int, torch.Tensor], device: torch.device) -> Any
     return leaf
 
 
-def allocate(model: nn.Module, device: torch.device) -> None:
+def _allocate(model: nn.Module, device: torch.device) -> None:
     """Give ``model``'s meta tensors memory on ``device`` (uninitialised) and move its other tensors there, each
     parameter object kept (swapped in place, so tied weights stay one parameter and FSDP2 keeps its sharded
     parameters registered): ``to_empty`` for the meta tensors only (``Module._apply``, which FSDP2 hooks)."""
@@ -430,7 +426,7 @@ def materialize_model(
     """Materialise ``model``'s meta tensors in place, with the values an eager build gives.
 
     ``record``: :func:`lazy_state_names` of the model taken before its tensors were replaced (``fully_shard`` on
-    the meta device); default: taken now. The meta tensors get memory on ``device`` (:func:`allocate`), then
+    the meta device); default: taken now. The meta tensors get memory on ``device`` (``to_empty``), then
     each receives its value, or its shard of it for a DTensor (no communication: every rank replays the same
     record).
 
@@ -450,7 +446,7 @@ def materialize_model(
             "reset_parameters(); build the model under stepforge.strategy.LazyInitContext (which records its "
             "whole construction) instead of torch.device('meta')."
         )
-    allocate(model, device)
+    _allocate(model, device)
     state = {
         **dict(model.named_parameters(remove_duplicate=False)),
         **dict(model.named_buffers(remove_duplicate=False)),
