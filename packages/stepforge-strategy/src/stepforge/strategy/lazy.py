@@ -42,8 +42,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from stepforge.core.torch_compat import DispatchMode, apply_in_place, storage_id, tree_flatten, tree_unflatten
 
 __all__ = ["LazyInitContext", "has_meta_tensors", "materialize_model", "lazy_state_names"]
 
@@ -63,11 +63,6 @@ _OVERWRITES = {
 }
 
 
-def _storage_key(t: torch.Tensor) -> int:
-    """The identity of ``t``'s storage (views, ``.data`` and ``nn.Parameter`` wrappers share it)."""
-    return int(t.untyped_storage()._cdata)  # the StorageImpl's address: unique while the storage lives
-
-
 def _storage_numel(t: torch.Tensor) -> int:
     return t.untyped_storage().nbytes() // t.element_size()
 
@@ -84,7 +79,7 @@ class _Ref:
 
     @classmethod
     def of(cls, t: torch.Tensor) -> _Ref:
-        return cls(_storage_key(t), tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
+        return cls(storage_id(t), tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
 
 
 @dataclass
@@ -129,7 +124,7 @@ def _places(func: Any, args: Any, kwargs: Any) -> bool:
     return not tensors or any(_is_meta(t) for t in tensors)
 
 
-class _Recorder(TorchDispatchMode):
+class _Recorder(DispatchMode):
     """Record every operation that creates or writes a meta tensor."""
 
     def __init__(self, record: _Record, *, create_on_meta: bool) -> None:
@@ -154,22 +149,22 @@ class _Recorder(TorchDispatchMode):
         if not any(_is_meta(x) for x in leaves) and not any(_is_meta(x) for x in outs):
             return out
         known = self.record.storages
-        inputs = {_storage_key(x) for x in leaves if _is_meta(x)}
+        inputs = {storage_id(x) for x in leaves if _is_meta(x)}
         created = []
         for i, o in enumerate(outs):
-            if _is_meta(o) and _storage_key(o) not in known and _storage_key(o) not in inputs:
-                created.append((i, _storage_key(o), _storage_numel(o)))
+            if _is_meta(o) and storage_id(o) not in known and storage_id(o) not in inputs:
+                created.append((i, storage_id(o), _storage_numel(o)))
         schema = func._schema
         writes = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
         if not created and not writes:
             return out  # a view or a metadata query: the storage references carry it
         for o in outs:
             if _is_meta(o):
-                known.setdefault(_storage_key(o), o.detach())
+                known.setdefault(storage_id(o), o.detach())
         refs = []
         for x in leaves:
             if _is_meta(x):
-                known.setdefault(_storage_key(x), x.detach())
+                known.setdefault(storage_id(x), x.detach())
                 refs.append(_Ref.of(x))
             else:
                 refs.append(x)
@@ -261,8 +256,8 @@ def _local_tensors(model: nn.Module) -> Iterator[torch.Tensor]:
 
 def _record_device(model: nn.Module) -> torch.device:
     for t in [*model.parameters(), *model.buffers()]:
-        if _is_meta(t) and _storage_key(t) in _RECORDS:
-            return _RECORDS[_storage_key(t)].device
+        if _is_meta(t) and storage_id(t) in _RECORDS:
+            return _RECORDS[storage_id(t)].device
     return torch.device("cpu")
 
 
@@ -283,9 +278,7 @@ def lazy_state_names(model: nn.Module) -> tuple[_Record, LazyNames]:
     ]
     metas = [(n, t) for n, t in named if _is_meta(t)]
     records = {
-        id(_RECORDS[_storage_key(t)]): _RECORDS[_storage_key(t)]
-        for _, t in metas
-        if _storage_key(t) in _RECORDS
+        id(_RECORDS[storage_id(t)]): _RECORDS[storage_id(t)] for _, t in metas if storage_id(t) in _RECORDS
     }
     if len(records) > 1:
         raise ValueError(
@@ -299,7 +292,7 @@ def lazy_state_names(model: nn.Module) -> tuple[_Record, LazyNames]:
         )
     names: LazyNames = {}
     for name, t in metas:
-        names.setdefault(_storage_key(t), []).append((name, _Ref.of(t)))
+        names.setdefault(storage_id(t), []).append((name, _Ref.of(t)))
     return record, names
 
 
@@ -409,12 +402,7 @@ def _allocate(model: nn.Module, device: torch.device) -> None:
     def place(t: torch.Tensor) -> torch.Tensor:
         return torch.empty_like(t, device=device) if t.is_meta else t.to(device)
 
-    swap = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(True)
-    try:
-        model._apply(place)
-    finally:
-        torch.__future__.set_swap_module_params_on_conversion(swap)
+    apply_in_place(model, place)
 
 
 def materialize_model(
