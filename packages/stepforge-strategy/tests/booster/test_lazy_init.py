@@ -5,8 +5,8 @@ Reference everywhere: the same model class built eagerly by torch under the same
 boosted the same way), compared bit for bit: parameters, persistent and non-persistent buffers (Llama's rotary
 ``inv_freq``), tied weights (GPT-2's head). Models: the project's GPT, transformers' Llama and GPT-2 from small
 configs. The distributed cases run every plugin in one 2-rank gloo launch, each taking one SGD step on the same
-batch after boost (the optimizer reaches the materialised parameters), and a sharded Hugging Face save streamed
-into a lazily boosted FSDP2 model, a damaged last shard changing nothing.
+batch after boost (the optimizer reaches the materialised parameters), ``Strategy.prepare`` of a lazy model, and a
+sharded Hugging Face save streamed into a lazily boosted FSDP2 model, a damaged last shard changing nothing.
 """
 
 from __future__ import annotations
@@ -174,6 +174,7 @@ def _every_plugin(rank: int, world: int, work: str) -> dict:
     got = _boost_and_step("torch_fsdp", plain, rank)
     out["plain meta"] = sorted(k for k in eager if not torch.equal(eager[k], got[k]))
     out["llama"] = _llama_fsdp(rank)
+    out["strategy"] = _strategy_prepare(work)
     out["load"] = _streamed_load(rank, work)
     return out
 
@@ -191,6 +192,26 @@ def _llama_fsdp(rank: int) -> list[str]:
 
     eager, lazy = boosted(False), boosted(True)
     assert any("inv_freq" in k for k in eager)
+    return sorted(k for k in eager if not torch.equal(eager[k], lazy[k])) + sorted(eager.keys() ^ lazy.keys())
+
+
+def _strategy_prepare(work: str) -> list[str]:
+    """``Strategy.prepare`` of a lazy model (seeded by the Strategy) equals that of the eager one."""
+    from stepforge.strategy import Strategy
+
+    def prepared(lazy: bool) -> dict[str, torch.Tensor]:
+        strategy = Strategy(
+            plugin="torch_ddp", work_dir=os.path.join(work, f"strategy-{lazy}"), experiment_name="lazy",
+            env_kwargs=dict(randomness=dict(seed=5)), log_kwargs=dict(console=False),
+        )  # fmt: skip
+        if lazy:
+            with LazyInitContext():
+                model = GPT(SHAPE)
+        else:
+            model = GPT(SHAPE)
+        return {k: v.clone() for k, v in strategy.prepare(model).state_dict().items()}
+
+    eager, lazy = prepared(False), prepared(True)
     return sorted(k for k in eager if not torch.equal(eager[k], lazy[k])) + sorted(eager.keys() ^ lazy.keys())
 
 
@@ -248,7 +269,7 @@ def test_every_plugin_materialises_the_eager_model_on_two_ranks(tmp_path):
     pytest.importorskip("transformers")
     results = run_distributed(_every_plugin, 2, str(tmp_path), timeout=300)
     for rank, out in enumerate(results):
-        for name in [*PLUGINS, "plain meta", "llama"]:
+        for name in [*PLUGINS, "plain meta", "llama", "strategy"]:
             assert out[name] == [], (rank, name, out[name])
         load = out["load"]
         assert load["files"] >= 3 and load["loaded"] == [], (rank, load)
