@@ -86,6 +86,27 @@ def test_materialize_gives_the_eager_values(name):
         assert lazy.lm_head.weight is lazy.transformer.wte.weight
 
 
+class _Tricky(nn.Module):
+    """Initialisation through views: a zeroed row, a row written as int32, a scaled slice, a causal-mask buffer, a
+    weight replaced through ``.data``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.empty(4, 4))
+        nn.init.normal_(self.w)
+        with torch.no_grad():
+            self.w[0].zero_()
+            self.w.view(torch.int32)[1].fill_(7)
+            self.w[2:].mul_(2)
+        self.register_buffer("mask", torch.tril(torch.ones(4, 4)).bool(), persistent=False)
+        self.lin = nn.Linear(4, 4)
+        self.lin.weight.data = self.lin.weight.data.t().contiguous()
+
+
+def test_writes_through_views_are_replayed():
+    _assert_same(LazyInitContext.materialize(_build(_Tricky, 1, lazy=True)), _build(_Tricky, 1, lazy=False))
+
+
 def test_a_lazy_build_leaves_the_random_state_as_it_found_it():
     torch.manual_seed(0)
     with LazyInitContext():

@@ -104,7 +104,7 @@ class _Record:
     materialized: bool = False
 
 
-#: every record not yet materialised, by the storage keys it created or wrote
+#: every record, by the storage keys it created or wrote (a materialised one keeps only its meta storages)
 _RECORDS: dict[int, _Record] = {}
 
 
@@ -388,7 +388,10 @@ def _replay(record: _Record, emit: Callable[[int, torch.Tensor], None]) -> None:
 
 def _real(leaf: Any, live: dict[int, torch.Tensor], device: torch.device) -> Any:
     if isinstance(leaf, _Ref):
-        return live[leaf.key].as_strided(leaf.size, leaf.stride, leaf.offset)
+        base = live[leaf.key]
+        if base.dtype != leaf.dtype:  # a view of the storage as another dtype (``tensor.view(torch.int32)``)
+            base = base.view(leaf.dtype)
+        return base.as_strided(leaf.size, leaf.stride, leaf.offset)
     if isinstance(leaf, torch.device) and leaf.type == "meta":
         return device
     return leaf
@@ -443,7 +446,7 @@ def materialize_model(
 
     def emit(key: int, flat: torch.Tensor) -> None:
         for name, ref in names.get(key, ()):
-            value = flat.as_strided(ref.size, ref.stride, ref.offset)
+            value = _real(ref, {key: flat}, device)
             dest = state[name]
             with torch.no_grad():
                 if isinstance(dest, DTensor):
