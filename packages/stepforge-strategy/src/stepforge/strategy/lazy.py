@@ -79,7 +79,7 @@ class _Ref:
 
     @classmethod
     def of(cls, t: torch.Tensor) -> _Ref:
-        return cls(storage_id(t), tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
+        return cls(storage_id(t), tuple(t.shape), tuple(t.stride()), int(t.storage_offset()), t.dtype)
 
 
 @dataclass

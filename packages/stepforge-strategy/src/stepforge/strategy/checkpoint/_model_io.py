@@ -278,6 +278,6 @@ def load_model(model: nn.Module, checkpoint: str | os.PathLike[str], *, strict: 
     check_full_state_dict(checkpoint, headers, get_model_state_dict(module), strict=strict)
     options = StateDictOptions(full_state_dict=True, strict=False)
     for file in files:
-        state = read_file(file)
+        state: dict[str, Any] = read_file(file)
         set_model_state_dict(module, state, options=options)
         del state
