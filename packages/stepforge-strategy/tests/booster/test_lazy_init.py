@@ -255,25 +255,31 @@ def _strategy_prepare(work: str) -> list[str]:
 
 
 def _streamed_load(rank: int, work: str) -> dict:
-    """A sharded HF save (4 files) loaded into a lazily boosted FSDP2 model; then a directory whose last file
-    has a wrong shape: refused before anything is written."""
+    """A sharded HF save (about ten files) loaded into a lazily boosted FSDP2 model, its CPU allocations below the
+    whole model's bytes; then a directory whose last file has a wrong shape: refused before anything is written."""
     import torch.distributed as dist
     from safetensors.torch import load_file, save_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from stepforge.core.torch_compat import memory_tracker, tracker_bytes
 
     saved = _build(lambda: GPT(SHAPE), 21, lazy=False)
     booster = Booster(plugin="torch_fsdp")
     source = booster.boost(saved)[0]
     booster.save_model(
-        source, os.path.join(work, "hf"), shard=True, size_per_shard=0.05, use_safetensors=True
+        source, os.path.join(work, "hf"), shard=True, size_per_shard=0.015, use_safetensors=True
     )
     model = booster.boost(_build(lambda: GPT(SHAPE), 22, lazy=True))[0]
-    booster.load_model(model, os.path.join(work, "hf"))
+    tracker = memory_tracker()
+    with tracker:  # every CPU allocation of the load: one file at a time, never the whole checkpoint
+        booster.load_model(model, os.path.join(work, "hf"))
     full = StateDictOptions(full_state_dict=True)
     want = _build(lambda: GPT(SHAPE), 21, lazy=False).state_dict()
     got = get_model_state_dict(model.unwrap(), options=full)
     files = sorted(f for f in os.listdir(os.path.join(work, "hf")) if f.endswith(".safetensors"))
     out = {"files": len(files), "loaded": sorted(k for k in want if not torch.equal(want[k], got[k]))}
+    out["load_peak"] = tracker_bytes(tracker, "peak")["cpu"]["Total"]
+    out["model_bytes"] = sum(v.numel() * v.element_size() for v in want.values())
     # a copy whose last file holds a tensor of the wrong shape: nothing may change
     bad = os.path.join(work, "bad")
     if rank == 0:
@@ -315,5 +321,6 @@ def test_every_plugin_materialises_the_eager_model_on_two_ranks(tmp_path):
         assert memory["peak"] <= 1.5 * memory["share"] + memory["largest"] < memory["model"], (rank, memory)
         load = out["load"]
         assert load["files"] >= 3 and load["loaded"] == [], (rank, load)
+        assert load["load_peak"] < load["model_bytes"], (rank, load)  # reading it whole would allocate it all
         assert load["refused"] is not None and "(3, 3)" in load["refused"], (rank, load)
         assert load["changed"] == [], (rank, load)
