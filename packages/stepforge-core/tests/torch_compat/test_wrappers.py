@@ -67,6 +67,32 @@ def test_is_compiled_module_tells_the_compile_wrapper_from_a_module_compiled_in_
     assert not compat.is_compiled_module("not a module")
 
 
+def test_dispatch_mode_sees_meta_operations_and_storage_ids_follow_views():
+    seen = []
+
+    class Log(compat.DispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    with Log():
+        weight = nn.Parameter(torch.empty(3, 2, device="meta"))
+        nn.init.normal_(weight)
+    assert "aten.empty" in seen and "aten.normal_" in seen
+    assert compat.storage_id(weight) == compat.storage_id(weight.data[1:]) == compat.storage_id(weight.t())
+    assert compat.storage_id(weight) != compat.storage_id(torch.empty(3, 2, device="meta"))
+    leaves, spec = compat.tree_flatten(((weight, 1), {"a": 2}))
+    assert leaves[1:] == [1, 2] and compat.tree_unflatten(leaves, spec)[1] == {"a": 2}
+
+
+def test_apply_in_place_keeps_tied_parameters():
+    model = nn.Sequential(nn.Linear(2, 2, device="meta"), nn.Linear(2, 2, device="meta"))
+    model[1].weight = model[0].weight
+    tied = model[0].weight
+    compat.apply_in_place(model, lambda t: torch.zeros_like(t, device="cpu"))
+    assert model[0].weight is tied and model[1].weight is tied and tied.device.type == "cpu"
+
+
 def test_view_base():
     flat = torch.arange(6.0)
     pieces = [flat[0:2], flat[2:6]]

@@ -82,6 +82,9 @@ class Plugin(ABC):
     max_norm: float = 0.0
     #: whether ``prepare`` builds a ``build_optimizer`` config dict itself (on the prepared parameters)
     builds_optimizer_config: bool = False
+    #: whether ``prepare`` takes a model whose tensors are on the meta device and materialises only what this rank
+    #: keeps (FSDP2's shards); otherwise the Booster materialises the whole model on the plugin's device first
+    materializes_meta_model: bool = False
     # class-level defaults, so a subclass whose __init__ does not call this one still works
     _device: torch.device | None = None
     _precision: str | None = None

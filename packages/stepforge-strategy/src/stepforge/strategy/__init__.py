@@ -35,6 +35,7 @@ from .checkpoint_io import BoosterCheckpointIO, CheckpointIO, GeneralCheckpointI
 from .data import StatefulDataLoader, make_stateful
 from .dist_coordinator import DistCoordinator
 from .launch import launch, launch_from_torch
+from .lazy import LazyInitContext
 from .memory import Estimate, MemoryBudgetError, estimate
 from .mixed_precision import (
     BF16MixedPrecision,
@@ -56,6 +57,7 @@ __all__ = [
     "set_accelerator",
     "launch",
     "launch_from_torch",
+    "LazyInitContext",
     "DistCoordinator",
     "DPPluginBase",
     "ModelWrapper",

@@ -31,7 +31,8 @@ __all__ = [
 
 
 def broadcast_weights(model: nn.Module) -> None:
-    """Copy rank 0's parameters and buffers into ``model`` on every rank (nothing on a single process).
+    """Copy rank 0's parameters and buffers into ``model`` on every rank (nothing on a single process; meta
+    tensors of a lazy model are skipped: ``boost`` gives every rank the same values).
 
     NCCL moves CUDA tensors only: a model still on the CPU (the plugin moves it later) travels through the
     current CUDA device and is copied back; gloo takes the tensors where they are."""
@@ -40,6 +41,8 @@ def broadcast_weights(model: nn.Module) -> None:
     staging = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
     with torch.no_grad():
         for tensor in list(model.parameters()) + list(model.buffers()):
+            if tensor.is_meta:
+                continue  # lazy: every rank materialises the same values at boost
             if staging is None or tensor.device == staging:
                 dist.broadcast(tensor.data, src=0)
             else:

@@ -36,6 +36,7 @@ from .boosted_optimizer import OptimizerWrapper
 from .checkpoint_io import BoosterCheckpointIO, CheckpointIO, GeneralCheckpointIO
 from .compile import apply_compile, compile_config, refuse_compiled_wrapper
 from .data import make_stateful
+from .lazy import has_meta_tensors, materialize_model
 from .memory import AutoChoice
 from .mixed_precision import MixedPrecision, precision_name, resolve_mixed_precision
 
@@ -159,6 +160,11 @@ class Booster:
         compiled in place once the plugin prepared it (per FSDP2 block for ``torch_fsdp``/``gemini``), so its
         state-dict keys and checkpoints stay those of the eager model (:mod:`stepforge.strategy.compile`).
 
+        A model with meta tensors (built under :class:`~stepforge.strategy.LazyInitContext` or
+        ``torch.device("meta")``) is materialised where the plugin keeps it, with the values of an eager build:
+        ``torch_fsdp``/``gemini`` materialise only this rank's shards, the other plugins the whole model on their
+        device (:mod:`stepforge.strategy.lazy`).
+
         ``accumulation_steps`` (keyword only; not in ColossalAI): the micro-batches per optimizer step the run
         will accumulate, for ``plugin="auto"`` and ``memory_budget``, whose estimates then hold a whole window
         (``Strategy.prepare`` passes the optim wrapper's ``accumulative_counts``); ``None``: the budget's
@@ -172,6 +178,11 @@ class Booster:
         if self._auto is not None or self.memory_budget is not None:
             self._fit_memory(model, optimizer, accumulation_steps)
         plugin = self.plugin
+        if not plugin.materializes_meta_model and has_meta_tensors(model):
+            # a lazy model, whole, where the plugin keeps it (FSDP2's plugins materialise their shards instead)
+            materialize_model(
+                model, self.accelerator.device if self.accelerator is not None else plugin.device
+            )
         if isinstance(optimizer, Mapping) and not plugin.builds_optimizer_config:
             optimizer = build_optimizer(dict(optimizer), model.parameters())
         if optimizer is not None and not isinstance(optimizer, Mapping | torch.optim.Optimizer):

@@ -36,6 +36,9 @@ offers none. One module per area of torch, each listing the privates it needs an
   (``torch._subclasses``), ``MemTracker`` (``torch.distributed._tools``), the ``"fake"`` process-group backend
   (``torch.testing._internal.distributed.fake_pg``) and DDP's bucket assignment
   (``torch.distributed._compute_bucket_assignment_by_size``).
+- :mod:`.dispatch`: recording a model's construction on the meta device (``TorchDispatchMode`` and the pytree
+  of ``torch.utils``, a storage's identity ``UntypedStorage._cdata``) and ``nn.Module._apply`` with the
+  parameter objects kept, for lazy initialisation.
 - :mod:`.private_apis`: :data:`PRIVATE_APIS`, every private above with a resolver; :mod:`.errors`:
   :class:`TorchInternalsError`, raised when one of them changed.
 """
@@ -44,6 +47,7 @@ from __future__ import annotations
 
 from .base_classes import LegacyLRScheduler, is_norm_with_running_stats
 from .dcp import SafeFileSystemReader, SafeLoadPlanner, flatten_state_dict, set_instance_state_dict
+from .dispatch import DispatchMode, apply_in_place, storage_id, tree_flatten, tree_unflatten
 from .dynamo import compiled_module_type, is_compiled_module
 from .errors import TorchInternalsError
 from .fsdp2 import (
@@ -67,6 +71,7 @@ from .simulation import (
 from .tensors import dtensor_local, is_dtensor, view_base
 
 __all__ = [
+    "DispatchMode",
     "LegacyLRScheduler",
     "SafeFileSystemReader",
     "SafeLoadPlanner",
@@ -97,4 +102,8 @@ __all__ = [
     "set_instance_state_dict",
     "supports_gradient_sync_off",
     "view_base",
+    "apply_in_place",
+    "storage_id",
+    "tree_flatten",
+    "tree_unflatten",
 ]

@@ -71,6 +71,14 @@ PRIVATE_APIS: tuple[tuple[str, Callable[[], Any]], ...] = (
         lambda: resolve("torch.distributed", "_compute_bucket_assignment_by_size"),
     ),
     (
+        "torch.utils._python_dispatch.TorchDispatchMode",
+        lambda: resolve("torch.utils._python_dispatch", "TorchDispatchMode"),
+    ),
+    ("torch.utils._pytree.tree_flatten", lambda: resolve("torch.utils._pytree", "tree_flatten")),
+    ("torch.utils._pytree.tree_unflatten", lambda: resolve("torch.utils._pytree", "tree_unflatten")),
+    ("torch.UntypedStorage._cdata", lambda: torch.UntypedStorage(0)._cdata),
+    ("torch.nn.Module._apply", lambda: torch.nn.Module._apply),
+    (
         "torch.distributed._DEFAULT_FIRST_BUCKET_BYTES",
         lambda: resolve("torch.distributed", "_DEFAULT_FIRST_BUCKET_BYTES"),
     ),

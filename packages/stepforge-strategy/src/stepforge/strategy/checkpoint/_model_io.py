@@ -4,8 +4,8 @@
 Saving gathers the full state dict (FSDP2 DTensors included) with
 ``torch.distributed.checkpoint.state_dict.get_model_state_dict(full_state_dict=True, cpu_offload=True)``; every
 rank must call it and rank 0 writes. Loading reads the file(s) on every rank and applies them with
-``set_model_state_dict(full_state_dict=True)``, which shards them again for FSDP2, so a save loads at any
-world size and into a plain ``nn.Module`` (``safetensors.torch.load_file``).
+``set_model_state_dict(full_state_dict=True)``, one file at a time (never the whole model at once), which shards
+them again for FSDP2, so a save loads at any world size and into a plain ``nn.Module`` (``safetensors.torch.load_file``).
 
 Every save goes through the one checkpoint writer: a single file via ``commit_file`` (an existing file at that path
 is replaced atomically; sidecar manifest ``<file>.stepforge.json``), shards and their index via ``commit_files``
@@ -33,6 +33,7 @@ from ._hf_layout import (
     entry_name,
     files_to_read,
     is_safetensors,
+    read_file,
     read_state,
     stale_shards,
     unshare,
@@ -188,18 +189,45 @@ def write_full_state_dict(
     _write_state(state, checkpoint, shard, prefix, size_per_shard, use_safetensors, (write_file, write_files))
 
 
-def read_full_state_dict(checkpoint: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
-    """Every tensor of a file, an index JSON or a directory written by :func:`save_model`."""
-    path = Path(checkpoint)
-    # checksums first (COMMIT.json of a sharded save, the sidecar manifest of a single file): nothing damaged
-    # is read; a directory or file stepforge did not write (no manifest) is read as it is
+def _verify(path: Path) -> None:
+    """Checksums first (COMMIT.json of a sharded save, the sidecar manifest of a single file): nothing damaged is
+    read; a directory or file stepforge did not write (no manifest) is read as it is."""
     if path.is_dir():
         verify_dir(str(path), required=False, where="load_model")
     elif path.name.endswith(INDEX_SUFFIX):
         verify_dir(str(path.parent), required=False, where="load_model")
     elif path.is_file():
         verify_file(str(path))
+
+
+def read_full_state_dict(checkpoint: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """Every tensor of a file, an index JSON or a directory written by :func:`save_model`."""
+    path = Path(checkpoint)
+    _verify(path)
     return read_state(files_to_read(path))
+
+
+def _shapes(file: Path) -> dict[str, torch.Tensor]:
+    """The tensors of one weight file as meta tensors (names, shapes, dtypes): a safetensors header is read
+    alone; a ``torch.save`` file is read whole and dropped."""
+    if is_safetensors(file):
+        from safetensors import safe_open
+
+        with safe_open(str(file), framework="pt") as f:
+            return {k: _meta_like(f.get_slice(k)) for k in f.keys()}
+    return {k: v.to("meta") for k, v in read_file(file).items() if isinstance(v, torch.Tensor)}
+
+
+#: safetensors' dtype names (its header's ``dtype``)
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}  # fmt: skip
+
+
+def _meta_like(view: Any) -> torch.Tensor:
+    return torch.empty(view.get_shape(), dtype=_SAFETENSORS_DTYPES[view.get_dtype()], device="meta")
 
 
 def check_full_state_dict(
@@ -230,20 +258,26 @@ def check_full_state_dict(
 
 
 def load_model(model: nn.Module, checkpoint: str | os.PathLike[str], *, strict: bool = True) -> None:
-    """Load a full HF-layout save into ``model`` (plain, DDP or FSDP2) at any world size. Collective."""
+    """Load a full HF-layout save into ``model`` (plain, DDP or FSDP2) at any world size, one weight file at a
+    time (a sharded save streams in shard by shard: FSDP2 keeps this rank's part of each tensor). Collective."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
         set_model_state_dict,
     )
 
-    state: dict[str, Any] = read_full_state_dict(checkpoint)
+    path = Path(checkpoint)
+    _verify(path)
+    files = files_to_read(path)
     module = unwrap_model(model)
-    # verify, then apply: a file of another model raises before any parameter is written
-    check_full_state_dict(checkpoint, state, get_model_state_dict(module), strict=strict)
-    options = StateDictOptions(full_state_dict=True, strict=strict)
-    result = set_model_state_dict(module, state, options=options)
-    if strict and result is not None and (result.missing_keys or result.unexpected_keys):
-        raise RuntimeError(
-            f"load_model: missing keys {result.missing_keys}, unexpected keys {result.unexpected_keys}."
-        )
+    # verify every file's names, shapes and dtypes, then apply one file at a time: a file of another model raises
+    # before any parameter is written, and a rank never holds more of the checkpoint than its largest file
+    headers: dict[str, Any] = {}
+    for file in files:
+        headers.update(_shapes(file))
+    check_full_state_dict(checkpoint, headers, get_model_state_dict(module), strict=strict)
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    for file in files:
+        state: dict[str, Any] = read_file(file)
+        set_model_state_dict(module, state, options=options)
+        del state

@@ -29,6 +29,7 @@ from stepforge.core.precision import PLUGIN_PRECISIONS, DynamicLossScaler
 from stepforge.core.torch_compat import fsdp2_no_sync
 
 from ..data import StatefulDataLoader
+from ..lazy import has_meta_tensors, lazy_state_names, materialize_model
 from ._fsdp_common import (
     accelerator_available,
     clip_grad_norm_by_mesh,
@@ -104,6 +105,7 @@ class TorchFSDPPlugin(PluginBase):
 
     name = "torch_fsdp"
     builds_optimizer_config = True
+    materializes_meta_model = True
     #: the precision when none is given (the Booster's ``mixed_precision`` may replace it)
     DEFAULT_PRECISION = "fp32"
     #: what the prepared model's ``state_dict()`` gives: the full state on every rank (FSDP1's default)
@@ -227,6 +229,10 @@ class TorchFSDPPlugin(PluginBase):
     def prepare(self, model: nn.Module, optimizer: Any = None, **kwargs: Any) -> tuple[nn.Module, Any]:
         """Shard ``model`` (moved to the device first) and point ``optimizer`` at the sharded parameters.
 
+        A model with meta tensors (:class:`~stepforge.strategy.LazyInitContext`, ``torch.device("meta")``) is
+        sharded on the meta device and only this rank's shards are materialised, with the values of an eager
+        build (:mod:`stepforge.strategy.lazy`).
+
         ``optimizer`` may also be a config dict (``build_optimizer``), built on the sharded parameters. It
         comes back as an :class:`OptimizerWrapper` (loss scaling for fp16, ``max_norm`` clipping).
         """
@@ -236,8 +242,11 @@ class TorchFSDPPlugin(PluginBase):
                 f"{type(self).__name__}.prepare: model must be a torch.nn.Module, got {type(model).__name__}."
             )
         names = param_names(model)
+        # a lazy model is sharded on the meta device, then only this rank's shards are materialised
+        lazy = lazy_state_names(model) if has_meta_tensors(model) else None
         self.bind_device()
-        model.to(self.device)
+        if lazy is None:
+            model.to(self.device)
         shard_mesh, replicate_mesh = self._meshes()
         shard_model(
             model,
@@ -250,6 +259,8 @@ class TorchFSDPPlugin(PluginBase):
             replicate_mesh=replicate_mesh,
             prefetch=self.prefetch,
         )
+        if lazy is not None:
+            materialize_model(model, self.device, record=lazy)
         attach_full_state_dict(model, only_rank_0=self.FULL_STATE_DICT_RANK_0_ONLY)
         if optimizer is None:
             return model, None

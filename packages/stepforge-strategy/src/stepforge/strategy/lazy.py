@@ -1,0 +1,463 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Build a model without memory and materialise only what each rank keeps: ColossalAI's ``LazyInitContext``.
+
+::
+
+    torch.manual_seed(0)
+    with LazyInitContext():
+        model = GPT(config)                  # parameters on the meta device: no memory
+    model, optimizer, *_ = booster.boost(model, dict(lr=1e-3))   # this rank's share, initialised as eagerly
+
+Under the context every tensor is created on the meta device and every operation that creates or writes one
+(``torch.empty``, ``nn.init.normal_``, ``arange`` for a rotary buffer, ``copy_`` of a loaded weight...) is
+recorded. Materialising replays the record in its order on ``default_device``, with the random state the context
+was entered with, so every tensor gets the values an eager build under the same seed gives. The replay holds a
+tensor only while a later operation reads it: a tensor a later operation overwrites whole (``normal_``,
+``uniform_``, ``fill_``, ``copy_``...) is dropped at once (the overwriting operation still runs, on scratch
+memory, so the random stream advances as it did eagerly), and each parameter or buffer is handed to its
+destination after its last operation. Memory: the destination plus about the largest tensor.
+
+``Booster.boost`` materialises a model with meta tensors (built here or under ``torch.device("meta")``) where
+the plugin keeps it: ``torch_fsdp`` and ``gemini`` shard it on the meta device (``fully_shard``) and fill each
+rank's shards (no rank holds the whole model); the other plugins get the whole model built on their device
+(``to_empty``) before they prepare it. A model built under ``torch.device("meta")`` outside this context has no
+record: its modules' ``reset_parameters()`` are recorded then, in ``model.modules()`` order, from the random
+state at ``boost`` (torch's convention for meta-device models; what an eager build of a model whose layers
+initialise themselves in construction order gives). A tensor that no ``reset_parameters`` writes (a rotary
+``inv_freq``, a causal mask computed in ``__init__``) cannot be rebuilt so and raises, naming it: build such a
+model under this context.
+
+Differences from ColossalAI: the recorded tensors are meta tensors (``tensor.device`` is ``meta``, where
+ColossalAI's ``LazyTensor`` reports the device it will have), and an operation that needs a value during
+construction (``tensor.item()``, ``tolist()``) raises torch's error on meta tensors (ColossalAI materialises
+early). The random state is not advanced by a lazy build: the replay runs from the state saved at ``__enter__``
+and restores the state it found afterwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from stepforge.core.torch_compat import DispatchMode, apply_in_place, storage_id, tree_flatten, tree_unflatten
+
+__all__ = ["LazyInitContext", "has_meta_tensors", "materialize_model", "lazy_state_names"]
+
+#: in-place operations that write every element of their first argument without reading it
+_OVERWRITES = {
+    "aten::uniform_",
+    "aten::normal_",
+    "aten::fill_",
+    "aten::zero_",
+    "aten::random_",
+    "aten::exponential_",
+    "aten::geometric_",
+    "aten::cauchy_",
+    "aten::log_normal_",
+    "aten::bernoulli_",
+    "aten::copy_",
+}
+
+
+def _storage_numel(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes() // t.element_size()
+
+
+@dataclass(frozen=True)
+class _Ref:
+    """A recorded meta tensor: its storage and the view of it."""
+
+    key: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> _Ref:
+        return cls(storage_id(t), tuple(t.shape), tuple(t.stride()), int(t.storage_offset()), t.dtype)
+
+
+@dataclass
+class _Op:
+    func: Any
+    spec: Any  # the pytree spec of (args, kwargs)
+    leaves: list[Any]  # _Ref for meta tensors, the value itself otherwise
+    created: list[tuple[int, int, int]]  # (output leaf index, storage key, storage numel) of new storages
+
+
+@dataclass
+class _Record:
+    """What one :class:`LazyInitContext` (or one model's ``reset_parameters``) did to meta tensors."""
+
+    rng: torch.Tensor
+    cuda_rng: list[torch.Tensor] | None
+    device: torch.device
+    ops: list[_Op] = field(default_factory=list)
+    #: storage key -> a meta tensor of it (no memory), kept for good so that no other storage takes its key
+    storages: dict[int, torch.Tensor] = field(default_factory=dict)
+    #: set once replayed: the operations (and the real tensors they hold) are dropped
+    materialized: bool = False
+
+
+#: every record, by the storage keys it created or wrote (a materialised one keeps only its meta storages)
+_RECORDS: dict[int, _Record] = {}
+
+
+def _is_meta(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.device.type == "meta"
+
+
+_META = torch.device("meta")
+
+
+def _places(func: Any, args: Any, kwargs: Any) -> bool:
+    """Whether ``func`` takes a device and makes a new tensor from no tensor or from a meta one (a factory,
+    ``tensor.to(device)`` of a lazy tensor); a real tensor's move stays real (a loaded weight)."""
+    if not any(a.name == "device" and a.kwarg_only for a in func._schema.arguments):
+        return False
+    tensors = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+    return not tensors or any(_is_meta(t) for t in tensors)
+
+
+class _Recorder(DispatchMode):
+    """Record every operation that creates or writes a meta tensor."""
+
+    def __init__(self, record: _Record, *, create_on_meta: bool) -> None:
+        super().__init__()
+        self.record = record
+        self.create_on_meta = create_on_meta
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if self.create_on_meta and _places(func, args, kwargs):
+            # a factory (or a move of a meta tensor) creates on the meta device; the replay creates where it was
+            # asked to (the CPU and "not given" mean the context's default device)
+            asked = kwargs.get("device")
+            kwargs["device"] = _META
+            out = func(*args, **kwargs)
+            if asked is not None and torch.device(asked).type not in ("cpu", "meta"):
+                kwargs["device"] = torch.device(asked)
+        else:
+            out = func(*args, **kwargs)
+        leaves, spec = tree_flatten((args, kwargs))
+        outs = tree_flatten(out)[0]
+        if not any(_is_meta(x) for x in leaves) and not any(_is_meta(x) for x in outs):
+            return out
+        known = self.record.storages
+        inputs = {storage_id(x) for x in leaves if _is_meta(x)}
+        created = []
+        for i, o in enumerate(outs):
+            if _is_meta(o) and storage_id(o) not in known and storage_id(o) not in inputs:
+                created.append((i, storage_id(o), _storage_numel(o)))
+        schema = func._schema
+        writes = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+        if not created and not writes:
+            return out  # a view or a metadata query: the storage references carry it
+        for o in outs:
+            if _is_meta(o):
+                known.setdefault(storage_id(o), o.detach())
+        refs = []
+        for x in leaves:
+            if _is_meta(x):
+                known.setdefault(storage_id(x), x.detach())
+                refs.append(_Ref.of(x))
+            else:
+                refs.append(x)
+        self.record.ops.append(_Op(func, spec, refs, created))
+        return out
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    cuda = torch.cuda.get_rng_state_all() if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+class LazyInitContext:
+    """ColossalAI's ``colossalai.lazy.LazyInitContext``: build a model inside it without allocating its tensors.
+
+    Args:
+        tensor_cls: accepted for ColossalAI's signature (its test hook); only ``None`` is taken.
+        default_device: where the tensors are materialised (the replay runs there): ``None`` (the CPU, as an
+            eager build) or a device; an eager build under ``torch.device(default_device)`` gives the same values.
+
+    ``Booster.boost`` materialises the model where its plugin keeps it (see the module docstring);
+    :meth:`materialize` builds it whole.
+    """
+
+    def __init__(
+        self, tensor_cls: Any = None, default_device: str | torch.device | int | None = None
+    ) -> None:
+        if tensor_cls is not None:
+            raise TypeError(
+                "LazyInitContext: tensor_cls is ColossalAI's test hook and is not supported; leave it unset."
+            )
+        self.default_device = torch.device("cpu" if default_device is None else default_device)
+        self._record: _Record | None = None
+        self._recorder: _Recorder | None = None
+
+    def __enter__(self) -> LazyInitContext:
+        if self._record is not None:
+            raise RuntimeError("LazyInitContext: the context is already entered; use a new one.")
+        rng, cuda = _rng_state(self.default_device)
+        self._record = _Record(rng, cuda, self.default_device)
+        self._recorder = _Recorder(self._record, create_on_meta=True)
+        self._recorder.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        assert self._recorder is not None and self._record is not None
+        self._recorder.__exit__(*exc)
+        for key in self._record.storages:
+            _RECORDS[key] = self._record
+
+    @staticmethod
+    def materialize(module: nn.Module, verbose: bool = False) -> nn.Module:
+        """Materialise every meta tensor of ``module`` in place, on the context's ``default_device`` (ColossalAI's
+        method); returns ``module``. ``verbose``: print the bytes materialised."""
+        device = _record_device(module)
+        materialize_model(module, device)
+        if verbose:
+            total = sum(t.numel() * t.element_size() for t in module.state_dict().values())
+            print(f"LazyInitContext.materialize: {total / 2**20:.1f} MiB materialised on {device}")
+        return module
+
+    @staticmethod
+    def distribute(
+        module: nn.Module, device_mesh: Any, sharding_spec_dict: Any, verbose: bool = False
+    ) -> nn.Module:
+        """ColossalAI's tensor-parallel distribution; not offered (there is no tensor parallelism here): boost the
+        lazy model with ``torch_fsdp`` or ``gemini``, which materialise each rank's shard.
+
+        Raises:
+            ValueError: always, naming the way that works.
+        """
+        raise ValueError(
+            "LazyInitContext.distribute: tensor-parallel sharding specs are not supported; pass the lazy model to "
+            "Booster.boost with plugin='torch_fsdp' or 'gemini', which materialise only this rank's shards."
+        )
+
+
+def has_meta_tensors(model: nn.Module) -> bool:
+    """Whether a parameter or buffer of ``model`` is on the meta device (the model is lazy)."""
+    return any(_is_meta(t) for t in _local_tensors(model))
+
+
+def _local_tensors(model: nn.Module) -> Iterator[torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    for t in [*model.parameters(), *model.buffers()]:
+        yield t.to_local() if isinstance(t, DTensor) else t
+
+
+def _record_device(model: nn.Module) -> torch.device:
+    for t in [*model.parameters(), *model.buffers()]:
+        if _is_meta(t) and storage_id(t) in _RECORDS:
+            return _RECORDS[storage_id(t)].device
+    return torch.device("cpu")
+
+
+#: a state name -> the recorded view of its meta tensor; taken before a plugin replaces the tensors
+LazyNames = dict[int, list[tuple[str, _Ref]]]
+
+
+def lazy_state_names(model: nn.Module) -> tuple[_Record, LazyNames]:
+    """The record that builds ``model``'s meta tensors and, per recorded storage, the state names viewing it.
+
+    A model with no record (built under ``torch.device("meta")``) gets one now: its modules'
+    ``reset_parameters()`` recorded in ``model.modules()`` order from the current random state. Call it before
+    the tensors are replaced (``fully_shard``, ``to_empty``).
+    """
+    named = [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]
+    metas = [(n, t) for n, t in named if _is_meta(t)]
+    records = {
+        id(_RECORDS[storage_id(t)]): _RECORDS[storage_id(t)] for _, t in metas if storage_id(t) in _RECORDS
+    }
+    if len(records) > 1:
+        raise ValueError(
+            "materialize: the model's meta tensors come from several LazyInitContext blocks; build the model in one."
+        )
+    record = next(iter(records.values())) if records else _record_resets(model)
+    if record.materialized:
+        raise ValueError(
+            "materialize: this model's LazyInitContext was already materialised for another model; build each "
+            "model in a LazyInitContext of its own."
+        )
+    names: LazyNames = {}
+    for name, t in metas:
+        names.setdefault(storage_id(t), []).append((name, _Ref.of(t)))
+    return record, names
+
+
+def _record_resets(model: nn.Module) -> _Record:
+    rng, cuda = _rng_state(torch.device("cpu"))
+    record = _Record(rng, cuda, torch.device("cpu"))
+    with _Recorder(record, create_on_meta=False), torch.no_grad():
+        for module in model.modules():
+            reset = getattr(module, "reset_parameters", None)  # torch's convention for meta-device modules
+            if callable(reset):
+                reset()
+    return record
+
+
+def _covers(ref: _Ref, numel: int) -> bool:
+    """Whether the view ``ref`` is its whole storage of ``numel`` elements, contiguous."""
+    expected = 1
+    for size, stride in zip(reversed(ref.size), reversed(ref.stride), strict=True):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return ref.offset == 0 and expected == numel
+
+
+def _lifetimes(record: _Record) -> tuple[dict[int, set[int]], dict[int, list[tuple[int, bool]]]]:
+    """``(fresh, release)`` from the record: per operation index, the storages that get new memory at it (created,
+    or overwritten whole: the previous value is never read again), and those whose value is last read at it, with
+    whether that value is the storage's last one (the value its parameter or buffer keeps)."""
+    fresh: dict[int, set[int]] = {}
+    release: dict[int, list[tuple[int, bool]]] = {}
+    last_use: dict[int, int] = {}
+    for i, op in enumerate(record.ops):
+        new = {key for _, key, _ in op.created}
+        target = op.leaves[0] if op.leaves and isinstance(op.leaves[0], _Ref) else None
+        if (
+            target is not None
+            and op.func._schema.name in _OVERWRITES
+            and _covers(target, _storage_numel(record.storages[target.key]))
+        ):
+            new.add(target.key)
+        for key in new:
+            if key in last_use:
+                release.setdefault(last_use.pop(key), []).append((key, False))
+        fresh[i] = new
+        for leaf in op.leaves:
+            if isinstance(leaf, _Ref):
+                if leaf.key not in last_use and leaf.key not in new:
+                    raise ValueError(
+                        f"materialize: {op.func} reads a meta tensor nothing recorded initialises (made before the "
+                        "record began); build the model under stepforge.strategy.LazyInitContext."
+                    )
+                last_use[leaf.key] = i
+        for key in new:
+            last_use[key] = i
+    for key, at in last_use.items():
+        release.setdefault(at, []).append((key, True))
+    return fresh, release
+
+
+def _replay(record: _Record, emit: Callable[[int, torch.Tensor], None]) -> None:
+    """Run the record on its device from its random state; ``emit(key, flat)`` hands over each storage's last
+    value after its last operation, and the replay drops it. The caller's random state is restored afterwards."""
+    fresh, release = _lifetimes(record)
+    device = record.device
+    live: dict[int, torch.Tensor] = {}  # storage key -> its memory, flat
+    saved_cpu = torch.get_rng_state()
+    saved_cuda = torch.cuda.get_rng_state_all() if record.cuda_rng is not None else None
+    torch.set_rng_state(record.rng)
+    if record.cuda_rng is not None:
+        torch.cuda.set_rng_state_all(record.cuda_rng)
+    try:
+        with torch.no_grad():
+            for i, op in enumerate(record.ops):
+                made = {key for _, key, _ in op.created}
+                for key in (
+                    fresh[i] - made
+                ):  # overwritten whole: new memory (the op still runs: random stream)
+                    meta = record.storages[key]
+                    live[key] = torch.empty(_storage_numel(meta), dtype=meta.dtype, device=device)
+                args, kwargs = tree_unflatten([_real(leaf, live, device) for leaf in op.leaves], op.spec)
+                outs = tree_flatten(op.func(*args, **kwargs))[0]
+                for index, key, numel in op.created:
+                    live[key] = outs[index].as_strided((numel,), (1,), 0)
+                for key, last in release.get(i, ()):
+                    flat = live.pop(key)
+                    if last:
+                        emit(key, flat)
+    finally:
+        torch.set_rng_state(saved_cpu)
+        if saved_cuda is not None:
+            torch.cuda.set_rng_state_all(saved_cuda)
+
+
+def _real(leaf: Any, live: dict[int, torch.Tensor], device: torch.device) -> Any:
+    if isinstance(leaf, _Ref):
+        base = live[leaf.key]
+        if base.dtype != leaf.dtype:  # a view of the storage as another dtype (``tensor.view(torch.int32)``)
+            base = base.view(leaf.dtype)
+        return base.as_strided(leaf.size, leaf.stride, leaf.offset)
+    if isinstance(leaf, torch.device) and leaf.type == "meta":
+        return device
+    return leaf
+
+
+def _allocate(model: nn.Module, device: torch.device) -> None:
+    """Give ``model``'s meta tensors memory on ``device`` (uninitialised) and move its other tensors there, each
+    parameter object kept (swapped in place, so tied weights stay one parameter and FSDP2 keeps its sharded
+    parameters registered): ``to_empty`` for the meta tensors only (``Module._apply``, which FSDP2 hooks)."""
+
+    def place(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(t, device=device) if t.is_meta else t.to(device)
+
+    apply_in_place(model, place)
+
+
+def materialize_model(
+    model: nn.Module,
+    device: torch.device,
+    *,
+    record: tuple[_Record, LazyNames] | None = None,
+) -> None:
+    """Materialise ``model``'s meta tensors in place, with the values an eager build gives.
+
+    ``record``: :func:`lazy_state_names` of the model taken before its tensors were replaced (``fully_shard`` on
+    the meta device); default: taken now. The meta tensors get memory on ``device`` (``to_empty``), then
+    each receives its value, or its shard of it for a DTensor (no communication: every rank replays the same
+    record).
+
+    Raises:
+        ValueError: a tensor the record does not build (a model under ``torch.device("meta")`` whose buffer no
+            ``reset_parameters`` writes), naming it.
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    rec, names = record if record is not None else lazy_state_names(model)
+    known = set(rec.storages)
+    missing = [n for key, views in names.items() if key not in known for n, _ in views]
+    if missing:
+        raise ValueError(
+            f"materialize: {', '.join(missing[:5])} ({len(missing)} in all) of this meta-device model are not "
+            "initialised by any module's "
+            "reset_parameters(); build the model under stepforge.strategy.LazyInitContext (which records its "
+            "whole construction) instead of torch.device('meta')."
+        )
+    _allocate(model, device)
+    state = {
+        **dict(model.named_parameters(remove_duplicate=False)),
+        **dict(model.named_buffers(remove_duplicate=False)),
+    }
+    done: set[str] = set()
+
+    def emit(key: int, flat: torch.Tensor) -> None:
+        for name, ref in names.get(key, ()):
+            value = _real(ref, {key: flat}, device)
+            dest = state[name]
+            with torch.no_grad():
+                if isinstance(dest, DTensor):
+                    local = distribute_tensor(value, dest.device_mesh, dest.placements, src_data_rank=None)
+                    dest.to_local().copy_(local.to_local())
+                else:
+                    dest.copy_(value)
+            done.add(name)
+
+    _replay(rec, emit)
+    rec.ops, rec.materialized = [], True
+    left = [n for views in names.values() for n, _ in views if n not in done]
+    if left:
+        raise ValueError(f"materialize: the record never produced {', '.join(left[:5])}.")
