@@ -10,7 +10,9 @@
   name) and the :class:`BoostedOptimizer` protocol that every plugin's ``prepare`` returns (``backward(loss)`` is
   the only backward route).
 - Protocols (:class:`NoSyncModel`, :class:`GradientSyncSwitch`, :class:`ShardedOptimizer`,
-  :class:`GradientHandler`, :class:`WrappedModel`, :class:`CachingOptimizer`) and :func:`no_sync`.
+  :class:`GradientHandler`, :class:`WrappedModel`, :class:`CachingOptimizer`, and what gradient accumulation
+  dispatches on: :class:`BackwardOptimizer`, :class:`ClippingOptimizer`, :class:`GradScalingOptimizer`) and
+  :func:`no_sync`.
 - :mod:`stepforge.core.memory_plan`: :class:`MemoryPlan`, what :meth:`Plugin.memory_plan` says one rank holds
   and communicates before anything is allocated, and :class:`OptimizerStateProbe` (state bytes read from the
   optimizer itself).
@@ -30,10 +32,13 @@ from .memory_plan import MemoryPlan, OptimizerStateProbe, PlannedCollective, Pla
 from .plugin import Plugin
 from .plugin_base import PluginBase
 from .protocols import (
+    BackwardOptimizer,
     BoostedOptimizer,
     CachingOptimizer,
+    ClippingOptimizer,
     GradientHandler,
     GradientSyncSwitch,
+    GradScalingOptimizer,
     NoSyncModel,
     ShardedOptimizer,
     WrappedModel,
@@ -85,8 +90,11 @@ __all__ = [
     "PlannedTensor",
     "PlannedCollective",
     "OptimizerStateProbe",
+    "BackwardOptimizer",
     "BoostedOptimizer",
     "CachingOptimizer",
+    "ClippingOptimizer",
+    "GradScalingOptimizer",
     "ShardedOptimizer",
     "WrappedModel",
     "INSTALL_HINTS",
