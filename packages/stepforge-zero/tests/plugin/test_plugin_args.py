@@ -69,7 +69,12 @@ def test_arguments_reach_the_optimizer_and_norm_type_is_honoured():
     assert plugin.support_no_sync() and LowLevelZeroPlugin(stage=1).support_no_sync()  # both stages here
     w = nn.Parameter(torch.zeros(2))
     _, opt = plugin.prepare(nn.ParameterList([w]), torch.optim.SGD([w], lr=1.0))
-    assert (opt.stage, opt.norm_type, opt.verbose, opt.overlap_allgather) == (2, math.inf, True, True)
+    assert (opt.config.stage, opt.config.norm_type, opt.config.verbose, opt.config.overlap_allgather) == (
+        2,
+        math.inf,
+        True,
+        True,
+    )
     assert opt.communication.dtype == torch.bfloat16 and opt.reduce_bucket_size == 2**20
     (w * torch.tensor([3.0, 4.0])).sum().backward()  # gradient [3, 4]: inf-norm 4 (2-norm 5)
     opt.step()
