@@ -56,7 +56,7 @@ class LowLevelZeroConfig:
         stage: 1 (optimizer state sharded) or 2 (gradients too).
         reduce_bucket_size: padded elements per gradient bucket; ``None``: the group's default (4 Mi on gloo,
             else ``default_bucket_size``: ColossalAI's 1 Mi for the optimizer, 12 Mi for the plugin).
-        communication_dtype, fp8_communication: the gradient wire (``stepforge.zero.comm.wire``).
+        communication_dtype, fp8_communication: the gradient wire (``stepforge.zero.comm.grad_reducer``).
         comm_algorithm: ``"auto"``, ``"reduce_scatter"``, ``"all_reduce"`` or ``"all_to_all"``.
         param_gather: ``None`` (automatic), ``"all_gather"`` or ``"broadcast"``.
         overlap_communication, overlap_allgather: reductions during backward, the gather during the next forward.

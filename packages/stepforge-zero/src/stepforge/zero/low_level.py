@@ -33,9 +33,8 @@ from torch import nn
 from stepforge.core.precision import DynamicLossScaler, validate_loss_scaler_args
 
 from .comm.algorithm import default_bucket_size, resolve_comm_algorithm
-from .comm.grad_reducer import CollectiveCounter, GradReducer
+from .comm.grad_reducer import CollectiveCounter, GradPieces, GradReducer, WireFormat
 from .comm.param_gather import GatherInFlight, StagingBuffers, gather_after_step
-from .comm.wire import WireFormat
 from .config import (
     LowLevelZeroConfig,
     force_dtype,
@@ -46,7 +45,6 @@ from .config import (
     stage_of,
 )
 from .grads.norm import check_clip_args
-from .grads.pieces import GradPieces
 from .phases import PhaseObserver, no_phase
 from .state import full, sharded
 from .state.full import zero_scaler_entry
@@ -101,7 +99,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
             module's next forward waits for its own parameters only (a global forward pre-hook). Until then the
             working parameters are stale: read them through the plugin's model (its ``state_dict``/``unwrap``
             wait) or call :meth:`wait_for_param_gather` first; this optimizer's own methods wait by themselves.
-        fp8_communication: gradients travel as fp8 bytes and are summed in fp32 (:mod:`stepforge.zero.comm.wire`).
+        fp8_communication: gradients travel as fp8 bytes and are summed in fp32 (:mod:`stepforge.zero.comm.grad_reducer`).
         backward_context: a callable returning a context manager entered around each backward.
         params: the parameters (module, tensors or param-group dicts) for a config ``optimizer``.
         stage: 1 (gradients all-reduced, each rank keeps its piece) or 2 (reduce-scattered from backward hooks).

@@ -7,7 +7,7 @@ what it built.
 - :func:`~..state.partition.build_layout` cuts stand-in working parameters (the model's shapes, in the working dtype,
   on the meta device) into this rank's pieces: piece sizes, padding, which pieces need a separate fp32 master.
 - :class:`~..comm.grad_reducer.GradReducer`, the class that reduces gradients in backward, is fed one meta gradient per
-  parameter in backward order through a :class:`~..comm.wire.WireFormat` that records each collective instead of
+  parameter in backward order through a :class:`~..comm.grad_reducer.WireFormat` that records each collective instead of
   running it; the buckets it launches, the buffers its pool keeps, its peak in flight and the gradient pieces
   it allocates are read off it.
 - The parameter gather after the step is sized from the partitions by the gather's own split
@@ -38,9 +38,8 @@ from stepforge.core.memory_plan import (
 
 from ..comm.algorithm import bucket_size_for, comm_algorithm_for
 from ..comm.buffers import BufferPool
-from ..comm.grad_reducer import GradReducer
+from ..comm.grad_reducer import GradReducer, WireFormat
 from ..comm.param_gather import DIRECT_MIN, GATHER_CHUNK, _chunks, split_direct
-from ..comm.wire import WireFormat
 from ..config import LowLevelZeroConfig, param_gather_for
 from ..state.inner import _cpu_adam_config
 from ..state.partition import ShardLayout, build_layout
