@@ -6,8 +6,7 @@
 - :func:`build_optimizer`: ``build_optimizer(dict(type="FusedAdam", lr=1e-3), model)``; an unknown name says
   which distribution to install.
 - The training contract: :class:`Plugin` (an abstract base class, ColossalAI's ``Plugin`` as the model; a new
-  plugin is a class with ``name`` and ``prepare``, everything else has a default; ``PluginBase`` is its earlier
-  name) and the :class:`BoostedOptimizer` protocol that every plugin's ``prepare`` returns (``backward(loss)`` is
+  plugin is a class with ``name`` and ``prepare``, everything else has a default) and the :class:`BoostedOptimizer` protocol that every plugin's ``prepare`` returns (``backward(loss)`` is
   the only backward route).
 - Protocols (:class:`NoSyncModel`, :class:`GradientSyncSwitch`, :class:`ShardedOptimizer`,
   :class:`GradientHandler`, :class:`WrappedModel`, :class:`CachingOptimizer`, and what gradient accumulation
@@ -30,7 +29,6 @@ from .build import build_optimizer, collect_params
 from .errors import DuplicateNameError, HyperParameterError, RegistryError, StepforgeError, UnknownNameError
 from .memory_plan import MemoryPlan, OptimizerStateProbe, PlannedCollective, PlannedTensor
 from .plugin import Plugin
-from .plugin_base import PluginBase
 from .protocols import (
     BackwardOptimizer,
     BoostedOptimizer,
@@ -42,6 +40,8 @@ from .protocols import (
     NoSyncModel,
     ShardedOptimizer,
     WrappedModel,
+    optimizer_list,
+    unwrap_optimizer,
 )
 from .registry import (
     INSTALL_HINTS,
@@ -85,7 +85,6 @@ __all__ = [
     "GradientSyncSwitch",
     "NoSyncModel",
     "Plugin",
-    "PluginBase",
     "MemoryPlan",
     "PlannedTensor",
     "PlannedCollective",
@@ -97,6 +96,8 @@ __all__ = [
     "GradScalingOptimizer",
     "ShardedOptimizer",
     "WrappedModel",
+    "optimizer_list",
+    "unwrap_optimizer",
     "INSTALL_HINTS",
     "OPTIM_WRAPPERS",
     "OPTIMIZERS",

@@ -8,7 +8,7 @@ wraps the optimizer in :class:`~stepforge.zero.low_level.LowLevelZeroOptimizer` 
 through ``torch.distributed.checkpoint`` in a sharded, world-size-independent form. LoRA (peft) models are
 supported as in ColossalAI (:mod:`.lora`).
 
-The plugin subclasses :class:`stepforge.core.PluginBase` (device, ``world_size``/``rank``, precision adoption,
+The plugin subclasses :class:`stepforge.core.Plugin` (device, ``world_size``/``rank``, precision adoption,
 ``prepare_dataloader``, ``configure`` come from there); its precisions are the plugin precisions of
 :mod:`stepforge.core.precision` and its loss-scaler arguments are checked by that module's
 ``validate_loss_scaler_args``.
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from stepforge.core import BoostedOptimizer, HyperParameterError, MemoryPlan, PluginBase
+from stepforge.core import BoostedOptimizer, HyperParameterError, MemoryPlan, Plugin
 from stepforge.core.precision import PLUGIN_PRECISIONS, check_plugin_precision, validate_loss_scaler_args
 
 from ..comm.algorithm import COLOSSAL_BUCKET_SIZE
@@ -53,7 +53,7 @@ _FP16_DEFAULT = _DefaultPrecision("fp16")
 _OWNER = "LowLevelZeroPlugin"
 
 
-class LowLevelZeroPlugin(PluginBase):
+class LowLevelZeroPlugin(Plugin):
     """ZeRO-1/2 (optimizer state, and for stage 2 also gradients, sharded over the data-parallel ranks).
 
     Args (ColossalAI's ``LowLevelZeroPlugin`` names and defaults):
