@@ -1,6 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """Gradient reduction in buckets, driven by post-accumulate-grad hooks during backward.
 
+Why one module past 400 lines: it is the whole route of a gradient from its hook to this rank's piece (the bucket,
+the wire format, the reduction, what a step does to the pieces), so that a backward and a step enter it once;
+bucket layout, buffers and the collectives' names are the helpers it calls (:mod:`.bucket_layout`,
+:mod:`.buffers`, :mod:`.collectives`).
+
 A hook on every working parameter hands its freshly accumulated ``.grad`` to :class:`GradReducer` and frees it.
 Gradients wait in a bucket per gradient dtype until ``reduce_bucket_size`` elements (counted padded) are
 there; the bucket is then reduced by the algorithm of :mod:`.algorithm`, the division by the world size done
