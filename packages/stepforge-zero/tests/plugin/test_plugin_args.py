@@ -82,6 +82,34 @@ def test_arguments_reach_the_optimizer_and_norm_type_is_honoured():
     assert w.detach().tolist() == pytest.approx([-1.5, -2.0], rel=1e-5)
 
 
+def test_the_plugin_checks_its_config_once_and_passes_it_through_unchanged(monkeypatch):
+    import stepforge.core.precision as precision
+    import stepforge.zero.plugin.low_level_zero as plugin_module
+
+    calls = []
+    checked = precision.validate_loss_scaler_args
+
+    def counting(*args, **kwargs):
+        calls.append(args[0])
+        return checked(*args, **kwargs)
+
+    monkeypatch.setattr(plugin_module, "validate_loss_scaler_args", counting)
+    monkeypatch.setattr("stepforge.zero.low_level.validate_loss_scaler_args", counting)
+    plugin = LowLevelZeroPlugin(stage=2, precision="fp32", initial_scale=2**10, max_norm=1.0)
+    assert (plugin.config.stage, plugin.config.max_norm, plugin.config.scaler["initial_scale"]) == (
+        2,
+        1.0,
+        2**10,
+    )
+    assert plugin.config.default_bucket_size == 12 * 2**20  # ColossalAI's plugin default off gloo
+    optimizers = []
+    for _ in range(2):
+        layer = nn.Linear(2, 1)
+        optimizers.append(plugin.prepare(layer, torch.optim.SGD(layer.parameters(), lr=0.1))[1])
+    assert all(opt.config is plugin.config for opt in optimizers)  # the same object, not a copy
+    assert calls == ["LowLevelZeroPlugin"]  # checked once, at the plugin's door
+
+
 def test_cast_inputs_false_leaves_inputs_alone():
     x = torch.ones(1, 3)  # fp32 input for a bf16 model
     cast = LowLevelZeroPlugin(precision="bf16")
