@@ -130,10 +130,11 @@ class GradAccumOptimizer:
             loss = loss / self._window.divisor()
         else:
             loss = loss * (w.to(loss.dtype) if isinstance(w, torch.Tensor) else w)
-        optim = self.optim
-        self._run_backward(
-            w, (lambda: optim.backward(loss)) if isinstance(optim, BackwardOptimizer) else loss.backward
-        )
+        if isinstance(self.optim, BackwardOptimizer):
+            backward = self.optim.backward
+            self._run_backward(w, lambda: backward(loss))
+        else:
+            self._run_backward(w, loss.backward)
 
     def backward_by_grad(self, tensor: torch.Tensor, grad: torch.Tensor) -> None:
         """Backward from ``tensor`` with output gradient ``grad`` and count it.
@@ -143,9 +144,9 @@ class GradAccumOptimizer:
         ``torch.autograd.backward(tensor, grad)``.
         """
         w = self._window.check_weight(None)
-        optim = self.optim
-        if isinstance(optim, BackwardOptimizer):
-            self._run_backward(w, lambda: optim.backward_by_grad(tensor, grad))
+        if isinstance(self.optim, BackwardOptimizer):
+            backward_by_grad = self.optim.backward_by_grad
+            self._run_backward(w, lambda: backward_by_grad(tensor, grad))
         else:
             self._run_backward(w, lambda: torch.autograd.backward(tensor, grad))
 
