@@ -181,7 +181,7 @@ class OptimWrapper:
         ``loss.backward(**kwargs)``. An AMP subclass runs ``scaler.scale(loss).backward()`` here.
         """
         if isinstance(self.optimizer, BackwardOptimizer):
-            self.optimizer.backward(loss, **kwargs)  # type: ignore[call-arg]
+            self.optimizer.backward(loss, **kwargs)
         else:
             loss.backward(**kwargs)
 
