@@ -17,7 +17,7 @@ ROOT = pathlib.Path(os.environ.get("STEPFORGE_SOURCE_ROOT") or pathlib.Path(__fi
 MAX_FILES = 10
 MAX_ACCUM_STRATEGY_ZERO = 6
 _BLOCK = re.compile(r"<!-- route: (?P<name>[\w-]+) -->\n(?P<body>.*?)<!-- /route -->", re.S)
-_ITEM = re.compile(r"^\d+\. `(?P<path>[^`:]+):(?P<function>[\w.]+)`", re.M)
+_ITEM = re.compile(r"^\d+\. `(?P<path>[^`:]+):(?P<function>[\w.:]+)`", re.M)
 
 
 def routes(text: str) -> dict[str, list[tuple[str, str]]]:
@@ -28,8 +28,14 @@ def routes(text: str) -> dict[str, list[tuple[str, str]]]:
     }
 
 
-def defines(source: str, qualname: str) -> bool:
-    """Whether ``source`` defines ``qualname`` (``func`` or ``Class.method``, classes nested as deep as named)."""
+def defines(source: str, qualname: str, *, python: bool = True) -> bool:
+    """Whether ``source`` defines ``qualname`` (``func`` or ``Class.method``, classes nested as deep as named); in
+    C++ (``python=False``) whether the last part is a function defined there (a type, ``name(...)``, then its
+    body; a call is not a definition)."""
+    if not python:
+        name = re.escape(qualname.split(".")[-1].split("::")[-1])
+        definition = rf"\w[*&>]?\s+{name}\s*\([^;{{}}]*\)\s*(const\s*)?(noexcept\s*)?\{{"
+        return re.search(definition, source) is not None
     scope: list[ast.stmt] = ast.parse(source).body
     for part in qualname.split("."):
         found = [n for n in scope if isinstance(n, ast.FunctionDef | ast.ClassDef) and n.name == part]
@@ -47,7 +53,7 @@ def route_problems(route: list[tuple[str, str]], root: pathlib.Path) -> list[str
         file = root / path
         if not file.is_file():
             problems.append(f"{path}: no such file")
-        elif not defines(file.read_text(encoding="utf-8"), function):
+        elif not defines(file.read_text(encoding="utf-8"), function, python=file.suffix == ".py"):
             problems.append(f"{path}: defines no {function}")
     twice = sorted({f for f in files if files.count(f) > 1})
     if twice:
@@ -82,6 +88,12 @@ def test_parser_reads_every_block_in_order():
 )
 def test_checks_find_what_they_claim(tmp_path, route, expected):
     assert expected in route_problems(route, _made_up(tmp_path))
+
+
+def test_a_cpp_entry_is_found_by_its_definition_not_a_call(tmp_path):
+    (tmp_path / "k.cpp").write_text("static void adam_step(float* p, int n) {\n  helper(p);\n}\n")
+    assert route_problems([("k.cpp", "adam_step")], tmp_path) == []
+    assert route_problems([("k.cpp", "helper")], tmp_path) == ["k.cpp: defines no helper"]
 
 
 def test_checks_count_files(tmp_path):
