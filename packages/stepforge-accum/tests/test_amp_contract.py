@@ -2,7 +2,7 @@
 """ColossalAI's optimizer-wrapper contract: accumulation goes *through* an AMP/ZeRO wrapper, never around it.
 
 ``_ScalingOptimizer`` is a small ColossalAI-style ``OptimizerWrapper`` with a static loss scale of 1024:
-``backward(loss)`` backpropagates ``loss * 1024``, ``step()`` unscales first, ``clip_grad_by_norm`` unscales
+``backward(loss)`` backpropagates ``loss * 1024``, ``step()`` unscales first, ``clip_grad_norm_`` unscales
 before measuring. An accumulator that calls ``loss.backward()`` itself bypasses the scaling while ``step``
 still unscales, so the update comes out 1024 times too small; one that clips with ``torch.nn.utils`` measures
 a norm 1024 times too large. The reference is plain SGD on the concatenated window batch (written here).
@@ -30,7 +30,7 @@ class _ScalingOptimizer:
         self.param_groups = optim.param_groups
         self.defaults = optim.defaults
         self.unscaled = False
-        self.calls = {"backward": 0, "backward_by_grad": 0, "clip_grad_by_norm": 0, "step": 0}
+        self.calls = {"backward": 0, "backward_by_grad": 0, "clip_grad_norm_": 0, "step": 0}
 
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"] if p.grad is not None]
@@ -49,8 +49,8 @@ class _ScalingOptimizer:
                 p.grad.div_(SCALE)
             self.unscaled = True
 
-    def clip_grad_by_norm(self, max_norm: float, norm_type: float = 2.0, **kwargs) -> torch.Tensor:
-        self.calls["clip_grad_by_norm"] += 1
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        self.calls["clip_grad_norm_"] += 1
         self._unscale()
         return nn.utils.clip_grad_norm_(self._params(), max_norm, norm_type)
 
@@ -118,7 +118,7 @@ def test_grad_accum_optimizer_backward_and_clip_go_through_the_wrapper(by_grad: 
     _assert_matches(model, ref, start)
     used = "backward_by_grad" if by_grad else "backward"
     assert inner.calls[used] == 2 * k and inner.calls["step"] == 2
-    assert inner.calls["clip_grad_by_norm"] == (2 if clip else 0)  # only at the window's end
+    assert inner.calls["clip_grad_norm_"] == (2 if clip else 0)  # only at the window's end
 
 
 def test_grad_accum_optimizer_clip_grad_by_norm_spelling() -> None:
@@ -153,7 +153,7 @@ def test_optim_wrapper_backward_and_clip_go_through_the_wrapper(clip: bool) -> N
             wrapper.update_params(loss)
     _assert_matches(model, ref, start)
     assert inner.calls["backward"] == 2 * k and inner.calls["step"] == 2
-    assert inner.calls["clip_grad_by_norm"] == (2 if clip else 0)
+    assert inner.calls["clip_grad_norm_"] == (2 if clip else 0)
     if clip:
         assert wrapper.grad_norm is not None and 10 * max_norm < wrapper.grad_norm.item() < 100.0
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-from stepforge.core import MemoryPlan, PlannedCollective, PlannedTensor, PluginBase
+from stepforge.core import MemoryPlan, PlannedCollective, PlannedTensor, Plugin
 from stepforge.core.memory_plan import replicated_plan, tensor_bytes, unique_parameters
 
 
-class _Replicated(PluginBase):
+class _Replicated(Plugin):
     name = "replicated_test"
 
     def prepare(self, model, optimizer=None, **kwargs):

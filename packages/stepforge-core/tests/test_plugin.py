@@ -10,13 +10,12 @@ import pytest
 import torch
 from torch import nn
 
-from stepforge.core import BoostedOptimizer, HyperParameterError, Plugin, PluginBase
+from stepforge.core import BoostedOptimizer, HyperParameterError, Plugin, optimizer_list, unwrap_optimizer
 from stepforge.core.plugin import default_device
-from stepforge.core.plugin_base import optimizer_list, unwrap_optimizer
 from stepforge.testing.distributed import run_distributed
 
 
-class _Plain(PluginBase):
+class _Plain(Plugin):
     """A plugin without precision of its own: the optimizer comes back wrapped by a minimal boosted wrapper."""
 
     name = "plain"
@@ -90,10 +89,10 @@ def _model_and_optimizer(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimize
 
 # -- the ABC ---------------------------------------------------------------------------------------------------
 def test_an_incomplete_plugin_cannot_be_instantiated_and_the_error_names_the_member():
-    class NoPrepare(PluginBase):
+    class NoPrepare(Plugin):
         name = "no_prepare"
 
-    class NoName(PluginBase):
+    class NoName(Plugin):
         def prepare(self, model, optimizer=None, **kwargs):
             return model, optimizer
 
@@ -102,12 +101,11 @@ def test_an_incomplete_plugin_cannot_be_instantiated_and_the_error_names_the_mem
     with pytest.raises(TypeError, match="name"):
         NoName()
     with pytest.raises(TypeError, match="abstract"):
-        PluginBase()
+        Plugin()
 
 
 def test_only_name_and_prepare_are_abstract_and_every_other_member_is_concrete():
     assert set(Plugin.__abstractmethods__) == {"name", "prepare"}
-    assert PluginBase is Plugin  # the earlier name of the one contract
     colossalai = {"supported_devices", "supported_precisions", "control_precision", "control_device",
                   "support_no_sync", "configure", "no_sync", "control_checkpoint_io", "get_checkpoint_io",
                   "prepare_dataloader", "support_lora"}  # fmt: skip
@@ -141,14 +139,6 @@ def test_a_plugin_whose_init_skips_the_base_init_still_answers():
     plugin = NoSuperInit(3)
     assert plugin.device == default_device() and plugin.precision is None and not plugin.explicit_precision
     assert plugin.world_size == 1 and plugin.rank == 0 and repr(plugin) == "NoSuperInit(precision=None)"
-
-
-def test_an_override_under_the_old_name_of_a_renamed_member_is_refused():
-    with pytest.raises(TypeError, match="mid_window_save_error was renamed to mid_window_save_refusal"):
-
-        class Old(_Plain):
-            def mid_window_save_error(self, optimizer):
-                return "refused"
 
 
 def test_a_structural_look_alike_is_not_a_plugin():
@@ -305,7 +295,7 @@ def test_boosted_optimizer_protocol_is_structural_and_complete():
 
 def test_state_dict_pair_never_steps_a_fresh_optimizer():
     """torch's get/set_state_dict give a never-stepped optimizer state by a zero-lr step (Adam's step count 1
-    before any real step); PluginBase's pair must leave it fresh and save no state for it."""
+    before any real step); Plugin's pair must leave it fresh and save no state for it."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)

@@ -96,7 +96,7 @@ def _storages(tensors: Iterable[Any]) -> dict[int, int]:
 def components(model: torch.nn.Module, optimizer: Any, total: int) -> dict[str, int]:
     """``total`` split into params, grads, master, optimizer_state and the rest (``buffers``), by walking the
     live objects; each storage counted once (the first category that holds it)."""
-    from stepforge.core.plugin_base import unwrap_optimizer
+    from stepforge.core import unwrap_optimizer
     from stepforge.zero import LowLevelZeroOptimizer
 
     zero = isinstance(optimizer, LowLevelZeroOptimizer)

@@ -72,8 +72,8 @@ def _worker(rank: int, world: int, args: argparse.Namespace, out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
     from stepforge.fused import CPUAdam
     from stepforge.zero import LowLevelZeroOptimizer
+    from stepforge.zero.comm.grad_reducer import WireFormat
     from stepforge.zero.comm.param_gather import StagingBuffers, launch_gather
-    from stepforge.zero.comm.wire import WireFormat
 
     torch.manual_seed(0)
     model = ByteGPT(args.d_model, args.layers, args.heads, args.seq_len)

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import stepforge.strategy._plugin_setup as plugin_setup
 from stepforge.core import Registry, UnknownNameError
-from stepforge.strategy import BoostedOptimizer, Booster, ModelWrapper, SinglePlugin, StatefulDataLoader
+from stepforge.strategy import Booster, ModelWrapper, OptimizerWrapper, SinglePlugin, StatefulDataLoader
 
 
 def test_single_plugin_with_accumulation_equals_the_concatenated_batch():
@@ -41,7 +41,7 @@ def test_boost_returns_the_five_wrapped():
     m, o, c, d, s = booster.boost(model, opt, crit, loader, sched)
     assert isinstance(m, ModelWrapper) and m.module is model and m.unwrap() is model
     assert c is crit and s is sched
-    assert isinstance(o, BoostedOptimizer) and o.unwrap() is opt
+    assert isinstance(o, OptimizerWrapper) and o.unwrap() is opt
     assert isinstance(d, StatefulDataLoader) and len(d) == 5
     with booster.no_sync(m, o):  # single: supported, nothing to skip
         pass

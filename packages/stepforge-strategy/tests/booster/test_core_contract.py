@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The Booster on stepforge-core's contract (one process): plugins are core ``PluginBase`` subclasses, every
+"""The Booster on stepforge-core's contract (one process): plugins are core ``Plugin`` subclasses, every
 ``prepare`` returns a ``BoostedOptimizer``, ``Booster.backward`` is ``optimizer.backward``, precision adoption
 goes through ``explicit_precision``/``set_precision``, and a plugin decides whether a mid-window save is refused.
 """
@@ -16,7 +16,6 @@ from torch import nn
 
 from stepforge import core
 from stepforge.strategy import (
-    BoostedOptimizer,
     Booster,
     GeminiPlugin,
     OptimizerWrapper,
@@ -24,11 +23,10 @@ from stepforge.strategy import (
     TorchDDPPlugin,
     TorchFSDPPlugin,
 )
-from stepforge.strategy import plugins as strategy_plugins
 from stepforge.strategy.checkpoint import _strategy_io
 
 
-class _PlainPlugin(core.PluginBase):
+class _PlainPlugin(core.Plugin):
     """A third-party plugin without precision of its own: the Booster's mixed precision applies."""
 
     name = "plain"
@@ -72,11 +70,9 @@ def _grads(model: nn.Module) -> list[torch.Tensor]:
     return [p.grad.detach().clone() for p in model.parameters()]
 
 
-def test_every_strategy_plugin_is_a_core_plugin_base():
-    assert strategy_plugins.PluginBase is core.PluginBase
+def test_every_strategy_plugin_is_a_core_plugin():
     for cls in (SinglePlugin, TorchDDPPlugin, TorchFSDPPlugin, GeminiPlugin):
-        assert issubclass(cls, core.PluginBase) and not inspect.isabstract(cls)
-    assert BoostedOptimizer is OptimizerWrapper
+        assert issubclass(cls, core.Plugin) and not inspect.isabstract(cls)
     fsdp, gemini = TorchFSDPPlugin(), GeminiPlugin(precision="bf16")
     assert fsdp.control_precision() and fsdp.precision == "fp32" and not fsdp.explicit_precision
     assert gemini.precision == "bf16" and gemini.explicit_precision and fsdp.builds_optimizer_config

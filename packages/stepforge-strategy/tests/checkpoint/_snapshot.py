@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
-from stepforge.core.plugin_base import unwrap_optimizer
+from stepforge.core import unwrap_optimizer
 from stepforge.strategy import Strategy
 from stepforge.strategy.checkpoint._fsdp_window import fsdp_pending_grads
 

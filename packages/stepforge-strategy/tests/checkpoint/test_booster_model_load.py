@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from stepforge.core import PluginBase
+from stepforge.core import Plugin
 from stepforge.strategy import Booster, OptimizerWrapper, Strategy
 from stepforge.testing.distributed import requires_gloo, run_distributed
 
@@ -69,7 +69,7 @@ def test_zero2_load_model_survives_the_next_step(tmp_path, precision):
         assert all(torch.equal(a, b) for a, b in zip(out["saved"], out["after_step"], strict=True)), rank
 
 
-class _RecordingPlugin(PluginBase):
+class _RecordingPlugin(Plugin):
     name = "recording"
 
     def __init__(self) -> None:

@@ -12,7 +12,7 @@ import torch
 from _strategy_cases import make_model
 from torch import nn
 
-from stepforge.core.plugin_base import unwrap_optimizer
+from stepforge.core import unwrap_optimizer
 from stepforge.strategy import Booster, CheckpointError
 
 

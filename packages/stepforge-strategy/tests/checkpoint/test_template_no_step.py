@@ -18,7 +18,7 @@ import torch
 from _strategy_cases import COUNTS, full_params, make_model, make_strategy, prepare, train
 from torch.distributed.tensor import DTensor
 
-from stepforge.core.plugin_base import unwrap_optimizer
+from stepforge.core import unwrap_optimizer
 from stepforge.strategy import Booster
 from stepforge.testing.distributed import requires_gloo, run_distributed
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from stepforge.core.plugin_base import unwrap_optimizer
+from stepforge.core import unwrap_optimizer
 from stepforge.testing.models import block_net
 
 D_IN, MICRO, COUNTS, STEPS = 6, 8, 2, 6

@@ -149,7 +149,7 @@ def test_plugins_take_precision_as_the_booster_gives_it() -> None:
     """A plugin that applies precision adopts it (ZeRO, FSDP2); the others get the Booster's autocast; an explicit
     precision that differs is refused; keyword arguments reach the plugin."""
     zero, precision, autocast = make_plugin("zero2", precision="bf16", cpu_offload=True)
-    assert (zero.name, precision, autocast, zero.options.cpu_offload) == ("zero2", "bf16", None, True)  # type: ignore[attr-defined]
+    assert (zero.name, precision, autocast, zero.config.cpu_offload) == ("zero2", "bf16", None, True)  # type: ignore[attr-defined]
     _ddp, precision, autocast = make_plugin("torch_ddp", device="cpu", precision="bf16")
     assert (precision, autocast) == ("bf16", torch.bfloat16)
     _, precision, autocast = make_plugin(dict(type="torch_fsdp", precision="fp32"), device="cpu")

@@ -67,7 +67,7 @@ def _at_boundary(rank: int, world_size: int, work: str, plugin: str) -> dict:
     except CheckpointError as exc:
         mid_error = str(exc)
     s.resume(os.path.join(work, "boundary"))
-    window = s.optim_wrapper._window
+    window = s.optim_wrapper.window
     return dict(
         params=full_params(s.model),
         iter=window.inner_count,

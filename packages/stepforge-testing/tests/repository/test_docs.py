@@ -34,13 +34,14 @@ def test_checker_finds_a_missing_code_path_and_a_missing_link(tmp_path):
             "docs/guide.md": "",
             "README.md": (
                 "Run `python tools/run.py --fast` and `tools/gone.py`; read [the guide](docs/guide.md) and "
-                "[old notes](docs/old.md#top).\n"
+                "[old notes](docs/old.md#top); `tools/run.py:main` and `tools/lost.py:Runner.go`.\n"
             ),
         },
     )
     assert repo_docs.missing_references(root, root / "README.md") == [
         "README.md: links 'docs/old.md', which does not exist",
         "README.md: names `tools/gone.py`, which does not exist",
+        "README.md: names `tools/lost.py`, which does not exist",
     ]
 
 

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """ColossalAI's ``communication_dtype``, ``fp8_communication`` (2 gloo ranks) and ``extra_dp_group`` /
-``extra_dp_size`` (4 gloo ranks) on ``LowLevelZeroOptimizer`` and ``LowLevelZeroPlugin``: the wire (:mod:`stepforge.zero.comm.wire`) and
+``extra_dp_size`` (4 gloo ranks) on ``LowLevelZeroOptimizer`` and ``LowLevelZeroPlugin``: the wire (:class:`stepforge.zero.comm.grad_reducer.WireFormat`) and
 the 2-D grid's group (:mod:`stepforge.zero.comm.grid`).
 
 Model: one weight of 4 elements, loss ``(w * x).sum()``, so each rank's gradient is its ``x``; the averaged

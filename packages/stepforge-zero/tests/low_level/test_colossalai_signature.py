@@ -69,7 +69,12 @@ def test_signature_is_colossalais_in_order_with_its_defaults():
 def test_colossalai_names_and_stepforge_aliases():
     model = _linear()
     opt = LowLevelZeroOptimizer(_sgd(model), partition_grad=True, clip_grad_norm=1.5)
-    assert (opt.stage, opt.max_norm, opt.overlap_communication, opt.reduce_bucket_size) == (
+    assert (
+        opt.config.stage,
+        opt.config.max_norm,
+        opt.config.overlap_communication,
+        opt.reduce_bucket_size,
+    ) == (
         2,
         1.5,
         False,
@@ -83,7 +88,7 @@ def test_colossalai_names_and_stepforge_aliases():
     same = LowLevelZeroOptimizer(
         _sgd(_linear()), partition_grad=True, stage=2, max_norm=1.5, clip_grad_norm=1.5
     )
-    assert (same.stage, same.max_norm) == (2, 1.5)
+    assert (same.config.stage, same.config.max_norm) == (2, 1.5)
     with pytest.raises(HyperParameterError, match="stage=1.*partition_grad=True"):
         LowLevelZeroOptimizer(_sgd(_linear()), partition_grad=True, stage=1)
     with pytest.raises(HyperParameterError, match="max_norm=1.0.*clip_grad_norm=2.0"):

@@ -69,12 +69,45 @@ def test_arguments_reach_the_optimizer_and_norm_type_is_honoured():
     assert plugin.support_no_sync() and LowLevelZeroPlugin(stage=1).support_no_sync()  # both stages here
     w = nn.Parameter(torch.zeros(2))
     _, opt = plugin.prepare(nn.ParameterList([w]), torch.optim.SGD([w], lr=1.0))
-    assert (opt.stage, opt.norm_type, opt.verbose, opt.overlap_allgather) == (2, math.inf, True, True)
+    assert (opt.config.stage, opt.config.norm_type, opt.config.verbose, opt.config.overlap_allgather) == (
+        2,
+        math.inf,
+        True,
+        True,
+    )
     assert opt.communication.dtype == torch.bfloat16 and opt.reduce_bucket_size == 2**20
     (w * torch.tensor([3.0, 4.0])).sum().backward()  # gradient [3, 4]: inf-norm 4 (2-norm 5)
     opt.step()
     # clipped by 2 / 4: [-1.5, -2.0] (a 2-norm clip would give [-1.2, -1.6])
     assert w.detach().tolist() == pytest.approx([-1.5, -2.0], rel=1e-5)
+
+
+def test_the_plugin_checks_its_config_once_and_passes_it_through_unchanged(monkeypatch):
+    import stepforge.core.precision as precision
+    import stepforge.zero.plugin.low_level_zero as plugin_module
+
+    calls = []
+    checked = precision.validate_loss_scaler_args
+
+    def counting(*args, **kwargs):
+        calls.append(args[0])
+        return checked(*args, **kwargs)
+
+    monkeypatch.setattr(plugin_module, "validate_loss_scaler_args", counting)
+    monkeypatch.setattr("stepforge.zero.low_level.validate_loss_scaler_args", counting)
+    plugin = LowLevelZeroPlugin(stage=2, precision="fp32", initial_scale=2**10, max_norm=1.0)
+    assert (plugin.config.stage, plugin.config.max_norm, plugin.config.scaler["initial_scale"]) == (
+        2,
+        1.0,
+        2**10,
+    )
+    assert plugin.config.default_bucket_size == 12 * 2**20  # ColossalAI's plugin default off gloo
+    optimizers = []
+    for _ in range(2):
+        layer = nn.Linear(2, 1)
+        optimizers.append(plugin.prepare(layer, torch.optim.SGD(layer.parameters(), lr=0.1))[1])
+    assert all(opt.config is plugin.config for opt in optimizers)  # the same object, not a copy
+    assert calls == ["LowLevelZeroPlugin"]  # checked once, at the plugin's door
 
 
 def test_cast_inputs_false_leaves_inputs_alone():

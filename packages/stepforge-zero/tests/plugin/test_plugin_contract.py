@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""LowLevelZeroPlugin against core's contract: it subclasses ``PluginBase`` (and so is a ``Plugin``), its
+"""LowLevelZeroPlugin against core's contract: it subclasses ``Plugin``, its
 ``prepare`` returns a ``BoostedOptimizer``, its precisions come from ``stepforge.core.precision``, and
 ``mid_window_save_refusal`` tells whether an accumulation window can be checkpointed (zero1 and zero2, on one
 process and on 2 gloo ranks)."""
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stepforge.core import BoostedOptimizer, HyperParameterError, Plugin, PluginBase
+from stepforge.core import BoostedOptimizer, HyperParameterError, Plugin
 from stepforge.core.precision import PLUGIN_PRECISIONS
 from stepforge.testing.distributed import requires_gloo, run_distributed
 from stepforge.testing.zero_cases import mlp, rank_rows, regression_batch
@@ -22,7 +22,7 @@ def _prepared(plugin: LowLevelZeroPlugin) -> tuple[torch.nn.Module, LowLevelZero
 
 
 def test_subclasses_plugin_base_and_inherits_the_process_facts():
-    assert issubclass(LowLevelZeroPlugin, PluginBase) and issubclass(Zero2Plugin, Plugin)
+    assert issubclass(LowLevelZeroPlugin, Plugin) and issubclass(Zero2Plugin, Plugin)
     for member in ("world_size", "rank", "device", "prepare_dataloader", "configure", "explicit_precision"):
         assert member not in vars(LowLevelZeroPlugin), member  # inherited, not re-implemented
     plugin = Zero1Plugin(precision="fp32")

@@ -20,7 +20,6 @@ overrides to change how backward, clipping, the step or the gradient-sync suspen
 
 from __future__ import annotations
 
-from ._no_sync import fsdp2_modules, install_adapters
 from ._version import __version__
 from ._window import (
     AccumulatingOptimizer,
@@ -38,8 +37,6 @@ from .grad_accum import (
 from .lr_scheduler import GradAccumLrSchedulerByStep
 from .optim_wrapper import OptimWrapper
 
-install_adapters()
-
 __all__ = [
     "__version__",
     "OptimWrapper",
@@ -53,6 +50,4 @@ __all__ = [
     "AccumulationError",
     "AccumulationWarning",
     "scale_gradients",
-    "fsdp2_modules",
-    "install_adapters",
 ]

@@ -1,14 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """Gradient clipping for both APIs: the ``clip_grad`` config, checked where it enters, and one clip routine.
 
-Clipping goes through the wrapped optimizer when it knows better than ``torch.nn.utils`` does:
-
-1. ``clip_grad_by_norm(max_norm, norm_type)`` (ColossalAI's ``OptimizerWrapper`` interface): AMP and ZeRO
-   wrappers keep *scaled* or *sharded* gradients, so only they can compute the true norm (they unscale or
-   all-reduce inside);
-2. ``clip_grad_norm_(max_norm, norm_type)`` (:class:`stepforge.core.ShardedOptimizer`): the norm over all shards;
-3. ``clip_grad_norm(model, max_norm)`` (legacy ``ColossalaiOptimizer``);
-4. otherwise ``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters that have a gradient.
+Clipping by norm goes through the wrapped optimizer when it is a :class:`stepforge.core.ClippingOptimizer`: AMP
+and ZeRO optimizers keep *scaled* or *sharded* gradients, so only they can compute the true norm (they unscale or
+all-reduce inside). Otherwise ``torch.nn.utils.clip_grad_norm_`` runs over the optimizer's parameters that have a
+gradient. Value clipping unscales a :class:`stepforge.core.BoostedOptimizer` first.
 """
 
 from __future__ import annotations
@@ -21,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from stepforge.core import HyperParameterError, check_range
+from stepforge.core import BoostedOptimizer, ClippingOptimizer, HyperParameterError, check_range
 
 __all__ = [
     "ClipConfig",
@@ -135,20 +131,20 @@ def _params_with_grad(optimizer: Any) -> list[torch.Tensor]:
     ]
 
 
-def clip_grad_norm(optimizer: Any, model: Any, max_norm: float, norm_type: float = 2.0, **kwargs: Any) -> Any:
-    """Clip by the global norm through the optimizer's own routine when it has one (see the module doc).
+def clip_grad_norm(optimizer: Any, max_norm: float, norm_type: float = 2.0, **kwargs: Any) -> Any:
+    """Clip by the global norm (see the module doc); ``kwargs`` are ``torch.nn.utils.clip_grad_norm_``'s.
 
-    Returns the total norm (what the routine used returns), or ``None`` when nothing has a gradient.
+    Returns the total norm, or ``None`` when nothing has a gradient.
+
+    Raises:
+        RuntimeError: ``error_if_nonfinite`` and the norm a :class:`~stepforge.core.ClippingOptimizer` measured
+            is inf or NaN.
     """
-    by_norm = getattr(optimizer, "clip_grad_by_norm", None)
-    if callable(by_norm):  # ColossalAI OptimizerWrapper: AMP unscales / ZeRO reduces inside
-        return by_norm(max_norm, norm_type, **kwargs)
-    sharded = getattr(optimizer, "clip_grad_norm_", None)
-    if callable(sharded):  # ShardedOptimizer: the norm over every shard
-        return sharded(max_norm, norm_type)
-    legacy = getattr(optimizer, "clip_grad_norm", None)
-    if callable(legacy):  # legacy ColossalaiOptimizer
-        return legacy(model, max_norm)
+    if isinstance(optimizer, ClippingOptimizer):
+        norm = optimizer.clip_grad_norm_(max_norm, norm_type)
+        if kwargs.get("error_if_nonfinite") and not torch.isfinite(torch.as_tensor(norm)).all():
+            raise RuntimeError(f"clip_grad: the total norm of order {norm_type} of the gradients is {norm}.")
+        return norm
     params = _params_with_grad(optimizer)
     if not params:
         return None
@@ -156,11 +152,9 @@ def clip_grad_norm(optimizer: Any, model: Any, max_norm: float, norm_type: float
 
 
 def clip_grad_value(optimizer: Any, clip_value: float, **kwargs: Any) -> None:
-    """Clamp every gradient to ``[-clip_value, clip_value]`` (``clip_grad_by_value`` of the optimizer first)."""
-    by_value = getattr(optimizer, "clip_grad_by_value", None)
-    if callable(by_value):
-        by_value(clip_value, **kwargs)
-        return
+    """Clamp every gradient to ``[-clip_value, clip_value]``, unscaled first for a boosted optimizer."""
+    if isinstance(optimizer, BoostedOptimizer):
+        optimizer.unscale_()
     params = _params_with_grad(optimizer)
     if params:
         nn.utils.clip_grad_value_(params, clip_value, **kwargs)

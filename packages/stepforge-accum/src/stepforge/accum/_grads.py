@@ -16,6 +16,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from stepforge.core import GradScalingOptimizer
+
 __all__ = ["comm_device", "is_forward_armed", "scale_gradients", "track_forward"]
 
 
@@ -40,14 +42,12 @@ def track_forward(target: Any) -> None:
 def scale_gradients(optimizer: Any, factor: float) -> None:
     """Multiply every gradient ``optimizer`` will step with by ``factor``.
 
-    An optimizer that keeps its gradients outside ``p.grad`` (a ZeRO-2 optimizer holding reduced shards) can
-    expose ``scale_grads_(factor)`` and is then called instead.
+    A :class:`stepforge.core.GradScalingOptimizer` (a ZeRO-2 optimizer holding reduced pieces) scales its own.
     """
     if factor == 1.0:
         return
-    hook = getattr(optimizer, "scale_grads_", None)
-    if callable(hook):
-        hook(factor)
+    if isinstance(optimizer, GradScalingOptimizer):
+        optimizer.scale_grads_(factor)
         return
     grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     if not grads:

@@ -22,9 +22,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from stepforge.core import BackwardOptimizer, GradientHandler
+
 from ._clip import check_max_norm, check_norm_type, clip_grad_norm
-from ._no_sync import install_adapters
-from ._window import AccumulationWindow, track_forward
+from ._window import AccumulatingOptimizer, AccumulationWindow, track_forward
 from .lr_scheduler import GradAccumLrSchedulerByStep
 
 __all__ = [
@@ -65,7 +66,6 @@ class GradAccumOptimizer:
         process_group: Any = None,
         reduce_weights: bool | None = None,
     ) -> None:
-        install_adapters()
         self.optim = optim
         self.model = model
         track_forward(model)
@@ -121,17 +121,18 @@ class GradAccumOptimizer:
     def backward(self, loss: torch.Tensor, *, weight: float | torch.Tensor | None = None) -> None:
         """Backward ``loss / window length`` (or ``loss * weight`` in weighted mode) and count it.
 
-        The backward itself is the wrapped optimizer's ``backward(loss)`` when it has one (ColossalAI's
-        contract: an AMP wrapper scales the loss there, a ZeRO wrapper reduces), else ``loss.backward()``.
+        The backward itself is the wrapped optimizer's ``backward(loss)`` when it is a
+        :class:`stepforge.core.BackwardOptimizer` (an AMP wrapper scales the loss there, a ZeRO optimizer
+        reduces), else ``loss.backward()``.
         """
         w = self._window.check_weight(weight)
         if w is None:
             loss = loss / self._window.divisor()
         else:
             loss = loss * (w.to(loss.dtype) if isinstance(w, torch.Tensor) else w)
-        inner = getattr(self.optim, "backward", None)
-        if callable(inner):
-            self._run_backward(w, lambda: inner(loss))
+        if isinstance(self.optim, BackwardOptimizer):
+            backward = self.optim.backward
+            self._run_backward(w, lambda: backward(loss))
         else:
             self._run_backward(w, loss.backward)
 
@@ -139,13 +140,13 @@ class GradAccumOptimizer:
         """Backward from ``tensor`` with output gradient ``grad`` and count it.
 
         ``grad`` must already carry the 1/window-length factor (as in ColossalAI, nothing is divided here).
-        The wrapped optimizer's ``backward_by_grad(tensor, grad)`` runs when it has one, else
+        A :class:`stepforge.core.BackwardOptimizer`'s ``backward_by_grad(tensor, grad)`` runs, else
         ``torch.autograd.backward(tensor, grad)``.
         """
         w = self._window.check_weight(None)
-        inner = getattr(self.optim, "backward_by_grad", None)
-        if callable(inner):
-            self._run_backward(w, lambda: inner(tensor, grad))
+        if isinstance(self.optim, BackwardOptimizer):
+            backward_by_grad = self.optim.backward_by_grad
+            self._run_backward(w, lambda: backward_by_grad(tensor, grad))
         else:
             self._run_backward(w, lambda: torch.autograd.backward(tensor, grad))
 
@@ -175,10 +176,9 @@ class GradAccumOptimizer:
     def clip_grad_norm(self, model: nn.Module | None, max_norm: float, norm_type: float = 2.0) -> Any:
         """Clip by the global norm, only at the end of a window (after weighted normalisation).
 
-        Goes through the wrapped optimizer's ``clip_grad_by_norm`` (ColossalAI ``OptimizerWrapper``: AMP
-        unscales, ZeRO reduces), ``clip_grad_norm_`` (sharded) or ``clip_grad_norm(model, max_norm)``
-        (legacy ColossalAI) when it has one, else ``torch.nn.utils.clip_grad_norm_``. Returns the total norm,
-        or ``None`` inside a window.
+        Goes through the wrapped optimizer's ``clip_grad_norm_`` when it is a
+        :class:`stepforge.core.ClippingOptimizer` (AMP unscales, ZeRO reduces), else
+        ``torch.nn.utils.clip_grad_norm_``. Returns the total norm, or ``None`` inside a window.
 
         Raises:
             HyperParameterError: ``max_norm <= 0`` or ``norm_type <= 0``.
@@ -188,7 +188,7 @@ class GradAccumOptimizer:
         if not self._at_boundary():
             return None
         self._window.finalize(self.optim)
-        return clip_grad_norm(self.optim, model, max_norm, norm_type)
+        return clip_grad_norm(self.optim, max_norm, norm_type)
 
     def clip_grad_by_norm(self, max_norm: float, norm_type: float = 2.0) -> Any:
         """ColossalAI ``OptimizerWrapper`` spelling of :meth:`clip_grad_norm` (with this wrapper's model)."""
@@ -319,7 +319,7 @@ class GradAccumGradientHandler:
     """
 
     def __init__(self, grad_handler: Any, accumulate_size: int, *, optimizer: Any = None) -> None:
-        if not callable(getattr(grad_handler, "handle_gradient", None)):
+        if not isinstance(grad_handler, GradientHandler):
             raise TypeError(
                 f"GradAccumGradientHandler: grad_handler must have handle_gradient(), got "
                 f"{type(grad_handler).__name__}."
@@ -329,7 +329,7 @@ class GradAccumGradientHandler:
             accumulate_size, owner="GradAccumGradientHandler", count_name="accumulate_size"
         ).counts
         self.accumulate_step = 0
-        self._window: AccumulationWindow | None = getattr(optimizer, "_window", None)
+        self._window = optimizer.window if isinstance(optimizer, AccumulatingOptimizer) else None
 
     def handle_gradient(self) -> None:
         if self._window is not None:

@@ -25,12 +25,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from stepforge.core import no_sync, supports_no_sync
+from stepforge.core import BackwardOptimizer, no_sync, supports_no_sync
 from stepforge.core.torch_compat import is_norm_with_running_stats
 
 from ._clip import clip_grad_norm, clip_grad_value, parse_clip_grad
 from ._grads import track_forward
-from ._no_sync import install_adapters
 from ._window import AccumulationWindow
 
 __all__ = ["OptimWrapper"]
@@ -84,7 +83,6 @@ class OptimWrapper:
         reduce_weights: bool | None = None,
         scheduler_clock: str = "micro",
     ) -> None:
-        install_adapters()
         if not hasattr(optimizer, "param_groups") or not hasattr(optimizer, "step"):
             raise TypeError(
                 f"OptimWrapper: optimizer must be a torch.optim.Optimizer (or have param_groups and step), "
@@ -178,13 +176,12 @@ class OptimWrapper:
     def run_backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Hook: backpropagate ``loss`` (already divided or weighted for the window; a scalar tensor).
 
-        Default: the wrapped optimizer's ``backward(loss, **kwargs)`` when it has one (AMP and ZeRO optimizers
-        scale or reduce there), else ``loss.backward(**kwargs)``. An AMP subclass runs
-        ``scaler.scale(loss).backward()`` here.
+        Default: the wrapped optimizer's ``backward(loss, **kwargs)`` when it is a
+        :class:`stepforge.core.BackwardOptimizer` (AMP and ZeRO optimizers scale or reduce there), else
+        ``loss.backward(**kwargs)``. An AMP subclass runs ``scaler.scale(loss).backward()`` here.
         """
-        inner = getattr(self.optimizer, "backward", None)
-        if callable(inner):
-            inner(loss, **kwargs)
+        if isinstance(self.optimizer, BackwardOptimizer):
+            self.optimizer.backward(loss, **kwargs)
         else:
             loss.backward(**kwargs)
 
@@ -198,8 +195,8 @@ class OptimWrapper:
 
         Returns the total norm before clipping (a 0-dim float tensor) for norm clipping, which :meth:`step`
         stores in ``grad_norm``; ``None`` for value clipping or when nothing has a gradient. Default: the
-        optimizer's own ``clip_grad_by_norm``/``clip_grad_norm_`` when it has one (sharded or scaled
-        gradients), else ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_``.
+        optimizer's own ``clip_grad_norm_`` when it is a :class:`stepforge.core.ClippingOptimizer` (sharded or
+        scaled gradients), else ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_``.
         """
         assert self.clip_grad_kwargs is not None
         if self._clip_type == "value":
@@ -208,9 +205,7 @@ class OptimWrapper:
         kwargs = dict(self.clip_grad_kwargs)
         max_norm = kwargs.pop("max_norm")
         norm_type = kwargs.pop("norm_type", 2.0)
-        total: torch.Tensor | None = clip_grad_norm(
-            self.optimizer, self._context_model, max_norm, norm_type, **kwargs
-        )
+        total: torch.Tensor | None = clip_grad_norm(self.optimizer, max_norm, norm_type, **kwargs)
         return total
 
     def optimizer_step(self, **kwargs: Any) -> Any:

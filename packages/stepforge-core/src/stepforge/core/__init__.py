@@ -6,11 +6,12 @@
 - :func:`build_optimizer`: ``build_optimizer(dict(type="FusedAdam", lr=1e-3), model)``; an unknown name says
   which distribution to install.
 - The training contract: :class:`Plugin` (an abstract base class, ColossalAI's ``Plugin`` as the model; a new
-  plugin is a class with ``name`` and ``prepare``, everything else has a default; ``PluginBase`` is its earlier
-  name) and the :class:`BoostedOptimizer` protocol that every plugin's ``prepare`` returns (``backward(loss)`` is
+  plugin is a class with ``name`` and ``prepare``, everything else has a default) and the :class:`BoostedOptimizer` protocol that every plugin's ``prepare`` returns (``backward(loss)`` is
   the only backward route).
 - Protocols (:class:`NoSyncModel`, :class:`GradientSyncSwitch`, :class:`ShardedOptimizer`,
-  :class:`GradientHandler`, :class:`WrappedModel`, :class:`CachingOptimizer`) and :func:`no_sync`.
+  :class:`GradientHandler`, :class:`WrappedModel`, :class:`CachingOptimizer`, and what gradient accumulation
+  dispatches on: :class:`BackwardOptimizer`, :class:`ClippingOptimizer`, :class:`GradScalingOptimizer`) and
+  :func:`no_sync`.
 - :mod:`stepforge.core.memory_plan`: :class:`MemoryPlan`, what :meth:`Plugin.memory_plan` says one rank holds
   and communicates before anything is allocated, and :class:`OptimizerStateProbe` (state bytes read from the
   optimizer itself).
@@ -35,15 +36,19 @@ from .errors import (
 )
 from .memory_plan import MemoryPlan, OptimizerStateProbe, PlannedCollective, PlannedTensor
 from .plugin import Plugin
-from .plugin_base import PluginBase
 from .protocols import (
+    BackwardOptimizer,
     BoostedOptimizer,
     CachingOptimizer,
+    ClippingOptimizer,
     GradientHandler,
     GradientSyncSwitch,
+    GradScalingOptimizer,
     NoSyncModel,
     ShardedOptimizer,
     WrappedModel,
+    optimizer_list,
+    unwrap_optimizer,
 )
 from .registry import (
     INSTALL_HINTS,
@@ -88,15 +93,19 @@ __all__ = [
     "GradientSyncSwitch",
     "NoSyncModel",
     "Plugin",
-    "PluginBase",
     "MemoryPlan",
     "PlannedTensor",
     "PlannedCollective",
     "OptimizerStateProbe",
+    "BackwardOptimizer",
     "BoostedOptimizer",
     "CachingOptimizer",
+    "ClippingOptimizer",
+    "GradScalingOptimizer",
     "ShardedOptimizer",
     "WrappedModel",
+    "optimizer_list",
+    "unwrap_optimizer",
     "INSTALL_HINTS",
     "OPTIM_WRAPPERS",
     "OPTIMIZERS",

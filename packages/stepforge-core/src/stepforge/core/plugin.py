@@ -12,8 +12,7 @@ A new plugin is a class with ``name`` and ``prepare``; every other member has a 
 
 The class holds every member the Booster and the Strategy call, so they never probe a plugin with ``getattr``.
 ColossalAI's ``Plugin`` is the model; its spellings (``configure``, ``support_no_sync``, ``get_checkpoint_io``)
-are concrete aliases in one block at the end. ``PluginBase`` (:mod:`stepforge.core.plugin_base`) is this class
-under its earlier name.
+are concrete aliases in one block at the end.
 """
 
 from __future__ import annotations
@@ -38,9 +37,6 @@ if TYPE_CHECKING:
     from .memory_plan import MemoryPlan
 
 __all__ = ["Plugin", "Optimizers", "default_device"]
-
-#: members renamed since 0.1.0, old name -> new name
-_RENAMED_MEMBERS = {"mid_window_save_error": "mid_window_save_refusal"}
 
 Optimizers = torch.optim.Optimizer | BoostedOptimizer | Iterable[torch.optim.Optimizer | BoostedOptimizer]
 
@@ -89,13 +85,6 @@ class Plugin(ABC):
     _device: torch.device | None = None
     _precision: str | None = None
     _explicit_precision: bool = False
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        # an override under a renamed member's old name would never be called: say so when the class is made
-        for old, new in _RENAMED_MEMBERS.items():
-            if old in vars(cls):
-                raise TypeError(f"{cls.__name__}.{old} was renamed to {new}; rename the method.")
 
     def __init__(
         self,

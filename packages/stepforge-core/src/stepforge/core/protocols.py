@@ -20,6 +20,9 @@ __all__ = [
     "GradientSyncSwitch",
     "ShardedOptimizer",
     "GradientHandler",
+    "BackwardOptimizer",
+    "ClippingOptimizer",
+    "GradScalingOptimizer",
     "BoostedOptimizer",
     "WrappedModel",
     "CachingOptimizer",
@@ -80,6 +83,32 @@ class GradientHandler(Protocol):
     ``BaseGradientHandler``: all-reduce for data parallelism, sequence-parallel sums, ...)."""
 
     def handle_gradient(self) -> None: ...
+
+
+@runtime_checkable
+class BackwardOptimizer(Protocol):
+    """An optimizer that runs the backward itself (ColossalAI's ``OptimizerWrapper``: an AMP wrapper scales the
+    loss, a ZeRO optimizer reduces). Gradient accumulation calls these instead of ``loss.backward()``."""
+
+    def backward(self, loss: torch.Tensor) -> None: ...
+
+    def backward_by_grad(self, tensor: torch.Tensor, grad: torch.Tensor) -> None: ...
+
+
+@runtime_checkable
+class ClippingOptimizer(Protocol):
+    """An optimizer whose gradients only it can measure (loss-scaled, sharded): ``clip_grad_norm_`` unscales,
+    clips by the norm over every rank and shard and returns that norm."""
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class GradScalingOptimizer(Protocol):
+    """An optimizer that keeps the gradients it steps with outside ``p.grad`` (ZeRO-2's reduced pieces):
+    ``scale_grads_(factor)`` multiplies them (gradient accumulation's window weight)."""
+
+    def scale_grads_(self, factor: float) -> None: ...
 
 
 @runtime_checkable

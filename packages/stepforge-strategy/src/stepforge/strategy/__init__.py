@@ -2,9 +2,9 @@
 """stepforge.strategy: ColossalAI's Booster and mmengine's strategy layer on torch's own engines.
 
 - :class:`Booster` (``boost``, ``backward``, ``no_sync``, ``save_*``/``load_*``) with plugins from
-  ``stepforge.core.PLUGINS`` (each a :class:`stepforge.core.PluginBase` subclass): ``single``, ``torch_ddp``,
+  ``stepforge.core.PLUGINS`` (each a :class:`stepforge.core.Plugin` subclass): ``single``, ``torch_ddp``,
   ``torch_fsdp``, ``gemini`` here, ``low_level_zero`` from stepforge-zero;
-- :class:`ModelWrapper` (the boosted model) and :class:`OptimizerWrapper` (alias ``BoostedOptimizer``), the
+- :class:`ModelWrapper` (the boosted model) and :class:`OptimizerWrapper`, the
   :class:`stepforge.core.BoostedOptimizer` these plugins return; :class:`CheckpointIO` /
   :class:`GeneralCheckpointIO` (``booster.checkpoint_io``) and :class:`Accelerator`;
 - mixed precision (``"fp16"``, ``"bf16"``, ``"fp8"``, ``"fp16_apex"``);
@@ -28,7 +28,7 @@ from stepforge.core.precision import DynamicLossScaler
 from ._version import __version__
 from .accelerator import Accelerator, get_accelerator, set_accelerator
 from .boosted_model import ModelWrapper
-from .boosted_optimizer import BoostedOptimizer, OptimizerWrapper
+from .boosted_optimizer import OptimizerWrapper
 from .booster import Booster
 from .checkpoint import CheckpointError, find_latest_checkpoint
 from .checkpoint_io import BoosterCheckpointIO, CheckpointIO, GeneralCheckpointIO
@@ -46,7 +46,7 @@ from .mixed_precision import (
     resolve_mixed_precision,
 )
 from .optim_wrappers import AmpOptimWrapper, ColossalAIOptimWrapper
-from .plugins import DPPluginBase, GeminiPlugin, PluginBase, SinglePlugin, TorchDDPPlugin, TorchFSDPPlugin
+from .plugins import DPPluginBase, GeminiPlugin, SinglePlugin, TorchDDPPlugin, TorchFSDPPlugin
 from .strategy import ColossalAIStrategy, Strategy
 
 __all__ = [
@@ -65,7 +65,6 @@ __all__ = [
     "BoosterCheckpointIO",
     "GeneralCheckpointIO",
     "OptimizerWrapper",
-    "BoostedOptimizer",
     "StatefulDataLoader",
     "make_stateful",
     "MixedPrecision",
@@ -76,7 +75,6 @@ __all__ = [
     "resolve_mixed_precision",
     "ColossalAIOptimWrapper",
     "AmpOptimWrapper",
-    "PluginBase",
     "SinglePlugin",
     "TorchDDPPlugin",
     "TorchFSDPPlugin",

@@ -10,7 +10,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from stepforge.core import Plugin, PluginBase
+from stepforge.core import Plugin
 
 from .memory._auto import (
     AUTO_CANDIDATES,
@@ -45,7 +45,7 @@ def auto_candidates(plugin: Any) -> tuple[str, ...]:
     return AUTO_CANDIDATES
 
 
-class PendingAutoPlugin(PluginBase):
+class PendingAutoPlugin(Plugin):
     """Stands for the plugin ``auto`` will choose until ``boost`` sees the model: it has the device the chosen
     plugin will use (read before ``boost``, to place inputs) and prepares nothing."""
 

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``OptimizerWrapper`` (alias ``BoostedOptimizer``): what the strategy's plugins return for an optimizer.
+"""``OptimizerWrapper``: what the strategy's plugins return for an optimizer.
 
 ColossalAI's ``OptimizerWrapper``; it implements :class:`stepforge.core.BoostedOptimizer`. The torch optimizer
 surface (``param_groups``, ``state``, ``step``, ``zero_grad``, ``state_dict``...) plus ``backward(loss)``,
@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from stepforge.core import BoostedOptimizer as BoostedOptimizerProtocol
 from stepforge.core.precision import DynamicLossScaler
 
-__all__ = ["OptimizerWrapper", "BoostedOptimizer", "as_boosted"]
+__all__ = ["OptimizerWrapper", "as_boosted"]
 
 
 class OptimizerWrapper(torch.optim.Optimizer):
@@ -266,10 +266,6 @@ class OptimizerWrapper(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"OptimizerWrapper({self.optim!r}, scaler={self.scaler is not None}, max_norm={self.max_norm})"
-
-
-#: the name stepforge-strategy used before it took ColossalAI's
-BoostedOptimizer = OptimizerWrapper
 
 
 def as_boosted(optimizer: Any, *, max_norm: float = 0.0) -> Any:

@@ -23,8 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from stepforge.core import BoostedOptimizer, Plugin, WrappedModel, build_optimizer
-from stepforge.core.plugin_base import unwrap_optimizer
+from stepforge.core import BoostedOptimizer, Plugin, WrappedModel, build_optimizer, unwrap_optimizer
 from stepforge.core.precision import warn_slow_precision
 
 from ._auto_boost import PendingAutoPlugin, auto_candidates, is_auto, resolve_at_boost

@@ -10,11 +10,10 @@ documented hooks (``run_backward``, ``before_clip``, ``clip_gradients``, ``optim
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager
-from typing import Any, cast
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any
 
 import torch
-from torch import nn
 
 from stepforge.accum import OptimWrapper
 from stepforge.core import BoostedOptimizer
@@ -37,7 +36,8 @@ class ColossalAIOptimWrapper(OptimWrapper):
             mmengine refuses ``clip_grad`` here; the plugin's ``max_norm`` still works too.
         **kwargs: ``process_group``, ``reduce_weights``, ``scheduler_clock`` of accum's ``OptimWrapper``.
 
-    ``backward`` counts the micro-batch and runs ``booster.backward`` (the plugin's loss scaling);
+    ``backward`` counts the micro-batch and runs the boosted optimizer's ``backward`` (the plugin's loss
+    scaling; ``booster.backward`` is the same call); clipping goes through its ``clip_grad_norm_``;
     ``optim_context(model)`` enters ``booster.no_sync(model, optimizer)`` for micro-batches that do not end a
     window when the plugin supports it (put the forward inside). It never enables autocast: the Booster's
     mixed precision already did.
@@ -66,19 +66,20 @@ class ColossalAIOptimWrapper(OptimWrapper):
             )
         return self.booster
 
-    def _boosted(self) -> BoostedOptimizer:
-        # the Booster hands this wrapper the optimizer it boosted (Strategy.prepare, or the caller) before any
-        # backward: Booster.backward and clip_grad_norm_ check that at run time
-        return cast(BoostedOptimizer, self.optimizer)
-
     def run_backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """``booster.backward(loss, optimizer)``; a non-final micro-batch's backward outside
-        ``optim_context`` runs under the booster's ``no_sync`` too."""
-        booster = self._require_booster("backward")
+        """The boosted optimizer's ``backward(loss)`` (what ``booster.backward`` runs: the plugin's loss scaling
+        and reduction); a non-final micro-batch's backward outside ``optim_context`` runs under the booster's
+        ``no_sync`` too."""
+        self._require_booster("backward")
         if kwargs:
             raise TypeError(
                 f"ColossalAIOptimWrapper.backward: the booster's backward takes no extra arguments, got "
                 f"{sorted(kwargs)}."
+            )
+        if not isinstance(self.optimizer, BoostedOptimizer):
+            raise TypeError(
+                "ColossalAIOptimWrapper.backward: optimizer must be the boosted optimizer booster.boost() returned "
+                f"(a stepforge.core.BoostedOptimizer), got {type(self.optimizer).__name__}."
             )
         model = self.context_model
         suspend = None
@@ -86,11 +87,8 @@ class ColossalAIOptimWrapper(OptimWrapper):
             # mmengine runs only the forward inside optim_context; FSDP2 reads its sync flag in the backward,
             # so a non-final micro-batch's backward skips the reduce-scatter here too (DDP decided at forward).
             suspend = self.no_sync_context(model)
-        if suspend is None:
-            booster.backward(loss, self._boosted())
-            return
-        with suspend:
-            booster.backward(loss, self._boosted())
+        with suspend if suspend is not None else nullcontext():
+            self.optimizer.backward(loss)
 
     def no_sync_context(self, model: Any) -> AbstractContextManager[Any] | None:
         """``booster.no_sync(model, optimizer)`` when the plugin supports it, else ``None``."""
@@ -105,28 +103,6 @@ class ColossalAIOptimWrapper(OptimWrapper):
         self._require_booster("optim_context")
         with super().optim_context(model):
             yield
-
-    def clip_gradients(self) -> torch.Tensor | None:
-        """Global-norm clipping through ``booster.clip_grad_norm_`` (unscaled, over every shard), or value
-        clipping of the unscaled gradients."""
-        assert self.clip_grad_kwargs is not None
-        if self.clip_type == "value":
-            if isinstance(self.optimizer, BoostedOptimizer):
-                self.optimizer.unscale_()
-            params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
-            nn.utils.clip_grad_value_(params, **self.clip_grad_kwargs)
-            return None
-        kwargs = dict(self.clip_grad_kwargs)
-        unknown = set(kwargs) - {"max_norm", "norm_type"}
-        if unknown or "max_norm" not in kwargs:
-            raise ValueError(
-                f"ColossalAIOptimWrapper: clip_grad takes max_norm (and norm_type) for global-norm clipping, "
-                f"got {sorted(self.clip_grad_kwargs)}."
-            )
-        booster = self._require_booster("step")
-        return booster.clip_grad_norm_(
-            self._boosted(), kwargs["max_norm"], kwargs.get("norm_type", 2.0), model=self.context_model
-        )
 
 
 _DTYPES = {

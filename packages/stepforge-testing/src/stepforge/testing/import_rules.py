@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Static import rules of the monorepo, read from the ``ast`` of every module under ``packages/*/src``.
 
-Three rules (design §1), each reported as plain-text violations that name the file and line:
+Four rules (design §1), each reported as plain-text violations that name the file and line:
 
 - **No import circle inside a package.** Module-level, function-level and ``TYPE_CHECKING`` imports all count:
   a circle broken only by deferring an import is still two modules that need each other. Importing
@@ -16,6 +16,8 @@ Three rules (design §1), each reported as plain-text violations that name the f
   :data:`TORCH_PRIVATE_ATTRIBUTES` on any object (also as strings in ``getattr``/``hasattr``/``setattr``).
   ``torch._foreach_*`` is allowed: it is torch's documented multi-tensor API (torch docs, "Foreach
   Operations"), used by ``torch.optim`` itself.
+- **Only declared siblings** (:func:`undeclared_imports`): a package imports another stepforge package only
+  when its ``pyproject.toml`` lists it in ``[project].dependencies``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from __future__ import annotations
 import ast
 import dataclasses
 import pathlib
+import re
+import tomllib
 from collections.abc import Iterable, Iterator
 
 __all__ = [
@@ -334,3 +338,31 @@ def violations(root: pathlib.Path) -> dict[str, list[str]]:
     private = [e.describe(root) for e in private_cross_imports(modules)]
     torch_private = [line.replace(str(root) + "/", "") for line in torch_private_uses(modules)]
     return {"cycles": cycles, "private_imports": private, "torch_privates": torch_private}
+
+
+def declared_packages(root: pathlib.Path) -> dict[str, set[str]]:
+    """``{"stepforge.strategy": {"stepforge.core", "stepforge.accum"}, ...}``: the stepforge packages each
+    distribution's ``pyproject.toml`` lists in ``[project].dependencies`` (runtime; not test or optional groups)."""
+    declared: dict[str, set[str]] = {}
+    for pyproject in sorted(root.glob("packages/*/pyproject.toml")):
+        project = tomllib.loads(pyproject.read_text(encoding="utf-8"))["project"]
+        own = "stepforge." + project["name"].removeprefix("stepforge-")
+        names = (re.split(r"[\s<>=!~;\[]", dep, maxsplit=1)[0] for dep in project.get("dependencies", []))
+        declared[own] = {
+            "stepforge." + n.removeprefix("stepforge-") for n in names if n.startswith("stepforge-")
+        }
+    return declared
+
+
+def undeclared_imports(root: pathlib.Path) -> list[str]:
+    """Every import of a sibling stepforge package that the importer's ``pyproject.toml`` does not declare as a
+    runtime dependency (``TYPE_CHECKING`` and function-level imports included: each is a dependency too)."""
+    root = root.resolve()
+    modules = collect_modules(root)
+    declared = declared_packages(root)
+    found = []
+    for edge in import_edges(modules):
+        source, target = modules[edge.source].package, modules[edge.target].package
+        if source != target and target not in declared.get(source, set()):
+            found.append(f"{edge.describe(root)}: {target} is not a dependency of {source}")
+    return found

@@ -140,7 +140,7 @@ def missing_references(
     for word in code_words(text):
         if _PLACEHOLDER.search(word) or "://" in word:
             continue
-        bare = word.rstrip(_TRAILING)
+        bare = re.sub(r"(\.py):[\w.]+$", r"\1", word.rstrip(_TRAILING))  # `file.py:function` names the file
         if bare.split("/", 1)[0] in tops:
             if not _exists(root, bare):
                 problems.append(f"{rel_page}: names `{bare}`, which does not exist")

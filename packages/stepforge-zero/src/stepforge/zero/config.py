@@ -1,114 +1,163 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``LowLevelZeroOptimizer``'s settings: small frozen dataclasses, one per concern, resolved once from the flat
-keywords of its public signature (ColossalAI's names reconciled with stepforge's).
+"""``LowLevelZeroOptimizer``'s settings: one frozen object, :class:`LowLevelZeroConfig`, checked once where it
+is built and passed through unchanged.
 
-- :class:`ShardingConfig`: the stage, the data-parallel group and where the masters live;
-- :class:`CommConfig`: how gradients are reduced and the updated pieces gathered;
-- :class:`StepConfig`: what a step does before the inner optimizer (clipping, fp16 loss scaling);
-- :class:`LowLevelZeroConfig`: the three together, with the logging and backward context.
-
-:func:`resolve_config` checks every value where it enters and names the argument in its error.
+Two doors build it from ColossalAI's flat keywords: ``LowLevelZeroOptimizer(...)`` (which reconciles its
+ColossalAI names with stepforge's: :func:`stage_of`, :func:`max_norm_of`) and ``LowLevelZeroPlugin(...)``; the
+plugin hands its config to every optimizer it builds (``LowLevelZeroOptimizer.from_config``). What depends on the
+process group (world size, rank, the resolved algorithm, gather and bucket size) is derived from the config and the
+group when the optimizer is built; :func:`resolve_group` finds that group from the optimizer's group arguments.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from stepforge.core import HyperParameterError
-from stepforge.core.precision import LossScalerArgs
+from stepforge.core.precision import LOSS_SCALER_DEFAULTS, LossScalerArgs
 
-from .comm.algorithm import COLOSSAL_OPTIMIZER_BUCKET_SIZE, default_bucket_size, resolve_comm_algorithm
+from .comm.algorithm import COLOSSAL_OPTIMIZER_BUCKET_SIZE, check_comm_algorithm
 from .comm.grid import grid_group
-from .comm.wire import WireFormat
-from .grads.norm import check_clip_args
 
 __all__ = [
-    "ShardingConfig",
-    "CommConfig",
-    "StepConfig",
     "LowLevelZeroConfig",
-    "resolve_config",
+    "stage_of",
+    "max_norm_of",
+    "resolve_group",
     "group_facts",
     "resolve_param_gather",
     "param_gather_for",
     "force_dtype",
 ]
 
-
-@dataclass(frozen=True)
-class ShardingConfig:
-    """Who holds what.
-
-    Attributes:
-        stage: 1 (optimizer state sharded) or 2 (gradients too).
-        process_group: the data-parallel group (``None``: the default group, or none at one process).
-        world_size, rank: that group's size and this process's rank in it.
-        cpu_offload: masters, gradient pieces and optimizer state on the CPU.
-        master_weights: fp32 masters for fp16/bf16 working parameters.
-        forced_dtype: the dtype every working parameter is converted to first (``None``: kept).
-    """
-
-    stage: int
-    process_group: Any
-    world_size: int
-    rank: int
-    cpu_offload: bool
-    master_weights: bool
-    forced_dtype: torch.dtype | None
-
-
-@dataclass(frozen=True)
-class CommConfig:
-    """How gradients and updated pieces travel.
-
-    Attributes:
-        reduce_bucket_size: padded elements per gradient bucket.
-        wire: the dtype on the wire (``communication_dtype``, fp8).
-        algorithm: the bucket reduction, resolved (``"reduce_scatter"``, ``"all_reduce"``, ``"all_to_all"``).
-        param_gather: the post-step gather, resolved (``"broadcast"`` or ``"all_gather"``).
-        overlap_communication: reductions launched asynchronously during backward.
-        overlap_allgather: the gather overlapped with the next forward.
-    """
-
-    reduce_bucket_size: int
-    wire: WireFormat
-    algorithm: str
-    param_gather: str
-    overlap_communication: bool
-    overlap_allgather: bool
-
-
-@dataclass(frozen=True)
-class StepConfig:
-    """What a step does to the gradients before the inner optimizer steps.
-
-    Attributes:
-        max_norm: global-norm clipping (0: off); norm_type: its norm.
-        dtype_for_loss_scaling: ``"fp16"`` forces loss scaling; ``None``: on when a working parameter is fp16.
-        scaler: the validated arguments of the dynamic loss scaler.
-    """
-
-    max_norm: float
-    norm_type: float
-    dtype_for_loss_scaling: str | None
-    scaler: LossScalerArgs
+_FLAGS = (
+    "fp8_communication",
+    "overlap_communication",
+    "overlap_allgather",
+    "cpu_offload",
+    "master_weights",
+    "verbose",
+)
 
 
 @dataclass(frozen=True)
 class LowLevelZeroConfig:
-    """Every setting of one ``LowLevelZeroOptimizer``."""
+    """Every setting of a ``LowLevelZeroOptimizer`` that does not depend on its process group; each field is
+    checked once, when the object is made (the error names the field and ``owner``).
 
-    sharding: ShardingConfig
-    comm: CommConfig
-    step: StepConfig
-    verbose: bool
-    backward_context: Callable[[], AbstractContextManager[Any]] | None
+    Attributes:
+        stage: 1 (optimizer state sharded) or 2 (gradients too).
+        reduce_bucket_size: padded elements per gradient bucket; ``None``: the group's default (4 Mi on gloo,
+            else ``default_bucket_size``: ColossalAI's 1 Mi for the optimizer, 12 Mi for the plugin).
+        communication_dtype, fp8_communication: the gradient wire (``stepforge.zero.comm.grad_reducer``).
+        comm_algorithm: ``"auto"``, ``"reduce_scatter"``, ``"all_reduce"`` or ``"all_to_all"``.
+        param_gather: ``None`` (automatic), ``"all_gather"`` or ``"broadcast"``.
+        overlap_communication, overlap_allgather: reductions during backward, the gather during the next forward.
+        cpu_offload, master_weights, forced_dtype: where the masters live, whether there are any, the working dtype.
+        max_norm, norm_type: global-norm clipping in every step (0: off).
+        dtype_for_loss_scaling: ``"fp16"`` forces loss scaling; ``None``: on when a working parameter is fp16.
+        scaler: the dynamic loss scaler's arguments (checked by ``validate_loss_scaler_args`` at the door).
+        verbose: log at INFO on ``stepforge.zero``; backward_context: a callable entered around each backward.
+        owner: the door's name, used in messages.
+    """
+
+    stage: int = 1
+    reduce_bucket_size: int | None = None
+    default_bucket_size: int = COLOSSAL_OPTIMIZER_BUCKET_SIZE
+    communication_dtype: torch.dtype | None = None
+    fp8_communication: bool = False
+    comm_algorithm: str = "auto"
+    param_gather: str | None = None
+    overlap_communication: bool = False
+    overlap_allgather: bool = False
+    cpu_offload: bool = False
+    master_weights: bool = True
+    forced_dtype: torch.dtype | None = None
+    max_norm: float = 0.0
+    norm_type: float = 2.0
+    dtype_for_loss_scaling: str | None = None
+    scaler: LossScalerArgs = field(default_factory=lambda: LossScalerArgs(**LOSS_SCALER_DEFAULTS))
+    verbose: bool = False
+    backward_context: Callable[[], AbstractContextManager[Any]] | None = None
+    owner: str = field(default="LowLevelZeroOptimizer", compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        def bad(message: str) -> HyperParameterError:
+            return HyperParameterError(f"{self.owner}: {message}")
+
+        if self.stage not in (1, 2) or isinstance(self.stage, bool):
+            raise bad(f"stage must be 1 or 2, got {self.stage!r}.")
+        size = self.reduce_bucket_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise bad(f"reduce_bucket_size must be an int >= 1, got {size!r}.")
+        for name in _FLAGS:
+            if not isinstance(getattr(self, name), bool):
+                raise bad(f"{name} must be a bool, got {getattr(self, name)!r}.")
+        for name in ("communication_dtype", "forced_dtype"):
+            dtype = getattr(self, name)
+            if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+                raise bad(
+                    f"{name} must be None or a floating torch.dtype (torch.float32, torch.bfloat16, ...), got "
+                    f"{dtype!r}."
+                )
+        check_comm_algorithm(self.comm_algorithm)
+        if self.param_gather not in (None, "all_gather", "broadcast"):
+            raise bad(
+                f"param_gather must be None (automatic), 'all_gather' or 'broadcast', got {self.param_gather!r}."
+            )
+        norm = self.max_norm
+        if not isinstance(norm, int | float) or isinstance(norm, bool) or not norm >= 0:
+            raise bad(f"max_norm must be a number >= 0 (0 disables clipping), got {norm!r}.")
+        norm_type = self.norm_type
+        if isinstance(norm_type, bool) or not isinstance(norm_type, int | float) or not norm_type > 0:
+            raise bad(f"norm_type must be > 0 or inf, got {norm_type!r}.")
+        if self.dtype_for_loss_scaling not in (None, "fp16"):
+            raise bad(
+                "dtype_for_loss_scaling must be None (automatic: on for fp16 params) or 'fp16', got "
+                f"{self.dtype_for_loss_scaling!r}."
+            )
+        if self.backward_context is not None and not callable(self.backward_context):
+            raise bad(
+                f"backward_context must be a callable returning a context manager, got {self.backward_context!r}."
+            )
+        object.__setattr__(self, "max_norm", float(norm))
+        object.__setattr__(self, "norm_type", math.inf if math.isinf(norm_type) else float(norm_type))
+
+
+def _disagree(ours: str, ours_value: Any, theirs: str, theirs_value: Any) -> HyperParameterError:
+    return HyperParameterError(
+        f"LowLevelZeroOptimizer: {ours}={ours_value!r} and ColossalAI's {theirs}={theirs_value!r} disagree; "
+        f"pass one of them ({theirs} is the ColossalAI name of {ours})."
+    )
+
+
+def stage_of(stage: Any, partition_grad: Any) -> Any:
+    """The stage from stepforge's ``stage`` and ColossalAI's ``partition_grad`` (which must agree)."""
+    if not isinstance(partition_grad, bool):
+        raise HyperParameterError(
+            f"LowLevelZeroOptimizer: partition_grad must be a bool (True: ZeRO-2), got {partition_grad!r}."
+        )
+    if stage is None:
+        return 2 if partition_grad else 1
+    if partition_grad and stage != 2:
+        raise _disagree("stage", stage, "partition_grad", partition_grad)
+    return stage
+
+
+def max_norm_of(max_norm: Any, clip_grad_norm: Any) -> Any:
+    """The clipping norm from stepforge's ``max_norm`` and ColossalAI's ``clip_grad_norm`` (which must agree)."""
+    if max_norm is None:
+        return clip_grad_norm
+    if clip_grad_norm not in (0, 0.0) and clip_grad_norm != max_norm:
+        raise _disagree("max_norm", max_norm, "clip_grad_norm", clip_grad_norm)
+    return max_norm
 
 
 def group_facts(process_group: Any) -> tuple[int, int]:
@@ -137,62 +186,6 @@ def param_gather_for(backend: str | None) -> str:
     return "broadcast" if backend == "gloo" else "all_gather"
 
 
-def _check_own_args(
-    stage: Any, reduce_bucket_size: Any, max_norm: Any, dtype_for_loss_scaling: Any, param_gather: Any
-) -> None:
-    if stage not in (1, 2) or isinstance(stage, bool):
-        raise HyperParameterError(f"LowLevelZeroOptimizer: stage must be 1 or 2, got {stage!r}.")
-    if (
-        isinstance(reduce_bucket_size, bool)
-        or not isinstance(reduce_bucket_size, int)
-        or reduce_bucket_size < 1
-    ):
-        raise HyperParameterError(
-            f"LowLevelZeroOptimizer: reduce_bucket_size must be an int >= 1, got {reduce_bucket_size!r}."
-        )
-    if not isinstance(max_norm, int | float) or isinstance(max_norm, bool) or not max_norm >= 0:
-        raise HyperParameterError(
-            f"LowLevelZeroOptimizer: max_norm must be a number >= 0 (0 disables clipping), got {max_norm!r}."
-        )
-    if dtype_for_loss_scaling not in (None, "fp16"):
-        raise HyperParameterError(
-            "LowLevelZeroOptimizer: dtype_for_loss_scaling must be None (automatic: on for fp16 params) or "
-            f"'fp16', got {dtype_for_loss_scaling!r}."
-        )
-    if param_gather not in (None, "all_gather", "broadcast"):
-        raise HyperParameterError(
-            "LowLevelZeroOptimizer: param_gather must be None (automatic), 'all_gather' or 'broadcast', got "
-            f"{param_gather!r}."
-        )
-
-
-def _same_or_error(ours: str, ours_value: Any, theirs: str, theirs_value: Any) -> None:
-    raise HyperParameterError(
-        f"LowLevelZeroOptimizer: {ours}={ours_value!r} and ColossalAI's {theirs}={theirs_value!r} disagree; "
-        f"pass one of them ({theirs} is the ColossalAI name of {ours})."
-    )
-
-
-def _stage(stage: Any, partition_grad: Any) -> Any:
-    if not isinstance(partition_grad, bool):
-        raise HyperParameterError(
-            f"LowLevelZeroOptimizer: partition_grad must be a bool (True: ZeRO-2), got {partition_grad!r}."
-        )
-    if stage is None:
-        return 2 if partition_grad else 1
-    if partition_grad and stage != 2:
-        _same_or_error("stage", stage, "partition_grad", partition_grad)
-    return int(stage) if stage in (1, 2) and not isinstance(stage, bool) else stage
-
-
-def _max_norm(max_norm: Any, clip_grad_norm: Any) -> Any:
-    if max_norm is None:
-        return clip_grad_norm
-    if clip_grad_norm not in (0, 0.0) and clip_grad_norm != max_norm:
-        _same_or_error("max_norm", max_norm, "clip_grad_norm", clip_grad_norm)
-    return max_norm
-
-
 def _group_of(pg_to_param_list: Any, inner: torch.optim.Optimizer) -> Any:
     """The one data-parallel group (or ``(extra, dp)`` pair) of ColossalAI's ``pg_to_param_list``."""
     if not isinstance(pg_to_param_list, Mapping) or len(pg_to_param_list) != 1:
@@ -211,7 +204,7 @@ def _group_of(pg_to_param_list: Any, inner: torch.optim.Optimizer) -> Any:
     return group
 
 
-def _process_group(
+def resolve_group(
     inner: torch.optim.Optimizer,
     process_group: Any,
     dp_process_group: Any,
@@ -223,7 +216,7 @@ def _process_group(
     ``pg_to_param_list``, and with ``extra_dp_group`` the group of the 2-D grid (collective over the default
     group)."""
     if process_group is not None and dp_process_group is not None and process_group is not dp_process_group:
-        _same_or_error("process_group", process_group, "dp_process_group", dp_process_group)
+        raise _disagree("process_group", process_group, "dp_process_group", dp_process_group)
     group = process_group if process_group is not None else dp_process_group
     if pg_to_param_list is not None:
         if group is not None:
@@ -242,10 +235,6 @@ def _process_group(
                     f"LowLevelZeroOptimizer: a pg_to_param_list key is a group or an (extra, dp) pair, got "
                     f"{len(group)} groups."
                 )
-    if not isinstance(fp8_communication, bool):
-        raise HyperParameterError(
-            f"LowLevelZeroOptimizer: fp8_communication must be a bool, got {fp8_communication!r}."
-        )
     if extra_dp_group is not None:
         if group is None:
             raise HyperParameterError(
@@ -259,86 +248,6 @@ def _process_group(
             )
         group = grid_group(extra_dp_group, group)
     return group
-
-
-def resolve_config(
-    inner: torch.optim.Optimizer,
-    *,
-    scaler: LossScalerArgs,
-    stage: Any,
-    partition_grad: Any,
-    max_norm: Any,
-    clip_grad_norm: Any,
-    norm_type: Any,
-    dtype_for_loss_scaling: Any,
-    process_group: Any,
-    dp_process_group: Any,
-    extra_dp_group: Any,
-    pg_to_param_list: Any,
-    reduce_bucket_size: Any,
-    communication_dtype: Any,
-    fp8_communication: Any,
-    comm_algorithm: Any,
-    param_gather: Any,
-    overlap_communication: Any,
-    overlap_allgather: Any,
-    cpu_offload: Any,
-    master_weights: Any,
-    forced_dtype: Any,
-    verbose: Any,
-    backward_context: Any,
-) -> LowLevelZeroConfig:
-    """Check ``LowLevelZeroOptimizer``'s arguments (``scaler`` already validated) and reconcile ColossalAI's
-    names (``partition_grad``, ``clip_grad_norm``, ``dp_process_group``, ``extra_dp_group``,
-    ``pg_to_param_list``) with stepforge's (``stage``, ``max_norm``, ``process_group``). Collective over the
-    default group when ``extra_dp_group`` is given. Changes nothing (``forced_dtype`` is applied by
-    :func:`force_dtype`).
-
-    Raises:
-        HyperParameterError: a bad value, or two names of one setting that disagree.
-    """
-    resolved_stage = _stage(stage, partition_grad)
-    norm = _max_norm(max_norm, clip_grad_norm)
-    group = _process_group(
-        inner, process_group, dp_process_group, extra_dp_group, pg_to_param_list, fp8_communication
-    )
-    for name, dtype in (("communication_dtype", communication_dtype), ("forced_dtype", forced_dtype)):
-        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise HyperParameterError(
-                f"LowLevelZeroOptimizer: {name} must be None or a floating torch.dtype (torch.float32, "
-                f"torch.bfloat16, ...), got {dtype!r}."
-            )
-    if backward_context is not None and not callable(backward_context):
-        raise HyperParameterError(
-            "LowLevelZeroOptimizer: backward_context must be a callable returning a context manager, got "
-            f"{backward_context!r}."
-        )
-    if reduce_bucket_size is None:
-        reduce_bucket_size = default_bucket_size(group, elsewhere=COLOSSAL_OPTIMIZER_BUCKET_SIZE)
-    _check_own_args(resolved_stage, reduce_bucket_size, norm, dtype_for_loss_scaling, param_gather)
-    norm_type = check_clip_args(1.0, norm_type)
-    world_size, rank = group_facts(group)
-    sharding = ShardingConfig(
-        stage=resolved_stage,
-        process_group=group,
-        world_size=world_size,
-        rank=rank,
-        cpu_offload=bool(cpu_offload),
-        master_weights=bool(master_weights),
-        forced_dtype=forced_dtype,
-    )
-    comm = CommConfig(
-        reduce_bucket_size=reduce_bucket_size,
-        wire=WireFormat(communication_dtype, fp8_communication),
-        algorithm=resolve_comm_algorithm(
-            comm_algorithm, stage=resolved_stage, world_size=world_size, process_group=group
-        ),
-        param_gather=resolve_param_gather(param_gather, world_size, group),
-        overlap_communication=bool(overlap_communication),
-        overlap_allgather=bool(overlap_allgather),
-    )
-    step = StepConfig(float(norm), norm_type, dtype_for_loss_scaling, scaler)
-    return LowLevelZeroConfig(sharding, comm, step, bool(verbose), backward_context)
 
 
 def force_dtype(inner: torch.optim.Optimizer, dtype: torch.dtype | None) -> None:

@@ -32,11 +32,19 @@ from torch import nn
 
 from stepforge.core.precision import DynamicLossScaler, validate_loss_scaler_args
 
-from .comm.grad_reducer import CollectiveCounter, GradReducer
+from .comm.algorithm import default_bucket_size, resolve_comm_algorithm
+from .comm.grad_reducer import CollectiveCounter, GradPieces, GradReducer, WireFormat
 from .comm.param_gather import GatherInFlight, StagingBuffers, gather_after_step
-from .config import LowLevelZeroConfig, force_dtype, resolve_config
+from .config import (
+    LowLevelZeroConfig,
+    force_dtype,
+    group_facts,
+    max_norm_of,
+    resolve_group,
+    resolve_param_gather,
+    stage_of,
+)
 from .grads.norm import check_clip_args
-from .grads.pieces import GradPieces
 from .phases import PhaseObserver, no_phase
 from .state import full, sharded
 from .state.full import zero_scaler_entry
@@ -91,7 +99,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
             module's next forward waits for its own parameters only (a global forward pre-hook). Until then the
             working parameters are stale: read them through the plugin's model (its ``state_dict``/``unwrap``
             wait) or call :meth:`wait_for_param_gather` first; this optimizer's own methods wait by themselves.
-        fp8_communication: gradients travel as fp8 bytes and are summed in fp32 (:mod:`stepforge.zero.comm.wire`).
+        fp8_communication: gradients travel as fp8 bytes and are summed in fp32 (:mod:`stepforge.zero.comm.grad_reducer`).
         backward_context: a callable returning a context manager entered around each backward.
         params: the parameters (module, tensors or param-group dicts) for a config ``optimizer``.
         stage: 1 (gradients all-reduced, each rank keeps its piece) or 2 (reduce-scattered from backward hooks).
@@ -156,63 +164,80 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
             growth_factor=growth_factor, backoff_factor=backoff_factor, growth_interval=growth_interval,
             hysteresis=hysteresis, max_scale=max_scale,
         )  # fmt: skip
-        inner = resolve_optimizer(optimizer, params, cpu_offload=cpu_offload)
-        config = resolve_config(
-            inner, scaler=scaler, stage=stage, partition_grad=partition_grad, max_norm=max_norm,
-            clip_grad_norm=clip_grad_norm, norm_type=norm_type, dtype_for_loss_scaling=dtype_for_loss_scaling,
-            process_group=process_group, dp_process_group=dp_process_group, extra_dp_group=extra_dp_group,
-            pg_to_param_list=pg_to_param_list, reduce_bucket_size=reduce_bucket_size,
+        config = LowLevelZeroConfig(
+            stage=stage_of(stage, partition_grad), reduce_bucket_size=reduce_bucket_size,
             communication_dtype=communication_dtype, fp8_communication=fp8_communication,
             comm_algorithm=comm_algorithm, param_gather=param_gather, overlap_communication=overlap_communication,
             overlap_allgather=overlap_allgather, cpu_offload=cpu_offload, master_weights=master_weights,
-            forced_dtype=forced_dtype, verbose=verbose, backward_context=backward_context,
+            forced_dtype=forced_dtype, max_norm=max_norm_of(max_norm, clip_grad_norm), norm_type=norm_type,
+            dtype_for_loss_scaling=dtype_for_loss_scaling, scaler=scaler, verbose=verbose,
+            backward_context=backward_context,
         )  # fmt: skip
-        force_dtype(inner, config.sharding.forced_dtype)
-        self._build(inner, config)
+        inner = resolve_optimizer(optimizer, params, cpu_offload=cpu_offload)
+        group = resolve_group(
+            inner, process_group, dp_process_group, extra_dp_group, pg_to_param_list, fp8_communication
+        )
+        self._build(inner, config, group)
 
-    def _build(self, inner: torch.optim.Optimizer, config: LowLevelZeroConfig) -> None:
-        """Partition the trainable parameters, point the inner optimizer at this rank's master pieces and hook
-        the gradient reduction."""
-        sh, co, st = config.sharding, config.comm, config.step
+    @classmethod
+    def from_config(
+        cls, optimizer: torch.optim.Optimizer, config: LowLevelZeroConfig, process_group: Any = None
+    ) -> LowLevelZeroOptimizer:
+        """ZeRO around ``optimizer`` with a :class:`~stepforge.zero.config.LowLevelZeroConfig` checked where it
+        was made (``LowLevelZeroPlugin`` builds one and passes it to every optimizer it prepares), sharded over
+        ``process_group`` (``None``: the default group)."""
+        zero = cls.__new__(cls)
+        zero._build(resolve_optimizer(optimizer, None, cpu_offload=config.cpu_offload), config, process_group)
+        return zero
+
+    def _build(self, inner: torch.optim.Optimizer, config: LowLevelZeroConfig, group: Any) -> None:
+        """Derive what depends on the group, partition the trainable parameters, point the inner optimizer at
+        this rank's master pieces and hook the gradient reduction."""
+        force_dtype(inner, config.forced_dtype)
         self.config = config
-        # ColossalAI's and stepforge's attribute names of the settings
-        self.process_group, self._world, self._rank = sh.process_group, sh.world_size, sh.rank
-        self.stage, self.cpu_offload, self.master_weights = sh.stage, sh.cpu_offload, sh.master_weights
-        self.reduce_bucket_size, self.communication = co.reduce_bucket_size, co.wire
-        self.comm_algorithm, self.param_gather = co.algorithm, co.param_gather
-        self.overlap_communication, self.overlap_allgather = co.overlap_communication, co.overlap_allgather
-        self.max_norm, self.norm_type = st.max_norm, st.norm_type
-        self.verbose, self.backward_context = config.verbose, config.backward_context
+        self.process_group = group
+        self._world, self._rank = group_facts(group)
+        #: resolved for the group: padded elements per bucket, the wire, the bucket collective, the gather
+        self.reduce_bucket_size = config.reduce_bucket_size or default_bucket_size(
+            group, elsewhere=config.default_bucket_size
+        )
+        self.communication = WireFormat(config.communication_dtype, config.fp8_communication)
+        self.comm_algorithm = resolve_comm_algorithm(
+            config.comm_algorithm, stage=config.stage, world_size=self._world, process_group=group
+        )
+        self.param_gather = resolve_param_gather(config.param_gather, self._world, group)
         self.optim = inner
         super().__init__(managed_param_groups(inner.param_groups), dict(inner.defaults))
         self._built = True
         self._layout = build_layout(
-            self.param_groups, self._world, self._rank, group=self.process_group,
-            master_weights=self.master_weights, master_device=torch.device("cpu") if self.cpu_offload else None,
+            self.param_groups, self._world, self._rank, group=group, master_weights=config.master_weights,
+            master_device=torch.device("cpu") if config.cpu_offload else None,
         )  # fmt: skip
-        for g, group in enumerate(inner.param_groups):
-            group["params"] = [s.master for s in self._layout.group_slots(g) if s.valid > 0]
+        for g, group_ in enumerate(inner.param_groups):
+            group_["params"] = [s.master for s in self._layout.group_slots(g) if s.valid > 0]
         invalidate_cache(inner)
         self._reducer = GradReducer(
-            self._layout.slots, stage=self.stage, bucket_size=self.reduce_bucket_size,
-            overlap=self.overlap_communication, group=self.process_group, world_size=self._world,
+            self._layout.slots, stage=config.stage, bucket_size=self.reduce_bucket_size,
+            overlap=config.overlap_communication, group=group, world_size=self._world,
             rank=self._rank, wire=self.communication, algorithm=self.comm_algorithm,
         )  # fmt: skip
         self._pieces = GradPieces(self._layout, self._reducer)
         fp16 = any(s.param.dtype == torch.float16 for s in self._layout.slots)
-        self._scaling = st.dtype_for_loss_scaling == "fp16" or fp16
+        self._scaling = config.dtype_for_loss_scaling == "fp16" or fp16
         # the overflow verdict must be the same on every rank (each sees only its pieces)
-        world_group = self.process_group if self.process_group is not None else dist.group.WORLD
-        self.scaler = DynamicLossScaler(**st.scaler, process_group=None if self._world == 1 else world_group)
+        world_group = group if group is not None else dist.group.WORLD
+        self.scaler = DynamicLossScaler(
+            **config.scaler, process_group=None if self._world == 1 else world_group
+        )
         self._stepped_on_cpu = False
         self._gather: GatherInFlight | None = None  # an overlapped parameter gather still on the wire
         self._staging = StagingBuffers()
         self._phase: PhaseObserver = no_phase
         self.last_step_skipped = False
         self.skipped_steps = 0
-        if self.verbose:
+        if config.verbose:
             logger.info("LowLevelZeroOptimizer: stage %d over %d ranks (rank %d), %d parameters, wire %s",
-                        self.stage, self._world, self._rank, len(self._layout.slots), self.communication)  # fmt: skip
+                        config.stage, self._world, self._rank, len(self._layout.slots), self.communication)  # fmt: skip
 
     # -- facts ---------------------------------------------------------------------------------------------
     @property
@@ -290,7 +315,8 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
             torch.autograd.backward(tensor, grad, **kwargs)
 
     def _backward_context(self) -> AbstractContextManager[Any]:
-        return self.backward_context() if self.backward_context is not None else nullcontext()
+        context = self.config.backward_context
+        return context() if context is not None else nullcontext()
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -382,18 +408,18 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
             self.zero_grad(set_to_none=True)
             self.last_step_skipped = True
             self.skipped_steps += 1
-            if self.verbose:
+            if self.config.verbose:
                 logger.info("found overflow, step skipped (loss scale now %g)", self.loss_scale)
             return loss
-        if self.max_norm > 0:
-            self.clip_grad_norm_(self.max_norm, self.norm_type)
-        explain = self.cpu_offload and not self._stepped_on_cpu
+        if self.config.max_norm > 0:
+            self.clip_grad_norm_(self.config.max_norm, self.config.norm_type)
+        explain = self.config.cpu_offload and not self._stepped_on_cpu
         with self._phase("inner_step"):
             step_inner(self.optim, self._layout, self.param_groups, explain_cpu_failure=explain)
         self._stepped_on_cpu = True
         with self._phase("param_gather"):
             self._gather = gather_after_step(
-                self._layout, self.param_gather, overlap=self.overlap_allgather, staging=self._staging
+                self._layout, self.param_gather, overlap=self.config.overlap_allgather, staging=self._staging
             )
         if self._scaling:
             self.scaler.update()
@@ -547,6 +573,6 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return (
-            f"LowLevelZeroOptimizer(stage={self.stage}, world_size={self._world}, "
-            f"cpu_offload={self.cpu_offload}, inner={type(self.optim).__name__})"
+            f"LowLevelZeroOptimizer(stage={self.config.stage}, world_size={self._world}, "
+            f"cpu_offload={self.config.cpu_offload}, inner={type(self.optim).__name__})"
         )

@@ -22,8 +22,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
-from stepforge.core import BoostedOptimizer, Plugin
-from stepforge.core.plugin_base import unwrap_optimizer
+from stepforge.core import BoostedOptimizer, Plugin, unwrap_optimizer
 
 from .._env import is_distributed
 from ._dcp import dcp_save, safe_dcp_load

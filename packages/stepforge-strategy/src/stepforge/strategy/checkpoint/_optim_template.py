@@ -26,7 +26,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from stepforge.core.plugin_base import unwrap_optimizer
+from stepforge.core import unwrap_optimizer
 
 from .._env import is_distributed
 from ._dcp import read_dcp_metadata, safe_dcp_load

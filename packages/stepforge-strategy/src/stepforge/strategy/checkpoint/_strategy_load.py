@@ -24,8 +24,7 @@ from typing import Any, cast
 import torch
 from torch.distributed.tensor import DTensor
 
-from stepforge.core import BoostedOptimizer
-from stepforge.core.plugin_base import unwrap_optimizer
+from stepforge.core import BoostedOptimizer, unwrap_optimizer
 
 from .._env import set_random_seed
 from ._dcp import check_template, read_dcp_metadata, read_dir, verify_files

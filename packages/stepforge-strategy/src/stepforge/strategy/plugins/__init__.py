@@ -10,7 +10,7 @@ registry names            class                        torch engine
 ``gemini``                :class:`GeminiPlugin`        FSDP2 ``fully_shard`` + ``CPUOffloadPolicy`` (ZeRO-3)
 ========================= ============================ =========================================================
 
-Each subclasses :class:`stepforge.core.Plugin` (re-exported here as ``PluginBase``, its earlier name) and returns
+Each subclasses :class:`stepforge.core.Plugin` and returns
 an :class:`~stepforge.strategy.OptimizerWrapper` (a :class:`stepforge.core.BoostedOptimizer`) from ``prepare``.
 
 ``Plugin`` and ``DPPluginBase`` here are ColossalAI's base classes (``colossalai.booster.plugin``), for plugins
@@ -19,8 +19,6 @@ written ColossalAI's way (:mod:`.colossalai_base`).
 
 from __future__ import annotations
 
-from stepforge.core import PluginBase  # the contract every plugin subclasses lives in stepforge-core
-
 from .colossalai_base import DPPluginBase, Plugin
 from .gemini import GeminiPlugin
 from .single import SinglePlugin
@@ -28,7 +26,6 @@ from .torch_ddp import TorchDDPPlugin
 from .torch_fsdp import TorchFSDPPlugin
 
 __all__ = [
-    "PluginBase",
     "Plugin",
     "DPPluginBase",
     "SinglePlugin",

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from stepforge.core import PluginBase
+from stepforge.core import Plugin
 
 from ..boosted_optimizer import OptimizerWrapper, as_boosted
 from ..data import StatefulDataLoader
@@ -17,7 +17,7 @@ from ..data import StatefulDataLoader
 __all__ = ["SinglePlugin"]
 
 
-class SinglePlugin(PluginBase):
+class SinglePlugin(Plugin):
     """Run on one process: the model is moved to ``device`` and nothing is wrapped.
 
     Args:
@@ -54,6 +54,6 @@ class SinglePlugin(PluginBase):
     def prepare_dataloader(
         self, dataset: Any, batch_size: int, *args: Any, **kwargs: Any
     ) -> StatefulDataLoader:
-        """ColossalAI's ``prepare_dataloader`` (:meth:`stepforge.core.PluginBase.prepare_dataloader`), returned as
+        """ColossalAI's ``prepare_dataloader`` (:meth:`stepforge.core.Plugin.prepare_dataloader`), returned as
         a :class:`~stepforge.strategy.StatefulDataLoader` (exact mid-epoch resume)."""
         return StatefulDataLoader(super().prepare_dataloader(dataset, batch_size, *args, **kwargs))

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from stepforge.core import MemoryPlan, PluginBase
+from stepforge.core import MemoryPlan, Plugin
 
 from .._env import is_distributed
 from ..boosted_optimizer import OptimizerWrapper, as_boosted
@@ -44,7 +44,7 @@ def sync_batchnorm(model: nn.Module, device: torch.device, process_group: Any = 
     return converted
 
 
-class TorchDDPPlugin(PluginBase):
+class TorchDDPPlugin(Plugin):
     """Data parallelism with torch DDP; ``no_sync`` is DDP's; BatchNorm becomes ``SyncBatchNorm`` on an
     accelerator (:func:`sync_batchnorm`).
 
@@ -158,6 +158,6 @@ class TorchDDPPlugin(PluginBase):
     def prepare_dataloader(
         self, dataset: Any, batch_size: int, *args: Any, **kwargs: Any
     ) -> StatefulDataLoader:
-        """ColossalAI's ``prepare_dataloader`` (:meth:`stepforge.core.PluginBase.prepare_dataloader`: this
+        """ColossalAI's ``prepare_dataloader`` (:meth:`stepforge.core.Plugin.prepare_dataloader`: this
         rank's ``DistributedSampler`` share), returned as a :class:`~stepforge.strategy.StatefulDataLoader`."""
         return StatefulDataLoader(super().prepare_dataloader(dataset, batch_size, *args, **kwargs))

@@ -23,8 +23,7 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffload, MixedPrecisionPolicy, ShardingStrategy
 from torch.distributed.fsdp import MixedPrecision as FSDP1Precision
 
-from stepforge.core import MemoryPlan, PluginBase, build_optimizer
-from stepforge.core.plugin_base import unwrap_optimizer
+from stepforge.core import MemoryPlan, Plugin, build_optimizer, unwrap_optimizer
 from stepforge.core.precision import PLUGIN_PRECISIONS, DynamicLossScaler
 from stepforge.core.torch_compat import fsdp2_no_sync
 
@@ -64,7 +63,7 @@ FSDP1_ONLY_ARGUMENTS = (
 )
 
 
-class TorchFSDPPlugin(PluginBase):
+class TorchFSDPPlugin(Plugin):
     """ZeRO-3 with torch FSDP2: ``fully_shard`` on each block, then on the root.
 
     Args:
@@ -350,6 +349,6 @@ class TorchFSDPPlugin(PluginBase):
     def prepare_dataloader(
         self, dataset: Any, batch_size: int, *args: Any, **kwargs: Any
     ) -> StatefulDataLoader:
-        """ColossalAI's ``prepare_dataloader`` (:meth:`stepforge.core.PluginBase.prepare_dataloader`: this
+        """ColossalAI's ``prepare_dataloader`` (:meth:`stepforge.core.Plugin.prepare_dataloader`: this
         rank's ``DistributedSampler`` share), returned as a :class:`~stepforge.strategy.StatefulDataLoader`."""
         return StatefulDataLoader(super().prepare_dataloader(dataset, batch_size, *args, **kwargs))

@@ -1,6 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """Gradient reduction in buckets, driven by post-accumulate-grad hooks during backward.
 
+Why one module past 400 lines: it is the whole route of a gradient from its hook to this rank's piece (the bucket,
+the wire format, the reduction, what a step does to the pieces), so that a backward and a step enter it once;
+bucket layout, buffers and the collectives' names are the helpers it calls (:mod:`.bucket_layout`,
+:mod:`.buffers`, :mod:`.collectives`).
+
 A hook on every working parameter hands its freshly accumulated ``.grad`` to :class:`GradReducer` and frees it.
 Gradients wait in a bucket per gradient dtype until ``reduce_bucket_size`` elements (counted padded) are
 there; the bucket is then reduced by the algorithm of :mod:`.algorithm`, the division by the world size done
@@ -29,24 +34,188 @@ gradients accumulate as usual and are reduced once, by the first synchronised ba
 :meth:`GradReducer.sync` is the one point where a step's gradients become final: it flushes what ``no_sync``
 left in ``param.grad``, waits for the buckets in flight and marks the reduction done until the next backward
 reaches a managed parameter (or :meth:`GradReducer.discard`), so calling it again before then does nothing.
+
+How a bucket travels (:class:`WireFormat`): as it is, cast to ColossalAI's ``communication_dtype``, or as fp8
+bytes. ``communication_dtype``: the bucket is cast to that dtype for the collective and the result cast back, so the
+sum itself runs in the wire dtype (ColossalAI's meaning: e.g. bf16 gradients reduced in fp32, or fp32 ones sent
+as bf16 to halve the bytes).
+
+``fp8_communication``: each rank scales its bucket by ``448 / amax`` (the e4m3 range), casts it to
+``float8_e4m3fn`` and sends the bytes with its scale; the receivers decode every rank's part to fp32 and sum in
+fp32 (ColossalAI's ``reduce_scatter_fp8``/``all_reduce_fp8`` scheme: fp8 on the wire, higher precision in the
+reduction). The collectives move ``uint8`` -- gloo has no fp8 dtype -- one ``all_to_all_single`` for a
+reduce-scatter and one ``all_gather`` for an all-reduce (every rank then sums the same parts in the same order,
+so the replicas agree bitwise). A part holding an inf/NaN travels with a NaN scale (e4m3fn has no inf and
+saturates it to 448), so it decodes to NaN and fp16 overflow detection still sees it.
+
+What a step does to the reduced pieces (:class:`GradPieces`): synchronise once, scale, unscale once (overflow
+agreed on every rank by the loss scaler), clip by the global norm, drop. ``LowLevelZeroOptimizer`` owns it and
+decides *when* (loss scaling, ``max_norm``, skipping); it does the tensor work and the small collectives.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from stepforge.core.precision import DynamicLossScaler
 from stepforge.core.torch_compat import queue_backward_callback
 
+from ..grads.norm import check_clip_args, clip_, global_norm
 from ..phases import PhaseObserver, no_phase
-from ..state.partition import Slot
+from ..state.partition import ShardLayout, Slot
 from .bucket_layout import pool_buffer_numel, write_own_row_last, write_rank_major
 from .buffers import BufferPool, PieceStore
-from .wire import WireFormat
+from .collectives import all_gather, all_reduce_small, reduce_scatter
 
-__all__ = ["GradReducer", "CollectiveCounter", "MAX_IN_FLIGHT"]
+__all__ = [
+    "GradReducer",
+    "GradPieces",
+    "CollectiveCounter",
+    "MAX_IN_FLIGHT",
+    "WireFormat",
+    "FP8_DTYPE",
+    "encode_fp8",
+    "decode_fp8",
+]
+
+
+FP8_DTYPE = torch.float8_e4m3fn
+_FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
+_SCALE_BYTES = 4  # the float32 scale travels behind each part's fp8 bytes
+
+
+def encode_fp8(parts: torch.Tensor) -> torch.Tensor:
+    """``(k, n)`` values -> ``(k, n + 4)`` bytes: one scale for the whole tensor (``448 / amax``; 1 for an
+    all-zero tensor; NaN for one holding inf/NaN, so every decoded value is NaN), each row its fp8 bytes
+    followed by that scale as float32 bytes."""
+    values = parts.float()
+    amax = values.abs().max() if values.numel() else torch.zeros(())
+    if not bool(torch.isfinite(amax)):
+        value = float("nan")  # e4m3fn saturates inf to 448: a NaN scale carries the overflow instead
+    else:
+        value = _FP8_MAX / float(amax) if float(amax) > 0 else 1.0
+    scale = torch.tensor([value], dtype=torch.float32)
+    coded = (values * scale.to(values.device)).to(FP8_DTYPE).view(torch.uint8)
+    scale_bytes = scale.view(torch.uint8).to(values.device).expand(parts.shape[0], _SCALE_BYTES)
+    return torch.cat([coded, scale_bytes], dim=1)
+
+
+def decode_fp8(rows: torch.Tensor) -> torch.Tensor:
+    """``(k, n + 4)`` bytes of :func:`encode_fp8` (one row per sender) -> ``(k, n)`` fp32 values."""
+    n = rows.shape[1] - _SCALE_BYTES
+    values = rows[:, :n].contiguous().view(FP8_DTYPE).float()
+    scales = rows[:, n:].contiguous().view(torch.float32)  # (k, 1)
+    return values / scales
+
+
+class _Pending:
+    """An asynchronous collective and what turns its wire result into the caller's tensor."""
+
+    def __init__(self, work: Any, finish: Callable[[], None]) -> None:
+        self.work = work
+        self.finish = finish
+
+    def wait(self) -> bool:
+        if self.work is not None:
+            self.work.wait()
+        self.finish()
+        return True
+
+
+@dataclass(frozen=True)
+class WireFormat:
+    """The dtype on the wire for gradient reductions (``None`` and ``fp8=False``: as the gradients are).
+
+    Attributes:
+        dtype: ColossalAI's ``communication_dtype`` (a floating dtype) or ``None``.
+        fp8: ColossalAI's ``fp8_communication`` (takes precedence over ``dtype``).
+    """
+
+    dtype: torch.dtype | None = None
+    fp8: bool = False
+
+    def __repr__(self) -> str:
+        return f"WireFormat(dtype={self.dtype}, fp8={self.fp8})"
+
+    def _cast(self, flat: torch.Tensor) -> bool:
+        return self.dtype is not None and self.dtype != flat.dtype
+
+    def reduce_scatter(
+        self, out: torch.Tensor, flat: torch.Tensor, *, group: Any, world_size: int, async_op: bool
+    ) -> Any:
+        """``out`` = this rank's chunk of the sum over the ranks of ``flat`` (``world_size`` chunks)."""
+        if self.fp8:
+            send = encode_fp8(flat.view(world_size, -1))
+            recv = torch.empty_like(send)
+            work = dist.all_to_all_single(recv, send, group=group, async_op=async_op)
+
+            def finish() -> None:
+                out.copy_(decode_fp8(recv).sum(dim=0))
+
+            return self._done(work, finish, async_op)
+        if self._cast(flat):
+            assert self.dtype is not None
+            wire_out = torch.empty(out.shape, dtype=self.dtype, device=out.device)
+            work = reduce_scatter(wire_out, flat.to(self.dtype), group=group, async_op=async_op)
+            return self._done(work, lambda: out.copy_(wire_out), async_op)
+        return reduce_scatter(out, flat, group=group, async_op=async_op)
+
+    def exchange_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype rows travel in by :meth:`exchange` (``communication_dtype`` when it casts, else ``dtype``)."""
+        return self.dtype if self.dtype is not None and self.dtype != dtype else dtype
+
+    def exchange(
+        self, received: torch.Tensor, rows: torch.Tensor, *, rank: int, group: Any, async_op: bool
+    ) -> Any:
+        """``received[i]`` = the row for rank ``rank`` from the ``i``-th other rank (rank order), where ``rows[i]``
+        is the row for the ``i``-th other rank: both ``(W - 1, n)``, ``received`` in :meth:`exchange_dtype`. One
+        ``all_to_all_single`` whose splits leave this rank out, so its own row is neither sent nor copied; the
+        transport of the ``"all_to_all"`` reduce-scatter, summed by the caller in the wire dtype (fp8 goes
+        through :meth:`reduce_scatter`, which decodes and sums itself)."""
+        n = rows.shape[1]
+        splits = [n] * (rows.shape[0] + 1)
+        splits[rank] = 0
+        send = rows if rows.dtype == received.dtype else rows.to(received.dtype)
+        return dist.all_to_all_single(
+            received.view(-1),
+            send.reshape(-1),
+            output_split_sizes=splits,
+            input_split_sizes=splits,
+            group=group,
+            async_op=async_op,
+        )
+
+    def all_reduce(self, flat: torch.Tensor, *, group: Any, world_size: int, async_op: bool) -> Any:
+        """``flat`` = the sum over the ranks of ``flat``, on every rank."""
+        if self.fp8:
+            send = encode_fp8(flat.reshape(1, -1))
+            table = send.new_empty((world_size, send.shape[1]))
+            work = all_gather(table.view(-1), send.view(-1), group=group, async_op=async_op)
+
+            def finish() -> None:
+                flat.copy_(decode_fp8(table).sum(dim=0).view_as(flat))
+
+            return self._done(work, finish, async_op)
+        if self._cast(flat):
+            assert self.dtype is not None
+            wire = flat.to(self.dtype)
+            work = dist.all_reduce(wire, group=group, async_op=async_op)
+            return self._done(work, lambda: flat.copy_(wire), async_op)
+        return dist.all_reduce(flat, group=group, async_op=async_op)
+
+    @staticmethod
+    def _done(work: Any, finish: Callable[[], Any], async_op: bool) -> Any:
+        pending = _Pending(work, finish)
+        if async_op:
+            return pending
+        pending.wait()
+        return None
+
 
 #: asynchronous bucket reductions allowed in flight; launching one more first finishes the oldest, so a rank
 #: holds at most its pieces plus this many buckets (and the one being filled) during backward
@@ -364,3 +533,115 @@ class GradReducer:
     def pending(self) -> bool:
         """Whether reductions are in flight or buckets hold gradients."""
         return bool(self._in_flight) or any(b.items for b in self._buckets.values())
+
+
+class GradPieces:
+    """The gradient side of one ``LowLevelZeroOptimizer``.
+
+    Args:
+        layout: the sharding (``slot.grad`` holds the reduced piece, ``valid`` elements, master dtype).
+        reducer: the bucketed reduction that fills the pieces.
+    """
+
+    def __init__(self, layout: ShardLayout, reducer: GradReducer) -> None:
+        self.layout = layout
+        self.reducer = reducer
+        self.unscaled = False  # the pieces were divided by the loss scale in this step (fp16 scaling only)
+        # where the small reductions (norm, overflow flag) run: the backend's device
+        self.comm_device = layout.slots[0].param.device if layout.slots else torch.device("cpu")
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The non-empty reduced pieces."""
+        return [s.grad for s in self.layout.slots if s.grad is not None and s.grad.numel() > 0]
+
+    def all_reduce(self, value: torch.Tensor, op: dist.ReduceOp | dist.ReduceOp.RedOpType) -> torch.Tensor:
+        """A few elements reduced over the group (result on the CPU)."""
+        return all_reduce_small(value, op, self.layout, self.comm_device)
+
+    def sync(self, require_grad_sync: bool) -> bool:
+        """See ``LowLevelZeroOptimizer.sync_grads``.
+
+        Raises:
+            RuntimeError: a backward ran after the pieces were unscaled in this step (scaled and unscaled
+                gradients would be summed).
+        """
+        if self.unscaled and not self.reducer.synced:
+            raise RuntimeError(
+                "LowLevelZeroOptimizer: a backward ran after unscale_() / clip_grad_norm_() in this step, so "
+                "loss-scaled gradients would be added to unscaled ones; run every backward of the step first, "
+                "then clip and step (or call zero_grad() to start the step again)."
+            )
+        if not require_grad_sync:
+            self.reducer.wait()
+            return False
+        return self.reducer.sync()
+
+    @property
+    def held(self) -> bool:
+        """Whether reduced pieces exist or reductions are pending."""
+        return self.reducer.pending or any(s.grad is not None for s in self.layout.slots)
+
+    def scale_(self, factor: float) -> None:
+        """Multiply the pieces and any local ``param.grad`` (a ``no_sync`` window) by ``factor``."""
+        for grad in self.tensors():
+            grad.mul_(factor)
+        for slot in self.layout.slots:
+            if slot.param.grad is not None:
+                slot.param.grad.mul_(factor)
+
+    def unscale_(self, scaler: DynamicLossScaler | None) -> None:
+        """Divide the pieces by ``scaler``'s scale once per step; the scaler records in ``found_inf`` whether
+        any rank's pieces hold an inf or NaN (one one-element all-reduce over its group). ``None``: no loss
+        scaling, nothing to do."""
+        if scaler is not None and not self.unscaled:
+            scaler.unscale_grads_(self.tensors())
+            self.unscaled = True
+
+    def clip_(self, max_norm: float, norm_type: float) -> torch.Tensor:
+        """Clip by the norm over every rank's pieces (``torch.nn.utils.clip_grad_norm_``'s rule); returns it."""
+        norm_type = check_clip_args(max_norm, norm_type)
+        grads = self.tensors()
+        norm = global_norm(grads, norm_type, self.all_reduce)
+        clip_(grads, norm, max_norm)
+        return norm
+
+    @torch.no_grad()
+    def full_grad(self, slot: Slot, require_grad_sync: bool) -> torch.Tensor | None:
+        """The full reduced gradient of ``slot``'s parameter, shaped and typed like it (collective: every rank
+        asks for the same slot): synchronised first, then the pieces all-gathered. ``None`` when some rank
+        holds no gradient for it."""
+        self.sync(require_grad_sync)
+        layout = self.layout
+        held = torch.tensor([float(slot.grad is not None)])
+        if layout.world_size > 1 and self.all_reduce(held, dist.ReduceOp.MIN)[0] == 0:
+            return None
+        if slot.grad is None:
+            return None
+        local = torch.zeros(slot.piece, dtype=slot.grad.dtype, device=self.comm_device)
+        local[: slot.valid].copy_(slot.grad)
+        table = local
+        if layout.world_size > 1:
+            table = local.new_empty(layout.world_size * slot.piece)
+            all_gather(table, local, group=layout.group)
+        full = table[: slot.numel].view_as(slot.param)
+        return full.to(device=slot.param.device, dtype=slot.param.dtype)
+
+    def close(self) -> None:
+        """Stop taking gradients: remove the hooks, finish the reductions in flight, drop the pieces and the
+        reusable storage."""
+        self.reducer.remove_hooks()
+        self.reducer.discard()
+        self.reducer.release()
+        for slot in self.layout.slots:
+            slot.grad = None
+
+    def zero_(self, set_to_none: bool) -> None:
+        """Drop reductions in flight, the pieces (or zero them) and any local ``param.grad``."""
+        self.reducer.discard()
+        for slot in self.layout.slots:
+            if set_to_none or slot.grad is None:
+                slot.grad = None
+            else:
+                slot.grad.zero_()
+            slot.param.grad = None
+        self.unscaled = False

@@ -4,11 +4,11 @@
 ColossalAI's signature. ``prepare`` casts the model to the working dtype, wraps it in
 :class:`~.model.LowLevelZeroModel` (floating-point inputs cast to that dtype, as ColossalAI's ``cast_inputs``) and
 wraps the optimizer in :class:`~stepforge.zero.low_level.LowLevelZeroOptimizer` with the plugin's
-:class:`~.options.OptimizerOptions`. Unlike ColossalAI, ``no_sync`` works for both stages and checkpoints go
+:class:`~stepforge.zero.config.LowLevelZeroConfig` (built once here, passed through unchanged). Unlike ColossalAI, ``no_sync`` works for both stages and checkpoints go
 through ``torch.distributed.checkpoint`` in a sharded, world-size-independent form. LoRA (peft) models are
 supported as in ColossalAI (:mod:`.lora`).
 
-The plugin subclasses :class:`stepforge.core.PluginBase` (device, ``world_size``/``rank``, precision adoption,
+The plugin subclasses :class:`stepforge.core.Plugin` (device, ``world_size``/``rank``, precision adoption,
 ``prepare_dataloader``, ``configure`` come from there); its precisions are the plugin precisions of
 :mod:`stepforge.core.precision` and its loss-scaler arguments are checked by that module's
 ``validate_loss_scaler_args``.
@@ -22,16 +22,16 @@ from typing import Any
 
 import torch
 
-from stepforge.core import BoostedOptimizer, HyperParameterError, MemoryPlan, PluginBase
+from stepforge.core import BoostedOptimizer, HyperParameterError, MemoryPlan, Plugin
 from stepforge.core.precision import PLUGIN_PRECISIONS, check_plugin_precision, validate_loss_scaler_args
 
-from ..comm.grid import mesh_groups
-from ..grads.norm import check_clip_args
+from ..comm.algorithm import COLOSSAL_BUCKET_SIZE
+from ..comm.grid import grid_group, mesh_groups
+from ..config import LowLevelZeroConfig
 from ..low_level import LowLevelZeroOptimizer
 from .lora import add_adapters_to_optimizer
 from .model import PRECISIONS, LowLevelZeroModel, explain_precision_errors, unwrap_prepared
 from .options import (
-    OptimizerOptions,
     check_extra_dp_size,
     check_flags,
     check_number,
@@ -53,7 +53,7 @@ _FP16_DEFAULT = _DefaultPrecision("fp16")
 _OWNER = "LowLevelZeroPlugin"
 
 
-class LowLevelZeroPlugin(PluginBase):
+class LowLevelZeroPlugin(Plugin):
     """ZeRO-1/2 (optimizer state, and for stage 2 also gradients, sharded over the data-parallel ranks).
 
     Args (ColossalAI's ``LowLevelZeroPlugin`` names and defaults):
@@ -109,43 +109,43 @@ class LowLevelZeroPlugin(PluginBase):
         use_fp8: bool = False,
         extra_dp_size: int = 1,
     ) -> None:
-        if isinstance(stage, bool) or stage not in (1, 2):
-            raise HyperParameterError(f"LowLevelZeroPlugin: stage must be 1 or 2, got {stage!r}.")
         # a precision left at its default may be replaced by the Booster's mixed_precision (set_precision)
         explicit = None if precision is _FP16_DEFAULT else check_plugin_precision(precision, owner=_OWNER)
         super().__init__(precision=explicit, default_precision="fp16")
         if reduce_bucket_size_in_m is not None:
             check_number("reduce_bucket_size_in_m", reduce_bucket_size_in_m, 0.0, strict=True)
-        check_number("max_norm", max_norm, 0.0, strict=False)
         scaler = validate_loss_scaler_args(
             _OWNER, initial_scale=initial_scale, min_scale=min_scale, growth_factor=growth_factor,
             backoff_factor=backoff_factor, growth_interval=growth_interval, hysteresis=hysteresis,
             max_scale=max_scale,
         )  # fmt: skip
-        check_flags(
-            overlap_communication=overlap_communication, overlap_allgather=overlap_allgather,
-            cpu_offload=cpu_offload, master_weights=master_weights, verbose=verbose, cast_inputs=cast_inputs,
-            fp8_communication=fp8_communication, use_fp8=use_fp8,
-        )  # fmt: skip
+        check_flags(cast_inputs=cast_inputs, use_fp8=use_fp8)
         if use_fp8:
             raise HyperParameterError(
                 "LowLevelZeroPlugin: use_fp8=True (fp8 matrix multiplies in the forward, ColossalAI's FP8Hook) is "
                 "not available in stepforge; set use_fp8=False (fp8_communication=True is: fp8 gradient wire)."
             )
-        self.options = OptimizerOptions(
-            stage=stage, reduce_bucket_size_in_m=reduce_bucket_size_in_m, communication_dtype=communication_dtype,
-            overlap_communication=overlap_communication, overlap_allgather=overlap_allgather,
-            cpu_offload=cpu_offload, master_weights=master_weights, max_norm=float(max_norm),
-            norm_type=check_clip_args(1.0, norm_type), verbose=verbose, fp8_communication=fp8_communication,
-            scaler=scaler,
+        #: every optimizer's settings, checked here once and passed to each ``LowLevelZeroOptimizer`` unchanged
+        self.config = LowLevelZeroConfig(
+            stage=stage, default_bucket_size=COLOSSAL_BUCKET_SIZE,
+            reduce_bucket_size=None if reduce_bucket_size_in_m is None else int(reduce_bucket_size_in_m * 1024**2),
+            communication_dtype=communication_dtype, overlap_communication=overlap_communication,
+            overlap_allgather=overlap_allgather, cpu_offload=cpu_offload, master_weights=master_weights,
+            max_norm=max_norm, norm_type=norm_type, verbose=verbose, fp8_communication=fp8_communication,
+            scaler=scaler, owner=_OWNER,
         )  # fmt: skip
-        self.stage, self.max_norm, self.verbose = stage, float(max_norm), verbose
+        self.stage, self.max_norm, self.verbose = stage, self.config.max_norm, verbose
         self.cast_inputs, self.use_fp8 = cast_inputs, use_fp8
         self.extra_dp_size = check_extra_dp_size(extra_dp_size)
         self._optimizers: list[LowLevelZeroOptimizer] = []
-        self._groups: tuple[Any, Any] = (None, None)  # (extra_dp_group, dp_process_group)
+        self._group: Any = None  # the data-parallel group (None: the default group)
         if self.extra_dp_size > 1:
-            self._groups = mesh_groups(self.extra_dp_size)
+            if fp8_communication:
+                raise HyperParameterError(
+                    "LowLevelZeroPlugin: fp8_communication is not supported with extra_dp_size > 1 (as in "
+                    "ColossalAI); set fp8_communication=False."
+                )
+            self._group = grid_group(*mesh_groups(self.extra_dp_size))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(stage={self.stage}, precision={self.precision!r})"
@@ -224,10 +224,7 @@ class LowLevelZeroPlugin(PluginBase):
         if optimizer is None:
             return wrapped, None
         add_adapters_to_optimizer(module, optimizer)  # LoRA adapters the optimizer does not hold yet
-        extra_dp_group, dp_process_group = self._groups
-        zero = LowLevelZeroOptimizer(
-            optimizer, **self.options.optimizer_kwargs(dp_process_group, extra_dp_group)
-        )
+        zero = LowLevelZeroOptimizer.from_config(optimizer, self.config, self._group)
         wrapped.bind_optimizer(zero)
         self._optimizers.append(zero)
         return wrapped, zero

@@ -7,7 +7,7 @@ what it built.
 - :func:`~..state.partition.build_layout` cuts stand-in working parameters (the model's shapes, in the working dtype,
   on the meta device) into this rank's pieces: piece sizes, padding, which pieces need a separate fp32 master.
 - :class:`~..comm.grad_reducer.GradReducer`, the class that reduces gradients in backward, is fed one meta gradient per
-  parameter in backward order through a :class:`~..comm.wire.WireFormat` that records each collective instead of
+  parameter in backward order through a :class:`~..comm.grad_reducer.WireFormat` that records each collective instead of
   running it; the buckets it launches, the buffers its pool keeps, its peak in flight and the gradient pieces
   it allocates are read off it.
 - The parameter gather after the step is sized from the partitions by the gather's own split
@@ -38,24 +38,22 @@ from stepforge.core.memory_plan import (
 
 from ..comm.algorithm import bucket_size_for, comm_algorithm_for
 from ..comm.buffers import BufferPool
-from ..comm.grad_reducer import GradReducer
+from ..comm.grad_reducer import GradReducer, WireFormat
 from ..comm.param_gather import DIRECT_MIN, GATHER_CHUNK, _chunks, split_direct
-from ..comm.wire import WireFormat
-from ..config import param_gather_for
+from ..config import LowLevelZeroConfig, param_gather_for
 from ..state.inner import _cpu_adam_config
 from ..state.partition import ShardLayout, build_layout
-from .options import OptimizerOptions
 
 __all__ = ["zero_memory_plan", "RecordingWire", "ZeroSettings"]
 
 
 class ZeroSettings(Protocol):
-    """What the plan reads of ``LowLevelZeroPlugin``: its name, the options of the optimizers it builds, its
+    """What the plan reads of ``LowLevelZeroPlugin``: its name, the config of the optimizers it builds, its
     device and working dtype, and whether it has ``no_sync``."""
 
     name: str
     stage: int
-    options: OptimizerOptions
+    config: LowLevelZeroConfig
 
     @property
     def device(self) -> torch.device: ...
@@ -145,12 +143,12 @@ def _stand_ins(model: nn.Module, dtype: torch.dtype) -> list[nn.Parameter]:
 def _drive_reducer(layout: ShardLayout, plugin: ZeroSettings, bucket: int, algorithm: str) -> Any:
     """Run :class:`GradReducer` over one backward's gradients (backward order) and the step's sync, recording;
     returns ``(reducer, wire, pool)``."""
-    wire = RecordingWire(WireFormat(plugin.options.communication_dtype, plugin.options.fp8_communication))
+    wire = RecordingWire(WireFormat(plugin.config.communication_dtype, plugin.config.fp8_communication))
     reducer = GradReducer(
         layout.slots,
         stage=plugin.stage,
         bucket_size=bucket,
-        overlap=plugin.options.overlap_communication,
+        overlap=plugin.config.overlap_communication,
         group=None,
         world_size=layout.world_size,
         rank=layout.rank,
@@ -184,15 +182,13 @@ def zero_memory_plan(
     if backend is None:
         backend = "gloo" if on_cpu else "nccl"
     dtype = plugin.dtype
-    offload = plugin.options.cpu_offload
+    offload = plugin.config.cpu_offload
     host_or_device = "host" if offload else "device"
     plan = MemoryPlan(
         plugin.name, world_size, rank, compute_dtype=dtype, offloads=offload, accumulation_steps=steps
     )
-    bucket = (
-        bucket_size_for(backend, world_size)
-        if plugin.options.reduce_bucket_size_in_m is None
-        else int(plugin.options.reduce_bucket_size_in_m * 1024**2)
+    bucket = plugin.config.reduce_bucket_size or bucket_size_for(
+        backend, world_size, elsewhere=plugin.config.default_bucket_size
     )
     algorithm = comm_algorithm_for("auto", stage=plugin.stage, world_size=world_size, backend=backend)
     gather = param_gather_for(backend if world_size > 1 else None)
@@ -204,7 +200,7 @@ def zero_memory_plan(
         world_size,
         rank,
         group=None,
-        master_weights=plugin.options.master_weights,
+        master_weights=plugin.config.master_weights,
         master_device=None,
     )
     slots = layout.slots
@@ -251,7 +247,7 @@ def zero_memory_plan(
         plan.add("grads", "device", local, "local gradients (no_sync)", "window")
         plan.notes.append(f"{steps} micro-batches per step, reduced once (no_sync)")
 
-    _plan_gather(plan, layout, gather, chunk=GATHER_CHUNK if plugin.options.overlap_allgather else None)
+    _plan_gather(plan, layout, gather, chunk=GATHER_CHUNK if plugin.config.overlap_allgather else None)
 
     if optimizer is not None:
         config = optimizer  # an instance is the optimizer the plugin keeps (only a config becomes CPUAdam)

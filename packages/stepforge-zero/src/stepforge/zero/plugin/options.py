@@ -1,24 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What :class:`~stepforge.zero.plugin.LowLevelZeroPlugin` passes to every optimizer it builds
-(:class:`OptimizerOptions`, ColossalAI's ``zero_optim_kwargs`` as a frozen dataclass), the plugin's argument
-checks that are not the loss scaler's (``stepforge.core.precision.validate_loss_scaler_args``) nor the
-precision's, and the reading of its ``optimizers`` arguments."""
+"""The checks of :class:`~stepforge.zero.plugin.LowLevelZeroPlugin`'s own arguments (those not in its
+:class:`~stepforge.zero.config.LowLevelZeroConfig`, which checks itself; nor the loss scaler's, nor the
+precision's) and the reading of its ``optimizers`` arguments."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from stepforge.core import HyperParameterError
-from stepforge.core.precision import LossScalerArgs
-
-from ..comm.algorithm import default_bucket_size
 
 __all__ = [
-    "OptimizerOptions",
     "fixed_stage",
     "check_extra_dp_size",
     "check_flags",
@@ -26,57 +20,6 @@ __all__ = [
     "listed_optimizers",
     "single_optimizer",
 ]
-
-
-@dataclass(frozen=True)
-class OptimizerOptions:
-    """The plugin's settings of each ``LowLevelZeroOptimizer`` it builds (checked by the plugin).
-
-    Attributes:
-        stage: 1 or 2.
-        reduce_bucket_size_in_m: bucket size in millions of elements (``None``: the backend's default).
-        communication_dtype, overlap_communication, overlap_allgather, cpu_offload, master_weights, max_norm,
-            norm_type, verbose, fp8_communication: passed to the optimizer as they are.
-        scaler: the dynamic loss scaler's arguments.
-    """
-
-    stage: int
-    reduce_bucket_size_in_m: float | None
-    communication_dtype: torch.dtype | None
-    overlap_communication: bool
-    overlap_allgather: bool
-    cpu_offload: bool
-    master_weights: bool
-    max_norm: float
-    norm_type: float
-    verbose: bool
-    fp8_communication: bool
-    scaler: LossScalerArgs
-
-    def optimizer_kwargs(self, dp_process_group: Any, extra_dp_group: Any) -> dict[str, Any]:
-        """The keywords of ``LowLevelZeroOptimizer`` for an optimizer sharded over ``dp_process_group`` (and
-        the 2-D grid with ``extra_dp_group``); the bucket size resolved for that group."""
-        bucket = (
-            default_bucket_size(dp_process_group)
-            if self.reduce_bucket_size_in_m is None
-            else int(self.reduce_bucket_size_in_m * 1024**2)
-        )
-        return dict(
-            stage=self.stage,
-            reduce_bucket_size=bucket,
-            communication_dtype=self.communication_dtype,
-            overlap_communication=self.overlap_communication,
-            overlap_allgather=self.overlap_allgather,
-            cpu_offload=self.cpu_offload,
-            master_weights=self.master_weights,
-            max_norm=self.max_norm,
-            norm_type=self.norm_type,
-            verbose=self.verbose,
-            fp8_communication=self.fp8_communication,
-            dp_process_group=dp_process_group,
-            extra_dp_group=extra_dp_group,
-            **self.scaler,
-        )
 
 
 def check_flags(**flags: Any) -> None:
