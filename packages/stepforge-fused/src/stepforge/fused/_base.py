@@ -7,7 +7,7 @@ It owns the objects that do the work, each in its module with declared fields an
 (``div_scale`` and GradScaler's scale and overflow flag), :class:`~._host_step.HostLoop` (CPU buckets) and
 :class:`~._device_step.DeviceLoop` (the sync-free CUDA step). They reach the optimizer through
 :class:`~._protocol.KernelOwner`. :mod:`._state` keeps torch.optim state-dict compatibility. Subclasses define
-``_owner``, ``_state_keys(group)`` and ``_launch(module, bucket, group, launch)``.
+``_owner`` and ``_kernel`` (the :class:`~._kernels.KernelSpec` both the eager and the compiled step call).
 """
 
 from __future__ import annotations
@@ -23,10 +23,11 @@ from stepforge.core import GroupValidator, HyperParameterError, check_bool, chec
 from ._amp import AmpUnscaler
 from ._bucket_cache import BucketCache
 from ._buckets import Bucket, Launch
-from ._compiled_init import BucketPlan, init_group
-from ._compiled_step import prepare_fallback, traced_step
+from ._compiled_step import init_group, prepare_fallback, traced_step
 from ._device_step import DeviceLoop, device_env, device_kw, device_path, launch_ctx
 from ._host_step import HostLoop
+from ._kernels import KernelSpec
+from ._kernels import launch as kernel_launch
 from ._skips import SkipTracker
 from ._state import StateMixin
 from ._validate import check_param
@@ -37,9 +38,9 @@ __all__ = ["Bucket", "FusedOptimizerBase", "Launch"]
 class FusedOptimizerBase(StateMixin, torch.optim.Optimizer):
     """Base class of the stepforge fused optimizers (not public API).
 
-    Subclasses define ``_owner`` (class name for messages), ``_state_keys(group)`` (float32 state tensors
-    shaped like the param), ``_launch(module, bucket, group, launch)`` (``launch``: a :class:`Launch`), and may
-    override ``_pre_step(buckets_by_group, divisor)`` (LAMB's global norm, host path) and
+    Subclasses define ``_owner`` (class name for messages) and ``_kernel`` (a :class:`~._kernels.KernelSpec`:
+    the state tensors and hyper-parameters of their kernel), and may override ``_state_keys(group)``,
+    ``_pre_step(buckets_by_group, divisor)`` (LAMB's global norm, host path) and
     ``_device_clip_norm()`` (the same clip on the CUDA path).
 
     Attributes:
@@ -49,6 +50,8 @@ class FusedOptimizerBase(StateMixin, torch.optim.Optimizer):
     """
 
     _owner = "FusedOptimizer"
+    #: the kernel this optimizer calls, eagerly and compiled (its argument specification)
+    _kernel: KernelSpec
     # False for SGD: torch.optim.SGD keeps no per-parameter step.
     _uses_steps = True
     # GradScaler calls step() without unscaling and sets `grad_scale` / `found_inf` on the optimizer instead.
@@ -173,14 +176,16 @@ class FusedOptimizerBase(StateMixin, torch.optim.Optimizer):
 
     # ---- hooks for subclasses --------------------------------------------------------------------------
     def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
-        raise NotImplementedError
+        """The float32 state tensors of ``group``'s params, in kernel order (those of :attr:`_kernel`)."""
+        return tuple(key for key, _name in self._kernel.states)
 
     def _launch(
         self, module: ModuleType, bucket: Bucket, group: dict[str, Any], launch: Launch
     ) -> bool | None:
-        """Call the kernel of this optimizer on ``bucket`` with the scalars in ``launch``; returns whether the
-        kernel's finite check skipped the update."""
-        raise NotImplementedError
+        """Call this optimizer's kernel (:attr:`_kernel`) on ``bucket`` with the scalars in ``launch``; returns
+        whether the kernel's finite check skipped the update."""
+        skipped: bool | None = kernel_launch(self._kernel, module, bucket, group, launch)
+        return skipped
 
     def _pre_step(self, plans: list[tuple[dict[str, Any], list[Bucket]]], divisor: float) -> float:
         """Adjust the grad divisor before any update (LAMB: global grad-norm clip). Returns the divisor."""
@@ -196,20 +201,11 @@ class FusedOptimizerBase(StateMixin, torch.optim.Optimizer):
     _device_kw = staticmethod(device_kw)
     _ctx = staticmethod(launch_ctx)
 
-    def _op_launch(
-        self,
-        group: dict[str, Any],
-        lists: tuple[Any, ...],
-        grad_divisor: float,
-        grad_divisor_tensor: torch.Tensor | None,
-        found_inf: torch.Tensor | None,
-        check_finite: bool,
-        first_run: torch.Tensor | None,
-    ) -> None:
-        """The compiled step's kernel call on one bucket: this optimizer's ``torch.ops.stepforge_fused``
-        operator on ``lists`` = ``(params, grads, state_a, state_b, masters, steps)``: tensor lists, ``steps`` one
-        ``(n,)`` float32 tensor or None (see _compiled_step)."""
-        raise NotImplementedError
+    def _amp_inputs(self) -> tuple[Any, Any]:
+        """``(grad_scale, found_inf)`` of ``torch.amp.GradScaler``: instance attributes that exist only during its
+        ``step()`` call (None otherwise)."""
+        amp = self.__dict__
+        return amp.get("grad_scale"), amp.get("found_inf")
 
     # ---- step routing --------------------------------------------------------------------------------------
     def _init_group(
@@ -221,7 +217,7 @@ class FusedOptimizerBase(StateMixin, torch.optim.Optimizer):
         state_b: list[torch.Tensor],
         masters: list[torch.Tensor],
         extras: list[torch.Tensor],
-    ) -> tuple[BucketPlan, ...]:
+    ) -> tuple[tuple[Any, ...], ...]:
         """What ``torch.compile`` runs eagerly while tracing ``step()``: validate ``group``, create its state and
         fill the (empty) lists bucket by bucket; returns the bucket plan (:mod:`._compiled_init`)."""
         self._groups.revalidate(self.param_groups)
@@ -247,9 +243,7 @@ class FusedOptimizerBase(StateMixin, torch.optim.Optimizer):
                 loss = closure()
         skips = self._skips
         skips.begin_step()
-        # torch.amp.GradScaler's protocol: instance attributes that exist only during its step() call
-        amp = self.__dict__
-        plan = self._amp.plan(self, divisor, amp.get("grad_scale"), amp.get("found_inf"))
+        plan = self._amp.plan(self, divisor, *self._amp_inputs())
         if plan.skip:
             skips.skip_on_host()
             return loss

@@ -1,6 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The ``stepforge_fused`` operators other than LAMB's (``adam_``, ``sgd_``, ``l2norm``, ``scale_``): checks,
-then one kernel call through :mod:`._op_kernels`. Registered by :mod:`._ops`, which also documents them.
+"""The ``stepforge_fused`` operators other than LAMB's two phases: the update operators (``adam_``, ``sgd_``,
+``lamb_``), each made from its :class:`~._kernels.KernelSpec` by :func:`update_operator`, and ``l2norm``,
+``scale_``: checks, then one kernel call through :mod:`._op_kernels`. Registered by :mod:`._ops`, which also
+documents them.
 
 Each operator's checks come in two parts: those of its tensor lists, run through the layout cache
 (:func:`._op_layouts.layout_of`: a layout accepted before is not checked again), and those of its other arguments
@@ -10,25 +12,26 @@ fake implementations call it while ``torch.compile`` traces.
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from . import _op_kernels as k
+from ._kernels import KernelSpec
 from ._op_checks import check_flag, check_list, check_scalar_tensor, check_steps, check_update, one_device
 from ._op_layouts import Layout, layout_of
 
 __all__ = [
-    "adam_",
-    "adam_checks",
     "l2norm",
     "l2norm_checks",
     "scalar_checks",
     "scale_",
     "scale_checks",
-    "sgd_",
-    "sgd_checks",
+    "update_checks",
     "update_layout",
+    "update_operator",
 ]
 
 Tensor = torch.Tensor
@@ -56,98 +59,9 @@ def scalar_checks(
     check_flag(op, flag, device)
 
 
-# ---- adam_ ----------------------------------------------------------------------------------------------------
-def _adam_args(
-    device: Any, n: int, steps: Tensor, lr_tensor: Tensor | None, divisor: Tensor | None, flag: Tensor | None
-) -> None:
-    check_steps("adam_", steps, n, device)
-    scalar_checks("adam_", device, lr_tensor, divisor, flag)
-
-
-def adam_checks(
-    *,
-    params: list[Tensor],
-    grads: list[Tensor],
-    exp_avgs: list[Tensor],
-    exp_avg_sqs: list[Tensor],
-    masters: list[Tensor],
-    steps: Tensor,
-    lr_tensor: Tensor | None,
-    grad_divisor_tensor: Tensor | None,
-    found_inf: Tensor | None,
-    **_: Any,
-) -> tuple[Any, Any, Any]:
-    """The argument checks of :func:`adam_` (its fake implementation runs them); the other arguments are
-    accepted and ignored, so the checks take the operator's arguments by name."""
-    states = {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
-    device, pdt, gdt = check_update("adam_", params, grads, states, masters, None)
-    _adam_args(device, len(params), steps, lr_tensor, grad_divisor_tensor, found_inf)
-    return device, pdt, gdt
-
-
-def adam_(
-    params: list[Tensor],
-    grads: list[Tensor],
-    exp_avgs: list[Tensor],
-    exp_avg_sqs: list[Tensor],
-    masters: list[Tensor],
-    steps: Tensor,
-    lr: float,
-    lr_tensor: Tensor | None,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    adamw_mode: bool,
-    bias_correction: bool,
-    grad_divisor: float,
-    grad_divisor_tensor: Tensor | None,
-    found_inf: Tensor | None,
-    check_finite: bool,
-    stochastic_rounding: bool,
-    seed: int,
-) -> None:
-    """Adam/AdamW on one (device, param dtype, grad dtype) list (torch's fused operation order); with
-    ``masters`` (float32, for float16/bfloat16 params) the masters are updated and the params get the rounded
-    copy, stochastically rounded on CUDA with ``stochastic_rounding`` (``seed``: vary it per step)."""
-    states = {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
-    layout = update_layout("adam_", params, grads, states, masters)
-    device, pdt, gdt = layout.verdict
-    _adam_args(device, len(params), steps, lr_tensor, grad_divisor_tensor, found_inf)
-    if device is None:
-        return
-    hyper = [beta1, beta2, eps, weight_decay, adamw_mode, bias_correction]
-    lists = [*layout.ptrs, layout.sizes]
-    common = (grad_divisor, grad_divisor_tensor, found_inf, check_finite, stochastic_rounding)
-    if device.type == "cpu":
-        skipped = k.launch_cpu("adam_", "adam", lists, (pdt, gdt), lr, lr_tensor, hyper, *common, steps=steps)
-        k.finish_steps_cpu(steps, skipped)
-    else:
-        result = k.launch_cuda(
-            "adam_", "adam", lists, (pdt, gdt), device, lr, lr_tensor, hyper, *common, seed, steps=steps
-        )
-        k.finish_steps_cuda(steps, found_inf, result)
-
-
-# ---- sgd_ -----------------------------------------------------------------------------------------------------
-def _sgd_layout(
-    params: list[Tensor], grads: list[Tensor], momentum_buffers: list[Tensor], masters: list[Tensor]
-) -> Layout:
-    bufs = {"momentum_buffers": momentum_buffers} if momentum_buffers else {}
-    lists = [params, grads, momentum_buffers, masters]
-    return layout_of("sgd_", lists, lambda: check_update("sgd_", params, grads, bufs, masters, None))
-
-
-def _sgd_args(
-    device: Any,
-    n: int,
-    momentum: float,
-    buffers: int,
-    first_run: Tensor | None,
-    lr_tensor: Tensor | None,
-    divisor: Tensor | None,
-    flag: Tensor | None,
-) -> None:
+# ---- adam_, sgd_, lamb_ ---------------------------------------------------------------------------------------
+def _sgd_buffers(n: int, a: dict[str, Any]) -> None:
+    momentum, buffers, first_run = a["momentum"], len(a["momentum_buffers"]), a["first_run"]
     if n and (momentum != 0) != bool(buffers):
         raise ValueError(
             "stepforge_fused::sgd_: momentum_buffers must hold one float32 buffer per parameter when momentum != 0 "
@@ -158,90 +72,100 @@ def _sgd_args(
             "stepforge_fused::sgd_: first_run must be a CPU tensor with one flag per parameter "
             f"({n}), got {first_run.numel()} on {first_run.device}."
         )
-    scalar_checks("sgd_", device, lr_tensor, divisor, flag)
 
 
-def sgd_checks(
-    *,
-    params: list[Tensor],
-    grads: list[Tensor],
-    momentum_buffers: list[Tensor],
-    masters: list[Tensor],
-    first_run: Tensor | None,
-    lr_tensor: Tensor | None,
-    momentum: float,
-    grad_divisor_tensor: Tensor | None,
-    found_inf: Tensor | None,
-    **_: Any,
-) -> tuple[Any, Any, Any]:
-    """The argument checks of :func:`sgd_` (by name, as :func:`adam_checks`)."""
-    bufs = {"momentum_buffers": momentum_buffers} if momentum_buffers else {}
-    device, pdt, gdt = check_update("sgd_", params, grads, bufs, masters, None)
-    _sgd_args(
-        device,
-        len(params),
-        momentum,
-        len(momentum_buffers),
-        first_run,
-        lr_tensor,
-        grad_divisor_tensor,
-        found_inf,
-    )
-    return device, pdt, gdt
+def _trust_clip(n: int, a: dict[str, Any]) -> None:
+    check_trust_clip_order("lamb_", a["trust_clip_min"], a["trust_clip_max"])
 
 
-def sgd_(
-    params: list[Tensor],
-    grads: list[Tensor],
-    momentum_buffers: list[Tensor],
-    masters: list[Tensor],
-    first_run: Tensor | None,
-    lr: float,
-    lr_tensor: Tensor | None,
-    momentum: float,
-    dampening: float,
-    weight_decay: float,
-    nesterov: bool,
-    wd_after_momentum: bool,
-    grad_divisor: float,
-    grad_divisor_tensor: Tensor | None,
-    found_inf: Tensor | None,
-    check_finite: bool,
-    stochastic_rounding: bool,
-    seed: int,
-) -> None:
-    """SGD (torch.optim.SGD semantics, apex's ``wd_after_momentum``). ``momentum_buffers`` is empty iff
-    ``momentum == 0``; ``first_run`` (a CPU integer/bool tensor, one flag per parameter; None: all zero) marks
-    the buffers initialised with the gradient on this step, and is cleared unless the step was skipped."""
-    layout = _sgd_layout(params, grads, momentum_buffers, masters)
-    device, pdt, gdt = layout.verdict
-    _sgd_args(
-        device,
-        len(params),
-        momentum,
-        len(momentum_buffers),
-        first_run,
-        lr_tensor,
-        grad_divisor_tensor,
-        found_inf,
-    )
-    if device is None:
-        return
-    hyper = [momentum, dampening, weight_decay, nesterov, wd_after_momentum]
-    flags = first_run.to(torch.int64).tolist() if first_run is not None else None
-    lists = [*layout.ptrs, layout.sizes, flags]
-    common = (grad_divisor, grad_divisor_tensor, found_inf, check_finite, stochastic_rounding)
-    if device.type == "cpu":
-        skipped = k.launch_cpu("sgd_", "sgd", lists, (pdt, gdt), lr, lr_tensor, hyper, *common, steps=None)
-    else:
-        k.launch_cuda(
-            "sgd_", "sgd", lists, (pdt, gdt), device, lr, lr_tensor, hyper, *common, seed, steps=None
+def check_trust_clip_order(op: str, low: float, high: float) -> None:
+    """LAMB's trust-ratio clamp ``[low, high]`` must not be empty."""
+    if low > high:
+        raise ValueError(
+            f"stepforge_fused::{op}: trust_clip_min={low} > trust_clip_max={high}; pass (0.0, inf) for no clamp."
         )
-        skipped = (
-            False  # decided on the device: the host flags are cleared either way, as the eager CUDA step does
+
+
+#: the checks of one update operator beyond the shared ones (``n``: the number of parameters)
+_OWN_CHECKS: dict[str, Callable[[int, dict[str, Any]], None]] = {"sgd_": _sgd_buffers, "lamb_": _trust_clip}
+
+
+def _states(spec: KernelSpec, a: dict[str, Any]) -> dict[str, list[Tensor]]:
+    """The state lists to check (SGD's empty buffer list, momentum 0, is not one)."""
+    return {name: a[name] for _key, name in spec.states if a[name] or not spec.optional_states}
+
+
+def _call_checks(spec: KernelSpec, device: Any, a: dict[str, Any]) -> None:
+    """The checks of an update's arguments other than its tensor lists (run at every call)."""
+    n = len(a["params"])
+    if not spec.first_run:
+        check_steps(spec.op, a["steps"], n, device)
+    scalar_checks(spec.op, device, a["lr_tensor"], a["grad_divisor_tensor"], a["found_inf"])
+    own = _OWN_CHECKS.get(spec.op)
+    if own is not None:
+        own(n, a)
+
+
+def update_checks(spec: KernelSpec, **a: Any) -> tuple[Any, Any, Any]:
+    """Every check of an update operator on its arguments ``a`` (by name); the fake implementation runs them.
+    Returns ``(device, param dtype, grad dtype)``."""
+    verdict = check_update(spec.op, a["params"], a["grads"], _states(spec, a), a["masters"], None)
+    _call_checks(spec, verdict[0], a)
+    return verdict
+
+
+def update_operator(spec: KernelSpec) -> Callable[..., None]:
+    """The real implementation of ``spec``'s operator (arguments in :meth:`KernelSpec.arg_names` order): the
+    checks (tensor lists through the layout cache), one kernel call, the steps advanced unless the update was
+    skipped (SGD: the first-run flags cleared)."""
+    names = spec.arg_names()
+    n_lists = 3 + len(spec.states)  # params, grads, *states, masters
+    hyper = slice(n_lists + 3, n_lists + 3 + len(spec.hyper))  # after per-tensor, lr, lr_tensor
+    op, kernel = spec.op, spec.kernel
+
+    def update(*args: Any) -> None:
+        a = dict(zip(names, args, strict=True))
+        lists = list(args[:n_lists])
+        layout = layout_of(
+            op, lists, lambda: check_update(op, a["params"], a["grads"], _states(spec, a), a["masters"], None)
         )
-    if first_run is not None and not skipped:
-        first_run.zero_()
+        device, pdt, gdt = layout.verdict
+        _call_checks(spec, device, a)
+        if device is None:
+            return
+        ptrs = [*layout.ptrs, layout.sizes]
+        steps, first_run, found_inf = a.get("steps"), a.get("first_run"), a["found_inf"]
+        if spec.first_run:
+            ptrs.append(first_run.to(torch.int64).tolist() if first_run is not None else None)
+        common = (
+            a["grad_divisor"],
+            a["grad_divisor_tensor"],
+            found_inf,
+            a["check_finite"],
+            a["stochastic_rounding"],
+        )
+        if device.type == "cpu":
+            skipped = k.launch_cpu(
+                op, kernel, ptrs, (pdt, gdt), a["lr"], a["lr_tensor"], list(args[hyper]), *common, steps=steps
+            )
+            k.finish_steps_cpu(steps, skipped)
+        else:
+            result = k.launch_cuda(
+                op, kernel, ptrs, (pdt, gdt), device, a["lr"], a["lr_tensor"], list(args[hyper]), *common, a["seed"],
+                steps=steps,
+            )  # fmt: skip
+            k.finish_steps_cuda(steps, found_inf, result)
+            skipped = False  # decided on the device: SGD's host flags are cleared either way, as the eager step does
+        if first_run is not None and not skipped:
+            first_run.zero_()
+
+    update.__name__ = op
+    update.__qualname__ = op
+    update.__doc__ = f"The ``{op}`` operator over the ``{kernel}`` kernel (arguments: {', '.join(names)})."
+    update.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in names]
+    )
+    return update
 
 
 # ---- l2norm ---------------------------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""LAMB's ``stepforge_fused`` operators: ``lamb_`` (the whole update in one call) and its two phases for
-tensors whose norms are summed elsewhere first (sharded parameters): ``lamb_moments_`` (moments, and the
-per-tensor sums of ``p^2`` and ``u^2``) and ``lamb_apply_`` (the update from those sums). Registered by
-:mod:`._ops`."""
+"""LAMB's two-phase ``stepforge_fused`` operators, for tensors whose norms are summed elsewhere first (sharded
+parameters): ``lamb_moments_`` (moments, and the per-tensor sums of ``p^2`` and ``u^2``) and ``lamb_apply_`` (the
+update from those sums). ``lamb_``, the whole update in one call, is made from :data:`~._kernels.LAMB` like the
+other update operators (:mod:`._op_impls`). Registered by :mod:`._ops`."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import torch
 
 from . import _op_kernels as k
 from ._op_checks import check_steps, check_update
-from ._op_impls import scalar_checks, update_layout
+from ._op_impls import check_trust_clip_order, scalar_checks, update_layout
 
-__all__ = ["lamb_", "lamb_apply_", "lamb_checks", "lamb_moments_", "lamb_norms_like"]
+__all__ = ["lamb_apply_", "lamb_checks", "lamb_moments_", "lamb_norms_like"]
 
 Tensor = torch.Tensor
 
@@ -34,11 +34,7 @@ def _lamb_args(
     """The checks of a LAMB operator's arguments other than its tensor lists (run at every call)."""
     check_steps(op, steps, n, device)
     scalar_checks(op, device, lr_tensor, divisor, flag)
-    if trust_clip_min > trust_clip_max:
-        raise ValueError(
-            f"stepforge_fused::{op}: trust_clip_min={trust_clip_min} > trust_clip_max={trust_clip_max}; pass "
-            "(0.0, inf) for no clamp."
-        )
+    check_trust_clip_order(op, trust_clip_min, trust_clip_max)
     if norms is not None and (
         norms.dtype != torch.float64 or norms.numel() != 2 * n or not norms.is_contiguous()
     ):
@@ -67,10 +63,10 @@ def lamb_checks(
     op: str = "",
     **_: Any,
 ) -> tuple[Any, Any, Any]:
-    """The argument checks of the LAMB operators (by name; ``grads`` absent for ``lamb_apply_``, ``norms``
-    present only there; ``op`` names the operator in messages, by default ``lamb_apply_`` or ``lamb_``); their
-    fake implementations run them."""
-    op = op or ("lamb_apply_" if norms is not None else "lamb_")
+    """The argument checks of the two LAMB phases (by name; ``grads`` absent for ``lamb_apply_``, ``norms``
+    present only there; ``op`` names the operator in messages, by default ``lamb_apply_``); their fake
+    implementations run them."""
+    op = op or "lamb_apply_"
     states = {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
     device, pdt, gdt = check_update(op, params, grads, states, masters, None)
     _lamb_args(
@@ -84,62 +80,6 @@ def lamb_norms_like(params: list[Tensor]) -> Tensor:
     """The ``(2n,)`` float64 buffer of the per-tensor sums (on the params' device; a fake one while tracing)."""
     device = params[0].device if params else torch.device("cpu")
     return torch.zeros(2 * len(params), dtype=torch.float64, device=device)
-
-
-def lamb_(
-    params: list[Tensor],
-    grads: list[Tensor],
-    exp_avgs: list[Tensor],
-    exp_avg_sqs: list[Tensor],
-    masters: list[Tensor],
-    steps: Tensor,
-    lr: float,
-    lr_tensor: Tensor | None,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    adam_w_mode: bool,
-    bias_correction: bool,
-    grad_averaging: bool,
-    use_nvlamb: bool,
-    trust_clip_min: float,
-    trust_clip_max: float,
-    grad_divisor: float,
-    grad_divisor_tensor: Tensor | None,
-    found_inf: Tensor | None,
-    check_finite: bool,
-    stochastic_rounding: bool,
-    seed: int,
-) -> None:
-    """LAMB with apex ``FusedLAMB`` semantics and per-tensor trust ratios (``||p||`` before the update, of the
-    master when ``masters`` are given), clamped to ``[trust_clip_min, trust_clip_max]``. A global grad-norm clip
-    is folded into the divisor by the caller (``grad_divisor_tensor``)."""
-    layout = update_layout(
-        "lamb_", params, grads, {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}, masters
-    )
-    device, pdt, gdt = layout.verdict
-    _lamb_args(
-        "lamb_", device, len(params), steps, lr_tensor, grad_divisor_tensor, found_inf, None, trust_clip_min,
-        trust_clip_max,
-    )  # fmt: skip
-    if device is None:
-        return
-    lists = [*layout.ptrs, layout.sizes]
-    hyper = [beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, grad_averaging, use_nvlamb,
-             trust_clip_min, trust_clip_max]  # fmt: skip
-    common = (grad_divisor, grad_divisor_tensor, found_inf, check_finite, stochastic_rounding)
-    kw: dict[str, Any] = {}
-    if device.type == "cpu":
-        skipped = k.launch_cpu(
-            "lamb_", "lamb", lists, (pdt, gdt), lr, lr_tensor, hyper, *common, steps=steps, **kw
-        )
-        k.finish_steps_cpu(steps, skipped)
-    else:
-        result = k.launch_cuda(
-            "lamb_", "lamb", lists, (pdt, gdt), device, lr, lr_tensor, hyper, *common, seed, steps=steps, **kw
-        )
-        k.finish_steps_cuda(steps, found_inf, result)
 
 
 def lamb_moments_(

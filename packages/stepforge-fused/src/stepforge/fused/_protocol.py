@@ -3,18 +3,26 @@
 
 :class:`~._base.FusedOptimizerBase` owns four objects (:class:`~._bucket_cache.BucketCache`,
 :class:`~._skips.SkipTracker`, :class:`~._amp.AmpUnscaler`, :class:`~._host_step.HostLoop` /
-:class:`~._device_step.DeviceLoop`); they receive the optimizer as this protocol at each call (never store it,
-so no reference cycle keeps an optimizer alive) and reach the subclass hooks only through it.
+:class:`~._device_step.DeviceLoop`); they, and the compiled step (:mod:`._compiled_step`), receive the optimizer
+as this protocol at each call (never store it, so no reference cycle keeps an optimizer alive) and reach the
+subclass hooks only through it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from ._buckets import Bucket, Launch
+from ._kernels import KernelSpec
+
+if TYPE_CHECKING:
+    from ._amp import AmpUnscaler
+    from ._bucket_cache import BucketCache
+    from ._skips import SkipTracker
 
 __all__ = ["KernelOwner"]
 
@@ -26,9 +34,39 @@ class KernelOwner(Protocol):
     _owner: str
     #: whether the optimizer keeps a per-parameter ``step`` (False for SGD)
     _uses_steps: bool
+    #: the kernel's argument specification (both the eager launch and the compiled operator call use it)
+    _kernel: KernelSpec
     #: float32 masters for fp16/bf16 params
     master_weights: bool
+    #: skip a step with inf/NaN grads (None: with master_weights)
+    skip_nonfinite: bool | None
     param_groups: list[dict[str, Any]]
+    _amp: AmpUnscaler
+    _skips: SkipTracker
+    _bucket_cache: BucketCache
+    #: ``id(group)`` -> SGD first-run flag tensors a compiled step reads (kept alive by the optimizer)
+    _compile_first_run: dict[int, list[torch.Tensor]]
+
+    def _amp_inputs(self) -> tuple[Any, Any]:
+        """GradScaler's ``(grad_scale, found_inf)`` during its ``step()`` call, else ``(None, None)``."""
+        ...
+
+    def _init_group(
+        self,
+        group: dict[str, Any],
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        state_a: list[torch.Tensor],
+        state_b: list[torch.Tensor],
+        masters: list[torch.Tensor],
+        extras: list[torch.Tensor],
+    ) -> tuple[tuple[Any, ...], ...]:
+        """Fill the lists of ``group`` for a compiled step and return its bucket plans."""
+        ...
+
+    def _eager_step(self, closure: Callable[[], Any] | None, div_scale: float = -1) -> Any:
+        """The eager (cached-pointer) step."""
+        ...
 
     def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
         """float32 state tensors shaped like the param, in kernel argument order."""
