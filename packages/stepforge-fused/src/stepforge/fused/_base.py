@@ -1,12 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """The base class of the fused optimizers: options, add_param_group, subclass hooks and step routing.
 
-It owns the objects that do the work, each in its module with declared fields and a unit test of its own:
-:class:`~._bucket_cache.BucketCache` (buckets, the pointer cache and its per-step revalidation, in
-:mod:`._buckets`), :class:`~._skips.SkipTracker` (skipped-step reporting), :class:`~._amp.AmpUnscaler`
-(``div_scale`` and GradScaler's scale and overflow flag), :class:`~._host_step.HostLoop` (CPU buckets) and
-:class:`~._device_step.DeviceLoop` (the sync-free CUDA step). They reach the optimizer through
-:class:`~._protocol.KernelOwner`. :mod:`._state` keeps torch.optim state-dict compatibility. Subclasses define
+It owns the objects of the step machinery (:mod:`._step`), each with declared fields and a unit test of its own:
+:class:`~._step.buckets.BucketCache` (buckets, the pointer cache and its per-step revalidation),
+:class:`~._step.eager.SkipTracker` (skipped-step reporting), :class:`~._step.eager.AmpUnscaler` (``div_scale``
+and GradScaler's scale and overflow flag), :class:`~._step.eager.HostLoop` (CPU buckets) and
+:class:`~._step.device.DeviceLoop` (the sync-free CUDA step). They reach the optimizer through
+:class:`~._step.protocol.KernelOwner`. :mod:`._state` keeps torch.optim state-dict compatibility. Subclasses define
 ``_owner`` and ``_kernel`` (the :class:`~._kernels.KernelSpec` both the eager and the compiled step call).
 """
 
@@ -20,16 +20,13 @@ import torch
 
 from stepforge.core import GroupValidator, HyperParameterError, check_bool, check_lr
 
-from ._amp import AmpUnscaler
-from ._bucket_cache import BucketCache
-from ._buckets import Bucket, Launch
-from ._compiled_step import init_group, prepare_fallback, traced_step
-from ._device_step import DeviceLoop, device_env, device_kw, device_path, launch_ctx
-from ._host_step import HostLoop
 from ._kernels import KernelSpec
 from ._kernels import launch as kernel_launch
-from ._skips import SkipTracker
 from ._state import StateMixin
+from ._step.buckets import Bucket, BucketCache, Launch
+from ._step.compiled import init_group, prepare_fallback, traced_step
+from ._step.device import DeviceLoop, device_env, device_kw, device_path, launch_ctx
+from ._step.eager import AmpUnscaler, HostLoop, SkipTracker
 from ._validate import check_param
 
 __all__ = ["Bucket", "FusedOptimizerBase", "Launch"]
@@ -62,7 +59,7 @@ class FusedOptimizerBase(StateMixin, torch.optim.Optimizer):
     _amp: AmpUnscaler
     _host_loop: HostLoop
     _device_loop: DeviceLoop
-    #: ``id(group)`` -> SGD first-run flag tensors a compiled step reads (kept alive here; see _compiled_init)
+    #: ``id(group)`` -> SGD first-run flag tensors a compiled step reads (kept alive here; see _step.compiled)
     _compile_first_run: dict[int, list[torch.Tensor]]
 
     def __init__(
@@ -219,13 +216,13 @@ class FusedOptimizerBase(StateMixin, torch.optim.Optimizer):
         extras: list[torch.Tensor],
     ) -> tuple[tuple[Any, ...], ...]:
         """What ``torch.compile`` runs eagerly while tracing ``step()``: validate ``group``, create its state and
-        fill the (empty) lists bucket by bucket; returns the bucket plan (:mod:`._compiled_init`)."""
+        fill the (empty) lists bucket by bucket; returns the bucket plans (:mod:`._step.compiled`)."""
         self._groups.revalidate(self.param_groups)
         return init_group(self, group, params, grads, state_a, state_b, masters, extras)
 
     @torch.no_grad()
     def _fused_step(self, closure: Callable[[], Any] | None, div_scale: float = -1) -> Any:
-        """One step: under ``torch.compile`` the traceable operator step (:mod:`._compiled_step`), else the
+        """One step: under ``torch.compile`` the traceable operator step (:mod:`._step.compiled`), else the
         eager step over the cached pointer arrays (the operator path would read every tensor's address each
         step: the pybind path is kept here on purpose)."""
         if torch.compiler.is_compiling():

@@ -4,8 +4,8 @@
 A :class:`KernelSpec` says what a kernel takes besides the shared arguments: its state lists and its
 hyper-parameters, each read from the param group. From it come
 
-- the operator's schema (:func:`KernelSpec.schema`, registered by :mod:`._ops`) and its implementation
-  (:mod:`._op_impls`),
+- the operator's schema (:func:`KernelSpec.schema`, registered by :mod:`._operators`) and its implementation
+  (:mod:`._operators.impls`),
 - the eager step's call of the pybind kernel on a bucket's cached pointer arrays (:func:`launch`), and
 - the compiled step's call of the operator on tensor lists (:func:`call_operator`).
 
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ._backend import DTYPE_CODES
-from ._buckets import Bucket, Launch
+from ._step.buckets import Bucket, Launch
 
 __all__ = ["ADAM", "LAMB", "SGD", "Arg", "KernelSpec", "call_operator", "launch", "lr_args"]
 

@@ -2,7 +2,7 @@
 """The step of the fused optimizers under ``torch.compile``: what dynamo runs eagerly and what it traces.
 
 ``step()`` checks :func:`torch.compiler.is_compiling` first: eagerly it takes the cached-pointer path
-(:mod:`._host_step`, :mod:`._device_step`), under dynamo it takes :func:`traced_step`, which dynamo turns into
+(:mod:`.eager`, :mod:`.device`), under dynamo it takes :func:`traced_step`, which dynamo turns into
 one graph without breaks. Dynamo runs the optimizer's ``_init_group(group, <empty lists>...)`` (:func:`init_group`)
 eagerly: argument checks, state creation (the same ``_init_state`` as the eager step), the grouping into kernel
 buckets and the tensors the graph mutates besides the state lists (each bucket's step counts as one flat tensor,
@@ -17,7 +17,7 @@ Steps are laid out as the eager step lays them out: one float32 ``(n,)`` tensor 
 writes the tensor in place never recompiles it; a float lr is a constant of the graph (dynamo recompiles when it
 changes, as it does for torch.optim).
 
-Without the operators (a torch lacking ``torch.library.register_fake``, see :func:`._ops.available`) the step runs
+Without the operators (a torch lacking ``torch.library.register_fake``, see :func:`stepforge.fused.ops.available`) the step runs
 eagerly inside the compiled code: a graph break, announced by one warning (``fullgraph=True`` then raises
 dynamo's error, since the step cannot be part of the graph).
 """
@@ -30,12 +30,12 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import _ops
-from ._bucket_cache import device_steps
-from ._distributed import is_dtensor
-from ._kernels import call_operator
-from ._protocol import KernelOwner
-from ._validate import check_pair
+from .. import _operators as _ops
+from .._distributed import is_dtensor
+from .._kernels import call_operator
+from .._validate import check_pair
+from .buckets import device_steps
+from .protocol import KernelOwner
 
 __all__ = ["BucketPlan", "init_group", "prepare_fallback", "traced_step"]
 

@@ -1,10 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """The CPU and CUDA implementations of the ``stepforge_fused`` operators: the pointer arrays of a checked layout
-(:mod:`._op_layouts`) and the operator's scalars to the pybind11 kernels (``_cpu``/``_cuda``, contract in
+(:mod:`.layouts`) and the operator's scalars to the pybind11 kernels (``_cpu``/``_cuda``, contract in
 ``csrc/README.md``), steps advanced unless the step was skipped.
 
-Each function takes the operator's arguments after :mod:`._op_checks` has accepted them (the callers, in
-:mod:`._op_impls` and :mod:`._op_lamb`, check first).
+Each function takes the operator's arguments after :mod:`.checks` has accepted them (the callers, in
+:mod:`.impls`, check first).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from . import _backend
-from ._device_step import device_env
+from .. import _backend
+from .._step.device import device_env
 
 __all__ = [
     "host_scalar",

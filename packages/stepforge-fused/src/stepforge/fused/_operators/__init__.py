@@ -15,10 +15,10 @@ either).
 ``adam_``          Adam/AdamW (:data:`._kernels.ADAM`): master weights, bf16 stochastic rounding (CUDA)
 ``sgd_``           SGD, momentum/nesterov/dampening, master weights (:data:`._kernels.SGD`)
 ``lamb_``          LAMB in one call (:data:`._kernels.LAMB`)
-``lamb_moments_``  LAMB's first phase: moments, returns the per-tensor norm sums (:func:`._op_lamb.lamb_moments_`)
-``lamb_apply_``    LAMB's second phase: the update from (e.g. all-reduced) sums (:func:`._op_lamb.lamb_apply_`)
-``l2norm``         global and per-tensor L2 norms (:func:`._op_impls.l2norm`)
-``scale_``         ``dst = src * scale`` with an inf/NaN flag (:func:`._op_impls.scale_`)
+``lamb_moments_``  LAMB's first phase: moments, returns the per-tensor norm sums (:func:`.impls.lamb_moments_`)
+``lamb_apply_``    LAMB's second phase: the update from (e.g. all-reduced) sums (:func:`.impls.lamb_apply_`)
+``l2norm``         global and per-tensor L2 norms (:func:`.impls.l2norm`)
+``scale_``         ``dst = src * scale`` with an inf/NaN flag (:func:`.impls.scale_`)
 ================== ============================================================================================
 
 Gradients are read only: no operator writes ``p.grad`` (the kernels' ``write_unscaled_grads``, GradScaler's
@@ -47,9 +47,19 @@ from typing import Any
 
 import torch
 
-from ._kernels import ADAM, LAMB, SGD
-from ._op_impls import l2norm, l2norm_checks, scale_, scale_checks, update_checks, update_operator
-from ._op_lamb import lamb_apply_, lamb_checks, lamb_moments_, lamb_norms_like
+from .._kernels import ADAM, LAMB, SGD
+from .impls import (
+    l2norm,
+    l2norm_checks,
+    lamb_apply_,
+    lamb_checks,
+    lamb_moments_,
+    lamb_norms_like,
+    scale_,
+    scale_checks,
+    update_checks,
+    update_operator,
+)
 
 __all__ = ["NAMESPACE", "OPERATORS", "SCHEMAS", "available", "register", "unavailable_reason"]
 
@@ -105,7 +115,7 @@ _IMPLS: dict[str, tuple[Callable[..., Any], _Checks, _FakeOut]] = {
 #: every operator registered here, as ``torch.ops.stepforge_fused.<name>``
 OPERATORS = tuple(SCHEMAS)
 
-_status: dict[str, Any] = {"available": False, "reason": "stepforge.fused._ops.register() has not run"}
+_status: dict[str, Any] = {"available": False, "reason": "stepforge.fused._operators.register() has not run"}
 _libraries: list[Any] = []  # the torch.library.Library holding the definitions (kept alive)
 
 

@@ -10,16 +10,18 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from types import ModuleType
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from stepforge.core import HyperParameterError
 
-from . import _backend
-from ._buckets import Bucket, Launch
-from ._protocol import KernelOwner
-from ._skips import SkipTracker
+from .. import _backend
+from .buckets import Bucket, Launch
+
+if TYPE_CHECKING:
+    from .eager import SkipTracker
+    from .protocol import KernelOwner
 
 __all__ = [
     "DeviceLoop",

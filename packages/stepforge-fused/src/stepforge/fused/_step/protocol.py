@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """What the step machinery of the fused optimizers needs from the optimizer that owns it.
 
-:class:`~._base.FusedOptimizerBase` owns four objects (:class:`~._bucket_cache.BucketCache`,
-:class:`~._skips.SkipTracker`, :class:`~._amp.AmpUnscaler`, :class:`~._host_step.HostLoop` /
-:class:`~._device_step.DeviceLoop`); they, and the compiled step (:mod:`._compiled_step`), receive the optimizer
+:class:`~stepforge.fused._base.FusedOptimizerBase` owns four objects (:class:`~.buckets.BucketCache`,
+:class:`~.eager.SkipTracker`, :class:`~.eager.AmpUnscaler`, :class:`~.eager.HostLoop` /
+:class:`~.device.DeviceLoop`); they, and the compiled step (:mod:`.compiled`), receive the optimizer
 as this protocol at each call (never store it, so no reference cycle keeps an optimizer alive) and reach the
 subclass hooks only through it.
 """
@@ -16,13 +16,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from ._buckets import Bucket, Launch
-from ._kernels import KernelSpec
-
-if TYPE_CHECKING:
-    from ._amp import AmpUnscaler
-    from ._bucket_cache import BucketCache
-    from ._skips import SkipTracker
+if TYPE_CHECKING:  # annotations only: the step modules import this one
+    from .._kernels import KernelSpec
+    from .buckets import Bucket, BucketCache, Launch
+    from .eager import AmpUnscaler, SkipTracker
 
 __all__ = ["KernelOwner"]
 
