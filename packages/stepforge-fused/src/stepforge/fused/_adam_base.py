@@ -6,14 +6,11 @@ from __future__ import annotations
 from collections.abc import MutableMapping
 from typing import Any
 
+from ._backend import ADAM
 from ._base import FusedOptimizerBase
-from ._kernels import ADAM
 from ._validate import check_adam_like
 
-__all__ = ["ADAM_STATE_KEYS", "AdamBase", "adam_defaults", "check_adam_group"]
-
-#: State tensors of the Adam family (FusedAdam, CPUAdam, HybridAdam, FusedLAMB), as in torch.optim.AdamW.
-ADAM_STATE_KEYS = tuple(key for key, _name in ADAM.states)
+__all__ = ["AdamBase", "adam_defaults", "check_adam_group"]
 
 
 def adam_defaults(

@@ -7,26 +7,24 @@ It owns the objects of the step machinery (:mod:`._step`), each with declared fi
 and GradScaler's scale and overflow flag), :class:`~._step.eager.HostLoop` (CPU buckets) and
 :class:`~._step.device.DeviceLoop` (the sync-free CUDA step). They reach the optimizer through
 :class:`~._step.protocol.KernelOwner`. :mod:`._state` keeps torch.optim state-dict compatibility. Subclasses define
-``_owner`` and ``_kernel`` (the :class:`~._kernels.KernelSpec` both the eager and the compiled step call).
+``_owner`` and ``_kernel`` (the :class:`~._backend.KernelSpec` both the eager and the compiled step call).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, MutableMapping
-from types import ModuleType
 from typing import Any
 
 import torch
 
 from stepforge.core import GroupValidator, HyperParameterError, check_bool, check_lr
 
-from ._kernels import KernelSpec
-from ._kernels import launch as kernel_launch
+from ._backend import KernelSpec, device_env, device_kw, device_path, launch_ctx, launch_owned
 from ._state import StateMixin
 from ._step.buckets import Bucket, BucketCache, Launch
-from ._step.compiled import init_group, prepare_fallback, traced_step
-from ._step.device import DeviceLoop, device_env, device_kw, device_path, launch_ctx
-from ._step.eager import AmpUnscaler, HostLoop, SkipTracker
+from ._step.compiled import init_group, prepare_fallback
+from ._step.device import DeviceLoop
+from ._step.eager import AmpUnscaler, HostLoop, SkipTracker, eager_step
 from ._validate import check_param
 
 __all__ = ["Bucket", "FusedOptimizerBase", "Launch"]
@@ -35,9 +33,9 @@ __all__ = ["Bucket", "FusedOptimizerBase", "Launch"]
 class FusedOptimizerBase(StateMixin, torch.optim.Optimizer):
     """Base class of the stepforge fused optimizers (not public API).
 
-    Subclasses define ``_owner`` (class name for messages) and ``_kernel`` (a :class:`~._kernels.KernelSpec`:
+    Subclasses define ``_owner`` (class name for messages) and ``_kernel`` (a :class:`~._backend.KernelSpec`:
     the state tensors and hyper-parameters of their kernel), and may override ``_state_keys(group)``,
-    ``_pre_step(buckets_by_group, divisor)`` (LAMB's global norm, host path) and
+    set ``_pre_step(buckets_by_group, divisor)`` (LAMB's global norm, host path) and
     ``_device_clip_norm()`` (the same clip on the CUDA path).
 
     Attributes:
@@ -102,7 +100,7 @@ class FusedOptimizerBase(StateMixin, torch.optim.Optimizer):
         self._device_loop = DeviceLoop()
         self._groups = GroupValidator(self._check_group, owner=self._owner)
         self._compile_first_run = {}
-        prepare_fallback()
+        prepare_fallback(eager_step)
 
     def __getstate__(self) -> dict[str, Any]:
         # torch.optim pickles defaults/state/param_groups only; keep our options, never the pointer caches.
@@ -176,17 +174,14 @@ class FusedOptimizerBase(StateMixin, torch.optim.Optimizer):
         """The float32 state tensors of ``group``'s params, in kernel order (those of :attr:`_kernel`)."""
         return tuple(key for key, _name in self._kernel.states)
 
-    def _launch(
-        self, module: ModuleType, bucket: Bucket, group: dict[str, Any], launch: Launch
-    ) -> bool | None:
-        """Call this optimizer's kernel (:attr:`_kernel`) on ``bucket`` with the scalars in ``launch``; returns
-        whether the kernel's finite check skipped the update."""
-        skipped: bool | None = kernel_launch(self._kernel, module, bucket, group, launch)
-        return skipped
+    #: the eager step's kernel call on one bucket (``opt._kernel`` with a :class:`Launch`'s scalars; returns
+    #: whether the kernel's finite check skipped the update): a function of :mod:`._backend`, so the host loop
+    #: goes straight to the kernel module; FusedLAMB overrides it for sharded buckets.
+    _launch = launch_owned
 
-    def _pre_step(self, plans: list[tuple[dict[str, Any], list[Bucket]]], divisor: float) -> float:
-        """Adjust the grad divisor before any update (LAMB: global grad-norm clip). Returns the divisor."""
-        return divisor
+    #: optional hook ``_pre_step(plans, divisor) -> divisor`` adjusting the host grad divisor before any update
+    #: (FusedLAMB's global grad-norm clip); None: no adjustment
+    _pre_step: Callable[[list[tuple[dict[str, Any], list[Bucket]]], float], float] | None = None
 
     def _device_clip_norm(self) -> float:
         """Global grad-norm clip threshold applied on the device path (LAMB); ``0`` = none."""
@@ -197,12 +192,6 @@ class FusedOptimizerBase(StateMixin, torch.optim.Optimizer):
     _device_env = staticmethod(device_env)
     _device_kw = staticmethod(device_kw)
     _ctx = staticmethod(launch_ctx)
-
-    def _amp_inputs(self) -> tuple[Any, Any]:
-        """``(grad_scale, found_inf)`` of ``torch.amp.GradScaler``: instance attributes that exist only during its
-        ``step()`` call (None otherwise)."""
-        amp = self.__dict__
-        return amp.get("grad_scale"), amp.get("found_inf")
 
     # ---- step routing --------------------------------------------------------------------------------------
     def _init_group(
@@ -219,44 +208,3 @@ class FusedOptimizerBase(StateMixin, torch.optim.Optimizer):
         fill the (empty) lists bucket by bucket; returns the bucket plans (:mod:`._step.compiled`)."""
         self._groups.revalidate(self.param_groups)
         return init_group(self, group, params, grads, state_a, state_b, masters, extras)
-
-    @torch.no_grad()
-    def _fused_step(self, closure: Callable[[], Any] | None, div_scale: float = -1) -> Any:
-        """One step: under ``torch.compile`` the traceable operator step (:mod:`._step.compiled`), else the
-        eager step over the cached pointer arrays (the operator path would read every tensor's address each
-        step: the pybind path is kept here on purpose)."""
-        if torch.compiler.is_compiling():
-            return traced_step(self, closure, div_scale)
-        return self._eager_step(closure, div_scale)
-
-    def _eager_step(self, closure: Callable[[], Any] | None, div_scale: float = -1) -> Any:
-        """Validate, run the closure, plan the grad division, then route the buckets to the device loop (all
-        on CUDA: no host sync) or the host loop (called with gradients disabled)."""
-        divisor = self._amp.divisor(self, div_scale)
-        self._groups.revalidate(self.param_groups)  # bad input is refused before the closure runs
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        skips = self._skips
-        skips.begin_step()
-        plan = self._amp.plan(self, divisor, *self._amp_inputs())
-        if plan.skip:
-            skips.skip_on_host()
-            return loss
-        cache = self._bucket_cache
-        plans = [(group, cache.group_buckets(self, i, group)) for i, group in enumerate(self.param_groups)]
-        buckets = [(group, b) for group, bs in plans for b in bs if b.numel > 0 or b.params]
-        if not buckets:
-            return loss
-        check = self.skip_nonfinite if self.skip_nonfinite is not None else self.master_weights
-        plan.check_divisor(self._owner)
-        if all(b.on_device for _group, b in buckets):
-            self._device_loop.run(self, buckets, plan.divisor, plan.grad_scale, plan.found_inf, check, skips)
-            return loss
-        # Host path (CPU buckets, possibly beside CUDA ones in HybridAdam): skip decisions are made on the host.
-        if plan.to_host():
-            skips.skip_on_host()
-            return loss
-        self._host_loop.run(self, plans, buckets, plan, check, skips, self._device_loop)
-        return loss

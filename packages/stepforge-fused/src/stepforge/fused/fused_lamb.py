@@ -16,10 +16,11 @@ from stepforge.core import HyperParameterError, check_bool, check_range, check_t
 
 from . import _backend
 from ._adam_base import adam_defaults, check_adam_group
+from ._backend import LAMB
+from ._backend import launch as kernel_launch
 from ._base import Bucket, FusedOptimizerBase, Launch
 from ._distributed import comm_device, is_dtensor, mesh_sum_, shard_dims, shard_groups
-from ._kernels import LAMB
-from ._kernels import launch as kernel_launch
+from ._step.eager import fused_step
 
 __all__ = ["FusedLAMB"]
 
@@ -240,7 +241,7 @@ class FusedLAMB(FusedOptimizerBase):
 
     def step(self, closure: Callable[[], Any] | None = None, div_scale: float = -1) -> Any:
         """One optimizer step; ``div_scale > 0`` divides every grad before the norm clip."""
-        return self._fused_step(closure, div_scale)
+        return fused_step(self, closure, div_scale)
 
 
 def _same_number(a: Any, b: Any) -> bool:

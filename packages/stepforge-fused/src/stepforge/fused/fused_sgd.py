@@ -16,8 +16,9 @@ from stepforge.core import (
     check_weight_decay,
 )
 
+from ._backend import SGD
 from ._base import FusedOptimizerBase
-from ._kernels import SGD
+from ._step.eager import fused_step
 
 __all__ = ["FusedSGD"]
 
@@ -127,4 +128,4 @@ class FusedSGD(FusedOptimizerBase):
 
     def step(self, closure: Callable[[], Any] | None = None, div_scale: float = -1) -> Any:
         """One optimizer step; ``div_scale > 0`` divides every grad first."""
-        return self._fused_step(closure, div_scale)
+        return fused_step(self, closure, div_scale)

@@ -12,9 +12,9 @@ per call on 41 tensors, more than the demo model's whole step (the eager pybind 
 either).
 
 ================== ============================================================================================
-``adam_``          Adam/AdamW (:data:`._kernels.ADAM`): master weights, bf16 stochastic rounding (CUDA)
-``sgd_``           SGD, momentum/nesterov/dampening, master weights (:data:`._kernels.SGD`)
-``lamb_``          LAMB in one call (:data:`._kernels.LAMB`)
+``adam_``          Adam/AdamW (:data:`.._backend.ADAM`): master weights, bf16 stochastic rounding (CUDA)
+``sgd_``           SGD, momentum/nesterov/dampening, master weights (:data:`.._backend.SGD`)
+``lamb_``          LAMB in one call (:data:`.._backend.LAMB`)
 ``lamb_moments_``  LAMB's first phase: moments, returns the per-tensor norm sums (:func:`.impls.lamb_moments_`)
 ``lamb_apply_``    LAMB's second phase: the update from (e.g. all-reduced) sums (:func:`.impls.lamb_apply_`)
 ``l2norm``         global and per-tensor L2 norms (:func:`.impls.l2norm`)
@@ -31,7 +31,7 @@ raised it; on CUDA that is decided on the device, without a sync). ``lr_tensor``
 ``grad_divisor_tensor`` multiplies ``grad_divisor`` (one element; read on the device by the CUDA kernels).
 
 The update operators and the eager step's kernel calls are both made from one argument specification per kernel
-(:mod:`._kernels`): the optimizers' eager ``step()`` calls the kernels with cached pointer arrays (an operator
+(:mod:`.._backend`): the optimizers' eager ``step()`` calls the kernels with cached pointer arrays (an operator
 call reads every tensor's address, about 0.2 us each: +10-20 ms per step on 20 000 small tensors), their
 compiled step calls these operators. On a torch
 without ``torch.library.register_fake`` (torch < 2.4), or where registering fails, nothing is registered;
@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from .._kernels import ADAM, LAMB, SGD
+from .._backend import ADAM, LAMB, SGD
 from .impls import (
     l2norm,
     l2norm_checks,

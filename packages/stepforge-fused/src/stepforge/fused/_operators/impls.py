@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The implementations of the ``stepforge_fused`` operators (registered by :mod:`stepforge.fused._operators`,
 which also documents them): the update operators ``adam_``, ``sgd_``, ``lamb_``, each made from its
-:class:`~stepforge.fused._kernels.KernelSpec` by :func:`update_operator`; LAMB's two phases for tensors whose
+:class:`~stepforge.fused._backend.KernelSpec` by :func:`update_operator`; LAMB's two phases for tensors whose
 norms are summed elsewhere first (sharded parameters), ``lamb_moments_`` (moments, and the per-tensor sums of
 ``p^2`` and ``u^2``) and ``lamb_apply_`` (the update from those sums); ``l2norm`` and ``scale_``. Each checks,
 then makes one kernel call through :mod:`.kernels`.
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .._kernels import KernelSpec
+from .._backend import KernelSpec
 from . import kernels as k
 from .checks import check_flag, check_list, check_scalar_tensor, check_steps, check_update, one_device
 from .layouts import Layout, layout_of

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .. import _backend
-from .._step.device import device_env
+from .._backend import device_env
 
 __all__ = [
     "host_scalar",

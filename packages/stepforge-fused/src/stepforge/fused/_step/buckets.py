@@ -157,9 +157,6 @@ _is = operator.is_
 _storage = torch.Tensor.untyped_storage
 
 
-_is_dtensor = is_dtensor
-
-
 def _local_grads(grads: list[Any]) -> list[Any]:
     return [None if g is None else local_tensor(g) for g in grads]
 
@@ -327,7 +324,7 @@ class BucketCache:
         cached = self.entries.get(index)
         if cached is not None and cached.params is not params:
             cached = None  # another params list: nothing of that entry applies
-        dtensor = cached.dtensor if cached is not None else any(map(_is_dtensor, params))
+        dtensor = cached.dtensor if cached is not None else any(map(is_dtensor, params))
         stable = self.assume_stable_grads
         if cached is not None and cached.params_unchanged(params):
             if cached.hooked and not cached.stale[0]:

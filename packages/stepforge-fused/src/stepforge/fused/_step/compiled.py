@@ -8,7 +8,7 @@ eagerly: argument checks, state creation (the same ``_init_state`` as the eager 
 buckets and the tensors the graph mutates besides the state lists (each bucket's step counts as one flat tensor,
 skip flags); the tensors the lists then hold become graph inputs and its return value, one :class:`BucketPlan`
 per bucket, a constant. The graph holds the inf/NaN pre-check and LAMB's global clip as tensor ops and one
-operator call per bucket (:func:`._kernels.call_operator`, the same kernel specification as the eager step's
+operator call per bucket (:func:`.._backend.call_operator`, the same kernel specification as the eager step's
 launch), which inductor runs in place on the parameters and state. Same kernels, same scalars and the same
 decisions as the eager step, so the results are bit-identical.
 
@@ -24,6 +24,7 @@ dynamo's error, since the step cannot be part of the graph).
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -31,8 +32,8 @@ from typing import Any, NamedTuple
 import torch
 
 from .. import _operators as _ops
+from .._backend import call_operator
 from .._distributed import is_dtensor
-from .._kernels import call_operator
 from .._validate import check_pair
 from .buckets import device_steps
 from .protocol import KernelOwner
@@ -82,10 +83,12 @@ def _announce_fallback(owner: str) -> None:
     )
 
 
-def _eager(opt: KernelOwner, closure: Any, div_scale: float) -> Any:
+def _eager(
+    step: Callable[[KernelOwner, Any, float], Any], opt: KernelOwner, closure: Any, div_scale: float
+) -> Any:
     _announce_fallback(opt._owner)
     with torch.no_grad():
-        return opt._eager_step(closure, div_scale)
+        return step(opt, closure, div_scale)
 
 
 #: The eager step behind ``torch.compiler.disable`` (dynamo does not trace it: the compiled code breaks there and
@@ -94,10 +97,10 @@ def _eager(opt: KernelOwner, closure: Any, div_scale: float) -> Any:
 _fallback: list[Callable[[Any, Any, float], Any]] = []
 
 
-def prepare_fallback() -> None:
-    """Called when an optimizer is built: without the operators, prepare the eager step compiled code calls."""
+def prepare_fallback(step: Callable[[KernelOwner, Any, float], Any]) -> None:
+    """Called when an optimizer is built: without the operators, prepare the eager ``step`` compiled code calls."""
     if not _ops.available() and not _fallback:
-        _fallback.append(torch.compiler.disable(_eager))
+        _fallback.append(torch.compiler.disable(functools.partial(_eager, step)))
 
 
 def _combined(flags: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -107,7 +110,7 @@ def _combined(flags: list[torch.Tensor], device: torch.device) -> torch.Tensor:
 
 def _refuse_unsupported(opt: KernelOwner, group: dict[str, Any]) -> None:
     owner = opt._owner
-    grad_scale, found_inf = opt._amp_inputs()
+    grad_scale, found_inf = opt._amp.inputs(opt)
     if grad_scale is not None or found_inf is not None:
         raise RuntimeError(
             f"{owner}: a compiled step() does not take torch.amp.GradScaler's grad_scale/found_inf; call "

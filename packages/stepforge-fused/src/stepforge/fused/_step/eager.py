@@ -13,6 +13,7 @@ pass. Skips decided on a device stay there (flag tensors), read only when asked.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -24,12 +25,13 @@ from .. import _backend
 from .._distributed import is_dtensor, mesh_all_true
 from .._validate import local_tensor
 from .buckets import Bucket, Launch
+from .compiled import traced_step
 
 if TYPE_CHECKING:
     from .device import DeviceLoop
     from .protocol import KernelOwner
 
-__all__ = ["AmpUnscaler", "HostLoop", "SkipTracker", "UnscalePlan"]
+__all__ = ["AmpUnscaler", "HostLoop", "SkipTracker", "UnscalePlan", "eager_step", "fused_step"]
 
 
 @dataclass(slots=True)
@@ -80,6 +82,13 @@ class AmpUnscaler:
     kernels divided by more than GradScaler's scale (``div_scale``, LAMB's clip)."""
 
     __slots__ = ()
+
+    @staticmethod
+    def inputs(opt: KernelOwner) -> tuple[torch.Tensor | float | None, torch.Tensor | float | None]:
+        """``(grad_scale, found_inf)`` of ``torch.amp.GradScaler``: attributes it sets on the optimizer only during
+        its ``step()`` call (``(None, None)`` otherwise)."""
+        amp = vars(opt)
+        return amp.get("grad_scale"), amp.get("found_inf")
 
     @staticmethod
     def divisor(opt: KernelOwner, div_scale: float | None) -> float:
@@ -255,7 +264,8 @@ class HostLoop:
                 skips.skip_on_host()
                 return
             pre_checked = True
-        divisor = opt._pre_step(plans, divisor)
+        if opt._pre_step is not None:
+            divisor = opt._pre_step(plans, divisor)
         kernel_unscale = plan.kernel_writes_back(divisor)
         host_kw = {"write_unscaled_grads": True} if kernel_unscale else _NO_KW
         uses_steps = opt._uses_steps
@@ -290,3 +300,46 @@ class HostLoop:
         if plan.unscale_by is not None and not kernel_unscale:
             # the kernels divided by more than the scale (div_scale, LAMB's clip): unscale in a second pass
             AmpUnscaler.unscale_grads([b for _group, b in buckets], plan.unscale_by)
+
+
+@torch.no_grad()
+def fused_step(opt: KernelOwner, closure: Callable[[], Any] | None, div_scale: float = -1) -> Any:
+    """One step: under ``torch.compile`` the traceable operator step (:mod:`.compiled`), else the
+    eager step over the cached pointer arrays (the operator path would read every tensor's address each
+    step: the pybind path is kept here on purpose)."""
+    if torch.compiler.is_compiling():
+        return traced_step(opt, closure, div_scale)
+    return eager_step(opt, closure, div_scale)
+
+
+def eager_step(opt: KernelOwner, closure: Callable[[], Any] | None, div_scale: float = -1) -> Any:
+    """Validate, run the closure, plan the grad division, then route the buckets to the device loop (all
+    on CUDA: no host sync) or the host loop (called with gradients disabled)."""
+    divisor = opt._amp.divisor(opt, div_scale)
+    opt._groups.revalidate(opt.param_groups)  # bad input is refused before the closure runs
+    loss = None
+    if closure is not None:
+        with torch.enable_grad():
+            loss = closure()
+    skips = opt._skips
+    skips.begin_step()
+    plan = opt._amp.plan(opt, divisor, *AmpUnscaler.inputs(opt))
+    if plan.skip:
+        skips.skip_on_host()
+        return loss
+    cache = opt._bucket_cache
+    plans = [(group, cache.group_buckets(opt, i, group)) for i, group in enumerate(opt.param_groups)]
+    buckets = [(group, b) for group, bs in plans for b in bs if b.numel > 0 or b.params]
+    if not buckets:
+        return loss
+    check = opt.skip_nonfinite if opt.skip_nonfinite is not None else opt.master_weights
+    plan.check_divisor(opt._owner)
+    if all(b.on_device for _group, b in buckets):
+        opt._device_loop.run(opt, buckets, plan.divisor, plan.grad_scale, plan.found_inf, check, skips)
+        return loss
+    # Host path (CPU buckets, possibly beside CUDA ones in HybridAdam): skip decisions are made on the host.
+    if plan.to_host():
+        skips.skip_on_host()
+        return loss
+    opt._host_loop.run(opt, plans, buckets, plan, check, skips, opt._device_loop)
+    return loss

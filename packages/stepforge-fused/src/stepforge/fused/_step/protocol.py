@@ -17,9 +17,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 if TYPE_CHECKING:  # annotations only: the step modules import this one
-    from .._kernels import KernelSpec
+    from stepforge.core import GroupValidator
+
+    from .._backend import KernelSpec
     from .buckets import Bucket, BucketCache, Launch
-    from .eager import AmpUnscaler, SkipTracker
+    from .device import DeviceLoop
+    from .eager import AmpUnscaler, HostLoop, SkipTracker
 
 __all__ = ["KernelOwner"]
 
@@ -41,12 +44,12 @@ class KernelOwner(Protocol):
     _amp: AmpUnscaler
     _skips: SkipTracker
     _bucket_cache: BucketCache
+    _host_loop: HostLoop
+    _device_loop: DeviceLoop
+    #: the param-group checks (``revalidate(param_groups)`` at each step)
+    _groups: GroupValidator
     #: ``id(group)`` -> SGD first-run flag tensors a compiled step reads (kept alive by the optimizer)
     _compile_first_run: dict[int, list[torch.Tensor]]
-
-    def _amp_inputs(self) -> tuple[Any, Any]:
-        """GradScaler's ``(grad_scale, found_inf)`` during its ``step()`` call, else ``(None, None)``."""
-        ...
 
     def _init_group(
         self,
@@ -59,10 +62,6 @@ class KernelOwner(Protocol):
         extras: list[torch.Tensor],
     ) -> tuple[tuple[Any, ...], ...]:
         """Fill the lists of ``group`` for a compiled step and return its bucket plans."""
-        ...
-
-    def _eager_step(self, closure: Callable[[], Any] | None, div_scale: float = -1) -> Any:
-        """The eager (cached-pointer) step."""
         ...
 
     def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
@@ -81,9 +80,8 @@ class KernelOwner(Protocol):
         """Run the kernel on ``bucket``; returns whether its finite check skipped the update."""
         ...
 
-    def _pre_step(self, plans: list[tuple[dict[str, Any], list[Bucket]]], divisor: float) -> float:
-        """Adjust the host grad divisor before any update (LAMB's clip)."""
-        ...
+    #: adjusts the host grad divisor before any update (LAMB's clip); None: no adjustment
+    _pre_step: Callable[[list[tuple[dict[str, Any], list[Bucket]]], float], float] | None
 
     def _device_clip_norm(self) -> float:
         """Global grad-norm clip on the device path (``0``: none)."""
