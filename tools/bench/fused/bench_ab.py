@@ -6,8 +6,9 @@
         --stem cpu-2026-12-07-one-launch-ab
 
 Each side is a worker process (its own interpreter and ``PYTHONPATH`` prefix, ``--a-path``/``--b-path``) that
-builds one case at a time and times ``optimizer.step()``; the driver alternates them round by round (A then B,
-then B then A, ...), so both see the same load on a shared machine, and the workers never run at once. Cases:
+builds one case at a time (which side allocates first alternates per case) and times ``optimizer.step()``; the
+driver alternates them round by round (A then B, then B then A, ...), so both see the same load on a shared
+machine, and the workers never run at once. ``--b`` equal to ``--a`` (an A/A run) shows the harness's own spread. Cases:
 FusedSGD (momentum 0.9 and none), FusedAdam and CPUAdam on 1 x 50M, 2 000 x 10k and 20 000 x 1k float32 tensors,
 the grads kept between steps. Reported per case: the median over rounds of the per-round ratio
 ``B step time / A step time`` (each the median of ``--steps`` steps) and its spread (min, max); ``< 1`` means
@@ -56,7 +57,9 @@ def _worker(threads: int) -> None:
                 params.append(p)
             name = cmd["optimizer"]
             if name.startswith("FusedSGD"):
-                opt = fused.FusedSGD(params, lr=0.01, weight_decay=1e-4, momentum=0.9 if "momentum" in name else 0)
+                opt = fused.FusedSGD(
+                    params, lr=0.01, weight_decay=1e-4, momentum=0.9 if "momentum" in name else 0
+                )
             else:
                 opt = getattr(fused, name)(params, lr=1e-3, weight_decay=0.01)
             for _ in range(2):
@@ -114,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=9, help="A/B rounds per case")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per side and round (median taken)")
     ap.add_argument("--quick", action="store_true", help="small shapes, 3 rounds (smoke run)")
+    ap.add_argument("--shapes", default=None, help="COUNTxNUMEL,... instead of the default cases (e.g. 1x16)")
     ap.add_argument("--out", default="bench-out")
     ap.add_argument("--stem", default="cpu-fused-ab")
     ap.add_argument("--no-plot", action="store_true")
@@ -124,13 +128,17 @@ def main(argv: list[str] | None = None) -> int:
     from bench.common import _machine, _report
 
     shapes = ((1, 2_000_000), (200, 10_000), (2_000, 1_000)) if args.quick else SHAPES
+    if args.shapes:
+        shapes = tuple(tuple(int(v) for v in s.split("x")) for s in args.shapes.split(","))
     rounds = 3 if args.quick else args.rounds
     a, b = _Side(args.a, args.a_path, args.threads), _Side(args.b, args.b_path, args.threads)
     rows = []
     try:
         for count, numel in shapes:
             for name in OPTIMIZERS:
-                for side in (a, b):
+                # the side allocating second may get other memory (pages, placement): alternate it per case
+                first = (a, b) if len(rows) % 2 == 0 else (b, a)
+                for side in first:
                     side.ask(op="setup", shape=[count, numel], optimizer=name)
                 a_ms, b_ms = [], []
                 for r in range(rounds):

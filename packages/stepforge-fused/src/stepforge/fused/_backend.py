@@ -36,6 +36,7 @@ from stepforge.core import StepforgeError
 
 if TYPE_CHECKING:
     from ._step.buckets import Bucket, Launch
+    from ._step.protocol import KernelOwner
 
 __all__ = [
     "ADAM",
@@ -44,6 +45,7 @@ __all__ = [
     "Arg",
     "BackendUnavailableError",
     "KernelSpec",
+    "call_kernel",
     "call_operator",
     "device_env",
     "device_kw",
@@ -374,23 +376,47 @@ LAMB = KernelSpec(
 )
 
 
+def call_kernel(
+    module: ModuleType,
+    spec: KernelSpec,
+    ptrs: list[Any],
+    sizes: Any,
+    per_tensor: Any,
+    dtypes: tuple[int, int],
+    lr: float,
+    hyper: list[Any],
+    divisor: float,
+    found_inf_ptr: int,
+    check_finite: bool,
+    ctx: int,
+    **kw: Any,
+) -> Any:
+    """The one call of an update kernel, in the order of the binding (``csrc/README.md``): the pointer arrays
+    ``ptrs`` (params, grads, ``spec``'s states, masters; ``None`` for an empty list), ``sizes``, the per-tensor
+    steps or SGD's first-run flags, the dtype codes, ``lr``, ``hyper`` (``spec``'s order), the divisor, the
+    ``found_inf`` flag address, the finite check and ``ctx`` (CPU threads / CUDA stream); ``kw``: the binding's
+    keywords (CUDA device scalars, LAMB's norms). The eager step (:func:`launch`) and the operators
+    (:mod:`._operators.kernels`) both call it. Returns the kernel's answer: whether its finite check skipped the
+    update (None: decided on the device)."""
+    fn = getattr(module, spec.kernel)
+    return fn(*ptrs, sizes, per_tensor, *dtypes, lr, *hyper, divisor, found_inf_ptr, check_finite, ctx, **kw)
+
+
 def launch(
     spec: KernelSpec, module: ModuleType, bucket: Bucket, group: dict[str, Any], at: Launch, **kw: Any
 ) -> Any:
     """The eager step's kernel call on ``bucket`` (its cached pointer arrays) with the scalars in ``at``;
     returns the kernel's answer: whether its finite check skipped the update (None: decided on the device)."""
     ptrs = bucket.ptrs
-    return getattr(module, spec.kernel)(
-        ptrs["params"],
-        ptrs["grads"],
-        *[ptrs.get(key) for key, _name in spec.states],
-        ptrs.get("masters"),
+    return call_kernel(
+        module,
+        spec,
+        [ptrs["params"], ptrs["grads"], *[ptrs.get(key) for key, _name in spec.states], ptrs.get("masters")],
         bucket.sizes,
         bucket.first_run if spec.first_run else at.steps,
-        DTYPE_CODES[bucket.param_dtype],
-        DTYPE_CODES[bucket.grad_dtype],
+        (DTYPE_CODES[bucket.param_dtype], DTYPE_CODES[bucket.grad_dtype]),
         at.lr,
-        *spec.values(group),
+        spec.values(group),
         at.divisor,
         at.found_inf_ptr,
         at.check_finite,
@@ -401,7 +427,7 @@ def launch(
 
 
 def launch_owned(
-    opt: Any, module: ModuleType, bucket: Bucket, group: dict[str, Any], at: Launch, **kw: Any
+    opt: KernelOwner, module: ModuleType, bucket: Bucket, group: dict[str, Any], at: Launch, **kw: Any
 ) -> Any:
     """:func:`launch` of ``opt``'s own kernel (``opt._kernel``): the optimizers' default ``_launch``."""
     return launch(opt._kernel, module, bucket, group, at, **kw)

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .._backend import KernelSpec
+from .._backend import LAMB, KernelSpec
 from . import kernels as k
 from .checks import check_flag, check_list, check_scalar_tensor, check_steps, check_update, one_device
 from .layouts import Layout, layout_of
@@ -128,7 +128,7 @@ def update_operator(spec: KernelSpec) -> Callable[..., None]:
     names = spec.arg_names()
     n_lists = 3 + len(spec.states)  # params, grads, *states, masters
     hyper = slice(n_lists + 3, n_lists + 3 + len(spec.hyper))  # after per-tensor, lr, lr_tensor
-    op, kernel = spec.op, spec.kernel
+    op = spec.op
 
     def update(*args: Any) -> None:
         a = dict(zip(names, args, strict=True))
@@ -140,10 +140,9 @@ def update_operator(spec: KernelSpec) -> Callable[..., None]:
         _call_checks(spec, device, a)
         if device is None:
             return
-        ptrs = [*layout.ptrs, layout.sizes]
         steps, first_run, found_inf = a.get("steps"), a.get("first_run"), a["found_inf"]
-        if spec.first_run:
-            ptrs.append(first_run.to(torch.int64).tolist() if first_run is not None else None)
+        flags = first_run.to(torch.int64).tolist() if first_run is not None else None
+        lists = (list(layout.ptrs), layout.sizes, (pdt, gdt))
         common = (
             a["grad_divisor"],
             a["grad_divisor_tensor"],
@@ -153,13 +152,21 @@ def update_operator(spec: KernelSpec) -> Callable[..., None]:
         )
         if device.type == "cpu":
             skipped = k.launch_cpu(
-                op, kernel, ptrs, (pdt, gdt), a["lr"], a["lr_tensor"], list(args[hyper]), *common, steps=steps
+                op,
+                spec,
+                *lists,
+                a["lr"],
+                a["lr_tensor"],
+                list(args[hyper]),
+                *common,
+                steps=steps,
+                first_run=flags,
             )
             k.finish_steps_cpu(steps, skipped)
         else:
             result = k.launch_cuda(
-                op, kernel, ptrs, (pdt, gdt), device, a["lr"], a["lr_tensor"], list(args[hyper]), *common, a["seed"],
-                steps=steps,
+                op, spec, *lists, device, a["lr"], a["lr_tensor"], list(args[hyper]), *common,
+                a["seed"], steps=steps, first_run=flags,
             )  # fmt: skip
             k.finish_steps_cuda(steps, found_inf, result)
             skipped = False  # decided on the device: SGD's host flags are cleared either way, as the eager step does
@@ -168,7 +175,9 @@ def update_operator(spec: KernelSpec) -> Callable[..., None]:
 
     update.__name__ = op
     update.__qualname__ = op
-    update.__doc__ = f"The ``{op}`` operator over the ``{kernel}`` kernel (arguments: {', '.join(names)})."
+    update.__doc__ = (
+        f"The ``{op}`` operator over the ``{spec.kernel}`` kernel (arguments: {', '.join(names)})."
+    )
     update.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
         [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in names]
     )
@@ -334,18 +343,31 @@ def lamb_moments_(
     norms = lamb_norms_like(params)
     if device is None:
         return norms
-    lists = [*layout.ptrs, layout.sizes]
+    lists = list(layout.ptrs)
     hyper = [beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, grad_averaging, use_nvlamb, 0.0,
              float("inf")]  # fmt: skip
     common = (grad_divisor, grad_divisor_tensor, found_inf, check_finite, False)
     kw: dict[str, Any] = {"norms_out_ptr": norms.data_ptr()}
     if device.type == "cpu":
-        k.launch_cpu("lamb_moments_", "lamb", lists, (pdt, gdt), 0.0, None, hyper, *common, steps=steps, **kw)
+        k.launch_cpu(
+            "lamb_moments_",
+            LAMB,
+            lists,
+            layout.sizes,
+            (pdt, gdt),
+            0.0,
+            None,
+            hyper,
+            *common,
+            steps=steps,
+            **kw,
+        )
     else:
         k.launch_cuda(
             "lamb_moments_",
-            "lamb",
+            LAMB,
             lists,
+            layout.sizes,
             (pdt, gdt),
             device,
             0.0,
@@ -397,21 +419,32 @@ def lamb_apply_(
         return
     # the apply pass reads no grads: the params stand in for them (list lengths and dtype codes must be valid)
     p_ptrs, m_ptrs, v_ptrs, w_ptrs = layout.ptrs
-    lists = [p_ptrs, p_ptrs, m_ptrs, v_ptrs, w_ptrs, layout.sizes]
+    lists = [p_ptrs, p_ptrs, m_ptrs, v_ptrs, w_ptrs]
     hyper = [beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, grad_averaging, use_nvlamb,
              trust_clip_min, trust_clip_max]  # fmt: skip
     common = (1.0, None, found_inf, False, stochastic_rounding)
     kw: dict[str, Any] = {"norms_in_ptr": norms.data_ptr()}
     if device.type == "cpu":
         skipped = k.launch_cpu(
-            "lamb_apply_", "lamb", lists, (pdt, pdt), lr, lr_tensor, hyper, *common, steps=steps, **kw
+            "lamb_apply_",
+            LAMB,
+            lists,
+            layout.sizes,
+            (pdt, pdt),
+            lr,
+            lr_tensor,
+            hyper,
+            *common,
+            steps=steps,
+            **kw,
         )
         k.finish_steps_cpu(steps, skipped)
     else:
         result = k.launch_cuda(
             "lamb_apply_",
-            "lamb",
+            LAMB,
             lists,
+            layout.sizes,
             (pdt, pdt),
             device,
             lr,
