@@ -117,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=9, help="A/B rounds per case")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per side and round (median taken)")
     ap.add_argument("--quick", action="store_true", help="small shapes, 3 rounds (smoke run)")
+    ap.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="which of " + ", ".join(OPTIMIZERS))
     ap.add_argument("--shapes", default=None, help="COUNTxNUMEL,... instead of the default cases (e.g. 1x16)")
     ap.add_argument("--out", default="bench-out")
     ap.add_argument("--stem", default="cpu-fused-ab")
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     try:
         for count, numel in shapes:
-            for name in OPTIMIZERS:
+            for name in args.optimizers.split(","):
                 # the side allocating second may get other memory (pages, placement): alternate it per case
                 first = (a, b) if len(rows) % 2 == 0 else (b, a)
                 for side in first:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -52,7 +52,6 @@ __all__ = [
     "device_path",
     "launch",
     "launch_ctx",
-    "launch_owned",
     "lr_args",
     "DTYPE_CODES",
     "cpu_module",
@@ -270,12 +269,6 @@ class Arg:
     key: str
     index: int | None = None
 
-    def read(self, group: dict[str, Any]) -> float | bool:
-        value = group[self.key]
-        if self.index is not None:
-            value = value[self.index]
-        return float(value) if self.type == "float" else bool(value)
-
 
 @dataclass(frozen=True)
 class KernelSpec:
@@ -295,10 +288,19 @@ class KernelSpec:
     hyper: tuple[Arg, ...]
     first_run: bool = False
     optional_states: bool = False
+    #: the state keys of ``states`` (the bucket's pointer arrays by role)
+    state_keys: tuple[str, ...] = field(init=False, repr=False, compare=False)
+    _readers: tuple[tuple[str, int | None, type], ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # (key, index, conversion) per hyper-parameter: values() runs at every launch, so plain lookups only
+        readers = tuple((a.key, a.index, float if a.type == "float" else bool) for a in self.hyper)
+        object.__setattr__(self, "_readers", readers)
+        object.__setattr__(self, "state_keys", tuple(key for key, _name in self.states))
 
     def values(self, group: dict[str, Any]) -> list[float | bool]:
         """The hyper-parameters of ``group``, in kernel order."""
-        return [a.read(group) for a in self.hyper]
+        return [conv(group[key] if i is None else group[key][i]) for key, i, conv in self._readers]
 
     def arg_names(self) -> list[str]:
         """The operator's argument names, in order."""
@@ -403,15 +405,19 @@ def call_kernel(
 
 
 def launch(
-    spec: KernelSpec, module: ModuleType, bucket: Bucket, group: dict[str, Any], at: Launch, **kw: Any
+    opt: KernelOwner, module: ModuleType, bucket: Bucket, group: dict[str, Any], at: Launch, **kw: Any
 ) -> Any:
-    """The eager step's kernel call on ``bucket`` (its cached pointer arrays) with the scalars in ``at``;
-    returns the kernel's answer: whether its finite check skipped the update (None: decided on the device)."""
+    """The eager step's call of ``opt``'s kernel (``opt._kernel``) on ``bucket`` (its cached pointer arrays) with
+    the scalars in ``at`` (the optimizers' default ``_launch``); ``kw``: more binding keywords (LAMB's norms).
+    Returns the kernel's answer: whether its finite check skipped the update (None: decided on the device)."""
+    spec = opt._kernel
     ptrs = bucket.ptrs
+    if kw:
+        kw = {**at.kw, **kw}
     return call_kernel(
         module,
         spec,
-        [ptrs["params"], ptrs["grads"], *[ptrs.get(key) for key, _name in spec.states], ptrs.get("masters")],
+        [ptrs["params"], ptrs["grads"], *map(ptrs.get, spec.state_keys), ptrs.get("masters")],
         bucket.sizes,
         bucket.first_run if spec.first_run else at.steps,
         (DTYPE_CODES[bucket.param_dtype], DTYPE_CODES[bucket.grad_dtype]),
@@ -421,16 +427,8 @@ def launch(
         at.found_inf_ptr,
         at.check_finite,
         at.ctx,
-        **at.kw,
-        **kw,
+        **(kw or at.kw),
     )
-
-
-def launch_owned(
-    opt: KernelOwner, module: ModuleType, bucket: Bucket, group: dict[str, Any], at: Launch, **kw: Any
-) -> Any:
-    """:func:`launch` of ``opt``'s own kernel (``opt._kernel``): the optimizers' default ``_launch``."""
-    return launch(opt._kernel, module, bucket, group, at, **kw)
 
 
 def lr_args(group: dict[str, Any]) -> tuple[float, torch.Tensor | None]:

@@ -19,7 +19,7 @@ import torch
 
 from stepforge.core import GroupValidator, HyperParameterError, check_bool, check_lr
 
-from ._backend import KernelSpec, device_env, device_kw, device_path, launch_ctx, launch_owned
+from ._backend import KernelSpec, device_env, device_kw, device_path, launch, launch_ctx
 from ._state import StateMixin
 from ._step.buckets import Bucket, BucketCache, Launch
 from ._step.compiled import init_group, prepare_fallback
@@ -172,12 +172,12 @@ class FusedOptimizerBase(StateMixin, torch.optim.Optimizer):
     # ---- hooks for subclasses --------------------------------------------------------------------------
     def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
         """The float32 state tensors of ``group``'s params, in kernel order (those of :attr:`_kernel`)."""
-        return tuple(key for key, _name in self._kernel.states)
+        return self._kernel.state_keys
 
     #: the eager step's kernel call on one bucket (``opt._kernel`` with a :class:`Launch`'s scalars; returns
-    #: whether the kernel's finite check skipped the update): a function of :mod:`._backend`, so the host loop
+    #: whether the kernel's finite check skipped the update): a function of so the host loop
     #: goes straight to the kernel module; FusedLAMB overrides it for sharded buckets.
-    _launch = launch_owned
+    _launch = launch
 
     #: optional hook ``_pre_step(plans, divisor) -> divisor`` adjusting the host grad divisor before any update
     #: (FusedLAMB's global grad-norm clip); None: no adjustment

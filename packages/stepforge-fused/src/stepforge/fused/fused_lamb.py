@@ -16,8 +16,7 @@ from stepforge.core import HyperParameterError, check_bool, check_range, check_t
 
 from . import _backend
 from ._adam_base import adam_defaults, check_adam_group
-from ._backend import LAMB
-from ._backend import launch as kernel_launch
+from ._backend import LAMB, launch
 from ._base import Bucket, FusedOptimizerBase, Launch
 from ._distributed import comm_device, is_dtensor, mesh_sum_, shard_dims, shard_groups
 from ._step.eager import fused_step
@@ -215,28 +214,22 @@ class FusedLAMB(FusedOptimizerBase):
     def _device_clip_norm(self) -> float:
         return float(self.defaults["max_grad_norm"])
 
-    def _launch(
-        self, module: ModuleType, bucket: Bucket, group: dict[str, Any], launch: Launch
-    ) -> bool | None:
+    def _launch(self, module: ModuleType, bucket: Bucket, group: dict[str, Any], at: Launch) -> bool | None:
         plan = self._shard_plans.get(id(bucket)) if self._shard_plans else None
         if plan is None or bucket.on_device:
-            return super()._launch(module, bucket, group, launch)
+            return launch(self, module, bucket, group, at)
         # Sharded tensors: moments and the local sums of p^2, u^2; the sums over the mesh; then the update.
         n = len(bucket.sizes)
         norms = torch.zeros(2 * n, dtype=torch.float64)
-        if kernel_launch(LAMB, module, bucket, group, launch, norms_out_ptr=norms.data_ptr()):
+        if launch(self, module, bucket, group, at, norms_out_ptr=norms.data_ptr()):
             return True
         sums = norms.view(2, n)
         for _key, groups, comm, idx in plan.sets:
-            at = torch.tensor(idx, dtype=torch.long)
-            sums[:, at] = mesh_sum_(sums[:, at], groups, comm)
-        kw = {
-            k: v for k, v in launch.kw.items() if k != "write_unscaled_grads"
-        }  # written back by the norms pass
-        apply = dataclasses.replace(launch, found_inf_ptr=0, check_finite=False, kw=kw)
-        skipped: bool | None = kernel_launch(
-            LAMB, module, bucket, group, apply, norms_in_ptr=norms.data_ptr()
-        )
+            pos = torch.tensor(idx, dtype=torch.long)
+            sums[:, pos] = mesh_sum_(sums[:, pos], groups, comm)
+        kw = {k: v for k, v in at.kw.items() if k != "write_unscaled_grads"}  # written back by the norms pass
+        apply = dataclasses.replace(at, found_inf_ptr=0, check_finite=False, kw=kw)
+        skipped: bool | None = launch(self, module, bucket, group, apply, norms_in_ptr=norms.data_ptr())
         return skipped
 
     def step(self, closure: Callable[[], Any] | None = None, div_scale: float = -1) -> Any:

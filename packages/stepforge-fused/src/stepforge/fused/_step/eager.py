@@ -323,7 +323,8 @@ def eager_step(opt: KernelOwner, closure: Callable[[], Any] | None, div_scale: f
             loss = closure()
     skips = opt._skips
     skips.begin_step()
-    plan = opt._amp.plan(opt, divisor, *AmpUnscaler.inputs(opt))
+    amp = vars(opt)  # GradScaler's attributes (AmpUnscaler.inputs), read inline: this runs at every step
+    plan = opt._amp.plan(opt, divisor, amp.get("grad_scale"), amp.get("found_inf"))
     if plan.skip:
         skips.skip_on_host()
         return loss
