@@ -31,6 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tools/: the `ben
 
 __all__ = ["main"]
 
+#: what `nox -s bench_smoke` runs (tools/bench/smoke.py): the same build on both sides, tiny shapes
+SMOKE_ARGS = ("--quick", "--shapes", "1x1000", "--rounds", "1", "--steps", "1", "--no-plot", "--out", "{out}")
+
 SHAPES = ((1, 50_000_000), (2_000, 10_000), (20_000, 1_000))
 OPTIMIZERS = ("FusedSGD", "FusedSGD-momentum", "FusedAdam", "CPUAdam")
 
@@ -131,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     shapes = ((1, 2_000_000), (200, 10_000), (2_000, 1_000)) if args.quick else SHAPES
     if args.shapes:
         shapes = tuple(tuple(int(v) for v in s.split("x")) for s in args.shapes.split(","))
-    rounds = 3 if args.quick else args.rounds
+    rounds = min(3, args.rounds) if args.quick else args.rounds
     a, b = _Side(args.a, args.a_path, args.threads), _Side(args.b, args.b_path, args.threads)
     rows = []
     try:

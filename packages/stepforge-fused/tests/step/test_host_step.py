@@ -6,10 +6,8 @@ from __future__ import annotations
 import torch
 
 from stepforge.fused import FusedAdam
-from stepforge.fused._step.eager import UnscalePlan
 from stepforge.fused._step.device import DeviceLoop
-from stepforge.fused._step.eager import HostLoop
-from stepforge.fused._step.eager import SkipTracker
+from stepforge.fused._step.eager import HostLoop, SkipTracker, UnscalePlan
 from stepforge.testing.tensors import bits_equal, clone_params
 
 

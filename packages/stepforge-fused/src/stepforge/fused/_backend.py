@@ -11,7 +11,7 @@ One argument specification per update kernel (:class:`KernelSpec`: :data:`ADAM`,
 what it takes besides the shared arguments: its state lists and its hyper-parameters, each read from the param
 group. From it come the operator's schema (:meth:`KernelSpec.schema`, registered by :mod:`._operators`) and its
 implementation (:mod:`._operators.impls`), the eager step's call of the pybind kernel on a bucket's cached pointer
-arrays (:func:`launch`) and the compiled step's call of the operator on tensor lists (:func:`call_operator`). So
+arrays (:func:`._step.buckets.launch`) and the compiled step's call of the operator on tensor lists (:func:`call_operator`). So
 adding an Adam argument means the kernel (and its binding), one :class:`Arg` in :data:`ADAM`, and the class that
 puts it into its param groups. The shared arguments, in kernel order::
 
@@ -28,15 +28,11 @@ import functools
 import importlib
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from stepforge.core import StepforgeError
-
-if TYPE_CHECKING:
-    from ._step.buckets import Bucket, Launch
-    from ._step.protocol import KernelOwner
 
 __all__ = [
     "ADAM",
@@ -50,7 +46,6 @@ __all__ = [
     "device_env",
     "device_kw",
     "device_path",
-    "launch",
     "launch_ctx",
     "lr_args",
     "DTYPE_CODES",
@@ -397,38 +392,11 @@ def call_kernel(
     ``ptrs`` (params, grads, ``spec``'s states, masters; ``None`` for an empty list), ``sizes``, the per-tensor
     steps or SGD's first-run flags, the dtype codes, ``lr``, ``hyper`` (``spec``'s order), the divisor, the
     ``found_inf`` flag address, the finite check and ``ctx`` (CPU threads / CUDA stream); ``kw``: the binding's
-    keywords (CUDA device scalars, LAMB's norms). The eager step (:func:`launch`) and the operators
+    keywords (CUDA device scalars, LAMB's norms). The eager step (:func:`._step.buckets.launch`) and the operators
     (:mod:`._operators.kernels`) both call it. Returns the kernel's answer: whether its finite check skipped the
     update (None: decided on the device)."""
     fn = getattr(module, spec.kernel)
     return fn(*ptrs, sizes, per_tensor, *dtypes, lr, *hyper, divisor, found_inf_ptr, check_finite, ctx, **kw)
-
-
-def launch(
-    opt: KernelOwner, module: ModuleType, bucket: Bucket, group: dict[str, Any], at: Launch, **kw: Any
-) -> Any:
-    """The eager step's call of ``opt``'s kernel (``opt._kernel``) on ``bucket`` (its cached pointer arrays) with
-    the scalars in ``at`` (the optimizers' default ``_launch``); ``kw``: more binding keywords (LAMB's norms).
-    Returns the kernel's answer: whether its finite check skipped the update (None: decided on the device)."""
-    spec = opt._kernel
-    ptrs = bucket.ptrs
-    if kw:
-        kw = {**at.kw, **kw}
-    return call_kernel(
-        module,
-        spec,
-        [ptrs["params"], ptrs["grads"], *map(ptrs.get, spec.state_keys), ptrs.get("masters")],
-        bucket.sizes,
-        bucket.first_run if spec.first_run else at.steps,
-        (DTYPE_CODES[bucket.param_dtype], DTYPE_CODES[bucket.grad_dtype]),
-        at.lr,
-        spec.values(group),
-        at.divisor,
-        at.found_inf_ptr,
-        at.check_finite,
-        at.ctx,
-        **(kw or at.kw),
-    )
 
 
 def lr_args(group: dict[str, Any]) -> tuple[float, torch.Tensor | None]:

@@ -19,9 +19,9 @@ import torch
 
 from stepforge.core import GroupValidator, HyperParameterError, check_bool, check_lr
 
-from ._backend import KernelSpec, device_env, device_kw, device_path, launch, launch_ctx
+from ._backend import KernelSpec, device_env, device_kw, device_path, launch_ctx
 from ._state import StateMixin
-from ._step.buckets import Bucket, BucketCache, Launch
+from ._step.buckets import Bucket, BucketCache, Launch, launch
 from ._step.compiled import init_group, prepare_fallback
 from ._step.device import DeviceLoop
 from ._step.eager import AmpUnscaler, HostLoop, SkipTracker, eager_step

@@ -33,18 +33,45 @@ import operator
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from types import ModuleType
+from typing import Any, Protocol
 
 import torch
 
 from stepforge.core.torch_compat import is_dtensor, view_base
 
+from .._backend import DTYPE_CODES, KernelSpec, call_kernel
 from .._validate import check_pair, local_tensor
 
-if TYPE_CHECKING:
-    from .protocol import KernelOwner
+__all__ = ["Bucket", "BucketCache", "BucketOwner", "GroupCache", "Launch", "device_steps", "launch"]
 
-__all__ = ["Bucket", "BucketCache", "GroupCache", "Launch", "device_steps"]
+
+class BucketOwner(Protocol):
+    """What the bucket cache and :func:`launch` need from the optimizer (the step's
+    :class:`~.protocol.KernelOwner` extends it)."""
+
+    #: class name used in messages
+    _owner: str
+    #: the kernel's argument specification
+    _kernel: KernelSpec
+    #: whether the optimizer keeps a per-parameter ``step`` (False for SGD)
+    _uses_steps: bool
+    #: float32 masters for fp16/bf16 params
+    master_weights: bool
+
+    def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
+        """float32 state tensors shaped like the param, in kernel argument order."""
+        ...
+
+    def _init_state(
+        self, p: torch.Tensor, group: dict[str, Any], moved: bool = False
+    ) -> tuple[dict[str, Any], bool]:
+        """Create or normalise ``p``'s state; returns ``(state, created_now)``."""
+        ...
+
+    def _device_path(self, device: torch.device) -> bool:
+        """Whether tensors on ``device`` take the sync-free device path."""
+        ...
 
 
 def _i64(values: Iterable[int]) -> array.array[int]:
@@ -317,7 +344,7 @@ class BucketCache:
             entry.hooked = False
             entry.release_grads()
 
-    def group_buckets(self, opt: KernelOwner, index: int, group: dict[str, Any]) -> list[Bucket]:
+    def group_buckets(self, opt: BucketOwner, index: int, group: dict[str, Any]) -> list[Bucket]:
         """The buckets of ``opt``'s group ``index``, revalidated: parameter addresses always, gradient addresses
         unless the stable-grads hooks vouch for them; a moved parameter rebuilds, moved grads refresh."""
         params = group["params"]
@@ -375,7 +402,7 @@ class BucketCache:
 
     def build(
         self,
-        opt: KernelOwner,
+        opt: BucketOwner,
         group: dict[str, Any],
         params: list[torch.Tensor],
         grads: list[Any],
@@ -415,7 +442,7 @@ class BucketCache:
 
     @staticmethod
     def _fill(
-        opt: KernelOwner,
+        opt: BucketOwner,
         bucket: Bucket,
         entries: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any], bool]],
         keys: tuple[str, ...],
@@ -477,3 +504,30 @@ def device_steps(old: list[Any], device: torch.device) -> torch.Tensor:
     if not any(values):
         return torch.zeros(n, dtype=torch.float32, device=device)
     return torch.tensor(values, dtype=torch.float32).to(device)
+
+
+def launch(
+    opt: BucketOwner, module: ModuleType, bucket: Bucket, group: dict[str, Any], at: Launch, **kw: Any
+) -> Any:
+    """The eager step's call of ``opt``'s kernel (``opt._kernel``) on ``bucket`` (its cached pointer arrays) with
+    the scalars in ``at`` (the optimizers' default ``_launch``); ``kw``: more binding keywords (LAMB's norms).
+    Returns the kernel's answer: whether its finite check skipped the update (None: decided on the device)."""
+    spec = opt._kernel
+    ptrs = bucket.ptrs
+    if kw:
+        kw = {**at.kw, **kw}
+    return call_kernel(
+        module,
+        spec,
+        [ptrs["params"], ptrs["grads"], *map(ptrs.get, spec.state_keys), ptrs.get("masters")],
+        bucket.sizes,
+        bucket.first_run if spec.first_run else at.steps,
+        (DTYPE_CODES[bucket.param_dtype], DTYPE_CODES[bucket.grad_dtype]),
+        at.lr,
+        spec.values(group),
+        at.divisor,
+        at.found_inf_ptr,
+        at.check_finite,
+        at.ctx,
+        **(kw or at.kw),
+    )

@@ -28,10 +28,11 @@ from .buckets import Bucket, Launch
 from .compiled import traced_step
 
 if TYPE_CHECKING:
-    from .device import DeviceLoop
     from .protocol import KernelOwner
 
 __all__ = ["AmpUnscaler", "HostLoop", "SkipTracker", "UnscalePlan", "eager_step", "fused_step"]
+
+_NO_KW: dict[str, Any] = {}
 
 
 @dataclass(slots=True)
@@ -212,9 +213,6 @@ class SkipTracker:
         count.add_(flag.ne(0).to(torch.float32))
 
 
-_NO_KW: dict[str, Any] = {}
-
-
 class HostLoop:
     """One host step over a list of buckets: the finite pre-check (agreed over the mesh for DTensor shards),
     the subclass's ``_pre_step`` (LAMB's clip), one kernel launch per bucket and the GradScaler unscale."""
@@ -249,7 +247,7 @@ class HostLoop:
         plan: UnscalePlan,
         check: bool,
         skips: SkipTracker,
-        device_loop: DeviceLoop,
+        device_loop: Any,  # the optimizer's DeviceLoop (_step.device imports this module)
     ) -> None:
         """Step ``buckets`` (the non-empty ones of ``plans``); a skip is reported to ``skips``.
 

@@ -5,47 +5,40 @@
 :class:`~.eager.SkipTracker`, :class:`~.eager.AmpUnscaler`, :class:`~.eager.HostLoop` /
 :class:`~.device.DeviceLoop`); they, and the compiled step (:mod:`.compiled`), receive the optimizer
 as this protocol at each call (never store it, so no reference cycle keeps an optimizer alive) and reach the
-subclass hooks only through it.
+subclass hooks only through it. It extends :class:`~.buckets.BucketOwner`, what the bucket cache needs. The
+modules of the eager and device loops import this one, so their objects are typed ``Any`` here (no import
+circle).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:  # annotations only: the step modules import this one
-    from stepforge.core import GroupValidator
+from stepforge.core import GroupValidator
 
-    from .._backend import KernelSpec
-    from .buckets import Bucket, BucketCache, Launch
-    from .device import DeviceLoop
-    from .eager import AmpUnscaler, HostLoop, SkipTracker
+from .buckets import Bucket, BucketCache, BucketOwner, Launch
 
 __all__ = ["KernelOwner"]
 
 
-class KernelOwner(Protocol):
+class KernelOwner(BucketOwner, Protocol):
     """The optimizer seen by its step machinery: options, the subclass hooks and the device helpers."""
 
-    #: class name used in messages
-    _owner: str
-    #: whether the optimizer keeps a per-parameter ``step`` (False for SGD)
-    _uses_steps: bool
-    #: the kernel's argument specification (both the eager launch and the compiled operator call use it)
-    _kernel: KernelSpec
-    #: float32 masters for fp16/bf16 params
-    master_weights: bool
     #: skip a step with inf/NaN grads (None: with master_weights)
     skip_nonfinite: bool | None
     param_groups: list[dict[str, Any]]
-    _amp: AmpUnscaler
-    _skips: SkipTracker
+    #: the :class:`~.eager.AmpUnscaler`
+    _amp: Any
+    #: the :class:`~.eager.SkipTracker`
+    _skips: Any
     _bucket_cache: BucketCache
-    _host_loop: HostLoop
-    _device_loop: DeviceLoop
+    #: the :class:`~.eager.HostLoop` and :class:`~.device.DeviceLoop`
+    _host_loop: Any
+    _device_loop: Any
     #: the param-group checks (``revalidate(param_groups)`` at each step)
     _groups: GroupValidator
     #: ``id(group)`` -> SGD first-run flag tensors a compiled step reads (kept alive by the optimizer)
@@ -64,16 +57,6 @@ class KernelOwner(Protocol):
         """Fill the lists of ``group`` for a compiled step and return its bucket plans."""
         ...
 
-    def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
-        """float32 state tensors shaped like the param, in kernel argument order."""
-        ...
-
-    def _init_state(
-        self, p: torch.Tensor, group: dict[str, Any], moved: bool = False
-    ) -> tuple[dict[str, Any], bool]:
-        """Create or normalise ``p``'s state; returns ``(state, created_now)``."""
-        ...
-
     def _launch(
         self, module: ModuleType, bucket: Bucket, group: dict[str, Any], launch: Launch
     ) -> bool | None:
@@ -85,10 +68,6 @@ class KernelOwner(Protocol):
 
     def _device_clip_norm(self) -> float:
         """Global grad-norm clip on the device path (``0``: none)."""
-        ...
-
-    def _device_path(self, device: torch.device) -> bool:
-        """Whether tensors on ``device`` take the sync-free device path."""
         ...
 
     def _device_env(self, device: torch.device) -> tuple[int, int]:
