@@ -13,7 +13,8 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 import stepforge.fused as sf
-from stepforge.fused import _compiled_step, _ops
+from stepforge.fused import _operators as _ops
+from stepforge.fused._step import compiled as _compiled_step
 from stepforge.testing.compiled import (
     compiled_beside_eager,
     lambda_schedule,

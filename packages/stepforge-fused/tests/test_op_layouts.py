@@ -11,7 +11,7 @@ import weakref
 import pytest
 import torch
 
-from stepforge.fused import _op_layouts as layouts
+from stepforge.fused._operators import layouts
 
 OPS = torch.ops.stepforge_fused
 SHAPES = [(5, 7), (13,), (2, 3, 4)]

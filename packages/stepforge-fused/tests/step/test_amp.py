@@ -8,8 +8,8 @@ import torch
 
 from stepforge.core import HyperParameterError
 from stepforge.fused import FusedAdam
-from stepforge.fused._amp import AmpUnscaler, UnscalePlan
-from stepforge.fused._buckets import Bucket
+from stepforge.fused._step.buckets import Bucket
+from stepforge.fused._step.eager import AmpUnscaler, UnscalePlan
 
 
 def _opt():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from stepforge.fused import FusedAdam, FusedSGD
-from stepforge.fused._bucket_cache import BucketCache, device_steps
+from stepforge.fused._step.buckets import BucketCache, device_steps
 from stepforge.testing.tensors import bits_equal, clone_params
 
 

@@ -21,7 +21,7 @@ import torch
 
 from stepforge.fused import FusedAdam, FusedLAMB, FusedSGD, HybridAdam, _backend
 from stepforge.fused._base import FusedOptimizerBase
-from stepforge.fused._bucket_cache import BucketCache
+from stepforge.fused._step.buckets import BucketCache
 from stepforge.testing.tensors import bits_equal, make_params
 from stepforge.testing.tensors import clone_params as clone
 

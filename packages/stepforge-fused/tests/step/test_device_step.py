@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from stepforge.fused._device_step import clip_divisor_from_sumsq, device_grad_sumsq
+from stepforge.fused._step.device import clip_divisor_from_sumsq, device_grad_sumsq
 from stepforge.testing import fused_cuda
 
 

@@ -6,10 +6,8 @@ from __future__ import annotations
 import torch
 
 from stepforge.fused import FusedAdam
-from stepforge.fused._amp import UnscalePlan
-from stepforge.fused._device_step import DeviceLoop
-from stepforge.fused._host_step import HostLoop
-from stepforge.fused._skips import SkipTracker
+from stepforge.fused._step.device import DeviceLoop
+from stepforge.fused._step.eager import HostLoop, SkipTracker, UnscalePlan
 from stepforge.testing.tensors import bits_equal, clone_params
 
 

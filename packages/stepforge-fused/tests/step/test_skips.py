@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from stepforge.fused import FusedAdam
-from stepforge.fused._skips import SkipTracker
+from stepforge.fused._step.eager import SkipTracker
 
 
 def test_host_skips_are_counted_and_cleared_by_the_next_step():

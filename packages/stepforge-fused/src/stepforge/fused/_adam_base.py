@@ -4,20 +4,13 @@
 from __future__ import annotations
 
 from collections.abc import MutableMapping
-from types import ModuleType
 from typing import Any
 
-import torch
-
-from . import _backend
-from ._base import Bucket, FusedOptimizerBase, Launch
-from ._compiled_step import lr_args
+from ._backend import ADAM
+from ._base import FusedOptimizerBase
 from ._validate import check_adam_like
 
-__all__ = ["ADAM_STATE_KEYS", "AdamBase", "adam_defaults", "check_adam_group"]
-
-#: State tensors of the Adam family (FusedAdam, CPUAdam, HybridAdam, FusedLAMB), as in torch.optim.AdamW.
-ADAM_STATE_KEYS = ("exp_avg", "exp_avg_sq")
+__all__ = ["AdamBase", "adam_defaults", "check_adam_group"]
 
 
 def adam_defaults(
@@ -70,8 +63,7 @@ class AdamBase(FusedOptimizerBase):
     adamw_mode``. State per parameter: ``step`` (0-dim float32), ``exp_avg``, ``exp_avg_sq`` (float32), and
     ``master_param`` with ``master_weights=True`` for fp16/bf16 params."""
 
-    def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
-        return ADAM_STATE_KEYS
+    _kernel = ADAM
 
     def _check_group(self, group: MutableMapping[str, Any]) -> None:
         super()._check_group(group)
@@ -94,52 +86,3 @@ class AdamBase(FusedOptimizerBase):
         if "decoupled_weight_decay" in group and "adamw_mode" in group:
             # A torch.optim checkpoint says which decay it used; keep its semantics.
             group["adamw_mode"] = bool(group["decoupled_weight_decay"])
-
-    def _launch(
-        self, module: ModuleType, bucket: Bucket, group: dict[str, Any], launch: Launch
-    ) -> bool | None:
-        beta1, beta2 = group["betas"]
-        # the extension returns None or whether the kernel's finite check skipped the step
-        skipped: bool | None = module.adam(
-            bucket.ptrs["params"],
-            bucket.ptrs["grads"],
-            bucket.ptrs["exp_avg"],
-            bucket.ptrs["exp_avg_sq"],
-            bucket.ptrs.get("masters"),
-            bucket.sizes,
-            launch.steps,
-            _backend.DTYPE_CODES[bucket.param_dtype],
-            _backend.DTYPE_CODES[bucket.grad_dtype],
-            launch.lr,
-            float(beta1),
-            float(beta2),
-            float(group["eps"]),
-            float(group["weight_decay"]),
-            bool(group["adamw_mode"]),
-            bool(group["bias_correction"]),
-            launch.divisor,
-            launch.found_inf_ptr,
-            launch.check_finite,
-            launch.ctx,
-            **launch.kw,
-        )
-        return skipped
-
-    def _op_launch(
-        self,
-        group: dict[str, Any],
-        lists: tuple[Any, ...],
-        grad_divisor: float,
-        grad_divisor_tensor: torch.Tensor | None,
-        found_inf: torch.Tensor | None,
-        check_finite: bool,
-        first_run: torch.Tensor | None,
-    ) -> None:
-        params, grads, exp_avgs, exp_avg_sqs, masters, steps = lists
-        lr, lr_tensor = lr_args(group)
-        beta1, beta2 = group["betas"]
-        torch.ops.stepforge_fused.adam_(
-            params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, lr_tensor, float(beta1), float(beta2),
-            float(group["eps"]), float(group["weight_decay"]), bool(group["adamw_mode"]),
-            bool(group["bias_correction"]), grad_divisor, grad_divisor_tensor, found_inf, check_finite, False, 0,
-        )  # fmt: skip

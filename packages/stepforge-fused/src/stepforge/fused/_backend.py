@@ -1,17 +1,32 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Loading the kernel modules and choosing one per device (contract: ``csrc/README.md``).
+"""The kernel modules: loading them, choosing one per device, and calling them (contract: ``csrc/README.md``).
 
 ``_cpu`` is always built; ``_cuda`` only with ``STEPFORGE_CUDA=ON`` (or ``AUTO`` and nvcc found). Both expose the
 same kernel functions, so the optimizers call ``module_for(device).adam(...)`` and never branch on the device.
 One loader (:func:`_load`), one dtype table (:data:`DTYPE_CODES`), one error class
 (:class:`BackendUnavailableError`). The ``_cuda`` extension links the CUDA runtime statically, so it imports on
 machines without a GPU; :func:`cuda_status` then says why it cannot run.
+
+One argument specification per update kernel (:class:`KernelSpec`: :data:`ADAM`, :data:`SGD`, :data:`LAMB`) says
+what it takes besides the shared arguments: its state lists and its hyper-parameters, each read from the param
+group. From it come the operator's schema (:meth:`KernelSpec.schema`, registered by :mod:`._operators`) and its
+implementation (:mod:`._operators.impls`), the eager step's call of the pybind kernel on a bucket's cached pointer
+arrays (:func:`._step.buckets.launch`) and the compiled step's call of the operator on tensor lists (:func:`call_operator`). So
+adding an Adam argument means the kernel (and its binding), one :class:`Arg` in :data:`ADAM`, and the class that
+puts it into its param groups. The shared arguments, in kernel order::
+
+    params, grads, *states, masters, sizes, per-tensor (steps or SGD's first_run), param dtype, grad dtype, lr,
+    *hyper, grad_divisor, found_inf, check_finite, ctx (CPU threads / CUDA stream), **keywords (CUDA)
+
+and in operator order ``params, grads, *states, masters, per-tensor, lr, lr_tensor, *hyper, grad_divisor,
+grad_divisor_tensor, found_inf, check_finite, stochastic_rounding, seed``.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
@@ -20,7 +35,19 @@ import torch
 from stepforge.core import StepforgeError
 
 __all__ = [
+    "ADAM",
+    "LAMB",
+    "SGD",
+    "Arg",
     "BackendUnavailableError",
+    "KernelSpec",
+    "call_kernel",
+    "call_operator",
+    "device_env",
+    "device_kw",
+    "device_path",
+    "launch_ctx",
+    "lr_args",
     "DTYPE_CODES",
     "cpu_module",
     "cuda_available",
@@ -195,3 +222,206 @@ def cpu_features() -> dict[str, Any]:
 def set_cpu_isa(name: str) -> None:
     """Switch the CPU kernel path at run time (``"scalar"``, ``"avx2"``, ``"avx512"`` or ``"auto"``)."""
     cpu_module().set_isa(name)
+
+
+def device_path(device: torch.device) -> bool:
+    """Whether tensors on ``device`` take the sync-free device path (CUDA)."""
+    return device.type == "cuda"
+
+
+def device_env(device: torch.device) -> tuple[int, int]:
+    """``(ctx, device index)`` of a CUDA launch: the caller's current stream on that device."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return int(torch.cuda.current_stream(index).cuda_stream), index
+
+
+def device_kw(device: torch.device) -> dict[str, Any]:
+    """Extra keyword for the CUDA module: the device index (the CPU module takes none)."""
+    if device.type == "cuda":
+        return {"device": device.index if device.index is not None else torch.cuda.current_device()}
+    return {}
+
+
+def launch_ctx(module: ModuleType, device: torch.device) -> int:
+    """The ``ctx`` argument of a launch: CPU kernel threads, or the current CUDA stream handle."""
+    if device.type == "cpu":
+        return get_num_threads()
+    return int(torch.cuda.current_stream(device).cuda_stream)
+
+
+@dataclass(frozen=True)
+class Arg:
+    """One hyper-parameter of a kernel: its operator name and type, and where the param group keeps it.
+
+    Attributes:
+        name: the operator argument (schema) name.
+        type: ``"float"`` or ``"bool"``.
+        key: the param-group key. index: element of a tuple value (``betas``, ``trust_clip``), or None.
+    """
+
+    name: str
+    type: str
+    key: str
+    index: int | None = None
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """What one update kernel takes besides the shared arguments (see the module docstring).
+
+    Attributes:
+        kernel: the pybind function (``_cpu.adam``). op: the operator (``torch.ops.stepforge_fused.adam_``).
+        states: ``(state key, operator list name)`` per state list, in kernel order.
+        hyper: the hyper-parameters, in kernel order.
+        first_run: the per-tensor argument is SGD's first-run flags (else the step counts).
+        optional_states: the state lists may be empty (SGD without momentum).
+    """
+
+    kernel: str
+    op: str
+    states: tuple[tuple[str, str], ...]
+    hyper: tuple[Arg, ...]
+    first_run: bool = False
+    optional_states: bool = False
+    #: the state keys of ``states`` (the bucket's pointer arrays by role)
+    state_keys: tuple[str, ...] = field(init=False, repr=False, compare=False)
+    _readers: tuple[tuple[str, int | None, type], ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # (key, index, conversion) per hyper-parameter: values() runs at every launch, so plain lookups only
+        readers = tuple((a.key, a.index, float if a.type == "float" else bool) for a in self.hyper)
+        object.__setattr__(self, "_readers", readers)
+        object.__setattr__(self, "state_keys", tuple(key for key, _name in self.states))
+
+    def values(self, group: dict[str, Any]) -> list[float | bool]:
+        """The hyper-parameters of ``group``, in kernel order."""
+        return [conv(group[key] if i is None else group[key][i]) for key, i, conv in self._readers]
+
+    def arg_names(self) -> list[str]:
+        """The operator's argument names, in order."""
+        return [
+            "params", "grads", *(name for _key, name in self.states), "masters",
+            "first_run" if self.first_run else "steps", "lr", "lr_tensor", *(a.name for a in self.hyper),
+            "grad_divisor", "grad_divisor_tensor", "found_inf", "check_finite", "stochastic_rounding", "seed",
+        ]  # fmt: skip
+
+    def schema(self) -> str:
+        """The operator schema: ``Tensor(x!)`` marks what it writes (never the gradients)."""
+        marks = iter("abcde")  # found_inf is always (f!): the schemas registered before this spec existed
+        lists = [f"Tensor({next(marks)}!)[] params", "Tensor[] grads"]
+        lists += [f"Tensor({next(marks)}!)[] {name}" for _key, name in self.states]
+        lists.append(f"Tensor({next(marks)}!)[] masters")
+        lists.append(
+            f"Tensor({next(marks)}!)? first_run" if self.first_run else f"Tensor({next(marks)}!) steps"
+        )
+        hyper = [f"{a.type} {a.name}" for a in self.hyper]
+        tail = [
+            "float grad_divisor", "Tensor? grad_divisor_tensor", "Tensor(f!)? found_inf",
+            "bool check_finite", "bool stochastic_rounding", "int seed",
+        ]  # fmt: skip
+        args = ", ".join([*lists, "float lr", "Tensor? lr_tensor", *hyper, *tail])
+        return f"{self.op}({args}) -> ()"
+
+
+_BETAS = (Arg("beta1", "float", "betas", 0), Arg("beta2", "float", "betas", 1), Arg("eps", "float", "eps"))
+_ADAM_STATES = (("exp_avg", "exp_avgs"), ("exp_avg_sq", "exp_avg_sqs"))
+
+#: Adam/AdamW (FusedAdam, CPUAdam, HybridAdam; adam_math.h)
+ADAM = KernelSpec(
+    "adam",
+    "adam_",
+    _ADAM_STATES,
+    (
+        *_BETAS,
+        Arg("weight_decay", "float", "weight_decay"),
+        Arg("adamw_mode", "bool", "adamw_mode"),
+        Arg("bias_correction", "bool", "bias_correction"),
+    ),
+)
+
+#: SGD with momentum/nesterov/dampening (FusedSGD; sgd_math.h)
+SGD = KernelSpec(
+    "sgd",
+    "sgd_",
+    (("momentum_buffer", "momentum_buffers"),),
+    (
+        Arg("momentum", "float", "momentum"),
+        Arg("dampening", "float", "dampening"),
+        Arg("weight_decay", "float", "weight_decay"),
+        Arg("nesterov", "bool", "nesterov"),
+        Arg("wd_after_momentum", "bool", "wd_after_momentum"),
+    ),
+    first_run=True,
+    optional_states=True,
+)
+
+#: LAMB (FusedLAMB; lamb_math.h): apex's names (``adam_w_mode``); the last two are the trust-ratio clamp
+LAMB = KernelSpec(
+    "lamb",
+    "lamb_",
+    _ADAM_STATES,
+    (
+        *_BETAS,
+        Arg("weight_decay", "float", "weight_decay"),
+        Arg("adam_w_mode", "bool", "adam_w_mode"),
+        Arg("bias_correction", "bool", "bias_correction"),
+        Arg("grad_averaging", "bool", "grad_averaging"),
+        Arg("use_nvlamb", "bool", "use_nvlamb"),
+        Arg("trust_clip_min", "float", "trust_clip", 0),
+        Arg("trust_clip_max", "float", "trust_clip", 1),
+    ),
+)
+
+
+def call_kernel(
+    module: ModuleType,
+    spec: KernelSpec,
+    ptrs: list[Any],
+    sizes: Any,
+    per_tensor: Any,
+    dtypes: tuple[int, int],
+    lr: float,
+    hyper: list[Any],
+    divisor: float,
+    found_inf_ptr: int,
+    check_finite: bool,
+    ctx: int,
+    **kw: Any,
+) -> Any:
+    """The one call of an update kernel, in the order of the binding (``csrc/README.md``): the pointer arrays
+    ``ptrs`` (params, grads, ``spec``'s states, masters; ``None`` for an empty list), ``sizes``, the per-tensor
+    steps or SGD's first-run flags, the dtype codes, ``lr``, ``hyper`` (``spec``'s order), the divisor, the
+    ``found_inf`` flag address, the finite check and ``ctx`` (CPU threads / CUDA stream); ``kw``: the binding's
+    keywords (CUDA device scalars, LAMB's norms). The eager step (:func:`._step.buckets.launch`) and the operators
+    (:mod:`._operators.kernels`) both call it. Returns the kernel's answer: whether its finite check skipped the
+    update (None: decided on the device)."""
+    fn = getattr(module, spec.kernel)
+    return fn(*ptrs, sizes, per_tensor, *dtypes, lr, *hyper, divisor, found_inf_ptr, check_finite, ctx, **kw)
+
+
+def lr_args(group: dict[str, Any]) -> tuple[float, torch.Tensor | None]:
+    """``(lr, lr_tensor)`` of an operator call: a tensor lr is read by the graph (no recompile when it changes),
+    a float lr is a constant of the graph."""
+    lr = group["lr"]
+    if isinstance(lr, torch.Tensor):
+        return 0.0, lr
+    return float(lr), None
+
+
+def call_operator(
+    spec: KernelSpec,
+    group: dict[str, Any],
+    lists: list[list[torch.Tensor]],
+    per_tensor: torch.Tensor | None,
+    grad_divisor: float,
+    grad_divisor_tensor: torch.Tensor | None,
+    found_inf: torch.Tensor | None,
+    check_finite: bool,
+) -> None:
+    """The compiled step's call of ``spec``'s operator: ``lists`` = ``[params, grads, *states, masters]``,
+    ``per_tensor`` the step counts (or SGD's first-run flags)."""
+    lr, lr_tensor = lr_args(group)
+    getattr(torch.ops.stepforge_fused, spec.op)(
+        *lists, per_tensor, lr, lr_tensor, *spec.values(group), grad_divisor, grad_divisor_tensor, found_inf,
+        check_finite, False, 0,
+    )  # fmt: skip

@@ -1,34 +1,30 @@
 # SPDX-License-Identifier: Apache-2.0
 """The base class of the fused optimizers: options, add_param_group, subclass hooks and step routing.
 
-It owns the objects that do the work, each in its module with declared fields and a unit test of its own:
-:class:`~._bucket_cache.BucketCache` (buckets, the pointer cache and its per-step revalidation, in
-:mod:`._buckets`), :class:`~._skips.SkipTracker` (skipped-step reporting), :class:`~._amp.AmpUnscaler`
-(``div_scale`` and GradScaler's scale and overflow flag), :class:`~._host_step.HostLoop` (CPU buckets) and
-:class:`~._device_step.DeviceLoop` (the sync-free CUDA step). They reach the optimizer through
-:class:`~._protocol.KernelOwner`. :mod:`._state` keeps torch.optim state-dict compatibility. Subclasses define
-``_owner``, ``_state_keys(group)`` and ``_launch(module, bucket, group, launch)``.
+It owns the objects of the step machinery (:mod:`._step`), each with declared fields and a unit test of its own:
+:class:`~._step.buckets.BucketCache` (buckets, the pointer cache and its per-step revalidation),
+:class:`~._step.eager.SkipTracker` (skipped-step reporting), :class:`~._step.eager.AmpUnscaler` (``div_scale``
+and GradScaler's scale and overflow flag), :class:`~._step.eager.HostLoop` (CPU buckets) and
+:class:`~._step.device.DeviceLoop` (the sync-free CUDA step). They reach the optimizer through
+:class:`~._step.protocol.KernelOwner`. :mod:`._state` keeps torch.optim state-dict compatibility. Subclasses define
+``_owner`` and ``_kernel`` (the :class:`~._backend.KernelSpec` both the eager and the compiled step call).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, MutableMapping
-from types import ModuleType
 from typing import Any
 
 import torch
 
 from stepforge.core import GroupValidator, HyperParameterError, check_bool, check_lr
 
-from ._amp import AmpUnscaler
-from ._bucket_cache import BucketCache
-from ._buckets import Bucket, Launch
-from ._compiled_init import BucketPlan, init_group
-from ._compiled_step import prepare_fallback, traced_step
-from ._device_step import DeviceLoop, device_env, device_kw, device_path, launch_ctx
-from ._host_step import HostLoop
-from ._skips import SkipTracker
+from ._backend import KernelSpec, device_env, device_kw, device_path, launch_ctx
 from ._state import StateMixin
+from ._step.buckets import Bucket, BucketCache, Launch, launch
+from ._step.compiled import init_group, prepare_fallback
+from ._step.device import DeviceLoop
+from ._step.eager import AmpUnscaler, HostLoop, SkipTracker, eager_step
 from ._validate import check_param
 
 __all__ = ["Bucket", "FusedOptimizerBase", "Launch"]
@@ -37,9 +33,9 @@ __all__ = ["Bucket", "FusedOptimizerBase", "Launch"]
 class FusedOptimizerBase(StateMixin, torch.optim.Optimizer):
     """Base class of the stepforge fused optimizers (not public API).
 
-    Subclasses define ``_owner`` (class name for messages), ``_state_keys(group)`` (float32 state tensors
-    shaped like the param), ``_launch(module, bucket, group, launch)`` (``launch``: a :class:`Launch`), and may
-    override ``_pre_step(buckets_by_group, divisor)`` (LAMB's global norm, host path) and
+    Subclasses define ``_owner`` (class name for messages) and ``_kernel`` (a :class:`~._backend.KernelSpec`:
+    the state tensors and hyper-parameters of their kernel), and may override ``_state_keys(group)``,
+    set ``_pre_step(buckets_by_group, divisor)`` (LAMB's global norm, host path) and
     ``_device_clip_norm()`` (the same clip on the CUDA path).
 
     Attributes:
@@ -49,6 +45,8 @@ class FusedOptimizerBase(StateMixin, torch.optim.Optimizer):
     """
 
     _owner = "FusedOptimizer"
+    #: the kernel this optimizer calls, eagerly and compiled (its argument specification)
+    _kernel: KernelSpec
     # False for SGD: torch.optim.SGD keeps no per-parameter step.
     _uses_steps = True
     # GradScaler calls step() without unscaling and sets `grad_scale` / `found_inf` on the optimizer instead.
@@ -59,7 +57,7 @@ class FusedOptimizerBase(StateMixin, torch.optim.Optimizer):
     _amp: AmpUnscaler
     _host_loop: HostLoop
     _device_loop: DeviceLoop
-    #: ``id(group)`` -> SGD first-run flag tensors a compiled step reads (kept alive here; see _compiled_init)
+    #: ``id(group)`` -> SGD first-run flag tensors a compiled step reads (kept alive here; see _step.compiled)
     _compile_first_run: dict[int, list[torch.Tensor]]
 
     def __init__(
@@ -102,7 +100,7 @@ class FusedOptimizerBase(StateMixin, torch.optim.Optimizer):
         self._device_loop = DeviceLoop()
         self._groups = GroupValidator(self._check_group, owner=self._owner)
         self._compile_first_run = {}
-        prepare_fallback()
+        prepare_fallback(eager_step)
 
     def __getstate__(self) -> dict[str, Any]:
         # torch.optim pickles defaults/state/param_groups only; keep our options, never the pointer caches.
@@ -173,18 +171,17 @@ class FusedOptimizerBase(StateMixin, torch.optim.Optimizer):
 
     # ---- hooks for subclasses --------------------------------------------------------------------------
     def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
-        raise NotImplementedError
+        """The float32 state tensors of ``group``'s params, in kernel order (those of :attr:`_kernel`)."""
+        return self._kernel.state_keys
 
-    def _launch(
-        self, module: ModuleType, bucket: Bucket, group: dict[str, Any], launch: Launch
-    ) -> bool | None:
-        """Call the kernel of this optimizer on ``bucket`` with the scalars in ``launch``; returns whether the
-        kernel's finite check skipped the update."""
-        raise NotImplementedError
+    #: the eager step's kernel call on one bucket (``opt._kernel`` with a :class:`Launch`'s scalars; returns
+    #: whether the kernel's finite check skipped the update): a function of so the host loop
+    #: goes straight to the kernel module; FusedLAMB overrides it for sharded buckets.
+    _launch = launch
 
-    def _pre_step(self, plans: list[tuple[dict[str, Any], list[Bucket]]], divisor: float) -> float:
-        """Adjust the grad divisor before any update (LAMB: global grad-norm clip). Returns the divisor."""
-        return divisor
+    #: optional hook ``_pre_step(plans, divisor) -> divisor`` adjusting the host grad divisor before any update
+    #: (FusedLAMB's global grad-norm clip); None: no adjustment
+    _pre_step: Callable[[list[tuple[dict[str, Any], list[Bucket]]], float], float] | None = None
 
     def _device_clip_norm(self) -> float:
         """Global grad-norm clip threshold applied on the device path (LAMB); ``0`` = none."""
@@ -196,21 +193,6 @@ class FusedOptimizerBase(StateMixin, torch.optim.Optimizer):
     _device_kw = staticmethod(device_kw)
     _ctx = staticmethod(launch_ctx)
 
-    def _op_launch(
-        self,
-        group: dict[str, Any],
-        lists: tuple[Any, ...],
-        grad_divisor: float,
-        grad_divisor_tensor: torch.Tensor | None,
-        found_inf: torch.Tensor | None,
-        check_finite: bool,
-        first_run: torch.Tensor | None,
-    ) -> None:
-        """The compiled step's kernel call on one bucket: this optimizer's ``torch.ops.stepforge_fused``
-        operator on ``lists`` = ``(params, grads, state_a, state_b, masters, steps)``: tensor lists, ``steps`` one
-        ``(n,)`` float32 tensor or None (see _compiled_step)."""
-        raise NotImplementedError
-
     # ---- step routing --------------------------------------------------------------------------------------
     def _init_group(
         self,
@@ -221,51 +203,8 @@ class FusedOptimizerBase(StateMixin, torch.optim.Optimizer):
         state_b: list[torch.Tensor],
         masters: list[torch.Tensor],
         extras: list[torch.Tensor],
-    ) -> tuple[BucketPlan, ...]:
+    ) -> tuple[tuple[Any, ...], ...]:
         """What ``torch.compile`` runs eagerly while tracing ``step()``: validate ``group``, create its state and
-        fill the (empty) lists bucket by bucket; returns the bucket plan (:mod:`._compiled_init`)."""
+        fill the (empty) lists bucket by bucket; returns the bucket plans (:mod:`._step.compiled`)."""
         self._groups.revalidate(self.param_groups)
         return init_group(self, group, params, grads, state_a, state_b, masters, extras)
-
-    @torch.no_grad()
-    def _fused_step(self, closure: Callable[[], Any] | None, div_scale: float = -1) -> Any:
-        """One step: under ``torch.compile`` the traceable operator step (:mod:`._compiled_step`), else the
-        eager step over the cached pointer arrays (the operator path would read every tensor's address each
-        step: the pybind path is kept here on purpose)."""
-        if torch.compiler.is_compiling():
-            return traced_step(self, closure, div_scale)
-        return self._eager_step(closure, div_scale)
-
-    def _eager_step(self, closure: Callable[[], Any] | None, div_scale: float = -1) -> Any:
-        """Validate, run the closure, plan the grad division, then route the buckets to the device loop (all
-        on CUDA: no host sync) or the host loop (called with gradients disabled)."""
-        divisor = self._amp.divisor(self, div_scale)
-        self._groups.revalidate(self.param_groups)  # bad input is refused before the closure runs
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        skips = self._skips
-        skips.begin_step()
-        # torch.amp.GradScaler's protocol: instance attributes that exist only during its step() call
-        amp = self.__dict__
-        plan = self._amp.plan(self, divisor, amp.get("grad_scale"), amp.get("found_inf"))
-        if plan.skip:
-            skips.skip_on_host()
-            return loss
-        cache = self._bucket_cache
-        plans = [(group, cache.group_buckets(self, i, group)) for i, group in enumerate(self.param_groups)]
-        buckets = [(group, b) for group, bs in plans for b in bs if b.numel > 0 or b.params]
-        if not buckets:
-            return loss
-        check = self.skip_nonfinite if self.skip_nonfinite is not None else self.master_weights
-        plan.check_divisor(self._owner)
-        if all(b.on_device for _group, b in buckets):
-            self._device_loop.run(self, buckets, plan.divisor, plan.grad_scale, plan.found_inf, check, skips)
-            return loss
-        # Host path (CPU buckets, possibly beside CUDA ones in HybridAdam): skip decisions are made on the host.
-        if plan.to_host():
-            skips.skip_on_host()
-            return loss
-        self._host_loop.run(self, plans, buckets, plan, check, skips, self._device_loop)
-        return loss

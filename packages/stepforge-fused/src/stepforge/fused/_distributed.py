@@ -13,15 +13,9 @@ from typing import Any
 
 import torch
 
-from stepforge.core.torch_compat import dtensor_local
-from stepforge.core.torch_compat import is_dtensor as core_is_dtensor
+from stepforge.core.torch_compat import dtensor_local, is_dtensor
 
 __all__ = ["comm_device", "is_dtensor", "mesh_all_true", "mesh_sum_", "shard_dims", "shard_groups"]
-
-
-def is_dtensor(t: Any) -> bool:
-    """Whether ``t`` is a DTensor (a tensor with a local shard and a device mesh)."""
-    return core_is_dtensor(t)
 
 
 def shard_dims(t: Any) -> list[int]:

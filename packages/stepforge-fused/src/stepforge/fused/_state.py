@@ -14,8 +14,8 @@ import torch
 
 from stepforge.core import GroupValidator, HyperParameterError
 
-from ._bucket_cache import BucketCache
 from ._huge_pages import float32_copy, float32_zeros_like
+from ._step.buckets import BucketCache
 
 __all__ = ["StateMixin"]
 

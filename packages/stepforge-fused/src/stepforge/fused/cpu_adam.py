@@ -11,6 +11,7 @@ import torch
 
 from ._adam_base import AdamBase, adam_defaults
 from ._nvme import NvmeStateStore, check_nvme_args
+from ._step.eager import fused_step
 
 __all__ = ["CPUAdam"]
 
@@ -110,4 +111,4 @@ class CPUAdam(AdamBase):
 
     def step(self, closure: Callable[[], Any] | None = None, div_scale: float = -1) -> Any:
         """One step; ``div_scale > 0`` divides every grad (loss scale x clip factor) inside the kernel."""
-        return self._fused_step(closure, div_scale)
+        return fused_step(self, closure, div_scale)

@@ -9,6 +9,7 @@ from typing import Any
 from stepforge.core import check_bool
 
 from ._adam_base import AdamBase, adam_defaults
+from ._step.eager import fused_step
 from ._validate import reject_legacy_step_args
 
 __all__ = ["FusedAdam"]
@@ -103,4 +104,4 @@ class FusedAdam(AdamBase):
         reject_legacy_step_args(
             self._owner, grads=grads, output_params=output_params, scale=scale, grad_norms=grad_norms
         )
-        return self._fused_step(closure, div_scale)
+        return fused_step(self, closure, div_scale)

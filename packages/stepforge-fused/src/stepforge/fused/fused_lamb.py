@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import array
+import dataclasses
 import math
 from collections.abc import Callable, Iterable, MutableMapping
 from types import ModuleType
@@ -14,10 +15,12 @@ import torch
 from stepforge.core import HyperParameterError, check_bool, check_range, check_trust_clip
 
 from . import _backend
-from ._adam_base import ADAM_STATE_KEYS, adam_defaults, check_adam_group
+from ._adam_base import adam_defaults, check_adam_group
+from ._backend import LAMB
 from ._base import Bucket, FusedOptimizerBase, Launch
-from ._compiled_step import lr_args
 from ._distributed import comm_device, is_dtensor, mesh_sum_, shard_dims, shard_groups
+from ._step.buckets import launch
+from ._step.eager import fused_step
 
 __all__ = ["FusedLAMB"]
 
@@ -63,6 +66,7 @@ class FusedLAMB(FusedOptimizerBase):
     """
 
     _owner = "FusedLAMB"
+    _kernel = LAMB
     #: the buckets the shard plans were made for (kept referenced so their ids stay theirs)
     _shard_buckets: list[Bucket]
     #: ``id(bucket)`` -> its sharded DTensor params (buckets without any are absent)
@@ -119,9 +123,6 @@ class FusedLAMB(FusedOptimizerBase):
             assume_stable_grads=assume_stable_grads,
             capturable=capturable,
         )
-
-    def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
-        return ADAM_STATE_KEYS
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group (validated as in the constructor). Sharded DTensor params on CUDA are refused: the
@@ -220,85 +221,27 @@ class FusedLAMB(FusedOptimizerBase):
     def _device_clip_norm(self) -> float:
         return float(self.defaults["max_grad_norm"])
 
-    def _launch(
-        self, module: ModuleType, bucket: Bucket, group: dict[str, Any], launch: Launch
-    ) -> bool | None:
-        beta1, beta2 = group["betas"]
-        low, high = group.get("trust_clip", (0.0, math.inf))
-        lists = (
-            bucket.ptrs["params"],
-            bucket.ptrs["grads"],
-            bucket.ptrs["exp_avg"],
-            bucket.ptrs["exp_avg_sq"],
-            bucket.ptrs.get("masters"),
-            bucket.sizes,
-            launch.steps,
-            _backend.DTYPE_CODES[bucket.param_dtype],
-            _backend.DTYPE_CODES[bucket.grad_dtype],
-            launch.lr,
-            float(beta1),
-            float(beta2),
-            float(group["eps"]),
-            float(group["weight_decay"]),
-            bool(group["adam_w_mode"]),
-            bool(group["bias_correction"]),
-            bool(group["grad_averaging"]),
-            bool(group["use_nvlamb"]),
-            float(low),
-            float(high),
-            launch.divisor,
-        )
+    def _launch(self, module: ModuleType, bucket: Bucket, group: dict[str, Any], at: Launch) -> bool | None:
         plan = self._shard_plans.get(id(bucket)) if self._shard_plans else None
-        # module.lamb returns None or whether the kernel's finite check skipped the step
-        skipped: bool | None
         if plan is None or bucket.on_device:
-            skipped = module.lamb(*lists, launch.found_inf_ptr, launch.check_finite, launch.ctx, **launch.kw)
-            return skipped
+            return launch(self, module, bucket, group, at)
         # Sharded tensors: moments and the local sums of p^2, u^2; the sums over the mesh; then the update.
         n = len(bucket.sizes)
         norms = torch.zeros(2 * n, dtype=torch.float64)
-        kw = dict(launch.kw)
-        if module.lamb(
-            *lists,
-            launch.found_inf_ptr,
-            launch.check_finite,
-            launch.ctx,
-            norms_out_ptr=norms.data_ptr(),
-            **kw,
-        ):
+        if launch(self, module, bucket, group, at, norms_out_ptr=norms.data_ptr()):
             return True
         sums = norms.view(2, n)
         for _key, groups, comm, idx in plan.sets:
-            at = torch.tensor(idx, dtype=torch.long)
-            sums[:, at] = mesh_sum_(sums[:, at], groups, comm)
-        kw.pop("write_unscaled_grads", None)  # written back by the norms pass
-        skipped = module.lamb(*lists, 0, False, launch.ctx, norms_in_ptr=norms.data_ptr(), **kw)
+            pos = torch.tensor(idx, dtype=torch.long)
+            sums[:, pos] = mesh_sum_(sums[:, pos], groups, comm)
+        kw = {k: v for k, v in at.kw.items() if k != "write_unscaled_grads"}  # written back by the norms pass
+        apply = dataclasses.replace(at, found_inf_ptr=0, check_finite=False, kw=kw)
+        skipped: bool | None = launch(self, module, bucket, group, apply, norms_in_ptr=norms.data_ptr())
         return skipped
-
-    def _op_launch(
-        self,
-        group: dict[str, Any],
-        lists: tuple[Any, ...],
-        grad_divisor: float,
-        grad_divisor_tensor: torch.Tensor | None,
-        found_inf: torch.Tensor | None,
-        check_finite: bool,
-        first_run: torch.Tensor | None,
-    ) -> None:
-        params, grads, exp_avgs, exp_avg_sqs, masters, steps = lists
-        lr, lr_tensor = lr_args(group)
-        beta1, beta2 = group["betas"]
-        low, high = group.get("trust_clip", (0.0, math.inf))
-        torch.ops.stepforge_fused.lamb_(
-            params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, lr_tensor, float(beta1), float(beta2),
-            float(group["eps"]), float(group["weight_decay"]), bool(group["adam_w_mode"]),
-            bool(group["bias_correction"]), bool(group["grad_averaging"]), bool(group["use_nvlamb"]), float(low),
-            float(high), grad_divisor, grad_divisor_tensor, found_inf, check_finite, False, 0,
-        )  # fmt: skip
 
     def step(self, closure: Callable[[], Any] | None = None, div_scale: float = -1) -> Any:
         """One optimizer step; ``div_scale > 0`` divides every grad before the norm clip."""
-        return self._fused_step(closure, div_scale)
+        return fused_step(self, closure, div_scale)
 
 
 def _same_number(a: Any, b: Any) -> bool:

@@ -4,10 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, MutableMapping
-from types import ModuleType
 from typing import Any
-
-import torch
 
 from stepforge.core import (
     HyperParameterError,
@@ -19,9 +16,9 @@ from stepforge.core import (
     check_weight_decay,
 )
 
-from . import _backend
-from ._base import Bucket, FusedOptimizerBase, Launch
-from ._compiled_step import lr_args
+from ._backend import SGD
+from ._base import FusedOptimizerBase
+from ._step.eager import fused_step
 
 __all__ = ["FusedSGD"]
 
@@ -63,6 +60,7 @@ class FusedSGD(FusedOptimizerBase):
     """
 
     _owner = "FusedSGD"
+    _kernel = SGD
     _uses_steps = False
     _extra_state_keys = ("momentum_buffer",)  # torch.optim.SGD stores None there without momentum
 
@@ -128,52 +126,6 @@ class FusedSGD(FusedOptimizerBase):
             del state["momentum_buffer"]
         return super()._init_state(p, group, moved)
 
-    def _launch(
-        self, module: ModuleType, bucket: Bucket, group: dict[str, Any], launch: Launch
-    ) -> bool | None:
-        momentum = float(group["momentum"])
-        # the extension returns None or whether the kernel's finite check skipped the step
-        skipped: bool | None = module.sgd(
-            bucket.ptrs["params"],
-            bucket.ptrs["grads"],
-            bucket.ptrs.get("momentum_buffer"),
-            bucket.ptrs.get("masters"),
-            bucket.sizes,
-            bucket.first_run,
-            _backend.DTYPE_CODES[bucket.param_dtype],
-            _backend.DTYPE_CODES[bucket.grad_dtype],
-            launch.lr,
-            momentum,
-            float(group["dampening"]),
-            float(group["weight_decay"]),
-            bool(group["nesterov"]),
-            bool(group["wd_after_momentum"]),
-            launch.divisor,
-            launch.found_inf_ptr,
-            launch.check_finite,
-            launch.ctx,
-            **launch.kw,
-        )
-        return skipped
-
-    def _op_launch(
-        self,
-        group: dict[str, Any],
-        lists: tuple[Any, ...],
-        grad_divisor: float,
-        grad_divisor_tensor: torch.Tensor | None,
-        found_inf: torch.Tensor | None,
-        check_finite: bool,
-        first_run: torch.Tensor | None,
-    ) -> None:
-        params, grads, bufs, _unused, masters, _steps = lists
-        lr, lr_tensor = lr_args(group)
-        torch.ops.stepforge_fused.sgd_(
-            params, grads, bufs, masters, first_run, lr, lr_tensor, float(group["momentum"]),
-            float(group["dampening"]), float(group["weight_decay"]), bool(group["nesterov"]),
-            bool(group["wd_after_momentum"]), grad_divisor, grad_divisor_tensor, found_inf, check_finite, False, 0,
-        )  # fmt: skip
-
     def step(self, closure: Callable[[], Any] | None = None, div_scale: float = -1) -> Any:
         """One optimizer step; ``div_scale > 0`` divides every grad first."""
-        return self._fused_step(closure, div_scale)
+        return fused_step(self, closure, div_scale)

@@ -2,7 +2,7 @@
 """stepforge-fused's kernels as torch operators: ``torch.ops.stepforge_fused.<name>``.
 
 Registered when :mod:`stepforge.fused` is imported (``torch.library`` definitions over the pybind11 kernels; the
-schemas are :data:`SCHEMAS`, the arguments are described in :mod:`stepforge.fused._ops`). The optimizers'
+schemas are :data:`SCHEMAS`, the arguments are described in :mod:`stepforge.fused._operators`). The optimizers'
 compiled steps call them; they can also be called directly, e.g.::
 
     >>> import stepforge.fused, torch
@@ -16,6 +16,6 @@ without them a compiled optimizer step runs eagerly, with a warning.
 
 from __future__ import annotations
 
-from ._ops import NAMESPACE, OPERATORS, SCHEMAS, available, unavailable_reason
+from ._operators import NAMESPACE, OPERATORS, SCHEMAS, available, unavailable_reason
 
 __all__ = ["NAMESPACE", "OPERATORS", "SCHEMAS", "available", "unavailable_reason"]

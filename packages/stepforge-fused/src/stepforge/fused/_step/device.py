@@ -9,26 +9,23 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from types import ModuleType
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from stepforge.core import HyperParameterError
 
-from . import _backend
-from ._buckets import Bucket, Launch
-from ._protocol import KernelOwner
-from ._skips import SkipTracker
+from .. import _backend
+from .buckets import Bucket, Launch
+
+if TYPE_CHECKING:
+    from .eager import SkipTracker
+    from .protocol import KernelOwner
 
 __all__ = [
     "DeviceLoop",
     "clip_divisor_from_sumsq",
-    "device_env",
     "device_grad_sumsq",
-    "device_kw",
-    "device_path",
-    "launch_ctx",
 ]
 
 
@@ -79,31 +76,6 @@ def clip_divisor_from_sumsq(
         clip = torch.where(finite, torch.clamp(norm / max_norm, min=1.0), torch.ones_like(norm))
         div = div * clip
     return div, found_inf
-
-
-def device_path(device: torch.device) -> bool:
-    """Whether tensors on ``device`` take the sync-free device path (CUDA)."""
-    return device.type == "cuda"
-
-
-def device_env(device: torch.device) -> tuple[int, int]:
-    """``(ctx, device index)`` of a CUDA launch: the caller's current stream on that device."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return int(torch.cuda.current_stream(index).cuda_stream), index
-
-
-def device_kw(device: torch.device) -> dict[str, Any]:
-    """Extra keyword for the CUDA module: the device index (the CPU module takes none)."""
-    if device.type == "cuda":
-        return {"device": device.index if device.index is not None else torch.cuda.current_device()}
-    return {}
-
-
-def launch_ctx(module: ModuleType, device: torch.device) -> int:
-    """The ``ctx`` argument of a launch: CPU kernel threads, or the current CUDA stream handle."""
-    if device.type == "cpu":
-        return _backend.get_num_threads()
-    return int(torch.cuda.current_stream(device).cuda_stream)
 
 
 class DeviceLoop:

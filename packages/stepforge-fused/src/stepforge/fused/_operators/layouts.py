@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The validated tensor-list layouts of the ``stepforge_fused`` operators' real implementations (a cache).
 
-An operator call hands the kernels raw addresses, so :mod:`._op_checks` must accept its tensor lists first. Those
+An operator call hands the kernels raw addresses, so :mod:`.checks` must accept its tensor lists first. Those
 checks, and the kernel's pointer and size arrays, depend on nothing but, per tensor, its address, element count,
 dtype, device and contiguity (and the lists' lengths). So a call reads these five per tensor -- one C-level
 ``map`` pass each, about 45 ns a tensor -- and when they equal, in order, those of a layout accepted before, it

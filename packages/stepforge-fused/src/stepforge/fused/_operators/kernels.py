@@ -1,10 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """The CPU and CUDA implementations of the ``stepforge_fused`` operators: the pointer arrays of a checked layout
-(:mod:`._op_layouts`) and the operator's scalars to the pybind11 kernels (``_cpu``/``_cuda``, contract in
+(:mod:`.layouts`) and the operator's scalars to the pybind11 kernels (``_cpu``/``_cuda``, contract in
 ``csrc/README.md``), steps advanced unless the step was skipped.
 
-Each function takes the operator's arguments after :mod:`._op_checks` has accepted them (the callers, in
-:mod:`._op_impls` and :mod:`._op_lamb`, check first).
+Each function takes the operator's arguments after :mod:`.checks` has accepted them (the callers, in
+:mod:`.impls`, check first).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from . import _backend
-from ._device_step import device_env
+from .. import _backend
+from .._backend import device_env
 
 __all__ = [
     "host_scalar",
@@ -52,8 +52,9 @@ def _host_steps(steps: torch.Tensor) -> list[int]:
 
 def launch_cpu(
     op: str,
-    kernel: str,
-    lists: list[Any],
+    spec: _backend.KernelSpec,
+    ptrs: list[Any],
+    sizes: Any,
     dtypes: tuple[torch.dtype | None, torch.dtype | None],
     lr: float,
     lr_tensor: torch.Tensor | None,
@@ -65,10 +66,12 @@ def launch_cpu(
     stochastic_rounding: bool,
     *,
     steps: torch.Tensor | None,
+    first_run: list[int] | None = None,
     **kw: Any,
 ) -> bool:
-    """One CPU kernel call: ``kernel(*lists, [host steps], dtype codes, lr, *hyper, divisor, flag, check, threads,
-    **kw)``; returns whether the kernel skipped the update (a raised ``found_inf`` or its finite check)."""
+    """One CPU call of ``spec``'s kernel (:func:`~stepforge.fused._backend.call_kernel`) with the host steps
+    (``step + 1``) or SGD's ``first_run`` flags; returns whether the kernel skipped the update (a raised
+    ``found_inf`` or its finite check)."""
     if stochastic_rounding:
         raise ValueError(
             f"stepforge_fused::{op}: stochastic rounding is done by the CUDA kernels only; the CPU kernels round "
@@ -76,14 +79,17 @@ def launch_cpu(
         )
     # the divisor tensor multiplies the float, as the CUDA kernels do with grad_divisor_ptr
     divisor = grad_divisor if grad_divisor_tensor is None else grad_divisor * float(grad_divisor_tensor)
-    divisor = _check_divisor(op, divisor)
-    args = [*lists]
-    if steps is not None:
-        args.append(_host_steps(steps))
-    args += [_code(dtypes[0]), _code(dtypes[1]), host_scalar(lr, lr_tensor), *hyper, divisor]
-    flag = found_inf.data_ptr() if found_inf is not None else 0
-    fn = getattr(_backend.cpu_module(), kernel)
-    return bool(fn(*args, flag, check_finite, _backend.get_num_threads(), **kw))
+    per_tensor = first_run if spec.first_run else _host_steps(steps) if steps is not None else None
+    skipped = _backend.call_kernel(
+        _backend.cpu_module(), spec, ptrs, sizes, per_tensor, (_code(dtypes[0]), _code(dtypes[1])),
+        host_scalar(lr, lr_tensor), hyper, _check_divisor(op, divisor), _flag(found_inf), check_finite,
+        _backend.get_num_threads(), **kw,
+    )  # fmt: skip
+    return bool(skipped)
+
+
+def _flag(found_inf: torch.Tensor | None) -> int:
+    return found_inf.data_ptr() if found_inf is not None else 0
 
 
 def finish_steps_cpu(steps: torch.Tensor | None, skipped: bool) -> None:
@@ -102,8 +108,9 @@ def _device_scalar(t: torch.Tensor, device: torch.device, keep: list[torch.Tenso
 
 def launch_cuda(
     op: str,
-    kernel: str,
-    lists: list[Any],
+    spec: _backend.KernelSpec,
+    ptrs: list[Any],
+    sizes: Any,
     dtypes: tuple[torch.dtype | None, torch.dtype | None],
     device: torch.device,
     lr: float,
@@ -117,9 +124,10 @@ def launch_cuda(
     seed: int,
     *,
     steps: torch.Tensor | None,
+    first_run: list[int] | None = None,
     **kw: Any,
 ) -> Any:
-    """One CUDA kernel call on the caller's current stream, never synchronising when ``found_inf`` is given: lr
+    """One CUDA call of ``spec``'s kernel (:func:`~stepforge.fused._backend.call_kernel`) on the caller's current stream, never synchronising when ``found_inf`` is given: lr
     and the divisor tensor are read by the kernel on the device, steps through their addresses (advanced before
     the launch; :func:`finish_steps_cuda` takes a skipped step back). Returns the kernel's result (``None``: the
     decision is on the device)."""
@@ -135,24 +143,15 @@ def launch_cuda(
             host_lr = 0.0
     if grad_divisor_tensor is not None:
         kw["grad_divisor_ptr"] = _device_scalar(grad_divisor_tensor, device, keep)
-    args = [*lists]
-    if steps is not None:
-        args.append(None)  # device steps: read through step_ptrs
+    if steps is not None:  # device steps: read through step_ptrs
         steps.add_(1.0)
         first = steps.data_ptr()
         kw["step_ptrs"] = list(range(first, first + 4 * steps.numel(), 4))
-    args += [_code(dtypes[0]), _code(dtypes[1]), host_lr, *hyper, _check_divisor(op, grad_divisor)]
-    flag = found_inf.data_ptr() if found_inf is not None else 0
-    return getattr(module, kernel)(
-        *args,
-        flag,
-        check_finite,
-        ctx,
-        stochastic_rounding=stochastic_rounding,
-        seed=seed,
-        device=index,
-        **kw,
-    )
+    return _backend.call_kernel(
+        module, spec, ptrs, sizes, first_run if spec.first_run else None, (_code(dtypes[0]), _code(dtypes[1])),
+        host_lr, hyper, _check_divisor(op, grad_divisor), _flag(found_inf), check_finite, ctx,
+        stochastic_rounding=stochastic_rounding, seed=seed, device=index, **kw,
+    )  # fmt: skip
 
 
 def finish_steps_cuda(steps: torch.Tensor | None, found_inf: torch.Tensor | None, result: Any) -> None:
@@ -213,7 +212,7 @@ def scale_cpu(
         _code(dtypes[0]),
         _code(dtypes[1]),
         scale,
-        found_inf.data_ptr() if found_inf is not None else 0,
+        _flag(found_inf),
         _backend.get_num_threads(),
     )
 
@@ -236,7 +235,7 @@ def scale_cuda(
         _code(dtypes[0]),
         _code(dtypes[1]),
         scale,
-        found_inf.data_ptr() if found_inf is not None else 0,
+        _flag(found_inf),
         ctx,
         device=index,
     )

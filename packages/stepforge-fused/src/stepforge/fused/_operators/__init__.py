@@ -12,13 +12,13 @@ per call on 41 tensors, more than the demo model's whole step (the eager pybind 
 either).
 
 ================== ============================================================================================
-``adam_``          Adam/AdamW (:func:`._op_impls.adam_`): master weights, bf16 stochastic rounding (CUDA)
-``sgd_``           SGD, momentum/nesterov/dampening, master weights (:func:`._op_impls.sgd_`)
-``lamb_``          LAMB in one call (:func:`._op_lamb.lamb_`)
-``lamb_moments_``  LAMB's first phase: moments, returns the per-tensor norm sums (:func:`._op_lamb.lamb_moments_`)
-``lamb_apply_``    LAMB's second phase: the update from (e.g. all-reduced) sums (:func:`._op_lamb.lamb_apply_`)
-``l2norm``         global and per-tensor L2 norms (:func:`._op_impls.l2norm`)
-``scale_``         ``dst = src * scale`` with an inf/NaN flag (:func:`._op_impls.scale_`)
+``adam_``          Adam/AdamW (:data:`.._backend.ADAM`): master weights, bf16 stochastic rounding (CUDA)
+``sgd_``           SGD, momentum/nesterov/dampening, master weights (:data:`.._backend.SGD`)
+``lamb_``          LAMB in one call (:data:`.._backend.LAMB`)
+``lamb_moments_``  LAMB's first phase: moments, returns the per-tensor norm sums (:func:`.impls.lamb_moments_`)
+``lamb_apply_``    LAMB's second phase: the update from (e.g. all-reduced) sums (:func:`.impls.lamb_apply_`)
+``l2norm``         global and per-tensor L2 norms (:func:`.impls.l2norm`)
+``scale_``         ``dst = src * scale`` with an inf/NaN flag (:func:`.impls.scale_`)
 ================== ============================================================================================
 
 Gradients are read only: no operator writes ``p.grad`` (the kernels' ``write_unscaled_grads``, GradScaler's
@@ -30,9 +30,10 @@ them unless it was skipped (``found_inf`` raised on entry, or ``check_finite`` f
 raised it; on CUDA that is decided on the device, without a sync). ``lr_tensor`` replaces ``lr`` and
 ``grad_divisor_tensor`` multiplies ``grad_divisor`` (one element; read on the device by the CUDA kernels).
 
-Where the operator path cannot serve, the pybind path stays, chosen explicitly: the optimizers' eager
-``step()`` calls the kernels with cached pointer arrays (an operator call reads every tensor's address, about
-0.2 us each: +10-20 ms per step on 20 000 small tensors), their compiled step calls these operators. On a torch
+The update operators and the eager step's kernel calls are both made from one argument specification per kernel
+(:mod:`.._backend`): the optimizers' eager ``step()`` calls the kernels with cached pointer arrays (an operator
+call reads every tensor's address, about 0.2 us each: +10-20 ms per step on 20 000 small tensors), their
+compiled step calls these operators. On a torch
 without ``torch.library.register_fake`` (torch < 2.4), or where registering fails, nothing is registered;
 :func:`available` is False and :func:`unavailable_reason` says why (compiled steps then run eagerly).
 """
@@ -46,36 +47,29 @@ from typing import Any
 
 import torch
 
-from ._op_impls import adam_, adam_checks, l2norm, l2norm_checks, scale_, scale_checks, sgd_, sgd_checks
-from ._op_lamb import lamb_, lamb_apply_, lamb_checks, lamb_moments_, lamb_norms_like
+from .._backend import ADAM, LAMB, SGD
+from .impls import (
+    l2norm,
+    l2norm_checks,
+    lamb_apply_,
+    lamb_checks,
+    lamb_moments_,
+    lamb_norms_like,
+    scale_,
+    scale_checks,
+    update_checks,
+    update_operator,
+)
 
 __all__ = ["NAMESPACE", "OPERATORS", "SCHEMAS", "available", "register", "unavailable_reason"]
 
 NAMESPACE = "stepforge_fused"
 
-_UPDATE_TAIL = "Tensor? grad_divisor_tensor, Tensor(f!)? found_inf, bool check_finite, bool stochastic_rounding, int seed"
-_LAMB_HYPER = (
-    "float beta1, float beta2, float eps, float weight_decay, bool adam_w_mode, bool bias_correction, "
-    "bool grad_averaging, bool use_nvlamb"
-)
+_LAMB_HYPER = ", ".join(f"{a.type} {a.name}" for a in LAMB.hyper[:8])  # the phases take the clamp apart
 
 #: the operator schemas: ``Tensor(x!)`` marks what an operator writes; gradients are never written
 SCHEMAS: dict[str, str] = {
-    "adam_": (
-        "adam_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
-        "Tensor(d!)[] masters, Tensor(e!) steps, float lr, Tensor? lr_tensor, float beta1, float beta2, float eps, "
-        f"float weight_decay, bool adamw_mode, bool bias_correction, float grad_divisor, {_UPDATE_TAIL}) -> ()"
-    ),
-    "sgd_": (
-        "sgd_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, Tensor(c!)[] masters, "
-        "Tensor(d!)? first_run, float lr, Tensor? lr_tensor, float momentum, float dampening, float weight_decay, "
-        f"bool nesterov, bool wd_after_momentum, float grad_divisor, {_UPDATE_TAIL}) -> ()"
-    ),
-    "lamb_": (
-        "lamb_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
-        f"Tensor(d!)[] masters, Tensor(e!) steps, float lr, Tensor? lr_tensor, {_LAMB_HYPER}, "
-        f"float trust_clip_min, float trust_clip_max, float grad_divisor, {_UPDATE_TAIL}) -> ()"
-    ),
+    **{spec.op: spec.schema() for spec in (ADAM, SGD, LAMB)},
     "lamb_moments_": (
         "lamb_moments_(Tensor[] params, Tensor[] grads, Tensor(a!)[] exp_avgs, Tensor(b!)[] exp_avg_sqs, "
         f"Tensor[] masters, Tensor steps, {_LAMB_HYPER}, float grad_divisor, Tensor? grad_divisor_tensor, "
@@ -104,9 +98,10 @@ def _l2norm_out(args: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
 
 #: name -> (implementation, its checks, what its fake returns; None: nothing)
 _IMPLS: dict[str, tuple[Callable[..., Any], _Checks, _FakeOut]] = {
-    "adam_": (adam_, adam_checks, None),
-    "sgd_": (sgd_, sgd_checks, None),
-    "lamb_": (lamb_, lamb_checks, None),
+    **{
+        spec.op: (update_operator(spec), functools.partial(update_checks, spec), None)
+        for spec in (ADAM, SGD, LAMB)
+    },
     "lamb_moments_": (
         lamb_moments_,
         functools.partial(lamb_checks, op="lamb_moments_"),
@@ -120,7 +115,7 @@ _IMPLS: dict[str, tuple[Callable[..., Any], _Checks, _FakeOut]] = {
 #: every operator registered here, as ``torch.ops.stepforge_fused.<name>``
 OPERATORS = tuple(SCHEMAS)
 
-_status: dict[str, Any] = {"available": False, "reason": "stepforge.fused._ops.register() has not run"}
+_status: dict[str, Any] = {"available": False, "reason": "stepforge.fused._operators.register() has not run"}
 _libraries: list[Any] = []  # the torch.library.Library holding the definitions (kept alive)
 
 

@@ -1,0 +1,533 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Buckets and the pointer cache of the fused optimizers (the kernels take raw addresses; this keeps them right).
+
+A param group is split into buckets keyed by ``(device, param dtype, grad dtype, master weights)``; each bucket
+holds the pointer arrays the kernels take (``array.array('q')``, read without copying by the extension), the
+sizes and a flat float32 tensor of per-parameter step counts whose elements *are* ``state[p]["step"]`` (0-dim
+views), so one in-place add advances every step of the bucket. :class:`BucketCache` keeps one
+:class:`GroupCache` per param group: built, revalidated at each step and refreshed.
+
+The cache is revalidated at every step at no per-tensor cost (see :class:`GroupCache`): the cache holds a weak
+reference, with a callback, to the storage behind every address it gives a kernel. Any move that gives a
+parameter or gradient other memory (``model.double().float()``, ``.half().float()``, ``.to(device)``,
+``module._apply``, ``p.data = t``, ``p.grad.data = t``) frees the old storage, and its callback marks the cache
+stale before that memory can be reused: the next step rebuilds the buckets (state follows the parameter's
+device, masters re-sync) or refreshes the grad pointers after checking dtype, size and layout. Gradient objects
+are also compared by identity each step (re-allocated by backward, assigned by hand). Not seen: a move whose old
+storage stays alive elsewhere (a view or reference kept by other code: the kernel then updates that live memory,
+not the parameter) and resizing a storage in place (``untyped_storage().resize_()``); call
+:meth:`~stepforge.fused._base.FusedOptimizerBase.invalidate_cache` after those. A per-step ``data_ptr()``
+comparison would catch them but cost +26% on the 20 000-tensor benchmark
+(``benchmarks/results/fused-cpu/cpu-2026-11-23-cache-check.json``).
+
+With ``assume_stable_grads=True`` the ``p.grad`` identity check is skipped too: gradients newly allocated by
+backward are seen through post-accumulate-grad hooks, ``zero_grad(set_to_none=True)`` makes the next step check
+them once, and a gradient assigned by hand needs :meth:`~stepforge.fused._base.FusedOptimizerBase.invalidate_cache`.
+"""
+
+from __future__ import annotations
+
+import array
+import itertools
+import operator
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any, Protocol
+
+import torch
+
+from stepforge.core.torch_compat import is_dtensor, view_base
+
+from .._backend import DTYPE_CODES, KernelSpec, call_kernel
+from .._validate import check_pair, local_tensor
+
+__all__ = ["Bucket", "BucketCache", "BucketOwner", "GroupCache", "Launch", "device_steps", "launch"]
+
+
+class BucketOwner(Protocol):
+    """What the bucket cache and :func:`launch` need from the optimizer (the step's
+    :class:`~.protocol.KernelOwner` extends it)."""
+
+    #: class name used in messages
+    _owner: str
+    #: the kernel's argument specification
+    _kernel: KernelSpec
+    #: whether the optimizer keeps a per-parameter ``step`` (False for SGD)
+    _uses_steps: bool
+    #: float32 masters for fp16/bf16 params
+    master_weights: bool
+
+    def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
+        """float32 state tensors shaped like the param, in kernel argument order."""
+        ...
+
+    def _init_state(
+        self, p: torch.Tensor, group: dict[str, Any], moved: bool = False
+    ) -> tuple[dict[str, Any], bool]:
+        """Create or normalise ``p``'s state; returns ``(state, created_now)``."""
+        ...
+
+    def _device_path(self, device: torch.device) -> bool:
+        """Whether tensors on ``device`` take the sync-free device path."""
+        ...
+
+
+def _i64(values: Iterable[int]) -> array.array[int]:
+    return array.array("q", values)
+
+
+class Bucket:
+    """Tensors of one param group sharing ``(device, param dtype, grad dtype, masters)``.
+
+    Attributes:
+        params: the parameters (leaf tensors), in group order.
+        ptrs: pointer arrays by role (``"params"``, ``"grads"``, state keys, ``"masters"``).
+        sizes: element counts (int64).
+        steps: flat float32 tensor ``(n,)`` on the bucket's device; ``state[p]["step"]`` is ``steps[i]``.
+        steps_arg: int64 array the CPU kernel reads (``steps + 1`` at launch).
+        on_device: CUDA bucket (sync-free path: device steps, device flags).
+        step_ptrs: addresses of the elements of ``steps`` (CUDA buckets; the kernel reads them).
+        first_run: int64 flags (SGD: buffer initialised from the grad on this step).
+    """
+
+    __slots__ = (
+        "_first_run_t",
+        "_steps_arg_t",
+        "device",
+        "first_run",
+        "grad_dtype",
+        "master",
+        "numel",
+        "on_device",
+        "param_dtype",
+        "params",
+        "ptrs",
+        "sizes",
+        "step_ptrs",
+        "steps",
+        "steps_arg",
+    )
+
+    def __init__(self, device: torch.device, param_dtype: torch.dtype, grad_dtype: torch.dtype, master: bool):
+        self.device = device
+        self.param_dtype = param_dtype
+        self.grad_dtype = grad_dtype
+        self.master = master
+        self.params: list[torch.Tensor] = []
+        self.ptrs: dict[str, array.array[int]] = {}
+        self.sizes = _i64(())
+        self.steps = torch.zeros(0)
+        self.steps_arg = _i64(())
+        self._steps_arg_t: torch.Tensor | None = None
+        self.first_run = _i64(())
+        self._first_run_t: torch.Tensor | None = None
+        self.numel = 0
+        # CUDA buckets: steps live on the device and the kernels read them through step_ptrs (no host copy).
+        self.on_device = False
+        self.step_ptrs: array.array[int] | None = None
+
+    def prepare_steps(self) -> array.array[int]:
+        """Fill ``steps_arg`` with ``state step + 1`` (the step being taken) in two tensor ops."""
+        if self._steps_arg_t is not None:
+            self._steps_arg_t.copy_(self.steps)
+            self._steps_arg_t.add_(1)
+        return self.steps_arg
+
+    def clear_first_run(self) -> None:
+        if self._first_run_t is not None:
+            self._first_run_t.zero_()
+
+
+@dataclass(slots=True)
+class Launch:
+    """The per-launch scalars of one kernel call on a bucket (what ``_launch`` passes besides the pointers).
+
+    Attributes:
+        lr: host learning rate (``0.0`` with ``kw["lr_ptr"]`` on the device path).
+        divisor: every grad is divided by this (loss scale x ``div_scale`` x clip factor).
+        found_inf_ptr: address of a float32 skip flag the kernel reads/raises (``0``: none).
+        check_finite: the kernel checks the grads for inf/NaN and skips the update (sets the flag).
+        ctx: CPU threads, or the CUDA stream handle.
+        steps: host int64 array of the step being taken (CPU), ``None`` on the device path.
+        kw: keyword-only CUDA arguments (``device``, ``lr_ptr``, ``grad_divisor_ptr``, ``step_ptrs``).
+    """
+
+    lr: float
+    divisor: float
+    found_inf_ptr: int = 0
+    check_finite: bool = False
+    ctx: int = 0
+    steps: Any = None
+    kw: dict[str, Any] = field(default_factory=dict)
+
+
+_get_dtype = operator.attrgetter("dtype")
+
+
+_get_is_sparse = operator.attrgetter("is_sparse")
+
+
+_contiguous = torch.Tensor.is_contiguous
+
+
+_data_ptr = torch.Tensor.data_ptr
+
+
+_numel = torch.Tensor.numel
+
+
+_is = operator.is_
+
+
+_storage = torch.Tensor.untyped_storage
+
+
+def _local_grads(grads: list[Any]) -> list[Any]:
+    return [None if g is None else local_tensor(g) for g in grads]
+
+
+class GroupCache:
+    """The buckets of one param group and what they were built from.
+
+    Revalidated at every step without a per-tensor call: weakref callbacks on the storages of the parameters
+    and gradients the buckets point into set ``param_stale``/``stale`` when one is freed (a move), and the
+    gradient objects are compared with the cached ones by identity. Storages are not held, so a moved model or
+    freed grads release their memory. A stale cache is rebuilt (params) or refreshed (grads), which re-validates
+    dtype, shape, device and layout.
+    """
+
+    __slots__ = (
+        "all_set",
+        "buckets",
+        "dtensor",
+        "grad_refs",
+        "grads",
+        "hooked",
+        "members",
+        "param_ptrs",
+        "param_refs",
+        "param_stale",
+        "params",
+        "stale",
+        "watched",
+    )
+
+    def __init__(
+        self,
+        params: list[torch.Tensor],
+        views: list[torch.Tensor],
+        grads: list[Any],
+        buckets: list[Bucket],
+        dtensor: bool = False,
+        *,
+        watch: bool = False,
+    ):
+        self.params = params  # the group's list (identity: the group was not given another list)
+        self.dtensor = dtensor  # DTensor params: ``views``/grads are their local shards
+        self.all_set = all(g is not None for g in grads)
+        self.buckets = buckets
+        self.hooked = False
+        self.param_ptrs = _i64(map(_data_ptr, views))
+        # a parameter moved to other memory frees its old storage: the callback marks the buckets stale
+        stale = self.param_stale = [False]
+
+        def freed(_ref: Any, stale: list[bool] = stale) -> None:
+            stale[0] = True
+
+        self.param_refs = [weakref.ref(_storage(v), freed) for v in views]
+        self._keep_grads(grads, watch=watch)
+        # for each bucket, the positions of its params in the group
+        where = {id(p): i for i, p in enumerate(params)}
+        self.members = [[where[id(p)] for p in b.params] for b in buckets]
+
+    def _keep_grads(self, grads: list[Any], *, watch: bool) -> None:
+        # The grad objects are compared by identity each step; a grad whose storage is swapped under it
+        # (p.grad.data = t) frees the old storage, whose weakref callback marks the cache stale before that
+        # memory can be reused. Grad storages are not held, so freeing grads frees their memory.
+        # The callbacks are set up only once the same grads come back a second time (``watch``): with
+        # ``zero_grad(set_to_none=True)`` every step brings new grads and the weakrefs would be thrown away
+        # unused (they were half of the per-step host time on 20 000 tensors); until then
+        # :meth:`grads_unchanged` answers False and the next step re-reads the addresses instead.
+        self.grads = grads
+        stale = self.stale = [False]
+        self.watched = watch
+        if not watch:
+            self.grad_refs = []
+            return
+
+        def freed(_ref: Any, stale: list[bool] = stale) -> None:
+            stale[0] = True
+
+        self.grad_refs = [weakref.ref(_storage(g), freed) for g in grads if g is not None]
+
+    def release_grads(self) -> None:
+        """Forget the grads (``zero_grad(set_to_none=True)``): the next step re-validates every grad."""
+        self.grads = []
+        self.grad_refs = []
+        self.stale = [True]
+        self.watched = False
+
+    def params_unchanged(self, params: list[torch.Tensor]) -> bool:
+        """The same parameter list, and no storage the buckets point into was freed since they were built."""
+        return self.params is params and not self.param_stale[0]
+
+    def grads_unchanged(self, grads: list[Any]) -> bool:
+        """The very grad tensors of the last step, watched since and none of whose storages was freed."""
+        return self.watched and not self.stale[0] and self.same_grad_objects(grads)
+
+    def same_grad_objects(self, grads: list[Any]) -> bool:
+        """The very grad tensors of the last step (identity only)."""
+        return len(grads) == len(self.grads) and all(map(_is, grads, self.grads))
+
+    def refresh_grads(self, grads: list[Any], *, watch: bool = False) -> bool:
+        """Point the buckets at new grad tensors (``zero_grad(set_to_none=True)`` + backward re-allocates them
+        every step), with C-level loops only. Returns False when the layout must be rebuilt instead (a grad
+        appeared or vanished, or changed dtype/size/layout: the full build validates and raises the right
+        error). ``watch``: set up the storage callbacks (the same grads were seen again)."""
+        all_set = all(map(operator.is_not, grads, itertools.repeat(None)))
+        if not (all_set and self.all_set):
+            if all_set != self.all_set:
+                return False
+            old = [g is None for g in self.grads] if self.grads else None
+            if old is None or [g is None for g in grads] != old:
+                return False  # the set of params with a grad changed (or is unknown after release_grads)
+        for bucket, idx in zip(self.buckets, self.members, strict=True):
+            if not idx:
+                continue
+            bg = grads if len(idx) == len(grads) and len(self.buckets) == 1 else [grads[i] for i in idx]
+            if not all(map(operator.is_, map(_get_dtype, bg), itertools.repeat(bucket.grad_dtype))):
+                return False
+            if any(map(_get_is_sparse, bg)) or not all(map(_contiguous, bg)):
+                return False
+            if _i64(map(_numel, bg)) != bucket.sizes:
+                return False  # a grad of another size (``p.grad.data = ...``): the full build raises
+            bucket.ptrs["grads"] = _i64(map(_data_ptr, bg))
+        self._keep_grads(grads, watch=watch)
+        return True
+
+
+_get_grad = operator.attrgetter("grad")
+
+
+_data_ptr = torch.Tensor.data_ptr
+
+
+class BucketCache:
+    """The buckets of every param group of one optimizer, and the gradient hooks of ``assume_stable_grads``.
+
+    Attributes:
+        assume_stable_grads: trust post-accumulate-grad hooks instead of comparing ``p.grad`` each step.
+        entries: group index -> its :class:`GroupCache`.
+        hooks: ``id(param)`` -> the post-accumulate-grad hook handle (stable-grads mode).
+        known_grads: ``id(param)`` -> the grad tensor the buckets point into (stable-grads mode).
+    """
+
+    __slots__ = ("__weakref__", "assume_stable_grads", "entries", "hooks", "known_grads")
+
+    def __init__(self, assume_stable_grads: bool = False) -> None:
+        self.assume_stable_grads = assume_stable_grads
+        self.entries: dict[int, GroupCache] = {}
+        self.hooks: dict[int, Any] = {}
+        self.known_grads: dict[int, Any] = {}
+
+    def invalidate(self) -> None:
+        """Forget every group's buckets: the next step rebuilds them."""
+        self.entries.clear()
+
+    def release_grads(self) -> None:
+        """``zero_grad(set_to_none=True)``: the next backward allocates new grads, so the next step refreshes
+        only the grad pointers (far cheaper than a rebuild). Stable-grads entries skip the identity check, so
+        they must go through it once (a param left without a grad would otherwise keep a dead pointer)."""
+        for entry in self.entries.values():
+            entry.hooked = False
+            entry.release_grads()
+
+    def group_buckets(self, opt: BucketOwner, index: int, group: dict[str, Any]) -> list[Bucket]:
+        """The buckets of ``opt``'s group ``index``, revalidated: parameter addresses always, gradient addresses
+        unless the stable-grads hooks vouch for them; a moved parameter rebuilds, moved grads refresh."""
+        params = group["params"]
+        cached = self.entries.get(index)
+        if cached is not None and cached.params is not params:
+            cached = None  # another params list: nothing of that entry applies
+        dtensor = cached.dtensor if cached is not None else any(map(is_dtensor, params))
+        stable = self.assume_stable_grads
+        if cached is not None and cached.params_unchanged(params):
+            if cached.hooked and not cached.stale[0]:
+                return cached.buckets
+            grads = list(map(_get_grad, params))
+            gviews = _local_grads(grads) if dtensor else grads
+            # the same grads a second time: watch their storages from now on (reuse loops, DDP/ZeRO buckets)
+            watch = stable or cached.same_grad_objects(gviews)
+            if cached.grads_unchanged(gviews) or cached.refresh_grads(gviews, watch=watch):
+                if stable:
+                    cached.hooked = self._hook_params(params)
+                return cached.buckets
+        else:
+            grads = list(map(_get_grad, params))
+            gviews = _local_grads(grads) if dtensor else grads
+        views = list(map(local_tensor, params)) if dtensor else params
+        moved: frozenset[int] = frozenset()
+        if cached is not None and len(params) == len(cached.param_ptrs):
+            now = _i64(map(_data_ptr, views))
+            moved = frozenset(
+                i for i, (a, b) in enumerate(zip(now, cached.param_ptrs, strict=True)) if a != b
+            )
+        buckets = self.build(opt, group, params, grads, moved)
+        entry = GroupCache(params, views, gviews, buckets, dtensor, watch=stable)
+        if stable:
+            entry.hooked = self._hook_params(params)
+        self.entries[index] = entry
+        return buckets
+
+    def _hook_params(self, params: list[torch.Tensor]) -> bool:
+        """Invalidate the cache when backward hands a parameter a new gradient tensor (stable-grads mode)."""
+        if not all(p.requires_grad and p.is_leaf for p in params):
+            return False  # no hook possible: keep checking p.grad every step for this group
+        ref = weakref.ref(self)
+        for p in params:
+            if id(p) in self.hooks:
+                continue
+
+            def hook(param: torch.Tensor, _ref: Any = ref) -> None:
+                cache = _ref()
+                # Accumulated in place into the known tensor: nothing to do. A new tensor: rebuild lazily.
+                if cache is not None and cache.known_grads.get(id(param)) is not param.grad:
+                    cache.entries.clear()
+
+            self.hooks[id(p)] = p.register_post_accumulate_grad_hook(hook)
+        self.known_grads.update((id(p), p.grad) for p in params)
+        return True
+
+    def build(
+        self,
+        opt: BucketOwner,
+        group: dict[str, Any],
+        params: list[torch.Tensor],
+        grads: list[Any],
+        moved: frozenset[int] = frozenset(),
+    ) -> list[Bucket]:
+        """Validate every (param, grad) pair, create or normalise the state (``opt._init_state``) and group the
+        pairs into buckets by ``(device, param dtype, grad dtype, masters)``; ``moved``: positions of params
+        given new storage since the last build."""
+        owner = opt._owner
+        keys = opt._state_keys(group)
+        if group.get("capturable", False):
+            for i, (p, g) in enumerate(zip(params, grads, strict=True)):
+                if g is not None and not opt._device_path(p.device):
+                    raise RuntimeError(
+                        f"{owner}: capturable=True needs CUDA parameters (lr and steps on the device for "
+                        f"CUDA-graph capture), but parameter #{i} is on {p.device}. Pass capturable=False for "
+                        "CPU parameters (torch.optim raises for capturable=True on CPU too)."
+                    )
+        by_key: dict[tuple[Any, ...], Bucket] = {}
+        staged: dict[tuple[Any, ...], list[tuple[torch.Tensor, torch.Tensor, dict[str, Any], bool]]] = {}
+        for i, (p, g) in enumerate(zip(params, grads, strict=True)):
+            if g is None:
+                continue
+            check_pair(local_tensor(p), local_tensor(g), i, owner=owner)
+            state, fresh = opt._init_state(p, group, i in moved)
+            master = opt.master_weights and p.dtype != torch.float32
+            key = (p.device, p.dtype, g.dtype, master)
+            if key not in by_key:
+                by_key[key] = Bucket(p.device, p.dtype, g.dtype, master)
+                staged[key] = []
+            staged[key].append((p, g, state, fresh))
+        buckets = []
+        for key, bucket in by_key.items():
+            self._fill(opt, bucket, staged[key], keys)
+            buckets.append(bucket)
+        return buckets
+
+    @staticmethod
+    def _fill(
+        opt: BucketOwner,
+        bucket: Bucket,
+        entries: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any], bool]],
+        keys: tuple[str, ...],
+    ) -> None:
+        """Pointer arrays, sizes and the flat step tensor of ``bucket`` from its ``(param, grad, state, fresh)``."""
+        bucket.params = [e[0] for e in entries]
+        # DTensor params, grads and state: the kernels step the local shards
+        bucket.ptrs["params"] = _i64(local_tensor(e[0]).data_ptr() for e in entries)
+        bucket.ptrs["grads"] = _i64(local_tensor(e[1]).data_ptr() for e in entries)
+        for name in keys:
+            bucket.ptrs[name] = _i64(local_tensor(e[2][name]).data_ptr() for e in entries)
+        if bucket.master:
+            bucket.ptrs["masters"] = _i64(local_tensor(e[2]["master_param"]).data_ptr() for e in entries)
+        bucket.sizes = _i64(local_tensor(e[0]).numel() for e in entries)
+        bucket.numel = sum(bucket.sizes)
+        n = len(entries)
+        bucket.on_device = opt._device_path(bucket.device)
+        if opt._uses_steps and bucket.on_device:
+            steps = device_steps([e[2]["step"] for e in entries], bucket.device)
+            for j, e in enumerate(entries):
+                e[2]["step"] = steps[j]
+            bucket.step_ptrs = _i64(range(steps.data_ptr(), steps.data_ptr() + 4 * n, 4))
+        elif opt._uses_steps:
+            steps = torch.tensor([float(e[2]["step"]) for e in entries], dtype=torch.float32)
+            for j, e in enumerate(entries):
+                e[2]["step"] = steps[j]  # 0-dim view: one in-place add advances every step of the bucket
+        else:
+            steps = torch.zeros(n, dtype=torch.float32)
+        bucket.steps = steps
+        bucket.steps_arg = _i64([0] * n)
+        bucket.first_run = _i64(int(e[3]) for e in entries)
+        if n:
+            bucket._steps_arg_t = torch.frombuffer(bucket.steps_arg, dtype=torch.int64)
+            bucket._first_run_t = torch.frombuffer(bucket.first_run, dtype=torch.int64)
+
+
+def device_steps(old: list[Any], device: torch.device) -> torch.Tensor:
+    """One flat float32 tensor on ``device`` holding the given steps, without a host round trip when they
+    already live there (the common case: a rebuild after ``zero_grad(set_to_none=True)``)."""
+    n = len(old)
+    base = view_base(old[0]) if n and isinstance(old[0], torch.Tensor) else None
+    if (
+        base is not None
+        and base.device == device
+        and base.dtype == torch.float32
+        and base.dim() == 1
+        and base.numel() == n
+        and all(view_base(s) is base and s.storage_offset() == j for j, s in enumerate(old))
+    ):
+        return base  # the same bucket as before: keep the tensor (and its address, for CUDA graphs)
+    if all(isinstance(s, torch.Tensor) and s.device == device for s in old):
+        return (
+            torch.stack([s.reshape(()).to(torch.float32) for s in old])
+            if n
+            else torch.zeros(0, device=device)
+        )
+    # Steps from a CPU checkpoint (torch.optim's non-fused layout): one host-to-device copy, at build only.
+    values = [float(s) for s in old]
+    if not any(values):
+        return torch.zeros(n, dtype=torch.float32, device=device)
+    return torch.tensor(values, dtype=torch.float32).to(device)
+
+
+def launch(
+    opt: BucketOwner, module: ModuleType, bucket: Bucket, group: dict[str, Any], at: Launch, **kw: Any
+) -> Any:
+    """The eager step's call of ``opt``'s kernel (``opt._kernel``) on ``bucket`` (its cached pointer arrays) with
+    the scalars in ``at`` (the optimizers' default ``_launch``); ``kw``: more binding keywords (LAMB's norms).
+    Returns the kernel's answer: whether its finite check skipped the update (None: decided on the device)."""
+    spec = opt._kernel
+    ptrs = bucket.ptrs
+    if kw:
+        kw = {**at.kw, **kw}
+    return call_kernel(
+        module,
+        spec,
+        [ptrs["params"], ptrs["grads"], *map(ptrs.get, spec.state_keys), ptrs.get("masters")],
+        bucket.sizes,
+        bucket.first_run if spec.first_run else at.steps,
+        (DTYPE_CODES[bucket.param_dtype], DTYPE_CODES[bucket.grad_dtype]),
+        at.lr,
+        spec.values(group),
+        at.divisor,
+        at.found_inf_ptr,
+        at.check_finite,
+        at.ctx,
+        **(kw or at.kw),
+    )
