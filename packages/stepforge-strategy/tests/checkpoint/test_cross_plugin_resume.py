@@ -73,6 +73,20 @@ def _check(got: dict[str, Any], want: dict[str, Any], what: str) -> None:
 
 
 @pytest.mark.parametrize("src", PLUGINS)
+def test_an_unsharded_optimizer_save_is_one_file_of_the_full_state(matrix, src):
+    root, save_failures, _ = matrix
+    for ws in sizes_of(src):
+        if any(k.startswith(f"{src}@{ws} ") for k in save_failures):
+            continue  # reported by the test below
+        want = torch.load(f"{root}/{src}@{ws}/reference.pt", weights_only=True)
+        saved = torch.load(f"{root}/{src}@{ws}/optim.pt", weights_only=True)["optimizer"]
+        names = [n for g in saved["param_groups"] for n in g["params"]]
+        assert names == [n for g in want["groups"] for n in g["params"]], f"{src}@{ws}"
+        got = {"model": want["model"], "state": saved["state"], "groups": saved["param_groups"]}
+        _check(got, want, f"{src}@{ws} optim.pt")
+
+
+@pytest.mark.parametrize("src", PLUGINS)
 def test_every_plugin_loads_this_plugins_checkpoints_exactly(matrix, src):
     root, save_failures, loads = matrix
     broken = {k: v for k, v in save_failures.items() if k.startswith(f"{src}@")}
