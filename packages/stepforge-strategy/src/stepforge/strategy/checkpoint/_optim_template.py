@@ -135,25 +135,24 @@ def _to_index_keys(template: dict[str, Any], path: str) -> None:
     ``"<index>"``, 1-D tensors of the flattened parameter, integer ``params``): its pieces seen flat, no copy."""
     index = {name: i for i, name in enumerate(n for g in template["param_groups"] for n in g["params"])}
 
-    def flat(value: Any, name: str) -> Any:
-        if isinstance(value, FlatShard):
-            return value.flat()
-        if isinstance(value, torch.Tensor) and value.dim() > 0:
-            raise _fail(
-                path,
-                f"it is a ZeRO checkpoint of an earlier version (keyed by parameter index) and {name!r} is not "
-                "sharded the ZeRO way here; load it under zero1/zero2 and save it again",
-            )
-        return value
+    if not any(isinstance(v, FlatShard) for entry in template["state"].values() for v in entry.values()):
+        raise _fail(
+            path,
+            "it is a ZeRO checkpoint of an earlier version (keyed by parameter index, flattened), which only "
+            "ZeRO reads; load it under zero1/zero2 and save it again to move it to another plugin",
+        )
+
+    def flat(value: Any) -> Any:
+        return value.flat() if isinstance(value, FlatShard) else value
 
     template["state"] = {
-        str(index[n]): {k: flat(v, n) for k, v in entry.items()} for n, entry in template["state"].items()
+        str(index[n]): {k: flat(v) for k, v in entry.items()} for n, entry in template["state"].items()
     }
     for group in template["param_groups"]:
         group["params"] = [index[n] for n in group["params"]]
     masters = template.get("zero", {}).get("master_weights")
     if isinstance(masters, dict):
-        template["zero"]["master_weights"] = {str(index[n]): flat(v, n) for n, v in masters.items()}
+        template["zero"]["master_weights"] = {str(index[n]): flat(v) for n, v in masters.items()}
 
 
 def _fail(checkpoint: str, what: str) -> CheckpointMismatchError:
