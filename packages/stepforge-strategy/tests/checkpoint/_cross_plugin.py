@@ -68,15 +68,16 @@ def _loss(model: nn.Module, step: int, rank: int) -> torch.Tensor:
     return (model(x) - y).square().mean()
 
 
-def _module(model: nn.Module) -> nn.Module:
-    unwrap = getattr(model, "unwrap", None)
-    return unwrap() if unwrap is not None else model
+def _module(plugin: str, model: Any) -> nn.Module:
+    if plugin.startswith("zero"):
+        return model.unwrap()  # LowLevelZeroModel: the model it casts and wraps
+    return model.unwrap(unwrap_peft=False)  # the plugin's module (no peft here: importing it costs seconds)
 
 
 def full_state(plugin: str, model: nn.Module, optimizer: Any) -> dict[str, Any]:
     """``{"model": {name: tensor}, "state": {name: {key: tensor}}, "groups": [...]}``, the full state gathered on
     every rank independently of stepforge's checkpoint code (collective)."""
-    module = _module(model)
+    module = _module(plugin, model)
     options = StateDictOptions(full_state_dict=True, cpu_offload=False)
     weights = {k: v.detach().clone() for k, v in get_model_state_dict(module, options=options).items()}
     if plugin.startswith("zero"):
