@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 from stepforge.core import param_fqns
 from stepforge.core.plugin_base import unwrap_optimizer
 from stepforge.strategy import Booster, Strategy
+from stepforge.strategy.boosted_model import ModelWrapper
 
 PLUGINS = ["single", "torch_ddp", "torch_fsdp", "gemini", "zero1", "zero2", "zero2_offload"]
 SIZES = (1, 2, 3, 4)
@@ -69,9 +70,12 @@ def _loss(model: nn.Module, step: int, rank: int) -> torch.Tensor:
 
 
 def _module(plugin: str, model: Any) -> nn.Module:
+    """The module torch's state-dict functions take: the Booster's model unwrapped, Strategy's as it is."""
     if plugin.startswith("zero"):
-        return model.unwrap()  # LowLevelZeroModel: the model it casts and wraps
-    return model.unwrap(unwrap_peft=False)  # the plugin's module (no peft here: importing it costs seconds)
+        return model.unwrap()  # LowLevelZeroModel (either path): the model it casts and wraps
+    if isinstance(model, ModelWrapper):
+        return model.unwrap(unwrap_peft=False)  # no peft here: importing it costs seconds
+    return model
 
 
 def full_state(plugin: str, model: nn.Module, optimizer: Any) -> dict[str, Any]:
