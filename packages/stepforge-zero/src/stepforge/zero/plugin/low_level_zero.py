@@ -5,7 +5,8 @@ ColossalAI's signature. ``prepare`` casts the model to the working dtype, wraps 
 :class:`~.model.LowLevelZeroModel` (floating-point inputs cast to that dtype, as ColossalAI's ``cast_inputs``) and
 wraps the optimizer in :class:`~stepforge.zero.low_level.LowLevelZeroOptimizer` with the plugin's
 :class:`~.options.OptimizerOptions`. Unlike ColossalAI, ``no_sync`` works for both stages and checkpoints go
-through ``torch.distributed.checkpoint`` in a sharded, world-size-independent form. LoRA (peft) models are
+through ``torch.distributed.checkpoint`` in the layout every plugin shares (by parameter name, in each
+parameter's shape), loadable under any plugin at any world size. LoRA (peft) models are
 supported as in ColossalAI (:mod:`.lora`).
 
 The plugin subclasses :class:`stepforge.core.PluginBase` (device, ``world_size``/``rank``, precision adoption,
