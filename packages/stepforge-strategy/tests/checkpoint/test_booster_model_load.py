@@ -157,6 +157,18 @@ def _cast_loads(rank: int, world: int, root: str) -> dict:
         model, *_ = booster.boost(_model())
     booster.load_model(model, f"{root}/fp32.bin")
     out["fp32->fp16"] = _weights(model)
+    # Strategy: a zero2 (fp16) checkpoint resumed under torch_ddp (fp32)
+    for plugin in ("zero2", "torch_ddp"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            s = Strategy(plugin=plugin, work_dir=f"{root}/{plugin}", log_kwargs=dict(console=False))
+            model, _ = s.prepare(_model(), optim_wrapper=dict(optimizer=dict(type="SGD", lr=0.1)))
+            if plugin == "zero2":
+                s.save_checkpoint(f"{root}/strategy.ckpt")
+            else:
+                s.resume(f"{root}/strategy.ckpt")
+                out["strategy"] = [p.detach().clone() for p in model.module.parameters()]
+        s.close()
     wider = nn.Sequential(nn.Linear(6, 4), nn.Linear(4, 3))
     booster = Booster(plugin="torch_ddp")
     wide, *_ = booster.boost(wider)
@@ -184,6 +196,8 @@ def test_model_loads_cast_dtypes_as_torch_load_state_dict_does(tmp_path):
     fp32 = [p.detach() for p in _model().parameters()]
     for loaded, saved in zip(got["fp32->fp16"], fp32, strict=True):
         assert loaded.dtype == torch.float16 and torch.equal(loaded, saved.to(torch.float16))
+    for loaded, saved in zip(got["strategy"], fp16, strict=True):
+        assert loaded.dtype == torch.float32 and torch.equal(loaded, saved.to(torch.float32))
     assert (
         "0.bias is torch.float16(5,) there and torch.float32(4,) here" in got["refusal"] and got["unchanged"]
     )
