@@ -50,7 +50,7 @@ def main(rank: int, port: int, folder: str) -> None:
             optimizer.step()
             break
     booster.save_model(model, f"{folder}/model", shard=True, use_async=True)
-    booster.save_optimizer(optimizer, f"{folder}/optimizer", use_async=True)
+    booster.save_optimizer(optimizer, f"{folder}/optimizer", shard=True, use_async=True)
     if rank == 1:  # this rank's checkpoint IO is finalised now, the other rank's at exit
         del booster, plugin, model, optimizer, criterion, loader
         gc.collect()

@@ -89,9 +89,13 @@ def _failing_saves(rank: int, world: int, root: str) -> dict[str, tuple[str, str
 
     FileSystemWriter.write_data = write_data
     try:
-        out["optimizer, rank 1 fails"] = _outcome(lambda: booster.save_optimizer(optimizer, f"{root}/opt"))
+        out["optimizer, rank 1 fails"] = _outcome(
+            lambda: booster.save_optimizer(optimizer, f"{root}/opt", shard=True)
+        )
         out["async optimizer, rank 1 fails"] = _outcome(
-            then_sync(lambda: booster.save_optimizer(optimizer, f"{root}/opt_async", use_async=True))
+            then_sync(
+                lambda: booster.save_optimizer(optimizer, f"{root}/opt_async", shard=True, use_async=True)
+            )
         )
     finally:
         FileSystemWriter.write_data = real

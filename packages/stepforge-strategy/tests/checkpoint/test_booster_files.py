@@ -96,7 +96,7 @@ def _boosted():
 def test_optimizer_and_scheduler_saves_are_committed_and_checked(tmp_path):
     booster, _, opt, sched = _boosted()
     opt_dir, sched_file = str(tmp_path / "optimizer"), str(tmp_path / "sched.pt")
-    booster.save_optimizer(opt, opt_dir)
+    booster.save_optimizer(opt, opt_dir, shard=True)
     booster.save_lr_scheduler(sched, sched_file)
     record = ck._layout.read_commit(opt_dir)
     assert record["meta"] == {"kind": "optimizer"} and ".metadata" in record["files"]
@@ -143,7 +143,7 @@ def test_a_full_disk_leaves_the_earlier_save_and_no_temporary_file(tmp_path, mon
             model, path, shard=True, size_per_shard=0.0002, use_safetensors=True
         ),
         "model_torch": lambda: booster.save_model(model, path, use_safetensors=False),
-        "optimizer": lambda: booster.save_optimizer(opt, path),
+        "optimizer": lambda: booster.save_optimizer(opt, path, shard=True),
         "scheduler": lambda: booster.save_lr_scheduler(sched, path),
     }[what]
     save()

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``Booster.load_model`` refreshes a ZeRO optimizer's fp32 masters.
+"""``Booster.load_model`` refreshes a ZeRO optimizer's fp32 masters, and casts dtypes as torch's ``load_state_dict``.
 
 Under ``zero2`` with bf16 working weights the optimizer steps fp32 master pieces and copies them back into the
 model. Loading a checkpoint changed only the model, so the next ``step()`` -- even at lr 0 -- wrote the old
@@ -126,3 +126,78 @@ def test_zero2_strategy_load_checkpoint_survives_the_next_step(tmp_path):
     for rank, out in enumerate(run_distributed(_strategy_load_then_step, 2, str(tmp_path), timeout=120)):
         assert all(torch.equal(a, b) for a, b in zip(out["saved"], out["loaded"], strict=True)), rank
         assert all(torch.equal(a, b) for a, b in zip(out["saved"], out["after_step"], strict=True)), rank
+
+
+def _cast_loads(rank: int, world: int, root: str) -> dict:
+    """An fp16 save (zero2's default precision) loads into fp32 and bf16 models, and an fp32 save into fp16; a
+    shape mismatch is refused with the model unchanged."""
+    import warnings
+
+    from stepforge.strategy.checkpoint import CheckpointMismatchError
+
+    out: dict = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the note about fp16 on CPU
+        booster = Booster(plugin="zero2")
+        model, *_ = booster.boost(_model())
+    booster.save_model(model, f"{root}/fp16.bin")
+    out["fp16"] = _weights(model)
+    for plugin in ("torch_fsdp", "torch_ddp", dict(type="zero2", precision="bf16")):
+        booster = Booster(plugin=plugin)
+        model, *_ = booster.boost(_model())
+        booster.load_model(model, f"{root}/fp16.bin")
+        out[str(plugin)] = [
+            p.full_tensor() if hasattr(p, "full_tensor") else p for p in _weights(model.unwrap())
+        ]
+    booster = Booster(plugin="torch_ddp")
+    booster.save_model(booster.boost(_model())[0], f"{root}/fp32.bin")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        booster = Booster(plugin="zero2")
+        model, *_ = booster.boost(_model())
+    booster.load_model(model, f"{root}/fp32.bin")
+    out["fp32->fp16"] = _weights(model)
+    # Strategy: a zero2 (fp16) checkpoint resumed under torch_ddp (fp32)
+    for plugin in ("zero2", "torch_ddp"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            s = Strategy(plugin=plugin, work_dir=f"{root}/{plugin}", log_kwargs=dict(console=False))
+            model, _ = s.prepare(_model(), optim_wrapper=dict(optimizer=dict(type="SGD", lr=0.1)))
+            if plugin == "zero2":
+                s.save_checkpoint(f"{root}/strategy.ckpt")
+            else:
+                s.resume(f"{root}/strategy.ckpt")
+                out["strategy"] = [p.detach().clone() for p in model.module.parameters()]
+        s.close()
+    wider = nn.Sequential(nn.Linear(6, 4), nn.Linear(4, 3))
+    booster = Booster(plugin="torch_ddp")
+    wide, *_ = booster.boost(wider)
+    before = _weights(wide)
+    try:
+        booster.load_model(wide, f"{root}/fp16.bin")
+    except CheckpointMismatchError as exc:
+        out["refusal"] = str(exc)
+    out["unchanged"] = all(torch.equal(a, b) for a, b in zip(before, _weights(wide), strict=True))
+    return out
+
+
+@requires_gloo
+@pytest.mark.distributed
+def test_model_loads_cast_dtypes_as_torch_load_state_dict_does(tmp_path):
+    got = run_distributed(_cast_loads, 2, str(tmp_path), timeout=240)[0]
+    fp16 = got["fp16"]
+    assert all(w.dtype == torch.float16 for w in fp16)
+    for plugin, dtype in (("torch_fsdp", torch.float32), ("torch_ddp", torch.float32)):
+        for loaded, saved in zip(got[plugin], fp16, strict=True):
+            assert loaded.dtype == dtype and torch.equal(loaded, saved.to(dtype)), plugin
+    bf16 = got[str(dict(type="zero2", precision="bf16"))]
+    for loaded, saved in zip(bf16, fp16, strict=True):
+        assert loaded.dtype == torch.bfloat16 and torch.equal(loaded, saved.to(torch.bfloat16))
+    fp32 = [p.detach() for p in _model().parameters()]
+    for loaded, saved in zip(got["fp32->fp16"], fp32, strict=True):
+        assert loaded.dtype == torch.float16 and torch.equal(loaded, saved.to(torch.float16))
+    for loaded, saved in zip(got["strategy"], fp16, strict=True):
+        assert loaded.dtype == torch.float32 and torch.equal(loaded, saved.to(torch.float32))
+    assert (
+        "0.bias is torch.float16(5,) there and torch.float32(4,) here" in got["refusal"] and got["unchanged"]
+    )

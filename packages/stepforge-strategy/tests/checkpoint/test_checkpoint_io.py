@@ -124,7 +124,7 @@ def test_boosted_optimizer_async_save_is_pending_until_synced(tmp_path):
     boosted, opt = _boosted_sgd(booster)
     opt.backward(boosted(torch.ones(1, 3)).sum())
     opt.step()
-    booster.save_optimizer(opt, tmp_path / "optim", use_async=True)
+    booster.save_optimizer(opt, tmp_path / "optim", shard=True, use_async=True)
     assert len(booster.checkpoint_io.async_writers) == 1  # dcp.async_save's future, not yet waited on
     booster.checkpoint_io._sync_io()
     assert booster.checkpoint_io.async_writers == [] and (tmp_path / "optim" / ".metadata").is_file()
@@ -224,7 +224,7 @@ def _ddp_async_round_trip(rank: int, world: int, root: str) -> dict:
     opt.backward(boosted(torch.full((2, 3), float(rank + 1))).sum())
     opt.step()
     booster.save_model(boosted, f"{root}/model", shard=True, use_async=True)
-    booster.save_optimizer(opt, f"{root}/optim", use_async=True)
+    booster.save_optimizer(opt, f"{root}/optim", shard=True, use_async=True)
     pending = len(booster.checkpoint_io.async_writers)
     booster.checkpoint_io._sync_io()  # collective: every rank waits for rank 0's model write
     other = Booster(plugin="torch_ddp")

@@ -153,5 +153,5 @@ def test_a_directory_with_user_files_is_never_replaced_as_a_whole(tmp_path):
     boosted, optimizer, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=0.1))
     booster.save_model(boosted, str(tmp_path), shard=True, use_safetensors=True)
     with pytest.raises(CheckpointError, match="files no save of stepforge wrote"):
-        booster.save_optimizer(optimizer, str(tmp_path))
+        booster.save_optimizer(optimizer, str(tmp_path), shard=True)
     assert (tmp_path / "config.json").is_file() and (tmp_path / "tokenizer.json").is_file()

@@ -128,11 +128,11 @@ def test_booster_load_optimizer_refuses_payloads(tmp_path, marker):
     booster, model, wrapper = boost("single", k=1)
     boosted_steps(model, wrapper, 1, 0, 1, 1)
     good = tmp_path / "o"
-    booster.save_optimizer(wrapper.optimizer, good)
+    booster.save_optimizer(wrapper.optimizer, good, shard=True)
     before = _optimizer_state(wrapper)
     # (a) .metadata names an arbitrary callable
     evil_meta = tmp_path / "o_meta"
-    booster.save_optimizer(wrapper.optimizer, evil_meta)
+    booster.save_optimizer(wrapper.optimizer, evil_meta, shard=True)
     _evil_metadata(str(evil_meta), marker)
     # without its COMMIT.json (an unmarked DCP directory, as torch's dcp.save writes) the checksums cannot catch
     # the change: the restricted reader must

@@ -197,7 +197,7 @@ def test_another_parameter_count_changes_nothing(tmp_path):
     _assert_refused(_victim(str(tmp_path)), path, "2 parameters there and 6 here")
 
 
-# ---- 2 gloo ranks: ZeRO-2 and FSDP2, another plugin, another world size ----
+# ---- 2 gloo ranks: ZeRO-2 and FSDP2, another world size (another plugin loads: one layout) ----
 
 
 def _zero2() -> Any:
@@ -214,14 +214,14 @@ def _gloo_saves(rank: int, world_size: int, work: str) -> None:
 
 def _gloo_refusals(rank: int, world_size: int, work: str, bad: str) -> list[str]:
     victim = _victim(work, plugin=_zero2(), rank=rank)
-    _assert_refused(victim, os.path.join(work, "ddp"), "plugin 'torch_ddp', this run uses 'zero2'")
     _assert_refused(victim, os.path.join(work, "zero2-foreign"), r"shape \(32, 8\) there")
     _assert_refused(victim, bad, r"__1_0\.distcp")
     fsdp = _victim(os.path.join(work, "f"), plugin="torch_fsdp", rank=rank)
-    _assert_refused(fsdp, os.path.join(work, "zero2"), "plugin 'zero2', this run uses 'torch_fsdp'")
     _assert_refused(fsdp, bad, r"__1_0\.distcp")
-    victim.resume(os.path.join(work, "zero2"))  # and the good one loads
+    victim.resume(os.path.join(work, "zero2"))  # and the good ones load, another plugin's too (one layout)
+    victim.resume(os.path.join(work, "ddp"))
     fsdp.resume(os.path.join(work, "fsdp"))
+    fsdp.resume(os.path.join(work, "zero2"))
     return ["ok"]
 
 

@@ -18,6 +18,7 @@ import torch
 from _strategy_cases import COUNTS, ITERS, batch, full_params, make_strategy, prepare
 from torch.distributed.tensor import DTensor
 
+from stepforge.core.flat_shard import FlatShard
 from stepforge.strategy import Strategy
 
 #: save points (COUNTS=3): before any step, inside the first window, on a window boundary, mid-window
@@ -39,6 +40,8 @@ def _flat(prefix: str, value: Any, out: dict[str, Any]) -> None:
             _flat(f"{prefix}.{i}", v, out)
     elif isinstance(value, DTensor):
         out[prefix] = value.to_local().detach().clone()
+    elif isinstance(value, FlatShard):  # ZeRO's piece: its elements
+        out[prefix] = value.local.detach().clone()
     elif isinstance(value, torch.Tensor):
         out[prefix] = value.detach().clone()
     else:

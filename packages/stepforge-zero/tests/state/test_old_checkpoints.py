@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from stepforge.core.flat_shard import FlatShard
 from stepforge.testing.distributed import requires_gloo, run_distributed
 from stepforge.zero import LowLevelZeroOptimizer, LowLevelZeroPlugin
 
@@ -87,7 +88,19 @@ def _load_booster_dir(rank: int, world: int, directory: str) -> dict:
     )
     model = torch.nn.Linear(4, 3)
     model, opt = plugin.prepare(model, torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9))
-    model_sd, optim_sd = plugin.get_state_dict(model, opt)
+    model_sd, _ = plugin.get_state_dict(model, opt)
+    # the index-keyed layout of that version: the pieces by index, seen flat (stepforge.strategy's loads build
+    # this template when the checkpoint's groups list indices)
+    optim_sd = opt.sharded_state_dict()
+    optim_sd["state"] = {
+        i: {k: v.flat() if isinstance(v, FlatShard) else v for k, v in e.items()}
+        for i, e in optim_sd["state"].items()
+    }
+    masters = optim_sd["zero"]["master_weights"]
+    optim_sd["zero"]["master_weights"] = {i: v.flat() for i, v in masters.items()}
+    optim_sd["param_groups"] = [
+        {**g, "params": [int(i) for i in g["params"]]} for g in optim_sd["param_groups"]
+    ]
     state = {"optimizer": optim_sd}
     dcp.load(state, checkpoint_id=directory)  # the template's keys must all be in the old directory
     plugin.set_state_dict(model, opt, model_sd, state["optimizer"])

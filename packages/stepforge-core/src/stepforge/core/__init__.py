@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 from . import torch_compat
+from ._optim_state import param_fqns
 from ._version import __version__
 from .build import build_optimizer, collect_params
 from .errors import (
@@ -83,6 +84,7 @@ __all__ = [
     "torch_compat",
     "build_optimizer",
     "collect_params",
+    "param_fqns",
     "DuplicateNameError",
     "HyperParameterError",
     "OptimizerStateError",

@@ -4,8 +4,9 @@
 :mod:`stepforge.strategy.checkpoint`, where every save and load lives.
 
 Models are written in the Hugging Face layout (one file, or shards with an index; safetensors or ``torch.save``
-by ``use_safetensors``, ColossalAI's default ``False``); an optimizer that ``Booster.boost`` returned goes through
-``torch.distributed.checkpoint`` keyed by parameter name (any world size); an optimizer ``boost`` did not wrap
+by ``use_safetensors``, ColossalAI's default ``False``); an optimizer that ``Booster.boost`` returned is keyed by
+parameter name in every plugin (one ``torch.save`` file with ``shard=False``, a ``torch.distributed.checkpoint``
+directory with ``shard=True``; either loads under any plugin at any world size); an optimizer ``boost`` did not wrap
 (:class:`GeneralCheckpointIO`) is saved as its own ``state_dict()``, in one file or sharded.
 
 The path a save is given is the save's: a file there is replaced (atomically: the old one stays whole if the
@@ -273,15 +274,23 @@ class BoosterCheckpointIO(CheckpointIO):
         size_per_shard: int = 1024,
         use_async: bool = False,
     ) -> None:
-        """Save a boosted optimizer (and its fp16 loss-scaler state) to directory ``checkpoint`` with
-        ``torch.distributed.checkpoint``: every rank writes its shard; loads at another world size.
-        ``shard``/``prefix``/``size_per_shard`` are accepted (DCP always writes per-rank files)."""
+        """Save a boosted optimizer (and its fp16 loss-scaler state), keyed by parameter name with each tensor
+        in its parameter's shape, the layout of every plugin: ``shard=True``: directory ``checkpoint`` through
+        ``torch.distributed.checkpoint``, every rank writing its part; ``shard=False`` (ColossalAI's default):
+        the full state gathered to rank 0 in the one file ``checkpoint`` (``torch.load(weights_only=True)``
+        reads it). Either loads under any plugin at any world size. ``prefix``/``size_per_shard`` are accepted
+        (DCP writes one file per rank)."""
         model = self.model_for(optimizer)
         if model is None:
             self._save_plain_optimizer(optimizer, checkpoint, shard, prefix, size_per_shard, use_async)
             return
         _optim_io.save_optimizer(
-            self.plugin, model, optimizer, checkpoint, pending=self._pending if use_async else None
+            self.plugin,
+            model,
+            optimizer,
+            checkpoint,
+            shard=shard,
+            pending=self._pending if use_async else None,
         )
 
     def load_optimizer(
@@ -292,8 +301,8 @@ class BoosterCheckpointIO(CheckpointIO):
         low_cpu_mem_mode: bool = True,
         num_threads: int = 1,
     ) -> None:
-        """Load a save of :meth:`save_optimizer` (at any world size): every saved entry is restored or a
-        ``ValueError`` says why and nothing changes."""
+        """Load a save of :meth:`save_optimizer` (a file or a directory; under any plugin, at any world size):
+        every saved entry is restored or a ``ValueError`` says why and nothing changes."""
         self._sync_io()
         model = self.model_for(optimizer)
         if model is None:

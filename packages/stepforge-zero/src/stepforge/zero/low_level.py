@@ -46,7 +46,7 @@ from .config import (
 )
 from .grads.norm import check_clip_args
 from .phases import PhaseObserver, no_phase
-from .state import full, sharded
+from .state import full, named
 from .state.full import zero_scaler_entry
 from .state.inner import invalidate_cache, resolve_optimizer, step_inner
 from .state.partition import ShardLayout, build_layout, managed_param_groups
@@ -555,21 +555,28 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
             self.scaler.load_state_dict(zero["loss_scaler"])
         self.skipped_steps = int(zero.get("skipped_steps", self.skipped_steps))
 
-    def sharded_state_dict(self) -> dict[str, Any]:
-        """This rank's pieces as 1-D ``DTensor`` (``Shard(0)``) for ``torch.distributed.checkpoint``, no
-        gathering (:mod:`stepforge.zero.state.sharded`). A never-stepped optimizer is laid out without stepping
+    def sharded_state_dict(self, names: list[str] | None = None) -> dict[str, Any]:
+        """This rank's pieces for ``torch.distributed.checkpoint`` in the layout every plugin shares: keyed by
+        parameter name (``names``, one per parameter in param-group order; ``None``: the global index as a
+        string), each tensor a :class:`stepforge.core.flat_shard.FlatShard` in its parameter's shape, no
+        gathering (:mod:`stepforge.zero.state.named`). A never-stepped optimizer is laid out without stepping
         it, so the result is a template for ``dcp.load`` and nothing of the optimizer changes."""
         self._reducer.wait()
         self.wait_for_param_gather()
-        return sharded.sharded_state_dict(self._layout, self.optim, self.param_groups, self._zero_extras())
+        if names is None:
+            names = [str(slot.index) for slot in self._layout.slots]
+        return named.named_state_dict(self._layout, self.optim, self.param_groups, names, self._zero_extras())
 
     def load_sharded_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load :meth:`sharded_state_dict`'s form after ``torch.distributed.checkpoint.load`` filled it."""
+        """Load :meth:`sharded_state_dict`'s form after ``torch.distributed.checkpoint.load`` filled it (saved by
+        this optimizer at any world size, by another plugin, or in the index-keyed layout of earlier versions);
+        a section of this optimizer's extras the checkpoint lacks (loss scaler, skip counter) is left as is."""
         self._reducer.wait()
         self.wait_for_param_gather()
-        zero = sharded.load_sharded_state_dict(self._layout, self.optim, self.param_groups, state_dict)
-        self.scaler.load_state_dict(zero["loss_scaler"])
-        self.skipped_steps = int(zero.get("skipped_steps", 0))
+        zero = named.load_named_state_dict(self._layout, self.optim, self.param_groups, state_dict)
+        if zero.get("loss_scaler"):
+            self.scaler.load_state_dict(zero["loss_scaler"])
+        self.skipped_steps = int(zero.get("skipped_steps", self.skipped_steps))
 
     def __repr__(self) -> str:
         return (

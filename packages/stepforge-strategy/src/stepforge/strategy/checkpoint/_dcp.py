@@ -187,8 +187,9 @@ def read_meta(path: str) -> dict[str, Any]:
 
 
 def check_template(path: str, template: dict[str, Any], metadata: Any, exact: Sequence[str] = ()) -> None:
-    """Every template tensor is saved with the same shape and dtype; under the roots named in ``exact`` the
-    checkpoint holds nothing else either (``CheckpointMismatchError`` naming the first differences)."""
+    """Every template tensor is saved with the same shape and dtype (a floating-point one may differ in precision:
+    the read casts it); under the roots named in ``exact`` the checkpoint holds nothing else either
+    (``CheckpointMismatchError`` naming the first differences)."""
     flat, _ = flatten_state_dict({"tensors": template})
     stored = metadata.state_dict_metadata
     missing = [k for k in flat if k not in stored]
@@ -216,7 +217,9 @@ def check_template(path: str, template: dict[str, Any], metadata: Any, exact: Se
                     f"checkpoint {path!r} does not match: {key.removeprefix('tensors.')} has shape {shape} "
                     f"there and {tuple(value.shape)} here; it was saved for another model"
                 )
-            if meta.properties.dtype != value.dtype:
+            saved = meta.properties.dtype
+            if saved != value.dtype and not (saved.is_floating_point and value.dtype.is_floating_point):
+                # a floating-point tensor of another precision is cast by the read, as torch's load_state_dict
                 raise CheckpointMismatchError(
                     f"checkpoint {path!r} does not match: {key.removeprefix('tensors.')} has dtype "
                     f"{meta.properties.dtype} there and {value.dtype} here; it was saved with another precision "

@@ -234,7 +234,8 @@ def check_full_state_dict(
     checkpoint: str | os.PathLike[str], saved: dict[str, Any], live: dict[str, Any], *, strict: bool
 ) -> None:
     """``saved`` (read from ``checkpoint``) fits ``live`` (the model's state dict; DTensors by their global
-    shape): the same keys when ``strict``, and every common key with the same shape and dtype.
+    shape): the same keys when ``strict``, and every common key with the same shape. A dtype may differ: the
+    load casts, as torch's ``load_state_dict`` (an fp16 save loads into an fp32 or bf16 model and back).
 
     Raises:
         CheckpointMismatchError: naming the file and the first differences; nothing has been loaded.
@@ -250,7 +251,7 @@ def check_full_state_dict(
         have, want = saved[key], live[key]
         if not (isinstance(have, torch.Tensor) and isinstance(want, torch.Tensor)):
             continue
-        if tuple(have.shape) != tuple(want.shape) or have.dtype != want.dtype:
+        if tuple(have.shape) != tuple(want.shape):
             raise CheckpointMismatchError(
                 f"load_model: {checkpoint} does not match the model: {key} is {have.dtype}{tuple(have.shape)} "
                 f"there and {want.dtype}{tuple(want.shape)} here"

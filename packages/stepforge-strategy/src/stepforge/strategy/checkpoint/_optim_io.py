@@ -1,9 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """Optimizer and lr-scheduler save/load for the Booster.
 
-The optimizer goes through ``torch.distributed.checkpoint``: the plugin's ``get_state_dict`` gives tensors (or
-DTensors) keyed by parameter FQN, every rank writes its own shard, and ``dcp.load`` fills the same structure
-in place at load time, at any world size. The fp16 loss-scaler state (``grad_scaler``, the boosted optimizer's
+Every plugin's ``get_state_dict`` gives the optimizer state in one layout: keyed by parameter FQN, each tensor
+this rank's part of a tensor in its parameter's shape (a plain tensor, an FSDP2 ``DTensor``, a ZeRO
+``FlatShard``). A sharded save (``shard=True``) goes through ``torch.distributed.checkpoint``: every rank writes
+its own part, and ``dcp.load`` fills the template of any plugin at any world size. An unsharded save
+(``shard=False``) is one ``torch.save`` file of the full state, gathered to rank 0 (ColossalAI's unsharded
+optimizer save), that ``torch.load(weights_only=True)`` reads and any plugin at any world size loads: every rank
+reads the file and copies out its part. The fp16 loss-scaler state (``grad_scaler``, the boosted optimizer's
 ``scaler_state_dict()``) rides along. Saves go through the one checkpoint writer (``commit_dir`` for the optimizer
 directory, written by ``_dcp.dcp_save`` as every DCP save; ``commit_file`` for the scheduler file); an
 asynchronous save runs on the background writer (``_pending.py``). Loads check the manifest first. The plugin
@@ -14,24 +18,28 @@ and the optimizer meet here only through :class:`stepforge.core.Plugin` and
 from __future__ import annotations
 
 import os
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.staging import BlockingAsyncStager
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.tensor import DTensor
 
 from stepforge.core import BoostedOptimizer, Plugin, unwrap_optimizer
+from stepforge.core.flat_shard import FlatShard
 
-from .._env import is_distributed
+from .._env import get_rank, is_distributed
 from ._dcp import dcp_save, safe_dcp_load
 from ._layout import CheckpointMismatchError
-from ._optim_template import complete_template, saved_optimizer_state
-from ._pending import PendingWrites, async_save_group
+from ._optim_template import complete_template, fit_template_to_state, saved_optimizer_state
+from ._pending import PendingWrites, async_save_group, staged
 from ._sidecar import read_torch_file
 from ._staging import fresh_like
 from ._writer import begin_dir, commit_dir, commit_file, finish_dir, verify_dir
+from ._writer import write_file as write_one_file
 
 __all__ = [
     "save_optimizer",
@@ -53,19 +61,78 @@ def _saved_state(plugin: Plugin, model: nn.Module, optimizer: BoostedOptimizer) 
 _META = {"kind": "optimizer"}
 
 
+@torch.no_grad()
+def _gathered(value: Any) -> Any:
+    """``value`` with every tensor part made the full tensor, on the CPU of rank 0 (``None`` elsewhere).
+    Collective: every rank walks the same structure (the plugins' state dicts have the same keys on every rank)."""
+    if isinstance(value, dict):
+        return {k: _gathered(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_gathered(v) for v in value]
+    if isinstance(value, DTensor):
+        full = value.full_tensor()
+    elif isinstance(value, FlatShard):
+        # the ranks' ranges are disjoint and cover the tensor: their sum on rank 0 is the tensor
+        full = value.local.new_zeros(value.numel())
+        full[value.start : value.start + value.local.numel()] = value.local
+        if is_distributed():
+            torch.distributed.reduce(full, dst=0)
+        full = full.view(value.shape)
+    elif isinstance(value, torch.Tensor):
+        full = value
+    else:
+        return value
+    return full.detach().to("cpu", copy=True) if get_rank() == 0 else None
+
+
+@torch.no_grad()
+def _fill(template: Any, full: Any) -> Any:
+    """Copy this rank's part of each full tensor of ``full`` into the tensors of ``template`` (fresh ones);
+    returns the filled structure (objects taken from ``full``)."""
+    if isinstance(template, dict):
+        return {k: _fill(v, full[k]) for k, v in template.items()}
+    if isinstance(template, list):
+        return [_fill(v, f) for v, f in zip(template, full, strict=True)]
+    if isinstance(template, DTensor | FlatShard):
+        for chunk in template.__create_chunk_list__():
+            part = template.__get_tensor_shard__(MetadataIndex("", chunk.offsets))
+            box = tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes, strict=True))
+            part.copy_(full[box])
+        return template
+    if isinstance(template, torch.Tensor):
+        return template.copy_(full)
+    return full
+
+
 def save_optimizer(
     plugin: Plugin,
     model: nn.Module,
     optimizer: BoostedOptimizer,
     checkpoint: str | os.PathLike[str],
     *,
+    shard: bool = True,
     pending: PendingWrites | None = None,
 ) -> None:
-    """Write the optimizer state of every rank to directory ``checkpoint`` (collective).
+    """Write the optimizer state (collective): ``shard=True``: every rank's part to directory ``checkpoint``
+    through DCP; ``shard=False``: the full state to the one file ``checkpoint``, written by rank 0.
 
-    ``pending`` (an asynchronous save): the state is staged (copied to CPU) and the directory begun here; the
-    DCP write and the commit run on the background writer (``_pending.py``), on its own process group."""
+    ``pending`` (an asynchronous save): the state is staged (copied to CPU; a sharded save's directory begun)
+    here; the write and the commit run on the background writer (``_pending.py``), on its own process group."""
     state = _saved_state(plugin, model, optimizer)
+    if not shard:
+        full = _gathered(state)
+
+        def write_file(tmp: str) -> None:
+            torch.save(full, tmp)
+
+        if pending is None:
+            commit_file(checkpoint, write_file, arg="checkpoint", where="save_optimizer", meta=_META)
+        else:  # rank 0 writes in the background; the ranks agree on the outcome at the wait
+            write = partial(
+                write_one_file, checkpoint, write_file, arg="checkpoint", where="save_optimizer", meta=_META
+            )
+            pending.submit(write if get_rank() == 0 else None, where="save_optimizer")
+        return
     if pending is None:
 
         def write(tmp: str) -> None:
@@ -73,7 +140,7 @@ def save_optimizer(
 
         commit_dir(checkpoint, write, meta=_META, arg="checkpoint", where="save_optimizer")
         return
-    copy = BlockingAsyncStager().stage(state)  # a CPU copy (DTensors stay DTensors): what the writer reads
+    copy = staged(state)  # a CPU copy (DTensors and FlatShards keep their kind): what the writer reads
     final, tmp = begin_dir(checkpoint, arg="checkpoint", where="save_optimizer")
     group = async_save_group()
 
@@ -91,25 +158,41 @@ def save_optimizer(
 def load_optimizer(
     plugin: Plugin, model: nn.Module, optimizer: BoostedOptimizer, checkpoint: str | os.PathLike[str]
 ) -> None:
-    """Fill ``optimizer`` from a directory written by :func:`save_optimizer` (collective).
+    """Fill ``optimizer`` from a directory or file written by :func:`save_optimizer` under any plugin at any
+    world size (collective).
 
     Every saved entry is restored, those a fresh optimizer lacks included (as torch's ``load_state_dict``
     does); a checkpoint of other parameters raises ``ValueError`` before anything is loaded.
     """
     path = Path(checkpoint)
+    model_sd, optim_sd = plugin.get_state_dict(model, optimizer)
+    scaler = optimizer.scaler_state_dict()
+    if path.is_file():
+        saved = read_torch_file(path, where="load_optimizer")  # no code runs from it (CheckpointError)
+        if not isinstance(saved, dict) or "optimizer" not in saved:
+            raise CheckpointMismatchError(
+                f"load_optimizer: {path} holds no 'optimizer' entry; pass a file written by save_optimizer"
+            )
+        try:
+            fit_template_to_state(optim_sd, saved["optimizer"], path, optimizer)
+        except CheckpointMismatchError as exc:
+            raise CheckpointMismatchError(f"load_optimizer: {exc}") from exc
+        fresh = _fill(fresh_like({"optimizer": optim_sd}), {"optimizer": saved["optimizer"]})
+        plugin.set_state_dict(model, optimizer, model_sd, fresh["optimizer"])
+        if scaler is not None and saved.get("grad_scaler") is not None:
+            optimizer.load_scaler_state_dict(saved["grad_scaler"])
+        return
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(
-            f"load_optimizer: {path} is not a torch.distributed.checkpoint directory (no .metadata); pass the "
-            "directory given to save_optimizer."
+            f"load_optimizer: {path} is neither a file of save_optimizer(shard=False) nor a "
+            "torch.distributed.checkpoint directory (no .metadata); pass the path given to save_optimizer."
         )
     # COMMIT.json and every file's CRC-32 first; a directory without one (torch's own dcp.save, or a save of
     # stepforge before the one writer) is read as before, through the restricted reader only
     verify_dir(str(path), required=False, where="load_optimizer")
-    model_sd, optim_sd = plugin.get_state_dict(model, optimizer)
     # every saved entry gets a place (or CheckpointMismatchError, a ValueError) before any tensor is read
     complete_template(optim_sd, path, unwrap_optimizer(optimizer))
     state: dict[str, Any] = {"optimizer": optim_sd}
-    scaler = optimizer.scaler_state_dict()
     if scaler is not None:
         state["grad_scaler"] = scaler
     fresh = fresh_like(state)  # read into fresh tensors: a failed read leaves the optimizer as it was

@@ -12,8 +12,13 @@ template is the live optimizer's state dict, and it may differ from the checkpoi
 
 Everything else is a :class:`CheckpointMismatchError` naming the difference, raised after reading the metadata
 and the (small) parameter groups only, before any tensor is read: another optimizer type (other state or group
-keys), other parameter groups or parameters, other shapes or dtypes, a plugin's layout where the torch one is
-expected.
+keys), other parameter groups or parameters, other shapes or dtypes.
+
+Every plugin saves the same layout (torch's ``get_optimizer_state_dict``: keyed by parameter name, tensors in the
+parameter's shape, a plugin's extras beside ``state`` and ``param_groups``), so a checkpoint of one plugin fits
+the template of any other: the extras the template lacks get a place that reads nothing (a tensor) or little (an
+object), and the template's extras the checkpoint lacks are dropped. A ZeRO checkpoint of the index-keyed layout
+of earlier versions is read by viewing ZeRO's pieces flat under index keys.
 """
 
 from __future__ import annotations
@@ -23,16 +28,22 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.tensor import DTensor
 
 from stepforge.core import unwrap_optimizer
+from stepforge.core.flat_shard import FlatShard
 
 from .._env import is_distributed
 from ._dcp import read_dcp_metadata, safe_dcp_load
 from ._layout import CheckpointMismatchError
 
-__all__ = ["complete_template", "fit_template", "saved_optimizer_state"]
+__all__ = ["complete_template", "fit_template", "fit_template_to_state", "saved_optimizer_state"]
 
 _Path = tuple[Any, ...]
 
@@ -46,17 +57,6 @@ def _saved_paths(metadata: Metadata, root: _Path) -> dict[_Path, Any]:
         if path[: len(root)] == root:
             out[path[len(root) :]] = item
     return out
-
-
-def _is_torch_layout(template: Mapping[str, Any]) -> bool:
-    groups = template.get("param_groups")
-    return (
-        isinstance(template.get("state"), Mapping)
-        and isinstance(groups, list)
-        and all(
-            isinstance(g, Mapping) and all(isinstance(p, str) for p in g.get("params", ())) for g in groups
-        )
-    )
 
 
 def _saved_groups(checkpoint: str, saved: dict[_Path, Any], root: _Path) -> list[dict[str, Any]]:
@@ -86,6 +86,75 @@ def _placeholder(param: torch.Tensor, item: Any) -> Any:
     return torch.empty(size, dtype=dtype, device=device)
 
 
+def _skipped(item: Any) -> Any:
+    """A place for a saved entry this optimizer does not use (another plugin's extras): an object is read (it is
+    small), a tensor gets a :class:`FlatShard` of no elements, which DCP reads nothing into."""
+    if not isinstance(item, TensorStorageMetadata):
+        return None
+    return FlatShard(torch.empty(0, dtype=item.properties.dtype), 0, tuple(item.size))
+
+
+def _drop_empty(node: Any) -> bool:
+    """Remove the empty dicts inside ``node``; whether anything is left in it."""
+    if not isinstance(node, dict):
+        return True
+    for key in [k for k, v in node.items() if not _drop_empty(v)]:
+        del node[key]
+    return bool(node)
+
+
+def _fit_extras(template: dict[str, Any], saved: dict[_Path, Any]) -> None:
+    """Outside ``state`` and ``param_groups`` (a plugin's extras, ZeRO's ``zero``): drop the template's entries
+    the checkpoint lacks, give every saved one a place."""
+    from stepforge.core.torch_compat import flatten_state_dict
+
+    extras = {k: v for k, v in template.items() if k not in ("state", "param_groups")}
+    flat, mapping = flatten_state_dict(extras)
+    for key in flat:
+        path = tuple(mapping[key])
+        if path not in saved:
+            node: Any = template
+            for part in path[:-1]:
+                node = node[part]
+            del node[path[-1]]
+    for key in extras:
+        if not _drop_empty(template[key]):
+            del template[key]  # nothing of it is saved: the plugin gets no such section
+    for path, item in saved.items():
+        if path[0] in ("state", "param_groups"):
+            continue
+        node = template
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        if path[-1] not in node:
+            node[path[-1]] = _skipped(item)
+
+
+def _to_index_keys(template: dict[str, Any], path: str) -> None:
+    """Make a named template read the index-keyed layout of ZeRO before the named one (state under
+    ``"<index>"``, 1-D tensors of the flattened parameter, integer ``params``): its pieces seen flat, no copy."""
+    index = {name: i for i, name in enumerate(n for g in template["param_groups"] for n in g["params"])}
+
+    if not any(isinstance(v, FlatShard) for entry in template["state"].values() for v in entry.values()):
+        raise _fail(
+            path,
+            "it is a ZeRO checkpoint of an earlier version (keyed by parameter index, flattened), which only "
+            "ZeRO reads; load it under zero1/zero2 and save it again to move it to another plugin",
+        )
+
+    def flat(value: Any) -> Any:
+        return value.flat() if isinstance(value, FlatShard) else value
+
+    template["state"] = {
+        str(index[n]): {k: flat(v) for k, v in entry.items()} for n, entry in template["state"].items()
+    }
+    for group in template["param_groups"]:
+        group["params"] = [index[n] for n in group["params"]]
+    masters = template.get("zero", {}).get("master_weights")
+    if isinstance(masters, dict):
+        template["zero"]["master_weights"] = {str(index[n]): flat(v) for n, v in masters.items()}
+
+
 def _fail(checkpoint: str, what: str) -> CheckpointMismatchError:
     return CheckpointMismatchError(
         f"checkpoint {checkpoint!r} does not fit this optimizer: {what}; load it into the optimizer class, "
@@ -112,19 +181,45 @@ def fit_template(
     saved = _saved_paths(metadata if metadata is not None else read_dcp_metadata(path), root)
     if not saved:
         raise _fail(path, "its optimizer entries are missing (saved with save_optimizer=False?)")
+    _fit(template, saved, _saved_groups(path, saved, root), path, optimizer)
+
+
+def fit_template_to_state(
+    template: dict[str, Any], state: Mapping[str, Any], checkpoint: str | os.PathLike[str], optimizer: Any
+) -> None:
+    """:func:`fit_template` for a full optimizer state already in memory (a one-file save)."""
+    from stepforge.core.torch_compat import flatten_state_dict
+
+    if not isinstance(state, Mapping) or not isinstance(state.get("param_groups"), list):
+        raise _fail(str(checkpoint), "it holds no optimizer state with 'param_groups'")
+    flat, mapping = flatten_state_dict(dict(state))
+    saved = {
+        tuple(mapping[key]): TensorStorageMetadata(TensorProperties(dtype=v.dtype), v.size(), [])
+        if isinstance(v, torch.Tensor)
+        else BytesStorageMetadata()
+        for key, v in flat.items()
+    }
+    _fit(template, saved, list(state["param_groups"]), str(checkpoint), unwrap_optimizer(optimizer))
+
+
+def _fit(
+    template: dict[str, Any],
+    saved: dict[_Path, Any],
+    saved_groups: list[dict[str, Any]],
+    path: str,
+    optimizer: torch.optim.Optimizer,
+) -> None:
+    groups = template["param_groups"]
+    if any(isinstance(p, int) for g in saved_groups for p in g.get("params", ())):
+        _to_index_keys(template, path)
     saved_state: dict[Any, dict[Any, Any]] = {}
     for p, item in saved.items():
         if len(p) >= 3 and p[0] == "state":
             saved_state.setdefault(p[1], {})[p[2:]] = item
-    live_state = template.get("state")
-    if isinstance(live_state, dict):
-        for key in [k for k in live_state if k not in saved_state]:
-            del live_state[key]  # saved before this parameter's first step: it comes back unstepped
-    if not _is_torch_layout(template):
-        _check_plugin_layout(template, saved, path)
-        return
-    groups = template["param_groups"]
-    saved_groups = _saved_groups(path, saved, root)
+    live_state = template["state"]
+    for key in [k for k in live_state if k not in saved_state]:
+        del live_state[key]  # saved before this parameter's first step: it comes back unstepped
+    _fit_extras(template, saved)
     if len(saved_groups) != len(groups):
         raise _fail(path, f"{len(saved_groups)} parameter groups there, {len(groups)} here")
     for i, (mine, theirs) in enumerate(zip(groups, saved_groups, strict=True)):
@@ -142,39 +237,28 @@ def fit_template(
                 f"parameter group {i} holds {len(theirs.get('params', ()))} parameters there and "
                 f"{len(mine['params'])} here (only there: {extra[:4]}, only here: {absent[:4]})",
             )
-    params = {
-        fqn: param
-        for group, torch_group in zip(groups, optimizer.param_groups, strict=True)
-        for fqn, param in zip(group["params"], torch_group["params"], strict=True)
-    }
+    # the optimizer's own parameters by name, where its groups are the template's (a ZeRO template names
+    # every parameter itself, its inner optimizer steps pieces)
+    params = {}
+    if [len(g["params"]) for g in groups] == [len(g["params"]) for g in optimizer.param_groups]:
+        params = {
+            name: param
+            for group, torch_group in zip(groups, optimizer.param_groups, strict=True)
+            for name, param in zip(group["params"], torch_group["params"], strict=True)
+        }
     for fqn, entries in saved_state.items():
-        if fqn not in params:
-            raise _fail(path, f"it holds state for {fqn!r}, which no group of this optimizer names")
         keys = {p[0] for p in entries}
-        live = template["state"].get(fqn)
+        live = live_state.get(fqn)
         if live is not None and set(live) != keys:
             raise _fail(path, f"{fqn!r} has state {sorted(keys)} there and {sorted(live)} here")
         if live is None:
-            template["state"][fqn] = {
+            if fqn not in params:
+                raise _fail(path, f"it holds state for {fqn!r}, which this optimizer has no place for")
+            live_state[fqn] = {
                 p[0]: _placeholder(params[fqn], item) for p, item in entries.items() if len(p) == 1
             }
             if any(len(p) != 1 for p in entries):
                 raise _fail(path, f"{fqn!r} holds nested state this optimizer has no place for")
-
-
-def _check_plugin_layout(template: Mapping[str, Any], saved: dict[_Path, Any], path: str) -> None:
-    """A plugin's own layout (ZeRO's): every entry of the template is saved, and nothing else is."""
-    from stepforge.core.torch_compat import flatten_state_dict
-
-    flat, mapping = flatten_state_dict(dict(template))
-    live = {tuple(mapping[k]) for k in flat}
-    stored = set(saved)
-    if live != stored:
-        extra = sorted(".".join(map(str, p)) for p in stored - live)
-        absent = sorted(".".join(map(str, p)) for p in live - stored)
-        raise _fail(
-            path, f"entries only there: {extra[:5]}, only here: {absent[:5]} (another plugin or model?)"
-        )
 
 
 def saved_optimizer_state(optimizer: Any, state_dict: dict[str, Any]) -> dict[str, Any]:

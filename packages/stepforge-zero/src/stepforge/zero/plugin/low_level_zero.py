@@ -4,8 +4,9 @@
 ColossalAI's signature. ``prepare`` casts the model to the working dtype, wraps it in
 :class:`~.model.LowLevelZeroModel` (floating-point inputs cast to that dtype, as ColossalAI's ``cast_inputs``) and
 wraps the optimizer in :class:`~stepforge.zero.low_level.LowLevelZeroOptimizer` with the plugin's
-:class:`~stepforge.zero.config.LowLevelZeroConfig` (built once here, passed through unchanged). Unlike ColossalAI, ``no_sync`` works for both stages and checkpoints go
-through ``torch.distributed.checkpoint`` in a sharded, world-size-independent form. LoRA (peft) models are
+:class:`~stepforge.zero.config.LowLevelZeroConfig` (built once here, passed through unchanged). Unlike ColossalAI, ``no_sync``
+works for both stages and checkpoints go through ``torch.distributed.checkpoint`` in the layout every plugin shares
+(by parameter name, in each parameter's shape), loadable under any plugin at any world size. LoRA (peft) models are
 supported as in ColossalAI (:mod:`.lora`).
 
 The plugin subclasses :class:`stepforge.core.Plugin` (device, ``world_size``/``rank``, precision adoption,
@@ -22,7 +23,7 @@ from typing import Any
 
 import torch
 
-from stepforge.core import BoostedOptimizer, HyperParameterError, MemoryPlan, Plugin
+from stepforge.core import BoostedOptimizer, HyperParameterError, MemoryPlan, Plugin, param_fqns
 from stepforge.core.precision import PLUGIN_PRECISIONS, check_plugin_precision, validate_loss_scaler_args
 
 from ..comm.algorithm import COLOSSAL_BUCKET_SIZE
@@ -285,13 +286,17 @@ class LowLevelZeroPlugin(Plugin):
         | Iterable[torch.optim.Optimizer | BoostedOptimizer],
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         """The DCP pair: the model's full state dict (original keys, replicated on every rank) and the
-        optimizer's sharded, world-size-independent state (``LowLevelZeroOptimizer.sharded_state_dict()``);
-        ``{}`` for the optimizer when ``optimizers`` is empty (a weights-only save or load)."""
+        optimizer's sharded state in the layout every plugin shares (keyed by parameter name as torch's
+        ``get_optimizer_state_dict`` names them, each tensor this rank's piece in its parameter's shape:
+        ``LowLevelZeroOptimizer.sharded_state_dict``), so it loads under any plugin at any world size; ``{}`` for
+        the optimizer when ``optimizers`` is empty (a weights-only save or load)."""
         items = listed_optimizers(optimizers)
+        module = unwrap_prepared(model)
         if not items:
-            return unwrap_prepared(model).state_dict(), {}
+            return module.state_dict(), {}
         zero = self._zero(single_optimizer(items), "get_state_dict")
-        return unwrap_prepared(model).state_dict(), zero.sharded_state_dict()
+        fqns = param_fqns(module)
+        return module.state_dict(), zero.sharded_state_dict([fqns[s.param] for s in zero.layout.slots])
 
     def set_state_dict(
         self,
@@ -302,7 +307,8 @@ class LowLevelZeroPlugin(Plugin):
         model_state_dict: Mapping[str, Any],
         optim_state_dict: Mapping[str, Any],
     ) -> None:
-        """Apply a pair filled by ``torch.distributed.checkpoint.load`` (possibly saved at another world size); with
+        """Apply a pair filled by ``torch.distributed.checkpoint.load`` (saved at any world size, under any plugin,
+        or in the index-keyed layout of earlier versions); with
         no optimizers only the model (a weights-only load: refresh the masters with :meth:`after_model_load`)."""
         items = listed_optimizers(optimizers)
         zero = self._zero(single_optimizer(items), "set_state_dict") if items else None

@@ -6,5 +6,6 @@
 - :mod:`.inner`: the inner optimizer that steps the master pieces (built from a config, ``CPUAdam`` for CPU
   offload, its cache).
 - :mod:`.full`: the full, gathered, world-size-independent state dict.
-- :mod:`.sharded`: the sharded state dict (1-D ``DTensor`` pieces) for ``torch.distributed.checkpoint``.
+- :mod:`.named`: the sharded state dict for ``torch.distributed.checkpoint`` in the layout every plugin shares
+  (keyed by parameter name, in each parameter's shape, this rank's piece only).
 """

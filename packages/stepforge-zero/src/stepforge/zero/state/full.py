@@ -18,7 +18,7 @@ masters (loss scaler, skip counter): it passes them in to save and applies what 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -129,12 +129,15 @@ def gather_pieces(
     }
 
 
-def group_entries(layout: ShardLayout, param_groups: ParamGroups) -> list[dict[str, Any]]:
-    """The working ``param_groups`` with global parameter indices instead of tensors."""
+def group_entries(
+    layout: ShardLayout, param_groups: ParamGroups, names: Sequence[str] | None = None
+) -> list[dict[str, Any]]:
+    """The working ``param_groups`` with each parameter's name (``names[index]``) or, without ``names``, its
+    global index instead of tensors."""
     groups = []
     for g, group in enumerate(param_groups):
         entry = {k: v for k, v in group.items() if k != "params"}
-        entry["params"] = [s.index for s in layout.group_slots(g)]
+        entry["params"] = [s.index if names is None else names[s.index] for s in layout.group_slots(g)]
         groups.append(entry)
     return groups
 

@@ -3,10 +3,10 @@
 
 Every parameter is flattened and cut the way ``torch.chunk`` cuts a 1-D tensor of its ``numel`` ``n`` into
 ``W`` pieces: piece size ``s = ceil(n / W)``, rank ``r`` owns ``[r*s, min((r+1)*s, n))`` (possibly empty for
-the last ranks of a tiny parameter). That is exactly the local piece of a 1-D ``DTensor`` with ``Shard(0)``
-over ``W`` ranks, so the sharded state is saved and resharded by ``torch.distributed.checkpoint`` without any
-gathering. For communication each piece is zero-padded to ``s`` so that every rank contributes the same
-number of elements (at most ``W - 1`` padding elements per parameter).
+the last ranks of a tiny parameter). The piece is saved and resharded by ``torch.distributed.checkpoint`` in
+the parameter's shape, without any gathering, as a :class:`stepforge.core.flat_shard.FlatShard` (:mod:`.named`).
+For communication each piece is zero-padded to ``s`` so that every rank contributes the same number of elements
+(at most ``W - 1`` padding elements per parameter).
 
 Slots are grouped into *partitions*: one per (param group, working dtype); after a step each partition is
 all-gathered with a single collective.
