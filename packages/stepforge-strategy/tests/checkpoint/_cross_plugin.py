@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from stepforge.core import param_fqns
-from stepforge.core.plugin_base import unwrap_optimizer
+from stepforge.core import unwrap_optimizer
 from stepforge.strategy import Booster, Strategy
 from stepforge.strategy.boosted_model import ModelWrapper
 
