@@ -43,7 +43,6 @@ import torch.distributed.checkpoint as dcp
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tools/: the `bench` package
 from bench.common import _machine
 from stepforge.strategy import checkpoint as ck
-from stepforge.strategy.checkpoint import _layout
 
 _TENSOR_MB = 64
 
@@ -94,7 +93,7 @@ def run(mb: float, repeats: int, workdir: str, sync: bool = True) -> dict[str, A
             "save_committed": lambda: ck.save_dir(
                 committed, tensors=state, objects={}, rank_objects={}, meta={"bench": True}
             ),
-            "verify": lambda: _layout.validate_files(committed, _layout.read_commit(committed)),
+            "verify": lambda: ck.verify_dir(committed, required=True, where="bench"),
             "load_committed": lambda: ck.load_dir(committed, target),
             "dcp_load_raw": lambda: dcp.load(target, checkpoint_id=raw, no_dist=True),
         }

@@ -23,8 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
 )
 
-from stepforge.core import param_fqns
-from stepforge.core import unwrap_optimizer
+from stepforge.core import param_fqns, unwrap_optimizer
 from stepforge.strategy import Booster, Strategy
 from stepforge.strategy.boosted_model import ModelWrapper
 

@@ -16,6 +16,8 @@ from test_writer_failures import _leftovers, _snapshot
 
 from stepforge.strategy import Booster, CheckpointError
 from stepforge.strategy import checkpoint as ck
+from stepforge.strategy.checkpoint._layout import MARKER
+from stepforge.strategy.checkpoint._sidecar import SIDECAR_SUFFIX, verify_file
 
 
 def _model(seed: int) -> torch.nn.Module:
@@ -41,7 +43,7 @@ def _equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
 def test_a_single_file_save_is_a_plain_file_with_a_sidecar_manifest(tmp_path, use_safetensors):
     saved, path = _model(0), str(tmp_path / "model.pt")
     Booster(plugin="single").save_model(saved, path, use_safetensors=use_safetensors)
-    assert sorted(os.listdir(tmp_path)) == ["model.pt", "model.pt" + ck.SIDECAR_SUFFIX]
+    assert sorted(os.listdir(tmp_path)) == ["model.pt", "model.pt" + SIDECAR_SUFFIX]
     if use_safetensors:  # any safetensors reader
         from safetensors.torch import load_file
 
@@ -50,7 +52,7 @@ def test_a_single_file_save_is_a_plain_file_with_a_sidecar_manifest(tmp_path, us
         plain = torch.load(path, weights_only=True)
     assert plain.keys() == saved.state_dict().keys()
     assert all(torch.equal(plain[k], v) for k, v in saved.state_dict().items())
-    assert ck.verify_file(path) is True
+    assert verify_file(path) is True
     target = _model(1)
     Booster(plugin="single").load_model(target, path)
     assert _equal(target, saved)
@@ -65,7 +67,7 @@ def test_a_flipped_byte_in_a_model_file_is_refused_naming_it(tmp_path, shard):
     weights = [f for f in files if f.endswith((".safetensors", "ckpt"))]
     assert weights and (not shard or len(weights) > 1)  # several shards: each one is checked
     if shard:
-        assert ck.MARKER in os.listdir(path)
+        assert MARKER in os.listdir(path)
     for victim in weights:
         _flip(victim, os.path.getsize(victim) // 2)
         target = _model(1)
@@ -111,7 +113,7 @@ def test_optimizer_and_scheduler_saves_are_committed_and_checked(tmp_path):
             load()
         _flip(victim, os.path.getsize(victim) - 1)
         load()
-    with open(os.path.join(opt_dir, ck.MARKER), "a") as f:  # the marker itself is checked too
+    with open(os.path.join(opt_dir, MARKER), "a") as f:  # the marker itself is checked too
         f.write(" ")
     with pytest.raises(CheckpointError, match="COMMIT.json does not match its own CRC-32"):
         booster.load_optimizer(opt, opt_dir)

@@ -23,7 +23,7 @@ from _strategy_cases import full_params, make_strategy
 
 transformers = pytest.importorskip("transformers")
 
-from stepforge.strategy.checkpoint import save_dir  # noqa: E402
+from stepforge.strategy.checkpoint._dcp import save_dir  # noqa: E402
 from stepforge.strategy.checkpoint.cli import main  # noqa: E402
 from stepforge.testing.distributed import requires_gloo, run_distributed  # noqa: E402
 

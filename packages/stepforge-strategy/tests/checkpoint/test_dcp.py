@@ -10,13 +10,9 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from stepforge.strategy import checkpoint as ck
-from stepforge.strategy.checkpoint import (
-    CheckpointError,
-    find_latest_checkpoint,
-    load_dir,
-    read_meta,
-    save_dir,
-)
+from stepforge.strategy.checkpoint import CheckpointError, find_latest_checkpoint
+from stepforge.strategy.checkpoint._dcp import load_dir, read_meta, save_dir
+from stepforge.strategy.checkpoint._layout import MARKER
 from stepforge.testing.distributed import DistributedTestError, requires_gloo, run_distributed
 from stepforge.testing.models import tanh_mlp
 
@@ -72,7 +68,7 @@ def test_round_trip_last_checkpoint_rotation_and_map_location(tmp_path):
     assert find_latest_checkpoint(work) == paths[2]
     assert _read(os.path.join(work, "last_checkpoint")) == paths[2]
     assert read_meta(paths[1]) == {"iter": 1}
-    assert sorted(os.listdir(paths[2]))[0] == ".metadata" and ck.MARKER in os.listdir(paths[2])
+    assert sorted(os.listdir(paths[2]))[0] == ".metadata" and MARKER in os.listdir(paths[2])
     # a fresh model/optimizer (one step so the optimizer has state to fill) gets the saved values bit for bit
     fresh, fopt = _trained(1)
     msd, osd = get_state_dict(fresh, fopt)
@@ -104,9 +100,9 @@ def test_bad_checkpoints_raise_and_change_nothing(tmp_path):
         return str(info.value)
 
     # 1. no marker: a save that never finished
-    os.rename(os.path.join(good, ck.MARKER), str(tmp_path / "marker"))
+    os.rename(os.path.join(good, MARKER), str(tmp_path / "marker"))
     assert "no COMMIT.json" in attempt(good)
-    os.rename(str(tmp_path / "marker"), os.path.join(good, ck.MARKER))
+    os.rename(str(tmp_path / "marker"), os.path.join(good, MARKER))
     # 2. a truncated data file
     data = next(f for f in os.listdir(good) if f.endswith(".distcp"))
     with open(os.path.join(good, data), "rb") as f:
@@ -152,7 +148,7 @@ def test_kill_a_rank_mid_save_keeps_the_previous_checkpoint(tmp_path):
     assert _read(os.path.join(work, "last_checkpoint")) == first
     assert not os.path.exists(os.path.join(work, "iter_2"))  # never renamed into place
     leftovers = [e for e in os.listdir(work) if e.startswith(".iter_2.tmp-")]
-    assert leftovers and ck.MARKER not in os.listdir(os.path.join(work, leftovers[0]))
+    assert leftovers and MARKER not in os.listdir(os.path.join(work, leftovers[0]))
     with pytest.raises(CheckpointError, match="never finished"):
         read_meta(os.path.join(work, leftovers[0]))
     # the previous checkpoint (rotation with max_keep_ckpts=1 did not run) loads at world size 1

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stepforge.strategy import CheckpointError
-from stepforge.strategy import checkpoint as ck
+from stepforge.strategy.checkpoint._layout import MARKER
 
 _RUN: dict[str, Any] = {}
 
@@ -83,7 +83,7 @@ class _Damaged:
 
 def _names(path: str) -> list[str]:
     names = sorted(os.listdir(path))
-    assert ck.MARKER in names and ".metadata" in names and any(n.endswith(".distcp") for n in names)
+    assert MARKER in names and ".metadata" in names and any(n.endswith(".distcp") for n in names)
     return names
 
 

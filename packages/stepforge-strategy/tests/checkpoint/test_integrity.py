@@ -11,7 +11,8 @@ import torch
 from _strategy_cases import full_params, make_strategy, prepare, train
 
 from stepforge.strategy import CheckpointError
-from stepforge.strategy import checkpoint as ck
+from stepforge.strategy.checkpoint._dcp import read_meta
+from stepforge.strategy.checkpoint._layout import MARKER
 
 
 def _flip(path: str, offset: int) -> bytes:
@@ -48,7 +49,7 @@ def test_a_flipped_byte_in_any_file_is_refused_and_changes_nothing(tmp_path):
     params, state = full_params(victim.model), _optimizer_state(victim)
     lr = victim.optim_wrapper.param_groups[0]["lr"]
     names = sorted(os.listdir(path))
-    assert ck.MARKER in names and ".metadata" in names and any(n.endswith(".distcp") for n in names)
+    assert MARKER in names and ".metadata" in names and any(n.endswith(".distcp") for n in names)
     for name in names:
         full = os.path.join(path, name)
         size = os.path.getsize(full)
@@ -75,10 +76,10 @@ def test_every_byte_of_the_commit_marker_is_covered(tmp_path):
     s = make_strategy(str(tmp_path))
     prepare(s)
     path = s.save_checkpoint("c")
-    marker = os.path.join(path, ck.MARKER)
+    marker = os.path.join(path, MARKER)
     for offset in range(os.path.getsize(marker)):
         old = _flip(marker, offset)
-        with pytest.raises(CheckpointError, match=ck.MARKER):
-            ck.read_meta(path)
+        with pytest.raises(CheckpointError, match=MARKER):
+            read_meta(path)
         _restore(marker, offset, old)
-    assert ck.read_meta(path)["iter"] == 0
+    assert read_meta(path)["iter"] == 0

@@ -13,7 +13,7 @@ import pytest
 import torch
 from _strategy_cases import ITERS, batch, full_params, make_strategy, prepare, train
 
-from stepforge.strategy.checkpoint import read_meta
+from stepforge.strategy.checkpoint._dcp import read_meta
 from stepforge.testing.distributed import requires_gloo, run_distributed
 
 

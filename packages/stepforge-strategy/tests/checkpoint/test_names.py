@@ -14,7 +14,7 @@ from _strategy_cases import make_strategy, prepare, train
 from test_writer_failures import _snapshot
 
 from stepforge.strategy import Booster, CheckpointError
-from stepforge.strategy import checkpoint as ck
+from stepforge.strategy.checkpoint._dcp import read_meta
 
 
 @pytest.fixture
@@ -71,8 +71,8 @@ def test_a_users_folder_or_file_is_never_replaced(strategy):
     assert _snapshot(work) == before
     # an empty folder holds nothing to lose; a committed checkpoint is replaced (after the new commit)
     os.makedirs(os.path.join(work, "empty"))
-    assert ck.read_meta(strategy.save_checkpoint("empty"))["iter"] == 3
-    assert ck.read_meta(strategy.save_checkpoint("empty"))["iter"] == 3
+    assert read_meta(strategy.save_checkpoint("empty"))["iter"] == 3
+    assert read_meta(strategy.save_checkpoint("empty"))["iter"] == 3
 
 
 def _model() -> torch.nn.Module:

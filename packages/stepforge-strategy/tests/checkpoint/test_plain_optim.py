@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from stepforge.strategy import GeneralCheckpointIO
+from stepforge.strategy import checkpoint as ckpt
 
 
 class _Net(nn.Module):
@@ -184,16 +185,14 @@ def test_sync_waits_for_the_background_writes_of_every_checkpoint_io(tmp_path, m
     """``_sync_io`` returns only when the file of an asynchronous save is complete; ``_sync_d2h`` exists on it."""
     import threading
 
-    from stepforge.strategy.checkpoint import _plain_optim
-
     release = threading.Event()
-    real = _plain_optim.write_plain_optimizer
+    real = ckpt.write_plain_optimizer
 
     def gated(*args, **kwargs):
         assert release.wait(60), "the test never released the writer"
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(_plain_optim, "write_plain_optimizer", gated)
+    monkeypatch.setattr(ckpt, "write_plain_optimizer", gated)
     model = _net(0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     _step(model, optimizer)

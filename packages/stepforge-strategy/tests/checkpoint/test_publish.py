@@ -22,6 +22,7 @@ transformers = pytest.importorskip("transformers")
 
 from stepforge.strategy import Booster, CheckpointError  # noqa: E402
 from stepforge.strategy import checkpoint as ck  # noqa: E402
+from stepforge.strategy.checkpoint._layout import MARKER  # noqa: E402
 
 USER_FILES = {"tokenizer.json": b'{"version": "1.0"}', "notes/README.md": b"# my model\n"}
 
@@ -69,9 +70,7 @@ def test_hugging_face_workflow_loads_with_from_pretrained(tmp_path, use_safetens
         assert ours == sorted([*shards, index])
         weight_map = json.loads((tmp_path / index).read_text())["weight_map"]
         assert sorted(set(weight_map.values())) == shards and set(weight_map) == set(model.state_dict())
-    assert sorted(os.listdir(tmp_path)) == sorted(
-        {*ours, "config.json", "tokenizer.json", "notes", ck.MARKER}
-    )
+    assert sorted(os.listdir(tmp_path)) == sorted({*ours, "config.json", "tokenizer.json", "notes", MARKER})
 
     loaded = transformers.AutoModel.from_pretrained(str(tmp_path))
     _assert_same_weights(model, loaded)

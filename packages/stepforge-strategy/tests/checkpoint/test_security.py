@@ -24,6 +24,7 @@ from _strategy_cases import full_params, make_strategy, prepare, train
 from stepforge.strategy import CheckpointError
 from stepforge.strategy import checkpoint as ck
 from stepforge.strategy.checkpoint import _dcp
+from stepforge.strategy.checkpoint._layout import MARKER
 
 
 class Payload:
@@ -45,17 +46,17 @@ def _crc(path: str) -> str:
 
 def _recommit(path: str) -> None:
     """What an attacker does after editing files: a COMMIT.json that matches them (sizes, CRC-32, own CRC)."""
-    with open(os.path.join(path, ck.MARKER), encoding="utf-8") as f:
+    with open(os.path.join(path, MARKER), encoding="utf-8") as f:
         record = json.load(f)
     record.pop("crc32")
-    names = [n for n in os.listdir(path) if n != ck.MARKER]
+    names = [n for n in os.listdir(path) if n != MARKER]
     record["files"] = {
         n: {"size": os.path.getsize(os.path.join(path, n)), "crc32": _crc(os.path.join(path, n))}
         for n in names
     }
     body = json.dumps(record, sort_keys=True, separators=(",", ":"))
     record["crc32"] = f"{zlib.crc32(body.encode()):08x}"
-    with open(os.path.join(path, ck.MARKER), "w", encoding="utf-8") as f:
+    with open(os.path.join(path, MARKER), "w", encoding="utf-8") as f:
         f.write(json.dumps(record, sort_keys=True, separators=(",", ":")))
 
 

@@ -24,7 +24,7 @@ from _strategy_cases import COUNTS, ITERS, make_model, make_strategy, train
 from torch import nn
 
 from stepforge.strategy import CheckpointError
-from stepforge.strategy import checkpoint as ck
+from stepforge.strategy.checkpoint._layout import MARKER
 from stepforge.testing.distributed import requires_gloo, run_distributed
 
 SCHEDULERS = [
@@ -96,15 +96,15 @@ def _remove(path: str) -> str:
 
 
 def _not_json(path: str) -> str:
-    with open(os.path.join(path, ck.MARKER), "w", encoding="utf-8") as f:
+    with open(os.path.join(path, MARKER), "w", encoding="utf-8") as f:
         f.write('{"format": "stepforge-dcp-2", "files": ')
-    return ck.MARKER
+    return MARKER
 
 
 def _wrong_fields(path: str) -> str:
-    with open(os.path.join(path, ck.MARKER), "w", encoding="utf-8") as f:
+    with open(os.path.join(path, MARKER), "w", encoding="utf-8") as f:
         f.write('{"format": "stepforge-dcp-2", "files": 3, "meta": []}')
-    return ck.MARKER
+    return MARKER
 
 
 _DAMAGE: dict[str, Callable[[str], str]] = {

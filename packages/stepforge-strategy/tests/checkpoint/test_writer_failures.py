@@ -12,15 +12,15 @@ import os
 import pytest
 from _strategy_cases import full_params, make_strategy, prepare, train
 
-from stepforge.strategy import checkpoint as ck
 from stepforge.strategy.checkpoint import (
     CheckpointError,
     _dcp,
     _layout,
     _writer,
     find_latest_checkpoint,
-    read_meta,
 )
+from stepforge.strategy.checkpoint._dcp import read_meta
+from stepforge.strategy.checkpoint._layout import LAST_CHECKPOINT, MARKER
 
 
 class _Killed(BaseException):
@@ -127,7 +127,7 @@ def _replace_calls(work: str) -> list[tuple[str, str]]:
 def test_the_recorded_rename_order_of_a_re_save(tmp_path):
     calls = _replace_calls(str(tmp_path))
     kinds = [
-        "marker" if dst == ck.MARKER else "pointer" if dst == ck.LAST_CHECKPOINT else
+        "marker" if dst == MARKER else "pointer" if dst == LAST_CHECKPOINT else
         "aside" if ".old-" in dst else "in" if dst == "iter_3" else dst
         for _, dst in calls
     ]  # fmt: skip
@@ -198,8 +198,8 @@ def test_the_next_save_of_a_name_brings_back_its_orphaned_copy_before_anything_e
     assert not os.path.exists(os.path.join(work, "iter_3"))
     assert os.path.basename(find_latest_checkpoint(work)).startswith(".iter_3.")
     s.save_checkpoint("iter_3")  # recovery: the orphaned copy is renamed back, then replaced by the new save
-    assert sorted(os.listdir(work)) == sorted(["iter_3", ck.LAST_CHECKPOINT, *_logs(work)])
+    assert sorted(os.listdir(work)) == sorted(["iter_3", LAST_CHECKPOINT, *_logs(work)])
 
 
 def _logs(work: str) -> list[str]:
-    return [e for e in os.listdir(work) if e not in ("iter_3", ck.LAST_CHECKPOINT) and not e.startswith(".")]
+    return [e for e in os.listdir(work) if e not in ("iter_3", LAST_CHECKPOINT) and not e.startswith(".")]

@@ -12,7 +12,8 @@ from torch import nn
 
 from stepforge.core import StepforgeError
 from stepforge.strategy import ColossalAIStrategy, Strategy
-from stepforge.strategy.checkpoint import CheckpointError, find_latest_checkpoint, read_meta
+from stepforge.strategy.checkpoint import CheckpointError, find_latest_checkpoint
+from stepforge.strategy.checkpoint._dcp import read_meta
 
 
 def test_two_strategies_env_logging_and_prepare(tmp_path):

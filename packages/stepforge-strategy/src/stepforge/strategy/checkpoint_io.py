@@ -36,11 +36,10 @@ from torch import nn
 
 from stepforge.core import BoostedOptimizer, Plugin
 
+from . import checkpoint as ckpt
 from ._env import get_rank
 from .boosted_model import plugin_module
-from .checkpoint import _model_io, _optim_io, _plain_optim
-from .checkpoint._pending import PendingWrites, staged
-from .checkpoint._writer import commit_files
+from .checkpoint import PendingWrites, commit_files, staged
 
 __all__ = ["CheckpointIO", "BoosterCheckpointIO", "GeneralCheckpointIO"]
 
@@ -140,11 +139,11 @@ class CheckpointIO(ABC):
     def save_lr_scheduler(self, lr_scheduler: Any, checkpoint: str | os.PathLike[str]) -> None:
         """``torch.save(lr_scheduler.state_dict())`` to file ``checkpoint`` on rank 0 (every rank calls; an
         existing file there is replaced atomically)."""
-        _optim_io.save_lr_scheduler(lr_scheduler, checkpoint)
+        ckpt.save_lr_scheduler(lr_scheduler, checkpoint)
 
     def load_lr_scheduler(self, lr_scheduler: Any, checkpoint: str | os.PathLike[str]) -> None:
         """Load a file written by :meth:`save_lr_scheduler` (no code runs from it)."""
-        _optim_io.load_lr_scheduler(lr_scheduler, checkpoint)
+        ckpt.load_lr_scheduler(lr_scheduler, checkpoint)
 
     def save_lora_as_pretrained(
         self,
@@ -227,7 +226,7 @@ class BoosterCheckpointIO(CheckpointIO):
             raise ValueError(f"save_model: size_per_shard must be > 0 (MiB), got {size_per_shard!r}.")
         model = plugin_module(model)
         if not use_async:
-            _model_io.save_model(
+            ckpt.save_model(
                 model, checkpoint, shard=shard, prefix=prefix, size_per_shard=size_per_shard,
                 use_safetensors=use_safetensors,
             )  # fmt: skip
@@ -236,11 +235,11 @@ class BoosterCheckpointIO(CheckpointIO):
             logger.warning(
                 "save_model: use_async=True writes safetensors (use_safetensors set to True), as ColossalAI."
             )
-        state = staged(_model_io.gather_full_state_dict(model))  # collective, on this thread
+        state = staged(ckpt.gather_full_state_dict(model))  # collective, on this thread
         # the name is checked now, on every rank: a refused one raises here, not at the wait
-        _model_io.claim_model_target(checkpoint, shard=shard, prefix=prefix, use_safetensors=True)
+        ckpt.claim_model_target(checkpoint, shard=shard, prefix=prefix, use_safetensors=True)
         write = partial(
-            _model_io.write_full_state_dict, state, checkpoint, shard=shard, prefix=prefix,
+            ckpt.write_full_state_dict, state, checkpoint, shard=shard, prefix=prefix,
             size_per_shard=size_per_shard, use_safetensors=True,
         )  # fmt: skip
         self._pending.submit(write if get_rank() == 0 else None, where="save_model")
@@ -259,7 +258,7 @@ class BoosterCheckpointIO(CheckpointIO):
         Then the plugin's ``after_model_load`` runs with the optimizers boosted together with ``model`` (a ZeRO
         plugin copies the loaded weights into its fp32 masters, so the next ``step()`` keeps them)."""
         self._sync_io()
-        _model_io.load_model(plugin_module(model), checkpoint, strict=strict)
+        ckpt.load_model(plugin_module(model), checkpoint, strict=strict)
         self.plugin.after_model_load(plugin_module(model), self.optimizers_for(model))
         return model
 
@@ -284,7 +283,7 @@ class BoosterCheckpointIO(CheckpointIO):
         if model is None:
             self._save_plain_optimizer(optimizer, checkpoint, shard, prefix, size_per_shard, use_async)
             return
-        _optim_io.save_optimizer(
+        ckpt.save_optimizer(
             self.plugin,
             model,
             optimizer,
@@ -308,7 +307,7 @@ class BoosterCheckpointIO(CheckpointIO):
         if model is None:
             self._load_plain_optimizer(optimizer, checkpoint, prefix)
             return
-        _optim_io.load_optimizer(self.plugin, model, optimizer, checkpoint)
+        ckpt.load_optimizer(self.plugin, model, optimizer, checkpoint)
 
     def _save_plain_optimizer(
         self,
@@ -366,18 +365,18 @@ class GeneralCheckpointIO(BoosterCheckpointIO):
         if not isinstance(size_per_shard, int | float) or size_per_shard <= 0:
             raise ValueError(f"save_optimizer: size_per_shard must be > 0 (MiB), got {size_per_shard!r}.")
         if not use_async:
-            _plain_optim.save_plain_optimizer(
+            ckpt.save_plain_optimizer(
                 optimizer, checkpoint, shard=shard, prefix=prefix, size_per_shard=size_per_shard
             )
             return
-        _plain_optim.claim_plain_target(optimizer, checkpoint, shard=shard)
+        ckpt.claim_plain_target(optimizer, checkpoint, shard=shard)
         write = None
         if get_rank() == 0:
             write = partial(
-                _plain_optim.write_plain_optimizer, staged(optimizer.state_dict()), checkpoint, shard=shard,
+                ckpt.write_plain_optimizer, staged(optimizer.state_dict()), checkpoint, shard=shard,
                 prefix=prefix, size_per_shard=size_per_shard,
             )  # fmt: skip
         self._pending.submit(write, where="save_optimizer")
 
     def _load_plain_optimizer(self, optimizer: Any, checkpoint: Any, prefix: str | None) -> None:
-        _plain_optim.load_plain_optimizer(optimizer, checkpoint, prefix)
+        ckpt.load_plain_optimizer(optimizer, checkpoint, prefix)

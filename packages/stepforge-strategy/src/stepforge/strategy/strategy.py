@@ -25,10 +25,15 @@ from ._logging import LOG_KWARGS, close_logger, setup_logger
 from ._options import check_auto_scale_lr, check_dict, check_global_batch_size, check_model_wrapper
 from .boosted_model import plugin_module
 from .booster import Booster
-from .checkpoint import _strategy_io as io
-from .checkpoint import find_latest_checkpoint
-from .checkpoint._auto_resume import check_resume_option, checkpoint_to_resume
-from .checkpoint._strategy_io import RunState
+from .checkpoint import (
+    RunState,
+    check_resume_option,
+    checkpoint_to_resume,
+    find_latest_checkpoint,
+    load_checkpoint,
+    resume_checkpoint,
+    save_checkpoint,
+)
 from .compile import compile_config, compile_model
 from .optim_wrappers import ColossalAIOptimWrapper
 from .schedulers import build_param_scheduler
@@ -57,7 +62,7 @@ class Strategy:
             optim wrapper's ``accumulative_counts``, so each estimate holds a whole accumulation window.
         resume: ``"auto"``/``True``: :meth:`prepare` ends by resuming the latest checkpoint of ``work_dir`` if
             any (for ``torchrun --max-restarts``); a path: that checkpoint; ``False``: none (default). See
-            :func:`~stepforge.strategy.checkpoint._auto_resume.checkpoint_to_resume` and :attr:`resumed_from`.
+            :func:`~stepforge.strategy.checkpoint.checkpoint_to_resume` and :attr:`resumed_from`.
         global_batch_size: samples per optimizer step over all ranks (DeepSpeed's ``train_batch_size``), kept at
             every world size: :meth:`prepare` derives the optim wrapper's ``accumulative_counts`` = global batch /
             (world size x ``dispatch_kwargs["train_micro_batch_size_per_gpu"]``), or raises listing the sizes that
@@ -251,7 +256,7 @@ class Strategy:
         """
         if not self._prepared:
             raise RuntimeError("Strategy.save_checkpoint: call prepare() first (there is nothing to save)")
-        return io.save(
+        return save_checkpoint(
             self._run_state(),
             filename,
             save_optimizer,
@@ -271,7 +276,7 @@ class Strategy:
         callback: Any = None,
     ) -> dict[str, Any]:
         """Load the model weights only; returns the checkpoint dict (``meta``, ``state_dict``, extras)."""
-        return io.load(self._run_state(), filename, map_location, strict, revise_keys, callback)
+        return load_checkpoint(self._run_state(), filename, map_location, strict, revise_keys, callback)
 
     def resume(
         self,
@@ -289,7 +294,7 @@ class Strategy:
         """
         if not self._prepared:
             raise RuntimeError("Strategy.resume: call prepare() first (resume fills the prepared objects)")
-        return io.resume(
+        return resume_checkpoint(
             self._run_state(), filename, resume_optimizer, resume_param_scheduler, map_location, callback
         )
 

@@ -17,61 +17,62 @@
 
 from __future__ import annotations
 
-from ._dcp import load_dir, read_dcp_metadata, read_meta, safe_dcp_load, save_dir, unblob
-from ._layout import (
-    LAST_CHECKPOINT,
-    MARKER,
-    CheckpointError,
-    CheckpointMismatchError,
-    committed_checkpoints,
-    find_latest_checkpoint,
+from ._auto_resume import check_resume_option, checkpoint_to_resume
+from ._dcp import load_dir, save_dir
+from ._layout import CheckpointError, CheckpointMismatchError, find_latest_checkpoint
+from ._model_io import (
+    claim_model_target,
+    gather_full_state_dict,
+    load_model,
+    save_model,
+    write_full_state_dict,
 )
-from ._rng import get_rng_state, set_rng_state
-from ._sidecar import read_torch_file, write_with_sidecar
-from ._writer import (
-    SIDECAR_SUFFIX,
-    begin_dir,
-    check_name,
-    check_target,
-    commit_dir,
-    commit_dir_here,
-    commit_file,
-    commit_files,
-    finish_dir,
-    verify_dir,
-    verify_file,
-    write_file,
-    write_files,
+from ._optim_io import load_lr_scheduler, load_optimizer, save_lr_scheduler, save_optimizer
+from ._pending import PendingWrites, staged
+from ._plain_optim import (
+    claim_plain_target,
+    load_plain_optimizer,
+    save_plain_optimizer,
+    write_plain_optimizer,
 )
+from ._run_state import RunState
+from ._sidecar import read_torch_file
+from ._strategy_io import save_checkpoint
+from ._strategy_load import load_checkpoint, resume_checkpoint
+from ._writer import commit_file, commit_files, verify_dir
 
+# What the folder's callers use and nothing else: the Strategy's run state and checkpoints, the Booster's IO
+# functions (checkpoint_io.py), the one writer's single-file commit and reader, its DCP directories (the
+# checkpoint benchmark), and the errors.
 __all__ = [
-    "LAST_CHECKPOINT",
-    "MARKER",
-    "SIDECAR_SUFFIX",
-    "begin_dir",
-    "check_name",
-    "check_target",
-    "commit_dir",
-    "commit_dir_here",
-    "commit_file",
-    "commit_files",
-    "finish_dir",
-    "read_torch_file",
-    "write_with_sidecar",
-    "verify_dir",
-    "verify_file",
-    "write_file",
-    "write_files",
     "CheckpointError",
     "CheckpointMismatchError",
-    "committed_checkpoints",
+    "PendingWrites",
+    "RunState",
+    "check_resume_option",
+    "checkpoint_to_resume",
+    "claim_model_target",
+    "claim_plain_target",
+    "commit_file",
+    "commit_files",
     "find_latest_checkpoint",
-    "get_rng_state",
+    "gather_full_state_dict",
+    "load_checkpoint",
     "load_dir",
-    "read_dcp_metadata",
-    "read_meta",
-    "safe_dcp_load",
+    "load_lr_scheduler",
+    "load_model",
+    "load_optimizer",
+    "load_plain_optimizer",
+    "read_torch_file",
+    "resume_checkpoint",
+    "save_checkpoint",
     "save_dir",
-    "set_rng_state",
-    "unblob",
+    "save_lr_scheduler",
+    "save_model",
+    "save_optimizer",
+    "save_plain_optimizer",
+    "staged",
+    "verify_dir",
+    "write_full_state_dict",
+    "write_plain_optimizer",
 ]

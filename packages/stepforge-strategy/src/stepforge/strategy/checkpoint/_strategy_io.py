@@ -32,9 +32,8 @@ from ._fsdp_window import fsdp_pending_grads
 from ._optim_template import saved_optimizer_state
 from ._rng import get_rng_state
 from ._run_state import RunState
-from ._strategy_load import load, resume
 
-__all__ = ["RunState", "save", "load", "resume"]
+__all__ = ["save_checkpoint"]
 
 _OPTIM_ROOT = ("tensors", "optimizer")  # where save_dir puts the optimizer's state dict in the DCP tree
 
@@ -87,7 +86,7 @@ def _global_batch(run: RunState, counts: int) -> int | None:
     return run.global_batch_size
 
 
-def save(
+def save_checkpoint(
     run: RunState,
     filename: str,
     save_optimizer: bool,

@@ -35,7 +35,7 @@ from ._rescale import iteration_scale
 from ._rng import set_rng_state
 from ._run_state import RunState
 
-__all__ = ["load", "resume"]
+__all__ = ["load_checkpoint", "resume_checkpoint"]
 
 
 def _revise(keys: Sequence[str], revise_keys: Sequence[tuple[str, str]]) -> dict[str, str]:
@@ -48,7 +48,7 @@ def _revise(keys: Sequence[str], revise_keys: Sequence[tuple[str, str]]) -> dict
     return out
 
 
-def load(
+def load_checkpoint(
     run: RunState,
     filename: str,
     map_location: Any,
@@ -200,7 +200,7 @@ def _set_grads(model: torch.nn.Module, grads: Sequence[torch.Tensor | None]) -> 
             p.grad = g.to(p.device)
 
 
-def resume(
+def resume_checkpoint(
     run: RunState,
     filename: str,
     resume_optimizer: bool,
