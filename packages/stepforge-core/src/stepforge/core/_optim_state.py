@@ -79,16 +79,17 @@ def load_optimizer_state_dict(
     fqns = param_fqns(model)
     saved_groups = list(state_dict.get("param_groups", []))
     saved_state = state_dict.get("state", {})
+    live_groups = sum(len(o.param_groups) for o in optimizers)
+    if live_groups != len(saved_groups):
+        raise ValueError(
+            f"the optimizer state holds {len(saved_groups)} parameter groups, the optimizers {live_groups}: build "
+            "them with the groups they were saved with"
+        )
     plans: list[tuple[torch.optim.Optimizer, dict[str, Any]]] = []
     start = 0
     for optim in optimizers:
         mine = saved_groups[start : start + len(optim.param_groups)]
         start += len(optim.param_groups)
-        if len(mine) != len(optim.param_groups):
-            raise ValueError(
-                f"the optimizer state holds {len(saved_groups)} parameter groups in all, the optimizers "
-                f"{sum(len(o.param_groups) for o in optimizers)}: build them with the groups they were saved with"
-            )
         state: dict[int, Any] = {}
         groups = []
         index = 0
@@ -106,10 +107,5 @@ def load_optimizer_state_dict(
             groups.append({**saved, "params": ids})
             index += len(want)
         plans.append((optim, {"state": state, "param_groups": groups}))
-    if start != len(saved_groups):
-        raise ValueError(
-            f"the optimizer state holds {len(saved_groups)} parameter groups, the optimizers {start}: build them "
-            "with the groups they were saved with"
-        )
     for optim, osd in plans:
         optim.load_state_dict(osd)

@@ -39,20 +39,15 @@ def collect_params(params: ParamsLike, *, owner: str = "build_optimizer") -> lis
         )
     if not items:
         raise HyperParameterError(f"{owner}: got an empty parameter list; pass model.parameters() or groups.")
-    kinds = {
-        "tensor" if isinstance(p, torch.Tensor) else "dict" if isinstance(p, Mapping) else "other"
-        for p in items
-    }
-    if "other" in kinds or len(kinds) > 1:
-        bad = (
-            next(p for p in items if not isinstance(p, torch.Tensor | Mapping)) if "other" in kinds else None
-        )
+    bad = next((p for p in items if not isinstance(p, torch.Tensor | Mapping)), None)
+    dicts = sum(isinstance(p, Mapping) for p in items)
+    if bad is not None or 0 < dicts < len(items):
         what = f"an item of type {type(bad).__name__}" if bad is not None else "both tensors and dicts"
         raise HyperParameterError(
             f"{owner}: params holds {what}; pass only tensors or only param-group dicts "
             "({'params': [...], 'lr': ...})."
         )
-    if kinds == {"dict"}:
+    if dicts:
         for i, group in enumerate(items):
             if "params" not in group:
                 raise HyperParameterError(f"{owner}: param group {i} has no 'params' key.")

@@ -15,8 +15,9 @@ parameters of the planned shapes and stepped once, and its state tensors are rea
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -190,19 +191,12 @@ class MemoryPlan:
         is skipped)."""
         if not nbytes:
             return
+        new = PlannedTensor(component, place, int(nbytes), label, lifetime, pinned)
         for i, t in enumerate(self.tensors):
-            if (t.component, t.place, t.label, t.lifetime, t.pinned) == (
-                component,
-                place,
-                label,
-                lifetime,
-                pinned,
-            ):
-                self.tensors[i] = PlannedTensor(
-                    component, place, t.nbytes + int(nbytes), label, lifetime, pinned
-                )
+            if replace(t, nbytes=new.nbytes) == new:
+                self.tensors[i] = replace(t, nbytes=t.nbytes + new.nbytes)
                 return
-        self.tensors.append(PlannedTensor(component, place, int(nbytes), label, lifetime, pinned))
+        self.tensors.append(new)
 
     def collective(self, op: str, phase: str, calls: int, nbytes: int, group_size: int, label: str) -> None:
         """Append a :class:`PlannedCollective` (no calls or a group of one rank is skipped)."""
@@ -244,7 +238,7 @@ def unique_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 def tensor_bytes(numel: int, dtype: torch.dtype) -> int:
     """``numel`` elements of ``dtype`` in bytes."""
-    return numel * torch.empty((), dtype=dtype, device="meta").element_size()
+    return numel * dtype.itemsize
 
 
 def check_accumulation_steps(value: Any, where: str) -> int:
@@ -305,10 +299,7 @@ def add_optimizer_state(
     with_param = on_host = 0
     by_dtype: dict[torch.dtype, list[int]] = {}
     for shape, dtype in tensors:
-        numel = 1
-        for s in shape:
-            numel *= s
-        by_dtype.setdefault(dtype, []).append(numel)
+        by_dtype.setdefault(dtype, []).append(math.prod(shape))
         for state in probe.state(shape, dtype):
             if state.with_param:
                 with_param += state.nbytes

@@ -270,16 +270,9 @@ def _qualname(obj: object) -> str:
 def _torch_optimizers() -> dict[str, Any]:
     import torch.optim
 
-    out: dict[str, Any] = {}
-    for attr in dir(torch.optim):
-        obj = getattr(torch.optim, attr)
-        if (
-            isinstance(obj, type)
-            and issubclass(obj, torch.optim.Optimizer)
-            and obj is not torch.optim.Optimizer
-        ):
-            out[attr] = obj
-    return out
+    classes = {attr: getattr(torch.optim, attr) for attr in dir(torch.optim)}
+    base = torch.optim.Optimizer
+    return {k: v for k, v in classes.items() if isinstance(v, type) and issubclass(v, base) and v is not base}
 
 
 OPTIMIZERS: Registry[Any] = Registry(

@@ -299,10 +299,6 @@ class GroupValidator:
         self._owner = owner
         self._seen: dict[int, tuple[MutableMapping[str, Any], list[tuple[str, Any]]]] = {}
 
-    @staticmethod
-    def _snapshot(group: Mapping[str, Any]) -> list[tuple[str, Any]]:
-        return [(k, v) for k, v in group.items() if k != "params"]
-
     def validate(self, group: MutableMapping[str, Any], index: int | None = None) -> None:
         """Check ``group`` now (raises naming the group) and remember its values."""
         try:
@@ -310,7 +306,7 @@ class GroupValidator:
         except HyperParameterError as exc:
             where = "" if index is None else f" (param group #{index})"
             raise HyperParameterError(f"{exc}{where}") from None
-        self._seen[id(group)] = (group, self._snapshot(group))
+        self._seen[id(group)] = (group, [(k, v) for k, v in group.items() if k != "params"])
 
     def revalidate(self, groups: Sequence[MutableMapping[str, Any]]) -> None:
         """Re-check every group whose values changed since it was last checked (and groups never checked)."""

@@ -14,20 +14,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from stepforge.core.torch_compat import dtensor_local
-from stepforge.core.torch_compat import is_dtensor as core_is_dtensor
+from stepforge.core.torch_compat import dtensor_local as local  # the shard itself, same storage
+from stepforge.core.torch_compat import is_dtensor
 
 __all__ = ["is_dtensor", "local", "mesh_key", "reduce_square_sums", "reduce_norms"]
-
-
-def is_dtensor(t: Any) -> bool:
-    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (checked without importing it)."""
-    return core_is_dtensor(t)
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (the same storage), or ``t`` itself."""
-    return dtensor_local(t)
 
 
 def mesh_key(t: Any) -> Any:

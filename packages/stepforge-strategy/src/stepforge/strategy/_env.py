@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ._options import check_dict
+
 __all__ = [
     "EnvInfo",
     "broadcast_object",
@@ -36,8 +38,11 @@ __all__ = [
 ]
 
 _LAUNCHERS = ("none", "pytorch")
-_ENV_KEYS = {"launcher", "backend", "cudnn_benchmark", "mp_cfg", "dist_cfg", "resource_limit", "randomness"}
-_RANDOMNESS_KEYS = {"seed", "deterministic", "diff_rank_seed"}
+#: the keys ``env_kwargs`` takes (the keyword arguments of :func:`setup_env`)
+ENV_KWARGS = frozenset(
+    {"launcher", "backend", "cudnn_benchmark", "mp_cfg", "dist_cfg", "resource_limit", "randomness"}
+)
+_RANDOMNESS_KEYS = frozenset({"seed", "deterministic", "diff_rank_seed"})
 
 
 @dataclass(frozen=True)
@@ -138,14 +143,8 @@ _EXIT_HOOK: list[Any] = []
 
 
 def _destroy_default_group() -> None:
-    if dist.is_available() and dist.is_initialized():
+    if is_distributed():
         dist.destroy_process_group()
-
-
-def _check_keys(where: str, given: Mapping[str, Any], allowed: set[str]) -> None:
-    unknown = set(given) - allowed
-    if unknown:
-        raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
 
 
 def _init_group(backend: str | None, dist_cfg: Mapping[str, Any]) -> str:
@@ -187,8 +186,7 @@ def setup_env(
         randomness: ``dict(seed=None, deterministic=False, diff_rank_seed=False)``.
     """
     dist_cfg = dict(dist_cfg or {})
-    randomness = dict(randomness or {})
-    _check_keys("env_kwargs['randomness']", randomness, _RANDOMNESS_KEYS)
+    randomness = check_dict("env_kwargs['randomness']", randomness, _RANDOMNESS_KEYS)
     launcher = detect_launcher() if launcher is None else launcher
     if launcher not in _LAUNCHERS:
         raise ValueError(
@@ -226,6 +224,3 @@ def setup_env(
         diff_rank_seed=bool(randomness.get("diff_rank_seed", False)),
         timestamp=timestamp,
     )
-
-
-ENV_KWARGS = frozenset(_ENV_KEYS)

@@ -31,6 +31,7 @@ from stepforge.core.precision import (
     MIXED_PRECISIONS,
     PRECISIONS,
     DynamicLossScaler,
+    Precision,
     get_precision,
     validate_loss_scaler_args,
 )
@@ -257,13 +258,12 @@ _CLASSES: dict[str, type[MixedPrecision]] = {
 PRECISION_NAMES = MIXED_PRECISIONS
 
 
-def _class_of(name: str) -> type[MixedPrecision] | None:
-    """The class for a name of the table (``None``: fp32); ``KeyError`` for a name outside it."""
+def _row(name: Any) -> Precision | None:
+    """The table row of a precision name, ``None`` for anything else."""
     try:
-        row = get_precision(name, owner="mixed_precision")
+        return get_precision(name, owner="mixed_precision") if isinstance(name, str) else None
     except HyperParameterError:
-        raise KeyError(name) from None
-    return None if row.name == "fp32" else _CLASSES[row.name]
+        return None
 
 
 def resolve_mixed_precision(spec: str | Mapping[str, Any] | MixedPrecision | None) -> MixedPrecision | None:
@@ -274,28 +274,22 @@ def resolve_mixed_precision(spec: str | Mapping[str, Any] | MixedPrecision | Non
     if spec is None or isinstance(spec, MixedPrecision):
         return spec
     if isinstance(spec, str):
-        try:
-            cls = _class_of(spec)
-        except KeyError:
+        row = _row(spec)
+        if row is None:
             raise ValueError(
                 f"mixed_precision must be one of {', '.join(map(repr, PRECISION_NAMES))}, a dict with 'type' "
                 f"or a MixedPrecision instance; got {spec!r}."
-            ) from None
-        return None if cls is None else cls()
+            )
+        return None if row.name == "fp32" else _CLASSES[row.name]()
     if isinstance(spec, Mapping):
         kwargs = dict(spec)
         name = kwargs.pop("type", None)
-        cls = None
-        if isinstance(name, str):
-            try:
-                cls = _class_of(name)
-            except KeyError:
-                cls = None
-        if cls is None:
+        row = _row(name)
+        if row is None or row.name not in _CLASSES:
             raise ValueError(
                 f"mixed_precision dict needs 'type' in {', '.join(map(repr, PRECISION_NAMES))}; got {name!r}."
             )
-        return cls(**kwargs)
+        return _CLASSES[row.name](**kwargs)
     raise TypeError(
         f"mixed_precision must be a str, a dict or a MixedPrecision instance, got {type(spec).__name__}."
     )
@@ -307,11 +301,5 @@ def precision_name(spec: Any) -> str | None:
         return None
     if isinstance(spec, MixedPrecision):
         return spec.name
-    if isinstance(spec, Mapping):
-        spec = spec.get("type")
-    if isinstance(spec, str):
-        try:
-            return get_precision(spec).runs_as
-        except HyperParameterError:
-            return None
-    return None
+    row = _row(spec.get("type") if isinstance(spec, Mapping) else spec)
+    return None if row is None else row.runs_as

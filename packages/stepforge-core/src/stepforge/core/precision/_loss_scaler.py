@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..errors import HyperParameterError
-from ._scaler_args import validate_loss_scaler_args
+from ._scaler_args import LossScalerArgs, validate_loss_scaler_args
 
 __all__ = ["DynamicLossScaler"]
 
@@ -91,18 +91,21 @@ class DynamicLossScaler:
             max_scale=max_scale,
             hysteresis=hysteresis,
         )
-        self.growth_factor = args["growth_factor"]
-        self.backoff_factor = args["backoff_factor"]
-        self.growth_interval = args["growth_interval"]
-        self.min_scale = args["min_scale"]
-        self.max_scale = args["max_scale"]
-        self.hysteresis = args["hysteresis"]
+        self._configure(args)
         self.process_group = process_group
         self._scale = args["initial_scale"]
         self._growth_tracker = 0  # clean steps since the last growth or overflow
         # overflows left before a back-off; 0: every overflow backs off until the next growth
         self._hysteresis_left = self.hysteresis
         self.found_inf = False
+
+    def _configure(self, args: LossScalerArgs) -> None:
+        self.growth_factor = args["growth_factor"]
+        self.backoff_factor = args["backoff_factor"]
+        self.growth_interval = args["growth_interval"]
+        self.min_scale = args["min_scale"]
+        self.max_scale = args["max_scale"]
+        self.hysteresis = args["hysteresis"]
 
     # -- GradScaler surface --------------------------------------------------------------------------------
     def get_scale(self) -> float:
@@ -182,18 +185,9 @@ class DynamicLossScaler:
 
     # -- checkpoints ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue exactly: :data:`STATE_KEYS` (floats and ints only)."""
-        return {
-            "scale": self._scale,
-            "growth_factor": self.growth_factor,
-            "backoff_factor": self.backoff_factor,
-            "growth_interval": self.growth_interval,
-            "_growth_tracker": self._growth_tracker,
-            "min_scale": self.min_scale,
-            "max_scale": self.max_scale,
-            "hysteresis": self.hysteresis,
-            "_hysteresis_left": self._hysteresis_left,
-        }
+        """Everything needed to continue exactly: :data:`STATE_KEYS` (floats and ints only), the attributes of
+        those names (``scale`` is ``_scale``)."""
+        return {key: getattr(self, "_scale" if key == "scale" else key) for key in STATE_KEYS}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load :meth:`state_dict`'s output, a ``torch.amp.GradScaler`` state dict, or a state written by either
@@ -248,12 +242,7 @@ class DynamicLossScaler:
         )
         tracker = _counter(where, "_growth_tracker", state.get("_growth_tracker", 0))
         left = _counter(where, "_hysteresis_left", state.get("_hysteresis_left", args["hysteresis"]))
-        self.growth_factor = args["growth_factor"]
-        self.backoff_factor = args["backoff_factor"]
-        self.growth_interval = args["growth_interval"]
-        self.min_scale = args["min_scale"]
-        self.max_scale = args["max_scale"]
-        self.hysteresis = args["hysteresis"]
+        self._configure(args)
         self._scale = float(scale)
         self._growth_tracker = tracker
         self._hysteresis_left = min(left, self.hysteresis)

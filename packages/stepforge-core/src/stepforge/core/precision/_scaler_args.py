@@ -36,13 +36,17 @@ LOSS_SCALER_DEFAULTS = LossScalerArgs(
 )
 
 
-def _number(owner: str, name: str, value: Any) -> float:
+def _number(owner: str, name: str, value: Any, default: float) -> float:
+    if value is None:
+        return default
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise HyperParameterError(f"{owner}: {name} must be a finite number, got {value!r}.")
     return float(value)
 
 
-def _count(owner: str, name: str, value: Any) -> int:
+def _count(owner: str, name: str, value: Any, default: int) -> int:
+    if value is None:
+        return default
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise HyperParameterError(f"{owner}: {name} must be an int >= 1, got {value!r}.")
     return value
@@ -81,13 +85,11 @@ def validate_loss_scaler_args(
             )
         initial_scale = init_scale
     d = LOSS_SCALER_DEFAULTS
-    initial = d["initial_scale"] if initial_scale is None else _number(owner, scale_name, initial_scale)
-    low = d["min_scale"] if min_scale is None else _number(owner, "min_scale", min_scale)
-    high = d["max_scale"] if max_scale is None else _number(owner, "max_scale", max_scale)
-    growth = d["growth_factor"] if growth_factor is None else _number(owner, "growth_factor", growth_factor)
-    backoff = (
-        d["backoff_factor"] if backoff_factor is None else _number(owner, "backoff_factor", backoff_factor)
-    )
+    initial = _number(owner, scale_name, initial_scale, d["initial_scale"])
+    low = _number(owner, "min_scale", min_scale, d["min_scale"])
+    high = _number(owner, "max_scale", max_scale, d["max_scale"])
+    growth = _number(owner, "growth_factor", growth_factor, d["growth_factor"])
+    backoff = _number(owner, "backoff_factor", backoff_factor, d["backoff_factor"])
     if not low > 0:
         raise HyperParameterError(f"{owner}: min_scale must be > 0, got {min_scale!r}.")
     if not high >= low:
@@ -104,12 +106,8 @@ def validate_loss_scaler_args(
         initial_scale=initial,
         growth_factor=growth,
         backoff_factor=backoff,
-        growth_interval=(
-            d["growth_interval"]
-            if growth_interval is None
-            else _count(owner, "growth_interval", growth_interval)
-        ),
+        growth_interval=_count(owner, "growth_interval", growth_interval, d["growth_interval"]),
         min_scale=low,
         max_scale=high,
-        hysteresis=d["hysteresis"] if hysteresis is None else _count(owner, "hysteresis", hysteresis),
+        hysteresis=_count(owner, "hysteresis", hysteresis, d["hysteresis"]),
     )

@@ -112,12 +112,10 @@ def check_plugin_precision(precision: str | torch.dtype | Precision, *, owner: s
         HyperParameterError: a name that is unknown or not a plugin precision (fp8, fp16_apex belong to the
             Booster's ``mixed_precision``), naming ``owner`` and the valid values.
     """
-    row = None
-    if isinstance(precision, str | torch.dtype | Precision):
-        try:
-            row = get_precision(precision, owner=owner)
-        except HyperParameterError:
-            row = None
+    try:
+        row: Precision | None = get_precision(precision, owner=owner)
+    except HyperParameterError:
+        row = None
     if row is None or not row.plugin_precision:
         raise HyperParameterError(
             f"{owner}: precision must be one of {', '.join(map(repr, PLUGIN_PRECISIONS))}, got {precision!r}."

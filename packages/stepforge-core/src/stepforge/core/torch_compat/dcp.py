@@ -75,7 +75,6 @@ def _dcp_metadata_globals() -> dict[tuple[str, str], Any]:
         pathlib.WindowsPath,
     ]
     allowed = {(c.__module__, c.__qualname__): c for c in classes}
-    allowed[("torch", "Size")] = torch.Size
     # layouts pickle as ``_get_layout("torch.strided")``, a lookup in torch's table of layouts
     allowed[("torch.serialization", "_get_layout")] = resolve("torch.serialization", "_get_layout")
     for name in dir(torch):  # dtypes, layouts and memory formats pickle as ``torch.<name>``

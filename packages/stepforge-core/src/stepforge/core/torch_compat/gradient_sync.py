@@ -11,7 +11,7 @@ from typing import Any
 
 from .fsdp2 import fsdp2_modules
 
-__all__ = ["ddp_no_sync", "fsdp2_no_sync", "gradient_sync_off", "is_ddp", "supports_gradient_sync_off"]
+__all__ = ["fsdp2_no_sync", "gradient_sync_off", "is_ddp", "supports_gradient_sync_off"]
 
 
 def is_ddp(target: Any) -> bool:
@@ -19,12 +19,6 @@ def is_ddp(target: Any) -> bool:
     from torch.nn.parallel import DistributedDataParallel
 
     return isinstance(target, DistributedDataParallel)
-
-
-def ddp_no_sync(target: Any) -> AbstractContextManager[Any]:
-    """DDP's ``no_sync()``: the forward *and* the backward of non-final micro-batches must run inside."""
-    context: AbstractContextManager[Any] = target.no_sync()
-    return context
 
 
 @contextmanager
@@ -53,9 +47,11 @@ def supports_gradient_sync_off(target: Any) -> bool:
 
 
 def gradient_sync_off(target: Any) -> AbstractContextManager[Any] | None:
-    """The torch ``no_sync`` adapter: DDP's ``no_sync()``, FSDP2's switch (:func:`fsdp2_no_sync`), else ``None``."""
+    """The torch ``no_sync`` adapter: DDP's ``no_sync()`` (the forward *and* the backward of non-final
+    micro-batches must run inside), FSDP2's switch (:func:`fsdp2_no_sync`), else ``None``."""
     if is_ddp(target):
-        return ddp_no_sync(target)
+        context: AbstractContextManager[Any] = target.no_sync()
+        return context
     if fsdp2_modules(target):
         return fsdp2_no_sync(target)
     return None

@@ -40,22 +40,21 @@ MEM_TRACKER_MODULE = "torch.distributed._tools.mem_tracker"
 FAKE_TENSOR_MODULE = "torch._subclasses.fake_tensor"
 
 
+def _private_class(module: str, name: str) -> Any:
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise private_changed(f"{module}.{name}", exc) from exc
+
+
 def fake_tensor_mode() -> Any:
     """A new ``FakeTensorMode`` that also accepts real tensors as inputs (they are converted on use)."""
-    try:
-        cls = importlib.import_module(FAKE_TENSOR_MODULE).FakeTensorMode
-    except (ImportError, AttributeError) as exc:
-        raise private_changed(f"{FAKE_TENSOR_MODULE}.FakeTensorMode", exc) from exc
-    return cls(allow_non_fake_inputs=True)
+    return _private_class(FAKE_TENSOR_MODULE, "FakeTensorMode")(allow_non_fake_inputs=True)
 
 
 def memory_tracker() -> Any:
     """A new ``MemTracker`` (a context manager; ``track_external(*modules_or_optimizers)`` before entering)."""
-    try:
-        cls = importlib.import_module(MEM_TRACKER_MODULE).MemTracker
-    except (ImportError, AttributeError) as exc:
-        raise private_changed(f"{MEM_TRACKER_MODULE}.MemTracker", exc) from exc
-    return cls()
+    return _private_class(MEM_TRACKER_MODULE, "MemTracker")()
 
 
 def tracker_bytes(tracker: Any, kind: str = "current") -> dict[str, dict[str, int]]:

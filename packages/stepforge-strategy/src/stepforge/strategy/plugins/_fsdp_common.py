@@ -26,16 +26,7 @@ __all__ = [
     "cast_floating_buffers",
     "precision_policy",
     "repoint_optimizer",
-    "accelerator_available",
 ]
-
-
-def accelerator_available() -> bool:
-    """Whether an accelerator exists (pinned host memory needs one)."""
-    acc = getattr(torch, "accelerator", None)
-    if acc is not None and hasattr(acc, "is_available"):
-        return bool(acc.is_available())
-    return torch.cuda.is_available()
 
 
 def precision_policy(precision: str) -> Any:
@@ -61,13 +52,8 @@ def default_blocks(model: nn.Module) -> list[nn.Module]:
     if not blocks:
         blocks = [m for m in model.children() if any(True for _ in m.parameters())]
     # keep the innermost-first order fully_shard wants and drop blocks nested in other blocks' parents twice
-    seen: set[int] = set()
-    out = []
-    for b in blocks:
-        if id(b) not in seen:
-            seen.add(id(b))
-            out.append(b)
-    return out
+    # (modules hash by identity)
+    return list(dict.fromkeys(blocks))
 
 
 def holds_shared_parameters(

@@ -207,11 +207,9 @@ class GeminiPlugin(TorchFSDPPlugin):
     def _offload_policy(self) -> Any:
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
-        from ._fsdp_common import accelerator_available
-
         if not self.cpu_offload:
             return OffloadPolicy()
-        return CPUOffloadPolicy(pin_memory=self.pin_memory and accelerator_available())
+        return CPUOffloadPolicy(pin_memory=self.pin_memory and torch.accelerator.is_available())
 
     def memory_plan(
         self,

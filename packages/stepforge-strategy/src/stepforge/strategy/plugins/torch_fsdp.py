@@ -30,7 +30,6 @@ from stepforge.core.torch_compat import fsdp2_no_sync
 from ..data import StatefulDataLoader
 from ..lazy import has_meta_tensors, lazy_state_names, materialize_model
 from ._fsdp_common import (
-    accelerator_available,
     clip_grad_norm_by_mesh,
     param_names,
     precision_policy,
@@ -208,7 +207,7 @@ class TorchFSDPPlugin(Plugin):
 
         if not self.cpu_offload:
             return OffloadPolicy()
-        return CPUOffloadPolicy(pin_memory=accelerator_available())
+        return CPUOffloadPolicy(pin_memory=torch.accelerator.is_available())  # pinning needs one
 
     def _make_scaler(self) -> DynamicLossScaler | None:
         if self.precision != "fp16":

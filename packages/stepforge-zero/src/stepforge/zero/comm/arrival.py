@@ -14,7 +14,6 @@ the withdrawal, the round completed and it goes on instead (no rank is left alon
 from __future__ import annotations
 
 import datetime
-from typing import Any
 
 import torch.distributed as dist
 
@@ -31,16 +30,12 @@ class ArrivalTimeout(RuntimeError):
         self.arrived = arrived
 
 
-def _store() -> Any:
-    return default_store()
-
-
 def wait_for_all_ranks(key: str, world_size: int, timeout_s: float) -> None:
     """Return once ``world_size`` ranks called this with ``key``; raise :class:`ArrivalTimeout` after
     ``timeout_s`` seconds otherwise (this rank's arrival then withdrawn)."""
     if world_size <= 1:
         return
-    store = _store()
+    store = default_store()
     count_key, done_key = f"{key}/count", f"{key}/done"
     if store.add(count_key, 1) >= world_size:
         store.set(done_key, "1")

@@ -139,9 +139,6 @@ class WireFormat:
     dtype: torch.dtype | None = None
     fp8: bool = False
 
-    def __repr__(self) -> str:
-        return f"WireFormat(dtype={self.dtype}, fp8={self.fp8})"
-
     def _cast(self, flat: torch.Tensor) -> bool:
         return self.dtype is not None and self.dtype != flat.dtype
 
