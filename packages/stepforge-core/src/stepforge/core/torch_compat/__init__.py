@@ -63,6 +63,7 @@ from .simulation import (
     memory_tracker,
     register_fake_backend,
     tracker_bytes,
+    tracker_module_peaks,
 )
 from .tensors import dtensor_local, is_dtensor, view_base
 
@@ -78,6 +79,7 @@ __all__ = [
     "memory_tracker",
     "register_fake_backend",
     "tracker_bytes",
+    "tracker_module_peaks",
     "default_store",
     "dtensor_local",
     "flatten_state_dict",

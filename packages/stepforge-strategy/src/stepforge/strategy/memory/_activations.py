@@ -13,15 +13,32 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from stepforge.core.torch_compat import fake_tensor_mode, memory_tracker, tracker_bytes
+from stepforge.core.torch_compat import (
+    fake_tensor_mode,
+    memory_tracker,
+    tracker_bytes,
+    tracker_module_peaks,
+)
 
-__all__ = ["ActivationTrace", "trace_activations", "split_inputs"]
+__all__ = ["ActivationTrace", "ModulePeak", "trace_activations", "split_inputs"]
+
+
+@dataclass(frozen=True)
+class ModulePeak:
+    """One module in the traced forward and backward: ``order``: when its forward first ran (0 first);
+    ``forward``/``backward``: activations and temporaries alive at its peak in forward and in backward;
+    ``backward_grads``: the model's gradients built by then."""
+
+    order: int
+    forward: int
+    backward: int
+    backward_grads: int
 
 
 @dataclass(frozen=True)
@@ -34,12 +51,15 @@ class ActivationTrace:
         peak_with_grads: the most activations, temporaries and the model's gradients alive at once (a
             replicated layout keeps every gradient in ``param.grad``).
         grads: the model's gradients at the end of backward (in the compute dtype).
+        modules: per module (``named_modules`` names) what is alive at its own peaks (:class:`ModulePeak`): a
+            sharded layout adds what it gathers while that module runs.
     """
 
     forward: int
     peak: int
     peak_with_grads: int
     grads: int
+    modules: dict[str, ModulePeak] = field(default_factory=dict)
 
 
 def split_inputs(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -103,12 +123,29 @@ def _loss(output: Any) -> torch.Tensor:
     )
 
 
+def _split(device: dict[str, int]) -> tuple[int, int]:
+    """``(activations and temporaries, gradients)`` of one device's snapshot."""
+    return device.get("Activation", 0) + device.get("Temp", 0) + device.get("Other", 0), device.get(
+        "Gradient", 0
+    )
+
+
 def _activation_bytes(snapshot: dict[str, dict[str, int]]) -> tuple[int, int]:
     acts = grads = 0
     for device in snapshot.values():
-        acts += device.get("Activation", 0) + device.get("Temp", 0) + device.get("Other", 0)
-        grads += device.get("Gradient", 0)
+        a, g = _split(device)
+        acts, grads = acts + a, grads + g
     return acts, grads
+
+
+def _module_peaks(tracker: Any, model: nn.Module, order: dict[int, int]) -> dict[str, ModulePeak]:
+    out = {}
+    for name, module in model.named_modules():
+        peaks = tracker_module_peaks(tracker, module)
+        if "forward" in peaks and "backward" in peaks and id(module) in order:
+            back, back_grads = _split(peaks["backward"])
+            out[name] = ModulePeak(order[id(module)], _split(peaks["forward"])[0], back, back_grads)
+    return out
 
 
 def trace_activations(
@@ -142,6 +179,12 @@ def trace_activations(
         fake_kwargs = {k: _fake_leaf(mode, v, compute_dtype) for k, v in kwargs.items()}
         tracker = memory_tracker()
         tracker.track_external(copied)
+        order: dict[int, int] = {}
+
+        def first_forward(module: nn.Module, _: Any) -> None:
+            order.setdefault(id(module), len(order))
+
+        hook = nn.modules.module.register_module_forward_pre_hook(first_forward)
         autocast = (
             torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None else nullcontext()
         )
@@ -159,10 +202,14 @@ def trace_activations(
                 f"{exc}); a forward that reads tensor values (.item(), data-dependent shapes) cannot be traced. "
                 "Estimate without inputs (no activations) or make the forward value-independent."
             ) from exc
+        finally:
+            hook.remove()
         peak_acts, peak_grads = _activation_bytes(tracker_bytes(tracker, "peak"))
+        modules = _module_peaks(tracker, copied, order)
     return ActivationTrace(
         forward=forward,
         peak=max(forward, peak_acts),
         peak_with_grads=max(forward, peak_acts + peak_grads),
         grads=grads,
+        modules=modules,
     )

@@ -96,9 +96,11 @@ class Estimate:
         device) over a training step: the largest of
 
         - forward/backward of a step's first micro-batch: what is held from boost and the first step on, the
-          tensors that live throughout compute (gathered parameters), and the larger of the traced activations
-          (with the gradients as they build up in the trace, for a replicated layout) and what backward adds as
-          the activations are freed (the gradients, buckets in flight, unsharded gradients);
+          tensors that live throughout compute, and the larger of the traced activations (with the gradients
+          as they build up in the trace, for a replicated layout) and what backward adds as the activations
+          are freed (the gradients, buckets in flight, unsharded gradients); where the plan gathers units in
+          turn (FSDP2), the compute part is instead the largest over the units' forward and backward of what
+          is gathered then plus the activations traced at that unit's own peak (:meth:`_units_peak`);
         - accumulating, forward/backward of a later micro-batch of the window: the same, with the gradients the
           window keeps (``"window"``, ``"accumulated"``) held throughout beside the activations;
         - the optimizer step: what is held between steps plus the update's own buffers.
@@ -113,13 +115,56 @@ class Estimate:
         update = plan.total(place=place, lifetimes=("update",))
         trace = self.activations if place != "host" else None
         traced = 0 if trace is None else trace.peak_with_grads if plan.full_grads else trace.peak
-        first = persistent + compute + max(traced, grads + summed + reduce)
-        step = persistent + grads + summed + update
-        if plan.accumulation_steps == 1:
-            return max(first, step)
         acts = 0 if trace is None else trace.peak
-        later = persistent + summed + kept + compute + max(acts, grads + reduce)
-        return max(first, later, step)
+        step = persistent + grads + summed + update
+        if plan.units and place != "host":
+            # the sharded gradients on the device are counted unit by unit as backward reduces them
+            host_grads = grads - plan.total(place="device", lifetimes=("grads",)) if place is None else 0
+            first = persistent + summed + compute + host_grads + reduce + self._units_peak(grads > 0)
+            later = persistent + summed + kept + compute + reduce + self._units_peak(False)
+        else:
+            first = persistent + compute + max(traced, grads + summed + reduce)
+            later = persistent + summed + kept + compute + max(acts, grads + reduce)
+        return max(first, step) if plan.accumulation_steps == 1 else max(first, later, step)
+
+    def _units_peak(self, sharded_grads: bool) -> int:
+        """The most bytes forward and backward add on the device where the plan gathers units in turn (FSDP2:
+        ``plan.units``, the root last), from what the trace saw alive at each unit's own peak, the units taken
+        in the order the traced forward ran them. The root stays gathered throughout, and so does a unit while
+        units nested in it run. In a unit's forward: its gathered parameters and the all-gather output kept
+        until the next unit is gathered, with every earlier unit when units are not resharded. In its backward:
+        it and the unit gathered ahead of it (backward prefetch), and the gradients the trace had built by its
+        peak, those of the units already reduced counted as their shards (``sharded_grads``). Around the
+        whole-model activation peak (the head and the loss, outside every unit) and at the end of backward: the
+        root with its gradients, its reduce-scatter input and every gradient shard."""
+        *blocks, root = self.plan.units
+        trace = self.activations
+        peaks = trace.modules if trace is not None else {}
+        order = {u.name: peaks[u.name].order if u.name in peaks else i for i, u in enumerate(blocks)}
+        blocks.sort(key=lambda u: order[u.name])
+        shard = [u.sharded_grads if sharded_grads else 0 for u in blocks]
+        out = root.gathered + max(
+            trace.peak if trace is not None else 0, root.grads + root.reduce + sum(shard) + root.sharded_grads
+        )
+        for i, unit in enumerate(blocks):
+            seen = peaks.get(unit.name)
+            fwd, bwd, bwd_grads = (seen.forward, seen.backward, seen.backward_grads) if seen else (0, 0, 0)
+            outer = [b for b in blocks[:i] if unit.name.startswith(b.name + ".")]
+            others = [b for b in blocks[:i] if b not in outer]
+            gathered = root.gathered + unit.gathered + sum(b.gathered for b in outer)
+            later = blocks[i + 1 :]
+            grads = (
+                max(0, bwd_grads - sum(b.grads for b in later)) + sum(shard[i + 1 :]) if seen else unit.grads
+            )
+            out = max(
+                out,
+                gathered
+                + unit.gather_buffer
+                + fwd
+                + (0 if unit.resharded else sum(b.gathered for b in others)),
+                gathered + sum(b.gathered for b in (others[-1:] if unit.resharded else others)) + grads + bwd,
+            )
+        return out
 
     @property
     def collectives(self) -> dict[str, dict[str, int]]:
