@@ -108,10 +108,16 @@ TINY_ARCHITECTURES = ("gpt2", "bert")
 
 
 def build(name: str, *, checkpointing: bool = False) -> torch.nn.Module:
-    """Architecture ``name``, seeded; ``checkpointing``: transformers' ``gradient_checkpointing_enable()``."""
+    """Architecture ``name``, seeded; ``checkpointing``: transformers' ``gradient_checkpointing_enable()``, or
+    for ByteGPT each block in torch's ``checkpoint_wrapper`` (non-reentrant)."""
     torch.manual_seed(0)
     model = ARCHITECTURES[name]()
-    if checkpointing:
+    if checkpointing and name == "gpt":
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = checkpoint_wrapper(block)
+    elif checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 

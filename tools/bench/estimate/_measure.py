@@ -45,6 +45,7 @@ __all__ = [
     "criterion_for",
     "workload",
     "measure_rank",
+    "run_cases",
     "run_fake_ranks",
     "run_rank",
 ]
@@ -171,6 +172,26 @@ def run_rank(rank: int, world: int, case: dict[str, Any], port: int, out_dir: st
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
     torch.save(measure_rank(case), os.path.join(out_dir, f"rank{rank}.pt"))
+    _leave()
+
+
+def run_cases(rank: int, world: int, cases: list[dict[str, Any]], port: int, out_dir: str) -> None:
+    """Measure every case in turn as ``rank`` of ``world`` gloo ranks (one process group for all) and write
+    ``rank<r>.pt``: one result per case, ``{"error": message}`` for a case that failed on this rank."""
+    import gc
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
+    results: list[dict[str, Any]] = []
+    for case in cases:
+        try:
+            results.append(measure_rank(case))
+        except Exception as exc:  # reported per case: the other cases still run
+            results.append(dict(error=f"{type(exc).__name__}: {exc}"))
+        gc.collect()
+        dist.barrier()
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     _leave()
 
 
