@@ -87,6 +87,15 @@ def run_world(cases: list[dict[str, Any]], world: int) -> list[dict[str, Any]]:
         return torch.load(os.path.join(out, "rank0.pt"))
 
 
+def run_fake_world(cases: list[dict[str, Any]], world: int) -> list[dict[str, Any]]:
+    """Every case measured as rank 0 of ``world`` on torch's fake process group, in one fresh process: every
+    buffer the plugin allocates is real, the collectives move nothing (``--fake``; not DDP, whose reducer
+    cannot run there)."""
+    from stepforge.testing.fake_world import run_isolated
+
+    return run_isolated(measure.run_fake_ranks, [(0, world, case) for case in cases], timeout=3600)
+
+
 def estimate_case(case: dict[str, Any], world: int) -> dict[str, Any]:
     """The estimate of ``case`` at ``world`` ranks (rank 0, a CPU device): the figures compared."""
     from stepforge.strategy import estimate
@@ -202,6 +211,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help=f"{', '.join(arch.TINY_ARCHITECTURES)}; zero2, "
                    "torch_fsdp; 2 ranks")  # fmt: skip
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--fake", action="store_true", help="measure on the fake process group in one process")
     p.add_argument("--merge", nargs="+", default=None, help="combine these result files into one (no runs)")
     return p.parse_args(argv)
 
@@ -223,11 +233,11 @@ def main(argv: list[str] | None = None) -> int:
     for world in args.worlds:
         cases = cases_for(args.archs, args.plugins, world, not args.no_checkpointing and world == 2)
         t0 = time.perf_counter()
-        measured = run_world(cases, world)
+        measured = run_fake_world(cases, world) if args.fake else run_world(cases, world)
         print(f"N={world}: {len(cases)} cases measured in {time.perf_counter() - t0:.0f} s", flush=True)
         for case, meas in zip(cases, measured, strict=True):
             row = dict(arch=case["arch"], plugin=case["label"], config=case["config"], world=world,
-                       checkpointing=case["checkpointing"], measured=meas)  # fmt: skip
+                       checkpointing=case["checkpointing"], measured=meas, group="fake" if args.fake else "gloo")  # fmt: skip
             if "error" in meas:
                 row["error"] = meas["error"]
             else:

@@ -5,7 +5,10 @@
 same block choice, the same blocks left in the root, gemini's same placement plan) and size each parameter as
 FSDP2 stores it: dimension 0 cut ``torch.chunk``-style into ``S`` pieces of ``ceil(dim0 / S)`` rows, every rank's
 storage padded to that many rows; gradients reduce-scattered into one padded buffer per unit (copied to the CPU,
-unpadded, when the unit is offloaded); the optimizer stepping the local (unpadded) shards. ``torch_ddp`` is the
+unpadded, when the unit is offloaded); the optimizer stepping the local (unpadded) shards. What compute gathers
+is listed per unit (``plan.units``: gathered parameters, the all-gather output FSDP2 keeps in forward until the
+next unit's copy-out, unsharded gradients, the reduce-scatter input it keeps until the next reduce), not as one
+total: the estimate lays each unit's beside the activations traced at that unit's own peak. ``torch_ddp`` is the
 replicated layout plus DDP's gradient buckets, assigned by torch's own bucketing function.
 
 Accumulating (``accumulation_steps`` N > 1, every micro-batch but the last under ``no_sync`` where the plugin
