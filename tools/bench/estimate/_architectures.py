@@ -108,7 +108,7 @@ TINY_ARCHITECTURES = ("gpt2", "bert")
 
 
 def build(name: str, *, checkpointing: bool = False) -> torch.nn.Module:
-    """Architecture ``name``, seeded; ``checkpointing``: transformers' ``gradient_checkpointing_enable()``, or
+    """Architecture ``name``, seeded; ``checkpointing``: transformers' ``activation_checkpointing_enable()``, or
     for ByteGPT each block in torch's ``checkpoint_wrapper`` (non-reentrant)."""
     torch.manual_seed(0)
     model = ARCHITECTURES[name]()
@@ -117,8 +117,8 @@ def build(name: str, *, checkpointing: bool = False) -> torch.nn.Module:
 
         for i, block in enumerate(model.blocks):
             model.blocks[i] = checkpoint_wrapper(block)
-    elif checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif checkpointing:  # transformers 5's name for gradient_checkpointing_enable
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 

@@ -33,6 +33,8 @@ from stepforge.core.torch_compat import (
     tracker_module_peaks,
 )
 
+from ._model import _transformers
+
 __all__ = [
     "ActivationTrace",
     "ModulePeak",
@@ -215,13 +217,21 @@ def _real_leaf(value: Any, dtype: torch.dtype | None) -> Any:
 
 def checkpoint_blocks(model: nn.Module) -> None:
     """Recompute ``model``'s blocks in backward (activation checkpointing), as training would: a transformers
-    model through its own ``gradient_checkpointing_enable()``, any other module by running each of its blocks
+    model through its own ``activation_checkpointing_enable()`` (``gradient_checkpointing_enable()`` before
+    transformers 5), any other module by running each of its blocks
     (the outermost of the units FSDP shards: ``ModuleList``/``Sequential`` elements) under
     ``torch.utils.checkpoint``."""
-    enable = getattr(model, "gradient_checkpointing_enable", None)
-    if callable(enable) and getattr(model, "supports_gradient_checkpointing", False):
-        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        return
+    transformers = _transformers()
+    if transformers is not None and isinstance(model, transformers.PreTrainedModel):
+        if model.supports_gradient_checkpointing:
+            # transformers 5 names it activation_checkpointing_enable (the old name warns)
+            if hasattr(model, "activation_checkpointing_enable"):
+                model.activation_checkpointing_enable(
+                    activation_checkpointing_kwargs={"use_reentrant": False}
+                )
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            return
     from ..plugins._fsdp_common import default_blocks
 
     blocks = default_blocks(model)
