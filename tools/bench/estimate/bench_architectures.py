@@ -96,8 +96,9 @@ def run_fake_world(cases: list[dict[str, Any]], world: int) -> list[dict[str, An
     return run_isolated(measure.run_fake_ranks, [(0, world, case) for case in cases], timeout=3600)
 
 
-def estimate_case(case: dict[str, Any], world: int) -> dict[str, Any]:
-    """The estimate of ``case`` at ``world`` ranks (rank 0, a CPU device): the figures compared."""
+def estimate_case(case: dict[str, Any], world: int, backend: str = "gloo") -> dict[str, Any]:
+    """The estimate of ``case`` at ``world`` ranks (rank 0, a CPU device, the measured group's ``backend``: ZeRO
+    reduces by all-reduce on gloo, by reduce-scatter elsewhere): the figures compared."""
     from stepforge.strategy import estimate
 
     build, batch, loss = measure.workload(dict(case, checkpointing=False))
@@ -111,6 +112,7 @@ def estimate_case(case: dict[str, Any], world: int) -> dict[str, Any]:
         inputs=batch,
         criterion=loss,
         device="cpu",
+        backend=backend,
         activation_checkpointing=case["checkpointing"],
         **case["plugin_kwargs"],
     )
@@ -241,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
             if "error" in meas:
                 row["error"] = meas["error"]
             else:
-                row["estimate"] = estimate_case(case, world)
+                row["estimate"] = estimate_case(case, world, backend=row["group"])
                 row.update(judge(row["estimate"], meas))
             rows.append(row)
             r = row.get("ratios")
