@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     if args.merge:
         parts = [_load(p) for p in args.merge]
-        rows = [row for part in parts for row in part["cases"]]
+        rows = [dict({"group": "gloo"}, **row) for part in parts for row in part["cases"]]
         args.archs = list(dict.fromkeys(r["arch"] for r in rows))
         args.plugins = list(dict.fromkeys(r["plugin"] for r in rows))
         machine = parts[0]["machine"]

@@ -164,17 +164,22 @@ def _fake_world_accuracy(data: dict[str, Any], path: str) -> list[str]:
 
 
 def _architectures_accuracy(data: dict[str, Any], path: str) -> list[str]:
-    """The per-architecture table of ``bench_architectures.py``: the peak's and held total's range per model."""
-    summary = data["summary"]
-    worlds = sorted({case["world"] for case in data["cases"]})
-    plugins = ", ".join(f"`{p}`" for p in dict.fromkeys(case["plugin"] for case in data["cases"]))
+    """The per-architecture table of ``bench_architectures.py``: the peak's and held total's range per model, and
+    the cases outside the goal."""
+    summary, cases = data["summary"], data["cases"]
+    groups = []
+    for group, words in (("gloo", "gloo ranks"), ("fake", "rank 0 of torch's fake process group")):
+        worlds = sorted({c["world"] for c in cases if c.get("group", "gloo") == group})
+        if worlds:
+            groups.append(f"{words} at {', '.join(map(str, worlds))}")
+    plugins = ", ".join(f"`{p}`" for p in dict.fromkeys(case["plugin"] for case in cases))
     lines = [
         f"Across architectures (`tools/bench/estimate/bench_architectures.py`): transformers models built from "
-        f"small configs and the project's GPT, trained two steps with {plugins} at "
-        f"{', '.join(map(str, worlds))} gloo ranks (and with activation checkpointing for `zero2` and "
-        f"`torch_fsdp` at 2 ranks), measured like the GPT above ({_machine(data, path)}). Estimate / measured, "
-        f"per architecture; `trace`: how the activations were traced (`fake` tensors, or `real` CPU tensors where "
-        "the forward reads values or meets an op without a fake kernel):",
+        f"small configs and the project's GPT, trained two steps with {plugins} as {' and '.join(groups)} (and "
+        f"with activation checkpointing for `zero2` and `torch_fsdp` at 2 ranks), measured like the GPT above "
+        f"({_machine(data, path)}). Estimate / measured, per architecture; `trace`: how the activations were "
+        "traced (`fake` tensors, or `real` CPU tensors where the forward reads values or meets an op without a "
+        "fake kernel):",
         "",
         "| model | parameters | cases | peak | held after a step | within ±5% | trace |",
         "|---|---|---|---|---|---|---|",
@@ -185,12 +190,22 @@ def _architectures_accuracy(data: dict[str, Any], path: str) -> list[str]:
             f"{row['peak_max']:.3f} | {row['held_min']:.3f}-{row['held_max']:.3f} | {row['within']}/{row['cases']} "
             f"| {', '.join(row['trace'])} |"
         )
+    missed = [c for c in cases if "ratios" in c and not c["within"]]
     lines += [
         "",
         f"{summary['within']} of {summary['judged']} cases within ±5% ({summary['errors']} failed to run).",
-        "",
     ]
-    return lines
+    if missed:
+        lines[-1] += (
+            " Outside it (peak): "
+            + "; ".join(
+                f"{c['arch']} `{c['plugin']}` N={c['world']}{' checkpointed' if c['checkpointing'] else ''}"
+                f"{' (real trace)' if c['estimate']['trace'] == 'real' else ''} {c['ratios']['peak']:.3f}"
+                for c in missed
+            )
+            + "."
+        )
+    return [*lines, ""]
 
 
 def _accuracy(paths: list[str]) -> str:
