@@ -64,6 +64,12 @@ def estimate_table(estimates: Sequence[EstimateRow], *, fits: Sequence[bool | No
     accumulating = any(e.accumulation_steps > 1 for e in estimates)
     if accumulating:
         head += f", {first.accumulation_steps} micro-batches per step"
+    if first.activations is not None:  # how, on a line of its own
+        head += f"\nactivations traced on {first.activations.method} tensors" + (
+            ", blocks recomputed in backward (activation checkpointing)"
+            if first.activation_checkpointing
+            else ""
+        )
     titles = [column_title(e) + f" [{e.precision}]" for e in estimates]
     rows: list[tuple[str, list[str]]] = []
     for place in ("device", "host"):
