@@ -215,6 +215,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--fake", action="store_true", help="measure on the fake process group in one process")
     p.add_argument("--merge", nargs="+", default=None, help="combine these result files into one (no runs)")
+    p.add_argument("--reestimate", action="store_true", help="with --merge: make the estimates again")
     return p.parse_args(argv)
 
 
@@ -228,6 +229,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.merge:
         parts = [_load(p) for p in args.merge]
         rows = [dict({"group": "gloo"}, **row) for part in parts for row in part["cases"]]
+        if args.reestimate:  # the measurements kept, the estimates made again by this revision
+            for row in rows:
+                if "error" not in row:
+                    plugin, kwargs, config = PLUGINS[row["plugin"]]
+                    case = dict(arch=row["arch"], plugin=plugin, plugin_kwargs=kwargs, config=config,
+                                checkpointing=row["checkpointing"])  # fmt: skip
+                    row["estimate"] = estimate_case(case, row["world"], backend=row["group"])
+                    row.update(judge(row["estimate"], row["measured"]))
         args.archs = list(dict.fromkeys(r["arch"] for r in rows))
         args.plugins = list(dict.fromkeys(r["plugin"] for r in rows))
         machine = parts[0]["machine"]

@@ -30,7 +30,8 @@ class _Tiny(nn.Module):
 
 
 def _measured(model: nn.Module, tokens: torch.Tensor, autocast: torch.dtype | None) -> tuple[int, int]:
-    """What a real forward keeps when the loss is computed, and the most activations and temporaries alive."""
+    """What a real forward keeps when the loss is computed, and the most activations and temporaries alive (the
+    output dropped before backward)."""
     tracker = memory_tracker()
     tracker.track_external(model)
     with tracker:
@@ -39,6 +40,7 @@ def _measured(model: nn.Module, tokens: torch.Tensor, autocast: torch.dtype | No
         loss = out.float().mean()
         snap = tracker_bytes(tracker)["cpu"]
         forward = snap["Activation"] + snap.get("Temp", 0)
+        del out  # as a training loop does: the loss lives through backward, the output does not
         loss.backward()
     peak = tracker_bytes(tracker, "peak")["cpu"]
     return forward, peak["Activation"] + peak["Temp"]

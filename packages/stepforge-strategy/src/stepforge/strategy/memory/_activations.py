@@ -273,6 +273,7 @@ def _run(
                 output = model(*args, **kwargs)
             loss = criterion(output) if criterion is not None else _loss(output)
             forward, _ = _activation_bytes(tracker_bytes(tracker, "current"))
+            del output  # a training loop keeps the loss, not the output (logits), through backward
             loss.backward()
             _, grads = _activation_bytes(tracker_bytes(tracker, "current"))
     finally:
