@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     path = _report.save_json(Path(args.out) / f"{stem}.json", payload)
     if not args.no_plot:
         plot(Path(args.out) / f"{stem}.png", rows,
-             f"estimated / measured peak per rank, gloo ranks on {machine['device']}")  # fmt: skip
+             f"estimated / measured peak per rank (gloo or fake-group ranks) on {machine['device']}")  # fmt: skip
     s = payload["summary"]
     print(f"{s['within']}/{s['judged']} within ±{GOAL:.0%} ({s['errors']} errors) -> {path}")
     for name, line in s["architectures"].items():
