@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from stepforge.core.torch_compat import (
     fake_tensor_mode,
@@ -223,14 +224,13 @@ def checkpoint_blocks(model: nn.Module) -> None:
     ``torch.utils.checkpoint``."""
     transformers = _transformers()
     if transformers is not None and isinstance(model, transformers.PreTrainedModel):
-        if model.supports_gradient_checkpointing:
+        hf: Any = model
+        if hf.supports_gradient_checkpointing:
             # transformers 5 names it activation_checkpointing_enable (the old name warns)
-            if hasattr(model, "activation_checkpointing_enable"):
-                model.activation_checkpointing_enable(
-                    activation_checkpointing_kwargs={"use_reentrant": False}
-                )
+            if hasattr(hf, "activation_checkpointing_enable"):
+                hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
             else:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             return
     from ..plugins._fsdp_common import default_blocks
 
@@ -242,7 +242,7 @@ def checkpoint_blocks(model: nn.Module) -> None:
 
 
 def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
 def _run(
