@@ -230,10 +230,15 @@ def what_fits(session: nox.Session) -> None:
     """Regenerate docs/what-fits.md with `stepforge-estimate --what-fits` (tests(strategy) checks it matches)."""
     install_packages(session, "stepforge-strategy", "stepforge-zero", "stepforge-fused", env=CPU_BUILD)
     found = ROOT / "benchmarks" / "results" / "estimate"
-    # the latest gloo-rank result and the latest fake-world one (a GPU run's when there is one)
+    # the latest gloo-rank result, the latest fake-world one (a GPU run's when there is one), the latest
+    # across architectures
     latest = [
         sorted(found.glob(pattern))[-1]
-        for pattern in ("cpu-*-estimate.json", "*-estimate-fake-worlds.json")
+        for pattern in (
+            "cpu-*-estimate.json",
+            "*-estimate-fake-worlds.json",
+            "cpu-*-estimate-architectures.json",
+        )
         if any(found.glob(pattern))
     ]
     accuracy = ("--accuracy", *(str(p.relative_to(ROOT)) for p in latest)) if latest else ()

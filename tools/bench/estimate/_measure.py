@@ -38,7 +38,17 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
 
-__all__ = ["CONFIGS", "build_model", "batch", "criterion_for", "measure_rank", "run_fake_ranks", "run_rank"]
+__all__ = [
+    "CONFIGS",
+    "build_model",
+    "batch",
+    "criterion_for",
+    "workload",
+    "measure_rank",
+    "run_cases",
+    "run_fake_ranks",
+    "run_rank",
+]
 
 #: precision x optimizer configurations the bench measures
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -67,6 +77,22 @@ def batch(size: dict[str, int]) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     shape = (size["micro_batch"], size["seq_len"])
     return torch.randint(0, 256, shape, generator=g), torch.randint(0, 256, shape, generator=g)
+
+
+def workload(case: dict[str, Any]) -> tuple[Any, dict[str, torch.Tensor], Any]:
+    """``(build the model, the micro-batch as keyword arguments, the loss of the output)`` of ``case``: the
+    bench's GPT of ``case["size"]``, or ``case["arch"]`` of ``_architectures`` (with ``case["checkpointing"]``)."""
+    if "arch" in case:
+        from bench.estimate import _architectures as arch
+
+        kwargs = arch.inputs(case["arch"])
+        return (
+            lambda: arch.build(case["arch"], checkpointing=case.get("checkpointing", False)),
+            kwargs,
+            arch.loss_of(case["arch"], kwargs),
+        )
+    x, y = batch(case["size"])
+    return lambda: build_model(case["size"]), dict(idx=x), criterion_for(y)
 
 
 def criterion_for(targets: torch.Tensor) -> Any:
@@ -149,6 +175,26 @@ def run_rank(rank: int, world: int, case: dict[str, Any], port: int, out_dir: st
     _leave()
 
 
+def run_cases(rank: int, world: int, cases: list[dict[str, Any]], port: int, out_dir: str) -> None:
+    """Measure every case in turn as ``rank`` of ``world`` gloo ranks (one process group for all) and write
+    ``rank<r>.pt``: one result per case, ``{"error": message}`` for a case that failed on this rank."""
+    import gc
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
+    results: list[dict[str, Any]] = []
+    for case in cases:
+        try:
+            results.append(measure_rank(case))
+        except Exception as exc:  # reported per case: the other cases still run
+            results.append(dict(error=f"{type(exc).__name__}: {exc}"))
+        gc.collect()
+        dist.barrier()
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    _leave()
+
+
 def run_fake_ranks(runs: list[tuple[int, int, dict[str, Any]]]) -> list[dict[str, Any]]:
     """Measure each ``(rank, world, case)`` in turn in this process, as that rank on torch's fake process group:
     the collectives move nothing (the values are garbage) but every buffer the plugin allocates for them is real.
@@ -173,12 +219,11 @@ def measure_rank(case: dict[str, Any]) -> dict[str, Any]:
     warnings.filterwarnings("ignore")
     from stepforge.core.torch_compat import memory_tracker
 
-    size = case["size"]
-    x, y = batch(size)
+    build, x, loss_of = workload(case)
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     tracker = memory_tracker()
     with tracker:
-        model = build_model(size)
+        model = build()
         booster = _booster(case)
         model, optimizer, *_ = booster.boost(model, dict(CONFIGS[case["config"]]["optimizer"]))
     boosted = _total(tracker)
@@ -188,22 +233,21 @@ def measure_rank(case: dict[str, Any]) -> dict[str, Any]:
     device = get_accelerator().get_current_device()
     cuda = _CudaCounts(device.type == "cuda")
     after_boost = components(model, optimizer, boosted)
-    x, y = x.to(device), y.to(device)
-    loss_of = criterion_for(y)
+    x = {k: v.to(device) for k, v in x.items()}
     steps = case.get("accumulation", 1)
     if steps > 1:
         result = _measure_window(model, optimizer, booster, tracker, x, loss_of, steps, cuda)
         return _finish(dict(after_boost=dict(total=boosted, **after_boost), **result), rss0, cuda)
 
     with tracker:
-        booster.backward(loss_of(model(x)), optimizer)
+        booster.backward(loss_of(model(**x)), optimizer)
         optimizer.step()
         optimizer.zero_grad()
         tracker.reset_mod_stats()
     base = _total(tracker)
     cuda.reset_peak()
     with tracker:  # entering again starts the peak from here: step 2's peak
-        loss = loss_of(model(x))
+        loss = loss_of(model(**x))
         forward_end = _total(tracker)
         booster.backward(loss, optimizer)
         del loss
@@ -277,7 +321,7 @@ def _measure_window(
     def micro_batch() -> torch.Tensor:
         tracker.reset_mod_stats()  # MemTracker's module statistics take one forward each (its peak stays)
         with wrapper.optim_context(model):
-            return loss_of(model(x))
+            return loss_of(model(**x))
 
     with tracker:
         for _ in range(steps):

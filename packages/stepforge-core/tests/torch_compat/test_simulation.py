@@ -33,6 +33,25 @@ def test_memory_tracker_counts_live_bytes_and_the_peak() -> None:
     del a
 
 
+def test_module_peaks_are_each_modules_own() -> None:
+    """The snapshot at a module's forward peak holds what was alive while it ran: the second of two linear layers
+    sees the first's output beside its own; in backward each module's peak holds the gradients built by then,
+    the first layer's more (backward reaches it last)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    tracker = compat.memory_tracker()
+    tracker.track_external(model)
+    with tracker:
+        model(torch.randn(16, 64, requires_grad=True)).sum().backward()
+    first, second = (compat.tracker_module_peaks(tracker, m) for m in model)
+    assert set(first) == set(second) == {"forward", "backward"}
+    assert second["forward"]["Activation"] > first["forward"]["Activation"] > 0
+    assert first["backward"]["Gradient"] > second["backward"]["Gradient"]
+    # the first layer's backward peaks as it starts, beside the second layer's finished gradients
+    assert first["backward"]["Gradient"] == sum(p.numel() * 4 for p in model[1].parameters())
+    assert compat.tracker_module_peaks(tracker, torch.nn.Linear(1, 1)) == {}
+
+
 def _fake_world_all_reduce() -> tuple[int, int, float]:
     compat.register_fake_backend()
     dist.init_process_group("fake", rank=5, world_size=1024, store=dist.HashStore())

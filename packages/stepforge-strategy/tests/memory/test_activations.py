@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Activations traced on fake tensors equal what a real forward and backward keep (counted by the same
 MemTracker on real tensors), under autocast and in a cast dtype too; the model is left untouched; losses come
-from the output, a ``loss`` entry or a criterion; a forward that reads values is refused with the reason."""
+from the output, a ``loss`` entry or a criterion; a forward that reads values is traced on real tensors (or
+refused with the reason when only fake tensors are allowed); activation checkpointing is traced as it runs."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ class _Tiny(nn.Module):
 
 
 def _measured(model: nn.Module, tokens: torch.Tensor, autocast: torch.dtype | None) -> tuple[int, int]:
-    """What a real forward keeps when the loss is computed, and the most activations and temporaries alive."""
+    """What a real forward keeps when the loss is computed, and the most activations and temporaries alive (the
+    output dropped before backward)."""
     tracker = memory_tracker()
     tracker.track_external(model)
     with tracker:
@@ -38,6 +40,7 @@ def _measured(model: nn.Module, tokens: torch.Tensor, autocast: torch.dtype | No
         loss = out.float().mean()
         snap = tracker_bytes(tracker)["cpu"]
         forward = snap["Activation"] + snap.get("Temp", 0)
+        del out  # as a training loop does: the loss lives through backward, the output does not
         loss.backward()
     peak = tracker_bytes(tracker, "peak")["cpu"]
     return forward, peak["Activation"] + peak["Temp"]
@@ -93,20 +96,65 @@ def test_losses_from_a_loss_entry_or_a_criterion() -> None:
     assert with_ce.forward > trace_activations(_Tiny(), tokens).forward  # cross-entropy saves its softmax
 
 
-def test_a_forward_that_reads_values_is_refused() -> None:
-    """``.item()`` in the forward cannot be traced on fake tensors: the error says why and what to do."""
+class _Reads(nn.Module):
+    """A forward that reads a value (``.item()``) and routes by value (a data-dependent shape), as MoE does."""
 
-    class _Reads(nn.Module):
-        def __init__(self) -> None:
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc, self.expert = nn.Linear(16, 16), nn.Linear(16, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x) * float(x.sum().item() > 0)
+        routed = h[h[:, 0] > 0]  # the rows this "expert" takes
+        out: torch.Tensor = self.expert(routed).sum() + h.sum()
+        return out
+
+
+def test_a_forward_that_reads_values_is_traced_on_real_tensors() -> None:
+    """``.item()`` and a data-dependent shape cannot run on fake tensors: ``method="fake"`` refuses with the
+    reason and the way out; the default traces on real CPU tensors and counts what a real run of the same values
+    keeps; ``method="real"`` does so directly."""
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(RuntimeError, match=r"\.item\(\).*trace='real'"):
+        trace_activations(_Reads(), x, method="fake")
+    auto = trace_activations(_Reads(), x)
+    forward, peak = _measured(_Reads(), x, None)
+    assert auto.method == "real"
+    assert auto.forward == forward > 0
+    assert auto.peak == max(forward, peak)
+    assert trace_activations(_Reads(), x, method="real") == auto
+    assert trace_activations(_Tiny(), torch.randint(0, 50, (8, 12))).method == "fake"
+    with pytest.raises(ValueError, match="trace must be one of"):
+        trace_activations(_Tiny(), x, method="meta")
+
+
+def test_activation_checkpointing_keeps_only_the_blocks_inputs() -> None:
+    """With ``activation_checkpointing`` each block's activations are recomputed in backward: the trace keeps at
+    the loss what a real run of the model with its blocks under ``torch.utils.checkpoint`` keeps, less than
+    without."""
+    from torch.utils.checkpoint import checkpoint
+
+    class _Stack(nn.Module):
+        def __init__(self, wrap: bool = False) -> None:
             super().__init__()
-            self.fc = nn.Linear(4, 4)
+            torch.manual_seed(0)
+            self.blocks = nn.ModuleList(
+                nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(3)
+            )
+            self.wrap = wrap
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            out: torch.Tensor = self.fc(x) * float(x.sum().item())
-            return out
+            for block in self.blocks:
+                x = checkpoint(block, x, use_reentrant=False) if self.wrap else block(x)
+            return x
 
-    with pytest.raises(RuntimeError, match=r"\.item\(\)"):
-        trace_activations(_Reads(), torch.randn(2, 4))
+    x = torch.randn(32, 16)
+    plain = trace_activations(_Stack(), x)
+    ckpt = trace_activations(_Stack(), x, activation_checkpointing=True)
+    forward, _ = _measured(_Stack(wrap=True), x, None)
+    assert ckpt.forward == forward < plain.forward
+    assert trace_activations(_Stack(wrap=True), x).forward == forward  # a model that checkpoints itself
 
 
 def test_split_inputs() -> None:

@@ -128,6 +128,12 @@ def _fsdp(rank: int, world: int, which: str) -> dict[str, Any]:
         plan_state=plan.total(component="optimizer_state"),
         offloaded=plan.total(component="params", place="host"),
         replicated=[n for n, p in model.named_parameters() if tuple(p.to_local().shape) == tuple(p.shape)],
+        fsdp_names=sorted(n for n, m in model.named_modules() if isinstance(m, FSDPModule)),
+        unit_names=sorted(u.name for u in plan.units),
+        root=plan.units[-1],
+        blocks_resharded=all(u.resharded for u in plan.units[:-1]),
+        gathered=sum(u.gathered for u in plan.units),
+        bf16_bytes=sum(p.numel() * 2 for p in _Net().parameters()),
     )
 
 
@@ -136,7 +142,7 @@ def _fsdp(rank: int, world: int, which: str) -> dict[str, Any]:
 def test_fsdp_plan_equals_the_shards_grads_state_and_collectives(which: str) -> None:
     """On 2 gloo ranks in bf16: the plan's parameter bytes are FSDP2's padded local shards, its gradient bytes
     the sharded gradients after backward, its optimizer state AdamW's after a step, and its all-gathers,
-    reduce-scatters and all-reduces (count and bytes) exactly what FSDP2 called; gemini with
+    reduce-scatters and all-reduces (count and bytes) exactly what FSDP2 called, its units FSDP2's; gemini with
     ``shard_param_frac=0.6, offload_optim_frac=0.3`` replicates its trailing units and offloads leading ones."""
     for r in run_distributed(_fsdp, 2, which):
         assert r["units"] == 5  # 4 blocks and the root (input and output layers)
@@ -144,6 +150,9 @@ def test_fsdp_plan_equals_the_shards_grads_state_and_collectives(which: str) -> 
         assert r["grads"] == r["plan_grads"]
         assert r["state"] == r["plan_state"]
         assert r["recorded"] == r["planned"]
+        # the units the estimate composes the peak from are FSDP2's: the root last, never resharded
+        assert r["unit_names"] == r["fsdp_names"] and r["root"].name == "" and not r["root"].resharded
+        assert r["blocks_resharded"] and r["bf16_bytes"] <= r["gathered"] < 1.2 * r["bf16_bytes"]
         if which == "gemini":
             assert r["replicated"] and r["offloaded"] > 0 and "all_reduce" in r["planned"]
         else:

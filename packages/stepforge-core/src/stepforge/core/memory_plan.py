@@ -32,6 +32,7 @@ __all__ = [
     "COLLECTIVE_OPS",
     "PlannedTensor",
     "PlannedCollective",
+    "GatheredUnit",
     "MemoryPlan",
     "OptimizerStateProbe",
     "StateTensor",
@@ -146,6 +147,34 @@ class PlannedCollective:
         return factor * self.nbytes * (n - 1) // n
 
 
+@dataclass(frozen=True)
+class GatheredUnit:
+    """One unit of a sharded layout whose parameters are gathered whole for its forward and backward (an FSDP2
+    ``fully_shard`` unit), on the device. The estimate composes the peak from these and the activations traced
+    inside the unit's module (:meth:`stepforge.strategy.Estimate.peak`), as the units are gathered and freed in
+    turn.
+
+    Attributes:
+        name: the unit's module as ``named_modules`` names it (``""``: the root, gathered from its forward until
+            the end of backward).
+        gathered: bytes of its gathered (unsharded) parameters, in the compute dtype.
+        gather_buffer: bytes of the all-gather output kept beside them in forward until the next unit is
+            gathered (0 where the unit is not all-gathered: one rank per shard group).
+        grads: bytes of its unsharded gradients in backward, before they are reduced.
+        reduce: bytes of the reduce-scatter input it builds from them (in the reduce dtype).
+        sharded_grads: device bytes of its reduced gradient shard (0 when offloaded to the host).
+        resharded: whether its parameters are freed after forward and gathered again for backward.
+    """
+
+    name: str
+    gathered: int
+    gather_buffer: int
+    grads: int
+    reduce: int
+    sharded_grads: int
+    resharded: bool
+
+
 @dataclass
 class MemoryPlan:
     """Everything one rank of ``plugin`` holds and communicates for a model (see the module docstring).
@@ -164,6 +193,8 @@ class MemoryPlan:
         notes: settings that shaped the plan, for logs (``"bucket 4 Mi elements"``...).
         accumulation_steps: micro-batches per optimizer step the plan describes (see :data:`LIFETIMES`:
             ``"window"`` and ``"accumulated"``); the collectives are those of one whole optimizer step.
+        units: the units gathered in turn for compute (:class:`GatheredUnit`, in forward order, the root last);
+            empty where nothing is gathered per unit (the ``"compute"`` lifetime then says what compute adds).
     """
 
     plugin: str
@@ -176,6 +207,7 @@ class MemoryPlan:
     full_grads: bool = False
     notes: list[str] = field(default_factory=list)
     accumulation_steps: int = 1
+    units: list[GatheredUnit] = field(default_factory=list)
 
     def add(
         self,

@@ -35,6 +35,7 @@ from .simulation import (
     memory_tracker,
     register_fake_backend,
     tracker_bytes,
+    tracker_module_peaks,
 )
 from .tensors import dtensor_local, is_dtensor, view_base
 
@@ -50,6 +51,7 @@ __all__ = [
     "memory_tracker",
     "register_fake_backend",
     "tracker_bytes",
+    "tracker_module_peaks",
     "default_store",
     "dtensor_local",
     "flatten_state_dict",

@@ -5,7 +5,8 @@
   devices but no storage; a forward and backward run on them allocate nothing).
 - :func:`memory_tracker`: ``torch.distributed._tools.mem_tracker.MemTracker``, which counts the live tensor
   storage per device and category (parameters, gradients, activations, temporaries, optimizer state) at every
-  operation, real or fake; :func:`tracker_bytes` reads its snapshots with plain string keys.
+  operation, real or fake; :func:`tracker_bytes` reads its snapshots with plain string keys,
+  :func:`tracker_module_peaks` the snapshot at each module's forward and backward peak.
 - :func:`register_fake_backend`: torch's ``"fake"`` process-group backend (registered when
   ``torch.testing._internal.distributed.fake_pg`` is imported): one process plays rank ``r`` of ``N``;
   collectives return at once without moving or reducing anything.
@@ -33,6 +34,7 @@ __all__ = [
     "memory_tracker",
     "register_fake_backend",
     "tracker_bytes",
+    "tracker_module_peaks",
 ]
 
 FAKE_PG_MODULE = "torch.testing._internal.distributed.fake_pg"
@@ -66,6 +68,30 @@ def tracker_bytes(tracker: Any, kind: str = "current") -> dict[str, dict[str, in
         str(device): {str(getattr(key, "value", key)): int(value) for key, value in snap.items()}
         for device, snap in snapshot.items()
     }
+
+
+def tracker_module_peaks(tracker: Any, module: Any) -> dict[str, dict[str, int]]:
+    """The tracker's snapshot at ``module``'s peak in its first forward and in its last backward, devices summed:
+    ``{"forward": {category: bytes}, "backward": {...}}`` (a phase the module did not run is missing). The first
+    forward: a forward recomputed in backward (activation checkpointing) is part of the backward."""
+    try:
+        stats = tracker.memory_tracking.get(module)
+        states = importlib.import_module(MEM_TRACKER_MODULE)._ModState
+    except AttributeError as exc:
+        raise private_changed(f"{MEM_TRACKER_MODULE}.MemTracker.memory_tracking", exc) from exc
+    out: dict[str, dict[str, int]] = {}
+    if stats is None:
+        return out
+    for phase, state in (("forward", states.PEAK_FW), ("backward", states.PEAK_BW)):
+        snaps = stats.snapshots.get(state)
+        if snaps:
+            summed: dict[str, int] = {}
+            for snap in snaps[0 if phase == "forward" else -1].values():
+                for key, value in snap.items():
+                    name = str(getattr(key, "value", key))
+                    summed[name] = summed.get(name, 0) + int(value)
+            out[phase] = summed
+    return out
 
 
 def register_fake_backend() -> None:

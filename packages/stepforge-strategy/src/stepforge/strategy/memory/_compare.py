@@ -27,6 +27,7 @@ def estimate_plugins(
     backend: str | None = None,
     rank: int = 0,
     accumulation_steps: int = 1,
+    activation_checkpointing: bool = False,
 ) -> list[Estimate]:
     """One :class:`Estimate` per plugin spec (``single`` is left out above one rank); the activations are traced
     once per compute dtype."""
@@ -48,6 +49,7 @@ def estimate_plugins(
                     device=device,
                     backend=backend,
                     accumulation_steps=accumulation_steps,
+                    activation_checkpointing=activation_checkpointing,
                     **kwargs,
                 )
             )

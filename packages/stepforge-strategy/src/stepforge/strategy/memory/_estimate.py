@@ -57,7 +57,9 @@ class Estimate:
             (after a backward under ``no_sync``; with one micro-batch per step, what is held before a forward).
         plan: the plugin's :class:`~stepforge.core.MemoryPlan` (its ``accumulation_steps``: micro-batches per
             optimizer step).
-        activations: the activation trace (``None`` without ``inputs``).
+        activations: the activation trace (``None`` without ``inputs``); its ``method`` says how it was traced
+            (``"fake"`` or ``"real"`` tensors).
+        activation_checkpointing: whether the blocks were estimated recomputed in backward.
     """
 
     plugin: str
@@ -70,6 +72,7 @@ class Estimate:
     parameters: int
     plan: MemoryPlan
     activations: ActivationTrace | None = None
+    activation_checkpointing: bool = False
     device: dict[str, int] = field(default_factory=dict)
     host: dict[str, int] = field(default_factory=dict)
     after_boost: dict[str, int] = field(default_factory=dict)
@@ -98,9 +101,11 @@ class Estimate:
         device) over a training step: the largest of
 
         - forward/backward of a step's first micro-batch: what is held from boost and the first step on, the
-          tensors that live throughout compute (gathered parameters), and the larger of the traced activations
-          (with the gradients as they build up in the trace, for a replicated layout) and what backward adds as
-          the activations are freed (the gradients, buckets in flight, unsharded gradients);
+          tensors that live throughout compute, and the larger of the traced activations (with the gradients
+          as they build up in the trace, for a replicated layout) and what backward adds as the activations
+          are freed (the gradients, buckets in flight, unsharded gradients); where the plan gathers units in
+          turn (FSDP2), the compute part is instead the largest over the units' forward and backward of what
+          is gathered then plus the activations traced at that unit's own peak (:meth:`_units_peak`);
         - accumulating, forward/backward of a later micro-batch of the window: the same, with the gradients the
           window keeps (``"window"``, ``"accumulated"``) held throughout beside the activations;
         - the optimizer step: what is held between steps plus the update's own buffers.
@@ -115,13 +120,78 @@ class Estimate:
         update = plan.total(place=place, lifetimes=("update",))
         trace = self.activations if place != "host" else None
         traced = 0 if trace is None else trace.peak_with_grads if plan.full_grads else trace.peak
-        first = persistent + compute + max(traced, grads + summed + reduce)
-        step = persistent + grads + summed + update
-        if plan.accumulation_steps == 1:
-            return max(first, step)
         acts = 0 if trace is None else trace.peak
-        later = persistent + summed + kept + compute + max(acts, grads + reduce)
-        return max(first, later, step)
+        step = persistent + grads + summed + update
+        if plan.units and place != "host":
+            # the sharded gradients on the device are counted unit by unit as backward reduces them
+            host_grads = grads - plan.total(place="device", lifetimes=("grads",)) if place is None else 0
+            first = persistent + summed + compute + host_grads + reduce + self._units_peak(grads > 0)
+            later = persistent + summed + kept + compute + reduce + self._units_peak(False)
+        else:
+            first = persistent + compute + max(traced, grads + summed + reduce, self._module_phases(place))
+            later = persistent + summed + kept + compute + max(acts, grads + reduce)
+        return max(first, step) if plan.accumulation_steps == 1 else max(first, later, step)
+
+    def _module_phases(self, place: str | None) -> int:
+        """Where gradients are reduced into pieces as backward produces them (not ``full_grads``): the most the
+        activations at any module's backward peak and the gradient pieces and buffers in flight add up to, both
+        counted in the share of the model's gradients the trace had built by then (with activation
+        checkpointing a block's recomputed activations live beside most of the gradients)."""
+        trace = self.activations if place != "host" else None
+        if trace is None or self.plan.full_grads or not trace.grads:
+            return 0
+        plan = self.plan
+        pieces = plan.total(place=place, lifetimes=("grads", "accumulated"))
+        reduce = plan.total(place=place, lifetimes=("reduce",))
+        return max(
+            (
+                int(m.backward + (pieces + reduce) * min(1.0, m.backward_grads / trace.grads))
+                for m in trace.modules.values()
+            ),
+            default=0,
+        )
+
+    def _units_peak(self, sharded_grads: bool) -> int:
+        """The most bytes forward and backward add on the device where the plan gathers units in turn (FSDP2:
+        ``plan.units``, the root last), from what the trace saw alive at each unit's own peak, the units taken
+        in the order the traced forward ran them. The root stays gathered throughout, and so does a unit while
+        units nested in it run. In a unit's forward: its gathered parameters and the all-gather output kept
+        until the next unit is gathered, with every earlier unit when units are not resharded. In its backward:
+        it and the unit gathered ahead of it (backward prefetch), the gradients the trace had built by its
+        peak, those of the units already reduced counted as their shards (``sharded_grads``), and the
+        reduce-scatter input of the unit reduced last (FSDP2 keeps one until the next reduce). Around the
+        whole-model activation peak (the head and the loss, outside every unit) and at the end of backward: the
+        root with its gradients, its reduce-scatter input and every gradient shard."""
+        *blocks, root = self.plan.units
+        trace = self.activations
+        peaks = trace.modules if trace is not None else {}
+        order = {u.name: peaks[u.name].order if u.name in peaks else i for i, u in enumerate(blocks)}
+        blocks.sort(key=lambda u: order[u.name])
+        shard = [u.sharded_grads if sharded_grads else 0 for u in blocks]
+        out = root.gathered + max(
+            trace.peak if trace is not None else 0, root.grads + root.reduce + sum(shard) + root.sharded_grads
+        )
+        for i, unit in enumerate(blocks):
+            seen = peaks.get(unit.name)
+            fwd, bwd, bwd_grads = (seen.forward, seen.backward, seen.backward_grads) if seen else (0, 0, 0)
+            outer = [b for b in blocks[:i] if unit.name.startswith(b.name + ".")]
+            others = [b for b in blocks[:i] if b not in outer]
+            gathered = root.gathered + unit.gathered + sum(b.gathered for b in outer)
+            later = blocks[i + 1 :]
+            # the reduce-scatter input of the unit reduced last is kept until the next one is reduced
+            in_flight = later[0].reduce if later else 0
+            grads = in_flight + (
+                max(0, bwd_grads - sum(b.grads for b in later)) + sum(shard[i + 1 :]) if seen else unit.grads
+            )
+            out = max(
+                out,
+                gathered
+                + unit.gather_buffer
+                + fwd
+                + (0 if unit.resharded else sum(b.gathered for b in others)),
+                gathered + sum(b.gathered for b in (others[-1:] if unit.resharded else others)) + grads + bwd,
+            )
+        return out
 
     @property
     def collectives(self) -> dict[str, dict[str, int]]:
@@ -168,6 +238,8 @@ class Estimate:
             "collectives": self.collectives,
             "sent_bytes_per_step": self.sent_bytes,
             "activations_traced": self.activations is not None,
+            "activations_method": None if self.activations is None else self.activations.method,
+            "activation_checkpointing": self.activation_checkpointing,
             "tensors": [asdict(t) for t in self.plan.tensors],
             "notes": list(self.plan.notes),
         }
@@ -282,6 +354,8 @@ def estimate(
     device: str | torch.device | None = None,
     backend: str | None = None,
     accumulation_steps: int = 1,
+    trace: str = "auto",
+    activation_checkpointing: bool = False,
     **plugin_kwargs: Any,
 ) -> Estimate:
     """Per-rank memory and communication of training ``model`` with ``plugin`` on ``world_size`` ranks, before
@@ -315,6 +389,14 @@ def estimate(
             ``ColossalAIOptimWrapper`` runs them: all but the last under the plugin's ``no_sync`` where it has
             one. The gradients each plugin keeps between micro-batches count in :attr:`Estimate.window` and the
             peak, and the collectives are those of a whole optimizer step.
+        trace: how the activations are traced (:data:`~._activations.TRACE_METHODS`): ``"fake"`` on fake
+            tensors (nothing allocated; a forward reading tensor values fails), ``"real"`` on real CPU tensors
+            (the model in the compute dtype and one forward and backward allocated), ``"auto"`` (default) fake,
+            real where the forward reads values (MoE routing) or meets an op without a fake kernel.
+            :attr:`Estimate.activations` ``.method`` says which ran.
+        activation_checkpointing: estimate with the model's blocks recomputed in backward (transformers'
+            ``gradient_checkpointing_enable()``, else ``torch.utils.checkpoint`` around each block); a model
+            that already checkpoints is estimated as it is without it.
         **plugin_kwargs: the plugin's own arguments (``stage``, ``cpu_offload``, ``placement_policy``...).
 
     Returns:
@@ -345,13 +427,19 @@ def estimate(
         device=device,
         accumulation_steps=accumulation_steps,
     )
-    trace = None
+    trace_result = None
     if inputs is not None:
-        trace = _trace(
+        trace_result = _trace(
             model,
             module,
             inputs,
-            dict(compute_dtype=plan.compute_dtype, autocast_dtype=autocast, criterion=criterion),
+            dict(
+                compute_dtype=plan.compute_dtype,
+                autocast_dtype=autocast,
+                criterion=criterion,
+                method=trace,
+                activation_checkpointing=activation_checkpointing,
+            ),
         )
     settings = dict(plugin_kwargs)
     if isinstance(plugin, Mapping):
@@ -366,5 +454,6 @@ def estimate(
         backend=backend,
         parameters=parameter_count(module),
         plan=plan,
-        activations=trace,
+        activations=trace_result,
+        activation_checkpointing=activation_checkpointing,
     )

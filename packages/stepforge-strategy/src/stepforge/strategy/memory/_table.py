@@ -62,9 +62,14 @@ def _head(first: EstimateRow, precision: str | None) -> str:
         + (f"{precision}, " if precision else "")
         + f"optimizer {first.optimizer or 'none'}, backend {first.backend}"
     )
-    return head + (
-        f", {first.accumulation_steps} micro-batches per step" if first.accumulation_steps > 1 else ""
-    )
+    head += f", {first.accumulation_steps} micro-batches per step" if first.accumulation_steps > 1 else ""
+    if first.activations is not None:  # how, on a line of its own
+        head += f"\nactivations traced on {first.activations.method} tensors" + (
+            ", blocks recomputed in backward (activation checkpointing)"
+            if first.activation_checkpointing
+            else ""
+        )
+    return head
 
 
 def _columns(header: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) -> list[str]:

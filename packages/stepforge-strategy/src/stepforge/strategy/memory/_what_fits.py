@@ -166,6 +166,51 @@ def _fake_world_accuracy(data: dict[str, Any], path: str) -> list[str]:
     return lines + ([""] if data["summary"].get("cuda") else [])
 
 
+def _architectures_accuracy(data: dict[str, Any], path: str) -> list[str]:
+    """The per-architecture table of ``bench_architectures.py``: the peak's and held total's range per model, and
+    the cases outside the goal."""
+    summary, cases = data["summary"], data["cases"]
+    groups = []
+    for group, words in (("gloo", "gloo ranks"), ("fake", "rank 0 of torch's fake process group")):
+        worlds = sorted({c["world"] for c in cases if c.get("group", "gloo") == group})
+        if worlds:
+            groups.append(f"{words} at {', '.join(map(str, worlds))}")
+    plugins = ", ".join(f"`{p}`" for p in dict.fromkeys(case["plugin"] for case in cases))
+    lines = [
+        f"Across architectures (`tools/bench/estimate/bench_architectures.py`): transformers models built from "
+        f"small configs and the project's GPT, trained two steps with {plugins} as {' and '.join(groups)} (and "
+        f"with activation checkpointing for `zero2` and `torch_fsdp` at 2 ranks), measured like the GPT above "
+        f"({_machine(data, path)}). Estimate / measured, per architecture; `trace`: how the activations were "
+        "traced (`fake` tensors, or `real` CPU tensors where the forward reads values or meets an op without a "
+        "fake kernel):",
+        "",
+        "| model | parameters | cases | peak | held after a step | within ±5% | trace |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, row in summary["architectures"].items():
+        lines.append(
+            f"| {name} | {row['parameters'] / 1e6:.1f} M | {row['cases']} | {row['peak_min']:.3f}-"
+            f"{row['peak_max']:.3f} | {row['held_min']:.3f}-{row['held_max']:.3f} | {row['within']}/{row['cases']} "
+            f"| {', '.join(row['trace'])} |"
+        )
+    missed = [c for c in cases if "ratios" in c and not c["within"]]
+    lines += [
+        "",
+        f"{summary['within']} of {summary['judged']} cases within ±5% ({summary['errors']} failed to run).",
+    ]
+    if missed:
+        lines[-1] += (
+            " Outside it (peak): "
+            + "; ".join(
+                f"{c['arch']} `{c['plugin']}` N={c['world']}{' checkpointed' if c['checkpointing'] else ''}"
+                f"{' (real trace)' if c['estimate']['trace'] == 'real' else ''} {c['ratios']['peak']:.3f}"
+                for c in missed
+            )
+            + "."
+        )
+    return [*lines, ""]
+
+
 def _accuracy(paths: list[str]) -> str:
     if not paths:
         return "## Measured accuracy\n\nNo benchmark result given (`--accuracy`).\n"
@@ -173,7 +218,9 @@ def _accuracy(paths: list[str]) -> str:
     on_cuda = False
     for path in paths:
         data: dict[str, Any] = json.loads(Path(path).read_text())
-        if "fake" in data.get("benchmark", ""):
+        if data.get("benchmark") == "estimate across architectures":
+            lines += _architectures_accuracy(data, path)
+        elif "fake" in data.get("benchmark", ""):
             lines += _fake_world_accuracy(data, path)
             on_cuda = on_cuda or data["device"] == "cuda"
         else:

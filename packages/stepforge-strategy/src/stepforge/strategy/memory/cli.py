@@ -84,6 +84,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--accumulation-steps", type=int, default=1, help="micro-batches per optimizer step (default 1)"
     )
+    p.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="estimate with every block's activations recomputed in backward (with --batch)",
+    )
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu: the device being planned for")
     p.add_argument("--backend", default=None, help="nccl or gloo (default: by device)")
     p.add_argument("--device-memory", type=parse_size, default=None, help="e.g. 80GiB: say which fit")
@@ -213,6 +218,7 @@ def _run(args: argparse.Namespace, p: argparse.ArgumentParser, out: Any) -> int:
             backend=args.backend,
             rank=args.rank,
             accumulation_steps=args.accumulation_steps,
+            activation_checkpointing=args.activation_checkpointing,
         )
     except StepforgeError as exc:  # the optimizer's state cannot be read, a setting a plan refuses
         p.error(f"--optimizer {args.optimizer}: {exc}" if isinstance(exc, OptimizerStateError) else str(exc))

@@ -5,7 +5,10 @@
 same block choice, the same blocks left in the root, gemini's same placement plan) and size each parameter as
 FSDP2 stores it: dimension 0 cut ``torch.chunk``-style into ``S`` pieces of ``ceil(dim0 / S)`` rows, every rank's
 storage padded to that many rows; gradients reduce-scattered into one padded buffer per unit (copied to the CPU,
-unpadded, when the unit is offloaded); the optimizer stepping the local (unpadded) shards. ``torch_ddp`` is the
+unpadded, when the unit is offloaded); the optimizer stepping the local (unpadded) shards. What compute gathers
+is listed per unit (``plan.units``: gathered parameters, the all-gather output FSDP2 keeps in forward until the
+next unit's copy-out, unsharded gradients, the reduce-scatter input it keeps until the next reduce), not as one
+total: the estimate lays each unit's beside the activations traced at that unit's own peak. ``torch_ddp`` is the
 replicated layout plus DDP's gradient buckets, assigned by torch's own bucketing function.
 
 Accumulating (``accumulation_steps`` N > 1, every micro-batch but the last under ``no_sync`` where the plugin
@@ -25,6 +28,7 @@ import torch
 from torch import nn
 
 from stepforge.core.memory_plan import (
+    GatheredUnit,
     MemoryPlan,
     add_optimizer_state,
     check_accumulation_steps,
@@ -167,14 +171,13 @@ def fsdp_memory_plan(
     units = _units(plugin, model)
     plan.offloads = any(offload for *_, offload, _ in units)
     stepped: dict[bool, list[tuple[tuple[int, ...], torch.dtype]]] = {True: [], False: []}
-    gathered: list[tuple[int, int]] = []  # per unit: gathered parameter bytes, reduce-scatter input bytes
     for name, params, sharded, offload, reshard in units:
         shards, replicas = (world_size // extra_dp_size, extra_dp_size) if sharded else (1, world_size)
         index = rank % shards
         place = "host" if offload else "device"
         param_dtype = policy.param_dtype or (params[0].dtype if params else torch.float32)
         reduce_dtype = policy.reduce_dtype or param_dtype
-        stored = padded_numel = local_numel = full = 0
+        stored = padded_numel = local_numel = full = unsharded = 0
         for p in params:
             rest = p[0].numel() if p.dim() else 1
             rows, padded = shard_rows(p.shape[0] if p.dim() else 1, shards, index)
@@ -183,8 +186,21 @@ def fsdp_memory_plan(
             local_numel += rows * rest
             full += shards * padded * rest
             if p.requires_grad:
+                unsharded += p.numel()
                 shape = (rows, *p.shape[1:]) if p.dim() else ()
                 stepped[offload].append((shape, p.dtype))
+        gathered = tensor_bytes(full, param_dtype)
+        plan.units.append(
+            GatheredUnit(
+                name=name,
+                gathered=gathered,
+                gather_buffer=gathered if shards > 1 else 0,
+                grads=tensor_bytes(unsharded, param_dtype),
+                reduce=tensor_bytes(full, reduce_dtype),
+                sharded_grads=0 if offload else tensor_bytes(padded_numel, reduce_dtype),
+                resharded=reshard,
+            )
+        )
         if not params:
             continue
         label = f"unit {name or '<root>'}"
@@ -194,7 +210,6 @@ def fsdp_memory_plan(
         grad_bytes = tensor_bytes(local_numel if offload and not on_cpu else padded_numel, reduce_dtype)
         plan.add("grads", place, grad_bytes, "sharded gradients", grads_lifetime)
         if no_sync:  # set_requires_gradient_sync(False): each unsharded gradient kept in the reduce dtype
-            unsharded = sum(p.numel() for p in params if p.requires_grad)
             plan.add(
                 "grads",
                 "device",
@@ -202,8 +217,7 @@ def fsdp_memory_plan(
                 "unsharded gradients (no_sync)",
                 "window",
             )
-        gathered.append((tensor_bytes(full, param_dtype), tensor_bytes(full, reduce_dtype)))
-        gather_bytes = steps * tensor_bytes(full, param_dtype)
+        gather_bytes = steps * gathered
         plan.collective("all_gather", "forward", steps, gather_bytes, shards, f"{label} parameters")
         if reshard:
             plan.collective("all_gather", "backward", steps, gather_bytes, shards, f"{label} parameters")
@@ -222,7 +236,6 @@ def fsdp_memory_plan(
         for b in model.buffers()
     )
     plan.add("buffers", "device", buffers, "model buffers")
-    _plan_gathered(plan, gathered)
     if optimizer is not None:
         config = optimizer  # an instance is the optimizer the plugin keeps
         if isinstance(optimizer, Mapping) and plugin.default_optimizer is not None:
@@ -234,21 +247,3 @@ def fsdp_memory_plan(
     if steps > 1:
         plan.notes.append(f"{steps} micro-batches per step, gradients reduced {reductions}x")
     return plan
-
-
-def _plan_gathered(plan: MemoryPlan, gathered: list[tuple[int, int]]) -> None:
-    """What forward/backward hold besides the shards, from each unit's ``(gathered parameter bytes, reduce-scatter
-    input bytes)`` (the root last): the root unit gathered throughout (it is not resharded after forward), and
-    the largest block gathered with, in backward, its unsharded gradients (compute dtype) and its reduce-scatter
-    input. The first units of backward run at the activation peak, so these count beside the activations
-    (measured at 1-4 gloo ranks, ``tools/bench/estimate/bench_estimate.py``)."""
-    if not gathered:
-        return
-    (root, root_reduce), blocks = gathered[-1], gathered[:-1]
-    plan.add("params", "device", root, "root unit, gathered", "compute")
-    largest, largest_reduce = max(blocks) if blocks else (0, 0)
-    plan.add("params", "device", largest, "largest block, gathered", "compute")
-    plan.add("grads", "device", max(largest, root), "unsharded gradients of a unit", "compute")
-    plan.add(
-        "buffers", "device", max(largest_reduce, root_reduce), "reduce-scatter input of a unit", "compute"
-    )
