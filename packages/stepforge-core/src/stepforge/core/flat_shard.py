@@ -25,6 +25,8 @@ import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from .torch_compat import make_wrapper_subclass
+
 __all__ = ["FlatShard", "flat_range_boxes"]
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
@@ -80,9 +82,7 @@ class FlatShard(torch.Tensor):
             raise ValueError(
                 f"FlatShard: the range [{start}, {start + local.numel()}) is not inside {numel} elements."
             )
-        out = torch.Tensor._make_wrapper_subclass(
-            cls, torch.Size(shape), dtype=local.dtype, device=local.device, requires_grad=False
-        )
+        out = make_wrapper_subclass(cls, torch.Size(shape), dtype=local.dtype, device=local.device)
         out.local, out.start = local, start
         return out
 

@@ -37,7 +37,7 @@ from .simulation import (
     tracker_bytes,
     tracker_module_peaks,
 )
-from .tensors import dtensor_local, is_dtensor, view_base
+from .tensors import dtensor_local, is_dtensor, make_wrapper_subclass, view_base
 
 __all__ = [
     "DispatchMode",
@@ -66,6 +66,7 @@ __all__ = [
     "is_ddp",
     "is_dtensor",
     "is_norm_with_running_stats",
+    "make_wrapper_subclass",
     "queue_backward_callback",
     "set_fsdp2_pending_grad",
     "set_instance_state_dict",

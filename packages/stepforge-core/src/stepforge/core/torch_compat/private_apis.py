@@ -55,6 +55,7 @@ PRIVATE_APIS: tuple[tuple[str, Callable[[], Any]], ...] = (
     *((f"{m}.{n}", lambda m=m, n=n: resolve(m, n)) for m, n in _MODULE_PRIVATES),
     ("FileSystemReader._get_metadata_path", lambda: FileSystemReader._get_metadata_path),
     ("torch.Tensor._base", lambda: torch.Tensor._base),
+    ("torch.Tensor._make_wrapper_subclass", lambda: torch.Tensor._make_wrapper_subclass),
     (
         "torch.autograd.Variable._execution_engine.queue_callback",
         lambda: torch.autograd.Variable._execution_engine.queue_callback,

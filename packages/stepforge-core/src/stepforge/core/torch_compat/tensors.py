@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Tensor internals: DTensor's local shard as the tensor itself (``DTensor._local_tensor``) and the tensor a
-view was taken from (``Tensor._base``)."""
+"""Tensor internals: DTensor's local shard as the tensor itself (``DTensor._local_tensor``), the tensor a
+view was taken from (``Tensor._base``) and a tensor subclass without storage of its own
+(``Tensor._make_wrapper_subclass``)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from .errors import private_changed
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
-__all__ = ["dtensor_local", "is_dtensor", "view_base"]
+__all__ = ["dtensor_local", "is_dtensor", "make_wrapper_subclass", "view_base"]
 
 _DTENSOR_TYPE: type | None = None
 _PLAIN_TENSOR = torch.Tensor
@@ -59,3 +60,11 @@ def dtensor_local(t: torch.Tensor) -> torch.Tensor:
 def view_base(t: torch.Tensor) -> torch.Tensor | None:
     """The tensor ``t`` is a view of (``None`` when ``t`` is not a view)."""
     return t._base
+
+
+def make_wrapper_subclass(
+    cls: type[torch.Tensor], shape: torch.Size, *, dtype: torch.dtype, device: torch.device
+) -> Any:
+    """A new ``cls`` instance of ``shape`` holding no data of its own (what DTensor is built on): the subclass
+    keeps its data in attributes and implements the operations it supports itself."""
+    return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device, requires_grad=False)
