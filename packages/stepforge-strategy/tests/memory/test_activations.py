@@ -58,6 +58,33 @@ def test_trace_equals_a_real_forward_and_backward(autocast: torch.dtype | None) 
     assert trace.grads == sum(p.numel() * 4 for p in _Tiny().parameters())
 
 
+class _Tied(_Tiny):
+    """``_Tiny`` with its head tied to the embedding (one parameter registered in two modules, as GPT-2's and
+    T5's heads are)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc2 = nn.Linear(64, 16)
+        self.head = nn.Linear(16, 50, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(super().forward(tokens))
+
+
+@pytest.mark.parametrize("method", ["fake", "real"])
+def test_tied_parameters_get_one_gradient(method: str) -> None:
+    """A tied parameter is one tensor in the traced copy, as in the model: one gradient for it (the untied fake
+    copy built one per module, and the gradients it counted were the tied embedding's bytes over), and the
+    real forward and backward's activations."""
+    tokens = torch.randint(0, 50, (8, 12))
+    model = _Tied()
+    trace = trace_activations(model, tokens, method=method)
+    forward, peak = _measured(_Tied(), tokens, None)
+    assert trace.grads == sum(p.numel() * 4 for p in model.parameters())  # each parameter once
+    assert trace.forward == forward and trace.peak == max(forward, peak)
+
+
 def test_trace_in_the_plugins_compute_dtype_halves_the_activations() -> None:
     """Parameters and floating inputs cast to bf16 (as ZeRO and FSDP2 cast them): every saved tensor is half the
     bytes of the fp32 run (the loss, a 4-byte fp32 scalar either way, aside); the model itself keeps its fp32

@@ -23,16 +23,26 @@ CASES = [
     ("mixtral", "torch_fsdp", "fp32", False),
     ("mixtral", "gemini", "bf16", False),
 ]
+#: FSDP2 without checkpointing on fake-traced or real-traced activations: every gathered unit, all-gather and
+#: reduce-scatter buffer is placed where it lives, so the peak is met to the byte (1% slack)
+EXACT = {
+    ("gpt2", "torch_fsdp", "fp32", False),
+    ("gpt2", "gemini", "bf16", False),
+    ("bert", "torch_fsdp", "fp32", False),
+    ("mixtral", "torch_fsdp", "fp32", False),
+}
 
 
 def test_peak_and_held_of_transformers_models_under_sharding() -> None:
-    """Every case's estimated peak within 8% of the measured one and its held total within 1% (FSDP2 units gathered
-    and freed in turn, ZeRO's pieces built as backward runs, checkpointed blocks recomputed); Mixtral in fp32
+    """Every case's estimated peak within 8% of the measured one (:data:`EXACT`'s within 1%: the prefetched
+    unit's all-gather output at the head's backward, the root's gradients freed before its reduce-scatter output)
+    and its held total within 1% (FSDP2 units gathered and freed in turn, ZeRO's pieces built as backward runs,
+    checkpointed blocks recomputed); Mixtral in fp32
     meets an op without a fake kernel (``grouped_mm``) and is traced on real tensors, the others on fake ones."""
     results = run_isolated(cases.measured_and_estimated, CASES, timeout=600)
     for r in results:
         assert abs(r["est_held"] / r["held"] - 1) <= 0.01, r
-        assert abs(r["est_peak"] / r["peak"] - 1) <= 0.08, r
+        assert abs(r["est_peak"] / r["peak"] - 1) <= (0.01 if r["case"] in EXACT else 0.08), r
     methods = {r["case"]: r["trace"] for r in results}
     assert methods[("mixtral", "torch_fsdp", "fp32", False)] == "real"
     assert methods[("gpt2", "torch_fsdp", "fp32", False)] == "fake"

@@ -104,16 +104,20 @@ def _meta_copy(model: nn.Module) -> nn.Module:
 
 def _materialise(module: nn.Module, dtype: torch.dtype | None) -> None:
     """Replace every meta parameter and buffer of ``module`` by an uninitialised CPU tensor (fake inside a
-    ``FakeTensorMode``), floating ones in ``dtype`` when given (as the plugin casts them)."""
+    ``FakeTensorMode``), floating ones in ``dtype`` when given (as the plugin casts them). A tensor registered
+    in several modules (tied embeddings) is replaced by one tensor: its gradient is built once."""
+    # id -> (the meta tensor, kept alive so that no other takes its id; its stand-in)
+    made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for sub in module.modules():
-        for name, p in list(sub._parameters.items()):
-            if p is not None:
-                kind = dtype if dtype is not None and p.is_floating_point() else p.dtype
-                sub._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=kind), p.requires_grad)
-        for name, b in list(sub._buffers.items()):
-            if b is not None:
-                kind = dtype if dtype is not None and b.is_floating_point() else b.dtype
-                sub._buffers[name] = torch.empty(b.shape, dtype=kind)
+        for table, is_param in ((sub._parameters, True), (sub._buffers, False)):
+            for name, t in list(table.items()):
+                if t is None:
+                    continue
+                if id(t) not in made:
+                    kind = dtype if dtype is not None and t.is_floating_point() else t.dtype
+                    empty = torch.empty(t.shape, dtype=kind)
+                    made[id(t)] = (t, nn.Parameter(empty, t.requires_grad) if is_param else empty)
+                table[name] = made[id(t)][1]
 
 
 def _fake_leaf(mode: Any, value: Any, dtype: torch.dtype | None) -> Any:

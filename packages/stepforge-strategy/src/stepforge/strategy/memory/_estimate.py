@@ -160,16 +160,29 @@ class Estimate:
         it and the unit gathered ahead of it (backward prefetch), the gradients the trace had built by its
         peak, those of the units already reduced counted as their shards (``sharded_grads``), and the
         reduce-scatter input of the unit reduced last (FSDP2 keeps one until the next reduce). Around the
-        whole-model activation peak (the head and the loss, outside every unit) and at the end of backward: the
-        root with its gradients, its reduce-scatter input and every gradient shard."""
+        whole-model activation peak (the head's and the loss's backward, outside every unit): the root and the
+        all-gather output of the unit prefetched for backward. At the end of backward, beside every block's
+        gradient shard: the root's gradients with its parameters and the last block's reduce-scatter input,
+        then with its own reduce-scatter input (the root resharded), then that input and its output (the
+        gradients freed)."""
         *blocks, root = self.plan.units
         trace = self.activations
         peaks = trace.modules if trace is not None else {}
         order = {u.name: peaks[u.name].order if u.name in peaks else i for i, u in enumerate(blocks)}
         blocks.sort(key=lambda u: order[u.name])
         shard = [u.sharded_grads if sharded_grads else 0 for u in blocks]
-        out = root.gathered + max(
-            trace.peak if trace is not None else 0, root.grads + root.reduce + sum(shard) + root.sharded_grads
+        # FSDP2's root pre-backward prefetches the unit backward runs first: its all-gather output is held,
+        # not yet copied out, while the head's and the loss's backward run
+        prefetched = blocks[-1].gather_buffer if blocks else 0
+        # the root's post-backward reshards it, copies its gradients into its reduce-scatter input and frees
+        # them before allocating the output; the input kept from the block reduced last is freed before
+        kept = blocks[0].reduce if blocks else 0
+        out = max(
+            root.gathered + prefetched + (trace.peak if trace is not None else 0),
+            sum(shard)
+            + max(
+                root.gathered + root.grads + kept, root.grads + root.reduce, root.reduce + root.sharded_grads
+            ),
         )
         for i, unit in enumerate(blocks):
             seen = peaks.get(unit.name)
