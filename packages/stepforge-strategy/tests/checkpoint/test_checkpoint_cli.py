@@ -204,9 +204,13 @@ def test_an_optimizer_save_is_refused_and_a_foreign_dcp_directory_is_read_unveri
     model = transformers.GPT2LMHeadModel(_gpt2_config())
     booster = Booster(plugin="single")
     _, optimizer, *_ = booster.boost(model, torch.optim.AdamW(model.parameters()))
-    booster.save_optimizer(optimizer, str(tmp_path / "optim"))
-    assert main(["export", str(tmp_path / "optim"), str(tmp_path / "out")]) == 2
-    assert "optimizer save, not model weights" in capsys.readouterr().err and not (tmp_path / "out").exists()
+    booster.save_optimizer(optimizer, str(tmp_path / "optim"))  # one file (shard=False, the default)
+    booster.save_optimizer(optimizer, str(tmp_path / "optim_dcp"), shard=True)  # a DCP directory
+    for saved in ("optim", "optim_dcp"):
+        assert main(["export", str(tmp_path / saved), str(tmp_path / "out")]) == 2
+        assert (
+            "optimizer save, not model weights" in capsys.readouterr().err and not (tmp_path / "out").exists()
+        )
     import torch.distributed.checkpoint as dcp
 
     dcp.save(model.state_dict(), storage_writer=dcp.FileSystemWriter(str(tmp_path / "plain")), no_dist=True)

@@ -17,6 +17,7 @@ from ._layout import CheckpointError, commit_text, file_record, fsync_dir
 __all__ = [
     "FILE_FORMAT",
     "SIDECAR_SUFFIX",
+    "read_manifest",
     "read_sidecar",
     "read_torch_file",
     "verify_file",
@@ -39,6 +40,13 @@ def _fsync_file(path: str) -> None:
 def read_sidecar(path: str) -> dict[str, Any] | None:
     """The ``{"size", "crc32"}`` record of single file ``path`` from its manifest; None when it has none;
     :class:`CheckpointError` when the manifest is damaged."""
+    manifest = read_manifest(path)
+    return None if manifest is None else manifest["data"]
+
+
+def read_manifest(path: str) -> dict[str, Any] | None:
+    """The whole manifest of single file ``path`` (``data``: size and CRC-32, ``meta``: what the save recorded,
+    such as its kind); None when it has none; :class:`CheckpointError` when it is damaged."""
     sidecar = path + SIDECAR_SUFFIX
     if not os.path.isfile(sidecar):
         return None
@@ -64,7 +72,7 @@ def read_sidecar(path: str) -> dict[str, Any] | None:
         raise CheckpointError(
             f"checkpoint file {path!r}: its manifest {sidecar!r} has no data size and crc32"
         )
-    return data
+    return record
 
 
 def verify_file(path: str) -> bool:

@@ -44,7 +44,7 @@ from ._dcp import read_dcp_metadata, safe_dcp_load, verify_files
 from ._hf_layout import INDEX_SUFFIX, files_to_read, is_safetensors, read_file, unshare, weight_names
 from ._layout import LAST_CHECKPOINT, MARKER, CheckpointError, find_latest_checkpoint
 from ._names import check_target
-from ._sidecar import SIDECAR_SUFFIX, read_sidecar, verify_file
+from ._sidecar import SIDECAR_SUFFIX, read_manifest, verify_file
 from ._writer import commit_tmp_dir
 
 __all__ = ["main", "parser", "inspect_checkpoint", "export_checkpoint"]
@@ -86,8 +86,11 @@ def _verified(path: str) -> tuple[str | None, dict[str, Any] | None]:
             return MARKER, verify_files(folder)
         if not verify_file(path):
             return None, None
+        manifest = read_manifest(path) or {}
         return os.path.basename(path) + SIDECAR_SUFFIX, {
-            "files": {os.path.basename(path): read_sidecar(path)}
+            "files": {os.path.basename(path): manifest.get("data")},
+            "meta": manifest.get("meta"),
+            "committed_at": manifest.get("committed_at"),
         }
     except CheckpointError as exc:
         raise _refused(str(exc), _VERIFY_FIX) from exc
