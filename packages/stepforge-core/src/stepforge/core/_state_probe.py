@@ -105,7 +105,7 @@ class OptimizerStateProbe:
 
     def _build(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
         if self._template is not None:
-            return _holding(self._template, self._group, params)
+            return _holding(self._template, self._group, params)  # type: ignore[no-any-return]
         from .build import build_optimizer
 
         return build_optimizer(dict(self.config or {}), params)

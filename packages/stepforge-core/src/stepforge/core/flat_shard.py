@@ -84,7 +84,7 @@ class FlatShard(torch.Tensor):
             )
         out = make_wrapper_subclass(cls, torch.Size(shape), dtype=local.dtype, device=local.device)
         out.local, out.start = local, start
-        return out
+        return out  # type: ignore[no-any-return]
 
     def __init__(self, local: torch.Tensor, start: int, shape: Sequence[int]) -> None:
         super().__init__()
@@ -133,7 +133,7 @@ class FlatShard(torch.Tensor):
 
     # -- the operations a checkpoint applies --------------------------------------------------------------------
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
         kwargs = kwargs or {}
         aten = torch.ops.aten
         first = args[0]

@@ -207,4 +207,4 @@ class FusedOptimizerBase(StateMixin, torch.optim.Optimizer):
         """What ``torch.compile`` runs eagerly while tracing ``step()``: validate ``group``, create its state and
         fill the (empty) lists bucket by bucket; returns the bucket plans (:mod:`._step.compiled`)."""
         self._groups.revalidate(self.param_groups)
-        return init_group(self, group, params, grads, state_a, state_b, masters, extras)
+        return init_group(self, group, params, grads, state_a, state_b, masters, extras)  # type: ignore[arg-type]

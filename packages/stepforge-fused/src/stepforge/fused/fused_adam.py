@@ -104,4 +104,4 @@ class FusedAdam(AdamBase):
         reject_legacy_step_args(
             self._owner, grads=grads, output_params=output_params, scale=scale, grad_norms=grad_norms
         )
-        return fused_step(self, closure, div_scale)
+        return fused_step(self, closure, div_scale)  # type: ignore[arg-type]

@@ -221,10 +221,10 @@ class FusedLAMB(FusedOptimizerBase):
     def _device_clip_norm(self) -> float:
         return float(self.defaults["max_grad_norm"])
 
-    def _launch(self, module: ModuleType, bucket: Bucket, group: dict[str, Any], at: Launch) -> bool | None:
+    def _launch(self, module: ModuleType, bucket: Bucket, group: dict[str, Any], at: Launch) -> bool | None:  # type: ignore[override]
         plan = self._shard_plans.get(id(bucket)) if self._shard_plans else None
         if plan is None or bucket.on_device:
-            return launch(self, module, bucket, group, at)
+            return launch(self, module, bucket, group, at)  # type: ignore[no-any-return]
         # Sharded tensors: moments and the local sums of p^2, u^2; the sums over the mesh; then the update.
         n = len(bucket.sizes)
         norms = torch.zeros(2 * n, dtype=torch.float64)
@@ -241,7 +241,7 @@ class FusedLAMB(FusedOptimizerBase):
 
     def step(self, closure: Callable[[], Any] | None = None, div_scale: float = -1) -> Any:
         """One optimizer step; ``div_scale > 0`` divides every grad before the norm clip."""
-        return fused_step(self, closure, div_scale)
+        return fused_step(self, closure, div_scale)  # type: ignore[arg-type]
 
 
 def _same_number(a: Any, b: Any) -> bool:

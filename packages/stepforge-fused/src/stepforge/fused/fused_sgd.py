@@ -128,4 +128,4 @@ class FusedSGD(FusedOptimizerBase):
 
     def step(self, closure: Callable[[], Any] | None = None, div_scale: float = -1) -> Any:
         """One optimizer step; ``div_scale > 0`` divides every grad first."""
-        return fused_step(self, closure, div_scale)
+        return fused_step(self, closure, div_scale)  # type: ignore[arg-type]

@@ -128,7 +128,7 @@ class _Recorder(DispatchMode):
     """Record every operation that creates or writes a meta tensor."""
 
     def __init__(self, record: _Record, *, create_on_meta: bool) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.record = record
         self.create_on_meta = create_on_meta
 
@@ -206,12 +206,12 @@ class LazyInitContext:
         rng, cuda = _rng_state(self.default_device)
         self._record = _Record(rng, cuda, self.default_device)
         self._recorder = _Recorder(self._record, create_on_meta=True)
-        self._recorder.__enter__()
+        self._recorder.__enter__()  # type: ignore[no-untyped-call]
         return self
 
     def __exit__(self, *exc: Any) -> None:
         assert self._recorder is not None and self._record is not None
-        self._recorder.__exit__(*exc)
+        self._recorder.__exit__(*exc)  # type: ignore[no-untyped-call]
         for key in self._record.storages:
             _RECORDS[key] = self._record
 

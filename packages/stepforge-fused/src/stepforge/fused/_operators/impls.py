@@ -142,7 +142,7 @@ def update_operator(spec: KernelSpec) -> Callable[..., None]:
             return
         steps, first_run, found_inf = a.get("steps"), a.get("first_run"), a["found_inf"]
         flags = first_run.to(torch.int64).tolist() if first_run is not None else None
-        lists = (list(layout.ptrs), layout.sizes, (pdt, gdt))
+        lists = (list(layout.ptrs), layout.sizes, (pdt, gdt))  # type: ignore[assignment]
         common = (
             a["grad_divisor"],
             a["grad_divisor_tensor"],
@@ -151,7 +151,7 @@ def update_operator(spec: KernelSpec) -> Callable[..., None]:
             a["stochastic_rounding"],
         )
         if device.type == "cpu":
-            skipped = k.launch_cpu(
+            skipped = k.launch_cpu(  # type: ignore[call-arg, misc]
                 op,
                 spec,
                 *lists,
@@ -164,7 +164,7 @@ def update_operator(spec: KernelSpec) -> Callable[..., None]:
             )
             k.finish_steps_cpu(steps, skipped)
         else:
-            result = k.launch_cuda(
+            result = k.launch_cuda(  # type: ignore[call-arg, misc]
                 op, spec, *lists, device, a["lr"], a["lr_tensor"], list(args[hyper]), *common,
                 a["seed"], steps=steps, first_run=flags,
             )  # fmt: skip
@@ -239,7 +239,7 @@ def scale_(src: list[Tensor], dst: list[Tensor], scale: float, found_inf: Tensor
         k.scale_cuda(src_ptrs, dst_ptrs, layout.sizes, (sdt, ddt), device, scale, found_inf)
 
 
-Tensor = torch.Tensor
+Tensor = torch.Tensor  # type: ignore[misc]
 
 
 def _lamb_args(

@@ -63,7 +63,7 @@ class BucketPlan(NamedTuple):
     masters_stop: int
     device: str
     flag: int
-    count: int
+    count: int  # type: ignore[assignment]
     first_run: int
     steps: int
 

@@ -128,10 +128,10 @@ def save_optimizer(
         if pending is None:
             commit_file(checkpoint, write_file, arg="checkpoint", where="save_optimizer", meta=_META)
         else:  # rank 0 writes in the background; the ranks agree on the outcome at the wait
-            write = partial(
+            background = partial(
                 write_one_file, checkpoint, write_file, arg="checkpoint", where="save_optimizer", meta=_META
             )
-            pending.submit(write if get_rank() == 0 else None, where="save_optimizer")
+            pending.submit(background if get_rank() == 0 else None, where="save_optimizer")
         return
     if pending is None:
 

@@ -117,7 +117,7 @@ def _materialise(module: nn.Module, dtype: torch.dtype | None) -> None:
                     kind = dtype if dtype is not None and t.is_floating_point() else t.dtype
                     empty = torch.empty(t.shape, dtype=kind)
                     made[id(t)] = (t, nn.Parameter(empty, t.requires_grad) if is_param else empty)
-                table[name] = made[id(t)][1]
+                table[name] = made[id(t)][1]  # type: ignore[assignment]
 
 
 def _fake_leaf(mode: Any, value: Any, dtype: torch.dtype | None) -> Any:

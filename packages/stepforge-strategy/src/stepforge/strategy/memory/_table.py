@@ -27,6 +27,7 @@ class EstimateRow(Protocol):
     host: dict[str, int]
     window: dict[str, int]
     activations: Any
+    activation_checkpointing: bool
 
     @property
     def accumulation_steps(self) -> int: ...

@@ -296,7 +296,7 @@ class LowLevelZeroPlugin(Plugin):
             return module.state_dict(), {}
         zero = self._zero(single_optimizer(items), "get_state_dict")
         fqns = param_fqns(module)
-        return module.state_dict(), zero.sharded_state_dict([fqns[s.param] for s in zero.layout.slots])
+        return module.state_dict(), zero.sharded_state_dict([fqns[s.param] for s in zero.layout.slots])  # type: ignore[index]
 
     def set_state_dict(
         self,
