@@ -19,28 +19,13 @@ from torch import nn
 
 from stepforge.core import BoostedOptimizer, ClippingOptimizer, HyperParameterError, check_range
 
-__all__ = [
-    "ClipConfig",
-    "check_max_norm",
-    "check_norm_type",
-    "clip_grad_norm",
-    "clip_grad_value",
-    "parse_clip_grad",
-]
+__all__ = ["check_max_norm", "check_norm_type", "clip_grad_norm", "clip_grad_value", "parse_clip_grad"]
 
+# the arguments of torch.nn.utils.clip_grad_{kind}_ (the first one is required)
 _KEYS = {
-    "norm": {"max_norm", "norm_type", "error_if_nonfinite", "foreach"},
-    "value": {"clip_value", "foreach"},
+    "norm": ("max_norm", "norm_type", "error_if_nonfinite", "foreach"),
+    "value": ("clip_value", "foreach"),
 }
-_REQUIRED = {"norm": "max_norm", "value": "clip_value"}
-
-
-class ClipConfig:
-    """A checked ``clip_grad`` dict: ``kind`` is ``"norm"`` or ``"value"``, ``kwargs`` the arguments."""
-
-    def __init__(self, kind: str, kwargs: dict[str, Any]) -> None:
-        self.kind = kind
-        self.kwargs = kwargs
 
 
 def check_max_norm(max_norm: Any, *, owner: str, name: str = "max_norm") -> float:
@@ -64,8 +49,8 @@ def check_norm_type(norm_type: Any, *, owner: str, name: str = "norm_type") -> f
     )
 
 
-def parse_clip_grad(clip_grad: Any, *, owner: str) -> ClipConfig | None:
-    """Check mmengine's ``clip_grad`` dict (``None`` = no clipping); the caller's dict is not modified.
+def parse_clip_grad(clip_grad: Any, *, owner: str) -> tuple[str, dict[str, Any]] | None:
+    """Check mmengine's ``clip_grad`` dict (``None`` = no clipping) into ``(type, a copy of the arguments)``.
 
     Raises:
         TypeError: ``clip_grad`` is not a dict.
@@ -85,13 +70,13 @@ def parse_clip_grad(clip_grad: Any, *, owner: str) -> ClipConfig | None:
             f"{owner}: invalid clip_grad type={kind!r}; clip_grad type must be 'norm' or 'value' "
             "(torch.nn.utils.clip_grad_norm_ / clip_grad_value_)."
         )
-    required = _REQUIRED[kind]
+    required = _KEYS[kind][0]
     if not kwargs:
         raise HyperParameterError(
             f"{owner}: clip_grad needs the arguments of torch.nn.utils.clip_grad_{kind}_ besides 'type' "
             f"(e.g. dict(type={kind!r}, {required}=1.0))."
         )
-    unknown = sorted(set(kwargs) - _KEYS[kind])
+    unknown = sorted(set(kwargs) - set(_KEYS[kind]))
     if unknown:
         raise HyperParameterError(
             f"{owner}: clip_grad has unknown argument(s) {unknown} for type={kind!r}; "
@@ -119,7 +104,7 @@ def parse_clip_grad(clip_grad: Any, *, owner: str) -> ClipConfig | None:
             raise HyperParameterError(
                 f"{owner}: invalid clip_grad['{flag}']={kwargs[flag]!r}; it must be True or False."
             )
-    return ClipConfig(kind, kwargs)
+    return kind, kwargs
 
 
 def _params_with_grad(optimizer: Any) -> list[torch.Tensor]:

@@ -46,6 +46,15 @@ __all__ = [
 ]
 
 
+def suspend_sync(*targets: Any) -> AbstractContextManager[Any] | None:
+    """:func:`stepforge.core.no_sync` over those ``targets`` that support it (``None`` when none does); DDP
+    models among them start having their forwards watched (:func:`track_forward`)."""
+    live = [t for t in targets if supports_no_sync(t)]
+    for t in live:
+        track_forward(t)
+    return no_sync(*live) if live else None
+
+
 class AccumulationError(StepforgeError, RuntimeError):
     """Gradient accumulation was used in a way that would give a wrong gradient."""
 
@@ -140,16 +149,11 @@ class AccumulationWindow:
         """Before a backward: will the coming micro-batch end the window (synchronise gradients)?"""
         return self.is_boundary(self.inner_count + 1)
 
-    def divisor(self) -> int:
-        """The loss divisor of the coming micro-batch: the length of its window."""
-        if self.counts == 1:
-            return 1
-        n = self.inner_count
-        return self._next_boundary(n) - self._prev_boundary(n)
-
     def window_length(self) -> int:
-        """Length of the window the coming micro-batch belongs to (as :meth:`divisor`)."""
+        """Length of the window the coming micro-batch belongs to: its loss divisor."""
         return self._next_boundary(self.inner_count) - self._prev_boundary(self.inner_count)
+
+    divisor = window_length
 
     # -- configuration ------------------------------------------------------------------------------------
     def set_count_status(self, init_counts: Any, max_counts: Any) -> None:
@@ -284,14 +288,8 @@ class AccumulationWindow:
             self._context_depth -= 1
 
     def sync_context(self, *targets: Any) -> AbstractContextManager[None]:
-        """:meth:`micro_batch_context` suspending ``targets`` through :func:`stepforge.core.no_sync`.
-
-        ``targets`` that do not support ``no_sync`` (plain modules and optimizers) are left alone.
-        """
-        live = [t for t in targets if supports_no_sync(t)]
-        for t in live:
-            track_forward(t)
-        return self.micro_batch_context(lambda: no_sync(*live) if live else None)
+        """:meth:`micro_batch_context` suspending ``targets`` through :func:`suspend_sync`."""
+        return self.micro_batch_context(lambda: suspend_sync(*targets))
 
     # -- weights -------------------------------------------------------------------------------------------
     def window_factor(self) -> float:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from stepforge.core import BackwardOptimizer, GradientHandler
+from stepforge.core import BackwardOptimizer, GradientHandler, check_positive_int
 
 from ._clip import check_max_norm, check_norm_type, clip_grad_norm
 from ._window import AccumulatingOptimizer, AccumulationWindow, track_forward
@@ -234,9 +234,9 @@ class GradAccumDataloader:
         optimizer: GradAccumOptimizer | None = None,
     ) -> None:
         self.dataloader = dataloader
-        self.accumulate_size = AccumulationWindow(
-            accumulate_size, owner="GradAccumDataloader", count_name="accumulate_size"
-        ).counts
+        self.accumulate_size = check_positive_int(
+            "accumulate_size", accumulate_size, owner="GradAccumDataloader"
+        )
         self.drop_last = bool(drop_last)
         self.optimizer = optimizer
         self.consume_remain_data = not isinstance(dataloader, torch.utils.data.DataLoader)
@@ -325,9 +325,9 @@ class GradAccumGradientHandler:
                 f"{type(grad_handler).__name__}."
             )
         self.grad_handler = grad_handler
-        self.accumulate_size = AccumulationWindow(
-            accumulate_size, owner="GradAccumGradientHandler", count_name="accumulate_size"
-        ).counts
+        self.accumulate_size = check_positive_int(
+            "accumulate_size", accumulate_size, owner="GradAccumGradientHandler"
+        )
         self.accumulate_step = 0
         self._window = optimizer.window if isinstance(optimizer, AccumulatingOptimizer) else None
 

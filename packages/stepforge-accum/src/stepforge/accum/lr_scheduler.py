@@ -15,6 +15,7 @@ import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from stepforge.core import check_positive_int
 from stepforge.core.torch_compat import LegacyLRScheduler
 
 from ._window import AccumulatingOptimizer, AccumulationWarning, AccumulationWindow
@@ -46,9 +47,9 @@ class GradAccumLrSchedulerByStep(LegacyLRScheduler):
                 f"(a torch.optim.lr_scheduler.LRScheduler), got {type(lr_scheduler).__name__}."
             )
         self.lr_scheduler = lr_scheduler
-        self.accumulate_size = AccumulationWindow(
-            accumulate_size, owner="GradAccumLrSchedulerByStep", count_name="accumulate_size"
-        ).counts
+        self.accumulate_size = check_positive_int(
+            "accumulate_size", accumulate_size, owner="GradAccumLrSchedulerByStep"
+        )
         self.accumulate_step = 0
         if optimizer is not None and not isinstance(optimizer, AccumulatingOptimizer):
             raise TypeError(

@@ -10,9 +10,7 @@ Same surface and the same semantics as ``mmengine.optim.OptimWrapper`` (divisors
 - the counter and the window weight are saved in ``state_dict()`` (key ``"accumulation"``);
 - ``optim_context`` goes through :func:`stepforge.core.no_sync`, so DDP, FSDP2 and ZeRO optimizers that
   implement ``no_sync()`` all skip the synchronisation of non-final micro-batches;
-- misuse is reported: ``accumulative_counts < 1``, resuming mid-window, mixing weighted and unweighted
-  micro-batches in one window, a DDP forward outside ``optim_context``, and (with ``scheduler_clock="window"``)
-  a scheduler stepped per micro-batch.
+- misuse is reported (the package README lists each case).
 """
 
 from __future__ import annotations
@@ -25,22 +23,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from stepforge.core import BackwardOptimizer, no_sync, supports_no_sync
+from stepforge.core import BackwardOptimizer
 from stepforge.core.torch_compat import is_norm_with_running_stats
 
 from ._clip import clip_grad_norm, clip_grad_value, parse_clip_grad
-from ._grads import track_forward
-from ._window import AccumulationWindow
+from ._window import AccumulationWindow, suspend_sync
 
 __all__ = ["OptimWrapper"]
 
 logger = logging.getLogger("stepforge.accum")
-
-
-def _has_batch_norm(model: Any) -> bool:
-    if not isinstance(model, nn.Module):
-        return False
-    return any(is_norm_with_running_stats(m) for m in model.modules())
 
 
 class OptimWrapper:
@@ -97,17 +88,14 @@ class OptimWrapper:
             scheduler_clock=scheduler_clock,
         )
         clip = parse_clip_grad(clip_grad, owner="OptimWrapper")
-        self.clip_grad_kwargs: dict[str, Any] | None = None if clip is None else clip.kwargs
-        self._clip_type: str | None = None if clip is None else clip.kind
+        self._clip_type, self.clip_grad_kwargs = clip if clip is not None else (None, None)
         self.grad_norm: torch.Tensor | None = None  # last norm from clip_grad type 'norm'
         self._context_model: Any = None
-        self.base_param_settings: dict[str, Any] | None
+        self.base_param_settings: dict[str, Any] | None = None
         if len(optimizer.param_groups) > 1:
             # mmengine: a fake group carrying the optimizer defaults, so schedulers track a "base" lr too
-            self.base_param_settings = {"params": torch.tensor([0.0], dtype=torch.float)}
-            self.base_param_settings.update(**getattr(optimizer, "defaults", {}))
-        else:
-            self.base_param_settings = None
+            defaults = getattr(optimizer, "defaults", {})
+            self.base_param_settings = {"params": torch.tensor([0.0], dtype=torch.float), **defaults}
 
     # -- the training step --------------------------------------------------------------------------------
     def update_params(
@@ -146,7 +134,7 @@ class OptimWrapper:
         :meth:`update_params`. Without it, pass a loss already divided by :meth:`scale_loss`.
         """
         w = self._window.check_weight(weight)
-        self._window.note_unguarded_backward(self._sync_targets())
+        self._window.note_unguarded_backward((self._context_model, self.optimizer))
         self._window.before_backward(w, self.optimizer)
         if w is not None:
             loss = loss * (w.to(loss.dtype) if isinstance(w, torch.Tensor) else w)
@@ -202,40 +190,28 @@ class OptimWrapper:
         if self._clip_type == "value":
             clip_grad_value(self.optimizer, **self.clip_grad_kwargs)
             return None
-        kwargs = dict(self.clip_grad_kwargs)
-        max_norm = kwargs.pop("max_norm")
-        norm_type = kwargs.pop("norm_type", 2.0)
-        total: torch.Tensor | None = clip_grad_norm(self.optimizer, max_norm, norm_type, **kwargs)
+        total: torch.Tensor | None = clip_grad_norm(self.optimizer, **self.clip_grad_kwargs)
         return total
 
     def optimizer_step(self, **kwargs: Any) -> Any:
-        """Hook: step the optimizer at a window boundary (``optimizer.step(**kwargs)``); returns its result.
-
-        An AMP subclass runs ``scaler.step(optimizer)`` and ``scaler.update()`` here.
-        """
+        """Hook: step the optimizer at a window boundary (``optimizer.step(**kwargs)``); returns its result (an
+        AMP subclass runs ``scaler.step(optimizer)`` and ``scaler.update()`` here)."""
         return self.optimizer.step(**kwargs)
 
     def no_sync_context(self, model: Any) -> AbstractContextManager[Any] | None:
         """Hook: the context that suspends gradient synchronisation of ``model`` and the optimizer.
 
         :meth:`optim_context` calls it only for a micro-batch that does not end the window (and not inside
-        another ``optim_context``). Return ``None`` when nothing can skip synchronisation. Default:
-        :func:`stepforge.core.no_sync` over those of ``model`` and the optimizer that support it (DDP,
-        FSDP2, a ZeRO optimizer); it also starts watching a DDP model's forwards, so that a later forward
-        outside ``optim_context`` is reported (DDP decides at forward time whether to all-reduce).
+        another ``optim_context``); ``None``: nothing can skip synchronisation. Default: :func:`suspend_sync`
+        (it also watches a DDP model's forwards: one outside ``optim_context`` is reported).
         """
-        live = [t for t in (model, self.optimizer) if supports_no_sync(t)]
-        for target in live:
-            track_forward(target)
-        return no_sync(*live) if live else None
+        return suspend_sync(model, self.optimizer)
 
     # -- what extensions read ------------------------------------------------------------------------------
     @property
     def window(self) -> AccumulationWindow:
-        """The accumulation window: counters, boundaries, the open window's state (read it, do not drive it).
-
-        Its :meth:`~AccumulationWindow.state_dict` is what :meth:`state_dict` saves under ``"accumulation"``.
-        """
+        """The accumulation window (read it, do not drive it); :meth:`state_dict` saves its state under
+        ``"accumulation"``."""
         return self._window
 
     @property
@@ -247,9 +223,6 @@ class OptimWrapper:
     def context_model(self) -> Any:
         """The model given to the latest :meth:`optim_context` (``None`` before the first)."""
         return self._context_model
-
-    def _sync_targets(self) -> tuple[Any, ...]:
-        return () if self._context_model is None else (self._context_model, self.optimizer)
 
     # -- accumulation status -------------------------------------------------------------------------------
     @property
@@ -293,7 +266,8 @@ class OptimWrapper:
                 f"{init_counts % self.accumulative_counts} micro-batch(es) of gradient were not checkpointed; "
                 "that window's step misses them. Checkpoint at window boundaries.",
             )
-        if _has_batch_norm(model) and self.accumulative_counts > 1:
+        modules = model.modules() if isinstance(model, nn.Module) else ()
+        if self.accumulative_counts > 1 and any(is_norm_with_running_stats(m) for m in modules):
             logger.warning(
                 "Gradient accumulation may slightly change results: the model has BatchNorm layers, whose "
                 "statistics see micro-batches, not the accumulated batch."
