@@ -17,8 +17,6 @@ import torch.distributed as dist
 
 from stepforge.core import HyperParameterError
 
-from ._grads import comm_device
-
 __all__ = ["WindowWeights", "check_weight_value"]
 
 
@@ -47,6 +45,13 @@ def check_weight_value(weight: Any, *, owner: str) -> float | torch.Tensor | Non
             "number of tokens or samples the micro-batch's mean loss averages over."
         )
     return float(weight)
+
+
+def _comm_device(group: Any) -> torch.device:
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 class WindowWeights:
@@ -108,7 +113,7 @@ class WindowWeights:
         if not self._reduces():
             return
         group = self._group()
-        buf = self._local_total(extra, comm_device(group))
+        buf = self._local_total(extra, _comm_device(group))
         work = dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group, async_op=True)
         self._pending = (work, buf, micro_batch)
 

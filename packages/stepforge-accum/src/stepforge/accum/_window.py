@@ -30,10 +30,18 @@ from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
-from stepforge.core import HyperParameterError, StepforgeError, check_positive_int, no_sync, supports_no_sync
+from stepforge.core import (
+    GradScalingOptimizer,
+    HyperParameterError,
+    StepforgeError,
+    check_positive_int,
+    no_sync,
+    supports_no_sync,
+)
 
-from ._grads import is_forward_armed, scale_gradients, track_forward
 from ._weights import WindowWeights, check_weight_value
 
 __all__ = [
@@ -44,6 +52,45 @@ __all__ = [
     "scale_gradients",
     "track_forward",
 ]
+
+
+def is_forward_armed(target: Any) -> bool:
+    """Whether ``target`` decides at *forward* time if the next backward synchronises (DDP does)."""
+    return isinstance(target, DistributedDataParallel)
+
+
+def _record_sync_at_forward(module: nn.Module, args: Any) -> None:
+    # DDP reads this flag in its forward to arm (or not) the all-reduce of the coming backward.
+    # mypy types nn.Module attributes as Tensor | Module (from __getattr__); this one is our bool flag.
+    armed = bool(torch.is_grad_enabled() and module.require_backward_grad_sync)
+    module._stepforge_armed = armed  # type: ignore[assignment]
+
+
+def track_forward(target: Any) -> None:
+    """Remember, at each forward of a DDP model, whether its next backward will all-reduce (once per model): how
+    a "no_sync around the backward only" mistake is detected."""
+    if is_forward_armed(target) and getattr(target, "_stepforge_forward_hook", None) is None:
+        target._stepforge_forward_hook = target.register_forward_pre_hook(_record_sync_at_forward)
+
+
+def scale_gradients(optimizer: Any, factor: float) -> None:
+    """Multiply every gradient ``optimizer`` will step with by ``factor`` (weighted-mode normalisation).
+
+    A :class:`stepforge.core.GradScalingOptimizer` (a ZeRO-2 optimizer holding reduced pieces) scales its own.
+    """
+    if factor == 1.0:
+        return
+    if isinstance(optimizer, GradScalingOptimizer):
+        optimizer.scale_grads_(factor)
+        return
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    if not grads:
+        return
+    try:
+        torch._foreach_mul_(grads, factor)
+    except (RuntimeError, TypeError, NotImplementedError):  # mixed devices, DTensor/sparse mixes
+        for grad in grads:
+            grad.mul_(factor)
 
 
 def suspend_sync(*targets: Any) -> AbstractContextManager[Any] | None:
@@ -77,18 +124,10 @@ class AccumulationWindow:
             convention) or ``"window"`` (a learning rate that changes inside a window means a scheduler is
             stepped per micro-batch: warn).
 
-    ``OptimWrapper.window`` and ``GradAccumOptimizer.window`` return their window. What an extension or a
-    checkpoint may read (the wrappers alone change it, through the methods below):
-
-    - ``counts`` (micro-batches per window), ``inner_count`` (micro-batches backwarded so far, global across
-      epochs), ``max_counts`` (-1: unknown), ``position`` (micro-batches of the open window, 0 right after a
-      step), ``steps`` (windows closed by an optimizer step), ``weighted`` (mode of the open window, ``None``
-      before its first backward), :attr:`context_depth`;
-    - :meth:`should_update`, :meth:`should_sync`, :meth:`divisor`, :meth:`window_length`, :meth:`is_boundary`;
-    - :meth:`micro_batch_context` / :meth:`sync_context` (what ``optim_context`` enters);
-    - :meth:`state_dict` / :meth:`load_state_dict`: the counters (saved under ``"accumulation"`` in the
-      wrappers' state dicts). Loading restores ``position`` and the open window's weight, so a checkpoint
-      taken mid-window resumes counting where it stopped (the gradients themselves are the caller's).
+    ``OptimWrapper.window`` and ``GradAccumOptimizer.window`` return it; extensions and checkpoints read it
+    (the package README, "Extending OptimWrapper"), the wrappers alone change it. :meth:`load_state_dict`
+    restores ``position`` and the open window's weight, so a checkpoint taken mid-window resumes counting where
+    it stopped (the gradients themselves are the caller's).
     """
 
     def __init__(
@@ -102,7 +141,7 @@ class AccumulationWindow:
         scheduler_clock: str = "micro",
     ) -> None:
         self.owner = owner
-        self.counts = check_positive_int(count_name, counts, owner=owner)
+        self.counts = check_positive_int(count_name, counts, owner=owner)  # micro-batches per window
         if scheduler_clock not in ("micro", "window"):
             raise HyperParameterError(
                 f"{owner}: invalid scheduler_clock={scheduler_clock!r}; use 'micro' (schedulers step every "
@@ -110,8 +149,8 @@ class AccumulationWindow:
             )
         self.scheduler_clock = scheduler_clock
         self._weights = WindowWeights(process_group, reduce_weights)
-        self.inner_count = 0
-        self.max_counts = -1
+        self.inner_count = 0  # micro-batches backwarded so far, global across epochs
+        self.max_counts = -1  # -1: unknown
         self.offset = 0
         self.epoch_end: int | None = None
         self.position = 0  # backward calls since the last step (ColossalAI's ``accumulate_step``)
@@ -122,21 +161,18 @@ class AccumulationWindow:
         self._warned: set[str] = set()
         self._context_depth = 0
 
-    # -- boundaries ---------------------------------------------------------------------------------------
     def is_boundary(self, n: int) -> bool:
         """Whether micro-batch ``n`` (1-based) ends a window."""
         if n <= 0:
             return False
         return (n - self.offset) % self.counts == 0 or n == self.max_counts or n == self.epoch_end
 
-    def _prev_boundary(self, n: int) -> int:
-        """The last boundary ``<= n`` (0 counts as one)."""
+    def _prev_boundary(self, n: int) -> int:  # the last boundary <= n (0 counts as one)
         cands = [0, self.offset + ((n - self.offset) // self.counts) * self.counts]
         cands += [b for b in (self.max_counts, self.epoch_end) if b is not None and 0 < b <= n]
         return max(c for c in cands if c <= n)
 
     def _next_boundary(self, n: int) -> int:
-        """The first boundary ``> n``."""
         cands = [self.offset + ((n - self.offset) // self.counts + 1) * self.counts]
         cands += [b for b in (self.max_counts, self.epoch_end) if b is not None and b > n]
         return min(cands)
@@ -155,7 +191,6 @@ class AccumulationWindow:
 
     divisor = window_length
 
-    # -- configuration ------------------------------------------------------------------------------------
     def set_count_status(self, init_counts: Any, max_counts: Any) -> None:
         if isinstance(init_counts, bool) or not isinstance(init_counts, numbers.Integral) or init_counts < 0:
             raise HyperParameterError(
@@ -199,7 +234,6 @@ class AccumulationWindow:
         self.offset = self.inner_count - self.position
         self.epoch_end = self.offset + length if length > 0 else None
 
-    # -- per micro-batch -----------------------------------------------------------------------------------
     def check_weight(self, weight: Any) -> float | torch.Tensor | None:
         """Validate a micro-batch weight against the mode of the open window."""
         checked: float | torch.Tensor | None = check_weight_value(weight, owner=self.owner)
@@ -291,22 +325,17 @@ class AccumulationWindow:
         """:meth:`micro_batch_context` suspending ``targets`` through :func:`suspend_sync`."""
         return self.micro_batch_context(lambda: suspend_sync(*targets))
 
-    # -- weights -------------------------------------------------------------------------------------------
-    def window_factor(self) -> float:
-        """``W / N`` for a weighted window (all-reducing ``N`` now if the backward did not launch it)."""
-        factor, total = self._weights.factor(self.inner_count)
+    def finalize(self, optimizer: Any) -> None:
+        """Turn the accumulated weighted gradient into the window mean (times ``W / N``), once per window."""
+        if self._finalized or not self.weighted or self.position == 0:
+            return
+        factor, total = self._weights.factor(self.inner_count)  # all-reduces N now if no backward launched it
         if total <= 0.0:
             self.warn_once(
                 "zero-weight",
                 f"{self.owner}: a window's num_items sum to {total:g} over all ranks; its gradient is zero.",
             )
-        return factor
-
-    def finalize(self, optimizer: Any) -> None:
-        """Turn the accumulated weighted gradient into the window mean, once per window."""
-        if self._finalized or not self.weighted or self.position == 0:
-            return
-        scale_gradients(optimizer, self.window_factor())
+        scale_gradients(optimizer, factor)
         self._finalized = True
 
     def close(self) -> None:
@@ -326,7 +355,6 @@ class AccumulationWindow:
             self._warned.add(key)
             warnings.warn(message, AccumulationWarning, stacklevel=4)
 
-    # -- checkpointing ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         local = self._weights.local_sum()
         return {

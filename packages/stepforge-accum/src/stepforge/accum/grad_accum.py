@@ -92,18 +92,6 @@ class GradAccumOptimizer:
         """Backward calls in the current window (0 right after a step), as ColossalAI."""
         return self._window.position
 
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optim.param_groups
-
-    @property
-    def state(self) -> Any:
-        return self.optim.state
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        return self.optim.defaults
-
     def _targets(self) -> tuple[Any, ...]:
         return (self.model, self.optim)
 
@@ -206,7 +194,7 @@ class GradAccumOptimizer:
         if accumulation is not None:
             self._window.load_state_dict(accumulation)
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> Any:  # param_groups, state, defaults...: the wrapped optimizer's
         if name in ("optim", "_window", "model"):  # not yet set (unpickling)
             raise AttributeError(name)
         return getattr(self.optim, name)

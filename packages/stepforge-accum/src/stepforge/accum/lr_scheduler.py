@@ -1,13 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``GradAccumLrSchedulerByStep``: step a learning-rate scheduler once per accumulation window.
-
-Like ColossalAI's, it *is* a ``torch.optim.lr_scheduler._LRScheduler`` (ColossalAI subclasses that name; its
-tests and trainers check ``isinstance(x, _LRScheduler)``) and therefore a ``LRScheduler`` (``SequentialLR`` /
-``ChainedScheduler`` type checks and checkpoint code see a scheduler), but it does not run
-``LRScheduler.__init__``: that would step the wrapped optimizer's learning rate once more and patch its
-``step``. Everything it does not define (``optimizer``, ``last_epoch``, ``base_lrs``, ...) is read from the
-wrapped scheduler.
-"""
+"""``GradAccumLrSchedulerByStep``: step a learning-rate scheduler once per accumulation window."""
 
 from __future__ import annotations
 
@@ -23,11 +15,14 @@ from ._window import AccumulatingOptimizer, AccumulationWarning, AccumulationWin
 __all__ = ["GradAccumLrSchedulerByStep"]
 
 
-# torch's pre-2.0 name (a subclass of LRScheduler), reached through core; ColossalAI's wrapper derives from it
 class GradAccumLrSchedulerByStep(LegacyLRScheduler):
     """Step the wrapped learning-rate scheduler once per accumulation window.
 
-    It is an instance of ``torch.optim.lr_scheduler._LRScheduler`` and ``LRScheduler`` (as ColossalAI's is).
+    Like ColossalAI's, it *is* a ``torch.optim.lr_scheduler._LRScheduler`` (ColossalAI's tests and trainers
+    check ``isinstance(x, _LRScheduler)``) and so a ``LRScheduler`` (``SequentialLR``/``ChainedScheduler`` and
+    checkpoint code see a scheduler), but it does not run ``LRScheduler.__init__``: that would step the wrapped
+    optimizer's learning rate once more and patch its ``step``. What it does not define (``optimizer``,
+    ``last_epoch``, ``base_lrs``...) is read from the wrapped scheduler.
     Standalone it counts calls: the inner scheduler steps on every ``accumulate_size``-th call (ColossalAI).
     Linked to an optimizer (``optimizer=`` or through :func:`accumulate_gradient`) it steps once for each
     window the optimizer closed, so a short tail window counts as one step. Stepping the *inner* scheduler
