@@ -1,8 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Runtime services torch offers only privately: the autograd engine's end-of-backward callback
-(``Variable._execution_engine.queue_callback``) and the default process group's key-value store
-(``distributed_c10d._get_default_store``, for arrival barriers with a timeout, which ``barrier()`` lacks on
-gloo)."""
+"""Runtime services torch offers only privately.
+
+- :func:`queue_backward_callback`: the autograd engine's end-of-backward callback
+  (``Variable._execution_engine.queue_callback``);
+- :func:`default_store`: the default process group's key-value store (``distributed_c10d._get_default_store``,
+  for arrival barriers with a timeout, which ``barrier()`` lacks on gloo);
+- for recording a model's construction and giving its meta tensors memory (``stepforge.strategy.lazy``):
+  :class:`DispatchMode` (``torch.utils._python_dispatch.TorchDispatchMode``, which sees every ATen operation with
+  its arguments), :func:`tree_flatten` / :func:`tree_unflatten` (``torch.utils._pytree``, how such an operation's
+  nested arguments are taken apart and put back), :func:`storage_id` (``UntypedStorage._cdata``: meta tensors
+  have no data pointer to tell their storages apart) and :func:`apply_in_place` (``nn.Module._apply``, what
+  ``to``/``to_empty`` call and FSDP2 hooks to re-pad its shards, with the parameter objects kept so tied weights
+  stay one parameter).
+"""
 
 from __future__ import annotations
 
@@ -10,8 +20,19 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode as DispatchMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
-__all__ = ["default_store", "queue_backward_callback"]
+__all__ = [
+    "DispatchMode",
+    "apply_in_place",
+    "default_store",
+    "queue_backward_callback",
+    "storage_id",
+    "tree_flatten",
+    "tree_unflatten",
+]
 
 
 def queue_backward_callback(callback: Callable[[], None]) -> None:
@@ -24,3 +45,20 @@ def default_store() -> Any:
     import torch.distributed as dist
 
     return dist.distributed_c10d._get_default_store()
+
+
+def storage_id(tensor: torch.Tensor) -> int:
+    """The identity of ``tensor``'s storage (unique while the storage lives; shared by its views, ``.data`` and
+    an ``nn.Parameter`` around it)."""
+    return int(tensor.untyped_storage()._cdata)
+
+
+def apply_in_place(model: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``model._apply(fn)`` with every parameter and buffer object kept (its contents swapped:
+    ``torch.__future__``'s swap)."""
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        return model._apply(fn)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
