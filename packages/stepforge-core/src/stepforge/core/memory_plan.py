@@ -7,10 +7,7 @@ every collective it runs in one optimizer step (:class:`PlannedCollective`). Eac
 own layout code (partitioning, padding, buckets, what is offloaded), so the plan and the implementation share
 one source; ``stepforge.strategy.estimate`` adds activations and the peak on top.
 
-The default plan (:func:`replicated_plan`) is a replicated layout: every rank holds every parameter, its gradient
-and its optimizer state, and nothing is communicated (plugins that communicate override ``memory_plan``).
-Optimizer state bytes come from the optimizer itself (:class:`OptimizerStateProbe`): it is built on stand-in
-parameters of the planned shapes and stepped once, and its state tensors are read.
+Optimizer state bytes come from the optimizer itself (:class:`OptimizerStateProbe`).
 """
 
 from __future__ import annotations
@@ -23,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._state_probe import OptimizerStateProbe, StateTensor, optimizer_state_probe
+from ._state_probe import OptimizerStateProbe, optimizer_state_probe
 
 __all__ = [
     "COMPONENTS",
@@ -35,7 +32,6 @@ __all__ = [
     "GatheredUnit",
     "MemoryPlan",
     "OptimizerStateProbe",
-    "StateTensor",
     "optimizer_state_probe",
     "unique_parameters",
     "tensor_bytes",
@@ -78,16 +74,10 @@ COLLECTIVE_OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "al
 
 @dataclass(frozen=True)
 class PlannedTensor:
-    """Bytes of one kind of tensor on this rank.
-
-    Attributes:
-        component: one of :data:`COMPONENTS` (not ``"activations"``: the estimate traces those).
-        place: ``"device"`` or ``"host"``.
-        nbytes: the bytes (padding included where the layout pads).
-        label: what it is, for tables and logs (``"fp32 master pieces"``, ``"gradient bucket buffers"``).
-        lifetime: one of :data:`LIFETIMES`.
-        pinned: page-locked host memory.
-    """
+    """Bytes (padding included) of one kind of tensor on this rank: ``component`` is one of :data:`COMPONENTS`
+    but ``"activations"`` (the estimate traces those), ``place`` one of :data:`PLACES`, ``lifetime`` one of
+    :data:`LIFETIMES`; ``label`` says what it is for tables and logs (``"fp32 master pieces"``); ``pinned``:
+    page-locked host memory."""
 
     component: str
     place: str
@@ -111,18 +101,10 @@ class PlannedTensor:
 
 @dataclass(frozen=True)
 class PlannedCollective:
-    """The calls of one collective in one optimizer step, on this rank.
-
-    Attributes:
-        op: one of :data:`COLLECTIVE_OPS`.
-        phase: ``"forward"``, ``"backward"`` or ``"step"``.
-        calls: how many calls per optimizer step.
-        nbytes: the payload of all those calls together: the full buffer each call works on (an all-reduce's
-            tensor, a reduce-scatter's input, an all-gather's output, a broadcast's tensor, an all-to-all's
-            input), in bytes.
-        group_size: ranks taking part in each call.
-        label: what travels (``"gradient buckets"``, ``"updated parameter pieces"``).
-    """
+    """The ``calls`` of one collective (``op``, one of :data:`COLLECTIVE_OPS`) in one optimizer step on this rank,
+    in ``phase`` ``"forward"``, ``"backward"`` or ``"step"``, among ``group_size`` ranks each. ``nbytes``: their
+    payload together, the full buffer each call works on (an all-reduce's tensor, a reduce-scatter's input, an
+    all-gather's output, a broadcast's tensor, an all-to-all's input); ``label``: what travels."""
 
     op: str
     phase: str

@@ -24,8 +24,13 @@
 
 from __future__ import annotations
 
-from ._loss_scaler import STATE_KEYS, DynamicLossScaler
-from ._scaler_args import LOSS_SCALER_DEFAULTS, LossScalerArgs, validate_loss_scaler_args
+from ._loss_scaler import (
+    LOSS_SCALER_DEFAULTS,
+    STATE_KEYS,
+    DynamicLossScaler,
+    LossScalerArgs,
+    validate_loss_scaler_args,
+)
 from ._slow import SlowConfigurationWarning, warn_slow_precision
 from ._table import (
     MIXED_PRECISIONS,
