@@ -1,24 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """stepforge.core: the thin interface every stepforge package talks through.
 
-- :data:`OPTIMIZERS`, :data:`PLUGINS`, :data:`OPTIM_WRAPPERS`: registries filled from the entry-point groups
-  ``stepforge.optimizers``, ``stepforge.plugins`` and ``stepforge.optim_wrappers``.
-- :func:`build_optimizer`: ``build_optimizer(dict(type="FusedAdam", lr=1e-3), model)``; an unknown name says
-  which distribution to install.
-- The training contract: :class:`Plugin` (an abstract base class, ColossalAI's ``Plugin`` as the model; a new
-  plugin is a class with ``name`` and ``prepare``, everything else has a default) and the :class:`BoostedOptimizer` protocol that every plugin's ``prepare`` returns (``backward(loss)`` is
-  the only backward route).
-- Protocols (:class:`NoSyncModel`, :class:`GradientSyncSwitch`, :class:`ShardedOptimizer`,
-  :class:`GradientHandler`, :class:`WrappedModel`, :class:`CachingOptimizer`, and what gradient accumulation
-  dispatches on: :class:`BackwardOptimizer`, :class:`ClippingOptimizer`, :class:`GradScalingOptimizer`) and
-  :func:`no_sync`.
-- :mod:`stepforge.core.memory_plan`: :class:`MemoryPlan`, what :meth:`Plugin.memory_plan` says one rank holds
-  and communicates before anything is allocated, and :class:`OptimizerStateProbe` (state bytes read from the
-  optimizer itself).
-- Validation helpers whose messages name the parameter and the allowed range.
-- :mod:`stepforge.core.torch_compat`: the torch internals (DTensor local shards, FSDP2 state, DCP key flattening,
-  the DDP/FSDP2 ``no_sync`` adapters), wrapped once so a torch update breaks one module, not six packages; its
-  names are imported from there (``from stepforge.core.torch_compat import dtensor_local``), not from here.
+Registries filled from entry points (:data:`OPTIMIZERS`, :data:`PLUGINS`, :data:`OPTIM_WRAPPERS`) and
+:func:`build_optimizer`; the training contract (:class:`Plugin`, an abstract base class after ColossalAI's, and
+the :class:`BoostedOptimizer` protocol every plugin's ``prepare`` returns); the protocols objects meet through
+and :func:`no_sync`; :class:`MemoryPlan` (what :meth:`Plugin.memory_plan` says one rank holds and communicates);
+validation helpers whose messages name the parameter and the allowed range. :mod:`stepforge.core.torch_compat`
+wraps the torch internals once, so a torch update breaks one module, not six packages; its names are imported
+from there (``from stepforge.core.torch_compat import dtensor_local``), not from here.
 """
 
 from __future__ import annotations

@@ -64,14 +64,10 @@ class Plugin(ABC):
     :meth:`after_model_load`. A subclass without ``name`` or ``prepare`` cannot be instantiated (the
     ``TypeError`` names the member).
 
-    Args:
-        device: where the model lives (default: :func:`default_device`).
-        precision: the precision the user chose (only for plugins with :meth:`control_precision`).
-        default_precision: the precision used when ``precision`` is ``None``; the Booster may replace it.
-
-    Raises:
-        HyperParameterError: a precision not in :meth:`supported_precisions`, or a precision given to a plugin
-            that does not control precision.
+    ``device`` defaults to :func:`default_device`; ``precision`` (the user's choice) and ``default_precision``
+    (used when ``precision`` is ``None``; the Booster may replace it) only for plugins with
+    :meth:`control_precision`, else a :class:`HyperParameterError`, as for one not in
+    :meth:`supported_precisions`.
     """
 
     #: global-norm clipping inside ``optimizer.step()`` (0: off); plugins that take ``max_norm`` set it
@@ -115,18 +111,10 @@ class Plugin(ABC):
     def prepare(
         self, model: nn.Module, optimizer: Any = None, **kwargs: Any
     ) -> tuple[nn.Module, BoostedOptimizer | None]:
-        """Wrap ``model`` and ``optimizer`` for the back-end.
-
-        Args:
-            model: the module to train.
-            optimizer: a torch optimizer over ``model``'s parameters, a :class:`BoostedOptimizer` already
-                wrapped by the Booster's mixed precision, ``None``, or (with :attr:`builds_optimizer_config`)
-                a config dict.
-            **kwargs: ``criterion``, ``dataloader``, ``lr_scheduler`` as the Booster passes them.
-
-        Returns:
-            ``(model, optimizer)``: the optimizer satisfies :class:`~stepforge.core.BoostedOptimizer`
-            (``None`` when none was given).
+        """Wrap ``model`` and ``optimizer`` (a torch optimizer over ``model``'s parameters, one already wrapped by
+        the Booster's mixed precision, ``None``, or with :attr:`builds_optimizer_config` a config dict) for the
+        back-end; ``kwargs``: ``criterion``, ``dataloader``, ``lr_scheduler`` as the Booster passes them.
+        Returns ``(model, optimizer)``, the optimizer a :class:`~stepforge.core.BoostedOptimizer` (or ``None``).
         """
 
     # -- identity and placement ----------------------------------------------------------------------------
@@ -198,9 +186,7 @@ class Plugin(ABC):
             )
         self._precision = precision
 
-    def _check_precision(self, precision: Any) -> str:
-        """The canonical name of ``precision`` (any spelling :func:`stepforge.core.precision.get_precision`
-        knows, a torch dtype too) when it is one of :meth:`supported_precisions`."""
+    def _check_precision(self, precision: Any) -> str:  # its canonical name, when supported
         supported = self.supported_precisions()
         canonical: Any = precision
         if isinstance(precision, str | torch.dtype) and precision not in supported:
@@ -258,15 +244,9 @@ class Plugin(ABC):
         return True
 
     def no_sync(self, model: nn.Module | None, optimizer: Any = None) -> AbstractContextManager[Any]:
-        """Skip gradient synchronisation of ``model`` (and a sharded ``optimizer``) for the block, through
-        :func:`stepforge.core.no_sync` (a DDP model, FSDP2 modules, a ZeRO optimizer...).
-
-        ``model`` may be ``None`` (``Booster.no_sync(model=None, optimizer)``, as in ColossalAI) for a plugin
-        whose optimizer holds the synchronisation.
-
-        Raises:
-            RuntimeError: the plugin does not support it (:meth:`supports_no_sync` is ``False``).
-        """
+        """Skip gradient synchronisation of ``model`` (``None`` as in ColossalAI's ``Booster.no_sync(None, opt)``)
+        and a sharded ``optimizer`` for the block, through :func:`stepforge.core.no_sync`; a ``RuntimeError``
+        where :meth:`supports_no_sync` is ``False``."""
         if not self.supports_no_sync():
             raise RuntimeError(f"plugin {self.name!r} does not support no_sync.")
         return core_no_sync(model, optimizer)
@@ -313,8 +293,7 @@ class Plugin(ABC):
         model_state_dict: Mapping[str, Any],
         optim_state_dict: Mapping[str, Any],
     ) -> None:
-        """Apply a pair filled by ``dcp.load`` (as :meth:`get_state_dict` returned it): the model with
-        ``set_model_state_dict``, the optimizers with ``Optimizer.load_state_dict`` (nothing is stepped)."""
+        """Apply a pair :meth:`get_state_dict` returned, filled by ``dcp.load`` (nothing is stepped)."""
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
         optims = optimizer_list(optimizers)
@@ -324,20 +303,13 @@ class Plugin(ABC):
 
     def after_model_load(self, model: nn.Module, optimizers: Iterable[Any]) -> None:  # noqa: B027 (a no-op default)
         """Called by ``Booster.load_model`` after new weights were loaded into the prepared ``model``, with the
-        optimizers ``prepare`` returned together with it.
-
-        A plugin whose optimizer keeps its own copy of the weights (fp32 masters of fp16/bf16 parameters)
-        refreshes that copy here (ColossalAI's ``update_master_params``); without it the next ``step()`` writes
-        the old weights back. The default does nothing: the optimizer steps the model's own parameters.
-        """
+        optimizers ``prepare`` returned with it: a plugin whose optimizer keeps fp32 masters refreshes them here
+        (ColossalAI's ``update_master_params``), or the next ``step()`` writes the old weights back."""
 
     def mid_window_save_refusal(self, optimizer: Any) -> str | None:
-        """The reason a checkpoint taken inside a gradient-accumulation window must be refused, or ``None``.
-
-        ``None`` (the default): the window's gradients are all in the parameters' ``.grad`` (and, for FSDP2,
-        its pending unsharded gradients), so a checkpoint can carry them. A plugin that reduces part of a window
-        into buffers a checkpoint does not hold returns why.
-        """
+        """Why a checkpoint taken inside a gradient-accumulation window must be refused (a plugin that reduces
+        part of a window into buffers a checkpoint does not hold), or ``None``: the window's gradients are all
+        in ``.grad`` (and FSDP2's pending unsharded gradients), so a checkpoint carries them."""
         return None
 
     def __repr__(self) -> str:
@@ -380,29 +352,17 @@ class Plugin(ABC):
         device: str | torch.device | None = None,
         accumulation_steps: int = 1,
     ) -> MemoryPlan:
-        """What one rank would hold and communicate if ``model`` were prepared by this plugin, without
-        allocating it (``model`` may live on the meta device; it is not changed).
+        """What one rank of ``world_size`` would hold and communicate if ``model`` (as passed to ``boost``; it
+        may live on the meta device and is not changed) were prepared by this plugin, without allocating it.
 
-        Args:
-            model: the model as it would be passed to ``boost``.
-            world_size: the data-parallel world to plan for (need not be the current one).
-            rank: the rank described (0, the default, holds the most where pieces are cut ``torch.chunk``-style).
-            optimizer: the ``build_optimizer`` config or the optimizer instance the run would use (``None``: no
-                optimizer state); an instance is read, never stepped or changed.
-            backend: ``"nccl"``, ``"gloo"``... where the plugin picks settings by backend (``None``: gloo on a
-                CPU device, nccl otherwise).
-            device: the device the model would be trained on (``None``: the plugin's :attr:`device`); a plan made
-                on a CPU machine for a GPU run passes ``"cuda"`` (what moves to the host depends on it).
-            accumulation_steps: micro-batches per optimizer step. Above 1 the plan describes a window as
-                ``ColossalAIOptimWrapper`` runs it (every micro-batch but the last under :meth:`no_sync` when
-                :meth:`supports_no_sync`): the gradients the window keeps (lifetimes ``"window"`` and
-                ``"accumulated"``, :data:`~stepforge.core.memory_plan.LIFETIMES`) and the collectives of the
-                whole optimizer step (a reduction skipped by ``no_sync`` runs once per window).
-
-        Returns:
-            A :class:`~stepforge.core.memory_plan.MemoryPlan`. This default is a replicated layout (every rank
-            holds every parameter, gradient and optimizer state; nothing is communicated); plugins that shard,
-            offload or communicate override it from their own layout code.
+        ``optimizer``: the ``build_optimizer`` config or the instance the run would use (read, never stepped;
+        ``None``: no optimizer state). ``backend`` (``None``: gloo on a CPU device, nccl otherwise) and
+        ``device`` (``None``: :attr:`device`; a plan made on a CPU machine for a GPU run passes ``"cuda"``) are
+        where the plugin picks settings by them. With ``accumulation_steps`` > 1 the plan describes a window as
+        ``ColossalAIOptimWrapper`` runs it (every micro-batch but the last under :meth:`no_sync`): the gradients
+        it keeps (:data:`~stepforge.core.memory_plan.LIFETIMES` ``"window"``, ``"accumulated"``) and the
+        collectives of the whole optimizer step. This default is a replicated layout (nothing is communicated);
+        plugins that shard, offload or communicate override it from their own layout code.
         """
         from .memory_plan import replicated_plan
 

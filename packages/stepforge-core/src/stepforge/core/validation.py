@@ -63,21 +63,10 @@ def check_range(
     owner: str | None = None,
     hint: str = "",
 ) -> float:
-    """Check that ``value`` is a real number inside an interval and return it as a float.
-
-    Args:
-        name: the parameter's name as the user spells it (``"lr"``, ``"betas[0]"``).
-        value: the value to check; a Python number or a 0-dim floating tensor (for tensor ``lr``).
-        low: lower bound (``None`` = unbounded).
-        high: upper bound (``None`` = unbounded).
-        low_open: exclude ``low`` itself.
-        high_open: exclude ``high`` itself.
-        owner: the class or function the value was passed to, put in front of the message.
-        hint: a sentence that says how to fix it.
-
-    Raises:
-        HyperParameterError: not a real number, NaN, or outside the interval.
-    """
+    """``value`` (a Python number or a one-element tensor, for tensor ``lr``) as a float, checked to lie between
+    ``low`` and ``high`` (``None``: unbounded; ``*_open``: the bound itself excluded); else a
+    :class:`HyperParameterError` naming ``owner`` and ``name`` as the user spells it (``"betas[0]"``), ending
+    with ``hint``, how to fix it."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise HyperParameterError(
@@ -164,11 +153,8 @@ def check_bool(name: str, value: Any, *, owner: str | None = None) -> bool:
 
 
 def check_grad(param: torch.Tensor, *, owner: str | None = None, allow_sparse: bool = False) -> None:
-    """Reject gradients an optimizer cannot use: sparse, or of another shape, dtype kind or device.
-
-    Raises:
-        HyperParameterError: (a ``ValueError``) naming the problem and the fix.
-    """
+    """Reject (:class:`HyperParameterError`, naming the fix) a gradient that is sparse, or of another shape or
+    device than ``param``."""
     grad = param.grad
     if grad is None:
         return
@@ -281,17 +267,13 @@ def _same(a: Any, b: Any) -> bool:
 
 
 class GroupValidator:
-    """Validates an optimizer's param groups with one check, where they enter and whenever one was edited.
+    """Validates an optimizer's param groups with ``check(group)`` (raises :class:`HyperParameterError`, may
+    normalise values in place), where they enter and whenever one was edited.
 
-    Every stepforge optimizer uses it the same way: :meth:`validate` in ``__init__``/``add_param_group`` (and
-    after ``load_state_dict``), :meth:`revalidate` at the start of each ``step()``, which re-runs the check only
-    on groups whose hyper-parameters changed since they were last checked (an edit such as
-    ``opt.param_groups[0]["lr"] = -1`` or ``group["adamw_mode"] = "False"`` fails at the next step, naming the
-    group, instead of silently doing something else). A scheduler changing ``lr`` costs one check per step.
-
-    Args:
-        check: ``check(group)`` raises :class:`HyperParameterError` (it may normalise values in place).
-        owner: the optimizer's class name, put in front of messages.
+    Every stepforge optimizer calls :meth:`validate` in ``__init__``/``add_param_group`` (and after
+    ``load_state_dict``) and :meth:`revalidate` at the start of each ``step()``, which re-checks only groups
+    whose hyper-parameters changed, so an edit such as ``opt.param_groups[0]["lr"] = -1`` fails at the next
+    step, naming the group, instead of silently doing something else.
     """
 
     def __init__(self, check: Callable[[MutableMapping[str, Any]], Any], *, owner: str) -> None:

@@ -1,25 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """stepforge.core.precision: the one precision table and the one dynamic loss scaler of stepforge.
 
-- :data:`PRECISIONS` (``fp32``, ``fp16``, ``bf16``, ``fp8``, ``fp16_apex`` and their aliases): the torch dtype,
-  the autocast dtype, whether a loss scaler is needed, whether a plugin takes it as ``precision=``;
-  :func:`get_precision` and :func:`check_plugin_precision` read it.
-- :class:`DynamicLossScaler`: ``torch.amp.GradScaler``'s state-dict keys and surface (``scale``, ``unscale_``,
-  ``update``, ``get_scale``), ColossalAI's argument names and hysteresis, overflow agreed over a process group;
-  its arguments are checked by :func:`validate_loss_scaler_args`, which plugins call at construction too.
-- :func:`warn_slow_precision`: a one-time :class:`SlowConfigurationWarning` for a precision that is emulated on
-  the device (fp16 on CPU).
-
-::
-
-    from stepforge.core.precision import DynamicLossScaler, get_precision
-
-    get_precision("BF16").autocast_dtype            # torch.bfloat16
-    scaler = DynamicLossScaler(initial_scale=2**12, hysteresis=2, process_group=group)
-    scaler.scale(loss).backward()
-    if not scaler.unscale_(optimizer):              # True on every rank when one rank overflowed
-        optimizer.step()
-    scaler.update()
+- :data:`PRECISIONS` (``fp32``, ``fp16``, ``bf16``, ``fp8``, ``fp16_apex`` and their aliases), read by
+  :func:`get_precision` and :func:`check_plugin_precision`;
+- :class:`DynamicLossScaler`: ``torch.amp.GradScaler``'s state-dict keys and surface, ColossalAI's argument names
+  and hysteresis, overflow agreed over a process group; :func:`validate_loss_scaler_args` checks its arguments
+  (plugins call it at construction too);
+- :func:`warn_slow_precision`: a one-time :class:`SlowConfigurationWarning` for a precision emulated on the
+  device (fp16 on CPU).
 """
 
 from __future__ import annotations
