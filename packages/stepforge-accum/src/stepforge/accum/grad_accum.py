@@ -40,14 +40,8 @@ __all__ = [
 class GradAccumOptimizer:
     """Step the wrapped optimizer once every ``accumulate_size`` backward calls.
 
-    Args:
-        optim: the optimizer (a ``torch.optim.Optimizer``, or a sharded optimizer with ``no_sync()``).
-        accumulate_size: micro-batches per step (>= 1).
-        model: the (DDP / FSDP2) model whose gradient synchronisation is suspended inside a window.
-        process_group: as for :class:`stepforge.accum.OptimWrapper` (weighted mode).
-        reduce_weights: as for :class:`stepforge.accum.OptimWrapper` (weighted mode).
-
-    Use::
+    ``model``: the (DDP / FSDP2) model whose gradient synchronisation is suspended inside a window;
+    ``process_group``/``reduce_weights``: as for :class:`stepforge.accum.OptimWrapper` (weighted mode). Use::
 
         for x, y in dataloader:
             optimizer.zero_grad()                 # acts only at the start of a window
@@ -107,12 +101,8 @@ class GradAccumOptimizer:
             self.optim.zero_grad(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, *, weight: float | torch.Tensor | None = None) -> None:
-        """Backward ``loss / window length`` (or ``loss * weight`` in weighted mode) and count it.
-
-        The backward itself is the wrapped optimizer's ``backward(loss)`` when it is a
-        :class:`stepforge.core.BackwardOptimizer` (an AMP wrapper scales the loss there, a ZeRO optimizer
-        reduces), else ``loss.backward()``.
-        """
+        """Backward ``loss / window length`` (or ``loss * weight`` in weighted mode) and count it; through the
+        optimizer when it is a :class:`stepforge.core.BackwardOptimizer` (AMP scales the loss, ZeRO reduces)."""
         w = self._window.check_weight(weight)
         if w is None:
             loss = loss / self._window.divisor()
@@ -125,12 +115,8 @@ class GradAccumOptimizer:
             self._run_backward(w, loss.backward)
 
     def backward_by_grad(self, tensor: torch.Tensor, grad: torch.Tensor) -> None:
-        """Backward from ``tensor`` with output gradient ``grad`` and count it.
-
-        ``grad`` must already carry the 1/window-length factor (as in ColossalAI, nothing is divided here).
-        A :class:`stepforge.core.BackwardOptimizer`'s ``backward_by_grad(tensor, grad)`` runs, else
-        ``torch.autograd.backward(tensor, grad)``.
-        """
+        """Backward from ``tensor`` with output gradient ``grad`` (which must carry the 1/window-length factor,
+        as in ColossalAI) and count it; through a :class:`stepforge.core.BackwardOptimizer` as :meth:`backward`."""
         w = self._window.check_weight(None)
         if isinstance(self.optim, BackwardOptimizer):
             backward_by_grad = self.optim.backward_by_grad
@@ -162,15 +148,9 @@ class GradAccumOptimizer:
         return out
 
     def clip_grad_norm(self, model: nn.Module | None, max_norm: float, norm_type: float = 2.0) -> Any:
-        """Clip by the global norm, only at the end of a window (after weighted normalisation).
-
-        Goes through the wrapped optimizer's ``clip_grad_norm_`` when it is a
-        :class:`stepforge.core.ClippingOptimizer` (AMP unscales, ZeRO reduces), else
-        ``torch.nn.utils.clip_grad_norm_``. Returns the total norm, or ``None`` inside a window.
-
-        Raises:
-            HyperParameterError: ``max_norm <= 0`` or ``norm_type <= 0``.
-        """
+        """Clip by the global norm only at the end of a window (after weighted normalisation), through the
+        optimizer when it is a :class:`stepforge.core.ClippingOptimizer` (AMP unscales, ZeRO reduces); returns
+        the total norm, or ``None`` inside a window. ``max_norm``/``norm_type`` <= 0: a HyperParameterError."""
         max_norm = check_max_norm(max_norm, owner="GradAccumOptimizer.clip_grad_norm")
         norm_type = check_norm_type(norm_type, owner="GradAccumOptimizer.clip_grad_norm")
         if not self._at_boundary():
@@ -203,14 +183,11 @@ class GradAccumOptimizer:
 class GradAccumDataloader:
     """Iterate a data loader in whole accumulation windows.
 
-    Args:
-        dataloader: any sized iterable (``len()`` is needed to know where the tail starts).
-        accumulate_size: micro-batches per window.
-        drop_last: ``True`` (ColossalAI): yield ``len - len % accumulate_size`` batches per epoch; for loaders
-            that are not ``torch.utils.data.DataLoader`` (DALI, ...) the tail is drained so the next epoch starts
-            clean. ``False``: yield every batch and, when linked to a :class:`GradAccumOptimizer` (as
-            :func:`accumulate_gradient` does), make the tail a short window with its own divisor and step.
-        optimizer: the :class:`GradAccumOptimizer` whose windows follow this loader's epochs.
+    ``dataloader`` must have a ``len()`` (to know where the tail starts). ``drop_last=True`` (ColossalAI): yield
+    ``len - len % accumulate_size`` batches per epoch (a loader that is not a ``torch.utils.data.DataLoader``,
+    DALI..., is drained of its tail so its next epoch starts clean); ``False``: yield every batch and, linked to
+    a :class:`GradAccumOptimizer` (``optimizer=``, as :func:`accumulate_gradient` does), make the tail a short
+    window with its own divisor and step.
     """
 
     def __init__(

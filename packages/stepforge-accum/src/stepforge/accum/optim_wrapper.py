@@ -1,16 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """mmengine-compatible ``OptimWrapper`` with exact, weighted and checkpointable gradient accumulation.
 
-Same surface and the same semantics as ``mmengine.optim.OptimWrapper`` (divisors, partial last window,
-``should_update``/``should_sync``, ``optim_context``, ``clip_grad``, ``base_param_settings``), plus:
-
-- ``update_params(loss, num_items=n)`` / ``backward(loss, weight=n)``: the window's gradient becomes the
-  gradient of the mean loss over all items of the window on all data-parallel ranks (one small all-reduce per
-  window), instead of the mean of per-micro-batch means;
-- the counter and the window weight are saved in ``state_dict()`` (key ``"accumulation"``);
-- ``optim_context`` goes through :func:`stepforge.core.no_sync`, so DDP, FSDP2 and ZeRO optimizers that
-  implement ``no_sync()`` all skip the synchronisation of non-final micro-batches;
-- misuse is reported (the package README lists each case).
+Same surface and semantics as ``mmengine.optim.OptimWrapper`` (divisors, partial last window,
+``should_update``/``should_sync``, ``optim_context``, ``clip_grad``, ``base_param_settings``), plus: the exact
+mean over the window's items on all ranks (``num_items``), the counters in ``state_dict()``, ``optim_context``
+through :func:`stepforge.core.no_sync` (DDP, FSDP2 and ZeRO optimizers), and misuse reported (the package
+README lists each case).
 """
 
 from __future__ import annotations
@@ -128,11 +123,9 @@ class OptimWrapper:
     def backward(
         self, loss: torch.Tensor, *, weight: float | torch.Tensor | None = None, **kwargs: Any
     ) -> None:
-        """Count the micro-batch and backward ``loss`` through :meth:`run_backward` (``**kwargs`` go there).
-
-        With ``weight`` (the micro-batch's item count) the loss is weighted for the exact window mean; see
-        :meth:`update_params`. Without it, pass a loss already divided by :meth:`scale_loss`.
-        """
+        """Count the micro-batch and backward ``loss`` through :meth:`run_backward` (``**kwargs`` go there):
+        weighted by ``weight`` (its item count, see :meth:`update_params`), else already divided by
+        :meth:`scale_loss`."""
         w = self._window.check_weight(weight)
         self._window.note_unguarded_backward((self._context_model, self.optimizer))
         self._window.before_backward(w, self.optimizer)
@@ -158,34 +151,24 @@ class OptimWrapper:
         """``optimizer.zero_grad(**kwargs)``."""
         self.optimizer.zero_grad(**kwargs)
 
-    # -- extension hooks (see "Extending OptimWrapper" in the package README) ------------------------------
-    # A subclass overrides these rather than backward/step/optim_context, so that counting, weighting, the
-    # partial last window and the checkpointed counters stay in one place.
+    # -- extension hooks (the package README, "Extending OptimWrapper"): a subclass overrides these rather than
+    # backward/step/optim_context, so that counting, weighting and the checkpointed counters stay in one place.
     def run_backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """Hook: backpropagate ``loss`` (already divided or weighted for the window; a scalar tensor).
-
-        Default: the wrapped optimizer's ``backward(loss, **kwargs)`` when it is a
-        :class:`stepforge.core.BackwardOptimizer` (AMP and ZeRO optimizers scale or reduce there), else
-        ``loss.backward(**kwargs)``. An AMP subclass runs ``scaler.scale(loss).backward()`` here.
-        """
+        """Hook: backpropagate ``loss`` (already divided or weighted for the window): through the optimizer when
+        it is a :class:`stepforge.core.BackwardOptimizer` (AMP and ZeRO optimizers scale or reduce there)."""
         if isinstance(self.optimizer, BackwardOptimizer):
             self.optimizer.backward(loss, **kwargs)
         else:
             loss.backward(**kwargs)
 
     def before_clip(self) -> None:
-        """Hook: called at a step before :meth:`clip_gradients`, only when ``clip_grad`` is set (e.g. unscale
-        fp16 gradients: ``scaler.unscale_(optimizer)``). Weighted windows are already normalised. Default:
-        nothing."""
+        """Hook: called at a step (after weighted normalisation) before :meth:`clip_gradients`, only when
+        ``clip_grad`` is set (an AMP subclass unscales here). Default: nothing."""
 
     def clip_gradients(self) -> torch.Tensor | None:
-        """Hook: clip the window's gradients as ``clip_grad`` says (:attr:`clip_type`, :attr:`clip_grad_kwargs`).
-
-        Returns the total norm before clipping (a 0-dim float tensor) for norm clipping, which :meth:`step`
-        stores in ``grad_norm``; ``None`` for value clipping or when nothing has a gradient. Default: the
-        optimizer's own ``clip_grad_norm_`` when it is a :class:`stepforge.core.ClippingOptimizer` (sharded or
-        scaled gradients), else ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_``.
-        """
+        """Hook: clip the window's gradients as ``clip_grad`` says; returns the total norm (stored in
+        ``grad_norm``), ``None`` for value clipping or when nothing has a gradient. Default: the optimizer's own
+        ``clip_grad_norm_`` when it is a :class:`stepforge.core.ClippingOptimizer`, else torch's."""
         assert self.clip_grad_kwargs is not None
         if self._clip_type == "value":
             clip_grad_value(self.optimizer, **self.clip_grad_kwargs)
@@ -252,11 +235,8 @@ class OptimWrapper:
         return loss / self._window.divisor()
 
     def initialize_count_status(self, model: nn.Module, init_counts: int, max_counts: int) -> None:
-        """Set the counter (e.g. the resumed iteration) and the total number of micro-batches of the run.
-
-        ``max_counts`` makes the last window partial: with counts 3 and max 10 the steps come after
-        micro-batches 3, 6, 9 and 10, and micro-batch 10's loss is divided by 1.
-        """
+        """Set the counter (e.g. the resumed iteration) and the total number of micro-batches of the run, which
+        makes the last window partial (counts 3, max 10: steps after micro-batches 3, 6, 9 and 10)."""
         self._window.set_count_status(init_counts, max_counts)
         if init_counts % self.accumulative_counts != 0:
             self._window.warn_once(
@@ -275,11 +255,8 @@ class OptimWrapper:
 
     @contextmanager
     def optim_context(self, model: Any) -> Iterator[None]:
-        """Run the forward (and backward) of a micro-batch; non-final micro-batches skip gradient sync.
-
-        The synchronisation of ``model`` (DDP ``no_sync``, FSDP2 ``set_requires_gradient_sync``) and of the
-        wrapped optimizer (a ZeRO optimizer's ``no_sync``) is suspended, through :meth:`no_sync_context`,
-        unless the coming micro-batch ends the window. The forward must be inside: DDP decides at forward time.
+        """Run the forward (it must be inside: DDP decides at forward time) and backward of a micro-batch; unless
+        it ends the window, the gradient sync of ``model`` and the optimizer is suspended (:meth:`no_sync_context`).
         """
         self._context_model = model
         with self._window.micro_batch_context(lambda: self.no_sync_context(model)):

@@ -15,6 +15,7 @@ count raises (the estimate would not know it).
 from __future__ import annotations
 
 import copy
+import math
 import weakref
 from collections import defaultdict
 from collections.abc import Mapping
@@ -30,14 +31,8 @@ __all__ = ["OptimizerStateProbe", "StateTensor", "optimizer_state_probe"]
 
 @dataclass(frozen=True)
 class StateTensor:
-    """One state tensor the optimizer keeps for a parameter.
-
-    Attributes:
-        key: its key in ``optimizer.state[param]`` (``"exp_avg"``, ``"step"``...).
-        nbytes: its bytes.
-        dtype: its dtype.
-        with_param: ``True``: created on the parameter's device; ``False``: on the CPU whatever that device is.
-    """
+    """One state tensor the optimizer keeps for a parameter: its ``key`` in ``optimizer.state[param]``, bytes and
+    dtype; ``with_param``: created on the parameter's device (``False``: on the CPU whatever that device is)."""
 
     key: str
     nbytes: int
@@ -56,8 +51,7 @@ def _state_of(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> list[tup
 
 
 def _holding(optimizer: torch.optim.Optimizer, group: Mapping[str, Any], params: list[Any]) -> Any:
-    """A copy of ``optimizer`` (``copy.copy``: its class and what it pickles) with no state and one param group:
-    ``params`` with ``group``'s hyperparameters."""
+    # a shallow copy (its class and what it pickles) with no state and one group: params, group's hyperparameters
     held = copy.copy(optimizer)
     held.state = defaultdict(dict)
     held.param_groups = [{**group, "params": params}]
@@ -67,13 +61,8 @@ def _holding(optimizer: torch.optim.Optimizer, group: Mapping[str, Any], params:
 class OptimizerStateProbe:
     """The state layout of an optimizer: the one a ``build_optimizer`` config builds, or an instance's.
 
-    Args:
-        optimizer: ``{"type": ..., **hyperparameters}``, or an optimizer instance (probed through copies of it
-            holding stand-in parameters; see the module docstring).
-
-    Raises:
-        ValueError: a config without ``type``.
-        TypeError: neither a config nor an optimizer.
+    ``optimizer``: ``{"type": ..., **hyperparameters}``, or an instance (probed through copies of it holding
+    stand-in parameters). A config without ``type`` is a ``ValueError``, anything else a ``TypeError``.
     """
 
     def __init__(self, optimizer: Mapping[str, Any] | torch.optim.Optimizer) -> None:
@@ -183,9 +172,7 @@ class OptimizerStateProbe:
         return fits
 
     def _from_fit(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[StateTensor, ...]:
-        numel = 1
-        for s in shape:
-            numel *= s
+        numel = math.prod(shape)
         return tuple(
             StateTensor(name, round(per_element * numel + fixed), state_dtype, with_param)
             for name, per_element, fixed, state_dtype, with_param in self._fit(dtype)
