@@ -8,14 +8,9 @@ Two APIs over one window logic:
 - ColossalAI's :func:`accumulate_gradient` family (:class:`GradAccumOptimizer`, :class:`GradAccumDataloader`,
   :class:`GradAccumLrSchedulerByStep`, :class:`GradAccumGradientHandler`).
 
-Beyond both: ``num_items``/``weight`` normalisation (exact window mean over tokens or samples, summed across
-data-parallel ranks with one small all-reduce per window), counters in every ``state_dict``, ``no_sync`` for
-DDP, FSDP2 and ZeRO optimizers through :func:`stepforge.core.no_sync`, and warnings/errors on misuse.
-
-Extending: :class:`OptimWrapper` exposes its :class:`AccumulationWindow` as ``window`` and documented hooks
-(``run_backward``, ``before_clip``, ``clip_gradients``, ``optimizer_step``, ``no_sync_context``) that a subclass
-overrides to change how backward, clipping, the step or the gradient-sync suspension run (the package README,
-"Extending OptimWrapper").
+Beyond both: the exact window mean over tokens or samples across ranks (``num_items``/``weight``), counters in
+every ``state_dict``, ``no_sync`` for DDP, FSDP2 and ZeRO optimizers, warnings and errors on misuse, and hooks
+for subclasses (the package README, "Extending OptimWrapper").
 """
 
 from __future__ import annotations

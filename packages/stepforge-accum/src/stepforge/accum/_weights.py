@@ -1,10 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The weights of a weighted accumulation window: their validation and their sum across data-parallel ranks.
-
-In weighted mode every micro-batch brings a weight ``w`` (its number of tokens or samples); the window's gradient
-is multiplied by ``W / N`` at the step, ``N`` being the sum of ``w`` over the window and the ``W`` ranks. ``N`` is
-all-reduced once per window, launched before the window's last backward so that it overlaps with it.
-"""
+"""The weights of a weighted accumulation window (see :mod:`._window`): their validation and their sum across
+data-parallel ranks, all-reduced once per window, launched before its last backward to overlap with it."""
 
 from __future__ import annotations
 

@@ -247,8 +247,23 @@ class AccumulationWindow:
             )
         return checked
 
-    def before_backward(self, weight: float | torch.Tensor | None, optimizer: Any) -> None:
-        """Checks and the overlapped weight all-reduce, before the micro-batch's backward."""
+    def before_backward(
+        self, weight: Any, optimizer: Any, targets: Iterable[Any]
+    ) -> float | torch.Tensor | None:
+        """Checks and the overlapped weight all-reduce, before the micro-batch's backward; returns ``weight``
+        checked (:meth:`check_weight`). ``targets``: the model and optimizer whose no-sync context should have
+        held the forward of a non-final micro-batch (a DDP forward outside it armed the all-reduce anyway)."""
+        weight = self.check_weight(weight)
+        if not self.should_sync() and any(
+            is_forward_armed(t) and getattr(t, "_stepforge_armed", False) for t in targets
+        ):
+            self.warn_once(
+                "backward-only-no-sync",
+                f"{self.owner}: the forward of micro-batch {self.position + 1} (not the last of its window) ran "
+                "outside the no-sync context. DDP arms its gradient all-reduce in the forward, so this "
+                "micro-batch is all-reduced anyway (correct, but k times the communication); wrapping only "
+                "the backward does not help. Run the forward inside `with wrapper.optim_context(model):`.",
+            )
         if self.scheduler_clock == "window":
             lrs = tuple(group.get("lr") for group in optimizer.param_groups)
             if self.position == 0 or self._lr_snapshot is None:
@@ -273,6 +288,7 @@ class AccumulationWindow:
             )
         if weight is not None and self.should_sync():
             self._weights.launch_reduce(extra=weight, micro_batch=self.inner_count + 1)
+        return weight
 
     def after_backward(self, weight: float | torch.Tensor | None) -> None:
         self.weighted = weight is not None
@@ -280,20 +296,6 @@ class AccumulationWindow:
             self._weights.add(weight)
         self.inner_count += 1
         self.position += 1
-
-    def note_unguarded_backward(self, targets: Iterable[Any]) -> None:
-        """Warn if a DDP model's forward of a non-final micro-batch armed the all-reduce (forward outside
-        the no-sync context; wrapping only the backward does not help DDP)."""
-        if self.should_sync():
-            return
-        if any(is_forward_armed(t) and getattr(t, "_stepforge_armed", False) for t in targets):
-            self.warn_once(
-                "backward-only-no-sync",
-                f"{self.owner}: the forward of micro-batch {self.position + 1} (not the last of its window) ran "
-                "outside the no-sync context. DDP arms its gradient all-reduce in the forward, so this "
-                "micro-batch is all-reduced anyway (correct, but k times the communication); wrapping only "
-                "the backward does not help. Run the forward inside `with wrapper.optim_context(model):`.",
-            )
 
     @property
     def context_depth(self) -> int:

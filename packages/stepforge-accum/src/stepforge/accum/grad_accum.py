@@ -103,30 +103,27 @@ class GradAccumOptimizer:
     def backward(self, loss: torch.Tensor, *, weight: float | torch.Tensor | None = None) -> None:
         """Backward ``loss / window length`` (or ``loss * weight`` in weighted mode) and count it; through the
         optimizer when it is a :class:`stepforge.core.BackwardOptimizer` (AMP scales the loss, ZeRO reduces)."""
-        w = self._window.check_weight(weight)
+        w = self._window.before_backward(weight, self.optim, self._targets())
         if w is None:
             loss = loss / self._window.divisor()
         else:
             loss = loss * (w.to(loss.dtype) if isinstance(w, torch.Tensor) else w)
-        if isinstance(self.optim, BackwardOptimizer):
-            backward = self.optim.backward
-            self._run_backward(w, lambda: backward(loss))
-        else:
-            self._run_backward(w, loss.backward)
+        optim = self.optim
+        self._run_backward(
+            w, lambda: optim.backward(loss) if isinstance(optim, BackwardOptimizer) else loss.backward()
+        )
 
     def backward_by_grad(self, tensor: torch.Tensor, grad: torch.Tensor) -> None:
         """Backward from ``tensor`` with output gradient ``grad`` (which must carry the 1/window-length factor,
         as in ColossalAI) and count it; through a :class:`stepforge.core.BackwardOptimizer` as :meth:`backward`."""
-        w = self._window.check_weight(None)
-        if isinstance(self.optim, BackwardOptimizer):
-            backward_by_grad = self.optim.backward_by_grad
-            self._run_backward(w, lambda: backward_by_grad(tensor, grad))
+        self._window.before_backward(None, self.optim, self._targets())
+        optim = self.optim
+        if isinstance(optim, BackwardOptimizer):
+            self._run_backward(None, lambda: optim.backward_by_grad(tensor, grad))
         else:
-            self._run_backward(w, lambda: torch.autograd.backward(tensor, grad))
+            self._run_backward(None, lambda: torch.autograd.backward(tensor, grad))
 
-    def _run_backward(self, w: Any, run: Any) -> None:
-        self._window.note_unguarded_backward(self._targets())
-        self._window.before_backward(w, self.optim)
+    def _run_backward(self, w: Any, run: Any) -> None:  # after the window's before_backward
         if self._window.context_depth == 0 and not self._window.should_sync():
             # ColossalAI wraps the backward; enough for FSDP2 and ZeRO, not for DDP (warned above)
             with self._window.sync_context(*self._targets()):

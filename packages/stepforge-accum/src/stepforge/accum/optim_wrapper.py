@@ -126,9 +126,7 @@ class OptimWrapper:
         """Count the micro-batch and backward ``loss`` through :meth:`run_backward` (``**kwargs`` go there):
         weighted by ``weight`` (its item count, see :meth:`update_params`), else already divided by
         :meth:`scale_loss`."""
-        w = self._window.check_weight(weight)
-        self._window.note_unguarded_backward((self._context_model, self.optimizer))
-        self._window.before_backward(w, self.optimizer)
+        w = self._window.before_backward(weight, self.optimizer, (self._context_model, self.optimizer))
         if w is not None:
             loss = loss * (w.to(loss.dtype) if isinstance(w, torch.Tensor) else w)
         self.run_backward(loss, **kwargs)

@@ -1,17 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Runtime services torch offers only privately.
-
-- :func:`queue_backward_callback`: the autograd engine's end-of-backward callback
-  (``Variable._execution_engine.queue_callback``);
-- :func:`default_store`: the default process group's key-value store (``distributed_c10d._get_default_store``,
-  for arrival barriers with a timeout, which ``barrier()`` lacks on gloo);
-- for recording a model's construction and giving its meta tensors memory (``stepforge.strategy.lazy``):
-  :class:`DispatchMode` (``torch.utils._python_dispatch.TorchDispatchMode``, which sees every ATen operation with
-  its arguments), :func:`tree_flatten` / :func:`tree_unflatten` (``torch.utils._pytree``, how such an operation's
-  nested arguments are taken apart and put back), :func:`storage_id` (``UntypedStorage._cdata``: meta tensors
-  have no data pointer to tell their storages apart) and :func:`apply_in_place` (``nn.Module._apply``, what
-  ``to``/``to_empty`` call and FSDP2 hooks to re-pad its shards, with the parameter objects kept so tied weights
-  stay one parameter).
+"""Runtime services torch offers only privately: the autograd engine's end-of-backward callback, the default
+process group's store (arrival barriers with a timeout, which ``barrier()`` lacks on gloo), and for
+``stepforge.strategy.lazy`` (recording a model's construction, giving its meta tensors memory) the dispatch mode
+that sees every ATen operation, ``torch.utils._pytree``, storage identity (meta tensors have no data pointer)
+and ``nn.Module._apply`` (what ``to``/``to_empty`` call and FSDP2 hooks to re-pad its shards).
 """
 
 from __future__ import annotations
@@ -54,8 +46,8 @@ def storage_id(tensor: torch.Tensor) -> int:
 
 
 def apply_in_place(model: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``model._apply(fn)`` with every parameter and buffer object kept (its contents swapped:
-    ``torch.__future__``'s swap)."""
+    """``model._apply(fn)`` with every parameter and buffer object kept (its contents swapped: tied weights stay
+    one parameter)."""
     swap = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(True)
     try:

@@ -1,17 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What torch offers for planning and simulating a run without its memory, wrapped once.
-
-- :func:`fake_tensor_mode`: ``torch._subclasses.fake_tensor.FakeTensorMode`` (tensors with shapes, dtypes and
-  devices but no storage; a forward and backward run on them allocate nothing).
-- :func:`memory_tracker`: ``torch.distributed._tools.mem_tracker.MemTracker``, which counts the live tensor
-  storage per device and category (parameters, gradients, activations, temporaries, optimizer state) at every
-  operation, real or fake; :func:`tracker_bytes` reads its snapshots with plain string keys,
-  :func:`tracker_module_peaks` the snapshot at each module's forward and backward peak.
-- :func:`register_fake_backend`: torch's ``"fake"`` process-group backend (registered when
-  ``torch.testing._internal.distributed.fake_pg`` is imported): one process plays rank ``r`` of ``N``;
-  collectives return at once without moving or reducing anything.
-- :func:`ddp_bucket_assignment`: ``torch.distributed._compute_bucket_assignment_by_size``, the function DDP
-  assigns its gradient buckets with.
+"""What torch offers for planning and simulating a run without its memory, wrapped once: ``FakeTensorMode``
+(tensors without storage: a forward and backward on them allocate nothing), ``MemTracker`` (live tensor storage
+per device and category at every operation, real or fake), the ``"fake"`` process-group backend (one process
+plays rank ``r`` of ``N``; collectives return at once) and the function DDP assigns its gradient buckets with.
 """
 
 from __future__ import annotations
