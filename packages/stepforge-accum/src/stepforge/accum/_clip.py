@@ -1,10 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Gradient clipping for both APIs: the ``clip_grad`` config, checked where it enters, and one clip routine.
 
-Clipping by norm goes through the wrapped optimizer when it is a :class:`stepforge.core.ClippingOptimizer`: AMP
-and ZeRO optimizers keep *scaled* or *sharded* gradients, so only they can compute the true norm (they unscale or
-all-reduce inside). Otherwise ``torch.nn.utils.clip_grad_norm_`` runs over the optimizer's parameters that have a
-gradient. Value clipping unscales a :class:`stepforge.core.BoostedOptimizer` first.
+Clipping by norm goes through the optimizer when it is a :class:`stepforge.core.ClippingOptimizer`: AMP and ZeRO
+optimizers keep *scaled* or *sharded* gradients, so only they can compute the true norm.
 """
 
 from __future__ import annotations

@@ -51,13 +51,9 @@ def _comm_device(group: Any) -> torch.device:
 
 
 class WindowWeights:
-    """The weights of the open window (python floats and scalar tensors) and their overlapped all-reduce.
-
-    Args:
-        process_group: the data-parallel group whose ranks' weights are summed; ``None``: the default group
-            when ``torch.distributed`` is initialised.
-        reduce_weights: sum across ``process_group`` (default: whenever it has more than one rank).
-    """
+    """The weights of the open window (python floats and scalar tensors) and their overlapped all-reduce over
+    ``process_group`` (``None``: the default group), when ``reduce_weights`` (default: it has several ranks;
+    pass ``False`` when gradients are *not* averaged across ranks)."""
 
     def __init__(self, process_group: Any = None, reduce_weights: bool | None = None) -> None:
         self.process_group = process_group

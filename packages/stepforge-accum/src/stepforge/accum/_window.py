@@ -113,16 +113,9 @@ class AccumulationWarning(UserWarning):
 class AccumulationWindow:
     """Counter, boundaries, divisors and window weights of one accumulating optimizer.
 
-    Args:
-        counts: micro-batches per window (``accumulative_counts`` / ``accumulate_size``), >= 1.
-        owner: name used in messages (``"OptimWrapper"``).
-        process_group: the data-parallel group whose ranks' weights are summed in weighted mode; ``None``
-            means the default group when ``torch.distributed`` is initialised.
-        reduce_weights: sum the window weights across ``process_group`` (default: whenever it has more than
-            one rank). Pass ``False`` when gradients are *not* averaged across ranks.
-        scheduler_clock: ``"micro"`` (learning-rate changes between micro-batches are expected, mmengine's
-            convention) or ``"window"`` (a learning rate that changes inside a window means a scheduler is
-            stepped per micro-batch: warn).
+    ``counts``: micro-batches per window; ``owner``: the name in messages; ``process_group``/``reduce_weights``:
+    see :class:`WindowWeights`; ``scheduler_clock="window"``: a learning rate that changes inside a window means
+    a scheduler is stepped per micro-batch (warn; ``"micro"``, mmengine's convention, expects it).
 
     ``OptimWrapper.window`` and ``GradAccumOptimizer.window`` return it; extensions and checkpoints read it
     (the package README, "Extending OptimWrapper"), the wrappers alone change it. :meth:`load_state_dict`

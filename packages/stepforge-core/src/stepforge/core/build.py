@@ -60,20 +60,12 @@ def build_optimizer(
     cfg: Mapping[str, Any] | torch.optim.Optimizer,
     params: ParamsLike | None = None,
 ) -> torch.optim.Optimizer:
-    """Build an optimizer from a config dict, or return an already-built one.
+    """Build an optimizer from ``cfg``, ``{"type": name_or_class, **kwargs}``, over ``params`` (a module, tensors
+    or param-group dicts); an optimizer instance is returned unchanged (``params`` must then be ``None``).
 
-    Args:
-        cfg: ``{"type": name_or_class, **kwargs}``. ``name`` is a registry name (``"FusedAdam"``, ``"lamb"``;
-            case, ``-`` and ``_`` are ignored), a ``torch.optim`` class name (``"AdamW"``) or a class.
-            An optimizer instance is returned unchanged (``params`` must then be ``None``).
-        params: a ``torch.nn.Module``, an iterable of tensors, or an iterable of param-group dicts.
-
-    Returns:
-        The optimizer.
-
-    Raises:
-        UnknownNameError: the type is unknown; the message names the distribution to install.
-        HyperParameterError: a bad hyper-parameter, or bad ``params``.
+    ``name`` is a registry name (``"FusedAdam"``, ``"lamb"``; case, ``-`` and ``_`` ignored) or a ``torch.optim``
+    class name (``"AdamW"``). An unknown one raises :class:`UnknownNameError` naming the distribution to install;
+    a bad hyper-parameter or ``params``, :class:`HyperParameterError`.
     """
     if isinstance(cfg, torch.optim.Optimizer):
         if params is not None:

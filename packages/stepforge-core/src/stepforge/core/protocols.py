@@ -51,16 +51,10 @@ class GradientSyncSwitch(Protocol):
 
 @runtime_checkable
 class ShardedOptimizer(Protocol):
-    """An optimizer whose state is split across data-parallel ranks (ZeRO-1/2, FSDP).
-
-    Beyond the ``torch.optim.Optimizer`` surface:
-
-    - ``state_dict()`` returns the *full*, world-size-independent state in ``torch.optim`` layout (keyed by
-      the global parameter index), so it loads at any world size and into an unsharded optimizer.
-      It is collective: every rank must call it.
-    - ``no_sync()`` keeps gradients local (no reduce-scatter from backward hooks) during accumulation.
-    - ``clip_grad_norm_`` clips by the norm over all shards and returns that global norm.
-    """
+    """An optimizer whose state is split across data-parallel ranks (ZeRO-1/2, FSDP). ``state_dict()`` (collective)
+    returns the *full* state in ``torch.optim`` layout, which loads at any world size and into an unsharded
+    optimizer; ``no_sync()`` keeps gradients local during accumulation; ``clip_grad_norm_`` clips by the norm over
+    all shards and returns it."""
 
     param_groups: list[dict[str, Any]]
 
@@ -115,12 +109,10 @@ class GradScalingOptimizer(Protocol):
 class BoostedOptimizer(Protocol):
     """The optimizer every plugin's ``prepare`` returns (ColossalAI's ``OptimizerWrapper`` surface).
 
-    ``backward(loss)`` is the only backward route: the Booster's ``backward(loss, optimizer)`` is
-    ``optimizer.backward(loss)``, which applies the loss scale (fp16) and whatever gradient reduction the
-    back-end does. ``unscale_()`` divides the gradients by the loss scale once per step (a no-op without
+    ``backward(loss)`` is the only backward route (the Booster's ``backward(loss, optimizer)``): it applies the
+    loss scale and the back-end's gradient reduction. ``unscale_()`` runs once per step (a no-op without
     scaling); ``clip_grad_norm_`` unscales first and returns the norm over every rank and shard; ``step`` skips
-    an update whose gradients overflowed. The loss scaler's state travels apart from the optimizer's
-    (``scaler_state_dict()`` is ``None`` without a scaler). ``unwrap()`` is the torch optimizer underneath.
+    an overflowed update; ``scaler_state_dict()`` (``None`` without a scaler) travels apart from the optimizer's.
     """
 
     param_groups: list[dict[str, Any]]

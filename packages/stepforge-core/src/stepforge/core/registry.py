@@ -83,14 +83,9 @@ INSTALL_HINTS: dict[str, dict[str, str]] = {
 
 
 class Registry(Generic[T]):
-    """Name -> object map for one entry-point group.
-
-    Args:
-        group: the entry-point group, e.g. ``"stepforge.optimizers"``.
-        kind: what the objects are, for messages (``"optimizer"``).
-        builtins: called once, lazily, for fallback objects (e.g. ``torch.optim`` classes).
-        install_hints: known names -> distribution that provides them.
-    """
+    """Name -> object map for one entry-point ``group`` (``"stepforge.optimizers"``) of ``kind`` objects (for
+    messages); ``builtins`` is called once, lazily, for fallback objects (``torch.optim`` classes);
+    ``install_hints`` maps known names to the distribution that provides them."""
 
     def __init__(
         self,

@@ -154,26 +154,14 @@ def validate_loss_scaler_args(
 
 
 class DynamicLossScaler:
-    """Dynamic loss scaling for fp16 training.
+    """Dynamic loss scaling for fp16 training (the rule: see the module docstring).
 
-    Args (ColossalAI's ``DynamicGradScaler`` names and order; defaults are ``torch.amp.GradScaler``'s):
-        initial_scale: the first scale (default ``2**16``); ``init_scale`` (GradScaler's spelling) is an alias.
-        growth_factor: multiplier after ``growth_interval`` overflow-free steps (> 1; default 2).
-        backoff_factor: multiplier after an overflow once the hysteresis budget is spent (in (0, 1); 0.5).
-        growth_interval: overflow-free steps in a row before growing (int >= 1; default 2000).
-        min_scale, max_scale: bounds of the scale (``0 < min_scale <= initial_scale <= max_scale``;
-            defaults 1 and ``2**32``).
-        hysteresis: overflows tolerated between two growths before the scale backs off (int >= 1; 1, as
-            GradScaler: every overflow backs off).
-        process_group: the ranks that must agree on skipping a step (sharded gradients: FSDP2, ZeRO); the
-            overflow flag is all-reduced with MAX over it. ``None``: this process decides alone.
-
-    Raises:
-        HyperParameterError: a bad argument (a ``ValueError``; the message names it and the allowed range).
-
-    Attributes:
-        found_inf: whether the last :meth:`unscale_`/:meth:`unscale_grads_` found an inf or NaN on any rank of
-            the group (reset by :meth:`update`).
+    Arguments: ColossalAI's ``DynamicGradScaler`` names and order (``init_scale``, GradScaler's spelling, is an
+    alias of ``initial_scale``) with ``torch.amp.GradScaler``'s defaults (:data:`LOSS_SCALER_DEFAULTS`), checked
+    by :func:`validate_loss_scaler_args`. ``process_group``: the ranks that must agree on skipping a step
+    (sharded gradients: FSDP2, ZeRO), over which the overflow flag is all-reduced with MAX (``None``: this process
+    decides alone). :attr:`found_inf`: whether the last unscale found an inf or NaN on any rank of the group
+    (reset by :meth:`update`).
     """
 
     def __init__(

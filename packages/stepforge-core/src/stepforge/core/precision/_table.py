@@ -23,19 +23,11 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Precision:
-    """One training precision.
-
-    Attributes:
-        name: the canonical name (``"fp32"``, ``"fp16"``, ``"bf16"``, ``"fp8"``, ``"fp16_apex"``).
-        aliases: other accepted spellings (matched like the names: case, ``_`` and ``-`` ignored).
-        dtype: the torch dtype the name stands for; a plugin that owns precision casts the model's
-            parameters (ZeRO) or their compute copy (FSDP2) to it.
-        autocast_dtype: the ``torch.autocast`` dtype when the Booster applies it around the forward
-            (``None``: no autocast).
-        needs_loss_scaler: whether gradients need dynamic loss scaling (fp16's 5-bit exponent underflows).
-        plugin_precision: valid as a plugin's ``precision=`` (plugins cast to ``dtype`` themselves).
-        runs_as: the precision it is executed as (``fp16_apex`` runs as ``fp16``; Apex is not used).
-    """
+    """One training precision: its canonical ``name`` and other ``aliases`` (case, ``_`` and ``-`` ignored); the
+    ``dtype`` a plugin that owns precision casts the parameters (ZeRO) or their compute copy (FSDP2) to; the
+    ``autocast_dtype`` the Booster applies around the forward (``None``: no autocast); whether it
+    ``needs_loss_scaler`` (fp16's 5-bit exponent underflows) and is valid as a plugin's ``precision=``
+    (``plugin_precision``); the precision it ``runs_as`` (``fp16_apex`` runs as ``fp16``; Apex is not used)."""
 
     name: str
     aliases: tuple[str, ...]
