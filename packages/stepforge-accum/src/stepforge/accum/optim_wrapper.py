@@ -32,18 +32,12 @@ logger = logging.getLogger("stepforge.accum")
 class OptimWrapper:
     """Wrap an optimizer to accumulate gradients, clip them and step at window boundaries.
 
-    Args:
-        optimizer: a ``torch.optim.Optimizer`` (or a sharded optimizer with the same surface).
-        accumulative_counts: micro-batches per optimizer step (>= 1).
-        clip_grad: ``None``, or ``dict(type="norm", max_norm=..., norm_type=2.0, ...)`` (arguments of
-            ``torch.nn.utils.clip_grad_norm_``; ``type`` defaults to ``"norm"``) or
-            ``dict(type="value", clip_value=...)`` (``clip_grad_value_``). The caller's dict is not modified.
-        process_group: data-parallel group over which weighted mode sums ``num_items`` (default: the
-            default group when initialised).
-        reduce_weights: sum ``num_items`` across ranks; default: when the group has more than one rank.
-            Pass ``False`` if the gradients are not averaged across ranks (no DDP/FSDP/ZeRO).
-        scheduler_clock: ``"micro"`` (default, mmengine: schedulers step every micro-batch) or ``"window"``
-            (warn when the learning rate changes inside a window).
+    ``accumulative_counts``: micro-batches per optimizer step. ``clip_grad``: ``None``,
+    ``dict(type="norm", max_norm=..., ...)`` (the arguments of ``torch.nn.utils.clip_grad_norm_``; ``type``
+    defaults to ``"norm"``) or ``dict(type="value", clip_value=...)``. ``process_group``/``reduce_weights``: the
+    ranks over which weighted mode sums ``num_items`` (pass ``reduce_weights=False`` if the gradients are not
+    averaged across ranks). ``scheduler_clock``: ``"micro"`` (mmengine: schedulers step every micro-batch) or
+    ``"window"`` (warn when the learning rate changes inside a window).
 
     Example::
 

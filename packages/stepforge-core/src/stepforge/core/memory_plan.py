@@ -131,21 +131,15 @@ class PlannedCollective:
 
 @dataclass(frozen=True)
 class GatheredUnit:
-    """One unit of a sharded layout whose parameters are gathered whole for its forward and backward (an FSDP2
-    ``fully_shard`` unit), on the device. The estimate composes the peak from these and the activations traced
-    inside the unit's module (:meth:`stepforge.strategy.Estimate.peak`), as the units are gathered and freed in
-    turn.
+    """One unit of a sharded layout whose parameters are gathered whole on the device for its forward and backward
+    (an FSDP2 ``fully_shard`` unit); the estimate composes the peak from these and the activations traced inside
+    the unit's module (:meth:`stepforge.strategy.Estimate.peak`), as the units are gathered and freed in turn.
 
-    Attributes:
-        name: the unit's module as ``named_modules`` names it (``""``: the root, gathered from its forward until
-            the end of backward).
-        gathered: bytes of its gathered (unsharded) parameters, in the compute dtype.
-        gather_buffer: bytes of the all-gather output kept beside them in forward until the next unit is
-            gathered (0 where the unit is not all-gathered: one rank per shard group).
-        grads: bytes of its unsharded gradients in backward, before they are reduced.
-        reduce: bytes of the reduce-scatter input it builds from them (in the reduce dtype).
-        sharded_grads: device bytes of its reduced gradient shard (0 when offloaded to the host).
-        resharded: whether its parameters are freed after forward and gathered again for backward.
+    ``name``: its module as ``named_modules`` names it (``""``: the root, gathered from its forward until the end
+    of backward). Bytes of: its ``gathered`` parameters (compute dtype); the ``gather_buffer`` all-gather output
+    kept beside them in forward until the next unit is gathered (0 without an all-gather); its unsharded
+    ``grads`` in backward; the ``reduce``-scatter input built from them (reduce dtype); its reduced gradient shard
+    on the device (``sharded_grads``, 0 when offloaded). ``resharded``: freed after forward, gathered again.
     """
 
     name: str
@@ -159,24 +153,15 @@ class GatheredUnit:
 
 @dataclass
 class MemoryPlan:
-    """Everything one rank of ``plugin`` holds and communicates for a model (see the module docstring).
+    """Everything one ``rank`` of ``world_size`` holds (``tensors``) and communicates per optimizer step
+    (``collectives``) when ``plugin`` (its registry name) prepares a model (see the module docstring).
 
-    Attributes:
-        plugin: the plugin's registry name.
-        world_size, rank: the data-parallel world planned for and the rank described (rank 0 holds the most
-            wherever pieces are cut ``torch.chunk``-style).
-        tensors: the planned tensors.
-        collectives: the planned collectives of one optimizer step.
-        compute_dtype: the dtype the parameters have during forward/backward (``None``: their own; the
-            Booster's autocast may then apply).
-        offloads: whether the optimizer step runs on the host (its state lives there).
-        full_grads: whether backward accumulates the whole model's gradients in ``param.grad`` (a replicated
-            layout); ``False`` where gradients are reduced into shards or pieces as they arrive.
-        notes: settings that shaped the plan, for logs (``"bucket 4 Mi elements"``...).
-        accumulation_steps: micro-batches per optimizer step the plan describes (see :data:`LIFETIMES`:
-            ``"window"`` and ``"accumulated"``); the collectives are those of one whole optimizer step.
-        units: the units gathered in turn for compute (:class:`GatheredUnit`, in forward order, the root last);
-            empty where nothing is gathered per unit (the ``"compute"`` lifetime then says what compute adds).
+    ``compute_dtype``: the parameters' dtype in forward/backward (``None``: their own; the Booster's autocast may
+    apply). ``offloads``: the step runs on the host. ``full_grads``: backward accumulates the whole model's
+    gradients in ``param.grad`` (not reduced into shards as they arrive). ``notes``: settings that shaped the
+    plan, for logs. ``accumulation_steps``: micro-batches per optimizer step (:data:`LIFETIMES`). ``units``: the
+    :class:`GatheredUnit` s gathered in turn for compute, in forward order, the root last (empty: the
+    ``"compute"`` lifetime says what compute adds).
     """
 
     plugin: str
