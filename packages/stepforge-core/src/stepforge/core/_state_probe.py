@@ -226,14 +226,6 @@ class OptimizerStateProbe:
             peaks.append(max(0, peak - current))
         return peaks[0] / n, max(0.0, peaks[1] - peaks[0]) / n, max(0.0, peaks[2] - peaks[1]) / n
 
-    def describe(self, dtype: torch.dtype = torch.float32) -> str:
-        """The layout for a 1-D parameter of 1 000 elements, for logs: ``"exp_avg fp32 x1, ..."``."""
-        parts = []
-        for s in self.state((1000,), dtype):
-            size = torch.empty((), dtype=s.dtype, device="meta").element_size()
-            parts.append(f"{s.key} {str(s.dtype).removeprefix('torch.')} {s.nbytes / size / 1000:g}x")
-        return ", ".join(parts) or "no state"
-
 
 _PROBES: dict[str, OptimizerStateProbe] = {}
 # an instance's probe lives as long as the instance (the probe holds a copy of it, never the instance)
