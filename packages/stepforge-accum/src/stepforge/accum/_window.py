@@ -246,7 +246,7 @@ class AccumulationWindow:
         """Checks and the overlapped weight all-reduce, before the micro-batch's backward; returns ``weight``
         checked (:meth:`check_weight`). ``targets``: the model and optimizer whose no-sync context should have
         held the forward of a non-final micro-batch (a DDP forward outside it armed the all-reduce anyway)."""
-        weight = self.check_weight(weight)
+        checked: float | torch.Tensor | None = self.check_weight(weight)
         if not self.should_sync() and any(
             is_forward_armed(t) and getattr(t, "_stepforge_armed", False) for t in targets
         ):
@@ -279,9 +279,9 @@ class AccumulationWindow:
                 "its multiples, each divided by its real length (mmengine divides by the remainder, or "
                 "asserts when there is none). Pass the real total to initialize_count_status().",
             )
-        if weight is not None and self.should_sync():
-            self._weights.launch_reduce(extra=weight, micro_batch=self.inner_count + 1)
-        return weight
+        if checked is not None and self.should_sync():
+            self._weights.launch_reduce(extra=checked, micro_batch=self.inner_count + 1)
+        return checked
 
     def after_backward(self, weight: float | torch.Tensor | None) -> None:
         self.weighted = weight is not None

@@ -77,7 +77,8 @@ class OptimWrapper:
             scheduler_clock=scheduler_clock,
         )
         clip = parse_clip_grad(clip_grad, owner="OptimWrapper")
-        self._clip_type, self.clip_grad_kwargs = clip if clip is not None else (None, None)
+        self._clip_type: str | None = clip[0] if clip is not None else None
+        self.clip_grad_kwargs: dict[str, Any] | None = clip[1] if clip is not None else None
         self.grad_norm: torch.Tensor | None = None  # last norm from clip_grad type 'norm'
         self._context_model: Any = None
         self.base_param_settings: dict[str, Any] | None = None
