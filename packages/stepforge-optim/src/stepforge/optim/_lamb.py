@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Literal, cast
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal
 
 import torch
 
@@ -15,24 +15,21 @@ from stepforge.core import (
     check_bool,
     check_eps,
     check_range,
+    check_trust_clip,
     check_weight_decay,
 )
 
-from ._base import MultiTensorOptimizer, check_trust_clip, math_dtype_of
-from ._compiled import as_int_steps, lr_of
-from ._compiled_lamb import lamb_compiled_step, lamb_init_group
-from ._dtensor import local, mesh_key, reduce_norms, reduce_square_sums
+from ._base import MultiTensorOptimizer, lr_of, math_dtype_of, zeros_state
+from ._dtensor import local, reduce_norms, reduce_square_sums
 from ._multi_tensor import (
     TensorList,
-    Wave,
-    bucket_key,
+    contiguous_locals,
+    copy_back,
     default_chunk_size,
     gather_pieces,
     pieces_of,
     plan_waves,
     segment_norms,
-    segment_size,
-    split_segments,
 )
 
 __all__ = ["Lamb"]
@@ -100,9 +97,6 @@ class Lamb(MultiTensorOptimizer):
     OWNER = "Lamb"
     STATE_TENSORS = ("exp_avg", "exp_avg_sq")
     STATE_SCALARS = ("step",)
-    # torch.compile: dynamo runs _init_group eagerly and traces _compiled_step (see _compiled_lamb)
-    _init_group = lamb_init_group
-    _compiled_step = lamb_compiled_step
 
     def __init__(
         self,
@@ -211,192 +205,255 @@ class Lamb(MultiTensorOptimizer):
                 )
 
     # -- the update ----------------------------------------------------------------------------------------
-    def _global_clip(
-        self, buckets: Sequence[tuple[list[torch.Tensor], Mapping[str, Any]]]
-    ) -> torch.Tensor | None:
-        """``max(1, ||G|| / max_grad_norm)``: 0-dim, fp32 (fp64 if a grad is), on the first grad's device."""
-        max_norm = self.defaults["max_grad_norm"]
-        if not max_norm:
-            return None
-        squares = []
-        device = None
-        for params, _ in buckets:
-            grads = [local(cast(torch.Tensor, p.grad)) for p in params]  # bucketed params have grads
-            device = device or grads[0].device
-            norms = torch._foreach_norm(grads, 2, dtype=math_dtype_of(grads[0].dtype))
-            square = reduce_square_sums(torch.stack(norms).square().sum(), params[0].grad)
-            squares.append(square.to(device, non_blocking=True))
-        if not squares:
-            return None
-        dtype = torch.float64 if any(s.dtype == torch.float64 for s in squares) else torch.float32
-        total = torch.stack([s.to(dtype) for s in squares]).sum().sqrt()
-        return torch.clamp(total / max_norm, min=1.0)
+    def _init_group(
+        self,
+        group: dict[str, Any],
+        compiled: bool,
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        exp_avgs: list[torch.Tensor],
+        exp_avg_sqs: list[torch.Tensor],
+        steps: list[Any],
+    ) -> tuple[tuple[int, int], ...]:
+        """Fill the lists with ``group``'s parameters that have a gradient (state created where missing),
+        bucket by bucket; returns each bucket's ``(start, stop)``.
 
-    def _step(self) -> None:
-        buckets: list[tuple[list[torch.Tensor], Mapping[str, Any]]] = []
-        for group in self.param_groups:
-            params = self._params_with_grads(group)
-            if not params:
-                continue
-            as_int_steps([self.state[p] for p in params])  # tensors after a compiled step
-            for p in params:
+        Eagerly ``step`` is an int advanced here. Compiled it is a float32 tensor on the parameter's device
+        (torch.optim's layout) that the graph advances, so a new step value does not recompile.
+        """
+        plan = []
+        for bucket in self._buckets(group, compiled):
+            start = len(params)
+            for p in bucket:
                 state = self.state[p]
                 if "step" not in state:
-                    sdtype = math_dtype_of(p.dtype)
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(
-                        p, dtype=sdtype, memory_format=torch.contiguous_format
-                    )
-                    state["exp_avg_sq"] = torch.zeros_like(
-                        p, dtype=sdtype, memory_format=torch.contiguous_format
-                    )
-                state["step"] += 1
-            by_key: dict[Any, list[torch.Tensor]] = {}
-            for p in params:
-                by_key.setdefault((*bucket_key(p, cast(torch.Tensor, p.grad)), mesh_key(p)), []).append(p)
-            if group["foreach"] is False:
-                buckets.extend(([p], group) for ps in by_key.values() for p in ps)
-            else:
-                for ps in by_key.values():
-                    limit = segment_size(ps[0].device, group["chunk_size"])
-                    buckets.extend((seg, group) for seg in split_segments(ps, limit))
-        clip = self._global_clip(buckets)
-        for params, bucket_group in buckets:
-            self._update_bucket(params, bucket_group, clip)
+                    state.update(step=0, exp_avg=zeros_state(p), exp_avg_sq=zeros_state(p))
+                if compiled:
+                    state["step"] = torch.as_tensor(state["step"], dtype=torch.float32, device=p.device)
+                else:  # an int again after compiled steps
+                    state["step"] = int(state["step"]) + 1
+                params.append(p)
+                grads.append(p.grad)  # type: ignore[arg-type]  # buckets hold parameters with a gradient
+                exp_avgs.append(state["exp_avg"])
+                exp_avg_sqs.append(state["exp_avg_sq"])
+                steps.append(state["step"])
+            plan.append((start, len(params)))
+        return tuple(plan)
 
-    def _update_bucket(
-        self, params: list[torch.Tensor], group: Mapping[str, Any], clip: torch.Tensor | None
-    ) -> None:
-        device, pdtype = params[0].device, params[0].dtype
-        mdtype = math_dtype_of(pdtype)
-        beta1, beta2 = group["betas"]
-        lr, eps, wd = lr_of(group), group["eps"], group["weight_decay"]
-        adam_w, mode = group["adam_w_mode"], group["bias_correction_mode"]
-        b3 = 1.0 - beta1 if group["grad_averaging"] else 1.0
-        adapt = not group["adam"] and (wd != 0 or group["always_adapt"])
-        states = [self.state[p] for p in params]
-        like = params[0]  # a DTensor bucket works on local shards; its norms are reduced over the mesh
-        grads = [local(cast(torch.Tensor, p.grad)) for p in params]  # bucketed params have grads
-        params = [local(p) for p in params]
-        # Contiguous views so that pieces are plain slices (grads of expanded/transposed params are copied once).
-        if any(not g.is_contiguous() for g in grads):
-            grads = [g.contiguous() for g in grads]
-        strided = any(not p.is_contiguous() for p in params)
-        targets = [p.contiguous() if strided else p for p in params]
-        exp_avgs = [local(s["exp_avg"]) for s in states]
-        exp_avg_sqs = [local(s["exp_avg_sq"]) for s in states]
+    def _step(self) -> None:
+        compiled = torch.compiler.is_compiling()
+        buckets = []
+        for group in self.param_groups:
+            lists: tuple[list[Any], ...] = ([], [], [], [], [])
+            for start, stop in self._init_group(group, compiled, *lists):
+                buckets.append((group, [x[start:stop] for x in lists]))
+        clip = _global_clip(self.defaults["max_grad_norm"], [bucket[1] for _group, bucket in buckets])
+        update = _compiled_update if compiled else _update
+        for group, lists in buckets:
+            update(group, *lists, clip)
 
-        steps = [s["step"] for s in states]
-        bc1 = [1.0 - beta1**t if group["bias_correction"] else 1.0 for t in steps]
-        bc2 = [1.0 - beta2**t if group["bias_correction"] else 1.0 for t in steps]
-        # The step-size factor: -lr * s per tensor (s = sqrt(bc2)/bc1 in "step_size" mode).
-        factor = [
-            -lr * (math.sqrt(c2) / c1 if mode == "step_size" else 1.0)
-            for c1, c2 in zip(bc1, bc2, strict=True)
-        ]
 
-        chunk = group["chunk_size"] or default_chunk_size(device)
-        waves = plan_waves([p.numel() for p in params], chunk, device)
-        whole = waves[0].owners is None
-        upcast_p = pdtype != mdtype
-        upcast_g = grads[0].dtype != mdtype
-        maximize = group["maximize"]
+def _global_clip(max_norm: float | None, grad_lists: list[list[torch.Tensor]]) -> torch.Tensor | None:
+    """``max(1, ||G|| / max_grad_norm)``: 0-dim, fp32 (fp64 if a grad is), on the first grad's device."""
+    if not max_norm or not grad_lists:
+        return None
+    device = local(grad_lists[0][0]).device
+    squares = []
+    for grads in grad_lists:
+        shards = [local(g) for g in grads]
+        norms = torch._foreach_norm(shards, 2, dtype=math_dtype_of(shards[0].dtype))
+        square = reduce_square_sums(torch.stack(list(norms)).square().sum(), grads[0])
+        squares.append(square.to(device, non_blocking=True))
+    dtype = torch.float64 if any(s.dtype == torch.float64 for s in squares) else torch.float32
+    total = torch.stack([s.to(dtype) for s in squares]).sum().sqrt()
+    return torch.clamp(total / max_norm, min=1.0)
 
-        def update_of(
-            wave: Wave, m_pieces: list[torch.Tensor], v_pieces: list[torch.Tensor], p_pieces: TensorList
-        ) -> TensorList:
-            idx = [piece.index for piece in wave.pieces]
-            if mode == "update" and group["bias_correction"]:
-                denom = torch._foreach_div(v_pieces, [bc2[i] for i in idx])
-                torch._foreach_sqrt_(denom)
-                torch._foreach_add_(denom, eps)
-                u = torch._foreach_div(m_pieces, [bc1[i] for i in idx])
-                torch._foreach_div_(u, denom)
-            else:
-                # pow(v, 0.5) is computed as sqrt; out-of-place _foreach_sqrt on CPU views can be 1000x
-                # slower with several threads (torch 2.13), so unary foreach ops run in place on our own copies.
-                denom = torch._foreach_pow(v_pieces, 0.5)
-                torch._foreach_add_(denom, eps)
-                u = torch._foreach_div(m_pieces, denom)
-            if adam_w and wd != 0:
-                torch._foreach_add_(u, p_pieces, alpha=wd)
-            return u
 
-        # u is kept from phase 1 (norms) to phase 2 (update): a transient fp32 copy of the bucket, like torch's
-        # foreach Adam temporaries; foreach=False bounds it to one tensor. (Recomputing u per wave would save
-        # that memory but costs four more passes over the data.)
-        kept: list[TensorList] = []
-        w_norms, u_norms = [], []
-        for wave in waves:
-            p_pieces = pieces_of(targets, wave, whole)
-            p32 = [x.to(mdtype) for x in p_pieces] if upcast_p else p_pieces
-            g_pieces = pieces_of(grads, wave, whole)
-            g: TensorList = [x.to(mdtype) for x in g_pieces] if upcast_g else g_pieces
+def _advance_moments(
+    group: Mapping[str, Any],
+    g: TensorList,
+    p32: TensorList,
+    exp_avgs: TensorList,
+    exp_avg_sqs: TensorList,
+    clip: torch.Tensor | None,
+) -> TensorList:
+    """Clip, negate (maximize) and L2-decay the gradients ``g``, advance ``m`` and ``v`` in place; returns g."""
+    mdtype = p32[0].dtype
+    fresh = g[0].dtype != mdtype  # g is modified in place only when it is our own copy, never p.grad
+    if fresh:
+        g = [x.to(mdtype) for x in g]
+    if clip is not None:
+        g = torch._foreach_div(g, clip.to(device=g[0].device, dtype=mdtype, non_blocking=True))
+        fresh = True
+    if group["maximize"]:
+        if fresh:
+            torch._foreach_neg_(g)
+        else:
+            g = torch._foreach_mul(g, -1.0)  # binary op: see the note on unary foreach ops in _update
+        fresh = True
+    wd = group["weight_decay"]
+    if not group["adam_w_mode"] and wd != 0:
+        if fresh:
+            torch._foreach_add_(g, p32, alpha=wd)
+        else:
+            g = torch._foreach_add(g, p32, alpha=wd)
+    beta1, beta2 = group["betas"]
+    if group["grad_averaging"]:  # m + (1-beta1)*(g-m): one pass instead of two
+        torch._foreach_lerp_(exp_avgs, g, 1.0 - beta1)
+    else:
+        torch._foreach_mul_(exp_avgs, beta1)
+        torch._foreach_add_(exp_avgs, g)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, g, g, value=1.0 - beta2)
+    return g
 
-            fresh = upcast_g  # g may be modified in place only when it is our own copy, never p.grad
-            if clip is not None:
-                g = torch._foreach_div(g, clip.to(device=device, dtype=mdtype, non_blocking=True))
-                fresh = True
-            if maximize:
-                if fresh:
-                    torch._foreach_neg_(g)
-                else:
-                    g = torch._foreach_mul(g, -1.0)
-                fresh = True
-            if not adam_w and wd != 0:
-                if fresh:
-                    torch._foreach_add_(g, p32, alpha=wd)
-                else:
-                    g = torch._foreach_add(g, p32, alpha=wd)
-            m_pieces = pieces_of(exp_avgs, wave, whole)
-            v_pieces = pieces_of(exp_avg_sqs, wave, whole)
-            if group["grad_averaging"]:  # m + (1-beta1)*(g-m): one pass instead of two
-                torch._foreach_lerp_(m_pieces, g, b3)
-            else:
-                torch._foreach_mul_(m_pieces, beta1)
-                torch._foreach_add_(m_pieces, g, alpha=b3)
-            torch._foreach_mul_(v_pieces, beta2)
-            torch._foreach_addcmul_(v_pieces, g, g, value=1.0 - beta2)
-            u = update_of(wave, m_pieces, v_pieces, p32)
-            if adapt:
-                w_norms.append((wave, torch._foreach_norm(p32)))
-                u_norms.append((wave, torch._foreach_norm(u)))
-            kept.append(u)
 
-        ratio = None
+def _trust_ratio(w: torch.Tensor, n: torch.Tensor, group: Mapping[str, Any]) -> torch.Tensor:
+    """``||p|| / ||u||`` per tensor (1 where either is 0); a computed ratio is clamped to ``trust_clip``."""
+    computed = (w > 0) & (n > 0)
+    ratio = torch.where(computed, w / n, torch.ones_like(w))
+    low, high = group["trust_clip"] or (None, None)
+    if low is not None or high is not None:
+        ratio = torch.where(computed, ratio.clamp(min=low, max=high), ratio)
+    return ratio
+
+
+def _update(
+    group: Mapping[str, Any],
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    steps: list[int],
+    clip: torch.Tensor | None,
+) -> None:
+    """The eager update of one bucket, in cache-sized waves: ``u`` and the norms of every wave, then ``p``."""
+    like = params[0]  # a DTensor bucket works on local shards; its norms are reduced over the mesh
+    device, mdtype = like.device, math_dtype_of(like.dtype)
+    beta1, beta2 = group["betas"]
+    lr, eps, wd = lr_of(group, False), group["eps"], group["weight_decay"]
+    mode, bias_correction = group["bias_correction_mode"], group["bias_correction"]
+    adapt = not group["adam"] and (wd != 0 or group["always_adapt"])
+    params, grads, targets = contiguous_locals(params, grads)
+    exp_avgs = [local(m) for m in exp_avgs]
+    exp_avg_sqs = [local(v) for v in exp_avg_sqs]
+    bc1 = [1.0 - beta1**t if bias_correction else 1.0 for t in steps]
+    bc2 = [1.0 - beta2**t if bias_correction else 1.0 for t in steps]
+    # The step-size factor: -lr * s per tensor (s = sqrt(bc2)/bc1 in "step_size" mode).
+    factor = [
+        -lr * (math.sqrt(c2) / c1 if mode == "step_size" else 1.0) for c1, c2 in zip(bc1, bc2, strict=True)
+    ]
+    waves = plan_waves([p.numel() for p in params], group["chunk_size"] or default_chunk_size(device), device)
+    whole = waves[0].owners is None
+    upcast_p = like.dtype != mdtype
+
+    # u is kept from phase 1 (norms) to phase 2 (update): a transient fp32 copy of the segment, like torch's
+    # foreach Adam temporaries; foreach=False bounds it to one tensor. (Recomputing u per wave would save
+    # that memory but costs four more passes over the data.)
+    kept: list[TensorList] = []
+    w_norms, u_norms = [], []
+    for wave in waves:
+        p_pieces = pieces_of(targets, wave, whole)
+        p32 = [x.to(mdtype) for x in p_pieces] if upcast_p else p_pieces
+        m = pieces_of(exp_avgs, wave, whole)
+        v = pieces_of(exp_avg_sqs, wave, whole)
+        _advance_moments(group, pieces_of(grads, wave, whole), p32, m, v, clip)
+        idx = [piece.index for piece in wave.pieces]
+        if mode == "update" and bias_correction:
+            denom = torch._foreach_div(v, [bc2[i] for i in idx])
+            torch._foreach_sqrt_(denom)
+            torch._foreach_add_(denom, eps)
+            u = torch._foreach_div(m, [bc1[i] for i in idx])
+            torch._foreach_div_(u, denom)
+        else:
+            # pow(v, 0.5) is computed as sqrt; out-of-place _foreach_sqrt on CPU views can be 1000x
+            # slower with several threads (torch 2.13), so unary foreach ops run in place on our own copies.
+            denom = torch._foreach_pow(v, 0.5)
+            torch._foreach_add_(denom, eps)
+            u = torch._foreach_div(m, denom)
+        if group["adam_w_mode"] and wd != 0:
+            torch._foreach_add_(u, p32, alpha=wd)
         if adapt:
-            w = segment_norms(w_norms, len(params), device, mdtype)
-            n = segment_norms(u_norms, len(params), device, mdtype)
-            w, n = reduce_norms(w, like), reduce_norms(n, like)
-            ratio = torch.where((w > 0) & (n > 0), w / n, torch.ones_like(w))
-            low, high = group["trust_clip"] or (None, None)
-            if low is not None or high is not None:
-                ratio = torch.where((w > 0) & (n > 0), ratio.clamp(min=low, max=high), ratio)
+            w_norms.append((wave, torch._foreach_norm(p32)))
+            u_norms.append((wave, torch._foreach_norm(u)))
+        kept.append(u)
 
-        # p += coef * u with coef = -lr * s * r per tensor, folded into one multiply-add where possible.
-        uniform = all(f == factor[0] for f in factor)
-        coef = None
-        if ratio is not None:
-            if uniform:
-                coef = ratio * factor[0]
-            elif device.type == "cpu":  # a host list becomes a device tensor for free only on the CPU
-                coef = ratio * torch.tensor(factor, dtype=ratio.dtype)
-        for k, wave in enumerate(waves):
-            p_pieces = pieces_of(targets, wave, whole)
-            p32 = [x.to(mdtype) for x in p_pieces] if upcast_p else p_pieces
-            u = kept[k]
-            if coef is not None:
-                torch._foreach_addcmul_(p32, u, gather_pieces(coef, wave))
-            elif ratio is not None:
-                torch._foreach_mul_(u, [factor[piece.index] for piece in wave.pieces])
-                torch._foreach_addcmul_(p32, u, gather_pieces(ratio, wave))
-            elif uniform:
-                torch._foreach_add_(p32, u, alpha=factor[0])
-            else:
-                torch._foreach_mul_(u, [factor[piece.index] for piece in wave.pieces])
-                torch._foreach_add_(p32, u)
-            if upcast_p:
-                torch._foreach_copy_(p_pieces, p32)
-        if strided:
-            for p, t in zip(params, targets, strict=True):
-                p.copy_(t)
+    ratio = None
+    if adapt:
+        w = reduce_norms(segment_norms(w_norms, len(params), device, mdtype), like)
+        n = reduce_norms(segment_norms(u_norms, len(params), device, mdtype), like)
+        ratio = _trust_ratio(w, n, group)
+
+    # p += coef * u with coef = -lr * s * r per tensor, folded into one multiply-add where possible.
+    uniform = all(f == factor[0] for f in factor)
+    coef = None
+    if ratio is not None:
+        if uniform:
+            coef = ratio * factor[0]
+        elif device.type == "cpu":  # a host list becomes a device tensor for free only on the CPU
+            coef = ratio * torch.tensor(factor, dtype=ratio.dtype)
+    for wave, u in zip(waves, kept, strict=True):
+        p_pieces = pieces_of(targets, wave, whole)
+        p32 = [x.to(mdtype) for x in p_pieces] if upcast_p else p_pieces
+        if coef is not None:
+            torch._foreach_addcmul_(p32, u, gather_pieces(coef, wave))
+        elif ratio is not None:
+            torch._foreach_mul_(u, [factor[piece.index] for piece in wave.pieces])
+            torch._foreach_addcmul_(p32, u, gather_pieces(ratio, wave))
+        elif uniform:
+            torch._foreach_add_(p32, u, alpha=factor[0])
+        else:
+            torch._foreach_mul_(u, [factor[piece.index] for piece in wave.pieces])
+            torch._foreach_add_(p32, u)
+        if upcast_p:
+            torch._foreach_copy_(p_pieces, p32)
+    copy_back(params, targets)
+
+
+def _compiled_update(
+    group: Mapping[str, Any],
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    steps: list[torch.Tensor],
+    clip: torch.Tensor | None,
+) -> None:
+    """The traced update of one bucket of whole tensors: the eager math in the same order, with the bias
+    corrections computed in float64 from the step tensors (the eager step computes them in Python floats).
+
+    Inductor rounds each float32 operation like the eager ``torch._foreach_*`` calls except where ATen
+    contracts a multiply-add, so the two agree to a few ulp (the bound is in ``tests/test_compiled.py``). The
+    update ``u`` is per-tensor element-wise expressions and norms, not ``torch._foreach_*`` (inductor realises
+    every foreach output as a buffer), so inductor computes it inside the norm's loop and again inside the
+    update's: the compiled step holds no ``u`` (``test_compiled_lamb_keeps_no_update_buffer``).
+    """
+    mdtype = math_dtype_of(params[0].dtype)
+    beta1, beta2 = group["betas"]
+    lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+    mode, bias_correction = group["bias_correction_mode"], group["bias_correction"]
+    torch._foreach_add_(steps, 1.0)
+    p32 = [p.to(mdtype) for p in params]
+    _advance_moments(group, grads, p32, exp_avgs, exp_avg_sqs, clip)
+    t = torch.stack(steps).to(torch.float64)
+    one = torch.ones_like(t)
+    bc1 = 1.0 - beta1**t if bias_correction else one
+    bc2 = 1.0 - beta2**t if bias_correction else one
+    if mode == "update" and bias_correction:
+        c2, c1 = bc2.to(mdtype), bc1.to(mdtype)
+        pairs = enumerate(zip(exp_avgs, exp_avg_sqs, strict=True))
+        u = [(m / c1[i]) / ((v / c2[i]).sqrt() + eps) for i, (m, v) in pairs]
+        scale = one
+    else:
+        u = [m / (v.pow(0.5) + eps) for m, v in zip(exp_avgs, exp_avg_sqs, strict=True)]
+        scale = bc2.sqrt() / bc1 if mode == "step_size" else one
+    if group["adam_w_mode"] and wd != 0:
+        u = [x + p * wd for x, p in zip(u, p32, strict=True)]
+    lr64 = lr.to(torch.float64) if isinstance(lr, torch.Tensor) else lr
+    coef = (-lr64 * scale).to(mdtype)
+    if not group["adam"] and (wd != 0 or group["always_adapt"]):
+        w = torch.stack(list(torch._foreach_norm(p32)))
+        n = torch.stack([torch.linalg.vector_norm(x) for x in u])
+        coef = _trust_ratio(w, n, group) * coef
+    for i, p in enumerate(params):
+        p.copy_(p32[i] + u[i] * coef[i])

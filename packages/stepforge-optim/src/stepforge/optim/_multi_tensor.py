@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ._dtensor import local
+
 __all__ = [
     "Piece",
     "Wave",
@@ -33,7 +35,8 @@ __all__ = [
     "segment_norms",
     "gather_pieces",
     "default_chunk_size",
-    "bucket_key",
+    "contiguous_locals",
+    "copy_back",
 ]
 
 # 1 MiB of fp32 per array per wave: the arrays a wave touches stay in L2/L3, and each op is large enough
@@ -98,11 +101,6 @@ def split_segments(tensors: Sequence[torch.Tensor], limit: int | None) -> list[l
     if current:
         out.append(current)
     return out
-
-
-def bucket_key(param: torch.Tensor, grad: torch.Tensor) -> tuple[torch.device, torch.dtype, torch.dtype]:
-    """Tensors that can share one ``_foreach`` call: same device, same param dtype, same grad dtype."""
-    return (param.device, param.dtype, grad.dtype)
 
 
 def plan_waves(numels: Sequence[int], chunk_size: int | None, device: torch.device) -> list[Wave]:
@@ -175,3 +173,26 @@ def gather_pieces(values: torch.Tensor, wave: Wave) -> list[torch.Tensor]:
     """``values[owner]`` for every piece of ``wave``, as 0-dim tensors (per-tensor factors for ``_foreach``)."""
     picked = values if wave.owners is None else values.index_select(0, wave.owners)
     return list(picked.unbind(0))
+
+
+def contiguous_locals(
+    params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """The local shards of ``params`` and ``grads``, and the tensors to update in place of the params.
+
+    Pieces must be plain slices, so grads of expanded/transposed params are copied once, and a bucket with a
+    strided parameter is updated through contiguous copies that :func:`copy_back` writes into the parameters.
+    """
+    params = [local(p) for p in params]
+    grads = [local(g) for g in grads]
+    if any(not g.is_contiguous() for g in grads):
+        grads = [g.contiguous() for g in grads]
+    strided = any(not p.is_contiguous() for p in params)
+    return params, grads, [p.contiguous() if strided else p for p in params]
+
+
+def copy_back(params: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> None:
+    """Write the updated contiguous copies of strided parameters back (see :func:`contiguous_locals`)."""
+    for p, t in zip(params, targets, strict=True):
+        if t is not p:
+            p.copy_(t)
