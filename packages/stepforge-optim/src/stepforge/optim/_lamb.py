@@ -248,9 +248,8 @@ class Lamb(MultiTensorOptimizer):
             for start, stop in self._init_group(group, compiled, *lists):
                 buckets.append((group, [x[start:stop] for x in lists]))
         clip = _global_clip(self.defaults["max_grad_norm"], [bucket[1] for _group, bucket in buckets])
-        update = _compiled_update if compiled else _update
         for group, lists in buckets:
-            update(group, *lists, clip)
+            _update(group, *lists, clip, compiled)
 
 
 def _global_clip(max_norm: float | None, grad_lists: list[list[torch.Tensor]]) -> torch.Tensor | None:
@@ -324,26 +323,42 @@ def _update(
     grads: list[torch.Tensor],
     exp_avgs: list[torch.Tensor],
     exp_avg_sqs: list[torch.Tensor],
-    steps: list[int],
+    steps: list[Any],
     clip: torch.Tensor | None,
+    compiled: bool,
 ) -> None:
-    """The eager update of one bucket, in cache-sized waves: ``u`` and the norms of every wave, then ``p``."""
+    """One bucket's update: ``u`` and the norms of every wave, then ``p``; eagerly in cache-sized waves.
+
+    Compiled, the bucket is one wave of whole tensors, the bias corrections are float64 tensor math on the step
+    tensors (eagerly Python floats), and ``u`` is per-tensor element-wise expressions and norms instead of
+    ``torch._foreach_*`` (inductor realises every foreach output as a buffer): inductor computes ``u`` inside
+    the norm's loop and again inside the update's and holds none (``test_compiled_lamb_keeps_no_update_buffer``).
+    Inductor rounds like the eager foreach calls except where ATen contracts a multiply-add: a few ulp apart.
+    """
     like = params[0]  # a DTensor bucket works on local shards; its norms are reduced over the mesh
     device, mdtype = like.device, math_dtype_of(like.dtype)
     beta1, beta2 = group["betas"]
-    lr, eps, wd = lr_of(group, False), group["eps"], group["weight_decay"]
-    mode, bias_correction = group["bias_correction_mode"], group["bias_correction"]
+    lr, eps, wd = lr_of(group, compiled), group["eps"], group["weight_decay"]
+    inside = group["bias_correction"] and group["bias_correction_mode"] == "update"  # bias correction in u
+    scaled = group["bias_correction"] and group["bias_correction_mode"] == "step_size"  # ... in the step
     adapt = not group["adam"] and (wd != 0 or group["always_adapt"])
     params, grads, targets = contiguous_locals(params, grads)
     exp_avgs = [local(m) for m in exp_avgs]
     exp_avg_sqs = [local(v) for v in exp_avg_sqs]
-    bc1 = [1.0 - beta1**t if bias_correction else 1.0 for t in steps]
-    bc2 = [1.0 - beta2**t if bias_correction else 1.0 for t in steps]
     # The step-size factor: -lr * s per tensor (s = sqrt(bc2)/bc1 in "step_size" mode).
-    factor = [
-        -lr * (math.sqrt(c2) / c1 if mode == "step_size" else 1.0) for c1, c2 in zip(bc1, bc2, strict=True)
-    ]
-    waves = plan_waves([p.numel() for p in params], group["chunk_size"] or default_chunk_size(device), device)
+    if compiled:
+        torch._foreach_add_(steps, 1.0)
+        t = torch.stack(steps).to(torch.float64)
+        bc1, bc2 = 1.0 - beta1**t, 1.0 - beta2**t
+        lr64 = lr.to(torch.float64) if isinstance(lr, torch.Tensor) else lr
+        factor = (-lr64 * (bc2.sqrt() / bc1 if scaled else torch.ones_like(t))).to(mdtype)
+        bc1, bc2 = bc1.to(mdtype), bc2.to(mdtype)
+    else:
+        bc1 = [1.0 - beta1**t for t in steps]
+        bc2 = [1.0 - beta2**t for t in steps]
+        factor = [-lr * (math.sqrt(c2) / c1 if scaled else 1.0) for c1, c2 in zip(bc1, bc2, strict=True)]
+    chunk = None if compiled else group["chunk_size"] or default_chunk_size(device)
+    waves = plan_waves([p.numel() for p in params], chunk, device)
     whole = waves[0].owners is None
     upcast_p = like.dtype != mdtype
 
@@ -359,23 +374,33 @@ def _update(
         v = pieces_of(exp_avg_sqs, wave, whole)
         _advance_moments(group, pieces_of(grads, wave, whole), p32, m, v, clip)
         idx = [piece.index for piece in wave.pieces]
-        if mode == "update" and bias_correction:
-            denom = torch._foreach_div(v, [bc2[i] for i in idx])
-            torch._foreach_sqrt_(denom)
-            torch._foreach_add_(denom, eps)
-            u = torch._foreach_div(m, [bc1[i] for i in idx])
-            torch._foreach_div_(u, denom)
+        if compiled:
+            if inside:
+                u = [(x / bc1[i]) / ((y / bc2[i]).sqrt() + eps) for i, x, y in zip(idx, m, v, strict=True)]
+            else:
+                u = [x / (y.pow(0.5) + eps) for x, y in zip(m, v, strict=True)]
+            if group["adam_w_mode"] and wd != 0:
+                u = [x + p * wd for x, p in zip(u, p32, strict=True)]
         else:
-            # pow(v, 0.5) is computed as sqrt; out-of-place _foreach_sqrt on CPU views can be 1000x
-            # slower with several threads (torch 2.13), so unary foreach ops run in place on our own copies.
-            denom = torch._foreach_pow(v, 0.5)
+            if inside:
+                denom = torch._foreach_div(v, [bc2[i] for i in idx])
+                torch._foreach_sqrt_(denom)
+            else:
+                # pow(v, 0.5) is computed as sqrt; out-of-place _foreach_sqrt on CPU views can be 1000x
+                # slower with several threads (torch 2.13), so unary foreach ops run in place on our own copies.
+                denom = torch._foreach_pow(v, 0.5)
             torch._foreach_add_(denom, eps)
-            u = torch._foreach_div(m, denom)
-        if group["adam_w_mode"] and wd != 0:
-            torch._foreach_add_(u, p32, alpha=wd)
+            if inside:
+                u = torch._foreach_div(m, [bc1[i] for i in idx])
+                torch._foreach_div_(u, denom)
+            else:
+                u = torch._foreach_div(m, denom)
+            if group["adam_w_mode"] and wd != 0:
+                torch._foreach_add_(u, p32, alpha=wd)
         if adapt:
             w_norms.append((wave, torch._foreach_norm(p32)))
-            u_norms.append((wave, torch._foreach_norm(u)))
+            u_norm = [torch.linalg.vector_norm(x) for x in u] if compiled else torch._foreach_norm(u)
+            u_norms.append((wave, u_norm))
         kept.append(u)
 
     ratio = None
@@ -385,9 +410,11 @@ def _update(
         ratio = _trust_ratio(w, n, group)
 
     # p += coef * u with coef = -lr * s * r per tensor, folded into one multiply-add where possible.
-    uniform = all(f == factor[0] for f in factor)
+    uniform = not compiled and all(f == factor[0] for f in factor)
     coef = None
-    if ratio is not None:
+    if compiled:
+        coef = factor if ratio is None else ratio * factor
+    elif ratio is not None:
         if uniform:
             coef = ratio * factor[0]
         elif device.type == "cpu":  # a host list becomes a device tensor for free only on the CPU
@@ -408,52 +435,3 @@ def _update(
         if upcast_p:
             torch._foreach_copy_(p_pieces, p32)
     copy_back(params, targets)
-
-
-def _compiled_update(
-    group: Mapping[str, Any],
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor],
-    steps: list[torch.Tensor],
-    clip: torch.Tensor | None,
-) -> None:
-    """The traced update of one bucket of whole tensors: the eager math in the same order, with the bias
-    corrections computed in float64 from the step tensors (the eager step computes them in Python floats).
-
-    Inductor rounds each float32 operation like the eager ``torch._foreach_*`` calls except where ATen
-    contracts a multiply-add, so the two agree to a few ulp (the bound is in ``tests/test_compiled.py``). The
-    update ``u`` is per-tensor element-wise expressions and norms, not ``torch._foreach_*`` (inductor realises
-    every foreach output as a buffer), so inductor computes it inside the norm's loop and again inside the
-    update's: the compiled step holds no ``u`` (``test_compiled_lamb_keeps_no_update_buffer``).
-    """
-    mdtype = math_dtype_of(params[0].dtype)
-    beta1, beta2 = group["betas"]
-    lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
-    mode, bias_correction = group["bias_correction_mode"], group["bias_correction"]
-    torch._foreach_add_(steps, 1.0)
-    p32 = [p.to(mdtype) for p in params]
-    _advance_moments(group, grads, p32, exp_avgs, exp_avg_sqs, clip)
-    t = torch.stack(steps).to(torch.float64)
-    one = torch.ones_like(t)
-    bc1 = 1.0 - beta1**t if bias_correction else one
-    bc2 = 1.0 - beta2**t if bias_correction else one
-    if mode == "update" and bias_correction:
-        c2, c1 = bc2.to(mdtype), bc1.to(mdtype)
-        pairs = enumerate(zip(exp_avgs, exp_avg_sqs, strict=True))
-        u = [(m / c1[i]) / ((v / c2[i]).sqrt() + eps) for i, (m, v) in pairs]
-        scale = one
-    else:
-        u = [m / (v.pow(0.5) + eps) for m, v in zip(exp_avgs, exp_avg_sqs, strict=True)]
-        scale = bc2.sqrt() / bc1 if mode == "step_size" else one
-    if group["adam_w_mode"] and wd != 0:
-        u = [x + p * wd for x, p in zip(u, p32, strict=True)]
-    lr64 = lr.to(torch.float64) if isinstance(lr, torch.Tensor) else lr
-    coef = (-lr64 * scale).to(mdtype)
-    if not group["adam"] and (wd != 0 or group["always_adapt"]):
-        w = torch.stack(list(torch._foreach_norm(p32)))
-        n = torch.stack([torch.linalg.vector_norm(x) for x in u])
-        coef = _trust_ratio(w, n, group) * coef
-    for i, p in enumerate(params):
-        p.copy_(p32[i] + u[i] * coef[i])
