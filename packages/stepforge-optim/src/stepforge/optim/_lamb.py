@@ -25,6 +25,7 @@ from ._multi_tensor import (
     TensorList,
     contiguous_locals,
     copy_back,
+    decayed_grads,
     default_chunk_size,
     gather_pieces,
     pieces_of,
@@ -268,45 +269,6 @@ def _global_clip(max_norm: float | None, grad_lists: list[list[torch.Tensor]]) -
     return torch.clamp(total / max_norm, min=1.0)
 
 
-def _advance_moments(
-    group: Mapping[str, Any],
-    g: TensorList,
-    p32: TensorList,
-    exp_avgs: TensorList,
-    exp_avg_sqs: TensorList,
-    clip: torch.Tensor | None,
-) -> TensorList:
-    """Clip, negate (maximize) and L2-decay the gradients ``g``, advance ``m`` and ``v`` in place; returns g."""
-    mdtype = p32[0].dtype
-    fresh = g[0].dtype != mdtype  # g is modified in place only when it is our own copy, never p.grad
-    if fresh:
-        g = [x.to(mdtype) for x in g]
-    if clip is not None:
-        g = torch._foreach_div(g, clip.to(device=g[0].device, dtype=mdtype, non_blocking=True))
-        fresh = True
-    if group["maximize"]:
-        if fresh:
-            torch._foreach_neg_(g)
-        else:
-            g = torch._foreach_mul(g, -1.0)  # binary op: see the note on unary foreach ops in _update
-        fresh = True
-    wd = group["weight_decay"]
-    if not group["adam_w_mode"] and wd != 0:
-        if fresh:
-            torch._foreach_add_(g, p32, alpha=wd)
-        else:
-            g = torch._foreach_add(g, p32, alpha=wd)
-    beta1, beta2 = group["betas"]
-    if group["grad_averaging"]:  # m + (1-beta1)*(g-m): one pass instead of two
-        torch._foreach_lerp_(exp_avgs, g, 1.0 - beta1)
-    else:
-        torch._foreach_mul_(exp_avgs, beta1)
-        torch._foreach_add_(exp_avgs, g)
-    torch._foreach_mul_(exp_avg_sqs, beta2)
-    torch._foreach_addcmul_(exp_avg_sqs, g, g, value=1.0 - beta2)
-    return g
-
-
 def _trust_ratio(w: torch.Tensor, n: torch.Tensor, group: Mapping[str, Any]) -> torch.Tensor:
     """``||p|| / ||u||`` per tensor (1 where either is 0); a computed ratio is clamped to ``trust_clip``."""
     computed = (w > 0) & (n > 0)
@@ -372,7 +334,15 @@ def _update(
         p32 = [x.to(mdtype) for x in p_pieces] if upcast_p else p_pieces
         m = pieces_of(exp_avgs, wave, whole)
         v = pieces_of(exp_avg_sqs, wave, whole)
-        _advance_moments(group, pieces_of(grads, wave, whole), p32, m, v, clip)
+        l2 = 0.0 if group["adam_w_mode"] else wd
+        g, _ = decayed_grads(pieces_of(grads, wave, whole), p32, clip, group["maximize"], l2)
+        if group["grad_averaging"]:  # m + (1-beta1)*(g-m): one pass instead of two
+            torch._foreach_lerp_(m, g, 1.0 - beta1)
+        else:
+            torch._foreach_mul_(m, beta1)
+            torch._foreach_add_(m, g)
+        torch._foreach_mul_(v, beta2)
+        torch._foreach_addcmul_(v, g, g, value=1.0 - beta2)
         idx = [piece.index for piece in wave.pieces]
         if compiled:
             if inside:
@@ -409,29 +379,23 @@ def _update(
         n = reduce_norms(segment_norms(u_norms, len(params), device, mdtype), like)
         ratio = _trust_ratio(w, n, group)
 
-    # p += coef * u with coef = -lr * s * r per tensor, folded into one multiply-add where possible.
-    uniform = not compiled and all(f == factor[0] for f in factor)
-    coef = None
+    # p += coef * u with coef = -lr * s * r per tensor: one multiply-add per piece. Eagerly, per-tensor factors
+    # (tensors at different steps) are applied to u first: a host list would cost a host-to-device copy.
+    per_tensor = not compiled and any(f != factor[0] for f in factor)
+    scale = 1.0 if compiled or per_tensor else factor[0]
     if compiled:
         coef = factor if ratio is None else ratio * factor
-    elif ratio is not None:
-        if uniform:
-            coef = ratio * factor[0]
-        elif device.type == "cpu":  # a host list becomes a device tensor for free only on the CPU
-            coef = ratio * torch.tensor(factor, dtype=ratio.dtype)
+    else:
+        coef = None if ratio is None else ratio * scale
     for wave, u in zip(waves, kept, strict=True):
         p_pieces = pieces_of(targets, wave, whole)
         p32 = [x.to(mdtype) for x in p_pieces] if upcast_p else p_pieces
+        if per_tensor:
+            torch._foreach_mul_(u, [factor[piece.index] for piece in wave.pieces])
         if coef is not None:
             torch._foreach_addcmul_(p32, u, gather_pieces(coef, wave))
-        elif ratio is not None:
-            torch._foreach_mul_(u, [factor[piece.index] for piece in wave.pieces])
-            torch._foreach_addcmul_(p32, u, gather_pieces(ratio, wave))
-        elif uniform:
-            torch._foreach_add_(p32, u, alpha=factor[0])
         else:
-            torch._foreach_mul_(u, [factor[piece.index] for piece in wave.pieces])
-            torch._foreach_add_(p32, u)
+            torch._foreach_add_(p32, u, alpha=scale)
         if upcast_p:
             torch._foreach_copy_(p_pieces, p32)
     copy_back(params, targets)

@@ -23,9 +23,9 @@ from stepforge.core import (
 from ._base import MultiTensorOptimizer, lr_of, math_dtype_of, zeros_state
 from ._dtensor import local, reduce_norms
 from ._multi_tensor import (
-    TensorList,
     contiguous_locals,
     copy_back,
+    decayed_grads,
     default_chunk_size,
     gather_pieces,
     pieces_of,
@@ -262,28 +262,12 @@ def _update(
     waves = plan_waves([p.numel() for p in params], chunk, device)
     whole = waves[0].owners is None
     upcast_p = like.dtype != mdtype
-    upcast_g = grads[0].dtype != mdtype
     for wave in waves:
         p_pieces = pieces_of(targets, wave, whole)
         p32 = [x.to(mdtype) for x in p_pieces] if upcast_p else p_pieces
-        g_pieces = pieces_of(grads, wave, whole)
-        d: TensorList = [x.to(mdtype) for x in g_pieces] if upcast_g else g_pieces
-
-        fresh = upcast_g  # never modify p.grad in place
-        if maximize:
-            if fresh:
-                torch._foreach_neg_(d)
-            else:
-                d = torch._foreach_mul(d, -1.0)  # binary op: see the note on unary foreach ops in _lamb
-            fresh = True
-        if wd != 0:
-            if fresh:
-                torch._foreach_add_(d, p32, alpha=wd)
-            else:
-                d = torch._foreach_add(d, p32, alpha=wd)
-            fresh = True
+        d, own = decayed_grads(pieces_of(grads, wave, whole), p32, None, maximize, wd)
         if clip is not None:
-            if not fresh:
+            if not own:
                 d = [x.clone() for x in d]
             torch._foreach_clamp_min_(d, -clip)
             torch._foreach_clamp_max_(d, clip)

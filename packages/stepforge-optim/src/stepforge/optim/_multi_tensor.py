@@ -37,6 +37,7 @@ __all__ = [
     "default_chunk_size",
     "contiguous_locals",
     "copy_back",
+    "decayed_grads",
 ]
 
 # 1 MiB of fp32 per array per wave: the arrays a wave touches stay in L2/L3, and each op is large enough
@@ -196,3 +197,32 @@ def copy_back(params: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -
     for p, t in zip(params, targets, strict=True):
         if t is not p:
             p.copy_(t)
+
+
+def decayed_grads(
+    grads: TensorList, p32: TensorList, divisor: torch.Tensor | None, maximize: bool, weight_decay: float
+) -> tuple[TensorList, bool]:
+    """``±grads / divisor + weight_decay * p`` in the parameters' math dtype, and whether that is a new list.
+
+    ``grads`` (views of ``p.grad``) are never written: ops run in place only on our own copies, and negation is
+    the binary ``mul`` when out of place (out-of-place unary foreach ops on CPU views are slow, see ``_lamb``).
+    """
+    mdtype = p32[0].dtype
+    own = grads[0].dtype != mdtype
+    g = [x.to(mdtype) for x in grads] if own else grads
+    if divisor is not None:
+        g = torch._foreach_div(g, divisor.to(device=g[0].device, dtype=mdtype, non_blocking=True))
+        own = True
+    if maximize:
+        if own:
+            torch._foreach_neg_(g)
+        else:
+            g = torch._foreach_mul(g, -1.0)
+        own = True
+    if weight_decay != 0:
+        if own:
+            torch._foreach_add_(g, p32, alpha=weight_decay)
+        else:
+            g = torch._foreach_add(g, p32, alpha=weight_decay)
+        own = True
+    return g, own
