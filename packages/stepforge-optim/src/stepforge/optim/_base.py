@@ -34,7 +34,7 @@ from stepforge.core import (
 )
 
 from ._dtensor import is_dtensor, mesh_key
-from ._multi_tensor import segment_size, split_segments
+from ._multi_tensor import split_segments
 
 __all__ = ["MultiTensorOptimizer", "lr_of", "math_dtype_of", "zeros_state"]
 
@@ -166,11 +166,7 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
             return list(by_key.values())
         if group["foreach"] is False:
             return [[p] for ps in by_key.values() for p in ps]
-        # CPU: segments small enough that what one phase leaves for the next is still in cache
-        limit = group["chunk_size"]
-        return [
-            seg for ps in by_key.values() for seg in split_segments(ps, segment_size(ps[0].device, limit))
-        ]
+        return [seg for ps in by_key.values() for seg in split_segments(ps, group["chunk_size"])]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict (also one saved by ``torch.optim`` or ColossalAI with the same state names).

@@ -321,7 +321,6 @@ def _update(
         factor = [-lr * (math.sqrt(c2) / c1 if scaled else 1.0) for c1, c2 in zip(bc1, bc2, strict=True)]
     chunk = None if compiled else group["chunk_size"] or default_chunk_size(device)
     waves = plan_waves([p.numel() for p in params], chunk, device)
-    whole = waves[0].owners is None
     upcast_p = like.dtype != mdtype
 
     # u is kept from phase 1 (norms) to phase 2 (update): a transient fp32 copy of the segment, like torch's
@@ -330,12 +329,12 @@ def _update(
     kept: list[TensorList] = []
     w_norms, u_norms = [], []
     for wave in waves:
-        p_pieces = pieces_of(targets, wave, whole)
+        p_pieces = pieces_of(targets, wave)
         p32 = [x.to(mdtype) for x in p_pieces] if upcast_p else p_pieces
-        m = pieces_of(exp_avgs, wave, whole)
-        v = pieces_of(exp_avg_sqs, wave, whole)
+        m = pieces_of(exp_avgs, wave)
+        v = pieces_of(exp_avg_sqs, wave)
         l2 = 0.0 if group["adam_w_mode"] else wd
-        g, _ = decayed_grads(pieces_of(grads, wave, whole), p32, clip, group["maximize"], l2)
+        g, _ = decayed_grads(pieces_of(grads, wave), p32, clip, group["maximize"], l2)
         if group["grad_averaging"]:  # m + (1-beta1)*(g-m): one pass instead of two
             torch._foreach_lerp_(m, g, 1.0 - beta1)
         else:
@@ -388,7 +387,7 @@ def _update(
     else:
         coef = None if ratio is None else ratio * scale
     for wave, u in zip(waves, kept, strict=True):
-        p_pieces = pieces_of(targets, wave, whole)
+        p_pieces = pieces_of(targets, wave)
         p32 = [x.to(mdtype) for x in p_pieces] if upcast_p else p_pieces
         if per_tensor:
             torch._foreach_mul_(u, [factor[piece.index] for piece in wave.pieces])

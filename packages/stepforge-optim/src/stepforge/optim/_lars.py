@@ -260,12 +260,11 @@ def _update(
 
     chunk = None if compiled else group["chunk_size"] or default_chunk_size(device)
     waves = plan_waves([p.numel() for p in params], chunk, device)
-    whole = waves[0].owners is None
     upcast_p = like.dtype != mdtype
     for wave in waves:
-        p_pieces = pieces_of(targets, wave, whole)
+        p_pieces = pieces_of(targets, wave)
         p32 = [x.to(mdtype) for x in p_pieces] if upcast_p else p_pieces
-        d, own = decayed_grads(pieces_of(grads, wave, whole), p32, None, maximize, wd)
+        d, own = decayed_grads(pieces_of(grads, wave), p32, None, maximize, wd)
         if clip is not None:
             if not own:
                 d = [x.clone() for x in d]
@@ -273,7 +272,7 @@ def _update(
             torch._foreach_clamp_max_(d, clip)
         step = d
         if mu != 0:
-            b = pieces_of(bufs, wave, whole)
+            b = pieces_of(bufs, wave)
             if first is None:
                 torch._foreach_mul_(b, mu)
                 torch._foreach_add_(b, d, alpha=1.0 - damp)

@@ -35,6 +35,7 @@ __all__ = [
     "segment_norms",
     "gather_pieces",
     "default_chunk_size",
+    "split_segments",
     "contiguous_locals",
     "copy_back",
     "decayed_grads",
@@ -61,8 +62,7 @@ TensorList = list[torch.Tensor] | tuple[torch.Tensor, ...]
 
 @dataclass(frozen=True)
 class Wave:
-    """One
-    ``torch._foreach_*`` call's worth of pieces, and the bucket-tensor index of each piece."""
+    """One ``torch._foreach_*`` call's worth of pieces, and the bucket-tensor index of each piece."""
 
     pieces: tuple[Piece, ...]
     owners: torch.Tensor | None  # int64 (len(pieces),) on the bucket's device; None: whole tensors 0..n-1
@@ -73,22 +73,16 @@ def default_chunk_size(device: torch.device) -> int | None:
     return _CPU_CHUNK if device.type == "cpu" else None
 
 
-def segment_size(device: torch.device, chunk_size: int | None) -> int | None:
-    """Elements per *segment* (a run of whole tensors updated start to finish before the next), or None.
+def split_segments(tensors: Sequence[torch.Tensor], chunk_size: int | None) -> list[list[torch.Tensor]]:
+    """Consecutive runs of whole ``tensors`` of at most four waves (a larger tensor runs alone), on CPU.
 
-    On CPU a bucket is cut into segments of about four waves: the per-tensor temporaries a two-phase update
-    keeps between its phases (LAMB's ``u``) then stay in the last-level cache instead of going to memory
-    and back. Off-CPU the bucket is one segment (one launch set).
+    Each run is updated start to finish before the next, so what a two-phase update keeps between its phases
+    (LAMB's ``u``) stays in the last-level cache instead of going to memory and back. Off-CPU the bucket is one
+    segment (one launch set).
     """
-    if device.type != "cpu":
-        return None
-    return 4 * (chunk_size or _CPU_CHUNK)
-
-
-def split_segments(tensors: Sequence[torch.Tensor], limit: int | None) -> list[list[torch.Tensor]]:
-    """Consecutive runs of ``tensors`` with at most ``limit`` elements each (a larger tensor runs alone)."""
-    if limit is None:
+    if not tensors or tensors[0].device.type != "cpu":
         return [list(tensors)]
+    limit = 4 * (chunk_size or _CPU_CHUNK)
     out: list[list[torch.Tensor]] = []
     current: list[torch.Tensor] = []
     size = 0
@@ -135,18 +129,17 @@ def plan_waves(numels: Sequence[int], chunk_size: int | None, device: torch.devi
     return waves
 
 
-def pieces_of(tensors: Sequence[torch.Tensor], wave: Wave, whole: bool) -> list[torch.Tensor]:
+def pieces_of(tensors: Sequence[torch.Tensor], wave: Wave) -> list[torch.Tensor]:
     """The views of ``tensors`` that ``wave`` names; a piece covering a whole tensor is the tensor itself.
 
     Element-wise ``_foreach`` ops only need corresponding pieces of the lists to have one shape, so whole
     tensors need no flattened view (most tensors of a model are small and never split).
     """
-    if whole:
-        return [tensors[p.index] for p in wave.pieces]
     out = []
     for p in wave.pieces:
         t = tensors[p.index]
-        out.append(t if p.start == 0 and p.stop == t.numel() else t.view(-1)[p.start : p.stop])
+        whole = wave.owners is None or (p.start == 0 and p.stop == t.numel())
+        out.append(t if whole else t.view(-1)[p.start : p.stop])
     return out
 
 
@@ -161,12 +154,8 @@ def segment_norms(
     if len(items) == 1 and items[0][0].owners is None:
         return torch.stack(list(items[0][1])).to(dtype)
     total = torch.zeros(count, dtype=dtype, device=device)
-    for wave, norms in items:
-        squares = torch.stack(list(norms)).to(dtype).square()
-        if wave.owners is None:
-            total.add_(squares)
-        else:
-            total.index_add_(0, wave.owners, squares)
+    for wave, norms in items:  # several waves: every one has owners
+        total.index_add_(0, wave.owners, torch.stack(list(norms)).to(dtype).square())  # type: ignore[arg-type]
     return total.sqrt()
 
 
