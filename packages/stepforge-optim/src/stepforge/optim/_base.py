@@ -1,11 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Common ``torch.optim.Optimizer`` behaviour of :class:`Lamb` and :class:`Lars`.
-
-- Gradients are validated (dense, same shape/device) and read only: ``p.grad`` is never written.
-- Parameters are bucketed by (device, param dtype, grad dtype); each bucket is updated with ``torch._foreach_*``
-  calls (see :mod:`._multi_tensor`), or one tensor at a time with ``foreach=False``.
-- State of fp16/bf16/fp32 parameters is fp32 (fp64 for fp64 parameters); :meth:`load_state_dict` keeps that
-  (``torch.optim`` would cast state to the parameter dtype) and turns tensor ``step`` values into ints.
+"""Common ``torch.optim.Optimizer`` behaviour of :class:`Lamb` and :class:`Lars`: checks where values enter,
+read-only gradients, buckets, and a ``load_state_dict`` that keeps fp32 state for low-precision parameters.
 
 ``torch.compile``: dynamo traces ``step()``, which sees :func:`torch.compiler.is_compiling`. Dynamo runs the
 optimizer's ``_init_group(group, True, <empty lists>...)`` eagerly while tracing (checks, state creation,
@@ -84,8 +79,8 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
         chunk = defaults.get("chunk_size")
         if chunk is not None:
             check_positive_int("chunk_size", chunk, owner=owner)
-        self._validate_group(defaults)
-        # one helper from stepforge.core: groups are checked where they enter and re-checked when edited
+        # one helper from stepforge.core: groups (defaults filled in) are checked where they enter and re-checked
+        # when edited
         self._groups = GroupValidator(self._validate_group, owner=owner)
         super().__init__(params, defaults)
 

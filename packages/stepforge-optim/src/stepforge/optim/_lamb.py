@@ -35,8 +35,6 @@ from ._multi_tensor import (
 
 __all__ = ["Lamb"]
 
-_MODES = ("step_size", "update")
-
 
 class Lamb(MultiTensorOptimizer):
     r"""LAMB (You et al., 2019, "Large Batch Optimization for Deep Learning: Training BERT in 76 minutes").
@@ -185,7 +183,7 @@ class Lamb(MultiTensorOptimizer):
         for name in ("adam", "bias_correction", "always_adapt", "adam_w_mode", "grad_averaging"):
             check_bool(name, group[name], owner=owner)
         check_trust_clip(group["trust_clip"], owner=owner)
-        if group["bias_correction_mode"] not in _MODES:
+        if group["bias_correction_mode"] not in ("step_size", "update"):
             raise HyperParameterError(
                 f"{owner}: invalid bias_correction_mode={group['bias_correction_mode']!r}; use 'step_size' "
                 "(bias correction scales the step, ColossalAI Lamb) or 'update' (inside u, apex FusedLAMB)."
@@ -198,12 +196,11 @@ class Lamb(MultiTensorOptimizer):
                 owner=owner,
                 hint="Use None (or 0) to disable global gradient clipping.",
             )
-        if group is not getattr(self, "defaults", None) and hasattr(self, "defaults"):
-            if group["max_grad_norm"] != self.defaults["max_grad_norm"]:
-                raise HyperParameterError(
-                    f"{owner}: max_grad_norm={group['max_grad_norm']!r} set on a param group; the gradient norm "
-                    "is global (over all groups, as in apex FusedLAMB), so pass max_grad_norm to the optimizer."
-                )
+        if group["max_grad_norm"] != self.defaults["max_grad_norm"]:
+            raise HyperParameterError(
+                f"{owner}: max_grad_norm={group['max_grad_norm']!r} set on a param group; the gradient norm "
+                "is global (over all groups, as in apex FusedLAMB), so pass max_grad_norm to the optimizer."
+            )
 
     # -- the update ----------------------------------------------------------------------------------------
     def _init_group(

@@ -220,14 +220,12 @@ class Lars(MultiTensorOptimizer):
     def _step(self) -> None:
         compiled = torch.compiler.is_compiling()
         for group in self.param_groups:
-            params: list[torch.Tensor] = []
-            grads: list[torch.Tensor] = []
-            bufs: list[torch.Tensor] = []
-            extras: list[torch.Tensor] = []
-            for start, stop, adapt, first in self._init_group(group, compiled, params, grads, bufs, extras):
+            lists: tuple[list[torch.Tensor], ...] = ([], [], [], [])
+            params, grads, bufs, extras = lists
+            for start, stop, adapt, first in self._init_group(group, compiled, *lists):
                 flags = extras[first] if first >= 0 else None
-                lists = (params[start:stop], grads[start:stop], bufs[start:stop])
-                _update(group, *lists, adapt, flags, compiled)
+                bucket = (params[start:stop], grads[start:stop], bufs[start:stop])
+                _update(group, *bucket, adapt, flags, compiled)
 
 
 def _update(

@@ -1,21 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Multi-tensor plumbing shared by :class:`Lamb` and :class:`Lars`: buckets, cache-sized waves, segment sums.
+"""Multi-tensor plumbing shared by :class:`Lamb` and :class:`Lars`: segments, cache-sized waves, norms.
 
-An update is run as a few *waves*. A wave is a list of *pieces*: 1-D views ``t.view(-1)[start:stop]`` of the
-bucket's tensors, and every element-wise step of the optimizer is one ``torch._foreach_*`` call over the wave.
-
-- On CUDA (any non-CPU device) a bucket is one wave of whole tensors: one launch set per (device, dtype)
-  bucket, no per-tensor launches, no host synchronisation.
-- On CPU a bucket is first cut into *segments*, runs of whole tensors of about ``4 * chunk_size`` elements
-  (a bigger tensor is a segment of its own), each updated completely (norms, then update) before the next, so
-  what one phase leaves for the next (LAMB's ``u``, LARS's ``p`` and ``g``) is still in the last-level cache.
-  Each segment is cut into waves of about ``chunk_size`` elements (small tensors share a wave, large ones are
-  split) so that the element-wise passes of a wave run on data in L2. CPU updates are bound by memory and
-  element-wise compute, so this is about as fast as a per-parameter loop or somewhat faster (1-1.7x in
-  ``tools/bench/optim/bench_optim.py``); the multi-tensor gain proper is on accelerators.
-
-Per-tensor reductions (parameter and update norms) are summed over a tensor's pieces with ``index_add_`` on
-the device: nothing here synchronises with the host.
+An update runs as *waves*: lists of *pieces* (1-D views ``t.view(-1)[start:stop]`` of a bucket's tensors), every
+element-wise step one ``torch._foreach_*`` call over a wave. Off-CPU a bucket is one wave of whole tensors: one
+launch set, no host synchronisation. On CPU a bucket is cut into segments (:func:`split_segments`) and those into
+waves of about ``chunk_size`` elements (small tensors share a wave, large ones are split), so that the passes of
+a wave run on data in L2. CPU updates are bound by memory and element-wise compute, so this is about as fast as a
+per-parameter loop or somewhat faster (1-1.7x in ``tools/bench/optim/bench_optim.py``); the multi-tensor gain
+proper is on accelerators. Per-tensor norms are summed over pieces with ``index_add_`` on the device.
 """
 
 from __future__ import annotations
