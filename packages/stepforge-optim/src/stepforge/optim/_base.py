@@ -28,8 +28,7 @@ from stepforge.core import (
     check_positive_int,
 )
 
-from ._dtensor import is_dtensor, mesh_key
-from ._multi_tensor import split_segments
+from ._multi_tensor import is_dtensor, mesh_key, split_segments
 
 __all__ = ["MultiTensorOptimizer", "lr_of", "math_dtype_of", "zeros_state"]
 

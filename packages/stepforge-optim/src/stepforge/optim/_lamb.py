@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -20,7 +20,6 @@ from stepforge.core import (
 )
 
 from ._base import MultiTensorOptimizer, lr_of, math_dtype_of, zeros_state
-from ._dtensor import local, reduce_norms, reduce_square_sums
 from ._multi_tensor import (
     TensorList,
     contiguous_locals,
@@ -28,8 +27,11 @@ from ._multi_tensor import (
     decayed_grads,
     default_chunk_size,
     gather_pieces,
+    local,
     pieces_of,
     plan_waves,
+    reduce_norms,
+    reduce_square_sums,
     segment_norms,
 )
 
@@ -246,8 +248,8 @@ class Lamb(MultiTensorOptimizer):
             for start, stop in self._init_group(group, compiled, *lists):
                 buckets.append((group, [x[start:stop] for x in lists]))
         clip = _global_clip(self.defaults["max_grad_norm"], [bucket[1] for _group, bucket in buckets])
-        for group, lists in buckets:
-            _update(group, *lists, clip, compiled)
+        for group, bucket in buckets:
+            _update(group, bucket, clip, compiled)
 
 
 def _global_clip(max_norm: float | None, grad_lists: list[list[torch.Tensor]]) -> torch.Tensor | None:
@@ -277,16 +279,10 @@ def _trust_ratio(w: torch.Tensor, n: torch.Tensor, group: Mapping[str, Any]) -> 
 
 
 def _update(
-    group: Mapping[str, Any],
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor],
-    steps: list[Any],
-    clip: torch.Tensor | None,
-    compiled: bool,
+    group: Mapping[str, Any], lists: Sequence[list[Any]], clip: torch.Tensor | None, compiled: bool
 ) -> None:
-    """One bucket's update: ``u`` and the norms of every wave, then ``p``; eagerly in cache-sized waves.
+    """One bucket's update (``lists``: its params, grads, exp_avgs, exp_avg_sqs, steps): ``u`` and the norms of
+    every wave, then ``p``; eagerly in cache-sized waves.
 
     Compiled, the bucket is one wave of whole tensors, the bias corrections are float64 tensor math on the step
     tensors (eagerly Python floats), and ``u`` is per-tensor element-wise expressions and norms instead of
@@ -294,6 +290,7 @@ def _update(
     the norm's loop and again inside the update's and holds none (``test_compiled_lamb_keeps_no_update_buffer``).
     Inductor rounds like the eager foreach calls except where ATen contracts a multiply-add: a few ulp apart.
     """
+    params, grads, exp_avgs, exp_avg_sqs, steps = lists
     like = params[0]  # a DTensor bucket works on local shards; its norms are reduced over the mesh
     device, mdtype = like.device, math_dtype_of(like.dtype)
     beta1, beta2 = group["betas"]
@@ -304,7 +301,8 @@ def _update(
     params, grads, targets = contiguous_locals(params, grads)
     exp_avgs = [local(m) for m in exp_avgs]
     exp_avg_sqs = [local(v) for v in exp_avg_sqs]
-    # The step-size factor: -lr * s per tensor (s = sqrt(bc2)/bc1 in "step_size" mode).
+    # The step-size factor: -lr * s per tensor (s = sqrt(bc2)/bc1 in "step_size" mode); eagerly a list of floats.
+    factor: Any
     if compiled:
         torch._foreach_add_(steps, 1.0)
         t = torch.stack(steps).to(torch.float64)
@@ -340,6 +338,7 @@ def _update(
         torch._foreach_mul_(v, beta2)
         torch._foreach_addcmul_(v, g, g, value=1.0 - beta2)
         idx = [piece.index for piece in wave.pieces]
+        u: TensorList
         if compiled:
             if inside:
                 u = [(x / bc1[i]) / ((y / bc2[i]).sqrt() + eps) for i, x, y in zip(idx, m, v, strict=True)]

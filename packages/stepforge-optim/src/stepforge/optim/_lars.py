@@ -21,15 +21,16 @@ from stepforge.core import (
 )
 
 from ._base import MultiTensorOptimizer, lr_of, math_dtype_of, zeros_state
-from ._dtensor import local, reduce_norms
 from ._multi_tensor import (
     contiguous_locals,
     copy_back,
     decayed_grads,
     default_chunk_size,
     gather_pieces,
+    local,
     pieces_of,
     plan_waves,
+    reduce_norms,
 )
 
 __all__ = ["Lars"]

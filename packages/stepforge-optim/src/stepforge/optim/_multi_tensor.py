@@ -14,10 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from ._dtensor import local
+from stepforge.core.torch_compat import dtensor_local as local  # the shard itself, same storage
+from stepforge.core.torch_compat import is_dtensor
 
 __all__ = [
     "Piece",
@@ -31,6 +34,11 @@ __all__ = [
     "contiguous_locals",
     "copy_back",
     "decayed_grads",
+    "is_dtensor",
+    "local",
+    "mesh_key",
+    "reduce_norms",
+    "reduce_square_sums",
 ]
 
 # 1 MiB of fp32 per array per wave: the arrays a wave touches stay in L2/L3, and each op is large enough
@@ -207,3 +215,32 @@ def decayed_grads(
             g = torch._foreach_add(g, p32, alpha=weight_decay)
         own = True
     return g, own
+
+
+# DTensor (FSDP2) parameters: the update runs on each rank's local shard, which for element-wise math is the same
+# as on the whole tensor. A norm is not: the L2 norm of a sharded parameter is sqrt(sum of the local squared
+# norms) over the mesh dimensions the tensor is sharded on (replicated ones already hold the same values). With
+# that reduction an FSDP2 run of Lamb/Lars equals the unsharded run.
+def mesh_key(t: Any) -> Any:
+    """Bucket key part: tensors of one bucket share a mesh and placements (``None`` for plain tensors)."""
+    if not is_dtensor(t):
+        return None
+    return (id(t.device_mesh), tuple(str(p) for p in t.placements))
+
+
+def reduce_square_sums(squares: torch.Tensor, like: Any) -> torch.Tensor:
+    """All-reduce (sum) ``squares`` (local sums of squares) over the mesh dimensions ``like`` is sharded on."""
+    if not is_dtensor(like) or not dist.is_initialized():
+        return squares
+    mesh = like.device_mesh
+    for dim, placement in enumerate(like.placements):
+        if placement.is_shard():
+            dist.all_reduce(squares, group=mesh.get_group(dim))
+    return squares
+
+
+def reduce_norms(norms: torch.Tensor, like: Any) -> torch.Tensor:
+    """Global L2 norms from per-shard L2 norms (one entry per tensor of a bucket of DTensors)."""
+    if not is_dtensor(like) or not dist.is_initialized():
+        return norms
+    return reduce_square_sums(norms.square(), like).sqrt()
