@@ -247,35 +247,20 @@ class Lamb(MultiTensorOptimizer):
             lists: tuple[list[Any], ...] = ([], [], [], [], [])
             for start, stop in self._init_group(group, compiled, *lists):
                 buckets.append((group, [x[start:stop] for x in lists]))
-        clip = _global_clip(self.defaults["max_grad_norm"], [bucket[1] for _group, bucket in buckets])
+        clip = None  # max(1, ||G|| / max_grad_norm), G: every gradient; fp32 (fp64 if a grad is)
+        max_norm = self.defaults["max_grad_norm"]
+        if max_norm and buckets:
+            device = local(buckets[0][1][1][0]).device
+            squares = []
+            for _group, (_params, grads, *_state) in buckets:
+                shards = [local(g) for g in grads]
+                norms = torch._foreach_norm(shards, 2, dtype=math_dtype_of(shards[0].dtype))
+                square = reduce_square_sums(torch.stack(list(norms)).square().sum(), grads[0])
+                squares.append(square.to(device, non_blocking=True))
+            dtype = torch.float64 if any(s.dtype == torch.float64 for s in squares) else torch.float32
+            clip = torch.clamp(torch.stack([s.to(dtype) for s in squares]).sum().sqrt() / max_norm, min=1.0)
         for group, bucket in buckets:
             _update(group, bucket, clip, compiled)
-
-
-def _global_clip(max_norm: float | None, grad_lists: list[list[torch.Tensor]]) -> torch.Tensor | None:
-    """``max(1, ||G|| / max_grad_norm)``: 0-dim, fp32 (fp64 if a grad is), on the first grad's device."""
-    if not max_norm or not grad_lists:
-        return None
-    device = local(grad_lists[0][0]).device
-    squares = []
-    for grads in grad_lists:
-        shards = [local(g) for g in grads]
-        norms = torch._foreach_norm(shards, 2, dtype=math_dtype_of(shards[0].dtype))
-        square = reduce_square_sums(torch.stack(list(norms)).square().sum(), grads[0])
-        squares.append(square.to(device, non_blocking=True))
-    dtype = torch.float64 if any(s.dtype == torch.float64 for s in squares) else torch.float32
-    total = torch.stack([s.to(dtype) for s in squares]).sum().sqrt()
-    return torch.clamp(total / max_norm, min=1.0)
-
-
-def _trust_ratio(w: torch.Tensor, n: torch.Tensor, group: Mapping[str, Any]) -> torch.Tensor:
-    """``||p|| / ||u||`` per tensor (1 where either is 0); a computed ratio is clamped to ``trust_clip``."""
-    computed = (w > 0) & (n > 0)
-    ratio = torch.where(computed, w / n, torch.ones_like(w))
-    low, high = group["trust_clip"] or (None, None)
-    if low is not None or high is not None:
-        ratio = torch.where(computed, ratio.clamp(min=low, max=high), ratio)
-    return ratio
 
 
 def _update(
@@ -372,7 +357,11 @@ def _update(
     if adapt:
         w = reduce_norms(segment_norms(w_norms, len(params), device, mdtype), like)
         n = reduce_norms(segment_norms(u_norms, len(params), device, mdtype), like)
-        ratio = _trust_ratio(w, n, group)
+        computed = (w > 0) & (n > 0)  # r = ||p|| / ||u||, 1 where either is 0; a computed r is clamped
+        ratio = torch.where(computed, w / n, torch.ones_like(w))
+        low, high = group["trust_clip"] or (None, None)
+        if low is not None or high is not None:
+            ratio = torch.where(computed, ratio.clamp(min=low, max=high), ratio)
 
     # p += coef * u with coef = -lr * s * r per tensor: one multiply-add per piece. Eagerly, per-tensor factors
     # (tensors at different steps) are applied to u first: a host list would cost a host-to-device copy.

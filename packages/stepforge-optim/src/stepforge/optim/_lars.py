@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -225,20 +225,19 @@ class Lars(MultiTensorOptimizer):
             params, grads, bufs, extras = lists
             for start, stop, adapt, first in self._init_group(group, compiled, *lists):
                 flags = extras[first] if first >= 0 else None
-                bucket = (params[start:stop], grads[start:stop], bufs[start:stop])
-                _update(group, *bucket, adapt, flags, compiled)
+                _update(group, [x[start:stop] for x in (params, grads, bufs)], adapt, flags, compiled)
 
 
 def _update(
     group: Mapping[str, Any],
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    bufs: list[torch.Tensor],
+    lists: Sequence[list[Any]],
     adapt: bool,
     first: torch.Tensor | None,
     compiled: bool,
 ) -> None:
-    """One bucket's update, in cache-sized waves eagerly, as one wave of whole tensors when compiled."""
+    """One bucket's update (``lists``: its params, grads, momentum buffers), in cache-sized waves eagerly, as one
+    wave of whole tensors when compiled."""
+    params, grads, bufs = lists
     like = params[0]  # DTensor parameters: local shards are updated, norms reduced over the mesh
     device, mdtype = like.device, math_dtype_of(like.dtype)
     lr, mu, damp, nesterov = lr_of(group, compiled), group["momentum"], group["dampening"], group["nesterov"]
