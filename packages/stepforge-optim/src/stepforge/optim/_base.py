@@ -27,8 +27,9 @@ from stepforge.core import (
     check_lr,
     check_positive_int,
 )
+from stepforge.core.torch_compat import is_dtensor
 
-from ._multi_tensor import is_dtensor, mesh_key, split_segments
+from ._multi_tensor import mesh_key, split_segments
 
 __all__ = ["MultiTensorOptimizer", "lr_of", "math_dtype_of", "zeros_state"]
 
@@ -53,11 +54,8 @@ def lr_of(group: Mapping[str, Any], compiled: bool) -> Any:
 
 
 class MultiTensorOptimizer(torch.optim.Optimizer):
-    """Base class: flags, validation hooks, bucketing, fp32-state-preserving ``load_state_dict``.
-
-    Subclasses set :attr:`STATE_TENSORS` (state keys holding per-parameter tensors), implement
-    :meth:`_validate_group` and :meth:`_step`.
-    """
+    """Base class. Subclasses set :attr:`STATE_TENSORS` (state keys holding per-parameter tensors) and
+    :attr:`STATE_SCALARS`, and implement :meth:`_validate_group` and :meth:`_step`."""
 
     OWNER = "MultiTensorOptimizer"
     STATE_TENSORS: tuple[str, ...] = ()
@@ -78,8 +76,7 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
         chunk = defaults.get("chunk_size")
         if chunk is not None:
             check_positive_int("chunk_size", chunk, owner=owner)
-        # one helper from stepforge.core: groups (defaults filled in) are checked where they enter and re-checked
-        # when edited
+        # groups (defaults filled in) are checked where they enter and re-checked when edited
         self._groups = GroupValidator(self._validate_group, owner=owner)
         super().__init__(params, defaults)
 

@@ -18,6 +18,7 @@ from stepforge.core import (
     check_trust_clip,
     check_weight_decay,
 )
+from stepforge.core.torch_compat import dtensor_local as local  # the shard itself, same storage
 
 from ._base import MultiTensorOptimizer, lr_of, math_dtype_of, zeros_state
 from ._multi_tensor import (
@@ -27,7 +28,6 @@ from ._multi_tensor import (
     decayed_grads,
     default_chunk_size,
     gather_pieces,
-    local,
     pieces_of,
     plan_waves,
     reduce_norms,
@@ -56,17 +56,9 @@ class Lamb(MultiTensorOptimizer):
         r  = 1 if adam, or if wd == 0 and not always_adapt
         p  = p - lr * s * r * u
 
-    ============================  ====================  ====================================================
-    option (keyword-only)         default (ColossalAI)  apex / ColossalAI ``FusedLAMB`` (``Lamb.fused_lamb``)
-    ============================  ====================  ====================================================
-    ``bias_correction``           ``False``             ``True``
-    ``bias_correction_mode``      ``"step_size"``       ``"update"``
-    ``always_adapt``              ``True``              ``False`` (``use_nvlamb=False``: no ratio w/o decay)
-    ``max_grad_norm``             ``None`` (no clip)    ``1.0`` (global, all groups)
-    ``trust_clip``                ``None``              ``None`` (DeepSpeed ``FusedLamb``: ``(0.01, 10)``)
-    ``adam_w_mode``               ``True``              ``True`` (``False``: L2 on the gradient)
-    ``grad_averaging``            ``True``              ``True``
-    ============================  ====================  ====================================================
+    :meth:`fused_lamb` selects apex / ColossalAI ``FusedLAMB``'s variant (``bias_correction=True`` in
+    ``"update"`` mode, ``always_adapt=False``, ``max_grad_norm=1.0``); DeepSpeed ``FusedLamb`` also clamps the
+    ratio (``trust_clip=(0.01, 10)``).
 
     Args:
         params: parameters or param-group dicts (any of the options above may be set per group, except
@@ -215,11 +207,10 @@ class Lamb(MultiTensorOptimizer):
         exp_avg_sqs: list[torch.Tensor],
         steps: list[Any],
     ) -> tuple[tuple[int, int], ...]:
-        """Fill the lists with ``group``'s parameters that have a gradient (state created where missing),
-        bucket by bucket; returns each bucket's ``(start, stop)``.
+        """Fill the lists bucket by bucket (state created where missing); returns each bucket's ``(start, stop)``.
 
-        Eagerly ``step`` is an int advanced here. Compiled it is a float32 tensor on the parameter's device
-        (torch.optim's layout) that the graph advances, so a new step value does not recompile.
+        ``step`` is an int advanced here, or compiled a float32 tensor on the parameter's device (torch.optim's
+        layout) that the graph advances, so a new step value does not recompile.
         """
         plan = []
         for bucket in self._buckets(group, compiled):
@@ -283,9 +274,7 @@ def _update(
     inside = group["bias_correction"] and group["bias_correction_mode"] == "update"  # bias correction in u
     scaled = group["bias_correction"] and group["bias_correction_mode"] == "step_size"  # ... in the step
     adapt = not group["adam"] and (wd != 0 or group["always_adapt"])
-    params, grads, targets = contiguous_locals(params, grads)
-    exp_avgs = [local(m) for m in exp_avgs]
-    exp_avg_sqs = [local(v) for v in exp_avg_sqs]
+    params, grads, targets, exp_avgs, exp_avg_sqs = contiguous_locals(params, grads, exp_avgs, exp_avg_sqs)
     # The step-size factor: -lr * s per tensor (s = sqrt(bc2)/bc1 in "step_size" mode); eagerly a list of floats.
     factor: Any
     if compiled:

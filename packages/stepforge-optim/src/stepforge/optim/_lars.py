@@ -27,18 +27,12 @@ from ._multi_tensor import (
     decayed_grads,
     default_chunk_size,
     gather_pieces,
-    local,
     pieces_of,
     plan_waves,
     reduce_norms,
 )
 
 __all__ = ["Lars"]
-
-
-def _exclude_bias_and_norm(param: torch.Tensor) -> bool:
-    """``True`` for tensors with at most one dimension: biases and normalisation scales/shifts."""
-    return param.ndim <= 1
 
 
 class Lars(MultiTensorOptimizer):
@@ -88,7 +82,11 @@ class Lars(MultiTensorOptimizer):
 
     OWNER = "Lars"
     STATE_TENSORS = ("momentum_buffer",)
-    exclude_bias_and_norm = staticmethod(_exclude_bias_and_norm)
+
+    @staticmethod
+    def exclude_bias_and_norm(param: torch.Tensor) -> bool:
+        """``True`` for tensors with at most one dimension: biases and normalisation scales/shifts."""
+        return param.ndim <= 1
 
     def __init__(
         self,
@@ -243,8 +241,7 @@ def _update(
     lr, mu, damp, nesterov = lr_of(group, compiled), group["momentum"], group["dampening"], group["nesterov"]
     wd = group["weight_decay"] if group["lars"] else 0.0  # ColossalAI: lars=False groups skip decay too
     eeta, eps, clip, maximize = group["eeta"], group["epsilon"], group["grad_clip"], group["maximize"]
-    params, grads, targets = contiguous_locals(params, grads)
-    bufs = [local(b) for b in bufs]
+    params, grads, targets, bufs = contiguous_locals(params, grads, bufs)
 
     coef = None  # p += coef * step, one multiply-add per piece
     if adapt:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -23,8 +23,7 @@ from stepforge.core.torch_compat import dtensor_local as local  # the shard itse
 from stepforge.core.torch_compat import is_dtensor
 
 __all__ = [
-    "Piece",
-    "Wave",
+    "TensorList",
     "plan_waves",
     "pieces_of",
     "segment_norms",
@@ -34,8 +33,6 @@ __all__ = [
     "contiguous_locals",
     "copy_back",
     "decayed_grads",
-    "is_dtensor",
-    "local",
     "mesh_key",
     "reduce_norms",
     "reduce_square_sums",
@@ -55,13 +52,11 @@ class Piece:
     stop: int
 
 
-#: A ``torch._foreach_*`` tensor list: the ops take a list or a tuple, and torch's stubs type their results as
-#: tuples (they are lists at run time).
+#: A ``torch._foreach_*`` tensor list (torch's stubs type the ops' results as tuples; they are lists at run time).
 TensorList = list[torch.Tensor] | tuple[torch.Tensor, ...]
 
 
-@dataclass(frozen=True)
-class Wave:
+class Wave(NamedTuple):
     """One ``torch._foreach_*`` call's worth of pieces, and the bucket-tensor index of each piece."""
 
     pieces: tuple[Piece, ...]
@@ -130,11 +125,8 @@ def plan_waves(numels: Sequence[int], chunk_size: int | None, device: torch.devi
 
 
 def pieces_of(tensors: Sequence[torch.Tensor], wave: Wave) -> list[torch.Tensor]:
-    """The views of ``tensors`` that ``wave`` names; a piece covering a whole tensor is the tensor itself.
-
-    Element-wise ``_foreach`` ops only need corresponding pieces of the lists to have one shape, so whole
-    tensors need no flattened view (most tensors of a model are small and never split).
-    """
+    """The views of ``tensors`` that ``wave`` names; a whole tensor is itself (``_foreach`` ops only need
+    corresponding pieces to have one shape, and most tensors of a model are small and never split)."""
     out = []
     for p in wave.pieces:
         t = tensors[p.index]
@@ -166,9 +158,10 @@ def gather_pieces(values: torch.Tensor, wave: Wave) -> list[torch.Tensor]:
 
 
 def contiguous_locals(
-    params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
-) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-    """The local shards of ``params`` and ``grads``, and the tensors to update in place of the params.
+    params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], *states: Sequence[torch.Tensor]
+) -> tuple[list[torch.Tensor], ...]:
+    """The local shards of ``params``, ``grads`` and ``states``, with the tensors to update in place of the params
+    after the grads: ``(params, grads, targets, *states)``.
 
     Pieces must be plain slices, so grads of expanded/transposed params are copied once, and a bucket with a
     strided parameter is updated through contiguous copies that :func:`copy_back` writes into the parameters.
@@ -178,7 +171,8 @@ def contiguous_locals(
     if any(not g.is_contiguous() for g in grads):
         grads = [g.contiguous() for g in grads]
     strided = any(not p.is_contiguous() for p in params)
-    return params, grads, [p.contiguous() if strided else p for p in params]
+    targets = [p.contiguous() if strided else p for p in params]
+    return params, grads, targets, *([local(t) for t in ts] for ts in states)
 
 
 def copy_back(params: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> None:
