@@ -183,12 +183,7 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
                             f"{tuple(value.shape)}, the parameter {tuple(param.shape)}; the state belongs to "
                             "other parameters."
                         )
-                    entry[key] = value.detach().to(
-                        device=param.device,
-                        dtype=math_dtype_of(param.dtype),
-                        copy=True,
-                        memory_format=torch.contiguous_format,  # waves take flat views of state tensors
-                    )
+                    entry[key] = zeros_state(param).copy_(value.detach())
                 elif key in self.STATE_SCALARS:
                     entry[key] = int(value)
             loaded[param] = entry

@@ -181,12 +181,10 @@ class Lars(MultiTensorOptimizer):
         extras: list[torch.Tensor],
     ) -> tuple[tuple[int, int, bool, int], ...]:
         """Fill the lists bucket by bucket (momentum buffers created where missing); returns each bucket's
-        ``(start, stop, adapt, first)``: ``first`` indexes ``extras`` for the bucket's new-buffer flags, or -1.
+        ``(start, stop, adapt, first)``, ``first`` indexing ``extras`` for the bucket's new-buffer flags (or -1).
 
-        A new buffer takes the update itself (torch.optim.SGD's first step), the others the running average;
-        which buffers are new is a float flag tensor that the update reads and then clears, so that the first
-        compiled run and the later ones share one graph.
-        """
+        A new buffer takes the update itself (torch.optim.SGD's first step): a flag tensor that the update reads
+        and then clears, so that the first compiled run and the later ones share one graph."""
         exclude = self.exclude_from_adaptation
 
         def adapts(p: torch.Tensor) -> bool:

@@ -69,12 +69,9 @@ def default_chunk_size(device: torch.device) -> int | None:
 
 
 def split_segments(tensors: Sequence[torch.Tensor], chunk_size: int | None) -> list[list[torch.Tensor]]:
-    """Consecutive runs of whole ``tensors`` of at most four waves (a larger tensor runs alone), on CPU.
-
-    Each run is updated start to finish before the next, so what a two-phase update keeps between its phases
-    (LAMB's ``u``) stays in the last-level cache instead of going to memory and back. Off-CPU the bucket is one
-    segment (one launch set).
-    """
+    """On CPU, consecutive runs of whole ``tensors`` of at most four waves (a larger tensor runs alone), each
+    updated start to finish before the next, so that what a two-phase update keeps between its phases (LAMB's
+    ``u``) stays in the last-level cache. Off-CPU the bucket is one segment (one launch set)."""
     if not tensors or tensors[0].device.type != "cpu":
         return [list(tensors)]
     limit = 4 * (chunk_size or _CPU_CHUNK)
