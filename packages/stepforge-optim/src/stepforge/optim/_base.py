@@ -55,46 +55,41 @@ def lr_of(group: Mapping[str, Any], compiled: bool) -> Any:
 
 class MultiTensorOptimizer(torch.optim.Optimizer):
     """Base class. Subclasses set :attr:`STATE_TENSORS` (state keys holding per-parameter tensors) and
-    :attr:`STATE_SCALARS`, and implement :meth:`_validate_group` and :meth:`_step`."""
+    :attr:`STATE_SCALARS`, extend :meth:`_validate_group` and implement :meth:`_step`."""
 
     OWNER = "MultiTensorOptimizer"
     STATE_TENSORS: tuple[str, ...] = ()
     STATE_SCALARS: tuple[str, ...] = ()
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any]) -> None:
-        owner = self.OWNER
-        foreach = defaults.get("foreach")
-        if foreach is not None:
-            check_bool("foreach", foreach, owner=owner)
-        check_bool("maximize", defaults["maximize"], owner=owner)
-        if check_bool("differentiable", defaults["differentiable"], owner=owner):
-            raise HyperParameterError(
-                f"{owner}: differentiable=True is not supported: the update runs in place on cache-sized pieces "
-                "of the parameters, which autograd cannot follow. Use a functional optimizer (torch.func) to "
-                "differentiate through optimizer steps."
-            )
-        chunk = defaults.get("chunk_size")
-        if chunk is not None:
-            check_positive_int("chunk_size", chunk, owner=owner)
         # groups (defaults filled in) are checked where they enter and re-checked when edited
-        self._groups = GroupValidator(self._validate_group, owner=owner)
+        self._groups = GroupValidator(self._validate_group, owner=self.OWNER)
         super().__init__(params, defaults)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._groups = GroupValidator(self._validate_group, owner=self.OWNER)
 
-    def _check_lr(self, lr: Any) -> None:
-        """A number, or a one-element float tensor (torch.optim's tensor lr: an LR scheduler writes it in place,
-        so a compiled step reads the new value without recompiling)."""
+    def _validate_group(self, group: Mapping[str, Any]) -> None:
+        """The checks of the options both optimizers have; subclasses extend it with their own."""
+        owner, lr = self.OWNER, group["lr"]
+        # a tensor lr (torch.optim's) is written in place by an LR scheduler: a compiled step does not recompile
         if isinstance(lr, torch.Tensor) and not lr.is_floating_point():
             raise HyperParameterError(
-                f"{self.OWNER}: a tensor lr must be floating point, got {lr.dtype}; pass e.g. torch.tensor(1e-3)."
+                f"{owner}: a tensor lr must be floating point, got {lr.dtype}; pass e.g. torch.tensor(1e-3)."
             )
-        check_lr(lr, owner=self.OWNER)
-
-    def _validate_group(self, group: Mapping[str, Any]) -> None:  # pragma: no cover - overridden
-        raise NotImplementedError
+        check_lr(lr, owner=owner)
+        if group["foreach"] is not None:
+            check_bool("foreach", group["foreach"], owner=owner)
+        check_bool("maximize", group["maximize"], owner=owner)
+        if check_bool("differentiable", group["differentiable"], owner=owner):
+            raise HyperParameterError(
+                f"{owner}: differentiable=True is not supported: the update runs in place on cache-sized pieces "
+                "of the parameters, which autograd cannot follow. Use a functional optimizer (torch.func) to "
+                "differentiate through optimizer steps."
+            )
+        if group["chunk_size"] is not None:
+            check_positive_int("chunk_size", group["chunk_size"], owner=owner)
 
     def _step(self) -> None:  # pragma: no cover - overridden
         raise NotImplementedError
@@ -113,14 +108,8 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One update of every parameter that has a gradient.
-
-        Args:
-            closure: re-evaluates the model and returns the loss (called with gradients enabled).
-
-        Returns:
-            the closure's loss, or ``None``.
-        """
+        """One update of every parameter that has a gradient; ``closure`` (called with gradients enabled)
+        re-evaluates the model, and its loss is returned."""
         if not torch.compiler.is_compiling():  # compiled: _init_group, which dynamo runs eagerly, checks
             self._groups.revalidate(self.param_groups)
         loss = None

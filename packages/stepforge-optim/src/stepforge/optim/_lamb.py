@@ -170,7 +170,7 @@ class Lamb(MultiTensorOptimizer):
     # -- validation ----------------------------------------------------------------------------------------
     def _validate_group(self, group: Mapping[str, Any]) -> None:
         owner = self.OWNER
-        self._check_lr(group["lr"])
+        super()._validate_group(group)
         check_betas(group["betas"], owner=owner)
         check_eps(group["eps"], owner=owner)
         check_weight_decay(group["weight_decay"], owner=owner)

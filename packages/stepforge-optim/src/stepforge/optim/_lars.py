@@ -144,7 +144,7 @@ class Lars(MultiTensorOptimizer):
 
     def _validate_group(self, group: Mapping[str, Any]) -> None:
         owner = self.OWNER
-        self._check_lr(group["lr"])
+        super()._validate_group(group)
         check_momentum(group["momentum"], owner=owner)
         check_dampening(group["dampening"], owner=owner)
         check_weight_decay(group["weight_decay"], owner=owner)

@@ -13,7 +13,6 @@ proper is on accelerators. Per-tensor norms are summed over pieces with ``index_
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -43,8 +42,7 @@ __all__ = [
 _CPU_CHUNK = 1 << 18
 
 
-@dataclass(frozen=True)
-class Piece:
+class Piece(NamedTuple):
     """Elements ``[start, stop)`` of the flattened tensor number ``index`` of a bucket."""
 
     index: int
