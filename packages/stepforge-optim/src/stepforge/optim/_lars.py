@@ -138,8 +138,7 @@ class Lars(MultiTensorOptimizer):
         return {**super().__getstate__(), "exclude_from_adaptation": self.exclude_from_adaptation}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        self.__dict__.setdefault("exclude_from_adaptation", None)
+        super().__setstate__(state)  # __getstate__ above saved exclude_from_adaptation with the rest
         self._first_flags = {}
 
     def _validate_group(self, group: Mapping[str, Any]) -> None:

@@ -13,6 +13,7 @@ proper is on accelerators. Per-tensor norms are summed over pieces with ``index_
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -42,7 +43,8 @@ __all__ = [
 _CPU_CHUNK = 1 << 18
 
 
-class Piece(NamedTuple):
+@dataclass(frozen=True)
+class Piece:
     """Elements ``[start, stop)`` of the flattened tensor number ``index`` of a bucket."""
 
     index: int
@@ -89,10 +91,8 @@ def split_segments(tensors: Sequence[torch.Tensor], chunk_size: int | None) -> l
 
 
 def plan_waves(numels: Sequence[int], chunk_size: int | None, device: torch.device) -> list[Wave]:
-    """Cut tensors of ``numels`` elements into waves of at most ``chunk_size`` elements (``None``: one wave).
-
-    Tensors are never reordered, so results do not depend on the plan except through reduction order.
-    """
+    """Cut tensors of ``numels`` elements into waves of at most ``chunk_size`` elements (``None``: one wave),
+    never reordering them: results depend on the plan only through reduction order."""
 
     def finish(pieces: list[Piece]) -> Wave:
         owners = torch.tensor([p.index for p in pieces], dtype=torch.int64, device=device)
@@ -155,12 +155,9 @@ def gather_pieces(values: torch.Tensor, wave: Wave) -> list[torch.Tensor]:
 def contiguous_locals(
     params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], *states: Sequence[torch.Tensor]
 ) -> tuple[list[torch.Tensor], ...]:
-    """The local shards of ``params``, ``grads`` and ``states``, with the tensors to update in place of the params
-    after the grads: ``(params, grads, targets, *states)``.
-
-    Pieces must be plain slices, so grads of expanded/transposed params are copied once, and a bucket with a
-    strided parameter is updated through contiguous copies that :func:`copy_back` writes into the parameters.
-    """
+    """The local shards ``(params, grads, targets, *states)``, ``targets`` being what is updated in place of the
+    params. Pieces must be plain slices, so grads of expanded/transposed params are copied once, and a bucket with
+    a strided parameter is updated through contiguous copies that :func:`copy_back` writes into the parameters."""
     params = [local(p) for p in params]
     grads = [local(g) for g in grads]
     if any(not g.is_contiguous() for g in grads):
