@@ -29,7 +29,7 @@ from stepforge.core import (
 )
 from stepforge.core.torch_compat import is_dtensor
 
-from ._multi_tensor import mesh_key, split_segments
+from ._multi_tensor import split_segments
 
 __all__ = ["MultiTensorOptimizer", "lr_of", "math_dtype_of", "zeros_state"]
 
@@ -126,8 +126,8 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
         key: Callable[[torch.Tensor], Any] = lambda p: None,
     ) -> list[list[torch.Tensor]]:
         """The group's parameters that have a gradient (each checked), in buckets one ``torch._foreach_*`` call
-        takes (same device, dtypes, mesh and ``key``): eagerly on CPU cut into segments, one tensor each with
-        ``foreach=False``; compiled, whole buckets of plain tensors."""
+        takes (same device, dtypes, DTensor mesh and placements, and ``key``): eagerly on CPU cut into segments,
+        one tensor each with ``foreach=False``; compiled, whole buckets of plain tensors."""
         if compiled:
             self._groups.revalidate(self.param_groups)
         by_key: dict[Any, list[torch.Tensor]] = {}
@@ -141,7 +141,8 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
                     "parameters."
                 )
             check_grad(p, owner=self.OWNER)
-            by_key.setdefault((p.device, p.dtype, p.grad.dtype, mesh_key(p), key(p)), []).append(p)
+            mesh = (id(p.device_mesh), tuple(str(x) for x in p.placements)) if is_dtensor(p) else None
+            by_key.setdefault((p.device, p.dtype, p.grad.dtype, mesh, key(p)), []).append(p)
         if compiled:
             return list(by_key.values())
         if group["foreach"] is False:

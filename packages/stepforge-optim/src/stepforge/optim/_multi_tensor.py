@@ -33,7 +33,6 @@ __all__ = [
     "contiguous_locals",
     "copy_back",
     "decayed_grads",
-    "mesh_key",
     "reduce_norms",
     "reduce_square_sums",
 ]
@@ -207,13 +206,6 @@ def decayed_grads(
 # as on the whole tensor. A norm is not: the L2 norm of a sharded parameter is sqrt(sum of the local squared
 # norms) over the mesh dimensions the tensor is sharded on (replicated ones already hold the same values). With
 # that reduction an FSDP2 run of Lamb/Lars equals the unsharded run.
-def mesh_key(t: Any) -> Any:
-    """Bucket key part: tensors of one bucket share a mesh and placements (``None`` for plain tensors)."""
-    if not is_dtensor(t):
-        return None
-    return (id(t.device_mesh), tuple(str(p) for p in t.placements))
-
-
 def reduce_square_sums(squares: torch.Tensor, like: Any) -> torch.Tensor:
     """All-reduce (sum) ``squares`` (local sums of squares) over the mesh dimensions ``like`` is sharded on."""
     if not is_dtensor(like) or not dist.is_initialized():
