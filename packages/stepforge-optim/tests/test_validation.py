@@ -95,6 +95,10 @@ def test_lars_rejects(kwargs, match):
         (Lars, {"momentum": -1.0}, "momentum"),
         (Lars, {"lars": "no"}, "lars"),
         (Lars, {"nesterov": True}, "nesterov"),
+        (Lamb, {"foreach": "yes"}, "foreach"),
+        (Lars, {"maximize": 1}, "maximize"),
+        (Lamb, {"differentiable": True}, "differentiable"),
+        (Lars, {"chunk_size": 0}, "chunk_size"),
     ],
 )
 def test_param_group_values_are_validated_and_a_bad_group_is_not_added(cls, group, match):

@@ -1,11 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Common ``torch.optim.Optimizer`` behaviour of :class:`Lamb` and :class:`Lars`.
+"""Common ``torch.optim.Optimizer`` behaviour of :class:`Lamb` and :class:`Lars`: checks where values enter,
+read-only gradients, buckets, and a ``load_state_dict`` that keeps fp32 state for low-precision parameters.
 
-- Gradients are validated (dense, same shape/device) and read only: ``p.grad`` is never written.
-- Parameters are bucketed by (device, param dtype, grad dtype); each bucket is updated with ``torch._foreach_*``
-  calls (see :mod:`._multi_tensor`), or one tensor at a time with ``foreach=False``.
-- State of fp16/bf16/fp32 parameters is fp32 (fp64 for fp64 parameters); :meth:`load_state_dict` keeps that
-  (``torch.optim`` would cast state to the parameter dtype) and turns tensor ``step`` values into ints.
+``torch.compile``: dynamo traces ``step()``, which sees :func:`torch.compiler.is_compiling`. Dynamo runs the
+optimizer's ``_init_group(group, True, <empty lists>...)`` eagerly while tracing (checks, state creation,
+bucketing) and takes its return value, the bucket plan, as a constant; the eager step calls the same
+``_init_group`` with ``False``. Compiled, a bucket is one wave of whole tensors (inductor fuses the passes, so
+the CPU's cache-sized waves are not needed) and a tensor ``lr`` is read by the graph, so an LR scheduler does
+not recompile the step.
 """
 
 from __future__ import annotations
@@ -24,10 +26,12 @@ from stepforge.core import (
     check_grad,
     check_lr,
     check_positive_int,
-    check_trust_clip,
 )
+from stepforge.core.torch_compat import is_dtensor
 
-__all__ = ["MultiTensorOptimizer", "check_trust_clip", "math_dtype_of"]  # check_trust_clip: from core
+from ._multi_tensor import split_segments
+
+__all__ = ["MultiTensorOptimizer", "lr_of", "math_dtype_of", "zeros_state"]
 
 _PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -37,65 +41,59 @@ def math_dtype_of(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-class MultiTensorOptimizer(torch.optim.Optimizer):
-    """Base class: flags, validation hooks, gradient collection, fp32-state-preserving ``load_state_dict``.
+def zeros_state(p: torch.Tensor) -> torch.Tensor:
+    """A new state tensor for ``p``: zeros of its math dtype, contiguous (waves take flat views of state)."""
+    return torch.zeros_like(p, dtype=math_dtype_of(p.dtype), memory_format=torch.contiguous_format)
 
-    Subclasses set :attr:`STATE_TENSORS` (state keys holding per-parameter tensors), implement
-    :meth:`_validate_group` and :meth:`_step`.
-    """
+
+def lr_of(group: Mapping[str, Any], compiled: bool) -> Any:
+    """The update's learning rate: the group's, read by the graph when compiled; eagerly a float (a tensor lr
+    is read once per step; on a device that read synchronises, so keep a tensor lr for eager steps on the CPU)."""
+    lr = group["lr"]
+    return float(lr) if isinstance(lr, torch.Tensor) and not compiled else lr
+
+
+class MultiTensorOptimizer(torch.optim.Optimizer):
+    """Base class. Subclasses set :attr:`STATE_TENSORS` (state keys holding per-parameter tensors) and
+    :attr:`STATE_SCALARS`, extend :meth:`_validate_group` and implement :meth:`_step`."""
 
     OWNER = "MultiTensorOptimizer"
     STATE_TENSORS: tuple[str, ...] = ()
     STATE_SCALARS: tuple[str, ...] = ()
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any]) -> None:
-        owner = self.OWNER
-        foreach = defaults.get("foreach")
-        if foreach is not None:
-            check_bool("foreach", foreach, owner=owner)
-        check_bool("maximize", defaults["maximize"], owner=owner)
-        if check_bool("differentiable", defaults["differentiable"], owner=owner):
-            raise HyperParameterError(
-                f"{owner}: differentiable=True is not supported: the update runs in place on cache-sized pieces "
-                "of the parameters, which autograd cannot follow. Use a functional optimizer (torch.func) to "
-                "differentiate through optimizer steps."
-            )
-        chunk = defaults.get("chunk_size")
-        if chunk is not None:
-            check_positive_int("chunk_size", chunk, owner=owner)
-        self._validate_group(defaults)
-        # one helper from stepforge.core: groups are checked where they enter and re-checked when edited
-        self._groups = GroupValidator(self._validate_group, owner=owner)
-        #: ``id(group)`` -> flag tensors a compiled step reads (kept alive here; see _compiled_lars)
-        self._compile_first_flags: dict[int, list[torch.Tensor]] = {}
+        # groups (defaults filled in) are checked where they enter and re-checked when edited
+        self._groups = GroupValidator(self._validate_group, owner=self.OWNER)
         super().__init__(params, defaults)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._groups = GroupValidator(self._validate_group, owner=self.OWNER)
-        self._compile_first_flags = {}
 
-    def _check_lr(self, lr: Any) -> None:
-        """A number, or a one-element float tensor (torch.optim's tensor lr: an LR scheduler writes it in place,
-        so a compiled step reads the new value without recompiling)."""
+    def _validate_group(self, group: Mapping[str, Any]) -> None:
+        """The checks of the options both optimizers have; subclasses extend it with their own."""
+        owner, lr = self.OWNER, group["lr"]
+        # a tensor lr (torch.optim's) is written in place by an LR scheduler: a compiled step does not recompile
         if isinstance(lr, torch.Tensor) and not lr.is_floating_point():
             raise HyperParameterError(
-                f"{self.OWNER}: a tensor lr must be floating point, got {lr.dtype}; pass e.g. torch.tensor(1e-3)."
+                f"{owner}: a tensor lr must be floating point, got {lr.dtype}; pass e.g. torch.tensor(1e-3)."
             )
-        check_lr(lr, owner=self.OWNER)
-
-    # -- hooks for subclasses -------------------------------------------------------------------------------
-    def _validate_group(self, group: Mapping[str, Any]) -> None:  # pragma: no cover - overridden
-        raise NotImplementedError
+        check_lr(lr, owner=owner)
+        if group["foreach"] is not None:
+            check_bool("foreach", group["foreach"], owner=owner)
+        check_bool("maximize", group["maximize"], owner=owner)
+        if check_bool("differentiable", group["differentiable"], owner=owner):
+            raise HyperParameterError(
+                f"{owner}: differentiable=True is not supported: the update runs in place on cache-sized pieces "
+                "of the parameters, which autograd cannot follow. Use a functional optimizer (torch.func) to "
+                "differentiate through optimizer steps."
+            )
+        if group["chunk_size"] is not None:
+            check_positive_int("chunk_size", group["chunk_size"], owner=owner)
 
     def _step(self) -> None:  # pragma: no cover - overridden
         raise NotImplementedError
 
-    def _compiled_step(self) -> None:  # pragma: no cover - overridden
-        """The update traced by ``torch.compile`` (see :mod:`._compiled`)."""
-        raise NotImplementedError
-
-    # -- torch.optim.Optimizer ------------------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group; its hyper-parameters (after filling defaults) are validated like the constructor's."""
         super().add_param_group(param_group)
@@ -110,23 +108,10 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One update of every parameter that has a gradient.
-
-        Args:
-            closure: re-evaluates the model and returns the loss (called with gradients enabled).
-
-        Returns:
-            the closure's loss, or ``None``.
-        """
-        if torch.compiler.is_compiling():
-            # dynamo traces this: ``_init_group`` (run eagerly by dynamo) validates and creates state
-            loss = None
-            if closure is not None:
-                with torch.enable_grad():
-                    loss = closure()
-            self._compiled_step()
-            return loss
-        self._groups.revalidate(self.param_groups)
+        """One update of every parameter that has a gradient; ``closure`` (called with gradients enabled)
+        re-evaluates the model, and its loss is returned."""
+        if not torch.compiler.is_compiling():  # compiled: _init_group, which dynamo runs eagerly, checks
+            self._groups.revalidate(self.param_groups)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -134,15 +119,35 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
         self._step()
         return loss
 
-    def _params_with_grads(self, group: Mapping[str, Any]) -> list[torch.Tensor]:
-        """The group's parameters that have a gradient, after checking each gradient."""
-        out = []
-        for p in group["params"]:
+    def _buckets(
+        self,
+        group: Mapping[str, Any],
+        compiled: bool,
+        key: Callable[[torch.Tensor], Any] = lambda p: None,
+    ) -> list[list[torch.Tensor]]:
+        """The group's parameters that have a gradient (each checked), in buckets one ``torch._foreach_*`` call
+        takes (same device, dtypes, DTensor mesh and placements, and ``key``): eagerly on CPU cut into segments,
+        one tensor each with ``foreach=False``; compiled, whole buckets of plain tensors."""
+        if compiled:
+            self._groups.revalidate(self.param_groups)
+        by_key: dict[Any, list[torch.Tensor]] = {}
+        for i, p in enumerate(group["params"]):
             if p.grad is None:
                 continue
+            if compiled and is_dtensor(p):
+                raise RuntimeError(
+                    f"{self.OWNER}: parameter #{i} is a DTensor (FSDP2); its norms need a reduction over the mesh, "
+                    "which a compiled step() does not do. Call optimizer.step() outside torch.compile for sharded "
+                    "parameters."
+                )
             check_grad(p, owner=self.OWNER)
-            out.append(p)
-        return out
+            mesh = (id(p.device_mesh), tuple(str(x) for x in p.placements)) if is_dtensor(p) else None
+            by_key.setdefault((p.device, p.dtype, p.grad.dtype, mesh, key(p)), []).append(p)
+        if compiled:
+            return list(by_key.values())
+        if group["foreach"] is False:
+            return [[p] for ps in by_key.values() for p in ps]
+        return [seg for ps in by_key.values() for seg in split_segments(ps, group["chunk_size"])]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict (also one saved by ``torch.optim`` or ColossalAI with the same state names).
@@ -152,36 +157,25 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
         optimizer does not use (e.g. ColossalAI ``Lamb``'s ``trust_ratio``) are dropped.
         """
         saved_state = state_dict["state"]
-        # refuse state of other parameters before anything changes, naming the key
         saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
         params = chain.from_iterable(g["params"] for g in self.param_groups)
+        loaded: dict[torch.Tensor, dict[str, Any]] = {}
+        # every entry is converted (and state of other parameters refused) before anything changes
         for i, (saved_id, param) in enumerate(zip(saved_ids, params, strict=False)):
-            for key, value in saved_state.get(saved_id, {}).items():
-                if (
-                    key in self.STATE_TENSORS
-                    and isinstance(value, torch.Tensor)
-                    and value.shape != param.shape
-                ):
-                    raise ValueError(
-                        f"{self.OWNER}.load_state_dict: state[{key!r}] of parameter #{i} has shape "
-                        f"{tuple(value.shape)}, the parameter {tuple(param.shape)}; the state belongs to other "
-                        "parameters."
-                    )
-        super().load_state_dict({**state_dict, "state": {}})
-        saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
-        params = chain.from_iterable(g["params"] for g in self.param_groups)
-        for saved_id, param in zip(saved_ids, params, strict=True):
             if saved_id not in saved_state:
                 continue
             entry: dict[str, Any] = {}
             for key, value in saved_state[saved_id].items():
                 if key in self.STATE_TENSORS and isinstance(value, torch.Tensor):
-                    entry[key] = value.detach().to(
-                        device=param.device,
-                        dtype=math_dtype_of(param.dtype),
-                        copy=True,
-                        memory_format=torch.contiguous_format,  # waves take flat views of state tensors
-                    )
+                    if value.shape != param.shape:
+                        raise ValueError(
+                            f"{self.OWNER}.load_state_dict: state[{key!r}] of parameter #{i} has shape "
+                            f"{tuple(value.shape)}, the parameter {tuple(param.shape)}; the state belongs to "
+                            "other parameters."
+                        )
+                    entry[key] = zeros_state(param).copy_(value.detach())
                 elif key in self.STATE_SCALARS:
-                    entry[key] = int(value.item()) if isinstance(value, torch.Tensor) else int(value)
-            self.state[param] = entry
+                    entry[key] = int(value)
+            loaded[param] = entry
+        super().load_state_dict({**state_dict, "state": {}})
+        self.state.update(loaded)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import torch
 
@@ -15,29 +15,27 @@ from stepforge.core import (
     check_bool,
     check_eps,
     check_range,
+    check_trust_clip,
     check_weight_decay,
 )
+from stepforge.core.torch_compat import dtensor_local as local  # the shard itself, same storage
 
-from ._base import MultiTensorOptimizer, check_trust_clip, math_dtype_of
-from ._compiled import as_int_steps, lr_of
-from ._compiled_lamb import lamb_compiled_step, lamb_init_group
-from ._dtensor import local, mesh_key, reduce_norms, reduce_square_sums
+from ._base import MultiTensorOptimizer, lr_of, math_dtype_of, zeros_state
 from ._multi_tensor import (
     TensorList,
-    Wave,
-    bucket_key,
+    contiguous_locals,
+    copy_back,
+    decayed_grads,
     default_chunk_size,
     gather_pieces,
     pieces_of,
     plan_waves,
+    reduce_norms,
+    reduce_square_sums,
     segment_norms,
-    segment_size,
-    split_segments,
 )
 
 __all__ = ["Lamb"]
-
-_MODES = ("step_size", "update")
 
 
 class Lamb(MultiTensorOptimizer):
@@ -58,17 +56,9 @@ class Lamb(MultiTensorOptimizer):
         r  = 1 if adam, or if wd == 0 and not always_adapt
         p  = p - lr * s * r * u
 
-    ============================  ====================  ====================================================
-    option (keyword-only)         default (ColossalAI)  apex / ColossalAI ``FusedLAMB`` (``Lamb.fused_lamb``)
-    ============================  ====================  ====================================================
-    ``bias_correction``           ``False``             ``True``
-    ``bias_correction_mode``      ``"step_size"``       ``"update"``
-    ``always_adapt``              ``True``              ``False`` (``use_nvlamb=False``: no ratio w/o decay)
-    ``max_grad_norm``             ``None`` (no clip)    ``1.0`` (global, all groups)
-    ``trust_clip``                ``None``              ``None`` (DeepSpeed ``FusedLamb``: ``(0.01, 10)``)
-    ``adam_w_mode``               ``True``              ``True`` (``False``: L2 on the gradient)
-    ``grad_averaging``            ``True``              ``True``
-    ============================  ====================  ====================================================
+    :meth:`fused_lamb` selects apex / ColossalAI ``FusedLAMB``'s variant (``bias_correction=True`` in
+    ``"update"`` mode, ``always_adapt=False``, ``max_grad_norm=1.0``); DeepSpeed ``FusedLamb`` also clamps the
+    ratio (``trust_clip=(0.01, 10)``).
 
     Args:
         params: parameters or param-group dicts (any of the options above may be set per group, except
@@ -100,9 +90,6 @@ class Lamb(MultiTensorOptimizer):
     OWNER = "Lamb"
     STATE_TENSORS = ("exp_avg", "exp_avg_sq")
     STATE_SCALARS = ("step",)
-    # torch.compile: dynamo runs _init_group eagerly and traces _compiled_step (see _compiled_lamb)
-    _init_group = lamb_init_group
-    _compiled_step = lamb_compiled_step
 
     def __init__(
         self,
@@ -183,14 +170,14 @@ class Lamb(MultiTensorOptimizer):
     # -- validation ----------------------------------------------------------------------------------------
     def _validate_group(self, group: Mapping[str, Any]) -> None:
         owner = self.OWNER
-        self._check_lr(group["lr"])
+        super()._validate_group(group)
         check_betas(group["betas"], owner=owner)
         check_eps(group["eps"], owner=owner)
         check_weight_decay(group["weight_decay"], owner=owner)
         for name in ("adam", "bias_correction", "always_adapt", "adam_w_mode", "grad_averaging"):
             check_bool(name, group[name], owner=owner)
         check_trust_clip(group["trust_clip"], owner=owner)
-        if group["bias_correction_mode"] not in _MODES:
+        if group["bias_correction_mode"] not in ("step_size", "update"):
             raise HyperParameterError(
                 f"{owner}: invalid bias_correction_mode={group['bias_correction_mode']!r}; use 'step_size' "
                 "(bias correction scales the step, ColossalAI Lamb) or 'update' (inside u, apex FusedLAMB)."
@@ -203,200 +190,185 @@ class Lamb(MultiTensorOptimizer):
                 owner=owner,
                 hint="Use None (or 0) to disable global gradient clipping.",
             )
-        if group is not getattr(self, "defaults", None) and hasattr(self, "defaults"):
-            if group["max_grad_norm"] != self.defaults["max_grad_norm"]:
-                raise HyperParameterError(
-                    f"{owner}: max_grad_norm={group['max_grad_norm']!r} set on a param group; the gradient norm "
-                    "is global (over all groups, as in apex FusedLAMB), so pass max_grad_norm to the optimizer."
-                )
+        if group["max_grad_norm"] != self.defaults["max_grad_norm"]:
+            raise HyperParameterError(
+                f"{owner}: max_grad_norm={group['max_grad_norm']!r} set on a param group; the gradient norm "
+                "is global (over all groups, as in apex FusedLAMB), so pass max_grad_norm to the optimizer."
+            )
 
     # -- the update ----------------------------------------------------------------------------------------
-    def _global_clip(
-        self, buckets: Sequence[tuple[list[torch.Tensor], Mapping[str, Any]]]
-    ) -> torch.Tensor | None:
-        """``max(1, ||G|| / max_grad_norm)``: 0-dim, fp32 (fp64 if a grad is), on the first grad's device."""
-        max_norm = self.defaults["max_grad_norm"]
-        if not max_norm:
-            return None
-        squares = []
-        device = None
-        for params, _ in buckets:
-            grads = [local(cast(torch.Tensor, p.grad)) for p in params]  # bucketed params have grads
-            device = device or grads[0].device
-            norms = torch._foreach_norm(grads, 2, dtype=math_dtype_of(grads[0].dtype))
-            square = reduce_square_sums(torch.stack(norms).square().sum(), params[0].grad)
-            squares.append(square.to(device, non_blocking=True))
-        if not squares:
-            return None
-        dtype = torch.float64 if any(s.dtype == torch.float64 for s in squares) else torch.float32
-        total = torch.stack([s.to(dtype) for s in squares]).sum().sqrt()
-        return torch.clamp(total / max_norm, min=1.0)
+    def _init_group(
+        self,
+        group: dict[str, Any],
+        compiled: bool,
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        exp_avgs: list[torch.Tensor],
+        exp_avg_sqs: list[torch.Tensor],
+        steps: list[Any],
+    ) -> tuple[tuple[int, int], ...]:
+        """Fill the lists bucket by bucket (state created where missing); returns each bucket's ``(start, stop)``.
 
-    def _step(self) -> None:
-        buckets: list[tuple[list[torch.Tensor], Mapping[str, Any]]] = []
-        for group in self.param_groups:
-            params = self._params_with_grads(group)
-            if not params:
-                continue
-            as_int_steps([self.state[p] for p in params])  # tensors after a compiled step
-            for p in params:
+        ``step`` is an int advanced here, or compiled a float32 tensor on the parameter's device (torch.optim's
+        layout) that the graph advances, so a new step value does not recompile.
+        """
+        plan = []
+        for bucket in self._buckets(group, compiled):
+            start = len(params)
+            for p in bucket:
                 state = self.state[p]
                 if "step" not in state:
-                    sdtype = math_dtype_of(p.dtype)
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(
-                        p, dtype=sdtype, memory_format=torch.contiguous_format
-                    )
-                    state["exp_avg_sq"] = torch.zeros_like(
-                        p, dtype=sdtype, memory_format=torch.contiguous_format
-                    )
-                state["step"] += 1
-            by_key: dict[Any, list[torch.Tensor]] = {}
-            for p in params:
-                by_key.setdefault((*bucket_key(p, cast(torch.Tensor, p.grad)), mesh_key(p)), []).append(p)
-            if group["foreach"] is False:
-                buckets.extend(([p], group) for ps in by_key.values() for p in ps)
+                    state.update(step=0, exp_avg=zeros_state(p), exp_avg_sq=zeros_state(p))
+                if compiled:
+                    state["step"] = torch.as_tensor(state["step"], dtype=torch.float32, device=p.device)
+                else:  # an int again after compiled steps
+                    state["step"] = int(state["step"]) + 1
+                params.append(p)
+                grads.append(p.grad)  # type: ignore[arg-type]  # buckets hold parameters with a gradient
+                exp_avgs.append(state["exp_avg"])
+                exp_avg_sqs.append(state["exp_avg_sq"])
+                steps.append(state["step"])
+            plan.append((start, len(params)))
+        return tuple(plan)
+
+    def _step(self) -> None:
+        compiled = torch.compiler.is_compiling()
+        buckets = []
+        for group in self.param_groups:
+            lists: tuple[list[Any], ...] = ([], [], [], [], [])
+            for start, stop in self._init_group(group, compiled, *lists):
+                buckets.append((group, [x[start:stop] for x in lists]))
+        clip = None  # max(1, ||G|| / max_grad_norm), G: every gradient; fp32 (fp64 if a grad is)
+        max_norm = self.defaults["max_grad_norm"]
+        if max_norm and buckets:
+            device = local(buckets[0][1][1][0]).device
+            squares = []
+            for _group, (_params, grads, *_state) in buckets:
+                shards = [local(g) for g in grads]
+                norms = torch._foreach_norm(shards, 2, dtype=math_dtype_of(shards[0].dtype))
+                square = reduce_square_sums(torch.stack(list(norms)).square().sum(), grads[0])
+                squares.append(square.to(device, non_blocking=True))
+            dtype = torch.float64 if any(s.dtype == torch.float64 for s in squares) else torch.float32
+            clip = torch.clamp(torch.stack([s.to(dtype) for s in squares]).sum().sqrt() / max_norm, min=1.0)
+        for group, bucket in buckets:
+            _update(group, bucket, clip, compiled)
+
+
+def _update(
+    group: Mapping[str, Any], lists: Sequence[list[Any]], clip: torch.Tensor | None, compiled: bool
+) -> None:
+    """One bucket's update (``lists``: its params, grads, exp_avgs, exp_avg_sqs, steps): ``u`` and the norms of
+    every wave, then ``p``; eagerly in cache-sized waves.
+
+    Compiled, the bucket is one wave of whole tensors, the bias corrections are float64 tensor math on the step
+    tensors (eagerly Python floats), and ``u`` is per-tensor element-wise expressions and norms instead of
+    ``torch._foreach_*`` (inductor realises every foreach output as a buffer): inductor computes ``u`` inside
+    the norm's loop and again inside the update's and holds none (``test_compiled_lamb_keeps_no_update_buffer``).
+    Inductor rounds like the eager foreach calls except where ATen contracts a multiply-add: a few ulp apart.
+    """
+    params, grads, exp_avgs, exp_avg_sqs, steps = lists
+    like = params[0]  # a DTensor bucket works on local shards; its norms are reduced over the mesh
+    device, mdtype = like.device, math_dtype_of(like.dtype)
+    beta1, beta2 = group["betas"]
+    lr, eps, wd = lr_of(group, compiled), group["eps"], group["weight_decay"]
+    inside = group["bias_correction"] and group["bias_correction_mode"] == "update"  # bias correction in u
+    scaled = group["bias_correction"] and group["bias_correction_mode"] == "step_size"  # ... in the step
+    adapt = not group["adam"] and (wd != 0 or group["always_adapt"])
+    params, grads, targets, exp_avgs, exp_avg_sqs = contiguous_locals(params, grads, exp_avgs, exp_avg_sqs)
+    # The step-size factor: -lr * s per tensor (s = sqrt(bc2)/bc1 in "step_size" mode); eagerly a list of floats.
+    factor: Any
+    if compiled:
+        torch._foreach_add_(steps, 1.0)
+        t = torch.stack(steps).to(torch.float64)
+        bc1, bc2 = 1.0 - beta1**t, 1.0 - beta2**t
+        lr64 = lr.to(torch.float64) if isinstance(lr, torch.Tensor) else lr
+        factor = (-lr64 * (bc2.sqrt() / bc1 if scaled else torch.ones_like(t))).to(mdtype)
+        bc1, bc2 = bc1.to(mdtype), bc2.to(mdtype)
+    else:
+        bc1 = [1.0 - beta1**t for t in steps]
+        bc2 = [1.0 - beta2**t for t in steps]
+        factor = [-lr * (math.sqrt(c2) / c1 if scaled else 1.0) for c1, c2 in zip(bc1, bc2, strict=True)]
+    chunk = None if compiled else group["chunk_size"] or default_chunk_size(device)
+    waves = plan_waves([p.numel() for p in params], chunk, device)
+    upcast_p = like.dtype != mdtype
+
+    # u is kept from phase 1 (norms) to phase 2 (update): a transient fp32 copy of the segment, like torch's
+    # foreach Adam temporaries; foreach=False bounds it to one tensor. (Recomputing u per wave would save
+    # that memory but costs four more passes over the data.)
+    kept: list[TensorList] = []
+    w_norms, u_norms = [], []
+    for wave in waves:
+        p_pieces = pieces_of(targets, wave)
+        p32 = [x.to(mdtype) for x in p_pieces] if upcast_p else p_pieces
+        m = pieces_of(exp_avgs, wave)
+        v = pieces_of(exp_avg_sqs, wave)
+        l2 = 0.0 if group["adam_w_mode"] else wd
+        g, _ = decayed_grads(pieces_of(grads, wave), p32, clip, group["maximize"], l2)
+        if group["grad_averaging"]:  # m + (1-beta1)*(g-m): one pass instead of two
+            torch._foreach_lerp_(m, g, 1.0 - beta1)
+        else:
+            torch._foreach_mul_(m, beta1)
+            torch._foreach_add_(m, g)
+        torch._foreach_mul_(v, beta2)
+        torch._foreach_addcmul_(v, g, g, value=1.0 - beta2)
+        idx = [piece.index for piece in wave.pieces]
+        u: TensorList
+        if compiled:
+            if inside:
+                u = [(x / bc1[i]) / ((y / bc2[i]).sqrt() + eps) for i, x, y in zip(idx, m, v, strict=True)]
             else:
-                for ps in by_key.values():
-                    limit = segment_size(ps[0].device, group["chunk_size"])
-                    buckets.extend((seg, group) for seg in split_segments(ps, limit))
-        clip = self._global_clip(buckets)
-        for params, bucket_group in buckets:
-            self._update_bucket(params, bucket_group, clip)
-
-    def _update_bucket(
-        self, params: list[torch.Tensor], group: Mapping[str, Any], clip: torch.Tensor | None
-    ) -> None:
-        device, pdtype = params[0].device, params[0].dtype
-        mdtype = math_dtype_of(pdtype)
-        beta1, beta2 = group["betas"]
-        lr, eps, wd = lr_of(group), group["eps"], group["weight_decay"]
-        adam_w, mode = group["adam_w_mode"], group["bias_correction_mode"]
-        b3 = 1.0 - beta1 if group["grad_averaging"] else 1.0
-        adapt = not group["adam"] and (wd != 0 or group["always_adapt"])
-        states = [self.state[p] for p in params]
-        like = params[0]  # a DTensor bucket works on local shards; its norms are reduced over the mesh
-        grads = [local(cast(torch.Tensor, p.grad)) for p in params]  # bucketed params have grads
-        params = [local(p) for p in params]
-        # Contiguous views so that pieces are plain slices (grads of expanded/transposed params are copied once).
-        if any(not g.is_contiguous() for g in grads):
-            grads = [g.contiguous() for g in grads]
-        strided = any(not p.is_contiguous() for p in params)
-        targets = [p.contiguous() if strided else p for p in params]
-        exp_avgs = [local(s["exp_avg"]) for s in states]
-        exp_avg_sqs = [local(s["exp_avg_sq"]) for s in states]
-
-        steps = [s["step"] for s in states]
-        bc1 = [1.0 - beta1**t if group["bias_correction"] else 1.0 for t in steps]
-        bc2 = [1.0 - beta2**t if group["bias_correction"] else 1.0 for t in steps]
-        # The step-size factor: -lr * s per tensor (s = sqrt(bc2)/bc1 in "step_size" mode).
-        factor = [
-            -lr * (math.sqrt(c2) / c1 if mode == "step_size" else 1.0)
-            for c1, c2 in zip(bc1, bc2, strict=True)
-        ]
-
-        chunk = group["chunk_size"] or default_chunk_size(device)
-        waves = plan_waves([p.numel() for p in params], chunk, device)
-        whole = waves[0].owners is None
-        upcast_p = pdtype != mdtype
-        upcast_g = grads[0].dtype != mdtype
-        maximize = group["maximize"]
-
-        def update_of(
-            wave: Wave, m_pieces: list[torch.Tensor], v_pieces: list[torch.Tensor], p_pieces: TensorList
-        ) -> TensorList:
-            idx = [piece.index for piece in wave.pieces]
-            if mode == "update" and group["bias_correction"]:
-                denom = torch._foreach_div(v_pieces, [bc2[i] for i in idx])
+                u = [x / (y.pow(0.5) + eps) for x, y in zip(m, v, strict=True)]
+            if group["adam_w_mode"] and wd != 0:
+                u = [x + p * wd for x, p in zip(u, p32, strict=True)]
+        else:
+            if inside:
+                denom = torch._foreach_div(v, [bc2[i] for i in idx])
                 torch._foreach_sqrt_(denom)
-                torch._foreach_add_(denom, eps)
-                u = torch._foreach_div(m_pieces, [bc1[i] for i in idx])
-                torch._foreach_div_(u, denom)
             else:
                 # pow(v, 0.5) is computed as sqrt; out-of-place _foreach_sqrt on CPU views can be 1000x
                 # slower with several threads (torch 2.13), so unary foreach ops run in place on our own copies.
-                denom = torch._foreach_pow(v_pieces, 0.5)
-                torch._foreach_add_(denom, eps)
-                u = torch._foreach_div(m_pieces, denom)
-            if adam_w and wd != 0:
-                torch._foreach_add_(u, p_pieces, alpha=wd)
-            return u
-
-        # u is kept from phase 1 (norms) to phase 2 (update): a transient fp32 copy of the bucket, like torch's
-        # foreach Adam temporaries; foreach=False bounds it to one tensor. (Recomputing u per wave would save
-        # that memory but costs four more passes over the data.)
-        kept: list[TensorList] = []
-        w_norms, u_norms = [], []
-        for wave in waves:
-            p_pieces = pieces_of(targets, wave, whole)
-            p32 = [x.to(mdtype) for x in p_pieces] if upcast_p else p_pieces
-            g_pieces = pieces_of(grads, wave, whole)
-            g: TensorList = [x.to(mdtype) for x in g_pieces] if upcast_g else g_pieces
-
-            fresh = upcast_g  # g may be modified in place only when it is our own copy, never p.grad
-            if clip is not None:
-                g = torch._foreach_div(g, clip.to(device=device, dtype=mdtype, non_blocking=True))
-                fresh = True
-            if maximize:
-                if fresh:
-                    torch._foreach_neg_(g)
-                else:
-                    g = torch._foreach_mul(g, -1.0)
-                fresh = True
-            if not adam_w and wd != 0:
-                if fresh:
-                    torch._foreach_add_(g, p32, alpha=wd)
-                else:
-                    g = torch._foreach_add(g, p32, alpha=wd)
-            m_pieces = pieces_of(exp_avgs, wave, whole)
-            v_pieces = pieces_of(exp_avg_sqs, wave, whole)
-            if group["grad_averaging"]:  # m + (1-beta1)*(g-m): one pass instead of two
-                torch._foreach_lerp_(m_pieces, g, b3)
+                denom = torch._foreach_pow(v, 0.5)
+            torch._foreach_add_(denom, eps)
+            if inside:
+                u = torch._foreach_div(m, [bc1[i] for i in idx])
+                torch._foreach_div_(u, denom)
             else:
-                torch._foreach_mul_(m_pieces, beta1)
-                torch._foreach_add_(m_pieces, g, alpha=b3)
-            torch._foreach_mul_(v_pieces, beta2)
-            torch._foreach_addcmul_(v_pieces, g, g, value=1.0 - beta2)
-            u = update_of(wave, m_pieces, v_pieces, p32)
-            if adapt:
-                w_norms.append((wave, torch._foreach_norm(p32)))
-                u_norms.append((wave, torch._foreach_norm(u)))
-            kept.append(u)
-
-        ratio = None
+                u = torch._foreach_div(m, denom)
+            if group["adam_w_mode"] and wd != 0:
+                torch._foreach_add_(u, p32, alpha=wd)
         if adapt:
-            w = segment_norms(w_norms, len(params), device, mdtype)
-            n = segment_norms(u_norms, len(params), device, mdtype)
-            w, n = reduce_norms(w, like), reduce_norms(n, like)
-            ratio = torch.where((w > 0) & (n > 0), w / n, torch.ones_like(w))
-            low, high = group["trust_clip"] or (None, None)
-            if low is not None or high is not None:
-                ratio = torch.where((w > 0) & (n > 0), ratio.clamp(min=low, max=high), ratio)
+            w_norms.append((wave, torch._foreach_norm(p32)))
+            u_norm = [torch.linalg.vector_norm(x) for x in u] if compiled else torch._foreach_norm(u)
+            u_norms.append((wave, u_norm))
+        kept.append(u)
 
-        # p += coef * u with coef = -lr * s * r per tensor, folded into one multiply-add where possible.
-        uniform = all(f == factor[0] for f in factor)
-        coef = None
-        if ratio is not None:
-            if uniform:
-                coef = ratio * factor[0]
-            elif device.type == "cpu":  # a host list becomes a device tensor for free only on the CPU
-                coef = ratio * torch.tensor(factor, dtype=ratio.dtype)
-        for k, wave in enumerate(waves):
-            p_pieces = pieces_of(targets, wave, whole)
-            p32 = [x.to(mdtype) for x in p_pieces] if upcast_p else p_pieces
-            u = kept[k]
-            if coef is not None:
-                torch._foreach_addcmul_(p32, u, gather_pieces(coef, wave))
-            elif ratio is not None:
-                torch._foreach_mul_(u, [factor[piece.index] for piece in wave.pieces])
-                torch._foreach_addcmul_(p32, u, gather_pieces(ratio, wave))
-            elif uniform:
-                torch._foreach_add_(p32, u, alpha=factor[0])
-            else:
-                torch._foreach_mul_(u, [factor[piece.index] for piece in wave.pieces])
-                torch._foreach_add_(p32, u)
-            if upcast_p:
-                torch._foreach_copy_(p_pieces, p32)
-        if strided:
-            for p, t in zip(params, targets, strict=True):
-                p.copy_(t)
+    ratio = None
+    if adapt:
+        w = reduce_norms(segment_norms(w_norms, len(params), device, mdtype), like)
+        n = reduce_norms(segment_norms(u_norms, len(params), device, mdtype), like)
+        computed = (w > 0) & (n > 0)  # r = ||p|| / ||u||, 1 where either is 0; a computed r is clamped
+        ratio = torch.where(computed, w / n, torch.ones_like(w))
+        low, high = group["trust_clip"] or (None, None)
+        if low is not None or high is not None:
+            ratio = torch.where(computed, ratio.clamp(min=low, max=high), ratio)
+
+    # p += coef * u with coef = -lr * s * r per tensor: one multiply-add per piece. Eagerly, per-tensor factors
+    # (tensors at different steps) are applied to u first: a host list would cost a host-to-device copy.
+    per_tensor = not compiled and any(f != factor[0] for f in factor)
+    scale = 1.0 if compiled or per_tensor else factor[0]
+    if compiled:
+        coef = factor if ratio is None else ratio * factor
+    else:
+        coef = None if ratio is None else ratio * scale
+    for wave, u in zip(waves, kept, strict=True):
+        p_pieces = pieces_of(targets, wave)
+        p32 = [x.to(mdtype) for x in p_pieces] if upcast_p else p_pieces
+        if per_tensor:
+            torch._foreach_mul_(u, [factor[piece.index] for piece in wave.pieces])
+        if coef is not None:
+            torch._foreach_addcmul_(p32, u, gather_pieces(coef, wave))
+        else:
+            torch._foreach_add_(p32, u, alpha=scale)
+        if upcast_p:
+            torch._foreach_copy_(p_pieces, p32)
+    copy_back(params, targets)

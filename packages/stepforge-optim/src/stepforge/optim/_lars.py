@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any, cast
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -14,31 +14,25 @@ from stepforge.core import (
     check_dampening,
     check_eps,
     check_momentum,
+    check_nesterov,
     check_range,
+    check_trust_clip,
     check_weight_decay,
 )
 
-from ._base import MultiTensorOptimizer, check_trust_clip, math_dtype_of
-from ._compiled import lr_of
-from ._compiled_lars import lars_compiled_step, lars_init_group
-from ._dtensor import local, mesh_key, reduce_norms
+from ._base import MultiTensorOptimizer, lr_of, math_dtype_of, zeros_state
 from ._multi_tensor import (
-    TensorList,
-    bucket_key,
+    contiguous_locals,
+    copy_back,
+    decayed_grads,
     default_chunk_size,
     gather_pieces,
     pieces_of,
     plan_waves,
-    segment_size,
-    split_segments,
+    reduce_norms,
 )
 
 __all__ = ["Lars"]
-
-
-def _exclude_bias_and_norm(param: torch.Tensor) -> bool:
-    """``True`` for tensors with at most one dimension: biases and normalisation scales/shifts."""
-    return param.ndim <= 1
 
 
 class Lars(MultiTensorOptimizer):
@@ -88,10 +82,11 @@ class Lars(MultiTensorOptimizer):
 
     OWNER = "Lars"
     STATE_TENSORS = ("momentum_buffer",)
-    # torch.compile: dynamo runs _init_group eagerly and traces _compiled_step (see _compiled_lars)
-    _init_group = lars_init_group
-    _compiled_step = lars_compiled_step
-    exclude_bias_and_norm = staticmethod(_exclude_bias_and_norm)
+
+    @staticmethod
+    def exclude_bias_and_norm(param: torch.Tensor) -> bool:
+        """``True`` for tensors with at most one dimension: biases and normalisation scales/shifts."""
+        return param.ndim <= 1
 
     def __init__(
         self,
@@ -118,6 +113,8 @@ class Lars(MultiTensorOptimizer):
                 f" or None, got {exclude_from_adaptation!r}."
             )
         self.exclude_from_adaptation = exclude_from_adaptation
+        #: ``id(group)`` -> the new-buffer flags the last step read (a compiled graph keeps reading them)
+        self._first_flags: dict[int, list[torch.Tensor]] = {}
         defaults = dict(
             lr=lr,
             momentum=momentum,
@@ -141,12 +138,12 @@ class Lars(MultiTensorOptimizer):
         return {**super().__getstate__(), "exclude_from_adaptation": self.exclude_from_adaptation}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        self.__dict__.setdefault("exclude_from_adaptation", None)
+        super().__setstate__(state)  # __getstate__ above saved exclude_from_adaptation with the rest
+        self._first_flags = {}
 
     def _validate_group(self, group: Mapping[str, Any]) -> None:
         owner = self.OWNER
-        self._check_lr(group["lr"])
+        super()._validate_group(group)
         check_momentum(group["momentum"], owner=owner)
         check_dampening(group["dampening"], owner=owner)
         check_weight_decay(group["weight_decay"], owner=owner)
@@ -160,13 +157,8 @@ class Lars(MultiTensorOptimizer):
             owner=owner,
             hint="eeta is the LARS trust coefficient, typically 1e-3.",
         )
-        check_bool("nesterov", group["nesterov"], owner=owner)
+        check_nesterov(group["nesterov"], group["momentum"], group["dampening"], owner=owner)
         check_bool("lars", group["lars"], owner=owner)
-        if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
-            raise HyperParameterError(
-                f"{owner}: nesterov=True needs momentum > 0 and dampening == 0 (as torch.optim.SGD); got "
-                f"momentum={group['momentum']!r}, dampening={group['dampening']!r}."
-            )
         if group["grad_clip"] is not None:
             check_range(
                 "grad_clip",
@@ -178,113 +170,119 @@ class Lars(MultiTensorOptimizer):
             )
         check_trust_clip(group["trust_clip"], owner=owner)
 
-    def _step(self) -> None:
+    def _init_group(
+        self,
+        group: dict[str, Any],
+        compiled: bool,
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        bufs: list[torch.Tensor],
+        extras: list[torch.Tensor],
+    ) -> tuple[tuple[int, int, bool, int], ...]:
+        """Fill the lists bucket by bucket (momentum buffers created where missing); returns each bucket's
+        ``(start, stop, adapt, first)``, ``first`` indexing ``extras`` for the bucket's new-buffer flags (or -1).
+
+        A new buffer takes the update itself (torch.optim.SGD's first step): a flag tensor that the update reads
+        and then clears, so that the first compiled run and the later ones share one graph."""
         exclude = self.exclude_from_adaptation
-        for group in self.param_groups:
-            params = self._params_with_grads(group)
-            if not params:
-                continue
-            by_key: dict[Any, list[torch.Tensor]] = {}
-            for p in params:
-                adapt = bool(group["lars"]) and not (exclude is not None and exclude(p))
-                by_key.setdefault(
-                    (*bucket_key(p, cast(torch.Tensor, p.grad)), mesh_key(p), adapt), []
-                ).append(p)
-            for key, ps in by_key.items():
-                if group["foreach"] is False:
-                    for p in ps:
-                        self._update_bucket([p], group, key[-1])
-                else:
-                    # CPU: segments small enough that the norm pass leaves p and g in cache for the update.
-                    for seg in split_segments(ps, segment_size(ps[0].device, group["chunk_size"])):
-                        self._update_bucket(seg, group, key[-1])
 
-    def _update_bucket(self, params: list[torch.Tensor], group: Mapping[str, Any], adapt: bool) -> None:
-        device, pdtype = params[0].device, params[0].dtype
-        mdtype = math_dtype_of(pdtype)
-        lr, mu, damp, nesterov = lr_of(group), group["momentum"], group["dampening"], group["nesterov"]
-        wd = group["weight_decay"] if group["lars"] else 0.0  # ColossalAI: lars=False groups skip decay too
-        eeta, eps, clip, maximize = group["eeta"], group["epsilon"], group["grad_clip"], group["maximize"]
-        sharded = params  # DTensor parameters: local shards are updated, norms reduced over the mesh
-        grads = [local(cast(torch.Tensor, p.grad)) for p in params]  # bucketed params have grads
-        params = [local(p) for p in params]
-        if any(not g.is_contiguous() for g in grads):
-            grads = [g.contiguous() for g in grads]
-        strided = any(not p.is_contiguous() for p in params)
-        targets = [p.contiguous() if strided else p for p in params]
+        def adapts(p: torch.Tensor) -> bool:
+            return bool(group["lars"]) and not (exclude is not None and exclude(p))
 
-        ratio = None
-        if adapt:
-            w = torch.stack(torch._foreach_norm(targets, 2, dtype=mdtype))
-            n = torch.stack(torch._foreach_norm(grads, 2, dtype=mdtype))
-            w, n = reduce_norms(w, sharded[0]), reduce_norms(n, sharded[0])
-            ratio = torch.where((w > 0) & (n > 0), eeta * w / (n + wd * w + eps), torch.ones_like(w))
-            if group["trust_clip"] is not None:
-                low, high = group["trust_clip"]
-                if low is not None or high is not None:
-                    ratio = ratio.clamp(min=low, max=high)
-
-        coef = None if ratio is None else ratio * -lr  # p += coef * step, one multiply-add per piece
-        first = []
-        bufs: list[torch.Tensor] = []
-        if mu != 0:
-            for p in sharded:
+        momentum = group["momentum"] != 0
+        self._first_flags.pop(id(group), None)
+        plan = []
+        for bucket in self._buckets(group, compiled, key=adapts):
+            start = len(params)
+            fresh = []
+            for p in bucket:
                 state = self.state[p]
-                first.append("momentum_buffer" not in state)
-                if first[-1]:
-                    state["momentum_buffer"] = torch.empty_like(
-                        p, dtype=mdtype, memory_format=torch.contiguous_format
-                    )
-                bufs.append(local(state["momentum_buffer"]))
+                fresh.append(momentum and "momentum_buffer" not in state)
+                if fresh[-1]:
+                    state["momentum_buffer"] = zeros_state(p)
+                params.append(p)
+                grads.append(p.grad)  # type: ignore[arg-type]  # buckets hold parameters with a gradient
+                if momentum:
+                    bufs.append(state["momentum_buffer"])
+            first = -1
+            if any(fresh):
+                flags = torch.tensor([float(f) for f in fresh], device=bucket[0].device)
+                self._first_flags.setdefault(id(group), []).append(flags)  # kept alive: the graph reads it
+                first = len(extras)
+                extras.append(flags)
+            plan.append((start, len(params), adapts(bucket[0]), first))
+        return tuple(plan)
 
-        chunk = group["chunk_size"] or default_chunk_size(device)
-        waves = plan_waves([p.numel() for p in params], chunk, device)
-        whole = waves[0].owners is None
-        upcast_p = pdtype != mdtype
-        upcast_g = grads[0].dtype != mdtype
-        for wave in waves:
-            p_pieces = pieces_of(targets, wave, whole)
-            p32 = [x.to(mdtype) for x in p_pieces] if upcast_p else p_pieces
-            g_pieces = pieces_of(grads, wave, whole)
-            d: TensorList = [x.to(mdtype) for x in g_pieces] if upcast_g else g_pieces
+    def _step(self) -> None:
+        compiled = torch.compiler.is_compiling()
+        for group in self.param_groups:
+            lists: tuple[list[torch.Tensor], ...] = ([], [], [], [])
+            params, grads, bufs, extras = lists
+            for start, stop, adapt, first in self._init_group(group, compiled, *lists):
+                flags = extras[first] if first >= 0 else None
+                _update(group, [x[start:stop] for x in (params, grads, bufs)], adapt, flags, compiled)
 
-            fresh = upcast_g  # never modify p.grad in place
-            if maximize:
-                if fresh:
-                    torch._foreach_neg_(d)
-                else:
-                    d = torch._foreach_mul(d, -1.0)  # binary op: see the note on unary foreach ops in _lamb
-                fresh = True
-            if wd != 0:
-                if fresh:
-                    torch._foreach_add_(d, p32, alpha=wd)
-                else:
-                    d = torch._foreach_add(d, p32, alpha=wd)
-                fresh = True
-            if clip is not None:
-                if not fresh:
-                    d = [x.clone() for x in d]
-                torch._foreach_clamp_min_(d, -clip)
-                torch._foreach_clamp_max_(d, clip)
-            if mu != 0:
-                b_pieces = pieces_of(bufs, wave, whole)
-                new = [i for i, piece in enumerate(wave.pieces) if first[piece.index]]
-                old = [i for i, piece in enumerate(wave.pieces) if not first[piece.index]]
-                if new:
-                    torch._foreach_copy_([b_pieces[i] for i in new], [d[i] for i in new])
-                if old:
-                    b_old = [b_pieces[i] for i in old]
-                    torch._foreach_mul_(b_old, mu)
-                    torch._foreach_add_(b_old, [d[i] for i in old], alpha=1.0 - damp)
-                step = torch._foreach_add(d, b_pieces, alpha=mu) if nesterov else b_pieces
-            else:
-                step = d
-            if coef is not None:
-                torch._foreach_addcmul_(p32, step, gather_pieces(coef, wave))
-            else:
-                torch._foreach_add_(p32, step, alpha=-lr)
-            if upcast_p:
-                torch._foreach_copy_(p_pieces, p32)
-        if strided:
-            for p, t in zip(params, targets, strict=True):
-                p.copy_(t)
+
+def _update(
+    group: Mapping[str, Any],
+    lists: Sequence[list[Any]],
+    adapt: bool,
+    first: torch.Tensor | None,
+    compiled: bool,
+) -> None:
+    """One bucket's update (``lists``: its params, grads, momentum buffers), in cache-sized waves eagerly, as one
+    wave of whole tensors when compiled."""
+    params, grads, bufs = lists
+    like = params[0]  # DTensor parameters: local shards are updated, norms reduced over the mesh
+    device, mdtype = like.device, math_dtype_of(like.dtype)
+    lr, mu, damp, nesterov = lr_of(group, compiled), group["momentum"], group["dampening"], group["nesterov"]
+    wd = group["weight_decay"] if group["lars"] else 0.0  # ColossalAI: lars=False groups skip decay too
+    eeta, eps, clip, maximize = group["eeta"], group["epsilon"], group["grad_clip"], group["maximize"]
+    params, grads, targets, bufs = contiguous_locals(params, grads, bufs)
+
+    coef = None  # p += coef * step, one multiply-add per piece
+    if adapt:
+        w = reduce_norms(torch.stack(torch._foreach_norm(targets, 2, dtype=mdtype)), like)
+        n = reduce_norms(torch.stack(torch._foreach_norm(grads, 2, dtype=mdtype)), like)
+        ratio = torch.where((w > 0) & (n > 0), eeta * w / (n + wd * w + eps), torch.ones_like(w))
+        low, high = group["trust_clip"] or (None, None)
+        if low is not None or high is not None:
+            ratio = ratio.clamp(min=low, max=high)
+        coef = ratio * -lr
+
+    chunk = None if compiled else group["chunk_size"] or default_chunk_size(device)
+    waves = plan_waves([p.numel() for p in params], chunk, device)
+    upcast_p = like.dtype != mdtype
+    for wave in waves:
+        p_pieces = pieces_of(targets, wave)
+        p32 = [x.to(mdtype) for x in p_pieces] if upcast_p else p_pieces
+        d, own = decayed_grads(pieces_of(grads, wave), p32, None, maximize, wd)
+        if clip is not None:
+            if not own:
+                d = [x.clone() for x in d]
+            torch._foreach_clamp_min_(d, -clip)
+            torch._foreach_clamp_max_(d, clip)
+        step = d
+        if mu != 0:
+            b = pieces_of(bufs, wave)
+            if first is None:
+                torch._foreach_mul_(b, mu)
+                torch._foreach_add_(b, d, alpha=1.0 - damp)
+            else:  # chosen on the device: see _init_group
+                new = [
+                    torch.where(first[piece.index] != 0, x, y * mu + x * (1.0 - damp))
+                    for piece, x, y in zip(wave.pieces, d, b, strict=True)
+                ]
+                torch._foreach_copy_(b, new)
+            step = torch._foreach_add(d, b, alpha=mu) if nesterov else b
+        if coef is not None:
+            torch._foreach_addcmul_(p32, step, gather_pieces(coef, wave))
+        elif compiled:  # a tensor lr cannot be an alpha
+            torch._foreach_add_(p32, torch._foreach_mul(step, -lr))
+        else:
+            torch._foreach_add_(p32, step, alpha=-lr)
+        if upcast_p:
+            torch._foreach_copy_(p_pieces, p32)
+    if first is not None:
+        first.zero_()
+    copy_back(params, targets)
