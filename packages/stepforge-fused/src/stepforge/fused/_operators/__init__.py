@@ -49,15 +49,14 @@ import torch
 
 from .._backend import ADAM, LAMB, SGD
 from .impls import (
+    checks,
     l2norm,
     l2norm_checks,
     lamb_apply_,
-    lamb_checks,
     lamb_moments_,
     lamb_norms_like,
     scale_,
     scale_checks,
-    update_checks,
     update_operator,
 )
 
@@ -84,7 +83,7 @@ SCHEMAS: dict[str, str] = {
     "scale_": "scale_(Tensor[] src, Tensor(a!)[] dst, float scale, Tensor(b!)? found_inf) -> ()",
 }
 
-_Checks = Callable[..., Any]
+_Checks = Callable[[dict[str, Any]], Any]
 _FakeOut = Callable[[dict[str, Any]], Any] | None
 
 
@@ -96,18 +95,18 @@ def _l2norm_out(args: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty((), dtype=dtype, device=device), torch.empty(n, dtype=torch.float32, device=device)
 
 
-#: name -> (implementation, its checks, what its fake returns; None: nothing)
+#: name -> (implementation, its checks on the arguments by name, what its fake returns; None: nothing)
 _IMPLS: dict[str, tuple[Callable[..., Any], _Checks, _FakeOut]] = {
     **{
-        spec.op: (update_operator(spec), functools.partial(update_checks, spec), None)
+        spec.op: (update_operator(spec), functools.partial(checks, spec.op, spec), None)
         for spec in (ADAM, SGD, LAMB)
     },
     "lamb_moments_": (
         lamb_moments_,
-        functools.partial(lamb_checks, op="lamb_moments_"),
+        functools.partial(checks, "lamb_moments_", LAMB),
         lambda a: lamb_norms_like(a["params"]),
     ),
-    "lamb_apply_": (lamb_apply_, lamb_checks, None),
+    "lamb_apply_": (lamb_apply_, functools.partial(checks, "lamb_apply_", LAMB), None),
     "l2norm": (l2norm, l2norm_checks, _l2norm_out),
     "scale_": (scale_, scale_checks, None),
 }
@@ -124,8 +123,8 @@ def _fake(fn: Callable[..., Any], checks: _Checks, out: _FakeOut) -> Callable[..
     signature = inspect.signature(fn)
 
     def fake(*args: Any, **kwargs: Any) -> Any:
-        bound = signature.bind(*args, **kwargs).arguments
-        checks(**bound)
+        bound = dict(signature.bind(*args, **kwargs).arguments)
+        checks(bound)
         return out(bound) if out is not None else None
 
     fake.__name__ = f"{fn.__name__}_fake"
