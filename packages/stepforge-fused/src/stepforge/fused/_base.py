@@ -1,10 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The base class of the fused optimizers: options, add_param_group, subclass hooks and step routing.
 
-It owns the objects of the step machinery (:mod:`._step`), each with declared fields and a unit test of its own:
-:class:`~._step.buckets.BucketCache` (buckets, the pointer cache and its per-step revalidation),
-:class:`~._step.eager.SkipTracker` (skipped-step reporting), :class:`~._step.eager.AmpUnscaler` (``div_scale``
-and GradScaler's scale and overflow flag), :class:`~._step.eager.HostLoop` (CPU buckets) and
+It owns the stateful parts of the step machinery (:mod:`._step`): :class:`~._step.buckets.BucketCache` (buckets,
+the pointer cache and its per-step revalidation), :class:`~._step.eager.SkipTracker` (skipped-step reporting) and
 :class:`~._step.device.DeviceLoop` (the sync-free CUDA step). They reach the optimizer through
 :class:`~._step.protocol.KernelOwner`. :mod:`._state` keeps torch.optim state-dict compatibility. Subclasses define
 ``_owner`` and ``_kernel`` (the :class:`~._backend.KernelSpec` both the eager and the compiled step call).
@@ -21,10 +19,10 @@ from stepforge.core import GroupValidator, HyperParameterError, check_bool, chec
 
 from ._backend import KernelSpec, device_env, device_kw, device_path, launch_ctx
 from ._state import StateMixin
-from ._step.buckets import Bucket, BucketCache, Launch, launch
+from ._step.buckets import Bucket, BucketCache, Launch
 from ._step.compiled import init_group, prepare_fallback
 from ._step.device import DeviceLoop
-from ._step.eager import AmpUnscaler, HostLoop, SkipTracker, eager_step
+from ._step.eager import SkipTracker, fused_step, launch
 from ._validate import check_param
 
 __all__ = ["Bucket", "FusedOptimizerBase", "Launch"]
@@ -54,8 +52,6 @@ class FusedOptimizerBase(StateMixin, torch.optim.Optimizer):
 
     _bucket_cache: BucketCache
     _skips: SkipTracker
-    _amp: AmpUnscaler
-    _host_loop: HostLoop
     _device_loop: DeviceLoop
     #: ``id(group)`` -> SGD first-run flag tensors a compiled step reads (kept alive here; see _step.compiled)
     _compile_first_run: dict[int, list[torch.Tensor]]
@@ -95,12 +91,10 @@ class FusedOptimizerBase(StateMixin, torch.optim.Optimizer):
         """Create the objects that do the step's work (at construction and after unpickling)."""
         self._bucket_cache = BucketCache(self.assume_stable_grads)
         self._skips = skips if skips is not None else SkipTracker()
-        self._amp = AmpUnscaler()
-        self._host_loop = HostLoop()
         self._device_loop = DeviceLoop()
         self._groups = GroupValidator(self._check_group, owner=self._owner)
         self._compile_first_run = {}
-        prepare_fallback(eager_step)
+        prepare_fallback(fused_step)
 
     def __getstate__(self) -> dict[str, Any]:
         # torch.optim pickles defaults/state/param_groups only; keep our options, never the pointer caches.

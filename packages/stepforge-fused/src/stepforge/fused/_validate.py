@@ -4,6 +4,7 @@ construction, parameter/gradient pairs at bucket building."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -20,7 +21,14 @@ from stepforge.core.torch_compat import dtensor_local
 
 from . import _backend
 
-__all__ = ["check_adam_like", "check_pair", "check_param", "local_tensor", "reject_legacy_step_args"]
+__all__ = [
+    "check_adam_like",
+    "check_pair",
+    "check_param",
+    "div_scale_divisor",
+    "local_tensor",
+    "reject_legacy_step_args",
+]
 
 
 def check_adam_like(
@@ -49,6 +57,23 @@ def reject_legacy_step_args(owner: str, **legacy: Any) -> None:
                 f"{owner}.step(): the legacy argument {name!r} is not supported (it must be None); gradients are "
                 "read from p.grad, and a loss scale is passed as div_scale= or through torch.amp.GradScaler."
             )
+
+
+def div_scale_divisor(owner: str, div_scale: float | None) -> float:
+    """The host divisor given by ``step(div_scale=)``: ``-1`` (or None) is none; anything else must be positive
+    and finite (``HyperParameterError`` otherwise, before the closure runs)."""
+    if div_scale is None or div_scale == -1:
+        return 1.0
+    return check_range(
+        "div_scale",
+        div_scale,
+        low=0.0,
+        low_open=True,
+        high=math.inf,
+        high_open=True,
+        owner=f"{owner}.step()",
+        hint="It divides every gradient (a loss scale); pass -1 (the default) for no division.",
+    )
 
 
 #: The tensor the kernels read: a DTensor's local shard, any other tensor itself (an alias: one call, not two).

@@ -19,8 +19,7 @@ from ._adam_base import adam_defaults, check_adam_group
 from ._backend import LAMB
 from ._base import Bucket, FusedOptimizerBase, Launch
 from ._distributed import comm_device, is_dtensor, mesh_sum_, shard_dims, shard_groups
-from ._step.buckets import launch
-from ._step.eager import fused_step
+from ._step.eager import fused_step, launch
 
 __all__ = ["FusedLAMB"]
 

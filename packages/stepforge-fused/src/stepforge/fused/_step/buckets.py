@@ -33,45 +33,18 @@ import operator
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from types import ModuleType
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from stepforge.core.torch_compat import is_dtensor, view_base
 
-from .._backend import DTYPE_CODES, KernelSpec, call_kernel
 from .._validate import check_pair, local_tensor
 
-__all__ = ["Bucket", "BucketCache", "BucketOwner", "GroupCache", "Launch", "device_steps", "launch"]
+if TYPE_CHECKING:
+    from .protocol import KernelOwner
 
-
-class BucketOwner(Protocol):
-    """What the bucket cache and :func:`launch` need from the optimizer (the step's
-    :class:`~.protocol.KernelOwner` extends it)."""
-
-    #: class name used in messages
-    _owner: str
-    #: the kernel's argument specification
-    _kernel: KernelSpec
-    #: whether the optimizer keeps a per-parameter ``step`` (False for SGD)
-    _uses_steps: bool
-    #: float32 masters for fp16/bf16 params
-    master_weights: bool
-
-    def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
-        """float32 state tensors shaped like the param, in kernel argument order."""
-        ...
-
-    def _init_state(
-        self, p: torch.Tensor, group: dict[str, Any], moved: bool = False
-    ) -> tuple[dict[str, Any], bool]:
-        """Create or normalise ``p``'s state; returns ``(state, created_now)``."""
-        ...
-
-    def _device_path(self, device: torch.device) -> bool:
-        """Whether tensors on ``device`` take the sync-free device path."""
-        ...
+__all__ = ["Bucket", "BucketCache", "GroupCache", "Launch", "bucket_steps", "device_steps", "stage"]
 
 
 def _i64(values: Iterable[int]) -> array.array[int]:
@@ -164,23 +137,12 @@ class Launch:
 
 
 _get_dtype = operator.attrgetter("dtype")
-
-
 _get_is_sparse = operator.attrgetter("is_sparse")
-
-
+_get_grad = operator.attrgetter("grad")
 _contiguous = torch.Tensor.is_contiguous
-
-
 _data_ptr = torch.Tensor.data_ptr
-
-
 _numel = torch.Tensor.numel
-
-
 _is = operator.is_
-
-
 _storage = torch.Tensor.untyped_storage
 
 
@@ -308,12 +270,6 @@ class GroupCache:
         return True
 
 
-_get_grad = operator.attrgetter("grad")
-
-
-_data_ptr = torch.Tensor.data_ptr
-
-
 class BucketCache:
     """The buckets of every param group of one optimizer, and the gradient hooks of ``assume_stable_grads``.
 
@@ -344,7 +300,7 @@ class BucketCache:
             entry.hooked = False
             entry.release_grads()
 
-    def group_buckets(self, opt: BucketOwner, index: int, group: dict[str, Any]) -> list[Bucket]:
+    def group_buckets(self, opt: KernelOwner, index: int, group: dict[str, Any]) -> list[Bucket]:
         """The buckets of ``opt``'s group ``index``, revalidated: parameter addresses always, gradient addresses
         unless the stable-grads hooks vouch for them; a moved parameter rebuilds, moved grads refresh."""
         params = group["params"]
@@ -402,81 +358,85 @@ class BucketCache:
 
     def build(
         self,
-        opt: BucketOwner,
+        opt: KernelOwner,
         group: dict[str, Any],
         params: list[torch.Tensor],
         grads: list[Any],
         moved: frozenset[int] = frozenset(),
     ) -> list[Bucket]:
-        """Validate every (param, grad) pair, create or normalise the state (``opt._init_state``) and group the
-        pairs into buckets by ``(device, param dtype, grad dtype, masters)``; ``moved``: positions of params
-        given new storage since the last build."""
-        owner = opt._owner
+        """The buckets of the pairs :func:`stage` accepts: pointer arrays, sizes and the flat step tensor."""
         keys = opt._state_keys(group)
-        if group.get("capturable", False):
-            for i, (p, g) in enumerate(zip(params, grads, strict=True)):
-                if g is not None and not opt._device_path(p.device):
-                    raise RuntimeError(
-                        f"{owner}: capturable=True needs CUDA parameters (lr and steps on the device for "
-                        f"CUDA-graph capture), but parameter #{i} is on {p.device}. Pass capturable=False for "
-                        "CPU parameters (torch.optim raises for capturable=True on CPU too)."
-                    )
-        by_key: dict[tuple[Any, ...], Bucket] = {}
-        staged: dict[tuple[Any, ...], list[tuple[torch.Tensor, torch.Tensor, dict[str, Any], bool]]] = {}
-        for i, (p, g) in enumerate(zip(params, grads, strict=True)):
-            if g is None:
-                continue
-            check_pair(local_tensor(p), local_tensor(g), i, owner=owner)
-            state, fresh = opt._init_state(p, group, i in moved)
-            master = opt.master_weights and p.dtype != torch.float32
-            key = (p.device, p.dtype, g.dtype, master)
-            if key not in by_key:
-                by_key[key] = Bucket(p.device, p.dtype, g.dtype, master)
-                staged[key] = []
-            staged[key].append((p, g, state, fresh))
         buckets = []
-        for key, bucket in by_key.items():
-            self._fill(opt, bucket, staged[key], keys)
+        for (device, pdt, gdt, master), entries in stage(opt, group, params, grads, moved).items():
+            bucket = Bucket(device, pdt, gdt, master)
+            bucket.params = [e[0] for e in entries]
+            # DTensor params, grads and state: the kernels step the local shards
+            bucket.ptrs["params"] = _i64(local_tensor(e[0]).data_ptr() for e in entries)
+            bucket.ptrs["grads"] = _i64(local_tensor(e[1]).data_ptr() for e in entries)
+            for name in keys:
+                bucket.ptrs[name] = _i64(local_tensor(e[2][name]).data_ptr() for e in entries)
+            if master:
+                bucket.ptrs["masters"] = _i64(local_tensor(e[2]["master_param"]).data_ptr() for e in entries)
+            bucket.sizes = _i64(local_tensor(e[0]).numel() for e in entries)
+            bucket.numel = sum(bucket.sizes)
+            n = len(entries)
+            bucket.on_device = opt._device_path(device)
+            if opt._uses_steps:
+                steps = bucket.steps = bucket_steps([e[2] for e in entries], device)
+                if bucket.on_device:
+                    bucket.step_ptrs = _i64(range(steps.data_ptr(), steps.data_ptr() + 4 * n, 4))
+            else:
+                bucket.steps = torch.zeros(n, dtype=torch.float32)
+            bucket.steps_arg = _i64([0] * n)
+            bucket.first_run = _i64(int(e[3]) for e in entries)
+            if n:
+                bucket._steps_arg_t = torch.frombuffer(bucket.steps_arg, dtype=torch.int64)
+                bucket._first_run_t = torch.frombuffer(bucket.first_run, dtype=torch.int64)
             buckets.append(bucket)
         return buckets
 
-    @staticmethod
-    def _fill(
-        opt: BucketOwner,
-        bucket: Bucket,
-        entries: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any], bool]],
-        keys: tuple[str, ...],
-    ) -> None:
-        """Pointer arrays, sizes and the flat step tensor of ``bucket`` from its ``(param, grad, state, fresh)``."""
-        bucket.params = [e[0] for e in entries]
-        # DTensor params, grads and state: the kernels step the local shards
-        bucket.ptrs["params"] = _i64(local_tensor(e[0]).data_ptr() for e in entries)
-        bucket.ptrs["grads"] = _i64(local_tensor(e[1]).data_ptr() for e in entries)
-        for name in keys:
-            bucket.ptrs[name] = _i64(local_tensor(e[2][name]).data_ptr() for e in entries)
-        if bucket.master:
-            bucket.ptrs["masters"] = _i64(local_tensor(e[2]["master_param"]).data_ptr() for e in entries)
-        bucket.sizes = _i64(local_tensor(e[0]).numel() for e in entries)
-        bucket.numel = sum(bucket.sizes)
-        n = len(entries)
-        bucket.on_device = opt._device_path(bucket.device)
-        if opt._uses_steps and bucket.on_device:
-            steps = device_steps([e[2]["step"] for e in entries], bucket.device)
-            for j, e in enumerate(entries):
-                e[2]["step"] = steps[j]
-            bucket.step_ptrs = _i64(range(steps.data_ptr(), steps.data_ptr() + 4 * n, 4))
-        elif opt._uses_steps:
-            steps = torch.tensor([float(e[2]["step"]) for e in entries], dtype=torch.float32)
-            for j, e in enumerate(entries):
-                e[2]["step"] = steps[j]  # 0-dim view: one in-place add advances every step of the bucket
-        else:
-            steps = torch.zeros(n, dtype=torch.float32)
-        bucket.steps = steps
-        bucket.steps_arg = _i64([0] * n)
-        bucket.first_run = _i64(int(e[3]) for e in entries)
-        if n:
-            bucket._steps_arg_t = torch.frombuffer(bucket.steps_arg, dtype=torch.int64)
-            bucket._first_run_t = torch.frombuffer(bucket.first_run, dtype=torch.int64)
+
+_Staged = dict[tuple[Any, ...], list[tuple[torch.Tensor, torch.Tensor, dict[str, Any], bool]]]
+
+
+def stage(
+    opt: KernelOwner,
+    group: dict[str, Any],
+    params: list[torch.Tensor],
+    grads: list[Any],
+    moved: frozenset[int] = frozenset(),
+) -> _Staged:
+    """Validate every (param, grad) pair of ``group`` (params without a grad are left out), create or normalise
+    the state (``opt._init_state``) and group the pairs by ``(device, param dtype, grad dtype, masters)``:
+    ``(param, grad, state, state created now)`` each. ``moved``: positions of params given new storage since the
+    last build. The eager buckets and the compiled step's lists are both made from this."""
+    owner = opt._owner
+    if group.get("capturable", False):
+        for i, (p, g) in enumerate(zip(params, grads, strict=True)):
+            if g is not None and not opt._device_path(p.device):
+                raise RuntimeError(
+                    f"{owner}: capturable=True needs CUDA parameters (lr and steps on the device for "
+                    f"CUDA-graph capture), but parameter #{i} is on {p.device}. Pass capturable=False for "
+                    "CPU parameters (torch.optim raises for capturable=True on CPU too)."
+                )
+    staged: _Staged = {}
+    for i, (p, g) in enumerate(zip(params, grads, strict=True)):
+        if g is None:
+            continue
+        check_pair(local_tensor(p), local_tensor(g), i, owner=owner)
+        state, fresh = opt._init_state(p, group, i in moved)
+        master = opt.master_weights and p.dtype != torch.float32
+        staged.setdefault((p.device, p.dtype, g.dtype, master), []).append((p, g, state, fresh))
+    return staged
+
+
+def bucket_steps(states: list[dict[str, Any]], device: torch.device) -> torch.Tensor:
+    """One float32 ``(n,)`` tensor on ``device`` holding the states' steps, its elements put back into the states
+    as 0-dim views (one in-place add advances every step of the bucket)."""
+    flat = device_steps([st["step"] for st in states], device)
+    for j, st in enumerate(states):
+        st["step"] = flat[j]
+    return flat
 
 
 def device_steps(old: list[Any], device: torch.device) -> torch.Tensor:
@@ -504,30 +464,3 @@ def device_steps(old: list[Any], device: torch.device) -> torch.Tensor:
     if not any(values):
         return torch.zeros(n, dtype=torch.float32, device=device)
     return torch.tensor(values, dtype=torch.float32).to(device)
-
-
-def launch(
-    opt: BucketOwner, module: ModuleType, bucket: Bucket, group: dict[str, Any], at: Launch, **kw: Any
-) -> Any:
-    """The eager step's call of ``opt``'s kernel (``opt._kernel``) on ``bucket`` (its cached pointer arrays) with
-    the scalars in ``at`` (the optimizers' default ``_launch``); ``kw``: more binding keywords (LAMB's norms).
-    Returns the kernel's answer: whether its finite check skipped the update (None: decided on the device)."""
-    spec = opt._kernel
-    ptrs = bucket.ptrs
-    if kw:
-        kw = {**at.kw, **kw}
-    return call_kernel(
-        module,
-        spec,
-        [ptrs["params"], ptrs["grads"], *map(ptrs.get, spec.state_keys), ptrs.get("masters")],
-        bucket.sizes,
-        bucket.first_run if spec.first_run else at.steps,
-        (DTYPE_CODES[bucket.param_dtype], DTYPE_CODES[bucket.grad_dtype]),
-        at.lr,
-        spec.values(group),
-        at.divisor,
-        at.found_inf_ptr,
-        at.check_finite,
-        at.ctx,
-        **(kw or at.kw),
-    )

@@ -34,8 +34,8 @@ import torch
 from .. import _operators as _ops
 from .._backend import call_operator
 from .._distributed import is_dtensor
-from .._validate import check_pair
-from .buckets import device_steps
+from .._validate import div_scale_divisor
+from .buckets import bucket_steps, stage
 from .protocol import KernelOwner
 
 __all__ = ["BucketPlan", "init_group", "prepare_fallback", "traced_step"]
@@ -110,8 +110,8 @@ def _combined(flags: list[torch.Tensor], device: torch.device) -> torch.Tensor:
 
 def _refuse_unsupported(opt: KernelOwner, group: dict[str, Any]) -> None:
     owner = opt._owner
-    grad_scale, found_inf = opt._amp.inputs(opt)
-    if grad_scale is not None or found_inf is not None:
+    amp = vars(opt)  # GradScaler's attributes, set on the optimizer only during its step() call
+    if amp.get("grad_scale") is not None or amp.get("found_inf") is not None:
         raise RuntimeError(
             f"{owner}: a compiled step() does not take torch.amp.GradScaler's grad_scale/found_inf; call "
             "scaler.step(optimizer) outside torch.compile, or unscale first (scaler.unscale_(optimizer)) and "
@@ -123,15 +123,6 @@ def _refuse_unsupported(opt: KernelOwner, group: dict[str, Any]) -> None:
                 f"{owner}: parameter #{i} is a DTensor (FSDP2); a compiled step() steps plain tensors only. Call "
                 "optimizer.step() outside torch.compile for sharded parameters."
             )
-
-
-def _bucket_steps(states: list[dict[str, Any]], device: torch.device) -> torch.Tensor:
-    """One float32 ``(n,)`` tensor on ``device`` holding the bucket's steps, its elements put back into the
-    states as 0-dim views (the eager step's tensor is kept when the states already view it in order)."""
-    flat = device_steps([st["step"] for st in states], device)
-    for j, st in enumerate(states):
-        st["step"] = flat[j]
-    return flat
 
 
 def init_group(
@@ -152,24 +143,10 @@ def init_group(
     ``exp_avg_sq``; or ``momentum_buffer``), ``masters`` the float32 masters of master-weight buckets, ``extras``
     the steps and flag tensors of the plan.
     """
-    owner = opt._owner
     _refuse_unsupported(opt, group)
     keys = opt._state_keys(group)
     check = opt.skip_nonfinite if opt.skip_nonfinite is not None else opt.master_weights
-    staged: dict[tuple[Any, ...], list[tuple[torch.Tensor, torch.Tensor, dict[str, Any], bool]]] = {}
-    for i, p in enumerate(group["params"]):
-        g = p.grad
-        if g is None:
-            continue
-        check_pair(p, g, i, owner=owner)
-        if group.get("capturable", False) and not opt._device_path(p.device):
-            raise RuntimeError(
-                f"{owner}: capturable=True needs CUDA parameters, but parameter #{i} is on {p.device}; pass "
-                "capturable=False for CPU parameters (torch.optim raises for capturable=True on CPU too)."
-            )
-        state, fresh = opt._init_state(p, group)
-        master = opt.master_weights and p.dtype != torch.float32
-        staged.setdefault((p.device, p.dtype, g.dtype, master), []).append((p, g, state, fresh))
+    staged = stage(opt, group, group["params"], [p.grad for p in group["params"]])
     opt._compile_first_run.pop(id(group), None)
     plan: list[tuple[Any, ...]] = []
     index: dict[int, int] = {}  # id(extra tensor) -> its position in extras (each tensor once)
@@ -193,7 +170,7 @@ def init_group(
                 masters.append(state["master_param"])
         flag = count = first = steps = -1
         if opt._uses_steps:
-            steps = extra(_bucket_steps([e[2] for e in entries], device))
+            steps = extra(bucket_steps([e[2] for e in entries], device))
         if check:
             skips = opt._skips
             flag = extra(skips.device_flag(device, None))
@@ -215,7 +192,7 @@ def traced_step(opt: KernelOwner, closure: Any, div_scale: float) -> Any:
     """The compiled step (traced by dynamo; see the module docstring)."""
     if not _ops.available():
         return _fallback[0](opt, closure, div_scale)
-    divisor = opt._amp.divisor(opt, div_scale)
+    divisor = div_scale_divisor(opt._owner, div_scale)
     loss = None
     if closure is not None:
         with torch.enable_grad():

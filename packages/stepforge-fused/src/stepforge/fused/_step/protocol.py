@@ -1,48 +1,65 @@
 # SPDX-License-Identifier: Apache-2.0
 """What the step machinery of the fused optimizers needs from the optimizer that owns it.
 
-:class:`~stepforge.fused._base.FusedOptimizerBase` owns four objects (:class:`~.buckets.BucketCache`,
-:class:`~.eager.SkipTracker`, :class:`~.eager.AmpUnscaler`, :class:`~.eager.HostLoop` /
-:class:`~.device.DeviceLoop`); they, and the compiled step (:mod:`.compiled`), receive the optimizer
-as this protocol at each call (never store it, so no reference cycle keeps an optimizer alive) and reach the
-subclass hooks only through it. It extends :class:`~.buckets.BucketOwner`, what the bucket cache needs. The
-modules of the eager and device loops import this one, so their objects are typed ``Any`` here (no import
-circle).
+:class:`~stepforge.fused._base.FusedOptimizerBase` owns the step's stateful parts (:class:`~.buckets.BucketCache`,
+:class:`~.eager.SkipTracker`, :class:`~.device.DeviceLoop`); they, the eager step (:mod:`.eager`) and the compiled
+step (:mod:`.compiled`) receive the optimizer as this protocol at each call (never store it, so no reference
+cycle keeps an optimizer alive) and reach the subclass hooks only through it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from stepforge.core import GroupValidator
 
-from .buckets import Bucket, BucketCache, BucketOwner, Launch
+from .._backend import KernelSpec
+
+if TYPE_CHECKING:
+    from .buckets import Bucket, BucketCache, Launch
+    from .device import DeviceLoop
+    from .eager import SkipTracker
 
 __all__ = ["KernelOwner"]
 
 
-class KernelOwner(BucketOwner, Protocol):
+class KernelOwner(Protocol):
     """The optimizer seen by its step machinery: options, the subclass hooks and the device helpers."""
 
+    #: class name used in messages
+    _owner: str
+    #: the kernel's argument specification
+    _kernel: KernelSpec
+    #: whether the optimizer keeps a per-parameter ``step`` (False for SGD)
+    _uses_steps: bool
+    #: float32 masters for fp16/bf16 params
+    master_weights: bool
     #: skip a step with inf/NaN grads (None: with master_weights)
     skip_nonfinite: bool | None
     param_groups: list[dict[str, Any]]
-    #: the :class:`~.eager.AmpUnscaler`
-    _amp: Any
-    #: the :class:`~.eager.SkipTracker`
-    _skips: Any
+    _skips: SkipTracker
     _bucket_cache: BucketCache
-    #: the :class:`~.eager.HostLoop` and :class:`~.device.DeviceLoop`
-    _host_loop: Any
-    _device_loop: Any
+    _device_loop: DeviceLoop
     #: the param-group checks (``revalidate(param_groups)`` at each step)
     _groups: GroupValidator
     #: ``id(group)`` -> SGD first-run flag tensors a compiled step reads (kept alive by the optimizer)
     _compile_first_run: dict[int, list[torch.Tensor]]
+    #: adjusts the host grad divisor before any update (LAMB's clip); None: no adjustment
+    _pre_step: Callable[[list[tuple[dict[str, Any], list[Bucket]]], float], float] | None
+
+    def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
+        """float32 state tensors shaped like the param, in kernel argument order."""
+        ...
+
+    def _init_state(
+        self, p: torch.Tensor, group: dict[str, Any], moved: bool = False
+    ) -> tuple[dict[str, Any], bool]:
+        """Create or normalise ``p``'s state; returns ``(state, created_now)``."""
+        ...
 
     def _init_group(
         self,
@@ -63,11 +80,12 @@ class KernelOwner(BucketOwner, Protocol):
         """Run the kernel on ``bucket``; returns whether its finite check skipped the update."""
         ...
 
-    #: adjusts the host grad divisor before any update (LAMB's clip); None: no adjustment
-    _pre_step: Callable[[list[tuple[dict[str, Any], list[Bucket]]], float], float] | None
-
     def _device_clip_norm(self) -> float:
         """Global grad-norm clip on the device path (``0``: none)."""
+        ...
+
+    def _device_path(self, device: torch.device) -> bool:
+        """Whether tensors on ``device`` take the sync-free device path."""
         ...
 
     def _device_env(self, device: torch.device) -> tuple[int, int]:
