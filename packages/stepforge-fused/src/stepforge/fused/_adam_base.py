@@ -6,56 +6,50 @@ from __future__ import annotations
 from collections.abc import MutableMapping
 from typing import Any
 
+from stepforge.core import (
+    HyperParameterError,
+    check_betas,
+    check_bool,
+    check_lr,
+    check_range,
+    check_weight_decay,
+)
+
 from ._backend import ADAM
 from ._base import FusedOptimizerBase
-from ._validate import check_adam_like
 
 __all__ = ["AdamBase", "adam_defaults", "check_adam_group"]
 
-
-def adam_defaults(
-    owner: str,
-    *,
-    lr: Any,
-    bias_correction: Any,
-    betas: Any,
-    eps: Any,
-    weight_decay: Any,
-    amsgrad: Any = False,
-    **flags: Any,
-) -> dict[str, Any]:
-    """Validate the Adam-family options and return the group defaults (``flags``: extra boolean options,
-    e.g. ``adamw_mode``, ``grad_averaging``); the one place their defaults and checks live."""
-    check_adam_like(
-        owner,
-        lr=lr,
-        betas=betas,
-        eps=eps,
-        weight_decay=weight_decay,
-        amsgrad=amsgrad,
-        flags={"bias_correction": bias_correction, **flags},
-    )
-    return dict(
-        lr=lr,
-        bias_correction=bias_correction,
-        betas=tuple(betas),
-        eps=eps,
-        weight_decay=weight_decay,
-        **flags,
-    )
+_NUMBERS = ("lr", "betas", "eps", "weight_decay")
 
 
 def check_adam_group(group: MutableMapping[str, Any], *, owner: str, flags: tuple[str, ...]) -> None:
-    """The Adam-family checks on one param group (``flags``: its boolean options)."""
-    check_adam_like(
-        owner,
-        lr=group["lr"],
-        betas=group["betas"],
-        eps=group["eps"],
-        weight_decay=group["weight_decay"],
-        amsgrad=group.get("amsgrad", False),
-        flags={k: group[k] for k in flags if k in group},
+    """The Adam-family checks on one param group (``flags``: its boolean options); ``amsgrad=True`` raises a
+    clear error."""
+    check_lr(group["lr"], owner=owner)
+    check_betas(group["betas"], owner=owner)
+    check_range(
+        "eps", group["eps"], low=0.0, low_open=True, owner=owner, hint="Pass a small positive eps, e.g. 1e-8."
     )
+    check_weight_decay(group["weight_decay"], owner=owner)
+    amsgrad = group.get("amsgrad", False)
+    check_bool("amsgrad", amsgrad, owner=owner)
+    if amsgrad:
+        raise HyperParameterError(
+            f"{owner}: amsgrad=True is not supported by the fused kernels. Use torch.optim.AdamW(amsgrad=True) "
+            "or pass amsgrad=False."
+        )
+    for name in flags:
+        if name in group:
+            check_bool(name, group[name], owner=owner)
+
+
+def adam_defaults(owner: str, *, amsgrad: Any = False, **options: Any) -> dict[str, Any]:
+    """Validate the Adam-family options (``lr, bias_correction, betas, eps, weight_decay`` and the boolean ones,
+    e.g. ``adamw_mode``) and return them as the group defaults (``amsgrad`` is checked, not kept)."""
+    flags = tuple(k for k in options if k not in _NUMBERS)
+    check_adam_group({**options, "amsgrad": amsgrad}, owner=owner, flags=flags)
+    return {**options, "betas": tuple(options["betas"])}
 
 
 class AdamBase(FusedOptimizerBase):

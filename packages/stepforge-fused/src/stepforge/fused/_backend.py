@@ -3,17 +3,16 @@
 
 ``_cpu`` is always built; ``_cuda`` only with ``STEPFORGE_CUDA=ON`` (or ``AUTO`` and nvcc found). Both expose the
 same kernel functions, so the optimizers call ``module_for(device).adam(...)`` and never branch on the device.
-One loader (:func:`_load`), one dtype table (:data:`DTYPE_CODES`), one error class
-(:class:`BackendUnavailableError`). The ``_cuda`` extension links the CUDA runtime statically, so it imports on
-machines without a GPU; :func:`cuda_status` then says why it cannot run.
+The ``_cuda`` extension links the CUDA runtime statically, so it imports on machines without a GPU;
+:func:`cuda_status` then says why it cannot run.
 
 One argument specification per update kernel (:class:`KernelSpec`: :data:`ADAM`, :data:`SGD`, :data:`LAMB`) says
 what it takes besides the shared arguments: its state lists and its hyper-parameters, each read from the param
-group. From it come the operator's schema (:meth:`KernelSpec.schema`, registered by :mod:`._operators`) and its
-implementation (:mod:`._operators.impls`), the eager step's call of the pybind kernel on a bucket's cached pointer
-arrays (:func:`._step.buckets.launch`) and the compiled step's call of the operator on tensor lists (:func:`call_operator`). So
-adding an Adam argument means the kernel (and its binding), one :class:`Arg` in :data:`ADAM`, and the class that
-puts it into its param groups. The shared arguments, in kernel order::
+group. From it come the operator's schema (registered by :mod:`._operators`), the one call of the pybind kernel
+(:func:`call_kernel`: the eager step's launch on a bucket's cached pointer arrays and the operators' real
+implementations) and the compiled step's operator call (:func:`call_operator`). So adding an Adam argument means
+the kernel (and its binding), one :class:`Arg` in :data:`ADAM`, and the class that puts it into its param groups.
+The shared arguments, in kernel order::
 
     params, grads, *states, masters, sizes, per-tensor (steps or SGD's first_run), param dtype, grad dtype, lr,
     *hyper, grad_divisor, found_inf, check_finite, ctx (CPU threads / CUDA stream), **keywords (CUDA)
@@ -36,6 +35,7 @@ from stepforge.core import StepforgeError
 
 __all__ = [
     "ADAM",
+    "DTYPE_CODES",
     "LAMB",
     "SGD",
     "Arg",
@@ -43,23 +43,21 @@ __all__ = [
     "KernelSpec",
     "call_kernel",
     "call_operator",
-    "device_env",
-    "device_kw",
-    "device_path",
-    "launch_ctx",
-    "lr_args",
-    "DTYPE_CODES",
+    "cpu_features",
     "cpu_module",
     "cuda_available",
     "cuda_module",
     "cuda_status",
-    "module_for",
+    "device_env",
+    "device_kw",
+    "device_path",
+    "dtype_code",
+    "get_num_threads",
     "has_cuda",
-    "cpu_features",
+    "launch_ctx",
+    "module_for",
     "set_cpu_isa",
     "set_num_threads",
-    "get_num_threads",
-    "dtype_code",
 ]
 
 #: dtype codes of the kernel contract (csrc/README.md); never reorder.
@@ -297,30 +295,31 @@ class KernelSpec:
         """The hyper-parameters of ``group``, in kernel order."""
         return [conv(group[key] if i is None else group[key][i]) for key, i, conv in self._readers]
 
-    def arg_names(self) -> list[str]:
-        """The operator's argument names, in order."""
+    def _signature(self) -> list[tuple[str, str]]:
+        """``(schema type, name)`` of each operator argument, in order; ``Tensor(x!)`` marks what the operator
+        writes (never the gradients)."""
+        marks = iter("abcde")  # found_inf is always (f!): the schemas registered before this spec existed
+        args = [(f"Tensor({next(marks)}!)[]", "params"), ("Tensor[]", "grads")]
+        args += [(f"Tensor({next(marks)}!)[]", name) for _key, name in self.states]
+        args.append((f"Tensor({next(marks)}!)[]", "masters"))
+        args.append(
+            (f"Tensor({next(marks)}!)?", "first_run")
+            if self.first_run
+            else (f"Tensor({next(marks)}!)", "steps")
+        )
         return [
-            "params", "grads", *(name for _key, name in self.states), "masters",
-            "first_run" if self.first_run else "steps", "lr", "lr_tensor", *(a.name for a in self.hyper),
-            "grad_divisor", "grad_divisor_tensor", "found_inf", "check_finite", "stochastic_rounding", "seed",
+            *args, ("float", "lr"), ("Tensor?", "lr_tensor"), *((a.type, a.name) for a in self.hyper),
+            ("float", "grad_divisor"), ("Tensor?", "grad_divisor_tensor"), ("Tensor(f!)?", "found_inf"),
+            ("bool", "check_finite"), ("bool", "stochastic_rounding"), ("int", "seed"),
         ]  # fmt: skip
 
+    def arg_names(self) -> list[str]:
+        """The operator's argument names, in order."""
+        return [name for _type, name in self._signature()]
+
     def schema(self) -> str:
-        """The operator schema: ``Tensor(x!)`` marks what it writes (never the gradients)."""
-        marks = iter("abcde")  # found_inf is always (f!): the schemas registered before this spec existed
-        lists = [f"Tensor({next(marks)}!)[] params", "Tensor[] grads"]
-        lists += [f"Tensor({next(marks)}!)[] {name}" for _key, name in self.states]
-        lists.append(f"Tensor({next(marks)}!)[] masters")
-        lists.append(
-            f"Tensor({next(marks)}!)? first_run" if self.first_run else f"Tensor({next(marks)}!) steps"
-        )
-        hyper = [f"{a.type} {a.name}" for a in self.hyper]
-        tail = [
-            "float grad_divisor", "Tensor? grad_divisor_tensor", "Tensor(f!)? found_inf",
-            "bool check_finite", "bool stochastic_rounding", "int seed",
-        ]  # fmt: skip
-        args = ", ".join([*lists, "float lr", "Tensor? lr_tensor", *hyper, *tail])
-        return f"{self.op}({args}) -> ()"
+        """The operator schema."""
+        return f"{self.op}({', '.join(f'{t} {name}' for t, name in self._signature())}) -> ()"
 
 
 _BETAS = (Arg("beta1", "float", "betas", 0), Arg("beta2", "float", "betas", 1), Arg("eps", "float", "eps"))
@@ -399,15 +398,6 @@ def call_kernel(
     return fn(*ptrs, sizes, per_tensor, *dtypes, lr, *hyper, divisor, found_inf_ptr, check_finite, ctx, **kw)
 
 
-def lr_args(group: dict[str, Any]) -> tuple[float, torch.Tensor | None]:
-    """``(lr, lr_tensor)`` of an operator call: a tensor lr is read by the graph (no recompile when it changes),
-    a float lr is a constant of the graph."""
-    lr = group["lr"]
-    if isinstance(lr, torch.Tensor):
-        return 0.0, lr
-    return float(lr), None
-
-
 def call_operator(
     spec: KernelSpec,
     group: dict[str, Any],
@@ -420,7 +410,10 @@ def call_operator(
 ) -> None:
     """The compiled step's call of ``spec``'s operator: ``lists`` = ``[params, grads, *states, masters]``,
     ``per_tensor`` the step counts (or SGD's first-run flags)."""
-    lr, lr_tensor = lr_args(group)
+    lr = group[
+        "lr"
+    ]  # a tensor lr is read by the graph (no recompile when it changes), a float one is a constant
+    lr, lr_tensor = (0.0, lr) if isinstance(lr, torch.Tensor) else (float(lr), None)
     getattr(torch.ops.stepforge_fused, spec.op)(
         *lists, per_tensor, lr, lr_tensor, *spec.values(group), grad_divisor, grad_divisor_tensor, found_inf,
         check_finite, False, 0,

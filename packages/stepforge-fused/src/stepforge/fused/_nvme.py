@@ -82,15 +82,6 @@ class NvmeStateStore:
         self._files = 0
         self._owned: set[int] = set()  # data_ptr() of the file-backed tensors created here
 
-    @property
-    def closed(self) -> bool:
-        return not self._finalizer.alive
-
-    @property
-    def offloaded_numel(self) -> int:
-        """Parameter elements whose state is in files."""
-        return self._offloaded
-
     def close(self) -> None:
         """Remove the directory and its files. Mapped tensors stay readable (the mapping outlives the unlink)."""
         self._finalizer()
@@ -111,15 +102,9 @@ class NvmeStateStore:
                 self._decided[id(p)] = True
                 self._offloaded += p.numel()
 
-    def offloaded(self, p: torch.Tensor) -> bool:
-        return self._decided.get(id(p), False)
-
-    def owns(self, t: torch.Tensor) -> bool:
-        return t.data_ptr() in self._owned
-
     def file_tensor(self, value: torch.Tensor) -> torch.Tensor:
         """A file-backed float32 copy of ``value`` (same shape, contiguous)."""
-        if self.closed:
+        if not self._finalizer.alive:
             raise RuntimeError(f"{self.owner}: the NVMe offload store was closed; build a new optimizer.")
         name = os.path.join(self.path, f"state-{self._files}.bin")
         self._files += 1
@@ -134,15 +119,20 @@ class NvmeStateStore:
 
     def adopt(self, p: torch.Tensor, state: dict[str, object]) -> None:
         """Move the float32 state tensors of an offloaded CPU parameter into files (no-op when already there)."""
-        if not self.offloaded(p):
+        if not self._decided.get(id(p), False):
             return
         for key in OFFLOADED_KEYS:
             t = state.get(key)
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.numel() and not self.owns(t):
+            if (
+                isinstance(t, torch.Tensor)
+                and t.device.type == "cpu"
+                and t.numel()
+                and t.data_ptr() not in self._owned
+            ):
                 state[key] = self.file_tensor(t.detach().to(torch.float32))
 
     def file_bytes(self) -> int:
         """Bytes allocated in the store's files."""
-        if self.closed:
+        if not self._finalizer.alive:
             return 0
         return sum(os.path.getsize(os.path.join(self.path, n)) for n in os.listdir(self.path))

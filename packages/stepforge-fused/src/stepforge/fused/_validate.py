@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Input checks shared by the fused optimizers: hyper-parameters (messages from stepforge.core), parameters at
-construction, parameter/gradient pairs at bucket building."""
+"""Input checks shared by the fused optimizers: ``step()``'s arguments, parameters at construction,
+parameter/gradient pairs at bucket building."""
 
 from __future__ import annotations
 
@@ -9,44 +9,12 @@ from typing import Any
 
 import torch
 
-from stepforge.core import (
-    HyperParameterError,
-    check_betas,
-    check_bool,
-    check_lr,
-    check_range,
-    check_weight_decay,
-)
+from stepforge.core import check_range
 from stepforge.core.torch_compat import dtensor_local
 
 from . import _backend
 
-__all__ = [
-    "check_adam_like",
-    "check_pair",
-    "check_param",
-    "div_scale_divisor",
-    "local_tensor",
-    "reject_legacy_step_args",
-]
-
-
-def check_adam_like(
-    owner: str, *, lr: Any, betas: Any, eps: Any, weight_decay: Any, amsgrad: Any, flags: dict[str, Any]
-) -> None:
-    """Validate the Adam/LAMB family options; ``amsgrad=True`` raises a clear error."""
-    check_lr(lr, owner=owner)
-    check_betas(betas, owner=owner)
-    check_range("eps", eps, low=0.0, low_open=True, owner=owner, hint="Pass a small positive eps, e.g. 1e-8.")
-    check_weight_decay(weight_decay, owner=owner)
-    check_bool("amsgrad", amsgrad, owner=owner)
-    if amsgrad:
-        raise HyperParameterError(
-            f"{owner}: amsgrad=True is not supported by the fused kernels. Use torch.optim.AdamW(amsgrad=True) "
-            "or pass amsgrad=False."
-        )
-    for name, value in flags.items():
-        check_bool(name, value, owner=owner)
+__all__ = ["check_pair", "check_param", "div_scale_divisor", "local_tensor", "reject_legacy_step_args"]
 
 
 def reject_legacy_step_args(owner: str, **legacy: Any) -> None:

@@ -44,24 +44,12 @@ class FusedLAMB(FusedOptimizerBase):
     (a norms pass, the all-reduce, an apply pass); unsharded buckets keep the single call.
 
     Args:
-        params: as apex/ColossalAI ``FusedLAMB``.
-        lr: as apex/ColossalAI ``FusedLAMB``.
-        bias_correction: as apex/ColossalAI ``FusedLAMB``.
-        betas: as apex/ColossalAI ``FusedLAMB``.
-        eps: as apex/ColossalAI ``FusedLAMB``.
-        weight_decay: as apex/ColossalAI ``FusedLAMB``.
+        params, lr, bias_correction, betas, eps, weight_decay, adam_w_mode, grad_averaging, set_grad_none,
+            max_grad_norm, use_nvlamb: as apex/ColossalAI ``FusedLAMB``.
         amsgrad: must be False (apex's argument).
-        adam_w_mode: as apex/ColossalAI ``FusedLAMB``.
-        grad_averaging: as apex/ColossalAI ``FusedLAMB``.
-        set_grad_none: as apex/ColossalAI ``FusedLAMB``.
-        max_grad_norm: as apex/ColossalAI ``FusedLAMB``.
-        use_nvlamb: as apex/ColossalAI ``FusedLAMB``.
         trust_clip: ``(low, high)`` clamp of the trust ratio (either may be None), or None.
-        master_weights: as in :class:`~stepforge.fused.FusedAdam`.
-        skip_nonfinite: as in :class:`~stepforge.fused.FusedAdam`.
-        assume_stable_grads: as in :class:`~stepforge.fused.FusedAdam`.
-        capturable: as in :class:`~stepforge.fused.FusedAdam`. On CUDA the global norm and clip factor stay on
-            the device.
+        master_weights, skip_nonfinite, assume_stable_grads, capturable: as in :class:`~stepforge.fused.FusedAdam`
+            (on CUDA the global norm and clip factor stay on the device).
     """
 
     _owner = "FusedLAMB"

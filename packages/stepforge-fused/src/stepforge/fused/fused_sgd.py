@@ -46,15 +46,9 @@ class FusedSGD(FusedOptimizerBase):
     Args:
         params: parameters or param-group dicts.
         lr: learning rate (required).
-        momentum: as above (nesterov needs momentum > 0, dampening 0).
-        dampening: as above (nesterov needs momentum > 0, dampening 0).
-        weight_decay: as above (nesterov needs momentum > 0, dampening 0).
-        nesterov: as above (nesterov needs momentum > 0, dampening 0).
-        wd_after_momentum: as above (nesterov needs momentum > 0, dampening 0).
-        master_weights: as in :class:`~stepforge.fused.FusedAdam`.
-        skip_nonfinite: as in :class:`~stepforge.fused.FusedAdam`.
-        assume_stable_grads: as in :class:`~stepforge.fused.FusedAdam`.
-        capturable: as in :class:`~stepforge.fused.FusedAdam`.
+        momentum, dampening, weight_decay, nesterov, wd_after_momentum: as above (nesterov needs momentum > 0,
+            dampening 0).
+        master_weights, skip_nonfinite, assume_stable_grads, capturable: as in :class:`~stepforge.fused.FusedAdam`.
 
     State per parameter equals ``torch.optim.SGD``'s: ``momentum_buffer`` (float32), only with momentum.
     """

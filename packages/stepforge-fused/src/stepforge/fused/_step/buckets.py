@@ -1,28 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
 """Buckets and the pointer cache of the fused optimizers (the kernels take raw addresses; this keeps them right).
 
-A param group is split into buckets keyed by ``(device, param dtype, grad dtype, master weights)``; each bucket
-holds the pointer arrays the kernels take (``array.array('q')``, read without copying by the extension), the
-sizes and a flat float32 tensor of per-parameter step counts whose elements *are* ``state[p]["step"]`` (0-dim
-views), so one in-place add advances every step of the bucket. :class:`BucketCache` keeps one
-:class:`GroupCache` per param group: built, revalidated at each step and refreshed.
+A param group is split into buckets by ``(device, param dtype, grad dtype, master weights)``; each holds the
+pointer arrays the kernels take (``array.array('q')``, read without a copy), the sizes and a flat float32 tensor
+of step counts whose elements *are* ``state[p]["step"]`` (0-dim views): one in-place add advances every step.
 
-The cache is revalidated at every step at no per-tensor cost (see :class:`GroupCache`): the cache holds a weak
-reference, with a callback, to the storage behind every address it gives a kernel. Any move that gives a
-parameter or gradient other memory (``model.double().float()``, ``.half().float()``, ``.to(device)``,
-``module._apply``, ``p.data = t``, ``p.grad.data = t``) frees the old storage, and its callback marks the cache
-stale before that memory can be reused: the next step rebuilds the buckets (state follows the parameter's
-device, masters re-sync) or refreshes the grad pointers after checking dtype, size and layout. Gradient objects
-are also compared by identity each step (re-allocated by backward, assigned by hand). Not seen: a move whose old
-storage stays alive elsewhere (a view or reference kept by other code: the kernel then updates that live memory,
-not the parameter) and resizing a storage in place (``untyped_storage().resize_()``); call
+The cache is revalidated at every step at no per-tensor cost: it holds a weak reference, with a callback, to the
+storage behind every address it gives a kernel. Any move that gives a parameter or gradient other memory
+(``model.half().float()``, ``.to(device)``, ``p.data = t``, ``p.grad.data = t``) frees the old storage, and its
+callback marks the cache stale before that memory can be reused: the next step rebuilds the buckets or refreshes
+the grad pointers. Gradient objects are also compared by identity each step. Not seen: a move whose old storage
+stays alive elsewhere, and ``untyped_storage().resize_()``; call
 :meth:`~stepforge.fused._base.FusedOptimizerBase.invalidate_cache` after those. A per-step ``data_ptr()``
 comparison would catch them but cost +26% on the 20 000-tensor benchmark
-(``benchmarks/results/fused-cpu/cpu-2026-11-23-cache-check.json``).
-
-With ``assume_stable_grads=True`` the ``p.grad`` identity check is skipped too: gradients newly allocated by
-backward are seen through post-accumulate-grad hooks, ``zero_grad(set_to_none=True)`` makes the next step check
-them once, and a gradient assigned by hand needs :meth:`~stepforge.fused._base.FusedOptimizerBase.invalidate_cache`.
+(``benchmarks/results/fused-cpu/cpu-2026-11-23-cache-check.json``). With ``assume_stable_grads=True`` the
+``p.grad`` identity check is skipped too: post-accumulate-grad hooks see new gradients.
 """
 
 from __future__ import annotations
@@ -51,6 +43,7 @@ def _i64(values: Iterable[int]) -> array.array[int]:
     return array.array("q", values)
 
 
+@dataclass(slots=True, eq=False)
 class Bucket:
     """Tensors of one param group sharing ``(device, param dtype, grad dtype, masters)``.
 
@@ -60,46 +53,26 @@ class Bucket:
         sizes: element counts (int64).
         steps: flat float32 tensor ``(n,)`` on the bucket's device; ``state[p]["step"]`` is ``steps[i]``.
         steps_arg: int64 array the CPU kernel reads (``steps + 1`` at launch).
-        on_device: CUDA bucket (sync-free path: device steps, device flags).
-        step_ptrs: addresses of the elements of ``steps`` (CUDA buckets; the kernel reads them).
+        on_device: CUDA bucket (sync-free path: steps on the device, read through ``step_ptrs``, device flags).
+        step_ptrs: addresses of the elements of ``steps`` (CUDA buckets).
         first_run: int64 flags (SGD: buffer initialised from the grad on this step).
     """
 
-    __slots__ = (
-        "_first_run_t",
-        "_steps_arg_t",
-        "device",
-        "first_run",
-        "grad_dtype",
-        "master",
-        "numel",
-        "on_device",
-        "param_dtype",
-        "params",
-        "ptrs",
-        "sizes",
-        "step_ptrs",
-        "steps",
-        "steps_arg",
-    )
-
-    def __init__(self, device: torch.device, param_dtype: torch.dtype, grad_dtype: torch.dtype, master: bool):
-        self.device = device
-        self.param_dtype = param_dtype
-        self.grad_dtype = grad_dtype
-        self.master = master
-        self.params: list[torch.Tensor] = []
-        self.ptrs: dict[str, array.array[int]] = {}
-        self.sizes = _i64(())
-        self.steps = torch.zeros(0)
-        self.steps_arg = _i64(())
-        self._steps_arg_t: torch.Tensor | None = None
-        self.first_run = _i64(())
-        self._first_run_t: torch.Tensor | None = None
-        self.numel = 0
-        # CUDA buckets: steps live on the device and the kernels read them through step_ptrs (no host copy).
-        self.on_device = False
-        self.step_ptrs: array.array[int] | None = None
+    device: torch.device
+    param_dtype: torch.dtype
+    grad_dtype: torch.dtype
+    master: bool
+    params: list[torch.Tensor] = field(default_factory=list)
+    ptrs: dict[str, array.array[int]] = field(default_factory=dict)
+    sizes: array.array[int] = field(default_factory=lambda: _i64(()))
+    numel: int = 0
+    steps: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    steps_arg: array.array[int] = field(default_factory=lambda: _i64(()))
+    first_run: array.array[int] = field(default_factory=lambda: _i64(()))
+    on_device: bool = False
+    step_ptrs: array.array[int] | None = None
+    _steps_arg_t: torch.Tensor | None = None  # views of the arrays above: filled in one tensor op
+    _first_run_t: torch.Tensor | None = None
 
     def prepare_steps(self) -> array.array[int]:
         """Fill ``steps_arg`` with ``state step + 1`` (the step being taken) in two tensor ops."""
@@ -151,14 +124,9 @@ def _local_grads(grads: list[Any]) -> list[Any]:
 
 
 class GroupCache:
-    """The buckets of one param group and what they were built from.
-
-    Revalidated at every step without a per-tensor call: weakref callbacks on the storages of the parameters
-    and gradients the buckets point into set ``param_stale``/``stale`` when one is freed (a move), and the
-    gradient objects are compared with the cached ones by identity. Storages are not held, so a moved model or
-    freed grads release their memory. A stale cache is rebuilt (params) or refreshed (grads), which re-validates
-    dtype, shape, device and layout.
-    """
+    """The buckets of one param group and what they were built from: weakref callbacks on the storages the
+    buckets point into set ``param_stale``/``stale`` when one is freed (storages are not held, so a moved model
+    or freed grads release their memory); a stale cache is rebuilt (params) or refreshed (grads)."""
 
     __slots__ = (
         "all_set",
@@ -205,9 +173,6 @@ class GroupCache:
         self.members = [[where[id(p)] for p in b.params] for b in buckets]
 
     def _keep_grads(self, grads: list[Any], *, watch: bool) -> None:
-        # The grad objects are compared by identity each step; a grad whose storage is swapped under it
-        # (p.grad.data = t) frees the old storage, whose weakref callback marks the cache stale before that
-        # memory can be reused. Grad storages are not held, so freeing grads frees their memory.
         # The callbacks are set up only once the same grads come back a second time (``watch``): with
         # ``zero_grad(set_to_none=True)`` every step brings new grads and the weakrefs would be thrown away
         # unused (they were half of the per-step host time on 20 000 tensors); until then
