@@ -14,17 +14,7 @@ from stepforge.core.torch_compat import dtensor_local
 
 from . import _backend
 
-__all__ = ["check_pair", "check_param", "div_scale_divisor", "local_tensor", "reject_legacy_step_args"]
-
-
-def reject_legacy_step_args(owner: str, **legacy: Any) -> None:
-    """apex/ColossalAI step() keeps grads/output_params/scale/grad_norms for compatibility; they must be None."""
-    for name, value in legacy.items():
-        if value is not None:
-            raise TypeError(
-                f"{owner}.step(): the legacy argument {name!r} is not supported (it must be None); gradients are "
-                "read from p.grad, and a loss scale is passed as div_scale= or through torch.amp.GradScaler."
-            )
+__all__ = ["check_pair", "check_param", "div_scale_divisor"]
 
 
 def div_scale_divisor(owner: str, div_scale: float | None) -> float:
@@ -44,10 +34,6 @@ def div_scale_divisor(owner: str, div_scale: float | None) -> float:
     )
 
 
-#: The tensor the kernels read: a DTensor's local shard, any other tensor itself (an alias: one call, not two).
-local_tensor = dtensor_local
-
-
 _SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -55,7 +41,7 @@ def check_param(p: Any, index: int, *, owner: str) -> None:
     """Reject parameters the kernels cannot update in place, at construction (not at the first step)."""
     if not isinstance(p, torch.Tensor):
         raise TypeError(f"{owner}: parameter #{index} is a {type(p).__name__}, not a tensor.")
-    t = local_tensor(p)
+    t = dtensor_local(p)
     where = f"parameter #{index} (shape {tuple(p.shape)}, {p.dtype}, {t.device})"
     if t.dtype not in _SUPPORTED:
         raise TypeError(

@@ -10,7 +10,6 @@ from stepforge.core import check_bool
 
 from ._adam_base import AdamBase, adam_defaults
 from ._step.eager import fused_step
-from ._validate import reject_legacy_step_args
 
 __all__ = ["FusedAdam"]
 
@@ -101,7 +100,11 @@ class FusedAdam(AdamBase):
         div_scale: float = -1,
     ) -> Any:
         """One optimizer step; ``div_scale > 0`` divides every grad first (ColossalAI semantics)."""
-        reject_legacy_step_args(
-            self._owner, grads=grads, output_params=output_params, scale=scale, grad_norms=grad_norms
-        )
+        legacy = {"grads": grads, "output_params": output_params, "scale": scale, "grad_norms": grad_norms}
+        for name, value in legacy.items():  # kept in apex/ColossalAI's signature for compatibility only
+            if value is not None:
+                raise TypeError(
+                    f"FusedAdam.step(): the legacy argument {name!r} is not supported (it must be None); gradients "
+                    "are read from p.grad, and a loss scale is passed as div_scale= or through torch.amp.GradScaler."
+                )
         return fused_step(self, closure, div_scale)  # type: ignore[arg-type]

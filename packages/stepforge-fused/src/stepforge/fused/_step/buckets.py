@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from stepforge.core.torch_compat import is_dtensor, view_base
+from stepforge.core.torch_compat import dtensor_local, is_dtensor, view_base
 
-from .._validate import check_pair, local_tensor
+from .._validate import check_pair
 
 if TYPE_CHECKING:
     from .protocol import KernelOwner
@@ -120,7 +120,7 @@ _storage = torch.Tensor.untyped_storage
 
 
 def _local_grads(grads: list[Any]) -> list[Any]:
-    return [None if g is None else local_tensor(g) for g in grads]
+    return [None if g is None else dtensor_local(g) for g in grads]
 
 
 class GroupCache:
@@ -288,7 +288,7 @@ class BucketCache:
         else:
             grads = list(map(_get_grad, params))
             gviews = _local_grads(grads) if dtensor else grads
-        views = list(map(local_tensor, params)) if dtensor else params
+        views = list(map(dtensor_local, params)) if dtensor else params
         moved: frozenset[int] = frozenset()
         if cached is not None and len(params) == len(cached.param_ptrs):
             now = _i64(map(_data_ptr, views))
@@ -336,13 +336,13 @@ class BucketCache:
             bucket = Bucket(device, pdt, gdt, master)
             bucket.params = [e[0] for e in entries]
             # DTensor params, grads and state: the kernels step the local shards
-            bucket.ptrs["params"] = _i64(local_tensor(e[0]).data_ptr() for e in entries)
-            bucket.ptrs["grads"] = _i64(local_tensor(e[1]).data_ptr() for e in entries)
+            bucket.ptrs["params"] = _i64(dtensor_local(e[0]).data_ptr() for e in entries)
+            bucket.ptrs["grads"] = _i64(dtensor_local(e[1]).data_ptr() for e in entries)
             for name in keys:
-                bucket.ptrs[name] = _i64(local_tensor(e[2][name]).data_ptr() for e in entries)
+                bucket.ptrs[name] = _i64(dtensor_local(e[2][name]).data_ptr() for e in entries)
             if master:
-                bucket.ptrs["masters"] = _i64(local_tensor(e[2]["master_param"]).data_ptr() for e in entries)
-            bucket.sizes = _i64(local_tensor(e[0]).numel() for e in entries)
+                bucket.ptrs["masters"] = _i64(dtensor_local(e[2]["master_param"]).data_ptr() for e in entries)
+            bucket.sizes = _i64(dtensor_local(e[0]).numel() for e in entries)
             bucket.numel = sum(bucket.sizes)
             n = len(entries)
             bucket.on_device = opt._device_path(device)
@@ -388,7 +388,7 @@ def stage(
     for i, (p, g) in enumerate(zip(params, grads, strict=True)):
         if g is None:
             continue
-        check_pair(local_tensor(p), local_tensor(g), i, owner=owner)
+        check_pair(dtensor_local(p), dtensor_local(g), i, owner=owner)
         state, fresh = opt._init_state(p, group, i in moved)
         master = opt.master_weights and p.dtype != torch.float32
         staged.setdefault((p.device, p.dtype, g.dtype, master), []).append((p, g, state, fresh))

@@ -1,25 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
 """The step of the fused optimizers under ``torch.compile``: what dynamo runs eagerly and what it traces.
 
-``step()`` checks :func:`torch.compiler.is_compiling` first: eagerly it takes the cached-pointer path
-(:mod:`.eager`, :mod:`.device`), under dynamo it takes :func:`traced_step`, which dynamo turns into
-one graph without breaks. Dynamo runs the optimizer's ``_init_group(group, <empty lists>...)`` (:func:`init_group`)
-eagerly: argument checks, state creation (the same ``_init_state`` as the eager step), the grouping into kernel
-buckets and the tensors the graph mutates besides the state lists (each bucket's step counts as one flat tensor,
-skip flags); the tensors the lists then hold become graph inputs and its return value, one :class:`BucketPlan`
-per bucket, a constant. The graph holds the inf/NaN pre-check and LAMB's global clip as tensor ops and one
-operator call per bucket (:func:`.._backend.call_operator`, the same kernel specification as the eager step's
-launch), which inductor runs in place on the parameters and state. Same kernels, same scalars and the same
-decisions as the eager step, so the results are bit-identical.
+Under dynamo ``step()`` takes :func:`traced_step`, one graph without breaks. Dynamo runs the optimizer's
+``_init_group(group, <empty lists>...)`` (:func:`init_group`) eagerly: argument checks, state creation and the
+grouping into buckets (the eager step's :func:`.buckets.stage`) and the tensors the graph mutates besides the
+state lists (each bucket's steps as one flat tensor, skip flags); the lists become graph inputs and its return
+value, one :class:`BucketPlan` per bucket, a constant. The graph holds the inf/NaN pre-check and LAMB's global clip
+as tensor ops and one operator call per bucket (:func:`.._backend.call_operator`), which inductor runs in place on
+the parameters and state: the eager step's kernels, scalars and decisions, so bit-identical results. A tensor lr is
+read by the graph (an LR scheduler writing it in place never recompiles); a float lr is a constant of the graph.
 
-Steps are laid out as the eager step lays them out: one float32 ``(n,)`` tensor per bucket whose elements *are*
-``state[p]["step"]`` (0-dim views). A ``torch.Tensor`` learning rate is read by the graph, so an LR scheduler that
-writes the tensor in place never recompiles it; a float lr is a constant of the graph (dynamo recompiles when it
-changes, as it does for torch.optim).
-
-Without the operators (a torch lacking ``torch.library.register_fake``, see :func:`stepforge.fused.ops.available`) the step runs
-eagerly inside the compiled code: a graph break, announced by one warning (``fullgraph=True`` then raises
-dynamo's error, since the step cannot be part of the graph).
+Without the operators (:func:`stepforge.fused.ops.available`) the step runs eagerly inside the compiled code: a
+graph break, announced by one warning (``fullgraph=True`` then raises dynamo's error).
 """
 
 from __future__ import annotations
@@ -31,7 +23,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .. import _operators as _ops
+from .. import ops as _ops
 from .._backend import call_operator
 from .._distributed import is_dtensor
 from .._validate import div_scale_divisor
@@ -42,11 +34,9 @@ __all__ = ["BucketPlan", "init_group", "prepare_fallback", "traced_step"]
 
 
 class BucketPlan(NamedTuple):
-    """Where one bucket of a compiled step lies in the lists ``_init_group`` filled.
-
-    ``_init_group`` returns its fields as a plain tuple (dynamo makes constants of its return value and cannot
-    rebuild this class), :func:`traced_step` reads them through it. ``flag``, ``count``, ``first_run`` and ``steps`` index
-    the ``extras`` list (``-1``: none).
+    """Where one bucket of a compiled step lies in the lists ``_init_group`` filled (returned as a plain tuple:
+    dynamo makes constants of the return value and cannot rebuild this class). ``flag``, ``count``,
+    ``first_run`` and ``steps`` index the ``extras`` list (``-1``: none).
 
     Attributes:
         start, stop: the bucket's slice of the params/grads/state lists.
@@ -71,29 +61,23 @@ class BucketPlan(NamedTuple):
 _warned: set[str] = set()
 
 
-def _announce_fallback(owner: str) -> None:
-    if owner in _warned:
-        return
-    _warned.add(owner)
-    warnings.warn(
-        f"stepforge-fused: torch.compile runs {owner}.step() eagerly (a graph break), because "
-        f"{_ops.unavailable_reason()}.",
-        RuntimeWarning,
-        stacklevel=3,
-    )
-
-
 def _eager(
     step: Callable[[KernelOwner, Any, float], Any], opt: KernelOwner, closure: Any, div_scale: float
 ) -> Any:
-    _announce_fallback(opt._owner)
-    with torch.no_grad():
-        return step(opt, closure, div_scale)
+    if opt._owner not in _warned:
+        _warned.add(opt._owner)
+        warnings.warn(
+            f"stepforge-fused: torch.compile runs {opt._owner}.step() eagerly (a graph break), because "
+            f"{_ops.unavailable_reason()}.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return step(opt, closure, div_scale)
 
 
-#: The eager step behind ``torch.compiler.disable`` (dynamo does not trace it: the compiled code breaks there and
-#: calls it), made by :func:`prepare_fallback` outside tracing and only without the operators: creating it imports
-#: torch._dynamo (about a second), which an ``import stepforge.fused`` must not cost.
+#: The eager step behind ``torch.compiler.disable`` (the compiled code breaks there and calls it), made by
+#: :func:`prepare_fallback` only without the operators: it imports torch._dynamo (about a second), which an
+#: ``import stepforge.fused`` must not cost.
 _fallback: list[Callable[[Any, Any, float], Any]] = []
 
 

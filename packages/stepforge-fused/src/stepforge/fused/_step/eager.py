@@ -22,11 +22,12 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from stepforge.core import HyperParameterError
+from stepforge.core.torch_compat import dtensor_local
 
 from .. import _backend
 from .._backend import DTYPE_CODES, call_kernel
 from .._distributed import is_dtensor, mesh_all_true
-from .._validate import div_scale_divisor, local_tensor
+from .._validate import div_scale_divisor
 from .buckets import Bucket, Launch
 from .compiled import traced_step
 
@@ -120,7 +121,7 @@ def plan_unscale(
 def unscale_grads(buckets: list[Bucket], unscale_by: float) -> None:
     """Second pass: divide every grad of ``buckets`` by GradScaler's scale."""
     for b in buckets:
-        grads = [local_tensor(cast(torch.Tensor, p.grad)) for p in b.params]  # bucketed: has a grad
+        grads = [dtensor_local(cast(torch.Tensor, p.grad)) for p in b.params]  # bucketed: has a grad
         if grads:
             torch._foreach_div_(grads, unscale_by)
 
