@@ -28,6 +28,7 @@ from .._backend import call_operator
 from .._distributed import is_dtensor
 from .._validate import div_scale_divisor
 from .buckets import bucket_steps, stage
+from .device import clip_divisor_from_sumsq
 from .protocol import KernelOwner
 
 __all__ = ["BucketPlan", "init_group", "prepare_fallback", "traced_step"]
@@ -230,9 +231,7 @@ def traced_step(opt: KernelOwner, closure: Any, div_scale: float) -> Any:
         total = norms[0].to(home) * norms[0].to(home)
         for n in norms[1:]:
             total = total + n.to(home) * n.to(home)
-        global_norm = torch.sqrt(total) / divisor
-        clipped = torch.isfinite(global_norm) & (global_norm > clip)
-        divisor_tensor = divisor * torch.where(clipped, global_norm / clip, torch.ones_like(global_norm))
+        divisor_tensor = clip_divisor_from_sumsq(total, divisor=divisor, max_norm=clip)[0]
     spec = opt._kernel
     for group, lists, b, extras in work:
         at = b.first_run if spec.first_run else b.steps

@@ -22,11 +22,7 @@ if TYPE_CHECKING:
     from .eager import SkipTracker
     from .protocol import KernelOwner
 
-__all__ = [
-    "DeviceLoop",
-    "clip_divisor_from_sumsq",
-    "device_grad_sumsq",
-]
+__all__ = ["DeviceLoop", "clip_divisor_from_sumsq", "device_grad_sumsq"]
 
 
 def device_grad_sumsq(
@@ -37,15 +33,8 @@ def device_grad_sumsq(
     ctx: int,
     index: int = -1,
 ) -> torch.Tensor:
-    """``sum g^2`` over every listed grad, accumulated on ``device`` by ``l2norm(sumsq_out_ptr=)`` (no sync).
-
-    Args:
-        module: the kernel module. grad_buckets: ``(grad pointer array, sizes, grad dtype code)`` per bucket.
-        device: the device of the buckets. ctx: stream handle. index: the ``device=`` keyword of the launch.
-
-    Returns:
-        a ``(1,)`` float32 tensor on ``device``.
-    """
+    """``sum g^2`` over every ``(grad pointer array, sizes, grad dtype code)``, accumulated into a ``(1,)`` float32
+    tensor on ``device`` by ``module.l2norm(sumsq_out_ptr=)`` (no sync); ``index``: the launch's ``device=``."""
     sumsq = torch.zeros(1, device=device, dtype=torch.float32)
     for ptrs, sizes, code in grad_buckets:
         module.l2norm(ptrs, sizes, code, 0, ctx, sumsq_out_ptr=sumsq.data_ptr(), device=index)
@@ -55,18 +44,9 @@ def device_grad_sumsq(
 def clip_divisor_from_sumsq(
     sumsq: torch.Tensor, *, divisor: float | torch.Tensor = 1.0, max_norm: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Clip divisor and overflow flag from a device ``sum g^2``.
-
-    Args:
-        sumsq: ``(1,)`` float32, the sum of squares of the raw grads.
-        divisor: what the grads are divided by before the norm (a float, or a 1-element tensor on the same
-            device, e.g. GradScaler's scale).
-        max_norm: clip threshold; ``<= 0`` (or inf) disables clipping.
-
-    Returns:
-        ``(div, found_inf)``: ``div = divisor * max(1, ||g/divisor|| / max_norm)`` and ``found_inf = 1.0`` if the
-        norm is inf/NaN else ``0.0``; ``(1,)`` float32 tensors on ``sumsq``'s device.
-    """
+    """``(div, found_inf)`` from a ``sum g^2`` of the raw grads: ``div = divisor * max(1, ||g/divisor|| /
+    max_norm)`` (``max_norm <= 0`` or inf: no clip; ``divisor`` a float or a one-element tensor, e.g. GradScaler's
+    scale) and ``found_inf = 1.0`` if the norm is inf/NaN else ``0.0``, on ``sumsq``'s device."""
     norm = sumsq.sqrt() / divisor
     finite = torch.isfinite(norm)
     found_inf = (~finite).to(torch.float32)
