@@ -77,11 +77,7 @@ def _load(name: str) -> tuple[ModuleType | None, str]:
 
 
 def cpu_module() -> ModuleType:
-    """The ``_cpu`` kernel module.
-
-    Raises:
-        BackendUnavailableError: the extension is missing or failed to import (a broken install).
-    """
+    """The ``_cpu`` kernel module; raises :class:`BackendUnavailableError` when it failed to import."""
     mod, why = _load("_cpu")
     if mod is None:
         raise BackendUnavailableError(
@@ -92,11 +88,8 @@ def cpu_module() -> ModuleType:
 
 
 def cuda_module() -> ModuleType:
-    """The ``_cuda`` kernel module.
-
-    Raises:
-        BackendUnavailableError: built without CUDA (rebuild with ``STEPFORGE_CUDA=ON``), or no CUDA device.
-    """
+    """The ``_cuda`` kernel module; raises :class:`BackendUnavailableError` when built without CUDA or when torch
+    sees no CUDA device."""
     mod, why = _load("_cuda")
     if mod is None:
         raise BackendUnavailableError(
@@ -113,15 +106,11 @@ def cuda_module() -> ModuleType:
 
 
 def cuda_status() -> str:
-    """One line for humans: built architectures and runtime, and the device or why there is none.
+    """One line for humans: built architectures and runtime, and the device or why there is none, e.g.
+    ``"built for sm_90 (cubin), sm_90 (PTX); CUDA 13.0 (static runtime); 1 device(s): 0=NVIDIA H200 sm_90"``.
 
     Composed here from the module's small queries and torch's device names: the C++ status string this replaced
     crashed the process once a device was present (an H200, driver 580), while each of these queries ran fine.
-
-    Returns:
-        e.g. ``"built for sm_90 (cubin), sm_90 (PTX); CUDA 13.0 (static runtime); 1 device(s): 0=NVIDIA H200
-        sm_90"``, ``"...; no CUDA driver/device: stepforge CUDA error in cudaGetDeviceCount:
-        cudaErrorInsufficientDriver (...)"``, or why the module is missing and how to build it.
     """
     mod, why = _load("_cuda")
     if mod is None:
@@ -167,11 +156,8 @@ def has_cuda() -> bool:
 
 
 def module_for(device: torch.device) -> ModuleType:
-    """The kernel module for tensors on ``device`` (``cpu`` -> ``_cpu``, ``cuda`` -> ``_cuda``).
-
-    Raises:
-        BackendUnavailableError: the device type has no kernels (or its module is missing).
-    """
+    """The kernel module for tensors on ``device`` (``cpu`` -> ``_cpu``, ``cuda`` -> ``_cuda``); raises
+    :class:`BackendUnavailableError` for other devices."""
     if device.type == "cpu":
         return cpu_module()
     if device.type == "cuda":
@@ -249,13 +235,8 @@ def launch_ctx(module: ModuleType, device: torch.device) -> int:
 
 @dataclass(frozen=True)
 class Arg:
-    """One hyper-parameter of a kernel: its operator name and type, and where the param group keeps it.
-
-    Attributes:
-        name: the operator argument (schema) name.
-        type: ``"float"`` or ``"bool"``.
-        key: the param-group key. index: element of a tuple value (``betas``, ``trust_clip``), or None.
-    """
+    """One hyper-parameter of a kernel: its operator argument ``name`` and ``type`` (``"float"``/``"bool"``),
+    and where the param group keeps it: ``key``, and ``index`` in a tuple value (``betas``, ``trust_clip``)."""
 
     name: str
     type: str
@@ -295,31 +276,23 @@ class KernelSpec:
         """The hyper-parameters of ``group``, in kernel order."""
         return [conv(group[key] if i is None else group[key][i]) for key, i, conv in self._readers]
 
-    def _signature(self) -> list[tuple[str, str]]:
-        """``(schema type, name)`` of each operator argument, in order; ``Tensor(x!)`` marks what the operator
-        writes (never the gradients)."""
-        marks = iter("abcde")  # found_inf is always (f!): the schemas registered before this spec existed
-        args = [(f"Tensor({next(marks)}!)[]", "params"), ("Tensor[]", "grads")]
-        args += [(f"Tensor({next(marks)}!)[]", name) for _key, name in self.states]
-        args.append((f"Tensor({next(marks)}!)[]", "masters"))
-        args.append(
-            (f"Tensor({next(marks)}!)?", "first_run")
-            if self.first_run
-            else (f"Tensor({next(marks)}!)", "steps")
-        )
-        return [
-            *args, ("float", "lr"), ("Tensor?", "lr_tensor"), *((a.type, a.name) for a in self.hyper),
-            ("float", "grad_divisor"), ("Tensor?", "grad_divisor_tensor"), ("Tensor(f!)?", "found_inf"),
-            ("bool", "check_finite"), ("bool", "stochastic_rounding"), ("int", "seed"),
-        ]  # fmt: skip
-
-    def arg_names(self) -> list[str]:
-        """The operator's argument names, in order."""
-        return [name for _type, name in self._signature()]
-
     def schema(self) -> str:
-        """The operator schema."""
-        return f"{self.op}({', '.join(f'{t} {name}' for t, name in self._signature())}) -> ()"
+        """The operator schema: ``Tensor(x!)`` marks what it writes (never the gradients)."""
+        marks = iter("abcde")  # found_inf is always (f!): the schemas registered before this spec existed
+        args = [f"Tensor({next(marks)}!)[] params", "Tensor[] grads"]
+        args += [f"Tensor({next(marks)}!)[] {name}" for _key, name in self.states]
+        args.append(f"Tensor({next(marks)}!)[] masters")
+        args.append(
+            f"Tensor({next(marks)}!)? first_run" if self.first_run else f"Tensor({next(marks)}!) steps"
+        )
+        args += ["float lr", "Tensor? lr_tensor", *(f"{a.type} {a.name}" for a in self.hyper)]
+        args += [
+            "float grad_divisor",
+            "Tensor? grad_divisor_tensor",
+            "Tensor(f!)? found_inf",
+            "bool check_finite",
+        ]
+        return f"{self.op}({', '.join(args)}, bool stochastic_rounding, int seed) -> ()"
 
 
 _BETAS = (Arg("beta1", "float", "betas", 0), Arg("beta2", "float", "betas", 1), Arg("eps", "float", "eps"))
@@ -391,8 +364,8 @@ def call_kernel(
     ``ptrs`` (params, grads, ``spec``'s states, masters; ``None`` for an empty list), ``sizes``, the per-tensor
     steps or SGD's first-run flags, the dtype codes, ``lr``, ``hyper`` (``spec``'s order), the divisor, the
     ``found_inf`` flag address, the finite check and ``ctx`` (CPU threads / CUDA stream); ``kw``: the binding's
-    keywords (CUDA device scalars, LAMB's norms). The eager step (:func:`._step.buckets.launch`) and the operators
-    (:mod:`._operators.kernels`) both call it. Returns the kernel's answer: whether its finite check skipped the
+    keywords (CUDA device scalars, LAMB's norms). The eager step (:func:`._step.eager.launch`) and the operators
+    (:mod:`._operators.impls`) both call it. Returns the kernel's answer: whether its finite check skipped the
     update (None: decided on the device)."""
     fn = getattr(module, spec.kernel)
     return fn(*ptrs, sizes, per_tensor, *dtypes, lr, *hyper, divisor, found_inf_ptr, check_finite, ctx, **kw)

@@ -31,18 +31,10 @@ __all__ = ["Bucket", "FusedOptimizerBase", "Launch"]
 
 
 class FusedOptimizerBase(torch.optim.Optimizer):
-    """Base class of the stepforge fused optimizers (not public API).
-
-    Subclasses define ``_owner`` (class name for messages) and ``_kernel`` (a :class:`~._backend.KernelSpec`:
-    the state tensors and hyper-parameters of their kernel), and may override ``_state_keys(group)``,
-    set ``_pre_step(buckets_by_group, divisor)`` (LAMB's global norm, host path) and
-    ``_device_clip_norm()`` (the same clip on the CUDA path).
-
-    Attributes:
-        master_weights, skip_nonfinite, assume_stable_grads: the constructor's options.
-        grad_scale, found_inf: set by ``torch.amp.GradScaler`` around ``step()`` and deleted after it (absent
-            otherwise: GradScaler multiplies an existing ``grad_scale``, so there is no class default).
-    """
+    """Base class of the stepforge fused optimizers (not public API): the constructor's options
+    (``master_weights``, ``skip_nonfinite``, ``assume_stable_grads``) and the subclass hooks. ``grad_scale`` and
+    ``found_inf`` are set by ``torch.amp.GradScaler`` around ``step()`` only (no class default: GradScaler
+    multiplies an existing ``grad_scale``)."""
 
     _owner = "FusedOptimizer"
     #: the kernel this optimizer calls, eagerly and compiled (its argument specification)

@@ -48,6 +48,8 @@ import torch
 
 from ._backend import ADAM, LAMB, SGD
 from ._operators.impls import (
+    LAMB_PHASES,
+    by_name,
     checks,
     l2norm,
     l2norm_checks,
@@ -56,28 +58,17 @@ from ._operators.impls import (
     lamb_norms_like,
     scale_,
     scale_checks,
-    update_operator,
+    update,
 )
 
 __all__ = ["NAMESPACE", "OPERATORS", "SCHEMAS", "available", "unavailable_reason"]
 
 NAMESPACE = "stepforge_fused"
 
-_LAMB_HYPER = ", ".join(f"{a.type} {a.name}" for a in LAMB.hyper[:8])  # the phases take the clamp apart
-
 #: the operator schemas: ``Tensor(x!)`` marks what an operator writes; gradients are never written
 SCHEMAS: dict[str, str] = {
     **{spec.op: spec.schema() for spec in (ADAM, SGD, LAMB)},
-    "lamb_moments_": (
-        "lamb_moments_(Tensor[] params, Tensor[] grads, Tensor(a!)[] exp_avgs, Tensor(b!)[] exp_avg_sqs, "
-        f"Tensor[] masters, Tensor steps, {_LAMB_HYPER}, float grad_divisor, Tensor? grad_divisor_tensor, "
-        "Tensor(c!)? found_inf, bool check_finite) -> Tensor"
-    ),
-    "lamb_apply_": (
-        "lamb_apply_(Tensor(a!)[] params, Tensor[] exp_avgs, Tensor[] exp_avg_sqs, Tensor(b!)[] masters, "
-        f"Tensor(c!) steps, Tensor norms, float lr, Tensor? lr_tensor, {_LAMB_HYPER}, float trust_clip_min, "
-        "float trust_clip_max, Tensor? found_inf, bool stochastic_rounding, int seed) -> ()"
-    ),
+    **LAMB_PHASES,
     "l2norm": "l2norm(Tensor[] tensors, bool per_tensor) -> (Tensor, Tensor)",
     "scale_": "scale_(Tensor[] src, Tensor(a!)[] dst, float scale, Tensor(b!)? found_inf) -> ()",
 }
@@ -97,15 +88,23 @@ def _l2norm_out(args: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
 #: name -> (implementation, its checks on the arguments by name, what its fake returns; None: nothing)
 _IMPLS: dict[str, tuple[Callable[..., Any], _Checks, _FakeOut]] = {
     **{
-        spec.op: (update_operator(spec), functools.partial(checks, spec.op, spec), None)
+        spec.op: (
+            by_name(SCHEMAS[spec.op], functools.partial(update, spec)),
+            functools.partial(checks, spec.op, spec),
+            None,
+        )
         for spec in (ADAM, SGD, LAMB)
     },
     "lamb_moments_": (
-        lamb_moments_,
+        by_name(SCHEMAS["lamb_moments_"], lamb_moments_),
         functools.partial(checks, "lamb_moments_", LAMB),
         lambda a: lamb_norms_like(a["params"]),
     ),
-    "lamb_apply_": (lamb_apply_, functools.partial(checks, "lamb_apply_", LAMB), None),
+    "lamb_apply_": (
+        by_name(SCHEMAS["lamb_apply_"], lamb_apply_),
+        functools.partial(checks, "lamb_apply_", LAMB),
+        None,
+    ),
     "l2norm": (l2norm, l2norm_checks, _l2norm_out),
     "scale_": (scale_, scale_checks, None),
 }

@@ -26,6 +26,8 @@ from .checks import check_flag, check_list, check_scalar_tensor, check_steps, ch
 from .layouts import Layout, layout_of
 
 __all__ = [
+    "LAMB_PHASES",
+    "by_name",
     "checks",
     "l2norm",
     "l2norm_checks",
@@ -34,7 +36,7 @@ __all__ = [
     "lamb_norms_like",
     "scale_",
     "scale_checks",
-    "update_operator",
+    "update",
 ]
 
 Tensor = torch.Tensor
@@ -133,23 +135,16 @@ def _update(
     op: str,
     spec: KernelSpec,
     layout: Layout,
-    lr: float,
-    lr_tensor: Tensor | None,
+    a: dict[str, Any],
     hyper: list[Any],
-    grad_divisor: float,
-    grad_divisor_tensor: Tensor | None,
-    found_inf: Tensor | None,
-    check_finite: bool,
-    stochastic_rounding: bool,
-    seed: int,
-    steps: Tensor | None,
     *,
     first_run: list[int] | None = None,
     advance: bool = True,
     ptrs: list[Any] | None = None,
     **kw: Any,
 ) -> bool:
-    """One call of ``spec``'s kernel on ``layout``'s pointer arrays (``ptrs``: others in their place), the
+    """One call of ``spec``'s kernel on ``layout``'s pointer arrays (``ptrs``: others in their place) with the
+    operator's arguments ``a`` (by name; absent: ``lr`` 0, divisor 1, no tensors, no check, no rounding), the
     steps advanced unless the update was skipped (``advance=False``: left as they were). On the CPU the host
     steps (``step + 1``) or SGD's ``first_run`` flags are passed and lr and the divisor tensor read on the host;
     on CUDA they are read on the device, on the caller's stream, never synchronising when ``found_inf`` is given.
@@ -158,19 +153,22 @@ def _update(
     module, ctx, env = _env(device)
     ptrs = list(layout.ptrs) if ptrs is None else ptrs
     dtypes = (DTYPE_CODES[pdt], DTYPE_CODES[gdt])
+    steps, found_inf, lr_tensor = a.get("steps"), a.get("found_inf"), a.get("lr_tensor")
+    divisor, divisor_tensor = a.get("grad_divisor", 1.0), a.get("grad_divisor_tensor")
     flag = found_inf.data_ptr() if found_inf is not None else 0
+    check_finite, rounding = a.get("check_finite", False), a.get("stochastic_rounding", False)
     if device.type == "cpu":
-        if stochastic_rounding:
+        if rounding:
             raise ValueError(
                 f"stepforge_fused::{op}: stochastic rounding is done by the CUDA kernels only; the CPU kernels "
                 "round to nearest even. Pass stochastic_rounding=False for CPU tensors."
             )
         # the divisor tensor multiplies the float, as the CUDA kernels do with grad_divisor_ptr
-        divisor = grad_divisor if grad_divisor_tensor is None else grad_divisor * float(grad_divisor_tensor)
+        divisor = divisor if divisor_tensor is None else divisor * float(divisor_tensor)
         per_tensor = first_run if spec.first_run else None
         if steps is not None:
             per_tensor = steps.to(torch.int64).add_(1).tolist()  # the step being taken
-        host_lr = float(lr_tensor) if lr_tensor is not None else float(lr)
+        host_lr = float(lr_tensor) if lr_tensor is not None else float(a.get("lr", 0.0))
         skipped = call_kernel(
             module, spec, ptrs, layout.sizes, per_tensor, dtypes, host_lr, hyper, _check_divisor(op, divisor), flag,
             check_finite, ctx, **kw,
@@ -179,20 +177,20 @@ def _update(
             steps.add_(1.0)
         return bool(skipped)
     keep: list[Tensor] = []  # converted device scalars, alive until the launch is enqueued
-    host_lr = float(lr)
+    host_lr = float(a.get("lr", 0.0))
     if lr_tensor is not None and lr_tensor.device.type == "cpu":
         host_lr = float(lr_tensor)
     elif lr_tensor is not None:
         kw["lr_ptr"], host_lr = _device_scalar(lr_tensor, device, keep), 0.0
-    if grad_divisor_tensor is not None:
-        kw["grad_divisor_ptr"] = _device_scalar(grad_divisor_tensor, device, keep)
+    if divisor_tensor is not None:
+        kw["grad_divisor_ptr"] = _device_scalar(divisor_tensor, device, keep)
     if steps is not None:  # device steps, read through step_ptrs: advanced now, a skip taken back below
         steps.add_(1.0)
         kw["step_ptrs"] = list(range(steps.data_ptr(), steps.data_ptr() + 4 * steps.numel(), 4))
     result = call_kernel(
         module, spec, ptrs, layout.sizes, first_run if spec.first_run else None, dtypes, host_lr, hyper,
-        _check_divisor(op, grad_divisor), flag, check_finite, ctx, stochastic_rounding=stochastic_rounding,
-        seed=seed, **env, **kw,
+        _check_divisor(op, divisor), flag, check_finite, ctx, stochastic_rounding=rounding, seed=a.get("seed", 0),
+        **env, **kw,
     )  # fmt: skip
     if steps is not None and not advance:
         steps.sub_(1.0)
@@ -203,38 +201,52 @@ def _update(
     return False
 
 
-def update_operator(spec: KernelSpec) -> Callable[..., None]:
-    """The real implementation of ``spec``'s operator (arguments in :meth:`KernelSpec.arg_names` order): the
-    checks (tensor lists through the layout cache), one kernel call, the steps advanced unless the update was
-    skipped (SGD: the first-run flags cleared)."""
-    names = spec.arg_names()
-    hyper = slice(6 + len(spec.states), 6 + len(spec.states) + len(spec.hyper))  # after lists, per-tensor, lr
-    op = spec.op
+def by_name(schema: str, body: Callable[[dict[str, Any]], Any]) -> Callable[..., Any]:
+    """The implementation of the operator of ``schema``: its arguments, by their schema names, to ``body``."""
+    op, _, args = schema.partition("(")
+    names = [arg.rsplit(" ", 1)[1] for arg in args.rpartition(") ->")[0].split(", ")]
 
-    def update(*args: Any) -> None:
-        a = dict(zip(names, args, strict=True))
-        layout = _layout(op, spec, a)
-        _arg_checks(op, layout.verdict[0], a)
-        if layout.verdict[0] is None:
-            return
-        first_run = a.get("first_run")
-        skipped = _update(
-            op, spec, layout, a["lr"], a["lr_tensor"], list(args[hyper]), a["grad_divisor"],
-            a["grad_divisor_tensor"], a["found_inf"], a["check_finite"], a["stochastic_rounding"], a["seed"],
-            a.get("steps"), first_run=first_run.to(torch.int64).tolist() if first_run is not None else None,
-        )  # fmt: skip
-        # CUDA decides on the device: SGD's host flags are cleared either way, as the eager step does
-        if first_run is not None and not skipped:
-            first_run.zero_()
+    def impl(*args: Any) -> Any:
+        return body(dict(zip(names, args, strict=True)))
 
-    update.__name__ = update.__qualname__ = op
-    update.__doc__ = (
-        f"The ``{op}`` operator over the ``{spec.kernel}`` kernel (arguments: {', '.join(names)})."
-    )
-    update.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+    impl.__name__ = impl.__qualname__ = op
+    impl.__doc__ = body.__doc__
+    impl.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
         [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in names]
     )
-    return update
+    return impl
+
+
+def update(spec: KernelSpec, a: dict[str, Any]) -> None:
+    """The update operators (``spec.op``): the checks (tensor lists through the layout cache), one kernel call,
+    the steps advanced unless the update was skipped (SGD: the first-run flags cleared)."""
+    op = spec.op
+    layout = _layout(op, spec, a)
+    _arg_checks(op, layout.verdict[0], a)
+    if layout.verdict[0] is None:
+        return
+    first_run = a.get("first_run")
+    flags = first_run.to(torch.int64).tolist() if first_run is not None else None
+    skipped = _update(op, spec, layout, a, [a[x.name] for x in spec.hyper], first_run=flags)
+    # CUDA decides on the device: SGD's host flags are cleared either way, as the eager step does
+    if first_run is not None and not skipped:
+        first_run.zero_()
+
+
+_LAMB_HYPER = ", ".join(f"{x.type} {x.name}" for x in LAMB.hyper[:8])  # the phases take the clamp apart
+#: the schemas of LAMB's two phases (``Tensor(x!)`` marks what they write)
+LAMB_PHASES = {
+    "lamb_moments_": (
+        "lamb_moments_(Tensor[] params, Tensor[] grads, Tensor(a!)[] exp_avgs, Tensor(b!)[] exp_avg_sqs, "
+        f"Tensor[] masters, Tensor steps, {_LAMB_HYPER}, float grad_divisor, Tensor? grad_divisor_tensor, "
+        "Tensor(c!)? found_inf, bool check_finite) -> Tensor"
+    ),
+    "lamb_apply_": (
+        "lamb_apply_(Tensor(a!)[] params, Tensor[] exp_avgs, Tensor[] exp_avg_sqs, Tensor(b!)[] masters, "
+        f"Tensor(c!) steps, Tensor norms, float lr, Tensor? lr_tensor, {_LAMB_HYPER}, float trust_clip_min, "
+        "float trust_clip_max, Tensor? found_inf, bool stochastic_rounding, int seed) -> ()"
+    ),
+}
 
 
 def lamb_norms_like(params: list[Tensor]) -> Tensor:
@@ -243,87 +255,39 @@ def lamb_norms_like(params: list[Tensor]) -> Tensor:
     return torch.zeros(2 * len(params), dtype=torch.float64, device=device)
 
 
-def lamb_moments_(
-    params: list[Tensor],
-    grads: list[Tensor],
-    exp_avgs: list[Tensor],
-    exp_avg_sqs: list[Tensor],
-    masters: list[Tensor],
-    steps: Tensor,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    adam_w_mode: bool,
-    bias_correction: bool,
-    grad_averaging: bool,
-    use_nvlamb: bool,
-    grad_divisor: float,
-    grad_divisor_tensor: Tensor | None,
-    found_inf: Tensor | None,
-    check_finite: bool,
-) -> Tensor:
+def lamb_moments_(a: dict[str, Any]) -> Tensor:
     """LAMB's first phase: the finite check, the moments and the grad write-back; returns the per-tensor sums
     of ``p^2`` (``[0, n)``) and of ``u^2`` (``[n, 2n)``) as float64 on the params' device, leaving the params and
     the steps alone. A skip (``check_finite``, which needs ``found_inf``) is reported in ``found_inf`` only, so
-    pass that flag on to :func:`lamb_apply_`."""
-    a = dict(locals())  # the arguments by name, as the checks take them
+    pass that flag on to ``lamb_apply_``."""
     layout = _layout("lamb_moments_", LAMB, a)
     _arg_checks("lamb_moments_", layout.verdict[0], a)
-    if check_finite and found_inf is None:
+    if a["check_finite"] and a["found_inf"] is None:
         raise ValueError(
             "stepforge_fused::lamb_moments_: check_finite=True needs found_inf (the skip is reported there and "
             "read by lamb_apply_)."
         )
-    norms = lamb_norms_like(params)
+    norms = lamb_norms_like(a["params"])
     if layout.verdict[0] is not None:
-        hyper = [beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, grad_averaging, use_nvlamb, 0.0,
-                 math.inf]  # fmt: skip
-        _update(
-            "lamb_moments_", LAMB, layout, 0.0, None, hyper, grad_divisor, grad_divisor_tensor, found_inf,
-            check_finite, False, 0, steps, advance=False, norms_out_ptr=norms.data_ptr(),
-        )  # fmt: skip
+        hyper = [*(a[x.name] for x in LAMB.hyper[:8]), 0.0, math.inf]
+        _update("lamb_moments_", LAMB, layout, a, hyper, advance=False, norms_out_ptr=norms.data_ptr())
     return norms
 
 
-def lamb_apply_(
-    params: list[Tensor],
-    exp_avgs: list[Tensor],
-    exp_avg_sqs: list[Tensor],
-    masters: list[Tensor],
-    steps: Tensor,
-    norms: Tensor,
-    lr: float,
-    lr_tensor: Tensor | None,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    adam_w_mode: bool,
-    bias_correction: bool,
-    grad_averaging: bool,
-    use_nvlamb: bool,
-    trust_clip_min: float,
-    trust_clip_max: float,
-    found_inf: Tensor | None,
-    stochastic_rounding: bool,
-    seed: int,
-) -> None:
+def lamb_apply_(a: dict[str, Any]) -> None:
     """LAMB's second phase: the update with trust ratios from ``norms`` (e.g. summed over ranks); reads no
-    grads, skips when ``found_inf`` is raised, advances the steps otherwise. With the sums of
-    :func:`lamb_moments_` unchanged, the two phases give the bits of ``lamb_``."""
-    a = dict(locals())  # the arguments by name, as the checks take them
+    grads, skips when ``found_inf`` is raised, advances the steps otherwise. With the sums of ``lamb_moments_``
+    unchanged, the two phases give the bits of ``lamb_``."""
     layout = _layout("lamb_apply_", LAMB, a)
     _arg_checks("lamb_apply_", layout.verdict[0], a)
     if layout.verdict[0] is None:
         return
     # the apply pass reads no grads: the params stand in for them (list lengths and dtype codes must be valid)
     p_ptrs, m_ptrs, v_ptrs, w_ptrs = layout.ptrs
-    hyper = [beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, grad_averaging, use_nvlamb,
-             trust_clip_min, trust_clip_max]  # fmt: skip
+    hyper = [a[x.name] for x in LAMB.hyper]
     _update(
-        "lamb_apply_", LAMB, layout, lr, lr_tensor, hyper, 1.0, None, found_inf, False, stochastic_rounding, seed,
-        steps, ptrs=[p_ptrs, p_ptrs, m_ptrs, v_ptrs, w_ptrs], norms_in_ptr=norms.data_ptr(),
+        "lamb_apply_", LAMB, layout, a, hyper, ptrs=[p_ptrs, p_ptrs, m_ptrs, v_ptrs, w_ptrs],
+        norms_in_ptr=a["norms"].data_ptr(),
     )  # fmt: skip
 
 

@@ -45,18 +45,10 @@ def _i64(values: Iterable[int]) -> array.array[int]:
 
 @dataclass(slots=True, eq=False)
 class Bucket:
-    """Tensors of one param group sharing ``(device, param dtype, grad dtype, masters)``.
-
-    Attributes:
-        params: the parameters (leaf tensors), in group order.
-        ptrs: pointer arrays by role (``"params"``, ``"grads"``, state keys, ``"masters"``).
-        sizes: element counts (int64).
-        steps: flat float32 tensor ``(n,)`` on the bucket's device; ``state[p]["step"]`` is ``steps[i]``.
-        steps_arg: int64 array the CPU kernel reads (``steps + 1`` at launch).
-        on_device: CUDA bucket (sync-free path: steps on the device, read through ``step_ptrs``, device flags).
-        step_ptrs: addresses of the elements of ``steps`` (CUDA buckets).
-        first_run: int64 flags (SGD: buffer initialised from the grad on this step).
-    """
+    """Tensors of one param group sharing ``(device, param dtype, grad dtype, masters)``: pointer arrays by role
+    (``"params"``, ``"grads"``, state keys, ``"masters"``), sizes, the flat float32 ``steps`` (``state[p]["step"]``
+    is ``steps[i]``; CUDA buckets, ``on_device``, keep them there and the kernels read them through
+    ``step_ptrs``), ``steps_arg`` (what the CPU kernel reads: ``steps + 1``) and SGD's ``first_run`` flags."""
 
     device: torch.device
     param_dtype: torch.dtype
@@ -88,17 +80,9 @@ class Bucket:
 
 @dataclass(slots=True)
 class Launch:
-    """The per-launch scalars of one kernel call on a bucket (what ``_launch`` passes besides the pointers).
-
-    Attributes:
-        lr: host learning rate (``0.0`` with ``kw["lr_ptr"]`` on the device path).
-        divisor: every grad is divided by this (loss scale x ``div_scale`` x clip factor).
-        found_inf_ptr: address of a float32 skip flag the kernel reads/raises (``0``: none).
-        check_finite: the kernel checks the grads for inf/NaN and skips the update (sets the flag).
-        ctx: CPU threads, or the CUDA stream handle.
-        steps: host int64 array of the step being taken (CPU), ``None`` on the device path.
-        kw: keyword-only CUDA arguments (``device``, ``lr_ptr``, ``grad_divisor_ptr``, ``step_ptrs``).
-    """
+    """The per-launch scalars of one kernel call on a bucket: the host ``lr`` (``0.0`` with ``kw["lr_ptr"]``), the
+    grad ``divisor``, the skip flag's address (``0``: none), the finite check, ``ctx`` (CPU threads / CUDA stream),
+    the host steps being taken (CPU) and the binding's keywords (``device``, ``lr_ptr``, ``step_ptrs``...)."""
 
     lr: float
     divisor: float
@@ -236,14 +220,9 @@ class GroupCache:
 
 
 class BucketCache:
-    """The buckets of every param group of one optimizer, and the gradient hooks of ``assume_stable_grads``.
-
-    Attributes:
-        assume_stable_grads: trust post-accumulate-grad hooks instead of comparing ``p.grad`` each step.
-        entries: group index -> its :class:`GroupCache`.
-        hooks: ``id(param)`` -> the post-accumulate-grad hook handle (stable-grads mode).
-        known_grads: ``id(param)`` -> the grad tensor the buckets point into (stable-grads mode).
-    """
+    """The buckets of every param group of one optimizer (``entries``: group index -> :class:`GroupCache`), and
+    with ``assume_stable_grads`` the post-accumulate-grad ``hooks`` and the grads they vouch for (``known_grads``),
+    both by ``id(param)``."""
 
     __slots__ = ("__weakref__", "assume_stable_grads", "entries", "hooks", "known_grads")
 

@@ -50,15 +50,9 @@ _NO_KW: dict[str, Any] = {}
 
 @dataclass(slots=True)
 class UnscalePlan:
-    """One step's division of the gradients.
-
-    Attributes:
-        divisor: host divisor of every grad (``div_scale`` x a host GradScaler scale).
-        unscale_by: GradScaler's scale when it was read on the host (``p.grad`` must end as ``g / unscale_by``).
-        grad_scale: GradScaler's scale still on a device (sync-free path), else None.
-        found_inf: GradScaler's overflow flag still on a device, else None.
-        skip: a host ``found_inf`` is raised: the step is skipped before anything is read.
-    """
+    """One step's division of the gradients: the host ``divisor`` (``div_scale`` x a host GradScaler scale),
+    ``unscale_by`` (GradScaler's scale read on the host: ``p.grad`` must end as ``g / unscale_by``), GradScaler's
+    ``grad_scale``/``found_inf`` still on a device (sync-free path), and ``skip`` (a raised host ``found_inf``)."""
 
     divisor: float
     unscale_by: float | None = None
@@ -127,16 +121,9 @@ def unscale_grads(buckets: list[Bucket], unscale_by: float) -> None:
 
 
 class SkipTracker:
-    """Skipped steps decided on the host (a count and a flag) and on devices (flag tensors, never read inside
-    ``step()``).
-
-    Attributes:
-        host_last: the last step was skipped by a host decision.
-        host_count: steps skipped by host decisions (plus a value assigned to ``skipped_steps``).
-        last_flags: the device flags of the last step (``!= 0``: skipped there).
-        flags: one persistent float32 ``(1,)`` flag per device, the ``found_inf_ptr`` of its launches.
-        counts: one float32 ``(1,)`` counter of device-decided skips per device.
-    """
+    """Skipped steps decided on the host (``host_last``, ``host_count``) and on devices: one persistent float32
+    ``(1,)`` flag per device (``flags``, the ``found_inf_ptr`` of its launches; ``last_flags``: those of the last
+    step) and a counter of device-decided skips per device (``counts``), never read inside ``step()``."""
 
     __slots__ = ("counts", "flags", "host_count", "host_last", "last_flags")
 

@@ -51,16 +51,15 @@ class KernelOwner(Protocol):
     #: adjusts the host grad divisor before any update (LAMB's clip); None: no adjustment
     _pre_step: Callable[[list[tuple[dict[str, Any], list[Bucket]]], float], float] | None
 
-    def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
-        """float32 state tensors shaped like the param, in kernel argument order."""
-        ...
+    #: the float32 state tensors of ``group``'s params, in kernel argument order
+    def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]: ...
 
+    #: create or normalise ``p``'s state; returns ``(state, created now)``
     def _init_state(
         self, p: torch.Tensor, group: dict[str, Any], moved: bool = False
-    ) -> tuple[dict[str, Any], bool]:
-        """Create or normalise ``p``'s state; returns ``(state, created_now)``."""
-        ...
+    ) -> tuple[dict[str, Any], bool]: ...
 
+    #: fill the lists of ``group`` for a compiled step and return its bucket plans
     def _init_group(
         self,
         group: dict[str, Any],
@@ -70,32 +69,18 @@ class KernelOwner(Protocol):
         state_b: list[torch.Tensor],
         masters: list[torch.Tensor],
         extras: list[torch.Tensor],
-    ) -> tuple[tuple[Any, ...], ...]:
-        """Fill the lists of ``group`` for a compiled step and return its bucket plans."""
-        ...
+    ) -> tuple[tuple[Any, ...], ...]: ...
 
+    #: run the kernel on ``bucket``; returns whether its finite check skipped the update
     def _launch(
         self, module: ModuleType, bucket: Bucket, group: dict[str, Any], launch: Launch
-    ) -> bool | None:
-        """Run the kernel on ``bucket``; returns whether its finite check skipped the update."""
-        ...
+    ) -> bool | None: ...
 
-    def _device_clip_norm(self) -> float:
-        """Global grad-norm clip on the device path (``0``: none)."""
-        ...
+    #: global grad-norm clip on the device path (``0``: none)
+    def _device_clip_norm(self) -> float: ...
 
-    def _device_path(self, device: torch.device) -> bool:
-        """Whether tensors on ``device`` take the sync-free device path."""
-        ...
-
-    def _device_env(self, device: torch.device) -> tuple[int, int]:
-        """``(stream handle, device index)`` of a launch on ``device``."""
-        ...
-
-    def _ctx(self, module: ModuleType, device: torch.device) -> int:
-        """CPU threads or CUDA stream handle of a launch."""
-        ...
-
-    def _device_kw(self, device: torch.device) -> dict[str, Any]:
-        """Extra keywords of a launch on ``device`` (the CUDA device index)."""
-        ...
+    # the device helpers, reached through the optimizer so a test can route a device to an emulation
+    def _device_path(self, device: torch.device) -> bool: ...
+    def _device_env(self, device: torch.device) -> tuple[int, int]: ...
+    def _ctx(self, module: ModuleType, device: torch.device) -> int: ...
+    def _device_kw(self, device: torch.device) -> dict[str, Any]: ...
