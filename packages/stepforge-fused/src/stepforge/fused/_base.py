@@ -158,9 +158,7 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         """The float32 state tensors of ``group``'s params, in kernel order (those of :attr:`_kernel`)."""
         return self._kernel.state_keys
 
-    #: the eager step's kernel call on one bucket (``opt._kernel`` with a :class:`Launch`'s scalars; returns
-    #: whether the kernel's finite check skipped the update): a function of so the host loop
-    #: goes straight to the kernel module; FusedLAMB overrides it for sharded buckets.
+    #: the eager step's kernel call on one bucket; FusedLAMB overrides it for sharded buckets
     _launch = launch
 
     #: optional hook ``_pre_step(plans, divisor) -> divisor`` adjusting the host grad divisor before any update
@@ -177,21 +175,9 @@ class FusedOptimizerBase(torch.optim.Optimizer):
     _device_kw = staticmethod(device_kw)
     _ctx = staticmethod(launch_ctx)
 
-    # ---- step routing --------------------------------------------------------------------------------------
-    def _init_group(
-        self,
-        group: dict[str, Any],
-        params: list[torch.Tensor],
-        grads: list[torch.Tensor],
-        state_a: list[torch.Tensor],
-        state_b: list[torch.Tensor],
-        masters: list[torch.Tensor],
-        extras: list[torch.Tensor],
-    ) -> tuple[tuple[Any, ...], ...]:
-        """What ``torch.compile`` runs eagerly while tracing ``step()``: validate ``group``, create its state and
-        fill the (empty) lists bucket by bucket; returns the bucket plans (:mod:`._step.compiled`)."""
-        self._groups.revalidate(self.param_groups)
-        return init_group(self, group, params, grads, state_a, state_b, masters, extras)  # type: ignore[arg-type]
+    #: what ``torch.compile`` runs eagerly while tracing ``step()`` (dynamo knows optimizers' ``_init_group``):
+    #: validate, create the state and fill the (empty) lists bucket by bucket; returns the bucket plans
+    _init_group = init_group
 
     # ---- state: torch.optim's layout and state dicts ---------------------------------------------------------
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

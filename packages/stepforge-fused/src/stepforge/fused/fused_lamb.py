@@ -14,12 +14,11 @@ import torch
 
 from stepforge.core import HyperParameterError, check_bool, check_range, check_trust_clip
 
-from . import _backend
 from ._adam_base import adam_defaults, check_adam_group
 from ._backend import LAMB
 from ._base import Bucket, FusedOptimizerBase, Launch
 from ._distributed import comm_device, is_dtensor, mesh_sum_, shard_dims, shard_groups
-from ._step.eager import fused_step, launch
+from ._step.eager import fused_step, grad_norm, launch
 
 __all__ = ["FusedLAMB"]
 
@@ -160,17 +159,16 @@ class FusedLAMB(FusedOptimizerBase):
         total = 0.0
         by_mesh: dict[tuple[int, ...], tuple[list[Any], torch.device, list[float]]] = {}
         for b in buckets:
-            module = _backend.module_for(b.device)
             plan = self._shard_plans.get(id(b))
             if plan is None:
-                total += self._grad_sumsq(module, b, b.ptrs["grads"], b.sizes)
+                total += grad_norm(self, b) ** 2
                 continue
-            grads, sizes = b.ptrs["grads"], b.sizes
-            for key, groups, comm, idx in plan.sets:
-                sq = self._grad_sumsq(module, b, _pick(grads, idx), _pick(sizes, idx))
+            sets, rest = plan
+            for key, groups, comm, idx in sets:
+                sq = grad_norm(self, b, _pick(b.ptrs["grads"], idx), _pick(b.sizes, idx)) ** 2
                 by_mesh.setdefault(key, (groups, comm, []))[2].append(sq)
-            if plan.rest:
-                total += self._grad_sumsq(module, b, _pick(grads, plan.rest), _pick(sizes, plan.rest))
+            if rest:
+                total += grad_norm(self, b, _pick(b.ptrs["grads"], rest), _pick(b.sizes, rest)) ** 2
         # sharded grads: each rank holds a part of the sum of squares; one all-reduce per set of mesh groups
         for groups, comm, parts in by_mesh.values():
             local = torch.tensor([math.fsum(parts)], dtype=torch.float64)
@@ -181,17 +179,6 @@ class FusedLAMB(FusedOptimizerBase):
             divisor *= global_norm / max_norm
         return divisor
 
-    def _grad_sumsq(self, module: ModuleType, b: Bucket, ptrs: Any, sizes: Any) -> float:
-        norm: float = module.l2norm(  # the global norm (a float) when no sumsq_out_ptr is given
-            ptrs,
-            sizes,
-            _backend.DTYPE_CODES[b.grad_dtype],
-            0,
-            self._ctx(module, b.device),
-            **self._device_kw(b.device),
-        )
-        return norm * norm
-
     def _refresh_shard_plans(self, buckets: list[Bucket]) -> None:
         """Which tensors of each bucket are sharded DTensors, and over which mesh groups (rebuilt when the
         buckets are; the buckets are kept referenced so their ids stay theirs)."""
@@ -201,7 +188,7 @@ class FusedLAMB(FusedOptimizerBase):
         self._shard_buckets = buckets
         self._shard_plans = {}
         for b in buckets:
-            plan = _ShardPlan.of(b.params)
+            plan = _shard_plan(b.params)
             if plan is not None:
                 self._shard_plans[id(b)] = plan
 
@@ -218,7 +205,7 @@ class FusedLAMB(FusedOptimizerBase):
         if launch(self, module, bucket, group, at, norms_out_ptr=norms.data_ptr()):
             return True
         sums = norms.view(2, n)
-        for _key, groups, comm, idx in plan.sets:
+        for _key, groups, comm, idx in plan[0]:
             pos = torch.tensor(idx, dtype=torch.long)
             sums[:, pos] = mesh_sum_(sums[:, pos], groups, comm)
         kw = {k: v for k, v in at.kw.items() if k != "write_unscaled_grads"}  # written back by the norms pass
@@ -251,27 +238,19 @@ def _pick(values: array.array[int], idx: list[int]) -> array.array[int]:
     return array.array("q", [values[i] for i in idx])
 
 
-class _ShardPlan:
-    """A bucket's sharded DTensor params: ``sets`` of ``(key, groups, comm device, positions)``, one per
-    distinct set of mesh groups, and ``rest``, the positions of the other (plain or replicated) tensors."""
+#: a bucket's sharded DTensor params: ``(key, groups, comm device, positions)`` per distinct set of mesh groups,
+#: and the positions of the other (plain or replicated) tensors
+_ShardPlan = tuple[list[tuple[tuple[int, ...], list[Any], torch.device, list[int]]], list[int]]
 
-    __slots__ = ("rest", "sets")
 
-    def __init__(
-        self, sets: list[tuple[tuple[int, ...], list[Any], torch.device, list[int]]], rest: list[int]
-    ):
-        self.sets = sets
-        self.rest = rest
-
-    @classmethod
-    def of(cls, params: list[Any]) -> _ShardPlan | None:
-        by_key: dict[tuple[int, ...], tuple[tuple[int, ...], list[Any], torch.device, list[int]]] = {}
-        rest: list[int] = []
-        for i, p in enumerate(params):
-            if not (is_dtensor(p) and shard_dims(p)):
-                rest.append(i)
-                continue
-            groups = shard_groups(p)
-            key = tuple(id(g) for g in groups)
-            by_key.setdefault(key, (key, groups, comm_device(p), []))[3].append(i)
-        return cls(list(by_key.values()), rest) if by_key else None
+def _shard_plan(params: list[Any]) -> _ShardPlan | None:
+    by_key: dict[tuple[int, ...], tuple[tuple[int, ...], list[Any], torch.device, list[int]]] = {}
+    rest: list[int] = []
+    for i, p in enumerate(params):
+        if not (is_dtensor(p) and shard_dims(p)):
+            rest.append(i)
+            continue
+        groups = shard_groups(p)
+        key = tuple(id(g) for g in groups)
+        by_key.setdefault(key, (key, groups, comm_device(p), []))[3].append(i)
+    return (list(by_key.values()), rest) if by_key else None

@@ -93,7 +93,20 @@ def _combined(flags: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     return torch.stack([f.to(device) for f in flags]).any()
 
 
-def _refuse_unsupported(opt: KernelOwner, group: dict[str, Any]) -> None:
+def init_group(
+    opt: KernelOwner,
+    group: dict[str, Any],
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    state_a: list[torch.Tensor],
+    state_b: list[torch.Tensor],
+    masters: list[torch.Tensor],
+    extras: list[torch.Tensor],
+) -> tuple[tuple[Any, ...], ...]:
+    """Fill the lists with ``group``'s parameters that have a gradient, bucket by bucket (``state_a``/``state_b``:
+    the state tensors in ``_state_keys(group)`` order; ``extras``: the plan's steps and flags), and return one
+    :class:`BucketPlan`'s fields per bucket."""
+    opt._groups.revalidate(opt.param_groups)
     owner = opt._owner
     amp = vars(opt)  # GradScaler's attributes, set on the optimizer only during its step() call
     if amp.get("grad_scale") is not None or amp.get("found_inf") is not None:
@@ -108,27 +121,6 @@ def _refuse_unsupported(opt: KernelOwner, group: dict[str, Any]) -> None:
                 f"{owner}: parameter #{i} is a DTensor (FSDP2); a compiled step() steps plain tensors only. Call "
                 "optimizer.step() outside torch.compile for sharded parameters."
             )
-
-
-def init_group(
-    opt: KernelOwner,
-    group: dict[str, Any],
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    state_a: list[torch.Tensor],
-    state_b: list[torch.Tensor],
-    masters: list[torch.Tensor],
-    extras: list[torch.Tensor],
-) -> tuple[tuple[Any, ...], ...]:
-    """Fill the lists with ``group``'s parameters that have a gradient, bucket by bucket, and return the plan
-    (``opt``: the :class:`~._base.FusedOptimizerBase`, which imports this module): one :class:`BucketPlan`'s
-    fields per bucket.
-
-    ``state_a``/``state_b`` get the optimizer's state tensors in ``_state_keys(group)`` order (``exp_avg``,
-    ``exp_avg_sq``; or ``momentum_buffer``), ``masters`` the float32 masters of master-weight buckets, ``extras``
-    the steps and flag tensors of the plan.
-    """
-    _refuse_unsupported(opt, group)
     keys = opt._state_keys(group)
     check = opt.skip_nonfinite if opt.skip_nonfinite is not None else opt.master_weights
     staged = stage(opt, group, group["params"], [p.grad for p in group["params"]])

@@ -39,6 +39,7 @@ __all__ = [
     "UnscalePlan",
     "all_finite",
     "fused_step",
+    "grad_norm",
     "launch",
     "plan_unscale",
     "run_host",
@@ -207,18 +208,19 @@ def launch(
     )
 
 
+def grad_norm(opt: KernelOwner, b: Bucket, ptrs: Any = None, sizes: Any = None) -> float:
+    """The L2 norm of ``b``'s grads (or of the grads at ``ptrs``, of ``sizes``), read on the host."""
+    module = _backend.module_for(b.device)
+    ptrs, sizes = (b.ptrs["grads"], b.sizes) if ptrs is None else (ptrs, sizes)
+    code = DTYPE_CODES[b.grad_dtype]
+    return float(module.l2norm(ptrs, sizes, code, 0, opt._ctx(module, b.device), **opt._device_kw(b.device)))
+
+
 def all_finite(
     opt: KernelOwner, buckets: list[tuple[dict[str, Any], Bucket]], divisor: float, sharded: bool
 ) -> bool:
     """Whether every grad of ``buckets``, divided by ``divisor``, is finite (on every rank when sharded)."""
-    finite = True
-    for _group, b in buckets:
-        module = _backend.module_for(b.device)
-        code = DTYPE_CODES[b.grad_dtype]
-        norm = module.l2norm(
-            b.ptrs["grads"], b.sizes, code, 0, opt._ctx(module, b.device), **opt._device_kw(b.device)
-        )
-        finite = finite and math.isfinite(norm / divisor)
+    finite = all(math.isfinite(grad_norm(opt, b) / divisor) for _group, b in buckets)
     if sharded:  # every rank holding a shard must take the same decision
         finite = mesh_all_true(finite, [b.params[0] for _g, b in buckets if b.params])
     return finite
