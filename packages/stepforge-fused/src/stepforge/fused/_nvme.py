@@ -1,13 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """NVMe offload of optimizer state (ColossalAI's ``nvme_offload_fraction`` / ``nvme_offload_dir``).
 
-A fraction of the float32 state of CPU parameters (``exp_avg``, ``exp_avg_sq``, ``master_param``), largest
-parameters first, lives in files memory-mapped with ``torch.from_file(..., shared=True)``: ordinary CPU tensors
-whose pages belong to the page cache of a file instead of the process's anonymous memory, so the kernel writes
-them back to the disk and evicts them under memory pressure. The optimizer kernels step them in place like any
-other tensor (no copies, no prefetch thread). Files live in a directory of their own, created under
-``nvme_offload_dir`` (or the system temp dir when it is None) and removed by :meth:`NvmeStateStore.close` or when
-the store is garbage collected.
+A fraction of the float32 state of CPU parameters, largest parameters first, lives in files memory-mapped with
+``torch.from_file(..., shared=True)``: CPU tensors whose pages belong to a file's page cache instead of the
+process's anonymous memory, so the OS writes them back and evicts them under memory pressure, while the kernels
+step them in place (no copies, no prefetch thread). The files' directory, created under ``nvme_offload_dir`` (or
+the temp dir), is removed by :meth:`NvmeStateStore.close` or when the store is garbage collected.
 """
 
 from __future__ import annotations
@@ -62,13 +60,8 @@ def check_nvme_args(owner: str, fraction: object, directory: object) -> float:
 
 
 class NvmeStateStore:
-    """Decides which parameters' state is file-backed and creates those tensors.
-
-    Args:
-        owner: class name for error messages.
-        fraction: share of the total CPU parameter elements whose state goes to files (0 < fraction <= 1).
-        directory: parent directory; a fresh sub-directory is created in it (the system temp dir when None).
-    """
+    """Decides which parameters' state is file-backed (``fraction`` of the CPU parameter elements) and creates
+    those tensors, in a fresh sub-directory of ``directory`` (the temp dir when None); ``owner`` names messages."""
 
     def __init__(self, owner: str, fraction: float, directory: str | os.PathLike[str] | None) -> None:
         self.owner = owner

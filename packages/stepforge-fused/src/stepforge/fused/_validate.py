@@ -1,20 +1,60 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Input checks shared by the fused optimizers: ``step()``'s arguments, parameters at construction,
-parameter/gradient pairs at bucket building."""
+"""Input checks shared by the fused optimizers: the Adam family's options, ``step()``'s arguments, parameters at
+construction, parameter/gradient pairs at bucket building."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import MutableMapping
 from typing import Any
 
 import torch
 
-from stepforge.core import check_range
+from stepforge.core import (
+    HyperParameterError,
+    check_betas,
+    check_bool,
+    check_lr,
+    check_range,
+    check_weight_decay,
+)
 from stepforge.core.torch_compat import dtensor_local
 
 from . import _backend
 
-__all__ = ["check_pair", "check_param", "div_scale_divisor"]
+__all__ = ["adam_defaults", "check_adam_group", "check_pair", "check_param", "div_scale_divisor"]
+
+
+_NUMBERS = ("lr", "betas", "eps", "weight_decay")
+
+
+def check_adam_group(group: MutableMapping[str, Any], *, owner: str, flags: tuple[str, ...]) -> None:
+    """The Adam-family checks on one param group (``flags``: its boolean options); ``amsgrad=True`` raises a
+    clear error."""
+    check_lr(group["lr"], owner=owner)
+    check_betas(group["betas"], owner=owner)
+    check_range(
+        "eps", group["eps"], low=0.0, low_open=True, owner=owner, hint="Pass a small positive eps, e.g. 1e-8."
+    )
+    check_weight_decay(group["weight_decay"], owner=owner)
+    amsgrad = group.get("amsgrad", False)
+    check_bool("amsgrad", amsgrad, owner=owner)
+    if amsgrad:
+        raise HyperParameterError(
+            f"{owner}: amsgrad=True is not supported by the fused kernels. Use torch.optim.AdamW(amsgrad=True) "
+            "or pass amsgrad=False."
+        )
+    for name in flags:
+        if name in group:
+            check_bool(name, group[name], owner=owner)
+
+
+def adam_defaults(owner: str, *, amsgrad: Any = False, **options: Any) -> dict[str, Any]:
+    """Validate the Adam-family options (``lr, bias_correction, betas, eps, weight_decay`` and the boolean ones,
+    e.g. ``adamw_mode``) and return them as the group defaults (``amsgrad`` is checked, not kept)."""
+    flags = tuple(k for k in options if k not in _NUMBERS)
+    check_adam_group({**options, "amsgrad": amsgrad}, owner=owner, flags=flags)
+    return {**options, "betas": tuple(options["betas"])}
 
 
 def div_scale_divisor(owner: str, div_scale: float | None) -> float:

@@ -9,9 +9,10 @@ from typing import Any
 
 import torch
 
-from ._adam_base import AdamBase, adam_defaults
 from ._nvme import NvmeStateStore, check_nvme_args
 from ._step.eager import fused_step
+from ._validate import adam_defaults
+from .fused_adam import AdamBase
 
 __all__ = ["CPUAdam"]
 

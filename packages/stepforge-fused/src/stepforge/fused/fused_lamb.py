@@ -14,11 +14,11 @@ import torch
 
 from stepforge.core import HyperParameterError, check_bool, check_range, check_trust_clip
 
-from ._adam_base import adam_defaults, check_adam_group
 from ._backend import LAMB
 from ._base import Bucket, FusedOptimizerBase, Launch
 from ._distributed import comm_device, is_dtensor, mesh_sum_, shard_dims, shard_groups
 from ._step.eager import fused_step, grad_norm, launch
+from ._validate import adam_defaults, check_adam_group
 
 __all__ = ["FusedLAMB"]
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, MutableMapping
 from typing import Any
 
+from torch.optim.optimizer import required
+
 from stepforge.core import (
     HyperParameterError,
     check_bool,
@@ -21,14 +23,6 @@ from ._base import FusedOptimizerBase
 from ._step.eager import fused_step
 
 __all__ = ["FusedSGD"]
-
-
-class _Required:
-    def __repr__(self) -> str:
-        return "<required parameter>"
-
-
-required: Any = _Required()
 
 
 class FusedSGD(FusedOptimizerBase):
@@ -61,7 +55,7 @@ class FusedSGD(FusedOptimizerBase):
     def __init__(
         self,
         params: Iterable[Any],
-        lr: float = required,
+        lr: float = required,  # type: ignore[assignment]
         momentum: float = 0,
         dampening: float = 0,
         weight_decay: float = 0,

@@ -129,24 +129,13 @@ def _fake(fn: Callable[..., Any], checks: _Checks, out: _FakeOut) -> Callable[..
     return fake
 
 
-def _missing_api() -> str:
-    """Why this torch cannot hold the operators (empty: it can)."""
-    library = torch.library
-    missing = [name for name in ("Library", "register_fake") if not hasattr(library, name)]
-    if missing:
-        return (
-            f"torch {torch.__version__} has no torch.library.{', torch.library.'.join(missing)} (torch >= 2.4 has "
-            "them)"
-        )
-    return ""
-
-
 def register() -> bool:
     """Define and register every operator (once per process; called at import). Returns :func:`available`."""
     if _status["available"]:
         return True
-    why = _missing_api()
-    if why:
+    missing = [name for name in ("Library", "register_fake") if not hasattr(torch.library, name)]
+    if missing:
+        why = f"torch {torch.__version__} has no torch.library.{', torch.library.'.join(missing)} (torch >= 2.4 has them)"
         _status.update(available=False, reason=why)
         return False
     name = ""

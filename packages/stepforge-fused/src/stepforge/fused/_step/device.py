@@ -59,11 +59,8 @@ def clip_divisor_from_sumsq(
 
 
 class DeviceLoop:
-    """The CUDA step of one optimizer, and the device buffers holding its float ``lr`` values (capturable).
-
-    Attributes:
-        lr_bufs: ``(id(group), device)`` -> ``(value, (1,) float32 device buffer)``.
-    """
+    """The CUDA step of one optimizer, and the device buffers of its float ``lr`` values (capturable):
+    ``lr_bufs``, ``(id(group), device)`` -> ``(value, (1,) float32 device buffer)``."""
 
     __slots__ = ("lr_bufs",)
 
