@@ -2,23 +2,13 @@
 """The kernel modules: loading them, choosing one per device, and calling them (contract: ``csrc/README.md``).
 
 ``_cpu`` is always built; ``_cuda`` only with ``STEPFORGE_CUDA=ON`` (or ``AUTO`` and nvcc found). Both expose the
-same kernel functions, so the optimizers call ``module_for(device).adam(...)`` and never branch on the device.
-The ``_cuda`` extension links the CUDA runtime statically, so it imports on machines without a GPU;
-:func:`cuda_status` then says why it cannot run.
+same kernel functions, so callers take ``module_for(device)`` and never branch on the device. ``_cuda`` links the
+CUDA runtime statically, so it imports on machines without a GPU; :func:`cuda_status` then says why it cannot run.
 
-One argument specification per update kernel (:class:`KernelSpec`: :data:`ADAM`, :data:`SGD`, :data:`LAMB`) says
-what it takes besides the shared arguments: its state lists and its hyper-parameters, each read from the param
-group. From it come the operator's schema (registered by :mod:`._operators`), the one call of the pybind kernel
-(:func:`call_kernel`: the eager step's launch on a bucket's cached pointer arrays and the operators' real
-implementations) and the compiled step's operator call (:func:`call_operator`). So adding an Adam argument means
-the kernel (and its binding), one :class:`Arg` in :data:`ADAM`, and the class that puts it into its param groups.
-The shared arguments, in kernel order::
-
-    params, grads, *states, masters, sizes, per-tensor (steps or SGD's first_run), param dtype, grad dtype, lr,
-    *hyper, grad_divisor, found_inf, check_finite, ctx (CPU threads / CUDA stream), **keywords (CUDA)
-
-and in operator order ``params, grads, *states, masters, per-tensor, lr, lr_tensor, *hyper, grad_divisor,
-grad_divisor_tensor, found_inf, check_finite, stochastic_rounding, seed``.
+One :class:`KernelSpec` per update kernel (:data:`ADAM`, :data:`SGD`, :data:`LAMB`) gives the operator's schema,
+the one call of the pybind kernel (:func:`call_kernel`) and the compiled step's operator call
+(:func:`call_operator`): adding an Adam argument means the kernel and its binding, one :class:`Arg` in
+:data:`ADAM`, and the class that puts the value into its param groups.
 """
 
 from __future__ import annotations
@@ -246,15 +236,10 @@ class Arg:
 
 @dataclass(frozen=True)
 class KernelSpec:
-    """What one update kernel takes besides the shared arguments (see the module docstring).
-
-    Attributes:
-        kernel: the pybind function (``_cpu.adam``). op: the operator (``torch.ops.stepforge_fused.adam_``).
-        states: ``(state key, operator list name)`` per state list, in kernel order.
-        hyper: the hyper-parameters, in kernel order.
-        first_run: the per-tensor argument is SGD's first-run flags (else the step counts).
-        optional_states: the state lists may be empty (SGD without momentum).
-    """
+    """What one update kernel takes besides the shared arguments (:func:`call_kernel`): the pybind ``kernel``
+    name, the operator ``op``, ``(state key, operator list name)`` per state list and ``hyper``, in kernel order;
+    ``first_run``: its per-tensor argument is SGD's first-run flags (else the step counts); ``optional_states``:
+    the state lists may be empty (SGD without momentum)."""
 
     kernel: str
     op: str
@@ -360,13 +345,11 @@ def call_kernel(
     ctx: int,
     **kw: Any,
 ) -> Any:
-    """The one call of an update kernel, in the order of the binding (``csrc/README.md``): the pointer arrays
-    ``ptrs`` (params, grads, ``spec``'s states, masters; ``None`` for an empty list), ``sizes``, the per-tensor
-    steps or SGD's first-run flags, the dtype codes, ``lr``, ``hyper`` (``spec``'s order), the divisor, the
-    ``found_inf`` flag address, the finite check and ``ctx`` (CPU threads / CUDA stream); ``kw``: the binding's
-    keywords (CUDA device scalars, LAMB's norms). The eager step (:func:`._step.eager.launch`) and the operators
-    (:mod:`._operators.impls`) both call it. Returns the kernel's answer: whether its finite check skipped the
-    update (None: decided on the device)."""
+    """The one call of an update kernel, in the binding's order (``csrc/README.md``): pointer arrays (params,
+    grads, ``spec``'s states, masters; ``None`` for an empty list), sizes, per-tensor steps or SGD's first-run
+    flags, dtype codes, lr, ``hyper``, divisor, ``found_inf`` address, finite check, ``ctx`` (CPU threads / CUDA
+    stream) and the binding's keywords ``kw``. The eager step and the operators both call it. Returns whether the
+    kernel's finite check skipped the update (None: decided on the device)."""
     fn = getattr(module, spec.kernel)
     return fn(*ptrs, sizes, per_tensor, *dtypes, lr, *hyper, divisor, found_inf_ptr, check_finite, ctx, **kw)
 
@@ -383,9 +366,8 @@ def call_operator(
 ) -> None:
     """The compiled step's call of ``spec``'s operator: ``lists`` = ``[params, grads, *states, masters]``,
     ``per_tensor`` the step counts (or SGD's first-run flags)."""
-    lr = group[
-        "lr"
-    ]  # a tensor lr is read by the graph (no recompile when it changes), a float one is a constant
+    # a tensor lr is read by the graph (no recompile when it changes), a float one is a constant
+    lr = group["lr"]
     lr, lr_tensor = (0.0, lr) if isinstance(lr, torch.Tensor) else (float(lr), None)
     getattr(torch.ops.stepforge_fused, spec.op)(
         *lists, per_tensor, lr, lr_tensor, *spec.values(group), grad_divisor, grad_divisor_tensor, found_inf,

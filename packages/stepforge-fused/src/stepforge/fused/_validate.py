@@ -74,20 +74,13 @@ def div_scale_divisor(owner: str, div_scale: float | None) -> float:
     )
 
 
-_SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
-
-
 def check_param(p: Any, index: int, *, owner: str) -> None:
     """Reject parameters the kernels cannot update in place, at construction (not at the first step)."""
     if not isinstance(p, torch.Tensor):
         raise TypeError(f"{owner}: parameter #{index} is a {type(p).__name__}, not a tensor.")
     t = dtensor_local(p)
     where = f"parameter #{index} (shape {tuple(p.shape)}, {p.dtype}, {t.device})"
-    if t.dtype not in _SUPPORTED:
-        raise TypeError(
-            f"{owner}: {where} has dtype {t.dtype}; the fused kernels support float32, float16 and bfloat16. "
-            "Cast the model first (e.g. model.float()) or use a torch.optim optimizer for float64."
-        )
+    _backend.dtype_code(t.dtype, what=where, owner=owner)
     if not t.is_contiguous():
         raise RuntimeError(
             f"{owner}: {where} is not contiguous; the kernels update memory in place and a copy would be "

@@ -25,7 +25,7 @@ import operator
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -36,7 +36,7 @@ from .._validate import check_pair
 if TYPE_CHECKING:
     from .protocol import KernelOwner
 
-__all__ = ["Bucket", "BucketCache", "GroupCache", "Launch", "bucket_steps", "device_steps", "stage"]
+__all__ = ["Bucket", "BucketCache", "GroupCache", "Launch", "Staged", "bucket_steps", "device_steps", "stage"]
 
 
 def _i64(values: Iterable[int]) -> array.array[int]:
@@ -180,10 +180,6 @@ class GroupCache:
         self.stale = [True]
         self.watched = False
 
-    def params_unchanged(self, params: list[torch.Tensor]) -> bool:
-        """The same parameter list, and no storage the buckets point into was freed since they were built."""
-        return self.params is params and not self.param_stale[0]
-
     def grads_unchanged(self, grads: list[Any]) -> bool:
         """The very grad tensors of the last step, watched since and none of whose storages was freed."""
         return self.watched and not self.stale[0] and self.same_grad_objects(grads)
@@ -253,7 +249,7 @@ class BucketCache:
             cached = None  # another params list: nothing of that entry applies
         dtensor = cached.dtensor if cached is not None else any(map(is_dtensor, params))
         stable = self.assume_stable_grads
-        if cached is not None and cached.params_unchanged(params):
+        if cached is not None and not cached.param_stale[0]:  # no storage the buckets point into was freed
             if cached.hooked and not cached.stale[0]:
                 return cached.buckets
             grads = list(map(_get_grad, params))
@@ -313,26 +309,28 @@ class BucketCache:
         buckets = []
         for (device, pdt, gdt, master), entries in stage(opt, group, params, grads, moved).items():
             bucket = Bucket(device, pdt, gdt, master)
-            bucket.params = [e[0] for e in entries]
+            bucket.params = [e.param for e in entries]
             # DTensor params, grads and state: the kernels step the local shards
-            bucket.ptrs["params"] = _i64(dtensor_local(e[0]).data_ptr() for e in entries)
-            bucket.ptrs["grads"] = _i64(dtensor_local(e[1]).data_ptr() for e in entries)
+            bucket.ptrs["params"] = _i64(dtensor_local(e.param).data_ptr() for e in entries)
+            bucket.ptrs["grads"] = _i64(dtensor_local(e.grad).data_ptr() for e in entries)
             for name in keys:
-                bucket.ptrs[name] = _i64(dtensor_local(e[2][name]).data_ptr() for e in entries)
+                bucket.ptrs[name] = _i64(dtensor_local(e.state[name]).data_ptr() for e in entries)
             if master:
-                bucket.ptrs["masters"] = _i64(dtensor_local(e[2]["master_param"]).data_ptr() for e in entries)
-            bucket.sizes = _i64(dtensor_local(e[0]).numel() for e in entries)
+                bucket.ptrs["masters"] = _i64(
+                    dtensor_local(e.state["master_param"]).data_ptr() for e in entries
+                )
+            bucket.sizes = _i64(dtensor_local(e.param).numel() for e in entries)
             bucket.numel = sum(bucket.sizes)
             n = len(entries)
             bucket.on_device = opt._device_path(device)
             if opt._uses_steps:
-                steps = bucket.steps = bucket_steps([e[2] for e in entries], device)
+                steps = bucket.steps = bucket_steps([e.state for e in entries], device)
                 if bucket.on_device:
                     bucket.step_ptrs = _i64(range(steps.data_ptr(), steps.data_ptr() + 4 * n, 4))
             else:
                 bucket.steps = torch.zeros(n, dtype=torch.float32)
             bucket.steps_arg = _i64([0] * n)
-            bucket.first_run = _i64(int(e[3]) for e in entries)
+            bucket.first_run = _i64(int(e.fresh) for e in entries)
             if n:
                 bucket._steps_arg_t = torch.frombuffer(bucket.steps_arg, dtype=torch.int64)
                 bucket._first_run_t = torch.frombuffer(bucket.first_run, dtype=torch.int64)
@@ -340,7 +338,16 @@ class BucketCache:
         return buckets
 
 
-_Staged = dict[tuple[Any, ...], list[tuple[torch.Tensor, torch.Tensor, dict[str, Any], bool]]]
+class Staged(NamedTuple):
+    """One (param, grad) pair accepted by :func:`stage`, its state and whether that state was created now."""
+
+    param: torch.Tensor
+    grad: torch.Tensor
+    state: dict[str, Any]
+    fresh: bool
+
+
+_Staged = dict[tuple[Any, ...], list[Staged]]
 
 
 def stage(
@@ -352,7 +359,7 @@ def stage(
 ) -> _Staged:
     """Validate every (param, grad) pair of ``group`` (params without a grad are left out), create or normalise
     the state (``opt._init_state``) and group the pairs by ``(device, param dtype, grad dtype, masters)``:
-    ``(param, grad, state, state created now)`` each. ``moved``: positions of params given new storage since the
+    :class:`Staged` each. ``moved``: positions of params given new storage since the
     last build. The eager buckets and the compiled step's lists are both made from this."""
     owner = opt._owner
     if group.get("capturable", False):
@@ -370,7 +377,7 @@ def stage(
         check_pair(dtensor_local(p), dtensor_local(g), i, owner=owner)
         state, fresh = opt._init_state(p, group, i in moved)
         master = opt.master_weights and p.dtype != torch.float32
-        staged.setdefault((p.device, p.dtype, g.dtype, master), []).append((p, g, state, fresh))
+        staged.setdefault((p.device, p.dtype, g.dtype, master), []).append(Staged(p, g, state, fresh))
     return staged
 
 

@@ -35,18 +35,10 @@ __all__ = ["BucketPlan", "init_group", "prepare_fallback", "traced_step"]
 
 
 class BucketPlan(NamedTuple):
-    """Where one bucket of a compiled step lies in the lists ``_init_group`` filled (returned as a plain tuple:
-    dynamo makes constants of the return value and cannot rebuild this class). ``flag``, ``count``,
-    ``first_run`` and ``steps`` index the ``extras`` list (``-1``: none).
-
-    Attributes:
-        start, stop: the bucket's slice of the params/grads/state lists.
-        masters_start, masters_stop: its slice of the masters list.
-        device: its device, as a string.
-        flag, count: its device's skip flag and skip counter (float32 ``(1,)``, when the step checks for inf/NaN).
-        first_run: its SGD first-run flags (CPU int64 ``(n,)``).
-        steps: its step counts (float32 ``(n,)``, whose elements are the state's ``step`` tensors).
-    """
+    """Where one bucket of a compiled step lies in the lists ``_init_group`` filled: its slices of the
+    params/grads/state lists (``start:stop``) and of the masters list, its device, and the positions in ``extras``
+    (``-1``: none) of its device's skip flag and counter, its SGD first-run flags and its step counts. Returned as
+    a plain tuple: dynamo makes constants of the return value and cannot rebuild this class."""
 
     start: int
     stop: int
@@ -86,11 +78,6 @@ def prepare_fallback(step: Callable[[KernelOwner, Any, float], Any]) -> None:
     """Called when an optimizer is built: without the operators, prepare the eager ``step`` compiled code calls."""
     if not _ops.available() and not _fallback:
         _fallback.append(torch.compiler.disable(functools.partial(_eager, step)))
-
-
-def _combined(flags: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """``any`` of 0-dim bool tensors that may live on several devices, on ``device``."""
-    return torch.stack([f.to(device) for f in flags]).any()
 
 
 def init_group(
@@ -147,17 +134,16 @@ def init_group(
                 masters.append(state["master_param"])
         flag = count = first = steps = -1
         if opt._uses_steps:
-            steps = extra(bucket_steps([e[2] for e in entries], device))
+            steps = extra(bucket_steps([e.state for e in entries], device))
         if check:
             skips = opt._skips
             flag = extra(skips.device_flag(device, None))
             count = extra(skips.counts.setdefault(device, torch.zeros(1, dtype=torch.float32, device=device)))
-        if any(e[3] for e in entries) and "momentum_buffer" in keys:
+        if any(e.fresh for e in entries) and "momentum_buffer" in keys:
             # SGD: buffers created now take the gradient itself on the first compiled run (torch's first step)
-            flags = torch.tensor([int(e[3]) for e in entries], dtype=torch.int64)
+            flags = torch.tensor([int(e.fresh) for e in entries], dtype=torch.int64)
             opt._compile_first_run.setdefault(id(group), []).append(flags)  # kept alive: the graph reads it
             first = extra(flags)
-        # a plain tuple: dynamo makes constants of the return value and cannot rebuild the class
         fields = BucketPlan(start, len(params), m_start, len(masters), str(device), flag, count, first, steps)
         plan.append(tuple(fields))
     # the eager step's buckets may hold step tensors replaced above: they are rebuilt at the next eager step
@@ -213,7 +199,7 @@ def traced_step(opt: KernelOwner, closure: Any, div_scale: float) -> Any:
     if check and not kernel_check:
         # several buckets: the whole step is skipped on a non-finite gradient, so every bucket is checked first
         home = norms[0].device
-        bad = _combined([~torch.isfinite(n / divisor) for n in norms], home)
+        bad = torch.stack([(~torch.isfinite(n / divisor)).to(home) for n in norms]).any()
         for flag, _count in flags.values():
             flag.copy_(bad.to(device=flag.device, dtype=torch.float32).reshape(1))
     divisor_tensor: torch.Tensor | None = None
