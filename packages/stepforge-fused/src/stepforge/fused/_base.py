@@ -32,7 +32,7 @@ __all__ = ["Bucket", "FusedOptimizerBase", "Launch"]
 
 class FusedOptimizerBase(torch.optim.Optimizer):
     """Base class of the stepforge fused optimizers (not public API): the constructor's options
-    (``master_weights``, ``skip_nonfinite``, ``assume_stable_grads``) and the subclass hooks. ``grad_scale`` and
+    (``master_weights``, ``skip_nonfinite``, ``assume_stable_grads``, ``set_grad_none``) and the subclass hooks. ``grad_scale`` and
     ``found_inf`` are set by ``torch.amp.GradScaler`` around ``step()`` only (no class default: GradScaler
     multiplies an existing ``grad_scale``)."""
 
@@ -62,6 +62,7 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         skip_nonfinite: bool | None = None,
         assume_stable_grads: bool = False,
         capturable: bool = False,
+        set_grad_none: bool = True,
     ):
         owner = self._owner
         if check_bool("capturable", capturable, owner=owner):
@@ -69,11 +70,13 @@ class FusedOptimizerBase(torch.optim.Optimizer):
             defaults = {**defaults, "capturable": True}
         check_bool("master_weights", master_weights, owner=owner)
         check_bool("assume_stable_grads", assume_stable_grads, owner=owner)
+        check_bool("set_grad_none", set_grad_none, owner=owner)
         if skip_nonfinite is not None:
             check_bool("skip_nonfinite", skip_nonfinite, owner=owner)
         self.master_weights = master_weights
         self.skip_nonfinite = skip_nonfinite
         self.assume_stable_grads = assume_stable_grads
+        self.set_grad_none = set_grad_none
         self._own_parts()
         super().__init__(params, defaults)
 
@@ -97,6 +100,7 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         self.__dict__.setdefault("master_weights", False)
         self.__dict__.setdefault("skip_nonfinite", None)
         self.__dict__.setdefault("assume_stable_grads", False)
+        self.__dict__.setdefault("set_grad_none", True)
         skips = SkipTracker(
             bool(self.__dict__.pop("last_step_skipped", False)), int(self.__dict__.pop("skipped_steps", 0))
         )
@@ -148,7 +152,9 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         if "capturable" in group:
             check_bool("capturable", group["capturable"], owner=self._owner)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        """Clear grads; ``set_to_none=None`` follows the constructor's ``set_grad_none`` (default True)."""
+        set_to_none = self.set_grad_none if set_to_none is None else set_to_none
         super().zero_grad(set_to_none=set_to_none)
         if set_to_none:
             self._bucket_cache.release_grads()

@@ -7,8 +7,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, MutableMapping
 from typing import Any
 
-from stepforge.core import check_bool
-
 from ._backend import ADAM
 from ._base import FusedOptimizerBase
 from ._step.eager import fused_step
@@ -108,8 +106,6 @@ class FusedAdam(AdamBase):
             amsgrad=amsgrad,
             adamw_mode=adamw_mode,
         )
-        check_bool("set_grad_none", set_grad_none, owner=self._owner)
-        self.set_grad_none = set_grad_none
         super().__init__(
             params,
             defaults,
@@ -117,11 +113,8 @@ class FusedAdam(AdamBase):
             skip_nonfinite=skip_nonfinite,
             assume_stable_grads=assume_stable_grads,
             capturable=capturable,
+            set_grad_none=set_grad_none,
         )
-
-    def zero_grad(self, set_to_none: bool | None = None) -> None:
-        """Clear grads; ``set_to_none=None`` follows the constructor's ``set_grad_none``."""
-        super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
 
     def step(
         self,

@@ -8,11 +8,11 @@ import dataclasses
 import math
 from collections.abc import Callable, Iterable, MutableMapping
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from stepforge.core import HyperParameterError, check_bool, check_range, check_trust_clip
+from stepforge.core import HyperParameterError, check_range, check_trust_clip
 
 from ._backend import LAMB
 from ._base import Bucket, FusedOptimizerBase, Launch
@@ -91,7 +91,6 @@ class FusedLAMB(FusedOptimizerBase):
             grad_averaging=grad_averaging,
             use_nvlamb=use_nvlamb,
         )
-        check_bool("set_grad_none", set_grad_none, owner=self._owner)
         check_range(
             "max_grad_norm",
             max_grad_norm,
@@ -99,7 +98,6 @@ class FusedLAMB(FusedOptimizerBase):
             owner=self._owner,
             hint="Pass 0 to disable global gradient clipping.",
         )
-        self.set_grad_none = set_grad_none
         defaults.update(max_grad_norm=max_grad_norm, trust_clip=_trust_bounds(trust_clip))
         super().__init__(
             params,
@@ -108,6 +106,7 @@ class FusedLAMB(FusedOptimizerBase):
             skip_nonfinite=skip_nonfinite,
             assume_stable_grads=assume_stable_grads,
             capturable=capturable,
+            set_grad_none=set_grad_none,
         )
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -146,10 +145,6 @@ class FusedLAMB(FusedOptimizerBase):
                 f"{self.defaults['max_grad_norm']!r} from the constructor). Pass it to FusedLAMB(...) instead."
             )
 
-    def zero_grad(self, set_to_none: bool | None = None) -> None:
-        """Clear grads; ``set_to_none=None`` follows the constructor's ``set_grad_none``."""
-        super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
-
     def _pre_step(self, plans: list[tuple[dict[str, Any], list[Bucket]]], divisor: float) -> float:
         buckets = [b for _group, bs in plans for b in bs]
         self._refresh_shard_plans(buckets)
@@ -157,22 +152,24 @@ class FusedLAMB(FusedOptimizerBase):
         if max_norm <= 0:
             return divisor
         total = 0.0
-        by_mesh: dict[tuple[int, ...], tuple[list[Any], torch.device, list[float]]] = {}
+        mesh_sets: dict[tuple[int, ...], _MeshSet] = {}
+        parts: dict[tuple[int, ...], list[float]] = {}  # per set of mesh groups: the local sums of squares
         for b in buckets:
             plan = self._shard_plans.get(id(b))
             if plan is None:
                 total += grad_norm(self, b) ** 2
                 continue
-            sets, rest = plan
-            for key, groups, comm, idx in sets:
+            for mesh_set in plan.sets:
+                idx = mesh_set.positions
                 sq = grad_norm(self, b, _pick(b.ptrs["grads"], idx), _pick(b.sizes, idx)) ** 2
-                by_mesh.setdefault(key, (groups, comm, []))[2].append(sq)
-            if rest:
-                total += grad_norm(self, b, _pick(b.ptrs["grads"], rest), _pick(b.sizes, rest)) ** 2
+                mesh_sets[mesh_set.key] = mesh_set
+                parts.setdefault(mesh_set.key, []).append(sq)
+            if plan.rest:
+                total += grad_norm(self, b, _pick(b.ptrs["grads"], plan.rest), _pick(b.sizes, plan.rest)) ** 2
         # sharded grads: each rank holds a part of the sum of squares; one all-reduce per set of mesh groups
-        for groups, comm, parts in by_mesh.values():
-            local = torch.tensor([math.fsum(parts)], dtype=torch.float64)
-            total += float(mesh_sum_(local, groups, comm).item())
+        for key, mesh_set in mesh_sets.items():
+            local = torch.tensor([math.fsum(parts[key])], dtype=torch.float64)
+            total += float(mesh_sum_(local, mesh_set.groups, mesh_set.comm).item())
         global_norm = math.sqrt(total) / divisor
         # inf/NaN grads: no clip factor; the kernel's non-finite check skips (skip_nonfinite) or they propagate.
         if math.isfinite(global_norm) and global_norm > max_norm:
@@ -205,9 +202,9 @@ class FusedLAMB(FusedOptimizerBase):
         if launch(self, module, bucket, group, at, norms_out_ptr=norms.data_ptr()):
             return True
         sums = norms.view(2, n)
-        for _key, groups, comm, idx in plan[0]:
-            pos = torch.tensor(idx, dtype=torch.long)
-            sums[:, pos] = mesh_sum_(sums[:, pos], groups, comm)
+        for mesh_set in plan.sets:
+            pos = torch.tensor(mesh_set.positions, dtype=torch.long)
+            sums[:, pos] = mesh_sum_(sums[:, pos], mesh_set.groups, mesh_set.comm)
         kw = {k: v for k, v in at.kw.items() if k != "write_unscaled_grads"}  # written back by the norms pass
         apply = dataclasses.replace(at, found_inf_ptr=0, check_finite=False, kw=kw)
         skipped: bool | None = launch(self, module, bucket, group, apply, norms_in_ptr=norms.data_ptr())
@@ -238,13 +235,26 @@ def _pick(values: array.array[int], idx: list[int]) -> array.array[int]:
     return array.array("q", [values[i] for i in idx])
 
 
-#: a bucket's sharded DTensor params: ``(key, groups, comm device, positions)`` per distinct set of mesh groups,
-#: and the positions of the other (plain or replicated) tensors
-_ShardPlan = tuple[list[tuple[tuple[int, ...], list[Any], torch.device, list[int]]], list[int]]
+class _MeshSet(NamedTuple):
+    """The tensors of a bucket sharded over the same mesh ``groups`` (``key``: their ids): their ``positions``
+    in the bucket, and the device their collectives run on (``comm``)."""
+
+    key: tuple[int, ...]
+    groups: list[Any]
+    comm: torch.device
+    positions: list[int]
+
+
+class _ShardPlan(NamedTuple):
+    """A bucket's sharded DTensor params, one :class:`_MeshSet` per distinct set of mesh groups, and ``rest``, the
+    positions of the other (plain or replicated) tensors."""
+
+    sets: list[_MeshSet]
+    rest: list[int]
 
 
 def _shard_plan(params: list[Any]) -> _ShardPlan | None:
-    by_key: dict[tuple[int, ...], tuple[tuple[int, ...], list[Any], torch.device, list[int]]] = {}
+    by_key: dict[tuple[int, ...], _MeshSet] = {}
     rest: list[int] = []
     for i, p in enumerate(params):
         if not (is_dtensor(p) and shard_dims(p)):
@@ -252,5 +262,5 @@ def _shard_plan(params: list[Any]) -> _ShardPlan | None:
             continue
         groups = shard_groups(p)
         key = tuple(id(g) for g in groups)
-        by_key.setdefault(key, (key, groups, comm_device(p), []))[3].append(i)
-    return (list(by_key.values()), rest) if by_key else None
+        by_key.setdefault(key, _MeshSet(key, groups, comm_device(p), [])).positions.append(i)
+    return _ShardPlan(list(by_key.values()), rest) if by_key else None
