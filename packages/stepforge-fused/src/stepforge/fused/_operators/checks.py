@@ -138,20 +138,14 @@ def check_update(
     grads: Sequence[torch.Tensor] | None,
     states: Mapping[str, Sequence[torch.Tensor]],
     masters: Sequence[torch.Tensor],
-    steps: torch.Tensor | None,
 ) -> tuple[torch.device | None, torch.dtype | None, torch.dtype | None]:
-    """The lists of one optimizer update (``grads``/``steps`` ``None`` where the op takes none).
-
-    Returns:
-        ``(device, param dtype, grad dtype)``; ``(None, None, None)`` for empty lists (nothing to do).
-    """
+    """The lists of one optimizer update (``grads`` ``None`` where the op takes none); returns ``(device, param
+    dtype, grad dtype)``, ``(None, None, None)`` for empty lists (nothing to do)."""
     lists: dict[str, Sequence[torch.Tensor]] = {"params": params, **states, "masters": masters}
     if grads is not None:
         lists["grads"] = grads
     device = one_device(op, lists)
     n = len(params)
-    if steps is not None:
-        check_steps(op, steps, n, device)
     pdtype = check_list(op, "params", params, n)
     gdtype = check_list(op, "grads", grads, n, like=params) if grads is not None else pdtype
     for name, tensors in states.items():

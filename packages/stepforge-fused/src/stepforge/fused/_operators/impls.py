@@ -48,7 +48,7 @@ def _states(spec: KernelSpec, a: dict[str, Any]) -> dict[str, list[Tensor]]:
 
 
 def _list_checks(op: str, spec: KernelSpec, a: dict[str, Any]) -> tuple[Any, Any, Any]:
-    return check_update(op, a["params"], a.get("grads"), _states(spec, a), a["masters"], None)
+    return check_update(op, a["params"], a.get("grads"), _states(spec, a), a["masters"])
 
 
 def _layout(op: str, spec: KernelSpec, a: dict[str, Any]) -> Layout:
@@ -145,10 +145,8 @@ def _update(
 ) -> bool:
     """One call of ``spec``'s kernel on ``layout``'s pointer arrays (``ptrs``: others in their place) with the
     operator's arguments ``a`` (by name; absent: ``lr`` 0, divisor 1, no tensors, no check, no rounding), the
-    steps advanced unless the update was skipped (``advance=False``: left as they were). On the CPU the host
-    steps (``step + 1``) or SGD's ``first_run`` flags are passed and lr and the divisor tensor read on the host;
-    on CUDA they are read on the device, on the caller's stream, never synchronising when ``found_inf`` is given.
-    Returns whether the kernel skipped the update on the host (CUDA: False, decided on the device)."""
+    steps advanced unless skipped (``advance=False``: left alone). CUDA reads lr, divisor and steps on the device,
+    never synchronising when ``found_inf`` is given. Returns whether the kernel skipped on the host."""
     device, pdt, gdt = layout.verdict
     module, ctx, env = _env(device)
     ptrs = list(layout.ptrs) if ptrs is None else ptrs

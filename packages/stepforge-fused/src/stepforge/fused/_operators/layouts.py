@@ -44,13 +44,9 @@ def _i64(values: Sequence[int]) -> array.array[int] | None:
 
 
 class Layout:
-    """One accepted call layout: what the checks returned and the kernel's arguments.
-
-    Attributes:
-        verdict: what the operator's list checks returned (e.g. ``(device, param dtype, grad dtype)``).
-        ptrs: one ``array('q')`` of addresses per list (``None`` for an empty list: the kernels' "none").
-        sizes: element counts of the first list's tensors (``array('q')``; ``None`` when it is empty).
-    """
+    """One accepted call layout: the ``verdict`` of the operator's list checks (e.g. ``(device, param dtype, grad
+    dtype)``), one ``array('q')`` of addresses per list (``ptrs``; ``None`` for an empty list: the kernels' "none")
+    and the element counts of the first list (``sizes``)."""
 
     __slots__ = ("counts", "devices", "dtypes", "flat_ptrs", "numels", "ptrs", "sizes", "verdict")
 

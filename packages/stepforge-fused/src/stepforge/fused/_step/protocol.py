@@ -30,13 +30,10 @@ __all__ = ["KernelOwner"]
 class KernelOwner(Protocol):
     """The optimizer seen by its step machinery: options, the subclass hooks and the device helpers."""
 
-    #: class name used in messages
     _owner: str
-    #: the kernel's argument specification
     _kernel: KernelSpec
     #: whether the optimizer keeps a per-parameter ``step`` (False for SGD)
     _uses_steps: bool
-    #: float32 masters for fp16/bf16 params
     master_weights: bool
     #: skip a step with inf/NaN grads (None: with master_weights)
     skip_nonfinite: bool | None
