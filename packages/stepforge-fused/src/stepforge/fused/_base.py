@@ -317,16 +317,14 @@ class FusedOptimizerBase(torch.optim.Optimizer):
             elif buf.dtype != torch.float32 or buf.device != p.device or not buf.is_contiguous():
                 # A torch checkpoint of fp16/bf16 params keeps low-precision moments: widen them (exact).
                 state[key] = buf.to(device=p.device, dtype=torch.float32).contiguous()
-            if state[key].shape != p.shape and moved:
+            if state[key].shape != p.shape:
                 raise RuntimeError(
                     f"{self._owner}: a parameter was given new storage of shape {tuple(p.shape)} but its "
                     f"state['{key}'] has shape {tuple(state[key].shape)}; state cannot follow a change of size. "
                     "Start it afresh with `del optimizer.state[param]` (or rebuild the optimizer)."
-                )
-            if state[key].shape != p.shape:
-                raise RuntimeError(
-                    f"{self._owner}: state['{key}'] has shape {tuple(state[key].shape)} but its parameter has "
-                    f"shape {tuple(p.shape)}; the loaded state does not belong to these parameters."
+                    if moved
+                    else f"{self._owner}: state['{key}'] has shape {tuple(state[key].shape)} but its parameter "
+                    f"has shape {tuple(p.shape)}; the loaded state does not belong to these parameters."
                 )
         if self.master_weights and p.dtype != torch.float32:
             w = state.get("master_param")

@@ -43,9 +43,7 @@ class KernelOwner(Protocol):
     _device_loop: DeviceLoop
     #: the param-group checks (``revalidate(param_groups)`` at each step)
     _groups: GroupValidator
-    #: ``id(group)`` -> SGD first-run flag tensors a compiled step reads (kept alive by the optimizer)
     _compile_first_run: dict[int, list[torch.Tensor]]
-    #: adjusts the host grad divisor before any update (LAMB's clip); None: no adjustment
     _pre_step: Callable[[list[tuple[dict[str, Any], list[Bucket]]], float], float] | None
 
     #: the float32 state tensors of ``group``'s params, in kernel argument order
