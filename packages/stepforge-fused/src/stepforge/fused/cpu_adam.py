@@ -106,4 +106,4 @@ class CPUAdam(AdamBase):
 
     def step(self, closure: Callable[[], Any] | None = None, div_scale: float = -1) -> Any:
         """One step; ``div_scale > 0`` divides every grad (loss scale x clip factor) inside the kernel."""
-        return fused_step(self, closure, div_scale)  # type: ignore[arg-type]
+        return fused_step(self, closure, div_scale)

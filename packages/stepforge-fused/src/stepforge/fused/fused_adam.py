@@ -133,4 +133,4 @@ class FusedAdam(AdamBase):
                     f"FusedAdam.step(): the legacy argument {name!r} is not supported (it must be None); gradients "
                     "are read from p.grad, and a loss scale is passed as div_scale= or through torch.amp.GradScaler."
                 )
-        return fused_step(self, closure, div_scale)  # type: ignore[arg-type]
+        return fused_step(self, closure, div_scale)

@@ -67,7 +67,7 @@ class FusedSGD(FusedOptimizerBase):
         assume_stable_grads: bool = False,
         capturable: bool = False,
     ) -> None:
-        if lr is required:
+        if lr is required:  # type: ignore[comparison-overlap]  # torch.optim's sentinel, typed as its own class
             raise HyperParameterError("FusedSGD: lr is required (e.g. FusedSGD(params, lr=0.1)).")
         check_lr(lr, owner=self._owner)
         check_momentum(momentum, owner=self._owner)
@@ -116,4 +116,4 @@ class FusedSGD(FusedOptimizerBase):
 
     def step(self, closure: Callable[[], Any] | None = None, div_scale: float = -1) -> Any:
         """One optimizer step; ``div_scale > 0`` divides every grad first."""
-        return fused_step(self, closure, div_scale)  # type: ignore[arg-type]
+        return fused_step(self, closure, div_scale)

@@ -44,7 +44,9 @@ class KernelOwner(Protocol):
     #: the param-group checks (``revalidate(param_groups)`` at each step)
     _groups: GroupValidator
     _compile_first_run: dict[int, list[torch.Tensor]]
-    _pre_step: Callable[[list[tuple[dict[str, Any], list[Bucket]]], float], float] | None
+
+    @property
+    def _pre_step(self) -> Callable[[list[tuple[dict[str, Any], list[Bucket]]], float], float] | None: ...
 
     #: the float32 state tensors of ``group``'s params, in kernel argument order
     def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]: ...
@@ -68,7 +70,7 @@ class KernelOwner(Protocol):
 
     #: run the kernel on ``bucket``; returns whether its finite check skipped the update
     def _launch(
-        self, module: ModuleType, bucket: Bucket, group: dict[str, Any], launch: Launch
+        self, module: ModuleType, bucket: Bucket, group: dict[str, Any], at: Launch
     ) -> bool | None: ...
 
     #: global grad-norm clip on the device path (``0``: none)
