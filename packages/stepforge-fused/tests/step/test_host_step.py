@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from stepforge.fused import FusedAdam
-from stepforge.fused._step.eager import SkipTracker, UnscalePlan, all_finite, run_host
+from stepforge.fused._step.device import SkipTracker
+from stepforge.fused._step.eager import UnscalePlan, all_finite, run_host
 from stepforge.testing.tensors import bits_equal, clone_params
 
 

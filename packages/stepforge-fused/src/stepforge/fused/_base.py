@@ -2,7 +2,7 @@
 """The base class of the fused optimizers: options, add_param_group, subclass hooks and step routing.
 
 It owns the stateful parts of the step machinery (:mod:`._step`): :class:`~._step.buckets.BucketCache` (buckets,
-the pointer cache and its per-step revalidation), :class:`~._step.eager.SkipTracker` (skipped-step reporting) and
+the pointer cache and its per-step revalidation), :class:`~._step.device.SkipTracker` (skipped-step reporting) and
 :class:`~._step.device.DeviceLoop` (the sync-free CUDA step). They reach the optimizer through
 :class:`~._step.protocol.KernelOwner`. It keeps torch.optim's state layout and state-dict format (a
 ``torch.optim.AdamW``/``SGD`` checkpoint loads into the fused classes and back): ``step`` 0-dim float32, state
@@ -23,8 +23,8 @@ from ._backend import KernelSpec, device_env, device_kw, device_path, launch_ctx
 from ._huge_pages import float32_copy, float32_zeros_like
 from ._step.buckets import Bucket, BucketCache, Launch
 from ._step.compiled import init_group, prepare_fallback
-from ._step.device import DeviceLoop
-from ._step.eager import SkipTracker, fused_step, launch
+from ._step.device import DeviceLoop, SkipTracker
+from ._step.eager import fused_step, launch
 from ._validate import check_param
 
 __all__ = ["Bucket", "FusedOptimizerBase", "Launch"]

@@ -25,7 +25,7 @@ import operator
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -33,10 +33,37 @@ from stepforge.core.torch_compat import dtensor_local, is_dtensor, view_base
 
 from .._validate import check_pair
 
-if TYPE_CHECKING:
-    from .protocol import KernelOwner
+__all__ = [
+    "Bucket",
+    "BucketCache",
+    "BucketOwner",
+    "GroupCache",
+    "Launch",
+    "Staged",
+    "bucket_steps",
+    "device_steps",
+    "stage",
+]
 
-__all__ = ["Bucket", "BucketCache", "GroupCache", "Launch", "Staged", "bucket_steps", "device_steps", "stage"]
+
+class BucketOwner(Protocol):
+    """What building buckets needs from the optimizer (extended by :class:`~.protocol.KernelOwner`)."""
+
+    _owner: str
+    #: whether the optimizer keeps a per-parameter ``step`` (False for SGD)
+    _uses_steps: bool
+    master_weights: bool
+
+    #: the float32 state tensors of ``group``'s params, in kernel argument order
+    def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]: ...
+
+    #: create or normalise ``p``'s state; returns ``(state, created now)``
+    def _init_state(
+        self, p: torch.Tensor, group: dict[str, Any], moved: bool = False
+    ) -> tuple[dict[str, Any], bool]: ...
+
+    #: whether ``device`` takes the sync-free device path (a test may route a device to an emulation)
+    def _device_path(self, device: torch.device) -> bool: ...
 
 
 def _i64(values: Iterable[int]) -> array.array[int]:
@@ -240,7 +267,7 @@ class BucketCache:
             entry.hooked = False
             entry.release_grads()
 
-    def group_buckets(self, opt: KernelOwner, index: int, group: dict[str, Any]) -> list[Bucket]:
+    def group_buckets(self, opt: BucketOwner, index: int, group: dict[str, Any]) -> list[Bucket]:
         """The buckets of ``opt``'s group ``index``, revalidated: parameter addresses always, gradient addresses
         unless the stable-grads hooks vouch for them; a moved parameter rebuilds, moved grads refresh."""
         params = group["params"]
@@ -298,7 +325,7 @@ class BucketCache:
 
     def build(
         self,
-        opt: KernelOwner,
+        opt: BucketOwner,
         group: dict[str, Any],
         params: list[torch.Tensor],
         grads: list[Any],
@@ -351,7 +378,7 @@ _Staged = dict[tuple[Any, ...], list[Staged]]
 
 
 def stage(
-    opt: KernelOwner,
+    opt: BucketOwner,
     group: dict[str, Any],
     params: list[torch.Tensor],
     grads: list[Any],

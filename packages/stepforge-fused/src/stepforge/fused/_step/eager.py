@@ -30,12 +30,12 @@ from .._distributed import is_dtensor, mesh_all_true
 from .._validate import div_scale_divisor
 from .buckets import Bucket, Launch
 from .compiled import traced_step
+from .device import SkipTracker
 
 if TYPE_CHECKING:
     from .protocol import KernelOwner
 
 __all__ = [
-    "SkipTracker",
     "UnscalePlan",
     "all_finite",
     "fused_step",
@@ -119,68 +119,6 @@ def unscale_grads(buckets: list[Bucket], unscale_by: float) -> None:
         grads = [dtensor_local(cast(torch.Tensor, p.grad)) for p in b.params]  # bucketed: has a grad
         if grads:
             torch._foreach_div_(grads, unscale_by)
-
-
-class SkipTracker:
-    """Skipped steps decided on the host (``host_last``, ``host_count``) and on devices: one persistent float32
-    ``(1,)`` flag per device (``flags``, the ``found_inf_ptr`` of its launches; ``last_flags``: those of the last
-    step) and a counter of device-decided skips per device (``counts``), never read inside ``step()``."""
-
-    __slots__ = ("counts", "flags", "host_count", "host_last", "last_flags")
-
-    def __init__(self, host_last: bool = False, host_count: int = 0) -> None:
-        self.host_last = host_last
-        self.host_count = host_count
-        self.last_flags: list[torch.Tensor] = []
-        self.flags: dict[torch.device, torch.Tensor] = {}
-        self.counts: dict[torch.device, torch.Tensor] = {}
-
-    def begin_step(self) -> None:
-        """A new step starts: nothing skipped yet."""
-        self.host_last = False
-        self.last_flags = []
-
-    def skip_on_host(self) -> None:
-        """The step was skipped by a host decision."""
-        self.host_last = True
-        self.host_count += 1
-
-    def last_skipped(self) -> bool:
-        """Whether the last step was skipped (reads the device flags: synchronises after a CUDA step)."""
-        if self.host_last:
-            return True
-        return any(bool(f.ne(0).any()) for f in self.last_flags)
-
-    def set_last(self, value: bool) -> None:
-        self.host_last = bool(value)
-        self.last_flags = []
-
-    def skipped(self) -> int:
-        """How many steps were skipped (device counters read on access)."""
-        return self.host_count + sum(int(c.sum().item()) for c in self.counts.values())
-
-    def set_skipped(self, value: int) -> None:
-        self.host_count = int(value)
-        self.counts = {}
-
-    def device_flag(self, device: torch.device, found_inf: torch.Tensor | None) -> torch.Tensor:
-        """``device``'s flag, set to GradScaler's ``found_inf`` (on the stream, no sync) or to 0."""
-        flag = self.flags.get(device)
-        if flag is None:
-            flag = self.flags[device] = torch.zeros(1, dtype=torch.float32, device=device)
-        if found_inf is not None:
-            flag.copy_(found_inf.to(device=device, dtype=torch.float32, non_blocking=True).reshape(1))
-        else:
-            flag.zero_()
-        return flag
-
-    def record_device(self, device: torch.device, flag: torch.Tensor) -> None:
-        """The step on ``device`` was decided by ``flag``: remember it and count it (on the device)."""
-        self.last_flags.append(flag)
-        count = self.counts.get(device)
-        if count is None:
-            count = self.counts[device] = torch.zeros(1, dtype=torch.float32, device=device)
-        count.add_(flag.ne(0).to(torch.float32))
 
 
 def launch(
