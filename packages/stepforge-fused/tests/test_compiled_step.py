@@ -13,7 +13,7 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 import stepforge.fused as sf
-from stepforge.fused import _operators as _ops
+from stepforge.fused import ops as _ops
 from stepforge.fused._step import compiled as _compiled_step
 from stepforge.testing.compiled import (
     compiled_beside_eager,

@@ -3,7 +3,7 @@
 
     python tools/bench/experiments/bench_cache_check.py --ref <commit> --out benchmarks/results/fused-cpu/cpu-<date>-cache-check.json
 
-The Python layer of ``stepforge.fused`` at ``--ref`` (``_base.py``, ``_adam_base.py``, ``cpu_adam.py``, plus
+The Python layer of ``stepforge.fused`` at ``--ref`` (``_base.py``, ``fused_adam.py``, ``cpu_adam.py``, plus
 whatever they import that the installed package lacks) is loaded as extra submodules of the installed
 ``stepforge.fused`` package, so both versions call the same compiled kernels in one process. Both optimizers
 step 20 000 x 1 000 float32 tensors round-robin (``reuse``: the same grads every step; ``fresh``: two grad sets
@@ -49,7 +49,7 @@ SMOKE_ARGS = (
 
 def _load_old(ref: str) -> type:
     """``CPUAdam`` as of ``ref``, its modules renamed ``<name>_at_ref`` inside the installed package."""
-    names = ["_base", "_adam_base", "cpu_adam"]
+    names = ["_base", "_adam_base", "fused_adam", "cpu_adam"]
     extra = ["_cuda_runtime", "_validate"]
     pkg_dir = Path(fused.__file__).parent
     mods = {}

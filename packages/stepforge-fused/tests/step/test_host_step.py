@@ -1,13 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``_host_step.HostLoop``: the CPU step over several buckets (pre-check, launches, skips, GradScaler unscale)."""
+"""``_step.eager.run_host``: the CPU step over several buckets (pre-check, launches, skips, GradScaler unscale)."""
 
 from __future__ import annotations
 
 import torch
 
 from stepforge.fused import FusedAdam
-from stepforge.fused._step.device import DeviceLoop
-from stepforge.fused._step.eager import HostLoop, SkipTracker, UnscalePlan
+from stepforge.fused._step.device import SkipTracker
+from stepforge.fused._step.eager import UnscalePlan, all_finite, run_host
 from stepforge.testing.tensors import bits_equal, clone_params
 
 
@@ -35,9 +35,9 @@ def test_a_non_finite_grad_in_any_bucket_skips_all_of_them():
     before = [p.detach().clone() for p in ps]
     plans, buckets = _plans(opt)
     assert len(buckets) == 2
-    assert not HostLoop().all_finite(opt, buckets, 1.0, sharded=False)
+    assert not all_finite(opt, buckets, 1.0, sharded=False)
     skips = SkipTracker()
-    HostLoop().run(opt, plans, buckets, UnscalePlan(1.0), True, skips, DeviceLoop())
+    run_host(opt, plans, buckets, UnscalePlan(1.0), True, skips)
     assert skips.host_count == 1 and bits_equal(ps, before)
 
 
@@ -49,7 +49,7 @@ def test_run_steps_every_bucket_like_the_optimizer_and_unscales_the_grads():
     opt, ref = FusedAdam(ps, lr=1e-2), FusedAdam(twins, lr=1e-2)
     plans, buckets = _plans(opt)
     # the kernels divide by 8 (div_scale 2 x scale 4): the grads are left divided by the scale in a second pass
-    HostLoop().run(opt, plans, buckets, UnscalePlan(8.0, unscale_by=4.0), False, SkipTracker(), DeviceLoop())
+    run_host(opt, plans, buckets, UnscalePlan(8.0, unscale_by=4.0), False, SkipTracker())
     ref.step(div_scale=8.0)
     assert bits_equal(ps, twins)
     for p, q in zip(ps, twins, strict=True):

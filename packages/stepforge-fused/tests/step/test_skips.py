@@ -1,12 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``_skips.SkipTracker``: host and device skip decisions, read back only when asked."""
+"""``_step.device.SkipTracker``: host and device skip decisions, read back only when asked."""
 
 from __future__ import annotations
 
 import torch
 
 from stepforge.fused import FusedAdam
-from stepforge.fused._step.eager import SkipTracker
+from stepforge.fused._step.device import SkipTracker
 
 
 def test_host_skips_are_counted_and_cleared_by_the_next_step():

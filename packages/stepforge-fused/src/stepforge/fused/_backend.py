@@ -2,24 +2,13 @@
 """The kernel modules: loading them, choosing one per device, and calling them (contract: ``csrc/README.md``).
 
 ``_cpu`` is always built; ``_cuda`` only with ``STEPFORGE_CUDA=ON`` (or ``AUTO`` and nvcc found). Both expose the
-same kernel functions, so the optimizers call ``module_for(device).adam(...)`` and never branch on the device.
-One loader (:func:`_load`), one dtype table (:data:`DTYPE_CODES`), one error class
-(:class:`BackendUnavailableError`). The ``_cuda`` extension links the CUDA runtime statically, so it imports on
-machines without a GPU; :func:`cuda_status` then says why it cannot run.
+same kernel functions, so callers take ``module_for(device)`` and never branch on the device. ``_cuda`` links the
+CUDA runtime statically, so it imports on machines without a GPU; :func:`cuda_status` then says why it cannot run.
 
-One argument specification per update kernel (:class:`KernelSpec`: :data:`ADAM`, :data:`SGD`, :data:`LAMB`) says
-what it takes besides the shared arguments: its state lists and its hyper-parameters, each read from the param
-group. From it come the operator's schema (:meth:`KernelSpec.schema`, registered by :mod:`._operators`) and its
-implementation (:mod:`._operators.impls`), the eager step's call of the pybind kernel on a bucket's cached pointer
-arrays (:func:`._step.buckets.launch`) and the compiled step's call of the operator on tensor lists (:func:`call_operator`). So
-adding an Adam argument means the kernel (and its binding), one :class:`Arg` in :data:`ADAM`, and the class that
-puts it into its param groups. The shared arguments, in kernel order::
-
-    params, grads, *states, masters, sizes, per-tensor (steps or SGD's first_run), param dtype, grad dtype, lr,
-    *hyper, grad_divisor, found_inf, check_finite, ctx (CPU threads / CUDA stream), **keywords (CUDA)
-
-and in operator order ``params, grads, *states, masters, per-tensor, lr, lr_tensor, *hyper, grad_divisor,
-grad_divisor_tensor, found_inf, check_finite, stochastic_rounding, seed``.
+One :class:`KernelSpec` per update kernel (:data:`ADAM`, :data:`SGD`, :data:`LAMB`) gives the operator's schema,
+the one call of the pybind kernel (:func:`call_kernel`) and the compiled step's operator call
+(:func:`call_operator`): adding an Adam argument means the kernel and its binding, one :class:`Arg` in
+:data:`ADAM`, and the class that puts the value into its param groups.
 """
 
 from __future__ import annotations
@@ -36,6 +25,7 @@ from stepforge.core import StepforgeError
 
 __all__ = [
     "ADAM",
+    "DTYPE_CODES",
     "LAMB",
     "SGD",
     "Arg",
@@ -43,23 +33,21 @@ __all__ = [
     "KernelSpec",
     "call_kernel",
     "call_operator",
-    "device_env",
-    "device_kw",
-    "device_path",
-    "launch_ctx",
-    "lr_args",
-    "DTYPE_CODES",
+    "cpu_features",
     "cpu_module",
     "cuda_available",
     "cuda_module",
     "cuda_status",
-    "module_for",
+    "device_env",
+    "device_kw",
+    "device_path",
+    "dtype_code",
+    "get_num_threads",
     "has_cuda",
-    "cpu_features",
+    "launch_ctx",
+    "module_for",
     "set_cpu_isa",
     "set_num_threads",
-    "get_num_threads",
-    "dtype_code",
 ]
 
 #: dtype codes of the kernel contract (csrc/README.md); never reorder.
@@ -79,11 +67,7 @@ def _load(name: str) -> tuple[ModuleType | None, str]:
 
 
 def cpu_module() -> ModuleType:
-    """The ``_cpu`` kernel module.
-
-    Raises:
-        BackendUnavailableError: the extension is missing or failed to import (a broken install).
-    """
+    """The ``_cpu`` kernel module; raises :class:`BackendUnavailableError` when it failed to import."""
     mod, why = _load("_cpu")
     if mod is None:
         raise BackendUnavailableError(
@@ -94,11 +78,8 @@ def cpu_module() -> ModuleType:
 
 
 def cuda_module() -> ModuleType:
-    """The ``_cuda`` kernel module.
-
-    Raises:
-        BackendUnavailableError: built without CUDA (rebuild with ``STEPFORGE_CUDA=ON``), or no CUDA device.
-    """
+    """The ``_cuda`` kernel module; raises :class:`BackendUnavailableError` when built without CUDA or when torch
+    sees no CUDA device."""
     mod, why = _load("_cuda")
     if mod is None:
         raise BackendUnavailableError(
@@ -115,15 +96,11 @@ def cuda_module() -> ModuleType:
 
 
 def cuda_status() -> str:
-    """One line for humans: built architectures and runtime, and the device or why there is none.
+    """One line for humans: built architectures and runtime, and the device or why there is none, e.g.
+    ``"built for sm_90 (cubin), sm_90 (PTX); CUDA 13.0 (static runtime); 1 device(s): 0=NVIDIA H200 sm_90"``.
 
     Composed here from the module's small queries and torch's device names: the C++ status string this replaced
     crashed the process once a device was present (an H200, driver 580), while each of these queries ran fine.
-
-    Returns:
-        e.g. ``"built for sm_90 (cubin), sm_90 (PTX); CUDA 13.0 (static runtime); 1 device(s): 0=NVIDIA H200
-        sm_90"``, ``"...; no CUDA driver/device: stepforge CUDA error in cudaGetDeviceCount:
-        cudaErrorInsufficientDriver (...)"``, or why the module is missing and how to build it.
     """
     mod, why = _load("_cuda")
     if mod is None:
@@ -169,11 +146,8 @@ def has_cuda() -> bool:
 
 
 def module_for(device: torch.device) -> ModuleType:
-    """The kernel module for tensors on ``device`` (``cpu`` -> ``_cpu``, ``cuda`` -> ``_cuda``).
-
-    Raises:
-        BackendUnavailableError: the device type has no kernels (or its module is missing).
-    """
+    """The kernel module for tensors on ``device`` (``cpu`` -> ``_cpu``, ``cuda`` -> ``_cuda``); raises
+    :class:`BackendUnavailableError` for other devices."""
     if device.type == "cpu":
         return cpu_module()
     if device.type == "cuda":
@@ -251,13 +225,8 @@ def launch_ctx(module: ModuleType, device: torch.device) -> int:
 
 @dataclass(frozen=True)
 class Arg:
-    """One hyper-parameter of a kernel: its operator name and type, and where the param group keeps it.
-
-    Attributes:
-        name: the operator argument (schema) name.
-        type: ``"float"`` or ``"bool"``.
-        key: the param-group key. index: element of a tuple value (``betas``, ``trust_clip``), or None.
-    """
+    """One hyper-parameter of a kernel: its operator argument ``name`` and ``type`` (``"float"``/``"bool"``),
+    and where the param group keeps it: ``key``, and ``index`` in a tuple value (``betas``, ``trust_clip``)."""
 
     name: str
     type: str
@@ -267,15 +236,10 @@ class Arg:
 
 @dataclass(frozen=True)
 class KernelSpec:
-    """What one update kernel takes besides the shared arguments (see the module docstring).
-
-    Attributes:
-        kernel: the pybind function (``_cpu.adam``). op: the operator (``torch.ops.stepforge_fused.adam_``).
-        states: ``(state key, operator list name)`` per state list, in kernel order.
-        hyper: the hyper-parameters, in kernel order.
-        first_run: the per-tensor argument is SGD's first-run flags (else the step counts).
-        optional_states: the state lists may be empty (SGD without momentum).
-    """
+    """What one update kernel takes besides the shared arguments (:func:`call_kernel`): the pybind ``kernel``
+    name, the operator ``op``, ``(state key, operator list name)`` per state list and ``hyper``, in kernel order;
+    ``first_run``: its per-tensor argument is SGD's first-run flags (else the step counts); ``optional_states``:
+    the state lists may be empty (SGD without momentum)."""
 
     kernel: str
     op: str
@@ -297,30 +261,23 @@ class KernelSpec:
         """The hyper-parameters of ``group``, in kernel order."""
         return [conv(group[key] if i is None else group[key][i]) for key, i, conv in self._readers]
 
-    def arg_names(self) -> list[str]:
-        """The operator's argument names, in order."""
-        return [
-            "params", "grads", *(name for _key, name in self.states), "masters",
-            "first_run" if self.first_run else "steps", "lr", "lr_tensor", *(a.name for a in self.hyper),
-            "grad_divisor", "grad_divisor_tensor", "found_inf", "check_finite", "stochastic_rounding", "seed",
-        ]  # fmt: skip
-
     def schema(self) -> str:
         """The operator schema: ``Tensor(x!)`` marks what it writes (never the gradients)."""
         marks = iter("abcde")  # found_inf is always (f!): the schemas registered before this spec existed
-        lists = [f"Tensor({next(marks)}!)[] params", "Tensor[] grads"]
-        lists += [f"Tensor({next(marks)}!)[] {name}" for _key, name in self.states]
-        lists.append(f"Tensor({next(marks)}!)[] masters")
-        lists.append(
+        args = [f"Tensor({next(marks)}!)[] params", "Tensor[] grads"]
+        args += [f"Tensor({next(marks)}!)[] {name}" for _key, name in self.states]
+        args.append(f"Tensor({next(marks)}!)[] masters")
+        args.append(
             f"Tensor({next(marks)}!)? first_run" if self.first_run else f"Tensor({next(marks)}!) steps"
         )
-        hyper = [f"{a.type} {a.name}" for a in self.hyper]
-        tail = [
-            "float grad_divisor", "Tensor? grad_divisor_tensor", "Tensor(f!)? found_inf",
-            "bool check_finite", "bool stochastic_rounding", "int seed",
-        ]  # fmt: skip
-        args = ", ".join([*lists, "float lr", "Tensor? lr_tensor", *hyper, *tail])
-        return f"{self.op}({args}) -> ()"
+        args += ["float lr", "Tensor? lr_tensor", *(f"{a.type} {a.name}" for a in self.hyper)]
+        args += [
+            "float grad_divisor",
+            "Tensor? grad_divisor_tensor",
+            "Tensor(f!)? found_inf",
+            "bool check_finite",
+        ]
+        return f"{self.op}({', '.join(args)}, bool stochastic_rounding, int seed) -> ()"
 
 
 _BETAS = (Arg("beta1", "float", "betas", 0), Arg("beta2", "float", "betas", 1), Arg("eps", "float", "eps"))
@@ -388,24 +345,13 @@ def call_kernel(
     ctx: int,
     **kw: Any,
 ) -> Any:
-    """The one call of an update kernel, in the order of the binding (``csrc/README.md``): the pointer arrays
-    ``ptrs`` (params, grads, ``spec``'s states, masters; ``None`` for an empty list), ``sizes``, the per-tensor
-    steps or SGD's first-run flags, the dtype codes, ``lr``, ``hyper`` (``spec``'s order), the divisor, the
-    ``found_inf`` flag address, the finite check and ``ctx`` (CPU threads / CUDA stream); ``kw``: the binding's
-    keywords (CUDA device scalars, LAMB's norms). The eager step (:func:`._step.buckets.launch`) and the operators
-    (:mod:`._operators.kernels`) both call it. Returns the kernel's answer: whether its finite check skipped the
-    update (None: decided on the device)."""
+    """The one call of an update kernel, in the binding's order (``csrc/README.md``): pointer arrays (params,
+    grads, ``spec``'s states, masters; ``None`` for an empty list), sizes, per-tensor steps or SGD's first-run
+    flags, dtype codes, lr, ``hyper``, divisor, ``found_inf`` address, finite check, ``ctx`` (CPU threads / CUDA
+    stream) and the binding's keywords ``kw``. The eager step and the operators both call it. Returns whether the
+    kernel's finite check skipped the update (None: decided on the device)."""
     fn = getattr(module, spec.kernel)
     return fn(*ptrs, sizes, per_tensor, *dtypes, lr, *hyper, divisor, found_inf_ptr, check_finite, ctx, **kw)
-
-
-def lr_args(group: dict[str, Any]) -> tuple[float, torch.Tensor | None]:
-    """``(lr, lr_tensor)`` of an operator call: a tensor lr is read by the graph (no recompile when it changes),
-    a float lr is a constant of the graph."""
-    lr = group["lr"]
-    if isinstance(lr, torch.Tensor):
-        return 0.0, lr
-    return float(lr), None
 
 
 def call_operator(
@@ -420,7 +366,9 @@ def call_operator(
 ) -> None:
     """The compiled step's call of ``spec``'s operator: ``lists`` = ``[params, grads, *states, masters]``,
     ``per_tensor`` the step counts (or SGD's first-run flags)."""
-    lr, lr_tensor = lr_args(group)
+    # a tensor lr is read by the graph (no recompile when it changes), a float one is a constant
+    lr = group["lr"]
+    lr, lr_tensor = (0.0, lr) if isinstance(lr, torch.Tensor) else (float(lr), None)
     getattr(torch.ops.stepforge_fused, spec.op)(
         *lists, per_tensor, lr, lr_tensor, *spec.values(group), grad_divisor, grad_divisor_tensor, found_inf,
         check_finite, False, 0,

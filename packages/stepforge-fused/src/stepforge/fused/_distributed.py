@@ -1,10 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """DTensor parameters (FSDP2 ``fully_shard``): the kernels step local shards; decisions that must be the same on
-every rank (skipping a step on inf/NaN gradients) are reduced over the DTensor's device mesh.
-
-Only ``torch.distributed`` is used, and only when a DTensor is present (``torch.distributed.tensor`` is never
-imported here: DTensors are recognised by :func:`stepforge.core.torch_compat.is_dtensor`).
-"""
+every rank (skipping a step, LAMB's norms) are reduced over the DTensor's device mesh (``torch.distributed`` only
+when a DTensor is present; ``torch.distributed.tensor`` is never imported here)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """Float32 optimizer state on transparent huge pages (CPU).
 
-The kernels stream every state tensor once per step. On 4 KiB pages each 4 KiB of each stream costs a TLB miss
-(a two-level page walk under a hypervisor), which measurably slows a memory-bound step; torch's own allocator
-avoids it only under ``THP_MEM_ALLOC_ENABLE=1``. So large CPU state tensors are allocated untouched, their
-2 MiB-aligned interior is advised for huge pages (``madvise(MADV_HUGEPAGE)``, Linux; a no-op elsewhere or when
-the kernel refuses) and only then filled, so the first touch faults huge pages in. Set
-``STEPFORGE_STATE_HUGE_PAGES=0`` to allocate state like torch does (for an A/B measurement).
+The kernels stream every state tensor once per step; on 4 KiB pages each 4 KiB of a stream costs a TLB miss,
+which measurably slows a memory-bound step (torch's allocator avoids it only under ``THP_MEM_ALLOC_ENABLE=1``). So
+large CPU state tensors are allocated untouched, advised for huge pages (``madvise(MADV_HUGEPAGE)``; a no-op where
+refused) and only then filled. ``STEPFORGE_STATE_HUGE_PAGES=0`` allocates state like torch does (for an A/B).
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """NVMe offload of optimizer state (ColossalAI's ``nvme_offload_fraction`` / ``nvme_offload_dir``).
 
-A fraction of the float32 state of CPU parameters (``exp_avg``, ``exp_avg_sq``, ``master_param``), largest
-parameters first, lives in files memory-mapped with ``torch.from_file(..., shared=True)``: ordinary CPU tensors
-whose pages belong to the page cache of a file instead of the process's anonymous memory, so the kernel writes
-them back to the disk and evicts them under memory pressure. The optimizer kernels step them in place like any
-other tensor (no copies, no prefetch thread). Files live in a directory of their own, created under
-``nvme_offload_dir`` (or the system temp dir when it is None) and removed by :meth:`NvmeStateStore.close` or when
-the store is garbage collected.
+A fraction of the float32 state of CPU parameters, largest parameters first, lives in files memory-mapped with
+``torch.from_file(..., shared=True)``: CPU tensors whose pages belong to a file's page cache instead of the
+process's anonymous memory, so the OS writes them back and evicts them under memory pressure, while the kernels
+step them in place (no copies, no prefetch thread). The files' directory, created under ``nvme_offload_dir`` (or
+the temp dir), is removed by :meth:`NvmeStateStore.close` or when the store is garbage collected.
 """
 
 from __future__ import annotations
@@ -62,13 +60,8 @@ def check_nvme_args(owner: str, fraction: object, directory: object) -> float:
 
 
 class NvmeStateStore:
-    """Decides which parameters' state is file-backed and creates those tensors.
-
-    Args:
-        owner: class name for error messages.
-        fraction: share of the total CPU parameter elements whose state goes to files (0 < fraction <= 1).
-        directory: parent directory; a fresh sub-directory is created in it (the system temp dir when None).
-    """
+    """Decides which parameters' state is file-backed (``fraction`` of the CPU parameter elements) and creates
+    those tensors, in a fresh sub-directory of ``directory`` (the temp dir when None); ``owner`` names messages."""
 
     def __init__(self, owner: str, fraction: float, directory: str | os.PathLike[str] | None) -> None:
         self.owner = owner
@@ -81,15 +74,6 @@ class NvmeStateStore:
         self._offloaded = 0
         self._files = 0
         self._owned: set[int] = set()  # data_ptr() of the file-backed tensors created here
-
-    @property
-    def closed(self) -> bool:
-        return not self._finalizer.alive
-
-    @property
-    def offloaded_numel(self) -> int:
-        """Parameter elements whose state is in files."""
-        return self._offloaded
 
     def close(self) -> None:
         """Remove the directory and its files. Mapped tensors stay readable (the mapping outlives the unlink)."""
@@ -111,15 +95,9 @@ class NvmeStateStore:
                 self._decided[id(p)] = True
                 self._offloaded += p.numel()
 
-    def offloaded(self, p: torch.Tensor) -> bool:
-        return self._decided.get(id(p), False)
-
-    def owns(self, t: torch.Tensor) -> bool:
-        return t.data_ptr() in self._owned
-
     def file_tensor(self, value: torch.Tensor) -> torch.Tensor:
         """A file-backed float32 copy of ``value`` (same shape, contiguous)."""
-        if self.closed:
+        if not self._finalizer.alive:
             raise RuntimeError(f"{self.owner}: the NVMe offload store was closed; build a new optimizer.")
         name = os.path.join(self.path, f"state-{self._files}.bin")
         self._files += 1
@@ -134,15 +112,20 @@ class NvmeStateStore:
 
     def adopt(self, p: torch.Tensor, state: dict[str, object]) -> None:
         """Move the float32 state tensors of an offloaded CPU parameter into files (no-op when already there)."""
-        if not self.offloaded(p):
+        if not self._decided.get(id(p), False):
             return
         for key in OFFLOADED_KEYS:
             t = state.get(key)
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.numel() and not self.owns(t):
+            if (
+                isinstance(t, torch.Tensor)
+                and t.device.type == "cpu"
+                and t.numel()
+                and t.data_ptr() not in self._owned
+            ):
                 state[key] = self.file_tensor(t.detach().to(torch.float32))
 
     def file_bytes(self) -> int:
         """Bytes allocated in the store's files."""
-        if self.closed:
+        if not self._finalizer.alive:
             return 0
         return sum(os.path.getsize(os.path.join(self.path, n)) for n in os.listdir(self.path))

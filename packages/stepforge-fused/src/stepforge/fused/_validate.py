@@ -1,9 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Input checks shared by the fused optimizers: hyper-parameters (messages from stepforge.core), parameters at
+"""Input checks shared by the fused optimizers: the Adam family's options, ``step()``'s arguments, parameters at
 construction, parameter/gradient pairs at bucket building."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import MutableMapping
 from typing import Any
 
 import torch
@@ -20,55 +22,65 @@ from stepforge.core.torch_compat import dtensor_local
 
 from . import _backend
 
-__all__ = ["check_adam_like", "check_pair", "check_param", "local_tensor", "reject_legacy_step_args"]
+__all__ = ["adam_defaults", "check_adam_group", "check_pair", "check_param", "div_scale_divisor"]
 
 
-def check_adam_like(
-    owner: str, *, lr: Any, betas: Any, eps: Any, weight_decay: Any, amsgrad: Any, flags: dict[str, Any]
-) -> None:
-    """Validate the Adam/LAMB family options; ``amsgrad=True`` raises a clear error."""
-    check_lr(lr, owner=owner)
-    check_betas(betas, owner=owner)
-    check_range("eps", eps, low=0.0, low_open=True, owner=owner, hint="Pass a small positive eps, e.g. 1e-8.")
-    check_weight_decay(weight_decay, owner=owner)
+_NUMBERS = ("lr", "betas", "eps", "weight_decay")
+
+
+def check_adam_group(group: MutableMapping[str, Any], *, owner: str, flags: tuple[str, ...]) -> None:
+    """The Adam-family checks on one param group (``flags``: its boolean options); ``amsgrad=True`` raises a
+    clear error."""
+    check_lr(group["lr"], owner=owner)
+    check_betas(group["betas"], owner=owner)
+    check_range(
+        "eps", group["eps"], low=0.0, low_open=True, owner=owner, hint="Pass a small positive eps, e.g. 1e-8."
+    )
+    check_weight_decay(group["weight_decay"], owner=owner)
+    amsgrad = group.get("amsgrad", False)
     check_bool("amsgrad", amsgrad, owner=owner)
     if amsgrad:
         raise HyperParameterError(
             f"{owner}: amsgrad=True is not supported by the fused kernels. Use torch.optim.AdamW(amsgrad=True) "
             "or pass amsgrad=False."
         )
-    for name, value in flags.items():
-        check_bool(name, value, owner=owner)
+    for name in flags:
+        if name in group:
+            check_bool(name, group[name], owner=owner)
 
 
-def reject_legacy_step_args(owner: str, **legacy: Any) -> None:
-    """apex/ColossalAI step() keeps grads/output_params/scale/grad_norms for compatibility; they must be None."""
-    for name, value in legacy.items():
-        if value is not None:
-            raise TypeError(
-                f"{owner}.step(): the legacy argument {name!r} is not supported (it must be None); gradients are "
-                "read from p.grad, and a loss scale is passed as div_scale= or through torch.amp.GradScaler."
-            )
+def adam_defaults(owner: str, *, amsgrad: Any = False, **options: Any) -> dict[str, Any]:
+    """Validate the Adam-family options (``lr, bias_correction, betas, eps, weight_decay`` and the boolean ones,
+    e.g. ``adamw_mode``) and return them as the group defaults (``amsgrad`` is checked, not kept)."""
+    flags = tuple(k for k in options if k not in _NUMBERS)
+    check_adam_group({**options, "amsgrad": amsgrad}, owner=owner, flags=flags)
+    return {**options, "betas": tuple(options["betas"])}
 
 
-#: The tensor the kernels read: a DTensor's local shard, any other tensor itself (an alias: one call, not two).
-local_tensor = dtensor_local
-
-
-_SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
+def div_scale_divisor(owner: str, div_scale: float | None) -> float:
+    """The host divisor given by ``step(div_scale=)``: ``-1`` (or None) is none; anything else must be positive
+    and finite (``HyperParameterError`` otherwise, before the closure runs)."""
+    if div_scale is None or div_scale == -1:
+        return 1.0
+    return check_range(
+        "div_scale",
+        div_scale,
+        low=0.0,
+        low_open=True,
+        high=math.inf,
+        high_open=True,
+        owner=f"{owner}.step()",
+        hint="It divides every gradient (a loss scale); pass -1 (the default) for no division.",
+    )
 
 
 def check_param(p: Any, index: int, *, owner: str) -> None:
     """Reject parameters the kernels cannot update in place, at construction (not at the first step)."""
     if not isinstance(p, torch.Tensor):
         raise TypeError(f"{owner}: parameter #{index} is a {type(p).__name__}, not a tensor.")
-    t = local_tensor(p)
+    t = dtensor_local(p)
     where = f"parameter #{index} (shape {tuple(p.shape)}, {p.dtype}, {t.device})"
-    if t.dtype not in _SUPPORTED:
-        raise TypeError(
-            f"{owner}: {where} has dtype {t.dtype}; the fused kernels support float32, float16 and bfloat16. "
-            "Cast the model first (e.g. model.float()) or use a torch.optim optimizer for float64."
-        )
+    _backend.dtype_code(t.dtype, what=where, owner=owner)
     if not t.is_contiguous():
         raise RuntimeError(
             f"{owner}: {where} is not contiguous; the kernels update memory in place and a copy would be "

@@ -9,9 +9,10 @@ from typing import Any
 
 import torch
 
-from ._adam_base import AdamBase, adam_defaults
 from ._nvme import NvmeStateStore, check_nvme_args
 from ._step.eager import fused_step
+from ._validate import adam_defaults
+from .fused_adam import AdamBase
 
 __all__ = ["CPUAdam"]
 
@@ -25,12 +26,7 @@ class CPUAdam(AdamBase):
 
     Args:
         model_params: parameters or param-group dicts.
-        lr: as in :class:`FusedAdam`.
-        bias_correction: as in :class:`FusedAdam`.
-        betas: as in :class:`FusedAdam`.
-        eps: as in :class:`FusedAdam`.
-        weight_decay: as in :class:`FusedAdam`.
-        adamw_mode: as in :class:`FusedAdam`.
+        lr, bias_correction, betas, eps, weight_decay, adamw_mode: as in :class:`FusedAdam`.
         nvme_offload_fraction: share (0..1) of the CPU parameters' elements whose float32 state
             (``exp_avg``, ``exp_avg_sq``, ``master_param``) lives in memory-mapped files, largest parameters
             first (ColossalAI's argument). The kernels step the mapped tensors in place; the page cache writes
@@ -38,8 +34,7 @@ class CPUAdam(AdamBase):
             parameters are never offloaded.
         nvme_offload_dir: directory for those files (a fresh sub-directory is created in it); None: the system
             temp dir. The files are removed by :meth:`close` or when the optimizer is garbage collected.
-        master_weights: as in :class:`FusedAdam`.
-        skip_nonfinite: as in :class:`FusedAdam`.
+        master_weights, skip_nonfinite, assume_stable_grads: as in :class:`FusedAdam`.
     """
 
     _owner = "CPUAdam"
@@ -111,4 +106,4 @@ class CPUAdam(AdamBase):
 
     def step(self, closure: Callable[[], Any] | None = None, div_scale: float = -1) -> Any:
         """One step; ``div_scale > 0`` divides every grad (loss scale x clip factor) inside the kernel."""
-        return fused_step(self, closure, div_scale)  # type: ignore[arg-type]
+        return fused_step(self, closure, div_scale)

@@ -1,18 +1,48 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``FusedAdam``: multi-tensor Adam/AdamW with ColossalAI's signature, on CPU and CUDA tensors."""
+"""``FusedAdam``: multi-tensor Adam/AdamW with ColossalAI's signature, on CPU and CUDA tensors, and the Adam
+base it shares with CPUAdam and HybridAdam (``torch.optim.AdamW``'s state layout)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, MutableMapping
 from typing import Any
 
-from stepforge.core import check_bool
-
-from ._adam_base import AdamBase, adam_defaults
+from ._backend import ADAM
+from ._base import FusedOptimizerBase
 from ._step.eager import fused_step
-from ._validate import reject_legacy_step_args
+from ._validate import adam_defaults, check_adam_group
 
-__all__ = ["FusedAdam"]
+__all__ = ["AdamBase", "FusedAdam"]
+
+
+class AdamBase(FusedOptimizerBase):
+    """Adam/AdamW over the ``adam`` kernel; groups hold ``lr, bias_correction, betas, eps, weight_decay,
+    adamw_mode``. State per parameter: ``step`` (0-dim float32), ``exp_avg``, ``exp_avg_sq`` (float32), and
+    ``master_param`` with ``master_weights=True`` for fp16/bf16 params."""
+
+    _kernel = ADAM
+
+    def _check_group(self, group: MutableMapping[str, Any]) -> None:
+        super()._check_group(group)
+        check_adam_group(group, owner=self._owner, flags=("bias_correction", "adamw_mode"))
+
+    def _torch_group_keys(self, group: dict[str, Any]) -> dict[str, Any]:
+        # torch.optim.Adam/AdamW read these; `fused=True` keeps the bit-identical torch path after a load.
+        return {
+            "amsgrad": False,
+            "maximize": False,
+            "foreach": None,
+            "capturable": False,
+            "differentiable": False,
+            "fused": True,
+            "decoupled_weight_decay": bool(group["adamw_mode"]),
+        }
+
+    def _check_loaded_group(self, group: dict[str, Any]) -> None:
+        super()._check_loaded_group(group)
+        if "decoupled_weight_decay" in group and "adamw_mode" in group:
+            # A torch.optim checkpoint says which decay it used; keep its semantics.
+            group["adamw_mode"] = bool(group["decoupled_weight_decay"])
 
 
 class FusedAdam(AdamBase):
@@ -76,8 +106,6 @@ class FusedAdam(AdamBase):
             amsgrad=amsgrad,
             adamw_mode=adamw_mode,
         )
-        check_bool("set_grad_none", set_grad_none, owner=self._owner)
-        self.set_grad_none = set_grad_none
         super().__init__(
             params,
             defaults,
@@ -85,11 +113,8 @@ class FusedAdam(AdamBase):
             skip_nonfinite=skip_nonfinite,
             assume_stable_grads=assume_stable_grads,
             capturable=capturable,
+            set_grad_none=set_grad_none,
         )
-
-    def zero_grad(self, set_to_none: bool | None = None) -> None:
-        """Clear grads; ``set_to_none=None`` follows the constructor's ``set_grad_none``."""
-        super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
 
     def step(
         self,
@@ -101,7 +126,11 @@ class FusedAdam(AdamBase):
         div_scale: float = -1,
     ) -> Any:
         """One optimizer step; ``div_scale > 0`` divides every grad first (ColossalAI semantics)."""
-        reject_legacy_step_args(
-            self._owner, grads=grads, output_params=output_params, scale=scale, grad_norms=grad_norms
-        )
-        return fused_step(self, closure, div_scale)  # type: ignore[arg-type]
+        legacy = {"grads": grads, "output_params": output_params, "scale": scale, "grad_norms": grad_norms}
+        for name, value in legacy.items():  # kept in apex/ColossalAI's signature for compatibility only
+            if value is not None:
+                raise TypeError(
+                    f"FusedAdam.step(): the legacy argument {name!r} is not supported (it must be None); gradients "
+                    "are read from p.grad, and a loss scale is passed as div_scale= or through torch.amp.GradScaler."
+                )
+        return fused_step(self, closure, div_scale)

@@ -8,19 +8,17 @@ import dataclasses
 import math
 from collections.abc import Callable, Iterable, MutableMapping
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from stepforge.core import HyperParameterError, check_bool, check_range, check_trust_clip
+from stepforge.core import HyperParameterError, check_range, check_trust_clip
 
-from . import _backend
-from ._adam_base import adam_defaults, check_adam_group
 from ._backend import LAMB
 from ._base import Bucket, FusedOptimizerBase, Launch
 from ._distributed import comm_device, is_dtensor, mesh_sum_, shard_dims, shard_groups
-from ._step.buckets import launch
-from ._step.eager import fused_step
+from ._step.eager import fused_step, grad_norm, launch
+from ._validate import adam_defaults, check_adam_group
 
 __all__ = ["FusedLAMB"]
 
@@ -45,24 +43,12 @@ class FusedLAMB(FusedOptimizerBase):
     (a norms pass, the all-reduce, an apply pass); unsharded buckets keep the single call.
 
     Args:
-        params: as apex/ColossalAI ``FusedLAMB``.
-        lr: as apex/ColossalAI ``FusedLAMB``.
-        bias_correction: as apex/ColossalAI ``FusedLAMB``.
-        betas: as apex/ColossalAI ``FusedLAMB``.
-        eps: as apex/ColossalAI ``FusedLAMB``.
-        weight_decay: as apex/ColossalAI ``FusedLAMB``.
+        params, lr, bias_correction, betas, eps, weight_decay, adam_w_mode, grad_averaging, set_grad_none,
+            max_grad_norm, use_nvlamb: as apex/ColossalAI ``FusedLAMB``.
         amsgrad: must be False (apex's argument).
-        adam_w_mode: as apex/ColossalAI ``FusedLAMB``.
-        grad_averaging: as apex/ColossalAI ``FusedLAMB``.
-        set_grad_none: as apex/ColossalAI ``FusedLAMB``.
-        max_grad_norm: as apex/ColossalAI ``FusedLAMB``.
-        use_nvlamb: as apex/ColossalAI ``FusedLAMB``.
         trust_clip: ``(low, high)`` clamp of the trust ratio (either may be None), or None.
-        master_weights: as in :class:`~stepforge.fused.FusedAdam`.
-        skip_nonfinite: as in :class:`~stepforge.fused.FusedAdam`.
-        assume_stable_grads: as in :class:`~stepforge.fused.FusedAdam`.
-        capturable: as in :class:`~stepforge.fused.FusedAdam`. On CUDA the global norm and clip factor stay on
-            the device.
+        master_weights, skip_nonfinite, assume_stable_grads, capturable: as in :class:`~stepforge.fused.FusedAdam`
+            (on CUDA the global norm and clip factor stay on the device).
     """
 
     _owner = "FusedLAMB"
@@ -105,7 +91,6 @@ class FusedLAMB(FusedOptimizerBase):
             grad_averaging=grad_averaging,
             use_nvlamb=use_nvlamb,
         )
-        check_bool("set_grad_none", set_grad_none, owner=self._owner)
         check_range(
             "max_grad_norm",
             max_grad_norm,
@@ -113,7 +98,6 @@ class FusedLAMB(FusedOptimizerBase):
             owner=self._owner,
             hint="Pass 0 to disable global gradient clipping.",
         )
-        self.set_grad_none = set_grad_none
         defaults.update(max_grad_norm=max_grad_norm, trust_clip=_trust_bounds(trust_clip))
         super().__init__(
             params,
@@ -122,6 +106,7 @@ class FusedLAMB(FusedOptimizerBase):
             skip_nonfinite=skip_nonfinite,
             assume_stable_grads=assume_stable_grads,
             capturable=capturable,
+            set_grad_none=set_grad_none,
         )
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -160,10 +145,6 @@ class FusedLAMB(FusedOptimizerBase):
                 f"{self.defaults['max_grad_norm']!r} from the constructor). Pass it to FusedLAMB(...) instead."
             )
 
-    def zero_grad(self, set_to_none: bool | None = None) -> None:
-        """Clear grads; ``set_to_none=None`` follows the constructor's ``set_grad_none``."""
-        super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
-
     def _pre_step(self, plans: list[tuple[dict[str, Any], list[Bucket]]], divisor: float) -> float:
         buckets = [b for _group, bs in plans for b in bs]
         self._refresh_shard_plans(buckets)
@@ -171,39 +152,29 @@ class FusedLAMB(FusedOptimizerBase):
         if max_norm <= 0:
             return divisor
         total = 0.0
-        by_mesh: dict[tuple[int, ...], tuple[list[Any], torch.device, list[float]]] = {}
+        mesh_sets: dict[tuple[int, ...], _MeshSet] = {}
+        parts: dict[tuple[int, ...], list[float]] = {}  # per set of mesh groups: the local sums of squares
         for b in buckets:
-            module = _backend.module_for(b.device)
             plan = self._shard_plans.get(id(b))
             if plan is None:
-                total += self._grad_sumsq(module, b, b.ptrs["grads"], b.sizes)
+                total += grad_norm(self, b) ** 2
                 continue
-            grads, sizes = b.ptrs["grads"], b.sizes
-            for key, groups, comm, idx in plan.sets:
-                sq = self._grad_sumsq(module, b, _pick(grads, idx), _pick(sizes, idx))
-                by_mesh.setdefault(key, (groups, comm, []))[2].append(sq)
+            for mesh_set in plan.sets:
+                idx = mesh_set.positions
+                sq = grad_norm(self, b, _pick(b.ptrs["grads"], idx), _pick(b.sizes, idx)) ** 2
+                mesh_sets[mesh_set.key] = mesh_set
+                parts.setdefault(mesh_set.key, []).append(sq)
             if plan.rest:
-                total += self._grad_sumsq(module, b, _pick(grads, plan.rest), _pick(sizes, plan.rest))
+                total += grad_norm(self, b, _pick(b.ptrs["grads"], plan.rest), _pick(b.sizes, plan.rest)) ** 2
         # sharded grads: each rank holds a part of the sum of squares; one all-reduce per set of mesh groups
-        for groups, comm, parts in by_mesh.values():
-            local = torch.tensor([math.fsum(parts)], dtype=torch.float64)
-            total += float(mesh_sum_(local, groups, comm).item())
+        for key, mesh_set in mesh_sets.items():
+            local = torch.tensor([math.fsum(parts[key])], dtype=torch.float64)
+            total += float(mesh_sum_(local, mesh_set.groups, mesh_set.comm).item())
         global_norm = math.sqrt(total) / divisor
         # inf/NaN grads: no clip factor; the kernel's non-finite check skips (skip_nonfinite) or they propagate.
         if math.isfinite(global_norm) and global_norm > max_norm:
             divisor *= global_norm / max_norm
         return divisor
-
-    def _grad_sumsq(self, module: ModuleType, b: Bucket, ptrs: Any, sizes: Any) -> float:
-        norm: float = module.l2norm(  # the global norm (a float) when no sumsq_out_ptr is given
-            ptrs,
-            sizes,
-            _backend.DTYPE_CODES[b.grad_dtype],
-            0,
-            self._ctx(module, b.device),
-            **self._device_kw(b.device),
-        )
-        return norm * norm
 
     def _refresh_shard_plans(self, buckets: list[Bucket]) -> None:
         """Which tensors of each bucket are sharded DTensors, and over which mesh groups (rebuilt when the
@@ -214,7 +185,7 @@ class FusedLAMB(FusedOptimizerBase):
         self._shard_buckets = buckets
         self._shard_plans = {}
         for b in buckets:
-            plan = _ShardPlan.of(b.params)
+            plan = _shard_plan(b.params)
             if plan is not None:
                 self._shard_plans[id(b)] = plan
 
@@ -231,9 +202,9 @@ class FusedLAMB(FusedOptimizerBase):
         if launch(self, module, bucket, group, at, norms_out_ptr=norms.data_ptr()):
             return True
         sums = norms.view(2, n)
-        for _key, groups, comm, idx in plan.sets:
-            pos = torch.tensor(idx, dtype=torch.long)
-            sums[:, pos] = mesh_sum_(sums[:, pos], groups, comm)
+        for mesh_set in plan.sets:
+            pos = torch.tensor(mesh_set.positions, dtype=torch.long)
+            sums[:, pos] = mesh_sum_(sums[:, pos], mesh_set.groups, mesh_set.comm)
         kw = {k: v for k, v in at.kw.items() if k != "write_unscaled_grads"}  # written back by the norms pass
         apply = dataclasses.replace(at, found_inf_ptr=0, check_finite=False, kw=kw)
         skipped: bool | None = launch(self, module, bucket, group, apply, norms_in_ptr=norms.data_ptr())
@@ -241,7 +212,7 @@ class FusedLAMB(FusedOptimizerBase):
 
     def step(self, closure: Callable[[], Any] | None = None, div_scale: float = -1) -> Any:
         """One optimizer step; ``div_scale > 0`` divides every grad before the norm clip."""
-        return fused_step(self, closure, div_scale)  # type: ignore[arg-type]
+        return fused_step(self, closure, div_scale)
 
 
 def _same_number(a: Any, b: Any) -> bool:
@@ -264,27 +235,32 @@ def _pick(values: array.array[int], idx: list[int]) -> array.array[int]:
     return array.array("q", [values[i] for i in idx])
 
 
-class _ShardPlan:
-    """A bucket's sharded DTensor params: ``sets`` of ``(key, groups, comm device, positions)``, one per
-    distinct set of mesh groups, and ``rest``, the positions of the other (plain or replicated) tensors."""
+class _MeshSet(NamedTuple):
+    """The tensors of a bucket sharded over the same mesh ``groups`` (``key``: their ids): their ``positions``
+    in the bucket, and the device their collectives run on (``comm``)."""
 
-    __slots__ = ("rest", "sets")
+    key: tuple[int, ...]
+    groups: list[Any]
+    comm: torch.device
+    positions: list[int]
 
-    def __init__(
-        self, sets: list[tuple[tuple[int, ...], list[Any], torch.device, list[int]]], rest: list[int]
-    ):
-        self.sets = sets
-        self.rest = rest
 
-    @classmethod
-    def of(cls, params: list[Any]) -> _ShardPlan | None:
-        by_key: dict[tuple[int, ...], tuple[tuple[int, ...], list[Any], torch.device, list[int]]] = {}
-        rest: list[int] = []
-        for i, p in enumerate(params):
-            if not (is_dtensor(p) and shard_dims(p)):
-                rest.append(i)
-                continue
-            groups = shard_groups(p)
-            key = tuple(id(g) for g in groups)
-            by_key.setdefault(key, (key, groups, comm_device(p), []))[3].append(i)
-        return cls(list(by_key.values()), rest) if by_key else None
+class _ShardPlan(NamedTuple):
+    """A bucket's sharded DTensor params, one :class:`_MeshSet` per distinct set of mesh groups, and ``rest``, the
+    positions of the other (plain or replicated) tensors."""
+
+    sets: list[_MeshSet]
+    rest: list[int]
+
+
+def _shard_plan(params: list[Any]) -> _ShardPlan | None:
+    by_key: dict[tuple[int, ...], _MeshSet] = {}
+    rest: list[int] = []
+    for i, p in enumerate(params):
+        if not (is_dtensor(p) and shard_dims(p)):
+            rest.append(i)
+            continue
+        groups = shard_groups(p)
+        key = tuple(id(g) for g in groups)
+        by_key.setdefault(key, _MeshSet(key, groups, comm_device(p), [])).positions.append(i)
+    return _ShardPlan(list(by_key.values()), rest) if by_key else None

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, MutableMapping
 from typing import Any
 
+from torch.optim.optimizer import required
+
 from stepforge.core import (
     HyperParameterError,
     check_bool,
@@ -23,14 +25,6 @@ from ._step.eager import fused_step
 __all__ = ["FusedSGD"]
 
 
-class _Required:
-    def __repr__(self) -> str:
-        return "<required parameter>"
-
-
-required: Any = _Required()
-
-
 class FusedSGD(FusedOptimizerBase):
     """SGD in one multi-tensor kernel per (device, dtype) bucket.
 
@@ -46,15 +40,9 @@ class FusedSGD(FusedOptimizerBase):
     Args:
         params: parameters or param-group dicts.
         lr: learning rate (required).
-        momentum: as above (nesterov needs momentum > 0, dampening 0).
-        dampening: as above (nesterov needs momentum > 0, dampening 0).
-        weight_decay: as above (nesterov needs momentum > 0, dampening 0).
-        nesterov: as above (nesterov needs momentum > 0, dampening 0).
-        wd_after_momentum: as above (nesterov needs momentum > 0, dampening 0).
-        master_weights: as in :class:`~stepforge.fused.FusedAdam`.
-        skip_nonfinite: as in :class:`~stepforge.fused.FusedAdam`.
-        assume_stable_grads: as in :class:`~stepforge.fused.FusedAdam`.
-        capturable: as in :class:`~stepforge.fused.FusedAdam`.
+        momentum, dampening, weight_decay, nesterov, wd_after_momentum: as above (nesterov needs momentum > 0,
+            dampening 0).
+        master_weights, skip_nonfinite, assume_stable_grads, capturable: as in :class:`~stepforge.fused.FusedAdam`.
 
     State per parameter equals ``torch.optim.SGD``'s: ``momentum_buffer`` (float32), only with momentum.
     """
@@ -67,7 +55,7 @@ class FusedSGD(FusedOptimizerBase):
     def __init__(
         self,
         params: Iterable[Any],
-        lr: float = required,
+        lr: float = required,  # type: ignore[assignment]
         momentum: float = 0,
         dampening: float = 0,
         weight_decay: float = 0,
@@ -79,7 +67,7 @@ class FusedSGD(FusedOptimizerBase):
         assume_stable_grads: bool = False,
         capturable: bool = False,
     ) -> None:
-        if lr is required:
+        if lr is required:  # type: ignore[comparison-overlap]  # torch.optim's sentinel, typed as its own class
             raise HyperParameterError("FusedSGD: lr is required (e.g. FusedSGD(params, lr=0.1)).")
         check_lr(lr, owner=self._owner)
         check_momentum(momentum, owner=self._owner)
@@ -128,4 +116,4 @@ class FusedSGD(FusedOptimizerBase):
 
     def step(self, closure: Callable[[], Any] | None = None, div_scale: float = -1) -> Any:
         """One optimizer step; ``div_scale > 0`` divides every grad first."""
-        return fused_step(self, closure, div_scale)  # type: ignore[arg-type]
+        return fused_step(self, closure, div_scale)

@@ -19,17 +19,9 @@ class HybridAdam(CPUAdam):
     parameter with its own step count (ColossalAI uses the last parameter's step for the whole GPU launch).
 
     Args:
-        model_params: as in :class:`CPUAdam`.
-        lr: as in :class:`CPUAdam`.
-        bias_correction: as in :class:`CPUAdam`.
-        betas: as in :class:`CPUAdam`.
-        eps: as in :class:`CPUAdam`.
-        weight_decay: as in :class:`CPUAdam`.
-        adamw_mode: as in :class:`CPUAdam`.
-        nvme_offload_fraction: as in :class:`CPUAdam` (state of CPU parameters only).
-        nvme_offload_dir: as in :class:`CPUAdam` (state of CPU parameters only).
-        master_weights: as in :class:`FusedAdam`.
-        skip_nonfinite: as in :class:`FusedAdam`.
+        model_params, lr, bias_correction, betas, eps, weight_decay, adamw_mode: as in :class:`CPUAdam`.
+        nvme_offload_fraction, nvme_offload_dir: as in :class:`CPUAdam` (state of CPU parameters only).
+        master_weights, skip_nonfinite, assume_stable_grads: as in :class:`FusedAdam`.
         **defaults: extra group defaults ColossalAI accepts and ignores; rejected here if unknown.
     """
 

@@ -1,13 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Argument checks of the ``stepforge_fused`` torch operators, shared by their fake and real implementations.
+"""Argument checks of the ``stepforge_fused`` operators, shared by their fake and real implementations.
 
-The kernels take raw addresses (design: no libtorch at build time), so everything the kernel contract
-(``csrc/README.md``) assumes is checked here first: one device and one dtype per list, float32 state, contiguous
-tensors of matching sizes. The fake (meta) implementations run the same checks, so a bad call fails while
-``torch.compile`` traces it, with the same message as in eager mode.
-
-The checks run on every call, so they are C-level ``map`` passes over the lists; only a failing check walks the
-list in Python to name the offending entry.
+The kernels take raw addresses (no libtorch at build time), so everything the kernel contract (``csrc/README.md``)
+assumes is checked here first: one device and one dtype per list, float32 state, contiguous tensors of matching
+sizes. The fake implementations run the same checks, so a bad call fails while ``torch.compile`` traces it, with
+the eager message. They run on every call, so they are C-level ``map`` passes; only a failing check walks the list
+in Python to name the offending entry.
 """
 
 from __future__ import annotations
@@ -140,20 +138,14 @@ def check_update(
     grads: Sequence[torch.Tensor] | None,
     states: Mapping[str, Sequence[torch.Tensor]],
     masters: Sequence[torch.Tensor],
-    steps: torch.Tensor | None,
 ) -> tuple[torch.device | None, torch.dtype | None, torch.dtype | None]:
-    """The lists of one optimizer update (``grads``/``steps`` ``None`` where the op takes none).
-
-    Returns:
-        ``(device, param dtype, grad dtype)``; ``(None, None, None)`` for empty lists (nothing to do).
-    """
+    """The lists of one optimizer update (``grads`` ``None`` where the op takes none); returns ``(device, param
+    dtype, grad dtype)``, ``(None, None, None)`` for empty lists (nothing to do)."""
     lists: dict[str, Sequence[torch.Tensor]] = {"params": params, **states, "masters": masters}
     if grads is not None:
         lists["grads"] = grads
     device = one_device(op, lists)
     n = len(params)
-    if steps is not None:
-        check_steps(op, steps, n, device)
     pdtype = check_list(op, "params", params, n)
     gdtype = check_list(op, "grads", grads, n, like=params) if grads is not None else pdtype
     for name, tensors in states.items():

@@ -1,20 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """The validated tensor-list layouts of the ``stepforge_fused`` operators' real implementations (a cache).
 
-An operator call hands the kernels raw addresses, so :mod:`.checks` must accept its tensor lists first. Those
-checks, and the kernel's pointer and size arrays, depend on nothing but, per tensor, its address, element count,
-dtype, device and contiguity (and the lists' lengths). So a call reads these five per tensor -- one C-level
-``map`` pass each, about 45 ns a tensor -- and when they equal, in order, those of a layout accepted before, it
-takes that layout's verdict and its ``array('q')`` pointer arrays (read by the kernels without a copy). Anything
-else runs the full checks, which name the offending argument, and caches the new layout. A changed tensor --
-moved to other storage, resized or reshaped to another element count, given another dtype or device, replaced by
-a non-contiguous view -- therefore never reuses a verdict. On the demo GPT's 41 tensors this replaces about
-75 us of checks and pointer lists per ``adam_`` call with about 35 us.
-
-The cache holds no tensors (addresses, counts, dtypes and devices only): it never keeps memory alive, and a layout
-whose tensors were freed is served again only to tensors identical in all five properties, for which its verdict
-and arrays are exactly right. It is bounded (:data:`MAX_LAYOUTS`, :data:`MAX_TENSORS`; the oldest go first).
-Fake tensors never get here: the fake implementations run the full checks while ``torch.compile`` traces.
+An operator hands the kernels raw addresses, so :mod:`.checks` must accept its tensor lists first. Those checks and
+the kernel's pointer and size arrays depend only on each tensor's address, element count, dtype, device and
+contiguity: a call reads these five (one C-level ``map`` pass each, about 45 ns a tensor) and, when they equal
+those of a layout accepted before, reuses its verdict and ``array('q')`` pointer arrays; anything else runs the
+full checks (which name the offending argument) and caches the new layout. On the demo GPT's 41 tensors this
+makes an ``adam_`` call's checks and pointer lists about 35 us instead of 75 us. The cache holds no tensors, so it
+never keeps memory alive (a freed layout is served again only to tensors identical in all five properties); it is
+bounded (:data:`MAX_LAYOUTS`, :data:`MAX_TENSORS`; the oldest go first). Fake tensors never get here.
 """
 
 from __future__ import annotations
@@ -50,13 +44,9 @@ def _i64(values: Sequence[int]) -> array.array[int] | None:
 
 
 class Layout:
-    """One accepted call layout: what the checks returned and the kernel's arguments.
-
-    Attributes:
-        verdict: what the operator's list checks returned (e.g. ``(device, param dtype, grad dtype)``).
-        ptrs: one ``array('q')`` of addresses per list (``None`` for an empty list: the kernels' "none").
-        sizes: element counts of the first list's tensors (``array('q')``; ``None`` when it is empty).
-    """
+    """One accepted call layout: the ``verdict`` of the operator's list checks (e.g. ``(device, param dtype, grad
+    dtype)``), one ``array('q')`` of addresses per list (``ptrs``; ``None`` for an empty list: the kernels' "none")
+    and the element counts of the first list (``sizes``)."""
 
     __slots__ = ("counts", "devices", "dtypes", "flat_ptrs", "numels", "ptrs", "sizes", "verdict")
 

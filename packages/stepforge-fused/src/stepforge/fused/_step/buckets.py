@@ -1,28 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
 """Buckets and the pointer cache of the fused optimizers (the kernels take raw addresses; this keeps them right).
 
-A param group is split into buckets keyed by ``(device, param dtype, grad dtype, master weights)``; each bucket
-holds the pointer arrays the kernels take (``array.array('q')``, read without copying by the extension), the
-sizes and a flat float32 tensor of per-parameter step counts whose elements *are* ``state[p]["step"]`` (0-dim
-views), so one in-place add advances every step of the bucket. :class:`BucketCache` keeps one
-:class:`GroupCache` per param group: built, revalidated at each step and refreshed.
+A param group is split into buckets by ``(device, param dtype, grad dtype, master weights)``; each holds the
+pointer arrays the kernels take (``array.array('q')``, read without a copy), the sizes and a flat float32 tensor
+of step counts whose elements *are* ``state[p]["step"]`` (0-dim views): one in-place add advances every step.
 
-The cache is revalidated at every step at no per-tensor cost (see :class:`GroupCache`): the cache holds a weak
-reference, with a callback, to the storage behind every address it gives a kernel. Any move that gives a
-parameter or gradient other memory (``model.double().float()``, ``.half().float()``, ``.to(device)``,
-``module._apply``, ``p.data = t``, ``p.grad.data = t``) frees the old storage, and its callback marks the cache
-stale before that memory can be reused: the next step rebuilds the buckets (state follows the parameter's
-device, masters re-sync) or refreshes the grad pointers after checking dtype, size and layout. Gradient objects
-are also compared by identity each step (re-allocated by backward, assigned by hand). Not seen: a move whose old
-storage stays alive elsewhere (a view or reference kept by other code: the kernel then updates that live memory,
-not the parameter) and resizing a storage in place (``untyped_storage().resize_()``); call
+The cache is revalidated at every step at no per-tensor cost: it holds a weak reference, with a callback, to the
+storage behind every address it gives a kernel. Any move that gives a parameter or gradient other memory
+(``model.half().float()``, ``.to(device)``, ``p.data = t``, ``p.grad.data = t``) frees the old storage, and its
+callback marks the cache stale before that memory can be reused: the next step rebuilds the buckets or refreshes
+the grad pointers. Gradient objects are also compared by identity each step. Not seen: a move whose old storage
+stays alive elsewhere, and ``untyped_storage().resize_()``; call
 :meth:`~stepforge.fused._base.FusedOptimizerBase.invalidate_cache` after those. A per-step ``data_ptr()``
 comparison would catch them but cost +26% on the 20 000-tensor benchmark
-(``benchmarks/results/fused-cpu/cpu-2026-11-23-cache-check.json``).
-
-With ``assume_stable_grads=True`` the ``p.grad`` identity check is skipped too: gradients newly allocated by
-backward are seen through post-accumulate-grad hooks, ``zero_grad(set_to_none=True)`` makes the next step check
-them once, and a gradient assigned by hand needs :meth:`~stepforge.fused._base.FusedOptimizerBase.invalidate_cache`.
+(``benchmarks/results/fused-cpu/cpu-2026-11-23-cache-check.json``). With ``assume_stable_grads=True`` the
+``p.grad`` identity check is skipped too: post-accumulate-grad hooks see new gradients.
 """
 
 from __future__ import annotations
@@ -33,100 +25,73 @@ import operator
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from types import ModuleType
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from stepforge.core.torch_compat import is_dtensor, view_base
+from stepforge.core.torch_compat import dtensor_local, is_dtensor, view_base
 
-from .._backend import DTYPE_CODES, KernelSpec, call_kernel
-from .._validate import check_pair, local_tensor
+from .._validate import check_pair
 
-__all__ = ["Bucket", "BucketCache", "BucketOwner", "GroupCache", "Launch", "device_steps", "launch"]
+__all__ = [
+    "Bucket",
+    "BucketCache",
+    "BucketOwner",
+    "GroupCache",
+    "Launch",
+    "Staged",
+    "bucket_steps",
+    "device_steps",
+    "stage",
+]
 
 
 class BucketOwner(Protocol):
-    """What the bucket cache and :func:`launch` need from the optimizer (the step's
-    :class:`~.protocol.KernelOwner` extends it)."""
+    """What building buckets needs from the optimizer (extended by :class:`~.protocol.KernelOwner`)."""
 
-    #: class name used in messages
     _owner: str
-    #: the kernel's argument specification
-    _kernel: KernelSpec
     #: whether the optimizer keeps a per-parameter ``step`` (False for SGD)
     _uses_steps: bool
-    #: float32 masters for fp16/bf16 params
     master_weights: bool
 
-    def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
-        """float32 state tensors shaped like the param, in kernel argument order."""
-        ...
+    #: the float32 state tensors of ``group``'s params, in kernel argument order
+    def _state_keys(self, group: dict[str, Any]) -> tuple[str, ...]: ...
 
+    #: create or normalise ``p``'s state; returns ``(state, created now)``
     def _init_state(
         self, p: torch.Tensor, group: dict[str, Any], moved: bool = False
-    ) -> tuple[dict[str, Any], bool]:
-        """Create or normalise ``p``'s state; returns ``(state, created_now)``."""
-        ...
+    ) -> tuple[dict[str, Any], bool]: ...
 
-    def _device_path(self, device: torch.device) -> bool:
-        """Whether tensors on ``device`` take the sync-free device path."""
-        ...
+    #: whether ``device`` takes the sync-free device path (a test may route a device to an emulation)
+    def _device_path(self, device: torch.device) -> bool: ...
 
 
 def _i64(values: Iterable[int]) -> array.array[int]:
     return array.array("q", values)
 
 
+@dataclass(slots=True, eq=False)
 class Bucket:
-    """Tensors of one param group sharing ``(device, param dtype, grad dtype, masters)``.
+    """Tensors of one param group sharing ``(device, param dtype, grad dtype, masters)``: pointer arrays by role
+    (``"params"``, ``"grads"``, state keys, ``"masters"``), sizes, the flat float32 ``steps`` (``state[p]["step"]``
+    is ``steps[i]``; CUDA buckets, ``on_device``, keep them there and the kernels read them through
+    ``step_ptrs``), ``steps_arg`` (what the CPU kernel reads: ``steps + 1``) and SGD's ``first_run`` flags."""
 
-    Attributes:
-        params: the parameters (leaf tensors), in group order.
-        ptrs: pointer arrays by role (``"params"``, ``"grads"``, state keys, ``"masters"``).
-        sizes: element counts (int64).
-        steps: flat float32 tensor ``(n,)`` on the bucket's device; ``state[p]["step"]`` is ``steps[i]``.
-        steps_arg: int64 array the CPU kernel reads (``steps + 1`` at launch).
-        on_device: CUDA bucket (sync-free path: device steps, device flags).
-        step_ptrs: addresses of the elements of ``steps`` (CUDA buckets; the kernel reads them).
-        first_run: int64 flags (SGD: buffer initialised from the grad on this step).
-    """
-
-    __slots__ = (
-        "_first_run_t",
-        "_steps_arg_t",
-        "device",
-        "first_run",
-        "grad_dtype",
-        "master",
-        "numel",
-        "on_device",
-        "param_dtype",
-        "params",
-        "ptrs",
-        "sizes",
-        "step_ptrs",
-        "steps",
-        "steps_arg",
-    )
-
-    def __init__(self, device: torch.device, param_dtype: torch.dtype, grad_dtype: torch.dtype, master: bool):
-        self.device = device
-        self.param_dtype = param_dtype
-        self.grad_dtype = grad_dtype
-        self.master = master
-        self.params: list[torch.Tensor] = []
-        self.ptrs: dict[str, array.array[int]] = {}
-        self.sizes = _i64(())
-        self.steps = torch.zeros(0)
-        self.steps_arg = _i64(())
-        self._steps_arg_t: torch.Tensor | None = None
-        self.first_run = _i64(())
-        self._first_run_t: torch.Tensor | None = None
-        self.numel = 0
-        # CUDA buckets: steps live on the device and the kernels read them through step_ptrs (no host copy).
-        self.on_device = False
-        self.step_ptrs: array.array[int] | None = None
+    device: torch.device
+    param_dtype: torch.dtype
+    grad_dtype: torch.dtype
+    master: bool
+    params: list[torch.Tensor] = field(default_factory=list)
+    ptrs: dict[str, array.array[int]] = field(default_factory=dict)
+    sizes: array.array[int] = field(default_factory=lambda: _i64(()))
+    numel: int = 0
+    steps: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    steps_arg: array.array[int] = field(default_factory=lambda: _i64(()))
+    first_run: array.array[int] = field(default_factory=lambda: _i64(()))
+    on_device: bool = False
+    step_ptrs: array.array[int] | None = None
+    _steps_arg_t: torch.Tensor | None = None  # views of the arrays above: filled in one tensor op
+    _first_run_t: torch.Tensor | None = None
 
     def prepare_steps(self) -> array.array[int]:
         """Fill ``steps_arg`` with ``state step + 1`` (the step being taken) in two tensor ops."""
@@ -142,17 +107,9 @@ class Bucket:
 
 @dataclass(slots=True)
 class Launch:
-    """The per-launch scalars of one kernel call on a bucket (what ``_launch`` passes besides the pointers).
-
-    Attributes:
-        lr: host learning rate (``0.0`` with ``kw["lr_ptr"]`` on the device path).
-        divisor: every grad is divided by this (loss scale x ``div_scale`` x clip factor).
-        found_inf_ptr: address of a float32 skip flag the kernel reads/raises (``0``: none).
-        check_finite: the kernel checks the grads for inf/NaN and skips the update (sets the flag).
-        ctx: CPU threads, or the CUDA stream handle.
-        steps: host int64 array of the step being taken (CPU), ``None`` on the device path.
-        kw: keyword-only CUDA arguments (``device``, ``lr_ptr``, ``grad_divisor_ptr``, ``step_ptrs``).
-    """
+    """The per-launch scalars of one kernel call on a bucket: the host ``lr`` (``0.0`` with ``kw["lr_ptr"]``), the
+    grad ``divisor``, the skip flag's address (``0``: none), the finite check, ``ctx`` (CPU threads / CUDA stream),
+    the host steps being taken (CPU) and the binding's keywords (``device``, ``lr_ptr``, ``step_ptrs``...)."""
 
     lr: float
     divisor: float
@@ -164,39 +121,23 @@ class Launch:
 
 
 _get_dtype = operator.attrgetter("dtype")
-
-
 _get_is_sparse = operator.attrgetter("is_sparse")
-
-
+_get_grad = operator.attrgetter("grad")
 _contiguous = torch.Tensor.is_contiguous
-
-
 _data_ptr = torch.Tensor.data_ptr
-
-
 _numel = torch.Tensor.numel
-
-
 _is = operator.is_
-
-
 _storage = torch.Tensor.untyped_storage
 
 
 def _local_grads(grads: list[Any]) -> list[Any]:
-    return [None if g is None else local_tensor(g) for g in grads]
+    return [None if g is None else dtensor_local(g) for g in grads]
 
 
 class GroupCache:
-    """The buckets of one param group and what they were built from.
-
-    Revalidated at every step without a per-tensor call: weakref callbacks on the storages of the parameters
-    and gradients the buckets point into set ``param_stale``/``stale`` when one is freed (a move), and the
-    gradient objects are compared with the cached ones by identity. Storages are not held, so a moved model or
-    freed grads release their memory. A stale cache is rebuilt (params) or refreshed (grads), which re-validates
-    dtype, shape, device and layout.
-    """
+    """The buckets of one param group and what they were built from: weakref callbacks on the storages the
+    buckets point into set ``param_stale``/``stale`` when one is freed (storages are not held, so a moved model
+    or freed grads release their memory); a stale cache is rebuilt (params) or refreshed (grads)."""
 
     __slots__ = (
         "all_set",
@@ -243,9 +184,6 @@ class GroupCache:
         self.members = [[where[id(p)] for p in b.params] for b in buckets]
 
     def _keep_grads(self, grads: list[Any], *, watch: bool) -> None:
-        # The grad objects are compared by identity each step; a grad whose storage is swapped under it
-        # (p.grad.data = t) frees the old storage, whose weakref callback marks the cache stale before that
-        # memory can be reused. Grad storages are not held, so freeing grads frees their memory.
         # The callbacks are set up only once the same grads come back a second time (``watch``): with
         # ``zero_grad(set_to_none=True)`` every step brings new grads and the weakrefs would be thrown away
         # unused (they were half of the per-step host time on 20 000 tensors); until then
@@ -268,10 +206,6 @@ class GroupCache:
         self.grad_refs = []
         self.stale = [True]
         self.watched = False
-
-    def params_unchanged(self, params: list[torch.Tensor]) -> bool:
-        """The same parameter list, and no storage the buckets point into was freed since they were built."""
-        return self.params is params and not self.param_stale[0]
 
     def grads_unchanged(self, grads: list[Any]) -> bool:
         """The very grad tensors of the last step, watched since and none of whose storages was freed."""
@@ -308,21 +242,10 @@ class GroupCache:
         return True
 
 
-_get_grad = operator.attrgetter("grad")
-
-
-_data_ptr = torch.Tensor.data_ptr
-
-
 class BucketCache:
-    """The buckets of every param group of one optimizer, and the gradient hooks of ``assume_stable_grads``.
-
-    Attributes:
-        assume_stable_grads: trust post-accumulate-grad hooks instead of comparing ``p.grad`` each step.
-        entries: group index -> its :class:`GroupCache`.
-        hooks: ``id(param)`` -> the post-accumulate-grad hook handle (stable-grads mode).
-        known_grads: ``id(param)`` -> the grad tensor the buckets point into (stable-grads mode).
-    """
+    """The buckets of every param group of one optimizer (``entries``: group index -> :class:`GroupCache`), and
+    with ``assume_stable_grads`` the post-accumulate-grad ``hooks`` and the grads they vouch for (``known_grads``),
+    both by ``id(param)``."""
 
     __slots__ = ("__weakref__", "assume_stable_grads", "entries", "hooks", "known_grads")
 
@@ -353,7 +276,7 @@ class BucketCache:
             cached = None  # another params list: nothing of that entry applies
         dtensor = cached.dtensor if cached is not None else any(map(is_dtensor, params))
         stable = self.assume_stable_grads
-        if cached is not None and cached.params_unchanged(params):
+        if cached is not None and not cached.param_stale[0]:  # no storage the buckets point into was freed
             if cached.hooked and not cached.stale[0]:
                 return cached.buckets
             grads = list(map(_get_grad, params))
@@ -367,7 +290,7 @@ class BucketCache:
         else:
             grads = list(map(_get_grad, params))
             gviews = _local_grads(grads) if dtensor else grads
-        views = list(map(local_tensor, params)) if dtensor else params
+        views = list(map(dtensor_local, params)) if dtensor else params
         moved: frozenset[int] = frozenset()
         if cached is not None and len(params) == len(cached.param_ptrs):
             now = _i64(map(_data_ptr, views))
@@ -408,75 +331,90 @@ class BucketCache:
         grads: list[Any],
         moved: frozenset[int] = frozenset(),
     ) -> list[Bucket]:
-        """Validate every (param, grad) pair, create or normalise the state (``opt._init_state``) and group the
-        pairs into buckets by ``(device, param dtype, grad dtype, masters)``; ``moved``: positions of params
-        given new storage since the last build."""
-        owner = opt._owner
+        """The buckets of the pairs :func:`stage` accepts: pointer arrays, sizes and the flat step tensor."""
         keys = opt._state_keys(group)
-        if group.get("capturable", False):
-            for i, (p, g) in enumerate(zip(params, grads, strict=True)):
-                if g is not None and not opt._device_path(p.device):
-                    raise RuntimeError(
-                        f"{owner}: capturable=True needs CUDA parameters (lr and steps on the device for "
-                        f"CUDA-graph capture), but parameter #{i} is on {p.device}. Pass capturable=False for "
-                        "CPU parameters (torch.optim raises for capturable=True on CPU too)."
-                    )
-        by_key: dict[tuple[Any, ...], Bucket] = {}
-        staged: dict[tuple[Any, ...], list[tuple[torch.Tensor, torch.Tensor, dict[str, Any], bool]]] = {}
-        for i, (p, g) in enumerate(zip(params, grads, strict=True)):
-            if g is None:
-                continue
-            check_pair(local_tensor(p), local_tensor(g), i, owner=owner)
-            state, fresh = opt._init_state(p, group, i in moved)
-            master = opt.master_weights and p.dtype != torch.float32
-            key = (p.device, p.dtype, g.dtype, master)
-            if key not in by_key:
-                by_key[key] = Bucket(p.device, p.dtype, g.dtype, master)
-                staged[key] = []
-            staged[key].append((p, g, state, fresh))
         buckets = []
-        for key, bucket in by_key.items():
-            self._fill(opt, bucket, staged[key], keys)
+        for (device, pdt, gdt, master), entries in stage(opt, group, params, grads, moved).items():
+            bucket = Bucket(device, pdt, gdt, master)
+            bucket.params = [e.param for e in entries]
+            # DTensor params, grads and state: the kernels step the local shards
+            bucket.ptrs["params"] = _i64(dtensor_local(e.param).data_ptr() for e in entries)
+            bucket.ptrs["grads"] = _i64(dtensor_local(e.grad).data_ptr() for e in entries)
+            for name in keys:
+                bucket.ptrs[name] = _i64(dtensor_local(e.state[name]).data_ptr() for e in entries)
+            if master:
+                bucket.ptrs["masters"] = _i64(
+                    dtensor_local(e.state["master_param"]).data_ptr() for e in entries
+                )
+            bucket.sizes = _i64(dtensor_local(e.param).numel() for e in entries)
+            bucket.numel = sum(bucket.sizes)
+            n = len(entries)
+            bucket.on_device = opt._device_path(device)
+            if opt._uses_steps:
+                steps = bucket.steps = bucket_steps([e.state for e in entries], device)
+                if bucket.on_device:
+                    bucket.step_ptrs = _i64(range(steps.data_ptr(), steps.data_ptr() + 4 * n, 4))
+            else:
+                bucket.steps = torch.zeros(n, dtype=torch.float32)
+            bucket.steps_arg = _i64([0] * n)
+            bucket.first_run = _i64(int(e.fresh) for e in entries)
+            if n:
+                bucket._steps_arg_t = torch.frombuffer(bucket.steps_arg, dtype=torch.int64)
+                bucket._first_run_t = torch.frombuffer(bucket.first_run, dtype=torch.int64)
             buckets.append(bucket)
         return buckets
 
-    @staticmethod
-    def _fill(
-        opt: BucketOwner,
-        bucket: Bucket,
-        entries: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any], bool]],
-        keys: tuple[str, ...],
-    ) -> None:
-        """Pointer arrays, sizes and the flat step tensor of ``bucket`` from its ``(param, grad, state, fresh)``."""
-        bucket.params = [e[0] for e in entries]
-        # DTensor params, grads and state: the kernels step the local shards
-        bucket.ptrs["params"] = _i64(local_tensor(e[0]).data_ptr() for e in entries)
-        bucket.ptrs["grads"] = _i64(local_tensor(e[1]).data_ptr() for e in entries)
-        for name in keys:
-            bucket.ptrs[name] = _i64(local_tensor(e[2][name]).data_ptr() for e in entries)
-        if bucket.master:
-            bucket.ptrs["masters"] = _i64(local_tensor(e[2]["master_param"]).data_ptr() for e in entries)
-        bucket.sizes = _i64(local_tensor(e[0]).numel() for e in entries)
-        bucket.numel = sum(bucket.sizes)
-        n = len(entries)
-        bucket.on_device = opt._device_path(bucket.device)
-        if opt._uses_steps and bucket.on_device:
-            steps = device_steps([e[2]["step"] for e in entries], bucket.device)
-            for j, e in enumerate(entries):
-                e[2]["step"] = steps[j]
-            bucket.step_ptrs = _i64(range(steps.data_ptr(), steps.data_ptr() + 4 * n, 4))
-        elif opt._uses_steps:
-            steps = torch.tensor([float(e[2]["step"]) for e in entries], dtype=torch.float32)
-            for j, e in enumerate(entries):
-                e[2]["step"] = steps[j]  # 0-dim view: one in-place add advances every step of the bucket
-        else:
-            steps = torch.zeros(n, dtype=torch.float32)
-        bucket.steps = steps
-        bucket.steps_arg = _i64([0] * n)
-        bucket.first_run = _i64(int(e[3]) for e in entries)
-        if n:
-            bucket._steps_arg_t = torch.frombuffer(bucket.steps_arg, dtype=torch.int64)
-            bucket._first_run_t = torch.frombuffer(bucket.first_run, dtype=torch.int64)
+
+class Staged(NamedTuple):
+    """One (param, grad) pair accepted by :func:`stage`, its state and whether that state was created now."""
+
+    param: torch.Tensor
+    grad: torch.Tensor
+    state: dict[str, Any]
+    fresh: bool
+
+
+_Staged = dict[tuple[Any, ...], list[Staged]]
+
+
+def stage(
+    opt: BucketOwner,
+    group: dict[str, Any],
+    params: list[torch.Tensor],
+    grads: list[Any],
+    moved: frozenset[int] = frozenset(),
+) -> _Staged:
+    """Validate every (param, grad) pair of ``group`` (params without a grad are left out), create or normalise
+    the state (``opt._init_state``) and group the pairs by ``(device, param dtype, grad dtype, masters)``:
+    :class:`Staged` each. ``moved``: positions of params given new storage since the
+    last build. The eager buckets and the compiled step's lists are both made from this."""
+    owner = opt._owner
+    if group.get("capturable", False):
+        for i, (p, g) in enumerate(zip(params, grads, strict=True)):
+            if g is not None and not opt._device_path(p.device):
+                raise RuntimeError(
+                    f"{owner}: capturable=True needs CUDA parameters (lr and steps on the device for "
+                    f"CUDA-graph capture), but parameter #{i} is on {p.device}. Pass capturable=False for "
+                    "CPU parameters (torch.optim raises for capturable=True on CPU too)."
+                )
+    staged: _Staged = {}
+    for i, (p, g) in enumerate(zip(params, grads, strict=True)):
+        if g is None:
+            continue
+        check_pair(dtensor_local(p), dtensor_local(g), i, owner=owner)
+        state, fresh = opt._init_state(p, group, i in moved)
+        master = opt.master_weights and p.dtype != torch.float32
+        staged.setdefault((p.device, p.dtype, g.dtype, master), []).append(Staged(p, g, state, fresh))
+    return staged
+
+
+def bucket_steps(states: list[dict[str, Any]], device: torch.device) -> torch.Tensor:
+    """One float32 ``(n,)`` tensor on ``device`` holding the states' steps, its elements put back into the states
+    as 0-dim views (one in-place add advances every step of the bucket)."""
+    flat = device_steps([st["step"] for st in states], device)
+    for j, st in enumerate(states):
+        st["step"] = flat[j]
+    return flat
 
 
 def device_steps(old: list[Any], device: torch.device) -> torch.Tensor:
@@ -504,30 +442,3 @@ def device_steps(old: list[Any], device: torch.device) -> torch.Tensor:
     if not any(values):
         return torch.zeros(n, dtype=torch.float32, device=device)
     return torch.tensor(values, dtype=torch.float32).to(device)
-
-
-def launch(
-    opt: BucketOwner, module: ModuleType, bucket: Bucket, group: dict[str, Any], at: Launch, **kw: Any
-) -> Any:
-    """The eager step's call of ``opt``'s kernel (``opt._kernel``) on ``bucket`` (its cached pointer arrays) with
-    the scalars in ``at`` (the optimizers' default ``_launch``); ``kw``: more binding keywords (LAMB's norms).
-    Returns the kernel's answer: whether its finite check skipped the update (None: decided on the device)."""
-    spec = opt._kernel
-    ptrs = bucket.ptrs
-    if kw:
-        kw = {**at.kw, **kw}
-    return call_kernel(
-        module,
-        spec,
-        [ptrs["params"], ptrs["grads"], *map(ptrs.get, spec.state_keys), ptrs.get("masters")],
-        bucket.sizes,
-        bucket.first_run if spec.first_run else at.steps,
-        (DTYPE_CODES[bucket.param_dtype], DTYPE_CODES[bucket.grad_dtype]),
-        at.lr,
-        spec.values(group),
-        at.divisor,
-        at.found_inf_ptr,
-        at.check_finite,
-        at.ctx,
-        **(kw or at.kw),
-    )

@@ -1,25 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
 """The step of the fused optimizers under ``torch.compile``: what dynamo runs eagerly and what it traces.
 
-``step()`` checks :func:`torch.compiler.is_compiling` first: eagerly it takes the cached-pointer path
-(:mod:`.eager`, :mod:`.device`), under dynamo it takes :func:`traced_step`, which dynamo turns into
-one graph without breaks. Dynamo runs the optimizer's ``_init_group(group, <empty lists>...)`` (:func:`init_group`)
-eagerly: argument checks, state creation (the same ``_init_state`` as the eager step), the grouping into kernel
-buckets and the tensors the graph mutates besides the state lists (each bucket's step counts as one flat tensor,
-skip flags); the tensors the lists then hold become graph inputs and its return value, one :class:`BucketPlan`
-per bucket, a constant. The graph holds the inf/NaN pre-check and LAMB's global clip as tensor ops and one
-operator call per bucket (:func:`.._backend.call_operator`, the same kernel specification as the eager step's
-launch), which inductor runs in place on the parameters and state. Same kernels, same scalars and the same
-decisions as the eager step, so the results are bit-identical.
+Under dynamo ``step()`` takes :func:`traced_step`, one graph without breaks. Dynamo runs the optimizer's
+``_init_group(group, <empty lists>...)`` (:func:`init_group`) eagerly: argument checks, state creation and the
+grouping into buckets (the eager step's :func:`.buckets.stage`) and the tensors the graph mutates besides the
+state lists (each bucket's steps as one flat tensor, skip flags); the lists become graph inputs and its return
+value, one :class:`BucketPlan` per bucket, a constant. The graph holds the inf/NaN pre-check and LAMB's global clip
+as tensor ops and one operator call per bucket (:func:`.._backend.call_operator`), which inductor runs in place on
+the parameters and state: the eager step's kernels, scalars and decisions, so bit-identical results. A tensor lr is
+read by the graph (an LR scheduler writing it in place never recompiles); a float lr is a constant of the graph.
 
-Steps are laid out as the eager step lays them out: one float32 ``(n,)`` tensor per bucket whose elements *are*
-``state[p]["step"]`` (0-dim views). A ``torch.Tensor`` learning rate is read by the graph, so an LR scheduler that
-writes the tensor in place never recompiles it; a float lr is a constant of the graph (dynamo recompiles when it
-changes, as it does for torch.optim).
-
-Without the operators (a torch lacking ``torch.library.register_fake``, see :func:`stepforge.fused.ops.available`) the step runs
-eagerly inside the compiled code: a graph break, announced by one warning (``fullgraph=True`` then raises
-dynamo's error, since the step cannot be part of the graph).
+Without the operators (:func:`stepforge.fused.ops.available`) the step runs eagerly inside the compiled code: a
+graph break, announced by one warning (``fullgraph=True`` then raises dynamo's error).
 """
 
 from __future__ import annotations
@@ -31,31 +23,22 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .. import _operators as _ops
+from .. import ops as _ops
 from .._backend import call_operator
 from .._distributed import is_dtensor
-from .._validate import check_pair
-from .buckets import device_steps
+from .._validate import div_scale_divisor
+from .buckets import bucket_steps, stage
+from .device import clip_divisor_from_sumsq
 from .protocol import KernelOwner
 
 __all__ = ["BucketPlan", "init_group", "prepare_fallback", "traced_step"]
 
 
 class BucketPlan(NamedTuple):
-    """Where one bucket of a compiled step lies in the lists ``_init_group`` filled.
-
-    ``_init_group`` returns its fields as a plain tuple (dynamo makes constants of its return value and cannot
-    rebuild this class), :func:`traced_step` reads them through it. ``flag``, ``count``, ``first_run`` and ``steps`` index
-    the ``extras`` list (``-1``: none).
-
-    Attributes:
-        start, stop: the bucket's slice of the params/grads/state lists.
-        masters_start, masters_stop: its slice of the masters list.
-        device: its device, as a string.
-        flag, count: its device's skip flag and skip counter (float32 ``(1,)``, when the step checks for inf/NaN).
-        first_run: its SGD first-run flags (CPU int64 ``(n,)``).
-        steps: its step counts (float32 ``(n,)``, whose elements are the state's ``step`` tensors).
-    """
+    """Where one bucket of a compiled step lies in the lists ``_init_group`` filled: its slices of the
+    params/grads/state lists (``start:stop``) and of the masters list, its device, and the positions in ``extras``
+    (``-1``: none) of its device's skip flag and counter, its SGD first-run flags and its step counts. Returned as
+    a plain tuple: dynamo makes constants of the return value and cannot rebuild this class."""
 
     start: int
     stop: int
@@ -71,29 +54,23 @@ class BucketPlan(NamedTuple):
 _warned: set[str] = set()
 
 
-def _announce_fallback(owner: str) -> None:
-    if owner in _warned:
-        return
-    _warned.add(owner)
-    warnings.warn(
-        f"stepforge-fused: torch.compile runs {owner}.step() eagerly (a graph break), because "
-        f"{_ops.unavailable_reason()}.",
-        RuntimeWarning,
-        stacklevel=3,
-    )
-
-
 def _eager(
     step: Callable[[KernelOwner, Any, float], Any], opt: KernelOwner, closure: Any, div_scale: float
 ) -> Any:
-    _announce_fallback(opt._owner)
-    with torch.no_grad():
-        return step(opt, closure, div_scale)
+    if opt._owner not in _warned:
+        _warned.add(opt._owner)
+        warnings.warn(
+            f"stepforge-fused: torch.compile runs {opt._owner}.step() eagerly (a graph break), because "
+            f"{_ops.unavailable_reason()}.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return step(opt, closure, div_scale)
 
 
-#: The eager step behind ``torch.compiler.disable`` (dynamo does not trace it: the compiled code breaks there and
-#: calls it), made by :func:`prepare_fallback` outside tracing and only without the operators: creating it imports
-#: torch._dynamo (about a second), which an ``import stepforge.fused`` must not cost.
+#: The eager step behind ``torch.compiler.disable`` (the compiled code breaks there and calls it), made by
+#: :func:`prepare_fallback` only without the operators: it imports torch._dynamo (about a second), which an
+#: ``import stepforge.fused`` must not cost.
 _fallback: list[Callable[[Any, Any, float], Any]] = []
 
 
@@ -101,37 +78,6 @@ def prepare_fallback(step: Callable[[KernelOwner, Any, float], Any]) -> None:
     """Called when an optimizer is built: without the operators, prepare the eager ``step`` compiled code calls."""
     if not _ops.available() and not _fallback:
         _fallback.append(torch.compiler.disable(functools.partial(_eager, step)))
-
-
-def _combined(flags: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """``any`` of 0-dim bool tensors that may live on several devices, on ``device``."""
-    return torch.stack([f.to(device) for f in flags]).any()
-
-
-def _refuse_unsupported(opt: KernelOwner, group: dict[str, Any]) -> None:
-    owner = opt._owner
-    grad_scale, found_inf = opt._amp.inputs(opt)
-    if grad_scale is not None or found_inf is not None:
-        raise RuntimeError(
-            f"{owner}: a compiled step() does not take torch.amp.GradScaler's grad_scale/found_inf; call "
-            "scaler.step(optimizer) outside torch.compile, or unscale first (scaler.unscale_(optimizer)) and "
-            "compile optimizer.step()."
-        )
-    for i, p in enumerate(group["params"]):
-        if is_dtensor(p):
-            raise RuntimeError(
-                f"{owner}: parameter #{i} is a DTensor (FSDP2); a compiled step() steps plain tensors only. Call "
-                "optimizer.step() outside torch.compile for sharded parameters."
-            )
-
-
-def _bucket_steps(states: list[dict[str, Any]], device: torch.device) -> torch.Tensor:
-    """One float32 ``(n,)`` tensor on ``device`` holding the bucket's steps, its elements put back into the
-    states as 0-dim views (the eager step's tensor is kept when the states already view it in order)."""
-    flat = device_steps([st["step"] for st in states], device)
-    for j, st in enumerate(states):
-        st["step"] = flat[j]
-    return flat
 
 
 def init_group(
@@ -144,32 +90,27 @@ def init_group(
     masters: list[torch.Tensor],
     extras: list[torch.Tensor],
 ) -> tuple[tuple[Any, ...], ...]:
-    """Fill the lists with ``group``'s parameters that have a gradient, bucket by bucket, and return the plan
-    (``opt``: the :class:`~._base.FusedOptimizerBase`, which imports this module): one :class:`BucketPlan`'s
-    fields per bucket.
-
-    ``state_a``/``state_b`` get the optimizer's state tensors in ``_state_keys(group)`` order (``exp_avg``,
-    ``exp_avg_sq``; or ``momentum_buffer``), ``masters`` the float32 masters of master-weight buckets, ``extras``
-    the steps and flag tensors of the plan.
-    """
+    """Fill the lists with ``group``'s parameters that have a gradient, bucket by bucket (``state_a``/``state_b``:
+    the state tensors in ``_state_keys(group)`` order; ``extras``: the plan's steps and flags), and return one
+    :class:`BucketPlan`'s fields per bucket."""
+    opt._groups.revalidate(opt.param_groups)
     owner = opt._owner
-    _refuse_unsupported(opt, group)
+    amp = vars(opt)  # GradScaler's attributes, set on the optimizer only during its step() call
+    if amp.get("grad_scale") is not None or amp.get("found_inf") is not None:
+        raise RuntimeError(
+            f"{owner}: a compiled step() does not take torch.amp.GradScaler's grad_scale/found_inf; call "
+            "scaler.step(optimizer) outside torch.compile, or unscale first (scaler.unscale_(optimizer)) and "
+            "compile optimizer.step()."
+        )
+    for i, p in enumerate(group["params"]):
+        if is_dtensor(p):
+            raise RuntimeError(
+                f"{owner}: parameter #{i} is a DTensor (FSDP2); a compiled step() steps plain tensors only. Call "
+                "optimizer.step() outside torch.compile for sharded parameters."
+            )
     keys = opt._state_keys(group)
     check = opt.skip_nonfinite if opt.skip_nonfinite is not None else opt.master_weights
-    staged: dict[tuple[Any, ...], list[tuple[torch.Tensor, torch.Tensor, dict[str, Any], bool]]] = {}
-    for i, p in enumerate(group["params"]):
-        g = p.grad
-        if g is None:
-            continue
-        check_pair(p, g, i, owner=owner)
-        if group.get("capturable", False) and not opt._device_path(p.device):
-            raise RuntimeError(
-                f"{owner}: capturable=True needs CUDA parameters, but parameter #{i} is on {p.device}; pass "
-                "capturable=False for CPU parameters (torch.optim raises for capturable=True on CPU too)."
-            )
-        state, fresh = opt._init_state(p, group)
-        master = opt.master_weights and p.dtype != torch.float32
-        staged.setdefault((p.device, p.dtype, g.dtype, master), []).append((p, g, state, fresh))
+    staged = stage(opt, group, group["params"], [p.grad for p in group["params"]])
     opt._compile_first_run.pop(id(group), None)
     plan: list[tuple[Any, ...]] = []
     index: dict[int, int] = {}  # id(extra tensor) -> its position in extras (each tensor once)
@@ -193,17 +134,16 @@ def init_group(
                 masters.append(state["master_param"])
         flag = count = first = steps = -1
         if opt._uses_steps:
-            steps = extra(_bucket_steps([e[2] for e in entries], device))
+            steps = extra(bucket_steps([e.state for e in entries], device))
         if check:
             skips = opt._skips
             flag = extra(skips.device_flag(device, None))
             count = extra(skips.counts.setdefault(device, torch.zeros(1, dtype=torch.float32, device=device)))
-        if any(e[3] for e in entries) and "momentum_buffer" in keys:
+        if any(e.fresh for e in entries) and "momentum_buffer" in keys:
             # SGD: buffers created now take the gradient itself on the first compiled run (torch's first step)
-            flags = torch.tensor([int(e[3]) for e in entries], dtype=torch.int64)
+            flags = torch.tensor([int(e.fresh) for e in entries], dtype=torch.int64)
             opt._compile_first_run.setdefault(id(group), []).append(flags)  # kept alive: the graph reads it
             first = extra(flags)
-        # a plain tuple: dynamo makes constants of the return value and cannot rebuild the class
         fields = BucketPlan(start, len(params), m_start, len(masters), str(device), flag, count, first, steps)
         plan.append(tuple(fields))
     # the eager step's buckets may hold step tensors replaced above: they are rebuilt at the next eager step
@@ -215,7 +155,7 @@ def traced_step(opt: KernelOwner, closure: Any, div_scale: float) -> Any:
     """The compiled step (traced by dynamo; see the module docstring)."""
     if not _ops.available():
         return _fallback[0](opt, closure, div_scale)
-    divisor = opt._amp.divisor(opt, div_scale)
+    divisor = div_scale_divisor(opt._owner, div_scale)
     loss = None
     if closure is not None:
         with torch.enable_grad():
@@ -259,7 +199,7 @@ def traced_step(opt: KernelOwner, closure: Any, div_scale: float) -> Any:
     if check and not kernel_check:
         # several buckets: the whole step is skipped on a non-finite gradient, so every bucket is checked first
         home = norms[0].device
-        bad = _combined([~torch.isfinite(n / divisor) for n in norms], home)
+        bad = torch.stack([(~torch.isfinite(n / divisor)).to(home) for n in norms]).any()
         for flag, _count in flags.values():
             flag.copy_(bad.to(device=flag.device, dtype=torch.float32).reshape(1))
     divisor_tensor: torch.Tensor | None = None
@@ -269,9 +209,7 @@ def traced_step(opt: KernelOwner, closure: Any, div_scale: float) -> Any:
         total = norms[0].to(home) * norms[0].to(home)
         for n in norms[1:]:
             total = total + n.to(home) * n.to(home)
-        global_norm = torch.sqrt(total) / divisor
-        clipped = torch.isfinite(global_norm) & (global_norm > clip)
-        divisor_tensor = divisor * torch.where(clipped, global_norm / clip, torch.ones_like(global_norm))
+        divisor_tensor = clip_divisor_from_sumsq(total, divisor=divisor, max_norm=clip)[0]
     spec = opt._kernel
     for group, lists, b, extras in work:
         at = b.first_run if spec.first_run else b.steps

@@ -2,7 +2,8 @@
 """The CUDA (device) step of the fused optimizers: no host synchronisation, one launch path for every class.
 
 Skip decisions, clip factors, ``lr`` (capturable) and step counters stay on the device; HybridAdam's CUDA
-buckets take this path too when every bucket of a step is on a device.
+buckets take this path too when every bucket of a step is on a device. :class:`SkipTracker` holds the skips of
+every step, decided on the host or on a device.
 """
 
 from __future__ import annotations
@@ -19,14 +20,9 @@ from .. import _backend
 from .buckets import Bucket, Launch
 
 if TYPE_CHECKING:
-    from .eager import SkipTracker
     from .protocol import KernelOwner
 
-__all__ = [
-    "DeviceLoop",
-    "clip_divisor_from_sumsq",
-    "device_grad_sumsq",
-]
+__all__ = ["DeviceLoop", "SkipTracker", "clip_divisor_from_sumsq", "device_grad_sumsq"]
 
 
 def device_grad_sumsq(
@@ -37,15 +33,8 @@ def device_grad_sumsq(
     ctx: int,
     index: int = -1,
 ) -> torch.Tensor:
-    """``sum g^2`` over every listed grad, accumulated on ``device`` by ``l2norm(sumsq_out_ptr=)`` (no sync).
-
-    Args:
-        module: the kernel module. grad_buckets: ``(grad pointer array, sizes, grad dtype code)`` per bucket.
-        device: the device of the buckets. ctx: stream handle. index: the ``device=`` keyword of the launch.
-
-    Returns:
-        a ``(1,)`` float32 tensor on ``device``.
-    """
+    """``sum g^2`` over every ``(grad pointer array, sizes, grad dtype code)``, accumulated into a ``(1,)`` float32
+    tensor on ``device`` by ``module.l2norm(sumsq_out_ptr=)`` (no sync); ``index``: the launch's ``device=``."""
     sumsq = torch.zeros(1, device=device, dtype=torch.float32)
     for ptrs, sizes, code in grad_buckets:
         module.l2norm(ptrs, sizes, code, 0, ctx, sumsq_out_ptr=sumsq.data_ptr(), device=index)
@@ -55,18 +44,9 @@ def device_grad_sumsq(
 def clip_divisor_from_sumsq(
     sumsq: torch.Tensor, *, divisor: float | torch.Tensor = 1.0, max_norm: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Clip divisor and overflow flag from a device ``sum g^2``.
-
-    Args:
-        sumsq: ``(1,)`` float32, the sum of squares of the raw grads.
-        divisor: what the grads are divided by before the norm (a float, or a 1-element tensor on the same
-            device, e.g. GradScaler's scale).
-        max_norm: clip threshold; ``<= 0`` (or inf) disables clipping.
-
-    Returns:
-        ``(div, found_inf)``: ``div = divisor * max(1, ||g/divisor|| / max_norm)`` and ``found_inf = 1.0`` if the
-        norm is inf/NaN else ``0.0``; ``(1,)`` float32 tensors on ``sumsq``'s device.
-    """
+    """``(div, found_inf)`` from a ``sum g^2`` of the raw grads: ``div = divisor * max(1, ||g/divisor|| /
+    max_norm)`` (``max_norm <= 0`` or inf: no clip; ``divisor`` a float or a one-element tensor, e.g. GradScaler's
+    scale) and ``found_inf = 1.0`` if the norm is inf/NaN else ``0.0``, on ``sumsq``'s device."""
     norm = sumsq.sqrt() / divisor
     finite = torch.isfinite(norm)
     found_inf = (~finite).to(torch.float32)
@@ -78,12 +58,71 @@ def clip_divisor_from_sumsq(
     return div, found_inf
 
 
-class DeviceLoop:
-    """The CUDA step of one optimizer, and the device buffers holding its float ``lr`` values (capturable).
+class SkipTracker:
+    """Skipped steps decided on the host (``host_last``, ``host_count``) and on devices: one persistent float32
+    ``(1,)`` flag per device (``flags``, the ``found_inf_ptr`` of its launches; ``last_flags``: those of the last
+    step) and a counter of device-decided skips per device (``counts``), never read inside ``step()``."""
 
-    Attributes:
-        lr_bufs: ``(id(group), device)`` -> ``(value, (1,) float32 device buffer)``.
-    """
+    __slots__ = ("counts", "flags", "host_count", "host_last", "last_flags")
+
+    def __init__(self, host_last: bool = False, host_count: int = 0) -> None:
+        self.host_last = host_last
+        self.host_count = host_count
+        self.last_flags: list[torch.Tensor] = []
+        self.flags: dict[torch.device, torch.Tensor] = {}
+        self.counts: dict[torch.device, torch.Tensor] = {}
+
+    def begin_step(self) -> None:
+        """A new step starts: nothing skipped yet."""
+        self.host_last = False
+        self.last_flags = []
+
+    def skip_on_host(self) -> None:
+        """The step was skipped by a host decision."""
+        self.host_last = True
+        self.host_count += 1
+
+    def last_skipped(self) -> bool:
+        """Whether the last step was skipped (reads the device flags: synchronises after a CUDA step)."""
+        if self.host_last:
+            return True
+        return any(bool(f.ne(0).any()) for f in self.last_flags)
+
+    def set_last(self, value: bool) -> None:
+        self.host_last = bool(value)
+        self.last_flags = []
+
+    def skipped(self) -> int:
+        """How many steps were skipped (device counters read on access)."""
+        return self.host_count + sum(int(c.sum().item()) for c in self.counts.values())
+
+    def set_skipped(self, value: int) -> None:
+        self.host_count = int(value)
+        self.counts = {}
+
+    def device_flag(self, device: torch.device, found_inf: torch.Tensor | None) -> torch.Tensor:
+        """``device``'s flag, set to GradScaler's ``found_inf`` (on the stream, no sync) or to 0."""
+        flag = self.flags.get(device)
+        if flag is None:
+            flag = self.flags[device] = torch.zeros(1, dtype=torch.float32, device=device)
+        if found_inf is not None:
+            flag.copy_(found_inf.to(device=device, dtype=torch.float32, non_blocking=True).reshape(1))
+        else:
+            flag.zero_()
+        return flag
+
+    def record_device(self, device: torch.device, flag: torch.Tensor) -> None:
+        """The step on ``device`` was decided by ``flag``: remember it and count it (on the device)."""
+        self.last_flags.append(flag)
+        count = self.counts.get(device)
+        if count is None:
+            count = self.counts[device] = torch.zeros(1, dtype=torch.float32, device=device)
+        count.add_(flag.ne(0).to(torch.float32))
+
+
+class DeviceLoop:
+    """The CUDA step of one optimizer, and the device buffers of its float ``lr`` values (capturable):
+    ``lr_bufs``, ``(id(group), device)`` -> ``(value, (1,) float32 device buffer)``."""
 
     __slots__ = ("lr_bufs",)
 

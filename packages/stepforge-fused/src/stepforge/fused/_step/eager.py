@@ -1,13 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The eager step's host side: what every gradient is divided by (AMP), which steps were skipped, and the host
-loop over CPU buckets (and, in HybridAdam, CUDA buckets beside them), with skip decisions taken on the host.
+"""The eager step of the fused optimizers: what every gradient is divided by (AMP), which steps were skipped, the
+host loop over CPU buckets (and, in HybridAdam, CUDA buckets beside them) and the one kernel call per bucket
+(:func:`launch`); an all-CUDA step goes to the sync-free device loop (:mod:`.device`).
 
 ``torch.amp.GradScaler`` calls ``step()`` without unscaling (``_step_supports_amp_scaling``) and sets
 ``grad_scale`` / ``found_inf`` on the optimizer. Host values are read at once; CUDA tensors stay on the device
-for the sync-free path (:mod:`.device`) and are read only if the step falls back to the host loop (HybridAdam's
-mixed buckets). After a step that is not skipped the grads hold ``g / scale``, as torch's fused optimizers leave
-them: written back by the kernel in the same pass when it divides by exactly the scale, otherwise in a second
-pass. Skips decided on a device stay there (flag tensors), read only when asked.
+for the sync-free path and are read only if the step falls back to the host loop (HybridAdam's mixed buckets).
+After a step that is not skipped the grads hold ``g / scale``, as torch's fused optimizers leave them: written
+back by the kernel in the same pass when it divides by exactly the scale, otherwise in a second pass. Skips
+decided on a device stay there (flag tensors), read only when asked.
 """
 
 from __future__ import annotations
@@ -15,37 +16,44 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from stepforge.core import HyperParameterError, check_range
+from stepforge.core import HyperParameterError
+from stepforge.core.torch_compat import dtensor_local
 
 from .. import _backend
+from .._backend import DTYPE_CODES, call_kernel
 from .._distributed import is_dtensor, mesh_all_true
-from .._validate import local_tensor
+from .._validate import div_scale_divisor
 from .buckets import Bucket, Launch
 from .compiled import traced_step
+from .device import SkipTracker
 
 if TYPE_CHECKING:
     from .protocol import KernelOwner
 
-__all__ = ["AmpUnscaler", "HostLoop", "SkipTracker", "UnscalePlan", "eager_step", "fused_step"]
+__all__ = [
+    "UnscalePlan",
+    "all_finite",
+    "fused_step",
+    "grad_norm",
+    "launch",
+    "plan_unscale",
+    "run_host",
+    "unscale_grads",
+]
 
 _NO_KW: dict[str, Any] = {}
 
 
 @dataclass(slots=True)
 class UnscalePlan:
-    """One step's division of the gradients.
-
-    Attributes:
-        divisor: host divisor of every grad (``div_scale`` x a host GradScaler scale).
-        unscale_by: GradScaler's scale when it was read on the host (``p.grad`` must end as ``g / unscale_by``).
-        grad_scale: GradScaler's scale still on a device (sync-free path), else None.
-        found_inf: GradScaler's overflow flag still on a device, else None.
-        skip: a host ``found_inf`` is raised: the step is skipped before anything is read.
-    """
+    """One step's division of the gradients: the host ``divisor`` (``div_scale`` x a host GradScaler scale),
+    ``unscale_by`` (GradScaler's scale read on the host: ``p.grad`` must end as ``g / unscale_by``), GradScaler's
+    ``grad_scale``/``found_inf`` still on a device (sync-free path), and ``skip`` (a raised host ``found_inf``)."""
 
     divisor: float
     unscale_by: float | None = None
@@ -78,242 +86,150 @@ class UnscalePlan:
         return self.unscale_by is not None and divisor == self.unscale_by
 
 
-class AmpUnscaler:
-    """Plans the division of each step (:class:`UnscalePlan`) and does the second unscale pass when the
-    kernels divided by more than GradScaler's scale (``div_scale``, LAMB's clip)."""
-
-    __slots__ = ()
-
-    @staticmethod
-    def inputs(opt: KernelOwner) -> tuple[torch.Tensor | float | None, torch.Tensor | float | None]:
-        """``(grad_scale, found_inf)`` of ``torch.amp.GradScaler``: attributes it sets on the optimizer only during
-        its ``step()`` call (``(None, None)`` otherwise)."""
-        amp = vars(opt)
-        return amp.get("grad_scale"), amp.get("found_inf")
-
-    @staticmethod
-    def divisor(opt: KernelOwner, div_scale: float | None) -> float:
-        """The host divisor given by ``step(div_scale=)``: ``-1`` (or None) is none; anything else must be
-        positive and finite (``HyperParameterError`` otherwise, before the closure runs)."""
-        if div_scale is None or div_scale == -1:
-            return 1.0
-        return check_range(
-            "div_scale",
-            div_scale,
-            low=0.0,
-            low_open=True,
-            high=math.inf,
-            high_open=True,
-            owner=f"{opt._owner}.step()",
-            hint="It divides every gradient (a loss scale); pass -1 (the default) for no division.",
-        )
-
-    @staticmethod
-    def plan(
-        opt: KernelOwner,
-        divisor: float,
-        grad_scale: torch.Tensor | float | None,
-        found_inf: torch.Tensor | float | None,
-    ) -> UnscalePlan:
-        """The step's plan: GradScaler's values that live on the host (or on a device without the sync-free
-        path) are read now, device tensors are kept for the device loop."""
-        plan = UnscalePlan(divisor)
-        if found_inf is not None and not (
-            isinstance(found_inf, torch.Tensor) and opt._device_path(found_inf.device)
-        ):
-            if float(found_inf) != 0.0:
-                plan.skip = True
-                return plan
-            found_inf = None
-        if grad_scale is not None and not (
-            isinstance(grad_scale, torch.Tensor) and opt._device_path(grad_scale.device)
-        ):
-            plan.unscale_by = float(grad_scale)
-            plan.divisor *= plan.unscale_by
-            grad_scale = None
-        plan.grad_scale = grad_scale
-        plan.found_inf = found_inf
-        return plan
-
-    @staticmethod
-    def unscale_grads(buckets: list[Bucket], unscale_by: float) -> None:
-        """Second pass: divide every grad of ``buckets`` by GradScaler's scale."""
-        for b in buckets:
-            grads = [local_tensor(cast(torch.Tensor, p.grad)) for p in b.params]  # bucketed: has a grad
-            if grads:
-                torch._foreach_div_(grads, unscale_by)
+def plan_unscale(
+    opt: KernelOwner,
+    divisor: float,
+    grad_scale: torch.Tensor | float | None,
+    found_inf: torch.Tensor | float | None,
+) -> UnscalePlan:
+    """The step's plan from GradScaler's ``grad_scale``/``found_inf``: values that live on the host (or on a
+    device without the sync-free path) are read now, device tensors are kept for the device loop."""
+    plan = UnscalePlan(divisor)
+    if found_inf is not None and not (
+        isinstance(found_inf, torch.Tensor) and opt._device_path(found_inf.device)
+    ):
+        if float(found_inf) != 0.0:
+            plan.skip = True
+            return plan
+        found_inf = None
+    if grad_scale is not None and not (
+        isinstance(grad_scale, torch.Tensor) and opt._device_path(grad_scale.device)
+    ):
+        plan.unscale_by = float(grad_scale)
+        plan.divisor *= plan.unscale_by
+        grad_scale = None
+    plan.grad_scale = grad_scale
+    plan.found_inf = found_inf
+    return plan
 
 
-class SkipTracker:
-    """Skipped steps decided on the host (a count and a flag) and on devices (flag tensors, never read inside
-    ``step()``).
+def unscale_grads(buckets: list[Bucket], unscale_by: float) -> None:
+    """Second pass: divide every grad of ``buckets`` by GradScaler's scale."""
+    for b in buckets:
+        grads = [dtensor_local(cast(torch.Tensor, p.grad)) for p in b.params]  # bucketed: has a grad
+        if grads:
+            torch._foreach_div_(grads, unscale_by)
 
-    Attributes:
-        host_last: the last step was skipped by a host decision.
-        host_count: steps skipped by host decisions (plus a value assigned to ``skipped_steps``).
-        last_flags: the device flags of the last step (``!= 0``: skipped there).
-        flags: one persistent float32 ``(1,)`` flag per device, the ``found_inf_ptr`` of its launches.
-        counts: one float32 ``(1,)`` counter of device-decided skips per device.
+
+def launch(
+    opt: KernelOwner, module: ModuleType, bucket: Bucket, group: dict[str, Any], at: Launch, **kw: Any
+) -> Any:
+    """The eager step's call of ``opt``'s kernel (``opt._kernel``) on ``bucket`` (its cached pointer arrays) with
+    the scalars in ``at`` (the optimizers' default ``_launch``); ``kw``: more binding keywords (LAMB's norms).
+    Returns the kernel's answer: whether its finite check skipped the update (None: decided on the device)."""
+    spec = opt._kernel
+    ptrs = bucket.ptrs
+    return call_kernel(
+        module,
+        spec,
+        [ptrs["params"], ptrs["grads"], *map(ptrs.get, spec.state_keys), ptrs.get("masters")],
+        bucket.sizes,
+        bucket.first_run if spec.first_run else at.steps,
+        (DTYPE_CODES[bucket.param_dtype], DTYPE_CODES[bucket.grad_dtype]),
+        at.lr,
+        spec.values(group),
+        at.divisor,
+        at.found_inf_ptr,
+        at.check_finite,
+        at.ctx,
+        **({**at.kw, **kw} if kw else at.kw),
+    )
+
+
+def grad_norm(opt: KernelOwner, b: Bucket, ptrs: Any = None, sizes: Any = None) -> float:
+    """The L2 norm of ``b``'s grads (or of the grads at ``ptrs``, of ``sizes``), read on the host."""
+    module = _backend.module_for(b.device)
+    ptrs, sizes = (b.ptrs["grads"], b.sizes) if ptrs is None else (ptrs, sizes)
+    code = DTYPE_CODES[b.grad_dtype]
+    return float(module.l2norm(ptrs, sizes, code, 0, opt._ctx(module, b.device), **opt._device_kw(b.device)))
+
+
+def all_finite(
+    opt: KernelOwner, buckets: list[tuple[dict[str, Any], Bucket]], divisor: float, sharded: bool
+) -> bool:
+    """Whether every grad of ``buckets``, divided by ``divisor``, is finite (on every rank when sharded)."""
+    finite = all(math.isfinite(grad_norm(opt, b) / divisor) for _group, b in buckets)
+    if sharded:  # every rank holding a shard must take the same decision
+        finite = mesh_all_true(finite, [b.params[0] for _g, b in buckets if b.params])
+    return finite
+
+
+def run_host(
+    opt: KernelOwner,
+    plans: list[tuple[dict[str, Any], list[Bucket]]],
+    buckets: list[tuple[dict[str, Any], Bucket]],
+    plan: UnscalePlan,
+    check: bool,
+    skips: SkipTracker,
+) -> None:
+    """One host step over ``buckets`` (the non-empty ones of ``plans``): the finite pre-check (agreed over the
+    mesh for DTensor shards), the subclass's ``_pre_step`` (LAMB's clip), one kernel launch per bucket and the
+    GradScaler unscale; a skip is reported to ``skips``.
+
+    With several buckets (or DTensor shards) the whole step is skipped on a non-finite grad, so all of them are
+    checked first; with one bucket the kernel's own finite check decides before it writes anything.
     """
-
-    __slots__ = ("counts", "flags", "host_count", "host_last", "last_flags")
-
-    def __init__(self, host_last: bool = False, host_count: int = 0) -> None:
-        self.host_last = host_last
-        self.host_count = host_count
-        self.last_flags: list[torch.Tensor] = []
-        self.flags: dict[torch.device, torch.Tensor] = {}
-        self.counts: dict[torch.device, torch.Tensor] = {}
-
-    def begin_step(self) -> None:
-        """A new step starts: nothing skipped yet."""
-        self.host_last = False
-        self.last_flags = []
-
-    def skip_on_host(self) -> None:
-        """The step was skipped by a host decision."""
-        self.host_last = True
-        self.host_count += 1
-
-    def last_skipped(self) -> bool:
-        """Whether the last step was skipped (reads the device flags: synchronises after a CUDA step)."""
-        if self.host_last:
-            return True
-        return any(bool(f.ne(0).any()) for f in self.last_flags)
-
-    def set_last(self, value: bool) -> None:
-        self.host_last = bool(value)
-        self.last_flags = []
-
-    def skipped(self) -> int:
-        """How many steps were skipped (device counters read on access)."""
-        return self.host_count + sum(int(c.sum().item()) for c in self.counts.values())
-
-    def set_skipped(self, value: int) -> None:
-        self.host_count = int(value)
-        self.counts = {}
-
-    def device_flag(self, device: torch.device, found_inf: torch.Tensor | None) -> torch.Tensor:
-        """``device``'s flag, set to GradScaler's ``found_inf`` (on the stream, no sync) or to 0."""
-        flag = self.flags.get(device)
-        if flag is None:
-            flag = self.flags[device] = torch.zeros(1, dtype=torch.float32, device=device)
-        if found_inf is not None:
-            flag.copy_(found_inf.to(device=device, dtype=torch.float32, non_blocking=True).reshape(1))
+    divisor = plan.divisor
+    pre_checked = False
+    sharded = any(b.params and is_dtensor(b.params[0]) for _group, b in buckets)
+    if check and (len(buckets) > 1 or sharded):
+        if not all_finite(opt, buckets, divisor, sharded):
+            skips.skip_on_host()
+            return
+        pre_checked = True
+    if opt._pre_step is not None:
+        divisor = opt._pre_step(plans, divisor)
+    kernel_unscale = plan.kernel_writes_back(divisor)
+    host_kw = {"write_unscaled_grads": True} if kernel_unscale else _NO_KW
+    uses_steps = opt._uses_steps
+    check_in_kernel = check and not pre_checked
+    for group, b in buckets:
+        module = _backend.module_for(b.device)
+        ctx = opt._ctx(module, b.device)
+        if b.on_device:
+            if uses_steps:
+                b.steps.add_(1)  # the device kernels read the step being taken
+            lr, kw = opt._device_loop.lr_for(opt, group, b.device, opt._device_kw(b.device))
+            if uses_steps:
+                kw["step_ptrs"] = b.step_ptrs
+            kw.update(host_kw)
+            skipped = opt._launch(module, b, group, Launch(lr, divisor, 0, check_in_kernel, ctx, None, kw))
+            if skipped and uses_steps:
+                b.steps.sub_(1)
         else:
-            flag.zero_()
-        return flag
-
-    def record_device(self, device: torch.device, flag: torch.Tensor) -> None:
-        """The step on ``device`` was decided by ``flag``: remember it and count it (on the device)."""
-        self.last_flags.append(flag)
-        count = self.counts.get(device)
-        if count is None:
-            count = self.counts[device] = torch.zeros(1, dtype=torch.float32, device=device)
-        count.add_(flag.ne(0).to(torch.float32))
-
-
-class HostLoop:
-    """One host step over a list of buckets: the finite pre-check (agreed over the mesh for DTensor shards),
-    the subclass's ``_pre_step`` (LAMB's clip), one kernel launch per bucket and the GradScaler unscale."""
-
-    __slots__ = ()
-
-    def all_finite(
-        self, opt: KernelOwner, buckets: list[tuple[dict[str, Any], Bucket]], divisor: float, sharded: bool
-    ) -> bool:
-        """Whether every grad of ``buckets``, divided by ``divisor``, is finite (on every rank when sharded)."""
-        finite = True
-        for _group, b in buckets:
-            module = _backend.module_for(b.device)
-            norm = module.l2norm(
-                b.ptrs["grads"],
-                b.sizes,
-                _backend.DTYPE_CODES[b.grad_dtype],
-                0,
-                opt._ctx(module, b.device),
-                **opt._device_kw(b.device),
-            )
-            finite = finite and math.isfinite(norm / divisor)
-        if sharded:  # every rank holding a shard must take the same decision
-            finite = mesh_all_true(finite, [b.params[0] for _g, b in buckets if b.params])
-        return finite
-
-    def run(
-        self,
-        opt: KernelOwner,
-        plans: list[tuple[dict[str, Any], list[Bucket]]],
-        buckets: list[tuple[dict[str, Any], Bucket]],
-        plan: UnscalePlan,
-        check: bool,
-        skips: SkipTracker,
-        device_loop: Any,  # the optimizer's DeviceLoop (_step.device imports this module)
-    ) -> None:
-        """Step ``buckets`` (the non-empty ones of ``plans``); a skip is reported to ``skips``.
-
-        With several buckets (or DTensor shards) the whole step is skipped on a non-finite grad, so all of them
-        are checked first; with one bucket the kernel's own finite check decides before it writes anything.
-        """
-        divisor = plan.divisor
-        pre_checked = False
-        sharded = any(b.params and is_dtensor(b.params[0]) for _group, b in buckets)
-        if check and (len(buckets) > 1 or sharded):
-            if not self.all_finite(opt, buckets, divisor, sharded):
-                skips.skip_on_host()
-                return
-            pre_checked = True
-        if opt._pre_step is not None:
-            divisor = opt._pre_step(plans, divisor)
-        kernel_unscale = plan.kernel_writes_back(divisor)
-        host_kw = {"write_unscaled_grads": True} if kernel_unscale else _NO_KW
-        uses_steps = opt._uses_steps
-        check_in_kernel = check and not pre_checked
-        for group, b in buckets:
-            module = _backend.module_for(b.device)
-            ctx = opt._ctx(module, b.device)
-            if b.on_device:
-                if uses_steps:
-                    b.steps.add_(1)  # the device kernels read the step being taken
-                lr, kw = device_loop.lr_for(opt, group, b.device, opt._device_kw(b.device))
-                if uses_steps:
-                    kw["step_ptrs"] = b.step_ptrs
-                kw.update(host_kw)
-                skipped = opt._launch(
-                    module, b, group, Launch(lr, divisor, 0, check_in_kernel, ctx, None, kw)
-                )
-                if skipped and uses_steps:
-                    b.steps.sub_(1)
-            else:
-                launch = Launch(
-                    float(group["lr"]), divisor, 0, check_in_kernel, ctx, b.prepare_steps(), host_kw
-                )
-                skipped = opt._launch(module, b, group, launch)
-                if not skipped and uses_steps:
-                    b.steps.add_(1)
-            if skipped:
-                # Only possible on the first (single) bucket: nothing has been written yet.
-                skips.skip_on_host()
-                return
-            b.clear_first_run()
-        if plan.unscale_by is not None and not kernel_unscale:
-            # the kernels divided by more than the scale (div_scale, LAMB's clip): unscale in a second pass
-            AmpUnscaler.unscale_grads([b for _group, b in buckets], plan.unscale_by)
+            launch = Launch(float(group["lr"]), divisor, 0, check_in_kernel, ctx, b.prepare_steps(), host_kw)
+            skipped = opt._launch(module, b, group, launch)
+            if not skipped and uses_steps:
+                b.steps.add_(1)
+        if skipped:
+            # Only possible on the first (single) bucket: nothing has been written yet.
+            skips.skip_on_host()
+            return
+        b.clear_first_run()
+    if plan.unscale_by is not None and not kernel_unscale:
+        # the kernels divided by more than the scale (div_scale, LAMB's clip): unscale in a second pass
+        unscale_grads([b for _group, b in buckets], plan.unscale_by)
 
 
 @torch.no_grad()
 def fused_step(opt: KernelOwner, closure: Callable[[], Any] | None, div_scale: float = -1) -> Any:
-    """One step: under ``torch.compile`` the traceable operator step (:mod:`.compiled`), else the
-    eager step over the cached pointer arrays (the operator path would read every tensor's address each
-    step: the pybind path is kept here on purpose)."""
+    """One step: under ``torch.compile`` the traceable operator step (:mod:`.compiled`), else the eager step
+    over the cached pointer arrays (the operator path would read every tensor's address each step: the pybind
+    path is kept here on purpose): validate, run the closure, plan the grad division, then route the buckets to
+    the device loop (all on CUDA: no host sync) or the host loop."""
     if torch.compiler.is_compiling():
         return traced_step(opt, closure, div_scale)
-    return eager_step(opt, closure, div_scale)
-
-
-def eager_step(opt: KernelOwner, closure: Callable[[], Any] | None, div_scale: float = -1) -> Any:
-    """Validate, run the closure, plan the grad division, then route the buckets to the device loop (all
-    on CUDA: no host sync) or the host loop (called with gradients disabled)."""
-    divisor = opt._amp.divisor(opt, div_scale)
+    divisor = div_scale_divisor(opt._owner, div_scale)
     opt._groups.revalidate(opt.param_groups)  # bad input is refused before the closure runs
     loss = None
     if closure is not None:
@@ -321,8 +237,8 @@ def eager_step(opt: KernelOwner, closure: Callable[[], Any] | None, div_scale: f
             loss = closure()
     skips = opt._skips
     skips.begin_step()
-    amp = vars(opt)  # GradScaler's attributes (AmpUnscaler.inputs), read inline: this runs at every step
-    plan = opt._amp.plan(opt, divisor, amp.get("grad_scale"), amp.get("found_inf"))
+    amp = vars(opt)  # GradScaler's attributes, set on the optimizer only during its step() call
+    plan = plan_unscale(opt, divisor, amp.get("grad_scale"), amp.get("found_inf"))
     if plan.skip:
         skips.skip_on_host()
         return loss
@@ -340,5 +256,5 @@ def eager_step(opt: KernelOwner, closure: Callable[[], Any] | None, div_scale: f
     if plan.to_host():
         skips.skip_on_host()
         return loss
-    opt._host_loop.run(opt, plans, buckets, plan, check, skips, opt._device_loop)
+    run_host(opt, plans, buckets, plan, check, skips)
     return loss

@@ -1,13 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """What the step machinery of the fused optimizers needs from the optimizer that owns it.
 
-:class:`~stepforge.fused._base.FusedOptimizerBase` owns four objects (:class:`~.buckets.BucketCache`,
-:class:`~.eager.SkipTracker`, :class:`~.eager.AmpUnscaler`, :class:`~.eager.HostLoop` /
-:class:`~.device.DeviceLoop`); they, and the compiled step (:mod:`.compiled`), receive the optimizer
-as this protocol at each call (never store it, so no reference cycle keeps an optimizer alive) and reach the
-subclass hooks only through it. It extends :class:`~.buckets.BucketOwner`, what the bucket cache needs. The
-modules of the eager and device loops import this one, so their objects are typed ``Any`` here (no import
-circle).
+:class:`~stepforge.fused._base.FusedOptimizerBase` owns the step's stateful parts (:class:`~.buckets.BucketCache`,
+:class:`~.device.SkipTracker`, :class:`~.device.DeviceLoop`); they, the eager step (:mod:`.eager`) and the compiled
+step (:mod:`.compiled`) receive the optimizer as this protocol at each call (never store it, so no reference
+cycle keeps an optimizer alive) and reach the subclass hooks only through it. It extends
+:class:`~.buckets.BucketOwner`, what the bucket cache needs. The eager and device modules import this one, so
+the objects they define are typed ``Any`` here (no import circle).
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ import torch
 
 from stepforge.core import GroupValidator
 
+from .._backend import KernelSpec
 from .buckets import Bucket, BucketCache, BucketOwner, Launch
 
 __all__ = ["KernelOwner"]
@@ -28,22 +28,23 @@ __all__ = ["KernelOwner"]
 class KernelOwner(BucketOwner, Protocol):
     """The optimizer seen by its step machinery: options, the subclass hooks and the device helpers."""
 
+    _kernel: KernelSpec
     #: skip a step with inf/NaN grads (None: with master_weights)
     skip_nonfinite: bool | None
     param_groups: list[dict[str, Any]]
-    #: the :class:`~.eager.AmpUnscaler`
-    _amp: Any
-    #: the :class:`~.eager.SkipTracker`
+    #: the :class:`~.device.SkipTracker`
     _skips: Any
     _bucket_cache: BucketCache
-    #: the :class:`~.eager.HostLoop` and :class:`~.device.DeviceLoop`
-    _host_loop: Any
+    #: the :class:`~.device.DeviceLoop`
     _device_loop: Any
     #: the param-group checks (``revalidate(param_groups)`` at each step)
     _groups: GroupValidator
-    #: ``id(group)`` -> SGD first-run flag tensors a compiled step reads (kept alive by the optimizer)
     _compile_first_run: dict[int, list[torch.Tensor]]
 
+    @property
+    def _pre_step(self) -> Callable[[list[tuple[dict[str, Any], list[Bucket]]], float], float] | None: ...
+
+    #: fill the lists of ``group`` for a compiled step and return its bucket plans
     def _init_group(
         self,
         group: dict[str, Any],
@@ -53,31 +54,17 @@ class KernelOwner(BucketOwner, Protocol):
         state_b: list[torch.Tensor],
         masters: list[torch.Tensor],
         extras: list[torch.Tensor],
-    ) -> tuple[tuple[Any, ...], ...]:
-        """Fill the lists of ``group`` for a compiled step and return its bucket plans."""
-        ...
+    ) -> tuple[tuple[Any, ...], ...]: ...
 
+    #: run the kernel on ``bucket``; returns whether its finite check skipped the update
     def _launch(
-        self, module: ModuleType, bucket: Bucket, group: dict[str, Any], launch: Launch
-    ) -> bool | None:
-        """Run the kernel on ``bucket``; returns whether its finite check skipped the update."""
-        ...
+        self, module: ModuleType, bucket: Bucket, group: dict[str, Any], at: Launch
+    ) -> bool | None: ...
 
-    #: adjusts the host grad divisor before any update (LAMB's clip); None: no adjustment
-    _pre_step: Callable[[list[tuple[dict[str, Any], list[Bucket]]], float], float] | None
+    #: global grad-norm clip on the device path (``0``: none)
+    def _device_clip_norm(self) -> float: ...
 
-    def _device_clip_norm(self) -> float:
-        """Global grad-norm clip on the device path (``0``: none)."""
-        ...
-
-    def _device_env(self, device: torch.device) -> tuple[int, int]:
-        """``(stream handle, device index)`` of a launch on ``device``."""
-        ...
-
-    def _ctx(self, module: ModuleType, device: torch.device) -> int:
-        """CPU threads or CUDA stream handle of a launch."""
-        ...
-
-    def _device_kw(self, device: torch.device) -> dict[str, Any]:
-        """Extra keywords of a launch on ``device`` (the CUDA device index)."""
-        ...
+    # the device helpers, reached through the optimizer so a test can route a device to an emulation
+    def _device_env(self, device: torch.device) -> tuple[int, int]: ...
+    def _ctx(self, module: ModuleType, device: torch.device) -> int: ...
+    def _device_kw(self, device: torch.device) -> dict[str, Any]: ...
