@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// stepforge.fused._cpu: CPU kernels (register_cpu_kernels.cpp) plus ISA selection and threading controls.
+// stepforge.fused._cpu: CPU kernels (their bindings in cpu/ops.cpp) plus ISA selection and threading controls.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
