@@ -16,8 +16,7 @@ from test_writer_failures import _leftovers, _snapshot
 
 from stepforge.strategy import Booster, CheckpointError
 from stepforge.strategy import checkpoint as ck
-from stepforge.strategy.checkpoint._layout import MARKER
-from stepforge.strategy.checkpoint._sidecar import SIDECAR_SUFFIX, verify_file
+from stepforge.strategy.checkpoint._layout import MARKER, SIDECAR_SUFFIX, verify_file
 
 
 def _model(seed: int) -> torch.nn.Module:

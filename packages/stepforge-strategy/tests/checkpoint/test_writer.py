@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from stepforge.strategy import Booster, CheckpointError, GeneralCheckpointIO
-from stepforge.strategy.checkpoint._sidecar import SIDECAR_SUFFIX, verify_file
+from stepforge.strategy.checkpoint._layout import SIDECAR_SUFFIX, verify_file
 
 OLD = b"bytes an earlier tool wrote"
 

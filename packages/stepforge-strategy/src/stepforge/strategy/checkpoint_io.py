@@ -25,11 +25,9 @@ writer thread is joined.
 
 from __future__ import annotations
 
-import logging
 import os
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
-from functools import partial
 from typing import Any
 
 from torch import nn
@@ -37,13 +35,10 @@ from torch import nn
 from stepforge.core import BoostedOptimizer, Plugin
 
 from . import checkpoint as ckpt
-from ._env import get_rank
 from .boosted_model import plugin_module
 from .checkpoint import PendingWrites, commit_files, staged
 
 __all__ = ["CheckpointIO", "BoosterCheckpointIO", "GeneralCheckpointIO"]
-
-logger = logging.getLogger("stepforge.strategy")
 
 
 class CheckpointIO(ABC):
@@ -222,27 +217,10 @@ class BoosterCheckpointIO(CheckpointIO):
                 "save_model: gather_dtensor=False is not supported; full model saves are gathered (save sharded "
                 "state with save_optimizer or stepforge.strategy's DCP checkpoints)."
             )
-        if not isinstance(size_per_shard, int | float) or size_per_shard <= 0:
-            raise ValueError(f"save_model: size_per_shard must be > 0 (MiB), got {size_per_shard!r}.")
-        model = plugin_module(model)
-        if not use_async:
-            ckpt.save_model(
-                model, checkpoint, shard=shard, prefix=prefix, size_per_shard=size_per_shard,
-                use_safetensors=use_safetensors,
-            )  # fmt: skip
-            return
-        if not use_safetensors:
-            logger.warning(
-                "save_model: use_async=True writes safetensors (use_safetensors set to True), as ColossalAI."
-            )
-        state = staged(ckpt.gather_full_state_dict(model))  # collective, on this thread
-        # the name is checked now, on every rank: a refused one raises here, not at the wait
-        ckpt.claim_model_target(checkpoint, shard=shard, prefix=prefix, use_safetensors=True)
-        write = partial(
-            ckpt.write_full_state_dict, state, checkpoint, shard=shard, prefix=prefix,
-            size_per_shard=size_per_shard, use_safetensors=True,
+        ckpt.save_model(
+            plugin_module(model), checkpoint, shard=shard, prefix=prefix, size_per_shard=size_per_shard,
+            use_safetensors=use_safetensors, pending=self._pending if use_async else None,
         )  # fmt: skip
-        self._pending.submit(write if get_rank() == 0 else None, where="save_model")
 
     def load_model(
         self,
@@ -280,16 +258,13 @@ class BoosterCheckpointIO(CheckpointIO):
         reads it). Either loads under any plugin at any world size. ``prefix``/``size_per_shard`` are accepted
         (DCP writes one file per rank)."""
         model = self.model_for(optimizer)
-        if model is None:
-            self._save_plain_optimizer(optimizer, checkpoint, shard, prefix, size_per_shard, use_async)
+        pending = self._pending if use_async else None
+        if model is not None:
+            ckpt.save_optimizer(self.plugin, model, optimizer, checkpoint, shard=shard, pending=pending)
             return
-        ckpt.save_optimizer(
-            self.plugin,
-            model,
-            optimizer,
-            checkpoint,
-            shard=shard,
-            pending=self._pending if use_async else None,
+        self._require_plain("save_optimizer")
+        ckpt.save_plain_optimizer(
+            optimizer, checkpoint, shard=shard, prefix=prefix, size_per_shard=size_per_shard, pending=pending
         )
 
     def load_optimizer(
@@ -304,32 +279,22 @@ class BoosterCheckpointIO(CheckpointIO):
         every saved entry is restored or a ``ValueError`` says why and nothing changes."""
         self._sync_io()
         model = self.model_for(optimizer)
-        if model is None:
-            self._load_plain_optimizer(optimizer, checkpoint, prefix)
+        if model is not None:
+            ckpt.load_optimizer(self.plugin, model, optimizer, checkpoint)
             return
-        ckpt.load_optimizer(self.plugin, model, optimizer, checkpoint)
+        self._require_plain("load_optimizer")
+        ckpt.load_plain_optimizer(optimizer, checkpoint, prefix)
 
-    def _save_plain_optimizer(
-        self,
-        optimizer: Any,
-        checkpoint: Any,
-        shard: bool,
-        prefix: str | None,
-        size_per_shard: float,
-        use_async: bool,
-    ) -> None:
-        raise ValueError(
-            "save_optimizer: this optimizer was not returned by this Booster's boost(); pass the boosted "
-            "optimizer (the one boost() returned), or save a plain optimizer with a plugin-less Booster or "
-            "GeneralCheckpointIO()."
-        )
+    #: whether optimizers ``boost`` did not wrap are saved and loaded (:class:`GeneralCheckpointIO`)
+    _plain_optimizers = False
 
-    def _load_plain_optimizer(self, optimizer: Any, checkpoint: Any, prefix: str | None) -> None:
-        raise ValueError(
-            "load_optimizer: this optimizer was not returned by this Booster's boost(); pass the boosted "
-            "optimizer (the one boost() returned), or load a plain optimizer with a plugin-less Booster or "
-            "GeneralCheckpointIO()."
-        )
+    def _require_plain(self, what: str) -> None:
+        if not self._plain_optimizers:
+            raise ValueError(
+                f"{what}: this optimizer was not returned by this Booster's boost(); pass the boosted optimizer "
+                "(the one boost() returned), or use a plain optimizer with a plugin-less Booster or "
+                "GeneralCheckpointIO()."
+            )
 
 
 class GeneralCheckpointIO(BoosterCheckpointIO):
@@ -353,30 +318,4 @@ class GeneralCheckpointIO(BoosterCheckpointIO):
             plugin = SinglePlugin()
         super().__init__(plugin)
 
-    def _save_plain_optimizer(
-        self,
-        optimizer: Any,
-        checkpoint: Any,
-        shard: bool,
-        prefix: str | None,
-        size_per_shard: float,
-        use_async: bool,
-    ) -> None:
-        if not isinstance(size_per_shard, int | float) or size_per_shard <= 0:
-            raise ValueError(f"save_optimizer: size_per_shard must be > 0 (MiB), got {size_per_shard!r}.")
-        if not use_async:
-            ckpt.save_plain_optimizer(
-                optimizer, checkpoint, shard=shard, prefix=prefix, size_per_shard=size_per_shard
-            )
-            return
-        ckpt.claim_plain_target(optimizer, checkpoint, shard=shard)
-        write = None
-        if get_rank() == 0:
-            write = partial(
-                ckpt.write_plain_optimizer, staged(optimizer.state_dict()), checkpoint, shard=shard,
-                prefix=prefix, size_per_shard=size_per_shard,
-            )  # fmt: skip
-        self._pending.submit(write, where="save_optimizer")
-
-    def _load_plain_optimizer(self, optimizer: Any, checkpoint: Any, prefix: str | None) -> None:
-        ckpt.load_plain_optimizer(optimizer, checkpoint, prefix)
+    _plain_optimizers = True

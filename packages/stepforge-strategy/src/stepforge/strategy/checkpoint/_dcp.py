@@ -15,6 +15,10 @@ No code runs from a checkpoint: ``.metadata`` is unpickled allowing only DCP's m
 (:class:`stepforge.core.torch_compat.SafeFileSystemReader`), DCP's non-tensor entries and the blobs of objects are read with
 ``torch.load(weights_only=True)`` (:class:`stepforge.core.torch_compat.SafeLoadPlanner`, :func:`unblob`), and a blob that would
 not load that way is refused at save time.
+
+Loads read into fresh tensors (:func:`fresh_like`: uninitialised ones of the same shape, dtype, device and
+sharding) and copy them into the live ones (:func:`apply_fresh`) only after every read succeeded: a load that
+fails half-way leaves the live tensors alone, for one extra copy of the loaded tensors in memory.
 """
 
 from __future__ import annotations
@@ -26,27 +30,25 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from stepforge.core.torch_compat import SafeFileSystemReader, SafeLoadPlanner, flatten_state_dict
 
 from .._env import get_rank, is_distributed
-from ._layout import CheckpointError, CheckpointMismatchError, read_commit, validate_files
-from ._staging import apply_fresh, fresh_like
+from ._layout import CheckpointError, CheckpointMismatchError, read_commit, verify_dir
 from ._writer import commit_dir
 
 __all__ = [
+    "apply_fresh",
+    "check_template",
     "dcp_save",
+    "fresh_like",
     "save_dir",
     "load_dir",
     "read_dir",
-    "verify_files",
-    "read_meta",
     "read_dcp_metadata",
     "safe_dcp_load",
-    "unblob",
 ]
 
 #: Test hook: called as ``hook(rank)`` right after this rank's DCP data file is written (crash-safety tests).
@@ -146,10 +148,6 @@ def save_dir(
         max_keep_ckpts: keep at most this many committed checkpoints in ``path``'s folder (None/<=0: all).
         arg / where: the argument's and the caller's names for error messages.
     """
-    if max_keep_ckpts is not None and (
-        not isinstance(max_keep_ckpts, int) or isinstance(max_keep_ckpts, bool)
-    ):
-        raise ValueError(f"max_keep_ckpts must be an int or None, got {max_keep_ckpts!r}")
     rank = get_rank()
     # before any directory exists: an object a load could not read is refused with nothing left on disk
     shared_blob = _blob(objects, "shared objects (extra_ckpt, schedulers, statefuls)")
@@ -178,12 +176,6 @@ def dcp_save(state: dict[str, Any], directory: str, *, process_group: Any = None
             process_group=process_group,
             no_dist=not is_distributed(),
         )
-
-
-def read_meta(path: str) -> dict[str, Any]:
-    """The meta recorded in a committed checkpoint (``CheckpointError`` otherwise)."""
-    meta: dict[str, Any] = read_commit(path)["meta"]
-    return meta
 
 
 def check_template(path: str, template: dict[str, Any], metadata: Any, exact: Sequence[str] = ()) -> None:
@@ -246,11 +238,10 @@ def read_dir(
 
     ``rank_objects`` comes back None when this rank has none in the checkpoint (it was saved at a smaller
     world size). ``map_location`` applies to the pickled objects (tensors land where the template's live).
-    ``files_checked``: the caller ran :func:`verify_files` already (the checksums are not computed twice).
+    ``files_checked``: the caller ran :func:`verify_dir` already (the checksums are not computed twice).
     """
-    record = read_commit(path)
-    if not files_checked:
-        validate_files(path, record)
+    record = read_commit(path) if files_checked else verify_dir(path)
+    assert record is not None  # verify_dir(required=True) returns the record or raises
     metadata = read_dcp_metadata(path)
     check_template(path, tensors, metadata, exact)
     rank_key = str(get_rank())
@@ -279,13 +270,6 @@ def read_dir(
     return fresh, shared, mine, record["meta"]
 
 
-def verify_files(path: str) -> dict[str, Any]:
-    """The commit record of ``path`` once its marker and every file's size and CRC-32 are checked."""
-    record = read_commit(path)
-    validate_files(path, record)
-    return record
-
-
 def load_dir(
     path: str,
     tensors: dict[str, Any],
@@ -306,7 +290,32 @@ def load_dir(
     return shared, mine, meta
 
 
-def barrier() -> None:
-    """A barrier when distributed (no-op otherwise)."""
-    if is_distributed():
-        dist.barrier()
+def fresh_like(template: Any) -> Any:
+    """``template`` with every tensor replaced by ``torch.empty_like`` (dicts and lists copied, leaves shared)."""
+    if isinstance(template, torch.Tensor):
+        return torch.empty_like(template)
+    if isinstance(template, dict):
+        return {k: fresh_like(v) for k, v in template.items()}
+    if isinstance(template, list):
+        return [fresh_like(v) for v in template]
+    return template
+
+
+@torch.no_grad()
+def apply_fresh(template: Any, fresh: Any) -> None:
+    """Copy ``fresh`` (filled by a load) into ``template`` in place: tensors with ``copy_``, other leaves set."""
+    items: Any
+    if isinstance(template, dict):
+        items = template.items()
+    elif isinstance(template, list):
+        items = enumerate(template)
+    else:
+        return
+    for key, live in list(items):
+        new = fresh[key]
+        if isinstance(live, torch.Tensor):
+            live.copy_(new)
+        elif isinstance(live, (dict, list)):
+            apply_fresh(live, new)
+        else:
+            template[key] = new

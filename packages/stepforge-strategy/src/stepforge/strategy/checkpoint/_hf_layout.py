@@ -15,12 +15,10 @@ import os
 import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from ._layout import MARKER, read_commit
-from ._sidecar import read_torch_file
+from ._layout import MARKER, read_commit, read_torch_file
 
 __all__ = [
     "SAFE_WEIGHTS",
@@ -29,7 +27,6 @@ __all__ = [
     "weight_names",
     "unshare",
     "write_tensors",
-    "entry_name",
     "write_shards",
     "stale_shards",
     "is_safetensors",
@@ -79,57 +76,49 @@ def write_tensors(tensors: dict[str, torch.Tensor], path: str, use_safetensors: 
         torch.save(tensors, path)
 
 
-def _split(state: dict[str, torch.Tensor], cap_bytes: int) -> list[dict[str, torch.Tensor]]:
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for key, tensor in state.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > cap_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][key] = tensor
-        size += nbytes
-    return shards
-
-
-def entry_name(
-    state: dict[str, torch.Tensor], prefix: str | None, size_per_shard: float, use_safetensors: bool
-) -> str:
-    """The file a reader of :func:`write_shards`' output starts from: the index, or the one file."""
-    stem, ext = weight_names(prefix, use_safetensors)
-    single = len(_split(state, int(size_per_shard * 1024 * 1024))) == 1
-    return f"{stem}.{ext}" if single else f"{stem}.{ext}{INDEX_SUFFIX}"
-
-
 def write_shards(
-    state: dict[str, torch.Tensor],
+    tensors: Iterable[tuple[str, torch.Tensor]],
     folder: str,
     prefix: str | None,
-    size_per_shard: float,
+    cap_bytes: float,
     use_safetensors: bool,
 ) -> list[str]:
-    """The sharded layout into ``folder``: one file when everything fits in ``size_per_shard`` MiB, else numbered
-    shards plus the index JSON. Returns the file names in the order they may go live: shards first, index last."""
+    """The sharded layout into ``folder``, split as transformers does (shards of at most ``cap_bytes``, a bigger
+    tensor alone) holding one shard in memory at a time: one file when everything fits, else numbered shards plus
+    the index JSON. Returns the file names in the order they may go live: shards first, the entry (index or the
+    one file) last."""
     stem, ext = weight_names(prefix, use_safetensors)
-    shards = _split(state, int(size_per_shard * 1024 * 1024))
-    if len(shards) == 1:
-        write_tensors(shards[0], os.path.join(folder, f"{stem}.{ext}"), use_safetensors)
+    parts: list[list[str]] = []
+    shard: dict[str, torch.Tensor] = {}
+    size = total = 0
+
+    def flush() -> None:
+        write_tensors(unshare(shard), os.path.join(folder, f"part-{len(parts)}.tmp"), use_safetensors)
+        parts.append(list(shard))
+        shard.clear()
+
+    for name, tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if shard and size + nbytes > cap_bytes:
+            flush()
+            size = 0
+        shard[name] = tensor
+        size += nbytes
+        total += nbytes
+    flush()
+    if len(parts) == 1:
+        os.replace(os.path.join(folder, "part-0.tmp"), os.path.join(folder, f"{stem}.{ext}"))
         return [f"{stem}.{ext}"]
     weight_map: dict[str, str] = {}
     names = []
-    total = 0
-    for i, part in enumerate(shards, 1):
-        name = f"{stem}-{i:05d}-of-{len(shards):05d}.{ext}"
-        write_tensors(part, os.path.join(folder, name), use_safetensors)
-        names.append(name)
-        for key, tensor in part.items():
-            weight_map[key] = name
-            total += tensor.numel() * tensor.element_size()
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    index_name = f"{stem}.{ext}{INDEX_SUFFIX}"
-    with open(os.path.join(folder, index_name), "w", encoding="utf-8") as f:
-        f.write(json.dumps(index, indent=2, sort_keys=True))
-    return [*names, index_name]
+    for i, keys in enumerate(parts):
+        names.append(f"{stem}-{i + 1:05d}-of-{len(parts):05d}.{ext}")
+        os.replace(os.path.join(folder, f"part-{i}.tmp"), os.path.join(folder, names[-1]))
+        weight_map.update(dict.fromkeys(keys, names[-1]))
+    index = f"{stem}.{ext}{INDEX_SUFFIX}"
+    with open(os.path.join(folder, index), "w", encoding="utf-8") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
+    return [*names, index]
 
 
 def stale_shards(prefix: str | None, use_safetensors: bool) -> Callable[[str], bool]:
@@ -225,11 +214,3 @@ def files_to_read(path: Path) -> list[Path]:
     if path.is_file():
         return [path]
     raise FileNotFoundError(f"load_model: no checkpoint at {path}.")
-
-
-def read_state(files: list[Path]) -> dict[str, Any]:
-    """Every tensor of ``files``, merged."""
-    state: dict[str, Any] = {}
-    for file in files:
-        state.update(read_file(file))
-    return state

@@ -1,35 +1,45 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Checkpoint directory layout, the commit marker, ``last_checkpoint`` and validation.
+"""What a committed save is on disk, and how it is read and verified.
 
-A committed checkpoint is a directory ``<name>/`` holding torch.distributed.checkpoint's files
-(``.metadata`` and ``__<rank>_<i>.distcp``) and, written last, ``COMMIT.json``: the meta (iteration, epoch,
-seed, experiment, versions, world size, plugin), the commit time, and the size and CRC-32 of every file
-(:func:`file_record`). Every load checks both for every file before anything is read (:func:`validate_files`);
-CRC-32 detects every burst error up to 32 bits, so every flipped byte. It is written
-under ``.<name>.tmp-<token>/`` and renamed to ``<name>/`` only after the marker is on disk, so a directory
-named ``<name>`` without ``COMMIT.json`` was never produced by a finished save.
+A committed directory ``<name>/`` holds the save's files and, written last, ``COMMIT.json``: the meta (iteration,
+epoch, seed, versions, world size, plugin, kind), the commit time, the size and CRC-32 of every file and the
+marker's own CRC-32. It is written under ``.<name>.tmp-<token>/`` and renamed to ``<name>/`` only after the marker
+is on disk, so a directory without ``COMMIT.json`` was never produced by a finished save. A single file keeps its
+own format where the user named it, with the same facts in a sidecar manifest ``<file>.stepforge.json``. Every
+load checks sizes and CRC-32 (which detects every burst error up to 32 bits) before anything is read
+(:func:`verify_dir`, :func:`verify_file`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 import zlib
 from typing import Any
 
 __all__ = [
+    "FILE_FORMAT",
     "MARKER",
     "LAST_CHECKPOINT",
+    "SIDECAR_SUFFIX",
     "CheckpointError",
     "CheckpointMismatchError",
+    "commit_record",
     "commit_text",
     "committed_checkpoints",
     "file_record",
+    "files_of",
     "find_latest_checkpoint",
     "fsync_dir",
+    "fsync_file",
     "orphaned_copies",
     "read_commit",
-    "validate_files",
+    "read_manifest",
+    "read_torch_file",
+    "verify_dir",
+    "verify_file",
+    "write_synced",
     "write_text_atomic",
 ]
 
@@ -37,6 +47,9 @@ MARKER = "COMMIT.json"
 LAST_CHECKPOINT = "last_checkpoint"
 FORMAT = "stepforge-dcp-2"
 _CHUNK = 8 << 20
+#: Sidecar manifest of a single-file save: ``model.pt`` -> ``model.pt.stepforge.json``.
+SIDECAR_SUFFIX = ".stepforge.json"
+FILE_FORMAT = "stepforge-file-1"
 
 
 class CheckpointError(RuntimeError):
@@ -62,15 +75,36 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_text_atomic(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file, fsync and ``os.replace``."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
+def fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_synced(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` and fsync it."""
+    with open(path, "w", encoding="utf-8") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file, fsync and ``os.replace``."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    write_synced(tmp, text)
     os.replace(tmp, path)
     fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def files_of(folder: str) -> list[str]:
+    """Every file below ``folder``, as sorted relative names."""
+    out = []
+    for root, _, names in os.walk(folder):
+        out += [os.path.relpath(os.path.join(root, n), folder) for n in names]
+    return sorted(out)
 
 
 def _crc32(path: str) -> str:
@@ -86,6 +120,12 @@ def _crc32(path: str) -> str:
 def file_record(path: str) -> dict[str, Any]:
     """``{"size": bytes, "crc32": "8 hex digits"}`` of file ``path``, as ``COMMIT.json`` records it."""
     return {"size": os.path.getsize(path), "crc32": _crc32(path)}
+
+
+def commit_record(folder: str, names: list[str], meta: dict[str, Any]) -> dict[str, Any]:
+    """``COMMIT.json``'s record for files ``names`` of ``folder`` (before :func:`commit_text` adds its CRC-32)."""
+    files = {n: file_record(os.path.join(folder, n)) for n in names}
+    return {"format": FORMAT, "committed_at": time.time(), "files": files, "meta": meta}
 
 
 def _canonical(record: dict[str, Any]) -> str:
@@ -134,15 +174,30 @@ def read_commit(path: str) -> dict[str, Any]:
     return record
 
 
-def validate_files(path: str, record: dict[str, Any]) -> None:
-    """Every file the commit lists is inside ``path`` and present with its recorded size and CRC-32 (truncation,
-    deletion, flipped bytes); sizes first (cheap), then checksums. Files the commit does not list are never read."""
+def verify_dir(path: str, *, required: bool = True, where: str | None = None) -> dict[str, Any] | None:
+    """The commit record of directory ``path`` once every file it lists is checked inside ``path`` and present
+    with its recorded size and CRC-32 (sizes first, then checksums; unlisted files are never read). None when it
+    has no marker and ``required`` is False (a directory stepforge did not write, such as a Hugging Face
+    download); :class:`CheckpointError` naming the file otherwise, prefixed by ``where``."""
+    if not os.path.isfile(os.path.join(path, MARKER)) and not required:
+        return None
+    try:
+        record = read_commit(path)
+        _check_files(path, record["files"])
+    except CheckpointError as exc:
+        if where is None:
+            raise
+        raise CheckpointError(f"{where}: {exc}") from exc
+    return record
+
+
+def _check_files(path: str, files: dict[str, Any]) -> None:
     root = os.path.realpath(path)
-    for name in record["files"]:
+    for name in files:
         full = os.path.realpath(os.path.join(root, name))
         if os.path.commonpath([root, full]) != root:
             raise CheckpointError(f"checkpoint {path!r}: {MARKER} lists {name!r}, outside the checkpoint")
-    for name, want in record["files"].items():
+    for name, want in files.items():
         full = os.path.join(root, name)
         if not os.path.isfile(full):
             raise CheckpointError(f"checkpoint {path!r} is damaged: {name} is missing")
@@ -152,7 +207,7 @@ def validate_files(path: str, record: dict[str, Any]) -> None:
                 f"checkpoint {path!r} is damaged: {name} has {actual} bytes, the commit recorded {want['size']} "
                 "(truncated or overwritten)"
             )
-    for name, want in record["files"].items():
+    for name, want in files.items():
         crc = _crc32(os.path.join(root, name))
         if crc != want["crc32"]:
             raise CheckpointError(
@@ -161,20 +216,22 @@ def validate_files(path: str, record: dict[str, Any]) -> None:
             )
 
 
-def committed_checkpoints(folder: str) -> list[tuple[float, str]]:
-    """``(commit time, path)`` of the committed checkpoints directly inside ``folder``, oldest first."""
-    out: list[tuple[float, str]] = []
-    if not os.path.isdir(folder):
-        return out
-    for entry in os.listdir(folder):
-        full = os.path.join(folder, entry)
-        if entry.startswith(".") or not os.path.isfile(os.path.join(full, MARKER)):
-            continue
+def _by_commit_time(folder: str, entries: list[str]) -> list[str]:
+    """The committed checkpoints among ``folder``'s ``entries``, oldest commit first."""
+    found = []
+    for entry in entries:
         try:
-            out.append((float(read_commit(full)["committed_at"]), full))
+            found.append((float(read_commit(os.path.join(folder, entry))["committed_at"]), entry))
         except (CheckpointError, KeyError, TypeError, ValueError):
             continue
-    return sorted(out)
+    return [os.path.join(folder, entry) for _, entry in sorted(found)]
+
+
+def committed_checkpoints(folder: str) -> list[str]:
+    """The committed checkpoints directly inside ``folder``, oldest first."""
+    if not os.path.isdir(folder):
+        return []
+    return _by_commit_time(folder, [e for e in os.listdir(folder) if not e.startswith(".")])
 
 
 def orphaned_copies(path: str) -> list[str]:
@@ -184,14 +241,8 @@ def orphaned_copies(path: str) -> list[str]:
     parent, base = os.path.dirname(os.path.abspath(path)), os.path.basename(os.path.abspath(path))
     if not os.path.isdir(parent):
         return []
-    found = []
-    for entry in os.listdir(parent):
-        if entry.startswith((f".{base}.tmp-", f".{base}.old-")):
-            try:
-                found.append((float(read_commit(os.path.join(parent, entry))["committed_at"]), entry))
-            except (CheckpointError, KeyError, TypeError, ValueError):
-                continue
-    return [os.path.join(parent, entry) for _, entry in sorted(found)]
+    dotted = [e for e in os.listdir(parent) if e.startswith((f".{base}.tmp-", f".{base}.old-"))]
+    return _by_commit_time(parent, dotted)
 
 
 def find_latest_checkpoint(work_dir: str) -> str | None:
@@ -213,4 +264,78 @@ def find_latest_checkpoint(work_dir: str) -> str | None:
             if copies:
                 return copies[-1]
     found = committed_checkpoints(work_dir)
-    return found[-1][1] if found else None
+    return found[-1] if found else None
+
+
+def read_manifest(path: str) -> dict[str, Any] | None:
+    """The sidecar manifest of single file ``path`` (``data``: size and CRC-32, ``meta``: what the save recorded,
+    such as its kind); None when it has none; :class:`CheckpointError` when it is damaged."""
+    sidecar = path + SIDECAR_SUFFIX
+    if not os.path.isfile(sidecar):
+        return None
+    try:
+        with open(sidecar, encoding="utf-8") as f:
+            text = f.read()
+        record = json.loads(text)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(
+            f"checkpoint file {path!r}: its manifest {sidecar!r} is unreadable ({exc})"
+        ) from exc
+    if not isinstance(record, dict) or record.get("format") != FILE_FORMAT or commit_text(record) != text:
+        raise CheckpointError(
+            f"checkpoint file {path!r}: its manifest {sidecar!r} is damaged or not a stepforge manifest "
+            f"(format {FILE_FORMAT!r} with its own CRC-32)"
+        )
+    data = record.get("data")
+    if (
+        not isinstance(data, dict)
+        or not isinstance(data.get("size"), int)
+        or not isinstance(data.get("crc32"), str)
+    ):
+        raise CheckpointError(
+            f"checkpoint file {path!r}: its manifest {sidecar!r} has no data size and crc32"
+        )
+    return record
+
+
+def verify_file(path: str) -> bool:
+    """Check single file ``path`` against its sidecar manifest before it is read: False when it has none (a file
+    stepforge did not write), True when it matched; :class:`CheckpointError` naming the file otherwise."""
+    manifest = read_manifest(path)
+    if manifest is None:
+        return False
+    got, record = file_record(path), manifest["data"]
+    if got["size"] != record["size"]:
+        raise CheckpointError(
+            f"checkpoint file {path!r} is damaged: {got['size']} bytes, its manifest recorded {record['size']} "
+            "(truncated or overwritten)"
+        )
+    if got["crc32"] != record["crc32"]:
+        raise CheckpointError(
+            f"checkpoint file {path!r} is damaged: CRC-32 {got['crc32']}, its manifest recorded {record['crc32']} "
+            "(bytes changed on disk after the save)"
+        )
+    return True
+
+
+def read_torch_file(path: str | os.PathLike[str], *, where: str, verify: bool = True) -> Any:
+    """``torch.load`` of a single ``torch.save`` file, checked against its sidecar manifest first (unless
+    ``verify`` is False: a directory's ``COMMIT.json`` checked it), with ``weights_only=True`` (no code runs
+    from it) and through a file object (``torch.load`` reads a path named ``*.safetensors`` as safetensors, and
+    ColossalAI's users name asynchronous saves so).
+
+    Raises:
+        FileNotFoundError: no file there.
+        CheckpointError: a damaged file, or one holding anything but tensors and plain containers.
+    """
+    import torch
+
+    if verify:
+        verify_file(os.fspath(path))
+    try:
+        with open(path, "rb") as f:
+            return torch.load(f, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(f"{where}: {os.fspath(path)} is unreadable or refused ({exc})") from exc

@@ -16,7 +16,9 @@ when there is one (a Hugging Face download has none and is read as it is).
 
 from __future__ import annotations
 
+import logging
 import os
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,39 +27,24 @@ from torch import nn
 
 from stepforge.core import WrappedModel
 
-from ._agree import on_rank0
 from ._hf_layout import (
-    BIN_WEIGHTS,
     INDEX_SUFFIX,
-    SAFE_WEIGHTS,
-    entry_name,
     files_to_read,
     is_safetensors,
     read_file,
-    read_state,
     stale_shards,
     unshare,
     weight_names,
     write_shards,
     write_tensors,
 )
-from ._layout import CheckpointMismatchError
-from ._names import check_name, check_target
-from ._writer import commit_file, commit_files, verify_dir, verify_file, write_file, write_files
+from ._layout import CheckpointMismatchError, verify_dir, verify_file
+from ._pending import PendingWrites, staged, write_on_rank0
+from ._writer import check_name, check_target, on_rank0, write_file, write_files
 
-__all__ = [
-    "save_model",
-    "claim_model_target",
-    "write_full_state_dict",
-    "load_model",
-    "read_full_state_dict",
-    "gather_full_state_dict",
-    "unwrap_model",
-    "SAFE_WEIGHTS",
-    "BIN_WEIGHTS",
-    "is_safetensors",
-    "check_full_state_dict",
-]
+__all__ = ["save_model", "load_model", "unwrap_model"]
+
+logger = logging.getLogger("stepforge.strategy")
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -86,13 +73,6 @@ def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
-def _meta(use_safetensors: bool, entry: str | None = None) -> dict[str, Any]:
-    meta: dict[str, Any] = {"kind": "model", "format": "safetensors" if use_safetensors else "torch"}
-    if entry is not None:
-        meta["entry"] = entry
-    return meta
-
-
 def _file_target(checkpoint: str | os.PathLike[str], prefix: str | None, use_safetensors: bool) -> Path:
     """The file an unsharded save writes: ``checkpoint`` itself, or the HF file name inside it when it is a folder."""
     path = Path(check_name(checkpoint, arg="checkpoint", where="save_model"))
@@ -100,59 +80,6 @@ def _file_target(checkpoint: str | os.PathLike[str], prefix: str | None, use_saf
         stem, ext = weight_names(prefix, use_safetensors)
         path = path / f"{stem}.{ext}"
     return path
-
-
-def claim_model_target(
-    checkpoint: str | os.PathLike[str], *, shard: bool, prefix: str | None, use_safetensors: bool
-) -> str:
-    """Check where a model save goes before anything is written (collective: rank 0 checks, every rank gets the
-    absolute target or the same error): an asynchronous save refuses a bad name when it is called, not later."""
-
-    def check() -> str:
-        if shard:
-            return check_target(checkpoint, arg="checkpoint", where="save_model", kind="files")
-        target = _file_target(checkpoint, prefix, use_safetensors)
-        return check_target(target, arg="checkpoint", where="save_model", kind="file")
-
-    return on_rank0(check, where="save_model")
-
-
-def _shard_writer(
-    state: dict[str, torch.Tensor], prefix: str | None, size_per_shard: float, use_safetensors: bool
-) -> tuple[Any, dict[str, Any]]:
-    """The writer of a sharded save and its meta (the entry names the index, or the one file)."""
-    entry = entry_name(state, prefix, size_per_shard, use_safetensors)
-
-    def write(tmp: str) -> list[str]:
-        return write_shards(unshare(state), tmp, prefix, size_per_shard, use_safetensors)
-
-    return write, _meta(use_safetensors, entry)
-
-
-def _write_state(
-    state: dict[str, torch.Tensor],
-    checkpoint: str | os.PathLike[str],
-    shard: bool,
-    prefix: str | None,
-    size_per_shard: float,
-    use_safetensors: bool,
-    writers: tuple[Any, Any],
-) -> None:
-    """``state`` as one file or as shards and an index, through ``writers``: the writer's ``(one file, files)``
-    pair, collective (``commit_file``/``commit_files``) or by this process alone (``write_file``/``write_files``)."""
-    one_file, files = writers
-    if not shard:
-        one_file(
-            _file_target(checkpoint, prefix, use_safetensors),
-            lambda tmp: write_tensors(unshare(state), tmp, use_safetensors),
-            arg="checkpoint", where="save_model", meta=_meta(use_safetensors),
-        )  # fmt: skip
-        return
-    write, meta = _shard_writer(state, prefix, size_per_shard, use_safetensors)
-    files(
-        checkpoint, write, arg="checkpoint", where="save_model", meta=meta,
-        stale=stale_shards(prefix, use_safetensors),
-    )  # fmt: skip
 
 
 def save_model(
@@ -163,30 +90,63 @@ def save_model(
     prefix: str | None = None,
     size_per_shard: float = 1024,
     use_safetensors: bool = True,
+    pending: PendingWrites | None = None,
 ) -> None:
     """Write ``model``'s full state in the HF layout (see the module docstring). Collective: every rank gathers,
-    rank 0 writes, every rank gets the outcome (the same :class:`CheckpointError` on failure)."""
+    rank 0 writes, every rank gets the outcome (the same :class:`CheckpointError` on failure). ``pending``: the
+    state is staged and the target checked now, the write runs on the background writer (safetensors, as
+    ColossalAI's asynchronous saves)."""
     if not isinstance(size_per_shard, int | float) or size_per_shard <= 0:
         raise ValueError(f"save_model: size_per_shard must be > 0 (MiB), got {size_per_shard!r}.")
     state = gather_full_state_dict(model)
-    _write_state(
-        state, checkpoint, shard, prefix, size_per_shard, use_safetensors, (commit_file, commit_files)
-    )
+    if pending is not None:
+        if not use_safetensors:
+            logger.warning(
+                "save_model: use_async=True writes safetensors (use_safetensors set to True), as ColossalAI."
+            )
+        use_safetensors, state = True, staged(state)
+        # the name is checked now, on every rank: a refused one raises here, not at the wait
+        if shard:
+            check = partial(check_target, checkpoint, arg="checkpoint", where="save_model", kind="files")
+        else:
+            target = _file_target(checkpoint, prefix, use_safetensors)
+            check = partial(check_target, target, arg="checkpoint", where="save_model", kind="file")
+        on_rank0(check, where="save_model")
+    write = partial(
+        write_full_state_dict, state, checkpoint, shard=shard, prefix=prefix, size_per_shard=size_per_shard,
+        use_safetensors=use_safetensors,
+    )  # fmt: skip
+    write_on_rank0(write, where="save_model", pending=pending)
 
 
 def write_full_state_dict(
     state: dict[str, torch.Tensor],
     checkpoint: str | os.PathLike[str],
     *,
-    shard: bool = False,
-    prefix: str | None = None,
-    size_per_shard: float = 1024,
-    use_safetensors: bool = True,
-) -> None:
-    """Write a full state dict (as :func:`gather_full_state_dict` returns it) like :func:`save_model` does, through
-    the same writer (checksummed, atomic), by this process alone: not collective, so an asynchronous save runs it
-    on rank 0's writer thread. Raises :class:`CheckpointError` on failure (nothing committed)."""
-    _write_state(state, checkpoint, shard, prefix, size_per_shard, use_safetensors, (write_file, write_files))
+    shard: bool,
+    prefix: str | None,
+    size_per_shard: float,
+    use_safetensors: bool,
+) -> str:
+    """Write a full state dict (as :func:`gather_full_state_dict` returns it) through the one writer, by this
+    process alone (rank 0, or its background writer)."""
+    meta: dict[str, Any] = {"kind": "model", "format": "safetensors" if use_safetensors else "torch"}
+    if not shard:
+        return write_file(
+            _file_target(checkpoint, prefix, use_safetensors),
+            lambda tmp: write_tensors(unshare(state), tmp, use_safetensors),
+            arg="checkpoint", where="save_model", meta=meta,
+        )  # fmt: skip
+
+    def write(tmp: str) -> list[str]:
+        names = write_shards(state.items(), tmp, prefix, size_per_shard * 1024 * 1024, use_safetensors)
+        meta["entry"] = names[-1]  # the file a reader starts from; the writer records meta after write()
+        return names
+
+    return write_files(
+        checkpoint, write, arg="checkpoint", where="save_model", meta=meta,
+        stale=stale_shards(prefix, use_safetensors),
+    )  # fmt: skip
 
 
 def _verify(path: Path) -> None:
@@ -198,13 +158,6 @@ def _verify(path: Path) -> None:
         verify_dir(str(path.parent), required=False, where="load_model")
     elif path.is_file():
         verify_file(str(path))
-
-
-def read_full_state_dict(checkpoint: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
-    """Every tensor of a file, an index JSON or a directory written by :func:`save_model`."""
-    path = Path(checkpoint)
-    _verify(path)
-    return read_state(files_to_read(path))
 
 
 def _shapes(file: Path) -> dict[str, torch.Tensor]:

@@ -32,14 +32,11 @@ from stepforge.core import BoostedOptimizer, Plugin, unwrap_optimizer
 from stepforge.core.flat_shard import FlatShard
 
 from .._env import get_rank, is_distributed
-from ._dcp import dcp_save, safe_dcp_load
-from ._layout import CheckpointMismatchError
-from ._optim_template import complete_template, fit_template_to_state, saved_optimizer_state
-from ._pending import PendingWrites, async_save_group, staged
-from ._sidecar import read_torch_file
-from ._staging import fresh_like
-from ._writer import begin_dir, commit_dir, commit_file, finish_dir, verify_dir
-from ._writer import write_file as write_one_file
+from ._dcp import dcp_save, fresh_like, safe_dcp_load
+from ._layout import CheckpointMismatchError, read_torch_file, verify_dir
+from ._optim_template import fit_template, fit_template_to_state, saved_optimizer_state
+from ._pending import PendingWrites, async_save_group, staged, write_on_rank0
+from ._writer import begin_dir, commit_dir, commit_file, finish_dir, write_file
 
 __all__ = [
     "save_optimizer",
@@ -121,24 +118,18 @@ def save_optimizer(
     state = _saved_state(plugin, model, optimizer)
     if not shard:
         full = _gathered(state)
-
-        def write_file(tmp: str) -> None:
-            torch.save(full, tmp)
-
-        if pending is None:
-            commit_file(checkpoint, write_file, arg="checkpoint", where="save_optimizer", meta=_META)
-        else:  # rank 0 writes in the background; the ranks agree on the outcome at the wait
-            background = partial(
-                write_one_file, checkpoint, write_file, arg="checkpoint", where="save_optimizer", meta=_META
-            )
-            pending.submit(background if get_rank() == 0 else None, where="save_optimizer")
+        write = partial(
+            write_file,
+            checkpoint,
+            partial(torch.save, full),
+            arg="checkpoint",
+            where="save_optimizer",
+            meta=_META,
+        )
+        write_on_rank0(write, where="save_optimizer", pending=pending)
         return
     if pending is None:
-
-        def write(tmp: str) -> None:
-            dcp_save(state, tmp)
-
-        commit_dir(checkpoint, write, meta=_META, arg="checkpoint", where="save_optimizer")
+        commit_dir(checkpoint, partial(dcp_save, state), meta=_META, arg="checkpoint", where="save_optimizer")
         return
     copy = staged(state)  # a CPU copy (DTensors and FlatShards keep their kind): what the writer reads
     final, tmp = begin_dir(checkpoint, arg="checkpoint", where="save_optimizer")
@@ -191,7 +182,10 @@ def load_optimizer(
     # stepforge before the one writer) is read as before, through the restricted reader only
     verify_dir(str(path), required=False, where="load_optimizer")
     # every saved entry gets a place (or CheckpointMismatchError, a ValueError) before any tensor is read
-    complete_template(optim_sd, path, unwrap_optimizer(optimizer))
+    try:
+        fit_template(optim_sd, path, unwrap_optimizer(optimizer))
+    except CheckpointMismatchError as exc:
+        raise CheckpointMismatchError(f"load_optimizer: {exc}") from exc
     state: dict[str, Any] = {"optimizer": optim_sd}
     if scaler is not None:
         state["grad_scaler"] = scaler
@@ -210,11 +204,10 @@ def save_lr_scheduler(lr_scheduler: Any, checkpoint: str | os.PathLike[str]) -> 
     if not hasattr(lr_scheduler, "state_dict"):
         raise TypeError(f"save_lr_scheduler: {type(lr_scheduler).__name__} has no state_dict().")
     state = lr_scheduler.state_dict()
-
-    def write(tmp: str) -> None:
-        torch.save(state, tmp)
-
-    commit_file(checkpoint, write, arg="checkpoint", where="save_lr_scheduler", meta={"kind": "lr_scheduler"})
+    commit_file(
+        checkpoint, partial(torch.save, state), arg="checkpoint", where="save_lr_scheduler",
+        meta={"kind": "lr_scheduler"},
+    )  # fmt: skip
 
 
 def load_lr_scheduler(lr_scheduler: Any, checkpoint: str | os.PathLike[str]) -> None:

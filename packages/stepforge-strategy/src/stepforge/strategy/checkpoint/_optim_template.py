@@ -43,7 +43,7 @@ from .._env import is_distributed
 from ._dcp import read_dcp_metadata, safe_dcp_load
 from ._layout import CheckpointMismatchError
 
-__all__ = ["complete_template", "fit_template", "fit_template_to_state", "saved_optimizer_state"]
+__all__ = ["fit_template", "fit_template_to_state", "saved_optimizer_state"]
 
 _Path = tuple[Any, ...]
 
@@ -268,19 +268,3 @@ def saved_optimizer_state(optimizer: Any, state_dict: dict[str, Any]) -> dict[st
     if unwrap_optimizer(optimizer).state or not isinstance(state_dict.get("state"), dict):
         return state_dict
     return {**state_dict, "state": {}}
-
-
-def complete_template(
-    template: dict[str, Any],
-    checkpoint: str | os.PathLike[str],
-    optimizer: torch.optim.Optimizer,
-    *,
-    root: str | tuple[str, ...] = "optimizer",
-    prune: bool = False,
-) -> None:
-    """:func:`fit_template` for an optimizer saved under the top-level key ``root`` (the Booster's layout);
-    errors start with ``load_optimizer:``."""
-    try:
-        fit_template(template, checkpoint, optimizer, root=(root,))
-    except CheckpointMismatchError as exc:
-        raise CheckpointMismatchError(f"load_optimizer: {exc}") from exc

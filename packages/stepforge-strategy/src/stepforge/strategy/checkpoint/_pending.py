@@ -6,7 +6,7 @@ A save call stages the state (copies it away from the live tensors) and checks i
 thread, then submits one task on every rank, in call order, to the process's one writer thread
 (``stepforge-ckpt``): rank 0 writes a model or a plain optimizer (the other ranks' task has nothing to write);
 every rank writes its part of a DCP optimizer save and the writer commits it. Each task ends with the ranks
-agreeing (``_agree.py``): a failure anywhere becomes the same :class:`CheckpointError` in every rank's future.
+agreeing (``_writer.agree``): a failure anywhere becomes the same :class:`CheckpointError` in every rank's future.
 
 Every collective of these tasks runs on :func:`async_save_group`, a gloo group of its own: on the default group
 they would interleave with the main thread's collectives (the next save's name check, a barrier, DDP's
@@ -32,11 +32,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._env import is_distributed
-from ._agree import agree
+from .._env import get_rank, is_distributed
 from ._layout import CheckpointError
+from ._writer import agree, on_rank0
 
-__all__ = ["PendingWrites", "async_save_group", "staged"]
+__all__ = ["PendingWrites", "async_save_group", "staged", "write_on_rank0"]
 
 logger = logging.getLogger("stepforge.strategy")
 
@@ -132,6 +132,15 @@ class PendingWrites:
 
 
 _LIVE: weakref.WeakSet[PendingWrites] = weakref.WeakSet()
+
+
+def write_on_rank0(work: Callable[[], Any], *, where: str, pending: PendingWrites | None) -> None:
+    """``work()`` on rank 0, every rank getting its outcome: now (:func:`on_rank0`), or with ``pending`` on the
+    background writer (every rank submits; the ranks agree on the outcome at the wait)."""
+    if pending is None:
+        on_rank0(work, where=where)
+    else:
+        pending.submit(work if get_rank() == 0 else None, where=where)
 
 
 def _release_group() -> None:

@@ -19,27 +19,18 @@ import json
 import os
 import re
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ._agree import on_rank0
-from ._layout import MARKER, CheckpointError
-from ._names import check_target
-from ._sidecar import read_torch_file
-from ._writer import commit_file, commit_files, verify_dir, write_file, write_files
+from ._layout import MARKER, CheckpointError, read_torch_file, verify_dir
+from ._pending import PendingWrites, staged, write_on_rank0
+from ._writer import check_target, on_rank0, write_file, write_files
 
-__all__ = [
-    "OPTIM_FILE",
-    "claim_plain_target",
-    "load_plain_optimizer",
-    "save_plain_optimizer",
-    "write_plain_optimizer",
-]
+__all__ = ["load_plain_optimizer", "save_plain_optimizer"]
 
-#: the single file of a plain optimizer inside a ``shard=True`` directory of stepforge before the sharded layout
-OPTIM_FILE = "pytorch_optim.bin"
 _STEM = "pytorch_optim"
 _INDEX_SUFFIX = ".bin.index.json"
 
@@ -102,28 +93,13 @@ def _check(optimizer: Any, where: str) -> None:
         )
 
 
-def claim_plain_target(optimizer: Any, checkpoint: Any, *, shard: bool) -> str:
-    """Check the optimizer and where its save goes before anything is written (collective, as
-    :func:`~stepforge.strategy.checkpoint._model_io.claim_model_target`)."""
-    _check(optimizer, "save_optimizer")
-    kind = "files" if shard else "file"
-    return on_rank0(
-        lambda: check_target(checkpoint, arg="checkpoint", where="save_optimizer", kind=kind),
-        where="save_optimizer",
-    )
-
-
 def write_plain_optimizer(
     state: dict[str, Any], checkpoint: Any, *, shard: bool, prefix: str | None, size_per_shard: float
 ) -> str:
     """Write ``state`` (an optimizer's ``state_dict()``) in this process alone (rank 0, or its background writer)."""
     if not shard:
         return write_file(
-            checkpoint,
-            lambda tmp: torch.save(state, tmp),
-            arg="checkpoint",
-            where="save_optimizer",
-            meta=_META,
+            checkpoint, partial(torch.save, state), arg="checkpoint", where="save_optimizer", meta=_META
         )
     return write_files(
         checkpoint, lambda tmp: _write_sharded(state, tmp, prefix, size_per_shard),
@@ -132,28 +108,31 @@ def write_plain_optimizer(
 
 
 def save_plain_optimizer(
-    optimizer: Any, checkpoint: Any, *, shard: bool, prefix: str | None, size_per_shard: float
+    optimizer: Any,
+    checkpoint: Any,
+    *,
+    shard: bool,
+    prefix: str | None,
+    size_per_shard: float,
+    pending: PendingWrites | None = None,
 ) -> None:
-    """Save ``optimizer.state_dict()`` (collective: rank 0 writes, every rank gets the outcome)."""
+    """Save ``optimizer.state_dict()`` (collective: rank 0 writes, every rank gets the outcome). ``pending``: the
+    state is staged and the target checked now, the write runs on the background writer."""
     _check(optimizer, "save_optimizer")
+    if not isinstance(size_per_shard, int | float) or size_per_shard <= 0:
+        raise ValueError(f"save_optimizer: size_per_shard must be > 0 (MiB), got {size_per_shard!r}.")
     state = optimizer.state_dict()
-    if not shard:
-        commit_file(
-            checkpoint,
-            lambda tmp: torch.save(state, tmp),
-            arg="checkpoint",
+    if pending is not None:
+        kind = "files" if shard else "file"
+        on_rank0(
+            partial(check_target, checkpoint, arg="checkpoint", where="save_optimizer", kind=kind),
             where="save_optimizer",
-            meta=_META,
         )
-        return
-    commit_files(
-        checkpoint, lambda tmp: _write_sharded(state, tmp, prefix, size_per_shard),
-        arg="checkpoint", where="save_optimizer", meta=_META, stale=_stale(prefix),
-    )  # fmt: skip
-
-
-def _torch_load(path: Path) -> Any:
-    return read_torch_file(path, where="load_optimizer")
+        state = staged(state)
+    write = partial(
+        write_plain_optimizer, state, checkpoint, shard=shard, prefix=prefix, size_per_shard=size_per_shard
+    )
+    write_on_rank0(write, where="save_optimizer", pending=pending)
 
 
 def _read_sharded(index_path: Path) -> dict[str, Any]:
@@ -163,10 +142,10 @@ def _read_sharded(index_path: Path) -> dict[str, Any]:
         weight_map = index["weight_map"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"load_optimizer: {index_path} is not an optimizer index ({exc})") from exc
-    groups = _torch_load(index_path.parent / group_file)
+    groups = read_torch_file(index_path.parent / group_file, where="load_optimizer")
     states: dict[int, Any] = {}
     for name in sorted(set(weight_map.values())):
-        part = _torch_load(index_path.parent / name)
+        part = read_torch_file(index_path.parent / name, where="load_optimizer")
         if not isinstance(part, dict):
             raise CheckpointError(
                 f"load_optimizer: {index_path.parent / name} holds no optimizer state shard"
@@ -192,7 +171,7 @@ def load_plain_optimizer(optimizer: Any, checkpoint: Any, prefix: str | None) ->
         if index.is_file():
             state = _read_sharded(index)
         elif legacy.is_file():
-            state = _torch_load(legacy)
+            state = read_torch_file(legacy, where="load_optimizer")
         else:
             raise FileNotFoundError(
                 f"load_optimizer: {path} holds neither {index.name} nor {legacy.name}; pass the directory (and "
@@ -203,5 +182,5 @@ def load_plain_optimizer(optimizer: Any, checkpoint: Any, prefix: str | None) ->
             verify_dir(str(path.parent), required=True, where="load_optimizer")
         state = _read_sharded(path)
     else:
-        state = _torch_load(path)  # checked against its sidecar manifest first
+        state = read_torch_file(path, where="load_optimizer")  # checked against its sidecar manifest first
     optimizer.load_state_dict(state)

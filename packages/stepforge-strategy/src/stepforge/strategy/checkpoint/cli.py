@@ -40,17 +40,24 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..memory._specs import parse_size
-from ._dcp import read_dcp_metadata, safe_dcp_load, verify_files
-from ._hf_layout import INDEX_SUFFIX, files_to_read, is_safetensors, read_file, unshare, weight_names
-from ._layout import LAST_CHECKPOINT, MARKER, CheckpointError, find_latest_checkpoint
-from ._names import check_target
-from ._sidecar import SIDECAR_SUFFIX, read_manifest, verify_file
-from ._writer import commit_tmp_dir
+from ._dcp import read_dcp_metadata, safe_dcp_load
+from ._hf_layout import INDEX_SUFFIX, files_to_read, is_safetensors, read_file, write_shards
+from ._layout import (
+    LAST_CHECKPOINT,
+    MARKER,
+    SIDECAR_SUFFIX,
+    CheckpointError,
+    find_latest_checkpoint,
+    read_manifest,
+    verify_dir,
+    verify_file,
+)
+from ._writer import check_target, commit_tmp_dir
 
 __all__ = ["main", "parser", "inspect_checkpoint", "export_checkpoint"]
 
 PROG = "stepforge-checkpoint"
-#: where a Strategy checkpoint keeps the model in its DCP tree (``_strategy_io.save``: ``tensors={"model": ...}``)
+#: where a Strategy checkpoint keeps the model in its DCP tree (``save_checkpoint``: ``tensors={"model": ...}``)
 _MODEL_ROOT = "tensors.model."
 _DISTCP = re.compile(r"__(\d+)_\d+\.distcp")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -83,7 +90,7 @@ def _verified(path: str) -> tuple[str | None, dict[str, Any] | None]:
         if os.path.isdir(folder):
             if not os.path.isfile(os.path.join(folder, MARKER)):
                 return None, None
-            return MARKER, verify_files(folder)
+            return MARKER, verify_dir(folder)
         if not verify_file(path):
             return None, None
         manifest = read_manifest(path) or {}
@@ -226,23 +233,10 @@ def _out_dir(out: str, checkpoint: str, overwrite: bool) -> str:
     return final
 
 
-def _write_shards(
-    stream: Iterator[tuple[str, Any]], folder: str, cap: int, dtype: torch.dtype | None, strip: Sequence[str]
-) -> tuple[str, int]:
-    """The stream as safetensors shards of at most ``cap`` bytes (a bigger tensor alone), as transformers splits
-    them, holding one shard at a time; returns the entry file (the index, or the one file) and the tensor count."""
-    from safetensors.torch import save_file
-
-    stem, ext = weight_names(None, True)
-    parts: list[list[str]] = []
-    shard: dict[str, torch.Tensor] = {}
-    size = total = 0
-
-    def flush() -> None:
-        save_file(unshare(shard), os.path.join(folder, f".part-{len(parts)}"), metadata={"format": "pt"})
-        parts.append(list(shard))
-        shard.clear()
-
+def _renamed(
+    stream: Iterator[tuple[str, Any]], dtype: torch.dtype | None, strip: Sequence[str], count: list[int]
+) -> Iterator[tuple[str, Any]]:
+    """The stream with ``strip`` prefixes removed and floating-point tensors cast to ``dtype``; counts them."""
     seen: set[str] = set()
     for name, tensor in stream:
         for prefix in strip:
@@ -250,30 +244,10 @@ def _write_shards(
         if name in seen:
             raise _refused(f"two tensors are named {name!r} after --strip-prefix", "strip fewer prefixes")
         seen.add(name)
-        if dtype is not None and tensor.is_floating_point():
-            tensor = tensor.to(dtype)
-        nbytes = tensor.numel() * tensor.element_size()
-        if shard and size + nbytes > cap:
-            flush()
-            size = 0
-        shard[name] = tensor
-        size += nbytes
-        total += nbytes
+        yield name, tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
     if not seen:
         raise _refused("the checkpoint holds no model tensors", "pass a checkpoint with model weights")
-    flush()
-    if len(parts) == 1:
-        os.replace(os.path.join(folder, ".part-0"), os.path.join(folder, f"{stem}.{ext}"))
-        return f"{stem}.{ext}", len(seen)
-    weight_map = {}
-    for i, keys in enumerate(parts):
-        name = f"{stem}-{i + 1:05d}-of-{len(parts):05d}.{ext}"
-        os.replace(os.path.join(folder, f".part-{i}"), os.path.join(folder, name))
-        weight_map.update(dict.fromkeys(keys, name))
-    index = f"{stem}.{ext}{INDEX_SUFFIX}"
-    with open(os.path.join(folder, index), "w", encoding="utf-8") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
-    return index, len(seen)
+    count.append(len(seen))
 
 
 def export_checkpoint(
@@ -303,7 +277,10 @@ def export_checkpoint(
     tmp = os.path.join(parent, f".{os.path.basename(final)}.tmp-{uuid.uuid4().hex[:12]}")
     os.makedirs(tmp)
     try:
-        entry, count = _write_shards(stream, tmp, max_shard_size, dtype, strip_prefixes)
+        count: list[int] = []
+        entry = write_shards(_renamed(stream, dtype, strip_prefixes, count), tmp, None, max_shard_size, True)[
+            -1
+        ]
         if found is not None:
             shutil.copyfile(found, os.path.join(tmp, "config.json"))
         meta = {"kind": "model", "format": "safetensors", "entry": entry, "exported_from": info["path"]}
@@ -315,7 +292,7 @@ def export_checkpoint(
                 f"writing {final!r} failed ({exc})", "check the space and permissions there"
             ) from exc
         raise
-    return {"out": final, "entry": entry, "tensors": count, "config": found is not None}
+    return {"out": final, "entry": entry, "tensors": count[0], "config": found is not None}
 
 
 def _size(n: int) -> str:

@@ -1,41 +1,275 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Strategy loads, verify then apply: ``load`` (model weights) and ``resume`` (the whole run).
+"""What a :class:`~stepforge.strategy.Strategy` checkpoint holds, and how it is saved, loaded and resumed.
 
-Phase 1 touches nothing live: the commit marker and every file's CRC-32, the plugin and world size recorded in
-the meta, the model's keys, shapes and dtypes, the optimizer's groups, parameters and state layout
-(:func:`~stepforge.strategy.checkpoint._optim_template.fit_template`), then every object blob and every tensor is read
-into fresh tensors, and the scheduler list, accumulation state, saved gradients and RNG states are checked
-against the live run. Only then, phase 2 applies them: weights and optimizer (``Plugin.set_state_dict``, its
-lr included), accumulation window, scaler, gradients, schedulers, statefuls, RNG, iteration. Any failure of
-phase 1 raises :class:`CheckpointError` naming the file and the difference, with the run exactly as it was.
+The Strategy hands over a :class:`RunState` (the parts a checkpoint saves and restores): this module never
+imports the Strategy, and it meets the plugin and the optimizer only through :class:`stepforge.core.Plugin`,
+:class:`stepforge.core.BoostedOptimizer` and stepforge-accum's public ``OptimWrapper.window``.
 
-Gradients after a successful resume are as the checkpoint says: saved inside an accumulation window, this
-rank's window gradients come back; saved at a window boundary, every ``.grad`` is ``None`` (as the
-uninterrupted run has them after its step).
+DCP tensors (written by every rank, never gathered): ``model`` and ``optimizer`` from the plugin's
+``get_state_dict`` pair. Shared objects (saved once): schedulers, the optim wrapper's accumulation counters and
+``base_param_settings``, the loss-scaler state, shared registered statefuls, ``extra_ckpt``. Per-rank objects:
+RNG states (python, numpy, torch CPU, every CUDA device), per-rank registered statefuls, this rank's
+accumulation window (its local weight) and, when the save falls inside an accumulation window, this rank's
+accumulated gradients.
+
+Loads verify, then apply. Phase 1 touches nothing live: the commit marker and every file's CRC-32, the plugin
+and world size recorded in the meta, the model's keys, shapes and dtypes, the optimizer's groups, parameters and
+state layout (:func:`~stepforge.strategy.checkpoint._optim_template.fit_template`), then every object blob and
+every tensor is read into fresh tensors, and the scheduler list, accumulation state, saved gradients and RNG
+states are checked against the live run. Only then, phase 2 applies them: weights and optimizer
+(``Plugin.set_state_dict``, its lr included), accumulation window, scaler, gradients, schedulers, statefuls, RNG,
+iteration. Any failure of phase 1 raises :class:`CheckpointError` naming the file and the difference, with the
+run exactly as it was. Gradients after a successful resume are as the checkpoint says: saved inside an
+accumulation window, this rank's window gradients come back; saved at a window boundary, every ``.grad`` is
+``None`` (as the uninterrupted run has them after its step).
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import random
 import re
+import time
 import warnings
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from stepforge.core import BoostedOptimizer, unwrap_optimizer
+from stepforge.accum import OptimWrapper
+from stepforge.core import BoostedOptimizer, Plugin, unwrap_optimizer
 
 from .._env import set_random_seed
-from ._dcp import check_template, read_dcp_metadata, read_dir, verify_files
-from ._fsdp_window import set_fsdp_pending_grads
-from ._layout import CheckpointError, CheckpointMismatchError
-from ._optim_template import fit_template
+from .._version import __version__
+from ._dcp import check_template, read_dcp_metadata, read_dir, save_dir
+from ._fsdp_window import fsdp_pending_grads, set_fsdp_pending_grads
+from ._layout import CheckpointError, CheckpointMismatchError, verify_dir
+from ._optim_template import fit_template, saved_optimizer_state
 from ._rescale import iteration_scale
-from ._rng import set_rng_state
-from ._run_state import RunState
 
-__all__ = ["load_checkpoint", "resume_checkpoint"]
+__all__ = [
+    "RunState",
+    "get_rng_state",
+    "load_checkpoint",
+    "resume_checkpoint",
+    "save_checkpoint",
+    "set_rng_state",
+]
+
+
+@dataclass
+class RunState:
+    """The parts of a run a checkpoint saves and restores, as the Strategy holds them.
+
+    ``dispatch_kwargs`` is the Strategy's own dict (``resume`` sets its ``"cur_iter"``; its
+    ``"train_micro_batch_size_per_gpu"`` gives the global batch); ``optim_wrapper`` is the accumulation wrapper
+    whose ``optimizer`` is the boosted optimizer.
+    """
+
+    model: torch.nn.Module | None
+    optim_wrapper: OptimWrapper | None
+    plugin: Plugin
+    mixed_precision: str | None  # the Booster's mixed precision, for a plugin that does not own precision
+    param_schedulers: list[Any] | None
+    statefuls: dict[str, tuple[Any, bool]]
+    dispatch_kwargs: dict[str, Any]
+    seed: int
+    global_batch_size: int | None  # the run's Strategy(global_batch_size=...): kept across world sizes
+    experiment_name: str
+    world_size: int
+    rank: int
+    work_dir: str
+    deterministic: bool
+    config: Any
+    logger: logging.Logger
+
+
+def get_rng_state() -> dict[str, Any]:
+    """The state of every generator this process uses, as values ``torch.load(weights_only=True)`` reads."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+    except ImportError:
+        pass
+    else:
+        # as plain values and a tensor, so the checkpoint loads under torch.load(weights_only=True)
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = (
+            kind,
+            torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            int(pos),
+            int(has_gauss),
+            float(cached),
+        )
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore :func:`get_rng_state`'s output (generators absent from it, or from this process, are left alone)."""
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"].cpu())
+    if "numpy" in state:
+        try:
+            import numpy as np
+        except ImportError:
+            pass
+        else:
+            kind, keys, pos, has_gauss, cached = state["numpy"]
+            if isinstance(keys, torch.Tensor):
+                # resume's default map_location is the plugin's device: on a GPU the keys arrive on cuda
+                keys = keys.cpu().numpy().astype(np.uint32)
+            np.random.set_state((kind, keys, pos, has_gauss, cached))
+    if "cuda" in state and torch.cuda.is_available():
+        saved = state["cuda"]
+        if len(saved) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all([s.cpu() for s in saved])
+
+
+def _params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return list(model.parameters())
+
+
+def _grads(model: torch.nn.Module) -> list[torch.Tensor | None]:
+    out = []
+    for p in _params(model):
+        g = p.grad
+        if isinstance(g, DTensor):
+            g = g.to_local()
+        out.append(None if g is None else g.detach().clone())
+    return out
+
+
+def _boosted(wrapper: OptimWrapper) -> BoostedOptimizer:
+    # RunState's contract: the wrapper's optimizer is the one the Booster boosted (Strategy.prepare did it)
+    return cast(BoostedOptimizer, wrapper.optimizer)
+
+
+def _json_safe(value: Any) -> Any:
+    try:
+        json.dumps(value)
+        return value
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def _epoch(run: RunState, iteration: int) -> int | None:
+    """The epoch a save falls in: ``dispatch_kwargs['epoch']`` when the loop sets it (an mmengine runner passes
+    its own in ``extra_ckpt['meta']``, which wins), else ``iteration // epoch_length``; None when neither is
+    known (an iteration-based run without ``epoch_length``)."""
+    given = run.dispatch_kwargs.get("epoch")
+    if isinstance(given, int) and not isinstance(given, bool):
+        return given
+    length = run.dispatch_kwargs.get("epoch_length")
+    if isinstance(length, int) and not isinstance(length, bool) and length > 0:
+        return int(iteration) // length
+    return None
+
+
+def _global_batch(run: RunState, counts: int) -> int | None:
+    """Samples per optimizer step over all ranks, when the micro-batch size is known."""
+    micro = run.dispatch_kwargs.get("train_micro_batch_size_per_gpu")
+    if isinstance(micro, int) and not isinstance(micro, bool) and micro > 0:
+        return run.world_size * micro * counts
+    return run.global_batch_size
+
+
+def save_checkpoint(
+    run: RunState,
+    filename: str,
+    save_optimizer: bool,
+    save_param_scheduler: bool,
+    extra_ckpt: Mapping[str, Any] | None,
+    callback: Any,
+    max_keep_ckpts: int | None,
+) -> str:
+    if extra_ckpt is not None and not isinstance(extra_ckpt, Mapping):
+        raise TypeError(
+            f"save_checkpoint: extra_ckpt must be a dict or None, got {type(extra_ckpt).__name__}"
+        )
+    if not isinstance(filename, str | os.PathLike) or not os.fspath(filename).strip():
+        raise ValueError(
+            f"save_checkpoint: filename must be a non-empty name or path such as 'iter_100', got {filename!r}"
+        )
+    filename = os.fspath(filename)
+    path = filename if os.path.isabs(filename) else os.path.join(run.work_dir, filename)
+    model, wrapper, plugin = run.model, run.optim_wrapper, run.plugin
+    assert model is not None, "Strategy.save_checkpoint checks that prepare() ran"
+    window = wrapper.window if wrapper is not None else None
+    mid_window = bool(window is not None and window.position)
+    if mid_window:
+        assert wrapper is not None and window is not None
+        refusal = plugin.mid_window_save_refusal(wrapper.optimizer)
+        if refusal is not None:
+            raise ValueError(
+                f"save_checkpoint: {window.position} micro-batch(es) of an accumulation window are not stepped "
+                f"yet and plugin {plugin.name!r} cannot save them: {refusal}; save at a window boundary (every "
+                f"accumulative_counts={window.counts} iterations)"
+            )
+    with_optim = save_optimizer and wrapper is not None
+    msd, osd = plugin.get_state_dict(model, wrapper.optimizer if wrapper is not None and with_optim else [])
+    if with_optim:
+        assert wrapper is not None
+        osd = saved_optimizer_state(wrapper.optimizer, osd)
+    extra = dict(extra_ckpt or {})
+    iteration = window.inner_count if window is not None else run.dispatch_kwargs.get("cur_iter", 0)
+    meta = {
+        "iter": iteration,
+        "epoch": _epoch(run, iteration),
+        "seed": run.seed,
+        "experiment_name": run.experiment_name,
+        "time": time.strftime("%Y%m%d_%H%M%S", time.localtime()),
+        "stepforge_strategy": __version__,
+        "torch": torch.__version__,
+        "world_size": run.world_size,
+        "plugin": plugin.name,
+        "precision": plugin.precision or run.mixed_precision,
+        "accumulative_counts": wrapper.accumulative_counts if wrapper is not None else 1,
+        "global_batch_size": _global_batch(run, wrapper.accumulative_counts if wrapper is not None else 1),
+        "mid_window": mid_window,
+        "cfg": None if run.config is None else repr(run.config),
+    }
+    meta.update({k: _json_safe(v) for k, v in dict(extra.pop("meta", {}) or {}).items()})
+    ckpt: dict[str, Any] = {"meta": meta, "state_dict": msd, **extra}
+    if with_optim:
+        ckpt["optimizer"] = osd
+    if save_param_scheduler and run.param_schedulers:
+        ckpt["param_schedulers"] = [s.state_dict() for s in run.param_schedulers]
+    if callback is not None:
+        callback(ckpt)
+    meta = {k: _json_safe(v) for k, v in ckpt.pop("meta").items()}
+    tensors = {"model": ckpt.pop("state_dict")}
+    if "optimizer" in ckpt:
+        tensors["optimizer"] = ckpt.pop("optimizer")
+    shared: dict[str, Any] = {"extra": ckpt, "statefuls": {}}
+    mine: dict[str, Any] = {"rng": get_rng_state(), "statefuls": {}}
+    if with_optim:
+        assert wrapper is not None and window is not None
+        shared["accumulation"] = window.state_dict()
+        mine["accumulation"] = window.state_dict()
+        shared["base_param_settings"] = wrapper.base_param_settings
+        shared["scaler"] = _boosted(wrapper).scaler_state_dict()
+        if mid_window:
+            mine["grads"] = _grads(model)
+            mine["fsdp_pending_grads"] = fsdp_pending_grads(model)
+    for name, (obj, per_rank) in run.statefuls.items():
+        (mine if per_rank else shared)["statefuls"][name] = obj.state_dict()
+    final = save_dir(
+        path,
+        tensors=tensors,
+        objects=shared,
+        rank_objects=mine,
+        meta=meta,
+        work_dir=run.work_dir,
+        max_keep_ckpts=max_keep_ckpts,
+    )
+    run.logger.info(f"saved checkpoint {final} (iter {meta['iter']})")
+    return final
 
 
 def _revise(keys: Sequence[str], revise_keys: Sequence[tuple[str, str]]) -> dict[str, str]:
@@ -58,9 +292,7 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     if run.model is None:
         raise RuntimeError("Strategy.load_checkpoint: call prepare(model) first")
-    verify_files(
-        filename
-    )  # a clear error for an unfinished or damaged checkpoint before reading its metadata
+    verify_dir(filename)  # a clear error for an unfinished or damaged checkpoint before reading its metadata
     stored = read_dcp_metadata(filename).state_dict_metadata
     prefix = "tensors.model."
     saved_keys = [k[len(prefix) :] for k in stored if k.startswith(prefix)]
@@ -211,7 +443,7 @@ def resume_checkpoint(
     model, wrapper, plugin = run.model, run.optim_wrapper, run.plugin
     assert model is not None
     # ---- phase 1: verify and read; nothing live is written ----
-    meta = verify_files(filename)["meta"]  # before any byte of DCP data is read
+    meta = verify_dir(filename)["meta"]  # type: ignore[index]  # before any byte of DCP data is read
     with_optim = resume_optimizer and wrapper is not None
     _check_meta(run, filename, meta, with_optim)
     msd, osd = plugin.get_state_dict(model, wrapper.optimizer if wrapper is not None and with_optim else [])
