@@ -20,7 +20,7 @@ from torch import nn
 
 from stepforge.strategy import Booster, BoosterCheckpointIO, CheckpointError, GeneralCheckpointIO
 from stepforge.strategy.checkpoint import _model_io
-from stepforge.strategy.checkpoint._hf_layout import is_safetensors
+from stepforge.strategy.checkpoint._model_io import is_safetensors
 from stepforge.testing.distributed import requires_gloo, run_distributed
 
 WAIT_S = 60  # bound on every wait for a background writer

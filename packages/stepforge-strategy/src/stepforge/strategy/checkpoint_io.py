@@ -3,12 +3,6 @@
 (``booster.checkpoint_io``), a thin layer with ColossalAI's method names and signatures over
 :mod:`stepforge.strategy.checkpoint`, where every save and load lives.
 
-Models are written in the Hugging Face layout (one file, or shards with an index; safetensors or ``torch.save``
-by ``use_safetensors``, ColossalAI's default ``False``); an optimizer that ``Booster.boost`` returned is keyed by
-parameter name in every plugin (one ``torch.save`` file with ``shard=False``, a ``torch.distributed.checkpoint``
-directory with ``shard=True``; either loads under any plugin at any world size); an optimizer ``boost`` did not wrap
-(:class:`GeneralCheckpointIO`) is saved as its own ``state_dict()``, in one file or sharded.
-
 The path a save is given is the save's: a file there is replaced (atomically: the old one stays whole if the
 save fails), a directory receives the save's files and keeps the user's other files (``config.json`` of the
 Hugging Face workflow). Directories the user did not name (the working directory, ``""``, ``"."``, ``".."``) are
@@ -45,12 +39,9 @@ class CheckpointIO(ABC):
     """ColossalAI's checkpoint interface: save/load of models, optimizers and lr schedulers, with the
     asynchronous-write bookkeeping (``async_writers``, ``_sync_io``, ``_sync_d2h``, ``synchronize``)."""
 
-    def __init__(self) -> None:
-        self._writes: PendingWrites | None = PendingWrites()
-
     @property
     def _pending(self) -> PendingWrites:
-        # created on first use too: a subclass that does not call CheckpointIO.__init__ still waits correctly
+        # created on first use: a subclass that does not call CheckpointIO.__init__ waits correctly too
         writes = self.__dict__.get("_writes")
         if writes is None:
             writes = self._writes = PendingWrites()
@@ -148,11 +139,8 @@ class CheckpointIO(ABC):
         state_dict: dict[str, Any] | None = None,
     ) -> None:
         """Write the LoRA adapters and their config (peft's ``save_pretrained``) into directory ``checkpoint``
-        on rank 0, through the one writer (the directory's other files stay); every rank calls.
-
-        Raises:
-            ValueError: the model has no LoRA adapters (``Booster.enable_lora`` before ``boost``).
-        """
+        on rank 0, through the one writer (the directory's other files stay); every rank calls. ``ValueError``
+        when the model has no LoRA adapters (``Booster.enable_lora`` before ``boost``)."""
         from ._lora import peft_model_of
 
         peft_model = peft_model_of(model)
@@ -251,12 +239,10 @@ class BoosterCheckpointIO(CheckpointIO):
         size_per_shard: int = 1024,
         use_async: bool = False,
     ) -> None:
-        """Save a boosted optimizer (and its fp16 loss-scaler state), keyed by parameter name with each tensor
-        in its parameter's shape, the layout of every plugin: ``shard=True``: directory ``checkpoint`` through
-        ``torch.distributed.checkpoint``, every rank writing its part; ``shard=False`` (ColossalAI's default):
-        the full state gathered to rank 0 in the one file ``checkpoint`` (``torch.load(weights_only=True)``
-        reads it). Either loads under any plugin at any world size. ``prefix``/``size_per_shard`` are accepted
-        (DCP writes one file per rank)."""
+        """Save a boosted optimizer (and its fp16 loss-scaler state), keyed by parameter name in every plugin:
+        ``shard=True``: directory ``checkpoint`` through ``torch.distributed.checkpoint``; ``shard=False``
+        (ColossalAI's default): the full state gathered into the one file ``checkpoint``. Either loads under any
+        plugin at any world size; ``prefix``/``size_per_shard`` apply to plain optimizers only."""
         model = self.model_for(optimizer)
         pending = self._pending if use_async else None
         if model is not None:
@@ -299,17 +285,9 @@ class BoosterCheckpointIO(CheckpointIO):
 
 class GeneralCheckpointIO(BoosterCheckpointIO):
     """ColossalAI's ``GeneralCheckpointIO``: the checkpoint IO of a plugin-less Booster, also usable on its own
-    (``GeneralCheckpointIO()``) for plain models and optimizers.
-
-    Besides what :class:`BoosterCheckpointIO` does, it saves an optimizer that ``boost`` did not wrap (a plain
-    ``torch.optim.Optimizer``) on rank 0: ``shard=False``: ``torch.save(optimizer.state_dict())`` to file
-    ``checkpoint``; ``shard=True``: directory ``checkpoint`` with ColossalAI's sharded layout (param groups file,
-    shards of at most ``size_per_shard`` MiB, ``[prefix-]pytorch_optim.bin.index.json``). Loads read with
-    ``weights_only`` and ``optimizer.load_state_dict`` (every saved state entry restored).
-
-    Args:
-        plugin: the Booster's plugin; ``None`` (standalone) uses ``single``.
-    """
+    (``plugin=None`` uses ``single``). Besides what :class:`BoosterCheckpointIO` does, it saves an optimizer that
+    ``boost`` did not wrap as its ``state_dict()`` in ColossalAI's layouts (one file, or a sharded directory with
+    ``[prefix-]pytorch_optim.bin.index.json``) and loads it with ``optimizer.load_state_dict``."""
 
     def __init__(self, plugin: Plugin | None = None) -> None:
         if plugin is None:

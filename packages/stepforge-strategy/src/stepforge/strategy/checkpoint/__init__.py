@@ -8,8 +8,8 @@
 - the Strategy's checkpoints (``_strategy_ckpt.py``, ``_auto_resume.py``, ``_rescale.py``, ``_fsdp_window.py``) on
   DCP (``_dcp.py``);
 - the Booster's (``booster.checkpoint_io``, whose ColossalAI facade is :mod:`stepforge.strategy.checkpoint_io`): the
-  Hugging Face model layout (``_hf_layout.py``, ``_model_io.py``), boosted optimizers (``_optim_io.py``, with
-  ``_optim_template.py`` fitting the load template), plain optimizers (``_plain_optim.py``);
+  Hugging Face model layout (``_model_io.py``), boosted and plain optimizers (``_optim_io.py``, with
+  ``_optim_template.py`` fitting the load template);
 - the ``stepforge-checkpoint`` command (``cli.py``): inspect any of these saves, export its model as one Hugging
   Face directory.
 
@@ -28,9 +28,15 @@ from ._layout import (
     verify_dir,
 )
 from ._model_io import load_model, save_model
-from ._optim_io import load_lr_scheduler, load_optimizer, save_lr_scheduler, save_optimizer
+from ._optim_io import (
+    load_lr_scheduler,
+    load_optimizer,
+    load_plain_optimizer,
+    save_lr_scheduler,
+    save_optimizer,
+    save_plain_optimizer,
+)
 from ._pending import PendingWrites, staged
-from ._plain_optim import load_plain_optimizer, save_plain_optimizer
 from ._strategy_ckpt import RunState, load_checkpoint, resume_checkpoint, save_checkpoint
 from ._writer import commit_file, commit_files
 

@@ -1,12 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """``Strategy(resume="auto")``: which checkpoint to resume, after removing what killed saves left behind.
 
-A save writes ``.<name>.tmp-<token>/`` and renames it to ``<name>/`` as the last step of its commit, and
-``last_checkpoint`` is rewritten through ``last_checkpoint.tmp-<pid>``; a process killed before those renames
-leaves the temporary entries, which no load ever reads (``find_latest_checkpoint`` skips dot-directories), and
-which would otherwise pile up with every fault. Only entries of those two shapes are removed: committed
-checkpoints, the ``.<name>.old-<token>`` copy a re-save moves aside, and anything else stay. Call it when no save
-is in flight (at start-up, before training), on one rank.
+A process killed before a save's renames leaves ``.<name>.tmp-<token>/`` and ``last_checkpoint.tmp-<pid>``, which
+no load reads and which would pile up with every fault. Only entries of those two shapes are removed (committed
+checkpoints and the ``.<name>.old-<token>`` copy a re-save moves aside stay), on one rank, before training.
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """Crash-safe directory checkpoints on torch.distributed.checkpoint (DCP).
 
-:func:`save_dir` — every rank calls it (it is collective): every rank writes its tensors (model and optimizer
-shards, never gathered) through ``dcp.save``, plus one pickled blob of shared objects (deduplicated by DCP) and
-one blob of its own per-rank objects, into the temporary directory of the one writer
-(:func:`stepforge.strategy.checkpoint._writer.commit_dir`: ``COMMIT.json`` last, atomic rename,
-``last_checkpoint``, rotation after the commit, a failure on any rank raises on every rank).
-
-:func:`load_dir` checks the marker, every file's size and CRC-32 and that the template's keys and shapes exist
-in the checkpoint **before** anything is read into memory, so a crashed, truncated, altered or foreign checkpoint
-raises :class:`CheckpointError` and leaves the model and optimizer untouched.
+:func:`save_dir` (collective): every rank writes its tensors (shards, never gathered) through ``dcp.save``, plus
+one pickled blob of shared objects (deduplicated by DCP) and one of its own per-rank objects, into the one
+writer's temporary directory (:func:`~stepforge.strategy.checkpoint._writer.commit_dir`). :func:`load_dir`
+checks the marker, every file's size and CRC-32 and that the template's keys and shapes exist in the checkpoint
+**before** anything is read, so a crashed, truncated, altered or foreign checkpoint raises
+:class:`CheckpointError` and leaves the model and optimizer untouched.
 
 No code runs from a checkpoint: ``.metadata`` is unpickled allowing only DCP's metadata classes
 (:class:`stepforge.core.torch_compat.SafeFileSystemReader`), DCP's non-tensor entries and the blobs of objects are read with
@@ -27,6 +24,7 @@ import contextlib
 import io
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -135,35 +133,19 @@ def save_dir(
     arg: str = "filename",
     where: str = "save_checkpoint",
 ) -> str:
-    """Write a committed checkpoint directory at ``path`` through :func:`commit_dir` (collective).
-
-    Args:
-        path: the checkpoint directory to create (replaced if it is a committed checkpoint, only after the new
-            one is committed; any other existing directory is refused).
-        tensors: nested dict of tensors/DTensors (and torch.optim-layout optimizer dicts) for ``dcp.save``.
-        objects: picklable objects shared by all ranks (saved once).
-        rank_objects: this rank's picklable objects (RNG states, data position), saved per rank.
-        meta: JSON-able facts recorded in ``COMMIT.json`` and returned by :func:`read_meta`.
-        work_dir: where ``last_checkpoint`` is rewritten after the commit (None: not written).
-        max_keep_ckpts: keep at most this many committed checkpoints in ``path``'s folder (None/<=0: all).
-        arg / where: the argument's and the caller's names for error messages.
-    """
-    rank = get_rank()
+    """Write a committed checkpoint directory at ``path`` through :func:`commit_dir` (collective): ``tensors``
+    (nested tensors/DTensors) for ``dcp.save``, ``objects`` shared by all ranks (saved once), this rank's
+    ``rank_objects`` (RNG states, data position), ``meta`` recorded in ``COMMIT.json``."""
     # before any directory exists: an object a load could not read is refused with nothing left on disk
-    shared_blob = _blob(objects, "shared objects (extra_ckpt, schedulers, statefuls)")
-    rank_blob = _blob(rank_objects, "per-rank objects (statefuls, RNG)")
     state = {
         "tensors": tensors,
-        "objects": shared_blob,
-        "rank_objects": {str(rank): rank_blob},
+        "objects": _blob(objects, "shared objects (extra_ckpt, schedulers, statefuls)"),
+        "rank_objects": {str(get_rank()): _blob(rank_objects, "per-rank objects (statefuls, RNG)")},
     }
-
-    def write(tmp: str) -> None:
-        dcp_save(state, tmp)
-
     return commit_dir(
-        path, write, meta=meta, arg=arg, where=where, work_dir=work_dir, max_keep_ckpts=max_keep_ckpts
-    )
+        path, partial(dcp_save, state), meta=meta, arg=arg, where=where, work_dir=work_dir,
+        max_keep_ckpts=max_keep_ckpts,
+    )  # fmt: skip
 
 
 def dcp_save(state: dict[str, Any], directory: str, *, process_group: Any = None) -> None:
@@ -224,46 +206,38 @@ def read_dir(
     tensors: dict[str, Any],
     *,
     map_location: Any = "cpu",
-    objects: bool = True,
-    rank_objects: bool = True,
     exact: Sequence[str] = (),
     files_checked: bool = False,
-) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any] | None, dict[str, Any]]:
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any] | None, dict[str, Any]]:
     """Validate checkpoint ``path`` and read it into fresh tensors shaped like ``tensors``; touch nothing live.
 
     Returns (fresh tensors, objects, rank objects, meta). Checked first, in order: the commit marker, every
-    file's size and CRC-32, the DCP metadata, that every template tensor is saved with its shape and dtype (and,
-    under the roots in ``exact``, nothing else is); then the object blobs are read, then the tensors. Any
-    failure raises :class:`CheckpointError`.
-
-    ``rank_objects`` comes back None when this rank has none in the checkpoint (it was saved at a smaller
-    world size). ``map_location`` applies to the pickled objects (tensors land where the template's live).
-    ``files_checked``: the caller ran :func:`verify_dir` already (the checksums are not computed twice).
+    file's size and CRC-32 (unless ``files_checked``: the caller ran :func:`verify_dir`), the DCP metadata, that
+    every template tensor is saved with its shape and dtype (and, under the roots in ``exact``, nothing else is);
+    then the object blobs are read, then the tensors. Any failure raises :class:`CheckpointError`. The rank
+    objects are None when this rank has none (saved at a smaller world size); ``map_location`` applies to the
+    pickled objects (tensors land where the template's live).
     """
     record = read_commit(path) if files_checked else verify_dir(path)
     assert record is not None  # verify_dir(required=True) returns the record or raises
     metadata = read_dcp_metadata(path)
     check_template(path, tensors, metadata, exact)
     rank_key = str(get_rank())
-    blobs: dict[str, Any] = {}
-    if objects:
-        blobs["objects"] = b""
+    blobs: dict[str, Any] = {"objects": b""}
     have_rank = f"rank_objects.{rank_key}" in metadata.state_dict_metadata
-    if rank_objects and have_rank:
+    if have_rank:
         blobs["rank_objects"] = {rank_key: b""}
     no_dist = not is_distributed()
-    if blobs:  # the objects first: a refused or damaged blob fails before any tensor is read
-        safe_dcp_load(blobs, path, no_dist=no_dist)
-    shared = unblob(blobs["objects"], map_location, path) if objects else None
-    mine = unblob(blobs["rank_objects"][rank_key], map_location, path) if rank_objects and have_rank else None
-    if objects and not isinstance(shared, dict):
-        raise CheckpointError(
-            f"checkpoint {path!r}: its shared objects are {type(shared).__name__}, not a dict"
-        )
-    if mine is not None and not isinstance(mine, dict):
-        raise CheckpointError(
-            f"checkpoint {path!r}: its per-rank objects are {type(mine).__name__}, not a dict"
-        )
+    safe_dcp_load(
+        blobs, path, no_dist=no_dist
+    )  # the objects first: a bad blob fails before any tensor is read
+    shared = unblob(blobs["objects"], map_location, path)
+    mine = unblob(blobs["rank_objects"][rank_key], map_location, path) if have_rank else None
+    for what, value in (("shared", shared), ("per-rank", mine)):
+        if value is not None and not isinstance(value, dict):
+            raise CheckpointError(
+                f"checkpoint {path!r}: its {what} objects are {type(value).__name__}, not a dict"
+            )
     fresh = fresh_like(tensors)
     if fresh:
         safe_dcp_load({"tensors": fresh}, path, no_dist=no_dist)
@@ -271,21 +245,11 @@ def read_dir(
 
 
 def load_dir(
-    path: str,
-    tensors: dict[str, Any],
-    *,
-    map_location: Any = "cpu",
-    objects: bool = True,
-    rank_objects: bool = True,
-) -> tuple[dict[str, Any] | None, dict[str, Any] | None, dict[str, Any]]:
-    """Validate, then fill ``tensors`` in place from checkpoint ``path``; return (objects, rank objects, meta).
-
-    :func:`read_dir`, then the fresh tensors are copied into ``tensors``: any failure raises
-    :class:`CheckpointError` with ``tensors`` unchanged.
-    """
-    fresh, shared, mine, meta = read_dir(
-        path, tensors, map_location=map_location, objects=objects, rank_objects=rank_objects
-    )
+    path: str, tensors: dict[str, Any], *, map_location: Any = "cpu"
+) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any]]:
+    """:func:`read_dir`, then the fresh tensors are copied into ``tensors`` in place; returns (objects, rank
+    objects, meta). Any failure raises :class:`CheckpointError` with ``tensors`` unchanged."""
+    fresh, shared, mine, meta = read_dir(path, tensors, map_location=map_location)
     apply_fresh(tensors, fresh)  # only now are the live tensors written
     return shared, mine, meta
 

@@ -2,14 +2,11 @@
 """The unsharded gradients FSDP2 accumulates inside a no-sync accumulation window: read them for a save, put
 them back on resume.
 
-Why FSDP2 internals: under ``set_requires_gradient_sync(False)`` FSDP2 keeps each micro-batch's gradient on its
-*unsharded* parameter (``FSDPParam._unsharded_param.grad``, or ``FSDPParam.unsharded_accumulated_grad`` when a
-``reduce_dtype`` differs from the parameter dtype) and reduce-scatters the sum only in the first synchronised
-backward. No public torch API exposes these tensors: :mod:`stepforge.core.torch_compat` reaches them for this module.
-
-Restore writes ``unsharded_accumulated_grad``: FSDP2's post-backward adds the next micro-batch's gradient into it
-(``accumulate_unsharded_grad_if_needed``: saved + new, the same operands autograd adds in the uninterrupted run)
-and the synchronised backward reduce-scatters it, so the resumed window sums exactly as the uninterrupted one.
+Under ``set_requires_gradient_sync(False)`` FSDP2 keeps each micro-batch's gradient on its *unsharded* parameter
+and reduce-scatters the sum only in the first synchronised backward; no public torch API exposes these tensors
+(:mod:`stepforge.core.torch_compat` reaches them). Restore writes ``unsharded_accumulated_grad``: FSDP2's
+post-backward adds the next micro-batch's gradient into it (saved + new, the operands autograd adds in the
+uninterrupted run), so the resumed window sums exactly as the uninterrupted one.
 """
 
 from __future__ import annotations

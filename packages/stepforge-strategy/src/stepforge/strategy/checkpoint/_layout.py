@@ -39,6 +39,7 @@ __all__ = [
     "read_torch_file",
     "verify_dir",
     "verify_file",
+    "verify_save",
     "write_synced",
     "write_text_atomic",
 ]
@@ -139,6 +140,32 @@ def commit_text(record: dict[str, Any]) -> str:
     return _canonical({**body, "crc32": f"{zlib.crc32(_canonical(body).encode()):08x}"})
 
 
+def _is_file_record(record: Any) -> bool:
+    return (
+        isinstance(record, dict)
+        and isinstance(record.get("size"), int)
+        and isinstance(record.get("crc32"), str)
+    )
+
+
+def _read_record(file: str, fmt: str, owner: str) -> dict[str, Any]:
+    """The JSON record in ``file`` (a marker or a manifest), checked to have format ``fmt`` and its own CRC-32."""
+    what = f"{owner}: {os.path.basename(file)}"
+    try:
+        with open(file, encoding="utf-8") as f:
+            text = f.read()
+        record = json.loads(text)
+    except (OSError, ValueError) as exc:  # ValueError: JSONDecodeError and UnicodeDecodeError
+        raise CheckpointError(f"{what} is unreadable ({exc})") from exc
+    if not isinstance(record, dict) or record.get("format") != fmt:
+        found = record.get("format") if isinstance(record, dict) else type(record).__name__
+        raise CheckpointError(f"{what} has format {found!r}, expected {fmt!r}")
+    # byte for byte: a change that parses to the same values (a float's last digit) is damage too
+    if commit_text(record) != text:
+        raise CheckpointError(f"{owner} is damaged: {os.path.basename(file)} does not match its own CRC-32")
+    return record
+
+
 def read_commit(path: str) -> dict[str, Any]:
     """The commit record of checkpoint ``path``; :class:`CheckpointError` when it is not a committed checkpoint."""
     if not os.path.isdir(path):
@@ -149,26 +176,12 @@ def read_commit(path: str) -> dict[str, Any]:
             f"checkpoint {path!r} has no {MARKER}: its save never finished (a crash mid-save). "
             f"Use the previous checkpoint (find_latest_checkpoint(work_dir) names the last committed one)"
         )
-    try:
-        with open(marker, encoding="utf-8") as f:
-            text = f.read()
-        record = json.loads(text)
-    except (OSError, ValueError) as exc:  # ValueError: JSONDecodeError and UnicodeDecodeError
-        raise CheckpointError(f"checkpoint {path!r}: {MARKER} is unreadable ({exc})") from exc
-    if not isinstance(record, dict) or record.get("format") != FORMAT:
-        found = record.get("format") if isinstance(record, dict) else type(record).__name__
-        raise CheckpointError(f"checkpoint {path!r}: {MARKER} has format {found!r}, expected {FORMAT!r}")
-    # byte for byte: a change that parses to the same values (a float's last digit) is damage too
-    if commit_text(record) != text:
-        raise CheckpointError(f"checkpoint {path!r} is damaged: {MARKER} does not match its own CRC-32")
+    record = _read_record(marker, FORMAT, f"checkpoint {path!r}")
     files = record.get("files")
     if (
         not isinstance(record.get("meta"), dict)
         or not isinstance(files, dict)
-        or not all(
-            isinstance(r, dict) and isinstance(r.get("size"), int) and isinstance(r.get("crc32"), str)
-            for r in files.values()
-        )
+        or not all(_is_file_record(r) for r in files.values())
     ):
         raise CheckpointError(f"checkpoint {path!r}: {MARKER} is malformed (meta, files with size and crc32)")
     return record
@@ -273,37 +286,20 @@ def read_manifest(path: str) -> dict[str, Any] | None:
     sidecar = path + SIDECAR_SUFFIX
     if not os.path.isfile(sidecar):
         return None
-    try:
-        with open(sidecar, encoding="utf-8") as f:
-            text = f.read()
-        record = json.loads(text)
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(
-            f"checkpoint file {path!r}: its manifest {sidecar!r} is unreadable ({exc})"
-        ) from exc
-    if not isinstance(record, dict) or record.get("format") != FILE_FORMAT or commit_text(record) != text:
-        raise CheckpointError(
-            f"checkpoint file {path!r}: its manifest {sidecar!r} is damaged or not a stepforge manifest "
-            f"(format {FILE_FORMAT!r} with its own CRC-32)"
-        )
-    data = record.get("data")
-    if (
-        not isinstance(data, dict)
-        or not isinstance(data.get("size"), int)
-        or not isinstance(data.get("crc32"), str)
-    ):
+    record = _read_record(sidecar, FILE_FORMAT, f"checkpoint file {path!r}")
+    if not _is_file_record(record.get("data")):
         raise CheckpointError(
             f"checkpoint file {path!r}: its manifest {sidecar!r} has no data size and crc32"
         )
     return record
 
 
-def verify_file(path: str) -> bool:
-    """Check single file ``path`` against its sidecar manifest before it is read: False when it has none (a file
-    stepforge did not write), True when it matched; :class:`CheckpointError` naming the file otherwise."""
+def verify_file(path: str) -> dict[str, Any] | None:
+    """Check single file ``path`` against its sidecar manifest before it is read; returns the manifest, None when
+    it has none (a file stepforge did not write); :class:`CheckpointError` naming the file otherwise."""
     manifest = read_manifest(path)
     if manifest is None:
-        return False
+        return None
     got, record = file_record(path), manifest["data"]
     if got["size"] != record["size"]:
         raise CheckpointError(
@@ -315,7 +311,16 @@ def verify_file(path: str) -> bool:
             f"checkpoint file {path!r} is damaged: CRC-32 {got['crc32']}, its manifest recorded {record['crc32']} "
             "(bytes changed on disk after the save)"
         )
-    return True
+    return manifest
+
+
+def verify_save(path: str, *, where: str | None = None) -> dict[str, Any] | None:
+    """Check the save at ``path`` (a directory, its index JSON, or a single file) against its ``COMMIT.json`` or
+    sidecar manifest before it is read; returns that record, None for a save stepforge did not write."""
+    folder = os.path.dirname(path) if path.endswith(".index.json") else path
+    if os.path.isdir(folder):
+        return verify_dir(folder, required=False, where=where)
+    return verify_file(path) if os.path.isfile(path) else None
 
 
 def read_torch_file(path: str | os.PathLike[str], *, where: str, verify: bool = True) -> Any:

@@ -2,21 +2,18 @@
 """Asynchronous saves (``save_*(use_async=True)``): one background thread per process, one task per save on
 every rank, every rank ending each save with the same outcome.
 
-A save call stages the state (copies it away from the live tensors) and checks its target on the calling
-thread, then submits one task on every rank, in call order, to the process's one writer thread
-(``stepforge-ckpt``): rank 0 writes a model or a plain optimizer (the other ranks' task has nothing to write);
-every rank writes its part of a DCP optimizer save and the writer commits it. Each task ends with the ranks
-agreeing (``_writer.agree``): a failure anywhere becomes the same :class:`CheckpointError` in every rank's future.
+A save call stages the state (copies it away from the live tensors) and checks its target on the calling thread,
+then submits one task on every rank, in call order, to the process's one writer thread (``stepforge-ckpt``). Each
+task ends with the ranks agreeing (``_writer.agree``): a failure anywhere becomes the same
+:class:`CheckpointError` in every rank's future, so waiting (ColossalAI's ``_sync_io``) is local: no collective,
+safe in a finaliser.
 
 Every collective of these tasks runs on :func:`async_save_group`, a gloo group of its own: on the default group
-they would interleave with the main thread's collectives (the next save's name check, a barrier, DDP's
-all-reduce), which gloo matches by the order they are issued in, and two ranks issuing them in different orders
-wait for each other until the backend's timeout. One thread keeps the tasks themselves in order.
-
-So waiting (:meth:`PendingWrites.wait`, ColossalAI's ``_sync_io``) is local: no collective, safe in a finaliser.
-At interpreter exit the writer thread finishes its tasks before the interpreter starts tearing down
-(``concurrent.futures`` joins it), then :func:`close_at_exit` reports failures nobody waited for and destroys the
-writer's process group, whose gloo threads are then joined while the interpreter is whole.
+they would interleave with the main thread's collectives (the next save's name check, DDP's all-reduce), which
+gloo matches by the order they are issued in, and two ranks issuing them in different orders wait for each other
+until the backend's timeout. At interpreter exit the writer thread finishes its tasks first (``concurrent.futures``
+joins it), then :func:`close_at_exit` reports failures nobody waited for and destroys the writer's group, whose
+gloo threads are joined while the interpreter is whole.
 """
 
 from __future__ import annotations

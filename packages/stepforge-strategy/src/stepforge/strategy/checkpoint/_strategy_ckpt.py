@@ -131,23 +131,14 @@ def set_rng_state(state: dict[str, Any]) -> None:
             torch.cuda.set_rng_state_all([s.cpu() for s in saved])
 
 
-def _params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    return list(model.parameters())
-
-
 def _grads(model: torch.nn.Module) -> list[torch.Tensor | None]:
     out = []
-    for p in _params(model):
+    for p in model.parameters():
         g = p.grad
         if isinstance(g, DTensor):
             g = g.to_local()
         out.append(None if g is None else g.detach().clone())
     return out
-
-
-def _boosted(wrapper: OptimWrapper) -> BoostedOptimizer:
-    # RunState's contract: the wrapper's optimizer is the one the Booster boosted (Strategy.prepare did it)
-    return cast(BoostedOptimizer, wrapper.optimizer)
 
 
 def _json_safe(value: Any) -> Any:
@@ -253,7 +244,7 @@ def save_checkpoint(
         shared["accumulation"] = window.state_dict()
         mine["accumulation"] = window.state_dict()
         shared["base_param_settings"] = wrapper.base_param_settings
-        shared["scaler"] = _boosted(wrapper).scaler_state_dict()
+        shared["scaler"] = cast(BoostedOptimizer, wrapper.optimizer).scaler_state_dict()
         if mid_window:
             mine["grads"] = _grads(model)
             mine["fsdp_pending_grads"] = fsdp_pending_grads(model)
@@ -310,9 +301,8 @@ def load_checkpoint(
         run.logger.warning(f"load_checkpoint: missing keys {missing}, unexpected keys {unexpected}")
     template = {revised[k]: msd[k] for k in msd if k in revised}
     fresh, shared, _, meta = read_dir(
-        filename, {"model": template}, map_location=map_location, rank_objects=False, files_checked=True
+        filename, {"model": template}, map_location=map_location, files_checked=True
     )
-    assert shared is not None, "read_dir returns the objects when asked for them (the default)"
     loaded = {k: fresh["model"][revised[k]] for k in msd if k in revised}
     ckpt = {"meta": meta, "state_dict": loaded, **shared.get("extra", {})}
     if callback is not None:
@@ -329,20 +319,6 @@ def _set_weights(run: RunState, model: torch.nn.Module, weights: Mapping[str, An
     run.plugin.set_state_dict(model, [], {**current, **weights}, {})
     optimizers = [] if run.optim_wrapper is None else [run.optim_wrapper.optimizer]
     run.plugin.after_model_load(model, optimizers)
-
-
-def _map_location(run: RunState, map_location: Any) -> Any:
-    return run.plugin.device if map_location == "default" else map_location
-
-
-def _check_meta(run: RunState, filename: str, meta: Mapping[str, Any], with_optim: bool) -> None:
-    same_world = meta.get("world_size") == run.world_size
-    if meta.get("mid_window") and with_optim and not same_world:
-        raise CheckpointMismatchError(
-            f"{filename!r} was saved inside an accumulation window at world size {meta.get('world_size')}; its "
-            f"per-rank gradients cannot be mapped to world size {run.world_size}. Resume at world size "
-            f"{meta.get('world_size')}, or from a checkpoint saved at a window boundary"
-        )
 
 
 def _note_global_batch(run: RunState, meta: Mapping[str, Any]) -> None:
@@ -363,15 +339,6 @@ def _note_global_batch(run: RunState, meta: Mapping[str, Any]) -> None:
             f"resume: the global batch changes from {saved} (world size {meta.get('world_size')}) to {now} "
             f"(world size {run.world_size}); pass Strategy(global_batch_size={saved}) to keep it"
         )
-
-
-def _plugin_note(run: RunState, meta: Mapping[str, Any]) -> str:
-    saved = meta.get("plugin")
-    return (
-        ""
-        if saved == run.plugin.name
-        else f" (saved with plugin {saved!r}, this run uses {run.plugin.name!r})"
-    )
 
 
 def _check_objects(
@@ -445,37 +412,34 @@ def resume_checkpoint(
     # ---- phase 1: verify and read; nothing live is written ----
     meta = verify_dir(filename)["meta"]  # type: ignore[index]  # before any byte of DCP data is read
     with_optim = resume_optimizer and wrapper is not None
-    _check_meta(run, filename, meta, with_optim)
+    if meta.get("mid_window") and with_optim and meta.get("world_size") != run.world_size:
+        raise CheckpointMismatchError(
+            f"{filename!r} was saved inside an accumulation window at world size {meta.get('world_size')}; its "
+            f"per-rank gradients cannot be mapped to world size {run.world_size}. Resume at world size "
+            f"{meta.get('world_size')}, or from a checkpoint saved at a window boundary"
+        )
     msd, osd = plugin.get_state_dict(model, wrapper.optimizer if wrapper is not None and with_optim else [])
     tensors: dict[str, Any] = {"model": msd}
-    exact = ["model"]
-    metadata = read_dcp_metadata(filename)
-    if with_optim:
-        assert wrapper is not None
-        try:
-            check_template(filename, tensors, metadata, exact)  # the model first: the clearer message
-            fit_template(
-                osd,
-                filename,
-                unwrap_optimizer(wrapper.optimizer),
-                root=("tensors", "optimizer"),
-                metadata=metadata,
-            )
-        except CheckpointMismatchError as exc:
-            raise CheckpointMismatchError(f"{exc}{_plugin_note(run, meta)}") from exc
-        tensors["optimizer"] = osd
-        exact.append("optimizer")
     try:
+        if with_optim:
+            assert wrapper is not None
+            metadata = read_dcp_metadata(filename)
+            check_template(filename, tensors, metadata, ["model"])  # the model first: the clearer message
+            optimizer = unwrap_optimizer(wrapper.optimizer)
+            fit_template(osd, filename, optimizer, root=("tensors", "optimizer"), metadata=metadata)
+            tensors["optimizer"] = osd
         fresh, shared, mine, meta = read_dir(
             filename,
             tensors,
-            map_location=_map_location(run, map_location),
-            exact=exact,
+            map_location=plugin.device if map_location == "default" else map_location,
+            exact=list(tensors),
             files_checked=True,
         )
     except CheckpointMismatchError as exc:
-        raise CheckpointMismatchError(f"{exc}{_plugin_note(run, meta)}") from exc
-    assert shared is not None, "read_dir returns the objects when asked for them (the default)"
+        if meta.get("plugin") == plugin.name:
+            raise
+        note = f" (saved with plugin {meta.get('plugin')!r}, this run uses {plugin.name!r})"
+        raise CheckpointMismatchError(f"{exc}{note}") from exc
     _check_objects(run, filename, shared, mine, resume_param_scheduler)
     acc = (mine or {}).get("accumulation") or shared.get("accumulation")
     sched_states = shared.get("extra", {}).get("param_schedulers")

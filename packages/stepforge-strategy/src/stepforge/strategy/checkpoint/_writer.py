@@ -197,19 +197,11 @@ def foreign_files(path: str) -> list[str]:
 
 
 def check_target(path: Any, *, arg: str, where: str, kind: str, work_dir: str | None = None) -> str:
-    """The absolute path a save may write to, or a clear error naming ``arg`` and the fix.
-
-    Always refused: ``""``, ``"."``, ``".."`` (or a path ending in them), the working directory, ``work_dir`` or
-    any ancestor of them (directories the user did not name for this save). Then by ``kind``:
-
-    - ``"file"``: a single file, replaced atomically whoever wrote it (what ``torch.save`` and ColossalAI do);
-      an existing directory is refused (a file save never deletes a folder).
-    - ``"dir"``: a directory replaced as a whole (a Strategy checkpoint, a DCP optimizer save): a new name, an
-      empty directory, or one whose every file a stepforge commit lists; a directory holding anything else and an
-      existing file are refused (a user's folder or file is never deleted).
-    - ``"files"``: a directory this save adds its files to (a sharded model, LoRA adapters): a new name or any
-      existing directory, whose other files stay (:func:`foreign_files`); an existing file is refused.
-    """
+    """The absolute path a save may write to, or a clear error naming ``arg`` and the fix (see the module
+    docstring). ``kind="file"``: a file, replaced atomically whoever wrote it; an existing directory is refused.
+    ``"dir"``: a directory replaced as a whole: new, empty, or one whose every file a stepforge commit lists.
+    ``"files"``: a directory this save adds its files to (:func:`foreign_files` stay). A user's folder or file
+    is never deleted."""
     text = check_name(path, arg=arg, where=where)
     target = os.path.abspath(text)
     hit = _protected(target, work_dir)

@@ -41,17 +41,16 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..memory._specs import parse_size
 from ._dcp import read_dcp_metadata, safe_dcp_load
-from ._hf_layout import INDEX_SUFFIX, files_to_read, is_safetensors, read_file, write_shards
 from ._layout import (
+    FILE_FORMAT,
     LAST_CHECKPOINT,
     MARKER,
     SIDECAR_SUFFIX,
     CheckpointError,
     find_latest_checkpoint,
-    read_manifest,
-    verify_dir,
-    verify_file,
+    verify_save,
 )
+from ._model_io import INDEX_SUFFIX, files_to_read, is_safetensors, read_file, write_shards
 from ._writer import check_target, commit_tmp_dir
 
 __all__ = ["main", "parser", "inspect_checkpoint", "export_checkpoint"]
@@ -83,24 +82,15 @@ def _resolve(path: str) -> str:
 
 def _verified(path: str) -> tuple[str | None, dict[str, Any] | None]:
     """Check every checksum of the save at ``path`` before anything is read; returns its manifest's name and its
-    record (``COMMIT.json``'s, or a single file's ``{"files": {name: size and CRC-32}}``), None for a save
-    stepforge did not write (read as it is)."""
-    folder = os.path.dirname(path) if path.endswith(INDEX_SUFFIX) else path
+    record (``COMMIT.json``'s, or a single file's in that shape), None for a save stepforge did not write."""
     try:
-        if os.path.isdir(folder):
-            if not os.path.isfile(os.path.join(folder, MARKER)):
-                return None, None
-            return MARKER, verify_dir(folder)
-        if not verify_file(path):
-            return None, None
-        manifest = read_manifest(path) or {}
-        return os.path.basename(path) + SIDECAR_SUFFIX, {
-            "files": {os.path.basename(path): manifest.get("data")},
-            "meta": manifest.get("meta"),
-            "committed_at": manifest.get("committed_at"),
-        }
+        record = verify_save(path)
     except CheckpointError as exc:
         raise _refused(str(exc), _VERIFY_FIX) from exc
+    if record is None or record.get("format") != FILE_FORMAT:
+        return (None if record is None else MARKER), record
+    name = os.path.basename(path)
+    return name + SIDECAR_SUFFIX, {"files": {name: record["data"]}, **record}
 
 
 def _dcp_model(path: str, meta: dict[str, Any]) -> tuple[str, dict[str, tuple[str, TensorStorageMetadata]]]:
