@@ -51,13 +51,10 @@ def check_resume_option(option: object) -> None:
 
 
 def checkpoint_to_resume(option: bool | str, work_dir: str, logger: logging.Logger) -> str | None:
-    """The checkpoint ``Strategy(resume=option)`` resumes (collective: every rank calls it, before training).
-
-    ``"auto"``/``True``: rank 0 removes the unfinished saves of ``work_dir`` (:func:`remove_uncommitted`) and
-    picks ``find_latest_checkpoint(work_dir)``, broadcast so that every rank resumes the same one (``None``: start
-    fresh). Any other string is the path itself; ``False`` gives ``None``. An elastic restart at another world
-    size (``torchrun --nnodes=MIN:MAX``) resumes the same checkpoint (tests/strategy/test_elastic_shrink.py).
-    """
+    """The checkpoint ``Strategy(resume=option)`` resumes (collective, before training): for ``"auto"``/``True``
+    rank 0 removes the unfinished saves of ``work_dir`` and picks ``find_latest_checkpoint(work_dir)`` for every
+    rank (``None``: start fresh), also after an elastic restart at another world size; another string is the
+    path itself; ``False`` gives ``None``."""
     if option is False:
         return None
     if option is not True and option != "auto":

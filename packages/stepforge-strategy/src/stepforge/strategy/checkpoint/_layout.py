@@ -324,15 +324,10 @@ def verify_save(path: str, *, where: str | None = None) -> dict[str, Any] | None
 
 
 def read_torch_file(path: str | os.PathLike[str], *, where: str, verify: bool = True) -> Any:
-    """``torch.load`` of a single ``torch.save`` file, checked against its sidecar manifest first (unless
-    ``verify`` is False: a directory's ``COMMIT.json`` checked it), with ``weights_only=True`` (no code runs
-    from it) and through a file object (``torch.load`` reads a path named ``*.safetensors`` as safetensors, and
-    ColossalAI's users name asynchronous saves so).
-
-    Raises:
-        FileNotFoundError: no file there.
-        CheckpointError: a damaged file, or one holding anything but tensors and plain containers.
-    """
+    """``torch.load`` of a single ``torch.save`` file, checked against its sidecar manifest first (unless the
+    caller verified it), with ``weights_only=True`` (no code runs from it; :class:`CheckpointError` otherwise)
+    and through a file object (``torch.load`` reads a path named ``*.safetensors`` as safetensors, and
+    ColossalAI's users name asynchronous saves so)."""
     import torch
 
     if verify:

@@ -32,7 +32,7 @@ from stepforge.core import WrappedModel
 
 from ._layout import MARKER, CheckpointMismatchError, read_commit, read_torch_file, verify_save
 from ._pending import PendingWrites, staged, write_on_rank0
-from ._writer import check_name, check_target, on_rank0, write_file, write_files
+from ._writer import check_name, check_target, write_file, write_files
 
 __all__ = [
     "INDEX_SUFFIX",
@@ -67,10 +67,8 @@ def weight_names(prefix: str | None, use_safetensors: bool) -> tuple[str, str]:
 
 
 def unshare(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Tensors that own their whole storage: safetensors refuses tied weights and views into bigger storage.
-
-    A tensor whose storage is shared with an earlier entry, or that covers only part of its storage, is
-    copied; the rest are written as they are (no extra memory)."""
+    """Tensors that own their whole storage (safetensors refuses tied weights and views into bigger storage): a
+    tensor sharing storage with an earlier entry or covering part of its storage is copied, the rest are not."""
     out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for key, tensor in state.items():
@@ -231,10 +229,7 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 
 def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The full, unsharded CPU state dict of ``model`` on rank 0 (other ranks get an empty dict for FSDP2).
-
-    Collective: every rank must call it.
-    """
+    """The full, unsharded CPU state dict of ``model`` on rank 0 (collective; FSDP2's other ranks get ``{}``)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -274,18 +269,15 @@ def save_model(
                 "save_model: use_async=True writes safetensors (use_safetensors set to True), as ColossalAI."
             )
         use_safetensors, state = True, staged(state)
-        # the name is checked now, on every rank: a refused one raises here, not at the wait
-        if shard:
-            check = partial(check_target, checkpoint, arg="checkpoint", where="save_model", kind="files")
-        else:
-            target = _file_target(checkpoint, prefix, use_safetensors)
-            check = partial(check_target, target, arg="checkpoint", where="save_model", kind="file")
-        on_rank0(check, where="save_model")
+    target = checkpoint if shard else _file_target(checkpoint, prefix, use_safetensors)
+    claim = partial(
+        check_target, target, arg="checkpoint", where="save_model", kind="files" if shard else "file"
+    )
     write = partial(
         write_full_state_dict, state, checkpoint, shard=shard, prefix=prefix, size_per_shard=size_per_shard,
         use_safetensors=use_safetensors,
     )  # fmt: skip
-    write_on_rank0(write, where="save_model", pending=pending)
+    write_on_rank0(write, where="save_model", pending=pending, claim=claim)
 
 
 def write_full_state_dict(
@@ -341,16 +333,25 @@ def _meta_like(view: Any) -> torch.Tensor:
     return torch.empty(view.get_shape(), dtype=_SAFETENSORS_DTYPES[view.get_dtype()], device="meta")
 
 
-def check_full_state_dict(
-    checkpoint: str | os.PathLike[str], saved: dict[str, Any], live: dict[str, Any], *, strict: bool
-) -> None:
-    """``saved`` (read from ``checkpoint``) fits ``live`` (the model's state dict; DTensors by their global
-    shape): the same keys when ``strict``, and every common key with the same shape. A dtype may differ: the
-    load casts, as torch's ``load_state_dict`` (an fp16 save loads into an fp32 or bf16 model and back).
+def load_model(model: nn.Module, checkpoint: str | os.PathLike[str], *, strict: bool = True) -> None:
+    """Load a full HF-layout save into ``model`` (plain, DDP or FSDP2) at any world size, one weight file at a
+    time (a sharded save streams in shard by shard: FSDP2 keeps this rank's part of each tensor). Collective."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
 
-    Raises:
-        CheckpointMismatchError: naming the file and the first differences; nothing has been loaded.
-    """
+    verify_save(os.fspath(checkpoint), where="load_model")  # checksums first: nothing damaged is read
+    files = files_to_read(Path(checkpoint))
+    module = unwrap_model(model)
+    # verify every file's names, shapes and dtypes, then apply one file at a time: a file of another model raises
+    # before any parameter is written, and a rank never holds more of the checkpoint than its largest file
+    # (a dtype may differ: the load casts, as torch's load_state_dict; DTensors compare by their global shape)
+    saved: dict[str, Any] = {}
+    for file in files:
+        saved.update(_shapes(file))
+    live = get_model_state_dict(module)
     missing = sorted(set(live) - set(saved))
     unexpected = sorted(set(saved) - set(live))
     if strict and (missing or unexpected):
@@ -367,26 +368,6 @@ def check_full_state_dict(
                 f"load_model: {checkpoint} does not match the model: {key} is {have.dtype}{tuple(have.shape)} "
                 f"there and {want.dtype}{tuple(want.shape)} here"
             )
-
-
-def load_model(model: nn.Module, checkpoint: str | os.PathLike[str], *, strict: bool = True) -> None:
-    """Load a full HF-layout save into ``model`` (plain, DDP or FSDP2) at any world size, one weight file at a
-    time (a sharded save streams in shard by shard: FSDP2 keeps this rank's part of each tensor). Collective."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        set_model_state_dict,
-    )
-
-    verify_save(os.fspath(checkpoint), where="load_model")  # checksums first: nothing damaged is read
-    files = files_to_read(Path(checkpoint))
-    module = unwrap_model(model)
-    # verify every file's names, shapes and dtypes, then apply one file at a time: a file of another model raises
-    # before any parameter is written, and a rank never holds more of the checkpoint than its largest file
-    headers: dict[str, Any] = {}
-    for file in files:
-        headers.update(_shapes(file))
-    check_full_state_dict(checkpoint, headers, get_model_state_dict(module), strict=strict)
     options = StateDictOptions(full_state_dict=True, strict=False)
     for file in files:
         state: dict[str, Any] = read_file(file)

@@ -48,7 +48,6 @@ from ._writer import (
     commit_dir,
     commit_file,
     finish_dir,
-    on_rank0,
     write_file,
     write_files,
 )
@@ -284,7 +283,7 @@ def _stale(prefix: str | None) -> Callable[[str], bool]:
     return lambda name: pattern.fullmatch(name) is not None
 
 
-_META = {"kind": "optimizer", "format": "torch"}
+_PLAIN_META = {"kind": "optimizer", "format": "torch"}
 
 
 def _check(optimizer: Any, where: str) -> None:
@@ -300,11 +299,11 @@ def write_plain_optimizer(
     """Write ``state`` (an optimizer's ``state_dict()``) in this process alone (rank 0, or its background writer)."""
     if not shard:
         return write_file(
-            checkpoint, partial(torch.save, state), arg="checkpoint", where="save_optimizer", meta=_META
+            checkpoint, partial(torch.save, state), arg="checkpoint", where="save_optimizer", meta=_PLAIN_META
         )
     return write_files(
         checkpoint, lambda tmp: _write_sharded(state, tmp, prefix, size_per_shard),
-        arg="checkpoint", where="save_optimizer", meta=_META, stale=_stale(prefix),
+        arg="checkpoint", where="save_optimizer", meta=_PLAIN_META, stale=_stale(prefix),
     )  # fmt: skip
 
 
@@ -322,18 +321,13 @@ def save_plain_optimizer(
     _check(optimizer, "save_optimizer")
     if not isinstance(size_per_shard, int | float) or size_per_shard <= 0:
         raise ValueError(f"save_optimizer: size_per_shard must be > 0 (MiB), got {size_per_shard!r}.")
-    state = optimizer.state_dict()
-    if pending is not None:
-        kind = "files" if shard else "file"
-        on_rank0(
-            partial(check_target, checkpoint, arg="checkpoint", where="save_optimizer", kind=kind),
-            where="save_optimizer",
-        )
-        state = staged(state)
+    state = optimizer.state_dict() if pending is None else staged(optimizer.state_dict())
+    kind = "files" if shard else "file"
+    claim = partial(check_target, checkpoint, arg="checkpoint", where="save_optimizer", kind=kind)
     write = partial(
         write_plain_optimizer, state, checkpoint, shard=shard, prefix=prefix, size_per_shard=size_per_shard
     )
-    write_on_rank0(write, where="save_optimizer", pending=pending)
+    write_on_rank0(write, where="save_optimizer", pending=pending, claim=claim)
 
 
 def _read_sharded(index_path: Path) -> dict[str, Any]:

@@ -131,13 +131,22 @@ class PendingWrites:
 _LIVE: weakref.WeakSet[PendingWrites] = weakref.WeakSet()
 
 
-def write_on_rank0(work: Callable[[], Any], *, where: str, pending: PendingWrites | None) -> None:
+def write_on_rank0(
+    work: Callable[[], Any],
+    *,
+    where: str,
+    pending: PendingWrites | None,
+    claim: Callable[[], Any] | None = None,
+) -> None:
     """``work()`` on rank 0, every rank getting its outcome: now (:func:`on_rank0`), or with ``pending`` on the
-    background writer (every rank submits; the ranks agree on the outcome at the wait)."""
+    background writer (every rank submits; the ranks agree on the outcome at the wait), after ``claim()`` checked
+    the target on rank 0 now, so that a refused name raises at the call on every rank, not at the wait."""
     if pending is None:
         on_rank0(work, where=where)
-    else:
-        pending.submit(work if get_rank() == 0 else None, where=where)
+        return
+    if claim is not None:
+        on_rank0(claim, where=where)
+    pending.submit(work if get_rank() == 0 else None, where=where)
 
 
 def _release_group() -> None:

@@ -1,37 +1,28 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The one checkpoint writer: every save (Strategy and Booster) commits through :func:`commit_dir` or
-:func:`commit_file`.
+"""The one checkpoint writer: every save (Strategy and Booster) commits through :func:`commit_dir`,
+:func:`commit_file` or :func:`commit_files`.
 
-Directory saves (a Strategy checkpoint, ``Booster.save_optimizer``, ``Booster.save_model(shard=True)``):
+Directories (a Strategy checkpoint, a DCP optimizer save): (1) rank 0 checks the name (:func:`check_target`),
+recovers a committed copy a kill left in a dot-directory, and makes ``.<name>.tmp-<token>/``; (2) the caller's
+``write(tmp)`` runs on every rank; (3) rank 0 writes ``COMMIT.json`` last (size and CRC-32 of every file, the meta,
+its own CRC-32), moves an older ``<name>/`` aside, renames the temporary directory to ``<name>/``, rewrites
+``last_checkpoint``, deletes the older copy, then rotates (``max_keep_ckpts``): rotation only ever follows a
+commit; (4) any failure (a full disk, a rank that raised) removes the temporary directory, puts an older
+``<name>/`` back if it was already moved aside, and raises :class:`CheckpointError` on every rank.
 
-1. rank 0 checks the name (:func:`check_target`), recovers a committed copy a kill left in a dot-directory, and
-   makes ``.<name>.tmp-<token>/``;
-2. the caller's ``write(tmp)`` runs on every rank (DCP writes every rank's shard; ``save_model`` writes on rank 0);
-3. rank 0 writes ``COMMIT.json`` last (size and CRC-32 of every file, the meta, its own CRC-32), moves an older
-   ``<name>/`` aside, renames the temporary directory to ``<name>/``, rewrites ``last_checkpoint``, deletes the
-   older copy, then rotates (``max_keep_ckpts``) — rotation only ever follows a commit;
-4. any failure (a full disk, a rank that raised) removes the temporary directory, puts an older ``<name>/`` back
-   if it was already moved aside, and raises :class:`CheckpointError` on every rank, chained to the cause.
-
-Single-file saves (``Booster.save_model(shard=False)``, ``save_lr_scheduler``, a plain optimizer's
-``save_optimizer(shard=False)``) go through :func:`commit_file`: the file stays where the user named it, in its own
-format (safetensors or ``torch.save``, readable by any reader of that format), with its size and CRC-32 in a
-sidecar manifest ``<file>.stepforge.json`` (:data:`SIDECAR_SUFFIX`). Both are written to temporary names, fsynced
-and ``os.replace``d, the file first, the manifest last; a file already at that path, whoever
-wrote it, is replaced only by a complete new one (as ``torch.save`` and ColossalAI replace it, but atomically).
-
-Saves of several files into a directory the user names (``Booster.save_model(shard=True)``, LoRA adapters) go
-through :func:`commit_files`: a new or empty directory, or one holding only a stepforge save's files, is
-committed as a whole as above; a directory holding other files (``config.json`` of the Hugging Face workflow)
-receives this save's files one by one, its other files untouched (:func:`_publish`).
+Single files (a model with ``shard=False``, a scheduler, a one-file optimizer) stay where the user named them,
+in their own format (readable by any reader of that format), with size and CRC-32 in a sidecar manifest
+``<file>.stepforge.json``; both are written to temporary names, fsynced and ``os.replace``d, the file first, the
+manifest last, so a file already there is replaced only by a complete new one (as ``torch.save`` and ColossalAI
+replace it, but atomically). Several files into a directory the user names (sharded models, LoRA adapters): a
+new or empty directory, or one holding only a stepforge save's files, is committed as a whole as above; one
+holding other files (``config.json`` of the Hugging Face workflow) receives this save's files one by one, its
+other files untouched (:func:`_publish`).
 
 Every save ends the same way on every rank: a save only rank 0 writes runs through :func:`on_rank0` (the other
 ranks raise the error rank 0 got, same type and text); a save where every rank worked ends in :func:`agree` (one
 :class:`CheckpointError` naming every failed rank). No rank is left in a later collective until the backend's
-timeout.
-
-Which names a save may write to (:func:`check_target`): never ``""``, ``"."``, ``".."``, ``work_dir``, the working
-directory or their ancestors. A file there is replaced (atomically), a directory receives this save's files; a
+timeout. Never written to: ``""``, ``"."``, ``".."``, ``work_dir``, the working directory or their ancestors; a
 folder is replaced as a whole only when every file in it is a stepforge save's, so a user's files are never
 deleted.
 """
@@ -444,17 +435,13 @@ def _publish(
             shutil.rmtree(os.path.join(final, entry), ignore_errors=True)
     try:  # the earlier save of this kind (a model's shards, not an optimizer's files that share the folder)
         earlier = read_commit(final)
-        same_kind = isinstance(earlier["meta"], dict) and earlier["meta"].get("kind") == meta.get("kind")
-        previous = set(earlier["files"]) if same_kind else set()
+        previous = set(earlier["files"]) if earlier["meta"].get("kind") == meta.get("kind") else set()
     except CheckpointError:
         previous = set()
     try:
         os.makedirs(tmp)
         order = list(write(tmp) or [])
         names = files_of(tmp)
-        unknown = sorted(set(order) - set(names))
-        if unknown:
-            raise CheckpointError(f"{where}: the writer named files it did not write: {unknown}")
         order += [n for n in names if n not in order]
         record = commit_record(tmp, names, meta)
         for name in order:

@@ -93,12 +93,8 @@ def _verified(path: str) -> tuple[str | None, dict[str, Any] | None]:
     return name + SIDECAR_SUFFIX, {"files": {name: record["data"]}, **record}
 
 
-def _dcp_model(path: str, meta: dict[str, Any]) -> tuple[str, dict[str, tuple[str, TensorStorageMetadata]]]:
+def _dcp_model(path: str) -> tuple[str, dict[str, tuple[str, TensorStorageMetadata]]]:
     """The kind of DCP directory ``path`` and its model tensors: ``name -> (DCP key, storage metadata)``."""
-    if meta.get("kind") == "optimizer":
-        raise _refused(
-            f"{path!r} holds a Booster optimizer save, not model weights", "export the model's save instead"
-        )
     try:
         stored = read_dcp_metadata(path).state_dict_metadata
     except CheckpointError as exc:
@@ -161,17 +157,17 @@ def _source(path: str) -> tuple[dict[str, Any], Iterator[tuple[str, Any]]]:
         "committed_at": (record or {}).get("committed_at"),
         "files": [{"name": n, "size": r["size"], "crc32": r.get("crc32")} for n, r in sorted(listed.items())],
     }
+    if meta.get("kind") not in (None, "model"):
+        raise _refused(
+            f"{path!r} holds a stepforge {meta['kind']} save, not model weights", "export a model save"
+        )
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, ".metadata")):
-        info["kind"], model = _dcp_model(path, meta)
+        info["kind"], model = _dcp_model(path)
         ranks = {int(m.group(1)) for n in listed if (m := _DISTCP.fullmatch(os.path.basename(n)))}
         info["world_size"] = info["world_size"] or len(ranks) or None
         info["model_tensors"] = len(model)
         info["model_bytes"] = sum(m.size.numel() * m.properties.dtype.itemsize for _, m in model.values())
         return info, _stream_dcp(path, model)
-    if meta.get("kind") not in (None, "model"):
-        raise _refused(
-            f"{path!r} holds a stepforge {meta['kind']} save, not model weights", "export a model save"
-        )
     try:
         files = files_to_read(Path(path))
     except (OSError, ValueError) as exc:
@@ -250,15 +246,10 @@ def export_checkpoint(
     strip_prefixes: Sequence[str] = (),
     overwrite: bool = False,
 ) -> dict[str, Any]:
-    """Export the model weights of ``checkpoint`` into Hugging Face directory ``out`` (see the module docstring).
-
-    Returns what was written: ``{"out", "entry", "tensors", "config"}`` (``config``: whether ``config.json`` was
-    written; without it ``from_pretrained`` cannot load the directory).
-
-    Raises:
-        CheckpointError: a damaged or unsupported checkpoint, or an ``out`` that may not be replaced (the message
-            says what and the fix); nothing is written.
-    """
+    """Export the model weights of ``checkpoint`` into Hugging Face directory ``out`` (see the module docstring);
+    returns ``{"out", "entry", "tensors", "config"}`` (``config``: whether ``config.json`` was written).
+    :class:`CheckpointError` for a damaged or unsupported checkpoint or an ``out`` that may not be replaced (the
+    message says what and the fix); nothing is written then."""
     info, stream = _source(checkpoint)
     final = _out_dir(out, info["path"], overwrite)
     found = _config_file(info["path"], config)
