@@ -35,7 +35,6 @@ __all__ = [
     "fsync_file",
     "orphaned_copies",
     "read_commit",
-    "read_manifest",
     "read_torch_file",
     "verify_dir",
     "verify_file",
@@ -196,7 +195,7 @@ def verify_dir(path: str, *, required: bool = True, where: str | None = None) ->
         return None
     try:
         record = read_commit(path)
-        _check_files(path, record["files"])
+        _check_files(path, record["files"], f"checkpoint {path!r}")
     except CheckpointError as exc:
         if where is None:
             raise
@@ -204,27 +203,29 @@ def verify_dir(path: str, *, required: bool = True, where: str | None = None) ->
     return record
 
 
-def _check_files(path: str, files: dict[str, Any]) -> None:
+def _check_files(path: str, files: dict[str, Any], owner: str) -> None:
+    """Every file of ``files`` (name -> record, inside folder ``path``) is present with its recorded size, then
+    its recorded CRC-32; :class:`CheckpointError` naming ``owner`` and the file otherwise."""
     root = os.path.realpath(path)
     for name in files:
         full = os.path.realpath(os.path.join(root, name))
         if os.path.commonpath([root, full]) != root:
-            raise CheckpointError(f"checkpoint {path!r}: {MARKER} lists {name!r}, outside the checkpoint")
+            raise CheckpointError(f"{owner}: {MARKER} lists {name!r}, outside the checkpoint")
     for name, want in files.items():
         full = os.path.join(root, name)
         if not os.path.isfile(full):
-            raise CheckpointError(f"checkpoint {path!r} is damaged: {name} is missing")
+            raise CheckpointError(f"{owner} is damaged: {name} is missing")
         actual = os.path.getsize(full)
         if actual != want["size"]:
             raise CheckpointError(
-                f"checkpoint {path!r} is damaged: {name} has {actual} bytes, the commit recorded {want['size']} "
+                f"{owner} is damaged: {name} has {actual} bytes, the save recorded {want['size']} "
                 "(truncated or overwritten)"
             )
     for name, want in files.items():
         crc = _crc32(os.path.join(root, name))
         if crc != want["crc32"]:
             raise CheckpointError(
-                f"checkpoint {path!r} is damaged: {name} has CRC-32 {crc}, the commit recorded {want['crc32']} "
+                f"{owner} is damaged: {name} has CRC-32 {crc}, the save recorded {want['crc32']} "
                 "(bytes changed on disk after the save)"
             )
 
@@ -280,38 +281,19 @@ def find_latest_checkpoint(work_dir: str) -> str | None:
     return found[-1] if found else None
 
 
-def read_manifest(path: str) -> dict[str, Any] | None:
-    """The sidecar manifest of single file ``path`` (``data``: size and CRC-32, ``meta``: what the save recorded,
-    such as its kind); None when it has none; :class:`CheckpointError` when it is damaged."""
+def verify_file(path: str) -> dict[str, Any] | None:
+    """Check single file ``path`` against its sidecar manifest before it is read; returns the manifest (``data``:
+    size and CRC-32, ``meta``: what the save recorded), None when it has none (a file stepforge did not write);
+    :class:`CheckpointError` naming the file otherwise."""
     sidecar = path + SIDECAR_SUFFIX
     if not os.path.isfile(sidecar):
         return None
-    record = _read_record(sidecar, FILE_FORMAT, f"checkpoint file {path!r}")
+    owner = f"checkpoint file {path!r}"
+    record = _read_record(sidecar, FILE_FORMAT, owner)
     if not _is_file_record(record.get("data")):
-        raise CheckpointError(
-            f"checkpoint file {path!r}: its manifest {sidecar!r} has no data size and crc32"
-        )
+        raise CheckpointError(f"{owner}: its manifest {sidecar!r} has no data size and crc32")
+    _check_files(os.path.dirname(os.path.abspath(path)), {os.path.basename(path): record["data"]}, owner)
     return record
-
-
-def verify_file(path: str) -> dict[str, Any] | None:
-    """Check single file ``path`` against its sidecar manifest before it is read; returns the manifest, None when
-    it has none (a file stepforge did not write); :class:`CheckpointError` naming the file otherwise."""
-    manifest = read_manifest(path)
-    if manifest is None:
-        return None
-    got, record = file_record(path), manifest["data"]
-    if got["size"] != record["size"]:
-        raise CheckpointError(
-            f"checkpoint file {path!r} is damaged: {got['size']} bytes, its manifest recorded {record['size']} "
-            "(truncated or overwritten)"
-        )
-    if got["crc32"] != record["crc32"]:
-        raise CheckpointError(
-            f"checkpoint file {path!r} is damaged: CRC-32 {got['crc32']}, its manifest recorded {record['crc32']} "
-            "(bytes changed on disk after the save)"
-        )
-    return manifest
 
 
 def verify_save(path: str, *, where: str | None = None) -> dict[str, Any] | None:

@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.tensor import DTensor
@@ -150,16 +149,9 @@ def save_optimizer(
     copy = staged(state)  # a CPU copy (DTensors and FlatShards keep their kind): what the writer reads
     final, tmp = begin_dir(checkpoint, arg="checkpoint", where="save_optimizer")
     group = async_save_group()
-
-    def write_and_commit() -> str:
-        local: BaseException | None = None
-        try:
-            dcp_save(copy, tmp, process_group=group)
-        except (Exception, dcp.CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
-            local = exc
-        return finish_dir(final, tmp, local, meta=_META, where="save_optimizer", group=group)
-
-    pending.submit(write_and_commit, where="save_optimizer")
+    write = partial(dcp_save, copy, process_group=group)
+    commit = partial(finish_dir, final, tmp, write, meta=_META, where="save_optimizer", group=group)
+    pending.submit(commit, where="save_optimizer")
 
 
 def load_optimizer(

@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor
 
 from stepforge.core import unwrap_optimizer
 from stepforge.core.flat_shard import FlatShard
+from stepforge.core.torch_compat import flatten_state_dict
 
 from .._env import is_distributed
 from ._dcp import read_dcp_metadata, safe_dcp_load
@@ -106,8 +107,6 @@ def _drop_empty(node: Any) -> bool:
 def _fit_extras(template: dict[str, Any], saved: dict[_Path, Any]) -> None:
     """Outside ``state`` and ``param_groups`` (a plugin's extras, ZeRO's ``zero``): drop the template's entries
     the checkpoint lacks, give every saved one a place."""
-    from stepforge.core.torch_compat import flatten_state_dict
-
     extras = {k: v for k, v in template.items() if k not in ("state", "param_groups")}
     flat, mapping = flatten_state_dict(extras)
     for key in flat:
@@ -188,8 +187,6 @@ def fit_template_to_state(
     template: dict[str, Any], state: Mapping[str, Any], checkpoint: str | os.PathLike[str], optimizer: Any
 ) -> None:
     """:func:`fit_template` for a full optimizer state already in memory (a one-file save)."""
-    from stepforge.core.torch_compat import flatten_state_dict
-
     if not isinstance(state, Mapping) or not isinstance(state.get("param_groups"), list):
         raise _fail(str(checkpoint), "it holds no optimizer state with 'param_groups'")
     flat, mapping = flatten_state_dict(dict(state))

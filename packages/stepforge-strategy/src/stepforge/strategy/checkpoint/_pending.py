@@ -71,13 +71,6 @@ def async_save_group() -> Any:
     return _GROUP[0]
 
 
-def _writer_thread() -> ThreadPoolExecutor:
-    with _LOCK:
-        if not _POOL:
-            _POOL.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="stepforge-ckpt"))
-        return _POOL[0]
-
-
 def _run(work: Callable[[], Any] | None, group: Any, where: str) -> Any:
     """A background task: this rank's part of a save, then the ranks agree on the outcome (over ``group``)."""
     local: BaseException | None = None
@@ -102,14 +95,14 @@ class PendingWrites:
         self.futures: list[Future[Any]] = []
         _LIVE.add(self)
 
-    def __len__(self) -> int:
-        return len(self.futures)
-
     def submit(self, work: Callable[[], Any] | None, *, where: str) -> None:
         """Queue this rank's part of one save (None: nothing to write here) on the writer thread. Every rank
         calls it once per save, in the same order; the group is set up here, on the calling thread."""
         group = async_save_group()
-        self.futures.append(_writer_thread().submit(_run, work, group, where))
+        with _LOCK:
+            if not _POOL:
+                _POOL.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="stepforge-ckpt"))
+        self.futures.append(_POOL[0].submit(_run, work, group, where))
 
     def wait(self) -> None:
         """Wait for every pending save (no collective: each future already holds the outcome every rank agreed
@@ -149,9 +142,14 @@ def write_on_rank0(
     pending.submit(work if get_rank() == 0 else None, where=where)
 
 
-def _release_group() -> None:
-    """Destroy :func:`async_save_group` (no collective for gloo) and drop the last reference to it, so its gloo
-    threads are joined now rather than during interpreter teardown."""
+@atexit.register
+def close_at_exit() -> None:
+    """At interpreter exit, while the interpreter is fully alive: report the failures of saves nobody waited for
+    (the writer thread has finished every task by now: ``concurrent.futures`` joins it before ``atexit`` runs),
+    then destroy the writer's process group (no collective for gloo), so that its gloo threads are joined now
+    rather than during interpreter teardown."""
+    for pending in list(_LIVE):
+        pending.close()
     if not _GROUP:
         return
     group = _GROUP.pop()
@@ -160,13 +158,3 @@ def _release_group() -> None:
     except (ValueError, RuntimeError):
         return  # already destroyed with the default group (destroy_process_group())
     dist.destroy_process_group(group)
-
-
-@atexit.register
-def close_at_exit() -> None:
-    """At interpreter exit, while the interpreter is fully alive: report the failures of saves nobody waited for
-    (the writer thread has finished every task by now: ``concurrent.futures`` joins it before ``atexit`` runs),
-    then release the writer's process group, so no thread of this module outlives the interpreter."""
-    for pending in list(_LIVE):
-        pending.close()
-    _release_group()

@@ -263,16 +263,6 @@ def save_checkpoint(
     return final
 
 
-def _revise(keys: Sequence[str], revise_keys: Sequence[tuple[str, str]]) -> dict[str, str]:
-    out = {}
-    for key in keys:
-        new = key
-        for pattern, repl in revise_keys:
-            new = re.sub(pattern, repl, new)
-        out[new] = key
-    return out
-
-
 def load_checkpoint(
     run: RunState,
     filename: str,
@@ -287,7 +277,12 @@ def load_checkpoint(
     stored = read_dcp_metadata(filename).state_dict_metadata
     prefix = "tensors.model."
     saved_keys = [k[len(prefix) :] for k in stored if k.startswith(prefix)]
-    revised = _revise(saved_keys, revise_keys)
+    revised = {}  # revised key -> saved key
+    for key in saved_keys:
+        new = key
+        for pattern, repl in revise_keys:
+            new = re.sub(pattern, repl, new)
+        revised[new] = key
     # the plugin's layout (the keys its saves use), not the wrapper's own state_dict
     msd, _ = run.plugin.get_state_dict(run.model, [])
     missing = sorted(set(msd) - set(revised))

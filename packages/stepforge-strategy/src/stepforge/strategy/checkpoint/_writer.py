@@ -103,25 +103,19 @@ def on_rank0(work: Callable[[], T], *, where: str, group: Any = None) -> T:
             outcome = ("raise", wrapped)
     if is_distributed():
         mine = outcome
-        # the exception object travels pickled (without its traceback); rank 0 keeps its own, chained one
-        outcome = broadcast_object(
-            outcome if outcome is None or outcome[0] == "ok" else ("raise", _portable(outcome[1])),
-            group=group,
-        )
+        if outcome is not None and outcome[0] == "raise":
+            # the exception travels pickled: a copy without cause or traceback (rank 0 keeps its chained one)
+            try:
+                outcome = ("raise", type(mine[1])(*mine[1].args))
+            except Exception:  # an exception type with an unusual constructor
+                outcome = ("raise", CheckpointError(describe(mine[1])))
+        outcome = broadcast_object(outcome, group=group)
         if get_rank() == 0:
             outcome = mine
     kind, value = outcome
     if kind == "raise":
         raise value
     return value  # type: ignore[no-any-return]
-
-
-def _portable(exc: BaseException) -> BaseException:
-    """A copy of ``exc`` that pickles (same type and message, no cause or traceback)."""
-    try:
-        return type(exc)(*exc.args)
-    except Exception:  # an exception type with an unusual constructor
-        return CheckpointError(describe(exc))
 
 
 def agree(local: BaseException | None, *, where: str, what: str, group: Any = None) -> None:
@@ -148,14 +142,6 @@ def is_committed_dir(path: str) -> bool:
     except CheckpointError:
         return False
     return True
-
-
-def _protected(target: str, work_dir: str | None) -> list[str]:
-    """Directories a save must never replace: the working directory, ``work_dir`` and their ancestors."""
-    out = [os.getcwd()]
-    if work_dir is not None:
-        out.append(os.path.abspath(work_dir))
-    return [p for p in out if p == target or p.startswith(target.rstrip(os.sep) + os.sep)]
 
 
 def check_name(path: Any, *, arg: str, where: str) -> str:
@@ -195,7 +181,9 @@ def check_target(path: Any, *, arg: str, where: str, kind: str, work_dir: str | 
     is never deleted."""
     text = check_name(path, arg=arg, where=where)
     target = os.path.abspath(text)
-    hit = _protected(target, work_dir)
+    # never the working directory, work_dir or one of their ancestors
+    protected = [os.getcwd()] if work_dir is None else [os.getcwd(), os.path.abspath(work_dir)]
+    hit = [p for p in protected if p == target or p.startswith(target.rstrip(os.sep) + os.sep)]
     if hit:
         raise ValueError(
             f"{where}: {arg}={text!r} is {hit[0]!r} or one of its parent directories (the working or work_dir), "
@@ -307,13 +295,8 @@ def commit_dir(
     ):
         raise ValueError(f"max_keep_ckpts must be an int or None, got {max_keep_ckpts!r}")
     final, tmp = begin_dir(path, arg=arg, where=where, work_dir=work_dir)
-    local: BaseException | None = None
-    try:
-        write(tmp)
-    except (Exception, dcp.CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
-        local = _cause(exc, get_rank())
     return finish_dir(
-        final, tmp, local, meta=meta, where=where, work_dir=work_dir, max_keep_ckpts=max_keep_ckpts
+        final, tmp, write, meta=meta, where=where, work_dir=work_dir, max_keep_ckpts=max_keep_ckpts
     )
 
 
@@ -338,7 +321,7 @@ def _make_tmp(path: Any, *, arg: str, where: str, work_dir: str | None) -> tuple
 def finish_dir(
     final: str,
     tmp: str,
-    local: BaseException | None,
+    write: Callable[[str], None],
     *,
     meta: dict[str, Any],
     where: str,
@@ -346,8 +329,13 @@ def finish_dir(
     max_keep_ckpts: int | None = None,
     group: Any = None,
 ) -> str:
-    """Second half of :func:`commit_dir` (collective over ``group``, default the world): ``local`` is this rank's
-    write failure, if any; rank 0 commits when no rank failed."""
+    """Second half of :func:`commit_dir` (collective over ``group``, default the world): ``write(tmp)`` on this
+    rank, then rank 0 commits when no rank failed."""
+    local: BaseException | None = None
+    try:
+        write(tmp)
+    except (Exception, dcp.CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
+        local = _cause(exc, get_rank())
     try:
         agree(local, where=where, what=f"saving {final!r}", group=group)
     except CheckpointError:
