@@ -27,16 +27,14 @@ from stepforge.core.torch_compat import (
 __all__ = ["fsdp_pending_grads", "set_fsdp_pending_grads"]
 
 
-def _local(grad: torch.Tensor) -> torch.Tensor:
-    return grad.to_local() if is_dtensor(grad) else grad
-
-
 def fsdp_pending_grads(model: nn.Module) -> list[torch.Tensor | None]:
     """This rank's not yet reduce-scattered (unsharded) gradients of every FSDP2 parameter, cloned to CPU."""
     out: list[torch.Tensor | None] = []
     for fp in fsdp2_params(model):
         grad = fsdp2_pending_grad(fp)
-        out.append(None if grad is None else _local(grad).detach().to("cpu", copy=True))
+        if grad is not None:
+            grad = (grad.to_local() if is_dtensor(grad) else grad).detach().to("cpu", copy=True)
+        out.append(grad)
     return out
 
 

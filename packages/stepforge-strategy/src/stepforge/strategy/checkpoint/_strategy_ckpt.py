@@ -131,16 +131,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
             torch.cuda.set_rng_state_all([s.cpu() for s in saved])
 
 
-def _grads(model: torch.nn.Module) -> list[torch.Tensor | None]:
-    out = []
-    for p in model.parameters():
-        g = p.grad
-        if isinstance(g, DTensor):
-            g = g.to_local()
-        out.append(None if g is None else g.detach().clone())
-    return out
-
-
 def _json_safe(value: Any) -> Any:
     try:
         json.dumps(value)
@@ -193,8 +183,7 @@ def save_checkpoint(
     assert model is not None, "Strategy.save_checkpoint checks that prepare() ran"
     window = wrapper.window if wrapper is not None else None
     mid_window = bool(window is not None and window.position)
-    if mid_window:
-        assert wrapper is not None and window is not None
+    if wrapper is not None and window is not None and mid_window:
         refusal = plugin.mid_window_save_refusal(wrapper.optimizer)
         if refusal is not None:
             raise ValueError(
@@ -202,13 +191,11 @@ def save_checkpoint(
                 f"yet and plugin {plugin.name!r} cannot save them: {refusal}; save at a window boundary (every "
                 f"accumulative_counts={window.counts} iterations)"
             )
-    with_optim = save_optimizer and wrapper is not None
-    msd, osd = plugin.get_state_dict(model, wrapper.optimizer if wrapper is not None and with_optim else [])
-    if with_optim:
-        assert wrapper is not None
-        osd = saved_optimizer_state(wrapper.optimizer, osd)
+    saving = wrapper if save_optimizer else None  # the optim wrapper whose optimizer this save holds
+    msd, osd = plugin.get_state_dict(model, saving.optimizer if saving is not None else [])
     extra = dict(extra_ckpt or {})
     iteration = window.inner_count if window is not None else run.dispatch_kwargs.get("cur_iter", 0)
+    counts = wrapper.accumulative_counts if wrapper is not None else 1
     meta = {
         "iter": iteration,
         "epoch": _epoch(run, iteration),
@@ -220,15 +207,15 @@ def save_checkpoint(
         "world_size": run.world_size,
         "plugin": plugin.name,
         "precision": plugin.precision or run.mixed_precision,
-        "accumulative_counts": wrapper.accumulative_counts if wrapper is not None else 1,
-        "global_batch_size": _global_batch(run, wrapper.accumulative_counts if wrapper is not None else 1),
+        "accumulative_counts": counts,
+        "global_batch_size": _global_batch(run, counts),
         "mid_window": mid_window,
         "cfg": None if run.config is None else repr(run.config),
     }
     meta.update({k: _json_safe(v) for k, v in dict(extra.pop("meta", {}) or {}).items()})
     ckpt: dict[str, Any] = {"meta": meta, "state_dict": msd, **extra}
-    if with_optim:
-        ckpt["optimizer"] = osd
+    if saving is not None:
+        ckpt["optimizer"] = saved_optimizer_state(saving.optimizer, osd)
     if save_param_scheduler and run.param_schedulers:
         ckpt["param_schedulers"] = [s.state_dict() for s in run.param_schedulers]
     if callback is not None:
@@ -239,14 +226,14 @@ def save_checkpoint(
         tensors["optimizer"] = ckpt.pop("optimizer")
     shared: dict[str, Any] = {"extra": ckpt, "statefuls": {}}
     mine: dict[str, Any] = {"rng": get_rng_state(), "statefuls": {}}
-    if with_optim:
-        assert wrapper is not None and window is not None
-        shared["accumulation"] = window.state_dict()
-        mine["accumulation"] = window.state_dict()
-        shared["base_param_settings"] = wrapper.base_param_settings
-        shared["scaler"] = cast(BoostedOptimizer, wrapper.optimizer).scaler_state_dict()
-        if mid_window:
-            mine["grads"] = _grads(model)
+    if saving is not None:
+        shared["accumulation"] = saving.window.state_dict()
+        mine["accumulation"] = saving.window.state_dict()
+        shared["base_param_settings"] = saving.base_param_settings
+        shared["scaler"] = cast(BoostedOptimizer, saving.optimizer).scaler_state_dict()
+        if mid_window:  # this rank's accumulated gradients (local shards), copied
+            grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in model.parameters()]
+            mine["grads"] = [None if g is None else g.detach().clone() for g in grads]
             mine["fsdp_pending_grads"] = fsdp_pending_grads(model)
     for name, (obj, per_rank) in run.statefuls.items():
         (mine if per_rank else shared)["statefuls"][name] = obj.state_dict()
@@ -382,18 +369,6 @@ def _check_objects(
                     )
 
 
-def _set_grads(model: torch.nn.Module, grads: Sequence[torch.Tensor | None]) -> None:
-    for p, g in zip(model.parameters(), grads, strict=True):
-        if g is None:
-            p.grad = None
-        elif isinstance(p, DTensor):
-            p.grad = DTensor.from_local(
-                g.to(p.to_local().device), p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
-            )
-        else:
-            p.grad = g.to(p.device)
-
-
 def resume_checkpoint(
     run: RunState,
     filename: str,
@@ -402,25 +377,26 @@ def resume_checkpoint(
     map_location: Any,
     callback: Any,
 ) -> dict[str, Any]:
-    model, wrapper, plugin = run.model, run.optim_wrapper, run.plugin
+    model, plugin = run.model, run.plugin
     assert model is not None
     # ---- phase 1: verify and read; nothing live is written ----
     meta = verify_dir(filename)["meta"]  # type: ignore[index]  # before any byte of DCP data is read
-    with_optim = resume_optimizer and wrapper is not None
-    if meta.get("mid_window") and with_optim and meta.get("world_size") != run.world_size:
+    resuming = (
+        run.optim_wrapper if resume_optimizer else None
+    )  # the optim wrapper whose optimizer this resume fills
+    if meta.get("mid_window") and resuming is not None and meta.get("world_size") != run.world_size:
         raise CheckpointMismatchError(
             f"{filename!r} was saved inside an accumulation window at world size {meta.get('world_size')}; its "
             f"per-rank gradients cannot be mapped to world size {run.world_size}. Resume at world size "
             f"{meta.get('world_size')}, or from a checkpoint saved at a window boundary"
         )
-    msd, osd = plugin.get_state_dict(model, wrapper.optimizer if wrapper is not None and with_optim else [])
+    msd, osd = plugin.get_state_dict(model, resuming.optimizer if resuming is not None else [])
     tensors: dict[str, Any] = {"model": msd}
     try:
-        if with_optim:
-            assert wrapper is not None
+        if resuming is not None:
             metadata = read_dcp_metadata(filename)
             check_template(filename, tensors, metadata, ["model"])  # the model first: the clearer message
-            optimizer = unwrap_optimizer(wrapper.optimizer)
+            optimizer = unwrap_optimizer(resuming.optimizer)
             fit_template(osd, filename, optimizer, root=("tensors", "optimizer"), metadata=metadata)
             tensors["optimizer"] = osd
         fresh, shared, mine, meta = read_dir(
@@ -441,14 +417,12 @@ def resume_checkpoint(
     if not (resume_param_scheduler and run.param_schedulers):
         sched_states = None
     scale = None
-    if with_optim:
-        assert wrapper is not None
-        scale = iteration_scale(meta, run.global_batch_size, wrapper.accumulative_counts, filename)
+    if resuming is not None:
+        scale = iteration_scale(meta, run.global_batch_size, resuming.accumulative_counts, filename)
         _note_global_batch(run, meta)
-    if scale is not None:  # the global batch is kept at another accumulation count: counters in the new unit
-        assert wrapper is not None
+    if resuming is not None and scale is not None:  # the global batch kept at another count: the new unit
         if acc is not None:
-            acc = scale.window(acc, wrapper.window.state_dict())
+            acc = scale.window(acc, resuming.window.state_dict())
         if sched_states is not None:
             assert run.param_schedulers is not None
             sched_states = scale.schedulers(run.param_schedulers, sched_states)
@@ -458,29 +432,40 @@ def resume_checkpoint(
             f"{run.global_batch_size}; iteration counters converted (iter {meta['iter']})"
         )
     ckpt: dict[str, Any] = {"meta": meta, "state_dict": fresh["model"], **shared.get("extra", {})}
-    if with_optim:
+    if resuming is not None:
         ckpt["optimizer"] = fresh["optimizer"]
     if callback is not None:
         callback(ckpt)
     # ---- phase 2: apply ----
-    if with_optim:
-        assert wrapper is not None
-        plugin.set_state_dict(model, wrapper.optimizer, ckpt["state_dict"], ckpt["optimizer"])
+    if resuming is not None:
+        plugin.set_state_dict(model, resuming.optimizer, ckpt["state_dict"], ckpt["optimizer"])
         if acc is not None:
             with warnings.catch_warnings():
                 if mine is not None and mine.get("grads") is not None:  # restored below: the warning is moot
                     warnings.filterwarnings("ignore", message=".*middle of an accumulation window")
-                wrapper.window.load_state_dict(acc)
+                resuming.window.load_state_dict(acc)
         if shared.get("base_param_settings") is not None:
-            wrapper.base_param_settings = shared["base_param_settings"]
-        boosted = cast(BoostedOptimizer, wrapper.optimizer)
+            resuming.base_param_settings = shared["base_param_settings"]
+        boosted = cast(BoostedOptimizer, resuming.optimizer)
         boosted.load_scaler_state_dict(shared.get("scaler"))
         # the checkpoint's gradients replace the live ones (a plugin's reduced pieces included): none at a
         # window boundary, this rank's saved ones inside a window
         boosted.zero_grad(set_to_none=True)
         grads = (mine or {}).get("grads")
         if grads is not None:
-            _set_grads(model, grads)
+            for p, g in zip(model.parameters(), grads, strict=True):
+                if g is None:
+                    p.grad = None
+                elif isinstance(p, DTensor):
+                    p.grad = DTensor.from_local(
+                        g.to(p.to_local().device),
+                        p.device_mesh,
+                        p.placements,
+                        shape=p.shape,
+                        stride=p.stride(),
+                    )
+                else:
+                    p.grad = g.to(p.device)
             set_fsdp_pending_grads(model, (mine or {}).get("fsdp_pending_grads") or [])
     else:
         _set_weights(run, model, ckpt["state_dict"])
