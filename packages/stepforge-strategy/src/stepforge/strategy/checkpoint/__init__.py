@@ -40,9 +40,6 @@ from ._pending import PendingWrites, staged
 from ._strategy_ckpt import RunState, load_checkpoint, resume_checkpoint, save_checkpoint
 from ._writer import commit_file, commit_files
 
-# What the folder's callers use and nothing else: the Strategy's run state and checkpoints, the Booster's IO
-# functions (checkpoint_io.py), the one writer's single-file commit and reader, its DCP directories (the
-# checkpoint benchmark), and the errors.
 __all__ = [
     "CheckpointError",
     "CheckpointMismatchError",

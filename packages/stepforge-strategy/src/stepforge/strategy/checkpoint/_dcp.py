@@ -109,9 +109,11 @@ def read_dcp_metadata(path: str) -> Any:
         ) from exc
 
 
-def safe_dcp_load(state: dict[str, Any], path: str, *, no_dist: bool) -> None:
-    """``dcp.load`` with the restricted reader and planner; every failure (DCP's ``CheckpointException`` is a
-    ``BaseException``) becomes :class:`CheckpointError`."""
+def safe_dcp_load(state: dict[str, Any], path: str, *, local: bool = False) -> None:
+    """``dcp.load`` with the restricted reader and planner, collective when a process group exists unless
+    ``local``; every failure (DCP's ``CheckpointException`` is a ``BaseException``) becomes
+    :class:`CheckpointError`."""
+    no_dist = local or not is_distributed()
     try:
         with _single_process_quiet():
             dcp.load(
@@ -166,21 +168,22 @@ def check_template(path: str, template: dict[str, Any], metadata: Any, exact: Se
     (``CheckpointMismatchError`` naming the first differences)."""
     flat, _ = flatten_state_dict({"tensors": template})
     stored = metadata.state_dict_metadata
+
+    def shown(keys: list[str]) -> str:
+        return ", ".join(k.removeprefix("tensors.") for k in keys[:5]) + (", ..." if len(keys) > 5 else "")
+
     missing = [k for k in flat if k not in stored]
     if missing:
-        shown = ", ".join(m.removeprefix("tensors.") for m in missing[:5])
         raise CheckpointMismatchError(
-            f"checkpoint {path!r} does not match: {len(missing)} entries missing ({shown}"
-            f"{', ...' if len(missing) > 5 else ''}); it was saved for another model or optimizer"
+            f"checkpoint {path!r} does not match: {len(missing)} entries missing ({shown(missing)}); it was "
+            "saved for another model or optimizer"
         )
     for root in exact:
-        prefix = f"tensors.{root}."
-        unexpected = [k for k in stored if k.startswith(prefix) and k not in flat]
+        unexpected = [k for k in stored if k.startswith(f"tensors.{root}.") and k not in flat]
         if unexpected:
-            shown = ", ".join(u.removeprefix("tensors.") for u in unexpected[:5])
             raise CheckpointMismatchError(
                 f"checkpoint {path!r} does not match: it holds {len(unexpected)} entries this {root} has no "
-                f"place for ({shown}{', ...' if len(unexpected) > 5 else ''}); it was saved for another {root}"
+                f"place for ({shown(unexpected)}); it was saved for another {root}"
             )
     for key, value in flat.items():
         if isinstance(value, torch.Tensor):
@@ -227,10 +230,7 @@ def read_dir(
     have_rank = f"rank_objects.{rank_key}" in metadata.state_dict_metadata
     if have_rank:
         blobs["rank_objects"] = {rank_key: b""}
-    no_dist = not is_distributed()
-    safe_dcp_load(
-        blobs, path, no_dist=no_dist
-    )  # the objects first: a bad blob fails before any tensor is read
+    safe_dcp_load(blobs, path)  # the objects first: a bad blob fails before any tensor is read
     shared = unblob(blobs["objects"], map_location, path)
     mine = unblob(blobs["rank_objects"][rank_key], map_location, path) if have_rank else None
     for what, value in (("shared", shared), ("per-rank", mine)):
@@ -240,7 +240,7 @@ def read_dir(
             )
     fresh = fresh_like(tensors)
     if fresh:
-        safe_dcp_load({"tensors": fresh}, path, no_dist=no_dist)
+        safe_dcp_load({"tensors": fresh}, path)
     return fresh, shared, mine, record["meta"]
 
 

@@ -61,15 +61,6 @@ __all__ = [
 ]
 
 
-def _saved_state(plugin: Plugin, model: nn.Module, optimizer: BoostedOptimizer) -> dict[str, Any]:
-    _, optim_sd = plugin.get_state_dict(model, optimizer)
-    state: dict[str, Any] = {"optimizer": saved_optimizer_state(optimizer, optim_sd)}
-    scaler = optimizer.scaler_state_dict()
-    if scaler is not None:
-        state["grad_scaler"] = scaler
-    return state
-
-
 _META = {"kind": "optimizer"}
 
 
@@ -130,17 +121,14 @@ def save_optimizer(
 
     ``pending`` (an asynchronous save): the state is staged (copied to CPU; a sharded save's directory begun)
     here; the write and the commit run on the background writer (``_pending.py``), on its own process group."""
-    state = _saved_state(plugin, model, optimizer)
+    _, optim_sd = plugin.get_state_dict(model, optimizer)
+    state: dict[str, Any] = {"optimizer": saved_optimizer_state(optimizer, optim_sd)}
+    scaler = optimizer.scaler_state_dict()
+    if scaler is not None:
+        state["grad_scaler"] = scaler
     if not shard:
-        full = _gathered(state)
-        write = partial(
-            write_file,
-            checkpoint,
-            partial(torch.save, full),
-            arg="checkpoint",
-            where="save_optimizer",
-            meta=_META,
-        )
+        save = partial(torch.save, _gathered(state))
+        write = partial(write_file, checkpoint, save, arg="checkpoint", where="save_optimizer", meta=_META)
         write_on_rank0(write, where="save_optimizer", pending=pending)
         return
     if pending is None:
@@ -192,7 +180,7 @@ def load_optimizer(
     if saved is None:
         if scaler is None:
             del fresh["grad_scaler"]
-        safe_dcp_load(fresh, str(path), no_dist=not is_distributed())
+        safe_dcp_load(fresh, str(path))
     else:
         fresh = {
             "optimizer": _fill(fresh["optimizer"], saved["optimizer"]),

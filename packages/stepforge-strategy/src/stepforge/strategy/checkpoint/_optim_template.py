@@ -40,7 +40,6 @@ from stepforge.core import unwrap_optimizer
 from stepforge.core.flat_shard import FlatShard
 from stepforge.core.torch_compat import flatten_state_dict
 
-from .._env import is_distributed
 from ._dcp import read_dcp_metadata, safe_dcp_load
 from ._layout import CheckpointMismatchError
 
@@ -70,7 +69,7 @@ def _saved_groups(checkpoint: str, saved: dict[_Path, Any], root: _Path) -> list
     for part in reversed(root):
         holder = {part: holder}
     # the restricted reader and planner: a payload in a saved value raises CheckpointError, it never runs
-    safe_dcp_load(holder, checkpoint, no_dist=not is_distributed())
+    safe_dcp_load(holder, checkpoint)
     node: Any = holder
     for part in root:
         node = node[part]

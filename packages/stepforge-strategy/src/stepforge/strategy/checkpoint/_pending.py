@@ -30,7 +30,6 @@ import torch
 import torch.distributed as dist
 
 from .._env import get_rank, is_distributed
-from ._layout import CheckpointError
 from ._writer import agree, on_rank0
 
 __all__ = ["PendingWrites", "async_save_group", "staged", "write_on_rank0"]
@@ -80,10 +79,6 @@ def _run(work: Callable[[], Any] | None, group: Any, where: str) -> Any:
             result = work()
     except BaseException as exc:  # DCP's CheckpointException is a BaseException
         local = exc
-    if group is None and local is not None:  # one process: its own error, as a CheckpointError
-        if isinstance(local, CheckpointError):
-            raise local
-        raise CheckpointError(f"{where}: an asynchronous checkpoint write failed ({local})") from local
     agree(local, where=where, what="an asynchronous checkpoint write", group=group)
     return result
 

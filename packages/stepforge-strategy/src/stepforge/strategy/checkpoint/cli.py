@@ -80,19 +80,6 @@ def _resolve(path: str) -> str:
     return os.path.abspath(path)
 
 
-def _verified(path: str) -> tuple[str | None, dict[str, Any] | None]:
-    """Check every checksum of the save at ``path`` before anything is read; returns its manifest's name and its
-    record (``COMMIT.json``'s, or a single file's in that shape), None for a save stepforge did not write."""
-    try:
-        record = verify_save(path)
-    except CheckpointError as exc:
-        raise _refused(str(exc), _VERIFY_FIX) from exc
-    if record is None or record.get("format") != FILE_FORMAT:
-        return (None if record is None else MARKER), record
-    name = os.path.basename(path)
-    return name + SIDECAR_SUFFIX, {"files": {name: record["data"]}, **record}
-
-
 def _dcp_model(path: str) -> tuple[str, dict[str, tuple[str, TensorStorageMetadata]]]:
     """The kind of DCP directory ``path`` and its model tensors: ``name -> (DCP key, storage metadata)``."""
     try:
@@ -112,7 +99,7 @@ def _stream_dcp(path: str, model: dict[str, tuple[str, TensorStorageMetadata]]) 
     for name, (key, info) in model.items():
         one = {key: torch.empty(tuple(info.size), dtype=info.properties.dtype)}
         try:  # only this key is planned, so only its bytes are read (the restricted reader: no code runs)
-            safe_dcp_load(one, path, no_dist=True)
+            safe_dcp_load(one, path, local=True)
         except CheckpointError as exc:
             raise _refused(str(exc), _VERIFY_FIX) from exc
         yield name, one[key]
@@ -137,7 +124,14 @@ def _source(path: str) -> tuple[dict[str, Any], Iterator[tuple[str, Any]]]:
     """What ``inspect`` shows of checkpoint ``path`` (its checksums verified) and a lazy stream of its model
     tensors ``(name, tensor)``."""
     path = _resolve(path)
-    manifest, record = _verified(path)
+    try:  # every checksum before anything is read; record: COMMIT.json's, or a single file's manifest
+        record = verify_save(path)
+    except CheckpointError as exc:
+        raise _refused(str(exc), _VERIFY_FIX) from exc
+    manifest = None if record is None else MARKER
+    if record is not None and record.get("format") == FILE_FORMAT:
+        manifest = os.path.basename(path) + SIDECAR_SUFFIX
+        record = {"files": {os.path.basename(path): record["data"]}, **record}
     meta: dict[str, Any] = dict((record or {}).get("meta") or {})
     if os.path.isdir(path) and record is None:
         names = [n for n in sorted(os.listdir(path)) if os.path.isfile(os.path.join(path, n))]
@@ -276,12 +270,12 @@ def export_checkpoint(
     return {"out": final, "entry": entry, "tensors": count[0], "config": found is not None}
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    raise AssertionError("unreachable")
+def _size(n: float) -> str:
+    units = ["B", "KiB", "MiB", "GiB"]
+    while n >= 1024 and len(units) > 1:
+        n /= 1024
+        units.pop(0)
+    return f"{n:.0f} B" if units[0] == "B" else f"{n:.1f} {units[0]}"
 
 
 def _table(info: dict[str, Any]) -> str:
