@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from stepforge.core.torch_compat import SafeFileSystemReader, SafeLoadPlanner, flatten_state_dict
 
 from .._env import get_rank, is_distributed
-from ._layout import CheckpointError, CheckpointMismatchError, read_commit, verify_dir
+from ._layout import CheckpointError, CheckpointMismatchError, verify_dir
 from ._writer import commit_dir
 
 __all__ = [
@@ -205,24 +205,17 @@ def check_template(path: str, template: dict[str, Any], metadata: Any, exact: Se
 
 
 def read_dir(
-    path: str,
-    tensors: dict[str, Any],
-    *,
-    map_location: Any = "cpu",
-    exact: Sequence[str] = (),
-    files_checked: bool = False,
-) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any] | None, dict[str, Any]]:
-    """Validate checkpoint ``path`` and read it into fresh tensors shaped like ``tensors``; touch nothing live.
+    path: str, tensors: dict[str, Any], *, map_location: Any = "cpu", exact: Sequence[str] = ()
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any] | None]:
+    """Read checkpoint ``path``, whose files the caller verified (:func:`verify_dir`), into fresh tensors shaped
+    like ``tensors``; touch nothing live.
 
-    Returns (fresh tensors, objects, rank objects, meta). Checked first, in order: the commit marker, every
-    file's size and CRC-32 (unless ``files_checked``: the caller ran :func:`verify_dir`), the DCP metadata, that
-    every template tensor is saved with its shape and dtype (and, under the roots in ``exact``, nothing else is);
-    then the object blobs are read, then the tensors. Any failure raises :class:`CheckpointError`. The rank
-    objects are None when this rank has none (saved at a smaller world size); ``map_location`` applies to the
-    pickled objects (tensors land where the template's live).
+    Returns (fresh tensors, objects, rank objects). Checked first, in order: the DCP metadata, that every
+    template tensor is saved with its shape and dtype (and, under the roots in ``exact``, nothing else is); then
+    the object blobs are read, then the tensors. Any failure raises :class:`CheckpointError`. The rank objects
+    are None when this rank has none (saved at a smaller world size); ``map_location`` applies to the pickled
+    objects (tensors land where the template's live).
     """
-    record = read_commit(path) if files_checked else verify_dir(path)
-    assert record is not None  # verify_dir(required=True) returns the record or raises
     metadata = read_dcp_metadata(path)
     check_template(path, tensors, metadata, exact)
     rank_key = str(get_rank())
@@ -241,7 +234,7 @@ def read_dir(
     fresh = fresh_like(tensors)
     if fresh:
         safe_dcp_load({"tensors": fresh}, path)
-    return fresh, shared, mine, record["meta"]
+    return fresh, shared, mine
 
 
 def load_dir(
@@ -249,7 +242,8 @@ def load_dir(
 ) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any]]:
     """:func:`read_dir`, then the fresh tensors are copied into ``tensors`` in place; returns (objects, rank
     objects, meta). Any failure raises :class:`CheckpointError` with ``tensors`` unchanged."""
-    fresh, shared, mine, meta = read_dir(path, tensors, map_location=map_location)
+    meta = verify_dir(path)["meta"]  # type: ignore[index]  # required=True: the record or CheckpointError
+    fresh, shared, mine = read_dir(path, tensors, map_location=map_location)
     apply_fresh(tensors, fresh)  # only now are the live tensors written
     return shared, mine, meta
 

@@ -260,7 +260,7 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     if run.model is None:
         raise RuntimeError("Strategy.load_checkpoint: call prepare(model) first")
-    verify_dir(filename)  # a clear error for an unfinished or damaged checkpoint before reading its metadata
+    meta = verify_dir(filename)["meta"]  # type: ignore[index]  # an unfinished or damaged one: a clear error
     stored = read_dcp_metadata(filename).state_dict_metadata
     prefix = "tensors.model."
     saved_keys = [k[len(prefix) :] for k in stored if k.startswith(prefix)]
@@ -282,9 +282,7 @@ def load_checkpoint(
     if missing or unexpected:
         run.logger.warning(f"load_checkpoint: missing keys {missing}, unexpected keys {unexpected}")
     template = {revised[k]: msd[k] for k in msd if k in revised}
-    fresh, shared, _, meta = read_dir(
-        filename, {"model": template}, map_location=map_location, files_checked=True
-    )
+    fresh, shared, _ = read_dir(filename, {"model": template}, map_location=map_location)
     loaded = {k: fresh["model"][revised[k]] for k in msd if k in revised}
     ckpt = {"meta": meta, "state_dict": loaded, **shared.get("extra", {})}
     if callback is not None:
@@ -399,13 +397,8 @@ def resume_checkpoint(
             optimizer = unwrap_optimizer(resuming.optimizer)
             fit_template(osd, filename, optimizer, root=("tensors", "optimizer"), metadata=metadata)
             tensors["optimizer"] = osd
-        fresh, shared, mine, meta = read_dir(
-            filename,
-            tensors,
-            map_location=plugin.device if map_location == "default" else map_location,
-            exact=list(tensors),
-            files_checked=True,
-        )
+        device = plugin.device if map_location == "default" else map_location
+        fresh, shared, mine = read_dir(filename, tensors, map_location=device, exact=list(tensors))
     except CheckpointMismatchError as exc:
         if meta.get("plugin") == plugin.name:
             raise
