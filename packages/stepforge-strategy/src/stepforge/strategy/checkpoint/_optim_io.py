@@ -137,8 +137,8 @@ def save_optimizer(
     copy = staged(state)  # a CPU copy (DTensors and FlatShards keep their kind): what the writer reads
     final, tmp = begin_dir(checkpoint, arg="checkpoint", where="save_optimizer")
     group = async_save_group()
-    write = partial(dcp_save, copy, process_group=group)
-    commit = partial(finish_dir, final, tmp, write, meta=_META, where="save_optimizer", group=group)
+    write_dcp = partial(dcp_save, copy, process_group=group)
+    commit = partial(finish_dir, final, tmp, write_dcp, meta=_META, where="save_optimizer", group=group)
     pending.submit(commit, where="save_optimizer")
 
 
