@@ -23,7 +23,7 @@ from stepforge.strategy import (
     TorchDDPPlugin,
     TorchFSDPPlugin,
 )
-from stepforge.strategy.checkpoint import _strategy_io
+from stepforge.strategy.checkpoint import _strategy_ckpt
 
 
 class _PlainPlugin(core.Plugin):
@@ -176,7 +176,7 @@ def test_the_plugin_decides_whether_a_mid_window_save_is_refused(tmp_path):
 
 
 def test_checkpoint_code_does_not_import_the_strategy():
-    tree = ast.parse(inspect.getsource(_strategy_io))
+    tree = ast.parse(inspect.getsource(_strategy_ckpt))
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert "strategy" not in imported and not any(m and m.endswith(".strategy") for m in imported)
-    assert {"model", "optim_wrapper", "plugin"} <= set(_strategy_io.RunState.__dataclass_fields__)
+    assert {"model", "optim_wrapper", "plugin"} <= set(_strategy_ckpt.RunState.__dataclass_fields__)

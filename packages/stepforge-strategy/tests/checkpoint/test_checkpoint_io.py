@@ -19,9 +19,8 @@ import torch
 from torch import nn
 
 from stepforge.strategy import Booster, BoosterCheckpointIO, CheckpointError, GeneralCheckpointIO
-from stepforge.strategy import checkpoint as ckpt
 from stepforge.strategy.checkpoint import _model_io
-from stepforge.strategy.checkpoint._hf_layout import is_safetensors
+from stepforge.strategy.checkpoint._model_io import is_safetensors
 from stepforge.testing.distributed import requires_gloo, run_distributed
 
 WAIT_S = 60  # bound on every wait for a background writer
@@ -159,7 +158,7 @@ _real_write = _model_io.write_full_state_dict
 
 def test_async_model_save_runs_in_the_background_on_a_staged_copy(tmp_path, monkeypatch):
     writer = _GatedWriter()
-    monkeypatch.setattr(ckpt, "write_full_state_dict", writer)
+    monkeypatch.setattr(_model_io, "write_full_state_dict", writer)
     model = nn.Linear(2, 1, bias=False)
     with torch.no_grad():
         model.weight.copy_(torch.tensor([[1.0, 2.0]]))
@@ -179,18 +178,18 @@ def test_async_model_save_runs_in_the_background_on_a_staged_copy(tmp_path, monk
 
 def test_the_next_save_waits_for_pending_writes_and_failures_raise(tmp_path, monkeypatch):
     writer = _GatedWriter()
-    monkeypatch.setattr(ckpt, "write_full_state_dict", writer)
+    monkeypatch.setattr(_model_io, "write_full_state_dict", writer)
     model = nn.Linear(2, 1)
     io = GeneralCheckpointIO()
     io.save_model(model, tmp_path / "first", shard=True, use_async=True)
     assert writer.started.wait(WAIT_S)
     writer.go.set()
-    monkeypatch.setattr(ckpt, "write_full_state_dict", _real_write)
+    monkeypatch.setattr(_model_io, "write_full_state_dict", _real_write)
     io.save_model(model, tmp_path / "second.bin")  # waits for "first" before writing
     assert io.async_writers == [] and (tmp_path / "first" / "model.safetensors").is_file()
 
     failing = _GatedWriter(fail=True)
-    monkeypatch.setattr(ckpt, "write_full_state_dict", failing)
+    monkeypatch.setattr(_model_io, "write_full_state_dict", failing)
     io.save_model(model, tmp_path / "third", use_async=True)
     failing.go.set()
     with pytest.raises(CheckpointError, match="disk full"):

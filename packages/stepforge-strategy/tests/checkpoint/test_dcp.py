@@ -11,8 +11,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from stepforge.strategy import checkpoint as ck
 from stepforge.strategy.checkpoint import CheckpointError, find_latest_checkpoint
-from stepforge.strategy.checkpoint._dcp import load_dir, read_meta, save_dir
-from stepforge.strategy.checkpoint._layout import MARKER
+from stepforge.strategy.checkpoint._dcp import load_dir, save_dir
+from stepforge.strategy.checkpoint._layout import MARKER, read_commit
 from stepforge.testing.distributed import DistributedTestError, requires_gloo, run_distributed
 from stepforge.testing.models import tanh_mlp
 
@@ -67,7 +67,7 @@ def test_round_trip_last_checkpoint_rotation_and_map_location(tmp_path):
     assert not os.path.exists(paths[0]) and all(os.path.isdir(p) for p in paths[1:])
     assert find_latest_checkpoint(work) == paths[2]
     assert _read(os.path.join(work, "last_checkpoint")) == paths[2]
-    assert read_meta(paths[1]) == {"iter": 1}
+    assert read_commit(paths[1])["meta"] == {"iter": 1}
     assert sorted(os.listdir(paths[2]))[0] == ".metadata" and MARKER in os.listdir(paths[2])
     # a fresh model/optimizer (one step so the optimizer has state to fill) gets the saved values bit for bit
     fresh, fopt = _trained(1)
@@ -79,7 +79,7 @@ def test_round_trip_last_checkpoint_rotation_and_map_location(tmp_path):
     assert shared["t"].device.type == "meta"  # map_location applies to the pickled objects
     # saving over an existing checkpoint replaces it only after the new one is committed
     _save(paths[2], fresh, fopt, work_dir=work, it=7)
-    assert read_meta(paths[2]) == {"iter": 7}
+    assert read_commit(paths[2])["meta"] == {"iter": 7}
     # last_checkpoint removed by hand: the newest committed checkpoint is still found
     os.remove(os.path.join(work, "last_checkpoint"))
     assert find_latest_checkpoint(work) == paths[2]
@@ -150,7 +150,7 @@ def test_kill_a_rank_mid_save_keeps_the_previous_checkpoint(tmp_path):
     leftovers = [e for e in os.listdir(work) if e.startswith(".iter_2.tmp-")]
     assert leftovers and MARKER not in os.listdir(os.path.join(work, leftovers[0]))
     with pytest.raises(CheckpointError, match="never finished"):
-        read_meta(os.path.join(work, leftovers[0]))
+        read_commit(os.path.join(work, leftovers[0]))["meta"]
     # the previous checkpoint (rotation with max_keep_ckpts=1 did not run) loads at world size 1
     model, opt = _trained(5)
     msd, osd = get_state_dict(model, opt)

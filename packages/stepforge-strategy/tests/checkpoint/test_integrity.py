@@ -11,8 +11,7 @@ import torch
 from _strategy_cases import full_params, make_strategy, prepare, train
 
 from stepforge.strategy import CheckpointError
-from stepforge.strategy.checkpoint._dcp import read_meta
-from stepforge.strategy.checkpoint._layout import MARKER
+from stepforge.strategy.checkpoint._layout import MARKER, read_commit
 
 
 def _flip(path: str, offset: int) -> bytes:
@@ -80,6 +79,6 @@ def test_every_byte_of_the_commit_marker_is_covered(tmp_path):
     for offset in range(os.path.getsize(marker)):
         old = _flip(marker, offset)
         with pytest.raises(CheckpointError, match=MARKER):
-            read_meta(path)
+            read_commit(path)["meta"]
         _restore(marker, offset, old)
-    assert read_meta(path)["iter"] == 0
+    assert read_commit(path)["meta"]["iter"] == 0

@@ -13,7 +13,7 @@ import pytest
 import torch
 from _strategy_cases import ITERS, batch, full_params, make_strategy, prepare, train
 
-from stepforge.strategy.checkpoint._dcp import read_meta
+from stepforge.strategy.checkpoint._layout import read_commit
 from stepforge.testing.distributed import requires_gloo, run_distributed
 
 
@@ -31,7 +31,7 @@ def test_the_meta_holds_the_epoch_of_the_run(tmp_path, dispatch, extra, expected
     prepare(s)
     s.dispatch_kwargs.update(dispatch)
     train(s, 0, 5, 0)
-    meta = read_meta(s.save_checkpoint("iter_5", extra_ckpt=extra))
+    meta = read_commit(s.save_checkpoint("iter_5", extra_ckpt=extra))["meta"]
     assert meta["iter"] == 5 and meta["epoch"] == expected
 
 
@@ -54,7 +54,7 @@ def _zero_window(rank: int, world: int, work: str, stage: int) -> dict:
         other.resume(os.path.join(work, "ref", "mid"))
     train(other, 4, ITERS, rank)
     out["resumed"] = full_params(other.model)
-    out["mid_window"] = read_meta(os.path.join(work, "ref", "mid"))["mid_window"]
+    out["mid_window"] = read_commit(os.path.join(work, "ref", "mid"))["meta"]["mid_window"]
     # 2. a synchronised backward inside the window: the gradients are partly reduced into shards -> refused
     sync = make_strategy(os.path.join(work, "sync"), plugin=plugin)
     _, wrapper, _ = prepare(sync)

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Name protection of every save (``_names.check_target``): ``""``, ``"."``, ``".."``, ``work_dir``, its
+"""Name protection of every save (``_writer.check_target``): ``""``, ``"."``, ``".."``, ``work_dir``, its
 ancestors and the working directory are refused with an error naming the argument, and nothing on disk changes; a
 save that replaces a directory as a whole (a Strategy checkpoint, a DCP optimizer) refuses a folder or file
 stepforge did not commit (a user's folder is never deleted)."""
@@ -14,7 +14,7 @@ from _strategy_cases import make_strategy, prepare, train
 from test_writer_failures import _snapshot
 
 from stepforge.strategy import Booster, CheckpointError
-from stepforge.strategy.checkpoint._dcp import read_meta
+from stepforge.strategy.checkpoint._layout import read_commit
 
 
 @pytest.fixture
@@ -71,8 +71,8 @@ def test_a_users_folder_or_file_is_never_replaced(strategy):
     assert _snapshot(work) == before
     # an empty folder holds nothing to lose; a committed checkpoint is replaced (after the new commit)
     os.makedirs(os.path.join(work, "empty"))
-    assert read_meta(strategy.save_checkpoint("empty"))["iter"] == 3
-    assert read_meta(strategy.save_checkpoint("empty"))["iter"] == 3
+    assert read_commit(strategy.save_checkpoint("empty"))["meta"]["iter"] == 3
+    assert read_commit(strategy.save_checkpoint("empty"))["meta"]["iter"] == 3
 
 
 def _model() -> torch.nn.Module:

@@ -13,8 +13,7 @@ import sys
 import time
 
 from stepforge.strategy import GeneralCheckpointIO
-from stepforge.strategy import checkpoint as ckpt
-from stepforge.strategy.checkpoint import verify_dir
+from stepforge.strategy.checkpoint import _optim_io, verify_dir
 from stepforge.strategy.checkpoint._layout import read_commit
 from stepforge.testing.distributed import free_port, requires_gloo
 
@@ -69,7 +68,7 @@ def test_a_finalised_checkpoint_io_waits_for_its_writes_without_raising(tmp_path
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(ckpt, "write_plain_optimizer", disk_full)
+    monkeypatch.setattr(_optim_io, "write_plain_optimizer", disk_full)
     net = torch.nn.Linear(2, 2)
     io = GeneralCheckpointIO()
     io.save_optimizer(torch.optim.SGD(net.parameters(), lr=0.1), str(tmp_path / "o.pt"), use_async=True)

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from stepforge.strategy import GeneralCheckpointIO
-from stepforge.strategy import checkpoint as ckpt
+from stepforge.strategy.checkpoint import _optim_io
 
 
 class _Net(nn.Module):
@@ -186,13 +186,13 @@ def test_sync_waits_for_the_background_writes_of_every_checkpoint_io(tmp_path, m
     import threading
 
     release = threading.Event()
-    real = ckpt.write_plain_optimizer
+    real = _optim_io.write_plain_optimizer
 
     def gated(*args, **kwargs):
         assert release.wait(60), "the test never released the writer"
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(ckpt, "write_plain_optimizer", gated)
+    monkeypatch.setattr(_optim_io, "write_plain_optimizer", gated)
     model = _net(0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     _step(model, optimizer)

@@ -15,7 +15,7 @@ import torch
 from _strategy_cases import make_model, make_strategy
 
 from stepforge.strategy.checkpoint import CheckpointMismatchError
-from stepforge.strategy.checkpoint._strategy_load import _note_global_batch
+from stepforge.strategy.checkpoint._strategy_ckpt import _note_global_batch
 
 
 def _strategy(work: str, micro: int):

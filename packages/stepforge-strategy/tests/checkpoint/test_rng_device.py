@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from stepforge.strategy.checkpoint._rng import get_rng_state, set_rng_state
+from stepforge.strategy.checkpoint._strategy_ckpt import get_rng_state, set_rng_state
 
 
 class _DeviceResident(torch.Tensor):

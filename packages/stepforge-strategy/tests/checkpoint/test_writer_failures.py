@@ -19,8 +19,7 @@ from stepforge.strategy.checkpoint import (
     _writer,
     find_latest_checkpoint,
 )
-from stepforge.strategy.checkpoint._dcp import read_meta
-from stepforge.strategy.checkpoint._layout import LAST_CHECKPOINT, MARKER
+from stepforge.strategy.checkpoint._layout import LAST_CHECKPOINT, MARKER, read_commit
 
 
 class _Killed(BaseException):
@@ -71,7 +70,7 @@ def test_a_full_disk_removes_the_temporary_directory_and_keeps_the_committed_one
     assert isinstance(info.value.__cause__, OSError) and info.value.__cause__.errno == errno.ENOSPC
     assert _leftovers(work) == []  # the temporary directory and its shards are gone
     assert _snapshot(work) == before  # iter_3, last_checkpoint: byte for byte (no rotation either)
-    assert find_latest_checkpoint(work) == kept and read_meta(kept)["iter"] == 3
+    assert find_latest_checkpoint(work) == kept and read_commit(kept)["meta"]["iter"] == 3
     monkeypatch.undo()
     # the next save works and rotates only now that it is committed
     new = s.save_checkpoint("iter_6", max_keep_ckpts=1)
@@ -102,7 +101,7 @@ def test_a_failed_rename_puts_the_older_copy_back(tmp_path, monkeypatch, fail_at
     monkeypatch.undo()
     assert isinstance(info.value.__cause__, OSError)
     assert _snapshot(work) == before and _leftovers(work) == []
-    assert find_latest_checkpoint(work) == kept and read_meta(kept)["iter"] == 3
+    assert find_latest_checkpoint(work) == kept and read_commit(kept)["meta"]["iter"] == 3
 
 
 def _replace_calls(work: str) -> list[tuple[str, str]]:
@@ -159,8 +158,7 @@ def test_a_re_save_killed_between_the_renames_leaves_a_committed_copy(tmp_path, 
     monkeypatch.undo()
     found = find_latest_checkpoint(work)
     assert found is not None
-    record = _layout.read_commit(found)  # committed, and every file intact
-    _layout.validate_files(found, record)
+    record = _layout.verify_dir(found)  # committed, and every file intact
     assert record["meta"]["iter"] in (3, 6)
     if kill_at in (2, 3, "rmtree"):  # the new copy is committed (in its temporary or its final place)
         assert record["meta"]["iter"] == 6
@@ -173,7 +171,7 @@ def test_a_re_save_killed_between_the_renames_leaves_a_committed_copy(tmp_path, 
         assert got.keys() == expected.keys() and all((got[k] == expected[k]).all() for k in got)
     # the next save of that name recovers and leaves nothing behind
     final = s.save_checkpoint("iter_3")
-    assert find_latest_checkpoint(work) == final and read_meta(final)["iter"] == 6
+    assert find_latest_checkpoint(work) == final and read_commit(final)["meta"]["iter"] == 6
     assert _leftovers(work) == []
 
 

@@ -55,20 +55,15 @@ class Booster:
         device: passed to a plugin built here when its constructor takes ``device``; for a plugin that does not
             place the model (``control_device()`` is ``False``) the :class:`Accelerator` ``boost`` moves it to.
         memory_budget: ``dict(device=..., host=..., inputs=..., criterion=..., accumulation_steps=...)``: bytes
-            (or ``"70GiB"``) a rank may use (default: the free memory), optionally an example micro-batch whose
-            activations count and the micro-batches per optimizer step (gradient accumulation, default 1; also
-            ``boost(..., accumulation_steps=)``, which ``Strategy.prepare`` fills from the optim wrapper). With
-            ``plugin="auto"`` (or ``dict(type="auto", candidates=[...])``) ``boost`` takes the fastest plugin
-            whose :func:`~stepforge.strategy.estimate` fits (order: ``docs/what-fits.md``) and logs why; with
-            another plugin it checks that one. What cannot fit raises :class:`~stepforge.strategy.MemoryBudgetError`
-            at ``boost``, before any large allocation, naming what would fit.
+            (or ``"70GiB"``) a rank may use (default: the free memory), optionally an example micro-batch and
+            the micro-batches per optimizer step. With ``plugin="auto"`` (or ``dict(type="auto",
+            candidates=[...])``) ``boost`` takes the fastest plugin whose :func:`~stepforge.strategy.estimate`
+            fits (``docs/what-fits.md``); with another plugin it checks that one. What cannot fit raises
+            :class:`~stepforge.strategy.MemoryBudgetError` at ``boost``, before any large allocation.
 
     Attributes:
-        checkpoint_io: the :class:`~stepforge.strategy.CheckpointIO` every ``save_*``/``load_*`` goes through:
-            the plugin's ``get_checkpoint_io()`` when it returns one and ``control_checkpoint_io()`` is true (as in
-            ColossalAI), else a :class:`~stepforge.strategy.BoosterCheckpointIO` over the plugin (a
-            :class:`~stepforge.strategy.GeneralCheckpointIO`, which also saves optimizers ``boost`` did not wrap,
-            when ``plugin`` was ``None`` or its ``control_checkpoint_io()`` is false).
+        checkpoint_io: the :class:`~stepforge.strategy.CheckpointIO` every ``save_*``/``load_*`` goes through
+            (see :meth:`_checkpoint_io`).
         accelerator: the :class:`Accelerator`, or ``None`` when the plugin places the model.
 
     A plugin that controls precision (``plugin.control_precision()``: FSDP2, gemini, ZeRO) adopts
@@ -120,9 +115,9 @@ class Booster:
         self.checkpoint_io: CheckpointIO = self._checkpoint_io(default_plugin=general_io)
 
     def _checkpoint_io(self, *, default_plugin: bool) -> CheckpointIO:
-        """The plugin's checkpoint IO (ColossalAI's ``get_checkpoint_io``), else the Booster's own: a
-        :class:`GeneralCheckpointIO` for the default plugin or one that does not control checkpoint IO (as
-        ColossalAI's Booster), else a :class:`BoosterCheckpointIO`."""
+        """The plugin's ``get_checkpoint_io()`` when it returns one and ``control_checkpoint_io()`` is true (as
+        ColossalAI), else a :class:`GeneralCheckpointIO` (which also saves optimizers ``boost`` did not wrap) for
+        the default plugin or one that does not control checkpoint IO, else a :class:`BoosterCheckpointIO`."""
         controls = bool(self.plugin.control_checkpoint_io())
         own = self.plugin.get_checkpoint_io() if controls else None
         if own is None:
@@ -154,20 +149,13 @@ class Booster:
         :class:`stepforge.core.BoostedOptimizer` (the plugin's, or an :class:`OptimizerWrapper` with the Booster's
         loss scaling); the dataloader with ``state_dict``/``load_state_dict`` (the data position).
 
-        ``compile`` (keyword only; not in ColossalAI): ``True`` or a dict of ``torch.compile`` arguments with
-        optional ``target`` (the method of your model, default ``"forward"``) and ``disable``; the model is
-        compiled in place once the plugin prepared it (per FSDP2 block for ``torch_fsdp``/``gemini``), so its
-        state-dict keys and checkpoints stay those of the eager model (:mod:`stepforge.strategy.compile`).
-
-        A model with meta tensors (built under :class:`~stepforge.strategy.LazyInitContext` or
-        ``torch.device("meta")``) is materialised where the plugin keeps it, with the values of an eager build:
-        ``torch_fsdp``/``gemini`` materialise only this rank's shards, the other plugins the whole model on their
-        device (:mod:`stepforge.strategy.lazy`).
-
-        ``accumulation_steps`` (keyword only; not in ColossalAI): the micro-batches per optimizer step the run
-        will accumulate, for ``plugin="auto"`` and ``memory_budget``, whose estimates then hold a whole window
-        (``Strategy.prepare`` passes the optim wrapper's ``accumulative_counts``); ``None``: the budget's
-        ``accumulation_steps`` (default 1).
+        Keyword only (not in ColossalAI): ``compile``, ``True`` or a dict of ``torch.compile`` arguments with
+        optional ``target`` (default ``"forward"``) and ``disable``, compiles the prepared model in place, its
+        state-dict keys and checkpoints staying the eager model's (:mod:`stepforge.strategy.compile`);
+        ``accumulation_steps`` is the micro-batches per optimizer step for ``plugin="auto"`` and
+        ``memory_budget`` (``None``: the budget's, default 1). A model with meta tensors (built under
+        :class:`~stepforge.strategy.LazyInitContext`) is materialised where the plugin keeps it, with the values
+        of an eager build (:mod:`stepforge.strategy.lazy`).
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"Booster.boost: model must be a torch.nn.Module, got {type(model).__name__}.")
@@ -366,8 +354,7 @@ class Booster:
         size_per_shard: int = 1024,
         use_async: bool = False,
     ) -> None:
-        """:meth:`BoosterCheckpointIO.save_optimizer`: DCP directory ``checkpoint`` (every rank writes its
-        shard); ``use_async`` returns once staged and writes in the background."""
+        """:meth:`BoosterCheckpointIO.save_optimizer` (every rank calls)."""
         self.checkpoint_io.save_optimizer(
             optimizer, checkpoint, shard, gather_dtensor, prefix, size_per_shard, use_async=use_async
         )
@@ -384,7 +371,7 @@ class Booster:
         self.checkpoint_io.load_optimizer(optimizer, checkpoint, prefix, low_cpu_mem_mode, num_threads)
 
     def save_lr_scheduler(self, lr_scheduler: Any, checkpoint: str | os.PathLike[str]) -> None:
-        """``torch.save(lr_scheduler.state_dict(), checkpoint)`` on rank 0 (every rank calls)."""
+        """:meth:`CheckpointIO.save_lr_scheduler` (every rank calls)."""
         self.checkpoint_io.save_lr_scheduler(lr_scheduler, checkpoint)
 
     def load_lr_scheduler(self, lr_scheduler: Any, checkpoint: str | os.PathLike[str]) -> None:

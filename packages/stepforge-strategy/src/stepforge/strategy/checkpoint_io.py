@@ -3,12 +3,6 @@
 (``booster.checkpoint_io``), a thin layer with ColossalAI's method names and signatures over
 :mod:`stepforge.strategy.checkpoint`, where every save and load lives.
 
-Models are written in the Hugging Face layout (one file, or shards with an index; safetensors or ``torch.save``
-by ``use_safetensors``, ColossalAI's default ``False``); an optimizer that ``Booster.boost`` returned is keyed by
-parameter name in every plugin (one ``torch.save`` file with ``shard=False``, a ``torch.distributed.checkpoint``
-directory with ``shard=True``; either loads under any plugin at any world size); an optimizer ``boost`` did not wrap
-(:class:`GeneralCheckpointIO`) is saved as its own ``state_dict()``, in one file or sharded.
-
 The path a save is given is the save's: a file there is replaced (atomically: the old one stays whole if the
 save fails), a directory receives the save's files and keeps the user's other files (``config.json`` of the
 Hugging Face workflow). Directories the user did not name (the working directory, ``""``, ``"."``, ``".."``) are
@@ -25,11 +19,9 @@ writer thread is joined.
 
 from __future__ import annotations
 
-import logging
 import os
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
-from functools import partial
 from typing import Any
 
 from torch import nn
@@ -37,25 +29,19 @@ from torch import nn
 from stepforge.core import BoostedOptimizer, Plugin
 
 from . import checkpoint as ckpt
-from ._env import get_rank
 from .boosted_model import plugin_module
 from .checkpoint import PendingWrites, commit_files, staged
 
 __all__ = ["CheckpointIO", "BoosterCheckpointIO", "GeneralCheckpointIO"]
-
-logger = logging.getLogger("stepforge.strategy")
 
 
 class CheckpointIO(ABC):
     """ColossalAI's checkpoint interface: save/load of models, optimizers and lr schedulers, with the
     asynchronous-write bookkeeping (``async_writers``, ``_sync_io``, ``_sync_d2h``, ``synchronize``)."""
 
-    def __init__(self) -> None:
-        self._writes: PendingWrites | None = PendingWrites()
-
     @property
     def _pending(self) -> PendingWrites:
-        # created on first use too: a subclass that does not call CheckpointIO.__init__ still waits correctly
+        # created on first use: a subclass that does not call CheckpointIO.__init__ waits correctly too
         writes = self.__dict__.get("_writes")
         if writes is None:
             writes = self._writes = PendingWrites()
@@ -153,11 +139,8 @@ class CheckpointIO(ABC):
         state_dict: dict[str, Any] | None = None,
     ) -> None:
         """Write the LoRA adapters and their config (peft's ``save_pretrained``) into directory ``checkpoint``
-        on rank 0, through the one writer (the directory's other files stay); every rank calls.
-
-        Raises:
-            ValueError: the model has no LoRA adapters (``Booster.enable_lora`` before ``boost``).
-        """
+        on rank 0, through the one writer (the directory's other files stay); every rank calls. ``ValueError``
+        when the model has no LoRA adapters (``Booster.enable_lora`` before ``boost``)."""
         from ._lora import peft_model_of
 
         peft_model = peft_model_of(model)
@@ -222,27 +205,10 @@ class BoosterCheckpointIO(CheckpointIO):
                 "save_model: gather_dtensor=False is not supported; full model saves are gathered (save sharded "
                 "state with save_optimizer or stepforge.strategy's DCP checkpoints)."
             )
-        if not isinstance(size_per_shard, int | float) or size_per_shard <= 0:
-            raise ValueError(f"save_model: size_per_shard must be > 0 (MiB), got {size_per_shard!r}.")
-        model = plugin_module(model)
-        if not use_async:
-            ckpt.save_model(
-                model, checkpoint, shard=shard, prefix=prefix, size_per_shard=size_per_shard,
-                use_safetensors=use_safetensors,
-            )  # fmt: skip
-            return
-        if not use_safetensors:
-            logger.warning(
-                "save_model: use_async=True writes safetensors (use_safetensors set to True), as ColossalAI."
-            )
-        state = staged(ckpt.gather_full_state_dict(model))  # collective, on this thread
-        # the name is checked now, on every rank: a refused one raises here, not at the wait
-        ckpt.claim_model_target(checkpoint, shard=shard, prefix=prefix, use_safetensors=True)
-        write = partial(
-            ckpt.write_full_state_dict, state, checkpoint, shard=shard, prefix=prefix,
-            size_per_shard=size_per_shard, use_safetensors=True,
+        ckpt.save_model(
+            plugin_module(model), checkpoint, shard=shard, prefix=prefix, size_per_shard=size_per_shard,
+            use_safetensors=use_safetensors, pending=self._pending if use_async else None,
         )  # fmt: skip
-        self._pending.submit(write if get_rank() == 0 else None, where="save_model")
 
     def load_model(
         self,
@@ -273,23 +239,18 @@ class BoosterCheckpointIO(CheckpointIO):
         size_per_shard: int = 1024,
         use_async: bool = False,
     ) -> None:
-        """Save a boosted optimizer (and its fp16 loss-scaler state), keyed by parameter name with each tensor
-        in its parameter's shape, the layout of every plugin: ``shard=True``: directory ``checkpoint`` through
-        ``torch.distributed.checkpoint``, every rank writing its part; ``shard=False`` (ColossalAI's default):
-        the full state gathered to rank 0 in the one file ``checkpoint`` (``torch.load(weights_only=True)``
-        reads it). Either loads under any plugin at any world size. ``prefix``/``size_per_shard`` are accepted
-        (DCP writes one file per rank)."""
+        """Save a boosted optimizer (and its fp16 loss-scaler state), keyed by parameter name in every plugin:
+        ``shard=True``: directory ``checkpoint`` through ``torch.distributed.checkpoint``; ``shard=False``
+        (ColossalAI's default): the full state gathered into the one file ``checkpoint``. Either loads under any
+        plugin at any world size; ``prefix``/``size_per_shard`` apply to plain optimizers only."""
         model = self.model_for(optimizer)
-        if model is None:
-            self._save_plain_optimizer(optimizer, checkpoint, shard, prefix, size_per_shard, use_async)
+        pending = self._pending if use_async else None
+        if model is not None:
+            ckpt.save_optimizer(self.plugin, model, optimizer, checkpoint, shard=shard, pending=pending)
             return
-        ckpt.save_optimizer(
-            self.plugin,
-            model,
-            optimizer,
-            checkpoint,
-            shard=shard,
-            pending=self._pending if use_async else None,
+        self._require_plain("save_optimizer")
+        ckpt.save_plain_optimizer(
+            optimizer, checkpoint, shard=shard, prefix=prefix, size_per_shard=size_per_shard, pending=pending
         )
 
     def load_optimizer(
@@ -304,47 +265,29 @@ class BoosterCheckpointIO(CheckpointIO):
         every saved entry is restored or a ``ValueError`` says why and nothing changes."""
         self._sync_io()
         model = self.model_for(optimizer)
-        if model is None:
-            self._load_plain_optimizer(optimizer, checkpoint, prefix)
+        if model is not None:
+            ckpt.load_optimizer(self.plugin, model, optimizer, checkpoint)
             return
-        ckpt.load_optimizer(self.plugin, model, optimizer, checkpoint)
+        self._require_plain("load_optimizer")
+        ckpt.load_plain_optimizer(optimizer, checkpoint, prefix)
 
-    def _save_plain_optimizer(
-        self,
-        optimizer: Any,
-        checkpoint: Any,
-        shard: bool,
-        prefix: str | None,
-        size_per_shard: float,
-        use_async: bool,
-    ) -> None:
-        raise ValueError(
-            "save_optimizer: this optimizer was not returned by this Booster's boost(); pass the boosted "
-            "optimizer (the one boost() returned), or save a plain optimizer with a plugin-less Booster or "
-            "GeneralCheckpointIO()."
-        )
+    #: whether optimizers ``boost`` did not wrap are saved and loaded (:class:`GeneralCheckpointIO`)
+    _plain_optimizers = False
 
-    def _load_plain_optimizer(self, optimizer: Any, checkpoint: Any, prefix: str | None) -> None:
-        raise ValueError(
-            "load_optimizer: this optimizer was not returned by this Booster's boost(); pass the boosted "
-            "optimizer (the one boost() returned), or load a plain optimizer with a plugin-less Booster or "
-            "GeneralCheckpointIO()."
-        )
+    def _require_plain(self, what: str) -> None:
+        if not self._plain_optimizers:
+            raise ValueError(
+                f"{what}: this optimizer was not returned by this Booster's boost(); pass the boosted optimizer "
+                "(the one boost() returned), or use a plain optimizer with a plugin-less Booster or "
+                "GeneralCheckpointIO()."
+            )
 
 
 class GeneralCheckpointIO(BoosterCheckpointIO):
     """ColossalAI's ``GeneralCheckpointIO``: the checkpoint IO of a plugin-less Booster, also usable on its own
-    (``GeneralCheckpointIO()``) for plain models and optimizers.
-
-    Besides what :class:`BoosterCheckpointIO` does, it saves an optimizer that ``boost`` did not wrap (a plain
-    ``torch.optim.Optimizer``) on rank 0: ``shard=False``: ``torch.save(optimizer.state_dict())`` to file
-    ``checkpoint``; ``shard=True``: directory ``checkpoint`` with ColossalAI's sharded layout (param groups file,
-    shards of at most ``size_per_shard`` MiB, ``[prefix-]pytorch_optim.bin.index.json``). Loads read with
-    ``weights_only`` and ``optimizer.load_state_dict`` (every saved state entry restored).
-
-    Args:
-        plugin: the Booster's plugin; ``None`` (standalone) uses ``single``.
-    """
+    (``plugin=None`` uses ``single``). Besides what :class:`BoosterCheckpointIO` does, it saves an optimizer that
+    ``boost`` did not wrap as its ``state_dict()`` in ColossalAI's layouts (one file, or a sharded directory with
+    ``[prefix-]pytorch_optim.bin.index.json``) and loads it with ``optimizer.load_state_dict``."""
 
     def __init__(self, plugin: Plugin | None = None) -> None:
         if plugin is None:
@@ -353,30 +296,4 @@ class GeneralCheckpointIO(BoosterCheckpointIO):
             plugin = SinglePlugin()
         super().__init__(plugin)
 
-    def _save_plain_optimizer(
-        self,
-        optimizer: Any,
-        checkpoint: Any,
-        shard: bool,
-        prefix: str | None,
-        size_per_shard: float,
-        use_async: bool,
-    ) -> None:
-        if not isinstance(size_per_shard, int | float) or size_per_shard <= 0:
-            raise ValueError(f"save_optimizer: size_per_shard must be > 0 (MiB), got {size_per_shard!r}.")
-        if not use_async:
-            ckpt.save_plain_optimizer(
-                optimizer, checkpoint, shard=shard, prefix=prefix, size_per_shard=size_per_shard
-            )
-            return
-        ckpt.claim_plain_target(optimizer, checkpoint, shard=shard)
-        write = None
-        if get_rank() == 0:
-            write = partial(
-                ckpt.write_plain_optimizer, staged(optimizer.state_dict()), checkpoint, shard=shard,
-                prefix=prefix, size_per_shard=size_per_shard,
-            )  # fmt: skip
-        self._pending.submit(write, where="save_optimizer")
-
-    def _load_plain_optimizer(self, optimizer: Any, checkpoint: Any, prefix: str | None) -> None:
-        ckpt.load_plain_optimizer(optimizer, checkpoint, prefix)
+    _plain_optimizers = True

@@ -1,12 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """``Strategy(resume="auto")``: which checkpoint to resume, after removing what killed saves left behind.
 
-A save writes ``.<name>.tmp-<token>/`` and renames it to ``<name>/`` as the last step of its commit, and
-``last_checkpoint`` is rewritten through ``last_checkpoint.tmp-<pid>``; a process killed before those renames
-leaves the temporary entries, which no load ever reads (``find_latest_checkpoint`` skips dot-directories), and
-which would otherwise pile up with every fault. Only entries of those two shapes are removed: committed
-checkpoints, the ``.<name>.old-<token>`` copy a re-save moves aside, and anything else stay. Call it when no save
-is in flight (at start-up, before training), on one rank.
+A process killed before a save's renames leaves ``.<name>.tmp-<token>/`` and ``last_checkpoint.tmp-<pid>``, which
+no load reads and which would pile up with every fault. Only entries of those two shapes are removed (committed
+checkpoints and the ``.<name>.old-<token>`` copy a re-save moves aside stay), on one rank, before training.
 """
 
 from __future__ import annotations
@@ -54,13 +51,10 @@ def check_resume_option(option: object) -> None:
 
 
 def checkpoint_to_resume(option: bool | str, work_dir: str, logger: logging.Logger) -> str | None:
-    """The checkpoint ``Strategy(resume=option)`` resumes (collective: every rank calls it, before training).
-
-    ``"auto"``/``True``: rank 0 removes the unfinished saves of ``work_dir`` (:func:`remove_uncommitted`) and
-    picks ``find_latest_checkpoint(work_dir)``, broadcast so that every rank resumes the same one (``None``: start
-    fresh). Any other string is the path itself; ``False`` gives ``None``. An elastic restart at another world
-    size (``torchrun --nnodes=MIN:MAX``) resumes the same checkpoint (tests/strategy/test_elastic_shrink.py).
-    """
+    """The checkpoint ``Strategy(resume=option)`` resumes (collective, before training): for ``"auto"``/``True``
+    rank 0 removes the unfinished saves of ``work_dir`` and picks ``find_latest_checkpoint(work_dir)`` for every
+    rank (``None``: start fresh), also after an elastic restart at another world size; another string is the
+    path itself; ``False`` gives ``None``."""
     if option is False:
         return None
     if option is not True and option != "auto":

@@ -1,20 +1,21 @@
 # SPDX-License-Identifier: Apache-2.0
 """Crash-safe directory checkpoints on torch.distributed.checkpoint (DCP).
 
-:func:`save_dir` — every rank calls it (it is collective): every rank writes its tensors (model and optimizer
-shards, never gathered) through ``dcp.save``, plus one pickled blob of shared objects (deduplicated by DCP) and
-one blob of its own per-rank objects, into the temporary directory of the one writer
-(:func:`stepforge.strategy.checkpoint._writer.commit_dir`: ``COMMIT.json`` last, atomic rename,
-``last_checkpoint``, rotation after the commit, a failure on any rank raises on every rank).
-
-:func:`load_dir` checks the marker, every file's size and CRC-32 and that the template's keys and shapes exist
-in the checkpoint **before** anything is read into memory, so a crashed, truncated, altered or foreign checkpoint
-raises :class:`CheckpointError` and leaves the model and optimizer untouched.
+:func:`save_dir` (collective): every rank writes its tensors (shards, never gathered) through ``dcp.save``, plus
+one pickled blob of shared objects (deduplicated by DCP) and one of its own per-rank objects, into the one
+writer's temporary directory (:func:`~stepforge.strategy.checkpoint._writer.commit_dir`). :func:`load_dir`
+checks the marker, every file's size and CRC-32 and that the template's keys and shapes exist in the checkpoint
+**before** anything is read, so a crashed, truncated, altered or foreign checkpoint raises
+:class:`CheckpointError` and leaves the model and optimizer untouched.
 
 No code runs from a checkpoint: ``.metadata`` is unpickled allowing only DCP's metadata classes
 (:class:`stepforge.core.torch_compat.SafeFileSystemReader`), DCP's non-tensor entries and the blobs of objects are read with
 ``torch.load(weights_only=True)`` (:class:`stepforge.core.torch_compat.SafeLoadPlanner`, :func:`unblob`), and a blob that would
 not load that way is refused at save time.
+
+Loads read into fresh tensors (:func:`fresh_like`: uninitialised ones of the same shape, dtype, device and
+sharding) and copy them into the live ones (:func:`apply_fresh`) only after every read succeeded: a load that
+fails half-way leaves the live tensors alone, for one extra copy of the loaded tensors in memory.
 """
 
 from __future__ import annotations
@@ -23,30 +24,29 @@ import contextlib
 import io
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from stepforge.core.torch_compat import SafeFileSystemReader, SafeLoadPlanner, flatten_state_dict
 
 from .._env import get_rank, is_distributed
-from ._layout import CheckpointError, CheckpointMismatchError, read_commit, validate_files
-from ._staging import apply_fresh, fresh_like
+from ._layout import CheckpointError, CheckpointMismatchError, verify_dir
 from ._writer import commit_dir
 
 __all__ = [
+    "apply_fresh",
+    "check_template",
     "dcp_save",
+    "fresh_like",
     "save_dir",
     "load_dir",
     "read_dir",
-    "verify_files",
-    "read_meta",
     "read_dcp_metadata",
     "safe_dcp_load",
-    "unblob",
 ]
 
 #: Test hook: called as ``hook(rank)`` right after this rank's DCP data file is written (crash-safety tests).
@@ -109,9 +109,11 @@ def read_dcp_metadata(path: str) -> Any:
         ) from exc
 
 
-def safe_dcp_load(state: dict[str, Any], path: str, *, no_dist: bool) -> None:
-    """``dcp.load`` with the restricted reader and planner; every failure (DCP's ``CheckpointException`` is a
-    ``BaseException``) becomes :class:`CheckpointError`."""
+def safe_dcp_load(state: dict[str, Any], path: str, *, local: bool = False) -> None:
+    """``dcp.load`` with the restricted reader and planner, collective when a process group exists unless
+    ``local``; every failure (DCP's ``CheckpointException`` is a ``BaseException``) becomes
+    :class:`CheckpointError`."""
+    no_dist = local or not is_distributed()
     try:
         with _single_process_quiet():
             dcp.load(
@@ -133,39 +135,19 @@ def save_dir(
     arg: str = "filename",
     where: str = "save_checkpoint",
 ) -> str:
-    """Write a committed checkpoint directory at ``path`` through :func:`commit_dir` (collective).
-
-    Args:
-        path: the checkpoint directory to create (replaced if it is a committed checkpoint, only after the new
-            one is committed; any other existing directory is refused).
-        tensors: nested dict of tensors/DTensors (and torch.optim-layout optimizer dicts) for ``dcp.save``.
-        objects: picklable objects shared by all ranks (saved once).
-        rank_objects: this rank's picklable objects (RNG states, data position), saved per rank.
-        meta: JSON-able facts recorded in ``COMMIT.json`` and returned by :func:`read_meta`.
-        work_dir: where ``last_checkpoint`` is rewritten after the commit (None: not written).
-        max_keep_ckpts: keep at most this many committed checkpoints in ``path``'s folder (None/<=0: all).
-        arg / where: the argument's and the caller's names for error messages.
-    """
-    if max_keep_ckpts is not None and (
-        not isinstance(max_keep_ckpts, int) or isinstance(max_keep_ckpts, bool)
-    ):
-        raise ValueError(f"max_keep_ckpts must be an int or None, got {max_keep_ckpts!r}")
-    rank = get_rank()
+    """Write a committed checkpoint directory at ``path`` through :func:`commit_dir` (collective): ``tensors``
+    (nested tensors/DTensors) for ``dcp.save``, ``objects`` shared by all ranks (saved once), this rank's
+    ``rank_objects`` (RNG states, data position), ``meta`` recorded in ``COMMIT.json``."""
     # before any directory exists: an object a load could not read is refused with nothing left on disk
-    shared_blob = _blob(objects, "shared objects (extra_ckpt, schedulers, statefuls)")
-    rank_blob = _blob(rank_objects, "per-rank objects (statefuls, RNG)")
     state = {
         "tensors": tensors,
-        "objects": shared_blob,
-        "rank_objects": {str(rank): rank_blob},
+        "objects": _blob(objects, "shared objects (extra_ckpt, schedulers, statefuls)"),
+        "rank_objects": {str(get_rank()): _blob(rank_objects, "per-rank objects (statefuls, RNG)")},
     }
-
-    def write(tmp: str) -> None:
-        dcp_save(state, tmp)
-
     return commit_dir(
-        path, write, meta=meta, arg=arg, where=where, work_dir=work_dir, max_keep_ckpts=max_keep_ckpts
-    )
+        path, partial(dcp_save, state), meta=meta, arg=arg, where=where, work_dir=work_dir,
+        max_keep_ckpts=max_keep_ckpts,
+    )  # fmt: skip
 
 
 def dcp_save(state: dict[str, Any], directory: str, *, process_group: Any = None) -> None:
@@ -180,33 +162,28 @@ def dcp_save(state: dict[str, Any], directory: str, *, process_group: Any = None
         )
 
 
-def read_meta(path: str) -> dict[str, Any]:
-    """The meta recorded in a committed checkpoint (``CheckpointError`` otherwise)."""
-    meta: dict[str, Any] = read_commit(path)["meta"]
-    return meta
-
-
 def check_template(path: str, template: dict[str, Any], metadata: Any, exact: Sequence[str] = ()) -> None:
     """Every template tensor is saved with the same shape and dtype (a floating-point one may differ in precision:
     the read casts it); under the roots named in ``exact`` the checkpoint holds nothing else either
     (``CheckpointMismatchError`` naming the first differences)."""
     flat, _ = flatten_state_dict({"tensors": template})
     stored = metadata.state_dict_metadata
+
+    def shown(keys: list[str]) -> str:
+        return ", ".join(k.removeprefix("tensors.") for k in keys[:5]) + (", ..." if len(keys) > 5 else "")
+
     missing = [k for k in flat if k not in stored]
     if missing:
-        shown = ", ".join(m.removeprefix("tensors.") for m in missing[:5])
         raise CheckpointMismatchError(
-            f"checkpoint {path!r} does not match: {len(missing)} entries missing ({shown}"
-            f"{', ...' if len(missing) > 5 else ''}); it was saved for another model or optimizer"
+            f"checkpoint {path!r} does not match: {len(missing)} entries missing ({shown(missing)}); it was "
+            "saved for another model or optimizer"
         )
     for root in exact:
-        prefix = f"tensors.{root}."
-        unexpected = [k for k in stored if k.startswith(prefix) and k not in flat]
+        unexpected = [k for k in stored if k.startswith(f"tensors.{root}.") and k not in flat]
         if unexpected:
-            shown = ", ".join(u.removeprefix("tensors.") for u in unexpected[:5])
             raise CheckpointMismatchError(
                 f"checkpoint {path!r} does not match: it holds {len(unexpected)} entries this {root} has no "
-                f"place for ({shown}{', ...' if len(unexpected) > 5 else ''}); it was saved for another {root}"
+                f"place for ({shown(unexpected)}); it was saved for another {root}"
             )
     for key, value in flat.items():
         if isinstance(value, torch.Tensor):
@@ -228,85 +205,75 @@ def check_template(path: str, template: dict[str, Any], metadata: Any, exact: Se
 
 
 def read_dir(
-    path: str,
-    tensors: dict[str, Any],
-    *,
-    map_location: Any = "cpu",
-    objects: bool = True,
-    rank_objects: bool = True,
-    exact: Sequence[str] = (),
-    files_checked: bool = False,
-) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any] | None, dict[str, Any]]:
-    """Validate checkpoint ``path`` and read it into fresh tensors shaped like ``tensors``; touch nothing live.
+    path: str, tensors: dict[str, Any], *, map_location: Any = "cpu", exact: Sequence[str] = ()
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any] | None]:
+    """Read checkpoint ``path``, whose files the caller verified (:func:`verify_dir`), into fresh tensors shaped
+    like ``tensors``; touch nothing live.
 
-    Returns (fresh tensors, objects, rank objects, meta). Checked first, in order: the commit marker, every
-    file's size and CRC-32, the DCP metadata, that every template tensor is saved with its shape and dtype (and,
-    under the roots in ``exact``, nothing else is); then the object blobs are read, then the tensors. Any
-    failure raises :class:`CheckpointError`.
-
-    ``rank_objects`` comes back None when this rank has none in the checkpoint (it was saved at a smaller
-    world size). ``map_location`` applies to the pickled objects (tensors land where the template's live).
-    ``files_checked``: the caller ran :func:`verify_files` already (the checksums are not computed twice).
+    Returns (fresh tensors, objects, rank objects). Checked first, in order: the DCP metadata, that every
+    template tensor is saved with its shape and dtype (and, under the roots in ``exact``, nothing else is); then
+    the object blobs are read, then the tensors. Any failure raises :class:`CheckpointError`. The rank objects
+    are None when this rank has none (saved at a smaller world size); ``map_location`` applies to the pickled
+    objects (tensors land where the template's live).
     """
-    record = read_commit(path)
-    if not files_checked:
-        validate_files(path, record)
     metadata = read_dcp_metadata(path)
     check_template(path, tensors, metadata, exact)
     rank_key = str(get_rank())
-    blobs: dict[str, Any] = {}
-    if objects:
-        blobs["objects"] = b""
+    blobs: dict[str, Any] = {"objects": b""}
     have_rank = f"rank_objects.{rank_key}" in metadata.state_dict_metadata
-    if rank_objects and have_rank:
+    if have_rank:
         blobs["rank_objects"] = {rank_key: b""}
-    no_dist = not is_distributed()
-    if blobs:  # the objects first: a refused or damaged blob fails before any tensor is read
-        safe_dcp_load(blobs, path, no_dist=no_dist)
-    shared = unblob(blobs["objects"], map_location, path) if objects else None
-    mine = unblob(blobs["rank_objects"][rank_key], map_location, path) if rank_objects and have_rank else None
-    if objects and not isinstance(shared, dict):
-        raise CheckpointError(
-            f"checkpoint {path!r}: its shared objects are {type(shared).__name__}, not a dict"
-        )
-    if mine is not None and not isinstance(mine, dict):
-        raise CheckpointError(
-            f"checkpoint {path!r}: its per-rank objects are {type(mine).__name__}, not a dict"
-        )
+    safe_dcp_load(blobs, path)  # the objects first: a bad blob fails before any tensor is read
+    shared = unblob(blobs["objects"], map_location, path)
+    mine = unblob(blobs["rank_objects"][rank_key], map_location, path) if have_rank else None
+    for what, value in (("shared", shared), ("per-rank", mine)):
+        if value is not None and not isinstance(value, dict):
+            raise CheckpointError(
+                f"checkpoint {path!r}: its {what} objects are {type(value).__name__}, not a dict"
+            )
     fresh = fresh_like(tensors)
     if fresh:
-        safe_dcp_load({"tensors": fresh}, path, no_dist=no_dist)
-    return fresh, shared, mine, record["meta"]
-
-
-def verify_files(path: str) -> dict[str, Any]:
-    """The commit record of ``path`` once its marker and every file's size and CRC-32 are checked."""
-    record = read_commit(path)
-    validate_files(path, record)
-    return record
+        safe_dcp_load({"tensors": fresh}, path)
+    return fresh, shared, mine
 
 
 def load_dir(
-    path: str,
-    tensors: dict[str, Any],
-    *,
-    map_location: Any = "cpu",
-    objects: bool = True,
-    rank_objects: bool = True,
-) -> tuple[dict[str, Any] | None, dict[str, Any] | None, dict[str, Any]]:
-    """Validate, then fill ``tensors`` in place from checkpoint ``path``; return (objects, rank objects, meta).
-
-    :func:`read_dir`, then the fresh tensors are copied into ``tensors``: any failure raises
-    :class:`CheckpointError` with ``tensors`` unchanged.
-    """
-    fresh, shared, mine, meta = read_dir(
-        path, tensors, map_location=map_location, objects=objects, rank_objects=rank_objects
-    )
+    path: str, tensors: dict[str, Any], *, map_location: Any = "cpu"
+) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any]]:
+    """:func:`read_dir`, then the fresh tensors are copied into ``tensors`` in place; returns (objects, rank
+    objects, meta). Any failure raises :class:`CheckpointError` with ``tensors`` unchanged."""
+    meta = verify_dir(path)["meta"]  # type: ignore[index]  # required=True: the record or CheckpointError
+    fresh, shared, mine = read_dir(path, tensors, map_location=map_location)
     apply_fresh(tensors, fresh)  # only now are the live tensors written
     return shared, mine, meta
 
 
-def barrier() -> None:
-    """A barrier when distributed (no-op otherwise)."""
-    if is_distributed():
-        dist.barrier()
+def fresh_like(template: Any) -> Any:
+    """``template`` with every tensor replaced by ``torch.empty_like`` (dicts and lists copied, leaves shared)."""
+    if isinstance(template, torch.Tensor):
+        return torch.empty_like(template)
+    if isinstance(template, dict):
+        return {k: fresh_like(v) for k, v in template.items()}
+    if isinstance(template, list):
+        return [fresh_like(v) for v in template]
+    return template
+
+
+@torch.no_grad()
+def apply_fresh(template: Any, fresh: Any) -> None:
+    """Copy ``fresh`` (filled by a load) into ``template`` in place: tensors with ``copy_``, other leaves set."""
+    items: Any
+    if isinstance(template, dict):
+        items = template.items()
+    elif isinstance(template, list):
+        items = enumerate(template)
+    else:
+        return
+    for key, live in list(items):
+        new = fresh[key]
+        if isinstance(live, torch.Tensor):
+            live.copy_(new)
+        elif isinstance(live, (dict, list)):
+            apply_fresh(live, new)
+        else:
+            template[key] = new

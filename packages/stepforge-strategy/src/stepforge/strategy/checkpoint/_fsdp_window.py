@@ -2,14 +2,11 @@
 """The unsharded gradients FSDP2 accumulates inside a no-sync accumulation window: read them for a save, put
 them back on resume.
 
-Why FSDP2 internals: under ``set_requires_gradient_sync(False)`` FSDP2 keeps each micro-batch's gradient on its
-*unsharded* parameter (``FSDPParam._unsharded_param.grad``, or ``FSDPParam.unsharded_accumulated_grad`` when a
-``reduce_dtype`` differs from the parameter dtype) and reduce-scatters the sum only in the first synchronised
-backward. No public torch API exposes these tensors: :mod:`stepforge.core.torch_compat` reaches them for this module.
-
-Restore writes ``unsharded_accumulated_grad``: FSDP2's post-backward adds the next micro-batch's gradient into it
-(``accumulate_unsharded_grad_if_needed``: saved + new, the same operands autograd adds in the uninterrupted run)
-and the synchronised backward reduce-scatters it, so the resumed window sums exactly as the uninterrupted one.
+Under ``set_requires_gradient_sync(False)`` FSDP2 keeps each micro-batch's gradient on its *unsharded* parameter
+and reduce-scatters the sum only in the first synchronised backward; no public torch API exposes these tensors
+(:mod:`stepforge.core.torch_compat` reaches them). Restore writes ``unsharded_accumulated_grad``: FSDP2's
+post-backward adds the next micro-batch's gradient into it (saved + new, the operands autograd adds in the
+uninterrupted run), so the resumed window sums exactly as the uninterrupted one.
 """
 
 from __future__ import annotations
@@ -30,16 +27,14 @@ from stepforge.core.torch_compat import (
 __all__ = ["fsdp_pending_grads", "set_fsdp_pending_grads"]
 
 
-def _local(grad: torch.Tensor) -> torch.Tensor:
-    return grad.to_local() if is_dtensor(grad) else grad
-
-
 def fsdp_pending_grads(model: nn.Module) -> list[torch.Tensor | None]:
     """This rank's not yet reduce-scattered (unsharded) gradients of every FSDP2 parameter, cloned to CPU."""
     out: list[torch.Tensor | None] = []
     for fp in fsdp2_params(model):
         grad = fsdp2_pending_grad(fp)
-        out.append(None if grad is None else _local(grad).detach().to("cpu", copy=True))
+        if grad is not None:
+            grad = (grad.to_local() if is_dtensor(grad) else grad).detach().to("cpu", copy=True)
+        out.append(grad)
     return out
 
 

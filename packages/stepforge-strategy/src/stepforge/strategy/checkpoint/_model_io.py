@@ -1,22 +1,27 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Full-model save/load in the Hugging Face layout (``model.safetensors`` or size-capped shards + index).
+"""Full-model save/load in the Hugging Face layout: one file (``model.safetensors`` / ``pytorch_model.bin``), or
+size-capped shards ``<stem>-00001-of-0000N.<ext>`` plus ``<stem>.<ext>.index.json`` (``weight_map``: tensor name ->
+shard file), as transformers writes and reads them.
 
 Saving gathers the full state dict (FSDP2 DTensors included) with
 ``torch.distributed.checkpoint.state_dict.get_model_state_dict(full_state_dict=True, cpu_offload=True)``; every
-rank must call it and rank 0 writes. Loading reads the file(s) on every rank and applies them with
-``set_model_state_dict(full_state_dict=True)``, one file at a time (never the whole model at once), which shards
-them again for FSDP2, so a save loads at any world size and into a plain ``nn.Module`` (``safetensors.torch.load_file``).
-
-Every save goes through the one checkpoint writer: a single file via ``commit_file`` (an existing file at that path
-is replaced atomically; sidecar manifest ``<file>.stepforge.json``), shards and their index via ``commit_files``
-(into the directory the user names, which may already hold ``config.json`` and tokenizer files; ``COMMIT.json``
-lists this save's files and names its entry). The layout itself is ``_hf_layout.py``. Loads check the manifest
-when there is one (a Hugging Face download has none and is read as it is).
+rank must call it and rank 0 writes, through the one writer (a single file with its sidecar manifest, replaced
+atomically; shards and their index into the directory the user names, which may already hold ``config.json`` and
+tokenizer files). Loading checks the manifest when there is one (a Hugging Face download has none and is read as
+it is), picks each file's reader from its bytes (safetensors header or ``torch.save`` archive, read with
+``weights_only=True``), never from its name, and applies the files one at a time with
+``set_model_state_dict(full_state_dict=True)``, which shards them again for FSDP2: a save loads at any world size
+and into a plain ``nn.Module``.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import re
+from collections.abc import Callable, Iterable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,39 +30,187 @@ from torch import nn
 
 from stepforge.core import WrappedModel
 
-from ._agree import on_rank0
-from ._hf_layout import (
-    BIN_WEIGHTS,
-    INDEX_SUFFIX,
-    SAFE_WEIGHTS,
-    entry_name,
-    files_to_read,
-    is_safetensors,
-    read_file,
-    read_state,
-    stale_shards,
-    unshare,
-    weight_names,
-    write_shards,
-    write_tensors,
-)
-from ._layout import CheckpointMismatchError
-from ._names import check_name, check_target
-from ._writer import commit_file, commit_files, verify_dir, verify_file, write_file, write_files
+from ._layout import MARKER, CheckpointMismatchError, read_commit, read_torch_file, verify_save
+from ._pending import PendingWrites, staged, write_on_rank0
+from ._writer import check_name, check_target, write_file, write_files
 
 __all__ = [
-    "save_model",
-    "claim_model_target",
-    "write_full_state_dict",
-    "load_model",
-    "read_full_state_dict",
-    "gather_full_state_dict",
-    "unwrap_model",
-    "SAFE_WEIGHTS",
-    "BIN_WEIGHTS",
+    "INDEX_SUFFIX",
+    "files_to_read",
     "is_safetensors",
-    "check_full_state_dict",
+    "load_model",
+    "prefixed",
+    "read_file",
+    "save_model",
+    "unwrap_model",
+    "write_shards",
 ]
+
+logger = logging.getLogger("stepforge.strategy")
+
+SAFE_WEIGHTS = "model.safetensors"
+BIN_WEIGHTS = "pytorch_model.bin"
+INDEX_SUFFIX = ".index.json"
+
+
+def prefixed(prefix: str | None, stem: str) -> str:
+    """``stem`` after ``prefix``, joined with ``-`` (``"ema"`` -> ``"ema-model"``) unless it ends in ``-``/``_``."""
+    if not prefix:
+        return stem
+    return f"{prefix}{stem}" if prefix.endswith(("-", "_")) else f"{prefix}-{stem}"
+
+
+def weight_names(prefix: str | None, use_safetensors: bool) -> tuple[str, str]:
+    """``(stem, extension)`` of the weight files: ``("model", "safetensors")``, ``("pytorch_model", "bin")``."""
+    stem, ext = (SAFE_WEIGHTS if use_safetensors else BIN_WEIGHTS).rsplit(".", 1)
+    return prefixed(prefix, stem), ext
+
+
+def unshare(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Tensors that own their whole storage (safetensors refuses tied weights and views into bigger storage): a
+    tensor sharing storage with an earlier entry or covering part of its storage is copied, the rest are not."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for key, tensor in state.items():
+        tensor = tensor.detach()
+        storage = tensor.untyped_storage()
+        owns = tensor.is_contiguous() and tensor.numel() * tensor.element_size() == storage.nbytes()
+        if storage.data_ptr() in seen or not owns:
+            tensor = tensor.contiguous().clone()
+        seen.add(tensor.untyped_storage().data_ptr())
+        out[key] = tensor
+    return out
+
+
+def write_tensors(tensors: dict[str, torch.Tensor], path: str, use_safetensors: bool) -> None:
+    """One weight file: safetensors (``metadata={"format": "pt"}``, as transformers) or ``torch.save``."""
+    if use_safetensors:
+        from safetensors.torch import save_file
+
+        save_file(tensors, path, metadata={"format": "pt"})
+    else:
+        torch.save(tensors, path)
+
+
+def write_shards(
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    folder: str,
+    prefix: str | None,
+    cap_bytes: float,
+    use_safetensors: bool,
+) -> list[str]:
+    """The sharded layout into ``folder``, split as transformers does (shards of at most ``cap_bytes``, a bigger
+    tensor alone) holding one shard in memory at a time: one file when everything fits, else numbered shards plus
+    the index JSON. Returns the file names in the order they may go live: shards first, the entry (index or the
+    one file) last."""
+    stem, ext = weight_names(prefix, use_safetensors)
+    parts: list[list[str]] = []
+    shard: dict[str, torch.Tensor] = {}
+    size = total = 0
+
+    def flush() -> None:
+        write_tensors(unshare(shard), os.path.join(folder, f"part-{len(parts)}.tmp"), use_safetensors)
+        parts.append(list(shard))
+        shard.clear()
+
+    for name, tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if shard and size + nbytes > cap_bytes:
+            flush()
+            size = 0
+        shard[name] = tensor
+        size += nbytes
+        total += nbytes
+    flush()
+    if len(parts) == 1:
+        os.replace(os.path.join(folder, "part-0.tmp"), os.path.join(folder, f"{stem}.{ext}"))
+        return [f"{stem}.{ext}"]
+    weight_map: dict[str, str] = {}
+    names = []
+    for i, keys in enumerate(parts):
+        names.append(f"{stem}-{i + 1:05d}-of-{len(parts):05d}.{ext}")
+        os.replace(os.path.join(folder, f"part-{i}.tmp"), os.path.join(folder, names[-1]))
+        weight_map.update(dict.fromkeys(keys, names[-1]))
+    index = f"{stem}.{ext}{INDEX_SUFFIX}"
+    with open(os.path.join(folder, index), "w", encoding="utf-8") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
+    return [*names, index]
+
+
+def stale_shards(prefix: str | None, use_safetensors: bool) -> Callable[[str], bool]:
+    """Whether a file name is one of this layout's own (``<stem>-NNNNN-of-NNNNN.<ext>``, ``<stem>.<ext>`` or its
+    index) for these weight names: what an earlier save of them left, which a new save that does not rewrite it
+    may remove (transformers' ``save_pretrained`` removes such shards)."""
+    stem, ext = weight_names(prefix, use_safetensors)
+    pattern = re.compile(
+        rf"{re.escape(stem)}(-\d{{5}}-of-\d{{5}})?\.{re.escape(ext)}({re.escape(INDEX_SUFFIX)})?"
+    )
+    return lambda name: pattern.fullmatch(name) is not None
+
+
+_ZIP_MAGIC = b"PK\x03\x04"  # torch.save's archive (torch >= 1.6)
+_PICKLE_PROTO = 0x80  # pickle's PROTO opcode: a legacy (non-zip) torch.save
+_SAFETENSORS_MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on its JSON header
+
+
+def is_safetensors(path: Path) -> bool:
+    """Whether ``path`` holds a safetensors file, from its bytes (``save_model`` may have written one under any
+    name): an 8-byte little-endian header length that fits the file, then the JSON header's ``{``.
+
+    Raises:
+        ValueError: the file is neither safetensors nor a ``torch.save`` archive or pickle.
+    """
+    with open(path, "rb") as f:
+        head = f.read(9)
+    size = path.stat().st_size
+    # the header first: its length's low byte may be 0x80 (a 640-byte header), pickle's PROTO opcode
+    if len(head) == 9 and head[8:9] == b"{":
+        length = int.from_bytes(head[:8], "little")
+        if 0 < length <= min(size - 8, _SAFETENSORS_MAX_HEADER):
+            return True
+    if head[:4] == _ZIP_MAGIC or head[:1] == bytes([_PICKLE_PROTO]):
+        return False
+    raise ValueError(
+        f"load_model: {path} is neither a safetensors file nor a torch.save archive (first bytes {head!r}); "
+        "pass a file written by save_model or torch.save."
+    )
+
+
+def read_file(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of one weight file; the reader is chosen from the file's bytes, never its name."""
+    if is_safetensors(path):
+        from safetensors.torch import load_file
+
+        return load_file(str(path))
+    # checked by the caller (verify_save): the file's manifest, or its directory's COMMIT.json
+    return read_torch_file(path, where="load_model", verify=False)  # type: ignore[no-any-return]
+
+
+def files_to_read(path: Path) -> list[Path]:
+    """The weight files of a model save at ``path``: a directory (the entry its stepforge model save recorded, so
+    a directory that also holds other weights is read as that save wrote it; else its one index or its one weight
+    file), an index JSON, or a single file."""
+    if path.is_dir():
+        meta = read_commit(str(path))["meta"] if (path / MARKER).is_file() else {}
+        entry = meta.get("entry") if meta.get("kind") == "model" else None
+        if isinstance(entry, str) and entry:
+            return files_to_read(path / entry)
+        indexes = sorted(path.glob(f"*{INDEX_SUFFIX}"))
+        if len(indexes) > 1:
+            raise ValueError(f"load_model: {path} holds several index files {indexes}; pass one of them.")
+        found = indexes or sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
+        if len(found) != 1:
+            raise FileNotFoundError(
+                f"load_model: {path} holds no index file and {len(found)} weight files; expected "
+                f"{SAFE_WEIGHTS} (or {BIN_WEIGHTS}), or shards with an index JSON."
+            )
+        return files_to_read(found[0])
+    if path.name.endswith(INDEX_SUFFIX):
+        weight_map = json.loads(path.read_text())["weight_map"]
+        return [path.parent / name for name in sorted(set(weight_map.values()))]
+    if path.is_file():
+        return [path]
+    raise FileNotFoundError(f"load_model: no checkpoint at {path}.")
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -75,22 +228,12 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 
 def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The full, unsharded CPU state dict of ``model`` on rank 0 (other ranks get an empty dict for FSDP2).
-
-    Collective: every rank must call it.
-    """
+    """The full, unsharded CPU state dict of ``model`` on rank 0 (collective; FSDP2's other ranks get ``{}``)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state = get_model_state_dict(unwrap_model(model), options=options)
     return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
-
-
-def _meta(use_safetensors: bool, entry: str | None = None) -> dict[str, Any]:
-    meta: dict[str, Any] = {"kind": "model", "format": "safetensors" if use_safetensors else "torch"}
-    if entry is not None:
-        meta["entry"] = entry
-    return meta
 
 
 def _file_target(checkpoint: str | os.PathLike[str], prefix: str | None, use_safetensors: bool) -> Path:
@@ -102,59 +245,6 @@ def _file_target(checkpoint: str | os.PathLike[str], prefix: str | None, use_saf
     return path
 
 
-def claim_model_target(
-    checkpoint: str | os.PathLike[str], *, shard: bool, prefix: str | None, use_safetensors: bool
-) -> str:
-    """Check where a model save goes before anything is written (collective: rank 0 checks, every rank gets the
-    absolute target or the same error): an asynchronous save refuses a bad name when it is called, not later."""
-
-    def check() -> str:
-        if shard:
-            return check_target(checkpoint, arg="checkpoint", where="save_model", kind="files")
-        target = _file_target(checkpoint, prefix, use_safetensors)
-        return check_target(target, arg="checkpoint", where="save_model", kind="file")
-
-    return on_rank0(check, where="save_model")
-
-
-def _shard_writer(
-    state: dict[str, torch.Tensor], prefix: str | None, size_per_shard: float, use_safetensors: bool
-) -> tuple[Any, dict[str, Any]]:
-    """The writer of a sharded save and its meta (the entry names the index, or the one file)."""
-    entry = entry_name(state, prefix, size_per_shard, use_safetensors)
-
-    def write(tmp: str) -> list[str]:
-        return write_shards(unshare(state), tmp, prefix, size_per_shard, use_safetensors)
-
-    return write, _meta(use_safetensors, entry)
-
-
-def _write_state(
-    state: dict[str, torch.Tensor],
-    checkpoint: str | os.PathLike[str],
-    shard: bool,
-    prefix: str | None,
-    size_per_shard: float,
-    use_safetensors: bool,
-    writers: tuple[Any, Any],
-) -> None:
-    """``state`` as one file or as shards and an index, through ``writers``: the writer's ``(one file, files)``
-    pair, collective (``commit_file``/``commit_files``) or by this process alone (``write_file``/``write_files``)."""
-    one_file, files = writers
-    if not shard:
-        one_file(
-            _file_target(checkpoint, prefix, use_safetensors),
-            lambda tmp: write_tensors(unshare(state), tmp, use_safetensors),
-            arg="checkpoint", where="save_model", meta=_meta(use_safetensors),
-        )  # fmt: skip
-        return
-    write, meta = _shard_writer(state, prefix, size_per_shard, use_safetensors)
-    files(
-        checkpoint, write, arg="checkpoint", where="save_model", meta=meta,
-        stale=stale_shards(prefix, use_safetensors),
-    )  # fmt: skip
-
-
 def save_model(
     model: nn.Module,
     checkpoint: str | os.PathLike[str],
@@ -163,48 +253,60 @@ def save_model(
     prefix: str | None = None,
     size_per_shard: float = 1024,
     use_safetensors: bool = True,
+    pending: PendingWrites | None = None,
 ) -> None:
     """Write ``model``'s full state in the HF layout (see the module docstring). Collective: every rank gathers,
-    rank 0 writes, every rank gets the outcome (the same :class:`CheckpointError` on failure)."""
+    rank 0 writes, every rank gets the outcome (the same :class:`CheckpointError` on failure). ``pending``: the
+    state is staged and the target checked now, the write runs on the background writer (safetensors, as
+    ColossalAI's asynchronous saves)."""
     if not isinstance(size_per_shard, int | float) or size_per_shard <= 0:
         raise ValueError(f"save_model: size_per_shard must be > 0 (MiB), got {size_per_shard!r}.")
     state = gather_full_state_dict(model)
-    _write_state(
-        state, checkpoint, shard, prefix, size_per_shard, use_safetensors, (commit_file, commit_files)
+    if pending is not None:
+        if not use_safetensors:
+            logger.warning(
+                "save_model: use_async=True writes safetensors (use_safetensors set to True), as ColossalAI."
+            )
+        use_safetensors, state = True, staged(state)
+    target = checkpoint if shard else _file_target(checkpoint, prefix, use_safetensors)
+    claim = partial(
+        check_target, target, arg="checkpoint", where="save_model", kind="files" if shard else "file"
     )
+    write = partial(
+        write_full_state_dict, state, checkpoint, shard=shard, prefix=prefix, size_per_shard=size_per_shard,
+        use_safetensors=use_safetensors,
+    )  # fmt: skip
+    write_on_rank0(write, where="save_model", pending=pending, claim=claim)
 
 
 def write_full_state_dict(
     state: dict[str, torch.Tensor],
     checkpoint: str | os.PathLike[str],
     *,
-    shard: bool = False,
-    prefix: str | None = None,
-    size_per_shard: float = 1024,
-    use_safetensors: bool = True,
-) -> None:
-    """Write a full state dict (as :func:`gather_full_state_dict` returns it) like :func:`save_model` does, through
-    the same writer (checksummed, atomic), by this process alone: not collective, so an asynchronous save runs it
-    on rank 0's writer thread. Raises :class:`CheckpointError` on failure (nothing committed)."""
-    _write_state(state, checkpoint, shard, prefix, size_per_shard, use_safetensors, (write_file, write_files))
+    shard: bool,
+    prefix: str | None,
+    size_per_shard: float,
+    use_safetensors: bool,
+) -> str:
+    """Write a full state dict (as :func:`gather_full_state_dict` returns it) through the one writer, by this
+    process alone (rank 0, or its background writer)."""
+    meta: dict[str, Any] = {"kind": "model", "format": "safetensors" if use_safetensors else "torch"}
+    if not shard:
+        return write_file(
+            _file_target(checkpoint, prefix, use_safetensors),
+            lambda tmp: write_tensors(unshare(state), tmp, use_safetensors),
+            arg="checkpoint", where="save_model", meta=meta,
+        )  # fmt: skip
 
+    def write(tmp: str) -> list[str]:
+        names = write_shards(state.items(), tmp, prefix, size_per_shard * 1024 * 1024, use_safetensors)
+        meta["entry"] = names[-1]  # the file a reader starts from; the writer records meta after write()
+        return names
 
-def _verify(path: Path) -> None:
-    """Checksums first (COMMIT.json of a sharded save, the sidecar manifest of a single file): nothing damaged is
-    read; a directory or file stepforge did not write (no manifest) is read as it is."""
-    if path.is_dir():
-        verify_dir(str(path), required=False, where="load_model")
-    elif path.name.endswith(INDEX_SUFFIX):
-        verify_dir(str(path.parent), required=False, where="load_model")
-    elif path.is_file():
-        verify_file(str(path))
-
-
-def read_full_state_dict(checkpoint: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
-    """Every tensor of a file, an index JSON or a directory written by :func:`save_model`."""
-    path = Path(checkpoint)
-    _verify(path)
-    return read_state(files_to_read(path))
+    return write_files(
+        checkpoint, write, arg="checkpoint", where="save_model", meta=meta,
+        stale=stale_shards(prefix, use_safetensors),
+    )  # fmt: skip
 
 
 def _shapes(file: Path) -> dict[str, torch.Tensor]:
@@ -230,16 +332,25 @@ def _meta_like(view: Any) -> torch.Tensor:
     return torch.empty(view.get_shape(), dtype=_SAFETENSORS_DTYPES[view.get_dtype()], device="meta")
 
 
-def check_full_state_dict(
-    checkpoint: str | os.PathLike[str], saved: dict[str, Any], live: dict[str, Any], *, strict: bool
-) -> None:
-    """``saved`` (read from ``checkpoint``) fits ``live`` (the model's state dict; DTensors by their global
-    shape): the same keys when ``strict``, and every common key with the same shape. A dtype may differ: the
-    load casts, as torch's ``load_state_dict`` (an fp16 save loads into an fp32 or bf16 model and back).
+def load_model(model: nn.Module, checkpoint: str | os.PathLike[str], *, strict: bool = True) -> None:
+    """Load a full HF-layout save into ``model`` (plain, DDP or FSDP2) at any world size, one weight file at a
+    time (a sharded save streams in shard by shard: FSDP2 keeps this rank's part of each tensor). Collective."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
 
-    Raises:
-        CheckpointMismatchError: naming the file and the first differences; nothing has been loaded.
-    """
+    verify_save(os.fspath(checkpoint), where="load_model")  # checksums first: nothing damaged is read
+    files = files_to_read(Path(checkpoint))
+    module = unwrap_model(model)
+    # verify every file's names, shapes and dtypes, then apply one file at a time: a file of another model raises
+    # before any parameter is written, and a rank never holds more of the checkpoint than its largest file
+    # (a dtype may differ: the load casts, as torch's load_state_dict; DTensors compare by their global shape)
+    saved: dict[str, Any] = {}
+    for file in files:
+        saved.update(_shapes(file))
+    live = get_model_state_dict(module)
     missing = sorted(set(live) - set(saved))
     unexpected = sorted(set(saved) - set(live))
     if strict and (missing or unexpected):
@@ -256,27 +367,6 @@ def check_full_state_dict(
                 f"load_model: {checkpoint} does not match the model: {key} is {have.dtype}{tuple(have.shape)} "
                 f"there and {want.dtype}{tuple(want.shape)} here"
             )
-
-
-def load_model(model: nn.Module, checkpoint: str | os.PathLike[str], *, strict: bool = True) -> None:
-    """Load a full HF-layout save into ``model`` (plain, DDP or FSDP2) at any world size, one weight file at a
-    time (a sharded save streams in shard by shard: FSDP2 keeps this rank's part of each tensor). Collective."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        set_model_state_dict,
-    )
-
-    path = Path(checkpoint)
-    _verify(path)
-    files = files_to_read(path)
-    module = unwrap_model(model)
-    # verify every file's names, shapes and dtypes, then apply one file at a time: a file of another model raises
-    # before any parameter is written, and a rank never holds more of the checkpoint than its largest file
-    headers: dict[str, Any] = {}
-    for file in files:
-        headers.update(_shapes(file))
-    check_full_state_dict(checkpoint, headers, get_model_state_dict(module), strict=strict)
     options = StateDictOptions(full_state_dict=True, strict=False)
     for file in files:
         state: dict[str, Any] = read_file(file)

@@ -1,29 +1,33 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Optimizer and lr-scheduler save/load for the Booster.
+"""The Booster's boosted-optimizer and lr-scheduler saves and loads.
 
 Every plugin's ``get_state_dict`` gives the optimizer state in one layout: keyed by parameter FQN, each tensor
 this rank's part of a tensor in its parameter's shape (a plain tensor, an FSDP2 ``DTensor``, a ZeRO
-``FlatShard``). A sharded save (``shard=True``) goes through ``torch.distributed.checkpoint``: every rank writes
-its own part, and ``dcp.load`` fills the template of any plugin at any world size. An unsharded save
-(``shard=False``) is one ``torch.save`` file of the full state, gathered to rank 0 (ColossalAI's unsharded
-optimizer save), that ``torch.load(weights_only=True)`` reads and any plugin at any world size loads: every rank
-reads the file and copies out its part. The fp16 loss-scaler state (``grad_scaler``, the boosted optimizer's
-``scaler_state_dict()``) rides along. Saves go through the one checkpoint writer (``commit_dir`` for the optimizer
-directory, written by ``_dcp.dcp_save`` as every DCP save; ``commit_file`` for the scheduler file); an
-asynchronous save runs on the background writer (``_pending.py``). Loads check the manifest first. The plugin
-and the optimizer meet here only through :class:`stepforge.core.Plugin` and
-:class:`stepforge.core.BoostedOptimizer`.
+``FlatShard``). ``shard=True`` goes through ``torch.distributed.checkpoint`` (every rank writes its part; ``dcp.load``
+fills any plugin's template at any world size); ``shard=False`` is one ``torch.save`` file of the full state
+gathered to rank 0 (ColossalAI's unsharded save), from which every rank copies out its part. The fp16
+loss-scaler state (``grad_scaler``) rides along. The plugin and the optimizer meet here only through
+:class:`stepforge.core.Plugin` and :class:`stepforge.core.BoostedOptimizer`.
+
+A plain ``torch.optim.Optimizer`` (one ``boost`` did not wrap) is saved as its ``state_dict()`` in ColossalAI's
+``GeneralCheckpointIO`` layouts: ``shard=False``: one ``torch.save`` file; ``shard=True``: directory
+``checkpoint`` with ``[prefix-]pytorch_optim_group.bin`` (the ``param_groups``), shards
+``[prefix-]pytorch_optim-00001.bin``... of at most ``size_per_shard`` MiB (each ``{param index: state}``) and the
+index ``[prefix-]pytorch_optim.bin.index.json`` (``weight_map``: param index -> shard, ``metadata.param_groups``:
+the group file), written last. A directory holding the single ``pytorch_optim.bin`` of earlier versions loads.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.tensor import DTensor
@@ -32,30 +36,29 @@ from stepforge.core import BoostedOptimizer, Plugin, unwrap_optimizer
 from stepforge.core.flat_shard import FlatShard
 
 from .._env import get_rank, is_distributed
-from ._dcp import dcp_save, safe_dcp_load
-from ._layout import CheckpointMismatchError
-from ._optim_template import complete_template, fit_template_to_state, saved_optimizer_state
-from ._pending import PendingWrites, async_save_group, staged
-from ._sidecar import read_torch_file
-from ._staging import fresh_like
-from ._writer import begin_dir, commit_dir, commit_file, finish_dir, verify_dir
-from ._writer import write_file as write_one_file
+from ._dcp import dcp_save, fresh_like, safe_dcp_load
+from ._layout import CheckpointError, CheckpointMismatchError, read_torch_file, verify_dir, verify_save
+from ._model_io import prefixed
+from ._optim_template import fit_template, fit_template_to_state, saved_optimizer_state
+from ._pending import PendingWrites, async_save_group, staged, write_on_rank0
+from ._writer import (
+    begin_dir,
+    check_target,
+    commit_dir,
+    commit_file,
+    finish_dir,
+    write_file,
+    write_files,
+)
 
 __all__ = [
-    "save_optimizer",
-    "load_optimizer",
-    "save_lr_scheduler",
     "load_lr_scheduler",
+    "load_optimizer",
+    "load_plain_optimizer",
+    "save_lr_scheduler",
+    "save_optimizer",
+    "save_plain_optimizer",
 ]
-
-
-def _saved_state(plugin: Plugin, model: nn.Module, optimizer: BoostedOptimizer) -> dict[str, Any]:
-    _, optim_sd = plugin.get_state_dict(model, optimizer)
-    state: dict[str, Any] = {"optimizer": saved_optimizer_state(optimizer, optim_sd)}
-    scaler = optimizer.scaler_state_dict()
-    if scaler is not None:
-        state["grad_scaler"] = scaler
-    return state
 
 
 _META = {"kind": "optimizer"}
@@ -118,41 +121,25 @@ def save_optimizer(
 
     ``pending`` (an asynchronous save): the state is staged (copied to CPU; a sharded save's directory begun)
     here; the write and the commit run on the background writer (``_pending.py``), on its own process group."""
-    state = _saved_state(plugin, model, optimizer)
+    _, optim_sd = plugin.get_state_dict(model, optimizer)
+    state: dict[str, Any] = {"optimizer": saved_optimizer_state(optimizer, optim_sd)}
+    scaler = optimizer.scaler_state_dict()
+    if scaler is not None:
+        state["grad_scaler"] = scaler
     if not shard:
-        full = _gathered(state)
-
-        def write_file(tmp: str) -> None:
-            torch.save(full, tmp)
-
-        if pending is None:
-            commit_file(checkpoint, write_file, arg="checkpoint", where="save_optimizer", meta=_META)
-        else:  # rank 0 writes in the background; the ranks agree on the outcome at the wait
-            background = partial(
-                write_one_file, checkpoint, write_file, arg="checkpoint", where="save_optimizer", meta=_META
-            )
-            pending.submit(background if get_rank() == 0 else None, where="save_optimizer")
+        save = partial(torch.save, _gathered(state))
+        write = partial(write_file, checkpoint, save, arg="checkpoint", where="save_optimizer", meta=_META)
+        write_on_rank0(write, where="save_optimizer", pending=pending)
         return
     if pending is None:
-
-        def write(tmp: str) -> None:
-            dcp_save(state, tmp)
-
-        commit_dir(checkpoint, write, meta=_META, arg="checkpoint", where="save_optimizer")
+        commit_dir(checkpoint, partial(dcp_save, state), meta=_META, arg="checkpoint", where="save_optimizer")
         return
     copy = staged(state)  # a CPU copy (DTensors and FlatShards keep their kind): what the writer reads
     final, tmp = begin_dir(checkpoint, arg="checkpoint", where="save_optimizer")
     group = async_save_group()
-
-    def write_and_commit() -> str:
-        local: BaseException | None = None
-        try:
-            dcp_save(copy, tmp, process_group=group)
-        except (Exception, dcp.CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
-            local = exc
-        return finish_dir(final, tmp, local, meta=_META, where="save_optimizer", group=group)
-
-    pending.submit(write_and_commit, where="save_optimizer")
+    write_dcp = partial(dcp_save, copy, process_group=group)
+    commit = partial(finish_dir, final, tmp, write_dcp, meta=_META, where="save_optimizer", group=group)
+    pending.submit(commit, where="save_optimizer")
 
 
 def load_optimizer(
@@ -167,40 +154,40 @@ def load_optimizer(
     path = Path(checkpoint)
     model_sd, optim_sd = plugin.get_state_dict(model, optimizer)
     scaler = optimizer.scaler_state_dict()
+    saved: Any = None
     if path.is_file():
         saved = read_torch_file(path, where="load_optimizer")  # no code runs from it (CheckpointError)
         if not isinstance(saved, dict) or "optimizer" not in saved:
             raise CheckpointMismatchError(
                 f"load_optimizer: {path} holds no 'optimizer' entry; pass a file written by save_optimizer"
             )
-        try:
-            fit_template_to_state(optim_sd, saved["optimizer"], path, optimizer)
-        except CheckpointMismatchError as exc:
-            raise CheckpointMismatchError(f"load_optimizer: {exc}") from exc
-        fresh = _fill(fresh_like({"optimizer": optim_sd}), {"optimizer": saved["optimizer"]})
-        plugin.set_state_dict(model, optimizer, model_sd, fresh["optimizer"])
-        if scaler is not None and saved.get("grad_scaler") is not None:
-            optimizer.load_scaler_state_dict(saved["grad_scaler"])
-        return
-    if not (path / ".metadata").is_file():
+    elif not (path / ".metadata").is_file():
         raise FileNotFoundError(
             f"load_optimizer: {path} is neither a file of save_optimizer(shard=False) nor a "
             "torch.distributed.checkpoint directory (no .metadata); pass the path given to save_optimizer."
         )
-    # COMMIT.json and every file's CRC-32 first; a directory without one (torch's own dcp.save, or a save of
-    # stepforge before the one writer) is read as before, through the restricted reader only
-    verify_dir(str(path), required=False, where="load_optimizer")
+    else:  # a directory without COMMIT.json (torch's own dcp.save) is read through the restricted reader only
+        verify_dir(str(path), required=False, where="load_optimizer")
     # every saved entry gets a place (or CheckpointMismatchError, a ValueError) before any tensor is read
-    complete_template(optim_sd, path, unwrap_optimizer(optimizer))
-    state: dict[str, Any] = {"optimizer": optim_sd}
-    if scaler is not None:
-        state["grad_scaler"] = scaler
-    fresh = fresh_like(state)  # read into fresh tensors: a failed read leaves the optimizer as it was
-    safe_dcp_load(
-        fresh, str(path), no_dist=not is_distributed()
-    )  # no code runs from the files (CheckpointError)
+    try:
+        if saved is None:
+            fit_template(optim_sd, path, unwrap_optimizer(optimizer))
+        else:
+            fit_template_to_state(optim_sd, saved["optimizer"], path, optimizer)
+    except CheckpointMismatchError as exc:
+        raise CheckpointMismatchError(f"load_optimizer: {exc}") from exc
+    fresh = fresh_like({"optimizer": optim_sd, "grad_scaler": scaler})  # a failed read changes nothing live
+    if saved is None:
+        if scaler is None:
+            del fresh["grad_scaler"]
+        safe_dcp_load(fresh, str(path))
+    else:
+        fresh = {
+            "optimizer": _fill(fresh["optimizer"], saved["optimizer"]),
+            "grad_scaler": saved.get("grad_scaler"),
+        }
     plugin.set_state_dict(model, optimizer, model_sd, fresh["optimizer"])
-    if scaler is not None:
+    if scaler is not None and fresh.get("grad_scaler") is not None:
         optimizer.load_scaler_state_dict(fresh["grad_scaler"])
 
 
@@ -210,11 +197,10 @@ def save_lr_scheduler(lr_scheduler: Any, checkpoint: str | os.PathLike[str]) -> 
     if not hasattr(lr_scheduler, "state_dict"):
         raise TypeError(f"save_lr_scheduler: {type(lr_scheduler).__name__} has no state_dict().")
     state = lr_scheduler.state_dict()
-
-    def write(tmp: str) -> None:
-        torch.save(state, tmp)
-
-    commit_file(checkpoint, write, arg="checkpoint", where="save_lr_scheduler", meta={"kind": "lr_scheduler"})
+    commit_file(
+        checkpoint, partial(torch.save, state), arg="checkpoint", where="save_lr_scheduler",
+        meta={"kind": "lr_scheduler"},
+    )  # fmt: skip
 
 
 def load_lr_scheduler(lr_scheduler: Any, checkpoint: str | os.PathLike[str]) -> None:
@@ -229,3 +215,141 @@ def load_lr_scheduler(lr_scheduler: Any, checkpoint: str | os.PathLike[str]) -> 
             "it was saved from another scheduler type; nothing was loaded"
         )
     lr_scheduler.load_state_dict(state)
+
+
+_STEM = "pytorch_optim"
+_INDEX_SUFFIX = ".bin.index.json"
+
+
+def _split(states: dict[Any, dict[str, Any]], cap_bytes: int) -> list[dict[Any, dict[str, Any]]]:
+    """``{param index: state}`` in shards of at most ``cap_bytes`` (a parameter's state is never split)."""
+    shards: list[dict[Any, dict[str, Any]]] = [{}]
+    size = 0
+    for index, state in states.items():
+        nbytes = sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
+        if shards[-1] and size + nbytes > cap_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][index] = state
+        size += nbytes
+    return shards
+
+
+def _write_sharded(
+    state: dict[str, Any], folder: str, prefix: str | None, size_per_shard: float
+) -> list[str]:
+    stem = prefixed(prefix, _STEM)
+    group_file = f"{stem}_group.bin"
+    torch.save(state["param_groups"], os.path.join(folder, group_file))
+    shards = _split(state["state"], int(size_per_shard * 1024 * 1024))
+    names, weight_map, total = [], {}, 0
+    for i, part in enumerate(shards, 1):
+        name = f"{stem}-{i:05d}.bin"
+        torch.save(part, os.path.join(folder, name))
+        names.append(name)
+        for index, entry in part.items():
+            weight_map[str(index)] = name
+            total += sum(v.numel() * v.element_size() for v in entry.values() if isinstance(v, torch.Tensor))
+    index_name = f"{stem}{_INDEX_SUFFIX}"
+    index = {"metadata": {"total_size": total, "param_groups": group_file}, "weight_map": weight_map}
+    with open(os.path.join(folder, index_name), "w", encoding="utf-8") as f:
+        f.write(json.dumps(index, indent=2, sort_keys=True))
+    return [*names, group_file, index_name]
+
+
+def _stale(prefix: str | None) -> Callable[[str], bool]:
+    stem = re.escape(prefixed(prefix, _STEM))
+    pattern = re.compile(rf"{stem}(-\d{{5}}\.bin|_group\.bin|\.bin|{re.escape(_INDEX_SUFFIX)})")
+    return lambda name: pattern.fullmatch(name) is not None
+
+
+_PLAIN_META = {"kind": "optimizer", "format": "torch"}
+
+
+def _check(optimizer: Any, where: str) -> None:
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"{where}: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}."
+        )
+
+
+def write_plain_optimizer(
+    state: dict[str, Any], checkpoint: Any, *, shard: bool, prefix: str | None, size_per_shard: float
+) -> str:
+    """Write ``state`` (an optimizer's ``state_dict()``) in this process alone (rank 0, or its background writer)."""
+    if not shard:
+        return write_file(
+            checkpoint, partial(torch.save, state), arg="checkpoint", where="save_optimizer", meta=_PLAIN_META
+        )
+    return write_files(
+        checkpoint, lambda tmp: _write_sharded(state, tmp, prefix, size_per_shard),
+        arg="checkpoint", where="save_optimizer", meta=_PLAIN_META, stale=_stale(prefix),
+    )  # fmt: skip
+
+
+def save_plain_optimizer(
+    optimizer: Any,
+    checkpoint: Any,
+    *,
+    shard: bool,
+    prefix: str | None,
+    size_per_shard: float,
+    pending: PendingWrites | None = None,
+) -> None:
+    """Save ``optimizer.state_dict()`` (collective: rank 0 writes, every rank gets the outcome). ``pending``: the
+    state is staged and the target checked now, the write runs on the background writer."""
+    _check(optimizer, "save_optimizer")
+    if not isinstance(size_per_shard, int | float) or size_per_shard <= 0:
+        raise ValueError(f"save_optimizer: size_per_shard must be > 0 (MiB), got {size_per_shard!r}.")
+    state = optimizer.state_dict() if pending is None else staged(optimizer.state_dict())
+    kind = "files" if shard else "file"
+    claim = partial(check_target, checkpoint, arg="checkpoint", where="save_optimizer", kind=kind)
+    write = partial(
+        write_plain_optimizer, state, checkpoint, shard=shard, prefix=prefix, size_per_shard=size_per_shard
+    )
+    write_on_rank0(write, where="save_optimizer", pending=pending, claim=claim)
+
+
+def _read_sharded(index_path: Path) -> dict[str, Any]:
+    try:
+        index = json.loads(index_path.read_text(encoding="utf-8"))
+        group_file = index["metadata"]["param_groups"]
+        weight_map = index["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"load_optimizer: {index_path} is not an optimizer index ({exc})") from exc
+    groups = read_torch_file(index_path.parent / group_file, where="load_optimizer", verify=False)
+    states: dict[int, Any] = {}
+    for name in sorted(set(weight_map.values())):
+        part = read_torch_file(index_path.parent / name, where="load_optimizer", verify=False)
+        if not isinstance(part, dict):
+            raise CheckpointError(
+                f"load_optimizer: {index_path.parent / name} holds no optimizer state shard"
+            )
+        states.update({int(k): v for k, v in part.items()})
+    return {"state": states, "param_groups": groups}
+
+
+def load_plain_optimizer(optimizer: Any, checkpoint: Any, prefix: str | None) -> None:
+    """Load a save of :func:`save_plain_optimizer` (a file, a sharded directory or its index JSON) into
+    ``optimizer`` with ``load_state_dict`` (every saved state entry restored)."""
+    _check(optimizer, "load_optimizer")
+    path = Path(checkpoint)
+    if (path / ".metadata").is_file():
+        raise ValueError(
+            f"load_optimizer: {path} is a torch.distributed.checkpoint save of a boosted optimizer; load "
+            "it into the optimizer Booster.boost returned."
+        )
+    verify_save(str(path), where="load_optimizer")  # COMMIT.json or the sidecar manifest, before any read
+    if path.is_dir():
+        index = path / f"{prefixed(prefix, _STEM)}{_INDEX_SUFFIX}"
+        legacy = path / f"{prefixed(prefix, _STEM)}.bin"
+        if not index.is_file() and not legacy.is_file():
+            raise FileNotFoundError(
+                f"load_optimizer: {path} holds neither {index.name} nor {legacy.name}; pass the directory (and "
+                "prefix) given to save_optimizer(shard=True)."
+            )
+        path = index if index.is_file() else legacy
+    if path.name.endswith(_INDEX_SUFFIX):
+        optimizer.load_state_dict(_read_sharded(path))
+    else:
+        optimizer.load_state_dict(read_torch_file(path, where="load_optimizer", verify=False))

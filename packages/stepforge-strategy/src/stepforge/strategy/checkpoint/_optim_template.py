@@ -38,12 +38,12 @@ from torch.distributed.tensor import DTensor
 
 from stepforge.core import unwrap_optimizer
 from stepforge.core.flat_shard import FlatShard
+from stepforge.core.torch_compat import flatten_state_dict
 
-from .._env import is_distributed
 from ._dcp import read_dcp_metadata, safe_dcp_load
 from ._layout import CheckpointMismatchError
 
-__all__ = ["complete_template", "fit_template", "fit_template_to_state", "saved_optimizer_state"]
+__all__ = ["fit_template", "fit_template_to_state", "saved_optimizer_state"]
 
 _Path = tuple[Any, ...]
 
@@ -69,7 +69,7 @@ def _saved_groups(checkpoint: str, saved: dict[_Path, Any], root: _Path) -> list
     for part in reversed(root):
         holder = {part: holder}
     # the restricted reader and planner: a payload in a saved value raises CheckpointError, it never runs
-    safe_dcp_load(holder, checkpoint, no_dist=not is_distributed())
+    safe_dcp_load(holder, checkpoint)
     node: Any = holder
     for part in root:
         node = node[part]
@@ -106,8 +106,6 @@ def _drop_empty(node: Any) -> bool:
 def _fit_extras(template: dict[str, Any], saved: dict[_Path, Any]) -> None:
     """Outside ``state`` and ``param_groups`` (a plugin's extras, ZeRO's ``zero``): drop the template's entries
     the checkpoint lacks, give every saved one a place."""
-    from stepforge.core.torch_compat import flatten_state_dict
-
     extras = {k: v for k, v in template.items() if k not in ("state", "param_groups")}
     flat, mapping = flatten_state_dict(extras)
     for key in flat:
@@ -188,8 +186,6 @@ def fit_template_to_state(
     template: dict[str, Any], state: Mapping[str, Any], checkpoint: str | os.PathLike[str], optimizer: Any
 ) -> None:
     """:func:`fit_template` for a full optimizer state already in memory (a one-file save)."""
-    from stepforge.core.torch_compat import flatten_state_dict
-
     if not isinstance(state, Mapping) or not isinstance(state.get("param_groups"), list):
         raise _fail(str(checkpoint), "it holds no optimizer state with 'param_groups'")
     flat, mapping = flatten_state_dict(dict(state))
@@ -268,19 +264,3 @@ def saved_optimizer_state(optimizer: Any, state_dict: dict[str, Any]) -> dict[st
     if unwrap_optimizer(optimizer).state or not isinstance(state_dict.get("state"), dict):
         return state_dict
     return {**state_dict, "state": {}}
-
-
-def complete_template(
-    template: dict[str, Any],
-    checkpoint: str | os.PathLike[str],
-    optimizer: torch.optim.Optimizer,
-    *,
-    root: str | tuple[str, ...] = "optimizer",
-    prune: bool = False,
-) -> None:
-    """:func:`fit_template` for an optimizer saved under the top-level key ``root`` (the Booster's layout);
-    errors start with ``load_optimizer:``."""
-    try:
-        fit_template(template, checkpoint, optimizer, root=(root,))
-    except CheckpointMismatchError as exc:
-        raise CheckpointMismatchError(f"load_optimizer: {exc}") from exc

@@ -2,21 +2,18 @@
 """Asynchronous saves (``save_*(use_async=True)``): one background thread per process, one task per save on
 every rank, every rank ending each save with the same outcome.
 
-A save call stages the state (copies it away from the live tensors) and checks its target on the calling
-thread, then submits one task on every rank, in call order, to the process's one writer thread
-(``stepforge-ckpt``): rank 0 writes a model or a plain optimizer (the other ranks' task has nothing to write);
-every rank writes its part of a DCP optimizer save and the writer commits it. Each task ends with the ranks
-agreeing (``_agree.py``): a failure anywhere becomes the same :class:`CheckpointError` in every rank's future.
+A save call stages the state (copies it away from the live tensors) and checks its target on the calling thread,
+then submits one task on every rank, in call order, to the process's one writer thread (``stepforge-ckpt``). Each
+task ends with the ranks agreeing (``_writer.agree``): a failure anywhere becomes the same
+:class:`CheckpointError` in every rank's future, so waiting (ColossalAI's ``_sync_io``) is local: no collective,
+safe in a finaliser.
 
 Every collective of these tasks runs on :func:`async_save_group`, a gloo group of its own: on the default group
-they would interleave with the main thread's collectives (the next save's name check, a barrier, DDP's
-all-reduce), which gloo matches by the order they are issued in, and two ranks issuing them in different orders
-wait for each other until the backend's timeout. One thread keeps the tasks themselves in order.
-
-So waiting (:meth:`PendingWrites.wait`, ColossalAI's ``_sync_io``) is local: no collective, safe in a finaliser.
-At interpreter exit the writer thread finishes its tasks before the interpreter starts tearing down
-(``concurrent.futures`` joins it), then :func:`close_at_exit` reports failures nobody waited for and destroys the
-writer's process group, whose gloo threads are then joined while the interpreter is whole.
+they would interleave with the main thread's collectives (the next save's name check, DDP's all-reduce), which
+gloo matches by the order they are issued in, and two ranks issuing them in different orders wait for each other
+until the backend's timeout. At interpreter exit the writer thread finishes its tasks first (``concurrent.futures``
+joins it), then :func:`close_at_exit` reports failures nobody waited for and destroys the writer's group, whose
+gloo threads are joined while the interpreter is whole.
 """
 
 from __future__ import annotations
@@ -32,11 +29,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._env import is_distributed
-from ._agree import agree
-from ._layout import CheckpointError
+from .._env import get_rank, is_distributed
+from ._writer import agree, on_rank0
 
-__all__ = ["PendingWrites", "async_save_group", "staged"]
+__all__ = ["PendingWrites", "async_save_group", "staged", "write_on_rank0"]
 
 logger = logging.getLogger("stepforge.strategy")
 
@@ -74,13 +70,6 @@ def async_save_group() -> Any:
     return _GROUP[0]
 
 
-def _writer_thread() -> ThreadPoolExecutor:
-    with _LOCK:
-        if not _POOL:
-            _POOL.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="stepforge-ckpt"))
-        return _POOL[0]
-
-
 def _run(work: Callable[[], Any] | None, group: Any, where: str) -> Any:
     """A background task: this rank's part of a save, then the ranks agree on the outcome (over ``group``)."""
     local: BaseException | None = None
@@ -90,10 +79,6 @@ def _run(work: Callable[[], Any] | None, group: Any, where: str) -> Any:
             result = work()
     except BaseException as exc:  # DCP's CheckpointException is a BaseException
         local = exc
-    if group is None and local is not None:  # one process: its own error, as a CheckpointError
-        if isinstance(local, CheckpointError):
-            raise local
-        raise CheckpointError(f"{where}: an asynchronous checkpoint write failed ({local})") from local
     agree(local, where=where, what="an asynchronous checkpoint write", group=group)
     return result
 
@@ -105,14 +90,14 @@ class PendingWrites:
         self.futures: list[Future[Any]] = []
         _LIVE.add(self)
 
-    def __len__(self) -> int:
-        return len(self.futures)
-
     def submit(self, work: Callable[[], Any] | None, *, where: str) -> None:
         """Queue this rank's part of one save (None: nothing to write here) on the writer thread. Every rank
         calls it once per save, in the same order; the group is set up here, on the calling thread."""
         group = async_save_group()
-        self.futures.append(_writer_thread().submit(_run, work, group, where))
+        with _LOCK:
+            if not _POOL:
+                _POOL.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="stepforge-ckpt"))
+        self.futures.append(_POOL[0].submit(_run, work, group, where))
 
     def wait(self) -> None:
         """Wait for every pending save (no collective: each future already holds the outcome every rank agreed
@@ -134,9 +119,32 @@ class PendingWrites:
 _LIVE: weakref.WeakSet[PendingWrites] = weakref.WeakSet()
 
 
-def _release_group() -> None:
-    """Destroy :func:`async_save_group` (no collective for gloo) and drop the last reference to it, so its gloo
-    threads are joined now rather than during interpreter teardown."""
+def write_on_rank0(
+    work: Callable[[], Any],
+    *,
+    where: str,
+    pending: PendingWrites | None,
+    claim: Callable[[], Any] | None = None,
+) -> None:
+    """``work()`` on rank 0, every rank getting its outcome: now (:func:`on_rank0`), or with ``pending`` on the
+    background writer (every rank submits; the ranks agree on the outcome at the wait), after ``claim()`` checked
+    the target on rank 0 now, so that a refused name raises at the call on every rank, not at the wait."""
+    if pending is None:
+        on_rank0(work, where=where)
+        return
+    if claim is not None:
+        on_rank0(claim, where=where)
+    pending.submit(work if get_rank() == 0 else None, where=where)
+
+
+@atexit.register
+def close_at_exit() -> None:
+    """At interpreter exit, while the interpreter is fully alive: report the failures of saves nobody waited for
+    (the writer thread has finished every task by now: ``concurrent.futures`` joins it before ``atexit`` runs),
+    then destroy the writer's process group (no collective for gloo), so that its gloo threads are joined now
+    rather than during interpreter teardown."""
+    for pending in list(_LIVE):
+        pending.close()
     if not _GROUP:
         return
     group = _GROUP.pop()
@@ -145,13 +153,3 @@ def _release_group() -> None:
     except (ValueError, RuntimeError):
         return  # already destroyed with the default group (destroy_process_group())
     dist.destroy_process_group(group)
-
-
-@atexit.register
-def close_at_exit() -> None:
-    """At interpreter exit, while the interpreter is fully alive: report the failures of saves nobody waited for
-    (the writer thread has finished every task by now: ``concurrent.futures`` joins it before ``atexit`` runs),
-    then release the writer's process group, so no thread of this module outlives the interpreter."""
-    for pending in list(_LIVE):
-        pending.close()
-    _release_group()

@@ -1,34 +1,30 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The one checkpoint writer: every save (Strategy and Booster) commits through :func:`commit_dir` or
-:func:`commit_file`.
+"""The one checkpoint writer: every save (Strategy and Booster) commits through :func:`commit_dir`,
+:func:`commit_file` or :func:`commit_files`.
 
-Directory saves (a Strategy checkpoint, ``Booster.save_optimizer``, ``Booster.save_model(shard=True)``):
+Directories (a Strategy checkpoint, a DCP optimizer save): (1) rank 0 checks the name (:func:`check_target`),
+recovers a committed copy a kill left in a dot-directory, and makes ``.<name>.tmp-<token>/``; (2) the caller's
+``write(tmp)`` runs on every rank; (3) rank 0 writes ``COMMIT.json`` last (size and CRC-32 of every file, the meta,
+its own CRC-32), moves an older ``<name>/`` aside, renames the temporary directory to ``<name>/``, rewrites
+``last_checkpoint``, deletes the older copy, then rotates (``max_keep_ckpts``): rotation only ever follows a
+commit; (4) any failure (a full disk, a rank that raised) removes the temporary directory, puts an older
+``<name>/`` back if it was already moved aside, and raises :class:`CheckpointError` on every rank.
 
-1. rank 0 checks the name (:func:`check_target`), recovers a committed copy a kill left in a dot-directory, and
-   makes ``.<name>.tmp-<token>/``;
-2. the caller's ``write(tmp)`` runs on every rank (DCP writes every rank's shard; ``save_model`` writes on rank 0);
-3. rank 0 writes ``COMMIT.json`` last (size and CRC-32 of every file, the meta, its own CRC-32), moves an older
-   ``<name>/`` aside, renames the temporary directory to ``<name>/``, rewrites ``last_checkpoint``, deletes the
-   older copy, then rotates (``max_keep_ckpts``) — rotation only ever follows a commit;
-4. any failure (a full disk, a rank that raised) removes the temporary directory, puts an older ``<name>/`` back
-   if it was already moved aside, and raises :class:`CheckpointError` on every rank, chained to the cause.
+Single files (a model with ``shard=False``, a scheduler, a one-file optimizer) stay where the user named them,
+in their own format (readable by any reader of that format), with size and CRC-32 in a sidecar manifest
+``<file>.stepforge.json``; both are written to temporary names, fsynced and ``os.replace``d, the file first, the
+manifest last, so a file already there is replaced only by a complete new one (as ``torch.save`` and ColossalAI
+replace it, but atomically). Several files into a directory the user names (sharded models, LoRA adapters): a
+new or empty directory, or one holding only a stepforge save's files, is committed as a whole as above; one
+holding other files (``config.json`` of the Hugging Face workflow) receives this save's files one by one, its
+other files untouched (:func:`_publish`).
 
-Single-file saves (``Booster.save_model(shard=False)``, ``save_lr_scheduler``, a plain optimizer's
-``save_optimizer(shard=False)``) go through :func:`commit_file`: the file stays where the user named it, in its own
-format (safetensors or ``torch.save``, readable by any reader of that format), with its size and CRC-32 in a
-sidecar manifest ``<file>.stepforge.json`` (:data:`SIDECAR_SUFFIX`). Both are written to temporary names, fsynced
-and ``os.replace``d, the file first, the manifest last (``_sidecar.py``); a file already at that path, whoever
-wrote it, is replaced only by a complete new one (as ``torch.save`` and ColossalAI replace it, but atomically).
-
-Saves of several files into a directory the user names (``Booster.save_model(shard=True)``, LoRA adapters) go
-through :func:`commit_files`: a new or empty directory, or one holding only a stepforge save's files, is
-committed as a whole as above; a directory holding other files (``config.json`` of the Hugging Face workflow)
-receives this save's files one by one, its other files untouched (``_publish.py``).
-
-Every save ends the same way on every rank: a failure on any rank raises the same :class:`CheckpointError` on
-all of them at once (``_agree.py``), never leaving a rank in a later collective until the backend's timeout.
-
-Which names a save may write to is ``_names.py``'s :func:`check_target`.
+Every save ends the same way on every rank: a save only rank 0 writes runs through :func:`on_rank0` (the other
+ranks raise the error rank 0 got, same type and text); a save where every rank worked ends in :func:`agree` (one
+:class:`CheckpointError` naming every failed rank). No rank is left in a later collective until the backend's
+timeout. Never written to: ``""``, ``"."``, ``".."``, ``work_dir``, the working directory or their ancestors; a
+folder is replaced as a whole only when every file in it is a stepforge save's, so a user's files are never
+deleted.
 """
 
 from __future__ import annotations
@@ -38,62 +34,184 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from .._env import broadcast_object, get_rank, is_distributed
-from ._agree import on_rank0
 from ._layout import (
-    FORMAT,
+    FILE_FORMAT,
     LAST_CHECKPOINT,
     MARKER,
+    SIDECAR_SUFFIX,
     CheckpointError,
+    commit_record,
     commit_text,
     committed_checkpoints,
     file_record,
+    files_of,
     fsync_dir,
+    fsync_file,
     orphaned_copies,
     read_commit,
-    validate_files,
+    write_synced,
     write_text_atomic,
 )
-from ._names import check_name, check_target, foreign_files, is_committed_dir
-from ._publish import publish_files
-from ._sidecar import FILE_FORMAT, SIDECAR_SUFFIX, verify_file, write_with_sidecar
 
 __all__ = [
-    "FILE_FORMAT",
-    "SIDECAR_SUFFIX",
-    "check_name",
-    "check_target",
+    "agree",
     "begin_dir",
+    "check_target",
     "commit_dir",
-    "commit_dir_here",
     "commit_file",
     "commit_files",
     "commit_tmp_dir",
+    "describe",
     "finish_dir",
-    "is_committed_dir",
-    "verify_dir",
-    "verify_file",
+    "on_rank0",
     "write_file",
     "write_files",
 ]
 
+T = TypeVar("T")
 
-def verify_dir(path: str, *, required: bool, where: str) -> bool:
-    """Check directory ``path`` against its ``COMMIT.json`` (every listed file's size and CRC-32) before it is
-    read. Returns False when it has no marker and ``required`` is False (a directory stepforge did not write, such
-    as a Hugging Face download); raises :class:`CheckpointError` naming the file otherwise."""
-    if not os.path.isfile(os.path.join(path, MARKER)) and not required:
-        return False
+#: errors :func:`on_rank0` hands to the other ranks as they are (a name refused, a bad argument)
+_PASSED_ON = (ValueError, TypeError, CheckpointError)
+
+
+def describe(exc: BaseException) -> str:
+    """``Type: message``, as the gathered failures name each rank's error."""
+    return f"{type(exc).__name__}: {exc}"
+
+
+def on_rank0(work: Callable[[], T], *, where: str, group: Any = None) -> T:
+    """``work()`` on rank 0; every rank of ``group`` (default: the world) returns its result or raises its error.
+
+    ``ValueError``, ``TypeError`` and :class:`CheckpointError` are raised as they are (the same type and text on
+    every rank); anything else becomes a :class:`CheckpointError` naming ``where``, chained to the cause on rank 0.
+    """
+    outcome: Any = None
+    if get_rank() == 0:
+        try:
+            outcome = ("ok", work())
+        except _PASSED_ON as exc:
+            outcome = ("raise", exc)
+        except Exception as exc:
+            wrapped = CheckpointError(f"{where}: {describe(exc)}")
+            wrapped.__cause__ = exc
+            outcome = ("raise", wrapped)
+    if is_distributed():
+        mine = outcome
+        if outcome is not None and outcome[0] == "raise":
+            # the exception travels pickled: a copy without cause or traceback (rank 0 keeps its chained one)
+            try:
+                outcome = ("raise", type(mine[1])(*mine[1].args))
+            except Exception:  # an exception type with an unusual constructor
+                outcome = ("raise", CheckpointError(describe(mine[1])))
+        outcome = broadcast_object(outcome, group=group)
+        if get_rank() == 0:
+            outcome = mine
+    kind, value = outcome
+    if kind == "raise":
+        raise value
+    return value  # type: ignore[no-any-return]
+
+
+def agree(local: BaseException | None, *, where: str, what: str, group: Any = None) -> None:
+    """Collective over ``group`` (default: the world): raise one :class:`CheckpointError` on every rank when any
+    rank's ``local`` is an error, naming each failed rank (``"rank 1: OSError: ..."``) and ``what`` failed."""
+    status = None if local is None else describe(local)
+    if is_distributed():
+        statuses: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(statuses, status, group=group)
+        failures = [f"rank {r}: {s}" for r, s in enumerate(statuses) if s]
+    else:
+        failures = [status] if status else []
+    if failures:
+        err = CheckpointError(f"{where}: {what} failed ({'; '.join(failures)})")
+        err.__cause__ = local
+        raise err
+
+
+def is_committed_dir(path: str) -> bool:
+    """Whether ``path`` is a directory with a readable stepforge ``COMMIT.json`` (its files are not checked: a
+    damaged earlier save may be replaced)."""
     try:
-        validate_files(path, read_commit(path))
-    except CheckpointError as exc:
-        raise CheckpointError(f"{where}: {exc}") from exc
+        read_commit(path)
+    except CheckpointError:
+        return False
     return True
+
+
+def check_name(path: Any, *, arg: str, where: str) -> str:
+    """``path`` as text; ``TypeError``/``ValueError`` naming ``arg`` when it is not a path, empty, or names a
+    directory by ``.`` or ``..`` (which a save would replace)."""
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"{where}: {arg} must be a str or os.PathLike, got {type(path).__name__}")
+    text = os.fspath(path)
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"{where}: {arg} is empty; pass a checkpoint name such as 'iter_100'")
+    if os.path.basename(os.path.normpath(text)) in (".", "..", "") or text.rstrip("/\\").endswith(
+        ("/.", "/..")
+    ):
+        raise ValueError(
+            f"{where}: {arg}={text!r} names a directory by '.' or '..', which a save would replace; pass a new "
+            "name such as 'iter_100'"
+        )
+    return text
+
+
+def foreign_files(path: str) -> list[str]:
+    """The files inside directory ``path`` (relative names, sorted) that no stepforge commit of it lists: a user's
+    own files (``config.json``, a tokenizer...) or the files of an unfinished save. ``[]`` for an empty directory
+    or one whose every file its ``COMMIT.json`` lists; a directory without a readable marker lists them all."""
+    try:
+        listed = set(read_commit(path)["files"])
+    except CheckpointError:
+        listed = set()
+    return [n for n in files_of(path) if n != MARKER and n not in listed]
+
+
+def check_target(path: Any, *, arg: str, where: str, kind: str, work_dir: str | None = None) -> str:
+    """The absolute path a save may write to, or a clear error naming ``arg`` and the fix (see the module
+    docstring). ``kind="file"``: a file, replaced atomically whoever wrote it; an existing directory is refused.
+    ``"dir"``: a directory replaced as a whole: new, empty, or one whose every file a stepforge commit lists.
+    ``"files"``: a directory this save adds its files to (:func:`foreign_files` stay). A user's folder or file
+    is never deleted."""
+    text = check_name(path, arg=arg, where=where)
+    target = os.path.abspath(text)
+    # never the working directory, work_dir or one of their ancestors
+    protected = [os.getcwd()] if work_dir is None else [os.getcwd(), os.path.abspath(work_dir)]
+    hit = [p for p in protected if p == target or p.startswith(target.rstrip(os.sep) + os.sep)]
+    if hit:
+        raise ValueError(
+            f"{where}: {arg}={text!r} is {hit[0]!r} or one of its parent directories (the working or work_dir), "
+            "which a save would replace; pass a name inside it such as 'iter_100'"
+        )
+    if os.path.isdir(target):
+        if kind == "file":
+            raise CheckpointError(
+                f"{where}: {arg}={text!r} is an existing directory; pass a file path (or a new name)"
+            )
+        if kind == "dir" and os.listdir(target):
+            if not is_committed_dir(target):
+                raise CheckpointError(
+                    f"{where}: {arg}={text!r} is an existing directory that is not a committed stepforge checkpoint "
+                    f"(no valid {MARKER}); it is never replaced. Choose another name or remove it yourself"
+                )
+            others = foreign_files(target)
+            if others:
+                raise CheckpointError(
+                    f"{where}: {arg}={text!r} is a stepforge checkpoint that also holds files no save of stepforge "
+                    f"wrote ({others[:4]}); replacing it would delete them. Choose another name or move them"
+                )
+    elif os.path.lexists(target) and kind != "file":
+        raise CheckpointError(
+            f"{where}: {arg}={text!r} is an existing file, not a checkpoint directory stepforge committed; it "
+            "is never replaced. Choose another name or remove it yourself"
+        )
+    return target
 
 
 def _recover(final: str) -> None:
@@ -117,16 +235,9 @@ def _recover(final: str) -> None:
 def commit_tmp_dir(
     tmp: str, final: str, meta: dict[str, Any], work_dir: str | None = None, max_keep: int | None = None
 ) -> None:
-    """Commit the complete temporary directory ``tmp`` as ``final`` (this process alone): ``COMMIT.json`` with
-    every file's size and CRC-32, then the atomic rename (an existing ``final`` is moved aside first and deleted
-    after), ``last_checkpoint`` in ``work_dir`` and rotation to ``max_keep`` committed checkpoints. On failure
-    ``tmp`` is removed and an older ``final`` put back; the caller checked that ``final`` may be replaced."""
-    files = {}
-    for root, _, names in os.walk(tmp):
-        for name in names:
-            full = os.path.join(root, name)
-            files[os.path.relpath(full, tmp)] = file_record(full)
-    record = {"format": FORMAT, "committed_at": time.time(), "files": files, "meta": meta}
+    """Commit the complete temporary directory ``tmp`` as ``final`` (this process alone; steps 3-4 of the module
+    docstring); the caller checked that ``final`` may be replaced."""
+    record = commit_record(tmp, files_of(tmp), meta)
     parent = os.path.dirname(final)
     old = None
     try:
@@ -148,7 +259,7 @@ def commit_tmp_dir(
         shutil.rmtree(old, ignore_errors=True)
     if max_keep is not None and max_keep > 0:
         done = committed_checkpoints(parent)
-        stale = [p for _, p in done if os.path.abspath(p) != final]
+        stale = [p for p in done if os.path.abspath(p) != final]
         for path in stale[: max(0, len(done) - max_keep)]:
             shutil.rmtree(path, ignore_errors=True)
 
@@ -165,14 +276,6 @@ def _cause(exc: BaseException, rank: int) -> BaseException:
     return exc
 
 
-def _gather_failures(status: str | None, group: Any = None) -> list[str]:
-    if not is_distributed():
-        return [status] if status else []
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, status, group=group)
-    return [f"rank {r}: {s}" for r, s in enumerate(out) if s]
-
-
 def commit_dir(
     path: Any,
     write: Callable[[str], None],
@@ -183,71 +286,42 @@ def commit_dir(
     work_dir: str | None = None,
     max_keep_ckpts: int | None = None,
 ) -> str:
-    """Write a committed checkpoint directory at ``path`` (collective: every rank calls it).
-
-    Args:
-        path: the directory to create (an older committed one is replaced only after the new one is committed).
-        write: ``write(tmp_dir)`` writes this rank's files into the temporary directory (on every rank).
-        meta: JSON-able facts recorded in ``COMMIT.json``.
-        arg / where: the argument's name and the calling function, for error messages.
-        work_dir: where ``last_checkpoint`` is rewritten after the commit (None: not written).
-        max_keep_ckpts: keep at most this many committed checkpoints in ``path``'s folder, after the commit.
-
-    Returns:
-        The absolute path of the committed directory.
-
-    Raises:
-        ValueError / CheckpointError: a refused name (:func:`check_target`), on every rank.
-        CheckpointError: a failed write or commit on any rank (temporary files removed, nothing committed before
-            is touched), chained to this rank's own exception when it had one.
-    """
+    """Write a committed checkpoint directory at ``path`` (collective; see the module docstring); returns its
+    absolute path. ``write(tmp)`` writes this rank's files on every rank; ``arg``/``where`` name the argument and
+    the caller in errors; ``work_dir`` gets ``last_checkpoint``; ``max_keep_ckpts`` rotates after the commit. A
+    refused name or a failure on any rank raises on every rank, chained to this rank's own exception."""
     if max_keep_ckpts is not None and (
         not isinstance(max_keep_ckpts, int) or isinstance(max_keep_ckpts, bool)
     ):
         raise ValueError(f"max_keep_ckpts must be an int or None, got {max_keep_ckpts!r}")
     final, tmp = begin_dir(path, arg=arg, where=where, work_dir=work_dir)
-    local: BaseException | None = None
-    try:
-        write(tmp)
-    except (Exception, dcp.CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
-        local = _cause(exc, get_rank())
     return finish_dir(
-        final, tmp, local, meta=meta, where=where, work_dir=work_dir, max_keep_ckpts=max_keep_ckpts
+        final, tmp, write, meta=meta, where=where, work_dir=work_dir, max_keep_ckpts=max_keep_ckpts
     )
 
 
 def begin_dir(path: Any, *, arg: str, where: str, work_dir: str | None = None) -> tuple[str, str]:
-    """First half of :func:`commit_dir` (collective): check the name, recover an orphaned copy, make the temporary
-    directory; returns ``(final, tmp)`` on every rank. Every rank then writes into ``tmp`` and calls
-    :func:`finish_dir`, at once or later (an asynchronous save)."""
-    setup: tuple[str, str] | tuple[None, BaseException] = (None, CheckpointError("unset"))
-    if get_rank() == 0:
-        try:
-            setup = _make_tmp(path, arg=arg, where=where, work_dir=work_dir)
-        except (ValueError, TypeError, CheckpointError, OSError) as exc:
-            setup = (None, exc)
-    setup = broadcast_object(setup)
-    if setup[0] is None:
-        err = setup[1]
-        if isinstance(err, OSError):
-            raise CheckpointError(f"{where}: cannot create the checkpoint at {path!r} ({err})") from err
-        raise err
-    return setup[0], setup[1]
+    """First half of :func:`commit_dir` (collective): ``(final, tmp)`` on every rank, which then write into
+    ``tmp`` and call :func:`finish_dir`, at once or later (an asynchronous save)."""
+    return on_rank0(lambda: _make_tmp(path, arg=arg, where=where, work_dir=work_dir), where=where)
 
 
 def _make_tmp(path: Any, *, arg: str, where: str, work_dir: str | None) -> tuple[str, str]:
-    _recover(os.path.abspath(check_name(path, arg=arg, where=where)))
-    final = check_target(path, arg=arg, where=where, kind="dir", work_dir=work_dir)
-    os.makedirs(os.path.dirname(final), exist_ok=True)
-    tmp = os.path.join(os.path.dirname(final), f".{os.path.basename(final)}.tmp-{uuid.uuid4().hex[:12]}")
-    os.makedirs(tmp)
+    try:
+        _recover(os.path.abspath(check_name(path, arg=arg, where=where)))
+        final = check_target(path, arg=arg, where=where, kind="dir", work_dir=work_dir)
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+        tmp = os.path.join(os.path.dirname(final), f".{os.path.basename(final)}.tmp-{uuid.uuid4().hex[:12]}")
+        os.makedirs(tmp)
+    except OSError as exc:
+        raise CheckpointError(f"{where}: cannot create the checkpoint at {path!r} ({exc})") from exc
     return final, tmp
 
 
 def finish_dir(
     final: str,
     tmp: str,
-    local: BaseException | None,
+    write: Callable[[str], None],
     *,
     meta: dict[str, Any],
     where: str,
@@ -255,24 +329,27 @@ def finish_dir(
     max_keep_ckpts: int | None = None,
     group: Any = None,
 ) -> str:
-    """Second half of :func:`commit_dir` (collective over ``group``, default the world: a background writer
-    passes its own): ``local`` is this rank's write failure (None when its files are complete). Commits when
-    every rank succeeded; otherwise removes ``tmp`` and raises CheckpointError."""
-    rank = get_rank()
-    failures = _gather_failures(None if local is None else f"{type(local).__name__}: {local}", group)
-    status = None
-    if rank == 0:
-        if failures:
+    """Second half of :func:`commit_dir` (collective over ``group``, default the world): ``write(tmp)`` on this
+    rank, then rank 0 commits when no rank failed."""
+    local: BaseException | None = None
+    try:
+        write(tmp)
+    except (Exception, dcp.CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
+        local = _cause(exc, get_rank())
+    try:
+        agree(local, where=where, what=f"saving {final!r}", group=group)
+    except CheckpointError:
+        if get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            try:
-                commit_tmp_dir(tmp, final, meta, work_dir, max_keep_ckpts)
-            except Exception as exc:
-                local, status = exc, f"rank 0: {type(exc).__name__}: {exc}"
-    status = broadcast_object(status, group=group)
-    problems = failures + ([status] if status else [])
-    if problems:
-        raise _failed(where, final, "; ".join(problems), local)
+        raise
+
+    def commit() -> None:
+        try:
+            commit_tmp_dir(tmp, final, meta, work_dir, max_keep_ckpts)
+        except Exception as exc:
+            raise _failed(where, final, describe(exc), exc) from exc
+
+    on_rank0(commit, where=where, group=group)
     return final
 
 
@@ -285,51 +362,103 @@ def _failed(where: str, final: str, what: str, cause: BaseException | None) -> C
     return err
 
 
-def commit_dir_here(
-    path: Any, write: Callable[[str], None], *, meta: dict[str, Any], arg: str, where: str
-) -> str:
-    """:func:`commit_dir` run by this process alone (no collective): for a save that one rank writes, possibly on
-    a background thread (``Booster.save_model(use_async=True)``). Same steps, names and failure rules.
-
-    Returns:
-        The absolute path of the committed directory.
-    """
-    try:
-        final, tmp = _make_tmp(path, arg=arg, where=where, work_dir=None)
-    except OSError as exc:
-        raise CheckpointError(f"{where}: cannot create the checkpoint at {path!r} ({exc})") from exc
-    try:
-        write(tmp)
-        commit_tmp_dir(tmp, final, meta)
-    except Exception as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise _failed(where, final, f"{type(exc).__name__}: {exc}", exc) from exc
-    return final
-
-
 def write_file(path: Any, write: Callable[[str], None], *, arg: str, where: str, meta: dict[str, Any]) -> str:
-    """:func:`commit_file` in this process alone (no collective): check the name, write the file and its manifest.
-    For rank 0's background writer of an asynchronous save (the name was checked when the save was called)."""
+    """:func:`commit_file` in this process alone (no collective), for rank 0 or its background writer."""
     final = check_target(path, arg=arg, where=where, kind="file")
-    write_with_sidecar(final, write, where, meta)
+    parent, base = os.path.dirname(final), os.path.basename(final)
+    token = uuid.uuid4().hex[:12]
+    tmp = os.path.join(parent, f".{base}.tmp-{token}")
+    tmp_sidecar = os.path.join(parent, f".{base}{SIDECAR_SUFFIX}.tmp-{token}")
+    try:
+        os.makedirs(parent, exist_ok=True)
+        write(tmp)
+        fsync_file(tmp)
+        record = {
+            "format": FILE_FORMAT,
+            "file": base,
+            "committed_at": time.time(),
+            "data": file_record(tmp),  # "crc32" at the top level is the manifest's own (commit_text)
+            "meta": meta,
+        }
+        write_synced(tmp_sidecar, commit_text(record))
+        os.replace(tmp, final)
+        os.replace(tmp_sidecar, final + SIDECAR_SUFFIX)
+        fsync_dir(parent)
+    except Exception as exc:
+        for leftover in (tmp, tmp_sidecar):
+            if os.path.lexists(leftover):
+                os.remove(leftover)
+        raise CheckpointError(f"{where}: writing {final!r} failed ({describe(exc)})") from exc
     return final
 
 
 def commit_file(
     path: Any, write: Callable[[str], None], *, arg: str, where: str, meta: dict[str, Any]
 ) -> str:
-    """Write single file ``path`` and its sidecar manifest atomically (collective: rank 0 writes, every rank
-    gets its outcome).
-
-    ``write(tmp_path)`` writes the file in its own format (called on rank 0 only); the file is fsynced and its
-    size and CRC-32 go to ``<path>.stepforge.json``, written after it. An existing file at ``path`` (whoever wrote
-    it) is replaced only by the complete new one; a failure leaves it as it was, removes the temporary files and
-    raises :class:`CheckpointError` chained to the cause, on every rank.
-
-    Returns:
-        The absolute path of the file.
-    """
+    """Write single file ``path`` and its sidecar manifest atomically (collective: ``write(tmp_path)`` writes
+    the file in its own format on rank 0, every rank gets the outcome); returns its absolute path."""
     return on_rank0(lambda: write_file(path, write, arg=arg, where=where, meta=meta), where=where)
+
+
+#: temporary directories of :func:`_publish` inside the target (left only by a killed save; the next removes them)
+_PUBLISH_TMP = ".stepforge-tmp-"
+
+
+def _publish(
+    final: str,
+    write: Callable[[str], Sequence[str] | None],
+    *,
+    meta: dict[str, Any],
+    where: str,
+    stale: Callable[[str], bool] | None,
+) -> str:
+    """Add this save's files to the existing directory ``final``, which holds the user's files. Each is fsynced
+    and renamed into place in ``write``'s order (a reader sees an old or a new file, never half of one), then
+    ``COMMIT.json`` listing exactly this save's files; the earlier save of this kind's files it did not rewrite
+    (and ``stale`` ones, as transformers' ``save_pretrained`` removes shards) go after. A save killed half-way
+    leaves the earlier ``COMMIT.json``, whose checksums no longer match: a load says damaged, never reads a mix."""
+    tmp = os.path.join(final, f"{_PUBLISH_TMP}{uuid.uuid4().hex[:12]}")
+    for entry in os.listdir(final):  # a killed earlier save's temporary files
+        if entry.startswith(_PUBLISH_TMP):
+            shutil.rmtree(os.path.join(final, entry), ignore_errors=True)
+    try:  # the earlier save of this kind (a model's shards, not an optimizer's files that share the folder)
+        earlier = read_commit(final)
+        previous = set(earlier["files"]) if earlier["meta"].get("kind") == meta.get("kind") else set()
+    except CheckpointError:
+        previous = set()
+    try:
+        os.makedirs(tmp)
+        order = list(write(tmp) or [])
+        names = files_of(tmp)
+        order += [n for n in names if n not in order]
+        record = commit_record(tmp, names, meta)
+        for name in order:
+            source, target = os.path.join(tmp, name), os.path.join(final, name)
+            fsync_file(source)
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            os.replace(source, target)
+        fsync_dir(final)
+        marker = os.path.join(tmp, MARKER)
+        write_synced(marker, commit_text(record))
+        os.replace(marker, os.path.join(final, MARKER))
+        fsync_dir(final)
+    except Exception as exc:
+        raise CheckpointError(
+            f"{where}: saving into {final!r} failed ({describe(exc)}); the directory's other files are unchanged"
+        ) from exc
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    done = set(names)
+    for entry in sorted(previous | set(files_of(final))):
+        if (
+            entry in done
+            or entry == MARKER
+            or not (entry in previous or (stale is not None and stale(entry)))
+        ):
+            continue
+        if os.path.isfile(os.path.join(final, entry)):
+            os.remove(os.path.join(final, entry))
+    return final
 
 
 def write_files(
@@ -341,21 +470,20 @@ def write_files(
     meta: dict[str, Any],
     stale: Callable[[str], bool] | None = None,
 ) -> str:
-    """:func:`commit_files` in this process alone (no collective), for rank 0 or its background writer.
-
-    A new or empty directory, or one holding only a stepforge save's files, is committed as a whole
-    (:func:`commit_dir_here`); a directory holding other files gets this save's files added (``_publish.py``:
-    each file atomically in ``write``'s order, ``COMMIT.json`` last, the earlier save's files this one does not
-    rewrite and the ``stale`` ones removed afterwards, nothing else touched).
-    """
+    """:func:`commit_files` in this process alone (rank 0 or its background writer). ``write(tmp)`` writes the
+    files and returns their names in the order they go live (an index last); ``stale`` names an earlier save's
+    file (a shard) to remove when this one does not rewrite it."""
     final = check_target(path, arg=arg, where=where, kind="files")
     if os.path.isdir(final) and foreign_files(final):
-        return publish_files(final, write, meta=meta, where=where, stale=stale)
-
-    def into_tmp(tmp: str) -> None:
+        return _publish(final, write, meta=meta, where=where, stale=stale)
+    final, tmp = _make_tmp(final, arg=arg, where=where, work_dir=None)
+    try:
         write(tmp)
-
-    return commit_dir_here(final, into_tmp, meta=meta, arg=arg, where=where)
+        commit_tmp_dir(tmp, final, meta)
+    except Exception as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise _failed(where, final, describe(exc), exc) from exc
+    return final
 
 
 def commit_files(
@@ -368,18 +496,7 @@ def commit_files(
     stale: Callable[[str], bool] | None = None,
 ) -> str:
     """Save several files (shards and their index, LoRA adapters) into directory ``path``, which may already hold
-    files of the user's (collective: rank 0 writes, every rank gets its outcome); see :func:`write_files`.
-
-    Args:
-        path: the directory (created when missing).
-        write: ``write(tmp)`` writes this save's files into ``tmp`` and returns their names in the order they go
-            live (an index last); called on rank 0 only.
-        meta: JSON-able facts recorded in ``COMMIT.json``.
-        stale: names a file of an earlier save of this kind (a shard) to remove when this save does not rewrite it.
-
-    Returns:
-        The absolute path of the directory.
-    """
+    the user's files (collective: rank 0 writes, every rank gets the outcome); see :func:`write_files`."""
     return on_rank0(
         lambda: write_files(path, write, arg=arg, where=where, meta=meta, stale=stale), where=where
     )

@@ -40,17 +40,23 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..memory._specs import parse_size
-from ._dcp import read_dcp_metadata, safe_dcp_load, verify_files
-from ._hf_layout import INDEX_SUFFIX, files_to_read, is_safetensors, read_file, unshare, weight_names
-from ._layout import LAST_CHECKPOINT, MARKER, CheckpointError, find_latest_checkpoint
-from ._names import check_target
-from ._sidecar import SIDECAR_SUFFIX, read_manifest, verify_file
-from ._writer import commit_tmp_dir
+from ._dcp import read_dcp_metadata, safe_dcp_load
+from ._layout import (
+    FILE_FORMAT,
+    LAST_CHECKPOINT,
+    MARKER,
+    SIDECAR_SUFFIX,
+    CheckpointError,
+    find_latest_checkpoint,
+    verify_save,
+)
+from ._model_io import INDEX_SUFFIX, files_to_read, is_safetensors, read_file, write_shards
+from ._writer import check_target, commit_tmp_dir
 
 __all__ = ["main", "parser", "inspect_checkpoint", "export_checkpoint"]
 
 PROG = "stepforge-checkpoint"
-#: where a Strategy checkpoint keeps the model in its DCP tree (``_strategy_io.save``: ``tensors={"model": ...}``)
+#: where a Strategy checkpoint keeps the model in its DCP tree (``save_checkpoint``: ``tensors={"model": ...}``)
 _MODEL_ROOT = "tensors.model."
 _DISTCP = re.compile(r"__(\d+)_\d+\.distcp")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -74,34 +80,8 @@ def _resolve(path: str) -> str:
     return os.path.abspath(path)
 
 
-def _verified(path: str) -> tuple[str | None, dict[str, Any] | None]:
-    """Check every checksum of the save at ``path`` before anything is read; returns its manifest's name and its
-    record (``COMMIT.json``'s, or a single file's ``{"files": {name: size and CRC-32}}``), None for a save
-    stepforge did not write (read as it is)."""
-    folder = os.path.dirname(path) if path.endswith(INDEX_SUFFIX) else path
-    try:
-        if os.path.isdir(folder):
-            if not os.path.isfile(os.path.join(folder, MARKER)):
-                return None, None
-            return MARKER, verify_files(folder)
-        if not verify_file(path):
-            return None, None
-        manifest = read_manifest(path) or {}
-        return os.path.basename(path) + SIDECAR_SUFFIX, {
-            "files": {os.path.basename(path): manifest.get("data")},
-            "meta": manifest.get("meta"),
-            "committed_at": manifest.get("committed_at"),
-        }
-    except CheckpointError as exc:
-        raise _refused(str(exc), _VERIFY_FIX) from exc
-
-
-def _dcp_model(path: str, meta: dict[str, Any]) -> tuple[str, dict[str, tuple[str, TensorStorageMetadata]]]:
+def _dcp_model(path: str) -> tuple[str, dict[str, tuple[str, TensorStorageMetadata]]]:
     """The kind of DCP directory ``path`` and its model tensors: ``name -> (DCP key, storage metadata)``."""
-    if meta.get("kind") == "optimizer":
-        raise _refused(
-            f"{path!r} holds a Booster optimizer save, not model weights", "export the model's save instead"
-        )
     try:
         stored = read_dcp_metadata(path).state_dict_metadata
     except CheckpointError as exc:
@@ -119,7 +99,7 @@ def _stream_dcp(path: str, model: dict[str, tuple[str, TensorStorageMetadata]]) 
     for name, (key, info) in model.items():
         one = {key: torch.empty(tuple(info.size), dtype=info.properties.dtype)}
         try:  # only this key is planned, so only its bytes are read (the restricted reader: no code runs)
-            safe_dcp_load(one, path, no_dist=True)
+            safe_dcp_load(one, path, local=True)
         except CheckpointError as exc:
             raise _refused(str(exc), _VERIFY_FIX) from exc
         yield name, one[key]
@@ -144,7 +124,14 @@ def _source(path: str) -> tuple[dict[str, Any], Iterator[tuple[str, Any]]]:
     """What ``inspect`` shows of checkpoint ``path`` (its checksums verified) and a lazy stream of its model
     tensors ``(name, tensor)``."""
     path = _resolve(path)
-    manifest, record = _verified(path)
+    try:  # every checksum before anything is read; record: COMMIT.json's, or a single file's manifest
+        record = verify_save(path)
+    except CheckpointError as exc:
+        raise _refused(str(exc), _VERIFY_FIX) from exc
+    manifest = None if record is None else MARKER
+    if record is not None and record.get("format") == FILE_FORMAT:
+        manifest = os.path.basename(path) + SIDECAR_SUFFIX
+        record = {"files": {os.path.basename(path): record["data"]}, **record}
     meta: dict[str, Any] = dict((record or {}).get("meta") or {})
     if os.path.isdir(path) and record is None:
         names = [n for n in sorted(os.listdir(path)) if os.path.isfile(os.path.join(path, n))]
@@ -164,17 +151,17 @@ def _source(path: str) -> tuple[dict[str, Any], Iterator[tuple[str, Any]]]:
         "committed_at": (record or {}).get("committed_at"),
         "files": [{"name": n, "size": r["size"], "crc32": r.get("crc32")} for n, r in sorted(listed.items())],
     }
+    if meta.get("kind") not in (None, "model"):
+        raise _refused(
+            f"{path!r} holds a stepforge {meta['kind']} save, not model weights", "export a model save"
+        )
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, ".metadata")):
-        info["kind"], model = _dcp_model(path, meta)
+        info["kind"], model = _dcp_model(path)
         ranks = {int(m.group(1)) for n in listed if (m := _DISTCP.fullmatch(os.path.basename(n)))}
         info["world_size"] = info["world_size"] or len(ranks) or None
         info["model_tensors"] = len(model)
         info["model_bytes"] = sum(m.size.numel() * m.properties.dtype.itemsize for _, m in model.values())
         return info, _stream_dcp(path, model)
-    if meta.get("kind") not in (None, "model"):
-        raise _refused(
-            f"{path!r} holds a stepforge {meta['kind']} save, not model weights", "export a model save"
-        )
     try:
         files = files_to_read(Path(path))
     except (OSError, ValueError) as exc:
@@ -226,23 +213,10 @@ def _out_dir(out: str, checkpoint: str, overwrite: bool) -> str:
     return final
 
 
-def _write_shards(
-    stream: Iterator[tuple[str, Any]], folder: str, cap: int, dtype: torch.dtype | None, strip: Sequence[str]
-) -> tuple[str, int]:
-    """The stream as safetensors shards of at most ``cap`` bytes (a bigger tensor alone), as transformers splits
-    them, holding one shard at a time; returns the entry file (the index, or the one file) and the tensor count."""
-    from safetensors.torch import save_file
-
-    stem, ext = weight_names(None, True)
-    parts: list[list[str]] = []
-    shard: dict[str, torch.Tensor] = {}
-    size = total = 0
-
-    def flush() -> None:
-        save_file(unshare(shard), os.path.join(folder, f".part-{len(parts)}"), metadata={"format": "pt"})
-        parts.append(list(shard))
-        shard.clear()
-
+def _renamed(
+    stream: Iterator[tuple[str, Any]], dtype: torch.dtype | None, strip: Sequence[str], count: list[int]
+) -> Iterator[tuple[str, Any]]:
+    """The stream with ``strip`` prefixes removed and floating-point tensors cast to ``dtype``; counts them."""
     seen: set[str] = set()
     for name, tensor in stream:
         for prefix in strip:
@@ -250,30 +224,10 @@ def _write_shards(
         if name in seen:
             raise _refused(f"two tensors are named {name!r} after --strip-prefix", "strip fewer prefixes")
         seen.add(name)
-        if dtype is not None and tensor.is_floating_point():
-            tensor = tensor.to(dtype)
-        nbytes = tensor.numel() * tensor.element_size()
-        if shard and size + nbytes > cap:
-            flush()
-            size = 0
-        shard[name] = tensor
-        size += nbytes
-        total += nbytes
+        yield name, tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
     if not seen:
         raise _refused("the checkpoint holds no model tensors", "pass a checkpoint with model weights")
-    flush()
-    if len(parts) == 1:
-        os.replace(os.path.join(folder, ".part-0"), os.path.join(folder, f"{stem}.{ext}"))
-        return f"{stem}.{ext}", len(seen)
-    weight_map = {}
-    for i, keys in enumerate(parts):
-        name = f"{stem}-{i + 1:05d}-of-{len(parts):05d}.{ext}"
-        os.replace(os.path.join(folder, f".part-{i}"), os.path.join(folder, name))
-        weight_map.update(dict.fromkeys(keys, name))
-    index = f"{stem}.{ext}{INDEX_SUFFIX}"
-    with open(os.path.join(folder, index), "w", encoding="utf-8") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
-    return index, len(seen)
+    count.append(len(seen))
 
 
 def export_checkpoint(
@@ -286,15 +240,10 @@ def export_checkpoint(
     strip_prefixes: Sequence[str] = (),
     overwrite: bool = False,
 ) -> dict[str, Any]:
-    """Export the model weights of ``checkpoint`` into Hugging Face directory ``out`` (see the module docstring).
-
-    Returns what was written: ``{"out", "entry", "tensors", "config"}`` (``config``: whether ``config.json`` was
-    written; without it ``from_pretrained`` cannot load the directory).
-
-    Raises:
-        CheckpointError: a damaged or unsupported checkpoint, or an ``out`` that may not be replaced (the message
-            says what and the fix); nothing is written.
-    """
+    """Export the model weights of ``checkpoint`` into Hugging Face directory ``out`` (see the module docstring);
+    returns ``{"out", "entry", "tensors", "config"}`` (``config``: whether ``config.json`` was written).
+    :class:`CheckpointError` for a damaged or unsupported checkpoint or an ``out`` that may not be replaced (the
+    message says what and the fix); nothing is written then."""
     info, stream = _source(checkpoint)
     final = _out_dir(out, info["path"], overwrite)
     found = _config_file(info["path"], config)
@@ -303,7 +252,10 @@ def export_checkpoint(
     tmp = os.path.join(parent, f".{os.path.basename(final)}.tmp-{uuid.uuid4().hex[:12]}")
     os.makedirs(tmp)
     try:
-        entry, count = _write_shards(stream, tmp, max_shard_size, dtype, strip_prefixes)
+        count: list[int] = []
+        entry = write_shards(_renamed(stream, dtype, strip_prefixes, count), tmp, None, max_shard_size, True)[
+            -1
+        ]
         if found is not None:
             shutil.copyfile(found, os.path.join(tmp, "config.json"))
         meta = {"kind": "model", "format": "safetensors", "entry": entry, "exported_from": info["path"]}
@@ -315,15 +267,15 @@ def export_checkpoint(
                 f"writing {final!r} failed ({exc})", "check the space and permissions there"
             ) from exc
         raise
-    return {"out": final, "entry": entry, "tensors": count, "config": found is not None}
+    return {"out": final, "entry": entry, "tensors": count[0], "config": found is not None}
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    raise AssertionError("unreachable")
+def _size(n: float) -> str:
+    units = ["B", "KiB", "MiB", "GiB"]
+    while n >= 1024 and len(units) > 1:
+        n /= 1024
+        units.pop(0)
+    return f"{n:.0f} B" if units[0] == "B" else f"{n:.1f} {units[0]}"
 
 
 def _table(info: dict[str, Any]) -> str:
