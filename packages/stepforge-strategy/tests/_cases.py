@@ -94,8 +94,8 @@ def full_params(booster: Booster, model: nn.Module) -> dict[str, torch.Tensor]:
     """Full fp32 CPU parameters of a boosted model (gathered for FSDP2; collective)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from stepforge.strategy.checkpoint._model_io import unwrap_model
+    from stepforge.core import WrappedModel
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    sd = get_model_state_dict(unwrap_model(model), options=options)
+    sd = get_model_state_dict(model.unwrap() if isinstance(model, WrappedModel) else model, options=options)
     return {k: v.detach().float().clone() for k, v in sd.items()}

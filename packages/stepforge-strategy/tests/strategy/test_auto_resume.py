@@ -7,14 +7,14 @@ Two processes under torchrun with killed ranks: test_fault_restarts.py (beside t
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
 import torch
 from _strategy_cases import ITERS, full_params, make_strategy, prepare, train
 
-from stepforge.strategy.checkpoint import CheckpointError
-from stepforge.strategy.checkpoint._auto_resume import remove_uncommitted
+from stepforge.strategy.checkpoint import CheckpointError, checkpoint_to_resume
 
 
 def _equal(a: dict, b: dict) -> bool:
@@ -98,11 +98,18 @@ def test_bad_resume_values(tmp_path):
         prepare(missing)
 
 
-def test_remove_uncommitted_only_touches_unfinished_saves(tmp_path):
+def test_auto_removes_only_unfinished_saves(tmp_path, caplog):
     work = str(tmp_path)
     left = _leftovers(work)
     committed_copy = os.path.join(work, ".iter_1.old-89abcdef")  # a re-save's moved-aside copy: kept
     os.makedirs(committed_copy)
-    assert remove_uncommitted(work) == sorted([left["tmp"], left["pointer"]])
+    logger = logging.getLogger("test_auto_resume")
+    with caplog.at_level(logging.INFO, logger=logger.name):
+        assert checkpoint_to_resume("auto", work, logger) is None
+        assert checkpoint_to_resume("auto", str(tmp_path / "absent"), logger) is None
+    removed = [r.getMessage() for r in caplog.records if "removed" in r.getMessage()]
+    assert removed == [
+        f"resume='auto': removed {path} (left by a save that did not finish)"
+        for path in sorted([left["tmp"], left["pointer"]])
+    ]
     assert sorted(os.listdir(work)) == [".iter_1.old-89abcdef", ".notes.tmp-x"]
-    assert remove_uncommitted(str(tmp_path / "absent")) == []

@@ -22,8 +22,8 @@ import pytest
 import torch
 from _strategy_cases import ITERS, full_params, make_strategy, prepare, train
 
+from stepforge.core.torch_compat import fsdp2_params, fsdp2_pending_grad
 from stepforge.strategy.checkpoint import CheckpointError
-from stepforge.strategy.checkpoint._fsdp_window import fsdp_pending_grads
 from stepforge.testing.distributed import requires_gloo, run_distributed
 
 pytestmark = requires_gloo
@@ -42,7 +42,7 @@ def _first(rank: int, world_size: int, work: str, plugin: str) -> dict:
     at_boundary = full_params(first.model)
     train(first, 3, 4, rank)
     first.save_checkpoint("mid")
-    pending = [g for g in fsdp_pending_grads(first.model) if g is not None]
+    pending = [fp for fp in fsdp2_params(first.model) if fsdp2_pending_grad(fp) is not None]
     local = [p.grad for p in first.model.parameters() if p.grad is not None]
     return dict(
         ref_losses=ref_losses, ref_params=ref_params, at_boundary=at_boundary, held=(len(pending), len(local))

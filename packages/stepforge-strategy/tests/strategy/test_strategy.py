@@ -12,8 +12,7 @@ from torch import nn
 
 from stepforge.core import StepforgeError
 from stepforge.strategy import ColossalAIStrategy, Strategy
-from stepforge.strategy.checkpoint import CheckpointError, find_latest_checkpoint
-from stepforge.strategy.checkpoint._layout import read_commit
+from stepforge.strategy.checkpoint import CheckpointError, find_latest_checkpoint, verify_dir
 
 
 def test_two_strategies_env_logging_and_prepare(tmp_path):
@@ -129,7 +128,7 @@ def test_checkpoint_arguments(tmp_path):
 
     p1 = s.save_checkpoint("a", callback=on_save, extra_ckpt=dict(extra=1), max_keep_ckpts=2)
     assert seen["keys"] == ["extra", "meta", "optimizer", "param_schedulers", "state_dict"]
-    assert read_commit(p1)["meta"]["tag"] == "from-callback" and read_commit(p1)["meta"]["iter"] == 3
+    assert verify_dir(p1)["meta"]["tag"] == "from-callback" and verify_dir(p1)["meta"]["iter"] == 3
     p2 = s.save_checkpoint(
         os.path.join(work, "b"), save_optimizer=False, save_param_scheduler=False, max_keep_ckpts=2
     )
