@@ -1,43 +1,137 @@
 # SPDX-License-Identifier: Apache-2.0
-"""FSDP2 plumbing shared by ``torch_fsdp`` and ``gemini``: which modules to shard, the optimizer re-pointed at
-the sharded (DTensor) parameters, the precision policy."""
+"""FSDP2 units of ``torch_fsdp`` and ``gemini``: which modules are sharded one by one, where each unit lives,
+which neighbours it prefetches, and the optimizer re-pointed at the sharded (DTensor) parameters.
+
+Placement: ColossalAI's Gemini decides per parameter chunk (``shard_param_frac``, ``offload_optim_frac``,
+``offload_param_frac``, ``extra_dp_size``); FSDP2 decides per ``fully_shard`` unit (a block, or the root with
+the parameters no block holds). The plan walks the units in parameter order, as Gemini walks its chunks, and
+counts parameter bytes: Gemini shards and offloads chunks from the front, so do we.
+
+Prefetching: FSDP1's ``forward_prefetch``/``backward_prefetch`` become FSDP2's public
+``set_modules_to_forward_prefetch``/``set_modules_to_backward_prefetch`` between the blocks, taken in
+registration order (the forward order of a ``ModuleList``/``Sequential`` stack); the root runs first in forward
+and its backward starts first, so it prefetches the first blocks in forward and the last ones in backward.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import BackwardPrefetch
 
 from stepforge.core import CachingOptimizer
-from stepforge.core.precision import get_precision
 
-from .._env import is_distributed
 from ._fsdp_param_reads import OutsideReadGuard, blocks_read_outside
-from ._fsdp_placement import UnitPlacement
-from ._fsdp_prefetch import PrefetchPlan, apply_prefetch
 
 __all__ = [
-    "shard_model",
+    "BACKWARD_PREFETCH_UNSET",
+    "PrefetchPlan",
+    "UnitPlacement",
+    "default_blocks",
+    "hybrid_meshes",
+    "leading_units",
+    "plan_placement",
     "plan_units",
-    "choose_blocks",
-    "cast_floating_buffers",
-    "precision_policy",
+    "prefetch_plan",
     "repoint_optimizer",
+    "shard_model",
+    "unit_params",
 ]
 
 
-def precision_policy(precision: str) -> Any:
-    """FSDP2 ``MixedPrecisionPolicy``: params cast to the precision for compute, gradients reduced in fp32,
-    the sharded fp32 parameters are the master weights."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+@dataclass(frozen=True)
+class UnitPlacement:
+    """One ``fully_shard`` unit and where it lives.
 
-    dtype = get_precision(precision).param_dtype
-    if dtype is None:
-        return MixedPrecisionPolicy()
-    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    Attributes:
+        name: the unit's module FQN (``""`` for the root).
+        param_bytes: bytes of the parameters this unit owns (not those of nested units).
+        sharded: ``True``: parameters sharded over the shard mesh dimension (ZeRO-3); ``False``: replicated on
+            every rank (a ``(world, 1)`` mesh: gradients all-reduced, as Gemini's kept-gathered chunks).
+        offload: ``True``: FSDP2 ``CPUOffloadPolicy``: the sharded parameters, their gradients and the optimizer
+            state live in host memory and the step runs there.
+    """
+
+    name: str
+    param_bytes: int
+    sharded: bool
+    offload: bool
+
+
+class _FSDP2Default:
+    def __repr__(self) -> str:  # a readable default in signatures and docs
+        return "<FSDP2 default>"
+
+
+#: ``backward_prefetch`` not given: FSDP2's own backward prefetching (the previous block, like FSDP1's
+#: ``BACKWARD_PRE``), distinct from an explicit ``None`` (FSDP1: no backward prefetching).
+BACKWARD_PREFETCH_UNSET: Any = _FSDP2Default()
+
+
+@dataclass(frozen=True)
+class PrefetchPlan:
+    """How many neighbouring blocks each FSDP unit all-gathers ahead: ``forward`` after it in forward (0: FSDP2's
+    default), ``backward`` before it in backward (``None``: FSDP2's default, the previous block; 0: none)."""
+
+    forward: int = 0
+    backward: int | None = None
+
+
+def prefetch_plan(
+    owner: str, forward_prefetch: Any, backward_prefetch: Any, prefetch_blocks: Any
+) -> PrefetchPlan:
+    """Map FSDP1's ``forward_prefetch`` (bool) and ``backward_prefetch`` (``BACKWARD_PRE``/``BACKWARD_POST`` or its
+    name: FSDP2 has one backward prefetch point, before the block's gradient computation, so both map to it;
+    ``None``: none; :data:`BACKWARD_PREFETCH_UNSET`: FSDP2's default unless ``prefetch_blocks`` > 1) and
+    ``prefetch_blocks`` (int >= 1) onto a :class:`PrefetchPlan`; a bad value raises, naming ``owner`` and it."""
+    if isinstance(prefetch_blocks, bool) or not isinstance(prefetch_blocks, int) or prefetch_blocks < 1:
+        raise ValueError(
+            f"{owner}: prefetch_blocks must be an int >= 1 (blocks all-gathered ahead), got {prefetch_blocks!r}; "
+            "turn prefetching off with forward_prefetch=False / backward_prefetch=None."
+        )
+    if not isinstance(forward_prefetch, bool):
+        raise TypeError(f"{owner}: forward_prefetch must be a bool, got {forward_prefetch!r}.")
+    forward = prefetch_blocks if forward_prefetch else 0
+    if backward_prefetch is BACKWARD_PREFETCH_UNSET:
+        backward = prefetch_blocks if prefetch_blocks > 1 else None
+    elif backward_prefetch is None:
+        backward = 0
+    else:
+        name = (
+            backward_prefetch.name if isinstance(backward_prefetch, BackwardPrefetch) else backward_prefetch
+        )
+        if name not in ("BACKWARD_PRE", "BACKWARD_POST"):
+            raise ValueError(
+                f"{owner}: backward_prefetch must be BackwardPrefetch.BACKWARD_PRE/BACKWARD_POST (or its name) or "
+                f"None, got {backward_prefetch!r}."
+            )
+        backward = prefetch_blocks
+    return PrefetchPlan(forward=forward, backward=backward)
+
+
+def _apply_prefetch(root: Any, units: list[Any], plan: PrefetchPlan) -> None:
+    """Set FSDP2 explicit prefetching on ``root`` and its sharded blocks ``units`` (in forward order)."""
+    if plan.forward:
+        root.set_modules_to_forward_prefetch(units[: plan.forward])
+        for i, unit in enumerate(units):
+            ahead = units[i + 1 : i + 1 + plan.forward]
+            if ahead:
+                unit.set_modules_to_forward_prefetch(ahead)
+    if plan.backward == 0:
+        # each unit prefetching itself is a no-op (it is gathered by then); an empty list means FSDP2's default
+        for unit in [root, *units]:
+            unit.set_modules_to_backward_prefetch([unit])
+    elif plan.backward is not None:
+        root.set_modules_to_backward_prefetch(units[::-1][: plan.backward])
+        for i, unit in enumerate(units):
+            behind = units[max(0, i - plan.backward) : i][::-1]
+            if behind:
+                unit.set_modules_to_backward_prefetch(behind)
 
 
 def default_blocks(model: nn.Module) -> list[nn.Module]:
@@ -45,63 +139,94 @@ def default_blocks(model: nn.Module) -> list[nn.Module]:
     parameters; without such containers, the direct children holding parameters."""
     blocks: list[nn.Module] = []
     for module in model.modules():
-        if module is model:
-            continue
-        if isinstance(module, nn.ModuleList | nn.Sequential):
+        if module is not model and isinstance(module, nn.ModuleList | nn.Sequential):
             blocks.extend(m for m in module.children() if any(True for _ in m.parameters()))
     if not blocks:
         blocks = [m for m in model.children() if any(True for _ in m.parameters())]
-    # keep the innermost-first order fully_shard wants and drop blocks nested in other blocks' parents twice
-    # (modules hash by identity)
+    # keep the innermost-first order fully_shard wants and drop blocks met twice (modules hash by identity)
     return list(dict.fromkeys(blocks))
 
 
-def holds_shared_parameters(
-    block: nn.Module, model: nn.Module, owners: Mapping[int, list[int]] | None = None
-) -> bool:
-    """Whether a parameter of ``block`` is also registered on a module of ``model`` outside ``block`` (tied
-    weights). Such a block is not sharded on its own: its parameters stay in the enclosing (root) unit, so the
-    other module reads the same unsharded tensor instead of meeting a resharded DTensor.
-
-    ``owners`` (optional, from :func:`parameter_owners`): ``id(param)`` -> ids of the modules registering it,
-    computed once for many blocks (otherwise every module of ``model`` is walked per block)."""
-    if owners is None:
-        owners = parameter_owners(model)
-    inside = {id(m) for m in block.modules()}
-    return any(owner not in inside for p in block.parameters() for owner in owners.get(id(p), ()))
+def unit_params(unit: nn.Module, units: list[nn.Module]) -> list[nn.Parameter]:
+    """The parameters ``unit`` owns: its own, less those of the other ``units`` nested inside it
+    (deduplicated)."""
+    inside = {id(m) for m in unit.modules() if m is not unit}
+    skip = {id(p) for m in units if id(m) in inside for p in m.parameters()}
+    return list({id(p): p for p in unit.parameters() if id(p) not in skip}.values())
 
 
-def parameter_owners(model: nn.Module) -> dict[int, list[int]]:
-    """``id(param)`` -> the ids of the modules of ``model`` that register it directly."""
-    owners: dict[int, list[int]] = {}
-    for module in model.modules():
-        for p in module.parameters(recurse=False):
-            owners.setdefault(id(p), []).append(id(module))
-    return owners
+def leading_units(sizes: list[int], frac: float) -> list[bool]:
+    """Which units, taken from the front, cover ``frac`` of the total bytes: Gemini takes chunks until the
+    bytes taken reach ``frac`` of the total (``frac=0``: none, ``frac=1``: all, empty ones included)."""
+    goal, taken, out = frac * sum(sizes), 0, []
+    for size in sizes:
+        take = frac >= 1.0 or (frac > 0 and taken < goal)
+        out.append(take)
+        taken += size if take else 0
+    return out
 
 
-def cast_floating_buffers(model: nn.Module, dtype: torch.dtype | None) -> None:
-    """Cast ``model``'s floating buffers (BatchNorm's running statistics...) to ``dtype``, the compute dtype.
+def plan_placement(
+    model: nn.Module, blocks: list[nn.Module], *, shard_param_frac: float = 1.0, offload_frac: float = 0.0
+) -> dict[int, UnitPlacement]:
+    """Plan ``model``'s units (``blocks`` and the root), keyed by ``id(module)``.
 
-    FSDP2's ``MixedPrecisionPolicy`` casts only the parameters, so a BatchNorm forward would meet bf16/fp16
-    weights and fp32 statistics ("expected scalar type"); ColossalAI casts buffers (gemini, FSDP1's
-    ``buffer_dtype``). Assigning through ``setattr`` keeps each buffer registered (persistent or not).
-    ``None``: full precision, nothing to cast.
+    Units are ordered by the position of their first parameter in ``model.parameters()``. The leading units
+    holding ``shard_param_frac`` of the bytes are sharded, the rest replicated (Gemini keeps the trailing
+    ``1 - shard_param_frac`` gathered). Of the sharded units, the leading ones holding ``offload_frac`` of all
+    bytes are offloaded to CPU; replicated units stay on the device (Gemini's gathered chunks do too).
     """
-    if dtype is None:
-        return
-    for module in model.modules():
-        for name, buffer in list(module.named_buffers(recurse=False)):
-            if buffer.is_floating_point() and buffer.dtype != dtype:
-                setattr(module, name, buffer.to(dtype))
+    order = {id(p): i for i, p in enumerate(model.parameters())}
+    units = [*blocks, model]
+    owned = {id(u): unit_params(u, units) for u in units}
+    names = {id(m): n for n, m in model.named_modules()}
+    ranked = sorted(units, key=lambda u: min((order[id(p)] for p in owned[id(u)]), default=len(order)))
+    sizes = [sum(p.numel() * p.element_size() for p in owned[id(u)]) for u in ranked]
+    # the offload budget counts all bytes, but only sharded units can take it
+    goal, taken = offload_frac * sum(sizes), 0
+    plan: dict[int, UnitPlacement] = {}
+    for unit, size, shard in zip(ranked, sizes, leading_units(sizes, shard_param_frac), strict=True):
+        offload = shard and (offload_frac >= 1.0 or (offload_frac > 0 and taken < goal))
+        taken += size if offload else 0
+        plan[id(unit)] = UnitPlacement(names[id(unit)], size, shard, offload)
+    return plan
 
 
-def choose_blocks(
-    model: nn.Module, blocks: Callable[[nn.Module], bool] | Iterable[type] | None
-) -> list[nn.Module]:
-    """The modules sharded as their own units: ``blocks`` resolved (``None``: :func:`default_blocks`), less
-    those holding parameters tied to a module outside them and those whose parameters the forward reads outside
-    their own forward (found by tracing; both stay in the enclosing root unit)."""
+def hybrid_meshes(device: torch.device, extra_dp_size: int, *, replicate: bool) -> tuple[Any, Any]:
+    """``(shard_mesh, replicate_mesh)`` over the world group: ``(world,)``, or for ``extra_dp_size`` > 1 the HSDP
+    mesh ``(extra_dp_size, world // extra_dp_size)`` (Gemini's extra DP group); ``(world, 1)`` (a unit on it is
+    whole on every rank) only when ``replicate`` (its process groups cost a collective set-up), else ``None``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    if world % extra_dp_size != 0:
+        raise ValueError(
+            f"GeminiPlugin: extra_dp_size={extra_dp_size} does not divide the world size {world}; pick a "
+            f"divisor of {world}."
+        )
+    names = ("replicate", "shard")
+    if extra_dp_size == 1:
+        shard_mesh = init_device_mesh(device.type, (world,))
+    else:
+        shard_mesh = init_device_mesh(
+            device.type, (extra_dp_size, world // extra_dp_size), mesh_dim_names=names
+        )
+    replicate_mesh = init_device_mesh(device.type, (world, 1), mesh_dim_names=names) if replicate else None
+    return shard_mesh, replicate_mesh
+
+
+def plan_units(
+    model: nn.Module,
+    blocks: Callable[[nn.Module], bool] | Iterable[type] | None,
+    placement: Callable[[nn.Module, list[nn.Module]], Mapping[int, UnitPlacement]],
+) -> tuple[list[nn.Module], set[int] | None, Mapping[int, UnitPlacement]]:
+    """``(blocks, read_outside, plan)`` without changing ``model`` (the memory plan reads the same units).
+
+    ``blocks`` resolved (``None``: :func:`default_blocks`; a predicate; module classes), less those holding a
+    parameter also registered outside them (tied weights: it stays in the root unit, so the other module reads
+    the same unsharded tensor instead of a resharded DTensor) and those whose parameters the forward reads
+    outside them (found by tracing; ``read_outside`` is ``None`` when the forward cannot be traced), and
+    ``placement``'s plan of them."""
     if blocks is None:
         chosen = default_blocks(model)
     elif callable(blocks) and not isinstance(blocks, type):
@@ -109,93 +234,71 @@ def choose_blocks(
     else:
         classes = tuple(cast(Iterable[type], blocks))  # a class is callable: the branch above excludes it
         chosen = [m for m in model.modules() if m is not model and isinstance(m, classes)]
-    owners = parameter_owners(model)
-    return [block for block in chosen if not holds_shared_parameters(block, model, owners)]
+    owners: dict[int, list[int]] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(id(module))
 
+    def tied(block: nn.Module) -> bool:
+        inside = {id(m) for m in block.modules()}
+        return any(owner not in inside for p in block.parameters() for owner in owners[id(p)])
 
-def plan_units(
-    model: nn.Module,
-    blocks: Callable[[nn.Module], bool] | Iterable[type] | None,
-    placement: Callable[[nn.Module, list[nn.Module]], Mapping[int, UnitPlacement] | None] | None = None,
-) -> tuple[list[nn.Module], set[int] | None, Mapping[int, UnitPlacement] | None]:
-    """``(blocks, read_outside, plan)``: the modules :func:`shard_model` shards as their own units (see
-    :func:`choose_blocks`, less those whose parameters the forward reads outside them), the ids of those found
-    read outside (``None``: the forward could not be traced) and ``placement``'s plan. Nothing is changed: the
-    memory plan reads the same units."""
-    chosen = choose_blocks(model, blocks)
+    chosen = [block for block in chosen if not tied(block)]
     read_outside = blocks_read_outside(model, chosen)
     if read_outside is not None:
         chosen = [block for block in chosen if id(block) not in read_outside]
-    plan = placement(model, chosen) if placement is not None else None
-    return chosen, read_outside, plan
+    return chosen, read_outside, placement(model, chosen)
 
 
 def shard_model(
     model: nn.Module,
     *,
     blocks: Callable[[nn.Module], bool] | Iterable[type] | None,
-    mesh: Any,
+    placement: Callable[[nn.Module, list[nn.Module]], Mapping[int, UnitPlacement]],
+    meshes: tuple[Any, Any],
     reshard_after_forward: bool,
     mp_policy: Any,
     offload_policy: Any,
-    placement: Callable[[nn.Module, list[nn.Module]], Mapping[int, UnitPlacement] | None] | None = None,
-    replicate_mesh: Any = None,
-    prefetch: PrefetchPlan | None = None,
-) -> nn.Module:
-    """Cast floating buffers to the policy's compute dtype, then ``fully_shard`` each block (see
-    :func:`choose_blocks`), then the root (one communication group per call).
+    prefetch: PrefetchPlan,
+) -> None:
+    """Cast floating buffers to the policy's compute dtype, then ``fully_shard`` each block of
+    :func:`plan_units`, innermost first, then the root, each over the mesh of ``meshes`` (shard, replicate) its
+    placement names and with ``offload_policy`` where it is offloaded; then ``prefetch``.
 
-    ``placement(model, blocks)`` (optional) says per unit whether it is sharded over ``mesh`` or replicated
-    over ``replicate_mesh``, and whether it takes ``offload_policy`` (else no offload); without it every unit
-    is sharded over ``mesh`` with ``offload_policy``. A block whose parameters the forward reads outside the
-    block stays in the root unit; when the forward cannot be traced, the first forward is watched and such a
-    read raises an error naming the parameter (:class:`OutsideReadGuard`). ``prefetch`` (optional) sets FSDP2
-    explicit prefetching between the root and the sharded blocks (:func:`apply_prefetch`).
+    FSDP2's ``MixedPrecisionPolicy`` casts only the parameters, so a BatchNorm forward would meet bf16/fp16
+    weights and fp32 statistics ("expected scalar type"); ColossalAI casts buffers too. When the forward cannot
+    be traced, the first forward is watched and a block parameter read outside its block raises an error naming
+    it (:class:`OutsideReadGuard`).
     """
     from torch.distributed.fsdp import FSDPModule, OffloadPolicy, fully_shard
 
     if isinstance(model, FSDPModule):
-        return model
+        return
     chosen, read_outside, plan = plan_units(model, blocks, placement)
-    cast_floating_buffers(model, mp_policy.param_dtype)
-
-    def _shard(module: nn.Module, reshard: bool) -> None:
-        unit = plan[id(module)] if plan is not None else None
-        if unit is not None and not unit.sharded and replicate_mesh is None:
-            raise ValueError(
-                f"shard_model: unit {unit.name!r} is planned replicated but no replicate_mesh was given."
-            )
+    dtype = mp_policy.param_dtype
+    for module in model.modules() if dtype is not None else ():
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            if buffer.is_floating_point() and buffer.dtype != dtype:
+                setattr(module, name, buffer.to(dtype))  # setattr keeps it registered (persistent or not)
+    for module, reshard in [*((b, reshard_after_forward) for b in reversed(chosen)), (model, False)]:
+        unit = plan[id(module)]
         fully_shard(
             module,
-            mesh=mesh if unit is None or unit.sharded else replicate_mesh,
+            mesh=meshes[0] if unit.sharded else meshes[1],
             reshard_after_forward=reshard,
             mp_policy=mp_policy,
-            offload_policy=offload_policy if unit is None or unit.offload else OffloadPolicy(),
+            offload_policy=offload_policy if unit.offload else OffloadPolicy(),
         )
-
-    for block in reversed(chosen):  # innermost (last registered) first
-        _shard(block, reshard_after_forward)
-    _shard(model, False)
-    if prefetch is not None:
-        apply_prefetch(model, chosen, prefetch)
+    if prefetch != PrefetchPlan():
+        _apply_prefetch(model, [b for b in chosen if isinstance(b, FSDPModule)], prefetch)
     if read_outside is None and chosen:
-        names = {n for b in chosen for n, _ in _named_in(model, b)}
-        OutsideReadGuard(model, names)
-    return model
-
-
-def _named_in(model: nn.Module, block: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    prefix = next(n for n, m in model.named_modules() if m is block)
-    return [(f"{prefix}.{n}", p) for n, p in block.named_parameters()]
+        names = {id(p) for b in chosen for p in b.parameters()}
+        OutsideReadGuard(model, {n for n, p in model.named_parameters() if id(p) in names})
 
 
 def repoint_optimizer(optimizer: Any, before: dict[int, str], model: nn.Module) -> None:
-    """Point ``optimizer``'s groups at ``model``'s new (sharded) parameters, matched by name.
-
-    ``before`` maps ``id(old parameter)`` to its FQN. The optimizer must not have state yet.
-    """
-    if optimizer is None:
-        return
+    """Point ``optimizer``'s groups at ``model``'s new (sharded) parameters, matched by the FQN ``before`` gives
+    each old parameter's id. The optimizer must not have state yet."""
     if len(optimizer.state) > 0:
         raise ValueError(
             "the optimizer already has state; FSDP2 replaces the parameters with sharded ones, so build the "
@@ -215,50 +318,3 @@ def repoint_optimizer(optimizer: Any, before: dict[int, str], model: nn.Module) 
         group["params"] = new
     if isinstance(optimizer, CachingOptimizer):  # stepforge-fused caches views of the old parameters
         optimizer.invalidate_cache()
-
-
-def param_names(model: nn.Module) -> dict[int, str]:
-    return {id(p): name for name, p in model.named_parameters()}
-
-
-def require_process_group(owner: str) -> None:
-    if not is_distributed():
-        raise RuntimeError(
-            f"{owner} needs an initialised process group (torchrun, or torch.distributed.init_process_group); "
-            "on one process use plugin='single'."
-        )
-
-
-def world_mesh(device: torch.device) -> Any:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh(device.type, (dist.get_world_size(),))
-
-
-def clip_grad_norm_by_mesh(params: list[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
-    """Global-norm clipping over gradients that may live on different meshes (sharded and replicated units,
-    HSDP): each mesh's norm is reduced over that mesh, the norms are combined as plain tensors, then every
-    gradient is scaled. Returns the total norm (a plain fp32 tensor)."""
-    from torch.distributed.tensor import DTensor
-
-    groups: dict[Any, list[torch.Tensor]] = {}
-    for p in params:
-        if p.grad is None:
-            continue
-        key = (p.grad.device_mesh, tuple(p.grad.placements)) if isinstance(p.grad, DTensor) else None
-        groups.setdefault(key, []).append(p)
-    if not groups:
-        return torch.zeros(())
-    norms = []
-    for members in groups.values():
-        norm = nn.utils.get_total_norm([cast(torch.Tensor, p.grad) for p in members], norm_type)
-        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-        norms.append(norm.float().cpu())
-    total = nn.utils.get_total_norm(norms, norm_type)
-    coef = max_norm / (float(total) + 1e-6)
-    if coef < 1.0:  # torch's clip_grads_with_norm_ rule, as a float so it multiplies DTensors of any mesh
-        with torch.no_grad():
-            for members in groups.values():
-                for p in members:
-                    cast(torch.Tensor, p.grad).mul_(coef)
-    return total

@@ -21,8 +21,8 @@ are summed in place through the window.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Protocol
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -39,38 +39,13 @@ from stepforge.core.memory_plan import (
 )
 from stepforge.core.torch_compat import ddp_bucket_assignment
 
-from ._fsdp_common import plan_units
-from ._fsdp_placement import UnitPlacement, unit_params
+from ._fsdp_common import plan_units, unit_params
 
-__all__ = ["ddp_memory_plan", "fsdp_memory_plan", "shard_rows", "DDPSettings", "FSDPSettings"]
+if TYPE_CHECKING:
+    from .torch_ddp import TorchDDPPlugin
+    from .torch_fsdp import TorchFSDPPlugin
 
-
-class DDPSettings(Protocol):
-    """What the DDP plan reads of ``TorchDDPPlugin``."""
-
-    name: str
-    ddp_kwargs: dict[str, Any]
-
-    def supports_no_sync(self) -> bool: ...
-
-
-class FSDPSettings(Protocol):
-    """What the FSDP2 plan reads of ``TorchFSDPPlugin``/``GeminiPlugin``."""
-
-    name: str
-    shard_modules: Callable[[nn.Module], bool] | Iterable[type] | None
-    reshard_after_forward: bool
-    cpu_offload: bool
-    default_optimizer: str | None
-
-    @property
-    def device(self) -> torch.device: ...
-
-    def supports_no_sync(self) -> bool: ...
-
-    def _placement(self, model: nn.Module, blocks: list[nn.Module]) -> Mapping[int, UnitPlacement] | None: ...
-
-    def _mp_policy(self) -> Any: ...
+__all__ = ["ddp_memory_plan", "fsdp_memory_plan", "shard_rows"]
 
 
 def shard_rows(dim0: int, shards: int, index: int) -> tuple[int, int]:
@@ -82,12 +57,14 @@ def shard_rows(dim0: int, shards: int, index: int) -> tuple[int, int]:
 
 
 def ddp_memory_plan(
-    plugin: DDPSettings,
+    plugin: TorchDDPPlugin,
     model: nn.Module,
     *,
     world_size: int,
     rank: int = 0,
     optimizer: Mapping[str, Any] | torch.optim.Optimizer | None = None,
+    backend: str | None = None,
+    device: str | torch.device | None = None,
     accumulation_steps: int = 1,
 ) -> MemoryPlan:
     """The replicated layout plus DDP's buckets: every gradient also lives in a bucket (one copy of the
@@ -123,43 +100,29 @@ def ddp_memory_plan(
     return plan
 
 
-def _units(plugin: FSDPSettings, model: nn.Module) -> list[tuple[str, list[nn.Parameter], bool, bool, bool]]:
-    """``(name, parameters, sharded, offloaded, resharded after forward)`` of every unit, blocks first."""
-    blocks, _, placement = plan_units(model, plugin.shard_modules, plugin._placement)
-    names = {id(m): n for n, m in model.named_modules()}
-    units = [*blocks, model]
-    out = []
-    for unit in units:
-        where = placement.get(id(unit)) if placement is not None else None
-        sharded = where.sharded if where is not None else True
-        offload = where.offload if where is not None else plugin.cpu_offload
-        reshard = plugin.reshard_after_forward if unit is not model else False
-        out.append((names[id(unit)], unit_params(unit, units), sharded, offload, reshard))
-    return out
-
-
 def fsdp_memory_plan(
-    plugin: FSDPSettings,
+    plugin: TorchFSDPPlugin,
     model: nn.Module,
     *,
     world_size: int,
     rank: int = 0,
     optimizer: Mapping[str, Any] | torch.optim.Optimizer | None = None,
-    extra_dp_size: int = 1,
+    backend: str | None = None,
     device: str | torch.device | None = None,
-    pin_memory: bool = False,
     accumulation_steps: int = 1,
 ) -> MemoryPlan:
-    """See the module docstring. ``extra_dp_size`` > 1: sharded units shard over ``world_size // extra_dp_size``
-    ranks and are replicated across ``extra_dp_size`` groups (HSDP); replicated units are whole on every rank.
-    Offloaded shards are page-locked with ``pin_memory`` on an accelerator ``device`` (default: the plugin's),
-    as ``CPUOffloadPolicy`` pins them only where an accelerator exists."""
+    """What one rank holds and communicates: the plugin's units and placement, each parameter sized as FSDP2
+    shards and pads it (see the module docstring). With ``extra_dp_size`` > 1 sharded units shard over
+    ``world_size // extra_dp_size`` ranks and are replicated across the groups (HSDP); replicated units are
+    whole on every rank. Offloaded shards are page-locked with ``pin_memory`` on an accelerator ``device``
+    (default: the plugin's), as ``CPUOffloadPolicy`` pins them only where an accelerator exists."""
     steps = check_accumulation_steps(accumulation_steps, f"{type(plugin).__name__}.memory_plan")
     no_sync = steps > 1 and plugin.supports_no_sync()
     reductions = 1 if no_sync else steps  # per unit and optimizer step; every micro-batch gathers
     grads_lifetime = "grads" if no_sync else summed_grads_lifetime(steps)
     on_cpu = torch.device(device if device is not None else plugin.device).type == "cpu"
-    pinned = pin_memory and not on_cpu
+    pinned = plugin.pin_memory and not on_cpu
+    extra_dp_size = plugin.extra_dp_size
     if world_size % extra_dp_size:
         raise ValueError(
             f"{type(plugin).__name__}: extra_dp_size={extra_dp_size} does not divide world_size={world_size}."
@@ -168,10 +131,15 @@ def fsdp_memory_plan(
     plan = MemoryPlan(
         plugin.name, world_size, rank, compute_dtype=policy.param_dtype, accumulation_steps=steps
     )
-    units = _units(plugin, model)
-    plan.offloads = any(offload for *_, offload, _ in units)
+    blocks, _, placement = plan_units(model, plugin.shard_modules, plugin._placement)
+    units = [*blocks, model]
+    plan.offloads = any(unit.offload for unit in placement.values())
     stepped: dict[bool, list[tuple[tuple[int, ...], torch.dtype]]] = {True: [], False: []}
-    for name, params, sharded, offload, reshard in units:
+    for unit in units:
+        where = placement[id(unit)]
+        name, sharded, offload = where.name, where.sharded, where.offload
+        params = unit_params(unit, units)
+        reshard = plugin.reshard_after_forward and unit is not model
         shards, replicas = (world_size // extra_dp_size, extra_dp_size) if sharded else (1, world_size)
         index = rank % shards
         place = "host" if offload else "device"

@@ -2,9 +2,7 @@
 """``gemini`` (``GeminiPlugin``): ZeRO-3 with CPU offload, built on FSDP2 (``fully_shard`` +
 ``CPUOffloadPolicy``), with ColossalAI's arguments.
 
-ColossalAI's Gemini places parameter chunks; here the unit of placement is an FSDP2 ``fully_shard`` unit (a
-block: an element of a ``ModuleList``/``Sequential``, or a direct child; and the root with the rest), walked in
-parameter order and weighed by parameter bytes, as Gemini walks its chunks. The table is in the package
+The unit of placement is an FSDP2 ``fully_shard`` unit (:mod:`._fsdp_common`); the table is in the package
 README ("GeminiPlugin and TorchFSDPPlugin arguments"):
 
 - ``placement_policy="static"``: the fractions below decide, once, at ``boost``.
@@ -23,23 +21,17 @@ README ("GeminiPlugin and TorchFSDPPlugin arguments"):
 
 ``support_no_sync()`` is ``False``, as in ColossalAI. As ``GeminiDDP.state_dict``, the prepared model's
 ``state_dict()`` is the full state on rank 0 (``{}`` elsewhere; ``only_rank_0=False``: on every rank), a fresh
-snapshot; this rank's shards are ``torch.distributed.checkpoint.state_dict.get_model_state_dict(model)``. The optimizer for offloaded shards defaults to
-stepforge-fused's ``HybridAdam`` (``boost(model, dict(lr=1e-3))`` or ``dict(type="CPUAdam", ...)``).
+snapshot; this rank's shards are ``get_model_state_dict(model)``. The optimizer defaults to stepforge-fused's ``HybridAdam`` (``boost(model, dict(lr=1e-3))`` or ``dict(type="CPUAdam", ...)``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch import nn
 
-from stepforge.core import MemoryPlan
-from stepforge.core.precision import DynamicLossScaler, validate_loss_scaler_args
+from stepforge.core.precision import validate_loss_scaler_args
 
-from ._fsdp_placement import UnitPlacement, hybrid_meshes, plan_placement
 from .torch_fsdp import TorchFSDPPlugin
 
 __all__ = ["GeminiPlugin", "GEMINI_DEFAULT_ONLY"]
@@ -187,8 +179,6 @@ class GeminiPlugin(TorchFSDPPlugin):
         self.pin_memory = bool(pin_memory)
         self.norm_type = float(norm_type)
         self.default_optimizer = "HybridAdam"
-        #: the plan of the last ``boost``: unit FQN -> :class:`UnitPlacement`
-        self.placement: dict[str, UnitPlacement] = {}
         self._scaler_kwargs = validate_loss_scaler_args(  # now, not at boost
             "GeminiPlugin",
             initial_scale=initial_scale,
@@ -203,53 +193,3 @@ class GeminiPlugin(TorchFSDPPlugin):
     def supports_no_sync(self) -> bool:
         """``False``: as ColossalAI's Gemini, every micro-batch reduce-scatters its gradients."""
         return False
-
-    def _offload_policy(self) -> Any:
-        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
-
-        if not self.cpu_offload:
-            return OffloadPolicy()
-        return CPUOffloadPolicy(pin_memory=self.pin_memory and torch.accelerator.is_available())
-
-    def memory_plan(
-        self,
-        model: nn.Module,
-        *,
-        world_size: int,
-        rank: int = 0,
-        optimizer: Mapping[str, Any] | torch.optim.Optimizer | None = None,
-        backend: str | None = None,
-        device: str | torch.device | None = None,
-        accumulation_steps: int = 1,
-    ) -> MemoryPlan:
-        """:meth:`TorchFSDPPlugin.memory_plan` with this plugin's placement (sharded/replicated, offloaded units)
-        and ``extra_dp_size`` (HSDP); the optimizer defaults to ``HybridAdam`` as in ``boost``. Without
-        ``no_sync``, an accumulating window reduces every micro-batch into the sharded gradients."""
-        from ._memory_plans import fsdp_memory_plan
-
-        return fsdp_memory_plan(
-            self,
-            model,
-            world_size=world_size,
-            rank=rank,
-            optimizer=optimizer,
-            extra_dp_size=self.extra_dp_size,
-            device=device,
-            pin_memory=self.pin_memory,
-            accumulation_steps=accumulation_steps,
-        )
-
-    def _placement(self, model: nn.Module, blocks: list[nn.Module]) -> dict[int, UnitPlacement]:
-        plan = plan_placement(
-            model, blocks, shard_param_frac=self.shard_param_frac, offload_frac=self.offload_frac
-        )
-        self.placement = {unit.name: unit for unit in plan.values()}
-        return plan
-
-    def _meshes(self) -> tuple[Any, Any]:
-        return hybrid_meshes(self.device, self.extra_dp_size, replicate=self.shard_param_frac < 1.0)
-
-    def _make_scaler(self) -> DynamicLossScaler | None:
-        if self.precision != "fp16":
-            return None
-        return DynamicLossScaler(**self._scaler_kwargs, process_group=dist.group.WORLD)

@@ -14,10 +14,21 @@ from stepforge.core import Plugin
 from ..boosted_optimizer import OptimizerWrapper, as_boosted
 from ..data import StatefulDataLoader
 
-__all__ = ["SinglePlugin"]
+__all__ = ["SinglePlugin", "StatefulLoaderPlugin"]
 
 
-class SinglePlugin(Plugin):
+class StatefulLoaderPlugin(Plugin):
+    """The base of this package's plugins: ColossalAI's ``prepare_dataloader`` (:meth:`stepforge.core.Plugin.
+    prepare_dataloader`: this rank's ``DistributedSampler`` share) returned as a
+    :class:`~stepforge.strategy.StatefulDataLoader` (exact mid-epoch resume)."""
+
+    def prepare_dataloader(
+        self, dataset: Any, batch_size: int, *args: Any, **kwargs: Any
+    ) -> StatefulDataLoader:
+        return StatefulDataLoader(super().prepare_dataloader(dataset, batch_size, *args, **kwargs))
+
+
+class SinglePlugin(StatefulLoaderPlugin):
     """Run on one process: the model is moved to ``device`` and nothing is wrapped.
 
     Args:
@@ -37,10 +48,6 @@ class SinglePlugin(Plugin):
     ) -> tuple[nn.Module, OptimizerWrapper | None]:
         """Move ``model`` to the plugin's device; the optimizer comes back boosted (an :class:`OptimizerWrapper`
         unless the Booster's mixed precision wrapped it already)."""
-        if not isinstance(model, nn.Module):
-            raise TypeError(
-                f"SinglePlugin.prepare: model must be a torch.nn.Module, got {type(model).__name__}."
-            )
         model.to(self.device)
         return model, as_boosted(optimizer)
 
@@ -50,10 +57,3 @@ class SinglePlugin(Plugin):
 
     def no_sync(self, model: nn.Module | None, optimizer: Any = None) -> AbstractContextManager[Any]:
         return nullcontext()
-
-    def prepare_dataloader(
-        self, dataset: Any, batch_size: int, *args: Any, **kwargs: Any
-    ) -> StatefulDataLoader:
-        """ColossalAI's ``prepare_dataloader`` (:meth:`stepforge.core.Plugin.prepare_dataloader`), returned as
-        a :class:`~stepforge.strategy.StatefulDataLoader` (exact mid-epoch resume)."""
-        return StatefulDataLoader(super().prepare_dataloader(dataset, batch_size, *args, **kwargs))

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -13,25 +12,15 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from stepforge.core import MemoryPlan, Plugin
-
 from .._env import is_distributed
 from ..boosted_optimizer import OptimizerWrapper, as_boosted
-from ..data import StatefulDataLoader
+from ._memory_plans import ddp_memory_plan
+from .single import StatefulLoaderPlugin
 
 __all__ = ["TorchDDPPlugin", "sync_batchnorm"]
 
 #: torch >= 2.12 renamed DDP's ``broadcast_buffers`` to ``forward_sync_buffers`` and warns on the old name
 _HAS_FORWARD_SYNC = "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
-
-
-def _buffer_sync_kwargs(broadcast_buffers: bool) -> dict[str, bool]:
-    """DDP's keyword for ColossalAI's ``broadcast_buffers`` on this torch. ``False`` keeps the old name: the new
-    ``forward_sync_buffers=False`` would still sync the buffers once at construction, which the old one did not
-    (torch's own warning says to keep it until a separate switch for that exists)."""
-    if _HAS_FORWARD_SYNC and broadcast_buffers:
-        return {"forward_sync_buffers": True}
-    return {"broadcast_buffers": broadcast_buffers}
 
 
 def sync_batchnorm(model: nn.Module, device: torch.device, process_group: Any = None) -> nn.Module:
@@ -44,7 +33,7 @@ def sync_batchnorm(model: nn.Module, device: torch.device, process_group: Any = 
     return converted
 
 
-class TorchDDPPlugin(Plugin):
+class TorchDDPPlugin(StatefulLoaderPlugin):
     """Data parallelism with torch DDP; ``no_sync`` is DDP's; BatchNorm becomes ``SyncBatchNorm`` on an
     accelerator (:func:`sync_batchnorm`).
 
@@ -82,8 +71,11 @@ class TorchDDPPlugin(Plugin):
         super().__init__(device)
         if not isinstance(bucket_cap_mb, int | float) or bucket_cap_mb <= 0:
             raise ValueError(f"TorchDDPPlugin: bucket_cap_mb must be > 0, got {bucket_cap_mb!r}.")
+        # False keeps the old name: the new forward_sync_buffers=False would still sync the buffers once at
+        # construction, which the old one did not (torch's own warning says to keep it for that)
+        sync = {"forward_sync_buffers": True} if _HAS_FORWARD_SYNC and broadcast_buffers else {}
         self.ddp_kwargs: dict[str, Any] = dict(
-            **_buffer_sync_kwargs(broadcast_buffers),
+            sync or {"broadcast_buffers": broadcast_buffers},
             bucket_cap_mb=bucket_cap_mb,
             find_unused_parameters=find_unused_parameters,
             check_reduction=check_reduction,
@@ -102,10 +94,6 @@ class TorchDDPPlugin(Plugin):
                 "TorchDDPPlugin needs an initialised process group (torchrun, or "
                 "torch.distributed.init_process_group); on one process use plugin='single'."
             )
-        if not isinstance(model, nn.Module):
-            raise TypeError(
-                f"TorchDDPPlugin.prepare: model must be a torch.nn.Module, got {type(model).__name__}."
-            )
         if isinstance(model, DistributedDataParallel):
             return model, as_boosted(optimizer)
         self.bind_device()
@@ -123,29 +111,7 @@ class TorchDDPPlugin(Plugin):
         """LoRA through peft is supported (as ColossalAI's plugin)."""
         return True
 
-    def memory_plan(
-        self,
-        model: nn.Module,
-        *,
-        world_size: int,
-        rank: int = 0,
-        optimizer: Mapping[str, Any] | torch.optim.Optimizer | None = None,
-        backend: str | None = None,
-        device: str | torch.device | None = None,
-        accumulation_steps: int = 1,
-    ) -> MemoryPlan:
-        """The replicated layout plus DDP's gradient buckets and their all-reduces, once per optimizer step
-        (``no_sync`` skips them inside an accumulation window) (:func:`~._memory_plans.ddp_memory_plan`)."""
-        from ._memory_plans import ddp_memory_plan
-
-        return ddp_memory_plan(
-            self,
-            model,
-            world_size=world_size,
-            rank=rank,
-            optimizer=optimizer,
-            accumulation_steps=accumulation_steps,
-        )
+    memory_plan = ddp_memory_plan
 
     def no_sync(self, model: nn.Module | None, optimizer: Any = None) -> AbstractContextManager[Any]:
         """DDP's ``no_sync``: the forward and backward inside skip the all-reduce."""
@@ -154,10 +120,3 @@ class TorchDDPPlugin(Plugin):
                 f"TorchDDPPlugin.no_sync: model must be the boosted (DDP) model, got {type(model).__name__}."
             )
         return model.no_sync()
-
-    def prepare_dataloader(
-        self, dataset: Any, batch_size: int, *args: Any, **kwargs: Any
-    ) -> StatefulDataLoader:
-        """ColossalAI's ``prepare_dataloader`` (:meth:`stepforge.core.Plugin.prepare_dataloader`: this
-        rank's ``DistributedSampler`` share), returned as a :class:`~stepforge.strategy.StatefulDataLoader`."""
-        return StatefulDataLoader(super().prepare_dataloader(dataset, batch_size, *args, **kwargs))

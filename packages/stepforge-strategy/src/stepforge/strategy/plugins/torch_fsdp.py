@@ -12,7 +12,6 @@ boosted ``ModelWrapper``'s) is the full, unsharded state on every rank, a fresh 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any
@@ -23,23 +22,21 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffload, MixedPrecisionPolicy, ShardingStrategy
 from torch.distributed.fsdp import MixedPrecision as FSDP1Precision
 
-from stepforge.core import MemoryPlan, Plugin, build_optimizer, unwrap_optimizer
-from stepforge.core.precision import PLUGIN_PRECISIONS, DynamicLossScaler
+from stepforge.core import build_optimizer, unwrap_optimizer
+from stepforge.core.precision import PLUGIN_PRECISIONS, DynamicLossScaler, get_precision
 from stepforge.core.torch_compat import fsdp2_no_sync
 
-from ..data import StatefulDataLoader
+from .._env import is_distributed
 from ..lazy import has_meta_tensors, lazy_state_names, materialize_model
 from ._fsdp_common import (
-    clip_grad_norm_by_mesh,
-    param_names,
-    precision_policy,
+    BACKWARD_PREFETCH_UNSET,
+    UnitPlacement,
+    hybrid_meshes,
+    plan_placement,
+    prefetch_plan,
     repoint_optimizer,
-    require_process_group,
     shard_model,
-    world_mesh,
 )
-from ._fsdp_placement import UnitPlacement
-from ._fsdp_prefetch import BACKWARD_PREFETCH_UNSET, prefetch_plan
 from ._fsdp_state import (
     FSDPOptimizerWrapper,
     attach_full_state_dict,
@@ -47,6 +44,8 @@ from ._fsdp_state import (
     load_full_optimizer,
     save_full_optimizer,
 )
+from ._memory_plans import fsdp_memory_plan
+from .single import StatefulLoaderPlugin
 
 __all__ = ["TorchFSDPPlugin", "FSDP1_ONLY_ARGUMENTS"]
 
@@ -62,7 +61,7 @@ FSDP1_ONLY_ARGUMENTS = (
 )
 
 
-class TorchFSDPPlugin(Plugin):
+class TorchFSDPPlugin(StatefulLoaderPlugin):
     """ZeRO-3 with torch FSDP2: ``fully_shard`` on each block, then on the root.
 
     Args:
@@ -185,6 +184,14 @@ class TorchFSDPPlugin(Plugin):
             type(self).__name__, forward_prefetch, backward_prefetch, prefetch_blocks
         )
         self.default_optimizer: str | None = None
+        #: the plan of the last ``boost``: unit FQN -> :class:`UnitPlacement`
+        self.placement: dict[str, UnitPlacement] = {}
+        #: the placement ``gemini`` sets from its fractions: here every unit sharded, offloaded with cpu_offload
+        self.shard_param_frac = 1.0
+        self.offload_frac = 1.0 if self.cpu_offload else 0.0
+        self.extra_dp_size = 1
+        self.pin_memory = True  # offloaded shards pinned where an accelerator exists
+        self._scaler_kwargs: dict[str, Any] = {}
 
     def supported_precisions(self) -> list[str]:
         return list(PLUGIN_PRECISIONS)
@@ -193,35 +200,23 @@ class TorchFSDPPlugin(Plugin):
         """``True``: FSDP2's ``MixedPrecisionPolicy`` applies the precision (and fp16 loss scaling here)."""
         return True
 
-    # -- policies ------------------------------------------------------------------------------------------
     def _mp_policy(self) -> Any:
+        """FSDP2 ``MixedPrecisionPolicy``: params cast to the precision for compute, gradients reduced in fp32,
+        the sharded fp32 parameters are the master weights (or ``mixed_precision`` as given)."""
         override = self._mp_override
-        if override is None:
-            return precision_policy(self.precision or self.DEFAULT_PRECISION)
         if isinstance(override, MixedPrecisionPolicy):
             return override
-        return MixedPrecisionPolicy(param_dtype=override.param_dtype, reduce_dtype=override.reduce_dtype)
+        if override is not None:
+            return MixedPrecisionPolicy(param_dtype=override.param_dtype, reduce_dtype=override.reduce_dtype)
+        dtype = get_precision(self.precision or self.DEFAULT_PRECISION).param_dtype
+        return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
 
-    def _offload_policy(self) -> Any:
-        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
-
-        if not self.cpu_offload:
-            return OffloadPolicy()
-        return CPUOffloadPolicy(pin_memory=torch.accelerator.is_available())  # pinning needs one
-
-    def _make_scaler(self) -> DynamicLossScaler | None:
-        if self.precision != "fp16":
-            return None
-        return DynamicLossScaler(process_group=dist.group.WORLD)
-
-    def _placement(self, model: nn.Module, blocks: list[nn.Module]) -> dict[int, UnitPlacement] | None:
-        """Per-unit placement (sharded/replicated, offloaded); ``None``: every unit sharded over the world
-        with :meth:`_offload_policy` (``gemini`` plans from its fractions)."""
-        return None
-
-    def _meshes(self) -> tuple[Any, Any]:
-        """``(shard_mesh, replicate_mesh)``: here the 1-D world mesh (nothing is replicated)."""
-        return world_mesh(self.device), None
+    def _placement(self, model: nn.Module, blocks: list[nn.Module]) -> dict[int, UnitPlacement]:
+        plan = plan_placement(
+            model, blocks, shard_param_frac=self.shard_param_frac, offload_frac=self.offload_frac
+        )
+        self.placement = {unit.name: unit for unit in plan.values()}
+        return plan
 
     # -- prepare -------------------------------------------------------------------------------------------
     def prepare(self, model: nn.Module, optimizer: Any = None, **kwargs: Any) -> tuple[nn.Module, Any]:
@@ -234,27 +229,27 @@ class TorchFSDPPlugin(Plugin):
         ``optimizer`` may also be a config dict (``build_optimizer``), built on the sharded parameters. It
         comes back as an :class:`OptimizerWrapper` (loss scaling for fp16, ``max_norm`` clipping).
         """
-        require_process_group(type(self).__name__)
-        if not isinstance(model, nn.Module):
-            raise TypeError(
-                f"{type(self).__name__}.prepare: model must be a torch.nn.Module, got {type(model).__name__}."
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        if not is_distributed():
+            raise RuntimeError(
+                f"{type(self).__name__} needs an initialised process group (torchrun, or "
+                "torch.distributed.init_process_group); on one process use plugin='single'."
             )
-        names = param_names(model)
+        names = {id(p): name for name, p in model.named_parameters()}
         # a lazy model is sharded on the meta device, then only this rank's shards are materialised
         lazy = lazy_state_names(model) if has_meta_tensors(model) else None
         self.bind_device()
         if lazy is None:
             model.to(self.device)
-        shard_mesh, replicate_mesh = self._meshes()
         shard_model(
             model,
             blocks=self.shard_modules,
-            mesh=shard_mesh,
+            placement=self._placement,
+            meshes=hybrid_meshes(self.device, self.extra_dp_size, replicate=self.shard_param_frac < 1.0),
             reshard_after_forward=self.reshard_after_forward,
             mp_policy=self._mp_policy(),
-            offload_policy=self._offload_policy(),
-            placement=self._placement,
-            replicate_mesh=replicate_mesh,
+            offload_policy=CPUOffloadPolicy(pin_memory=self.pin_memory and torch.accelerator.is_available()),
             prefetch=self.prefetch,
         )
         if lazy is not None:
@@ -269,13 +264,13 @@ class TorchFSDPPlugin(Plugin):
             optimizer = build_optimizer(cfg, model.parameters())
         else:
             repoint_optimizer(optimizer, names, model)
-        return model, self._wrap(model, optimizer)
-
-    def _wrap(self, model: nn.Module, optimizer: Any) -> FSDPOptimizerWrapper:
-        return FSDPOptimizerWrapper(
+        scaler = None
+        if self.precision == "fp16":
+            scaler = DynamicLossScaler(**self._scaler_kwargs, process_group=dist.group.WORLD)
+        return model, FSDPOptimizerWrapper(
             optimizer,
             model=model,
-            scaler=self._make_scaler(),
+            scaler=scaler,
             max_norm=self.max_norm,
             norm_type=self.norm_type,
             clip_fn=lambda max_norm, norm_type: self.clip_grad_norm_(model, optimizer, max_norm, norm_type),
@@ -285,57 +280,38 @@ class TorchFSDPPlugin(Plugin):
         self, model: nn.Module | None, optimizer: Any, max_norm: float, norm_type: float = 2.0
     ) -> torch.Tensor:
         """Global-norm clipping over every gradient of ``optimizer``, whatever mesh its unit uses (sharded,
-        replicated, HSDP); returns the total norm as a plain tensor."""
-        params = [p for g in unwrap_optimizer(optimizer).param_groups for p in g["params"]]
-        return clip_grad_norm_by_mesh(params, max_norm, norm_type)
+        replicated, HSDP): each mesh's norm is reduced over that mesh, the norms are combined as plain tensors,
+        then every gradient is scaled; returns the total norm (a plain fp32 tensor)."""
+        from torch.distributed.tensor import DTensor
 
-    def full_optim_state_dict(
-        self, model: nn.Module, optimizer: Any, rank0_only: bool = True
-    ) -> dict[str, Any]:
-        """FSDP1's ``FullyShardedDataParallel.full_optim_state_dict(model, optim, rank0_only=True)``: the full,
-        unflattened optimizer state keyed by parameter FQN, on rank 0 (``{}`` elsewhere) or on every rank.
-        Collective. Through torch's ``get_optimizer_state_dict(..., StateDictOptions(full_state_dict=True))``."""
-        return full_optim_state_dict(model, optimizer, rank0_only=rank0_only)
+        groups: dict[Any, list[torch.Tensor]] = {}
+        for g in unwrap_optimizer(optimizer).param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    grad = p.grad
+                    key = (grad.device_mesh, tuple(grad.placements)) if isinstance(grad, DTensor) else None
+                    groups.setdefault(key, []).append(grad)
+        if not groups:
+            return torch.zeros(())
+        norms = []
+        for grads in groups.values():
+            norm = nn.utils.get_total_norm(grads, norm_type)
+            norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float().cpu())
+        total = nn.utils.get_total_norm(norms, norm_type)
+        coef = max_norm / (float(total) + 1e-6)
+        if coef < 1.0:  # torch's clip_grads_with_norm_ rule, as a float so it multiplies DTensors of any mesh
+            with torch.no_grad():
+                for grads in groups.values():
+                    for grad in grads:
+                        grad.mul_(coef)
+        return total
 
-    def save_full_optimizer(
-        self, model: nn.Module, optimizer: Any, checkpoint: str | os.PathLike[str]
-    ) -> None:
-        """The unsharded optimizer save of ColossalAI's FSDP checkpoint IO: :meth:`full_optim_state_dict` in
-        one ``torch.save`` file (rank 0 writes; collective). ``Booster.save_optimizer`` writes sharded DCP."""
-        save_full_optimizer(model, optimizer, checkpoint)
-
-    def load_full_optimizer(
-        self, model: nn.Module, optimizer: Any, checkpoint: str | os.PathLike[str]
-    ) -> None:
-        """Load a :meth:`save_full_optimizer` file at any world size (each rank keeps its shard; collective)."""
-        load_full_optimizer(model, optimizer, checkpoint)
-
-    def memory_plan(
-        self,
-        model: nn.Module,
-        *,
-        world_size: int,
-        rank: int = 0,
-        optimizer: Mapping[str, Any] | torch.optim.Optimizer | None = None,
-        backend: str | None = None,
-        device: str | torch.device | None = None,
-        accumulation_steps: int = 1,
-    ) -> MemoryPlan:
-        """What one rank holds and communicates: this plugin's units and placement, each parameter sized as FSDP2
-        shards and pads it; accumulating, the unsharded gradients ``no_sync`` keeps through the window
-        (:func:`~._memory_plans.fsdp_memory_plan`)."""
-        from ._memory_plans import fsdp_memory_plan
-
-        return fsdp_memory_plan(
-            self,
-            model,
-            world_size=world_size,
-            rank=rank,
-            optimizer=optimizer,
-            device=device,
-            pin_memory=True,
-            accumulation_steps=accumulation_steps,
-        )
+    #: FSDP1's ``FullyShardedDataParallel.full_optim_state_dict(model, optim, rank0_only=True)``
+    full_optim_state_dict = staticmethod(full_optim_state_dict)
+    #: the unsharded optimizer save of ColossalAI's FSDP checkpoint IO (``Booster.save_optimizer`` writes DCP)
+    save_full_optimizer = staticmethod(save_full_optimizer)
+    load_full_optimizer = staticmethod(load_full_optimizer)
+    memory_plan = fsdp_memory_plan
 
     def supports_no_sync(self) -> bool:
         return True
@@ -344,10 +320,3 @@ class TorchFSDPPlugin(Plugin):
         """``set_requires_gradient_sync(False)`` on every FSDP module for the block (the flag is read in
         backward); gradients are reduce-scattered by the first backward outside."""
         return fsdp2_no_sync(model)
-
-    def prepare_dataloader(
-        self, dataset: Any, batch_size: int, *args: Any, **kwargs: Any
-    ) -> StatefulDataLoader:
-        """ColossalAI's ``prepare_dataloader`` (:meth:`stepforge.core.Plugin.prepare_dataloader`: this
-        rank's ``DistributedSampler`` share), returned as a :class:`~stepforge.strategy.StatefulDataLoader`."""
-        return StatefulDataLoader(super().prepare_dataloader(dataset, batch_size, *args, **kwargs))
