@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import functools
 import os
 import random
 import time
@@ -22,14 +23,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._options import check_dict
+from .accelerator import get_accelerator
 
 __all__ = [
     "EnvInfo",
     "broadcast_object",
+    "check_dict",
     "is_distributed",
-    "default_backend",
-    "detect_launcher",
     "destroy_group_at_exit",
     "get_rank",
     "get_world_size",
@@ -59,6 +59,17 @@ class EnvInfo:
     timestamp: str
 
 
+def check_dict(name: str, value: Any, allowed: frozenset[str] | None = None) -> dict[str, Any]:
+    """``value`` (a mapping or ``None``) as a new dict; ``allowed`` limits its keys. ``name`` is the option."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{name} must be a dict, got {type(value).__name__}")
+    if allowed is not None and set(value) - allowed:
+        raise ValueError(f"{name}: unknown key(s) {sorted(set(value) - allowed)}; allowed: {sorted(allowed)}")
+    return dict(value)
+
+
 def is_distributed() -> bool:
     """Whether this run is distributed: torch.distributed is built in and its default group is initialised.
 
@@ -74,18 +85,6 @@ def get_rank() -> int:
 def get_world_size() -> int:
     """The default group's size (1 when not distributed)."""
     return dist.get_world_size() if is_distributed() else 1
-
-
-def detect_launcher() -> str:
-    """``"pytorch"`` under ``torchrun`` (or with an initialised group), else ``"none"``."""
-    if is_distributed():
-        return "pytorch"
-    return "pytorch" if {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"} <= set(os.environ) else "none"
-
-
-def default_backend() -> str:
-    """``nccl`` with CUDA, ``gloo`` on CPU."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
 
 
 def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
@@ -126,25 +125,16 @@ def set_random_seed(
     return seed
 
 
+@functools.cache  # registered once, by whoever made the group here
 def destroy_group_at_exit() -> None:
-    """Destroy the default process group at interpreter exit (registered once, by whoever made the group here).
+    """Destroy the default process group at interpreter exit.
 
     gloo's worker threads can still hold the last reference to a Python tensor when a script returns; released in
     a finalising interpreter, it ends the thread inside a ``noexcept`` frame and the process aborts ("terminate
     called without an active exception"). Destroyed from ``atexit``, the group joins its threads while the
     interpreter is alive. A script that destroyed the group itself is left as it is.
     """
-    if not _EXIT_HOOK:
-        atexit.register(_destroy_default_group)
-        _EXIT_HOOK.append(_destroy_default_group)
-
-
-_EXIT_HOOK: list[Any] = []
-
-
-def _destroy_default_group() -> None:
-    if is_distributed():
-        dist.destroy_process_group()
+    atexit.register(lambda: dist.destroy_process_group() if is_distributed() else None)
 
 
 def _init_group(backend: str | None, dist_cfg: Mapping[str, Any]) -> str:
@@ -153,7 +143,7 @@ def _init_group(backend: str | None, dist_cfg: Mapping[str, Any]) -> str:
         if backend is not None and backend != actual:
             raise ValueError(f"env_kwargs backend={backend!r} but the process group already uses {actual!r}")
         return actual
-    backend = backend or default_backend()
+    backend = backend or get_accelerator().communication_backend
     kwargs = {k: v for k, v in dist_cfg.items() if k != "backend"}
     if isinstance(kwargs.get("timeout"), int | float):
         kwargs["timeout"] = datetime.timedelta(seconds=kwargs["timeout"])
@@ -187,7 +177,9 @@ def setup_env(
     """
     dist_cfg = dict(dist_cfg or {})
     randomness = check_dict("env_kwargs['randomness']", randomness, _RANDOMNESS_KEYS)
-    launcher = detect_launcher() if launcher is None else launcher
+    if launcher is None:  # torchrun's variables, or a group made by the caller
+        torchrun = {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"} <= set(os.environ)
+        launcher = "pytorch" if is_distributed() or torchrun else "none"
     if launcher not in _LAUNCHERS:
         raise ValueError(
             f"env_kwargs launcher must be one of {_LAUNCHERS} (slurm/mpi: start with torchrun), got {launcher!r}"

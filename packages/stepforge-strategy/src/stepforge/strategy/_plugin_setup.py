@@ -1,6 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """How a :class:`~stepforge.strategy.Booster` gets its plugin: built from a name or a dict (with the Booster's
-``device`` where the plugin takes one) and given the Booster's mixed precision when it applies precision itself."""
+``device`` where the plugin takes one), given the Booster's mixed precision when it applies precision itself,
+and for ``plugin="auto"``/``memory_budget`` a placeholder until ``boost`` sees the model, then the choice (or the
+budget check) made there, before the model is moved or sharded."""
 
 from __future__ import annotations
 
@@ -9,13 +11,26 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
 from stepforge.core import PLUGINS, Plugin
 
-from ._env import get_world_size
+from ._env import get_rank, get_world_size, is_distributed
+from .memory._auto import AUTO_CANDIDATES, AutoChoice, check_budget, choose_plugin, memory_budget
 from .mixed_precision import MixedPrecision
 
-__all__ = ["adopt_precision", "build_plugin"]
+__all__ = [
+    "PendingAutoPlugin",
+    "adopt_precision",
+    "auto_candidates",
+    "build_plugin",
+    "is_auto",
+    "resolve_at_boost",
+]
+
+#: ``auto`` candidates that need no process group (one process without ``torch.distributed``)
+_WITHOUT_GROUP = ("single", "zero1", "zero2", "zero2:cpu_offload=True")
 
 
 def _accepts(cls: Any, name: str) -> bool:
@@ -91,3 +106,74 @@ def adopt_precision(plugin: Plugin, mixed_precision: Any, wanted: str | None) ->
 
 def _show(spec: Any) -> str:
     return repr(spec if not isinstance(spec, MixedPrecision) else spec.name)
+
+
+def is_auto(plugin: Any) -> bool:
+    """Whether ``plugin`` asks for ``auto`` (the name, or a dict of type ``auto``)."""
+    return (
+        plugin == "auto"
+        if isinstance(plugin, str)
+        else isinstance(plugin, Mapping) and plugin.get("type") == "auto"
+    )
+
+
+def auto_candidates(plugin: Any) -> tuple[str, ...]:
+    """The candidates of an ``auto`` spec (``dict(type="auto", candidates=[...])`` narrows them)."""
+    if isinstance(plugin, Mapping):
+        extra = sorted(set(plugin) - {"type", "candidates"})
+        if extra:
+            raise ValueError(f"plugin='auto' takes only 'candidates', got {', '.join(map(repr, extra))}.")
+        if plugin.get("candidates") is not None:
+            return tuple(plugin["candidates"])
+    return AUTO_CANDIDATES
+
+
+class PendingAutoPlugin(Plugin):
+    """Stands for the plugin ``auto`` will choose until ``boost`` sees the model: it has the device the chosen
+    plugin will use (read before ``boost``, to place inputs) and prepares nothing."""
+
+    name = "auto"
+
+    def prepare(self, model: nn.Module, optimizer: Any = None, **kwargs: Any) -> Any:
+        raise RuntimeError("plugin='auto' chooses the plugin in Booster.boost; call boost, not prepare.")
+
+
+def resolve_at_boost(
+    plugin: Plugin,
+    auto: tuple[str, ...] | None,
+    budget_spec: Mapping[str, Any] | None,
+    model: nn.Module,
+    optimizer: Any,
+    precision: str | None,
+    accumulation_steps: int | None = None,
+) -> AutoChoice | None:
+    """For ``auto`` (``auto`` = its candidates): the choice (its plugin, settings, table and reason). For an
+    explicit plugin with a budget: ``None`` once it is found to fit. ``accumulation_steps``: the run's
+    micro-batches per optimizer step when known (``None``: the budget's ``accumulation_steps``, default 1).
+
+    Raises:
+        MemoryBudgetError: nothing fits (``auto``) or the explicit plugin does not; the message names what
+            would.
+    """
+    device = plugin.device
+    budget = memory_budget(budget_spec, device, accumulation_steps=accumulation_steps)
+    world = dict(
+        world_size=get_world_size(),
+        rank=get_rank(),
+        backend=str(dist.get_backend()) if is_distributed() else None,
+    )
+    if auto is None:
+        check_budget(
+            plugin, model, precision=precision, optimizer=optimizer, device=device, budget=budget, **world
+        )
+        return None
+    candidates = auto if is_distributed() else tuple(c for c in auto if c in _WITHOUT_GROUP)
+    return choose_plugin(
+        model,
+        precision=precision,
+        optimizer=optimizer,
+        device=device,
+        budget=budget,
+        candidates=candidates,
+        **world,
+    )

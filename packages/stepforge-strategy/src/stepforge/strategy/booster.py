@@ -26,9 +26,15 @@ from torch import nn
 from stepforge.core import BoostedOptimizer, Plugin, WrappedModel, build_optimizer, unwrap_optimizer
 from stepforge.core.precision import warn_slow_precision
 
-from ._auto_boost import PendingAutoPlugin, auto_candidates, is_auto, resolve_at_boost
 from ._lora import enable_lora, require_peft
-from ._plugin_setup import adopt_precision, build_plugin
+from ._plugin_setup import (
+    PendingAutoPlugin,
+    adopt_precision,
+    auto_candidates,
+    build_plugin,
+    is_auto,
+    resolve_at_boost,
+)
 from .accelerator import Accelerator
 from .boosted_model import ModelWrapper, plugin_module
 from .boosted_optimizer import OptimizerWrapper

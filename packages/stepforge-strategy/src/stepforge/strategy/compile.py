@@ -10,26 +10,19 @@ mmengine's ``prepare(compile=...)``:
 - ``disable``: ``True`` compiles nothing (mmengine's key; here it really skips);
 - every other key goes to ``torch.compile``: ``backend``, ``mode``, ``fullgraph``, ``dynamic``, ``options``.
 
-What is compiled, per plugin:
+What is compiled: for ``single``, ``torch_ddp`` and ``zero1``/``zero2``, ``model.<target>`` of the model you gave,
+in place as an instance attribute (as mmengine does); gradient hooks fire on the parameters (leaves of the
+compiled backward), so DDP's all-reduce and ZeRO's bucketed reduce run as in eager mode. For ``torch_fsdp`` and
+``gemini`` with ``target="forward"``, each innermost FSDP2 unit below the root has its ``forward`` compiled on its
+own, as torchtitan compiles transformer blocks: FSDP2's all-gather and reduce-scatter hooks are
+``torch._dynamo.disable``-d, so a graph spanning them would break at every block; blocks of one shape share one
+graph and the root's own code stays eager (a model with no unit below the root, or another ``target``, has the
+root's method compiled).
 
-- ``single``, ``torch_ddp``, ``zero1``/``zero2`` (``low_level_zero``): ``model.<target>`` of the model you gave,
-  compiled in place as an instance attribute (as mmengine does). DDP's reducer, ZeRO's input cast and gradient
-  hooks and the Booster's autocast stay outside or are traced into the graph as they are: gradient hooks fire on
-  the parameters (leaves of the compiled backward), so DDP's all-reduce and ZeRO's bucketed reduce run as in eager
-  mode, once the compiled backward has produced the gradients.
-- ``torch_fsdp``, ``gemini`` (FSDP2) with ``target="forward"``: each innermost FSDP2 unit below the root (the
-  blocks the plugin sharded one by one) has its ``forward`` compiled on its own, as torchtitan compiles
-  transformer blocks. FSDP2's all-gather and reduce-scatter hooks run eagerly around the compiled blocks (they
-  are ``torch._dynamo.disable``-d, so a graph spanning them would break at every block); blocks of one shape
-  share one compiled graph. The root's own code (embeddings, head, the loop over blocks) stays eager. A model
-  with no unit below the root has its root ``forward`` compiled; another ``target`` compiles that method of the
-  root.
-
-Nothing wraps the module, so its ``state_dict`` keys, every checkpoint written from it and the wrappers around it
-(``ModelWrapper``, DDP, ZeRO's model) stay as they are: no ``_orig_mod.`` prefix, and a checkpoint of a compiled
-run loads into an eager model and back. A model you wrapped yourself with ``torch.compile(model)`` still trains
-and saves as before (torch's state-dict functions drop its ``_orig_mod.``), but ``compile=`` on it is refused
-(:func:`refuse_compiled_wrapper`): it would be compiled twice.
+Nothing wraps the module, so its ``state_dict`` keys and every checkpoint written from it stay as they are (no
+``_orig_mod.`` prefix; a checkpoint of a compiled run loads into an eager model and back). ``compile=`` on a model
+you already wrapped with ``torch.compile(model)`` is refused (:func:`refuse_compiled_wrapper`): it would be
+compiled twice.
 """
 
 from __future__ import annotations
@@ -59,11 +52,6 @@ __all__ = [
 _OWN_KEYS = frozenset({"target", "disable"})
 
 
-def _torch_compile_keys() -> frozenset[str]:
-    """``torch.compile``'s keyword arguments (read from the installed torch), less the module itself."""
-    return frozenset(inspect.signature(torch.compile).parameters) - {"model", "disable"}
-
-
 @dataclass(frozen=True)
 class CompileConfig:
     """A checked ``compile`` option: the method to compile and the ``torch.compile`` keyword arguments."""
@@ -73,14 +61,9 @@ class CompileConfig:
 
 
 def compile_config(compile: Any, *, where: str) -> CompileConfig | None:
-    """Check ``compile`` (``False``/``None``/``True``/dict); ``None`` when nothing is to be compiled.
-
-    The caller's dict is not changed (mmengine pops ``target`` out of it, so a second use loses it).
-
-    Raises:
-        TypeError: ``compile`` is not a bool, ``None`` nor a dict; ``target`` is not a str.
-        ValueError: an unknown key (the message lists the ``torch.compile`` arguments).
-    """
+    """Check ``compile`` (``False``/``None``/``True``/dict; a ``TypeError`` or ``ValueError`` names a bad value or
+    key); ``None`` when nothing is to be compiled. The caller's dict is not changed (mmengine pops ``target`` out
+    of it, so a second use loses it)."""
     if compile is None or compile is False:
         return None
     if compile is True:
@@ -90,7 +73,8 @@ def compile_config(compile: Any, *, where: str) -> CompileConfig | None:
             f"{where}: compile must be True/False or a dict of torch.compile arguments (with optional 'target' and "
             f"'disable'), got {type(compile).__name__}"
         )
-    allowed = _OWN_KEYS | _torch_compile_keys()
+    # torch.compile's keyword arguments, read from the installed torch
+    allowed = _OWN_KEYS | (frozenset(inspect.signature(torch.compile).parameters) - {"model"})
     unknown = sorted(set(compile) - allowed)
     if unknown:
         raise ValueError(f"{where}: compile has unknown key(s) {unknown}; allowed: {sorted(allowed)}")
@@ -107,11 +91,7 @@ def compile_config(compile: Any, *, where: str) -> CompileConfig | None:
 
 
 def refuse_compiled_wrapper(model: Any, *, where: str) -> None:
-    """Raise when ``compile=`` meets a model that is already what ``torch.compile(module)`` returns.
-
-    Raises:
-        TypeError: naming the fix (the eager model with ``compile=``, or the compiled one without).
-    """
+    """Raise a ``TypeError`` naming the fix when ``compile=`` meets what ``torch.compile(module)`` returns."""
     if is_compiled_module(model):
         raise TypeError(
             f"{where}: model is already a torch.compile() wrapper (OptimizedModule) and compile= would compile it "
@@ -161,14 +141,8 @@ def _compile_method(module: nn.Module, config: CompileConfig, *, where: str) -> 
 
 
 def apply_compile(model: nn.Module, config: CompileConfig, *, where: str = "compile") -> list[str]:
-    """Compile ``config.target`` on the user's model inside ``model`` (in place, see the module docstring): the
-    innermost FSDP2 units' ``forward`` for a sharded model and ``target="forward"``, else the root's method.
-    Returns the qualified names of the compiled methods (``"forward"``, ``"blocks.0.forward"``...).
-
-    Raises:
-        TypeError: the model already is a ``torch.compile`` wrapper.
-        ValueError: ``target`` is not a method of the model.
-    """
+    """Compile ``config.target`` on the user's model inside ``model`` in place (see the module docstring);
+    returns the qualified names of the compiled methods (``"forward"``, ``"blocks.0.forward"``...)."""
     root = user_module(model)
     refuse_compiled_wrapper(root, where=where)
     units = _innermost_units(root) if config.target == "forward" else []
@@ -181,11 +155,6 @@ def apply_compile(model: nn.Module, config: CompileConfig, *, where: str = "comp
 
 
 def compile_model(model: nn.Module, compile: Any, *, where: str = "compile") -> list[str]:
-    """:func:`compile_config` then :func:`apply_compile`; ``[]`` when ``compile`` is off.
-
-    Raises:
-        TypeError, ValueError: a bad ``compile`` option, a model already compiled, a ``target`` that is not a
-            method of the model.
-    """
+    """:func:`compile_config` then :func:`apply_compile`; ``[]`` when ``compile`` is off."""
     config = compile_config(compile, where=where)
     return [] if config is None else apply_compile(model, config, where=where)

@@ -23,6 +23,8 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
+from ._env import is_distributed
+
 __all__ = ["DistCoordinator"]
 
 _R = TypeVar("_R")
@@ -39,7 +41,7 @@ class DistCoordinator:
     """
 
     def __init__(self) -> None:
-        if not (dist.is_available() and dist.is_initialized()):
+        if not is_distributed():
             raise RuntimeError(
                 "DistCoordinator: torch.distributed is not initialised; call stepforge.strategy.launch_from_torch() "
                 "(under torchrun) or torch.distributed.init_process_group first."
@@ -64,24 +66,18 @@ class DistCoordinator:
         """This process's rank on its node (``LOCAL_RANK``, set by torchrun; -1 when unset)."""
         return self._local_rank
 
-    def _require_local_rank(self) -> None:
-        if self._local_rank < 0:
-            raise RuntimeError(
-                "DistCoordinator: LOCAL_RANK is not set, so the rank on this node is unknown; start the script "
-                "with torchrun."
-            )
-
     def is_master(self, process_group: Any = None) -> bool:
         """Whether this is rank 0 (of ``process_group``, default the whole group)."""
         return bool(dist.get_rank(group=process_group) == 0)
 
     def is_node_master(self) -> bool:
-        """Whether this is local rank 0 (the first process on this node).
-
-        Raises:
-            RuntimeError: ``LOCAL_RANK`` is not set.
-        """
-        self._require_local_rank()
+        """Whether this is local rank 0 (the first process on this node); a ``RuntimeError`` when ``LOCAL_RANK``
+        is not set."""
+        if self._local_rank < 0:
+            raise RuntimeError(
+                "DistCoordinator: LOCAL_RANK is not set, so the rank on this node is unknown; start the script "
+                "with torchrun."
+            )
         return self._local_rank == 0
 
     def is_last_process(self, process_group: Any = None) -> bool:
@@ -94,11 +90,7 @@ class DistCoordinator:
             print(msg)
 
     def print_on_node_master(self, msg: str) -> None:
-        """``print(msg)`` on local rank 0 only.
-
-        Raises:
-            RuntimeError: ``LOCAL_RANK`` is not set.
-        """
+        """``print(msg)`` on local rank 0 only (:meth:`is_node_master`)."""
         if self.is_node_master():
             print(msg)
 

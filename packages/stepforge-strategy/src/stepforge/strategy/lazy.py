@@ -10,28 +10,23 @@
 
 Under the context every tensor is created on the meta device and every operation that creates or writes one
 (``torch.empty``, ``nn.init.normal_``, ``arange`` for a rotary buffer, ``copy_`` of a loaded weight...) is
-recorded. Materialising replays the record in its order on ``default_device``, with the random state the context
-was entered with, so every tensor gets the values an eager build under the same seed gives. The replay holds a
-tensor only while a later operation reads it: a tensor a later operation overwrites whole (``normal_``,
-``uniform_``, ``fill_``, ``copy_``...) is dropped at once (the overwriting operation still runs, on scratch
-memory, so the random stream advances as it did eagerly), and each parameter or buffer is handed to its
-destination after its last operation. Memory: the destination plus about the largest tensor.
+recorded. Materialising replays the record in its order on ``default_device``, from the random state the context
+was entered with, so every tensor gets the values of an eager build under the same seed. The replay holds a
+tensor only while a later operation reads it: one a later operation overwrites whole is dropped at once (the
+overwriting operation still runs, on scratch memory, so the random stream advances as it did eagerly), and each
+parameter or buffer is handed to its destination after its last operation. Memory: the destination plus about
+the largest tensor.
 
-``Booster.boost`` materialises a model with meta tensors (built here or under ``torch.device("meta")``) where
-the plugin keeps it: ``torch_fsdp`` and ``gemini`` shard it on the meta device (``fully_shard``) and fill each
-rank's shards (no rank holds the whole model); the other plugins get the whole model built on their device
-(``to_empty``) before they prepare it. A model built under ``torch.device("meta")`` outside this context has no
-record: its modules' ``reset_parameters()`` are recorded then, in ``model.modules()`` order, from the random
-state at ``boost`` (torch's convention for meta-device models; what an eager build of a model whose layers
-initialise themselves in construction order gives). A tensor that no ``reset_parameters`` writes (a rotary
-``inv_freq``, a causal mask computed in ``__init__``) cannot be rebuilt so and raises, naming it: build such a
-model under this context.
+``Booster.boost`` materialises a model with meta tensors where the plugin keeps it: ``torch_fsdp`` and ``gemini``
+shard it on the meta device and fill each rank's shards; the other plugins get the whole model on their device.
+A model built under ``torch.device("meta")`` outside this context has no record: its modules'
+``reset_parameters()`` are recorded then, in ``model.modules()`` order, from the random state at ``boost``
+(torch's convention for meta-device models); a tensor no ``reset_parameters`` writes (a rotary ``inv_freq``)
+cannot be rebuilt so and raises, naming it.
 
-Differences from ColossalAI: the recorded tensors are meta tensors (``tensor.device`` is ``meta``, where
-ColossalAI's ``LazyTensor`` reports the device it will have), and an operation that needs a value during
-construction (``tensor.item()``, ``tolist()``) raises torch's error on meta tensors (ColossalAI materialises
-early). The random state is not advanced by a lazy build: the replay runs from the state saved at ``__enter__``
-and restores the state it found afterwards.
+Differences from ColossalAI: the recorded tensors report the ``meta`` device (ColossalAI's ``LazyTensor`` reports
+the one it will have); an operation that needs a value during construction (``tensor.item()``) raises torch's
+error on meta tensors (ColossalAI materialises early); the random state is not advanced by a lazy build.
 """
 
 from __future__ import annotations
@@ -442,7 +437,6 @@ def materialize_model(
         **dict(model.named_parameters(remove_duplicate=False)),
         **dict(model.named_buffers(remove_duplicate=False)),
     }
-    done: set[str] = set()
 
     def emit(key: int, flat: torch.Tensor) -> None:
         for name, ref in names.get(key, ()):
@@ -454,10 +448,6 @@ def materialize_model(
                     dest.to_local().copy_(local.to_local())
                 else:
                     dest.copy_(value)
-            done.add(name)
 
     _replay(rec, emit)
     rec.ops, rec.materialized = [], True
-    left = [n for views in names.values() for n, _ in views if n not in done]
-    if left:
-        raise ValueError(f"materialize: the record never produced {', '.join(left[:5])}.")

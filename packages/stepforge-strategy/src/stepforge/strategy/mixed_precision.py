@@ -43,7 +43,6 @@ __all__ = [
     "BF16MixedPrecision",
     "FP8MixedPrecision",
     "resolve_mixed_precision",
-    "PRECISION_NAMES",
 ]
 
 logger = logging.getLogger("stepforge.strategy")
@@ -65,10 +64,25 @@ class MixedPrecision:
         return None
 
     def configure_model(self, model: nn.Module, device: torch.device) -> nn.Module:
-        """Make ``model``'s forward run under autocast (the module is patched in place; keys unchanged)."""
+        """Make ``model``'s forward run under autocast: ``model.forward`` patched in place (an instance
+        attribute, so the state-dict keys stay)."""
         if self.dtype is None:
             return model
-        autocast_forward(model, device.type, self.dtype)
+        wanted = (device.type, self.dtype)
+        marked = getattr(model, "_stepforge_autocast", None)  # our own marker, set below
+        if marked is not None:
+            if marked != wanted:
+                raise ValueError(f"model already runs under autocast {marked}; cannot switch to {wanted}.")
+            return model
+        original = model.forward
+
+        @functools.wraps(original)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            with torch.autocast(device_type=device.type, dtype=self.dtype):
+                return original(*args, **kwargs)
+
+        model.forward = forward
+        model._stepforge_autocast = wanted  # type: ignore[assignment]  # mypy: nn.Module attributes are Tensor | Module
         return model
 
     def configure(
@@ -89,27 +103,6 @@ class MixedPrecision:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
-
-
-def autocast_forward(model: nn.Module, device_type: str, dtype: torch.dtype) -> None:
-    """Patch ``model.forward`` (instance attribute) to run inside ``torch.autocast(device_type, dtype)``."""
-    if getattr(model, "_stepforge_autocast", None) is not None:
-        if model._stepforge_autocast != (device_type, dtype):
-            raise ValueError(
-                f"model already runs under autocast {model._stepforge_autocast}; cannot switch to "
-                f"{(device_type, dtype)}."
-            )
-        return
-    original = model.forward
-
-    @functools.wraps(original)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        with torch.autocast(device_type=device_type, dtype=dtype):
-            return original(*args, **kwargs)
-
-    model.forward = forward
-    # our marker on the module (mypy types nn.Module attributes as Tensor | Module)
-    model._stepforge_autocast = (device_type, dtype)  # type: ignore[assignment]
 
 
 class FP16TorchMixedPrecision(MixedPrecision):
@@ -254,9 +247,6 @@ _CLASSES: dict[str, type[MixedPrecision]] = {
     "fp8": FP8MixedPrecision,
 }
 
-#: The string values ``mixed_precision`` accepts.
-PRECISION_NAMES = MIXED_PRECISIONS
-
 
 def _row(name: Any) -> Precision | None:
     """The table row of a precision name, ``None`` for anything else."""
@@ -277,7 +267,7 @@ def resolve_mixed_precision(spec: str | Mapping[str, Any] | MixedPrecision | Non
         row = _row(spec)
         if row is None:
             raise ValueError(
-                f"mixed_precision must be one of {', '.join(map(repr, PRECISION_NAMES))}, a dict with 'type' "
+                f"mixed_precision must be one of {', '.join(map(repr, MIXED_PRECISIONS))}, a dict with 'type' "
                 f"or a MixedPrecision instance; got {spec!r}."
             )
         return None if row.name == "fp32" else _CLASSES[row.name]()
@@ -287,7 +277,7 @@ def resolve_mixed_precision(spec: str | Mapping[str, Any] | MixedPrecision | Non
         row = _row(name)
         if row is None or row.name not in _CLASSES:
             raise ValueError(
-                f"mixed_precision dict needs 'type' in {', '.join(map(repr, PRECISION_NAMES))}; got {name!r}."
+                f"mixed_precision dict needs 'type' in {', '.join(map(repr, MIXED_PRECISIONS))}; got {name!r}."
             )
         return _CLASSES[row.name](**kwargs)
     raise TypeError(

@@ -20,9 +20,8 @@ from torch import nn
 from stepforge.core import Plugin
 
 from . import _prepare
-from ._env import ENV_KWARGS, setup_env
+from ._env import ENV_KWARGS, check_dict, setup_env
 from ._logging import LOG_KWARGS, close_logger, setup_logger
-from ._options import check_auto_scale_lr, check_dict, check_global_batch_size, check_model_wrapper
 from .boosted_model import plugin_module
 from .booster import Booster
 from .checkpoint import (
@@ -87,11 +86,29 @@ class Strategy:
         global_batch_size: int | None = None,
     ) -> None:
         check_resume_option(resume)
-        self.global_batch_size = check_global_batch_size(global_batch_size)
+        gbs = global_batch_size
+        if gbs is not None and (not isinstance(gbs, int) or isinstance(gbs, bool) or gbs <= 0):
+            raise ValueError(
+                "global_batch_size must be None or a positive int (samples per optimizer step over all ranks: world "
+                f"size x train_micro_batch_size_per_gpu x accumulative_counts), got {gbs!r}"
+            )
+        self.global_batch_size = gbs
         env = check_dict("env_kwargs", env_kwargs, ENV_KWARGS)
         logs = check_dict("log_kwargs", log_kwargs, LOG_KWARGS)
-        self.auto_scale_lr = check_auto_scale_lr(auto_scale_lr)
-        check_model_wrapper(model_wrapper)
+        self.auto_scale_lr = check_dict(
+            "auto_scale_lr", auto_scale_lr, frozenset({"base_batch_size", "enable"})
+        )
+        base = self.auto_scale_lr.get("base_batch_size")
+        if (
+            self.auto_scale_lr.get("enable", True)
+            and self.auto_scale_lr
+            and (not isinstance(base, int) or base <= 0)
+        ):
+            raise ValueError(f"auto_scale_lr needs base_batch_size, a positive int; got {base!r}")
+        if model_wrapper is not None and not callable(model_wrapper):
+            raise TypeError(
+                f"model_wrapper must be None or a callable taking the boosted model, got {model_wrapper!r}"
+            )
         self.env = setup_env(**env)
         self.work_dir = os.path.abspath(work_dir)
         os.makedirs(self.work_dir, exist_ok=True)
@@ -185,9 +202,8 @@ class Strategy:
             )
         if self.booster.auto_choice is not None:  # into the run's own log (mmengine's, under FlexibleRunner)
             self.logger.info("%s\n%s", self.booster.auto_choice.reason, self.booster.auto_choice.table)
-        model = plugin_module(
-            model
-        )  # mmengine's strategies hand back the DDP/FSDP module, not a ModelWrapper
+        # mmengine's strategies hand back the DDP/FSDP module, not a ModelWrapper
+        model = plugin_module(model)
         if self.model_wrapper is not None:
             model = self.model_wrapper(model)
         self.model, self.optim_wrapper = model, wrapper

@@ -14,13 +14,14 @@ mixes a plain tensor with a DTensor. Two checks find such a child before or at t
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
+
+from stepforge.core.torch_compat import tree_flatten
 
 __all__ = ["blocks_read_outside", "OutsideReadGuard"]
 
@@ -33,7 +34,8 @@ def blocks_read_outside(model: nn.Module, blocks: list[nn.Module]) -> set[int] |
     if not blocks:
         return set()
     block_ids = {id(b) for b in blocks}
-    around = {id(m) for b in blocks for m in _ancestors(model, b)}
+    named = [n.split(".") for n, m in model.named_modules() if id(m) in block_ids]
+    around = {id(model.get_submodule(".".join(parts[:i]))) for parts in named for i in range(len(parts))}
 
     class _Tracer(torch.fx.Tracer):
         def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
@@ -70,7 +72,7 @@ _Saved = list[tuple[dict[str, Any], dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
 def _own_state(modules: list[nn.Module]) -> _Saved:
-    """Per module: a shallow copy of its attributes, and each own buffer with a copy of its value."""
+    # per module: a shallow copy of its attributes, and each own buffer with a copy of its value
     return [
         (
             dict(vars(m)),
@@ -90,35 +92,15 @@ def _restore_own_state(modules: list[nn.Module], saved: _Saved) -> None:
             buffer.copy_(value)
 
 
-def _ancestors(model: nn.Module, block: nn.Module) -> list[nn.Module]:
-    name = next(n for n, m in model.named_modules() if m is block)
-    out = [model]
-    parts = name.split(".")
-    for i in range(1, len(parts)):
-        out.append(model.get_submodule(".".join(parts[:i])))
-    return out
-
-
-def _leaves(tree: Any) -> Iterator[Any]:
-    """The leaves of nested tuples, lists and dicts (what an op's ``args``/``kwargs`` hold)."""
-    if isinstance(tree, list | tuple):
-        for item in tree:
-            yield from _leaves(item)
-    elif isinstance(tree, dict):
-        for item in tree.values():
-            yield from _leaves(item)
-    else:
-        yield tree
-
-
 class _SeeShardedParams(TorchFunctionMode):
     def __init__(self, sharded: dict[int, str]) -> None:
         super().__init__()
         self.sharded = sharded
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        flat = list(_leaves((args, kwargs or {})))
-        tensors = [value for value in flat if isinstance(value, torch.Tensor)]
+        tensors = [
+            value for value in tree_flatten((args, kwargs or {}))[0] if isinstance(value, torch.Tensor)
+        ]
         # only an op mixing a sharded parameter with a plain tensor fails: FSDP2's own bookkeeping touches the
         # sharded parameters alone (``.data``, ``to_local``...) and must pass
         plain = any(not isinstance(value, DTensor) for value in tensors)

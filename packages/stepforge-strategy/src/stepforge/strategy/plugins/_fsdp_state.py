@@ -1,13 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Full (gathered) model and optimizer state of an FSDP2 model, in the shapes ColossalAI's FSDP1 and Gemini
-users expect: the model's ``state_dict()`` / ``state_dict(only_rank_0=...)`` and ``full_optim_state_dict``.
+"""Full (gathered) model and optimizer state of an FSDP2 model, as ColossalAI's FSDP1 and Gemini users expect it.
 
-FSDP2's own ``nn.Module.state_dict`` holds this rank's DTensor shards, aliasing the live parameters. The prepared
-model's ``state_dict()`` is the full state instead, a fresh snapshot on every call, as FSDP1's default
-``FULL_STATE_DICT`` and ColossalAI's ``GeminiDDP.state_dict`` give; the sharded form stays one documented call
-away: ``torch.distributed.checkpoint.state_dict.get_model_state_dict(model)`` (what DCP and stepforge's
-checkpoints save). The full forms go through the same torch module (``full_state_dict=True``); keys are
-parameter FQNs, values plain tensors of the unsharded shapes.
+FSDP2's own ``nn.Module.state_dict`` holds this rank's DTensor shards, aliasing the live parameters; the prepared
+model's ``state_dict()`` is the full state instead, a fresh snapshot, as FSDP1's ``FULL_STATE_DICT`` and
+``GeminiDDP.state_dict`` give. Both go through torch's ``torch.distributed.checkpoint.state_dict``; the sharded
+form (what DCP and stepforge's checkpoints save) stays ``get_model_state_dict(model)``.
 """
 
 from __future__ import annotations
@@ -20,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from stepforge.core import unwrap_optimizer
 from stepforge.core.torch_compat import dtensor_local, set_instance_state_dict
 
 from ..boosted_model import plugin_module
@@ -41,13 +39,6 @@ def _options(only_rank_0: bool) -> Any:
 
     # cpu_offload=True with full_state_dict=True is torch's "rank 0 only": other ranks get an empty dict
     return StateDictOptions(full_state_dict=True, cpu_offload=only_rank_0)
-
-
-def _unwrap(optimizer: Any) -> torch.optim.Optimizer:
-    inner = optimizer.unwrap() if isinstance(optimizer, OptimizerWrapper) else optimizer
-    if not isinstance(inner, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch optimizer or a boosted one, got {type(inner).__name__}.")
-    return inner
 
 
 def full_model_state_dict(model: nn.Module, only_rank_0: bool = True) -> dict[str, torch.Tensor]:
@@ -87,22 +78,16 @@ def full_optim_state_dict(model: nn.Module, optimizer: Any, rank0_only: bool = T
     model = plugin_module(model)  # the boosted ModelWrapper's .module: the FSDP2 model itself
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    state = get_optimizer_state_dict(model, _unwrap(optimizer), options=_options(rank0_only))
+    state = get_optimizer_state_dict(model, unwrap_optimizer(optimizer), options=_options(rank0_only))
     if rank0_only and dist.get_rank() != 0:
         return {}
     return dict(state)
 
 
 class FSDPOptimizerWrapper(OptimizerWrapper):
-    """The boosted optimizer of ``torch_fsdp``/``gemini``: :class:`OptimizerWrapper` plus the full optimizer
-    state (``state_dict(only_rank_0=...)`` as ColossalAI's ``GeminiOptimizer``; :meth:`full_optim_state_dict`
-    as FSDP1).
-
-    Args:
-        optimizer: the torch optimizer over the sharded parameters.
-        model: the FSDP2-sharded model.
-        **kwargs: :class:`OptimizerWrapper`'s (``scaler``, ``max_norm``, ``norm_type``, ``clip_fn``).
-    """
+    """The boosted optimizer of ``torch_fsdp``/``gemini`` over the sharded ``model``: :class:`OptimizerWrapper`
+    (its ``**kwargs``) plus the full optimizer state (``state_dict(only_rank_0=...)`` as ColossalAI's
+    ``GeminiOptimizer``; :meth:`full_optim_state_dict` as FSDP1)."""
 
     def __init__(self, optimizer: Any, *, model: nn.Module, **kwargs: Any) -> None:
         super().__init__(optimizer, **kwargs)
@@ -171,6 +156,8 @@ def load_full_optimizer(model: nn.Module, optimizer: Any, checkpoint: str | os.P
 
     state = read_torch_file(checkpoint, where="load_optimizer")  # checked, weights_only
     scaler = state.pop("grad_scaler", None)
-    set_optimizer_state_dict(model, _unwrap(optimizer), state, options=StateDictOptions(full_state_dict=True))
+    set_optimizer_state_dict(
+        model, unwrap_optimizer(optimizer), state, options=StateDictOptions(full_state_dict=True)
+    )
     if isinstance(optimizer, OptimizerWrapper):
         optimizer.load_scaler_state_dict(scaler)

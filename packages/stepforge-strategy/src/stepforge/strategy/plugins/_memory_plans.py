@@ -1,22 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
 """The memory plans of ``torch_ddp``, ``torch_fsdp`` and ``gemini`` (their ``memory_plan`` methods).
 
-``torch_fsdp``/``gemini`` take their units from the code that shards (:func:`~._fsdp_common.plan_units`: the
-same block choice, the same blocks left in the root, gemini's same placement plan) and size each parameter as
-FSDP2 stores it: dimension 0 cut ``torch.chunk``-style into ``S`` pieces of ``ceil(dim0 / S)`` rows, every rank's
-storage padded to that many rows; gradients reduce-scattered into one padded buffer per unit (copied to the CPU,
-unpadded, when the unit is offloaded); the optimizer stepping the local (unpadded) shards. What compute gathers
-is listed per unit (``plan.units``: gathered parameters, the all-gather output FSDP2 keeps in forward until the
-next unit's copy-out, unsharded gradients, the reduce-scatter input it keeps until the next reduce), not as one
-total: the estimate lays each unit's beside the activations traced at that unit's own peak. ``torch_ddp`` is the
-replicated layout plus DDP's gradient buckets, assigned by torch's own bucketing function.
+``torch_fsdp``/``gemini`` take their units from the code that shards (:func:`~._fsdp_common.plan_units`) and size
+each parameter as FSDP2 stores it: dimension 0 cut ``torch.chunk``-style into ``S`` pieces of ``ceil(dim0 / S)``
+rows, every rank's storage padded to that many rows; gradients reduce-scattered into one padded buffer per unit
+(copied to the CPU, unpadded, when offloaded); the optimizer stepping the local shards. What compute gathers is
+listed per unit (``plan.units``), not as one total: the estimate lays each unit's beside the activations traced
+at that unit's own peak. ``torch_ddp`` is the replicated layout plus DDP's buckets (torch's own bucketing).
 
-Accumulating (``accumulation_steps`` N > 1, every micro-batch but the last under ``no_sync`` where the plugin
-supports it): DDP keeps its full gradients in ``param.grad`` through the window and all-reduces once per
-optimizer step; FSDP2 under ``set_requires_gradient_sync(False)`` keeps every unit's unsharded gradient (in the
-reduce dtype, on the device) until the window's last backward reduce-scatters it, and gathers its parameters
-every micro-batch; without ``no_sync`` (``gemini``) every micro-batch reduces into the sharded gradients, which
-are summed in place through the window.
+Accumulating (N > 1 micro-batches, all but the last under ``no_sync`` where supported): DDP all-reduces once per
+step; FSDP2 under ``set_requires_gradient_sync(False)`` keeps every unit's unsharded gradient (reduce dtype, on
+the device) until the window's last backward and gathers parameters every micro-batch; without ``no_sync``
+(``gemini``) every micro-batch reduces into the sharded gradients, summed in place.
 """
 
 from __future__ import annotations

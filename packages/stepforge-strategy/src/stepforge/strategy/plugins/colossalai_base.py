@@ -40,6 +40,8 @@ from torch import nn
 from stepforge.core import BoostedOptimizer
 from stepforge.core import Plugin as CorePlugin
 
+from .._env import is_distributed
+
 __all__ = ["Plugin", "DPPluginBase"]
 
 
@@ -130,7 +132,7 @@ class DPPluginBase(Plugin):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if not (dist.is_available() and dist.is_initialized()):
+        if not is_distributed():
             raise RuntimeError(
                 f"{type(self).__name__}: torch.distributed is not initialised; call "
                 "stepforge.strategy.launch_from_torch() (under torchrun) or torch.distributed.init_process_group "

@@ -1,27 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """``gemini`` (``GeminiPlugin``): ZeRO-3 with CPU offload, built on FSDP2 (``fully_shard`` +
-``CPUOffloadPolicy``), with ColossalAI's arguments.
-
-The unit of placement is an FSDP2 ``fully_shard`` unit (:mod:`._fsdp_common`); the table is in the package
-README ("GeminiPlugin and TorchFSDPPlugin arguments"):
-
-- ``placement_policy="static"``: the fractions below decide, once, at ``boost``.
-- ``placement_policy="auto"``: every unit sharded and offloaded (``CPUOffloadPolicy``): Gemini's auto policy
-  keeps gradients and optimizer states of sharded chunks on CPU and moves parameters to the device when used,
-  which FSDP2's offload does per unit; the fractions are not read (as in ColossalAI).
-- ``shard_param_frac``: the leading units holding this fraction of the bytes are sharded, the rest replicated
-  (a ``(world, 1)`` mesh: whole on every rank, gradients all-reduced). 0.0: all replicated (DDP-like).
-- ``offload_optim_frac``/``offload_param_frac``: the leading sharded units holding ``max`` of the two fractions
-  of the bytes get ``CPUOffloadPolicy``: FSDP2 keeps a shard's parameters, gradients and optimizer state
-  together, so a unit's optimizer state goes to CPU with its parameters (the step runs on CPU, as Gemini's
-  offloaded chunks). Replicated units stay on the device, as Gemini's gathered chunks.
-- ``extra_dp_size``: sharded units use the HSDP mesh ``(extra_dp_size, world // extra_dp_size)``.
-- ``tp_size > 1`` raises (tensor parallelism is not offered); the chunk-manager and kernel arguments are
-  accepted at their ColossalAI defaults only.
-
-``support_no_sync()`` is ``False``, as in ColossalAI. As ``GeminiDDP.state_dict``, the prepared model's
-``state_dict()`` is the full state on rank 0 (``{}`` elsewhere; ``only_rank_0=False``: on every rank), a fresh
-snapshot; this rank's shards are ``get_model_state_dict(model)``. The optimizer defaults to stepforge-fused's ``HybridAdam`` (``boost(model, dict(lr=1e-3))`` or ``dict(type="CPUAdam", ...)``).
+``CPUOffloadPolicy``), with ColossalAI's arguments mapped onto :class:`TorchFSDPPlugin`'s units (the placement
+plan of :mod:`._fsdp_common`); the mapping, argument by argument, is the package README's table "GeminiPlugin and
+TorchFSDPPlugin arguments".
 """
 
 from __future__ import annotations
@@ -65,34 +46,30 @@ GEMINI_DEFAULT_ONLY: dict[str, Any] = {
 
 
 class GeminiPlugin(TorchFSDPPlugin):
-    """ColossalAI's ``GeminiPlugin`` on FSDP2 (see the module docstring for the argument mapping).
+    """ColossalAI's ``GeminiPlugin`` on FSDP2 (the README table maps each argument).
 
     Args:
-        placement_policy: ``"static"`` (the fractions decide) or ``"auto"`` (every unit sharded and offloaded).
-        shard_param_frac: fraction of the parameter bytes sharded, in ``[0, 1]``; the rest is replicated.
-        offload_optim_frac: fraction of the parameter bytes whose optimizer state lives on CPU, in ``[0, 1]``.
-        offload_param_frac: fraction of the parameter bytes kept on CPU, in ``[0, 1]``.
-        extra_dp_size: ``> 1``: shard inside groups of ``world // extra_dp_size`` ranks, replicate across
-            ``extra_dp_size`` groups (HSDP); it must divide the world size (checked at ``boost``).
+        placement_policy: ``"static"`` (the fractions decide, once, at ``boost``) or ``"auto"`` (every unit sharded
+            and offloaded, as Gemini's auto policy keeps sharded chunks' state on CPU; the fractions are not read).
+        shard_param_frac: the leading units holding this fraction of the bytes are sharded, the rest replicated
+            (whole on every rank, gradients all-reduced); 0.0: all replicated (DDP-like).
+        offload_optim_frac: the leading sharded units holding ``max(offload_optim_frac, offload_param_frac)`` of
+            the bytes get ``CPUOffloadPolicy``: FSDP2 keeps a shard's parameters, gradients and optimizer state
+            together, so they go to CPU together (the step runs there); replicated units stay on the device.
+        offload_param_frac: see ``offload_optim_frac``.
+        extra_dp_size: ``> 1``: the HSDP mesh ``(extra_dp_size, world // extra_dp_size)``; it must divide the
+            world size (checked at ``boost``).
         tp_size: ``1`` only (tensor parallelism is not offered).
-        precision: ``"fp16"``, ``"bf16"`` or ``"fp32"``, as ColossalAI.
-        master_weights: as ColossalAI (only ``True``: FSDP2 steps fp32 parameters).
-        pin_memory: as ColossalAI.
-        initial_scale: the fp16 dynamic loss scaler, as ColossalAI.
-        min_scale: as ``initial_scale``.
-        growth_factor: as ``initial_scale``.
-        backoff_factor: as ``initial_scale``.
-        growth_interval: as ``initial_scale``.
-        hysteresis: as ``initial_scale``.
-        max_scale: as ``initial_scale``.
-        max_norm: clip the global gradient norm to this (0: off), as ColossalAI.
-        norm_type: the norm of ``max_norm`` clipping, as ColossalAI.
+        precision, master_weights (``True`` only), pin_memory, max_norm, norm_type: as ColossalAI.
+        initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis, max_scale: the fp16
+            dynamic loss scaler, as ColossalAI.
         device: the compute device.
+        **kwargs: ColossalAI's chunk-manager and kernel arguments, accepted at their defaults only
+            (``GEMINI_DEFAULT_ONLY``).
 
-    Raises:
-        ValueError: a fraction outside ``[0, 1]``, ``extra_dp_size < 1``, ``tp_size != 1``, a chunk/tracer
-            argument away from its default, an unknown placement policy or precision, ``master_weights=False``.
-        TypeError: an unknown argument.
+    ``support_no_sync()`` is ``False`` and the prepared model's ``state_dict()`` is the full state on rank 0
+    (``{}`` elsewhere), as ColossalAI's; the optimizer defaults to stepforge-fused's ``HybridAdam``. A value out of
+    range raises ``ValueError`` naming it, an unknown argument ``TypeError``.
     """
 
     name = "gemini"

@@ -1,13 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """``torch_fsdp`` (aliases ``fsdp``, ``TorchFSDPPlugin``): FSDP2 ``fully_shard`` per block, then the root.
 
-The boosted model is the user's model after FSDP2's ``fully_shard``: an ``FSDPModule`` (its parameters are
-DTensor shards), not FSDP1's ``FullyShardedDataParallel`` class. As FSDP1's, its ``state_dict()`` (and the
-boosted ``ModelWrapper``'s) is the full, unsharded state on every rank, a fresh snapshot on every call
-(collective); this rank's DTensor shards are
-``torch.distributed.checkpoint.state_dict.get_model_state_dict(model.unwrap())``. FSDP1's full optimizer state
-(``FSDP.full_optim_state_dict``) is :meth:`TorchFSDPPlugin.full_optim_state_dict` or the boosted optimizer's
-``full_optim_state_dict()``/``state_dict(only_rank_0=...)``, through torch's ``get_optimizer_state_dict``.
+The boosted model is the user's model after ``fully_shard`` (an ``FSDPModule`` whose parameters are DTensor
+shards), not FSDP1's ``FullyShardedDataParallel``. As FSDP1's, its ``state_dict()`` is the full state on every
+rank, a fresh snapshot (collective); this rank's shards are ``get_model_state_dict(model.unwrap())``. FSDP1's
+full optimizer state is :meth:`TorchFSDPPlugin.full_optim_state_dict` (README: "GeminiPlugin and TorchFSDPPlugin
+arguments").
 """
 
 from __future__ import annotations
@@ -62,42 +60,33 @@ FSDP1_ONLY_ARGUMENTS = (
 
 
 class TorchFSDPPlugin(StatefulLoaderPlugin):
-    """ZeRO-3 with torch FSDP2: ``fully_shard`` on each block, then on the root.
+    """ZeRO-3 with torch FSDP2: ``fully_shard`` on each block, then on the root (the README table maps each
+    FSDP1/ColossalAI argument).
 
     Args:
-        precision: ``"fp32"`` (default), ``"bf16"`` or ``"fp16"``: FSDP2 ``MixedPrecisionPolicy`` with
-            ``param_dtype`` = the precision and fp32 gradient reduction; the sharded fp32 parameters are the
-            master weights. ``"fp16"`` adds dynamic loss scaling agreed across ranks.
-        reshard_after_forward: free the gathered parameters of a block after its forward (ZeRO-3); ``False``
-            keeps them until backward (ZeRO-2-like memory, less communication).
-        cpu_offload: ``True`` (or FSDP1's ``CPUOffload(offload_params=True)``) gives ``CPUOffloadPolicy``:
-            sharded parameters, gradients and optimizer state on CPU; pinned memory only where an accelerator
-            exists.
-        sharding_strategy: FSDP1 ``ShardingStrategy`` (or its name) accepted for compatibility: ``FULL_SHARD``
-            (reshard after forward) or ``SHARD_GRAD_OP`` (do not); others raise.
-        mixed_precision: an FSDP2 ``MixedPrecisionPolicy`` (or FSDP1 ``MixedPrecision`` with ``param_dtype``/
-            ``reduce_dtype``), instead of ``precision``.
+        precision: ``"fp32"`` (default), ``"bf16"`` or ``"fp16"``: FSDP2 ``MixedPrecisionPolicy`` with fp32
+            gradient reduction; the sharded fp32 parameters are the master weights; fp16 adds dynamic loss
+            scaling agreed across ranks.
+        reshard_after_forward: free a block's gathered parameters after its forward (ZeRO-3); ``False`` keeps
+            them until backward (ZeRO-2-like memory, less communication).
+        cpu_offload: ``True`` or FSDP1's ``CPUOffload(offload_params=True)``: ``CPUOffloadPolicy``.
+        sharding_strategy: FSDP1's ``FULL_SHARD`` (reshard after forward) or ``SHARD_GRAD_OP`` (do not).
+        mixed_precision: an FSDP2 ``MixedPrecisionPolicy`` (or FSDP1's ``MixedPrecision``) instead of
+            ``precision``.
         shard_modules: which submodules are blocks: a predicate, or module classes; default: the elements of
             ``ModuleList``/``Sequential`` children, else the direct children with parameters.
         max_norm: global-norm gradient clipping inside ``optimizer.step`` (0 = off).
-        forward_prefetch: FSDP1's flag: ``True`` makes each unit (root, then each block) all-gather the next
-            ``prefetch_blocks`` blocks right after its own all-gather (FSDP2
-            ``set_modules_to_forward_prefetch``); ``False`` (default): FSDP2's implicit prefetching.
-        backward_prefetch: FSDP1's ``BackwardPrefetch.BACKWARD_PRE``/``BACKWARD_POST`` (or the name): each unit
-            all-gathers the ``prefetch_blocks`` preceding blocks before its gradient computation (FSDP2
-            ``set_modules_to_backward_prefetch``; FSDP2 has only this pre-backward point, so ``BACKWARD_POST``
-            maps to it too); ``None``: no backward prefetching (one block gathered at a time). Not given:
-            FSDP2's default, the previous block.
+        forward_prefetch: FSDP1's flag: each unit all-gathers the next ``prefetch_blocks`` blocks right after
+            its own all-gather.
+        backward_prefetch: FSDP1's ``BACKWARD_PRE``/``BACKWARD_POST`` (FSDP2 has one pre-backward point for
+            both): each unit all-gathers the ``prefetch_blocks`` preceding blocks before its gradient
+            computation; ``None``: none; not given: FSDP2's default, the previous block.
         prefetch_blocks: (stepforge) how many neighbouring blocks are prefetched where prefetching is on
-            (default 1; more overlaps more communication and holds that many more blocks gathered). Above 1,
-            backward prefetching is explicit even when ``backward_prefetch`` is not given. Blocks are taken in
-            registration order, the forward order of a ``ModuleList``/``Sequential`` stack.
+            (default 1); above 1, backward prefetching is explicit even when ``backward_prefetch`` is not given.
         device: compute device (default ``cuda:LOCAL_RANK`` or CPU).
 
-    Raises:
-        TypeError: an FSDP1-only argument without an FSDP2 equivalent (``auto_wrap_policy``,
-            ``limit_all_gathers``... see ``FSDP1_ONLY_ARGUMENTS``) or an unknown one.
-        ValueError: an unknown precision, sharding strategy or ``backward_prefetch``, or ``prefetch_blocks`` < 1.
+    An FSDP1-only argument (``FSDP1_ONLY_ARGUMENTS``) or an unknown one raises ``TypeError`` naming it; a bad value
+    ``ValueError``.
     """
 
     name = "torch_fsdp"
@@ -143,20 +132,15 @@ class TorchFSDPPlugin(StatefulLoaderPlugin):
                 "(world) group."
             )
         if sharding_strategy is not None:
-            name = (
-                sharding_strategy.name
-                if isinstance(sharding_strategy, ShardingStrategy)
-                else sharding_strategy
-            )
-            if name == "FULL_SHARD":
-                reshard_after_forward = True if reshard_after_forward is None else reshard_after_forward
-            elif name == "SHARD_GRAD_OP":
-                reshard_after_forward = False if reshard_after_forward is None else reshard_after_forward
-            else:
+            strategy = sharding_strategy
+            name = strategy.name if isinstance(strategy, ShardingStrategy) else strategy
+            if name not in ("FULL_SHARD", "SHARD_GRAD_OP"):
                 raise ValueError(
                     f"{type(self).__name__}: sharding_strategy {name!r} has no mapping; use 'FULL_SHARD' or "
                     "'SHARD_GRAD_OP' (HSDP: a 2-D mesh is not offered by this plugin)."
                 )
+            if reshard_after_forward is None:
+                reshard_after_forward = name == "FULL_SHARD"
         self.reshard_after_forward = True if reshard_after_forward is None else bool(reshard_after_forward)
         if isinstance(cpu_offload, bool):
             self.cpu_offload = cpu_offload
