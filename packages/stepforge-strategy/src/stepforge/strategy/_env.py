@@ -1,20 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The process environment of a Strategy: launcher, process group, randomness and the run's timestamp.
-
-mmengine's ``BaseStrategy._setup_env`` semantics: the launcher is ``"pytorch"`` when ``torchrun``'s variables
-(``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...) are set and ``"none"`` otherwise; the backend is ``nccl`` when
-CUDA is available and ``gloo`` otherwise (``backend=`` or ``dist_cfg=dict(backend=...)`` overrides); a ``None``
-seed is drawn on rank 0 and broadcast; the timestamp is rank 0's, broadcast. An already initialised default
-process group is reused (so several strategies can live in one process).
-"""
+"""The process environment of a Strategy, with mmengine's ``BaseStrategy._setup_env`` semantics: the launcher is
+``"pytorch"`` under torchrun's variables, else ``"none"``; the backend follows the accelerator (``nccl``/``gloo``)
+unless given; a ``None`` seed is drawn on rank 0 and broadcast, as is the timestamp. An already initialised
+default group is reused (several strategies can live in one process)."""
 
 from __future__ import annotations
 
 import atexit
 import datetime
 import functools
+import itertools
+import logging
 import os
 import random
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -27,6 +26,9 @@ from .accelerator import get_accelerator
 
 __all__ = [
     "EnvInfo",
+    "LOG_KWARGS",
+    "close_logger",
+    "setup_logger",
     "broadcast_object",
     "check_dict",
     "is_distributed",
@@ -127,13 +129,10 @@ def set_random_seed(
 
 @functools.cache  # registered once, by whoever made the group here
 def destroy_group_at_exit() -> None:
-    """Destroy the default process group at interpreter exit.
-
-    gloo's worker threads can still hold the last reference to a Python tensor when a script returns; released in
-    a finalising interpreter, it ends the thread inside a ``noexcept`` frame and the process aborts ("terminate
-    called without an active exception"). Destroyed from ``atexit``, the group joins its threads while the
-    interpreter is alive. A script that destroyed the group itself is left as it is.
-    """
+    """Destroy the default process group at interpreter exit. gloo's worker threads can still hold the last
+    reference to a tensor when a script returns; released in a finalising interpreter, it ends the thread inside a
+    ``noexcept`` frame and the process aborts. From ``atexit`` the group joins its threads while the interpreter
+    lives."""
     atexit.register(lambda: dist.destroy_process_group() if is_distributed() else None)
 
 
@@ -164,16 +163,10 @@ def setup_env(
     resource_limit: int = 4096,
     randomness: Mapping[str, Any] | None = None,
 ) -> EnvInfo:
-    """Set up the process as mmengine's ``_setup_env`` does; see the module docstring.
-
-    Args:
-        launcher: ``"pytorch"`` (torchrun's environment), ``"none"`` or ``None`` (detect).
-        backend: process-group backend; default ``nccl`` with CUDA else ``gloo``.
-        cudnn_benchmark: sets ``torch.backends.cudnn.benchmark``.
-        mp_cfg: ``dict(mp_start_method="spawn"|"fork"|"forkserver")``.
-        dist_cfg: keyword arguments of ``init_process_group`` (``backend``, ``timeout`` in seconds...).
-        resource_limit: raise the soft ``RLIMIT_NOFILE`` to at least this (where the OS allows).
-        randomness: ``dict(seed=None, deterministic=False, diff_rank_seed=False)``.
+    """Set up the process as mmengine's ``_setup_env`` does (see the module docstring): ``launcher`` (``"pytorch"``,
+    ``"none"``, ``None``: detect), ``backend``, ``cudnn_benchmark``, ``mp_cfg=dict(mp_start_method=...)``,
+    ``dist_cfg`` (``init_process_group``'s arguments, ``timeout`` in seconds), ``resource_limit`` (the soft
+    ``RLIMIT_NOFILE`` raised to it where allowed) and ``randomness=dict(seed, deterministic, diff_rank_seed)``.
     """
     dist_cfg = dict(dist_cfg or {})
     randomness = check_dict("env_kwargs['randomness']", randomness, _RANDOMNESS_KEYS)
@@ -216,3 +209,57 @@ def setup_env(
         diff_rank_seed=bool(randomness.get("diff_rank_seed", False)),
         timestamp=timestamp,
     )
+
+
+LOG_KWARGS = frozenset({"log_level", "file_mode", "all_ranks", "console"})
+_COUNTER = itertools.count()
+_FORMAT = "%(asctime)s - %(name)s - %(levelname)s - %(message)s"
+
+
+def setup_logger(
+    experiment_name: str,
+    log_dir: str,
+    timestamp: str,
+    *,
+    rank: int = 0,
+    log_level: str | int = "INFO",
+    file_mode: str = "a",
+    all_ranks: bool = False,
+    console: bool = True,
+) -> tuple[logging.Logger, str | None]:
+    """A fresh logger and the path of its log file under ``log_dir`` (None on ranks that write none): at
+    ``log_level`` (name or number), appended (``file_mode="a"``, mmengine's default) or rewritten, with a stderr
+    copy when ``console``."""
+    if file_mode not in ("a", "w"):
+        raise ValueError(f"log_kwargs file_mode must be 'a' or 'w', got {file_mode!r}")
+    level = logging.getLevelName(log_level.upper()) if isinstance(log_level, str) else log_level
+    if not isinstance(level, int):
+        raise ValueError(f"log_kwargs log_level must be a logging level name or number, got {log_level!r}")
+    logger = logging.getLogger(f"stepforge.strategy.{experiment_name}.{next(_COUNTER)}")
+    logger.setLevel(level)
+    logger.propagate = False
+    fmt = logging.Formatter(_FORMAT)
+    path = None
+    if rank == 0 or all_ranks:
+        os.makedirs(log_dir, exist_ok=True)
+        name = f"{timestamp}.log" if rank == 0 else f"{timestamp}_rank{rank}.log"
+        path = os.path.join(log_dir, name)
+        handler = logging.FileHandler(path, mode=file_mode, encoding="utf-8")
+        handler.setFormatter(fmt)
+        handler.setLevel(level)
+        logger.addHandler(handler)
+        if console:
+            stream = logging.StreamHandler(sys.stderr)
+            stream.setFormatter(fmt)
+            stream.setLevel(level)
+            logger.addHandler(stream)
+    else:
+        logger.addHandler(logging.NullHandler())
+    return logger, path
+
+
+def close_logger(logger: logging.Logger) -> None:
+    """Close and detach the logger's handlers (the file is released)."""
+    for handler in list(logger.handlers):
+        handler.close()
+        logger.removeHandler(handler)

@@ -27,12 +27,7 @@ def enable_lora(
     model: nn.Module, pretrained_dir: str | os.PathLike[str] | None = None, lora_config: Any = None
 ) -> nn.Module:
     """``peft.get_peft_model(model, lora_config)``, or with ``pretrained_dir`` the adapters saved there
-    (``PeftModel.from_pretrained(..., is_trainable=True)``).
-
-    Raises:
-        ImportError: peft is missing.
-        ValueError: neither ``lora_config`` nor ``pretrained_dir``; ``model`` already boosted.
-        TypeError: ``lora_config`` is not a ``peft.LoraConfig``.
+    (``PeftModel.from_pretrained(..., is_trainable=True)``); a missing peft, config or a boosted model raises.
     """
     require_peft("Booster.enable_lora")
     from peft import LoraConfig, PeftModel, get_peft_model
@@ -58,12 +53,7 @@ def enable_lora(
 
 def peft_model_of(model: nn.Module) -> Any:
     """The ``peft.PeftModel`` inside a boosted (or plain) model, under the Booster's ``ModelWrapper`` or a
-    plugin's own :class:`stepforge.core.WrappedModel`.
-
-    Raises:
-        ImportError: peft is missing.
-        ValueError: the model has no LoRA adapters.
-    """
+    plugin's own :class:`stepforge.core.WrappedModel`; ``ValueError`` when it has no LoRA adapters."""
     require_peft("save_lora_as_pretrained")
     from peft import PeftModel
 

@@ -147,14 +147,9 @@ def resolve_at_boost(
     precision: str | None,
     accumulation_steps: int | None = None,
 ) -> AutoChoice | None:
-    """For ``auto`` (``auto`` = its candidates): the choice (its plugin, settings, table and reason). For an
-    explicit plugin with a budget: ``None`` once it is found to fit. ``accumulation_steps``: the run's
-    micro-batches per optimizer step when known (``None``: the budget's ``accumulation_steps``, default 1).
-
-    Raises:
-        MemoryBudgetError: nothing fits (``auto``) or the explicit plugin does not; the message names what
-            would.
-    """
+    """For ``auto`` (``auto`` = its candidates): the choice (plugin, settings, table, reason); for an explicit plugin
+    with a budget: ``None`` once it fits. ``accumulation_steps``: the run's micro-batches per step when known. Raises
+    ``MemoryBudgetError`` naming what would fit."""
     device = plugin.device
     budget = memory_budget(budget_spec, device, accumulation_steps=accumulation_steps)
     world = dict(

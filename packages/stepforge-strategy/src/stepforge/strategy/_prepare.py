@@ -1,8 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The steps of :meth:`Strategy.prepare <stepforge.strategy.Strategy.prepare>` that build the run's objects:
-rank 0's weights on every rank, the accumulation count that keeps a named global batch, the optim wrapper on the
-Booster (which also applies ``compile``), the learning rate scaled to the global batch and the accumulation window
-started."""
+"""The steps of :meth:`Strategy.prepare <stepforge.strategy.Strategy.prepare>`: rank 0's weights on every rank,
+the accumulation count that keeps a global batch, the optim wrapper on the Booster, the scaled learning rate and
+the accumulation window started."""
 
 from __future__ import annotations
 
@@ -95,8 +94,7 @@ def keep_global_batch(cfg: Any, global_batch: int, world_size: int, micro_batch:
 
 
 def _window(counts: Any) -> int | None:
-    """The wrapper's ``accumulative_counts`` for the Booster's memory estimate (``None`` where it is not a
-    positive int: the wrapper's own check names it)."""
+    # None where it is not a positive int: the wrapper's own check names it
     return counts if isinstance(counts, int) and not isinstance(counts, bool) and counts >= 1 else None
 
 
@@ -108,10 +106,10 @@ def build_optim_wrapper(
     ``booster``. The wrapper's ``accumulative_counts`` reaches ``boost`` as ``accumulation_steps`` (for
     ``plugin="auto"`` and ``memory_budget``)."""
     if isinstance(cfg, ColossalAIOptimWrapper):
-        model, optimizer = booster.boost(
-            model, cfg.optimizer, compile=compile, accumulation_steps=_window(cfg.accumulative_counts)
-        )[:2]
-        cfg.optimizer = optimizer
+        steps = _window(cfg.accumulative_counts)
+        model, cfg.optimizer = booster.boost(model, cfg.optimizer, compile=compile, accumulation_steps=steps)[
+            :2
+        ]
         cfg.booster = booster
         return model, cfg
     if not isinstance(cfg, Mapping):
@@ -138,8 +136,7 @@ def build_optim_wrapper(
             "Strategy.prepare: optim_wrapper needs 'optimizer' (a dict such as dict(type='AdamW'))"
         )
     optimizer = cfg.pop("optimizer")
-    if isinstance(optimizer, Mapping):
-        optimizer = dict(optimizer)
+    optimizer = dict(optimizer) if isinstance(optimizer, Mapping) else optimizer
     steps = _window(cfg.get("accumulative_counts", 1))
     model, optimizer = booster.boost(model, optimizer, compile=compile, accumulation_steps=steps)[:2]
     return model, cls(optimizer, booster=booster, **cfg)
@@ -152,11 +149,9 @@ def scale_lr(
     micro_batch: Any,
     logger: logging.Logger,
 ) -> None:
-    """lr *= ``world_size`` * ``micro_batch`` * accumulative_counts / base_batch_size, in place on ``wrapper``'s
-    param groups (and its base settings); nothing when ``auto_scale_lr`` is empty or disabled.
-
-    ``micro_batch`` is ``dispatch_kwargs["train_micro_batch_size_per_gpu"]`` as given (checked here).
-    """
+    """lr *= ``world_size`` * ``micro_batch`` (``train_micro_batch_size_per_gpu``, checked here) *
+    accumulative_counts / base_batch_size, in place on ``wrapper``'s param groups and base settings; nothing when
+    ``auto_scale_lr`` is empty or disabled."""
     if not auto_scale_lr or not auto_scale_lr.get("enable", True):
         return
     if not isinstance(micro_batch, int) or micro_batch <= 0:

@@ -1,14 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``Accelerator``: the training device, as both of ColossalAI's device objects know it.
-
-- The Booster's (``colossalai.booster.accelerator.Accelerator``): for a plugin that does not place the model
-  itself (``plugin.control_device()`` is ``False``), ``boost`` moves the model to ``device``
-  (:meth:`Accelerator.configure_model`).
-- The process's (``colossalai.accelerator.get_accelerator()``): :func:`get_accelerator` returns the CUDA one when
-  torch sees a GPU, else the CPU one; its ``get_current_device()``, ``name``, ``communication_backend``,
-  ``device_count()``, ``synchronize()``, ``empty_cache()``, seeding and memory counters answer for that device.
-  On the CPU they answer what the CPU has (one device, nothing to synchronise or release) instead of raising as
-  ColossalAI's ``CpuAccelerator`` does; only the allocator counters, which torch keeps for CUDA alone, raise.
+"""``Accelerator``: the training device, as both of ColossalAI's device objects know it: the Booster's (for a plugin
+that does not place the model itself, ``boost`` moves it with :meth:`Accelerator.configure_model`) and the
+process's (:func:`get_accelerator`: CUDA when torch sees a GPU, else the CPU). On the CPU its methods answer what
+the CPU has (one device, nothing to synchronise or release) instead of raising as ColossalAI's ``CpuAccelerator``
+does; only the allocator counters, which torch keeps for CUDA alone, raise.
 """
 
 from __future__ import annotations
@@ -29,14 +24,8 @@ SUPPORTED_DEVICES = ("cpu", "cuda")
 
 
 class Accelerator:
-    """The training device.
-
-    Args:
-        device: ``"cpu"``, ``"cuda"`` (the current CUDA device) or ``"cuda:N"``.
-
-    Raises:
-        ValueError: another device type.
-    """
+    """The training device: ``"cpu"``, ``"cuda"`` (the current CUDA device) or ``"cuda:N"``; another type raises
+    ``ValueError``."""
 
     def __init__(self, device: str | torch.device) -> None:
         try:
@@ -101,11 +90,8 @@ class Accelerator:
         return 0 if index is None else index
 
     def set_device(self, device: int | torch.device | None = None) -> None:
-        """Bind the process to ``device``; ``None``: ``LOCAL_RANK`` (else the global rank) modulo the device
-        count. On the CPU there is one device: ``None``, ``0`` and ``"cpu"`` are accepted and change nothing.
-
-        Raises:
-            ValueError: another device on the CPU.
+        """Bind the process to ``device`` (``None``: ``LOCAL_RANK``, else the rank, modulo the device count). On the
+        CPU there is one device: ``None``, ``0`` and ``"cpu"`` change nothing, another raises ``ValueError``.
         """
         if not self._cuda:
             if device not in (None, 0) and torch.device(device).type != "cpu":
@@ -164,10 +150,7 @@ class Accelerator:
     # -- randomness ----------------------------------------------------------------------------------------
     def manual_seed(self, seed: int) -> None:
         """Seed the current device's generator (the CPU generator on the CPU)."""
-        if self._cuda:
-            torch.cuda.manual_seed(seed)
-        else:
-            torch.manual_seed(seed)
+        (torch.cuda if self._cuda else torch).manual_seed(seed)
 
     def manual_seed_all(self, seed: int) -> None:
         """Seed the generators of every device of this type."""
@@ -178,14 +161,11 @@ class Accelerator:
 
     def get_rng_state(self) -> torch.Tensor:
         """The current device's generator state."""
-        return torch.cuda.get_rng_state() if self._cuda else torch.get_rng_state()
+        return (torch.cuda if self._cuda else torch).get_rng_state()
 
     def set_rng_state(self, state: torch.Tensor) -> None:
         """Restore a state from :meth:`get_rng_state`."""
-        if self._cuda:
-            torch.cuda.set_rng_state(state)
-        else:
-            torch.set_rng_state(state)
+        (torch.cuda if self._cuda else torch).set_rng_state(state)
 
     def __repr__(self) -> str:
         return f"Accelerator({str(self.device)!r})"

@@ -1,13 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``OptimizerWrapper``: what the strategy's plugins return for an optimizer.
-
-ColossalAI's ``OptimizerWrapper``; it implements :class:`stepforge.core.BoostedOptimizer`. The torch optimizer
-surface (``param_groups``, ``state``, ``step``, ``zero_grad``, ``state_dict``...) plus ``backward(loss)``,
-``backward_by_grad``, ``unscale_``, ``clip_grad_norm_``, ColossalAI's ``clip_grad_by_norm``/``clip_grad_by_value``/
-``get_grad_norm``/``scale_loss``/``parameters``, ``unwrap()``, ``unwrap_model()`` and, for fp16, a :class:`DynamicLossScaler`
-whose state travels in ``state_dict()["grad_scaler"]`` (and through ``scaler_state_dict``). ``max_norm`` > 0
-clips by the global norm inside ``step``. The scaler's process group makes its overflow check agree across the
-ranks of a sharded (FSDP2) optimizer.
+"""``OptimizerWrapper``: ColossalAI's boosted optimizer, what the strategy's plugins return (it implements
+:class:`stepforge.core.BoostedOptimizer`): the torch optimizer surface plus ``backward``, clipping and, for fp16, a
+:class:`DynamicLossScaler` whose state travels in ``state_dict()["grad_scaler"]``; its process group makes the
+overflow check agree across the ranks of a sharded (FSDP2) optimizer.
 """
 
 from __future__ import annotations
@@ -26,18 +21,10 @@ __all__ = ["OptimizerWrapper", "as_boosted"]
 
 
 class OptimizerWrapper(torch.optim.Optimizer):
-    """Wrap ``optimizer`` for the Booster (implements :class:`stepforge.core.BoostedOptimizer`).
-
-    A ``torch.optim.Optimizer`` subclass (so ``torch.optim.lr_scheduler`` accepts it) that delegates
-    ``param_groups``, ``state`` and ``defaults`` to the wrapped optimizer; ``Optimizer.__init__`` is not run.
-
-    Args:
-        optimizer: the torch optimizer (over the plugin's parameters: DDP's, FSDP2's DTensors...).
-        scaler: a :class:`DynamicLossScaler` for fp16 loss scaling, or ``None``.
-        max_norm: clip gradients to this global norm inside :meth:`step` (0: no clipping).
-        norm_type: the norm used for clipping.
-        clip_fn: ``clip_fn(max_norm, norm_type) -> norm``, the plugin's global-norm clipping.
-    """
+    """Wrap ``optimizer`` for the Booster: a ``torch.optim.Optimizer`` subclass (so ``torch.optim.lr_scheduler``
+    accepts it) delegating ``param_groups``, ``state`` and ``defaults`` to it (``Optimizer.__init__`` is not run).
+    ``scaler``: fp16 loss scaling; ``max_norm`` > 0 clips inside :meth:`step`, by ``clip_fn(max_norm, norm_type)``
+    (the plugin's global-norm clipping) when given."""
 
     def __init__(
         self,
@@ -137,9 +124,7 @@ class OptimizerWrapper(torch.optim.Optimizer):
         self.scaler.unscale_(self.optim)
         self._unscaled = True
 
-    def unscale_grad(self) -> None:  # ColossalAI's name
-        """:meth:`unscale_`."""
-        self.unscale_()
+    unscale_grad = unscale_  # ColossalAI's name
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the global norm (over every shard) of the unscaled gradients; return that norm."""
@@ -147,10 +132,10 @@ class OptimizerWrapper(torch.optim.Optimizer):
         if self._clip_fn is not None:
             norm = self._clip_fn(max_norm, norm_type)
         else:
-            params = [p for g in self.optim.param_groups for p in g["params"] if p.grad is not None]
-            norm = nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
-            if isinstance(norm, DTensor):
-                norm = norm.full_tensor()
+            norm = nn.utils.clip_grad_norm_(
+                [p for p in self.parameters if p.grad is not None], max_norm, norm_type
+            )
+            norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
         self.grad_norm = norm
         self._norm_fresh = True
         return norm

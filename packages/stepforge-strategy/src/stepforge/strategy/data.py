@@ -1,21 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """A dataloader that records its position: ``state_dict()`` / ``load_state_dict()`` for exact resume.
 
-:class:`StatefulDataLoader` wraps a ``torch.utils.data.DataLoader``. Its state is the epoch and the number of
-batches already yielded in it; after ``load_state_dict`` the next iteration skips those batches *in the batch
-sampler* (no data is loaded for them) and sets the sampler's epoch (``DistributedSampler.set_epoch``), so the
-rest of the epoch comes in the same order when the sampler is deterministic for an epoch
-(``DistributedSampler``, ``SequentialSampler``, samplers with a seeded generator). Objects that already have
-``state_dict``/``load_state_dict`` (torchdata's ``StatefulDataLoader``) are returned unchanged by
-:func:`make_stateful`.
-
-Over a ``DistributedSampler`` the position is kept in samples, which does not depend on the world size: the
-epoch's order is the sampler's at ``num_replicas=1`` (``seed + epoch``), rank ``r`` of ``W`` reads its items
-``r, r + W, ...``, so after every rank drew ``b`` batches of ``B`` the ranks together consumed exactly the first
-``b * B * W`` items of that order (``"samples"`` in the state). A resume, at this or another world size, deals the
-rest of the order out the same way among the ranks it has now (padded from the epoch's start, or cut with
-``drop_last``, as ``DistributedSampler`` does): every item of the epoch is drawn once across the change.
-"""
+Its state is the epoch and the batches already yielded in it; a resume skips those batches *in the batch
+sampler* (no data is loaded for them) and sets the sampler's epoch, so the rest of the epoch comes in the same
+order when the sampler is deterministic for an epoch. Over a ``DistributedSampler`` the position is kept in
+samples, which does not depend on the world size: the epoch's order is the sampler's at ``num_replicas=1``, rank
+``r`` of ``W`` reads items ``r, r + W, ...``, so after ``b`` batches of ``B`` the ranks consumed exactly the first
+``b * B * W`` items; a resume at any world size deals the rest out the same way (padded or cut as
+``DistributedSampler`` does): every item of the epoch is drawn once across the change."""
 
 from __future__ import annotations
 
@@ -61,16 +53,11 @@ def _rest_of_epoch(sampler: DistributedSampler[Any], epoch: int, start: int) -> 
 
 
 class StatefulDataLoader:
-    """Iterate ``loader`` and remember where: ``state_dict() == {"epoch": e, "batches_yielded": n}``, plus
-    ``"samples"`` (items of the epoch consumed by all ranks together) over a ``DistributedSampler``.
-
-    Args:
-        loader: a ``DataLoader``. Map-style datasets skip resumed batches without loading them; iterable
-            datasets are advanced by drawing and dropping batches.
-
-    Every full pass increments ``epoch`` and calls ``sampler.set_epoch(epoch)`` when the sampler has it.
-    Attributes of the wrapped loader (``dataset``, ``batch_size``, ``sampler``...) are reachable here.
-    """
+    """Iterate ``loader`` (a ``DataLoader``) and remember where: ``state_dict() == {"epoch": e,
+    "batches_yielded": n}``, plus ``"samples"`` (items of the epoch consumed by all ranks together) over a
+    ``DistributedSampler``. Map-style datasets skip resumed batches without loading them, iterable ones draw and drop
+    them; every full pass increments ``epoch`` and calls ``sampler.set_epoch``. The loader's attributes are reachable
+    here."""
 
     def __init__(self, loader: DataLoader[Any]) -> None:
         if not isinstance(loader, DataLoader):

@@ -1,17 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``DistCoordinator``: ColossalAI's helper for "who does what" in a distributed script
-(``colossalai.cluster.DistCoordinator``), on ``torch.distributed``.
-
-::
-
-    coordinator = DistCoordinator()
-    with coordinator.priority_execution():      # rank 0 downloads first, the others then read its files
-        dataset = CIFAR10(root, download=True)
-    coordinator.print_on_master(f"{coordinator.world_size} ranks")
-
-Unlike ColossalAI's, it is not a process-wide singleton: each instance reads the rank and world size of the
-default group when it is made (two instances answer alike).
-"""
+"""``DistCoordinator``: ColossalAI's "who does what" helper (``colossalai.cluster.DistCoordinator``) on
+``torch.distributed``. Unlike ColossalAI's it is not a process-wide singleton: each instance reads the default
+group's rank and world size when it is made."""
 
 from __future__ import annotations
 
@@ -31,14 +21,8 @@ _R = TypeVar("_R")
 
 
 class DistCoordinator:
-    """Rank facts and rank-0-first helpers for the default process group (or the ``process_group`` given).
-
-    Attributes:
-        rank: this process's rank; world_size: the group's size; local_rank: ``LOCAL_RANK`` (-1 when unset).
-
-    Raises:
-        RuntimeError: no process group is initialised (``stepforge.strategy.launch_from_torch()`` first).
-    """
+    """Rank facts and rank-0-first helpers for the default process group: ``rank``, ``world_size``,
+    ``local_rank`` (``LOCAL_RANK``, -1 when unset). Raises ``RuntimeError`` without a process group."""
 
     def __init__(self) -> None:
         if not is_distributed():
@@ -100,12 +84,9 @@ class DistCoordinator:
 
     @contextmanager
     def priority_execution(self, executor_rank: int = 0, process_group: Any = None) -> Iterator[None]:
-        """Run the block on ``executor_rank`` first; the other ranks enter it only after that rank has left it
-        (for a download or a cache one process must write before the others read).
-
-        Each rank calls :meth:`block_all` once: the others before the block, the executor after it (also when
-        its block raised, so the others go on to fail on their own instead of waiting out the backend timeout).
-        """
+        """Run the block on ``executor_rank`` first; the others enter it after that rank left it (a download one
+        process writes before the others read). The executor's barrier runs also when its block raised, so the others
+        fail on their own instead of waiting out the backend timeout."""
         if dist.get_rank(group=process_group) != executor_rank:
             self.block_all(process_group)
             yield

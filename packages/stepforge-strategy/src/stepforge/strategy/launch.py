@@ -1,16 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""ColossalAI's launchers, ``colossalai.launch`` and ``colossalai.launch_from_torch``, with its signatures.
-
-::
-
-    import stepforge.strategy as colossalai   # torchrun --nproc-per-node 2 train.py
-    colossalai.launch_from_torch(seed=42)
-
-Each initialises the default process group (the backend follows the process's accelerator, as in ColossalAI:
-``nccl`` with CUDA, ``gloo`` on the CPU), binds this process to its GPU (``LOCAL_RANK``) and seeds python, numpy
-and torch with ``seed`` on every rank. A default group that is already initialised with the same rank and world
-size is kept (ColossalAI would fail), so a script can run under a launcher that made the group.
-"""
+"""ColossalAI's launchers, ``colossalai.launch`` and ``colossalai.launch_from_torch``, with its signatures: each
+initialises the default process group (``nccl`` with CUDA, ``gloo`` on the CPU, as the accelerator says), binds
+this process to its GPU and seeds every rank. A group already initialised with the same rank and world size is
+kept (ColossalAI would fail), so a script can run under a launcher that made it."""
 
 from __future__ import annotations
 
@@ -40,21 +32,11 @@ def launch(
     seed: int = 1024,
     verbose: bool = True,
 ) -> None:
-    """Join the default process group at ``tcp://host:port`` as ``rank`` of ``world_size`` (ColossalAI's
-    ``launch``).
-
-    Args:
-        rank, world_size: this process's place in the group.
-        host, port: the rendezvous address (an IPv6 host is bracketed).
-        backend: used on CUDA; ``"nccl"`` (the default) becomes ``gloo`` when torch sees no GPU, as ColossalAI
-            takes the accelerator's backend.
-        local_rank: the GPU to bind (default: ``LOCAL_RANK``, else the rank modulo the GPU count).
-        seed: seeds python, numpy and torch on every rank.
-        verbose: log the world size on rank 0 (logger ``stepforge.strategy``, INFO).
-
-    Raises:
-        ValueError: ``rank``/``world_size`` out of range, or a group already initialised with other values.
-    """
+    """Join the default process group at ``tcp://host:port`` (an IPv6 host bracketed) as ``rank`` of
+    ``world_size`` (ColossalAI's ``launch``): ``backend`` ``"nccl"`` becomes ``gloo`` when torch sees no GPU, as
+    ColossalAI takes the accelerator's; ``local_rank`` is the GPU to bind (default: ``LOCAL_RANK``, else the rank
+    modulo the GPU count); ``seed`` seeds python, numpy and torch on every rank; ``verbose`` logs the world size on
+    rank 0. Raises ``ValueError`` for a rank out of range or a group initialised with other values."""
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(
             f"launch: rank must be in [0, world_size) and world_size >= 1, got {rank}, {world_size}."
@@ -83,12 +65,7 @@ def launch(
 
 def launch_from_torch(backend: str = "nccl", seed: int = 1024, verbose: bool = True) -> None:
     """:func:`launch` with the rank, local rank, world size and address torchrun exports (ColossalAI's
-    ``launch_from_torch``).
-
-    Raises:
-        RuntimeError: one of ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` is not
-            set (start the script with ``torchrun``).
-    """
+    ``launch_from_torch``); ``RuntimeError`` naming a missing variable."""
     missing = [name for name in TORCHRUN_VARIABLES if name not in os.environ]
     if missing:
         raise RuntimeError(

@@ -31,7 +31,7 @@ error on meta tensors (ColossalAI materialises early); the random state is not a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -173,16 +173,10 @@ def _rng_state(device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor] |
 
 
 class LazyInitContext:
-    """ColossalAI's ``colossalai.lazy.LazyInitContext``: build a model inside it without allocating its tensors.
-
-    Args:
-        tensor_cls: accepted for ColossalAI's signature (its test hook); only ``None`` is taken.
-        default_device: where the tensors are materialised (the replay runs there): ``None`` (the CPU, as an
-            eager build) or a device; an eager build under ``torch.device(default_device)`` gives the same values.
-
-    ``Booster.boost`` materialises the model where its plugin keeps it (see the module docstring);
-    :meth:`materialize` builds it whole.
-    """
+    """ColossalAI's ``colossalai.lazy.LazyInitContext``: build a model inside it without allocating its tensors;
+    ``Booster.boost`` materialises it where its plugin keeps it, :meth:`materialize` builds it whole, on
+    ``default_device`` (``None``: the CPU, as an eager build). ``tensor_cls`` (ColossalAI's test hook) must be
+    ``None``."""
 
     def __init__(
         self, tensor_cls: Any = None, default_device: str | torch.device | int | None = None
@@ -214,8 +208,9 @@ class LazyInitContext:
     def materialize(module: nn.Module, verbose: bool = False) -> nn.Module:
         """Materialise every meta tensor of ``module`` in place, on the context's ``default_device`` (ColossalAI's
         method); returns ``module``. ``verbose``: print the bytes materialised."""
-        device = _record_device(module)
-        materialize_model(module, device)
+        record = lazy_state_names(module)
+        device = record[0].device
+        materialize_model(module, device, record=record)
         if verbose:
             total = sum(t.numel() * t.element_size() for t in module.state_dict().values())
             print(f"LazyInitContext.materialize: {total / 2**20:.1f} MiB materialised on {device}")
@@ -225,12 +220,8 @@ class LazyInitContext:
     def distribute(
         module: nn.Module, device_mesh: Any, sharding_spec_dict: Any, verbose: bool = False
     ) -> nn.Module:
-        """ColossalAI's tensor-parallel distribution; not offered (there is no tensor parallelism here): boost the
-        lazy model with ``torch_fsdp`` or ``gemini``, which materialise each rank's shard.
-
-        Raises:
-            ValueError: always, naming the way that works.
-        """
+        """ColossalAI's tensor-parallel distribution, not offered: raises ``ValueError`` naming the way that works
+        (``torch_fsdp``/``gemini`` materialise each rank's shard)."""
         raise ValueError(
             "LazyInitContext.distribute: tensor-parallel sharding specs are not supported; pass the lazy model to "
             "Booster.boost with plugin='torch_fsdp' or 'gemini', which materialise only this rank's shards."
@@ -238,22 +229,13 @@ class LazyInitContext:
 
 
 def has_meta_tensors(model: nn.Module) -> bool:
-    """Whether a parameter or buffer of ``model`` is on the meta device (the model is lazy)."""
-    return any(_is_meta(t) for t in _local_tensors(model))
-
-
-def _local_tensors(model: nn.Module) -> Iterator[torch.Tensor]:
+    """Whether a parameter or buffer of ``model`` (a DTensor's local shard) is on the meta device (it is lazy)."""
     from torch.distributed.tensor import DTensor
 
-    for t in [*model.parameters(), *model.buffers()]:
-        yield t.to_local() if isinstance(t, DTensor) else t
-
-
-def _record_device(model: nn.Module) -> torch.device:
-    for t in [*model.parameters(), *model.buffers()]:
-        if _is_meta(t) and storage_id(t) in _RECORDS:
-            return _RECORDS[storage_id(t)].device
-    return torch.device("cpu")
+    return any(
+        _is_meta(t.to_local() if isinstance(t, DTensor) else t)
+        for t in [*model.parameters(), *model.buffers()]
+    )
 
 
 #: a state name -> the recorded view of its meta tensor; taken before a plugin replaces the tensors
@@ -409,17 +391,10 @@ def materialize_model(
     *,
     record: tuple[_Record, LazyNames] | None = None,
 ) -> None:
-    """Materialise ``model``'s meta tensors in place, with the values an eager build gives.
-
-    ``record``: :func:`lazy_state_names` of the model taken before its tensors were replaced (``fully_shard`` on
-    the meta device); default: taken now. The meta tensors get memory on ``device`` (``to_empty``), then
-    each receives its value, or its shard of it for a DTensor (no communication: every rank replays the same
-    record).
-
-    Raises:
-        ValueError: a tensor the record does not build (a model under ``torch.device("meta")`` whose buffer no
-            ``reset_parameters`` writes), naming it.
-    """
+    """Materialise ``model``'s meta tensors in place, with the values an eager build gives: memory on ``device``
+    (``to_empty``), then each tensor's value, or its shard for a DTensor (no communication: every rank replays the
+    same record). ``record``: :func:`lazy_state_names` taken before the tensors were replaced (``fully_shard`` on
+    meta); default: now. A tensor the record does not build raises ``ValueError`` naming it."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     rec, names = record if record is not None else lazy_state_names(model)

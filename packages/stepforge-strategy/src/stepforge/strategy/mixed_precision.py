@@ -1,19 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Mixed precision for the Booster: ``"fp16"``, ``"bf16"``, ``"fp8"``, ``"fp16_apex"``, a dict or an instance.
-
-The names, aliases and dtypes come from :mod:`stepforge.core.precision` (the one precision table). Each class maps
-to torch as follows (the plugin that owns precision, FSDP2 or ZeRO, does its own):
-
-============================ =====================================================================
-``fp16`` (FP16TorchMixedPrecision) ``torch.autocast(dtype=float16)`` around the forward, fp32 parameters
-                             (the master weights), ``torch.amp.GradScaler`` dynamic loss scaling whose state
-                             is saved with the optimizer
-``bf16`` (BF16MixedPrecision)  ``torch.autocast(dtype=bfloat16)``, fp32 parameters, no loss scaling
-``fp8`` (FP8MixedPrecision)    torchao ``convert_to_float8_training`` + bf16 autocast; needs torchao and a GPU
-                             of compute capability 8.9 or newer, else a ``RuntimeError`` naming that
-``fp16_apex``                 accepted as ``fp16`` (a one-time note says so); Apex is not used
-============================ =====================================================================
-"""
+"""Mixed precision for the Booster: ``"fp16"`` (autocast, fp32 master parameters, ``GradScaler``-style dynamic
+loss scaling saved with the optimizer), ``"bf16"`` (autocast, no scaling), ``"fp8"`` (torchao's
+``convert_to_float8_training`` plus bf16 autocast; needs torchao and a GPU of compute capability 8.9+),
+``"fp16_apex"`` (run as ``fp16``; Apex is not used), a dict or an instance. Names, aliases and dtypes come from
+:mod:`stepforge.core.precision`; a plugin that owns precision (FSDP2, ZeRO) does its own."""
 
 from __future__ import annotations
 
@@ -49,12 +39,8 @@ logger = logging.getLogger("stepforge.strategy")
 
 
 class MixedPrecision:
-    """Base class: how the Booster casts the forward and scales the loss for plugins without precision.
-
-    Attributes:
-        name: the precision name (``"fp16"``, ``"bf16"``, ``"fp8"``).
-        dtype: the autocast dtype.
-    """
+    """Base class: how the Booster casts the forward (autocast to ``dtype``) and scales the loss (``name`` is the
+    precision) for plugins that do not apply precision themselves."""
 
     name = "fp32"
     dtype: torch.dtype | None = None
@@ -106,14 +92,7 @@ class MixedPrecision:
 
 
 class FP16TorchMixedPrecision(MixedPrecision):
-    """fp16 autocast with dynamic loss scaling (ColossalAI's signature; ``torch.amp.GradScaler`` semantics).
-
-    Args:
-        init_scale: initial loss scale.
-        growth_factor: scale multiplier after ``growth_interval`` steps without overflow.
-        backoff_factor: scale multiplier after an overflow (the step is skipped).
-        growth_interval: overflow-free steps before the scale grows.
-    """
+    """fp16 autocast with dynamic loss scaling (ColossalAI's signature; ``torch.amp.GradScaler`` semantics)."""
 
     name = "fp16"
     dtype = PRECISIONS["fp16"].autocast_dtype
@@ -151,13 +130,8 @@ _APEX_ARGS = ("opt_level", "loss_scale", "verbosity")
 
 
 class FP16ApexMixedPrecision(FP16TorchMixedPrecision):
-    """``"fp16_apex"``: accepted as torch fp16 autocast with dynamic loss scaling (Apex is not used).
-
-    Args:
-        opt_level: ``"O1"`` (autocast) or ``"O2"`` (both run as fp16 autocast with fp32 master weights).
-        loss_scale: ``"dynamic"`` or a float (the initial scale).
-        verbosity: accepted for compatibility.
-    """
+    """``"fp16_apex"``: run as torch fp16 autocast with dynamic loss scaling (Apex is not used): ``opt_level``
+    ``"O1"``/``"O2"``, ``loss_scale`` ``"dynamic"`` or the initial scale, ``verbosity`` accepted."""
 
     name = "fp16"
 

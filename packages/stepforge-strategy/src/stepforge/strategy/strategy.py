@@ -1,13 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``Strategy``: mmengine's ColossalAIStrategy API on the stepforge Booster.
-
-One object configures the run (plugin, precision, work dir, logging, LR scaling), ``prepare`` builds the model,
-optim wrapper and schedulers, and ``save_checkpoint``/``load_checkpoint``/``resume`` persist them through
-crash-safe DCP directory checkpoints (:mod:`stepforge.strategy.checkpoint`). Unlike mmengine's it honours
-``compile``, ``callback``, ``map_location``, ``strict`` and ``revise_keys``, writes the meta once, restores
-the accumulation counter, the loss scaler and every rank's RNG state, and can be created many times per
-process.
-"""
+"""``Strategy``: mmengine's ColossalAIStrategy API on the stepforge Booster, with crash-safe DCP directory
+checkpoints (:mod:`stepforge.strategy.checkpoint`). Unlike mmengine's it honours ``compile``, ``callback``,
+``map_location``, ``strict`` and ``revise_keys``, restores the accumulation counter, the loss scaler and every
+rank's RNG state, and can be created many times per process."""
 
 from __future__ import annotations
 
@@ -20,8 +15,7 @@ from torch import nn
 from stepforge.core import Plugin
 
 from . import _prepare
-from ._env import ENV_KWARGS, check_dict, setup_env
-from ._logging import LOG_KWARGS, close_logger, setup_logger
+from ._env import ENV_KWARGS, LOG_KWARGS, check_dict, close_logger, setup_env, setup_logger
 from .boosted_model import plugin_module
 from .booster import Booster
 from .checkpoint import (
@@ -44,29 +38,24 @@ class Strategy:
     """Prepare, checkpoint and resume a training run through a :class:`~stepforge.strategy.Booster`.
 
     Args:
-        plugin: a plugin name (``"torch_ddp"``, ``"torch_fsdp"``, ``"gemini"``, ``"zero2"``...), dict or
-            instance; ``None`` picks ``single`` on one process and ``torch_ddp`` on several.
-        mixed_precision: ``"fp16"``, ``"bf16"``, ``"fp8"``, a dict/instance or ``None`` (the Booster's rules).
-        model_wrapper: ``None`` or a callable applied to the boosted model (``model = model_wrapper(model)``).
+        plugin: a plugin name, dict or instance; ``None`` picks ``single`` on one process, ``torch_ddp`` on several.
+        mixed_precision: the Booster's (``"fp16"``, ``"bf16"``, ``"fp8"``, a dict/instance or ``None``).
+        model_wrapper: ``None`` or a callable applied to the boosted model.
         work_dir: where logs, checkpoints and ``last_checkpoint`` go.
         experiment_name: prefix of the experiment name (``<name>_<timestamp>``).
-        env_kwargs: ``launcher``, ``backend``, ``dist_cfg``, ``mp_cfg``, ``cudnn_benchmark``, ``resource_limit``,
-            ``randomness=dict(seed=None, deterministic=False, diff_rank_seed=False)``.
+        env_kwargs: :func:`~stepforge.strategy._env.setup_env`'s arguments (``launcher``, ``backend``,
+            ``randomness=dict(seed=None, deterministic=False, diff_rank_seed=False)``...).
         log_kwargs: ``log_level``, ``file_mode``, ``all_ranks`` (every rank writes a log file), ``console``.
         auto_scale_lr: ``dict(base_batch_size=..., enable=True)``: lr *= world size * micro-batch *
-            accumulative_counts / base_batch_size (needs ``dispatch_kwargs["train_micro_batch_size_per_gpu"]``).
-        config: the run's config (any object); its ``repr`` is recorded as ``meta["cfg"]`` in checkpoints.
-        memory_budget: the Booster's ``memory_budget`` (with ``plugin="auto"``: the fastest plugin that fits is
-            chosen at :meth:`prepare`; :attr:`plugin` is the chosen one from then on). :meth:`prepare` passes the
-            optim wrapper's ``accumulative_counts``, so each estimate holds a whole accumulation window.
-        resume: ``"auto"``/``True``: :meth:`prepare` ends by resuming the latest checkpoint of ``work_dir`` if
-            any (for ``torchrun --max-restarts``); a path: that checkpoint; ``False``: none (default). See
-            :func:`~stepforge.strategy.checkpoint.checkpoint_to_resume` and :attr:`resumed_from`.
+            accumulative_counts / base_batch_size.
+        config: the run's config; its ``repr`` is recorded as ``meta["cfg"]`` in checkpoints.
+        memory_budget: the Booster's (with ``plugin="auto"`` the plugin is chosen at :meth:`prepare`, each estimate
+            holding the optim wrapper's whole accumulation window).
+        resume: ``"auto"``/``True``: :meth:`prepare` ends by resuming the latest checkpoint of ``work_dir`` if any
+            (for ``torchrun --max-restarts``); a path: that checkpoint; ``False``: none (:attr:`resumed_from`).
         global_batch_size: samples per optimizer step over all ranks (DeepSpeed's ``train_batch_size``), kept at
-            every world size: :meth:`prepare` derives the optim wrapper's ``accumulative_counts`` = global batch /
-            (world size x ``dispatch_kwargs["train_micro_batch_size_per_gpu"]``), or raises listing the sizes that
-            would divide. A resume at another world size then converts the iteration counters (``cur_iter``, the
-            accumulation window, per-iteration schedulers) to the new count; see docs/checkpoints.md.
+            every world size by deriving ``accumulative_counts``; a resume at another world size converts the
+            iteration counters (docs/checkpoints.md).
     """
 
     def __init__(
@@ -163,20 +152,14 @@ class Strategy:
         compile: bool | Mapping[str, Any] = False,
         dispatch_kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
-        """Boost ``model``, build the optim wrapper and schedulers; returns what exists, as mmengine.
+        """Boost ``model`` (rank 0's initial weights broadcast to every rank), build the optim wrapper and schedulers;
+        returns what exists, as mmengine: the model, ``(model, optim_wrapper)`` or ``(model, optim_wrapper,
+        schedulers)``. A second call returns the same objects.
 
-        ``model`` alone → the model; with ``optim_wrapper`` → ``(model, optim_wrapper)``; with schedulers
-        → ``(model, optim_wrapper, schedulers)``. A second call returns the same objects.
-
-        Args:
-            model: the ``nn.Module`` to train (rank 0's initial weights are broadcast to every rank).
-            optim_wrapper: ``dict(optimizer=dict(type=..., lr=...), accumulative_counts=1, clip_grad=None,
-                type="ColossalAIOptimWrapper")`` or a built ``ColossalAIOptimWrapper``.
-            param_scheduler: a dict, list of dicts or built schedulers (see :func:`build_param_scheduler`).
-            compile: ``True`` or a dict of ``torch.compile`` arguments, with ``target`` (the method of your model,
-                default ``"forward"``) and ``disable`` (``True``: nothing is compiled); applied by the Booster once
-                the plugin prepared the model, per block for FSDP2 (see :mod:`stepforge.strategy.compile`).
-            dispatch_kwargs: ``max_iters``, ``max_epochs``, ``epoch_length``, ``train_micro_batch_size_per_gpu``.
+        ``optim_wrapper``: ``dict(optimizer=dict(type=..., lr=...), accumulative_counts=1, clip_grad=None)`` or a built
+        ``ColossalAIOptimWrapper``; ``param_scheduler``: see :func:`build_param_scheduler`; ``compile``: ``True`` or
+        ``torch.compile`` arguments with ``target``/``disable``, applied by the Booster (:mod:`stepforge.strategy.compile`);
+        ``dispatch_kwargs``: ``max_iters``, ``max_epochs``, ``epoch_length``, ``train_micro_batch_size_per_gpu``.
         """
         if self._prepared:
             return self._components()
@@ -244,11 +227,9 @@ class Strategy:
 
     # -- checkpoints ---------------------------------------------------------------------------------------
     def register_for_checkpointing(self, name: str, obj: Any, *, per_rank: bool = False) -> None:
-        """Save ``obj.state_dict()`` in every checkpoint and restore it on :meth:`resume` (dataloaders...).
-
-        ``per_rank=True`` keeps one copy per rank (restored only on the same rank of a same-size run). Register a
-        :class:`~stepforge.strategy.StatefulDataLoader` shared (the default): over a ``DistributedSampler`` its
-        position resumes at any world size. With ``resume="auto"``, register before :meth:`prepare` (it resumes).
+        """Save ``obj.state_dict()`` in every checkpoint and restore it on :meth:`resume`; ``per_rank=True`` keeps one
+        copy per rank (same-size runs only). A shared :class:`~stepforge.strategy.StatefulDataLoader` over a
+        ``DistributedSampler`` resumes at any world size. With ``resume="auto"``, register before :meth:`prepare`.
         """
         if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
             raise TypeError(f"register_for_checkpointing({name!r}): obj needs state_dict and load_state_dict")
@@ -264,12 +245,9 @@ class Strategy:
         callback: Any = None,
         max_keep_ckpts: int | None = None,
     ) -> str:
-        """Write a committed checkpoint directory (collective: every rank calls it). Returns its path.
-
-        ``filename`` is relative to ``work_dir`` unless absolute. ``callback(checkpoint)`` may edit the dict
-        (``meta``, ``state_dict``, ``optimizer``, ``param_schedulers`` and ``extra_ckpt``'s keys) before it is
-        written. ``max_keep_ckpts`` deletes the oldest committed checkpoints of that folder, after the commit.
-        """
+        """Write a committed checkpoint directory (collective); returns its path. ``filename`` is relative to
+        ``work_dir`` unless absolute; ``callback(checkpoint)`` may edit the dict before it is written;
+        ``max_keep_ckpts`` deletes the oldest committed checkpoints of that folder after the commit."""
         if not self._prepared:
             raise RuntimeError("Strategy.save_checkpoint: call prepare() first (there is nothing to save)")
         return save_checkpoint(

@@ -46,16 +46,10 @@ __all__ = [
 
 @dataclass(frozen=True)
 class UnitPlacement:
-    """One ``fully_shard`` unit and where it lives.
-
-    Attributes:
-        name: the unit's module FQN (``""`` for the root).
-        param_bytes: bytes of the parameters this unit owns (not those of nested units).
-        sharded: ``True``: parameters sharded over the shard mesh dimension (ZeRO-3); ``False``: replicated on
-            every rank (a ``(world, 1)`` mesh: gradients all-reduced, as Gemini's kept-gathered chunks).
-        offload: ``True``: FSDP2 ``CPUOffloadPolicy``: the sharded parameters, their gradients and the optimizer
-            state live in host memory and the step runs there.
-    """
+    """One ``fully_shard`` unit (``name``: its FQN, ``""`` for the root; ``param_bytes``: of the parameters it owns)
+    and where it lives: ``sharded`` over the shard mesh, else replicated on every rank (gradients all-reduced, as
+    Gemini's kept-gathered chunks); ``offload``: ``CPUOffloadPolicy`` (shards, gradients, optimizer state and the
+    step on the host)."""
 
     name: str
     param_bytes: int
@@ -169,13 +163,10 @@ def leading_units(sizes: list[int], frac: float) -> list[bool]:
 def plan_placement(
     model: nn.Module, blocks: list[nn.Module], *, shard_param_frac: float = 1.0, offload_frac: float = 0.0
 ) -> dict[int, UnitPlacement]:
-    """Plan ``model``'s units (``blocks`` and the root), keyed by ``id(module)``.
-
-    Units are ordered by the position of their first parameter in ``model.parameters()``. The leading units
-    holding ``shard_param_frac`` of the bytes are sharded, the rest replicated (Gemini keeps the trailing
-    ``1 - shard_param_frac`` gathered). Of the sharded units, the leading ones holding ``offload_frac`` of all
-    bytes are offloaded to CPU; replicated units stay on the device (Gemini's gathered chunks do too).
-    """
+    """Plan ``model``'s units (``blocks`` and the root, keyed by ``id``), ordered by their first parameter: the
+    leading ones holding ``shard_param_frac`` of the bytes are sharded, the rest replicated (Gemini keeps the
+    trailing chunks gathered); of the sharded ones, the leading ones holding ``offload_frac`` of all bytes are
+    offloaded (replicated units stay on the device, as Gemini's gathered chunks)."""
     order = {id(p): i for i, p in enumerate(model.parameters())}
     units = [*blocks, model]
     owned = {id(u): unit_params(u, units) for u in units}
@@ -261,15 +252,12 @@ def shard_model(
     offload_policy: Any,
     prefetch: PrefetchPlan,
 ) -> None:
-    """Cast floating buffers to the policy's compute dtype, then ``fully_shard`` each block of
-    :func:`plan_units`, innermost first, then the root, each over the mesh of ``meshes`` (shard, replicate) its
-    placement names and with ``offload_policy`` where it is offloaded; then ``prefetch``.
+    """``fully_shard`` each block of :func:`plan_units` (innermost first), then the root, over the mesh of ``meshes``
+    (shard, replicate) its placement names, with ``offload_policy`` where it is offloaded; then ``prefetch``.
 
-    FSDP2's ``MixedPrecisionPolicy`` casts only the parameters, so a BatchNorm forward would meet bf16/fp16
-    weights and fp32 statistics ("expected scalar type"); ColossalAI casts buffers too. When the forward cannot
-    be traced, the first forward is watched and a block parameter read outside its block raises an error naming
-    it (:class:`OutsideReadGuard`).
-    """
+    Floating buffers are cast to the compute dtype first: FSDP2's policy casts only parameters, so a BatchNorm
+    would meet bf16/fp16 weights and fp32 statistics (ColossalAI casts buffers too). A forward that cannot be traced
+    is watched on its first call (:class:`OutsideReadGuard`)."""
     from torch.distributed.fsdp import FSDPModule, OffloadPolicy, fully_shard
 
     if isinstance(model, FSDPModule):

@@ -117,17 +117,9 @@ class _SeeShardedParams(TorchFunctionMode):
 
 
 class OutsideReadGuard:
-    """Watch ``root``'s first forward: a torch op given a sharded block parameter raises a ``RuntimeError``
-    naming the parameter and the fix. The watch ends with that forward, raised or not (later forwards run
-    unwatched).
-
-    The root's ``forward`` is wrapped for one call (an instance attribute, removed after it): FSDP2's hooks run
-    around it, so the root's own parameters are gathered and only the blocks' are sharded while it watches.
-
-    Args:
-        root: the sharded root module.
-        block_params: FQN of every parameter held by a unit below the root.
-    """
+    """Watch ``root``'s first forward (its ``forward`` wrapped for one call, inside FSDP2's hooks, so only the
+    blocks' parameters ``block_params`` are sharded while it watches): a torch op given one raises a
+    ``RuntimeError`` naming the parameter and the fix."""
 
     def __init__(self, root: nn.Module, block_params: set[str]) -> None:
         self._root = root

@@ -42,15 +42,9 @@ def _options(only_rank_0: bool) -> Any:
 
 
 def full_model_state_dict(model: nn.Module, only_rank_0: bool = True) -> dict[str, torch.Tensor]:
-    """The whole model's state (every parameter and persistent buffer at its full shape), a snapshot that no
-    later step changes. Collective.
-
-    Args:
-        model: the FSDP2-sharded model.
-        only_rank_0: ``True``: the state on rank 0 (on CPU), ``{}`` on the other ranks (ColossalAI's
-            ``GeminiDDP.state_dict`` default); ``False``: on every rank, on the parameters' device (FSDP1's
-            ``FULL_STATE_DICT`` default).
-    """
+    """The whole model's state (every parameter and persistent buffer at its full shape), a snapshot no later step
+    changes; collective. ``only_rank_0``: on rank 0 (CPU), ``{}`` elsewhere (``GeminiDDP.state_dict``'s default);
+    else on every rank, on the parameters' device (FSDP1's ``FULL_STATE_DICT``)."""
     model = plugin_module(model)  # the boosted ModelWrapper's .module: the FSDP2 model itself
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -66,15 +60,9 @@ def full_model_state_dict(model: nn.Module, only_rank_0: bool = True) -> dict[st
 
 
 def full_optim_state_dict(model: nn.Module, optimizer: Any, rank0_only: bool = True) -> dict[str, Any]:
-    """FSDP1's ``FullyShardedDataParallel.full_optim_state_dict`` on FSDP2: the unflattened, unsharded optimizer
-    state keyed by parameter FQN (``state[fqn]["exp_avg"]`` has the parameter's full shape;
-    ``param_groups[i]["params"]`` lists FQNs). Collective.
-
-    Args:
-        model: the FSDP2-sharded model the optimizer steps.
-        optimizer: the torch optimizer or the boosted one.
-        rank0_only: ``True``: on rank 0 (CPU tensors), ``{}`` elsewhere; ``False``: on every rank.
-    """
+    """FSDP1's ``FullyShardedDataParallel.full_optim_state_dict`` on FSDP2: the unsharded optimizer state of
+    ``optimizer`` (torch's or boosted) keyed by parameter FQN (``param_groups[i]["params"]`` lists FQNs), on rank 0
+    (CPU, ``{}`` elsewhere) with ``rank0_only``, else on every rank. Collective."""
     model = plugin_module(model)  # the boosted ModelWrapper's .module: the FSDP2 model itself
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 

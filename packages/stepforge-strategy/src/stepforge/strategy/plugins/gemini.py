@@ -46,31 +46,24 @@ GEMINI_DEFAULT_ONLY: dict[str, Any] = {
 
 
 class GeminiPlugin(TorchFSDPPlugin):
-    """ColossalAI's ``GeminiPlugin`` on FSDP2 (the README table maps each argument).
+    """ColossalAI's ``GeminiPlugin`` on FSDP2; the README table "GeminiPlugin and TorchFSDPPlugin arguments" maps
+    each argument.
 
     Args:
         placement_policy: ``"static"`` (the fractions decide, once, at ``boost``) or ``"auto"`` (every unit sharded
-            and offloaded, as Gemini's auto policy keeps sharded chunks' state on CPU; the fractions are not read).
-        shard_param_frac: the leading units holding this fraction of the bytes are sharded, the rest replicated
-            (whole on every rank, gradients all-reduced); 0.0: all replicated (DDP-like).
-        offload_optim_frac: the leading sharded units holding ``max(offload_optim_frac, offload_param_frac)`` of
-            the bytes get ``CPUOffloadPolicy``: FSDP2 keeps a shard's parameters, gradients and optimizer state
-            together, so they go to CPU together (the step runs there); replicated units stay on the device.
-        offload_param_frac: see ``offload_optim_frac``.
-        extra_dp_size: ``> 1``: the HSDP mesh ``(extra_dp_size, world // extra_dp_size)``; it must divide the
-            world size (checked at ``boost``).
+            and offloaded; the fractions are not read).
+        shard_param_frac: the leading units holding this fraction of the bytes are sharded, the rest replicated.
+        offload_optim_frac, offload_param_frac: the leading sharded units holding the larger fraction of the bytes
+            get ``CPUOffloadPolicy`` (FSDP2 keeps a shard's parameters, gradients and optimizer state together).
+        extra_dp_size: ``> 1``: the HSDP mesh ``(extra_dp_size, world // extra_dp_size)``.
         tp_size: ``1`` only (tensor parallelism is not offered).
-        precision, master_weights (``True`` only), pin_memory, max_norm, norm_type: as ColossalAI.
-        initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis, max_scale: the fp16
-            dynamic loss scaler, as ColossalAI.
-        device: the compute device.
-        **kwargs: ColossalAI's chunk-manager and kernel arguments, accepted at their defaults only
-            (``GEMINI_DEFAULT_ONLY``).
+        precision, master_weights (``True`` only), pin_memory, max_norm, norm_type, initial_scale ... max_scale:
+            as ColossalAI.
+        **kwargs: its chunk-manager and kernel arguments, at their defaults only (``GEMINI_DEFAULT_ONLY``).
 
-    ``support_no_sync()`` is ``False`` and the prepared model's ``state_dict()`` is the full state on rank 0
-    (``{}`` elsewhere), as ColossalAI's; the optimizer defaults to stepforge-fused's ``HybridAdam``. A value out of
-    range raises ``ValueError`` naming it, an unknown argument ``TypeError``.
-    """
+    ``support_no_sync()`` is ``False`` and ``state_dict()`` the full state on rank 0, as ColossalAI's; the optimizer
+    defaults to stepforge-fused's ``HybridAdam``. A bad value raises ``ValueError``, an unknown argument
+    ``TypeError``."""
 
     name = "gemini"
     DEFAULT_PRECISION = "fp16"  # ColossalAI's default

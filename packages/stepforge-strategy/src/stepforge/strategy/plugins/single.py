@@ -6,7 +6,6 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-import torch
 from torch import nn
 
 from stepforge.core import Plugin
@@ -29,19 +28,10 @@ class StatefulLoaderPlugin(Plugin):
 
 
 class SinglePlugin(StatefulLoaderPlugin):
-    """Run on one process: the model is moved to ``device`` and nothing is wrapped.
-
-    Args:
-        device: where the model lives (default: the current CUDA device when there is one, else CPU).
-
-    ``no_sync`` is supported and does nothing (there is nothing to synchronise), so accumulation code written
-    for DDP runs unchanged.
-    """
+    """Run on one process: the model is moved to ``device`` (default: the current CUDA device, else CPU) and
+    nothing is wrapped; ``no_sync`` does nothing, so accumulation code written for DDP runs unchanged."""
 
     name = "single"
-
-    def __init__(self, device: str | torch.device | None = None) -> None:
-        super().__init__(device)
 
     def prepare(
         self, model: nn.Module, optimizer: Any = None, **kwargs: Any

@@ -35,23 +35,10 @@ def sync_batchnorm(model: nn.Module, device: torch.device, process_group: Any = 
 
 class TorchDDPPlugin(StatefulLoaderPlugin):
     """Data parallelism with torch DDP; ``no_sync`` is DDP's; BatchNorm becomes ``SyncBatchNorm`` on an
-    accelerator (:func:`sync_batchnorm`).
-
-    ColossalAI's arguments, passed to ``DistributedDataParallel``:
-
-    Args:
-        broadcast_buffers: broadcast buffers from rank 0 at construction and at every forward (False: every rank
-            keeps its own); passed under the name this torch's DDP expects, without its deprecation warning.
-        bucket_cap_mb: gradient bucket size in MiB.
-        find_unused_parameters: tolerate parameters that get no gradient.
-        check_reduction: accepted for compatibility (torch ignores it).
-        gradient_as_bucket_view: gradients alias the communication buckets (saves memory).
-        static_graph: the graph is the same every iteration.
-        device: where the model lives (default: ``cuda:LOCAL_RANK`` when CUDA is available, else CPU).
-        process_group: the data-parallel group (default: the world).
-
-    Raises:
-        RuntimeError: at ``prepare`` when no process group is initialised (use ``single`` for one process).
+    accelerator (:func:`sync_batchnorm`). ColossalAI's arguments go to ``DistributedDataParallel``
+    (``broadcast_buffers`` under the name this torch's DDP expects, without its deprecation warning;
+    ``check_reduction`` is accepted, torch ignores it); ``device`` defaults to ``cuda:LOCAL_RANK`` (else CPU),
+    ``process_group`` to the world. ``prepare`` raises ``RuntimeError`` without a process group (use ``single``).
     """
 
     name = "torch_ddp"

@@ -60,34 +60,26 @@ FSDP1_ONLY_ARGUMENTS = (
 
 
 class TorchFSDPPlugin(StatefulLoaderPlugin):
-    """ZeRO-3 with torch FSDP2: ``fully_shard`` on each block, then on the root (the README table maps each
-    FSDP1/ColossalAI argument).
+    """ZeRO-3 with torch FSDP2: ``fully_shard`` on each block, then on the root. The README table "GeminiPlugin and
+    TorchFSDPPlugin arguments" maps each FSDP1/ColossalAI argument.
 
     Args:
-        precision: ``"fp32"`` (default), ``"bf16"`` or ``"fp16"``: FSDP2 ``MixedPrecisionPolicy`` with fp32
-            gradient reduction; the sharded fp32 parameters are the master weights; fp16 adds dynamic loss
-            scaling agreed across ranks.
-        reshard_after_forward: free a block's gathered parameters after its forward (ZeRO-3); ``False`` keeps
-            them until backward (ZeRO-2-like memory, less communication).
+        precision: ``"fp32"`` (default), ``"bf16"`` or ``"fp16"`` (with dynamic loss scaling agreed across ranks):
+            FSDP2 ``MixedPrecisionPolicy`` with fp32 reduction; the sharded fp32 parameters are the masters.
+        reshard_after_forward: free a block's gathered parameters after its forward (ZeRO-3; else ZeRO-2-like).
         cpu_offload: ``True`` or FSDP1's ``CPUOffload(offload_params=True)``: ``CPUOffloadPolicy``.
-        sharding_strategy: FSDP1's ``FULL_SHARD`` (reshard after forward) or ``SHARD_GRAD_OP`` (do not).
-        mixed_precision: an FSDP2 ``MixedPrecisionPolicy`` (or FSDP1's ``MixedPrecision``) instead of
-            ``precision``.
-        shard_modules: which submodules are blocks: a predicate, or module classes; default: the elements of
+        sharding_strategy: FSDP1's ``FULL_SHARD`` or ``SHARD_GRAD_OP`` (``reshard_after_forward`` True/False).
+        mixed_precision: an FSDP2 ``MixedPrecisionPolicy`` (or FSDP1's ``MixedPrecision``) instead of ``precision``.
+        shard_modules: which submodules are blocks: a predicate or module classes; default: the elements of
             ``ModuleList``/``Sequential`` children, else the direct children with parameters.
         max_norm: global-norm gradient clipping inside ``optimizer.step`` (0 = off).
-        forward_prefetch: FSDP1's flag: each unit all-gathers the next ``prefetch_blocks`` blocks right after
-            its own all-gather.
-        backward_prefetch: FSDP1's ``BACKWARD_PRE``/``BACKWARD_POST`` (FSDP2 has one pre-backward point for
-            both): each unit all-gathers the ``prefetch_blocks`` preceding blocks before its gradient
-            computation; ``None``: none; not given: FSDP2's default, the previous block.
-        prefetch_blocks: (stepforge) how many neighbouring blocks are prefetched where prefetching is on
-            (default 1); above 1, backward prefetching is explicit even when ``backward_prefetch`` is not given.
+        forward_prefetch, backward_prefetch: FSDP1's prefetching as FSDP2's explicit prefetching of
+            ``prefetch_blocks`` neighbouring blocks (default 1); ``backward_prefetch=None``: none; not given: FSDP2's
+            default (the previous block).
         device: compute device (default ``cuda:LOCAL_RANK`` or CPU).
 
     An FSDP1-only argument (``FSDP1_ONLY_ARGUMENTS``) or an unknown one raises ``TypeError`` naming it; a bad value
-    ``ValueError``.
-    """
+    ``ValueError``."""
 
     name = "torch_fsdp"
     builds_optimizer_config = True
@@ -204,14 +196,9 @@ class TorchFSDPPlugin(StatefulLoaderPlugin):
 
     # -- prepare -------------------------------------------------------------------------------------------
     def prepare(self, model: nn.Module, optimizer: Any = None, **kwargs: Any) -> tuple[nn.Module, Any]:
-        """Shard ``model`` (moved to the device first) and point ``optimizer`` at the sharded parameters.
-
-        A model with meta tensors (:class:`~stepforge.strategy.LazyInitContext`, ``torch.device("meta")``) is
-        sharded on the meta device and only this rank's shards are materialised, with the values of an eager
-        build (:mod:`stepforge.strategy.lazy`).
-
-        ``optimizer`` may also be a config dict (``build_optimizer``), built on the sharded parameters. It
-        comes back as an :class:`OptimizerWrapper` (loss scaling for fp16, ``max_norm`` clipping).
+        """Shard ``model`` (moved to the device first) and point ``optimizer`` (or build a config dict) on the sharded
+        parameters; it comes back as an :class:`OptimizerWrapper`. A model with meta tensors is sharded on the meta
+        device and only this rank's shards are materialised, with an eager build's values (:mod:`stepforge.strategy.lazy`).
         """
         from torch.distributed.fsdp import CPUOffloadPolicy
 
