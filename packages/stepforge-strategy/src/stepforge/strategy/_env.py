@@ -101,11 +101,9 @@ def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
 def set_random_seed(
     seed: int | None = None, deterministic: bool = False, diff_rank_seed: bool = False
 ) -> int:
-    """Seed python, numpy (when installed) and torch (CPU and every CUDA device); return the shared seed.
-
-    A ``None`` seed is drawn on rank 0 and broadcast. ``diff_rank_seed=True`` seeds rank r with ``seed + r``
-    (the returned value stays the shared seed). ``deterministic=True`` turns on torch's deterministic algorithms.
-    """
+    """Seed python, numpy (when installed) and torch on every device; return the shared seed (``None``: drawn on
+    rank 0 and broadcast). ``diff_rank_seed`` seeds rank r with ``seed + r``; ``deterministic`` turns on torch's
+    deterministic algorithms."""
     if seed is None:
         seed = broadcast_object(random.SystemRandom().randrange(2**31))
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
@@ -194,21 +192,11 @@ def setup_env(
     except (ImportError, ValueError, OSError):  # not on this OS / not allowed: keep the limit
         pass
     timestamp = broadcast_object(time.strftime("%Y%m%d_%H%M%S", time.localtime()))
-    seed = set_random_seed(
-        randomness.get("seed"),
-        bool(randomness.get("deterministic", False)),
-        bool(randomness.get("diff_rank_seed", False)),
-    )
-    return EnvInfo(
-        launcher=launcher,
-        backend=used_backend,
-        rank=get_rank(),
-        world_size=get_world_size(),
-        seed=seed,
-        deterministic=bool(randomness.get("deterministic", False)),
-        diff_rank_seed=bool(randomness.get("diff_rank_seed", False)),
-        timestamp=timestamp,
-    )
+    deterministic = bool(randomness.get("deterministic", False))
+    diff_rank_seed = bool(randomness.get("diff_rank_seed", False))
+    seed = set_random_seed(randomness.get("seed"), deterministic, diff_rank_seed)
+    rank, world = get_rank(), get_world_size()
+    return EnvInfo(launcher, used_backend, rank, world, seed, deterministic, diff_rank_seed, timestamp)
 
 
 LOG_KWARGS = frozenset({"log_level", "file_mode", "all_ranks", "console"})

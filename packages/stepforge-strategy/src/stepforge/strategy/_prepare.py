@@ -30,11 +30,9 @@ __all__ = [
 
 
 def broadcast_weights(model: nn.Module) -> None:
-    """Copy rank 0's parameters and buffers into ``model`` on every rank (nothing on a single process; meta
-    tensors of a lazy model are skipped: ``boost`` gives every rank the same values).
-
-    NCCL moves CUDA tensors only: a model still on the CPU (the plugin moves it later) travels through the
-    current CUDA device and is copied back; gloo takes the tensors where they are."""
+    """Copy rank 0's parameters and buffers into ``model`` on every rank (meta tensors of a lazy model skipped:
+    ``boost`` gives every rank the same values). NCCL moves CUDA tensors only: a model still on the CPU travels
+    through the current CUDA device."""
     if get_world_size() == 1:
         return
     staging = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None

@@ -184,11 +184,7 @@ def get_accelerator() -> Accelerator:
 
 
 def set_accelerator(accelerator: str | Accelerator) -> None:
-    """Choose the process's accelerator: ``"cpu"``, ``"cuda"`` or an :class:`Accelerator`.
-
-    Raises:
-        TypeError: another type. ValueError: an unsupported device name.
-    """
+    """Choose the process's accelerator: ``"cpu"``, ``"cuda"`` or an :class:`Accelerator` (else ``TypeError``)."""
     global _PROCESS_ACCELERATOR
     if isinstance(accelerator, str):
         accelerator = Accelerator(accelerator)

@@ -1,13 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``ModelWrapper``: the model ``Booster.boost`` returns (ColossalAI's ``colossalai.interface.ModelWrapper``).
-
-``.module`` is what the plugin made of the model (a ``DistributedDataParallel``, an FSDP2 ``FSDPModule``, the
-model itself for ``single``); ``.unwrap()`` is the user's model (DDP's ``.module``; for FSDP2 the same object,
-which ``fully_shard`` changed in place). ``model(x)`` is ``.module(x)``. As in ColossalAI, the wrapper's own
-``state_dict()`` keys carry the ``module.`` prefix; ``unwrap().state_dict()`` (and the Booster's ``save_model``)
-use the original keys; for FSDP2 (``torch_fsdp``, ``gemini``) both are the full state, as FSDP1's and
-``GeminiDDP``'s. It implements :class:`stepforge.core.WrappedModel`.
-"""
+"""``ModelWrapper``: the model ``Booster.boost`` returns (ColossalAI's ``colossalai.interface.ModelWrapper``; it
+implements :class:`stepforge.core.WrappedModel`). ``.module`` is what the plugin made of the model (DDP, an FSDP2
+``FSDPModule``, the model itself), ``.unwrap()`` the user's model; as in ColossalAI, the wrapper's own
+``state_dict()`` keys carry the ``module.`` prefix and ``unwrap().state_dict()`` the original ones."""
 
 from __future__ import annotations
 
@@ -24,11 +19,7 @@ __all__ = ["ModelWrapper", "plugin_module"]
 
 
 class ModelWrapper(nn.Module):
-    """Wrap ``module``, the plugin's model, for the Booster.
-
-    Args:
-        module: the prepared model (DDP, FSDP2 or plain ``nn.Module``).
-    """
+    """Wrap ``module``, the plugin's model (DDP, FSDP2 or plain), for the Booster."""
 
     def __init__(self, module: nn.Module) -> None:
         if not isinstance(module, nn.Module):

@@ -148,11 +148,8 @@ class OptimizerWrapper(torch.optim.Optimizer):
         *args: Any,
         **kwargs: Any,
     ) -> torch.Tensor:
-        """ColossalAI's name for :meth:`clip_grad_norm_` (unscale, clip by the global norm, return it).
-
-        Raises:
-            RuntimeError: ``error_if_nonfinite`` and the norm is inf/nan (gradients are then left unclipped).
-        """
+        """ColossalAI's name for :meth:`clip_grad_norm_`; ``error_if_nonfinite`` raises ``RuntimeError`` on an inf/nan
+        norm, the gradients left unclipped."""
         if error_if_nonfinite:
             norm = self.get_grad_norm(norm_type)
             if norm is not None and not torch.isfinite(torch.tensor(norm)):
@@ -175,17 +172,17 @@ class OptimizerWrapper(torch.optim.Optimizer):
         """The global norm (over every rank and shard) of the unscaled gradients there now: the one
         :meth:`clip_grad_norm_` (or ``max_norm`` inside :meth:`step`) measured, else measured here (collective for
         sharded models). ``None`` when no parameter has a gradient."""
-        if not any(p.grad is not None for p in self.parameters):
+        grads = [p.grad for p in self.parameters if p.grad is not None]
+        if not grads:
             return None
-        if not (self._norm_fresh and self.grad_norm is not None):
-            # DTensor gradients (FSDP2) give a norm reduced over the mesh; DDP's are equal on every rank
-            norm = nn.utils.get_total_norm([p.grad for p in self.parameters if p.grad is not None], norm_type)
-            if isinstance(norm, DTensor):
-                norm = norm.full_tensor()
-            if self.scaler is not None and not (self._unscaled or self._stepped_unscaled):
-                norm = norm / self.scaler.get_scale()
-            return float(norm)
-        return float(self.grad_norm)
+        if self._norm_fresh and self.grad_norm is not None:
+            return float(self.grad_norm)
+        # DTensor gradients (FSDP2) give a norm reduced over the mesh; DDP's are equal on every rank
+        norm = nn.utils.get_total_norm(grads, norm_type)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        if self.scaler is not None and not (self._unscaled or self._stepped_unscaled):
+            norm = norm / self.scaler.get_scale()
+        return float(norm)
 
     # -- step ----------------------------------------------------------------------------------------------
     def step(self, *args: Any, **kwargs: Any) -> Any:
@@ -237,11 +234,8 @@ class OptimizerWrapper(torch.optim.Optimizer):
         self._model = model
 
     def unwrap_model(self) -> nn.Module:
-        """The boosted model this optimizer was boosted with (ColossalAI's FSDP optimizer member).
-
-        Raises:
-            RuntimeError: the wrapper did not come from ``Booster.boost`` with a model.
-        """
+        """The boosted model this optimizer was boosted with (ColossalAI's FSDP optimizer member); ``RuntimeError``
+        when none is bound."""
         if self._model is None:
             raise RuntimeError(
                 "OptimizerWrapper.unwrap_model: no model is bound; use the optimizer Booster.boost(model, optimizer) "

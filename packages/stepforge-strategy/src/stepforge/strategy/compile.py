@@ -1,28 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``torch.compile`` for boosted models: what ``compile=`` of :meth:`Booster.boost
-<stepforge.strategy.Booster.boost>` and :meth:`Strategy.prepare <stepforge.strategy.Strategy.prepare>` does.
+"""``torch.compile`` for boosted models: ``compile=`` of :meth:`Booster.boost <stepforge.strategy.Booster.boost>`
+and :meth:`Strategy.prepare <stepforge.strategy.Strategy.prepare>`, as mmengine's ``prepare(compile=...)``:
+``False``/``None``, ``True`` or a dict with ``target`` (the method of *your* model, default ``"forward"``),
+``disable`` (really skips) and ``torch.compile``'s own arguments.
 
-``compile`` is ``False``/``None`` (nothing is compiled), ``True`` (``torch.compile``'s defaults) or a dict, as in
-mmengine's ``prepare(compile=...)``:
-
-- ``target``: the method of *your* model to compile (default ``"forward"``; mmengine models also use
-  ``"train_step"``);
-- ``disable``: ``True`` compiles nothing (mmengine's key; here it really skips);
-- every other key goes to ``torch.compile``: ``backend``, ``mode``, ``fullgraph``, ``dynamic``, ``options``.
-
-What is compiled: for ``single``, ``torch_ddp`` and ``zero1``/``zero2``, ``model.<target>`` of the model you gave,
-in place as an instance attribute (as mmengine does); gradient hooks fire on the parameters (leaves of the
-compiled backward), so DDP's all-reduce and ZeRO's bucketed reduce run as in eager mode. For ``torch_fsdp`` and
-``gemini`` with ``target="forward"``, each innermost FSDP2 unit below the root has its ``forward`` compiled on its
-own, as torchtitan compiles transformer blocks: FSDP2's all-gather and reduce-scatter hooks are
-``torch._dynamo.disable``-d, so a graph spanning them would break at every block; blocks of one shape share one
-graph and the root's own code stays eager (a model with no unit below the root, or another ``target``, has the
-root's method compiled).
-
-Nothing wraps the module, so its ``state_dict`` keys and every checkpoint written from it stay as they are (no
-``_orig_mod.`` prefix; a checkpoint of a compiled run loads into an eager model and back). ``compile=`` on a model
-you already wrapped with ``torch.compile(model)`` is refused (:func:`refuse_compiled_wrapper`): it would be
-compiled twice.
+``single``/``torch_ddp``/ZeRO compile ``model.<target>`` in place (an instance attribute, as mmengine); gradient
+hooks fire on the parameters, so DDP's and ZeRO's reductions run as in eager mode. FSDP2 (``torch_fsdp``,
+``gemini``) with ``target="forward"`` compiles each innermost unit below the root on its own, as torchtitan
+does: FSDP2's hooks are ``torch._dynamo.disable``-d, so a graph spanning them would break at every block; the
+root's own code stays eager. Nothing wraps the module, so state-dict keys and checkpoints stay the eager model's
+(no ``_orig_mod.``); a model already wrapped by ``torch.compile`` is refused (:func:`refuse_compiled_wrapper`).
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ samples, which does not depend on the world size: the epoch's order is the sampl
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -27,9 +28,7 @@ class _SkipBatches:
         self.skip = skip
 
     def __iter__(self) -> Iterator[Any]:
-        for i, batch in enumerate(self.inner):
-            if i >= self.skip:
-                yield batch
+        return itertools.islice(self.inner, self.skip, None)
 
     def __len__(self) -> int:
         return max(len(self.inner) - self.skip, 0)
@@ -74,15 +73,6 @@ class StatefulDataLoader:
 
     def __len__(self) -> int:
         return len(self.loader)
-
-    def _set_epoch(self) -> None:
-        samplers: tuple[Any, ...] = (
-            getattr(self.loader, "sampler", None),
-            getattr(self.loader, "batch_sampler", None),
-        )
-        for sampler in samplers:
-            if hasattr(sampler, "set_epoch"):
-                sampler.set_epoch(self.epoch)
 
     def _distributed(self) -> DistributedSampler[Any] | None:
         """The loader's ``DistributedSampler`` when it batches its items itself (``batch_size`` given); not a
@@ -138,7 +128,9 @@ class StatefulDataLoader:
     def __iter__(self) -> Iterator[Any]:
         skip, self._resume = self._resume, 0
         start, self._resume_samples = self._resume_samples, None
-        self._set_epoch()
+        for sampler in (self.loader.sampler, self.loader.batch_sampler):
+            if hasattr(sampler, "set_epoch"):  # DistributedSampler's protocol
+                sampler.set_epoch(self.epoch)
         if start is None:  # else load_state_dict set batches_yielded and _base
             self.batches_yielded, self._base = skip, (0, 0)
         for batch in self._iterator(skip, start):

@@ -1,33 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
 """Build a model without memory and materialise only what each rank keeps: ColossalAI's ``LazyInitContext``.
 
-::
+Under the context every tensor is created on the meta device and every operation that creates or writes one is
+recorded. Materialising replays the record on ``default_device`` from the random state the context was entered
+with, so every tensor gets an eager build's values under the same seed. The replay holds a tensor only while a
+later operation reads it (one overwritten whole is dropped at once, the overwriting operation still run on
+scratch memory so the random stream advances as eagerly) and hands each parameter or buffer to its destination
+after its last operation: memory is the destination plus about the largest tensor. ``torch_fsdp``/``gemini``
+shard a lazy model on the meta device and fill each rank's shards; other plugins get the whole model.
 
-    torch.manual_seed(0)
-    with LazyInitContext():
-        model = GPT(config)                  # parameters on the meta device: no memory
-    model, optimizer, *_ = booster.boost(model, dict(lr=1e-3))   # this rank's share, initialised as eagerly
-
-Under the context every tensor is created on the meta device and every operation that creates or writes one
-(``torch.empty``, ``nn.init.normal_``, ``arange`` for a rotary buffer, ``copy_`` of a loaded weight...) is
-recorded. Materialising replays the record in its order on ``default_device``, from the random state the context
-was entered with, so every tensor gets the values of an eager build under the same seed. The replay holds a
-tensor only while a later operation reads it: one a later operation overwrites whole is dropped at once (the
-overwriting operation still runs, on scratch memory, so the random stream advances as it did eagerly), and each
-parameter or buffer is handed to its destination after its last operation. Memory: the destination plus about
-the largest tensor.
-
-``Booster.boost`` materialises a model with meta tensors where the plugin keeps it: ``torch_fsdp`` and ``gemini``
-shard it on the meta device and fill each rank's shards; the other plugins get the whole model on their device.
-A model built under ``torch.device("meta")`` outside this context has no record: its modules'
-``reset_parameters()`` are recorded then, in ``model.modules()`` order, from the random state at ``boost``
-(torch's convention for meta-device models); a tensor no ``reset_parameters`` writes (a rotary ``inv_freq``)
-cannot be rebuilt so and raises, naming it.
-
-Differences from ColossalAI: the recorded tensors report the ``meta`` device (ColossalAI's ``LazyTensor`` reports
-the one it will have); an operation that needs a value during construction (``tensor.item()``) raises torch's
-error on meta tensors (ColossalAI materialises early); the random state is not advanced by a lazy build.
-"""
+A model built under ``torch.device("meta")`` has no record: its modules' ``reset_parameters()`` are recorded at
+``boost`` (torch's convention), and a tensor none writes (a rotary ``inv_freq``) raises, naming it. Unlike
+ColossalAI's ``LazyTensor`` the tensors report the ``meta`` device, a value read during construction
+(``tensor.item()``) raises torch's meta error, and the random state is not advanced by a lazy build."""
 
 from __future__ import annotations
 

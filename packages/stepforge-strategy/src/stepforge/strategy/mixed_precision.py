@@ -74,11 +74,9 @@ class MixedPrecision:
     def configure(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, criterion: Any = None
     ) -> tuple[nn.Module, Any, Any]:
-        """ColossalAI's ``configure``: ``model`` in a :class:`~stepforge.strategy.ModelWrapper` whose forward runs
-        under autocast (on the device of the model's first parameter), ``optimizer`` in an
-        :class:`~stepforge.strategy.OptimizerWrapper` with this precision's loss scaler, ``criterion`` unchanged
-        (the loss is computed from autocast outputs; an fp32 criterion is the safer default).
-        """
+        """ColossalAI's ``configure``: ``model`` in a :class:`~stepforge.strategy.ModelWrapper` whose forward runs under
+        autocast, ``optimizer`` in an :class:`~stepforge.strategy.OptimizerWrapper` with this precision's loss scaler,
+        ``criterion`` unchanged."""
         from .boosted_model import ModelWrapper
         from .boosted_optimizer import OptimizerWrapper
 
@@ -171,30 +169,22 @@ class BF16MixedPrecision(MixedPrecision):
 def fp8_requirement_error() -> str | None:
     """Why fp8 training cannot run here, or ``None`` when it can."""
     if importlib.util.find_spec("torchao") is None:
-        return (
-            "mixed_precision='fp8' needs torchao's float8 training (pip install torchao) and an NVIDIA GPU of "
-            "compute capability 8.9 or newer (Ada, Hopper); torchao is not installed."
-        )
-    if not torch.cuda.is_available():
-        return (
-            "mixed_precision='fp8' needs an NVIDIA GPU of compute capability 8.9 or newer (Ada, Hopper) for "
-            "torchao's float8 training; no CUDA device is available. Use 'bf16' on this machine."
-        )
-    major, minor = torch.cuda.get_device_capability()
-    if (major, minor) < (8, 9):
-        return (
-            f"mixed_precision='fp8' needs a GPU of compute capability 8.9 or newer (Ada, Hopper); this one is "
-            f"{major}.{minor}. Use 'bf16'."
-        )
-    return None
+        why = "torchao is not installed (pip install torchao)"
+    elif not torch.cuda.is_available():
+        why = "no CUDA device is available"
+    elif torch.cuda.get_device_capability() < (8, 9):
+        why = "this GPU is {}.{}".format(*torch.cuda.get_device_capability())
+    else:
+        return None
+    return (
+        "mixed_precision='fp8' needs torchao's float8 training and an NVIDIA GPU of compute capability 8.9 or "
+        f"newer (Ada, Hopper); {why}. Use 'bf16' on this machine."
+    )
 
 
 class FP8MixedPrecision(MixedPrecision):
-    """fp8 training through torchao (``convert_to_float8_training``) with bf16 autocast around it.
-
-    Raises:
-        RuntimeError: at construction, when torchao or a GPU of compute capability >= 8.9 is missing.
-    """
+    """fp8 training through torchao (``convert_to_float8_training``) with bf16 autocast around it; a
+    ``RuntimeError`` at construction without torchao or a GPU of compute capability >= 8.9."""
 
     name = "fp8"
     dtype = PRECISIONS["fp8"].autocast_dtype

@@ -84,16 +84,11 @@ class Strategy:
         self.global_batch_size = gbs
         env = check_dict("env_kwargs", env_kwargs, ENV_KWARGS)
         logs = check_dict("log_kwargs", log_kwargs, LOG_KWARGS)
-        self.auto_scale_lr = check_dict(
-            "auto_scale_lr", auto_scale_lr, frozenset({"base_batch_size", "enable"})
-        )
-        base = self.auto_scale_lr.get("base_batch_size")
-        if (
-            self.auto_scale_lr.get("enable", True)
-            and self.auto_scale_lr
-            and (not isinstance(base, int) or base <= 0)
-        ):
+        scale = check_dict("auto_scale_lr", auto_scale_lr, frozenset({"base_batch_size", "enable"}))
+        base = scale.get("base_batch_size")
+        if scale and scale.get("enable", True) and not (isinstance(base, int) and base > 0):
             raise ValueError(f"auto_scale_lr needs base_batch_size, a positive int; got {base!r}")
+        self.auto_scale_lr = scale
         if model_wrapper is not None and not callable(model_wrapper):
             raise TypeError(
                 f"model_wrapper must be None or a callable taking the boosted model, got {model_wrapper!r}"
@@ -281,11 +276,9 @@ class Strategy:
         map_location: Any = "default",
         callback: Any = None,
     ) -> dict[str, Any]:
-        """Restore model, optimizer (with loss scaler and accumulation counters), schedulers, registered
-        statefuls and every rank's RNG states; sets ``dispatch_kwargs['cur_iter']``. Returns the checkpoint dict.
-        At another accumulation count with ``global_batch_size`` kept, the iteration counters (``cur_iter``,
-        ``meta["iter"]``, the window's, per-iteration schedulers') are converted to the new count.
-        """
+        """Restore model, optimizer (loss scaler, accumulation counters), schedulers, registered statefuls and every
+        rank's RNG state; sets ``dispatch_kwargs['cur_iter']`` (converted to a new accumulation count when
+        ``global_batch_size`` is kept). Returns the checkpoint dict."""
         if not self._prepared:
             raise RuntimeError("Strategy.resume: call prepare() first (resume fills the prepared objects)")
         return resume_checkpoint(

@@ -2,16 +2,11 @@
 """FSDP2 units of ``torch_fsdp`` and ``gemini``: which modules are sharded one by one, where each unit lives,
 which neighbours it prefetches, and the optimizer re-pointed at the sharded (DTensor) parameters.
 
-Placement: ColossalAI's Gemini decides per parameter chunk (``shard_param_frac``, ``offload_optim_frac``,
-``offload_param_frac``, ``extra_dp_size``); FSDP2 decides per ``fully_shard`` unit (a block, or the root with
-the parameters no block holds). The plan walks the units in parameter order, as Gemini walks its chunks, and
-counts parameter bytes: Gemini shards and offloads chunks from the front, so do we.
-
-Prefetching: FSDP1's ``forward_prefetch``/``backward_prefetch`` become FSDP2's public
-``set_modules_to_forward_prefetch``/``set_modules_to_backward_prefetch`` between the blocks, taken in
-registration order (the forward order of a ``ModuleList``/``Sequential`` stack); the root runs first in forward
-and its backward starts first, so it prefetches the first blocks in forward and the last ones in backward.
-"""
+ColossalAI's Gemini places parameter chunks (``shard_param_frac``, the offload fractions, ``extra_dp_size``);
+FSDP2 places ``fully_shard`` units (a block, or the root with the parameters no block holds), so the plan walks
+the units in parameter order and counts parameter bytes, sharding and offloading from the front as Gemini does.
+FSDP1's prefetch flags become FSDP2's ``set_modules_to_forward_prefetch``/``set_modules_to_backward_prefetch``
+between blocks in registration order (a ``ModuleList``/``Sequential`` stack's forward order)."""
 
 from __future__ import annotations
 
@@ -79,10 +74,9 @@ class PrefetchPlan:
 def prefetch_plan(
     owner: str, forward_prefetch: Any, backward_prefetch: Any, prefetch_blocks: Any
 ) -> PrefetchPlan:
-    """Map FSDP1's ``forward_prefetch`` (bool) and ``backward_prefetch`` (``BACKWARD_PRE``/``BACKWARD_POST`` or its
-    name: FSDP2 has one backward prefetch point, before the block's gradient computation, so both map to it;
-    ``None``: none; :data:`BACKWARD_PREFETCH_UNSET`: FSDP2's default unless ``prefetch_blocks`` > 1) and
-    ``prefetch_blocks`` (int >= 1) onto a :class:`PrefetchPlan`; a bad value raises, naming ``owner`` and it."""
+    """FSDP1's ``forward_prefetch``, ``backward_prefetch`` (``BACKWARD_PRE``/``BACKWARD_POST`` both map to FSDP2's
+    one pre-backward point; ``None``: none; unset: FSDP2's default unless ``prefetch_blocks`` > 1) and
+    ``prefetch_blocks`` as a :class:`PrefetchPlan`; a bad value raises, naming ``owner`` and it."""
     if isinstance(prefetch_blocks, bool) or not isinstance(prefetch_blocks, int) or prefetch_blocks < 1:
         raise ValueError(
             f"{owner}: prefetch_blocks must be an int >= 1 (blocks all-gathered ahead), got {prefetch_blocks!r}; "
@@ -211,13 +205,11 @@ def plan_units(
     blocks: Callable[[nn.Module], bool] | Iterable[type] | None,
     placement: Callable[[nn.Module, list[nn.Module]], Mapping[int, UnitPlacement]],
 ) -> tuple[list[nn.Module], set[int] | None, Mapping[int, UnitPlacement]]:
-    """``(blocks, read_outside, plan)`` without changing ``model`` (the memory plan reads the same units).
-
+    """``(blocks, read_outside, plan)`` without changing ``model`` (the memory plan reads the same units):
     ``blocks`` resolved (``None``: :func:`default_blocks`; a predicate; module classes), less those holding a
-    parameter also registered outside them (tied weights: it stays in the root unit, so the other module reads
-    the same unsharded tensor instead of a resharded DTensor) and those whose parameters the forward reads
-    outside them (found by tracing; ``read_outside`` is ``None`` when the forward cannot be traced), and
-    ``placement``'s plan of them."""
+    parameter also registered outside them (tied weights stay in the root unit, so the other module reads the same
+    unsharded tensor) and those the forward reads outside them (``read_outside``; ``None``: untraceable), and
+    ``placement``'s plan."""
     if blocks is None:
         chosen = default_blocks(model)
     elif callable(blocks) and not isinstance(blocks, type):

@@ -1,16 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """Blocks whose parameters are read outside their own forward.
 
-FSDP2 swaps a unit's registered parameters for gathered tensors only while that unit runs; outside, they are
-sharded DTensors. A parent whose forward reads a child's parameter (``F.linear(x, self.fc1.weight)``) then
-mixes a plain tensor with a DTensor. Two checks find such a child before or at the first forward:
-
-- :func:`blocks_read_outside` traces the forward of every module around the blocks with ``torch.fx`` (the blocks
-  and modules holding none are leaves, nothing runs) and lists each block whose parameter appears as an
-  attribute read: the plugin leaves it in its parent's unit.
-- :class:`OutsideReadGuard`, for a forward ``torch.fx`` cannot trace (data-dependent control flow), watches
-  the first forward and turns the torch error into one naming the module and the fix.
-"""
+FSDP2 swaps a unit's parameters for gathered tensors only while that unit runs; outside, they are sharded
+DTensors, so a parent reading a child's parameter (``F.linear(x, self.fc1.weight)``) mixes a plain tensor with a
+DTensor. :func:`blocks_read_outside` finds such children by tracing with ``torch.fx`` (blocks are leaves, nothing
+runs) and the plugin leaves them in the parent's unit; for a forward fx cannot trace, :class:`OutsideReadGuard`
+watches the first forward and turns the torch error into one naming the parameter and the fix."""
 
 from __future__ import annotations
 

@@ -98,11 +98,9 @@ class FSDPOptimizerWrapper(OptimizerWrapper):
 
 
 def attach_full_state_dict(model: nn.Module, *, only_rank_0: bool) -> None:
-    """Make the sharded ``model``'s ``state_dict()`` the full state (:func:`full_model_state_dict`), on rank 0
-    only or on every rank as ``only_rank_0`` says unless the call names it (ColossalAI's ``only_rank_0``
-    keyword). On this instance only: its class (``FSDPModule`` included) is unchanged; called with
-    ``nn.Module.state_dict``'s own arguments (a parent module gathering its children's state), and from torch's
-    DCP helpers, it is the class's: this rank's DTensor shards."""
+    """Make the sharded ``model``'s ``state_dict()`` the full state (:func:`full_model_state_dict`, ``only_rank_0``
+    unless the call names it), on this instance only. Called with ``nn.Module.state_dict``'s own arguments (a parent
+    gathering its children, torch's DCP helpers) it is the class's: this rank's DTensor shards."""
     model_ref = weakref.ref(model)  # DCP's registry of such methods must not keep the model alive
     default = only_rank_0
 

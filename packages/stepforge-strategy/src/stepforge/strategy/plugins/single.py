@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from torch import nn
@@ -29,7 +28,7 @@ class StatefulLoaderPlugin(Plugin):
 
 class SinglePlugin(StatefulLoaderPlugin):
     """Run on one process: the model is moved to ``device`` (default: the current CUDA device, else CPU) and
-    nothing is wrapped; ``no_sync`` does nothing, so accumulation code written for DDP runs unchanged."""
+    nothing is wrapped; ``no_sync`` (core's) suspends nothing, so accumulation code written for DDP runs unchanged."""
 
     name = "single"
 
@@ -44,6 +43,3 @@ class SinglePlugin(StatefulLoaderPlugin):
     def support_lora(self) -> bool:
         """LoRA through peft is supported (as ColossalAI's plugin)."""
         return True
-
-    def no_sync(self, model: nn.Module | None, optimizer: Any = None) -> AbstractContextManager[Any]:
-        return nullcontext()

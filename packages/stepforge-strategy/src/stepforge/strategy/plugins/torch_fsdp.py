@@ -11,7 +11,6 @@ arguments").
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -22,7 +21,6 @@ from torch.distributed.fsdp import MixedPrecision as FSDP1Precision
 
 from stepforge.core import build_optimizer, unwrap_optimizer
 from stepforge.core.precision import PLUGIN_PRECISIONS, DynamicLossScaler, get_precision
-from stepforge.core.torch_compat import fsdp2_no_sync
 
 from .._env import is_distributed
 from ..lazy import has_meta_tensors, lazy_state_names, materialize_model
@@ -283,11 +281,4 @@ class TorchFSDPPlugin(StatefulLoaderPlugin):
     save_full_optimizer = staticmethod(save_full_optimizer)
     load_full_optimizer = staticmethod(load_full_optimizer)
     memory_plan = fsdp_memory_plan
-
-    def supports_no_sync(self) -> bool:
-        return True
-
-    def no_sync(self, model: nn.Module | None, optimizer: Any = None) -> AbstractContextManager[Any]:
-        """``set_requires_gradient_sync(False)`` on every FSDP module for the block (the flag is read in
-        backward); gradients are reduce-scattered by the first backward outside."""
-        return fsdp2_no_sync(model)
+    # no_sync is core's: set_requires_gradient_sync(False) on every FSDP module for the block
