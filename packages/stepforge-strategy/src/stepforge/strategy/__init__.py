@@ -20,8 +20,7 @@ from .booster import Booster
 from .checkpoint import CheckpointError, find_latest_checkpoint
 from .checkpoint_io import BoosterCheckpointIO, CheckpointIO, GeneralCheckpointIO
 from .data import StatefulDataLoader, make_stateful
-from .dist_coordinator import DistCoordinator
-from .launch import launch, launch_from_torch
+from .launch import DistCoordinator, launch, launch_from_torch
 from .lazy import LazyInitContext
 from .memory import Estimate, MemoryBudgetError, estimate
 from .mixed_precision import (

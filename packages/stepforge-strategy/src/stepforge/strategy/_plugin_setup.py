@@ -56,14 +56,10 @@ def build_plugin(plugin: Any, device: Any) -> Plugin:
     if plugin is None:
         plugin = "torch_ddp" if get_world_size() > 1 else "single"
     if isinstance(plugin, str | Mapping):
-        kwargs: dict[str, Any] = {}
-        if isinstance(plugin, Mapping):
-            kwargs = dict(plugin)
-            name = kwargs.pop("type", None)
-            if not isinstance(name, str):
-                raise ValueError(f"Booster: a plugin dict needs a 'type' name, got {dict(plugin)!r}.")
-        else:
-            name = plugin
+        kwargs: dict[str, Any] = dict(plugin) if isinstance(plugin, Mapping) else {"type": plugin}
+        name = kwargs.pop("type", None)
+        if not isinstance(name, str):
+            raise ValueError(f"Booster: a plugin dict needs a 'type' name, got {plugin!r}.")
         cls = PLUGINS.get(name)
         if device is not None and "device" not in kwargs and _accepts(cls, "device"):
             kwargs["device"] = device
@@ -87,10 +83,11 @@ def adopt_precision(plugin: Plugin, mixed_precision: Any, wanted: str | None) ->
     conflict."""
     if wanted is None:
         return
+    shown = repr(mixed_precision.name if isinstance(mixed_precision, MixedPrecision) else mixed_precision)
     if plugin.explicit_precision:
         if wanted != plugin.precision:
             raise ValueError(
-                f"Booster: mixed_precision={_show(mixed_precision)} conflicts with the precision "
+                f"Booster: mixed_precision={shown} conflicts with the precision "
                 f"{plugin.precision!r} of plugin {plugin.name!r}, which applies precision itself; set one of "
                 "them, or the same value on both."
             )
@@ -99,13 +96,9 @@ def adopt_precision(plugin: Plugin, mixed_precision: Any, wanted: str | None) ->
     if wanted not in supported:
         raise ValueError(
             f"Booster: plugin {plugin.name!r} applies precision itself and takes {'/'.join(supported)}; "
-            f"mixed_precision={_show(mixed_precision)} is not one of them."
+            f"mixed_precision={shown} is not one of them."
         )
     plugin.set_precision(wanted)
-
-
-def _show(spec: Any) -> str:
-    return repr(spec if not isinstance(spec, MixedPrecision) else spec.name)
 
 
 def is_auto(plugin: Any) -> bool:

@@ -26,7 +26,6 @@ from torch import nn
 from stepforge.core import BoostedOptimizer, Plugin, WrappedModel, build_optimizer, unwrap_optimizer
 from stepforge.core.precision import warn_slow_precision
 
-from ._lora import enable_lora, require_peft
 from ._plugin_setup import (
     PendingAutoPlugin,
     adopt_precision,
@@ -36,7 +35,7 @@ from ._plugin_setup import (
     resolve_at_boost,
 )
 from .accelerator import Accelerator
-from .boosted_model import ModelWrapper, plugin_module
+from .boosted_model import ModelWrapper, enable_lora, plugin_module, require_peft
 from .boosted_optimizer import OptimizerWrapper
 from .checkpoint_io import BoosterCheckpointIO, CheckpointIO, GeneralCheckpointIO
 from .compile import apply_compile, compile_config, refuse_compiled_wrapper

@@ -158,7 +158,7 @@ class CheckpointIO(ABC):
         Raises:
             ValueError: the model has no LoRA adapters (``Booster.enable_lora`` before ``boost``).
         """
-        from ._lora import peft_model_of
+        from .boosted_model import peft_model_of
 
         peft_model = peft_model_of(model)
 

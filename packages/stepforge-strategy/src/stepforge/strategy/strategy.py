@@ -35,27 +35,22 @@ __all__ = ["Strategy", "ColossalAIStrategy"]
 
 
 class Strategy:
-    """Prepare, checkpoint and resume a training run through a :class:`~stepforge.strategy.Booster`.
+    """Prepare, checkpoint and resume a training run through a :class:`~stepforge.strategy.Booster` (``plugin``,
+    ``mixed_precision`` and ``memory_budget`` are the Booster's; ``None`` picks ``single`` on one process and
+    ``torch_ddp`` on several).
 
     Args:
-        plugin: a plugin name, dict or instance; ``None`` picks ``single`` on one process, ``torch_ddp`` on several.
-        mixed_precision: the Booster's (``"fp16"``, ``"bf16"``, ``"fp8"``, a dict/instance or ``None``).
         model_wrapper: ``None`` or a callable applied to the boosted model.
-        work_dir: where logs, checkpoints and ``last_checkpoint`` go.
-        experiment_name: prefix of the experiment name (``<name>_<timestamp>``).
-        env_kwargs: :func:`~stepforge.strategy._env.setup_env`'s arguments (``launcher``, ``backend``,
-            ``randomness=dict(seed=None, deterministic=False, diff_rank_seed=False)``...).
-        log_kwargs: ``log_level``, ``file_mode``, ``all_ranks`` (every rank writes a log file), ``console``.
+        work_dir, experiment_name: where logs, checkpoints and ``last_checkpoint`` go; ``<name>_<timestamp>``.
+        env_kwargs: :func:`~stepforge.strategy._env.setup_env`'s arguments; log_kwargs: ``log_level``,
+            ``file_mode``, ``all_ranks``, ``console``.
         auto_scale_lr: ``dict(base_batch_size=..., enable=True)``: lr *= world size * micro-batch *
             accumulative_counts / base_batch_size.
         config: the run's config; its ``repr`` is recorded as ``meta["cfg"]`` in checkpoints.
-        memory_budget: the Booster's (with ``plugin="auto"`` the plugin is chosen at :meth:`prepare`, each estimate
-            holding the optim wrapper's whole accumulation window).
         resume: ``"auto"``/``True``: :meth:`prepare` ends by resuming the latest checkpoint of ``work_dir`` if any
-            (for ``torchrun --max-restarts``); a path: that checkpoint; ``False``: none (:attr:`resumed_from`).
+            (for ``torchrun --max-restarts``); a path: that one; ``False``: none (:attr:`resumed_from`).
         global_batch_size: samples per optimizer step over all ranks (DeepSpeed's ``train_batch_size``), kept at
-            every world size by deriving ``accumulative_counts``; a resume at another world size converts the
-            iteration counters (docs/checkpoints.md).
+            every world size by deriving ``accumulative_counts`` (docs/checkpoints.md).
     """
 
     def __init__(

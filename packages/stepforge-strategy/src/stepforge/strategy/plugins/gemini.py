@@ -47,20 +47,12 @@ GEMINI_DEFAULT_ONLY: dict[str, Any] = {
 
 class GeminiPlugin(TorchFSDPPlugin):
     """ColossalAI's ``GeminiPlugin`` on FSDP2; the README table "GeminiPlugin and TorchFSDPPlugin arguments" maps
-    each argument.
-
-    Args:
-        placement_policy: ``"static"`` (the fractions decide, once, at ``boost``) or ``"auto"`` (every unit sharded
-            and offloaded; the fractions are not read).
-        shard_param_frac: the leading units holding this fraction of the bytes are sharded, the rest replicated.
-        offload_optim_frac, offload_param_frac: the leading sharded units holding the larger fraction of the bytes
-            get ``CPUOffloadPolicy`` (FSDP2 keeps a shard's parameters, gradients and optimizer state together).
-        extra_dp_size: ``> 1``: the HSDP mesh ``(extra_dp_size, world // extra_dp_size)``.
-        tp_size: ``1`` only (tensor parallelism is not offered).
-        precision, master_weights (``True`` only), pin_memory, max_norm, norm_type, initial_scale ... max_scale:
-            as ColossalAI.
-        **kwargs: its chunk-manager and kernel arguments, at their defaults only (``GEMINI_DEFAULT_ONLY``).
-
+    each argument: ``placement_policy="static"`` lets ``shard_param_frac`` (the leading units holding that fraction
+    of the bytes are sharded, the rest replicated) and the larger of ``offload_optim_frac``/``offload_param_frac``
+    (the leading sharded units offloaded with ``CPUOffloadPolicy``, which keeps a shard's parameters, gradients and
+    optimizer state together) decide once, at ``boost``; ``"auto"`` shards and offloads every unit.
+    ``extra_dp_size`` > 1 gives the HSDP mesh ``(extra_dp_size, world // extra_dp_size)``; ``tp_size`` is 1 only;
+    the chunk-manager and kernel arguments are accepted at their defaults only (``GEMINI_DEFAULT_ONLY``).
     ``support_no_sync()`` is ``False`` and ``state_dict()`` the full state on rank 0, as ColossalAI's; the optimizer
     defaults to stepforge-fused's ``HybridAdam``. A bad value raises ``ValueError``, an unknown argument
     ``TypeError``."""

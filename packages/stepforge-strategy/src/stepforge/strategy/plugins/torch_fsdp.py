@@ -58,26 +58,15 @@ FSDP1_ONLY_ARGUMENTS = (
 
 
 class TorchFSDPPlugin(StatefulLoaderPlugin):
-    """ZeRO-3 with torch FSDP2: ``fully_shard`` on each block, then on the root. The README table "GeminiPlugin and
-    TorchFSDPPlugin arguments" maps each FSDP1/ColossalAI argument.
-
-    Args:
-        precision: ``"fp32"`` (default), ``"bf16"`` or ``"fp16"`` (with dynamic loss scaling agreed across ranks):
-            FSDP2 ``MixedPrecisionPolicy`` with fp32 reduction; the sharded fp32 parameters are the masters.
-        reshard_after_forward: free a block's gathered parameters after its forward (ZeRO-3; else ZeRO-2-like).
-        cpu_offload: ``True`` or FSDP1's ``CPUOffload(offload_params=True)``: ``CPUOffloadPolicy``.
-        sharding_strategy: FSDP1's ``FULL_SHARD`` or ``SHARD_GRAD_OP`` (``reshard_after_forward`` True/False).
-        mixed_precision: an FSDP2 ``MixedPrecisionPolicy`` (or FSDP1's ``MixedPrecision``) instead of ``precision``.
-        shard_modules: which submodules are blocks: a predicate or module classes; default: the elements of
-            ``ModuleList``/``Sequential`` children, else the direct children with parameters.
-        max_norm: global-norm gradient clipping inside ``optimizer.step`` (0 = off).
-        forward_prefetch, backward_prefetch: FSDP1's prefetching as FSDP2's explicit prefetching of
-            ``prefetch_blocks`` neighbouring blocks (default 1); ``backward_prefetch=None``: none; not given: FSDP2's
-            default (the previous block).
-        device: compute device (default ``cuda:LOCAL_RANK`` or CPU).
-
-    An FSDP1-only argument (``FSDP1_ONLY_ARGUMENTS``) or an unknown one raises ``TypeError`` naming it; a bad value
-    ``ValueError``."""
+    """ZeRO-3 with torch FSDP2: ``fully_shard`` on each block, then on the root. FSDP1's and ColossalAI's arguments
+    map as the README table "GeminiPlugin and TorchFSDPPlugin arguments" says (``precision`` as FSDP2's
+    ``MixedPrecisionPolicy`` with fp32 reduction, fp16 with dynamic loss scaling agreed across ranks;
+    ``sharding_strategy`` ``FULL_SHARD``/``SHARD_GRAD_OP`` as ``reshard_after_forward``; ``forward_prefetch``/
+    ``backward_prefetch`` as explicit prefetching of ``prefetch_blocks`` neighbouring blocks). ``shard_modules``
+    says which submodules are blocks (a predicate or module classes; default: the elements of
+    ``ModuleList``/``Sequential`` children, else the direct children with parameters); ``max_norm`` clips by the
+    global norm inside ``optimizer.step``. An FSDP1-only argument (``FSDP1_ONLY_ARGUMENTS``) or an unknown one
+    raises ``TypeError`` naming it, a bad value ``ValueError``."""
 
     name = "torch_fsdp"
     builds_optimizer_config = True
