@@ -126,28 +126,22 @@ class _Recorder(DispatchMode):
             out = func(*args, **kwargs)
         leaves, spec = tree_flatten((args, kwargs))
         outs = tree_flatten(out)[0]
-        if not any(_is_meta(x) for x in leaves) and not any(_is_meta(x) for x in outs):
+        if not any(_is_meta(x) for x in [*leaves, *outs]):
             return out
         known = self.record.storages
         inputs = {storage_id(x) for x in leaves if _is_meta(x)}
-        created = []
-        for i, o in enumerate(outs):
-            if _is_meta(o) and storage_id(o) not in known and storage_id(o) not in inputs:
-                created.append((i, storage_id(o), _storage_numel(o)))
-        schema = func._schema
-        writes = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+        created = [
+            (i, storage_id(o), _storage_numel(o))
+            for i, o in enumerate(outs)
+            if _is_meta(o) and storage_id(o) not in known and storage_id(o) not in inputs
+        ]
+        writes = any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
         if not created and not writes:
             return out  # a view or a metadata query: the storage references carry it
-        for o in outs:
-            if _is_meta(o):
-                known.setdefault(storage_id(o), o.detach())
-        refs = []
-        for x in leaves:
-            if _is_meta(x):
-                known.setdefault(storage_id(x), x.detach())
-                refs.append(_Ref.of(x))
-            else:
-                refs.append(x)
+        for t in [*outs, *leaves]:
+            if _is_meta(t):
+                known.setdefault(storage_id(t), t.detach())
+        refs = [_Ref.of(x) if _is_meta(x) else x for x in leaves]
         self.record.ops.append(_Op(func, spec, refs, created))
         return out
 
@@ -329,9 +323,8 @@ def _replay(record: _Record, emit: Callable[[int, torch.Tensor], None]) -> None:
         with torch.no_grad():
             for i, op in enumerate(record.ops):
                 made = {key for _, key, _ in op.created}
-                for key in (
-                    fresh[i] - made
-                ):  # overwritten whole: new memory (the op still runs: random stream)
+                # overwritten whole: new memory (the op still runs: random stream)
+                for key in fresh[i] - made:
                     meta = record.storages[key]
                     live[key] = torch.empty(_storage_numel(meta), dtype=meta.dtype, device=device)
                 args, kwargs = tree_unflatten([_real(leaf, live, device) for leaf in op.leaves], op.spec)
