@@ -145,7 +145,7 @@ def resolve_at_boost(
     ``MemoryBudgetError`` naming what would fit."""
     device = plugin.device
     budget = memory_budget(budget_spec, device, accumulation_steps=accumulation_steps)
-    world = dict(
+    world: dict[str, Any] = dict(
         world_size=get_world_size(),
         rank=get_rank(),
         backend=str(dist.get_backend()) if is_distributed() else None,

@@ -154,7 +154,7 @@ class TorchFSDPPlugin(StatefulLoaderPlugin):
         self.offload_frac = 1.0 if self.cpu_offload else 0.0
         self.extra_dp_size = 1
         self.pin_memory = True  # offloaded shards pinned where an accelerator exists
-        self._scaler_kwargs: dict[str, Any] = {}
+        self._scaler_kwargs: Mapping[str, Any] = {}
 
     def supported_precisions(self) -> list[str]:
         return list(PLUGIN_PRECISIONS)
