@@ -25,7 +25,6 @@ __all__ = [
     "adopt_precision",
     "auto_candidates",
     "build_plugin",
-    "is_auto",
     "resolve_at_boost",
 ]
 
@@ -101,24 +100,17 @@ def adopt_precision(plugin: Plugin, mixed_precision: Any, wanted: str | None) ->
     plugin.set_precision(wanted)
 
 
-def is_auto(plugin: Any) -> bool:
-    """Whether ``plugin`` asks for ``auto`` (the name, or a dict of type ``auto``)."""
-    return (
-        plugin == "auto"
-        if isinstance(plugin, str)
-        else isinstance(plugin, Mapping) and plugin.get("type") == "auto"
-    )
-
-
-def auto_candidates(plugin: Any) -> tuple[str, ...]:
-    """The candidates of an ``auto`` spec (``dict(type="auto", candidates=[...])`` narrows them)."""
-    if isinstance(plugin, Mapping):
-        extra = sorted(set(plugin) - {"type", "candidates"})
-        if extra:
-            raise ValueError(f"plugin='auto' takes only 'candidates', got {', '.join(map(repr, extra))}.")
-        if plugin.get("candidates") is not None:
-            return tuple(plugin["candidates"])
-    return AUTO_CANDIDATES
+def auto_candidates(plugin: Any) -> tuple[str, ...] | None:
+    """The candidates of an ``auto`` spec (``"auto"``, or ``dict(type="auto", candidates=[...])``, which narrows
+    them); ``None`` when ``plugin`` is not ``auto``."""
+    if isinstance(plugin, str):
+        return AUTO_CANDIDATES if plugin == "auto" else None
+    if not isinstance(plugin, Mapping) or plugin.get("type") != "auto":
+        return None
+    extra = sorted(set(plugin) - {"type", "candidates"})
+    if extra:
+        raise ValueError(f"plugin='auto' takes only 'candidates', got {', '.join(map(repr, extra))}.")
+    return AUTO_CANDIDATES if plugin.get("candidates") is None else tuple(plugin["candidates"])
 
 
 class PendingAutoPlugin(Plugin):

@@ -103,42 +103,27 @@ def user_module(model: nn.Module) -> nn.Module:
     return model
 
 
-def _innermost_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The FSDP2 units below the root of ``model`` that hold no other unit, with their qualified names."""
-    units = {id(m) for m in fsdp2_modules(model)} - {id(model)}
-    innermost = []
-    for name, module in model.named_modules():
-        if id(module) not in units:
-            continue
-        if any(id(inner) in units for inner in module.modules() if inner is not module):
-            continue
-        innermost.append((name, module))
-    return innermost
-
-
-def _compile_method(module: nn.Module, config: CompileConfig, *, where: str) -> None:
-    """Replace ``module.<target>`` by its compiled version (an instance attribute: the module stays itself)."""
-    method = getattr(module, config.target, None)
-    if not callable(method):
-        raise ValueError(
-            f"{where}: compile target {config.target!r} is not a method of {type(module).__name__}; name a "
-            "method of your model (default 'forward')"
-        )
-    setattr(module, config.target, torch.compile(method, **config.options))
-
-
 def apply_compile(model: nn.Module, config: CompileConfig, *, where: str = "compile") -> list[str]:
     """Compile ``config.target`` on the user's model inside ``model`` in place (see the module docstring);
     returns the qualified names of the compiled methods (``"forward"``, ``"blocks.0.forward"``...)."""
     root = user_module(model)
     refuse_compiled_wrapper(root, where=where)
-    units = _innermost_units(root) if config.target == "forward" else []
-    if not units:
-        _compile_method(root, config, where=where)
-        return [config.target]
-    for _, unit in units:
-        _compile_method(unit, config, where=where)
-    return [f"{name}.{config.target}" for name, _ in units]
+    units = {id(m) for m in fsdp2_modules(root)} - {id(root)} if config.target == "forward" else set()
+    # the FSDP2 units below the root that hold no other unit (else the root itself)
+    innermost = [
+        (name, m)
+        for name, m in root.named_modules()
+        if id(m) in units and not any(id(inner) in units for inner in m.modules() if inner is not m)
+    ] or [("", root)]
+    for _, module in innermost:
+        method = getattr(module, config.target, None)
+        if not callable(method):
+            raise ValueError(
+                f"{where}: compile target {config.target!r} is not a method of {type(module).__name__}; name a "
+                "method of your model (default 'forward')"
+            )
+        setattr(module, config.target, torch.compile(method, **config.options))  # an instance attribute
+    return [f"{name}.{config.target}" if name else config.target for name, _ in innermost]
 
 
 def compile_model(model: nn.Module, compile: Any, *, where: str = "compile") -> list[str]:

@@ -25,7 +25,6 @@ from ..boosted_optimizer import OptimizerWrapper
 from ..checkpoint import commit_file, read_torch_file
 
 __all__ = [
-    "full_model_state_dict",
     "full_optim_state_dict",
     "FSDPOptimizerWrapper",
     "attach_full_state_dict",
@@ -39,24 +38,6 @@ def _options(only_rank_0: bool) -> Any:
 
     # cpu_offload=True with full_state_dict=True is torch's "rank 0 only": other ranks get an empty dict
     return StateDictOptions(full_state_dict=True, cpu_offload=only_rank_0)
-
-
-def full_model_state_dict(model: nn.Module, only_rank_0: bool = True) -> dict[str, torch.Tensor]:
-    """The whole model's state (every parameter and persistent buffer at its full shape), a snapshot no later step
-    changes; collective. ``only_rank_0``: on rank 0 (CPU), ``{}`` elsewhere (``GeminiDDP.state_dict``'s default);
-    else on every rank, on the parameters' device (FSDP1's ``FULL_STATE_DICT``)."""
-    model = plugin_module(model)  # the boosted ModelWrapper's .module: the FSDP2 model itself
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    state = get_model_state_dict(model, options=_options(only_rank_0))
-    if only_rank_0 and dist.get_rank() != 0:
-        return {}
-    # a gathered shard is a new tensor, but a replicated unit's parameter or a buffer is the live one
-    live = {dtensor_local(t).untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
-    return {
-        key: value.detach().clone() if value.untyped_storage().data_ptr() in live else value.detach()
-        for key, value in cast(dict[str, torch.Tensor], state).items()  # full_state_dict: plain tensors
-    }
 
 
 def full_optim_state_dict(model: nn.Module, optimizer: Any, rank0_only: bool = True) -> dict[str, Any]:
@@ -98,9 +79,13 @@ class FSDPOptimizerWrapper(OptimizerWrapper):
 
 
 def attach_full_state_dict(model: nn.Module, *, only_rank_0: bool) -> None:
-    """Make the sharded ``model``'s ``state_dict()`` the full state (:func:`full_model_state_dict`, ``only_rank_0``
-    unless the call names it), on this instance only. Called with ``nn.Module.state_dict``'s own arguments (a parent
-    gathering its children, torch's DCP helpers) it is the class's: this rank's DTensor shards."""
+    """Make the sharded ``model``'s ``state_dict()`` the whole model's state, a snapshot no later step changes
+    (collective), on this instance only: with ``only_rank_0`` (the default unless the call names it) on rank 0
+    (CPU), ``{}`` elsewhere (``GeminiDDP.state_dict``); else on every rank, on the parameters' device (FSDP1's
+    ``FULL_STATE_DICT``). Called with ``nn.Module.state_dict``'s own arguments (a parent gathering its children,
+    torch's DCP helpers) it is the class's: this rank's DTensor shards."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
     model_ref = weakref.ref(model)  # DCP's registry of such methods must not keep the model alive
     default = only_rank_0
 
@@ -112,7 +97,18 @@ def attach_full_state_dict(model: nn.Module, *, only_rank_0: bool) -> None:
             if only_rank_0 is not None:
                 raise TypeError("state_dict(only_rank_0=...) takes no other argument.")
             return type(module).state_dict(module, *args, **kwargs)
-        return full_model_state_dict(module, only_rank_0=default if only_rank_0 is None else only_rank_0)
+        rank_0 = default if only_rank_0 is None else only_rank_0
+        state = get_model_state_dict(module, options=_options(rank_0))
+        if rank_0 and dist.get_rank() != 0:
+            return {}
+        # a gathered shard is a new tensor, but a replicated unit's parameter or a buffer is the live one
+        live = {
+            dtensor_local(t).untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())
+        }
+        return {
+            key: value.detach().clone() if value.untyped_storage().data_ptr() in live else value.detach()
+            for key, value in cast(dict[str, torch.Tensor], state).items()  # full_state_dict: plain tensors
+        }
 
     set_instance_state_dict(model, state_dict)
 
