@@ -1,12 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""stepforge.strategy: ColossalAI's Booster and mmengine's strategy layer on torch's own engines.
-
-:class:`Booster` with the plugins of ``stepforge.core.PLUGINS`` (``single``, ``torch_ddp``, ``torch_fsdp``,
-``gemini`` here), the boosted :class:`ModelWrapper`/:class:`OptimizerWrapper`, checkpoint IO, mixed precision,
-mmengine's optim wrappers and :class:`Strategy` (crash-safe DCP checkpoints, :mod:`.checkpoint`), what ColossalAI's
-scripts call around the Booster (:func:`launch_from_torch`, :class:`DistCoordinator`, :func:`get_accelerator`,
-:class:`LazyInitContext`) and :func:`estimate` (:mod:`.memory`: memory per rank before launch).
-"""
+"""stepforge.strategy: ColossalAI's Booster and mmengine's strategy layer on torch's own engines (the package
+README maps every name)."""
 
 from __future__ import annotations
 

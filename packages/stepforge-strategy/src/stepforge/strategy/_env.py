@@ -1,8 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The process environment of a Strategy, with mmengine's ``BaseStrategy._setup_env`` semantics: the launcher is
-``"pytorch"`` under torchrun's variables, else ``"none"``; the backend follows the accelerator (``nccl``/``gloo``)
-unless given; a ``None`` seed is drawn on rank 0 and broadcast, as is the timestamp. An already initialised
-default group is reused (several strategies can live in one process)."""
+"""The process environment of a Strategy, with mmengine's ``BaseStrategy._setup_env`` semantics; an already
+initialised default group is reused (several strategies can live in one process)."""
 
 from __future__ import annotations
 
@@ -127,10 +125,8 @@ def set_random_seed(
 
 @functools.cache  # registered once, by whoever made the group here
 def destroy_group_at_exit() -> None:
-    """Destroy the default process group at interpreter exit. gloo's worker threads can still hold the last
-    reference to a tensor when a script returns; released in a finalising interpreter, it ends the thread inside a
-    ``noexcept`` frame and the process aborts. From ``atexit`` the group joins its threads while the interpreter
-    lives."""
+    """Destroy the default process group at exit: a gloo thread releasing the last reference to a tensor in a
+    finalising interpreter aborts the process; from ``atexit`` the group joins its threads while it lives."""
     atexit.register(lambda: dist.destroy_process_group() if is_distributed() else None)
 
 
@@ -161,11 +157,9 @@ def setup_env(
     resource_limit: int = 4096,
     randomness: Mapping[str, Any] | None = None,
 ) -> EnvInfo:
-    """Set up the process as mmengine's ``_setup_env`` does (see the module docstring): ``launcher`` (``"pytorch"``,
-    ``"none"``, ``None``: detect), ``backend``, ``cudnn_benchmark``, ``mp_cfg=dict(mp_start_method=...)``,
-    ``dist_cfg`` (``init_process_group``'s arguments, ``timeout`` in seconds), ``resource_limit`` (the soft
-    ``RLIMIT_NOFILE`` raised to it where allowed) and ``randomness=dict(seed, deterministic, diff_rank_seed)``.
-    """
+    """Set up the process as mmengine's ``_setup_env`` does: launcher (``None``: torchrun's variables),
+    process group, cudnn, multiprocessing start method, ``RLIMIT_NOFILE``, and the seed and timestamp (drawn
+    on rank 0)."""
     dist_cfg = dict(dist_cfg or {})
     randomness = check_dict("env_kwargs['randomness']", randomness, _RANDOMNESS_KEYS)
     if launcher is None:  # torchrun's variables, or a group made by the caller

@@ -1,8 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""How a :class:`~stepforge.strategy.Booster` gets its plugin: built from a name or a dict (with the Booster's
-``device`` where the plugin takes one), given the Booster's mixed precision when it applies precision itself,
-and for ``plugin="auto"``/``memory_budget`` a placeholder until ``boost`` sees the model, then the choice (or the
-budget check) made there, before the model is moved or sharded."""
+"""How a :class:`~stepforge.strategy.Booster` gets its plugin, and for ``plugin="auto"``/``memory_budget`` the
+choice (or the budget check) made at ``boost``, before the model is moved or sharded."""
 
 from __future__ import annotations
 

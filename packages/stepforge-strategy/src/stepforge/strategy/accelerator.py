@@ -1,10 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``Accelerator``: the training device, as both of ColossalAI's device objects know it: the Booster's (for a plugin
-that does not place the model itself, ``boost`` moves it with :meth:`Accelerator.configure_model`) and the
-process's (:func:`get_accelerator`: CUDA when torch sees a GPU, else the CPU). On the CPU its methods answer what
-the CPU has (one device, nothing to synchronise or release) instead of raising as ColossalAI's ``CpuAccelerator``
-does; only the allocator counters, which torch keeps for CUDA alone, raise.
-"""
+"""``Accelerator``: the training device, as ColossalAI's Booster and ``get_accelerator`` know it. On the CPU
+its methods answer what the CPU has instead of raising as ColossalAI's ``CpuAccelerator`` does; only the
+allocator counters, which torch keeps for CUDA alone, raise."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``ModelWrapper``: the model ``Booster.boost`` returns (ColossalAI's ``colossalai.interface.ModelWrapper``; it
-implements :class:`stepforge.core.WrappedModel`). ``.module`` is what the plugin made of the model (DDP, an FSDP2
-``FSDPModule``, the model itself), ``.unwrap()`` the user's model; as in ColossalAI, the wrapper's own
-``state_dict()`` keys carry the ``module.`` prefix and ``unwrap().state_dict()`` the original ones."""
+"""``ModelWrapper``: the model ``Booster.boost`` returns (ColossalAI's; a
+:class:`stepforge.core.WrappedModel`), and the LoRA helpers."""
 
 from __future__ import annotations
 
@@ -46,11 +44,9 @@ class ModelWrapper(nn.Module):
         return self.module(*args, **kwargs)
 
     def state_dict(self, *args: Any, only_rank_0: bool | None = None, **kwargs: Any) -> Any:
-        """``nn.Module.state_dict`` (keys prefixed ``module.``). An FSDP2 module (``torch_fsdp``, ``gemini``)
-        gives its full state here too, a fresh snapshot, as FSDP1 and ``GeminiDDP`` did (collective). With
-        ``only_rank_0`` (ColossalAI's ``GeminiDDP.state_dict``) the plugin's module answers: the full state with
-        the original keys, on rank 0 only when ``True`` (the ``gemini``/``torch_fsdp`` modules support it;
-        others raise ``TypeError``)."""
+        """``nn.Module.state_dict`` (keys prefixed ``module.``); an FSDP2 module gives its full state
+        (collective), as FSDP1 and ``GeminiDDP`` did. With ``only_rank_0`` the plugin's module answers
+        (ColossalAI's ``GeminiDDP.state_dict``)."""
         plugin_state_dict: Callable[..., Any] = self.module.state_dict  # a plugin's, with only_rank_0
         if only_rank_0 is not None:
             return plugin_state_dict(*args, only_rank_0=only_rank_0, **kwargs)

@@ -1,9 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``OptimizerWrapper``: ColossalAI's boosted optimizer, what the strategy's plugins return (it implements
-:class:`stepforge.core.BoostedOptimizer`): the torch optimizer surface plus ``backward``, clipping and, for fp16, a
-:class:`DynamicLossScaler` whose state travels in ``state_dict()["grad_scaler"]``; its process group makes the
-overflow check agree across the ranks of a sharded (FSDP2) optimizer.
-"""
+"""``OptimizerWrapper``: ColossalAI's boosted optimizer, what the strategy's plugins return (a
+:class:`stepforge.core.BoostedOptimizer`)."""
 
 from __future__ import annotations
 
@@ -21,10 +18,10 @@ __all__ = ["OptimizerWrapper", "as_boosted"]
 
 
 class OptimizerWrapper(torch.optim.Optimizer):
-    """Wrap ``optimizer`` for the Booster: a ``torch.optim.Optimizer`` subclass (so ``torch.optim.lr_scheduler``
-    accepts it) delegating ``param_groups``, ``state`` and ``defaults`` to it (``Optimizer.__init__`` is not run).
-    ``scaler``: fp16 loss scaling; ``max_norm`` > 0 clips inside :meth:`step`, by ``clip_fn(max_norm, norm_type)``
-    (the plugin's global-norm clipping) when given."""
+    """Wrap ``optimizer`` for the Booster: a ``torch.optim.Optimizer`` subclass (so ``lr_scheduler`` accepts
+    it) delegating ``param_groups``, ``state`` and ``defaults``; ``scaler``: fp16 loss scaling (its state in
+    ``state_dict()["grad_scaler"]``); ``max_norm`` > 0 clips inside :meth:`step`, through ``clip_fn`` when
+    given."""
 
     def __init__(
         self,

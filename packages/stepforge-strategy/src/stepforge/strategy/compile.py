@@ -1,16 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``torch.compile`` for boosted models: ``compile=`` of :meth:`Booster.boost <stepforge.strategy.Booster.boost>`
-and :meth:`Strategy.prepare <stepforge.strategy.Strategy.prepare>`, as mmengine's ``prepare(compile=...)``:
-``False``/``None``, ``True`` or a dict with ``target`` (the method of *your* model, default ``"forward"``),
-``disable`` (really skips) and ``torch.compile``'s own arguments.
-
-``single``/``torch_ddp``/ZeRO compile ``model.<target>`` in place (an instance attribute, as mmengine); gradient
-hooks fire on the parameters, so DDP's and ZeRO's reductions run as in eager mode. FSDP2 (``torch_fsdp``,
-``gemini``) with ``target="forward"`` compiles each innermost unit below the root on its own, as torchtitan
-does: FSDP2's hooks are ``torch._dynamo.disable``-d, so a graph spanning them would break at every block; the
-root's own code stays eager. Nothing wraps the module, so state-dict keys and checkpoints stay the eager model's
-(no ``_orig_mod.``); a model already wrapped by ``torch.compile`` is refused (:func:`refuse_compiled_wrapper`).
-"""
+"""``torch.compile`` for boosted models (``compile=`` of ``Booster.boost`` and ``Strategy.prepare``,
+mmengine's values), in place: FSDP2 models per innermost unit, because FSDP2's hooks are
+``torch._dynamo.disable``-d and a graph spanning them would break at every block; nothing wraps the module, so
+state-dict keys stay the eager model's. The package README's section "torch.compile" has the details."""
 
 from __future__ import annotations
 

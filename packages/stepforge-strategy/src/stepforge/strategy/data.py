@@ -1,13 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """A dataloader that records its position: ``state_dict()`` / ``load_state_dict()`` for exact resume.
 
-Its state is the epoch and the batches already yielded in it; a resume skips those batches *in the batch
-sampler* (no data is loaded for them) and sets the sampler's epoch, so the rest of the epoch comes in the same
-order when the sampler is deterministic for an epoch. Over a ``DistributedSampler`` the position is kept in
-samples, which does not depend on the world size: the epoch's order is the sampler's at ``num_replicas=1``, rank
-``r`` of ``W`` reads items ``r, r + W, ...``, so after ``b`` batches of ``B`` the ranks consumed exactly the first
-``b * B * W`` items; a resume at any world size deals the rest out the same way (padded or cut as
-``DistributedSampler`` does): every item of the epoch is drawn once across the change."""
+A resume skips the consumed batches *in the batch sampler* (no data is loaded for them). Over a
+``DistributedSampler`` the position is kept in samples, which does not depend on the world size: rank ``r``
+of ``W`` reads items ``r, r + W, ...`` of the epoch's ``num_replicas=1`` order, so after ``b`` batches of
+``B`` the ranks consumed exactly the first ``b * B * W`` items, and a resume at any world size deals out
+the rest."""
 
 from __future__ import annotations
 
@@ -52,11 +50,9 @@ def _rest_of_epoch(sampler: DistributedSampler[Any], epoch: int, start: int) -> 
 
 
 class StatefulDataLoader:
-    """Iterate ``loader`` (a ``DataLoader``) and remember where: ``state_dict() == {"epoch": e,
-    "batches_yielded": n}``, plus ``"samples"`` (items of the epoch consumed by all ranks together) over a
-    ``DistributedSampler``. Map-style datasets skip resumed batches without loading them, iterable ones draw and drop
-    them; every full pass increments ``epoch`` and calls ``sampler.set_epoch``. The loader's attributes are reachable
-    here."""
+    """Iterate ``loader`` (a ``DataLoader``) and remember where: ``{"epoch", "batches_yielded"}``, plus
+    ``"samples"`` (items of the epoch consumed by all ranks) over a ``DistributedSampler``; the loader's
+    attributes are reachable here."""
 
     def __init__(self, loader: DataLoader[Any]) -> None:
         if not isinstance(loader, DataLoader):
@@ -75,8 +71,7 @@ class StatefulDataLoader:
         return len(self.loader)
 
     def _distributed(self) -> DistributedSampler[Any] | None:
-        """The loader's ``DistributedSampler`` when it batches its items itself (``batch_size`` given); not a
-        subclass, whose order may be its own (it resumes by batches, at the same world size)."""
+        """The loader's own ``DistributedSampler`` (not a subclass, whose order may be its own)."""
         sampler = self.loader.sampler
         if type(sampler) is DistributedSampler and self.loader.batch_size is not None:
             return sampler

@@ -1,12 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""ColossalAI's cluster helpers, with its signatures: the launchers ``colossalai.launch`` and
-``colossalai.launch_from_torch``, and ``colossalai.cluster.DistCoordinator``.
-
-Each launcher initialises the default process group (``nccl`` with CUDA, ``gloo`` on the CPU, as the accelerator
-says), binds this process to its GPU and seeds every rank. A group already initialised with the same rank and
-world size is kept (ColossalAI would fail), so a script can run under a launcher that made it. Unlike
-ColossalAI's, :class:`DistCoordinator` is not a process-wide singleton: each instance reads the default group's
-rank and world size when it is made."""
+"""ColossalAI's cluster helpers with its signatures: ``launch``, ``launch_from_torch`` and
+``DistCoordinator``. A group already initialised with the same rank and world size is kept (ColossalAI would
+fail), so a script can run under a launcher that made it; :class:`DistCoordinator` is not a process-wide
+singleton."""
 
 from __future__ import annotations
 
@@ -42,11 +38,9 @@ def launch(
     seed: int = 1024,
     verbose: bool = True,
 ) -> None:
-    """Join the default process group at ``tcp://host:port`` (an IPv6 host bracketed) as ``rank`` of
-    ``world_size`` (ColossalAI's ``launch``): ``backend`` ``"nccl"`` becomes ``gloo`` when torch sees no GPU, as
-    ColossalAI takes the accelerator's; ``local_rank`` is the GPU to bind (default: ``LOCAL_RANK``, else the rank
-    modulo the GPU count); ``seed`` seeds python, numpy and torch on every rank; ``verbose`` logs the world size on
-    rank 0. Raises ``ValueError`` for a rank out of range or a group initialised with other values."""
+    """ColossalAI's ``launch``: join the default process group at ``tcp://host:port`` as ``rank`` of
+    ``world_size`` (``nccl`` becomes ``gloo`` without a GPU), bind ``local_rank``'s GPU, seed every rank; a
+    ``ValueError`` for a rank out of range or a group initialised with other values."""
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(
             f"launch: rank must be in [0, world_size) and world_size >= 1, got {rank}, {world_size}."
@@ -158,9 +152,8 @@ class DistCoordinator:
 
     @contextmanager
     def priority_execution(self, executor_rank: int = 0, process_group: Any = None) -> Iterator[None]:
-        """Run the block on ``executor_rank`` first; the others enter it after that rank left it (a download one
-        process writes before the others read). The executor's barrier runs also when its block raised, so the others
-        fail on their own instead of waiting out the backend timeout."""
+        """Run the block on ``executor_rank`` first, the others after it left; its barrier runs even when its
+        block raised, so the others fail on their own instead of waiting out the backend timeout."""
         if dist.get_rank(group=process_group) != executor_rank:
             self.block_all(process_group)
             yield

@@ -4,15 +4,11 @@
 Under the context every tensor is created on the meta device and every operation that creates or writes one is
 recorded. Materialising replays the record on ``default_device`` from the random state the context was entered
 with, so every tensor gets an eager build's values under the same seed. The replay holds a tensor only while a
-later operation reads it (one overwritten whole is dropped at once, the overwriting operation still run on
-scratch memory so the random stream advances as eagerly) and hands each parameter or buffer to its destination
-after its last operation: memory is the destination plus about the largest tensor. ``torch_fsdp``/``gemini``
-shard a lazy model on the meta device and fill each rank's shards; other plugins get the whole model.
-
-A model built under ``torch.device("meta")`` has no record: its modules' ``reset_parameters()`` are recorded at
-``boost`` (torch's convention), and a tensor none writes (a rotary ``inv_freq``) raises, naming it. Unlike
-ColossalAI's ``LazyTensor`` the tensors report the ``meta`` device, a value read during construction
-(``tensor.item()``) raises torch's meta error, and the random state is not advanced by a lazy build."""
+later operation reads it and hands each parameter or buffer to its destination after its last operation:
+memory is the destination plus about the largest tensor. A model built under ``torch.device("meta")`` has no
+record: its modules' ``reset_parameters()`` are recorded at ``boost`` (torch's convention). Unlike
+ColossalAI's ``LazyTensor`` the tensors report the ``meta`` device and a value read during construction
+raises."""
 
 from __future__ import annotations
 

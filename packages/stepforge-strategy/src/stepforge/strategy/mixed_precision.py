@@ -1,9 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Mixed precision for the Booster: ``"fp16"`` (autocast, fp32 master parameters, ``GradScaler``-style dynamic
-loss scaling saved with the optimizer), ``"bf16"`` (autocast, no scaling), ``"fp8"`` (torchao's
-``convert_to_float8_training`` plus bf16 autocast; needs torchao and a GPU of compute capability 8.9+),
-``"fp16_apex"`` (run as ``fp16``; Apex is not used), a dict or an instance. Names, aliases and dtypes come from
-:mod:`stepforge.core.precision`; a plugin that owns precision (FSDP2, ZeRO) does its own."""
+"""Mixed precision for the Booster: ``"fp16"``, ``"bf16"``, ``"fp8"`` (torchao), ``"fp16_apex"`` (run as
+``fp16``), a dict or an instance; names and dtypes come from :mod:`stepforge.core.precision`. A plugin that
+owns precision (FSDP2, ZeRO) does its own."""
 
 from __future__ import annotations
 

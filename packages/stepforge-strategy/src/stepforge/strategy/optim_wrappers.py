@@ -1,9 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""mmengine's ``ColossalAIOptimWrapper`` and ``AmpOptimWrapper`` on stepforge-accum's ``OptimWrapper``: the
-counting, the partial last window, weighted accumulation and the counters in ``state_dict`` are accum's; these
-classes only override its documented hooks (``run_backward``, ``before_clip``, ``optimizer_step``,
-``no_sync_context``...).
-"""
+"""mmengine's ``ColossalAIOptimWrapper`` and ``AmpOptimWrapper`` on stepforge-accum's ``OptimWrapper``: they
+only override its documented hooks (``run_backward``, ``before_clip``, ``optimizer_step``,
+``no_sync_context``...)."""
 
 from __future__ import annotations
 
@@ -23,14 +21,9 @@ __all__ = ["ColossalAIOptimWrapper", "AmpOptimWrapper"]
 
 
 class ColossalAIOptimWrapper(OptimWrapper):
-    """Drive backward, ``no_sync`` and clipping through a :class:`~stepforge.strategy.Booster`.
-
-    ``optimizer`` is the one ``booster.boost`` returned; ``booster`` is needed before ``backward``/
-    ``optim_context``; ``clip_grad`` (which mmengine refuses here) clips by the global norm through the plugin after
-    fp16 unscaling, or by value with ``type="value"``; ``**kwargs`` are accum's. ``backward`` runs the boosted
-    optimizer's (the plugin's loss scaling); ``optim_context(model)`` enters ``booster.no_sync`` for micro-batches
-    that do not end a window, when the plugin supports it. It never enables autocast: the Booster's mixed precision
-    did."""
+    """Drive backward, ``no_sync`` and clipping through a :class:`~stepforge.strategy.Booster` (needed before
+    ``backward``/``optim_context``); ``clip_grad`` (which mmengine refuses here) clips through the plugin
+    after fp16 unscaling. It never enables autocast: the Booster's mixed precision did."""
 
     def __init__(
         self,
@@ -103,11 +96,9 @@ _DTYPES = {
 
 
 class AmpOptimWrapper(OptimWrapper):
-    """Automatic mixed precision: autocast in ``optim_context``, ``GradScaler`` loss scaling (mmengine's API) on
-    the device of the optimizer's parameters. ``loss_scale``: ``"dynamic"``, a number (a static scale; ints too,
-    which mmengine rejects) or ``GradScaler`` arguments; ``dtype``: ``"float16"``, ``"bfloat16"``, ``"float32"``,
-    ``"float64"`` or a ``torch.dtype`` (``None``: float16 on CUDA, bfloat16 on CPU); ``use_fsdp``:
-    ``ShardedGradScaler`` (an overflow on any rank skips the step on all). Only float16 is scaled."""
+    """mmengine's ``AmpOptimWrapper``: autocast in ``optim_context``, ``GradScaler`` loss scaling on the
+    device of the optimizer's parameters (``ShardedGradScaler`` with ``use_fsdp``); ``loss_scale`` ints are
+    accepted too."""
 
     valid_dtypes = tuple(_DTYPES)
 

@@ -36,22 +36,8 @@ __all__ = ["Strategy", "ColossalAIStrategy"]
 
 class Strategy:
     """Prepare, checkpoint and resume a training run through a :class:`~stepforge.strategy.Booster` (``plugin``,
-    ``mixed_precision`` and ``memory_budget`` are the Booster's; ``None`` picks ``single`` on one process and
-    ``torch_ddp`` on several).
-
-    Args:
-        model_wrapper: ``None`` or a callable applied to the boosted model.
-        work_dir, experiment_name: where logs, checkpoints and ``last_checkpoint`` go; ``<name>_<timestamp>``.
-        env_kwargs: :func:`~stepforge.strategy._env.setup_env`'s arguments; log_kwargs: ``log_level``,
-            ``file_mode``, ``all_ranks``, ``console``.
-        auto_scale_lr: ``dict(base_batch_size=..., enable=True)``: lr *= world size * micro-batch *
-            accumulative_counts / base_batch_size.
-        config: the run's config; its ``repr`` is recorded as ``meta["cfg"]`` in checkpoints.
-        resume: ``"auto"``/``True``: :meth:`prepare` ends by resuming the latest checkpoint of ``work_dir`` if any
-            (for ``torchrun --max-restarts``); a path: that one; ``False``: none (:attr:`resumed_from`).
-        global_batch_size: samples per optimizer step over all ranks (DeepSpeed's ``train_batch_size``), kept at
-            every world size by deriving ``accumulative_counts`` (docs/checkpoints.md).
-    """
+    ``mixed_precision`` and ``memory_budget`` are the Booster's); the other arguments are the package README's
+    section "Strategy: prepare, checkpoint, resume" and docs/checkpoints.md."""
 
     def __init__(
         self,
@@ -142,15 +128,10 @@ class Strategy:
         compile: bool | Mapping[str, Any] = False,
         dispatch_kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
-        """Boost ``model`` (rank 0's initial weights broadcast to every rank), build the optim wrapper and schedulers;
-        returns what exists, as mmengine: the model, ``(model, optim_wrapper)`` or ``(model, optim_wrapper,
-        schedulers)``. A second call returns the same objects.
-
-        ``optim_wrapper``: ``dict(optimizer=dict(type=..., lr=...), accumulative_counts=1, clip_grad=None)`` or a built
-        ``ColossalAIOptimWrapper``; ``param_scheduler``: see :func:`build_param_scheduler`; ``compile``: ``True`` or
-        ``torch.compile`` arguments with ``target``/``disable``, applied by the Booster (:mod:`stepforge.strategy.compile`);
-        ``dispatch_kwargs``: ``max_iters``, ``max_epochs``, ``epoch_length``, ``train_micro_batch_size_per_gpu``.
-        """
+        """Boost ``model`` (rank 0's initial weights broadcast to every rank), build the optim wrapper (a dict
+        or a built ``ColossalAIOptimWrapper``) and schedulers; returns what exists, as mmengine: the model,
+        ``(model, optim_wrapper)`` or ``(model, optim_wrapper, schedulers)``. A second call returns the same
+        objects."""
         if self._prepared:
             return self._components()
         self.dispatch_kwargs.update(check_dict("dispatch_kwargs", dispatch_kwargs))
@@ -209,18 +190,15 @@ class Strategy:
 
     @staticmethod
     def compile_model(model: nn.Module, compile: bool | Mapping[str, Any]) -> nn.Module:
-        """mmengine's ``compile_model``: compile ``<target>`` (default ``forward``) of the model inside ``model``
-        in place (per FSDP2 block for a sharded model) and return ``model``; ``False``/``disable=True`` compile
-        nothing. :meth:`prepare` does this through the Booster (see :mod:`stepforge.strategy.compile`)."""
+        """mmengine's ``compile_model``: compile the model inside ``model`` in place and return ``model``
+        (:mod:`stepforge.strategy.compile`)."""
         compile_model(model, compile, where="Strategy.compile_model")
         return model
 
     # -- checkpoints ---------------------------------------------------------------------------------------
     def register_for_checkpointing(self, name: str, obj: Any, *, per_rank: bool = False) -> None:
         """Save ``obj.state_dict()`` in every checkpoint and restore it on :meth:`resume`; ``per_rank=True`` keeps one
-        copy per rank (same-size runs only). A shared :class:`~stepforge.strategy.StatefulDataLoader` over a
-        ``DistributedSampler`` resumes at any world size. With ``resume="auto"``, register before :meth:`prepare`.
-        """
+        copy per rank (same-size runs only). With ``resume="auto"``, register before :meth:`prepare`."""
         if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
             raise TypeError(f"register_for_checkpointing({name!r}): obj needs state_dict and load_state_dict")
         self.statefuls[name] = (obj, per_rank)
@@ -235,9 +213,8 @@ class Strategy:
         callback: Any = None,
         max_keep_ckpts: int | None = None,
     ) -> str:
-        """Write a committed checkpoint directory (collective); returns its path. ``filename`` is relative to
-        ``work_dir`` unless absolute; ``callback(checkpoint)`` may edit the dict before it is written;
-        ``max_keep_ckpts`` deletes the oldest committed checkpoints of that folder after the commit."""
+        """Write a committed checkpoint directory under ``work_dir`` (collective); returns its path.
+        ``max_keep_ckpts`` deletes the oldest committed ones of that folder after the commit."""
         if not self._prepared:
             raise RuntimeError("Strategy.save_checkpoint: call prepare() first (there is nothing to save)")
         return save_checkpoint(
@@ -271,9 +248,8 @@ class Strategy:
         map_location: Any = "default",
         callback: Any = None,
     ) -> dict[str, Any]:
-        """Restore model, optimizer (loss scaler, accumulation counters), schedulers, registered statefuls and every
-        rank's RNG state; sets ``dispatch_kwargs['cur_iter']`` (converted to a new accumulation count when
-        ``global_batch_size`` is kept). Returns the checkpoint dict."""
+        """Restore model, optimizer, schedulers, registered statefuls and every rank's RNG state; sets
+        ``dispatch_kwargs['cur_iter']``. Returns the checkpoint dict."""
         if not self._prepared:
             raise RuntimeError("Strategy.resume: call prepare() first (resume fills the prepared objects)")
         return resume_checkpoint(
@@ -281,7 +257,6 @@ class Strategy:
         )
 
     def _run_state(self) -> RunState:
-        """The parts a checkpoint saves and restores (the checkpoint code never sees the Strategy)."""
         mixed = self.booster.mixed_precision
         return RunState(
             model=self.model,

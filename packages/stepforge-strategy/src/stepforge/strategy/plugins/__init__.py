@@ -1,9 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The plugins of stepforge-strategy, registered in ``stepforge.plugins``: ``single`` (:class:`SinglePlugin`, one
-process), ``torch_ddp``/``ddp`` (:class:`TorchDDPPlugin`, ``DistributedDataParallel``), ``torch_fsdp``/``fsdp``
-(:class:`TorchFSDPPlugin`, FSDP2 ``fully_shard``) and ``gemini`` (:class:`GeminiPlugin`, FSDP2 with
-``CPUOffloadPolicy``), each returning an :class:`~stepforge.strategy.OptimizerWrapper`; ``Plugin`` and
-``DPPluginBase`` are ColossalAI's base classes (:mod:`.colossalai_base`)."""
+"""The plugins of stepforge-strategy, registered in ``stepforge.plugins`` (``single``, ``torch_ddp``,
+``torch_fsdp``, ``gemini``), and ColossalAI's base classes ``Plugin`` and ``DPPluginBase``."""
 
 from __future__ import annotations
 

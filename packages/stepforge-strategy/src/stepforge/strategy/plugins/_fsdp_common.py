@@ -1,12 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""FSDP2 units of ``torch_fsdp`` and ``gemini``: which modules are sharded one by one, where each unit lives,
-which neighbours it prefetches, and the optimizer re-pointed at the sharded (DTensor) parameters.
-
-ColossalAI's Gemini places parameter chunks (``shard_param_frac``, the offload fractions, ``extra_dp_size``);
-FSDP2 places ``fully_shard`` units (a block, or the root with the parameters no block holds), so the plan walks
-the units in parameter order and counts parameter bytes, sharding and offloading from the front as Gemini does.
-FSDP1's prefetch flags become FSDP2's ``set_modules_to_forward_prefetch``/``set_modules_to_backward_prefetch``
-between blocks in registration order (a ``ModuleList``/``Sequential`` stack's forward order)."""
+"""FSDP2 units of ``torch_fsdp`` and ``gemini``: which modules are sharded one by one, where each lives, which
+neighbours it prefetches, and the optimizer re-pointed at the sharded parameters. Gemini places parameter
+chunks, FSDP2 ``fully_shard`` units, so the plan walks the units in parameter order and counts bytes, sharding
+and offloading from the front as Gemini does."""
 
 from __future__ import annotations
 
@@ -205,11 +201,9 @@ def plan_units(
     blocks: Callable[[nn.Module], bool] | Iterable[type] | None,
     placement: Callable[[nn.Module, list[nn.Module]], Mapping[int, UnitPlacement]],
 ) -> tuple[list[nn.Module], set[int] | None, Mapping[int, UnitPlacement]]:
-    """``(blocks, read_outside, plan)`` without changing ``model`` (the memory plan reads the same units):
-    ``blocks`` resolved (``None``: :func:`default_blocks`; a predicate; module classes), less those holding a
-    parameter also registered outside them (tied weights stay in the root unit, so the other module reads the same
-    unsharded tensor) and those the forward reads outside them (``read_outside``; ``None``: untraceable), and
-    ``placement``'s plan."""
+    """``(blocks, read_outside, plan)`` without changing ``model``: ``blocks`` resolved, less those with a
+    parameter also registered outside them (tied weights stay in the root unit) and those the forward reads
+    outside them (``read_outside``; ``None``: untraceable), and ``placement``'s plan."""
     if blocks is None:
         chosen = default_blocks(model)
     elif callable(blocks) and not isinstance(blocks, type):
@@ -244,12 +238,10 @@ def shard_model(
     offload_policy: Any,
     prefetch: PrefetchPlan,
 ) -> None:
-    """``fully_shard`` each block of :func:`plan_units` (innermost first), then the root, over the mesh of ``meshes``
-    (shard, replicate) its placement names, with ``offload_policy`` where it is offloaded; then ``prefetch``.
-
-    Floating buffers are cast to the compute dtype first: FSDP2's policy casts only parameters, so a BatchNorm
-    would meet bf16/fp16 weights and fp32 statistics (ColossalAI casts buffers too). A forward that cannot be traced
-    is watched on its first call (:class:`OutsideReadGuard`)."""
+    """``fully_shard`` each block of :func:`plan_units` (innermost first), then the root, on the mesh and
+    offload policy its placement names; then ``prefetch``. Floating buffers are cast to the compute dtype
+    first: FSDP2 casts only parameters, so a BatchNorm would meet bf16 weights and fp32 statistics (ColossalAI
+    casts buffers too)."""
     from torch.distributed.fsdp import FSDPModule, OffloadPolicy, fully_shard
 
     if isinstance(model, FSDPModule):

@@ -1,11 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Blocks whose parameters are read outside their own forward.
-
-FSDP2 swaps a unit's parameters for gathered tensors only while that unit runs; outside, they are sharded
-DTensors, so a parent reading a child's parameter (``F.linear(x, self.fc1.weight)``) mixes a plain tensor with a
-DTensor. :func:`blocks_read_outside` finds such children by tracing with ``torch.fx`` (blocks are leaves, nothing
-runs) and the plugin leaves them in the parent's unit; for a forward fx cannot trace, :class:`OutsideReadGuard`
-watches the first forward and turns the torch error into one naming the parameter and the fix."""
+"""Blocks whose parameters are read outside their own forward (``F.linear(x, self.fc1.weight)`` in a parent),
+where FSDP2 has them sharded: found by tracing with ``torch.fx`` and left in the parent's unit, or for an
+untraceable forward turned into an error naming the parameter and the fix (:class:`OutsideReadGuard`)."""
 
 from __future__ import annotations
 

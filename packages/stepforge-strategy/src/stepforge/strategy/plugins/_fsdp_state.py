@@ -1,11 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Full (gathered) model and optimizer state of an FSDP2 model, as ColossalAI's FSDP1 and Gemini users expect it.
-
-FSDP2's own ``nn.Module.state_dict`` holds this rank's DTensor shards, aliasing the live parameters; the prepared
-model's ``state_dict()`` is the full state instead, a fresh snapshot, as FSDP1's ``FULL_STATE_DICT`` and
-``GeminiDDP.state_dict`` give. Both go through torch's ``torch.distributed.checkpoint.state_dict``; the sharded
-form (what DCP and stepforge's checkpoints save) stays ``get_model_state_dict(model)``.
-"""
+"""Full (gathered) model and optimizer state of an FSDP2 model, as ColossalAI's FSDP1 and Gemini users expect
+it, through torch's ``torch.distributed.checkpoint.state_dict``; the sharded form (what DCP saves) stays
+``get_model_state_dict(model)``."""
 
 from __future__ import annotations
 

@@ -1,18 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """The memory plans of ``torch_ddp``, ``torch_fsdp`` and ``gemini`` (their ``memory_plan`` methods).
 
-``torch_fsdp``/``gemini`` take their units from the code that shards (:func:`~._fsdp_common.plan_units`) and size
-each parameter as FSDP2 stores it: dimension 0 cut ``torch.chunk``-style into ``S`` pieces of ``ceil(dim0 / S)``
-rows, every rank's storage padded to that many rows; gradients reduce-scattered into one padded buffer per unit
-(copied to the CPU, unpadded, when offloaded); the optimizer stepping the local shards. What compute gathers is
-listed per unit (``plan.units``), not as one total: the estimate lays each unit's beside the activations traced
-at that unit's own peak. ``torch_ddp`` is the replicated layout plus DDP's buckets (torch's own bucketing).
-
-Accumulating (N > 1 micro-batches, all but the last under ``no_sync`` where supported): DDP all-reduces once per
-step; FSDP2 under ``set_requires_gradient_sync(False)`` keeps every unit's unsharded gradient (reduce dtype, on
-the device) until the window's last backward and gathers parameters every micro-batch; without ``no_sync``
-(``gemini``) every micro-batch reduces into the sharded gradients, summed in place.
-"""
+``torch_fsdp``/``gemini`` take their units from the code that shards (:func:`~._fsdp_common.plan_units`) and
+size each parameter as FSDP2 stores it: dimension 0 cut ``torch.chunk``-style, every rank's storage padded.
+What compute gathers is listed per unit (``plan.units``), not as one total: the estimate lays each unit's
+beside the activations traced at that unit's own peak. Accumulating, FSDP2 under
+``set_requires_gradient_sync(False)`` keeps every unit's unsharded gradient until the window's last backward;
+without ``no_sync`` (``gemini``) every micro-batch reduces into the sharded gradients."""
 
 from __future__ import annotations
 
@@ -62,10 +56,8 @@ def ddp_memory_plan(
     device: str | torch.device | None = None,
     accumulation_steps: int = 1,
 ) -> MemoryPlan:
-    """The replicated layout plus DDP's buckets: every gradient also lives in a bucket (one copy of the
-    gradients; none with ``gradient_as_bucket_view``, where the gradients are views of the buckets), all-reduced
-    bucket by bucket in backward: once per optimizer step, as ``no_sync`` skips the window's other
-    micro-batches."""
+    """The replicated layout plus DDP's buckets (one copy of the gradients, none with
+    ``gradient_as_bucket_view``), all-reduced once per optimizer step."""
     plan = replicated_plan(
         plugin.name,
         model,
@@ -106,11 +98,10 @@ def fsdp_memory_plan(
     device: str | torch.device | None = None,
     accumulation_steps: int = 1,
 ) -> MemoryPlan:
-    """What one rank holds and communicates: the plugin's units and placement, each parameter sized as FSDP2
-    shards and pads it (see the module docstring). With ``extra_dp_size`` > 1 sharded units shard over
-    ``world_size // extra_dp_size`` ranks and are replicated across the groups (HSDP); replicated units are
-    whole on every rank. Offloaded shards are page-locked with ``pin_memory`` on an accelerator ``device``
-    (default: the plugin's), as ``CPUOffloadPolicy`` pins them only where an accelerator exists."""
+    """What one rank holds and communicates: the plugin's units and placement, each parameter sized as
+    FSDP2 shards and pads it; sharded units over ``world_size // extra_dp_size`` ranks (HSDP), replicated
+    ones whole. Offloaded shards are pinned only on an accelerator ``device``, as ``CPUOffloadPolicy`` pins
+    them."""
     steps = check_accumulation_steps(accumulation_steps, f"{type(plugin).__name__}.memory_plan")
     no_sync = steps > 1 and plugin.supports_no_sync()
     reductions = 1 if no_sync else steps  # per unit and optimizer step; every micro-batch gathers

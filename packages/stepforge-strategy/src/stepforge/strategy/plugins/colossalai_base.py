@@ -1,21 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""ColossalAI's plugin base classes, ``Plugin`` and ``DPPluginBase``, on stepforge's contract.
-
-A ColossalAI plugin (a subclass implementing ``configure``, ``control_checkpoint_io``, ``get_checkpoint_io``,
-``no_sync``, ``supported_devices``, ``supported_precisions``, ``control_precision``, ``control_device`` and
-``support_no_sync``) works with :class:`~stepforge.strategy.Booster` once its import points here::
-
-    class MyDDPPlugin(DPPluginBase):
-        def configure(self, model, optimizer=None, criterion=None, dataloader=None, lr_scheduler=None):
-            model = DistributedDataParallel(model)
-            if optimizer is not None and not isinstance(optimizer, OptimizerWrapper):
-                optimizer = OptimizerWrapper(optimizer)
-            return model, optimizer, criterion, dataloader, lr_scheduler
-
-``name`` defaults to the class name and ``prepare`` to ``configure``; ``precision`` may be assigned in
-``__init__`` as ColossalAI's plugins do. ``configure`` receives the optimizer already wrapped when the Booster's
-mixed precision applies (it wraps first), so check ``isinstance(optimizer, OptimizerWrapper)`` as ColossalAI's
-own plugins do."""
+"""ColossalAI's plugin base classes, ``Plugin`` and ``DPPluginBase``, on stepforge's contract: a ColossalAI
+plugin subclass (implementing ``configure``, ``no_sync``, ``supported_precisions``...) works with
+:class:`~stepforge.strategy.Booster` once its import points here. ``name`` defaults to the class name and
+``prepare`` to ``configure``; ``configure`` receives the optimizer already wrapped when the Booster's mixed
+precision applies (it wraps first), so check ``isinstance(optimizer, OptimizerWrapper)`` as ColossalAI's own
+plugins do."""
 
 from __future__ import annotations
 
@@ -35,8 +24,7 @@ __all__ = ["Plugin", "DPPluginBase"]
 
 
 class Plugin(CorePlugin):
-    """ColossalAI's ``Plugin``: implement its abstract methods (listed in the module docstring); ``name`` and
-    ``prepare`` come from them."""
+    """ColossalAI's ``Plugin``: implement its abstract methods; ``name`` and ``prepare`` come from them."""
 
     @property
     def name(self) -> str:
@@ -45,8 +33,8 @@ class Plugin(CorePlugin):
 
     @property
     def precision(self) -> str | None:
-        """The precision the plugin applies (``None`` unless :meth:`control_precision`); assignable, as in
-        ColossalAI's plugins, which set ``self.precision`` in ``__init__`` (an assigned one is explicit)."""
+        """The precision the plugin applies (``None`` unless :meth:`control_precision`); assignable in
+        ``__init__`` as in ColossalAI's plugins (an assigned one is explicit)."""
         return self._precision if self.control_precision() else None
 
     @precision.setter

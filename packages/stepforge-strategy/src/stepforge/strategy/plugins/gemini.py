@@ -1,9 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``gemini`` (``GeminiPlugin``): ZeRO-3 with CPU offload, built on FSDP2 (``fully_shard`` +
-``CPUOffloadPolicy``), with ColossalAI's arguments mapped onto :class:`TorchFSDPPlugin`'s units (the placement
-plan of :mod:`._fsdp_common`); the mapping, argument by argument, is the package README's table "GeminiPlugin and
-TorchFSDPPlugin arguments".
-"""
+"""``gemini`` (``GeminiPlugin``): ZeRO-3 with CPU offload on FSDP2, ColossalAI's arguments mapped onto
+:class:`TorchFSDPPlugin`'s fields."""
 
 from __future__ import annotations
 
@@ -46,16 +43,10 @@ GEMINI_DEFAULT_ONLY: dict[str, Any] = {
 
 
 class GeminiPlugin(TorchFSDPPlugin):
-    """ColossalAI's ``GeminiPlugin`` on FSDP2; the README table "GeminiPlugin and TorchFSDPPlugin arguments" maps
-    each argument: ``placement_policy="static"`` lets ``shard_param_frac`` (the leading units holding that fraction
-    of the bytes are sharded, the rest replicated) and the larger of ``offload_optim_frac``/``offload_param_frac``
-    (the leading sharded units offloaded with ``CPUOffloadPolicy``, which keeps a shard's parameters, gradients and
-    optimizer state together) decide once, at ``boost``; ``"auto"`` shards and offloads every unit.
-    ``extra_dp_size`` > 1 gives the HSDP mesh ``(extra_dp_size, world // extra_dp_size)``; ``tp_size`` is 1 only;
-    the chunk-manager and kernel arguments are accepted at their defaults only (``GEMINI_DEFAULT_ONLY``).
-    ``support_no_sync()`` is ``False`` and ``state_dict()`` the full state on rank 0, as ColossalAI's; the optimizer
-    defaults to stepforge-fused's ``HybridAdam``. A bad value raises ``ValueError``, an unknown argument
-    ``TypeError``."""
+    """ColossalAI's ``GeminiPlugin`` on FSDP2; the README table "GeminiPlugin and TorchFSDPPlugin arguments"
+    maps each argument (the chunk-manager and kernel ones are accepted at their defaults only,
+    ``GEMINI_DEFAULT_ONLY``). As ColossalAI's, ``support_no_sync()`` is ``False`` and ``state_dict()`` the
+    full state on rank 0; the optimizer defaults to stepforge-fused's ``HybridAdam``."""
 
     name = "gemini"
     DEFAULT_PRECISION = "fp16"  # ColossalAI's default

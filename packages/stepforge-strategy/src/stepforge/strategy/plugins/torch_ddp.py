@@ -35,11 +35,8 @@ def sync_batchnorm(model: nn.Module, device: torch.device, process_group: Any = 
 
 class TorchDDPPlugin(StatefulLoaderPlugin):
     """Data parallelism with torch DDP; ``no_sync`` is DDP's; BatchNorm becomes ``SyncBatchNorm`` on an
-    accelerator (:func:`sync_batchnorm`). ColossalAI's arguments go to ``DistributedDataParallel``
-    (``broadcast_buffers`` under the name this torch's DDP expects, without its deprecation warning;
-    ``check_reduction`` is accepted, torch ignores it); ``device`` defaults to ``cuda:LOCAL_RANK`` (else CPU),
-    ``process_group`` to the world. ``prepare`` raises ``RuntimeError`` without a process group (use ``single``).
-    """
+    accelerator. ColossalAI's arguments go to ``DistributedDataParallel`` (``broadcast_buffers`` under the
+    name this torch expects)."""
 
     name = "torch_ddp"
 

@@ -1,12 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``torch_fsdp`` (aliases ``fsdp``, ``TorchFSDPPlugin``): FSDP2 ``fully_shard`` per block, then the root.
-
-The boosted model is the user's model after ``fully_shard`` (an ``FSDPModule`` whose parameters are DTensor
-shards), not FSDP1's ``FullyShardedDataParallel``. As FSDP1's, its ``state_dict()`` is the full state on every
-rank, a fresh snapshot (collective); this rank's shards are ``get_model_state_dict(model.unwrap())``. FSDP1's
-full optimizer state is :meth:`TorchFSDPPlugin.full_optim_state_dict` (README: "GeminiPlugin and TorchFSDPPlugin
-arguments").
-"""
+"""``torch_fsdp`` (aliases ``fsdp``, ``TorchFSDPPlugin``): FSDP2 ``fully_shard`` per block, then the root."""
 
 from __future__ import annotations
 
@@ -58,15 +51,9 @@ FSDP1_ONLY_ARGUMENTS = (
 
 
 class TorchFSDPPlugin(StatefulLoaderPlugin):
-    """ZeRO-3 with torch FSDP2: ``fully_shard`` on each block, then on the root. FSDP1's and ColossalAI's arguments
-    map as the README table "GeminiPlugin and TorchFSDPPlugin arguments" says (``precision`` as FSDP2's
-    ``MixedPrecisionPolicy`` with fp32 reduction, fp16 with dynamic loss scaling agreed across ranks;
-    ``sharding_strategy`` ``FULL_SHARD``/``SHARD_GRAD_OP`` as ``reshard_after_forward``; ``forward_prefetch``/
-    ``backward_prefetch`` as explicit prefetching of ``prefetch_blocks`` neighbouring blocks). ``shard_modules``
-    says which submodules are blocks (a predicate or module classes; default: the elements of
-    ``ModuleList``/``Sequential`` children, else the direct children with parameters); ``max_norm`` clips by the
-    global norm inside ``optimizer.step``. An FSDP1-only argument (``FSDP1_ONLY_ARGUMENTS``) or an unknown one
-    raises ``TypeError`` naming it, a bad value ``ValueError``."""
+    """ZeRO-3 with torch FSDP2 (the boosted model is the user's model after ``fully_shard``); FSDP1's and
+    ColossalAI's arguments map as the README table "GeminiPlugin and TorchFSDPPlugin arguments" says. As
+    FSDP1's, ``state_dict()`` is the full state on every rank; :meth:`full_optim_state_dict` is FSDP1's."""
 
     name = "torch_fsdp"
     builds_optimizer_config = True
@@ -183,10 +170,8 @@ class TorchFSDPPlugin(StatefulLoaderPlugin):
 
     # -- prepare -------------------------------------------------------------------------------------------
     def prepare(self, model: nn.Module, optimizer: Any = None, **kwargs: Any) -> tuple[nn.Module, Any]:
-        """Shard ``model`` (moved to the device first) and point ``optimizer`` (or build a config dict) on the sharded
-        parameters; it comes back as an :class:`OptimizerWrapper`. A model with meta tensors is sharded on the meta
-        device and only this rank's shards are materialised, with an eager build's values (:mod:`stepforge.strategy.lazy`).
-        """
+        """Shard ``model`` and point ``optimizer`` (or build a config dict) on the sharded parameters; a model
+        with meta tensors is sharded on the meta device and only this rank's shards are materialised."""
         from torch.distributed.fsdp import CPUOffloadPolicy
 
         if not is_distributed():
