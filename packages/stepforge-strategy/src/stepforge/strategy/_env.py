@@ -71,9 +71,8 @@ def check_dict(name: str, value: Any, allowed: frozenset[str] | None = None) -> 
 
 
 def is_distributed() -> bool:
-    """Whether this run is distributed: torch.distributed is built in and its default group is initialised.
-
-    The one place stepforge.strategy decides it; everything else asks here."""
+    """Whether torch.distributed is built in and its default group initialised (the one place this is
+    decided)."""
     return dist.is_available() and dist.is_initialized()
 
 
@@ -99,9 +98,7 @@ def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
 def set_random_seed(
     seed: int | None = None, deterministic: bool = False, diff_rank_seed: bool = False
 ) -> int:
-    """Seed python, numpy (when installed) and torch on every device; return the shared seed (``None``: drawn on
-    rank 0 and broadcast). ``diff_rank_seed`` seeds rank r with ``seed + r``; ``deterministic`` turns on torch's
-    deterministic algorithms."""
+    """Seed python, numpy and torch; return the shared seed (``None``: drawn on rank 0 and broadcast)."""
     if seed is None:
         seed = broadcast_object(random.SystemRandom().randrange(2**31))
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
@@ -209,9 +206,7 @@ def setup_logger(
     all_ranks: bool = False,
     console: bool = True,
 ) -> tuple[logging.Logger, str | None]:
-    """A fresh logger and the path of its log file under ``log_dir`` (None on ranks that write none): at
-    ``log_level`` (name or number), appended (``file_mode="a"``, mmengine's default) or rewritten, with a stderr
-    copy when ``console``."""
+    """A fresh logger and the path of its log file under ``log_dir`` (``None`` on ranks that write none)."""
     if file_mode not in ("a", "w"):
         raise ValueError(f"log_kwargs file_mode must be 'a' or 'w', got {file_mode!r}")
     level = logging.getLevelName(log_level.upper()) if isinstance(log_level, str) else log_level

@@ -31,9 +31,8 @@ _WITHOUT_GROUP = ("single", "zero1", "zero2", "zero2:cpu_offload=True")
 
 
 def _accepts(cls: Any, name: str) -> bool:
-    """Whether ``cls``'s constructor takes ``name``: named in its signature, or passed by its ``**kwargs`` to the
-    next constructor up that names it (``Zero2Plugin(**kwargs)`` ends in ColossalAI's ``LowLevelZeroPlugin``
-    signature, which has no ``device``)."""
+    """Whether ``cls``'s constructor takes ``name``, itself or through ``**kwargs`` passed up to a
+    parent's."""
     try:
         params = inspect.signature(cls).parameters
     except (TypeError, ValueError):
@@ -47,9 +46,9 @@ def _accepts(cls: Any, name: str) -> bool:
 
 
 def build_plugin(plugin: Any, device: Any) -> Plugin:
-    """The plugin of ``Booster(plugin=...)``: a registry name, a dict with ``type`` and its arguments, or an
-    instance; ``None`` is ``torch_ddp`` under a process group of several ranks, else ``single``. ``device``
-    reaches a plugin built here when its constructor takes it, and is checked against one that does not."""
+    """The plugin of ``Booster(plugin=...)`` (``None``: ``torch_ddp`` under several ranks, else
+    ``single``); ``device`` reaches a plugin built here when its constructor takes it, else is checked
+    against its device."""
     if plugin is None:
         plugin = "torch_ddp" if get_world_size() > 1 else "single"
     if isinstance(plugin, str | Mapping):
@@ -112,8 +111,8 @@ def auto_candidates(plugin: Any) -> tuple[str, ...] | None:
 
 
 class PendingAutoPlugin(Plugin):
-    """Stands for the plugin ``auto`` will choose until ``boost`` sees the model: it has the device the chosen
-    plugin will use (read before ``boost``, to place inputs) and prepares nothing."""
+    """Stands for the plugin ``auto`` chooses at ``boost``: it has that plugin's device and prepares
+    nothing."""
 
     name = "auto"
 
@@ -130,9 +129,8 @@ def resolve_at_boost(
     precision: str | None,
     accumulation_steps: int | None = None,
 ) -> AutoChoice | None:
-    """For ``auto`` (``auto`` = its candidates): the choice (plugin, settings, table, reason); for an explicit plugin
-    with a budget: ``None`` once it fits. ``accumulation_steps``: the run's micro-batches per step when known. Raises
-    ``MemoryBudgetError`` naming what would fit."""
+    """For ``auto`` (its candidates): the choice; for an explicit plugin with a budget: ``None`` once it fits.
+    Raises ``MemoryBudgetError`` naming what would fit."""
     device = plugin.device
     budget = memory_budget(budget_spec, device, accumulation_steps=accumulation_steps)
     world: dict[str, Any] = dict(

@@ -30,9 +30,9 @@ __all__ = [
 
 
 def broadcast_weights(model: nn.Module) -> None:
-    """Copy rank 0's parameters and buffers into ``model`` on every rank (meta tensors of a lazy model skipped:
-    ``boost`` gives every rank the same values). NCCL moves CUDA tensors only: a model still on the CPU travels
-    through the current CUDA device."""
+    """Copy rank 0's parameters and buffers into ``model`` on every rank (meta tensors skipped: ``boost``
+    gives every rank the same values); NCCL moves CUDA tensors only, so CPU tensors travel through the current
+    device."""
     if get_world_size() == 1:
         return
     staging = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
@@ -53,9 +53,9 @@ def _divisors(n: int) -> list[int]:
 
 
 def accumulation_for_global_batch(global_batch: int, world_size: int, micro_batch: Any) -> int:
-    """The ``accumulative_counts`` with ``world_size`` x ``micro_batch`` x counts == ``global_batch`` (DeepSpeed's
-    ``train_batch_size`` rule); a ``ValueError`` that lists the micro-batch sizes and world sizes that would work
-    when there is none. ``micro_batch`` is ``dispatch_kwargs["train_micro_batch_size_per_gpu"]`` (checked here)."""
+    """The ``accumulative_counts`` with ``world_size`` x ``micro_batch`` x counts == ``global_batch``
+    (DeepSpeed's rule), else a ``ValueError`` listing the micro-batch sizes and world sizes that would
+    work."""
     if not isinstance(micro_batch, int) or isinstance(micro_batch, bool) or micro_batch <= 0:
         raise ValueError(
             f"global_batch_size={global_batch} needs dispatch_kwargs['train_micro_batch_size_per_gpu'] (samples "
@@ -75,8 +75,8 @@ def accumulation_for_global_batch(global_batch: int, world_size: int, micro_batc
 
 
 def keep_global_batch(cfg: Any, global_batch: int, world_size: int, micro_batch: Any) -> Any:
-    """The optim wrapper config ``cfg`` with the ``accumulative_counts`` that keeps ``global_batch``
-    (:func:`accumulation_for_global_batch`); a count given in ``cfg`` or on a built wrapper must be that one."""
+    """``cfg`` with the ``accumulative_counts`` that keeps ``global_batch``; a count given must be that
+    one."""
     counts = accumulation_for_global_batch(global_batch, world_size, micro_batch)
     given = cfg.accumulative_counts if isinstance(cfg, ColossalAIOptimWrapper) else None
     if isinstance(cfg, Mapping):
@@ -99,10 +99,9 @@ def _window(counts: Any) -> int | None:
 def build_optim_wrapper(
     booster: Booster, model: nn.Module, cfg: Any, compile: Any = False
 ) -> tuple[nn.Module, Any]:
-    """Boost ``model`` with the optimizer of ``cfg`` (a dict or a built ``ColossalAIOptimWrapper``) and
-    ``compile`` (see :mod:`stepforge.strategy.compile`); returns the boosted model and the optim wrapper driving
-    ``booster``. The wrapper's ``accumulative_counts`` reaches ``boost`` as ``accumulation_steps`` (for
-    ``plugin="auto"`` and ``memory_budget``)."""
+    """Boost ``model`` with the optimizer of ``cfg`` (a dict or a built ``ColossalAIOptimWrapper``); returns
+    the model and the optim wrapper, whose ``accumulative_counts`` reaches ``boost`` as
+    ``accumulation_steps``."""
     if isinstance(cfg, ColossalAIOptimWrapper):
         steps = _window(cfg.accumulative_counts)
         model, cfg.optimizer = booster.boost(model, cfg.optimizer, compile=compile, accumulation_steps=steps)[
@@ -147,9 +146,8 @@ def scale_lr(
     micro_batch: Any,
     logger: logging.Logger,
 ) -> None:
-    """lr *= ``world_size`` * ``micro_batch`` (``train_micro_batch_size_per_gpu``, checked here) *
-    accumulative_counts / base_batch_size, in place on ``wrapper``'s param groups and base settings; nothing when
-    ``auto_scale_lr`` is empty or disabled."""
+    """lr *= ``world_size`` * ``micro_batch`` * accumulative_counts / base_batch_size, in place, unless
+    disabled."""
     if not auto_scale_lr or not auto_scale_lr.get("enable", True):
         return
     if not isinstance(micro_batch, int) or micro_batch <= 0:
@@ -170,8 +168,8 @@ def scale_lr(
 
 
 def start_accumulation(wrapper: Any, model: nn.Module, max_iters: Any) -> None:
-    """Start ``wrapper``'s accumulation window at iteration 0 when it accumulates (``accumulative_counts > 1``);
-    ``max_iters`` (``dispatch_kwargs["max_iters"]``, checked here) lets the last partial window step too."""
+    """Start ``wrapper``'s accumulation window at iteration 0 when it accumulates; ``max_iters`` lets the last
+    partial window step too."""
     counts = wrapper.accumulative_counts
     if counts <= 1:
         return

@@ -37,10 +37,8 @@ __all__ = [
 
 @dataclass(frozen=True)
 class UnitPlacement:
-    """One ``fully_shard`` unit (``name``: its FQN, ``""`` for the root; ``param_bytes``: of the parameters it owns)
-    and where it lives: ``sharded`` over the shard mesh, else replicated on every rank (gradients all-reduced, as
-    Gemini's kept-gathered chunks); ``offload``: ``CPUOffloadPolicy`` (shards, gradients, optimizer state and the
-    step on the host)."""
+    """One ``fully_shard`` unit (``name``: its FQN, ``""`` for the root) and where it lives: ``sharded``, else
+    replicated on every rank (as Gemini's kept-gathered chunks); ``offload``: ``CPUOffloadPolicy``."""
 
     name: str
     param_bytes: int
@@ -60,8 +58,8 @@ BACKWARD_PREFETCH_UNSET: Any = _FSDP2Default()
 
 @dataclass(frozen=True)
 class PrefetchPlan:
-    """How many neighbouring blocks each FSDP unit all-gathers ahead: ``forward`` after it in forward (0: FSDP2's
-    default), ``backward`` before it in backward (``None``: FSDP2's default, the previous block; 0: none)."""
+    """Neighbouring blocks each unit all-gathers ahead, ``forward`` (0: FSDP2's default) and ``backward``
+    (``None``: FSDP2's default, the previous block; 0: none)."""
 
     forward: int = 0
     backward: int | None = None
@@ -70,9 +68,8 @@ class PrefetchPlan:
 def prefetch_plan(
     owner: str, forward_prefetch: Any, backward_prefetch: Any, prefetch_blocks: Any
 ) -> PrefetchPlan:
-    """FSDP1's ``forward_prefetch``, ``backward_prefetch`` (``BACKWARD_PRE``/``BACKWARD_POST`` both map to FSDP2's
-    one pre-backward point; ``None``: none; unset: FSDP2's default unless ``prefetch_blocks`` > 1) and
-    ``prefetch_blocks`` as a :class:`PrefetchPlan`; a bad value raises, naming ``owner`` and it."""
+    """FSDP1's ``forward_prefetch``/``backward_prefetch`` (``BACKWARD_PRE`` and ``BACKWARD_POST`` both map to
+    FSDP2's one pre-backward point) and ``prefetch_blocks`` as a :class:`PrefetchPlan`."""
     if isinstance(prefetch_blocks, bool) or not isinstance(prefetch_blocks, int) or prefetch_blocks < 1:
         raise ValueError(
             f"{owner}: prefetch_blocks must be an int >= 1 (blocks all-gathered ahead), got {prefetch_blocks!r}; "
@@ -119,8 +116,8 @@ def _apply_prefetch(root: Any, units: list[Any], plan: PrefetchPlan) -> None:
 
 
 def default_blocks(model: nn.Module) -> list[nn.Module]:
-    """The blocks sharded one by one: the elements of every ``ModuleList``/``Sequential`` child that holds
-    parameters; without such containers, the direct children holding parameters."""
+    """The elements of every ``ModuleList``/``Sequential`` holding parameters, else the direct children that
+    do."""
     blocks: list[nn.Module] = []
     for module in model.modules():
         if module is not model and isinstance(module, nn.ModuleList | nn.Sequential):
@@ -132,16 +129,15 @@ def default_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def unit_params(unit: nn.Module, units: list[nn.Module]) -> list[nn.Parameter]:
-    """The parameters ``unit`` owns: its own, less those of the other ``units`` nested inside it
-    (deduplicated)."""
+    """The parameters ``unit`` owns: its own, less those of the other ``units`` nested inside it."""
     inside = {id(m) for m in unit.modules() if m is not unit}
     skip = {id(p) for m in units if id(m) in inside for p in m.parameters()}
     return list({id(p): p for p in unit.parameters() if id(p) not in skip}.values())
 
 
 def leading_units(sizes: list[int], frac: float) -> list[bool]:
-    """Which units, taken from the front, cover ``frac`` of the total bytes: Gemini takes chunks until the
-    bytes taken reach ``frac`` of the total (``frac=0``: none, ``frac=1``: all, empty ones included)."""
+    """Which units, taken from the front, cover ``frac`` of the total bytes (Gemini takes chunks until the
+    bytes taken reach it; ``frac=1``: all, empty ones included)."""
     goal, taken, out = frac * sum(sizes), 0, []
     for size in sizes:
         take = frac >= 1.0 or (frac > 0 and taken < goal)
@@ -153,10 +149,9 @@ def leading_units(sizes: list[int], frac: float) -> list[bool]:
 def plan_placement(
     model: nn.Module, blocks: list[nn.Module], *, shard_param_frac: float = 1.0, offload_frac: float = 0.0
 ) -> dict[int, UnitPlacement]:
-    """Plan ``model``'s units (``blocks`` and the root, keyed by ``id``), ordered by their first parameter: the
-    leading ones holding ``shard_param_frac`` of the bytes are sharded, the rest replicated (Gemini keeps the
-    trailing chunks gathered); of the sharded ones, the leading ones holding ``offload_frac`` of all bytes are
-    offloaded (replicated units stay on the device, as Gemini's gathered chunks)."""
+    """Plan ``model``'s units (``blocks`` and the root, keyed by ``id``) in parameter order: the leading ones
+    holding ``shard_param_frac`` of the bytes sharded, the rest replicated (Gemini keeps the trailing chunks
+    gathered); of the sharded ones, the leading ones holding ``offload_frac`` of all bytes offloaded."""
     order = {id(p): i for i, p in enumerate(model.parameters())}
     units = [*blocks, model]
     owned = {id(u): unit_params(u, units) for u in units}
@@ -174,9 +169,8 @@ def plan_placement(
 
 
 def hybrid_meshes(device: torch.device, extra_dp_size: int, *, replicate: bool) -> tuple[Any, Any]:
-    """``(shard_mesh, replicate_mesh)`` over the world group: ``(world,)``, or for ``extra_dp_size`` > 1 the HSDP
-    mesh ``(extra_dp_size, world // extra_dp_size)`` (Gemini's extra DP group); ``(world, 1)`` (a unit on it is
-    whole on every rank) only when ``replicate`` (its process groups cost a collective set-up), else ``None``."""
+    """``(shard_mesh, replicate_mesh)``: ``(world,)`` or the HSDP mesh for ``extra_dp_size`` > 1; ``(world,
+    1)`` only when ``replicate`` (its process groups cost a collective set-up), else ``None``."""
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size()
@@ -269,8 +263,8 @@ def shard_model(
 
 
 def repoint_optimizer(optimizer: Any, before: dict[int, str], model: nn.Module) -> None:
-    """Point ``optimizer``'s groups at ``model``'s new (sharded) parameters, matched by the FQN ``before`` gives
-    each old parameter's id. The optimizer must not have state yet."""
+    """Point ``optimizer``'s groups at ``model``'s sharded parameters, matched by FQN (``before``: id ->
+    FQN)."""
     if len(optimizer.state) > 0:
         raise ValueError(
             "the optimizer already has state; FSDP2 replaces the parameters with sharded ones, so build the "

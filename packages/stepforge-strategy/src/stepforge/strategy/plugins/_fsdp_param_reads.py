@@ -18,8 +18,8 @@ __all__ = ["blocks_read_outside", "OutsideReadGuard"]
 
 
 def blocks_read_outside(model: nn.Module, blocks: list[nn.Module]) -> set[int] | None:
-    """``id`` of each block in ``blocks`` whose parameters ``model``'s forward reads outside the block's own
-    forward; ``None`` when the forward cannot be traced symbolically (the caller guards the first forward)."""
+    """``id`` of each block whose parameters ``model``'s forward reads outside the block's own forward;
+    ``None`` when the forward cannot be traced."""
     import torch.fx
 
     if not blocks:
@@ -108,9 +108,8 @@ class _SeeShardedParams(TorchFunctionMode):
 
 
 class OutsideReadGuard:
-    """Watch ``root``'s first forward (its ``forward`` wrapped for one call, inside FSDP2's hooks, so only the
-    blocks' parameters ``block_params`` are sharded while it watches): a torch op given one raises a
-    ``RuntimeError`` naming the parameter and the fix."""
+    """Watch ``root``'s first forward (inside FSDP2's hooks, so only the blocks' parameters are sharded): a
+    torch op given one of ``block_params`` raises a ``RuntimeError`` naming it and the fix."""
 
     def __init__(self, root: nn.Module, block_params: set[str]) -> None:
         self._root = root

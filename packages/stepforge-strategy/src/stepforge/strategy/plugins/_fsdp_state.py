@@ -37,9 +37,9 @@ def _options(only_rank_0: bool) -> Any:
 
 
 def full_optim_state_dict(model: nn.Module, optimizer: Any, rank0_only: bool = True) -> dict[str, Any]:
-    """FSDP1's ``FullyShardedDataParallel.full_optim_state_dict`` on FSDP2: the unsharded optimizer state of
-    ``optimizer`` (torch's or boosted) keyed by parameter FQN (``param_groups[i]["params"]`` lists FQNs), on rank 0
-    (CPU, ``{}`` elsewhere) with ``rank0_only``, else on every rank. Collective."""
+    """FSDP1's ``FullyShardedDataParallel.full_optim_state_dict`` on FSDP2: the unsharded optimizer state
+    keyed by parameter FQN, on rank 0 (``{}`` elsewhere) with ``rank0_only``, else on every rank.
+    Collective."""
     model = plugin_module(model)  # the boosted ModelWrapper's .module: the FSDP2 model itself
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -50,18 +50,17 @@ def full_optim_state_dict(model: nn.Module, optimizer: Any, rank0_only: bool = T
 
 
 class FSDPOptimizerWrapper(OptimizerWrapper):
-    """The boosted optimizer of ``torch_fsdp``/``gemini`` over the sharded ``model``: :class:`OptimizerWrapper`
-    (its ``**kwargs``) plus the full optimizer state (``state_dict(only_rank_0=...)`` as ColossalAI's
-    ``GeminiOptimizer``; :meth:`full_optim_state_dict` as FSDP1)."""
+    """The boosted optimizer of ``torch_fsdp``/``gemini``: :class:`OptimizerWrapper` plus the full optimizer
+    state (``state_dict(only_rank_0=...)`` as ColossalAI's ``GeminiOptimizer``, :meth:`full_optim_state_dict`
+    as FSDP1)."""
 
     def __init__(self, optimizer: Any, *, model: nn.Module, **kwargs: Any) -> None:
         super().__init__(optimizer, **kwargs)
         self._fsdp_model = model  # not OptimizerWrapper's optional bound model: always the sharded one
 
     def state_dict(self, only_rank_0: bool | None = None) -> dict[str, Any]:
-        """``only_rank_0=None`` (default): this rank's state of its shards, as torch's ``state_dict()`` (plus
-        ``grad_scaler`` with fp16). ``True``/``False``: the full state keyed by FQN (:meth:`full_optim_state_dict`)
-        on rank 0 only (``{}`` elsewhere) or on every rank. Collective when set."""
+        """``only_rank_0=None``: this rank's state of its shards (torch's); ``True``/``False``: the full state
+        on rank 0 only or on every rank (collective). ``grad_scaler`` is added with fp16."""
         if only_rank_0 is None:
             return super().state_dict()
         state = self.full_optim_state_dict(rank0_only=only_rank_0)
@@ -75,11 +74,10 @@ class FSDPOptimizerWrapper(OptimizerWrapper):
 
 
 def attach_full_state_dict(model: nn.Module, *, only_rank_0: bool) -> None:
-    """Make the sharded ``model``'s ``state_dict()`` the whole model's state, a snapshot no later step changes
-    (collective), on this instance only: with ``only_rank_0`` (the default unless the call names it) on rank 0
-    (CPU), ``{}`` elsewhere (``GeminiDDP.state_dict``); else on every rank, on the parameters' device (FSDP1's
-    ``FULL_STATE_DICT``). Called with ``nn.Module.state_dict``'s own arguments (a parent gathering its children,
-    torch's DCP helpers) it is the class's: this rank's DTensor shards."""
+    """Make the sharded ``model``'s ``state_dict()`` the full state, a snapshot (collective), on rank 0 only
+    (``GeminiDDP``) or on every rank (FSDP1's ``FULL_STATE_DICT``) as ``only_rank_0`` says. Called with
+    ``nn.Module.state_dict``'s own arguments (a parent, torch's DCP helpers) it is the class's: this rank's
+    shards."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     model_ref = weakref.ref(model)  # DCP's registry of such methods must not keep the model alive
@@ -110,9 +108,9 @@ def attach_full_state_dict(model: nn.Module, *, only_rank_0: bool) -> None:
 
 
 def save_full_optimizer(model: nn.Module, optimizer: Any, checkpoint: str | os.PathLike[str]) -> None:
-    """Write :func:`full_optim_state_dict` (plus ``grad_scaler`` with fp16) to the one file ``checkpoint`` with
-    ``torch.save`` on rank 0, as ColossalAI's FSDP checkpoint IO writes an unsharded optimizer, through the one
-    checkpoint writer (atomic, with its sidecar manifest; every rank gets the outcome). Collective."""
+    """Write :func:`full_optim_state_dict` (plus ``grad_scaler``) to the one file ``checkpoint`` on rank 0, as
+    ColossalAI's FSDP checkpoint IO does, through the one checkpoint writer (atomic, with its manifest).
+    Collective."""
     model = plugin_module(model)  # the boosted ModelWrapper's .module: the FSDP2 model itself
     state = full_optim_state_dict(model, optimizer, rank0_only=True)
     if isinstance(optimizer, OptimizerWrapper) and state:
@@ -126,9 +124,8 @@ def save_full_optimizer(model: nn.Module, optimizer: Any, checkpoint: str | os.P
 
 
 def load_full_optimizer(model: nn.Module, optimizer: Any, checkpoint: str | os.PathLike[str]) -> None:
-    """Load a file written by :func:`save_full_optimizer` (or FSDP1's ``full_optim_state_dict`` keyed by FQN)
-    into ``optimizer`` at this world size: every rank reads the file (``weights_only``: no code runs from it)
-    and keeps its shard. Collective."""
+    """Load a :func:`save_full_optimizer` file (or FSDP1's full state keyed by FQN) at this world size: every
+    rank reads it (``weights_only``) and keeps its shard. Collective."""
     model = plugin_module(model)  # the boosted ModelWrapper's .module: the FSDP2 model itself
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 

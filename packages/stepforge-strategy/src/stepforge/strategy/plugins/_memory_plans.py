@@ -38,8 +38,8 @@ __all__ = ["ddp_memory_plan", "fsdp_memory_plan", "shard_rows"]
 
 
 def shard_rows(dim0: int, shards: int, index: int) -> tuple[int, int]:
-    """``(rows, padded_rows)`` of shard ``index`` of ``shards`` of a dimension of ``dim0`` rows, as FSDP2 cuts it
-    (``torch.chunk``: pieces of ``ceil(dim0 / shards)`` rows, the last ones shorter or empty; storage padded)."""
+    """``(rows, padded_rows)`` of shard ``index`` of ``shards`` of ``dim0`` rows, as FSDP2 (``torch.chunk``)
+    cuts it."""
     padded = -(-dim0 // shards)
     rows = max(0, min(padded, dim0 - index * padded))
     return rows, padded
@@ -98,10 +98,8 @@ def fsdp_memory_plan(
     device: str | torch.device | None = None,
     accumulation_steps: int = 1,
 ) -> MemoryPlan:
-    """What one rank holds and communicates: the plugin's units and placement, each parameter sized as
-    FSDP2 shards and pads it; sharded units over ``world_size // extra_dp_size`` ranks (HSDP), replicated
-    ones whole. Offloaded shards are pinned only on an accelerator ``device``, as ``CPUOffloadPolicy`` pins
-    them."""
+    """What one rank holds and communicates with the plugin's units and placement; offloaded shards are pinned
+    only on an accelerator ``device``, as ``CPUOffloadPolicy`` pins them."""
     steps = check_accumulation_steps(accumulation_steps, f"{type(plugin).__name__}.memory_plan")
     no_sync = steps > 1 and plugin.supports_no_sync()
     reductions = 1 if no_sync else steps  # per unit and optimizer step; every micro-batch gathers
