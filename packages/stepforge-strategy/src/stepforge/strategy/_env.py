@@ -221,15 +221,13 @@ def setup_logger(
         os.makedirs(log_dir, exist_ok=True)
         name = f"{timestamp}.log" if rank == 0 else f"{timestamp}_rank{rank}.log"
         path = os.path.join(log_dir, name)
-        handler = logging.FileHandler(path, mode=file_mode, encoding="utf-8")
-        handler.setFormatter(fmt)
-        handler.setLevel(level)
-        logger.addHandler(handler)
+        handlers: list[logging.Handler] = [logging.FileHandler(path, mode=file_mode, encoding="utf-8")]
         if console:
-            stream = logging.StreamHandler(sys.stderr)
-            stream.setFormatter(fmt)
-            stream.setLevel(level)
-            logger.addHandler(stream)
+            handlers.append(logging.StreamHandler(sys.stderr))
+        for handler in handlers:
+            handler.setFormatter(fmt)
+            handler.setLevel(level)
+            logger.addHandler(handler)
     else:
         logger.addHandler(logging.NullHandler())
     return logger, path

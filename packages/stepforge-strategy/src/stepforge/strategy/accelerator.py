@@ -117,18 +117,18 @@ class Accelerator:
 
     def memory_allocated(self, device: Any = None) -> int:
         """Bytes held by tensors on the GPU (``torch.cuda.memory_allocated``)."""
-        return int(torch.cuda.memory_allocated(device)) if self._require_cuda("memory_allocated") else 0
+        self._require_cuda("memory_allocated")
+        return int(torch.cuda.memory_allocated(device))
 
     def max_memory_allocated(self, device: Any = None) -> int:
         """Peak of :meth:`memory_allocated` since the start or :meth:`reset_peak_memory_stats`."""
-        return (
-            int(torch.cuda.max_memory_allocated(device)) if self._require_cuda("max_memory_allocated") else 0
-        )
+        self._require_cuda("max_memory_allocated")
+        return int(torch.cuda.max_memory_allocated(device))
 
     def reset_peak_memory_stats(self, device: Any = None) -> None:
         """Restart the peak counters (``torch.cuda.reset_peak_memory_stats``)."""
-        if self._require_cuda("reset_peak_memory_stats"):
-            torch.cuda.reset_peak_memory_stats(device)
+        self._require_cuda("reset_peak_memory_stats")
+        torch.cuda.reset_peak_memory_stats(device)
 
     def max_memory_reserved(self, device: Any = None) -> int:
         """Peak bytes the CUDA caching allocator reserved; on the CPU the process's peak resident memory."""
@@ -136,13 +136,12 @@ class Accelerator:
             return int(torch.cuda.max_memory_reserved(device))
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
-    def _require_cuda(self, what: str) -> bool:
+    def _require_cuda(self, what: str) -> None:
         if not self._cuda:
             raise RuntimeError(
                 f"Accelerator(cpu).{what}: torch counts allocator bytes for CUDA only; on the CPU use "
                 "max_memory_reserved() (the process's peak resident memory)."
             )
-        return True
 
     # -- randomness ----------------------------------------------------------------------------------------
     def manual_seed(self, seed: int) -> None:
@@ -151,10 +150,7 @@ class Accelerator:
 
     def manual_seed_all(self, seed: int) -> None:
         """Seed the generators of every device of this type."""
-        if self._cuda:
-            torch.cuda.manual_seed_all(seed)
-        else:
-            torch.manual_seed(seed)
+        (torch.cuda.manual_seed_all if self._cuda else torch.manual_seed)(seed)
 
     def get_rng_state(self) -> torch.Tensor:
         """The current device's generator state."""

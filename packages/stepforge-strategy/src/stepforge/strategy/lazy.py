@@ -236,7 +236,16 @@ def lazy_state_names(model: nn.Module) -> tuple[_Record, LazyNames]:
         raise ValueError(
             "materialize: the model's meta tensors come from several LazyInitContext blocks; build the model in one."
         )
-    record = next(iter(records.values())) if records else _record_resets(model)
+    if records:
+        record = next(iter(records.values()))
+    else:  # built under torch.device("meta"): record its modules' reset_parameters() now (torch's convention)
+        rng, cuda = _rng_state(torch.device("cpu"))
+        record = _Record(rng, cuda, torch.device("cpu"))
+        with _Recorder(record, create_on_meta=False), torch.no_grad():
+            for module in model.modules():
+                reset = getattr(module, "reset_parameters", None)
+                if callable(reset):
+                    reset()
     if record.materialized:
         raise ValueError(
             "materialize: this model's LazyInitContext was already materialised for another model; build each "
@@ -246,17 +255,6 @@ def lazy_state_names(model: nn.Module) -> tuple[_Record, LazyNames]:
     for name, t in metas:
         names.setdefault(storage_id(t), []).append((name, _Ref.of(t)))
     return record, names
-
-
-def _record_resets(model: nn.Module) -> _Record:
-    rng, cuda = _rng_state(torch.device("cpu"))
-    record = _Record(rng, cuda, torch.device("cpu"))
-    with _Recorder(record, create_on_meta=False), torch.no_grad():
-        for module in model.modules():
-            reset = getattr(module, "reset_parameters", None)  # torch's convention for meta-device modules
-            if callable(reset):
-                reset()
-    return record
 
 
 def _covers(ref: _Ref, numel: int) -> bool:
@@ -348,17 +346,6 @@ def _real(leaf: Any, live: dict[int, torch.Tensor], device: torch.device) -> Any
     return leaf
 
 
-def _allocate(model: nn.Module, device: torch.device) -> None:
-    """Give ``model``'s meta tensors memory on ``device`` (uninitialised) and move its other tensors there, each
-    parameter object kept (swapped in place, so tied weights stay one parameter and FSDP2 keeps its sharded
-    parameters registered): ``to_empty`` for the meta tensors only (``Module._apply``, which FSDP2 hooks)."""
-
-    def place(t: torch.Tensor) -> torch.Tensor:
-        return torch.empty_like(t, device=device) if t.is_meta else t.to(device)
-
-    apply_in_place(model, place)
-
-
 def materialize_model(
     model: nn.Module,
     device: torch.device,
@@ -381,7 +368,9 @@ def materialize_model(
             "reset_parameters(); build the model under stepforge.strategy.LazyInitContext (which records its "
             "whole construction) instead of torch.device('meta')."
         )
-    _allocate(model, device)
+    # memory on device for the meta tensors, each parameter object kept (swapped in place: tied weights stay one
+    # parameter and FSDP2 keeps its sharded parameters registered); the other tensors moved there
+    apply_in_place(model, lambda t: torch.empty_like(t, device=device) if t.is_meta else t.to(device))
     state = {
         **dict(model.named_parameters(remove_duplicate=False)),
         **dict(model.named_buffers(remove_duplicate=False)),

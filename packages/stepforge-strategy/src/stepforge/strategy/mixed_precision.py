@@ -122,7 +122,6 @@ class FP16TorchMixedPrecision(MixedPrecision):
 
 
 _APEX_NOTED = False
-_APEX_ARGS = ("opt_level", "loss_scale", "verbosity")
 
 
 class FP16ApexMixedPrecision(FP16TorchMixedPrecision):
@@ -136,7 +135,7 @@ class FP16ApexMixedPrecision(FP16TorchMixedPrecision):
         if kwargs:
             raise TypeError(
                 f"FP16ApexMixedPrecision: argument(s) {', '.join(map(repr, sorted(kwargs)))} have no torch "
-                f"equivalent here; supported: {', '.join(_APEX_ARGS)}."
+                "equivalent here; supported: opt_level, loss_scale, verbosity."
             )
         if opt_level not in ("O1", "O2"):
             raise ValueError(f"FP16ApexMixedPrecision: opt_level must be 'O1' or 'O2', got {opt_level!r}.")

@@ -33,7 +33,14 @@ def blocks_read_outside(model: nn.Module, blocks: list[nn.Module]) -> set[int] |
             return id(m) in block_ids or id(m) not in around
 
     traced = [m for m in model.modules() if id(m) in around]
-    saved = _own_state(traced)
+    # per module: a shallow copy of its attributes, and each own buffer with a copy of its value
+    saved = [
+        (
+            dict(vars(m)),
+            {n: (b, b.detach().clone()) for n, b in m.named_buffers(recurse=False) if b is not None},
+        )
+        for m in traced
+    ]
     try:
         graph = _Tracer().trace(model)
     except Exception:  # any trace failure (control flow on values, unsupported ops) means "cannot tell"
@@ -41,7 +48,15 @@ def blocks_read_outside(model: nn.Module, blocks: list[nn.Module]) -> set[int] |
     finally:
         # symbolic tracing still runs what the forward does to real objects: an in-place update of a buffer
         # (``self.seen.add_(1)``) or a Python attribute (``self.calls += 1``); preparing must not train
-        _restore_own_state(traced, saved)
+        with torch.no_grad():
+            for m, (attrs, buffers) in zip(traced, saved, strict=True):
+                vars(m).clear()
+                vars(m).update(attrs)
+                for name, (buffer, value) in buffers.items():
+                    setattr(
+                        m, name, buffer
+                    )  # the same tensor object as before (a forward may have rebound it)
+                    buffer.copy_(value)
     owner: dict[int, int] = {}
     for block in blocks:
         for p in block.parameters():
@@ -57,30 +72,6 @@ def blocks_read_outside(model: nn.Module, blocks: list[nn.Module]) -> set[int] |
         if id(value) in owner:
             read.add(owner[id(value)])
     return read
-
-
-_Saved = list[tuple[dict[str, Any], dict[str, tuple[torch.Tensor, torch.Tensor]]]]
-
-
-def _own_state(modules: list[nn.Module]) -> _Saved:
-    # per module: a shallow copy of its attributes, and each own buffer with a copy of its value
-    return [
-        (
-            dict(vars(m)),
-            {n: (b, b.detach().clone()) for n, b in m.named_buffers(recurse=False) if b is not None},
-        )
-        for m in modules
-    ]
-
-
-@torch.no_grad()
-def _restore_own_state(modules: list[nn.Module], saved: _Saved) -> None:
-    for m, (attrs, buffers) in zip(modules, saved, strict=True):
-        vars(m).clear()
-        vars(m).update(attrs)
-        for name, (buffer, value) in buffers.items():
-            setattr(m, name, buffer)  # the same tensor object as before (a forward may have rebound it)
-            buffer.copy_(value)
 
 
 class _SeeShardedParams(TorchFunctionMode):

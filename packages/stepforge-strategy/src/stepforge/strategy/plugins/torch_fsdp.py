@@ -81,13 +81,13 @@ class TorchFSDPPlugin(StatefulLoaderPlugin):
         **kwargs: Any,
     ) -> None:
         super().__init__(device, precision=precision, default_precision=self.DEFAULT_PRECISION)
-        for key in kwargs:
-            if key in FSDP1_ONLY_ARGUMENTS:
-                raise TypeError(
-                    f"{type(self).__name__}: argument {key!r} is FSDP1's and has no FSDP2 (fully_shard) "
-                    "equivalent here; remove it (blocks are chosen with shard_modules; prefetching is "
-                    "forward_prefetch/backward_prefetch/prefetch_blocks)."
-                )
+        fsdp1 = [key for key in kwargs if key in FSDP1_ONLY_ARGUMENTS]
+        if fsdp1:
+            raise TypeError(
+                f"{type(self).__name__}: argument {fsdp1[0]!r} is FSDP1's and has no FSDP2 (fully_shard) "
+                "equivalent here; remove it (blocks are chosen with shard_modules; prefetching is "
+                "forward_prefetch/backward_prefetch/prefetch_blocks)."
+            )
         if kwargs:
             raise TypeError(
                 f"{type(self).__name__}: unexpected argument(s) {', '.join(map(repr, sorted(kwargs)))}."
@@ -98,8 +98,11 @@ class TorchFSDPPlugin(StatefulLoaderPlugin):
                 "(world) group."
             )
         if sharding_strategy is not None:
-            strategy = sharding_strategy
-            name = strategy.name if isinstance(strategy, ShardingStrategy) else strategy
+            name = (
+                sharding_strategy.name
+                if isinstance(sharding_strategy, ShardingStrategy)
+                else sharding_strategy
+            )
             if name not in ("FULL_SHARD", "SHARD_GRAD_OP"):
                 raise ValueError(
                     f"{type(self).__name__}: sharding_strategy {name!r} has no mapping; use 'FULL_SHARD' or "
