@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -12,9 +13,11 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from stepforge.core.memory_plan import MemoryPlan, replicated_plan, unique_parameters
+from stepforge.core.torch_compat import ddp_bucket_assignment
+
 from .._env import is_distributed
 from ..boosted_optimizer import OptimizerWrapper, as_boosted
-from ._memory_plans import ddp_memory_plan
 from .single import StatefulLoaderPlugin
 
 __all__ = ["TorchDDPPlugin", "sync_batchnorm"]
@@ -95,7 +98,46 @@ class TorchDDPPlugin(StatefulLoaderPlugin):
         """LoRA through peft is supported (as ColossalAI's plugin)."""
         return True
 
-    memory_plan = ddp_memory_plan
+    def memory_plan(
+        self,
+        model: nn.Module,
+        *,
+        world_size: int,
+        rank: int = 0,
+        optimizer: Mapping[str, Any] | torch.optim.Optimizer | None = None,
+        backend: str | None = None,
+        device: str | torch.device | None = None,
+        accumulation_steps: int = 1,
+    ) -> MemoryPlan:
+        """The replicated layout plus DDP's buckets (one copy of the gradients, none with
+        ``gradient_as_bucket_view``), all-reduced once per optimizer step."""
+        plan = replicated_plan(
+            self.name,
+            model,
+            world_size=world_size,
+            rank=rank,
+            optimizer=optimizer,
+            accumulation_steps=accumulation_steps,
+        )
+        reductions = 1 if self.supports_no_sync() else plan.accumulation_steps
+        grads = [p for _, p in unique_parameters(model) if p.requires_grad]
+        cap = int(self.ddp_kwargs["bucket_cap_mb"] * 1024**2)
+        buckets = ddp_bucket_assignment(list(reversed(grads)), cap)
+        total = sum(p.numel() * p.element_size() for p in grads)
+        if not self.ddp_kwargs["gradient_as_bucket_view"]:
+            plan.add("buffers", "device", total, "DDP gradient buckets")
+        plan.collective(
+            "all_reduce",
+            "backward",
+            reductions * len(buckets),
+            reductions * total,
+            world_size,
+            "gradient buckets",
+        )
+        plan.notes.append(f"{len(buckets)} buckets of <= {self.ddp_kwargs['bucket_cap_mb']} MiB")
+        if plan.accumulation_steps > 1:
+            plan.notes.append(f"{plan.accumulation_steps} micro-batches per step, all-reduced {reductions}x")
+        return plan
 
     def no_sync(self, model: nn.Module | None, optimizer: Any = None) -> AbstractContextManager[Any]:
         """DDP's ``no_sync``: the forward and backward inside skip the all-reduce."""

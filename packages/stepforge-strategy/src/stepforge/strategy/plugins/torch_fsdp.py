@@ -13,6 +13,14 @@ from torch.distributed.fsdp import CPUOffload, MixedPrecisionPolicy, ShardingStr
 from torch.distributed.fsdp import MixedPrecision as FSDP1Precision
 
 from stepforge.core import build_optimizer, unwrap_optimizer
+from stepforge.core.memory_plan import (
+    GatheredUnit,
+    MemoryPlan,
+    add_optimizer_state,
+    check_accumulation_steps,
+    summed_grads_lifetime,
+    tensor_bytes,
+)
 from stepforge.core.precision import PLUGIN_PRECISIONS, DynamicLossScaler, get_precision
 
 from .._env import is_distributed
@@ -22,9 +30,11 @@ from ._fsdp_common import (
     UnitPlacement,
     hybrid_meshes,
     plan_placement,
+    plan_units,
     prefetch_plan,
     repoint_optimizer,
     shard_model,
+    unit_params,
 )
 from ._fsdp_state import (
     FSDPOptimizerWrapper,
@@ -33,10 +43,9 @@ from ._fsdp_state import (
     load_full_optimizer,
     save_full_optimizer,
 )
-from ._memory_plans import fsdp_memory_plan
 from .single import StatefulLoaderPlugin
 
-__all__ = ["TorchFSDPPlugin", "FSDP1_ONLY_ARGUMENTS"]
+__all__ = ["TorchFSDPPlugin", "FSDP1_ONLY_ARGUMENTS", "shard_rows"]
 
 #: ColossalAI/FSDP1 arguments with no FSDP2 equivalent: passing any of them raises, naming it.
 FSDP1_ONLY_ARGUMENTS = (
@@ -48,6 +57,14 @@ FSDP1_ONLY_ARGUMENTS = (
     "limit_all_gathers",
     "use_orig_params",
 )
+
+
+def shard_rows(dim0: int, shards: int, index: int) -> tuple[int, int]:
+    """``(rows, padded_rows)`` of shard ``index`` of ``shards`` of ``dim0`` rows, as FSDP2 (``torch.chunk``)
+    cuts it."""
+    padded = -(-dim0 // shards)
+    rows = max(0, min(padded, dim0 - index * padded))
+    return rows, padded
 
 
 class TorchFSDPPlugin(StatefulLoaderPlugin):
@@ -257,5 +274,121 @@ class TorchFSDPPlugin(StatefulLoaderPlugin):
     #: the unsharded optimizer save of ColossalAI's FSDP checkpoint IO (``Booster.save_optimizer`` writes DCP)
     save_full_optimizer = staticmethod(save_full_optimizer)
     load_full_optimizer = staticmethod(load_full_optimizer)
-    memory_plan = fsdp_memory_plan
+
+    def memory_plan(
+        self,
+        model: nn.Module,
+        *,
+        world_size: int,
+        rank: int = 0,
+        optimizer: Mapping[str, Any] | torch.optim.Optimizer | None = None,
+        backend: str | None = None,
+        device: str | torch.device | None = None,
+        accumulation_steps: int = 1,
+    ) -> MemoryPlan:
+        """What one rank holds and communicates with the plugin's units and placement, each parameter sized as
+        FSDP2 stores it (dimension 0 cut ``torch.chunk``-style, every rank's storage padded); what compute gathers
+        is listed per unit, so the estimate lays each beside the activations at that unit's own peak.
+        Accumulating under ``no_sync``, every unit's unsharded gradient stays until the window's last backward;
+        offloaded shards are pinned only on an accelerator ``device``, as ``CPUOffloadPolicy`` pins them."""
+        steps = check_accumulation_steps(accumulation_steps, f"{type(self).__name__}.memory_plan")
+        no_sync = steps > 1 and self.supports_no_sync()
+        reductions = 1 if no_sync else steps  # per unit and optimizer step; every micro-batch gathers
+        grads_lifetime = "grads" if no_sync else summed_grads_lifetime(steps)
+        on_cpu = torch.device(device if device is not None else self.device).type == "cpu"
+        pinned = self.pin_memory and not on_cpu
+        extra_dp_size = self.extra_dp_size
+        if world_size % extra_dp_size:
+            raise ValueError(
+                f"{type(self).__name__}: extra_dp_size={extra_dp_size} does not divide world_size={world_size}."
+            )
+        policy = self._mp_policy()
+        plan = MemoryPlan(
+            self.name, world_size, rank, compute_dtype=policy.param_dtype, accumulation_steps=steps
+        )
+        blocks, _, placement = plan_units(model, self.shard_modules, self._placement)
+        units = [*blocks, model]
+        plan.offloads = any(unit.offload for unit in placement.values())
+        stepped: dict[bool, list[tuple[tuple[int, ...], torch.dtype]]] = {True: [], False: []}
+        for unit in units:
+            where = placement[id(unit)]
+            name, sharded, offload = where.name, where.sharded, where.offload
+            params = unit_params(unit, units)
+            reshard = self.reshard_after_forward and unit is not model
+            shards, replicas = (world_size // extra_dp_size, extra_dp_size) if sharded else (1, world_size)
+            index = rank % shards
+            place = "host" if offload else "device"
+            param_dtype = policy.param_dtype or (params[0].dtype if params else torch.float32)
+            reduce_dtype = policy.reduce_dtype or param_dtype
+            stored = padded_numel = local_numel = full = unsharded = 0
+            for p in params:
+                rest = p[0].numel() if p.dim() else 1
+                rows, padded = shard_rows(p.shape[0] if p.dim() else 1, shards, index)
+                stored += padded * rest * p.element_size()
+                padded_numel += padded * rest
+                local_numel += rows * rest
+                full += shards * padded * rest
+                if p.requires_grad:
+                    unsharded += p.numel()
+                    shape = (rows, *p.shape[1:]) if p.dim() else ()
+                    stepped[offload].append((shape, p.dtype))
+            gathered = tensor_bytes(full, param_dtype)
+            plan.units.append(
+                GatheredUnit(
+                    name=name,
+                    gathered=gathered,
+                    gather_buffer=gathered if shards > 1 else 0,
+                    grads=tensor_bytes(unsharded, param_dtype),
+                    reduce=tensor_bytes(full, reduce_dtype),
+                    sharded_grads=0 if offload else tensor_bytes(padded_numel, reduce_dtype),
+                    resharded=reshard,
+                )
+            )
+            if not params:
+                continue
+            label = f"unit {name or '<root>'}"
+            plan.add("params", place, stored, "sharded parameters (padded)", pinned=offload and pinned)
+            # gradients are views of the unit's padded reduce-scatter output; offloaded from an accelerator, each
+            # is copied to the CPU unpadded (on a CPU device that copy is the view itself)
+            grad_bytes = tensor_bytes(local_numel if offload and not on_cpu else padded_numel, reduce_dtype)
+            plan.add("grads", place, grad_bytes, "sharded gradients", grads_lifetime)
+            if no_sync:  # set_requires_gradient_sync(False): each unsharded gradient kept in the reduce dtype
+                plan.add(
+                    "grads",
+                    "device",
+                    tensor_bytes(unsharded, reduce_dtype),
+                    "unsharded gradients (no_sync)",
+                    "window",
+                )
+            gather_bytes = steps * gathered
+            plan.collective("all_gather", "forward", steps, gather_bytes, shards, f"{label} parameters")
+            if reshard:
+                plan.collective("all_gather", "backward", steps, gather_bytes, shards, f"{label} parameters")
+            plan.collective(
+                "reduce_scatter", "backward", reductions, reductions * tensor_bytes(full, reduce_dtype), shards,
+                f"{label} grads",
+            )  # fmt: skip
+            plan.collective(
+                "all_reduce", "backward", reductions, reductions * tensor_bytes(padded_numel, reduce_dtype),
+                replicas, f"{label} grads",
+            )  # fmt: skip
+        buffers = sum(
+            tensor_bytes(
+                b.numel(), policy.param_dtype if b.is_floating_point() and policy.param_dtype else b.dtype
+            )
+            for b in model.buffers()
+        )
+        plan.add("buffers", "device", buffers, "model buffers")
+        if optimizer is not None:
+            config = optimizer  # an instance is the optimizer the plugin keeps
+            if isinstance(optimizer, Mapping) and self.default_optimizer is not None:
+                config = {"type": self.default_optimizer, **optimizer}
+            for offload, shapes in stepped.items():
+                if shapes:
+                    add_optimizer_state(plan, config, shapes, place="host" if offload else "device")
+        plan.notes.append(f"{len(units)} units")
+        if steps > 1:
+            plan.notes.append(f"{steps} micro-batches per step, gradients reduced {reductions}x")
+        return plan
+
     # no_sync is core's: set_requires_gradient_sync(False) on every FSDP module for the block
