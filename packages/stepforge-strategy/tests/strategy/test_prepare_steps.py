@@ -13,7 +13,7 @@ import pytest
 from _strategy_cases import make_model, make_strategy
 
 from stepforge.strategy._env import check_dict
-from stepforge.strategy._prepare import (
+from stepforge.strategy.strategy import (
     accumulation_for_global_batch,
     keep_global_batch,
     scale_lr,
