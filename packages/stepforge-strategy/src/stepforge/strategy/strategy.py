@@ -324,7 +324,7 @@ class ColossalAIStrategy(Strategy):
         super().__init__(plugin=plugin, **kwargs)
 
 
-# -- the steps of Strategy.prepare ------------------------------------------------------------------------
+# -- the steps of Strategy.prepare ---------------------------------------------------------------------------
 def broadcast_weights(model: nn.Module) -> None:
     """Copy rank 0's parameters and buffers into ``model`` on every rank (meta tensors skipped: ``boost``
     gives every rank the same values); NCCL moves CUDA tensors only, so CPU tensors travel through the current

@@ -289,7 +289,7 @@ def repoint_optimizer(optimizer: Any, before: dict[int, str], model: nn.Module) 
         optimizer.invalidate_cache()
 
 
-# -- blocks whose parameters are read outside their own forward ------------------------------------------
+# -- blocks whose parameters are read outside their own forward ----------------------------------------------
 # A parent reading a child's parameter (``F.linear(x, self.fc1.weight)``) meets it sharded under FSDP2: such
 # blocks are found by tracing with ``torch.fx`` and left in the parent's unit; an untraceable forward is watched
 # on its first call (OutsideReadGuard), which names the parameter and the fix.
