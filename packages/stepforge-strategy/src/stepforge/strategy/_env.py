@@ -71,8 +71,7 @@ def check_dict(name: str, value: Any, allowed: frozenset[str] | None = None) -> 
 
 
 def is_distributed() -> bool:
-    """Whether torch.distributed is built in and its default group initialised (the one place this is
-    decided)."""
+    """Whether torch.distributed's default group is initialised (the one place this is decided)."""
     return dist.is_available() and dist.is_initialized()
 
 
@@ -154,9 +153,8 @@ def setup_env(
     resource_limit: int = 4096,
     randomness: Mapping[str, Any] | None = None,
 ) -> EnvInfo:
-    """Set up the process as mmengine's ``_setup_env`` does: launcher (``None``: torchrun's variables),
-    process group, cudnn, multiprocessing start method, ``RLIMIT_NOFILE``, and the seed and timestamp (drawn
-    on rank 0)."""
+    """Set up the process as mmengine's ``_setup_env`` does (launcher, process group, cudnn, start method,
+    ``RLIMIT_NOFILE``); the seed and the timestamp are drawn on rank 0."""
     dist_cfg = dict(dist_cfg or {})
     randomness = check_dict("env_kwargs['randomness']", randomness, _RANDOMNESS_KEYS)
     if launcher is None:  # torchrun's variables, or a group made by the caller

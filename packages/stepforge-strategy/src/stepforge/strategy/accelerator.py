@@ -87,9 +87,8 @@ class Accelerator:
         return 0 if index is None else index
 
     def set_device(self, device: int | torch.device | None = None) -> None:
-        """Bind the process to ``device`` (``None``: ``LOCAL_RANK``, else the rank, modulo the device count). On the
-        CPU there is one device: ``None``, ``0`` and ``"cpu"`` change nothing, another raises ``ValueError``.
-        """
+        """Bind the process to ``device`` (``None``: ``LOCAL_RANK``, else the rank, modulo the device count);
+        the CPU is one device: ``None``, ``0`` and ``"cpu"`` change nothing."""
         if not self._cuda:
             if device not in (None, 0) and torch.device(device).type != "cpu":
                 raise ValueError(f"Accelerator(cpu).set_device: there is one CPU device, got {device!r}.")

@@ -80,9 +80,8 @@ def require_peft(what: str) -> None:
 def enable_lora(
     model: nn.Module, pretrained_dir: str | os.PathLike[str] | None = None, lora_config: Any = None
 ) -> nn.Module:
-    """``peft.get_peft_model(model, lora_config)``, or with ``pretrained_dir`` the adapters saved there
-    (``PeftModel.from_pretrained(..., is_trainable=True)``); a missing peft, config or a boosted model raises.
-    """
+    """``peft.get_peft_model(model, lora_config)``, or the adapters saved in ``pretrained_dir``; a missing
+    peft, config or a boosted model raises."""
     require_peft("Booster.enable_lora")
     from peft import LoraConfig, PeftModel, get_peft_model
 

@@ -18,10 +18,9 @@ __all__ = ["OptimizerWrapper", "as_boosted"]
 
 
 class OptimizerWrapper(torch.optim.Optimizer):
-    """Wrap ``optimizer`` for the Booster: a ``torch.optim.Optimizer`` subclass (so ``lr_scheduler`` accepts
-    it) delegating ``param_groups``, ``state`` and ``defaults``; ``scaler``: fp16 loss scaling (its state in
-    ``state_dict()["grad_scaler"]``); ``max_norm`` > 0 clips inside :meth:`step`, through ``clip_fn`` when
-    given."""
+    """Wrap ``optimizer`` for the Booster: a ``torch.optim.Optimizer`` (so ``lr_scheduler`` accepts it)
+    delegating to it; ``scaler``: fp16 loss scaling (saved as ``state_dict()["grad_scaler"]``); ``max_norm`` >
+    0 clips inside :meth:`step`, through ``clip_fn`` when given."""
 
     def __init__(
         self,
@@ -166,9 +165,8 @@ class OptimizerWrapper(torch.optim.Optimizer):
         self._norm_fresh = False
 
     def get_grad_norm(self, norm_type: float = 2.0, **kwargs: Any) -> float | None:
-        """The global norm (over every rank and shard) of the unscaled gradients there now: the one
-        :meth:`clip_grad_norm_` (or ``max_norm`` inside :meth:`step`) measured, else measured here (collective for
-        sharded models). ``None`` when no parameter has a gradient."""
+        """The global norm of the unscaled gradients there now: the one clipping measured, else measured here
+        (collective for sharded models); ``None`` when no parameter has a gradient."""
         grads = [p.grad for p in self.parameters if p.grad is not None]
         if not grads:
             return None
@@ -245,9 +243,8 @@ class OptimizerWrapper(torch.optim.Optimizer):
 
 
 def as_boosted(optimizer: Any, *, max_norm: float = 0.0) -> Any:
-    """``optimizer`` as a :class:`stepforge.core.BoostedOptimizer`: ``None`` and boosted optimizers as they are
-    (the Booster's mixed precision may have wrapped it already), a torch optimizer in an
-    :class:`OptimizerWrapper`."""
+    """``optimizer`` as a :class:`stepforge.core.BoostedOptimizer`: ``None`` and boosted ones as they are, a
+    torch optimizer in an :class:`OptimizerWrapper`."""
     if optimizer is None or isinstance(optimizer, BoostedOptimizerProtocol):
         return optimizer
     return OptimizerWrapper(optimizer, max_norm=max_norm)

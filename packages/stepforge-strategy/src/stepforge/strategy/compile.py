@@ -40,9 +40,8 @@ class CompileConfig:
 
 
 def compile_config(compile: Any, *, where: str) -> CompileConfig | None:
-    """Check ``compile`` (``False``/``None``/``True``/dict; a ``TypeError`` or ``ValueError`` names a bad value or
-    key); ``None`` when nothing is to be compiled. The caller's dict is not changed (mmengine pops ``target`` out
-    of it, so a second use loses it)."""
+    """Check ``compile`` (``False``/``None``/``True``/dict); ``None`` when nothing is to be compiled. The
+    caller's dict is not changed (mmengine pops ``target`` out of it, so a second use loses it)."""
     if compile is None or compile is False:
         return None
     if compile is True:

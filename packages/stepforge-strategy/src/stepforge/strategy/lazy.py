@@ -148,10 +148,9 @@ def _rng_state(device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor] |
 
 
 class LazyInitContext:
-    """ColossalAI's ``colossalai.lazy.LazyInitContext``: build a model inside it without allocating its tensors;
-    ``Booster.boost`` materialises it where its plugin keeps it, :meth:`materialize` builds it whole, on
-    ``default_device`` (``None``: the CPU, as an eager build). ``tensor_cls`` (ColossalAI's test hook) must be
-    ``None``."""
+    """ColossalAI's ``LazyInitContext``: build a model inside it without allocating its tensors;
+    ``Booster.boost`` materialises it where its plugin keeps it, :meth:`materialize` whole on
+    ``default_device`` (default: the CPU)."""
 
     def __init__(
         self, tensor_cls: Any = None, default_device: str | torch.device | int | None = None
@@ -218,12 +217,8 @@ LazyNames = dict[int, list[tuple[str, _Ref]]]
 
 
 def lazy_state_names(model: nn.Module) -> tuple[_Record, LazyNames]:
-    """The record that builds ``model``'s meta tensors and, per recorded storage, the state names viewing it.
-
-    A model with no record (built under ``torch.device("meta")``) gets one now: its modules'
-    ``reset_parameters()`` recorded in ``model.modules()`` order from the current random state. Call it before
-    the tensors are replaced (``fully_shard``, ``to_empty``).
-    """
+    """The record that builds ``model``'s meta tensors and, per recorded storage, the state names viewing it;
+    call it before the tensors are replaced (``fully_shard``, ``to_empty``)."""
     named = [
         *model.named_parameters(remove_duplicate=False),
         *model.named_buffers(remove_duplicate=False),
@@ -352,10 +347,10 @@ def materialize_model(
     *,
     record: tuple[_Record, LazyNames] | None = None,
 ) -> None:
-    """Materialise ``model``'s meta tensors in place, with the values an eager build gives: memory on ``device``
-    (``to_empty``), then each tensor's value, or its shard for a DTensor (no communication: every rank replays the
-    same record). ``record``: :func:`lazy_state_names` taken before the tensors were replaced (``fully_shard`` on
-    meta); default: now. A tensor the record does not build raises ``ValueError`` naming it."""
+    """Materialise ``model``'s meta tensors in place on ``device`` with an eager build's values, or each
+    DTensor's shard (every rank replays the same record: no communication). ``record``:
+    :func:`lazy_state_names` taken before the tensors were replaced (default: now); a tensor the record does
+    not build raises, naming it."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     rec, names = record if record is not None else lazy_state_names(model)

@@ -218,10 +218,8 @@ def _row(name: Any) -> Precision | None:
 
 
 def resolve_mixed_precision(spec: str | Mapping[str, Any] | MixedPrecision | None) -> MixedPrecision | None:
-    """A :class:`MixedPrecision` from a name, a ``dict(type=name, **kwargs)``, an instance or ``None``.
-
-    ``"fp32"``/``"no"`` give ``None`` (full precision).
-    """
+    """A :class:`MixedPrecision` from a name, a ``dict(type=name, **kwargs)`` or an instance; fp32 gives
+    ``None``."""
     if spec is None or isinstance(spec, MixedPrecision):
         return spec
     if isinstance(spec, str):

@@ -49,9 +49,8 @@ class ColossalAIOptimWrapper(OptimWrapper):
         return self.booster
 
     def run_backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """The boosted optimizer's ``backward(loss)`` (what ``booster.backward`` runs: the plugin's loss scaling
-        and reduction); a non-final micro-batch's backward outside ``optim_context`` runs under the booster's
-        ``no_sync`` too."""
+        """The boosted optimizer's ``backward(loss)`` (the plugin's loss scaling and reduction), under
+        ``no_sync`` for a non-final micro-batch outside ``optim_context``."""
         self._require_booster("backward")
         if kwargs:
             raise TypeError(
@@ -96,9 +95,8 @@ _DTYPES = {
 
 
 class AmpOptimWrapper(OptimWrapper):
-    """mmengine's ``AmpOptimWrapper``: autocast in ``optim_context``, ``GradScaler`` loss scaling on the
-    device of the optimizer's parameters (``ShardedGradScaler`` with ``use_fsdp``); ``loss_scale`` ints are
-    accepted too."""
+    """mmengine's ``AmpOptimWrapper``: autocast in ``optim_context``, ``GradScaler`` loss scaling
+    (``ShardedGradScaler`` with ``use_fsdp``); ``loss_scale`` ints are accepted too."""
 
     valid_dtypes = tuple(_DTYPES)
 

@@ -138,10 +138,9 @@ class Strategy:
         compile: bool | Mapping[str, Any] = False,
         dispatch_kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
-        """Boost ``model`` (rank 0's initial weights broadcast to every rank), build the optim wrapper (a dict
-        or a built ``ColossalAIOptimWrapper``) and schedulers; returns what exists, as mmengine: the model,
-        ``(model, optim_wrapper)`` or ``(model, optim_wrapper, schedulers)``. A second call returns the same
-        objects."""
+        """Boost ``model`` (rank 0's weights on every rank), build the optim wrapper and schedulers; returns
+        what exists, as mmengine: ``model``, ``(model, optim_wrapper)`` or ``(model, optim_wrapper,
+        schedulers)``."""
         if self._prepared:
             return self._components()
         self.dispatch_kwargs.update(check_dict("dispatch_kwargs", dispatch_kwargs))
@@ -326,9 +325,8 @@ class ColossalAIStrategy(Strategy):
 
 # -- the steps of Strategy.prepare ---------------------------------------------------------------------------
 def broadcast_weights(model: nn.Module) -> None:
-    """Copy rank 0's parameters and buffers into ``model`` on every rank (meta tensors skipped: ``boost``
-    gives every rank the same values); NCCL moves CUDA tensors only, so CPU tensors travel through the current
-    device."""
+    """Copy rank 0's parameters and buffers into ``model`` on every rank (meta tensors skipped); NCCL moves
+    CUDA tensors only, so CPU tensors travel through the current device."""
     if get_world_size() == 1:
         return
     staging = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
@@ -349,9 +347,8 @@ def _divisors(n: int) -> list[int]:
 
 
 def accumulation_for_global_batch(global_batch: int, world_size: int, micro_batch: Any) -> int:
-    """The ``accumulative_counts`` with ``world_size`` x ``micro_batch`` x counts == ``global_batch``
-    (DeepSpeed's rule), else a ``ValueError`` listing the micro-batch sizes and world sizes that would
-    work."""
+    """``accumulative_counts`` with ``world_size`` x ``micro_batch`` x counts == ``global_batch`` (DeepSpeed's
+    rule), else a ``ValueError`` listing the micro-batch sizes and world sizes that would work."""
     if not isinstance(micro_batch, int) or isinstance(micro_batch, bool) or micro_batch <= 0:
         raise ValueError(
             f"global_batch_size={global_batch} needs dispatch_kwargs['train_micro_batch_size_per_gpu'] (samples "
@@ -371,8 +368,7 @@ def accumulation_for_global_batch(global_batch: int, world_size: int, micro_batc
 
 
 def keep_global_batch(cfg: Any, global_batch: int, world_size: int, micro_batch: Any) -> Any:
-    """``cfg`` with the ``accumulative_counts`` that keeps ``global_batch``; a count given must be that
-    one."""
+    """``cfg`` with the ``accumulative_counts`` keeping ``global_batch``; one given must be that one."""
     counts = accumulation_for_global_batch(global_batch, world_size, micro_batch)
     given = cfg.accumulative_counts if isinstance(cfg, ColossalAIOptimWrapper) else None
     if isinstance(cfg, Mapping):
@@ -396,8 +392,7 @@ def build_optim_wrapper(
     booster: Booster, model: nn.Module, cfg: Any, compile: Any = False
 ) -> tuple[nn.Module, Any]:
     """Boost ``model`` with the optimizer of ``cfg`` (a dict or a built ``ColossalAIOptimWrapper``); returns
-    the model and the optim wrapper, whose ``accumulative_counts`` reaches ``boost`` as
-    ``accumulation_steps``."""
+    the model and the optim wrapper (its ``accumulative_counts`` is ``boost``'s ``accumulation_steps``)."""
     if isinstance(cfg, ColossalAIOptimWrapper):
         steps = _window(cfg.accumulative_counts)
         model, cfg.optimizer = booster.boost(model, cfg.optimizer, compile=compile, accumulation_steps=steps)[
@@ -442,8 +437,7 @@ def scale_lr(
     micro_batch: Any,
     logger: logging.Logger,
 ) -> None:
-    """lr *= ``world_size`` * ``micro_batch`` * accumulative_counts / base_batch_size, in place, unless
-    disabled."""
+    """lr *= ``world_size`` * ``micro_batch`` * accumulative_counts / base_batch_size, in place."""
     if not auto_scale_lr or not auto_scale_lr.get("enable", True):
         return
     if not isinstance(micro_batch, int) or micro_batch <= 0:

@@ -16,8 +16,7 @@ __all__ = ["SinglePlugin", "StatefulLoaderPlugin"]
 
 
 class StatefulLoaderPlugin(Plugin):
-    """The base of this package's plugins: ColossalAI's ``prepare_dataloader`` (:meth:`stepforge.core.Plugin.
-    prepare_dataloader`: this rank's ``DistributedSampler`` share) returned as a
+    """The base of this package's plugins: core's ``prepare_dataloader`` returned as a
     :class:`~stepforge.strategy.StatefulDataLoader` (exact mid-epoch resume)."""
 
     def prepare_dataloader(

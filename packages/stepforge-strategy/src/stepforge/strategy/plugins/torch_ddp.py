@@ -27,9 +27,8 @@ _HAS_FORWARD_SYNC = "forward_sync_buffers" in inspect.signature(DistributedDataP
 
 
 def sync_batchnorm(model: nn.Module, device: torch.device, process_group: Any = None) -> nn.Module:
-    """BatchNorm layers as ``nn.SyncBatchNorm`` (statistics over every rank), as ColossalAI's DDP plugin does,
-    on an accelerator. torch's ``SyncBatchNorm`` refuses CPU inputs under several ranks, so on CPU the layers
-    stay per-rank ``BatchNorm``. The parameters and buffers are kept (the optimizer's references stay valid)."""
+    """BatchNorm layers as ``nn.SyncBatchNorm`` on an accelerator, as ColossalAI's DDP plugin does; torch's
+    ``SyncBatchNorm`` refuses CPU inputs under several ranks, so on CPU the layers stay per-rank."""
     if device.type == "cpu":
         return model
     converted: nn.Module = nn.SyncBatchNorm.convert_sync_batchnorm(model, process_group)

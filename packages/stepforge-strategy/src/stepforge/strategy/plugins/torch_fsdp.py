@@ -80,9 +80,8 @@ def _options(only_rank_0: bool) -> Any:
 
 
 def full_optim_state_dict(model: nn.Module, optimizer: Any, rank0_only: bool = True) -> dict[str, Any]:
-    """FSDP1's ``FullyShardedDataParallel.full_optim_state_dict`` on FSDP2: the unsharded optimizer state
-    keyed by parameter FQN, on rank 0 (``{}`` elsewhere) with ``rank0_only``, else on every rank.
-    Collective."""
+    """FSDP1's ``full_optim_state_dict`` on FSDP2: the unsharded optimizer state keyed by parameter FQN, on
+    rank 0 (``{}`` elsewhere) with ``rank0_only``, else on every rank. Collective."""
     model = plugin_module(model)  # the boosted ModelWrapper's .module: the FSDP2 model itself
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -93,9 +92,8 @@ def full_optim_state_dict(model: nn.Module, optimizer: Any, rank0_only: bool = T
 
 
 class FSDPOptimizerWrapper(OptimizerWrapper):
-    """The boosted optimizer of ``torch_fsdp``/``gemini``: :class:`OptimizerWrapper` plus the full optimizer
-    state (``state_dict(only_rank_0=...)`` as ColossalAI's ``GeminiOptimizer``, :meth:`full_optim_state_dict`
-    as FSDP1)."""
+    """:class:`OptimizerWrapper` plus the full optimizer state (``state_dict(only_rank_0=...)`` as
+    ColossalAI's ``GeminiOptimizer``, :meth:`full_optim_state_dict` as FSDP1)."""
 
     def __init__(self, optimizer: Any, *, model: nn.Module, **kwargs: Any) -> None:
         super().__init__(optimizer, **kwargs)
@@ -118,9 +116,8 @@ class FSDPOptimizerWrapper(OptimizerWrapper):
 
 def attach_full_state_dict(model: nn.Module, *, only_rank_0: bool) -> None:
     """Make the sharded ``model``'s ``state_dict()`` the full state, a snapshot (collective), on rank 0 only
-    (``GeminiDDP``) or on every rank (FSDP1's ``FULL_STATE_DICT``) as ``only_rank_0`` says. Called with
-    ``nn.Module.state_dict``'s own arguments (a parent, torch's DCP helpers) it is the class's: this rank's
-    shards."""
+    or on every rank (``only_rank_0``). Called with ``nn.Module.state_dict``'s own arguments (a parent,
+    torch's DCP helpers) it is the class's: this rank's shards."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     model_ref = weakref.ref(model)  # DCP's registry of such methods must not keep the model alive
@@ -151,9 +148,8 @@ def attach_full_state_dict(model: nn.Module, *, only_rank_0: bool) -> None:
 
 
 def save_full_optimizer(model: nn.Module, optimizer: Any, checkpoint: str | os.PathLike[str]) -> None:
-    """Write :func:`full_optim_state_dict` (plus ``grad_scaler``) to the one file ``checkpoint`` on rank 0, as
-    ColossalAI's FSDP checkpoint IO does, through the one checkpoint writer (atomic, with its manifest).
-    Collective."""
+    """Write :func:`full_optim_state_dict` (plus ``grad_scaler``) to the file ``checkpoint`` on rank 0, as
+    ColossalAI's FSDP checkpoint IO does, through the one checkpoint writer (atomic). Collective."""
     model = plugin_module(model)  # the boosted ModelWrapper's .module: the FSDP2 model itself
     state = full_optim_state_dict(model, optimizer, rank0_only=True)
     if isinstance(optimizer, OptimizerWrapper) and state:
@@ -182,8 +178,7 @@ def load_full_optimizer(model: nn.Module, optimizer: Any, checkpoint: str | os.P
 
 
 def shard_rows(dim0: int, shards: int, index: int) -> tuple[int, int]:
-    """``(rows, padded_rows)`` of shard ``index`` of ``shards`` of ``dim0`` rows, as FSDP2 (``torch.chunk``)
-    cuts it."""
+    """``(rows, padded_rows)`` of shard ``index`` of ``shards`` of ``dim0`` rows, as FSDP2 cuts it."""
     padded = -(-dim0 // shards)
     rows = max(0, min(padded, dim0 - index * padded))
     return rows, padded
@@ -364,9 +359,9 @@ class TorchFSDPPlugin(StatefulLoaderPlugin):
     def clip_grad_norm_(
         self, model: nn.Module | None, optimizer: Any, max_norm: float, norm_type: float = 2.0
     ) -> torch.Tensor:
-        """Global-norm clipping over every gradient of ``optimizer``, whatever mesh its unit uses (sharded,
-        replicated, HSDP): each mesh's norm is reduced over that mesh, the norms are combined as plain tensors,
-        then every gradient is scaled; returns the total norm (a plain fp32 tensor)."""
+        """Global-norm clipping whatever mesh each unit uses: each mesh's norm reduced over that mesh, the
+        norms combined as plain tensors, every gradient scaled; returns the total norm (a plain fp32
+        tensor)."""
         from torch.distributed.tensor import DTensor
 
         groups: dict[Any, list[torch.Tensor]] = {}
@@ -409,10 +404,8 @@ class TorchFSDPPlugin(StatefulLoaderPlugin):
         accumulation_steps: int = 1,
     ) -> MemoryPlan:
         """What one rank holds and communicates with the plugin's units and placement, each parameter sized as
-        FSDP2 stores it (dimension 0 cut ``torch.chunk``-style, every rank's storage padded); what compute gathers
-        is listed per unit, so the estimate lays each beside the activations at that unit's own peak.
-        Accumulating under ``no_sync``, every unit's unsharded gradient stays until the window's last backward;
-        offloaded shards are pinned only on an accelerator ``device``, as ``CPUOffloadPolicy`` pins them."""
+        FSDP2 stores it (dimension 0 cut ``torch.chunk``-style, storage padded); what compute gathers is
+        listed per unit, so the estimate lays each beside the activations at that unit's own peak."""
         steps = check_accumulation_steps(accumulation_steps, f"{type(self).__name__}.memory_plan")
         no_sync = steps > 1 and self.supports_no_sync()
         reductions = 1 if no_sync else steps  # per unit and optimizer step; every micro-batch gathers
