@@ -153,7 +153,7 @@ class Accelerator:
 
     def get_rng_state(self) -> torch.Tensor:
         """The current device's generator state."""
-        return (torch.cuda if self._cuda else torch).get_rng_state()
+        return torch.cuda.get_rng_state() if self._cuda else torch.get_rng_state()
 
     def set_rng_state(self, state: torch.Tensor) -> None:
         """Restore a state from :meth:`get_rng_state`."""

@@ -123,7 +123,8 @@ class StatefulDataLoader:
     def __iter__(self) -> Iterator[Any]:
         skip, self._resume = self._resume, 0
         start, self._resume_samples = self._resume_samples, None
-        for sampler in (self.loader.sampler, self.loader.batch_sampler):
+        samplers: tuple[Any, ...] = (self.loader.sampler, self.loader.batch_sampler)
+        for sampler in samplers:
             if hasattr(sampler, "set_epoch"):  # DistributedSampler's protocol
                 sampler.set_epoch(self.epoch)
         if start is None:  # else load_state_dict set batches_yielded and _base
