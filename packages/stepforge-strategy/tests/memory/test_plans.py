@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from stepforge.strategy.plugins import GeminiPlugin, TorchDDPPlugin, TorchFSDPPlugin
-from stepforge.strategy.plugins._memory_plans import shard_rows
+from stepforge.strategy.plugins.torch_fsdp import shard_rows
 from stepforge.testing.distributed import requires_gloo, run_distributed
 from stepforge.testing.fake_world import CollectiveRecorder
 

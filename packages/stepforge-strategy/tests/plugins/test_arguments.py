@@ -28,7 +28,7 @@ def test_gemini_maps_colossalai_arguments():
 def test_gemini_plan_takes_leading_units_by_bytes():
     from torch import nn
 
-    from stepforge.strategy.plugins._fsdp_placement import leading_units, plan_placement
+    from stepforge.strategy.plugins._fsdp_common import leading_units, plan_placement
 
     assert leading_units([4, 4, 4, 4], 0.5) == [True, True, False, False]
     assert leading_units([4, 4, 4, 4], 0.3) == [True, True, False, False]  # until the bytes reach the goal

@@ -148,7 +148,7 @@ def test_tied_weights_train_under_fsdp_plugins_like_plain_torch():
 
 
 def test_tracing_finds_the_block_read_outside_its_forward():
-    from stepforge.strategy.plugins._fsdp_param_reads import blocks_read_outside
+    from stepforge.strategy.plugins._fsdp_common import blocks_read_outside
 
     net = _ParentReads()
     assert blocks_read_outside(net, [net.fc1, net.fc2]) == {id(net.fc1)}  # fc2 is only called
@@ -177,7 +177,7 @@ class _CountsItsForwards(torch.nn.Module):
 
 
 def test_tracing_leaves_the_model_as_it_was():
-    from stepforge.strategy.plugins._fsdp_param_reads import blocks_read_outside
+    from stepforge.strategy.plugins._fsdp_common import blocks_read_outside
 
     net = _CountsItsForwards()
     buffer = net.seen

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The option checks (``_options``) and prepare steps (``_prepare``) of Strategy, each on its own: the errors
+"""The option checks (``_env.check_dict``, Strategy's own) and prepare steps (``_prepare``) of Strategy, each on its own: the errors
 name the option and the fix, LR scaling multiplies by world x micro-batch x accumulation / base, and the
 accumulation window starts only when it accumulates."""
 
@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from _strategy_cases import make_model, make_strategy
 
-from stepforge.strategy._options import check_auto_scale_lr, check_dict
-from stepforge.strategy._prepare import (
+from stepforge.strategy._env import check_dict
+from stepforge.strategy.strategy import (
     accumulation_for_global_batch,
     keep_global_batch,
     scale_lr,
@@ -32,13 +32,14 @@ def test_check_dict_copies_and_names_the_option():
         check_dict("compile", {"a": 1, "c": 2}, frozenset({"a", "b"}))
 
 
-def test_check_auto_scale_lr_needs_a_base_only_when_enabled():
-    assert check_auto_scale_lr(None) == {}
-    assert check_auto_scale_lr(dict(enable=False)) == {"enable": False}
-    assert check_auto_scale_lr(dict(base_batch_size=4)) == {"base_batch_size": 4}
+def test_check_auto_scale_lr_needs_a_base_only_when_enabled(tmp_path):
+    for given, kept in ((None, {}), (dict(enable=False), {"enable": False}), (dict(base_batch_size=4), None)):
+        s = make_strategy(str(tmp_path), auto_scale_lr=given)
+        assert s.auto_scale_lr == (given if kept is None else kept)
+        s.close()
     for bad in (0, -1, 2.0, None):
         with pytest.raises(ValueError, match="base_batch_size, a positive int"):
-            check_auto_scale_lr(dict(base_batch_size=bad))
+            make_strategy(str(tmp_path), auto_scale_lr=dict(base_batch_size=bad))
 
 
 def test_strategy_rejects_a_model_wrapper_that_is_not_callable(tmp_path):

@@ -1,19 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The process environment of a Strategy: launcher, process group, randomness and the run's timestamp.
-
-mmengine's ``BaseStrategy._setup_env`` semantics: the launcher is ``"pytorch"`` when ``torchrun``'s variables
-(``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...) are set and ``"none"`` otherwise; the backend is ``nccl`` when
-CUDA is available and ``gloo`` otherwise (``backend=`` or ``dist_cfg=dict(backend=...)`` overrides); a ``None``
-seed is drawn on rank 0 and broadcast; the timestamp is rank 0's, broadcast. An already initialised default
-process group is reused (so several strategies can live in one process).
-"""
+"""The process environment of a Strategy, with mmengine's ``BaseStrategy._setup_env`` semantics; an already
+initialised default group is reused (several strategies can live in one process)."""
 
 from __future__ import annotations
 
 import atexit
 import datetime
+import functools
+import itertools
+import logging
 import os
 import random
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -22,14 +20,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._options import check_dict
+from .accelerator import get_accelerator
 
 __all__ = [
     "EnvInfo",
+    "LOG_KWARGS",
+    "close_logger",
+    "setup_logger",
     "broadcast_object",
+    "check_dict",
     "is_distributed",
-    "default_backend",
-    "detect_launcher",
     "destroy_group_at_exit",
     "get_rank",
     "get_world_size",
@@ -59,10 +59,19 @@ class EnvInfo:
     timestamp: str
 
 
-def is_distributed() -> bool:
-    """Whether this run is distributed: torch.distributed is built in and its default group is initialised.
+def check_dict(name: str, value: Any, allowed: frozenset[str] | None = None) -> dict[str, Any]:
+    """``value`` (a mapping or ``None``) as a new dict; ``allowed`` limits its keys. ``name`` is the option."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{name} must be a dict, got {type(value).__name__}")
+    if allowed is not None and set(value) - allowed:
+        raise ValueError(f"{name}: unknown key(s) {sorted(set(value) - allowed)}; allowed: {sorted(allowed)}")
+    return dict(value)
 
-    The one place stepforge.strategy decides it; everything else asks here."""
+
+def is_distributed() -> bool:
+    """Whether torch.distributed's default group is initialised (the one place this is decided)."""
     return dist.is_available() and dist.is_initialized()
 
 
@@ -74,18 +83,6 @@ def get_rank() -> int:
 def get_world_size() -> int:
     """The default group's size (1 when not distributed)."""
     return dist.get_world_size() if is_distributed() else 1
-
-
-def detect_launcher() -> str:
-    """``"pytorch"`` under ``torchrun`` (or with an initialised group), else ``"none"``."""
-    if is_distributed():
-        return "pytorch"
-    return "pytorch" if {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"} <= set(os.environ) else "none"
-
-
-def default_backend() -> str:
-    """``nccl`` with CUDA, ``gloo`` on CPU."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
 
 
 def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
@@ -100,11 +97,7 @@ def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
 def set_random_seed(
     seed: int | None = None, deterministic: bool = False, diff_rank_seed: bool = False
 ) -> int:
-    """Seed python, numpy (when installed) and torch (CPU and every CUDA device); return the shared seed.
-
-    A ``None`` seed is drawn on rank 0 and broadcast. ``diff_rank_seed=True`` seeds rank r with ``seed + r``
-    (the returned value stays the shared seed). ``deterministic=True`` turns on torch's deterministic algorithms.
-    """
+    """Seed python, numpy and torch; return the shared seed (``None``: drawn on rank 0 and broadcast)."""
     if seed is None:
         seed = broadcast_object(random.SystemRandom().randrange(2**31))
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
@@ -126,25 +119,11 @@ def set_random_seed(
     return seed
 
 
+@functools.cache  # registered once, by whoever made the group here
 def destroy_group_at_exit() -> None:
-    """Destroy the default process group at interpreter exit (registered once, by whoever made the group here).
-
-    gloo's worker threads can still hold the last reference to a Python tensor when a script returns; released in
-    a finalising interpreter, it ends the thread inside a ``noexcept`` frame and the process aborts ("terminate
-    called without an active exception"). Destroyed from ``atexit``, the group joins its threads while the
-    interpreter is alive. A script that destroyed the group itself is left as it is.
-    """
-    if not _EXIT_HOOK:
-        atexit.register(_destroy_default_group)
-        _EXIT_HOOK.append(_destroy_default_group)
-
-
-_EXIT_HOOK: list[Any] = []
-
-
-def _destroy_default_group() -> None:
-    if is_distributed():
-        dist.destroy_process_group()
+    """Destroy the default process group at exit: a gloo thread releasing the last reference to a tensor in a
+    finalising interpreter aborts the process; from ``atexit`` the group joins its threads while it lives."""
+    atexit.register(lambda: dist.destroy_process_group() if is_distributed() else None)
 
 
 def _init_group(backend: str | None, dist_cfg: Mapping[str, Any]) -> str:
@@ -153,7 +132,7 @@ def _init_group(backend: str | None, dist_cfg: Mapping[str, Any]) -> str:
         if backend is not None and backend != actual:
             raise ValueError(f"env_kwargs backend={backend!r} but the process group already uses {actual!r}")
         return actual
-    backend = backend or default_backend()
+    backend = backend or get_accelerator().communication_backend
     kwargs = {k: v for k, v in dist_cfg.items() if k != "backend"}
     if isinstance(kwargs.get("timeout"), int | float):
         kwargs["timeout"] = datetime.timedelta(seconds=kwargs["timeout"])
@@ -174,20 +153,13 @@ def setup_env(
     resource_limit: int = 4096,
     randomness: Mapping[str, Any] | None = None,
 ) -> EnvInfo:
-    """Set up the process as mmengine's ``_setup_env`` does; see the module docstring.
-
-    Args:
-        launcher: ``"pytorch"`` (torchrun's environment), ``"none"`` or ``None`` (detect).
-        backend: process-group backend; default ``nccl`` with CUDA else ``gloo``.
-        cudnn_benchmark: sets ``torch.backends.cudnn.benchmark``.
-        mp_cfg: ``dict(mp_start_method="spawn"|"fork"|"forkserver")``.
-        dist_cfg: keyword arguments of ``init_process_group`` (``backend``, ``timeout`` in seconds...).
-        resource_limit: raise the soft ``RLIMIT_NOFILE`` to at least this (where the OS allows).
-        randomness: ``dict(seed=None, deterministic=False, diff_rank_seed=False)``.
-    """
+    """Set up the process as mmengine's ``_setup_env`` does (launcher, process group, cudnn, start method,
+    ``RLIMIT_NOFILE``); the seed and the timestamp are drawn on rank 0."""
     dist_cfg = dict(dist_cfg or {})
     randomness = check_dict("env_kwargs['randomness']", randomness, _RANDOMNESS_KEYS)
-    launcher = detect_launcher() if launcher is None else launcher
+    if launcher is None:  # torchrun's variables, or a group made by the caller
+        torchrun = {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"} <= set(os.environ)
+        launcher = "pytorch" if is_distributed() or torchrun else "none"
     if launcher not in _LAUNCHERS:
         raise ValueError(
             f"env_kwargs launcher must be one of {_LAUNCHERS} (slurm/mpi: start with torchrun), got {launcher!r}"
@@ -209,18 +181,58 @@ def setup_env(
     except (ImportError, ValueError, OSError):  # not on this OS / not allowed: keep the limit
         pass
     timestamp = broadcast_object(time.strftime("%Y%m%d_%H%M%S", time.localtime()))
-    seed = set_random_seed(
-        randomness.get("seed"),
-        bool(randomness.get("deterministic", False)),
-        bool(randomness.get("diff_rank_seed", False)),
-    )
-    return EnvInfo(
-        launcher=launcher,
-        backend=used_backend,
-        rank=get_rank(),
-        world_size=get_world_size(),
-        seed=seed,
-        deterministic=bool(randomness.get("deterministic", False)),
-        diff_rank_seed=bool(randomness.get("diff_rank_seed", False)),
-        timestamp=timestamp,
-    )
+    deterministic = bool(randomness.get("deterministic", False))
+    diff_rank_seed = bool(randomness.get("diff_rank_seed", False))
+    seed = set_random_seed(randomness.get("seed"), deterministic, diff_rank_seed)
+    rank, world = get_rank(), get_world_size()
+    return EnvInfo(launcher, used_backend, rank, world, seed, deterministic, diff_rank_seed, timestamp)
+
+
+LOG_KWARGS = frozenset({"log_level", "file_mode", "all_ranks", "console"})
+_COUNTER = itertools.count()
+_FORMAT = "%(asctime)s - %(name)s - %(levelname)s - %(message)s"
+
+
+def setup_logger(
+    experiment_name: str,
+    log_dir: str,
+    timestamp: str,
+    *,
+    rank: int = 0,
+    log_level: str | int = "INFO",
+    file_mode: str = "a",
+    all_ranks: bool = False,
+    console: bool = True,
+) -> tuple[logging.Logger, str | None]:
+    """A fresh logger and the path of its log file under ``log_dir`` (``None`` on ranks that write none)."""
+    if file_mode not in ("a", "w"):
+        raise ValueError(f"log_kwargs file_mode must be 'a' or 'w', got {file_mode!r}")
+    level = logging.getLevelName(log_level.upper()) if isinstance(log_level, str) else log_level
+    if not isinstance(level, int):
+        raise ValueError(f"log_kwargs log_level must be a logging level name or number, got {log_level!r}")
+    logger = logging.getLogger(f"stepforge.strategy.{experiment_name}.{next(_COUNTER)}")
+    logger.setLevel(level)
+    logger.propagate = False
+    fmt = logging.Formatter(_FORMAT)
+    path = None
+    if rank == 0 or all_ranks:
+        os.makedirs(log_dir, exist_ok=True)
+        name = f"{timestamp}.log" if rank == 0 else f"{timestamp}_rank{rank}.log"
+        path = os.path.join(log_dir, name)
+        handlers: list[logging.Handler] = [logging.FileHandler(path, mode=file_mode, encoding="utf-8")]
+        if console:
+            handlers.append(logging.StreamHandler(sys.stderr))
+        for handler in handlers:
+            handler.setFormatter(fmt)
+            handler.setLevel(level)
+            logger.addHandler(handler)
+    else:
+        logger.addHandler(logging.NullHandler())
+    return logger, path
+
+
+def close_logger(logger: logging.Logger) -> None:
+    """Close and detach the logger's handlers (the file is released)."""
+    for handler in list(logger.handlers):
+        handler.close()
+        logger.removeHandler(handler)

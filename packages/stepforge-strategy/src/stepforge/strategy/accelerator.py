@@ -1,15 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``Accelerator``: the training device, as both of ColossalAI's device objects know it.
-
-- The Booster's (``colossalai.booster.accelerator.Accelerator``): for a plugin that does not place the model
-  itself (``plugin.control_device()`` is ``False``), ``boost`` moves the model to ``device``
-  (:meth:`Accelerator.configure_model`).
-- The process's (``colossalai.accelerator.get_accelerator()``): :func:`get_accelerator` returns the CUDA one when
-  torch sees a GPU, else the CPU one; its ``get_current_device()``, ``name``, ``communication_backend``,
-  ``device_count()``, ``synchronize()``, ``empty_cache()``, seeding and memory counters answer for that device.
-  On the CPU they answer what the CPU has (one device, nothing to synchronise or release) instead of raising as
-  ColossalAI's ``CpuAccelerator`` does; only the allocator counters, which torch keeps for CUDA alone, raise.
-"""
+"""``Accelerator``: the training device, as ColossalAI's Booster and ``get_accelerator`` know it. On the CPU
+its methods answer what the CPU has instead of raising as ColossalAI's ``CpuAccelerator`` does; only the
+allocator counters, which torch keeps for CUDA alone, raise."""
 
 from __future__ import annotations
 
@@ -29,14 +21,8 @@ SUPPORTED_DEVICES = ("cpu", "cuda")
 
 
 class Accelerator:
-    """The training device.
-
-    Args:
-        device: ``"cpu"``, ``"cuda"`` (the current CUDA device) or ``"cuda:N"``.
-
-    Raises:
-        ValueError: another device type.
-    """
+    """The training device: ``"cpu"``, ``"cuda"`` (the current CUDA device) or ``"cuda:N"``; another type raises
+    ``ValueError``."""
 
     def __init__(self, device: str | torch.device) -> None:
         try:
@@ -101,12 +87,8 @@ class Accelerator:
         return 0 if index is None else index
 
     def set_device(self, device: int | torch.device | None = None) -> None:
-        """Bind the process to ``device``; ``None``: ``LOCAL_RANK`` (else the global rank) modulo the device
-        count. On the CPU there is one device: ``None``, ``0`` and ``"cpu"`` are accepted and change nothing.
-
-        Raises:
-            ValueError: another device on the CPU.
-        """
+        """Bind the process to ``device`` (``None``: ``LOCAL_RANK``, else the rank, modulo the device count);
+        the CPU is one device: ``None``, ``0`` and ``"cpu"`` change nothing."""
         if not self._cuda:
             if device not in (None, 0) and torch.device(device).type != "cpu":
                 raise ValueError(f"Accelerator(cpu).set_device: there is one CPU device, got {device!r}.")
@@ -134,18 +116,18 @@ class Accelerator:
 
     def memory_allocated(self, device: Any = None) -> int:
         """Bytes held by tensors on the GPU (``torch.cuda.memory_allocated``)."""
-        return int(torch.cuda.memory_allocated(device)) if self._require_cuda("memory_allocated") else 0
+        self._require_cuda("memory_allocated")
+        return int(torch.cuda.memory_allocated(device))
 
     def max_memory_allocated(self, device: Any = None) -> int:
         """Peak of :meth:`memory_allocated` since the start or :meth:`reset_peak_memory_stats`."""
-        return (
-            int(torch.cuda.max_memory_allocated(device)) if self._require_cuda("max_memory_allocated") else 0
-        )
+        self._require_cuda("max_memory_allocated")
+        return int(torch.cuda.max_memory_allocated(device))
 
     def reset_peak_memory_stats(self, device: Any = None) -> None:
         """Restart the peak counters (``torch.cuda.reset_peak_memory_stats``)."""
-        if self._require_cuda("reset_peak_memory_stats"):
-            torch.cuda.reset_peak_memory_stats(device)
+        self._require_cuda("reset_peak_memory_stats")
+        torch.cuda.reset_peak_memory_stats(device)
 
     def max_memory_reserved(self, device: Any = None) -> int:
         """Peak bytes the CUDA caching allocator reserved; on the CPU the process's peak resident memory."""
@@ -153,28 +135,21 @@ class Accelerator:
             return int(torch.cuda.max_memory_reserved(device))
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
-    def _require_cuda(self, what: str) -> bool:
+    def _require_cuda(self, what: str) -> None:
         if not self._cuda:
             raise RuntimeError(
                 f"Accelerator(cpu).{what}: torch counts allocator bytes for CUDA only; on the CPU use "
                 "max_memory_reserved() (the process's peak resident memory)."
             )
-        return True
 
     # -- randomness ----------------------------------------------------------------------------------------
     def manual_seed(self, seed: int) -> None:
         """Seed the current device's generator (the CPU generator on the CPU)."""
-        if self._cuda:
-            torch.cuda.manual_seed(seed)
-        else:
-            torch.manual_seed(seed)
+        (torch.cuda if self._cuda else torch).manual_seed(seed)
 
     def manual_seed_all(self, seed: int) -> None:
         """Seed the generators of every device of this type."""
-        if self._cuda:
-            torch.cuda.manual_seed_all(seed)
-        else:
-            torch.manual_seed(seed)
+        (torch.cuda.manual_seed_all if self._cuda else torch.manual_seed)(seed)
 
     def get_rng_state(self) -> torch.Tensor:
         """The current device's generator state."""
@@ -182,10 +157,7 @@ class Accelerator:
 
     def set_rng_state(self, state: torch.Tensor) -> None:
         """Restore a state from :meth:`get_rng_state`."""
-        if self._cuda:
-            torch.cuda.set_rng_state(state)
-        else:
-            torch.set_rng_state(state)
+        (torch.cuda if self._cuda else torch).set_rng_state(state)
 
     def __repr__(self) -> str:
         return f"Accelerator({str(self.device)!r})"
@@ -204,11 +176,7 @@ def get_accelerator() -> Accelerator:
 
 
 def set_accelerator(accelerator: str | Accelerator) -> None:
-    """Choose the process's accelerator: ``"cpu"``, ``"cuda"`` or an :class:`Accelerator`.
-
-    Raises:
-        TypeError: another type. ValueError: an unsupported device name.
-    """
+    """Choose the process's accelerator: ``"cpu"``, ``"cuda"`` or an :class:`Accelerator` (else ``TypeError``)."""
     global _PROCESS_ACCELERATOR
     if isinstance(accelerator, str):
         accelerator = Accelerator(accelerator)

@@ -1,14 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``OptimizerWrapper``: what the strategy's plugins return for an optimizer.
-
-ColossalAI's ``OptimizerWrapper``; it implements :class:`stepforge.core.BoostedOptimizer`. The torch optimizer
-surface (``param_groups``, ``state``, ``step``, ``zero_grad``, ``state_dict``...) plus ``backward(loss)``,
-``backward_by_grad``, ``unscale_``, ``clip_grad_norm_``, ColossalAI's ``clip_grad_by_norm``/``clip_grad_by_value``/
-``get_grad_norm``/``scale_loss``/``parameters``, ``unwrap()``, ``unwrap_model()`` and, for fp16, a :class:`DynamicLossScaler`
-whose state travels in ``state_dict()["grad_scaler"]`` (and through ``scaler_state_dict``). ``max_norm`` > 0
-clips by the global norm inside ``step``. The scaler's process group makes its overflow check agree across the
-ranks of a sharded (FSDP2) optimizer.
-"""
+"""``OptimizerWrapper``: ColossalAI's boosted optimizer, what the strategy's plugins return (a
+:class:`stepforge.core.BoostedOptimizer`)."""
 
 from __future__ import annotations
 
@@ -26,18 +18,9 @@ __all__ = ["OptimizerWrapper", "as_boosted"]
 
 
 class OptimizerWrapper(torch.optim.Optimizer):
-    """Wrap ``optimizer`` for the Booster (implements :class:`stepforge.core.BoostedOptimizer`).
-
-    A ``torch.optim.Optimizer`` subclass (so ``torch.optim.lr_scheduler`` accepts it) that delegates
-    ``param_groups``, ``state`` and ``defaults`` to the wrapped optimizer; ``Optimizer.__init__`` is not run.
-
-    Args:
-        optimizer: the torch optimizer (over the plugin's parameters: DDP's, FSDP2's DTensors...).
-        scaler: a :class:`DynamicLossScaler` for fp16 loss scaling, or ``None``.
-        max_norm: clip gradients to this global norm inside :meth:`step` (0: no clipping).
-        norm_type: the norm used for clipping.
-        clip_fn: ``clip_fn(max_norm, norm_type) -> norm``, the plugin's global-norm clipping.
-    """
+    """Wrap ``optimizer`` for the Booster: a ``torch.optim.Optimizer`` (so ``lr_scheduler`` accepts it)
+    delegating to it; ``scaler``: fp16 loss scaling (saved as ``state_dict()["grad_scaler"]``); ``max_norm`` >
+    0 clips inside :meth:`step`, through ``clip_fn`` when given."""
 
     def __init__(
         self,
@@ -137,9 +120,7 @@ class OptimizerWrapper(torch.optim.Optimizer):
         self.scaler.unscale_(self.optim)
         self._unscaled = True
 
-    def unscale_grad(self) -> None:  # ColossalAI's name
-        """:meth:`unscale_`."""
-        self.unscale_()
+    unscale_grad = unscale_  # ColossalAI's name
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the global norm (over every shard) of the unscaled gradients; return that norm."""
@@ -147,10 +128,10 @@ class OptimizerWrapper(torch.optim.Optimizer):
         if self._clip_fn is not None:
             norm = self._clip_fn(max_norm, norm_type)
         else:
-            params = [p for g in self.optim.param_groups for p in g["params"] if p.grad is not None]
-            norm = nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
-            if isinstance(norm, DTensor):
-                norm = norm.full_tensor()
+            norm = nn.utils.clip_grad_norm_(
+                [p for p in self.parameters if p.grad is not None], max_norm, norm_type
+            )
+            norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
         self.grad_norm = norm
         self._norm_fresh = True
         return norm
@@ -163,11 +144,8 @@ class OptimizerWrapper(torch.optim.Optimizer):
         *args: Any,
         **kwargs: Any,
     ) -> torch.Tensor:
-        """ColossalAI's name for :meth:`clip_grad_norm_` (unscale, clip by the global norm, return it).
-
-        Raises:
-            RuntimeError: ``error_if_nonfinite`` and the norm is inf/nan (gradients are then left unclipped).
-        """
+        """ColossalAI's name for :meth:`clip_grad_norm_`; ``error_if_nonfinite`` raises ``RuntimeError`` on an inf/nan
+        norm, the gradients left unclipped."""
         if error_if_nonfinite:
             norm = self.get_grad_norm(norm_type)
             if norm is not None and not torch.isfinite(torch.tensor(norm)):
@@ -187,20 +165,19 @@ class OptimizerWrapper(torch.optim.Optimizer):
         self._norm_fresh = False
 
     def get_grad_norm(self, norm_type: float = 2.0, **kwargs: Any) -> float | None:
-        """The global norm (over every rank and shard) of the unscaled gradients there now: the one
-        :meth:`clip_grad_norm_` (or ``max_norm`` inside :meth:`step`) measured, else measured here (collective for
-        sharded models). ``None`` when no parameter has a gradient."""
-        if not any(p.grad is not None for p in self.parameters):
+        """The global norm of the unscaled gradients there now: the one clipping measured, else measured here
+        (collective for sharded models); ``None`` when no parameter has a gradient."""
+        grads = [p.grad for p in self.parameters if p.grad is not None]
+        if not grads:
             return None
-        if not (self._norm_fresh and self.grad_norm is not None):
-            # DTensor gradients (FSDP2) give a norm reduced over the mesh; DDP's are equal on every rank
-            norm = nn.utils.get_total_norm([p.grad for p in self.parameters if p.grad is not None], norm_type)
-            if isinstance(norm, DTensor):
-                norm = norm.full_tensor()
-            if self.scaler is not None and not (self._unscaled or self._stepped_unscaled):
-                norm = norm / self.scaler.get_scale()
-            return float(norm)
-        return float(self.grad_norm)
+        if self._norm_fresh and self.grad_norm is not None:
+            return float(self.grad_norm)
+        # DTensor gradients (FSDP2) give a norm reduced over the mesh; DDP's are equal on every rank
+        norm = nn.utils.get_total_norm(grads, norm_type)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        if self.scaler is not None and not (self._unscaled or self._stepped_unscaled):
+            norm = norm / self.scaler.get_scale()
+        return float(norm)
 
     # -- step ----------------------------------------------------------------------------------------------
     def step(self, *args: Any, **kwargs: Any) -> Any:
@@ -252,11 +229,8 @@ class OptimizerWrapper(torch.optim.Optimizer):
         self._model = model
 
     def unwrap_model(self) -> nn.Module:
-        """The boosted model this optimizer was boosted with (ColossalAI's FSDP optimizer member).
-
-        Raises:
-            RuntimeError: the wrapper did not come from ``Booster.boost`` with a model.
-        """
+        """The boosted model this optimizer was boosted with (ColossalAI's FSDP optimizer member); ``RuntimeError``
+        when none is bound."""
         if self._model is None:
             raise RuntimeError(
                 "OptimizerWrapper.unwrap_model: no model is bound; use the optimizer Booster.boost(model, optimizer) "
@@ -269,9 +243,8 @@ class OptimizerWrapper(torch.optim.Optimizer):
 
 
 def as_boosted(optimizer: Any, *, max_norm: float = 0.0) -> Any:
-    """``optimizer`` as a :class:`stepforge.core.BoostedOptimizer`: ``None`` and boosted optimizers as they are
-    (the Booster's mixed precision may have wrapped it already), a torch optimizer in an
-    :class:`OptimizerWrapper`."""
+    """``optimizer`` as a :class:`stepforge.core.BoostedOptimizer`: ``None`` and boosted ones as they are, a
+    torch optimizer in an :class:`OptimizerWrapper`."""
     if optimizer is None or isinstance(optimizer, BoostedOptimizerProtocol):
         return optimizer
     return OptimizerWrapper(optimizer, max_norm=max_norm)

@@ -26,11 +26,9 @@ from torch import nn
 from stepforge.core import BoostedOptimizer, Plugin, WrappedModel, build_optimizer, unwrap_optimizer
 from stepforge.core.precision import warn_slow_precision
 
-from ._auto_boost import PendingAutoPlugin, auto_candidates, is_auto, resolve_at_boost
-from ._lora import enable_lora, require_peft
-from ._plugin_setup import adopt_precision, build_plugin
+from ._plugin_setup import PendingAutoPlugin, adopt_precision, auto_candidates, build_plugin, resolve_at_boost
 from .accelerator import Accelerator
-from .boosted_model import ModelWrapper, plugin_module
+from .boosted_model import ModelWrapper, enable_lora, plugin_module, require_peft
 from .boosted_optimizer import OptimizerWrapper
 from .checkpoint_io import BoosterCheckpointIO, CheckpointIO, GeneralCheckpointIO
 from .compile import apply_compile, compile_config, refuse_compiled_wrapper
@@ -91,7 +89,7 @@ class Booster:
         self._spec = (mixed_precision, wanted, device)
         self.memory_budget = memory_budget
         #: the candidates of ``plugin="auto"`` until ``boost`` chose one (``None``: a plugin was given)
-        self._auto = auto_candidates(plugin) if is_auto(plugin) else None
+        self._auto = auto_candidates(plugin)
         #: what ``plugin="auto"`` chose at ``boost`` (the plugin, the table, the reason), else ``None``
         self.auto_choice: AutoChoice | None = None
         if self._auto is not None:

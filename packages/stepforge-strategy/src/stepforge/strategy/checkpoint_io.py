@@ -141,7 +141,7 @@ class CheckpointIO(ABC):
         """Write the LoRA adapters and their config (peft's ``save_pretrained``) into directory ``checkpoint``
         on rank 0, through the one writer (the directory's other files stay); every rank calls. ``ValueError``
         when the model has no LoRA adapters (``Booster.enable_lora`` before ``boost``)."""
-        from ._lora import peft_model_of
+        from .boosted_model import peft_model_of
 
         peft_model = peft_model_of(model)
 

@@ -1,36 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``torch.compile`` for boosted models: what ``compile=`` of :meth:`Booster.boost
-<stepforge.strategy.Booster.boost>` and :meth:`Strategy.prepare <stepforge.strategy.Strategy.prepare>` does.
-
-``compile`` is ``False``/``None`` (nothing is compiled), ``True`` (``torch.compile``'s defaults) or a dict, as in
-mmengine's ``prepare(compile=...)``:
-
-- ``target``: the method of *your* model to compile (default ``"forward"``; mmengine models also use
-  ``"train_step"``);
-- ``disable``: ``True`` compiles nothing (mmengine's key; here it really skips);
-- every other key goes to ``torch.compile``: ``backend``, ``mode``, ``fullgraph``, ``dynamic``, ``options``.
-
-What is compiled, per plugin:
-
-- ``single``, ``torch_ddp``, ``zero1``/``zero2`` (``low_level_zero``): ``model.<target>`` of the model you gave,
-  compiled in place as an instance attribute (as mmengine does). DDP's reducer, ZeRO's input cast and gradient
-  hooks and the Booster's autocast stay outside or are traced into the graph as they are: gradient hooks fire on
-  the parameters (leaves of the compiled backward), so DDP's all-reduce and ZeRO's bucketed reduce run as in eager
-  mode, once the compiled backward has produced the gradients.
-- ``torch_fsdp``, ``gemini`` (FSDP2) with ``target="forward"``: each innermost FSDP2 unit below the root (the
-  blocks the plugin sharded one by one) has its ``forward`` compiled on its own, as torchtitan compiles
-  transformer blocks. FSDP2's all-gather and reduce-scatter hooks run eagerly around the compiled blocks (they
-  are ``torch._dynamo.disable``-d, so a graph spanning them would break at every block); blocks of one shape
-  share one compiled graph. The root's own code (embeddings, head, the loop over blocks) stays eager. A model
-  with no unit below the root has its root ``forward`` compiled; another ``target`` compiles that method of the
-  root.
-
-Nothing wraps the module, so its ``state_dict`` keys, every checkpoint written from it and the wrappers around it
-(``ModelWrapper``, DDP, ZeRO's model) stay as they are: no ``_orig_mod.`` prefix, and a checkpoint of a compiled
-run loads into an eager model and back. A model you wrapped yourself with ``torch.compile(model)`` still trains
-and saves as before (torch's state-dict functions drop its ``_orig_mod.``), but ``compile=`` on it is refused
-(:func:`refuse_compiled_wrapper`): it would be compiled twice.
-"""
+"""``torch.compile`` for boosted models (``compile=`` of ``Booster.boost`` and ``Strategy.prepare``,
+mmengine's values), in place: FSDP2 models per innermost unit, because FSDP2's hooks are
+``torch._dynamo.disable``-d and a graph spanning them would break at every block; nothing wraps the module, so
+state-dict keys stay the eager model's. The package README's section "torch.compile" has the details."""
 
 from __future__ import annotations
 
@@ -59,11 +31,6 @@ __all__ = [
 _OWN_KEYS = frozenset({"target", "disable"})
 
 
-def _torch_compile_keys() -> frozenset[str]:
-    """``torch.compile``'s keyword arguments (read from the installed torch), less the module itself."""
-    return frozenset(inspect.signature(torch.compile).parameters) - {"model", "disable"}
-
-
 @dataclass(frozen=True)
 class CompileConfig:
     """A checked ``compile`` option: the method to compile and the ``torch.compile`` keyword arguments."""
@@ -73,14 +40,8 @@ class CompileConfig:
 
 
 def compile_config(compile: Any, *, where: str) -> CompileConfig | None:
-    """Check ``compile`` (``False``/``None``/``True``/dict); ``None`` when nothing is to be compiled.
-
-    The caller's dict is not changed (mmengine pops ``target`` out of it, so a second use loses it).
-
-    Raises:
-        TypeError: ``compile`` is not a bool, ``None`` nor a dict; ``target`` is not a str.
-        ValueError: an unknown key (the message lists the ``torch.compile`` arguments).
-    """
+    """Check ``compile`` (``False``/``None``/``True``/dict); ``None`` when nothing is to be compiled. The
+    caller's dict is not changed (mmengine pops ``target`` out of it, so a second use loses it)."""
     if compile is None or compile is False:
         return None
     if compile is True:
@@ -90,7 +51,8 @@ def compile_config(compile: Any, *, where: str) -> CompileConfig | None:
             f"{where}: compile must be True/False or a dict of torch.compile arguments (with optional 'target' and "
             f"'disable'), got {type(compile).__name__}"
         )
-    allowed = _OWN_KEYS | _torch_compile_keys()
+    # torch.compile's keyword arguments, read from the installed torch
+    allowed = _OWN_KEYS | (frozenset(inspect.signature(torch.compile).parameters) - {"model"})
     unknown = sorted(set(compile) - allowed)
     if unknown:
         raise ValueError(f"{where}: compile has unknown key(s) {unknown}; allowed: {sorted(allowed)}")
@@ -107,11 +69,7 @@ def compile_config(compile: Any, *, where: str) -> CompileConfig | None:
 
 
 def refuse_compiled_wrapper(model: Any, *, where: str) -> None:
-    """Raise when ``compile=`` meets a model that is already what ``torch.compile(module)`` returns.
-
-    Raises:
-        TypeError: naming the fix (the eager model with ``compile=``, or the compiled one without).
-    """
+    """Raise a ``TypeError`` naming the fix when ``compile=`` meets what ``torch.compile(module)`` returns."""
     if is_compiled_module(model):
         raise TypeError(
             f"{where}: model is already a torch.compile() wrapper (OptimizedModule) and compile= would compile it "
@@ -136,56 +94,30 @@ def user_module(model: nn.Module) -> nn.Module:
     return model
 
 
-def _innermost_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The FSDP2 units below the root of ``model`` that hold no other unit, with their qualified names."""
-    units = {id(m) for m in fsdp2_modules(model)} - {id(model)}
-    innermost = []
-    for name, module in model.named_modules():
-        if id(module) not in units:
-            continue
-        if any(id(inner) in units for inner in module.modules() if inner is not module):
-            continue
-        innermost.append((name, module))
-    return innermost
-
-
-def _compile_method(module: nn.Module, config: CompileConfig, *, where: str) -> None:
-    """Replace ``module.<target>`` by its compiled version (an instance attribute: the module stays itself)."""
-    method = getattr(module, config.target, None)
-    if not callable(method):
-        raise ValueError(
-            f"{where}: compile target {config.target!r} is not a method of {type(module).__name__}; name a "
-            "method of your model (default 'forward')"
-        )
-    setattr(module, config.target, torch.compile(method, **config.options))
-
-
 def apply_compile(model: nn.Module, config: CompileConfig, *, where: str = "compile") -> list[str]:
-    """Compile ``config.target`` on the user's model inside ``model`` (in place, see the module docstring): the
-    innermost FSDP2 units' ``forward`` for a sharded model and ``target="forward"``, else the root's method.
-    Returns the qualified names of the compiled methods (``"forward"``, ``"blocks.0.forward"``...).
-
-    Raises:
-        TypeError: the model already is a ``torch.compile`` wrapper.
-        ValueError: ``target`` is not a method of the model.
-    """
+    """Compile ``config.target`` on the user's model inside ``model`` in place (see the module docstring);
+    returns the qualified names of the compiled methods (``"forward"``, ``"blocks.0.forward"``...)."""
     root = user_module(model)
     refuse_compiled_wrapper(root, where=where)
-    units = _innermost_units(root) if config.target == "forward" else []
-    if not units:
-        _compile_method(root, config, where=where)
-        return [config.target]
-    for _, unit in units:
-        _compile_method(unit, config, where=where)
-    return [f"{name}.{config.target}" for name, _ in units]
+    units = {id(m) for m in fsdp2_modules(root)} - {id(root)} if config.target == "forward" else set()
+    # the FSDP2 units below the root that hold no other unit (else the root itself)
+    innermost = [
+        (name, m)
+        for name, m in root.named_modules()
+        if id(m) in units and not any(id(inner) in units for inner in m.modules() if inner is not m)
+    ] or [("", root)]
+    for _, module in innermost:
+        method = getattr(module, config.target, None)
+        if not callable(method):
+            raise ValueError(
+                f"{where}: compile target {config.target!r} is not a method of {type(module).__name__}; name a "
+                "method of your model (default 'forward')"
+            )
+        setattr(module, config.target, torch.compile(method, **config.options))  # an instance attribute
+    return [f"{name}.{config.target}" if name else config.target for name, _ in innermost]
 
 
 def compile_model(model: nn.Module, compile: Any, *, where: str = "compile") -> list[str]:
-    """:func:`compile_config` then :func:`apply_compile`; ``[]`` when ``compile`` is off.
-
-    Raises:
-        TypeError, ValueError: a bad ``compile`` option, a model already compiled, a ``target`` that is not a
-            method of the model.
-    """
+    """:func:`compile_config` then :func:`apply_compile`; ``[]`` when ``compile`` is off."""
     config = compile_config(compile, where=where)
     return [] if config is None else apply_compile(model, config, where=where)

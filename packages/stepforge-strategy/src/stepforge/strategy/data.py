@@ -1,24 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
 """A dataloader that records its position: ``state_dict()`` / ``load_state_dict()`` for exact resume.
 
-:class:`StatefulDataLoader` wraps a ``torch.utils.data.DataLoader``. Its state is the epoch and the number of
-batches already yielded in it; after ``load_state_dict`` the next iteration skips those batches *in the batch
-sampler* (no data is loaded for them) and sets the sampler's epoch (``DistributedSampler.set_epoch``), so the
-rest of the epoch comes in the same order when the sampler is deterministic for an epoch
-(``DistributedSampler``, ``SequentialSampler``, samplers with a seeded generator). Objects that already have
-``state_dict``/``load_state_dict`` (torchdata's ``StatefulDataLoader``) are returned unchanged by
-:func:`make_stateful`.
-
-Over a ``DistributedSampler`` the position is kept in samples, which does not depend on the world size: the
-epoch's order is the sampler's at ``num_replicas=1`` (``seed + epoch``), rank ``r`` of ``W`` reads its items
-``r, r + W, ...``, so after every rank drew ``b`` batches of ``B`` the ranks together consumed exactly the first
-``b * B * W`` items of that order (``"samples"`` in the state). A resume, at this or another world size, deals the
-rest of the order out the same way among the ranks it has now (padded from the epoch's start, or cut with
-``drop_last``, as ``DistributedSampler`` does): every item of the epoch is drawn once across the change.
-"""
+A resume skips the consumed batches *in the batch sampler* (no data is loaded for them). Over a
+``DistributedSampler`` the position is kept in samples, which does not depend on the world size: rank ``r``
+of ``W`` reads items ``r, r + W, ...`` of the epoch's ``num_replicas=1`` order, so after ``b`` batches of
+``B`` the ranks consumed exactly the first ``b * B * W`` items, and a resume at any world size deals out
+the rest."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -35,9 +26,7 @@ class _SkipBatches:
         self.skip = skip
 
     def __iter__(self) -> Iterator[Any]:
-        for i, batch in enumerate(self.inner):
-            if i >= self.skip:
-                yield batch
+        return itertools.islice(self.inner, self.skip, None)
 
     def __len__(self) -> int:
         return max(len(self.inner) - self.skip, 0)
@@ -61,16 +50,9 @@ def _rest_of_epoch(sampler: DistributedSampler[Any], epoch: int, start: int) -> 
 
 
 class StatefulDataLoader:
-    """Iterate ``loader`` and remember where: ``state_dict() == {"epoch": e, "batches_yielded": n}``, plus
-    ``"samples"`` (items of the epoch consumed by all ranks together) over a ``DistributedSampler``.
-
-    Args:
-        loader: a ``DataLoader``. Map-style datasets skip resumed batches without loading them; iterable
-            datasets are advanced by drawing and dropping batches.
-
-    Every full pass increments ``epoch`` and calls ``sampler.set_epoch(epoch)`` when the sampler has it.
-    Attributes of the wrapped loader (``dataset``, ``batch_size``, ``sampler``...) are reachable here.
-    """
+    """Iterate ``loader`` (a ``DataLoader``) and remember where: ``{"epoch", "batches_yielded"}``, plus
+    ``"samples"`` (items of the epoch consumed by all ranks) over a ``DistributedSampler``; the loader's
+    attributes are reachable here."""
 
     def __init__(self, loader: DataLoader[Any]) -> None:
         if not isinstance(loader, DataLoader):
@@ -88,18 +70,8 @@ class StatefulDataLoader:
     def __len__(self) -> int:
         return len(self.loader)
 
-    def _set_epoch(self) -> None:
-        samplers: tuple[Any, ...] = (
-            getattr(self.loader, "sampler", None),
-            getattr(self.loader, "batch_sampler", None),
-        )
-        for sampler in samplers:
-            if hasattr(sampler, "set_epoch"):
-                sampler.set_epoch(self.epoch)
-
     def _distributed(self) -> DistributedSampler[Any] | None:
-        """The loader's ``DistributedSampler`` when it batches its items itself (``batch_size`` given); not a
-        subclass, whose order may be its own (it resumes by batches, at the same world size)."""
+        """The loader's own ``DistributedSampler`` (not a subclass, whose order may be its own)."""
         sampler = self.loader.sampler
         if type(sampler) is DistributedSampler and self.loader.batch_size is not None:
             return sampler
@@ -151,7 +123,10 @@ class StatefulDataLoader:
     def __iter__(self) -> Iterator[Any]:
         skip, self._resume = self._resume, 0
         start, self._resume_samples = self._resume_samples, None
-        self._set_epoch()
+        samplers: tuple[Any, ...] = (self.loader.sampler, self.loader.batch_sampler)
+        for sampler in samplers:
+            if hasattr(sampler, "set_epoch"):  # DistributedSampler's protocol
+                sampler.set_epoch(self.epoch)
         if start is None:  # else load_state_dict set batches_yielded and _base
             self.batches_yielded, self._base = skip, (0, 0)
         for batch in self._iterator(skip, start):

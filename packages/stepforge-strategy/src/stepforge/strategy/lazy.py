@@ -1,42 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
 """Build a model without memory and materialise only what each rank keeps: ColossalAI's ``LazyInitContext``.
 
-::
-
-    torch.manual_seed(0)
-    with LazyInitContext():
-        model = GPT(config)                  # parameters on the meta device: no memory
-    model, optimizer, *_ = booster.boost(model, dict(lr=1e-3))   # this rank's share, initialised as eagerly
-
-Under the context every tensor is created on the meta device and every operation that creates or writes one
-(``torch.empty``, ``nn.init.normal_``, ``arange`` for a rotary buffer, ``copy_`` of a loaded weight...) is
-recorded. Materialising replays the record in its order on ``default_device``, with the random state the context
-was entered with, so every tensor gets the values an eager build under the same seed gives. The replay holds a
-tensor only while a later operation reads it: a tensor a later operation overwrites whole (``normal_``,
-``uniform_``, ``fill_``, ``copy_``...) is dropped at once (the overwriting operation still runs, on scratch
-memory, so the random stream advances as it did eagerly), and each parameter or buffer is handed to its
-destination after its last operation. Memory: the destination plus about the largest tensor.
-
-``Booster.boost`` materialises a model with meta tensors (built here or under ``torch.device("meta")``) where
-the plugin keeps it: ``torch_fsdp`` and ``gemini`` shard it on the meta device (``fully_shard``) and fill each
-rank's shards (no rank holds the whole model); the other plugins get the whole model built on their device
-(``to_empty``) before they prepare it. A model built under ``torch.device("meta")`` outside this context has no
-record: its modules' ``reset_parameters()`` are recorded then, in ``model.modules()`` order, from the random
-state at ``boost`` (torch's convention for meta-device models; what an eager build of a model whose layers
-initialise themselves in construction order gives). A tensor that no ``reset_parameters`` writes (a rotary
-``inv_freq``, a causal mask computed in ``__init__``) cannot be rebuilt so and raises, naming it: build such a
-model under this context.
-
-Differences from ColossalAI: the recorded tensors are meta tensors (``tensor.device`` is ``meta``, where
-ColossalAI's ``LazyTensor`` reports the device it will have), and an operation that needs a value during
-construction (``tensor.item()``, ``tolist()``) raises torch's error on meta tensors (ColossalAI materialises
-early). The random state is not advanced by a lazy build: the replay runs from the state saved at ``__enter__``
-and restores the state it found afterwards.
-"""
+Under the context every tensor is created on the meta device and every operation that creates or writes one is
+recorded. Materialising replays the record on ``default_device`` from the random state the context was entered
+with, so every tensor gets an eager build's values under the same seed. The replay holds a tensor only while a
+later operation reads it and hands each parameter or buffer to its destination after its last operation:
+memory is the destination plus about the largest tensor. A model built under ``torch.device("meta")`` has no
+record: its modules' ``reset_parameters()`` are recorded at ``boost`` (torch's convention). Unlike
+ColossalAI's ``LazyTensor`` the tensors report the ``meta`` device and a value read during construction
+raises."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -146,28 +122,22 @@ class _Recorder(DispatchMode):
             out = func(*args, **kwargs)
         leaves, spec = tree_flatten((args, kwargs))
         outs = tree_flatten(out)[0]
-        if not any(_is_meta(x) for x in leaves) and not any(_is_meta(x) for x in outs):
+        if not any(_is_meta(x) for x in [*leaves, *outs]):
             return out
         known = self.record.storages
         inputs = {storage_id(x) for x in leaves if _is_meta(x)}
-        created = []
-        for i, o in enumerate(outs):
-            if _is_meta(o) and storage_id(o) not in known and storage_id(o) not in inputs:
-                created.append((i, storage_id(o), _storage_numel(o)))
-        schema = func._schema
-        writes = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+        created = [
+            (i, storage_id(o), _storage_numel(o))
+            for i, o in enumerate(outs)
+            if _is_meta(o) and storage_id(o) not in known and storage_id(o) not in inputs
+        ]
+        writes = any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
         if not created and not writes:
             return out  # a view or a metadata query: the storage references carry it
-        for o in outs:
-            if _is_meta(o):
-                known.setdefault(storage_id(o), o.detach())
-        refs = []
-        for x in leaves:
-            if _is_meta(x):
-                known.setdefault(storage_id(x), x.detach())
-                refs.append(_Ref.of(x))
-            else:
-                refs.append(x)
+        for t in [*outs, *leaves]:
+            if _is_meta(t):
+                known.setdefault(storage_id(t), t.detach())
+        refs = [_Ref.of(x) if _is_meta(x) else x for x in leaves]
         self.record.ops.append(_Op(func, spec, refs, created))
         return out
 
@@ -178,16 +148,9 @@ def _rng_state(device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor] |
 
 
 class LazyInitContext:
-    """ColossalAI's ``colossalai.lazy.LazyInitContext``: build a model inside it without allocating its tensors.
-
-    Args:
-        tensor_cls: accepted for ColossalAI's signature (its test hook); only ``None`` is taken.
-        default_device: where the tensors are materialised (the replay runs there): ``None`` (the CPU, as an
-            eager build) or a device; an eager build under ``torch.device(default_device)`` gives the same values.
-
-    ``Booster.boost`` materialises the model where its plugin keeps it (see the module docstring);
-    :meth:`materialize` builds it whole.
-    """
+    """ColossalAI's ``LazyInitContext``: build a model inside it without allocating its tensors;
+    ``Booster.boost`` materialises it where its plugin keeps it, :meth:`materialize` whole on
+    ``default_device`` (default: the CPU)."""
 
     def __init__(
         self, tensor_cls: Any = None, default_device: str | torch.device | int | None = None
@@ -219,8 +182,9 @@ class LazyInitContext:
     def materialize(module: nn.Module, verbose: bool = False) -> nn.Module:
         """Materialise every meta tensor of ``module`` in place, on the context's ``default_device`` (ColossalAI's
         method); returns ``module``. ``verbose``: print the bytes materialised."""
-        device = _record_device(module)
-        materialize_model(module, device)
+        record = lazy_state_names(module)
+        device = record[0].device
+        materialize_model(module, device, record=record)
         if verbose:
             total = sum(t.numel() * t.element_size() for t in module.state_dict().values())
             print(f"LazyInitContext.materialize: {total / 2**20:.1f} MiB materialised on {device}")
@@ -230,12 +194,8 @@ class LazyInitContext:
     def distribute(
         module: nn.Module, device_mesh: Any, sharding_spec_dict: Any, verbose: bool = False
     ) -> nn.Module:
-        """ColossalAI's tensor-parallel distribution; not offered (there is no tensor parallelism here): boost the
-        lazy model with ``torch_fsdp`` or ``gemini``, which materialise each rank's shard.
-
-        Raises:
-            ValueError: always, naming the way that works.
-        """
+        """ColossalAI's tensor-parallel distribution, not offered: raises ``ValueError`` naming the way that works
+        (``torch_fsdp``/``gemini`` materialise each rank's shard)."""
         raise ValueError(
             "LazyInitContext.distribute: tensor-parallel sharding specs are not supported; pass the lazy model to "
             "Booster.boost with plugin='torch_fsdp' or 'gemini', which materialise only this rank's shards."
@@ -243,22 +203,13 @@ class LazyInitContext:
 
 
 def has_meta_tensors(model: nn.Module) -> bool:
-    """Whether a parameter or buffer of ``model`` is on the meta device (the model is lazy)."""
-    return any(_is_meta(t) for t in _local_tensors(model))
-
-
-def _local_tensors(model: nn.Module) -> Iterator[torch.Tensor]:
+    """Whether a parameter or buffer of ``model`` (a DTensor's local shard) is on the meta device (it is lazy)."""
     from torch.distributed.tensor import DTensor
 
-    for t in [*model.parameters(), *model.buffers()]:
-        yield t.to_local() if isinstance(t, DTensor) else t
-
-
-def _record_device(model: nn.Module) -> torch.device:
-    for t in [*model.parameters(), *model.buffers()]:
-        if _is_meta(t) and storage_id(t) in _RECORDS:
-            return _RECORDS[storage_id(t)].device
-    return torch.device("cpu")
+    return any(
+        _is_meta(t.to_local() if isinstance(t, DTensor) else t)
+        for t in [*model.parameters(), *model.buffers()]
+    )
 
 
 #: a state name -> the recorded view of its meta tensor; taken before a plugin replaces the tensors
@@ -266,12 +217,8 @@ LazyNames = dict[int, list[tuple[str, _Ref]]]
 
 
 def lazy_state_names(model: nn.Module) -> tuple[_Record, LazyNames]:
-    """The record that builds ``model``'s meta tensors and, per recorded storage, the state names viewing it.
-
-    A model with no record (built under ``torch.device("meta")``) gets one now: its modules'
-    ``reset_parameters()`` recorded in ``model.modules()`` order from the current random state. Call it before
-    the tensors are replaced (``fully_shard``, ``to_empty``).
-    """
+    """The record that builds ``model``'s meta tensors and, per recorded storage, the state names viewing it;
+    call it before the tensors are replaced (``fully_shard``, ``to_empty``)."""
     named = [
         *model.named_parameters(remove_duplicate=False),
         *model.named_buffers(remove_duplicate=False),
@@ -284,7 +231,16 @@ def lazy_state_names(model: nn.Module) -> tuple[_Record, LazyNames]:
         raise ValueError(
             "materialize: the model's meta tensors come from several LazyInitContext blocks; build the model in one."
         )
-    record = next(iter(records.values())) if records else _record_resets(model)
+    if records:
+        record = next(iter(records.values()))
+    else:  # built under torch.device("meta"): record its modules' reset_parameters() now (torch's convention)
+        rng, cuda = _rng_state(torch.device("cpu"))
+        record = _Record(rng, cuda, torch.device("cpu"))
+        with _Recorder(record, create_on_meta=False), torch.no_grad():
+            for module in model.modules():
+                reset = getattr(module, "reset_parameters", None)
+                if callable(reset):
+                    reset()
     if record.materialized:
         raise ValueError(
             "materialize: this model's LazyInitContext was already materialised for another model; build each "
@@ -294,17 +250,6 @@ def lazy_state_names(model: nn.Module) -> tuple[_Record, LazyNames]:
     for name, t in metas:
         names.setdefault(storage_id(t), []).append((name, _Ref.of(t)))
     return record, names
-
-
-def _record_resets(model: nn.Module) -> _Record:
-    rng, cuda = _rng_state(torch.device("cpu"))
-    record = _Record(rng, cuda, torch.device("cpu"))
-    with _Recorder(record, create_on_meta=False), torch.no_grad():
-        for module in model.modules():
-            reset = getattr(module, "reset_parameters", None)  # torch's convention for meta-device modules
-            if callable(reset):
-                reset()
-    return record
 
 
 def _covers(ref: _Ref, numel: int) -> bool:
@@ -367,9 +312,8 @@ def _replay(record: _Record, emit: Callable[[int, torch.Tensor], None]) -> None:
         with torch.no_grad():
             for i, op in enumerate(record.ops):
                 made = {key for _, key, _ in op.created}
-                for key in (
-                    fresh[i] - made
-                ):  # overwritten whole: new memory (the op still runs: random stream)
+                # overwritten whole: new memory (the op still runs: random stream)
+                for key in fresh[i] - made:
                     meta = record.storages[key]
                     live[key] = torch.empty(_storage_numel(meta), dtype=meta.dtype, device=device)
                 args, kwargs = tree_unflatten([_real(leaf, live, device) for leaf in op.leaves], op.spec)
@@ -397,34 +341,16 @@ def _real(leaf: Any, live: dict[int, torch.Tensor], device: torch.device) -> Any
     return leaf
 
 
-def _allocate(model: nn.Module, device: torch.device) -> None:
-    """Give ``model``'s meta tensors memory on ``device`` (uninitialised) and move its other tensors there, each
-    parameter object kept (swapped in place, so tied weights stay one parameter and FSDP2 keeps its sharded
-    parameters registered): ``to_empty`` for the meta tensors only (``Module._apply``, which FSDP2 hooks)."""
-
-    def place(t: torch.Tensor) -> torch.Tensor:
-        return torch.empty_like(t, device=device) if t.is_meta else t.to(device)
-
-    apply_in_place(model, place)
-
-
 def materialize_model(
     model: nn.Module,
     device: torch.device,
     *,
     record: tuple[_Record, LazyNames] | None = None,
 ) -> None:
-    """Materialise ``model``'s meta tensors in place, with the values an eager build gives.
-
-    ``record``: :func:`lazy_state_names` of the model taken before its tensors were replaced (``fully_shard`` on
-    the meta device); default: taken now. The meta tensors get memory on ``device`` (``to_empty``), then
-    each receives its value, or its shard of it for a DTensor (no communication: every rank replays the same
-    record).
-
-    Raises:
-        ValueError: a tensor the record does not build (a model under ``torch.device("meta")`` whose buffer no
-            ``reset_parameters`` writes), naming it.
-    """
+    """Materialise ``model``'s meta tensors in place on ``device`` with an eager build's values, or each
+    DTensor's shard (every rank replays the same record: no communication). ``record``:
+    :func:`lazy_state_names` taken before the tensors were replaced (default: now); a tensor the record does
+    not build raises, naming it."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     rec, names = record if record is not None else lazy_state_names(model)
@@ -437,12 +363,13 @@ def materialize_model(
             "reset_parameters(); build the model under stepforge.strategy.LazyInitContext (which records its "
             "whole construction) instead of torch.device('meta')."
         )
-    _allocate(model, device)
+    # memory on device for the meta tensors, each parameter object kept (swapped in place: tied weights stay one
+    # parameter and FSDP2 keeps its sharded parameters registered); the other tensors moved there
+    apply_in_place(model, lambda t: torch.empty_like(t, device=device) if t.is_meta else t.to(device))
     state = {
         **dict(model.named_parameters(remove_duplicate=False)),
         **dict(model.named_buffers(remove_duplicate=False)),
     }
-    done: set[str] = set()
 
     def emit(key: int, flat: torch.Tensor) -> None:
         for name, ref in names.get(key, ()):
@@ -454,10 +381,6 @@ def materialize_model(
                     dest.to_local().copy_(local.to_local())
                 else:
                     dest.copy_(value)
-            done.add(name)
 
     _replay(rec, emit)
     rec.ops, rec.materialized = [], True
-    left = [n for views in names.values() for n, _ in views if n not in done]
-    if left:
-        raise ValueError(f"materialize: the record never produced {', '.join(left[:5])}.")

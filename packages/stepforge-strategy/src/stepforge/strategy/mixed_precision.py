@@ -1,19 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Mixed precision for the Booster: ``"fp16"``, ``"bf16"``, ``"fp8"``, ``"fp16_apex"``, a dict or an instance.
-
-The names, aliases and dtypes come from :mod:`stepforge.core.precision` (the one precision table). Each class maps
-to torch as follows (the plugin that owns precision, FSDP2 or ZeRO, does its own):
-
-============================ =====================================================================
-``fp16`` (FP16TorchMixedPrecision) ``torch.autocast(dtype=float16)`` around the forward, fp32 parameters
-                             (the master weights), ``torch.amp.GradScaler`` dynamic loss scaling whose state
-                             is saved with the optimizer
-``bf16`` (BF16MixedPrecision)  ``torch.autocast(dtype=bfloat16)``, fp32 parameters, no loss scaling
-``fp8`` (FP8MixedPrecision)    torchao ``convert_to_float8_training`` + bf16 autocast; needs torchao and a GPU
-                             of compute capability 8.9 or newer, else a ``RuntimeError`` naming that
-``fp16_apex``                 accepted as ``fp16`` (a one-time note says so); Apex is not used
-============================ =====================================================================
-"""
+"""Mixed precision for the Booster: ``"fp16"``, ``"bf16"``, ``"fp8"`` (torchao), ``"fp16_apex"`` (run as
+``fp16``), a dict or an instance; names and dtypes come from :mod:`stepforge.core.precision`. A plugin that
+owns precision (FSDP2, ZeRO) does its own."""
 
 from __future__ import annotations
 
@@ -43,19 +31,14 @@ __all__ = [
     "BF16MixedPrecision",
     "FP8MixedPrecision",
     "resolve_mixed_precision",
-    "PRECISION_NAMES",
 ]
 
 logger = logging.getLogger("stepforge.strategy")
 
 
 class MixedPrecision:
-    """Base class: how the Booster casts the forward and scales the loss for plugins without precision.
-
-    Attributes:
-        name: the precision name (``"fp16"``, ``"bf16"``, ``"fp8"``).
-        dtype: the autocast dtype.
-    """
+    """Base class: how the Booster casts the forward (autocast to ``dtype``) and scales the loss (``name`` is the
+    precision) for plugins that do not apply precision themselves."""
 
     name = "fp32"
     dtype: torch.dtype | None = None
@@ -65,20 +48,33 @@ class MixedPrecision:
         return None
 
     def configure_model(self, model: nn.Module, device: torch.device) -> nn.Module:
-        """Make ``model``'s forward run under autocast (the module is patched in place; keys unchanged)."""
+        """Make ``model``'s forward run under autocast: ``model.forward`` patched in place (an instance
+        attribute, so the state-dict keys stay)."""
         if self.dtype is None:
             return model
-        autocast_forward(model, device.type, self.dtype)
+        wanted = (device.type, self.dtype)
+        marked = getattr(model, "_stepforge_autocast", None)  # our own marker, set below
+        if marked is not None:
+            if marked != wanted:
+                raise ValueError(f"model already runs under autocast {marked}; cannot switch to {wanted}.")
+            return model
+        original = model.forward
+
+        @functools.wraps(original)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            with torch.autocast(device_type=device.type, dtype=self.dtype):
+                return original(*args, **kwargs)
+
+        model.forward = forward
+        model._stepforge_autocast = wanted  # type: ignore[assignment]  # mypy: nn.Module attributes are Tensor | Module
         return model
 
     def configure(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, criterion: Any = None
     ) -> tuple[nn.Module, Any, Any]:
-        """ColossalAI's ``configure``: ``model`` in a :class:`~stepforge.strategy.ModelWrapper` whose forward runs
-        under autocast (on the device of the model's first parameter), ``optimizer`` in an
-        :class:`~stepforge.strategy.OptimizerWrapper` with this precision's loss scaler, ``criterion`` unchanged
-        (the loss is computed from autocast outputs; an fp32 criterion is the safer default).
-        """
+        """ColossalAI's ``configure``: ``model`` in a :class:`~stepforge.strategy.ModelWrapper` whose forward runs under
+        autocast, ``optimizer`` in an :class:`~stepforge.strategy.OptimizerWrapper` with this precision's loss scaler,
+        ``criterion`` unchanged."""
         from .boosted_model import ModelWrapper
         from .boosted_optimizer import OptimizerWrapper
 
@@ -91,36 +87,8 @@ class MixedPrecision:
         return f"{type(self).__name__}()"
 
 
-def autocast_forward(model: nn.Module, device_type: str, dtype: torch.dtype) -> None:
-    """Patch ``model.forward`` (instance attribute) to run inside ``torch.autocast(device_type, dtype)``."""
-    if getattr(model, "_stepforge_autocast", None) is not None:
-        if model._stepforge_autocast != (device_type, dtype):
-            raise ValueError(
-                f"model already runs under autocast {model._stepforge_autocast}; cannot switch to "
-                f"{(device_type, dtype)}."
-            )
-        return
-    original = model.forward
-
-    @functools.wraps(original)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        with torch.autocast(device_type=device_type, dtype=dtype):
-            return original(*args, **kwargs)
-
-    model.forward = forward
-    # our marker on the module (mypy types nn.Module attributes as Tensor | Module)
-    model._stepforge_autocast = (device_type, dtype)  # type: ignore[assignment]
-
-
 class FP16TorchMixedPrecision(MixedPrecision):
-    """fp16 autocast with dynamic loss scaling (ColossalAI's signature; ``torch.amp.GradScaler`` semantics).
-
-    Args:
-        init_scale: initial loss scale.
-        growth_factor: scale multiplier after ``growth_interval`` steps without overflow.
-        backoff_factor: scale multiplier after an overflow (the step is skipped).
-        growth_interval: overflow-free steps before the scale grows.
-    """
+    """fp16 autocast with dynamic loss scaling (ColossalAI's signature; ``torch.amp.GradScaler`` semantics)."""
 
     name = "fp16"
     dtype = PRECISIONS["fp16"].autocast_dtype
@@ -154,17 +122,11 @@ class FP16TorchMixedPrecision(MixedPrecision):
 
 
 _APEX_NOTED = False
-_APEX_ARGS = ("opt_level", "loss_scale", "verbosity")
 
 
 class FP16ApexMixedPrecision(FP16TorchMixedPrecision):
-    """``"fp16_apex"``: accepted as torch fp16 autocast with dynamic loss scaling (Apex is not used).
-
-    Args:
-        opt_level: ``"O1"`` (autocast) or ``"O2"`` (both run as fp16 autocast with fp32 master weights).
-        loss_scale: ``"dynamic"`` or a float (the initial scale).
-        verbosity: accepted for compatibility.
-    """
+    """``"fp16_apex"``: run as torch fp16 autocast with dynamic loss scaling (Apex is not used): ``opt_level``
+    ``"O1"``/``"O2"``, ``loss_scale`` ``"dynamic"`` or the initial scale, ``verbosity`` accepted."""
 
     name = "fp16"
 
@@ -173,7 +135,7 @@ class FP16ApexMixedPrecision(FP16TorchMixedPrecision):
         if kwargs:
             raise TypeError(
                 f"FP16ApexMixedPrecision: argument(s) {', '.join(map(repr, sorted(kwargs)))} have no torch "
-                f"equivalent here; supported: {', '.join(_APEX_ARGS)}."
+                "equivalent here; supported: opt_level, loss_scale, verbosity."
             )
         if opt_level not in ("O1", "O2"):
             raise ValueError(f"FP16ApexMixedPrecision: opt_level must be 'O1' or 'O2', got {opt_level!r}.")
@@ -204,30 +166,22 @@ class BF16MixedPrecision(MixedPrecision):
 def fp8_requirement_error() -> str | None:
     """Why fp8 training cannot run here, or ``None`` when it can."""
     if importlib.util.find_spec("torchao") is None:
-        return (
-            "mixed_precision='fp8' needs torchao's float8 training (pip install torchao) and an NVIDIA GPU of "
-            "compute capability 8.9 or newer (Ada, Hopper); torchao is not installed."
-        )
-    if not torch.cuda.is_available():
-        return (
-            "mixed_precision='fp8' needs an NVIDIA GPU of compute capability 8.9 or newer (Ada, Hopper) for "
-            "torchao's float8 training; no CUDA device is available. Use 'bf16' on this machine."
-        )
-    major, minor = torch.cuda.get_device_capability()
-    if (major, minor) < (8, 9):
-        return (
-            f"mixed_precision='fp8' needs a GPU of compute capability 8.9 or newer (Ada, Hopper); this one is "
-            f"{major}.{minor}. Use 'bf16'."
-        )
-    return None
+        why = "torchao is not installed (pip install torchao)"
+    elif not torch.cuda.is_available():
+        why = "no CUDA device is available"
+    elif torch.cuda.get_device_capability() < (8, 9):
+        why = "this GPU is {}.{}".format(*torch.cuda.get_device_capability())
+    else:
+        return None
+    return (
+        "mixed_precision='fp8' needs torchao's float8 training and an NVIDIA GPU of compute capability 8.9 or "
+        f"newer (Ada, Hopper); {why}. Use 'bf16' on this machine."
+    )
 
 
 class FP8MixedPrecision(MixedPrecision):
-    """fp8 training through torchao (``convert_to_float8_training``) with bf16 autocast around it.
-
-    Raises:
-        RuntimeError: at construction, when torchao or a GPU of compute capability >= 8.9 is missing.
-    """
+    """fp8 training through torchao (``convert_to_float8_training``) with bf16 autocast around it; a
+    ``RuntimeError`` at construction without torchao or a GPU of compute capability >= 8.9."""
 
     name = "fp8"
     dtype = PRECISIONS["fp8"].autocast_dtype
@@ -254,9 +208,6 @@ _CLASSES: dict[str, type[MixedPrecision]] = {
     "fp8": FP8MixedPrecision,
 }
 
-#: The string values ``mixed_precision`` accepts.
-PRECISION_NAMES = MIXED_PRECISIONS
-
 
 def _row(name: Any) -> Precision | None:
     """The table row of a precision name, ``None`` for anything else."""
@@ -267,17 +218,15 @@ def _row(name: Any) -> Precision | None:
 
 
 def resolve_mixed_precision(spec: str | Mapping[str, Any] | MixedPrecision | None) -> MixedPrecision | None:
-    """A :class:`MixedPrecision` from a name, a ``dict(type=name, **kwargs)``, an instance or ``None``.
-
-    ``"fp32"``/``"no"`` give ``None`` (full precision).
-    """
+    """A :class:`MixedPrecision` from a name, a ``dict(type=name, **kwargs)`` or an instance; fp32 gives
+    ``None``."""
     if spec is None or isinstance(spec, MixedPrecision):
         return spec
     if isinstance(spec, str):
         row = _row(spec)
         if row is None:
             raise ValueError(
-                f"mixed_precision must be one of {', '.join(map(repr, PRECISION_NAMES))}, a dict with 'type' "
+                f"mixed_precision must be one of {', '.join(map(repr, MIXED_PRECISIONS))}, a dict with 'type' "
                 f"or a MixedPrecision instance; got {spec!r}."
             )
         return None if row.name == "fp32" else _CLASSES[row.name]()
@@ -287,7 +236,7 @@ def resolve_mixed_precision(spec: str | Mapping[str, Any] | MixedPrecision | Non
         row = _row(name)
         if row is None or row.name not in _CLASSES:
             raise ValueError(
-                f"mixed_precision dict needs 'type' in {', '.join(map(repr, PRECISION_NAMES))}; got {name!r}."
+                f"mixed_precision dict needs 'type' in {', '.join(map(repr, MIXED_PRECISIONS))}; got {name!r}."
             )
         return _CLASSES[row.name](**kwargs)
     raise TypeError(

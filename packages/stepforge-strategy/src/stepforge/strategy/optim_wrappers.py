@@ -1,11 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""mmengine's ``ColossalAIOptimWrapper`` and ``AmpOptimWrapper`` on stepforge-accum's ``OptimWrapper``.
-
-Both subclass :class:`stepforge.accum.OptimWrapper`, so the counting, the partial last window, weighted
-accumulation (``num_items``) and the counters in ``state_dict`` are accum's; these classes only override its
-documented hooks (``run_backward``, ``before_clip``, ``clip_gradients``, ``optimizer_step``,
-``no_sync_context``) to change how backward, clipping, the step and the gradient-sync suspension run.
-"""
+"""mmengine's ``ColossalAIOptimWrapper`` and ``AmpOptimWrapper`` on stepforge-accum's ``OptimWrapper``: they
+only override its documented hooks (``run_backward``, ``before_clip``, ``optimizer_step``,
+``no_sync_context``...)."""
 
 from __future__ import annotations
 
@@ -25,23 +21,9 @@ __all__ = ["ColossalAIOptimWrapper", "AmpOptimWrapper"]
 
 
 class ColossalAIOptimWrapper(OptimWrapper):
-    """Drive backward, ``no_sync`` and clipping through a :class:`~stepforge.strategy.Booster`.
-
-    Args:
-        optimizer: the optimizer ``booster.boost`` returned.
-        booster: the Booster (required before ``backward``/``optim_context``).
-        accumulative_counts: micro-batches per optimizer step.
-        clip_grad: ``dict(max_norm=..., norm_type=2.0)`` clips by the global norm through the plugin (after
-            fp16 unscaling, over every shard); ``dict(type="value", clip_value=...)`` clips values.
-            mmengine refuses ``clip_grad`` here; the plugin's ``max_norm`` still works too.
-        **kwargs: ``process_group``, ``reduce_weights``, ``scheduler_clock`` of accum's ``OptimWrapper``.
-
-    ``backward`` counts the micro-batch and runs the boosted optimizer's ``backward`` (the plugin's loss
-    scaling; ``booster.backward`` is the same call); clipping goes through its ``clip_grad_norm_``;
-    ``optim_context(model)`` enters ``booster.no_sync(model, optimizer)`` for micro-batches that do not end a
-    window when the plugin supports it (put the forward inside). It never enables autocast: the Booster's
-    mixed precision already did.
-    """
+    """Drive backward, ``no_sync`` and clipping through a :class:`~stepforge.strategy.Booster` (needed before
+    ``backward``/``optim_context``); ``clip_grad`` (which mmengine refuses here) clips through the plugin
+    after fp16 unscaling. It never enables autocast: the Booster's mixed precision did."""
 
     def __init__(
         self,
@@ -67,9 +49,8 @@ class ColossalAIOptimWrapper(OptimWrapper):
         return self.booster
 
     def run_backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """The boosted optimizer's ``backward(loss)`` (what ``booster.backward`` runs: the plugin's loss scaling
-        and reduction); a non-final micro-batch's backward outside ``optim_context`` runs under the booster's
-        ``no_sync`` too."""
+        """The boosted optimizer's ``backward(loss)`` (the plugin's loss scaling and reduction), under
+        ``no_sync`` for a non-final micro-batch outside ``optim_context``."""
         self._require_booster("backward")
         if kwargs:
             raise TypeError(
@@ -113,28 +94,9 @@ _DTYPES = {
 }
 
 
-def _param_device(optimizer: Any) -> torch.device:
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            device: torch.device = p.device
-            return device
-    return torch.device("cpu")
-
-
 class AmpOptimWrapper(OptimWrapper):
-    """Automatic mixed precision: autocast in ``optim_context``, ``GradScaler`` loss scaling (mmengine's API).
-
-    Args:
-        loss_scale: ``"dynamic"`` (``GradScaler`` defaults), a number (a static scale; ints too, which
-            mmengine rejects) or a dict of ``GradScaler`` arguments.
-        dtype: autocast dtype: ``"float16"``, ``"bfloat16"``, ``"float32"``, ``"float64"`` or a
-            ``torch.dtype``; ``None``: float16 on CUDA, bfloat16 on CPU.
-        use_fsdp: use ``ShardedGradScaler`` (overflow found on any rank skips the step on all).
-        **kwargs: ``accumulative_counts``, ``clip_grad`` and the rest of accum's ``OptimWrapper``.
-
-    Runs on CPU and CUDA (the device is that of the optimizer's parameters). Loss scaling is used only with
-    float16; bf16 and fp32 need none (mmengine scales those too).
-    """
+    """mmengine's ``AmpOptimWrapper``: autocast in ``optim_context``, ``GradScaler`` loss scaling
+    (``ShardedGradScaler`` with ``use_fsdp``); ``loss_scale`` ints are accepted too."""
 
     valid_dtypes = tuple(_DTYPES)
 
@@ -148,7 +110,8 @@ class AmpOptimWrapper(OptimWrapper):
         **kwargs: Any,
     ) -> None:
         super().__init__(optimizer, **kwargs)
-        self.device = _param_device(optimizer)
+        first = next((p for group in optimizer.param_groups for p in group["params"]), None)
+        self.device: torch.device = first.device if first is not None else torch.device("cpu")
         if dtype is None:
             dtype = torch.float16 if self.device.type == "cuda" else torch.bfloat16
         elif isinstance(dtype, str):

@@ -1,28 +1,31 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``Strategy``: mmengine's ColossalAIStrategy API on the stepforge Booster.
-
-One object configures the run (plugin, precision, work dir, logging, LR scaling), ``prepare`` builds the model,
-optim wrapper and schedulers, and ``save_checkpoint``/``load_checkpoint``/``resume`` persist them through
-crash-safe DCP directory checkpoints (:mod:`stepforge.strategy.checkpoint`). Unlike mmengine's it honours
-``compile``, ``callback``, ``map_location``, ``strict`` and ``revise_keys``, writes the meta once, restores
-the accumulation counter, the loss scaler and every rank's RNG state, and can be created many times per
-process.
-"""
+"""``Strategy``: mmengine's ColossalAIStrategy API on the stepforge Booster, with crash-safe DCP directory
+checkpoints (:mod:`stepforge.strategy.checkpoint`). Unlike mmengine's it honours ``compile``, ``callback``,
+``map_location``, ``strict`` and ``revise_keys``, restores the accumulation counter, the loss scaler and every
+rank's RNG state, and can be created many times per process."""
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import nn
 
-from stepforge.core import Plugin
+from stepforge.core import OPTIM_WRAPPERS, Plugin
 
-from . import _prepare
-from ._env import ENV_KWARGS, setup_env
-from ._logging import LOG_KWARGS, close_logger, setup_logger
-from ._options import check_auto_scale_lr, check_dict, check_global_batch_size, check_model_wrapper
+from ._env import (
+    ENV_KWARGS,
+    LOG_KWARGS,
+    check_dict,
+    close_logger,
+    get_world_size,
+    setup_env,
+    setup_logger,
+)
 from .boosted_model import plugin_module
 from .booster import Booster
 from .checkpoint import (
@@ -42,33 +45,9 @@ __all__ = ["Strategy", "ColossalAIStrategy"]
 
 
 class Strategy:
-    """Prepare, checkpoint and resume a training run through a :class:`~stepforge.strategy.Booster`.
-
-    Args:
-        plugin: a plugin name (``"torch_ddp"``, ``"torch_fsdp"``, ``"gemini"``, ``"zero2"``...), dict or
-            instance; ``None`` picks ``single`` on one process and ``torch_ddp`` on several.
-        mixed_precision: ``"fp16"``, ``"bf16"``, ``"fp8"``, a dict/instance or ``None`` (the Booster's rules).
-        model_wrapper: ``None`` or a callable applied to the boosted model (``model = model_wrapper(model)``).
-        work_dir: where logs, checkpoints and ``last_checkpoint`` go.
-        experiment_name: prefix of the experiment name (``<name>_<timestamp>``).
-        env_kwargs: ``launcher``, ``backend``, ``dist_cfg``, ``mp_cfg``, ``cudnn_benchmark``, ``resource_limit``,
-            ``randomness=dict(seed=None, deterministic=False, diff_rank_seed=False)``.
-        log_kwargs: ``log_level``, ``file_mode``, ``all_ranks`` (every rank writes a log file), ``console``.
-        auto_scale_lr: ``dict(base_batch_size=..., enable=True)``: lr *= world size * micro-batch *
-            accumulative_counts / base_batch_size (needs ``dispatch_kwargs["train_micro_batch_size_per_gpu"]``).
-        config: the run's config (any object); its ``repr`` is recorded as ``meta["cfg"]`` in checkpoints.
-        memory_budget: the Booster's ``memory_budget`` (with ``plugin="auto"``: the fastest plugin that fits is
-            chosen at :meth:`prepare`; :attr:`plugin` is the chosen one from then on). :meth:`prepare` passes the
-            optim wrapper's ``accumulative_counts``, so each estimate holds a whole accumulation window.
-        resume: ``"auto"``/``True``: :meth:`prepare` ends by resuming the latest checkpoint of ``work_dir`` if
-            any (for ``torchrun --max-restarts``); a path: that checkpoint; ``False``: none (default). See
-            :func:`~stepforge.strategy.checkpoint.checkpoint_to_resume` and :attr:`resumed_from`.
-        global_batch_size: samples per optimizer step over all ranks (DeepSpeed's ``train_batch_size``), kept at
-            every world size: :meth:`prepare` derives the optim wrapper's ``accumulative_counts`` = global batch /
-            (world size x ``dispatch_kwargs["train_micro_batch_size_per_gpu"]``), or raises listing the sizes that
-            would divide. A resume at another world size then converts the iteration counters (``cur_iter``, the
-            accumulation window, per-iteration schedulers) to the new count; see docs/checkpoints.md.
-    """
+    """Prepare, checkpoint and resume a training run through a :class:`~stepforge.strategy.Booster` (``plugin``,
+    ``mixed_precision`` and ``memory_budget`` are the Booster's); the other arguments are the package README's
+    section "Strategy: prepare, checkpoint, resume" and docs/checkpoints.md."""
 
     def __init__(
         self,
@@ -87,11 +66,24 @@ class Strategy:
         global_batch_size: int | None = None,
     ) -> None:
         check_resume_option(resume)
-        self.global_batch_size = check_global_batch_size(global_batch_size)
+        gbs = global_batch_size
+        if gbs is not None and (not isinstance(gbs, int) or isinstance(gbs, bool) or gbs <= 0):
+            raise ValueError(
+                "global_batch_size must be None or a positive int (samples per optimizer step over all ranks: world "
+                f"size x train_micro_batch_size_per_gpu x accumulative_counts), got {gbs!r}"
+            )
+        self.global_batch_size = gbs
         env = check_dict("env_kwargs", env_kwargs, ENV_KWARGS)
         logs = check_dict("log_kwargs", log_kwargs, LOG_KWARGS)
-        self.auto_scale_lr = check_auto_scale_lr(auto_scale_lr)
-        check_model_wrapper(model_wrapper)
+        scale = check_dict("auto_scale_lr", auto_scale_lr, frozenset({"base_batch_size", "enable"}))
+        base = scale.get("base_batch_size")
+        if scale and scale.get("enable", True) and not (isinstance(base, int) and base > 0):
+            raise ValueError(f"auto_scale_lr needs base_batch_size, a positive int; got {base!r}")
+        self.auto_scale_lr = scale
+        if model_wrapper is not None and not callable(model_wrapper):
+            raise TypeError(
+                f"model_wrapper must be None or a callable taking the boosted model, got {model_wrapper!r}"
+            )
         self.env = setup_env(**env)
         self.work_dir = os.path.abspath(work_dir)
         os.makedirs(self.work_dir, exist_ok=True)
@@ -146,38 +138,26 @@ class Strategy:
         compile: bool | Mapping[str, Any] = False,
         dispatch_kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
-        """Boost ``model``, build the optim wrapper and schedulers; returns what exists, as mmengine.
-
-        ``model`` alone → the model; with ``optim_wrapper`` → ``(model, optim_wrapper)``; with schedulers
-        → ``(model, optim_wrapper, schedulers)``. A second call returns the same objects.
-
-        Args:
-            model: the ``nn.Module`` to train (rank 0's initial weights are broadcast to every rank).
-            optim_wrapper: ``dict(optimizer=dict(type=..., lr=...), accumulative_counts=1, clip_grad=None,
-                type="ColossalAIOptimWrapper")`` or a built ``ColossalAIOptimWrapper``.
-            param_scheduler: a dict, list of dicts or built schedulers (see :func:`build_param_scheduler`).
-            compile: ``True`` or a dict of ``torch.compile`` arguments, with ``target`` (the method of your model,
-                default ``"forward"``) and ``disable`` (``True``: nothing is compiled); applied by the Booster once
-                the plugin prepared the model, per block for FSDP2 (see :mod:`stepforge.strategy.compile`).
-            dispatch_kwargs: ``max_iters``, ``max_epochs``, ``epoch_length``, ``train_micro_batch_size_per_gpu``.
-        """
+        """Boost ``model`` (rank 0's weights on every rank), build the optim wrapper and schedulers; returns
+        what exists, as mmengine: ``model``, ``(model, optim_wrapper)`` or ``(model, optim_wrapper,
+        schedulers)``."""
         if self._prepared:
             return self._components()
         self.dispatch_kwargs.update(check_dict("dispatch_kwargs", dispatch_kwargs))
         if not isinstance(model, nn.Module):
             raise TypeError(f"Strategy.prepare: model must be a torch.nn.Module, got {type(model).__name__}")
         compile_cfg = compile_config(compile, where="Strategy.prepare")
-        _prepare.broadcast_weights(model)
+        broadcast_weights(model)
         wrapper = None
         micro_batch = self.dispatch_kwargs.get("train_micro_batch_size_per_gpu")
         if optim_wrapper is not None and self.global_batch_size is not None:
-            optim_wrapper = _prepare.keep_global_batch(
+            optim_wrapper = keep_global_batch(
                 optim_wrapper, self.global_batch_size, self.world_size, micro_batch
             )
         if optim_wrapper is None:
             model = self.booster.boost(model, compile=compile)[0]
         else:
-            model, wrapper = _prepare.build_optim_wrapper(self.booster, model, optim_wrapper, compile)
+            model, wrapper = build_optim_wrapper(self.booster, model, optim_wrapper, compile)
         if compile_cfg is not None:
             self.logger.info(
                 f"torch.compile({dict(compile_cfg.options)}) applied to the model's {compile_cfg.target!r} (per "
@@ -185,15 +165,14 @@ class Strategy:
             )
         if self.booster.auto_choice is not None:  # into the run's own log (mmengine's, under FlexibleRunner)
             self.logger.info("%s\n%s", self.booster.auto_choice.reason, self.booster.auto_choice.table)
-        model = plugin_module(
-            model
-        )  # mmengine's strategies hand back the DDP/FSDP module, not a ModelWrapper
+        # mmengine's strategies hand back the DDP/FSDP module, not a ModelWrapper
+        model = plugin_module(model)
         if self.model_wrapper is not None:
             model = self.model_wrapper(model)
         self.model, self.optim_wrapper = model, wrapper
         if wrapper is not None:
-            _prepare.scale_lr(wrapper, self.auto_scale_lr, self.world_size, micro_batch, self.logger)
-            _prepare.start_accumulation(wrapper, model, self.dispatch_kwargs.get("max_iters"))
+            scale_lr(wrapper, self.auto_scale_lr, self.world_size, micro_batch, self.logger)
+            start_accumulation(wrapper, model, self.dispatch_kwargs.get("max_iters"))
             if param_scheduler is not None:
                 self.param_schedulers = build_param_scheduler(
                     param_scheduler,
@@ -220,20 +199,15 @@ class Strategy:
 
     @staticmethod
     def compile_model(model: nn.Module, compile: bool | Mapping[str, Any]) -> nn.Module:
-        """mmengine's ``compile_model``: compile ``<target>`` (default ``forward``) of the model inside ``model``
-        in place (per FSDP2 block for a sharded model) and return ``model``; ``False``/``disable=True`` compile
-        nothing. :meth:`prepare` does this through the Booster (see :mod:`stepforge.strategy.compile`)."""
+        """mmengine's ``compile_model``: compile the model inside ``model`` in place and return ``model``
+        (:mod:`stepforge.strategy.compile`)."""
         compile_model(model, compile, where="Strategy.compile_model")
         return model
 
     # -- checkpoints ---------------------------------------------------------------------------------------
     def register_for_checkpointing(self, name: str, obj: Any, *, per_rank: bool = False) -> None:
-        """Save ``obj.state_dict()`` in every checkpoint and restore it on :meth:`resume` (dataloaders...).
-
-        ``per_rank=True`` keeps one copy per rank (restored only on the same rank of a same-size run). Register a
-        :class:`~stepforge.strategy.StatefulDataLoader` shared (the default): over a ``DistributedSampler`` its
-        position resumes at any world size. With ``resume="auto"``, register before :meth:`prepare` (it resumes).
-        """
+        """Save ``obj.state_dict()`` in every checkpoint and restore it on :meth:`resume`; ``per_rank=True`` keeps one
+        copy per rank (same-size runs only). With ``resume="auto"``, register before :meth:`prepare`."""
         if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
             raise TypeError(f"register_for_checkpointing({name!r}): obj needs state_dict and load_state_dict")
         self.statefuls[name] = (obj, per_rank)
@@ -248,12 +222,8 @@ class Strategy:
         callback: Any = None,
         max_keep_ckpts: int | None = None,
     ) -> str:
-        """Write a committed checkpoint directory (collective: every rank calls it). Returns its path.
-
-        ``filename`` is relative to ``work_dir`` unless absolute. ``callback(checkpoint)`` may edit the dict
-        (``meta``, ``state_dict``, ``optimizer``, ``param_schedulers`` and ``extra_ckpt``'s keys) before it is
-        written. ``max_keep_ckpts`` deletes the oldest committed checkpoints of that folder, after the commit.
-        """
+        """Write a committed checkpoint directory under ``work_dir`` (collective); returns its path.
+        ``max_keep_ckpts`` deletes the oldest committed ones of that folder after the commit."""
         if not self._prepared:
             raise RuntimeError("Strategy.save_checkpoint: call prepare() first (there is nothing to save)")
         return save_checkpoint(
@@ -287,11 +257,8 @@ class Strategy:
         map_location: Any = "default",
         callback: Any = None,
     ) -> dict[str, Any]:
-        """Restore model, optimizer (with loss scaler and accumulation counters), schedulers, registered
-        statefuls and every rank's RNG states; sets ``dispatch_kwargs['cur_iter']``. Returns the checkpoint dict.
-        At another accumulation count with ``global_batch_size`` kept, the iteration counters (``cur_iter``,
-        ``meta["iter"]``, the window's, per-iteration schedulers') are converted to the new count.
-        """
+        """Restore model, optimizer, schedulers, registered statefuls and every rank's RNG state; sets
+        ``dispatch_kwargs['cur_iter']``. Returns the checkpoint dict."""
         if not self._prepared:
             raise RuntimeError("Strategy.resume: call prepare() first (resume fills the prepared objects)")
         return resume_checkpoint(
@@ -299,7 +266,6 @@ class Strategy:
         )
 
     def _run_state(self) -> RunState:
-        """The parts a checkpoint saves and restores (the checkpoint code never sees the Strategy)."""
         mixed = self.booster.mixed_precision
         return RunState(
             model=self.model,
@@ -355,3 +321,152 @@ class ColossalAIStrategy(Strategy):
 
     def __init__(self, *, plugin: Any = "gemini", **kwargs: Any) -> None:
         super().__init__(plugin=plugin, **kwargs)
+
+
+# -- the steps of Strategy.prepare ---------------------------------------------------------------------------
+def broadcast_weights(model: nn.Module) -> None:
+    """Copy rank 0's parameters and buffers into ``model`` on every rank (meta tensors skipped); NCCL moves
+    CUDA tensors only, so CPU tensors travel through the current device."""
+    if get_world_size() == 1:
+        return
+    staging = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    with torch.no_grad():
+        for tensor in list(model.parameters()) + list(model.buffers()):
+            if tensor.is_meta:
+                continue  # lazy: every rank materialises the same values at boost
+            if staging is None or tensor.device == staging:
+                dist.broadcast(tensor.data, src=0)
+            else:
+                staged = tensor.data.to(staging)
+                dist.broadcast(staged, src=0)
+                tensor.data.copy_(staged)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def accumulation_for_global_batch(global_batch: int, world_size: int, micro_batch: Any) -> int:
+    """``accumulative_counts`` with ``world_size`` x ``micro_batch`` x counts == ``global_batch`` (DeepSpeed's
+    rule), else a ``ValueError`` listing the micro-batch sizes and world sizes that would work."""
+    if not isinstance(micro_batch, int) or isinstance(micro_batch, bool) or micro_batch <= 0:
+        raise ValueError(
+            f"global_batch_size={global_batch} needs dispatch_kwargs['train_micro_batch_size_per_gpu'] (samples "
+            f"per rank per micro-batch; FlexibleRunner passes the train dataloader's batch_size), got {micro_batch!r}"
+        )
+    per_iteration = world_size * micro_batch
+    if global_batch % per_iteration == 0:
+        return global_batch // per_iteration
+    micro = _divisors(global_batch // world_size) if global_batch % world_size == 0 else []
+    worlds = _divisors(global_batch // micro_batch) if global_batch % micro_batch == 0 else []
+    raise ValueError(
+        f"global_batch_size={global_batch} is not a multiple of world size {world_size} x micro-batch "
+        f"{micro_batch} (train_micro_batch_size_per_gpu) = {per_iteration}, so no accumulative_counts keeps it. "
+        f"At world size {world_size}, micro-batch sizes {micro} work; with micro-batch {micro_batch}, world sizes "
+        f"{worlds}; or set global_batch_size to a multiple of {per_iteration}"
+    )
+
+
+def keep_global_batch(cfg: Any, global_batch: int, world_size: int, micro_batch: Any) -> Any:
+    """``cfg`` with the ``accumulative_counts`` keeping ``global_batch``; one given must be that one."""
+    counts = accumulation_for_global_batch(global_batch, world_size, micro_batch)
+    given = cfg.accumulative_counts if isinstance(cfg, ColossalAIOptimWrapper) else None
+    if isinstance(cfg, Mapping):
+        given = cfg.get("accumulative_counts")
+        cfg = {**cfg, "accumulative_counts": counts}
+    if given is not None and given != counts:
+        raise ValueError(
+            f"optim_wrapper accumulative_counts={given!r} contradicts global_batch_size={global_batch} = world size "
+            f"{world_size} x micro-batch {micro_batch} x {counts}: leave accumulative_counts out (global_batch_size "
+            "derives it at every world size) or drop global_batch_size"
+        )
+    return cfg
+
+
+def _window(counts: Any) -> int | None:
+    # None where it is not a positive int: the wrapper's own check names it
+    return counts if isinstance(counts, int) and not isinstance(counts, bool) and counts >= 1 else None
+
+
+def build_optim_wrapper(
+    booster: Booster, model: nn.Module, cfg: Any, compile: Any = False
+) -> tuple[nn.Module, Any]:
+    """Boost ``model`` with the optimizer of ``cfg`` (a dict or a built ``ColossalAIOptimWrapper``); returns
+    the model and the optim wrapper (its ``accumulative_counts`` is ``boost``'s ``accumulation_steps``)."""
+    if isinstance(cfg, ColossalAIOptimWrapper):
+        steps = _window(cfg.accumulative_counts)
+        model, cfg.optimizer = booster.boost(model, cfg.optimizer, compile=compile, accumulation_steps=steps)[
+            :2
+        ]
+        cfg.booster = booster
+        return model, cfg
+    if not isinstance(cfg, Mapping):
+        raise TypeError(
+            "Strategy.prepare: optim_wrapper must be a dict (dict(optimizer=dict(type='AdamW', lr=1e-3), "
+            f"accumulative_counts=1)) or a ColossalAIOptimWrapper, got {type(cfg).__name__}"
+        )
+    cfg = dict(cfg)
+    name = cfg.pop("type", "ColossalAIOptimWrapper")
+    cls = OPTIM_WRAPPERS.get(name) if isinstance(name, str) else name
+    if not (isinstance(cls, type) and issubclass(cls, ColossalAIOptimWrapper)):
+        raise ValueError(
+            f"Strategy.prepare: optim_wrapper type must be ColossalAIOptimWrapper or a subclass (it drives the "
+            f"Booster), got {name!r}"
+        )
+    for key in ("constructor", "paramwise_cfg"):
+        if key in cfg:
+            raise ValueError(
+                f"Strategy.prepare: optim_wrapper {key!r} is not supported; build the optimizer with param "
+                "groups yourself and pass it as optim_wrapper=dict(optimizer=<optimizer>)"
+            )
+    if "optimizer" not in cfg:
+        raise ValueError(
+            "Strategy.prepare: optim_wrapper needs 'optimizer' (a dict such as dict(type='AdamW'))"
+        )
+    optimizer = cfg.pop("optimizer")
+    optimizer = dict(optimizer) if isinstance(optimizer, Mapping) else optimizer
+    steps = _window(cfg.get("accumulative_counts", 1))
+    model, optimizer = booster.boost(model, optimizer, compile=compile, accumulation_steps=steps)[:2]
+    return model, cls(optimizer, booster=booster, **cfg)
+
+
+def scale_lr(
+    wrapper: Any,
+    auto_scale_lr: Mapping[str, Any],
+    world_size: int,
+    micro_batch: Any,
+    logger: logging.Logger,
+) -> None:
+    """lr *= ``world_size`` * ``micro_batch`` * accumulative_counts / base_batch_size, in place."""
+    if not auto_scale_lr or not auto_scale_lr.get("enable", True):
+        return
+    if not isinstance(micro_batch, int) or micro_batch <= 0:
+        raise ValueError(
+            "auto_scale_lr needs dispatch_kwargs['train_micro_batch_size_per_gpu'] (samples per rank per "
+            f"micro-batch), got {micro_batch!r}"
+        )
+    base = auto_scale_lr["base_batch_size"]
+    ratio = world_size * micro_batch * wrapper.accumulative_counts / base
+    for group in wrapper.param_groups:
+        group["lr"] = group["lr"] * ratio
+    if wrapper.base_param_settings is not None and "lr" in wrapper.base_param_settings:
+        wrapper.base_param_settings["lr"] *= ratio
+    logger.info(
+        f"auto_scale_lr: lr scaled by {ratio:g} = world {world_size} x micro-batch {micro_batch} x "
+        f"accumulative_counts {wrapper.accumulative_counts} / base {base}"
+    )
+
+
+def start_accumulation(wrapper: Any, model: nn.Module, max_iters: Any) -> None:
+    """Start ``wrapper``'s accumulation window at iteration 0 when it accumulates; ``max_iters`` lets the last
+    partial window step too."""
+    counts = wrapper.accumulative_counts
+    if counts <= 1:
+        return
+    if not isinstance(max_iters, int) or max_iters <= 0:
+        raise ValueError(
+            f"accumulative_counts={counts} needs dispatch_kwargs['max_iters'] (the number of training "
+            "iterations, so the last partial window steps too); pass prepare(..., "
+            "dispatch_kwargs=dict(max_iters=N))"
+        )
+    wrapper.initialize_count_status(model, 0, max_iters)

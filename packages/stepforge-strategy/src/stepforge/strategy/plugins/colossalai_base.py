@@ -1,32 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""ColossalAI's plugin base classes, ``Plugin`` and ``DPPluginBase``, on stepforge's contract.
-
-ColossalAI's extension point is a subclass of ``colossalai.booster.plugin.Plugin`` (or ``DPPluginBase``) that
-implements ``configure``, ``control_checkpoint_io``, ``get_checkpoint_io``, ``no_sync``, ``supported_devices``,
-``supported_precisions``, ``control_precision``, ``control_device`` and ``support_no_sync``. The same class,
-with its import pointed here, works with :class:`~stepforge.strategy.Booster`::
-
-    from stepforge.strategy import OptimizerWrapper
-    from stepforge.strategy.plugins import DPPluginBase
-
-    class MyDDPPlugin(DPPluginBase):
-        def configure(self, model, optimizer=None, criterion=None, dataloader=None, lr_scheduler=None):
-            model = DistributedDataParallel(model)
-            if optimizer is not None and not isinstance(optimizer, OptimizerWrapper):
-                optimizer = OptimizerWrapper(optimizer)
-            return model, optimizer, criterion, dataloader, lr_scheduler
-        ...
-
-Both classes are :class:`stepforge.core.Plugin` subclasses: ``name`` defaults to the class name, ``prepare`` to
-``configure`` (the model and optimizer it returns), ``prepare_dataloader`` to core's (this rank's
-``DistributedSampler`` share, ColossalAI's signature); ``supports_no_sync`` answers ``support_no_sync``;
-``precision`` may be assigned in ``__init__`` as ColossalAI's plugins do (and, on ``DPPluginBase``, ``rank`` and
-``world_size``, which it sets from the process group). As with
-every stepforge plugin, ``configure`` receives the optimizer already wrapped in an
-:class:`~stepforge.strategy.OptimizerWrapper` when the plugin does not control precision (the Booster's mixed
-precision wraps it first); ColossalAI's own plugins check ``isinstance(optimizer, OptimizerWrapper)`` before
-wrapping, and so should these.
-"""
+"""ColossalAI's plugin base classes, ``Plugin`` and ``DPPluginBase``, on stepforge's contract: a ColossalAI
+plugin subclass (implementing ``configure``, ``no_sync``, ``supported_precisions``...) works with
+:class:`~stepforge.strategy.Booster` once its import points here. ``name`` defaults to the class name and
+``prepare`` to ``configure``; ``configure`` receives the optimizer already wrapped when the Booster's mixed
+precision applies (it wraps first), so check ``isinstance(optimizer, OptimizerWrapper)`` as ColossalAI's own
+plugins do."""
 
 from __future__ import annotations
 
@@ -40,12 +18,13 @@ from torch import nn
 from stepforge.core import BoostedOptimizer
 from stepforge.core import Plugin as CorePlugin
 
+from .._env import is_distributed
+
 __all__ = ["Plugin", "DPPluginBase"]
 
 
 class Plugin(CorePlugin):
-    """ColossalAI's ``Plugin``: implement its abstract methods (listed in the module docstring); ``name`` and
-    ``prepare`` come from them."""
+    """ColossalAI's ``Plugin``: implement its abstract methods; ``name`` and ``prepare`` come from them."""
 
     @property
     def name(self) -> str:
@@ -54,8 +33,8 @@ class Plugin(CorePlugin):
 
     @property
     def precision(self) -> str | None:
-        """The precision the plugin applies (``None`` unless :meth:`control_precision`); assignable, as in
-        ColossalAI's plugins, which set ``self.precision`` in ``__init__`` (an assigned one is explicit)."""
+        """The precision the plugin applies (``None`` unless :meth:`control_precision`); assignable in
+        ``__init__`` as in ColossalAI's plugins (an assigned one is explicit)."""
         return self._precision if self.control_precision() else None
 
     @precision.setter
@@ -76,53 +55,30 @@ class Plugin(CorePlugin):
         """:meth:`support_no_sync`, ColossalAI's spelling, which a subclass implements."""
         return bool(self.support_no_sync())
 
-    # -- ColossalAI's abstract methods -----------------------------------------------------------------------
+    # -- ColossalAI's abstract methods (documented on stepforge.core.Plugin, which has them all) ---------------
     @abstractmethod
-    def configure(self, model: nn.Module, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
-        """``configure(model, optimizer, criterion, dataloader, lr_scheduler)``: wrap the five for the back-end;
-        ``Booster.boost`` returns the five this returns."""
-
+    def configure(self, model: nn.Module, *args: Any, **kwargs: Any) -> tuple[Any, ...]: ...
     @abstractmethod
-    def control_checkpoint_io(self) -> bool:
-        """Whether :meth:`get_checkpoint_io` gives the Booster its checkpoint IO."""
-
+    def control_checkpoint_io(self) -> bool: ...
     @abstractmethod
-    def get_checkpoint_io(self) -> Any:
-        """A :class:`~stepforge.strategy.CheckpointIO`, or ``None`` for the Booster's own."""
-
+    def get_checkpoint_io(self) -> Any: ...
     @abstractmethod
-    def no_sync(self, model: nn.Module | None, optimizer: Any = None) -> AbstractContextManager[Any]:
-        """Skip gradient synchronisation for the block."""
-
+    def no_sync(self, model: nn.Module | None, optimizer: Any = None) -> AbstractContextManager[Any]: ...
     @abstractmethod
-    def supported_devices(self) -> list[str]:
-        """Device types the plugin runs on."""
-
+    def supported_devices(self) -> list[str]: ...
     @abstractmethod
-    def supported_precisions(self) -> list[str]:
-        """Precision names the plugin takes."""
-
+    def supported_precisions(self) -> list[str]: ...
     @abstractmethod
-    def control_precision(self) -> bool:
-        """Whether the plugin applies precision itself."""
-
+    def control_precision(self) -> bool: ...
     @abstractmethod
-    def control_device(self) -> bool:
-        """Whether ``configure`` places the model (else the Booster's ``Accelerator`` moves it)."""
-
+    def control_device(self) -> bool: ...
     @abstractmethod
-    def support_no_sync(self) -> bool:
-        """Whether :meth:`no_sync` is supported."""
+    def support_no_sync(self) -> bool: ...
 
 
 class DPPluginBase(Plugin):
     """ColossalAI's ``DPPluginBase``: :class:`Plugin` with the process group's ``rank`` and ``world_size``, which
-    ``prepare_dataloader`` (this rank's ``DistributedSampler`` share, ColossalAI's signature) reads.
-
-    Raises:
-        RuntimeError: no process group is initialised (``stepforge.strategy.launch_from_torch()`` under
-            torchrun makes one).
-    """
+    ``prepare_dataloader`` reads; ``RuntimeError`` without a process group."""
 
     #: the default group's rank and size, set by ``__init__`` (plain attributes, as in ColossalAI)
     rank: int = 0
@@ -130,7 +86,7 @@ class DPPluginBase(Plugin):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if not (dist.is_available() and dist.is_initialized()):
+        if not is_distributed():
             raise RuntimeError(
                 f"{type(self).__name__}: torch.distributed is not initialised; call "
                 "stepforge.strategy.launch_from_torch() (under torchrun) or torch.distributed.init_process_group "

@@ -1,45 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``gemini`` (``GeminiPlugin``): ZeRO-3 with CPU offload, built on FSDP2 (``fully_shard`` +
-``CPUOffloadPolicy``), with ColossalAI's arguments.
-
-ColossalAI's Gemini places parameter chunks; here the unit of placement is an FSDP2 ``fully_shard`` unit (a
-block: an element of a ``ModuleList``/``Sequential``, or a direct child; and the root with the rest), walked in
-parameter order and weighed by parameter bytes, as Gemini walks its chunks. The table is in the package
-README ("GeminiPlugin and TorchFSDPPlugin arguments"):
-
-- ``placement_policy="static"``: the fractions below decide, once, at ``boost``.
-- ``placement_policy="auto"``: every unit sharded and offloaded (``CPUOffloadPolicy``): Gemini's auto policy
-  keeps gradients and optimizer states of sharded chunks on CPU and moves parameters to the device when used,
-  which FSDP2's offload does per unit; the fractions are not read (as in ColossalAI).
-- ``shard_param_frac``: the leading units holding this fraction of the bytes are sharded, the rest replicated
-  (a ``(world, 1)`` mesh: whole on every rank, gradients all-reduced). 0.0: all replicated (DDP-like).
-- ``offload_optim_frac``/``offload_param_frac``: the leading sharded units holding ``max`` of the two fractions
-  of the bytes get ``CPUOffloadPolicy``: FSDP2 keeps a shard's parameters, gradients and optimizer state
-  together, so a unit's optimizer state goes to CPU with its parameters (the step runs on CPU, as Gemini's
-  offloaded chunks). Replicated units stay on the device, as Gemini's gathered chunks.
-- ``extra_dp_size``: sharded units use the HSDP mesh ``(extra_dp_size, world // extra_dp_size)``.
-- ``tp_size > 1`` raises (tensor parallelism is not offered); the chunk-manager and kernel arguments are
-  accepted at their ColossalAI defaults only.
-
-``support_no_sync()`` is ``False``, as in ColossalAI. As ``GeminiDDP.state_dict``, the prepared model's
-``state_dict()`` is the full state on rank 0 (``{}`` elsewhere; ``only_rank_0=False``: on every rank), a fresh
-snapshot; this rank's shards are ``torch.distributed.checkpoint.state_dict.get_model_state_dict(model)``. The optimizer for offloaded shards defaults to
-stepforge-fused's ``HybridAdam`` (``boost(model, dict(lr=1e-3))`` or ``dict(type="CPUAdam", ...)``).
-"""
+"""``gemini`` (``GeminiPlugin``): ZeRO-3 with CPU offload on FSDP2, ColossalAI's arguments mapped onto
+:class:`TorchFSDPPlugin`'s fields."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch import nn
 
-from stepforge.core import MemoryPlan
-from stepforge.core.precision import DynamicLossScaler, validate_loss_scaler_args
+from stepforge.core.precision import validate_loss_scaler_args
 
-from ._fsdp_placement import UnitPlacement, hybrid_meshes, plan_placement
 from .torch_fsdp import TorchFSDPPlugin
 
 __all__ = ["GeminiPlugin", "GEMINI_DEFAULT_ONLY"]
@@ -73,35 +43,10 @@ GEMINI_DEFAULT_ONLY: dict[str, Any] = {
 
 
 class GeminiPlugin(TorchFSDPPlugin):
-    """ColossalAI's ``GeminiPlugin`` on FSDP2 (see the module docstring for the argument mapping).
-
-    Args:
-        placement_policy: ``"static"`` (the fractions decide) or ``"auto"`` (every unit sharded and offloaded).
-        shard_param_frac: fraction of the parameter bytes sharded, in ``[0, 1]``; the rest is replicated.
-        offload_optim_frac: fraction of the parameter bytes whose optimizer state lives on CPU, in ``[0, 1]``.
-        offload_param_frac: fraction of the parameter bytes kept on CPU, in ``[0, 1]``.
-        extra_dp_size: ``> 1``: shard inside groups of ``world // extra_dp_size`` ranks, replicate across
-            ``extra_dp_size`` groups (HSDP); it must divide the world size (checked at ``boost``).
-        tp_size: ``1`` only (tensor parallelism is not offered).
-        precision: ``"fp16"``, ``"bf16"`` or ``"fp32"``, as ColossalAI.
-        master_weights: as ColossalAI (only ``True``: FSDP2 steps fp32 parameters).
-        pin_memory: as ColossalAI.
-        initial_scale: the fp16 dynamic loss scaler, as ColossalAI.
-        min_scale: as ``initial_scale``.
-        growth_factor: as ``initial_scale``.
-        backoff_factor: as ``initial_scale``.
-        growth_interval: as ``initial_scale``.
-        hysteresis: as ``initial_scale``.
-        max_scale: as ``initial_scale``.
-        max_norm: clip the global gradient norm to this (0: off), as ColossalAI.
-        norm_type: the norm of ``max_norm`` clipping, as ColossalAI.
-        device: the compute device.
-
-    Raises:
-        ValueError: a fraction outside ``[0, 1]``, ``extra_dp_size < 1``, ``tp_size != 1``, a chunk/tracer
-            argument away from its default, an unknown placement policy or precision, ``master_weights=False``.
-        TypeError: an unknown argument.
-    """
+    """ColossalAI's ``GeminiPlugin`` on FSDP2; the README table "GeminiPlugin and TorchFSDPPlugin arguments"
+    maps each argument (the chunk-manager and kernel ones are accepted at their defaults only,
+    ``GEMINI_DEFAULT_ONLY``). As ColossalAI's, ``support_no_sync()`` is ``False`` and ``state_dict()`` the
+    full state on rank 0; the optimizer defaults to stepforge-fused's ``HybridAdam``."""
 
     name = "gemini"
     DEFAULT_PRECISION = "fp16"  # ColossalAI's default
@@ -187,8 +132,6 @@ class GeminiPlugin(TorchFSDPPlugin):
         self.pin_memory = bool(pin_memory)
         self.norm_type = float(norm_type)
         self.default_optimizer = "HybridAdam"
-        #: the plan of the last ``boost``: unit FQN -> :class:`UnitPlacement`
-        self.placement: dict[str, UnitPlacement] = {}
         self._scaler_kwargs = validate_loss_scaler_args(  # now, not at boost
             "GeminiPlugin",
             initial_scale=initial_scale,
@@ -203,53 +146,3 @@ class GeminiPlugin(TorchFSDPPlugin):
     def supports_no_sync(self) -> bool:
         """``False``: as ColossalAI's Gemini, every micro-batch reduce-scatters its gradients."""
         return False
-
-    def _offload_policy(self) -> Any:
-        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
-
-        if not self.cpu_offload:
-            return OffloadPolicy()
-        return CPUOffloadPolicy(pin_memory=self.pin_memory and torch.accelerator.is_available())
-
-    def memory_plan(
-        self,
-        model: nn.Module,
-        *,
-        world_size: int,
-        rank: int = 0,
-        optimizer: Mapping[str, Any] | torch.optim.Optimizer | None = None,
-        backend: str | None = None,
-        device: str | torch.device | None = None,
-        accumulation_steps: int = 1,
-    ) -> MemoryPlan:
-        """:meth:`TorchFSDPPlugin.memory_plan` with this plugin's placement (sharded/replicated, offloaded units)
-        and ``extra_dp_size`` (HSDP); the optimizer defaults to ``HybridAdam`` as in ``boost``. Without
-        ``no_sync``, an accumulating window reduces every micro-batch into the sharded gradients."""
-        from ._memory_plans import fsdp_memory_plan
-
-        return fsdp_memory_plan(
-            self,
-            model,
-            world_size=world_size,
-            rank=rank,
-            optimizer=optimizer,
-            extra_dp_size=self.extra_dp_size,
-            device=device,
-            pin_memory=self.pin_memory,
-            accumulation_steps=accumulation_steps,
-        )
-
-    def _placement(self, model: nn.Module, blocks: list[nn.Module]) -> dict[int, UnitPlacement]:
-        plan = plan_placement(
-            model, blocks, shard_param_frac=self.shard_param_frac, offload_frac=self.offload_frac
-        )
-        self.placement = {unit.name: unit for unit in plan.values()}
-        return plan
-
-    def _meshes(self) -> tuple[Any, Any]:
-        return hybrid_meshes(self.device, self.extra_dp_size, replicate=self.shard_param_frac < 1.0)
-
-    def _make_scaler(self) -> DynamicLossScaler | None:
-        if self.precision != "fp16":
-            return None
-        return DynamicLossScaler(**self._scaler_kwargs, process_group=dist.group.WORLD)

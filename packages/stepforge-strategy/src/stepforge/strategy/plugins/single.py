@@ -3,10 +3,8 @@
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-import torch
 from torch import nn
 
 from stepforge.core import Plugin
@@ -14,46 +12,33 @@ from stepforge.core import Plugin
 from ..boosted_optimizer import OptimizerWrapper, as_boosted
 from ..data import StatefulDataLoader
 
-__all__ = ["SinglePlugin"]
+__all__ = ["SinglePlugin", "StatefulLoaderPlugin"]
 
 
-class SinglePlugin(Plugin):
-    """Run on one process: the model is moved to ``device`` and nothing is wrapped.
+class StatefulLoaderPlugin(Plugin):
+    """The base of this package's plugins: core's ``prepare_dataloader`` returned as a
+    :class:`~stepforge.strategy.StatefulDataLoader` (exact mid-epoch resume)."""
 
-    Args:
-        device: where the model lives (default: the current CUDA device when there is one, else CPU).
+    def prepare_dataloader(
+        self, dataset: Any, batch_size: int, *args: Any, **kwargs: Any
+    ) -> StatefulDataLoader:
+        return StatefulDataLoader(super().prepare_dataloader(dataset, batch_size, *args, **kwargs))
 
-    ``no_sync`` is supported and does nothing (there is nothing to synchronise), so accumulation code written
-    for DDP runs unchanged.
-    """
+
+class SinglePlugin(StatefulLoaderPlugin):
+    """Run on one process: the model is moved to ``device`` (default: the current CUDA device, else CPU) and
+    nothing is wrapped; ``no_sync`` (core's) suspends nothing, so accumulation code written for DDP runs unchanged."""
 
     name = "single"
-
-    def __init__(self, device: str | torch.device | None = None) -> None:
-        super().__init__(device)
 
     def prepare(
         self, model: nn.Module, optimizer: Any = None, **kwargs: Any
     ) -> tuple[nn.Module, OptimizerWrapper | None]:
         """Move ``model`` to the plugin's device; the optimizer comes back boosted (an :class:`OptimizerWrapper`
         unless the Booster's mixed precision wrapped it already)."""
-        if not isinstance(model, nn.Module):
-            raise TypeError(
-                f"SinglePlugin.prepare: model must be a torch.nn.Module, got {type(model).__name__}."
-            )
         model.to(self.device)
         return model, as_boosted(optimizer)
 
     def support_lora(self) -> bool:
         """LoRA through peft is supported (as ColossalAI's plugin)."""
         return True
-
-    def no_sync(self, model: nn.Module | None, optimizer: Any = None) -> AbstractContextManager[Any]:
-        return nullcontext()
-
-    def prepare_dataloader(
-        self, dataset: Any, batch_size: int, *args: Any, **kwargs: Any
-    ) -> StatefulDataLoader:
-        """ColossalAI's ``prepare_dataloader`` (:meth:`stepforge.core.Plugin.prepare_dataloader`), returned as
-        a :class:`~stepforge.strategy.StatefulDataLoader` (exact mid-epoch resume)."""
-        return StatefulDataLoader(super().prepare_dataloader(dataset, batch_size, *args, **kwargs))

@@ -13,11 +13,12 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from stepforge.core import MemoryPlan, Plugin
+from stepforge.core.memory_plan import MemoryPlan, replicated_plan, unique_parameters
+from stepforge.core.torch_compat import ddp_bucket_assignment
 
 from .._env import is_distributed
 from ..boosted_optimizer import OptimizerWrapper, as_boosted
-from ..data import StatefulDataLoader
+from .single import StatefulLoaderPlugin
 
 __all__ = ["TorchDDPPlugin", "sync_batchnorm"]
 
@@ -25,45 +26,19 @@ __all__ = ["TorchDDPPlugin", "sync_batchnorm"]
 _HAS_FORWARD_SYNC = "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
 
 
-def _buffer_sync_kwargs(broadcast_buffers: bool) -> dict[str, bool]:
-    """DDP's keyword for ColossalAI's ``broadcast_buffers`` on this torch. ``False`` keeps the old name: the new
-    ``forward_sync_buffers=False`` would still sync the buffers once at construction, which the old one did not
-    (torch's own warning says to keep it until a separate switch for that exists)."""
-    if _HAS_FORWARD_SYNC and broadcast_buffers:
-        return {"forward_sync_buffers": True}
-    return {"broadcast_buffers": broadcast_buffers}
-
-
 def sync_batchnorm(model: nn.Module, device: torch.device, process_group: Any = None) -> nn.Module:
-    """BatchNorm layers as ``nn.SyncBatchNorm`` (statistics over every rank), as ColossalAI's DDP plugin does,
-    on an accelerator. torch's ``SyncBatchNorm`` refuses CPU inputs under several ranks, so on CPU the layers
-    stay per-rank ``BatchNorm``. The parameters and buffers are kept (the optimizer's references stay valid)."""
+    """BatchNorm layers as ``nn.SyncBatchNorm`` on an accelerator, as ColossalAI's DDP plugin does; torch's
+    ``SyncBatchNorm`` refuses CPU inputs under several ranks, so on CPU the layers stay per-rank."""
     if device.type == "cpu":
         return model
     converted: nn.Module = nn.SyncBatchNorm.convert_sync_batchnorm(model, process_group)
     return converted
 
 
-class TorchDDPPlugin(Plugin):
+class TorchDDPPlugin(StatefulLoaderPlugin):
     """Data parallelism with torch DDP; ``no_sync`` is DDP's; BatchNorm becomes ``SyncBatchNorm`` on an
-    accelerator (:func:`sync_batchnorm`).
-
-    ColossalAI's arguments, passed to ``DistributedDataParallel``:
-
-    Args:
-        broadcast_buffers: broadcast buffers from rank 0 at construction and at every forward (False: every rank
-            keeps its own); passed under the name this torch's DDP expects, without its deprecation warning.
-        bucket_cap_mb: gradient bucket size in MiB.
-        find_unused_parameters: tolerate parameters that get no gradient.
-        check_reduction: accepted for compatibility (torch ignores it).
-        gradient_as_bucket_view: gradients alias the communication buckets (saves memory).
-        static_graph: the graph is the same every iteration.
-        device: where the model lives (default: ``cuda:LOCAL_RANK`` when CUDA is available, else CPU).
-        process_group: the data-parallel group (default: the world).
-
-    Raises:
-        RuntimeError: at ``prepare`` when no process group is initialised (use ``single`` for one process).
-    """
+    accelerator. ColossalAI's arguments go to ``DistributedDataParallel`` (``broadcast_buffers`` under the
+    name this torch expects)."""
 
     name = "torch_ddp"
 
@@ -82,8 +57,11 @@ class TorchDDPPlugin(Plugin):
         super().__init__(device)
         if not isinstance(bucket_cap_mb, int | float) or bucket_cap_mb <= 0:
             raise ValueError(f"TorchDDPPlugin: bucket_cap_mb must be > 0, got {bucket_cap_mb!r}.")
+        # False keeps the old name: the new forward_sync_buffers=False would still sync the buffers once at
+        # construction, which the old one did not (torch's own warning says to keep it for that)
+        sync = {"forward_sync_buffers": True} if _HAS_FORWARD_SYNC and broadcast_buffers else {}
         self.ddp_kwargs: dict[str, Any] = dict(
-            **_buffer_sync_kwargs(broadcast_buffers),
+            sync or {"broadcast_buffers": broadcast_buffers},
             bucket_cap_mb=bucket_cap_mb,
             find_unused_parameters=find_unused_parameters,
             check_reduction=check_reduction,
@@ -101,10 +79,6 @@ class TorchDDPPlugin(Plugin):
             raise RuntimeError(
                 "TorchDDPPlugin needs an initialised process group (torchrun, or "
                 "torch.distributed.init_process_group); on one process use plugin='single'."
-            )
-        if not isinstance(model, nn.Module):
-            raise TypeError(
-                f"TorchDDPPlugin.prepare: model must be a torch.nn.Module, got {type(model).__name__}."
             )
         if isinstance(model, DistributedDataParallel):
             return model, as_boosted(optimizer)
@@ -134,18 +108,35 @@ class TorchDDPPlugin(Plugin):
         device: str | torch.device | None = None,
         accumulation_steps: int = 1,
     ) -> MemoryPlan:
-        """The replicated layout plus DDP's gradient buckets and their all-reduces, once per optimizer step
-        (``no_sync`` skips them inside an accumulation window) (:func:`~._memory_plans.ddp_memory_plan`)."""
-        from ._memory_plans import ddp_memory_plan
-
-        return ddp_memory_plan(
-            self,
+        """The replicated layout plus DDP's buckets (one copy of the gradients, none with
+        ``gradient_as_bucket_view``), all-reduced once per optimizer step."""
+        plan = replicated_plan(
+            self.name,
             model,
             world_size=world_size,
             rank=rank,
             optimizer=optimizer,
             accumulation_steps=accumulation_steps,
         )
+        reductions = 1 if self.supports_no_sync() else plan.accumulation_steps
+        grads = [p for _, p in unique_parameters(model) if p.requires_grad]
+        cap = int(self.ddp_kwargs["bucket_cap_mb"] * 1024**2)
+        buckets = ddp_bucket_assignment(list(reversed(grads)), cap)
+        total = sum(p.numel() * p.element_size() for p in grads)
+        if not self.ddp_kwargs["gradient_as_bucket_view"]:
+            plan.add("buffers", "device", total, "DDP gradient buckets")
+        plan.collective(
+            "all_reduce",
+            "backward",
+            reductions * len(buckets),
+            reductions * total,
+            world_size,
+            "gradient buckets",
+        )
+        plan.notes.append(f"{len(buckets)} buckets of <= {self.ddp_kwargs['bucket_cap_mb']} MiB")
+        if plan.accumulation_steps > 1:
+            plan.notes.append(f"{plan.accumulation_steps} micro-batches per step, all-reduced {reductions}x")
+        return plan
 
     def no_sync(self, model: nn.Module | None, optimizer: Any = None) -> AbstractContextManager[Any]:
         """DDP's ``no_sync``: the forward and backward inside skip the all-reduce."""
@@ -154,10 +145,3 @@ class TorchDDPPlugin(Plugin):
                 f"TorchDDPPlugin.no_sync: model must be the boosted (DDP) model, got {type(model).__name__}."
             )
         return model.no_sync()
-
-    def prepare_dataloader(
-        self, dataset: Any, batch_size: int, *args: Any, **kwargs: Any
-    ) -> StatefulDataLoader:
-        """ColossalAI's ``prepare_dataloader`` (:meth:`stepforge.core.Plugin.prepare_dataloader`: this
-        rank's ``DistributedSampler`` share), returned as a :class:`~stepforge.strategy.StatefulDataLoader`."""
-        return StatefulDataLoader(super().prepare_dataloader(dataset, batch_size, *args, **kwargs))
