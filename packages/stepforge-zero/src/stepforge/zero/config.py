@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from stepforge.core import HyperParameterError
+from stepforge.core import OPTIMIZERS, HyperParameterError, build_optimizer
 from stepforge.core.precision import LOSS_SCALER_DEFAULTS, LossScalerArgs
 
 from .comm.algorithm import COLOSSAL_OPTIMIZER_BUCKET_SIZE, check_comm_algorithm
@@ -32,9 +32,9 @@ __all__ = [
     "max_norm_of",
     "resolve_group",
     "group_facts",
-    "resolve_param_gather",
-    "param_gather_for",
     "force_dtype",
+    "resolve_optimizer",
+    "cpu_adam_config",
 ]
 
 _FLAGS = (
@@ -172,20 +172,6 @@ def group_facts(process_group: Any) -> tuple[int, int]:
     return 1, 0
 
 
-def resolve_param_gather(param_gather: str | None, world_size: int, process_group: Any) -> str:
-    """``param_gather`` as given, or for ``None``: ``"broadcast"`` on gloo (several times faster than gloo's
-    all-gather on the CPU), ``"all_gather"`` elsewhere."""
-    if param_gather is not None:
-        return param_gather
-    return param_gather_for(dist.get_backend(process_group) if world_size > 1 else None)
-
-
-def param_gather_for(backend: str | None) -> str:
-    """The automatic ``param_gather`` on ``backend`` (``None``: one rank): ``"broadcast"`` on gloo, else
-    ``"all_gather"`` (the rule without a live group, for memory plans)."""
-    return "broadcast" if backend == "gloo" else "all_gather"
-
-
 def _group_of(pg_to_param_list: Any, inner: torch.optim.Optimizer) -> Any:
     """The one data-parallel group (or ``(extra, dp)`` pair) of ColossalAI's ``pg_to_param_list``."""
     if not isinstance(pg_to_param_list, Mapping) or len(pg_to_param_list) != 1:
@@ -258,3 +244,71 @@ def force_dtype(inner: torch.optim.Optimizer, dtype: torch.dtype | None) -> None
     for group in inner.param_groups:
         for param in group["params"]:
             param.data = param.data.to(dtype)
+
+
+#: registry names that CPU offload turns into ``CPUAdam`` (value: its ``adamw_mode``)
+CPU_ADAM_FAMILY = {"adam": False, "adamw": True, "fusedadam": None, "hybridadam": None}
+
+_ADAM_KEYS = ("lr", "betas", "eps", "weight_decay", "bias_correction", "adamw_mode")
+
+
+def cpu_adam_config(cfg: Mapping[str, Any]) -> dict[str, Any] | None:
+    """``cfg`` as stepforge-fused's ``CPUAdam`` (same math, SIMD kernel) when it is an Adam-family config that
+    ``CPUAdam`` can run and ``CPUAdam`` is registered; else ``None`` (the user's optimizer is kept, and must be
+    able to step the CPU pieces)."""
+    kind = cfg.get("type")
+    if not isinstance(kind, str) or "CPUAdam" not in OPTIMIZERS:
+        return None
+    key = kind.lower().replace("-", "").replace("_", "")
+    if key not in CPU_ADAM_FAMILY:
+        return None
+    extra = {k: v for k, v in cfg.items() if k != "type" and k not in _ADAM_KEYS}
+    torch_only = {"amsgrad", "maximize", "foreach", "fused", "capturable", "differentiable"}
+    if any(k in torch_only and v not in (False, None) for k, v in extra.items()):
+        return None  # a torch option CPUAdam does not have: keep the user's optimizer
+    out = {k: cfg[k] for k in _ADAM_KEYS if k in cfg}
+    mode = CPU_ADAM_FAMILY[key]
+    if mode is not None:
+        out["adamw_mode"] = mode
+    out["type"] = "CPUAdam"
+    return out
+
+
+def resolve_optimizer(
+    optimizer: torch.optim.Optimizer | Mapping[str, Any],
+    params: Any,
+    *,
+    cpu_offload: bool,
+) -> torch.optim.Optimizer:
+    """The inner optimizer, built from a registry config when needed.
+
+    Raises:
+        HyperParameterError: ``params`` given with a built optimizer, missing with a config, a built optimizer
+            that already has state, or an optimizer that is neither.
+    """
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if params is not None:
+            raise HyperParameterError(
+                "LowLevelZeroOptimizer: params is only for a config dict; a built optimizer already holds its "
+                "parameters (drop params=)."
+            )
+        if optimizer.state:
+            raise HyperParameterError(
+                "LowLevelZeroOptimizer: the inner optimizer already has state; wrap it before its first step and "
+                "restore checkpoints through LowLevelZeroOptimizer.load_state_dict."
+            )
+        return optimizer
+    if isinstance(optimizer, Mapping):
+        if params is None:
+            raise HyperParameterError(
+                "LowLevelZeroOptimizer: a config dict needs params= (the model or its param groups), e.g. "
+                "LowLevelZeroOptimizer(dict(type='AdamW', lr=1e-3), params=model.parameters())."
+            )
+        cfg = dict(optimizer)
+        if cpu_offload:
+            cfg = cpu_adam_config(cfg) or cfg
+        return build_optimizer(cfg, params)
+    raise HyperParameterError(
+        "LowLevelZeroOptimizer: optimizer must be a torch.optim.Optimizer or a config dict such as "
+        f"dict(type='AdamW', lr=1e-3), got {type(optimizer).__name__}."
+    )

@@ -16,7 +16,8 @@ gradients already final (a backward in between re-opens it).
 Why this module runs past 400 lines: it is one class with ColossalAI's whole public member list (``torch.optim``
 interface, gradients, master weights, state dicts, lifetime: 45 members, each with its docstring), and each
 member is a few lines over the concern packages that do the work (:mod:`~stepforge.zero.comm`,
-:mod:`~stepforge.zero.state`, :mod:`~stepforge.zero.grads`); :mod:`stepforge.zero.config` holds its settings.
+:mod:`~stepforge.zero.state`); :mod:`stepforge.zero.config` holds its settings. The step itself is here: the
+reducer's sync, the inner optimizer's step over the pieces, the gather (``docs/design.md``, the step route).
 """
 
 from __future__ import annotations
@@ -30,25 +31,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from stepforge.core import OPTIMIZERS
 from stepforge.core.precision import DynamicLossScaler, validate_loss_scaler_args
 
-from .comm.algorithm import default_bucket_size, resolve_comm_algorithm
-from .comm.grad_reducer import CollectiveCounter, GradPieces, GradReducer, WireFormat
-from .comm.param_gather import GatherInFlight, StagingBuffers, gather_after_step
+from .comm.algorithm import bucket_size_for, comm_algorithm_for, param_gather_for
+from .comm.grad_reducer import CollectiveCounter, GradReducer, WireFormat, check_clip_args
+from .comm.param_gather import GATHER_CHUNK, GatherInFlight, StagingBuffers, launch_gather
 from .config import (
     LowLevelZeroConfig,
     force_dtype,
     group_facts,
     max_norm_of,
     resolve_group,
-    resolve_param_gather,
+    resolve_optimizer,
     stage_of,
 )
-from .grads.norm import check_clip_args
 from .phases import PhaseObserver, no_phase
-from .state import full, named
-from .state.full import zero_scaler_entry
-from .state.inner import invalidate_cache, resolve_optimizer, step_inner
+from .state import dicts
 from .state.partition import ShardLayout, build_layout, managed_param_groups
 
 __all__ = ["LowLevelZeroOptimizer"]
@@ -197,15 +196,16 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         self.config = config
         self.process_group = group
         self._world, self._rank = group_facts(group)
+        backend = dist.get_backend(group) if self._world > 1 else None
         #: resolved for the group: padded elements per bucket, the wire, the bucket collective, the gather
-        self.reduce_bucket_size = config.reduce_bucket_size or default_bucket_size(
-            group, elsewhere=config.default_bucket_size
+        self.reduce_bucket_size = config.reduce_bucket_size or bucket_size_for(
+            backend, self._world, elsewhere=config.default_bucket_size
         )
         self.communication = WireFormat(config.communication_dtype, config.fp8_communication)
-        self.comm_algorithm = resolve_comm_algorithm(
-            config.comm_algorithm, stage=config.stage, world_size=self._world, process_group=group
+        self.comm_algorithm = comm_algorithm_for(
+            config.comm_algorithm, stage=config.stage, world_size=self._world, backend=backend
         )
-        self.param_gather = resolve_param_gather(config.param_gather, self._world, group)
+        self.param_gather = config.param_gather or param_gather_for(backend)
         self.optim = inner
         super().__init__(managed_param_groups(inner.param_groups), dict(inner.defaults))
         self._built = True
@@ -215,13 +215,12 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         )  # fmt: skip
         for g, group_ in enumerate(inner.param_groups):
             group_["params"] = [s.master for s in self._layout.group_slots(g) if s.valid > 0]
-        invalidate_cache(inner)
+        dicts.invalidate_cache(inner)
         self._reducer = GradReducer(
             self._layout.slots, stage=config.stage, bucket_size=self.reduce_bucket_size,
             overlap=config.overlap_communication, group=group, world_size=self._world,
             rank=self._rank, wire=self.communication, algorithm=self.comm_algorithm,
         )  # fmt: skip
-        self._pieces = GradPieces(self._layout, self._reducer)
         fp16 = any(s.param.dtype == torch.float16 for s in self._layout.slots)
         self._scaling = config.dtype_for_loss_scaling == "fp16" or fp16
         # the overflow verdict must be the same on every rank (each sees only its pieces)
@@ -272,7 +271,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         """Whether part of the current gradients already sits reduced in this rank's pieces (or in flight):
         true after a synchronised backward, false after :meth:`zero_grad` and while every backward since ran
         inside :meth:`no_sync` (then the window lives in the parameters' ``.grad``)."""
-        return self._pieces.held
+        return self._reducer.held
 
     @property
     def require_grad_sync(self) -> bool:
@@ -335,29 +334,29 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         first of :meth:`scale_grads_`, :meth:`unscale_`, :meth:`clip_grad_norm_` and :meth:`step` calls it, and
         it does nothing again until the next backward reaches a managed parameter or :meth:`zero_grad` runs.
         Inside :meth:`no_sync` it only waits for reductions in flight. Returns whether it synchronised."""
-        return self._pieces.sync(self.require_grad_sync)
+        return self._reducer.sync()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the reduced gradient pieces and any local ``param.grad`` (waits for reductions in flight)."""
-        self._pieces.zero_(set_to_none)
+        self._reducer.zero_(set_to_none)
 
     def scale_grads_(self, factor: float) -> None:
         """Multiply every gradient the next step will use by ``factor`` (stepforge-accum's window weight)."""
         self.sync_grads()
-        self._pieces.scale_(factor)
+        self._reducer.scale_(factor)
 
     def unscale_(self) -> None:
         """Divide the step's gradient pieces by the loss scale, once per step (no-op without fp16 scaling);
         ``scaler.found_inf`` then says whether any rank overflowed (the step will be skipped)."""
         self.sync_grads()
-        self._pieces.unscale_(self.scaler if self._scaling else None)
+        self._reducer.unscale_(self.scaler if self._scaling else None)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the norm over every rank's gradient pieces (one small all-reduce); returns that norm, by
         ``torch.nn.utils.clip_grad_norm_``'s rule ``min(1, max_norm / (norm + 1e-6))``, unscaled first."""
-        check_clip_args(max_norm, norm_type)
+        norm_type = check_clip_args(max_norm, norm_type)
         self.unscale_()
-        self._last_grad_norm = float(norm := self._pieces.clip_(max_norm, norm_type))
+        self._last_grad_norm = float(norm := self._reducer.clip_(max_norm, norm_type))
         return norm
 
     def get_grad_norm(self, norm_type: float = 2.0, **kwargs: object) -> float | None:
@@ -381,7 +380,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
                 "get_param_grad: working_param is not one of this optimizer's parameters; pass a parameter "
                 "of the model the optimizer was built over."
             )
-        return self._pieces.full_grad(slot, self.require_grad_sync)
+        return self._reducer.full_grad(slot)
 
     # -- step ----------------------------------------------------------------------------------------------
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -413,19 +412,58 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
             return loss
         if self.config.max_norm > 0:
             self.clip_grad_norm_(self.config.max_norm, self.config.norm_type)
-        explain = self.config.cpu_offload and not self._stepped_on_cpu
         with self._phase("inner_step"):
-            step_inner(self.optim, self._layout, self.param_groups, explain_cpu_failure=explain)
-        self._stepped_on_cpu = True
+            self._step_inner()
         with self._phase("param_gather"):
-            self._gather = gather_after_step(
-                self._layout, self.param_gather, overlap=self.config.overlap_allgather, staging=self._staging
+            # overlapped: launched in chunks, each module's next forward waits for its own parameters
+            overlap = self.config.overlap_allgather and self._world > 1
+            gather = launch_gather(
+                self._layout,
+                self.param_gather,
+                chunk=GATHER_CHUNK if overlap else None,
+                staging=self._staging,
             )
+            if overlap:
+                gather.wait_in_forward()
+                self._gather = gather
+            else:
+                gather.wait_all()
         if self._scaling:
             self.scaler.update()
-        self._pieces.unscaled = False
+        self._reducer.unscaled = False
         self.last_step_skipped = False
         return loss
+
+    def _step_inner(self) -> None:
+        """One step of the inner optimizer over this rank's master pieces: the wrapper's hyper-parameters go in
+        (edits between steps by schedulers or users live in :attr:`param_groups`), each slot's reduced gradient
+        piece is the master's ``.grad`` for the step only, and what the inner optimizer keeps in its groups (a
+        per-group step count) comes back."""
+        dicts.copy_hyperparameters(self.param_groups, self.optim.param_groups)
+        for slot in self._layout.slots:
+            if slot.valid:
+                slot.master.grad = slot.grad
+        try:
+            self.optim.step()
+        except (RuntimeError, TypeError, NotImplementedError) as exc:
+            if self.config.cpu_offload and not self._stepped_on_cpu:
+                hint = (
+                    "install stepforge-fused and use CPUAdam (dict(type='CPUAdam', ...))"
+                    if "CPUAdam" not in OPTIMIZERS
+                    else "use dict(type='CPUAdam', ...) or a torch.optim optimizer without fused/capturable CUDA "
+                    "options"
+                )
+                raise RuntimeError(
+                    f"LowLevelZeroOptimizer(cpu_offload=True): the inner optimizer {type(self.optim).__name__} "
+                    f"cannot step the CPU-resident master shards ({type(exc).__name__}: {exc}); {hint}, or set "
+                    "cpu_offload=False."
+                ) from exc
+            raise
+        finally:
+            for slot in self._layout.slots:
+                slot.master.grad = None
+        self._stepped_on_cpu = True
+        dicts.copy_hyperparameters(self.optim.param_groups, self.param_groups)
 
     def wait_for_param_gather(self) -> None:
         """Finish an overlapped parameter gather (``overlap_allgather``): afterwards every working parameter
@@ -460,7 +498,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
             return
         self._closed = True
         self.wait_for_param_gather()
-        self._pieces.close()
+        self._reducer.close()
         self._staging.clear()
 
     def __del__(self) -> None:
@@ -519,7 +557,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
     # -- state dicts ---------------------------------------------------------------------------------------
     def _zero_extras(self) -> dict[str, Any]:
         return {
-            "loss_scaler": zero_scaler_entry(self.scaler.state_dict()),
+            "loss_scaler": dicts.zero_scaler_entry(self.scaler.state_dict()),
             "skipped_steps": self.skipped_steps,
         }
 
@@ -542,15 +580,15 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """The full state in ``torch.optim`` layout keyed by global parameter index (collective: every rank
         must call it; every rank gets the full state). Extra key ``"zero"``: loss scaler, skip counter and the
-        fp32 masters of low-precision parameters (:mod:`stepforge.zero.state.full`)."""
+        fp32 masters of low-precision parameters (:mod:`stepforge.zero.state.dicts`)."""
         self.wait_for_param_gather()
-        return full.full_state_dict(self._layout, self.optim, self.param_groups, self._zero_extras())
+        return dicts.full_state_dict(self._layout, self.optim, self.param_groups, self._zero_extras())
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a full state (from :meth:`state_dict` at any world size, or a plain ``torch.optim`` one)."""
         self._reducer.wait()
         self.wait_for_param_gather()
-        zero = full.load_full_state_dict(self._layout, self.optim, self.param_groups, state_dict)
+        zero = dicts.load_full_state_dict(self._layout, self.optim, self.param_groups, state_dict)
         if "loss_scaler" in zero:
             self.scaler.load_state_dict(zero["loss_scaler"])
         self.skipped_steps = int(zero.get("skipped_steps", self.skipped_steps))
@@ -559,13 +597,13 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         """This rank's pieces for ``torch.distributed.checkpoint`` in the layout every plugin shares: keyed by
         parameter name (``names``, one per parameter in param-group order; ``None``: the global index as a
         string), each tensor a :class:`stepforge.core.flat_shard.FlatShard` in its parameter's shape, no
-        gathering (:mod:`stepforge.zero.state.named`). A never-stepped optimizer is laid out without stepping
+        gathering (:mod:`stepforge.zero.state.dicts`). A never-stepped optimizer is laid out without stepping
         it, so the result is a template for ``dcp.load`` and nothing of the optimizer changes."""
         self._reducer.wait()
         self.wait_for_param_gather()
         if names is None:
             names = [str(slot.index) for slot in self._layout.slots]
-        return named.named_state_dict(self._layout, self.optim, self.param_groups, names, self._zero_extras())
+        return dicts.named_state_dict(self._layout, self.optim, self.param_groups, names, self._zero_extras())
 
     def load_sharded_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load :meth:`sharded_state_dict`'s form after ``torch.distributed.checkpoint.load`` filled it (saved by
@@ -573,7 +611,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         a section of this optimizer's extras the checkpoint lacks (loss scaler, skip counter) is left as is."""
         self._reducer.wait()
         self.wait_for_param_gather()
-        zero = named.load_named_state_dict(self._layout, self.optim, self.param_groups, state_dict)
+        zero = dicts.load_named_state_dict(self._layout, self.optim, self.param_groups, state_dict)
         if zero.get("loss_scaler"):
             self.scaler.load_state_dict(zero["loss_scaler"])
         self.skipped_steps = int(zero.get("skipped_steps", self.skipped_steps))

@@ -5,11 +5,10 @@
   (:class:`~.grad_reducer.GradReducer`), how a bucket travels (:class:`~.grad_reducer.WireFormat`: as it is, cast
   to ``communication_dtype``, or as fp8 bytes) and what a step does to the pieces
   (:class:`~.grad_reducer.GradPieces`).
-- :mod:`.bucket_layout`: how a bucket is laid out (rank-major rows) and :func:`~.bucket_layout.plan_buckets`,
-  the buckets a backward launches, computed without tensors.
-- :mod:`.algorithm`: which collective reduces a bucket (``reduce_scatter``, ``all_reduce``, ``all_to_all``) and the
-  default bucket size per backend.
-- :mod:`.buffers`: the bucket buffers and gradient-piece storage reused from step to step.
+- :mod:`.algorithm`: which collective reduces a bucket (``reduce_scatter``, ``all_reduce``, ``all_to_all``), which
+  gathers the parameters, and the default bucket size per backend.
+- :mod:`.buffers`: the bucket buffers and gradient-piece storage reused from step to step, and how a bucket is laid
+  out (rank-major rows).
 - :mod:`.param_gather`: the updated pieces gathered into every rank's working parameters after a step.
 - :mod:`.collectives`: torch's tensor collectives under the names this torch prefers, and small all-reduces.
 - :mod:`.grid`: ColossalAI's ``extra_dp_group``: the process group over a 2-D grid of ranks.

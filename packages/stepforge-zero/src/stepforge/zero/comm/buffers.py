@@ -11,6 +11,9 @@ DDP, whose buckets live as long as the model. Two stores avoid that while keepin
   the storage stays for the next step (as DDP keeps its buckets, which hold the full gradients).
 - :class:`BufferPool`: the communication buffers of the buckets in flight, handed back when their reduction has
   been added into the pieces. It keeps at most ``keep`` buffers (the buckets in flight plus the one filling).
+
+How a gradient is written into a bucket's ``(W, piece)`` rows, divided by the world size, the way the reductions of
+:mod:`.grad_reducer` send it: :func:`write_rank_major` / :func:`write_own_row_last`.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 
 from ..state.partition import Slot
 
-__all__ = ["BufferPool", "PieceStore"]
+__all__ = ["BufferPool", "PieceStore", "write_rank_major", "write_own_row_last"]
 
 
 class BufferPool:
@@ -95,3 +98,33 @@ class PieceStore:
     def held_bytes(self) -> int:
         """Bytes allocated for the pieces."""
         return sum(t.numel() * t.element_size() for t in self._flat.values())
+
+
+def write_rank_major(dst: torch.Tensor, grad: torch.Tensor, divisor: int) -> None:
+    """``dst`` (``(W, piece)``, rows may be strided) = ``grad`` flattened, zero-padded to ``W * piece`` and divided
+    by ``divisor`` (1: copied), in one pass over ``grad``."""
+    world, piece = dst.shape
+    flat = grad.reshape(-1)
+    full, rest = divmod(flat.numel(), piece)
+    rows = [(dst[:full], flat[: full * piece].view(full, piece))] if full else []
+    if rest:
+        rows.append((dst[full, :rest], flat[full * piece :]))
+        dst[full, rest:].zero_()
+    for target, source in rows:
+        if divisor == 1:
+            target.copy_(source)
+        else:
+            torch.div(source, divisor, out=target)
+    if full + (1 if rest else 0) < world:
+        dst[full + (1 if rest else 0) :].zero_()
+
+
+def write_own_row_last(dst: torch.Tensor, grad: torch.Tensor, divisor: int, rank: int) -> None:
+    """:func:`write_rank_major` with rank ``rank``'s row moved to the end: ``dst`` rows ``0 .. W-2`` hold the other
+    ranks' pieces in rank order (the input of an exchange that skips this rank) and row ``W-1`` this rank's."""
+    world, piece = dst.shape
+    flat = grad.reshape(-1)
+    # (first logical row, end logical row, first physical row)
+    for first, end, at in ((0, rank, 0), (rank, rank + 1, world - 1), (rank + 1, world, rank)):
+        if end > first:
+            write_rank_major(dst[at : at + end - first], flat[first * piece : end * piece], divisor)

@@ -4,9 +4,6 @@
 torch 2.13 deprecates ``all_gather_into_tensor``/``reduce_scatter_tensor`` in favour of
 ``all_gather_single``/``reduce_scatter_single`` (same signatures); older torch has only the former. They are
 looked up at call time so that wrapping ``torch.distributed`` (tests, the benchmark) sees every call.
-
-On top of them: :func:`all_reduce_small` (the one-element reductions of the norm and the overflow flag). The parameter gather
-after a step is in :mod:`.param_gather`.
 """
 
 from __future__ import annotations
@@ -16,14 +13,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..state.partition import ShardLayout
-
 __all__ = [
     "all_gather_name",
     "reduce_scatter_name",
     "all_gather",
     "reduce_scatter",
-    "all_reduce_small",
 ]
 
 all_gather_name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
@@ -40,11 +34,3 @@ def all_gather(output: torch.Tensor, local: torch.Tensor, *, group: Any, async_o
 def reduce_scatter(output: torch.Tensor, flat: torch.Tensor, *, group: Any, async_op: bool = False) -> Any:
     """``output`` = this rank's chunk of the element-wise sum of every rank's ``flat``."""
     return getattr(dist, reduce_scatter_name)(output, flat, group=group, async_op=async_op)
-
-
-def all_reduce_small(value: torch.Tensor, op: Any, layout: ShardLayout, device: torch.device) -> torch.Tensor:
-    """All-reduce a few elements on ``device`` (where the backend wants them); the result on the CPU."""
-    if layout.world_size > 1:
-        value = value.to(device)
-        dist.all_reduce(value, op=op, group=layout.group)
-    return value.cpu()

@@ -2,9 +2,9 @@
 """Gradient reduction in buckets, driven by post-accumulate-grad hooks during backward.
 
 Why one module past 400 lines: it is the whole route of a gradient from its hook to this rank's piece (the bucket,
-the wire format, the reduction, what a step does to the pieces), so that a backward and a step enter it once;
-bucket layout, buffers and the collectives' names are the helpers it calls (:mod:`.bucket_layout`,
-:mod:`.buffers`, :mod:`.collectives`).
+the wire format, the reduction, what a step does to the pieces: sync, scale, unscale, clip), so that a backward and
+a step enter it once; bucket layout, buffers and the collectives' names are the leaf helpers it calls
+(:mod:`.buffers`, :mod:`.collectives`).
 
 A hook on every working parameter hands its freshly accumulated ``.grad`` to :class:`GradReducer` and frees it.
 Gradients wait in a bucket per gradient dtype until ``reduce_bucket_size`` elements (counted padded) are
@@ -25,8 +25,7 @@ are added into the slots' fp32 (master-dtype) gradient pieces when :meth:`GradRe
 clipping or stepping), or as soon as more than ``MAX_IN_FLIGHT`` buckets are in flight. A callback queued on the
 autograd engine launches the last partial bucket at the end of every backward, so at most the buckets in flight
 exist beside the shards. The pieces and the bucket buffers are reused from step to step (:mod:`.buffers`):
-the first reduction of a step copies into the pieces, later ones add into them. How a bucket is laid out, and
-which buckets a backward launches, are pure functions of :mod:`.bucket_layout`.
+the first reduction of a step copies into the pieces, later ones add into them.
 
 While :attr:`GradReducer.enabled` is ``False`` (``no_sync``), hooks leave ``.grad`` alone: full local
 gradients accumulate as usual and are reduced once, by the first synchronised backward or by :meth:`flush_local`.
@@ -48,13 +47,14 @@ reduce-scatter and one ``all_gather`` for an all-reduce (every rank then sums th
 so the replicas agree bitwise). A part holding an inf/NaN travels with a NaN scale (e4m3fn has no inf and
 saturates it to 448), so it decodes to NaN and fp16 overflow detection still sees it.
 
-What a step does to the reduced pieces (:class:`GradPieces`): synchronise once, scale, unscale once (overflow
-agreed on every rank by the loss scaler), clip by the global norm, drop. ``LowLevelZeroOptimizer`` owns it and
-decides *when* (loss scaling, ``max_norm``, skipping); it does the tensor work and the small collectives.
+What a step does to the reduced pieces: synchronise once, scale, unscale once (overflow agreed on every rank by
+the loss scaler), clip by the global norm (torch's rule), drop. ``LowLevelZeroOptimizer`` decides *when* (loss
+scaling, ``max_norm``, skipping); the reducer does the tensor work and the small collectives.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,19 +62,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from stepforge.core import HyperParameterError
 from stepforge.core.precision import DynamicLossScaler
 from stepforge.core.torch_compat import queue_backward_callback
 
-from ..grads.norm import check_clip_args, clip_, global_norm
 from ..phases import PhaseObserver, no_phase
-from ..state.partition import ShardLayout, Slot
-from .bucket_layout import pool_buffer_numel, write_own_row_last, write_rank_major
-from .buffers import BufferPool, PieceStore
-from .collectives import all_gather, all_reduce_small, reduce_scatter
+from ..state.partition import Slot
+from .buffers import BufferPool, PieceStore, write_own_row_last, write_rank_major
+from .collectives import all_gather, reduce_scatter
 
 __all__ = [
     "GradReducer",
-    "GradPieces",
+    "check_clip_args",
     "CollectiveCounter",
     "MAX_IN_FLIGHT",
     "WireFormat",
@@ -294,12 +293,15 @@ class GradReducer:
         self.rank = rank
         self.enabled = True
         self.synced = False  # the reduction of the gradients so far is complete (see sync)
+        self.unscaled = False  # the pieces were divided by the loss scale in this step (fp16 scaling only)
+        # where the small reductions (norm, overflow flag) run: the backend's device
+        self.comm_device = slots[0].param.device if slots else torch.device("cpu")
         self.counter = CollectiveCounter()
         self.pieces = PieceStore(slots)
         # buffers of at least a bucket, so buckets of different sizes share them, but never more than the model
         self.pool = BufferPool(
             keep=MAX_IN_FLIGHT + 1,
-            min_numel=pool_buffer_numel(bucket_size, (s.piece for s in slots), world_size),
+            min_numel=min(bucket_size, sum(s.piece for s in slots) * world_size),
         )
         self._buckets: dict[torch.dtype, _Bucket] = {}
         self._in_flight: list[_Flight] = []
@@ -318,11 +320,6 @@ class GradReducer:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-
-    def release(self) -> None:
-        """Drop the reusable storage (pieces and buffers): the optimizer was closed."""
-        self.pieces.release()
-        self.pool.clear()
 
     # -- backward side --------------------------------------------------------------------------------
     def _hook(self, param: torch.Tensor) -> None:
@@ -506,8 +503,23 @@ class GradReducer:
 
     def sync(self) -> bool:
         """Complete the reduction of every gradient produced so far, once: :meth:`flush_local`, then mark it
-        done until the next backward reaches a managed parameter. Returns whether it did the work (``False``:
-        already synced, nothing changed since)."""
+        done until the next backward reaches a managed parameter; while not :attr:`enabled` (``no_sync``) only
+        wait for the reductions in flight. Returns whether it did the work (see
+        ``LowLevelZeroOptimizer.sync_grads``).
+
+        Raises:
+            RuntimeError: a backward ran after the pieces were unscaled in this step (scaled and unscaled
+                gradients would be summed).
+        """
+        if self.unscaled and not self.synced:
+            raise RuntimeError(
+                "LowLevelZeroOptimizer: a backward ran after unscale_() / clip_grad_norm_() in this step, so "
+                "loss-scaled gradients would be added to unscaled ones; run every backward of the step first, "
+                "then clip and step (or call zero_grad() to start the step again)."
+            )
+        if not self.enabled:
+            self.wait()
+            return False
         if self.synced:
             return False
         self.flush_local()
@@ -516,7 +528,7 @@ class GradReducer:
         return True
 
     def discard(self) -> None:
-        """Finish the reductions in flight and drop them with the unlaunched buckets (``zero_grad``)."""
+        """Finish the reductions in flight and drop them with the unlaunched buckets."""
         in_flight, self._in_flight = self._in_flight, []
         for flight in in_flight:
             if flight.work is not None:
@@ -527,62 +539,30 @@ class GradReducer:
         self.synced = False
 
     @property
-    def pending(self) -> bool:
-        """Whether reductions are in flight or buckets hold gradients."""
-        return bool(self._in_flight) or any(b.items for b in self._buckets.values())
+    def held(self) -> bool:
+        """Whether reduced pieces exist, reductions are in flight or buckets hold gradients."""
+        return (
+            bool(self._in_flight)
+            or any(b.items for b in self._buckets.values())
+            or any(s.grad is not None for s in self.slots)
+        )
 
-
-class GradPieces:
-    """The gradient side of one ``LowLevelZeroOptimizer``.
-
-    Args:
-        layout: the sharding (``slot.grad`` holds the reduced piece, ``valid`` elements, master dtype).
-        reducer: the bucketed reduction that fills the pieces.
-    """
-
-    def __init__(self, layout: ShardLayout, reducer: GradReducer) -> None:
-        self.layout = layout
-        self.reducer = reducer
-        self.unscaled = False  # the pieces were divided by the loss scale in this step (fp16 scaling only)
-        # where the small reductions (norm, overflow flag) run: the backend's device
-        self.comm_device = layout.slots[0].param.device if layout.slots else torch.device("cpu")
-
-    def tensors(self) -> list[torch.Tensor]:
-        """The non-empty reduced pieces."""
-        return [s.grad for s in self.layout.slots if s.grad is not None and s.grad.numel() > 0]
+    # -- what a step does to the pieces --------------------------------------------------------------------
+    def _grads(self) -> list[torch.Tensor]:
+        return [s.grad for s in self.slots if s.grad is not None and s.grad.numel() > 0]
 
     def all_reduce(self, value: torch.Tensor, op: dist.ReduceOp | dist.ReduceOp.RedOpType) -> torch.Tensor:
-        """A few elements reduced over the group (result on the CPU)."""
-        return all_reduce_small(value, op, self.layout, self.comm_device)
-
-    def sync(self, require_grad_sync: bool) -> bool:
-        """See ``LowLevelZeroOptimizer.sync_grads``.
-
-        Raises:
-            RuntimeError: a backward ran after the pieces were unscaled in this step (scaled and unscaled
-                gradients would be summed).
-        """
-        if self.unscaled and not self.reducer.synced:
-            raise RuntimeError(
-                "LowLevelZeroOptimizer: a backward ran after unscale_() / clip_grad_norm_() in this step, so "
-                "loss-scaled gradients would be added to unscaled ones; run every backward of the step first, "
-                "then clip and step (or call zero_grad() to start the step again)."
-            )
-        if not require_grad_sync:
-            self.reducer.wait()
-            return False
-        return self.reducer.sync()
-
-    @property
-    def held(self) -> bool:
-        """Whether reduced pieces exist or reductions are pending."""
-        return self.reducer.pending or any(s.grad is not None for s in self.layout.slots)
+        """A few elements reduced over the group on the backend's device; the result on the CPU."""
+        if self.world_size > 1:
+            value = value.to(self.comm_device)
+            dist.all_reduce(value, op=op, group=self.group)
+        return value.cpu()
 
     def scale_(self, factor: float) -> None:
         """Multiply the pieces and any local ``param.grad`` (a ``no_sync`` window) by ``factor``."""
-        for grad in self.tensors():
+        for grad in self._grads():
             grad.mul_(factor)
-        for slot in self.layout.slots:
+        for slot in self.slots:
             if slot.param.grad is not None:
                 slot.param.grad.mul_(factor)
 
@@ -591,54 +571,78 @@ class GradPieces:
         any rank's pieces hold an inf or NaN (one one-element all-reduce over its group). ``None``: no loss
         scaling, nothing to do."""
         if scaler is not None and not self.unscaled:
-            scaler.unscale_grads_(self.tensors())
+            scaler.unscale_grads_(self._grads())
             self.unscaled = True
 
     def clip_(self, max_norm: float, norm_type: float) -> torch.Tensor:
-        """Clip by the norm over every rank's pieces (``torch.nn.utils.clip_grad_norm_``'s rule); returns it."""
-        norm_type = check_clip_args(max_norm, norm_type)
-        grads = self.tensors()
-        norm = global_norm(grads, norm_type, self.all_reduce)
-        clip_(grads, norm, max_norm)
+        """Clip by the ``norm_type``-norm over every rank's pieces with ``torch.nn.utils.clip_grad_norm_``'s rule
+        (multiply by ``min(1, max_norm / (norm + 1e-6))``); returns that norm (fp32). Partial sums are taken in
+        float64 and combined with one one-element all-reduce (SUM, or MAX for inf)."""
+        grads = self._grads()
+        zero = torch.zeros((), dtype=torch.float64)
+        if math.isinf(norm_type):
+            local = max((g.abs().max().double().cpu() for g in grads), default=zero)
+            norm = self.all_reduce(local.reshape(1), dist.ReduceOp.MAX)[0].float()
+        else:
+            local = sum(
+                (
+                    torch.linalg.vector_norm(g, norm_type, dtype=torch.float64).cpu() ** norm_type
+                    for g in grads
+                ),
+                zero,
+            )
+            norm = (self.all_reduce(local.reshape(1), dist.ReduceOp.SUM)[0] ** (1.0 / norm_type)).float()
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for grad in grads:
+            grad.mul_(coef.to(grad.device, grad.dtype))
         return norm
 
     @torch.no_grad()
-    def full_grad(self, slot: Slot, require_grad_sync: bool) -> torch.Tensor | None:
+    def full_grad(self, slot: Slot) -> torch.Tensor | None:
         """The full reduced gradient of ``slot``'s parameter, shaped and typed like it (collective: every rank
         asks for the same slot): synchronised first, then the pieces all-gathered. ``None`` when some rank
         holds no gradient for it."""
-        self.sync(require_grad_sync)
-        layout = self.layout
+        self.sync()
         held = torch.tensor([float(slot.grad is not None)])
-        if layout.world_size > 1 and self.all_reduce(held, dist.ReduceOp.MIN)[0] == 0:
+        if self.world_size > 1 and self.all_reduce(held, dist.ReduceOp.MIN)[0] == 0:
             return None
         if slot.grad is None:
             return None
         local = torch.zeros(slot.piece, dtype=slot.grad.dtype, device=self.comm_device)
         local[: slot.valid].copy_(slot.grad)
         table = local
-        if layout.world_size > 1:
-            table = local.new_empty(layout.world_size * slot.piece)
-            all_gather(table, local, group=layout.group)
-        full = table[: slot.numel].view_as(slot.param)
-        return full.to(device=slot.param.device, dtype=slot.param.dtype)
+        if self.world_size > 1:
+            table = local.new_empty(self.world_size * slot.piece)
+            all_gather(table, local, group=self.group)
+        return table[: slot.numel].view_as(slot.param).to(device=slot.param.device, dtype=slot.param.dtype)
 
     def close(self) -> None:
         """Stop taking gradients: remove the hooks, finish the reductions in flight, drop the pieces and the
-        reusable storage."""
-        self.reducer.remove_hooks()
-        self.reducer.discard()
-        self.reducer.release()
-        for slot in self.layout.slots:
+        reusable storage (pieces and buffers)."""
+        self.remove_hooks()
+        self.discard()
+        for slot in self.slots:
             slot.grad = None
+        self.pieces.release()
+        self.pool.clear()
 
     def zero_(self, set_to_none: bool) -> None:
         """Drop reductions in flight, the pieces (or zero them) and any local ``param.grad``."""
-        self.reducer.discard()
-        for slot in self.layout.slots:
+        self.discard()
+        for slot in self.slots:
             if set_to_none or slot.grad is None:
                 slot.grad = None
             else:
                 slot.grad.zero_()
             slot.param.grad = None
         self.unscaled = False
+
+
+def check_clip_args(max_norm: float, norm_type: float) -> float:
+    """Validate ``clip_grad_norm_``'s arguments; returns ``norm_type`` as a float."""
+    if isinstance(max_norm, bool) or not isinstance(max_norm, int | float) or not max_norm > 0:
+        raise HyperParameterError(f"clip_grad_norm_: max_norm must be a number > 0, got {max_norm!r}.")
+    norm_type = float(norm_type)
+    if not (norm_type > 0 or math.isinf(norm_type)):
+        raise HyperParameterError(f"clip_grad_norm_: norm_type must be > 0 or inf, got {norm_type!r}.")
+    return norm_type

@@ -1,9 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The parameter gather after a step: every rank's updated master pieces into every rank's working parameters.
 
-:func:`launch_gather` starts the collectives and returns a :class:`GatherInFlight`; :func:`gather_params` waits
-for it at once (ColossalAI's default). With ``overlap_allgather`` the optimizer instead lets the next forward
-wait: :meth:`GatherInFlight.wait_in_forward` installs a global forward pre-hook
+:func:`launch_gather` starts the collectives and returns a :class:`GatherInFlight`, which the optimizer waits
+for at once (ColossalAI's default). With ``overlap_allgather`` it instead lets the next forward wait: :meth:`GatherInFlight.wait_in_forward` installs a global forward pre-hook
 (``torch.nn.modules.module.register_module_forward_pre_hook``) that, before a module runs, waits only for the
 collectives that carry that module's own parameters, and removes itself once everything arrived. The
 collectives are launched in parameter order (a model's registration order is, for almost every model, the
@@ -39,8 +38,6 @@ __all__ = [
     "GatherInFlight",
     "StagingBuffers",
     "launch_gather",
-    "gather_params",
-    "gather_after_step",
     "split_direct",
 ]
 
@@ -315,24 +312,3 @@ def launch_gather(
             for c, slots in enumerate(_chunks(part.slots, chunk)):
                 flight.add(_launch_staged(layout, part, slots, method, staging, (p, c)))
     return flight
-
-
-def gather_params(
-    layout: ShardLayout, method: str, *, direct_min: int = DIRECT_MIN, staging: StagingBuffers | None = None
-) -> None:
-    """:func:`launch_gather` and wait for all of it: one all-gather per partition, or the broadcasts."""
-    launch_gather(layout, method, direct_min=direct_min, staging=staging).wait_all()
-
-
-def gather_after_step(
-    layout: ShardLayout, method: str, *, overlap: bool, staging: StagingBuffers
-) -> GatherInFlight | None:
-    """The gather at the end of a step: waited at once, or with ``overlap`` (over more than one rank) launched
-    in chunks of :data:`GATHER_CHUNK` and left for each module's next forward to wait for; the gather in flight
-    is returned, for the caller to wait on before it reads or writes the parameters itself."""
-    if overlap and layout.world_size > 1:
-        flight = launch_gather(layout, method, chunk=GATHER_CHUNK, staging=staging)
-        flight.wait_in_forward()
-        return flight
-    gather_params(layout, method, staging=staging)
-    return None

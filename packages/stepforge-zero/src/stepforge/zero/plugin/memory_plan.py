@@ -13,7 +13,7 @@ what it built.
 - The parameter gather after the step is sized from the partitions by the gather's own split
   (:func:`~..comm.param_gather.split_direct`).
 - Optimizer state comes from the inner optimizer the plugin would build (CPU offload turns an Adam config into
-  ``CPUAdam`` as :func:`~..state.inner.resolve_optimizer` does), probed on the pieces' shapes.
+  ``CPUAdam`` as :func:`~..config.resolve_optimizer` does), probed on the pieces' shapes.
 - Accumulating (``accumulation_steps`` > 1): inside ``no_sync`` the reducer's hooks leave ``param.grad`` alone
   (:attr:`~..comm.grad_reducer.GradReducer.enabled` is ``False``), so every trainable parameter keeps its full
   local gradient, in the working dtype on the device, until the window's last backward hands it to the buckets;
@@ -36,12 +36,11 @@ from stepforge.core.memory_plan import (
     unique_parameters,
 )
 
-from ..comm.algorithm import bucket_size_for, comm_algorithm_for
+from ..comm.algorithm import bucket_size_for, comm_algorithm_for, param_gather_for
 from ..comm.buffers import BufferPool
 from ..comm.grad_reducer import GradReducer, WireFormat
 from ..comm.param_gather import DIRECT_MIN, GATHER_CHUNK, _chunks, split_direct
-from ..config import LowLevelZeroConfig, param_gather_for
-from ..state.inner import _cpu_adam_config
+from ..config import LowLevelZeroConfig, cpu_adam_config
 from ..state.partition import ShardLayout, build_layout
 
 __all__ = ["zero_memory_plan", "RecordingWire", "ZeroSettings"]
@@ -252,7 +251,7 @@ def zero_memory_plan(
     if optimizer is not None:
         config = optimizer  # an instance is the optimizer the plugin keeps (only a config becomes CPUAdam)
         if offload and isinstance(optimizer, Mapping):
-            config = _cpu_adam_config(optimizer) or optimizer
+            config = cpu_adam_config(optimizer) or optimizer
         stepped = [((s.valid,), s.master.dtype) for s in slots if s.valid > 0]
         add_optimizer_state(plan, config, stepped, place=host_or_device)
     return plan

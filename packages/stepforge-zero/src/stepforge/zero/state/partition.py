@@ -4,17 +4,13 @@
 Every parameter is flattened and cut the way ``torch.chunk`` cuts a 1-D tensor of its ``numel`` ``n`` into
 ``W`` pieces: piece size ``s = ceil(n / W)``, rank ``r`` owns ``[r*s, min((r+1)*s, n))`` (possibly empty for
 the last ranks of a tiny parameter). The piece is saved and resharded by ``torch.distributed.checkpoint`` in
-the parameter's shape, without any gathering, as a :class:`stepforge.core.flat_shard.FlatShard` (:mod:`.named`).
+the parameter's shape, without any gathering, as a :class:`stepforge.core.flat_shard.FlatShard` (:mod:`.dicts`).
 For communication each piece is zero-padded to ``s`` so that every rank contributes the same number of elements
 (at most ``W - 1`` padding elements per parameter).
 
 Slots are grouped into *partitions*: one per (param group, working dtype); after a step each partition is
-all-gathered with a single collective.
-
-The geometry is computed apart from the tensors: :func:`plan_pieces` reads only each parameter's ``numel``,
-dtype, device and contiguity and allocates nothing, so it answers for a model on the ``meta`` device (how much a
-rank would hold at a given world size) with the numbers :func:`build_partitions` then allocates.
-:func:`managed_param_groups` is the filter the optimizer applies first (only parameters that require grad).
+all-gathered with a single collective. :func:`build_layout` over parameters on the ``meta`` device allocates
+nothing, so it answers for a model that does not exist yet (the memory plan).
 """
 
 from __future__ import annotations
@@ -27,18 +23,12 @@ import torch
 __all__ = [
     "Slot",
     "Partition",
-    "PiecePlan",
     "ShardLayout",
     "piece_size",
     "padding",
     "local_range",
-    "master_dtype_of",
     "managed_param_groups",
-    "plan_pieces",
-    "partition_sizes",
-    "build_partitions",
     "build_layout",
-    "padded_piece",
 ]
 
 
@@ -60,86 +50,10 @@ def local_range(numel: int, world_size: int, rank: int) -> tuple[int, int]:
     return start, min(start + size, numel)
 
 
-def master_dtype_of(dtype: torch.dtype, master_weights: bool) -> torch.dtype:
-    """The dtype the inner optimizer steps for a working parameter of ``dtype``: fp32 for fp16/bf16 with
-    ``master_weights``, else the working dtype itself."""
-    if master_weights and dtype in (torch.float16, torch.bfloat16):
-        return torch.float32
-    return dtype
-
-
 def managed_param_groups(param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``param_groups`` with only the parameters that require grad (a new list of new dicts): frozen ones (a
     LoRA model's base weights) get no master, no gradient piece, no state and no gather, as in ColossalAI."""
     return [{**g, "params": [p for p in g["params"] if p.requires_grad]} for g in param_groups]
-
-
-@dataclass(frozen=True)
-class PiecePlan:
-    """Where one working parameter's piece lies on one rank, from its shape, dtype and device alone.
-
-    Attributes:
-        index, group: global parameter index and param-group index.
-        numel, piece: the parameter's element count and its padded per-rank piece ``ceil(numel / W)``.
-        start, valid: this rank's piece in the flat parameter (``valid`` real elements, may be 0).
-        offset: where the padded piece sits in its partition's per-rank row.
-        partition: ``(group, working dtype, device)``: the partition the piece belongs to.
-        master_dtype, master_device: what the inner optimizer steps, and where.
-        separate_master: ``False`` when the master is a view into the working parameter (same dtype and
-            device, contiguous): no copy is made.
-    """
-
-    index: int
-    group: int
-    numel: int
-    piece: int
-    start: int
-    valid: int
-    offset: int
-    partition: tuple[int, torch.dtype, torch.device]
-    master_dtype: torch.dtype
-    master_device: torch.device
-    separate_master: bool
-
-
-def plan_pieces(
-    param_groups: list[dict[str, Any]],
-    world_size: int,
-    rank: int,
-    *,
-    master_weights: bool,
-    master_device: torch.device | None,
-) -> list[PiecePlan]:
-    """Every parameter's :class:`PiecePlan` on ``rank`` of ``world_size``, in global index order. Allocates
-    nothing: parameters on the ``meta`` device work (see :func:`build_partitions` for the arguments)."""
-    plans: list[PiecePlan] = []
-    sizes: dict[tuple[int, torch.dtype, torch.device], int] = {}
-    for g, group in enumerate(param_groups):
-        for param in group["params"]:
-            numel = param.numel()
-            start, stop = local_range(numel, world_size, rank)
-            dtype = master_dtype_of(param.dtype, master_weights)
-            device = master_device if master_device is not None else param.device
-            key = (g, param.dtype, param.device)
-            offset = sizes.get(key, 0)
-            sizes[key] = offset + piece_size(numel, world_size)
-            separate = not (param.dtype == dtype and param.device == device and param.is_contiguous())
-            plans.append(
-                PiecePlan(
-                    len(plans), g, numel, piece_size(numel, world_size), start, stop - start, offset, key,
-                    dtype, device, separate,
-                )
-            )  # fmt: skip
-    return plans
-
-
-def partition_sizes(plans: list[PiecePlan]) -> dict[tuple[int, torch.dtype, torch.device], int]:
-    """Per-rank elements of each partition (the sum of its padded pieces): what one all-gather of the
-    partition sends per rank, in partition order."""
-    sizes: dict[tuple[int, torch.dtype, torch.device], int] = {}
-    for plan in plans:
-        sizes[plan.partition] = sizes.get(plan.partition, 0) + plan.piece
-    return sizes
 
 
 @dataclass(eq=False)
@@ -189,9 +103,8 @@ class Partition:
 class ShardLayout:
     """Everything about how one optimizer's parameters are sharded, and nothing about the optimizer.
 
-    The state-dict functions (:mod:`.full`, :mod:`.sharded`) and the communication (:mod:`stepforge.zero.comm`)
-    take this value instead of the optimizer, so they depend on the layout only and the optimizer module
-    depends on them, not the reverse.
+    The state dicts (:mod:`.dicts`) and the communication (:mod:`stepforge.zero.comm`) take this value instead
+    of the optimizer, so the optimizer module depends on them, not the reverse.
 
     Attributes:
         slots: every working parameter's :class:`Slot`, in global parameter index order.
@@ -233,57 +146,6 @@ class ShardLayout:
                 slot.master.copy_(piece)
 
 
-def build_partitions(
-    param_groups: list[dict[str, Any]],
-    world_size: int,
-    rank: int,
-    *,
-    master_weights: bool,
-    master_device: torch.device | None,
-) -> tuple[list[Slot], list[Partition]]:
-    """Slots for every parameter of ``param_groups`` (laid out by :func:`plan_pieces`, masters allocated) and
-    the partitions that group them.
-
-    Args:
-        param_groups: the working param groups (dicts with a ``"params"`` list).
-        world_size, rank: the data-parallel group.
-        master_weights: keep fp32 masters for lower-precision working params (else the master is the
-            working dtype).
-        master_device: ``torch.device("cpu")`` for CPU offload, ``None`` for the parameter's own device.
-    """
-    params = [p for group in param_groups for p in group["params"]]
-    plans = plan_pieces(
-        param_groups, world_size, rank, master_weights=master_weights, master_device=master_device
-    )
-    slots: list[Slot] = []
-    by_key: dict[tuple[int, torch.dtype, torch.device], Partition] = {}
-    for plan, param in zip(plans, params, strict=True):
-        flat = param.detach().reshape(-1)[plan.start : plan.start + plan.valid]
-        if plan.separate_master:
-            master = flat.to(device=plan.master_device, dtype=plan.master_dtype, copy=True)
-        else:
-            master = flat  # a view: the working parameter is its own master
-        slot = Slot(
-            plan.index, plan.group, param, plan.numel, plan.piece, plan.start, plan.valid, master,
-            plan.separate_master, offset=plan.offset,
-        )  # fmt: skip
-        part = by_key.get(plan.partition)
-        if part is None:
-            part = by_key[plan.partition] = Partition(plan.group, param.dtype, param.device)
-        part.size += plan.piece
-        part.slots.append(slot)
-        slots.append(slot)
-    return slots, list(by_key.values())
-
-
-def padded_piece(flat: torch.Tensor, piece: int, world_size: int) -> torch.Tensor:
-    """``flat`` zero-padded to ``piece * world_size`` elements and viewed as ``(world_size, piece)``."""
-    missing = piece * world_size - flat.numel()
-    if missing:
-        flat = torch.cat([flat, flat.new_zeros(missing)])
-    return flat.view(world_size, piece)
-
-
 def build_layout(
     param_groups: list[dict[str, Any]],
     world_size: int,
@@ -293,8 +155,35 @@ def build_layout(
     master_weights: bool,
     master_device: torch.device | None,
 ) -> ShardLayout:
-    """:func:`build_partitions` packed with the group facts into a :class:`ShardLayout`."""
-    slots, partitions = build_partitions(
-        param_groups, world_size, rank, master_weights=master_weights, master_device=master_device
-    )
-    return ShardLayout(slots, partitions, world_size, rank, group)
+    """Slots for every parameter of ``param_groups`` (masters allocated) and the partitions that group them.
+
+    Args:
+        param_groups: the working param groups (dicts with a ``"params"`` list).
+        world_size, rank, group: the data-parallel group.
+        master_weights: keep fp32 masters for fp16/bf16 working params (else the master is the working dtype).
+        master_device: ``torch.device("cpu")`` for CPU offload, ``None`` for the parameter's own device.
+    """
+    slots: list[Slot] = []
+    by_key: dict[tuple[int, torch.dtype, torch.device], Partition] = {}
+    for g, group_ in enumerate(param_groups):
+        for param in group_["params"]:
+            numel, piece = param.numel(), piece_size(param.numel(), world_size)
+            start, stop = local_range(numel, world_size, rank)
+            low = master_weights and param.dtype in (torch.float16, torch.bfloat16)
+            dtype = torch.float32 if low else param.dtype
+            device = master_device if master_device is not None else param.device
+            separate = not (param.dtype == dtype and param.device == device and param.is_contiguous())
+            flat = param.detach().reshape(-1)[start:stop]
+            # not separate: a view, the working parameter is its own master
+            master = flat.to(device=device, dtype=dtype, copy=True) if separate else flat
+            key = (g, param.dtype, param.device)
+            part = by_key.get(key)
+            if part is None:
+                part = by_key[key] = Partition(g, param.dtype, param.device)
+            slot = Slot(
+                len(slots), g, param, numel, piece, start, stop - start, master, separate, offset=part.size
+            )
+            part.size += piece
+            part.slots.append(slot)
+            slots.append(slot)
+    return ShardLayout(slots, list(by_key.values()), world_size, rank, group)
