@@ -5,7 +5,7 @@
 - :mod:`.low_level_zero`: the plugin (ColossalAI's signature) and ``Zero1Plugin``/``Zero2Plugin``.
 - :mod:`.model`: :class:`LowLevelZeroModel`, the prepared model (working dtype, input casting, waits for the
   optimizer's parameter gather) and the precision table.
-- :mod:`.options`: the checks of the plugin's own arguments.
+- :mod:`.memory_plan`: what a rank holds and sends under the plugin, from the optimizer's own code on meta tensors.
 - :mod:`.lora`: peft adapters join the optimizer built over the base model.
 """
 

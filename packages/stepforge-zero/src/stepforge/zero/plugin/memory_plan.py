@@ -175,7 +175,9 @@ def zero_memory_plan(
     device: str | torch.device | None = None,
     accumulation_steps: int = 1,
 ) -> MemoryPlan:
-    """:meth:`LowLevelZeroPlugin.memory_plan` (see the module docstring)."""
+    """What one rank holds and communicates for ``model`` under this plugin's settings, from the optimizer's own
+    partition and bucket code run on meta tensors; accumulating, the local gradients ``no_sync`` keeps through
+    the window (``LowLevelZeroPlugin.memory_plan``; see this module's docstring)."""
     steps = check_accumulation_steps(accumulation_steps, f"{type(plugin).__name__}.memory_plan")
     on_cpu = torch.device(device if device is not None else plugin.device).type == "cpu"
     if backend is None:
