@@ -11,10 +11,8 @@
 - :class:`LowLevelZeroPlugin` (``plugin="low_level_zero"``, ``"zero1"``, ``"zero2"``): ColossalAI's plugin
   signature for the Booster of stepforge-strategy.
 
-Where things live: :mod:`.low_level` (the optimizer class), :mod:`.config` (its settings), :mod:`.comm` (every
-collective: gradient reduction with its wire format and the reduced pieces, parameter gather, process groups),
-:mod:`.state` (partition of the parameters into pieces, full and sharded state dicts), :mod:`.plugin` (the
-Booster plugin and its model wrapper), :mod:`.phases` (timing hooks of a step), :mod:`.zero_redundancy`.
+Besides :mod:`.low_level`, :mod:`.config` (its settings), :mod:`.comm` (every collective), :mod:`.state` (pieces
+and state dicts), :mod:`.plugin`, :mod:`.phases` (timing hooks of a step) and :mod:`.zero_redundancy`.
 """
 
 from __future__ import annotations

@@ -3,21 +3,16 @@
 
 ``opt = LowLevelZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), stage=2)``, then per batch
 ``opt.backward(loss)`` (or ``loss.backward()`` without fp16 loss scaling), ``opt.step()``, ``opt.zero_grad()``.
-Each rank holds only its piece (``torch.chunk`` layout, :mod:`stepforge.zero.state.partition`) of every trainable
-parameter's master weights, gradient and optimizer state; the inner optimizer steps those pieces, and the
-updated pieces are gathered into the working parameters (:mod:`stepforge.zero.comm.param_gather`). Gradients are
-averaged over the ranks as DDP does, in buckets reduced from backward hooks (:mod:`stepforge.zero.comm`).
-See ``docs/low_level.md`` for the trade-offs.
-
-Gradient synchronisation happens once per step, at :meth:`LowLevelZeroOptimizer.sync_grads`: the first of
-``scale_grads_``, ``unscale_``, ``clip_grad_norm_`` and ``step`` calls it, and the later ones find the step's
-gradients already final (a backward in between re-opens it).
+Each rank holds only its piece (:mod:`stepforge.zero.state.partition`) of every trainable parameter's master
+weights, gradient and optimizer state; the inner optimizer steps those pieces, and the updated pieces are
+gathered into the working parameters (:mod:`stepforge.zero.comm.param_gather`). Gradients are averaged over the
+ranks as DDP does, in buckets reduced from backward hooks (:mod:`stepforge.zero.comm.grad_reducer`), and become
+final once per step, at :meth:`LowLevelZeroOptimizer.sync_grads`. See ``docs/low_level.md`` for the trade-offs.
 
 Why this module runs past 400 lines: it is one class with ColossalAI's whole public member list (``torch.optim``
 interface, gradients, master weights, state dicts, lifetime: 45 members, each with its docstring), and each
-member is a few lines over the concern packages that do the work (:mod:`~stepforge.zero.comm`,
-:mod:`~stepforge.zero.state`); :mod:`stepforge.zero.config` holds its settings. The step itself is here: the
-reducer's sync, the inner optimizer's step over the pieces, the gather (``docs/design.md``, the step route).
+member is a few lines over the modules that do the work; the step itself is here (the reducer's sync, the inner
+optimizer's step over the pieces, the gather: ``docs/design.md``'s step route).
 """
 
 from __future__ import annotations
@@ -59,11 +54,10 @@ logger = logging.getLogger("stepforge.zero")
 class LowLevelZeroOptimizer(torch.optim.Optimizer):
     """ZeRO stage 1 or 2 around any optimizer whose param groups hold the model's working parameters.
 
-    ColossalAI's constructor, its names, order and defaults (``colossalai.zero.LowLevelZeroOptimizer``), plus
-    stepforge's keyword-only names; a setting given under both names must agree. See the README's table. As in
-    ColossalAI, only parameters that require grad are managed (a LoRA model's frozen base weights get no
-    master, state or gather). The settings are kept as :class:`~stepforge.zero.config.LowLevelZeroConfig`
-    (:attr:`config`).
+    ColossalAI's constructor, names, order and defaults (``colossalai.zero.LowLevelZeroOptimizer``), plus
+    stepforge's keyword-only names; a setting given under both names must agree (the README's table). As in
+    ColossalAI, only parameters that require grad are managed. The settings are kept as
+    :class:`~stepforge.zero.config.LowLevelZeroConfig` (:attr:`config`).
 
     Args:
         optimizer: a built optimizer (``torch.optim``, stepforge, ...) over the working parameters, or a
@@ -71,44 +65,32 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         pg_to_param_list: ColossalAI's ``{group or (extra_dp_group, dp_group): parameters}`` with ONE group
             holding every parameter (several groups, MoE experts, are refused). A non-mapping here is read as
             ``params`` (stepforge's earlier second argument).
-        initial_scale: the dynamic loss scaler's first scale (fp16 working parameters, or
-            ``dtype_for_loss_scaling="fp16"``); the scaler's other settings follow.
-        min_scale: the scale never drops below this.
-        growth_factor: the scale is multiplied by this after ``growth_interval`` clean steps.
-        backoff_factor: the scale is multiplied by this after ``hysteresis`` overflowing steps.
-        growth_interval: clean steps between growths.
-        hysteresis: overflowing steps tolerated before a backoff.
-        max_scale: the scale never grows above this.
-        clip_grad_norm: clip the global gradient norm to this in every :meth:`step` (0: off); ``max_norm``.
+        initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis, max_scale: the
+            dynamic loss scaler (fp16 working parameters, or ``dtype_for_loss_scaling="fp16"``), as ColossalAI's.
         verbose: log skipped steps and the sharding set-up at INFO on the ``stepforge.zero`` logger.
         reduce_bucket_size: elements per gradient bucket (padded count); ``None``: 4 Mi on gloo (measured, see
             ``stepforge.zero.comm.algorithm.GLOO_BUCKET_SIZE``), ColossalAI's 1 Mi elsewhere.
-        communication_dtype: the dtype gradients are reduced in on the wire (``None``: their own).
+        communication_dtype, fp8_communication: the gradients' wire: reduced in this dtype (``None``: their own),
+            or as fp8 bytes summed in fp32 (:mod:`stepforge.zero.comm.grad_reducer`).
         overlap_communication: launch the bucket reductions asynchronously during backward.
-        partition_grad: ZeRO-2 (gradients reduce-scattered); ``stage``.
+        partition_grad, stage: ZeRO-2 (gradients reduce-scattered from backward hooks), or stage 1 or 2.
         cpu_offload: keep masters, gradient pieces and optimizer state on the CPU and step them there (an
             Adam-family config becomes stepforge-fused's ``CPUAdam`` when installed).
-        dp_process_group: the data-parallel group (``None``: the default group); ``process_group``.
+        dp_process_group, process_group: the data-parallel group (``None``: the default group).
         extra_dp_group: with ``dp_process_group``: shard over the 2-D grid of both groups
             (:mod:`stepforge.zero.comm.grid`; collective over the default group at construction).
         forced_dtype: convert every working parameter to this dtype first (in place).
-        master_weights: fp32 masters for fp16/bf16 working parameters (``False``: the working pieces themselves
-            are stepped; no fp32 copy).
+        master_weights: fp32 masters for fp16/bf16 working parameters (``False``: the working pieces are stepped).
         overlap_allgather: launch the gather of the updated pieces at the end of :meth:`step` and return; each
-            module's next forward waits for its own parameters only (a global forward pre-hook). Until then the
-            working parameters are stale: read them through the plugin's model (its ``state_dict``/``unwrap``
-            wait) or call :meth:`wait_for_param_gather` first; this optimizer's own methods wait by themselves.
-        fp8_communication: gradients travel as fp8 bytes and are summed in fp32 (:mod:`stepforge.zero.comm.grad_reducer`).
+            module's next forward waits for its own parameters only. Until then the working parameters are
+            stale: read them through the plugin's model or after :meth:`wait_for_param_gather`.
         backward_context: a callable returning a context manager entered around each backward.
         params: the parameters (module, tensors or param-group dicts) for a config ``optimizer``.
-        stage: 1 (gradients all-reduced, each rank keeps its piece) or 2 (reduce-scattered from backward hooks).
-        max_norm: stepforge's name of ``clip_grad_norm``; process_group: of ``dp_process_group``.
-        norm_type: the norm of ``max_norm`` clipping (2; ``inf`` allowed).
-        dtype_for_loss_scaling: ``"fp16"`` forces loss scaling, ``None`` turns it on when a working parameter
-            is fp16.
+        clip_grad_norm, max_norm, norm_type: clip the global gradient norm to this in every :meth:`step` (0:
+            off), by this norm (2; ``inf`` allowed).
+        dtype_for_loss_scaling: ``"fp16"`` forces loss scaling, ``None`` turns it on for fp16 parameters.
         param_gather: how updated pieces reach every rank: ``"all_gather"``, ``"broadcast"`` (gloo's broadcast
-            is several times faster than its all-gather on the CPU), ``None``: broadcast on gloo, all-gather
-            elsewhere.
+            is several times faster than its all-gather on the CPU), ``None``: broadcast on gloo, else all-gather.
         comm_algorithm: ``"reduce_scatter"``, ``"all_reduce"``, ``"all_to_all"`` or ``"auto"`` (see
             :mod:`stepforge.zero.comm.algorithm`).
 

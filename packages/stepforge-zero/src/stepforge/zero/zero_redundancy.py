@@ -1,24 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 """``ZeroRedundancyOptimizer``: mmengine's string-typed wrapper of torch's ZeRO-1, resolved through stepforge.
 
-torch's :class:`torch.distributed.optim.ZeroRedundancyOptimizer` does the work (sorted-greedy whole-parameter
-partition, local step, parameter broadcast); this subclass adds what mmengine's wrapper gives and fixes what it
-lacks:
-
-- ``optimizer_type`` is a name resolved through :data:`stepforge.core.OPTIMIZERS`: every ``torch.optim`` class
-  and every installed stepforge optimizer (``"FusedAdam"``, ``"CPUAdam"``, ``"Lamb"``, ...). An unknown name
-  raises the registry's error, which names the distribution to install.
-- torch's signature works too (``optimizer_class=`` beside ``optimizer_type``) and torch's state-dict
-  protocol: after ``consolidate_state_dict(to=k)`` on every rank, ``state_dict()`` on rank ``k`` alone returns
-  the state with no collective.
-- otherwise ``state_dict()`` is collective, as mmengine's: it consolidates and returns the full, world-size-independent
-  state on the main process (rank 0 of the group) and ``{}`` elsewhere. A call from only some ranks fails
-  within ``consolidate_timeout`` seconds with an error saying every rank must call it, instead of hanging.
-- ``load_state_dict`` takes that full state at any world size and leaves the caller's dict untouched.
+torch's :class:`torch.distributed.optim.ZeroRedundancyOptimizer` does the work; this subclass adds what mmengine's
+wrapper gives (``optimizer_type`` as a registry name of :data:`stepforge.core.OPTIMIZERS`, a collective
+``state_dict()`` returning the full state on the main process) and fixes what it lacks (torch's signature and
+state-dict protocol too, a bounded wait instead of a hang when only some ranks call ``state_dict()``, a load at any
+world size that leaves the caller's dict untouched).
 """
 
 from __future__ import annotations
 
+import datetime
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
@@ -28,8 +20,7 @@ import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer as _TorchZeroRedundancyOptimizer
 
 from stepforge.core import OPTIMIZERS, HyperParameterError, StepforgeError
-
-from .comm.arrival import ArrivalTimeout, wait_for_all_ranks
+from stepforge.core.torch_compat import default_store
 
 __all__ = [
     "ZeroRedundancyOptimizer",
@@ -78,9 +69,8 @@ class ZeroRedundancyOptimizer(_TorchZeroRedundancyOptimizer):
         parameters_as_bucket_view: torch's option: flat per-device buckets for the broadcasts.
         overlap_with_ddp: torch's option; only ``False`` (the default) is supported.
         consolidate_timeout: seconds each rank waits for the others to enter ``state_dict()`` or
-            ``consolidate_state_dict()`` before raising :class:`CollectiveCallError` (default 60). The check goes
-            through the rendezvous store, not the process group, so a rank that gives up leaves the group usable
-            (gloo and NCCL alike).
+            ``consolidate_state_dict()`` before raising :class:`CollectiveCallError` (default 60); the group
+            stays usable (gloo and NCCL alike).
         **kwargs: hyper-parameters of the local optimizer (``lr=...``).
 
     Raises:
@@ -118,14 +108,10 @@ class ZeroRedundancyOptimizer(_TorchZeroRedundancyOptimizer):
                 "functional optimizer and a DDP communication hook; leave it False."
             )
         optimizer_type = _one_optimizer(optimizer_type, optimizer_class)
-        if isinstance(consolidate_timeout, bool) or not isinstance(consolidate_timeout, int | float):
+        timeout = consolidate_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
             raise HyperParameterError(
-                f"ZeroRedundancyOptimizer: consolidate_timeout must be a number of seconds > 0, got "
-                f"{consolidate_timeout!r}."
-            )
-        if not consolidate_timeout > 0:
-            raise HyperParameterError(
-                f"ZeroRedundancyOptimizer: consolidate_timeout must be > 0 seconds, got {consolidate_timeout!r}."
+                f"ZeroRedundancyOptimizer: consolidate_timeout must be a number of seconds > 0, got {timeout!r}."
             )
         optimizer_class = _resolve(optimizer_type)
         for key in _GLOBAL_NORM_KEYS:
@@ -161,21 +147,33 @@ class ZeroRedundancyOptimizer(_TorchZeroRedundancyOptimizer):
 
     # -- collectives -----------------------------------------------------------------------------------
     def _all_ranks_present(self, what: str) -> None:
-        """Wait at most ``consolidate_timeout`` s for every rank of the group to reach ``what``."""
+        """Wait at most ``consolidate_timeout`` s for every rank of the group to reach ``what``.
+
+        The check runs on the rendezvous store, not the process group's transport: a rank that gives up leaves
+        no half-finished gloo/NCCL operation behind, so a later call made by every rank works. Each rank adds 1
+        to a counter; the rank that brings it to ``world_size`` sets ``done``, the others wait for it. A rank that
+        times out withdraws its arrival (an atomic ``add(-1)``), so a later round starts from a clean count; if
+        the count had reached ``world_size`` first, the round completed and it goes on (no rank is left alone).
+        """
         key = f"stepforge.zero.ZeroRedundancyOptimizer/{self._instance}/{self._rounds}"
-        start = time.monotonic()
-        try:
-            wait_for_all_ranks(key, self.world_size, self.consolidate_timeout)
-        except ArrivalTimeout as exc:
-            waited = time.monotonic() - start
-            raise CollectiveCallError(
-                f"ZeroRedundancyOptimizer.{what} is collective: every rank of the process group "
-                f"({self.world_size} ranks) must call it, but rank {self.rank} waited {waited:.1f} s "
-                f"(consolidate_timeout={self.consolidate_timeout:g}) and only {exc.arrived} arrived. Call it on "
-                "every rank (not inside a main-process-only block such as mmengine's master_only save) and "
-                "write the result from the main process."
-            ) from exc
-        self._rounds += 1
+        count, done, world, start = f"{key}/count", f"{key}/done", self.world_size, time.monotonic()
+        if world > 1 and (store := default_store()).add(count, 1) >= world:
+            store.set(done, "1")
+        elif world > 1:
+            try:
+                store.wait([done], datetime.timedelta(seconds=self.consolidate_timeout))
+            except (dist.DistStoreError, RuntimeError) as exc:
+                arrived = store.add(count, -1) + 1
+                if arrived < world:
+                    raise CollectiveCallError(
+                        f"ZeroRedundancyOptimizer.{what} is collective: every rank of the process group ({world} "
+                        f"ranks) must call it, but rank {self.rank} waited {time.monotonic() - start:.1f} s "
+                        f"(consolidate_timeout={self.consolidate_timeout:g}) and only {arrived} arrived. Call it "
+                        "on every rank (not inside a main-process-only block such as mmengine's master_only save) "
+                        "and write the result from the main process."
+                    ) from exc
+                store.wait([done], datetime.timedelta(seconds=max(self.consolidate_timeout, 1.0)))
+        self._rounds += 1  # only once the round completed: a rank that gave up retries under the same key
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather every rank's shard of the state on rank ``to`` (collective: every rank must call it).

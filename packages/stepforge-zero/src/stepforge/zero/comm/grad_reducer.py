@@ -3,53 +3,31 @@
 
 Why one module past 400 lines: it is the whole route of a gradient from its hook to this rank's piece (the bucket,
 the wire format, the reduction, what a step does to the pieces: sync, scale, unscale, clip), so that a backward and
-a step enter it once; bucket layout, buffers and the collectives' names are the leaf helpers it calls
-(:mod:`.buffers`, :mod:`.collectives`).
+a step enter it once; the leaf helpers it calls are in :mod:`.buffers` and :mod:`.collectives`.
 
 A hook on every working parameter hands its freshly accumulated ``.grad`` to :class:`GradReducer` and frees it.
 Gradients wait in a bucket per gradient dtype until ``reduce_bucket_size`` elements (counted padded) are
-there; the bucket is then reduced by the algorithm of :mod:`.algorithm`, the division by the world size done
-before the sum (as DDP does):
-
-- ``"reduce_scatter"``: the bucket is laid out rank-major (rank ``r``'s pieces of every parameter side by side,
-  divided by the same copy) and ``reduce_scatter_tensor`` hands each rank only its row;
-- ``"all_reduce"``: the gradients are all-reduced as they are laid out (a lone gradient in place, several
-  concatenated), and each rank reads its piece of every parameter at the piece's range (``torch.chunk`` layout:
-  one contiguous range per parameter);
-- ``"all_to_all"``: the bucket is laid out rank-major with this rank's own row last; ``all_to_all_single`` sends
-  the other ``N - 1`` rows (rank ``r`` receives every other rank's row ``r``; a rank's own row never travels,
-  not even as gloo's local copy) and the ``N`` rows are summed here in rank order, straight into the pieces.
+there; the bucket is then reduced by the algorithm of :mod:`.algorithm`, divided by the world size before the sum
+(as DDP does). ``"reduce_scatter"`` lays the bucket out rank-major and each rank receives its row;
+``"all_reduce"`` reduces the gradients as they lie and each rank reads its pieces at their ranges;
+``"all_to_all"`` lays it out with this rank's own row last, exchanges the other ``N - 1`` rows (a rank's own row
+never travels, not even as gloo's local copy) and sums the ``N`` rows here, straight into the pieces.
 
 With ``overlap_communication`` the collective is launched asynchronously and backward goes on; the results
-are added into the slots' fp32 (master-dtype) gradient pieces when :meth:`GradReducer.wait` runs (before
-clipping or stepping), or as soon as more than ``MAX_IN_FLIGHT`` buckets are in flight. A callback queued on the
-autograd engine launches the last partial bucket at the end of every backward, so at most the buckets in flight
-exist beside the shards. The pieces and the bucket buffers are reused from step to step (:mod:`.buffers`):
-the first reduction of a step copies into the pieces, later ones add into them.
+are added into the slots' (master-dtype) gradient pieces when :meth:`GradReducer.wait` runs, or as soon as more
+than ``MAX_IN_FLIGHT`` buckets are in flight. A callback queued on the autograd engine launches the last partial
+bucket at the end of every backward, so at most the buckets in flight exist beside the shards. While
+:attr:`GradReducer.enabled` is ``False`` (``no_sync``), hooks leave ``.grad`` alone: full local gradients
+accumulate as usual and are reduced once, by the first synchronised backward or by :meth:`GradReducer.sync`.
 
-While :attr:`GradReducer.enabled` is ``False`` (``no_sync``), hooks leave ``.grad`` alone: full local
-gradients accumulate as usual and are reduced once, by the first synchronised backward or by :meth:`flush_local`.
-
-:meth:`GradReducer.sync` is the one point where a step's gradients become final: it flushes what ``no_sync``
-left in ``param.grad``, waits for the buckets in flight and marks the reduction done until the next backward
-reaches a managed parameter (or :meth:`GradReducer.discard`), so calling it again before then does nothing.
-
-How a bucket travels (:class:`WireFormat`): as it is, cast to ColossalAI's ``communication_dtype``, or as fp8
-bytes. ``communication_dtype``: the bucket is cast to that dtype for the collective and the result cast back, so the
-sum itself runs in the wire dtype (ColossalAI's meaning: e.g. bf16 gradients reduced in fp32, or fp32 ones sent
-as bf16 to halve the bytes).
-
-``fp8_communication``: each rank scales its bucket by ``448 / amax`` (the e4m3 range), casts it to
-``float8_e4m3fn`` and sends the bytes with its scale; the receivers decode every rank's part to fp32 and sum in
-fp32 (ColossalAI's ``reduce_scatter_fp8``/``all_reduce_fp8`` scheme: fp8 on the wire, higher precision in the
-reduction). The collectives move ``uint8`` -- gloo has no fp8 dtype -- one ``all_to_all_single`` for a
-reduce-scatter and one ``all_gather`` for an all-reduce (every rank then sums the same parts in the same order,
-so the replicas agree bitwise). A part holding an inf/NaN travels with a NaN scale (e4m3fn has no inf and
+How a bucket travels (:class:`WireFormat`): as it is; cast to ColossalAI's ``communication_dtype`` and back, so
+the sum itself runs in the wire dtype (e.g. bf16 gradients reduced in fp32, or fp32 ones sent as bf16 to halve
+the bytes); or as fp8 (``fp8_communication``, ColossalAI's ``reduce_scatter_fp8``/``all_reduce_fp8`` scheme):
+each rank scales its bucket by ``448 / amax`` (the e4m3 range) and sends the ``float8_e4m3fn`` bytes with the
+scale, as ``uint8`` since gloo has no fp8 dtype (one ``all_to_all_single`` for a reduce-scatter, one
+``all_gather`` for an all-reduce: every rank then sums the same parts in the same order, so the replicas agree
+bitwise); the receivers sum in fp32. A part holding an inf/NaN travels with a NaN scale (e4m3fn has no inf and
 saturates it to 448), so it decodes to NaN and fp16 overflow detection still sees it.
-
-What a step does to the reduced pieces: synchronise once, scale, unscale once (overflow agreed on every rank by
-the loss scaler), clip by the global norm (torch's rule), drop. ``LowLevelZeroOptimizer`` decides *when* (loss
-scaling, ``max_norm``, skipping); the reducer does the tensor work and the small collectives.
 """
 
 from __future__ import annotations
@@ -161,15 +139,11 @@ class WireFormat:
             return self._done(work, lambda: out.copy_(wire_out), async_op)
         return reduce_scatter(out, flat, group=group, async_op=async_op)
 
-    def exchange_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        """The dtype rows travel in by :meth:`exchange` (``communication_dtype`` when it casts, else ``dtype``)."""
-        return self.dtype if self.dtype is not None and self.dtype != dtype else dtype
-
     def exchange(
         self, received: torch.Tensor, rows: torch.Tensor, *, rank: int, group: Any, async_op: bool
     ) -> Any:
         """``received[i]`` = the row for rank ``rank`` from the ``i``-th other rank (rank order), where ``rows[i]``
-        is the row for the ``i``-th other rank: both ``(W - 1, n)``, ``received`` in :meth:`exchange_dtype`. One
+        is the row for the ``i``-th other rank: both ``(W - 1, n)``, ``received`` in the wire dtype. One
         ``all_to_all_single`` whose splits leave this rank out, so its own row is neither sent nor copied; the
         transport of the ``"all_to_all"`` reduce-scatter, summed by the caller in the wire dtype (fp8 goes
         through :meth:`reduce_scatter`, which decodes and sums itself)."""
@@ -218,16 +192,16 @@ class WireFormat:
 MAX_IN_FLIGHT = 2
 
 
+@dataclass
 class CollectiveCounter:
     """How many reduce collectives were launched (``all_to_all``: the exchanges of the ``"all_to_all"``
     reduce-scatter), and how many times a step's reduction was completed by :meth:`GradReducer.sync` (for tests
     and the benchmark)."""
 
-    def __init__(self) -> None:
-        self.reduce_scatter = 0
-        self.all_reduce = 0
-        self.all_to_all = 0
-        self.syncs = 0
+    reduce_scatter: int = 0
+    all_reduce: int = 0
+    all_to_all: int = 0
+    syncs: int = 0
 
     @property
     def reductions(self) -> int:
@@ -235,10 +209,10 @@ class CollectiveCounter:
         return self.reduce_scatter + self.all_reduce + self.all_to_all
 
 
+@dataclass
 class _Bucket:
-    def __init__(self) -> None:
-        self.items: list[tuple[Slot, torch.Tensor]] = []
-        self.elements = 0  # padded elements (piece * world size per item)
+    items: list[tuple[Slot, torch.Tensor]] = field(default_factory=list)
+    elements: int = 0  # padded elements (piece * world size per item)
 
 
 @dataclass(eq=False)
@@ -265,8 +239,8 @@ class GradReducer:
         bucket_size: elements per bucket (padded count).
         overlap: launch collectives asynchronously.
         group: the process group (``None``: the default group), world_size and rank in it.
-        wire: how buckets travel (``communication_dtype`` / fp8, see :mod:`.wire`); ``None``: as they are.
-        algorithm: ``"all_reduce"`` or ``"reduce_scatter"`` (see :mod:`.algorithm`).
+        wire: how buckets travel (``communication_dtype`` / fp8); ``None``: as they are.
+        algorithm: ``"all_reduce"``, ``"reduce_scatter"`` or ``"all_to_all"`` (see :mod:`.algorithm`).
     """
 
     def __init__(
@@ -389,7 +363,7 @@ class GradReducer:
             layout.append((slot, offset))
             offset += slot.piece
         if exchange:
-            wire_dtype = self.wire.exchange_dtype(dtype)
+            wire_dtype = self.wire.dtype or dtype  # the rows travel and are summed in the wire dtype
             table = self.pool.take((world - 1) * per_rank, wire_dtype, device)
             others = table[: (world - 1) * per_rank].view(world - 1, per_rank)
             work = self.wire.exchange(

@@ -7,12 +7,8 @@ wraps the optimizer in :class:`~stepforge.zero.low_level.LowLevelZeroOptimizer` 
 :class:`~stepforge.zero.config.LowLevelZeroConfig` (built once here, passed through unchanged). Unlike ColossalAI, ``no_sync``
 works for both stages and checkpoints go through ``torch.distributed.checkpoint`` in the layout every plugin shares
 (by parameter name, in each parameter's shape), loadable under any plugin at any world size. LoRA (peft) models are
-supported as in ColossalAI (:mod:`.lora`).
-
-The plugin subclasses :class:`stepforge.core.Plugin` (device, ``world_size``/``rank``, precision adoption,
-``prepare_dataloader``, ``configure`` come from there); its precisions are the plugin precisions of
-:mod:`stepforge.core.precision` and its loss-scaler arguments are checked by that module's
-``validate_loss_scaler_args``.
+supported as in ColossalAI (:mod:`.lora`). Device, precision adoption, ``prepare_dataloader`` and ``configure``
+come from :class:`stepforge.core.Plugin`.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 
 Full (:func:`full_state_dict`, gathered, world-size-independent): ``torch.optim``'s layout -- ``{"state": {index:
 {...}}, "param_groups": [{..., "params": [index, ...]}]}`` keyed by the global parameter index, every per-element
-state tensor in the parameter's full shape. Gathering is collective: one ``all_gather_object`` for the state's
-structure, then one all-gather per (partition, state key). ``torch.optim.Optimizer.load_state_dict`` ignores the
+state tensor in the parameter's full shape. Gathering is collective: one ``all_gather_object`` of every rank's
+pieces. ``torch.optim.Optimizer.load_state_dict`` ignores the
 extra ``"zero"`` key, so the result also loads into the plain inner optimizer over the working parameters.
 
 Sharded (:func:`named_state_dict`), the layout every plugin shares: keyed by parameter name, each tensor in its
@@ -43,8 +43,7 @@ import torch.distributed as dist
 from stepforge.core import CachingOptimizer, HyperParameterError
 from stepforge.core.flat_shard import FlatShard
 
-from ..comm.collectives import all_gather
-from .partition import Partition, ShardLayout, Slot
+from .partition import ShardLayout, Slot
 
 __all__ = [
     "full_state_dict",
@@ -101,94 +100,57 @@ def _group_entries(
     ]
 
 
-# -- full ------------------------------------------------------------------------------------------------
-def _merged_structure(layout: ShardLayout, inner: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
-    """Per parameter index, over every rank: ``{key: ("elem", dtype) | ("scalar", value)}`` of its state."""
-    local: dict[int, dict[str, Any]] = {}
-    for slot in layout.slots:
-        state = inner.state.get(slot.master) if slot.valid else None
-        if state:
-            local[slot.index] = {
-                key: ("elem", value.dtype)
-                if _is_elementwise(key, value, slot)
-                else ("scalar", value.detach().cpu().clone() if torch.is_tensor(value) else value)
-                for key, value in state.items()
-            }
-    if layout.world_size == 1:
-        return local
-    everyone: list[Any] = [None] * layout.world_size
-    dist.all_gather_object(everyone, local, group=layout.group)
-    merged: dict[int, dict[str, Any]] = {}
-    for part in everyone:
-        for index, entry in part.items():
-            for key, spec in entry.items():
-                merged.setdefault(index, {}).setdefault(key, spec)
-    return merged
-
-
-def _gather_pieces(
-    layout: ShardLayout, part: Partition, pieces: Mapping[int, torch.Tensor], dtype: torch.dtype
-) -> dict[int, torch.Tensor]:
-    """All-gather this rank's ``pieces`` (by slot index) of one partition into full CPU tensors shaped like the
-    parameters (slots missing from ``pieces`` on every rank give zeros)."""
-    local = torch.zeros(part.size, dtype=dtype, device=part.device)
-    for slot in part.slots:
-        piece = pieces.get(slot.index)
-        if piece is not None and slot.valid:
-            local[slot.offset : slot.offset + slot.valid].copy_(piece)
-    gathered = local
-    if layout.world_size > 1:
-        gathered = torch.empty(layout.world_size * part.size, dtype=dtype, device=part.device)
-        all_gather(gathered, local, group=layout.group)
-    table = gathered.view(layout.world_size, part.size)
-    return {
-        s.index: table[:, s.offset : s.offset + s.piece]
-        .reshape(-1)[: s.numel]
-        .reshape(s.param.shape)
-        .cpu()
-        .clone()
-        for s in part.slots
-    }
-
-
 def full_state_dict(
     layout: ShardLayout, inner: torch.optim.Optimizer, param_groups: ParamGroups, extras: Mapping[str, Any]
 ) -> dict[str, Any]:
     """The full state dict (see the module docstring); collective over ``layout.group``. ``inner`` steps the
     master pieces (its ``state`` is keyed by ``slot.master``); ``extras``: the ``"zero"`` entries beside the
     masters (``loss_scaler``, ``skipped_steps``)."""
-    structure = _merged_structure(layout, inner)
-    state: dict[int, dict[str, Any]] = {}
+    # masters of every slot in a partition that holds a separate one, as the partition is gathered as a whole
+    with_master = {
+        s.index
+        for part in layout.partitions
+        if any(x.separate_master for x in part.slots)
+        for s in part.slots
+    }
+    local: dict[int, tuple[int, dict[str, Any], torch.Tensor | None]] = {}
+    for slot in layout.slots:
+        state = (inner.state.get(slot.master) if slot.valid else None) or {}
+        entry = {
+            key: (
+                _is_elementwise(key, value, slot),
+                value.detach().cpu().clone() if torch.is_tensor(value) else value,
+            )
+            for key, value in state.items()
+        }
+        master = slot.master.detach().cpu().clone() if slot.index in with_master and slot.valid else None
+        if entry or master is not None:
+            local[slot.index] = (slot.start, entry, master)
+    everyone: list[Any] = [local]
+    if layout.world_size > 1:  # one object gather: each rank's pieces, in rank order
+        everyone = [None] * layout.world_size
+        dist.all_gather_object(everyone, local, group=layout.group)
+    state_out: dict[int, dict[str, Any]] = {}
     masters: dict[int, torch.Tensor] = {}
-    for part in layout.partitions:
-        keys: dict[str, torch.dtype] = {}
-        for slot in part.slots:
-            for key, spec in structure.get(slot.index, {}).items():
-                if spec[0] == "elem":
-                    keys.setdefault(key, spec[1])
-        for key in sorted(keys):
-            pieces = {}
-            for slot in part.slots:
-                entry = inner.state.get(slot.master) if slot.valid else None
-                if entry is not None and key in entry:
-                    pieces[slot.index] = entry[key]
-            full = _gather_pieces(layout, part, pieces, keys[key])
-            for slot in part.slots:
-                if key in structure.get(slot.index, {}):
-                    state.setdefault(slot.index, {})[key] = full[slot.index]
-        if any(s.separate_master for s in part.slots):
-            pieces = {s.index: s.master for s in part.slots if s.valid}
-            masters.update(_gather_pieces(layout, part, pieces, part.slots[0].master.dtype))
-    for index, entry in structure.items():
-        for key, spec in entry.items():
-            if spec[0] == "scalar":
-                state.setdefault(index, {})[key] = spec[1]
-    # per parameter, the inner optimizer's own key order (torch's Adam: step, exp_avg, exp_avg_sq), as
-    # torch.optim and ColossalAI list them -- not element-wise keys first
-    ordered = {i: {key: state[i][key] for key in structure[i]} for i in sorted(state)}
+    for slot in layout.slots:
+        for start, entry, master in (rank[slot.index] for rank in everyone if slot.index in rank):
+            # per parameter, the first holder's key order (torch's Adam: step, exp_avg, exp_avg_sq), as torch.optim
+            # and ColossalAI list them; a rank without a piece's state contributes zeros
+            out = state_out.setdefault(slot.index, {}) if entry else {}
+            for key, (elementwise, value) in entry.items():
+                if elementwise:
+                    full = out.setdefault(key, value.new_zeros(slot.param.shape))
+                    full.view(-1)[start : start + value.numel()].copy_(value)
+                else:
+                    out.setdefault(key, value)
+            if master is not None:
+                full = masters.setdefault(slot.index, master.new_zeros(slot.param.shape))
+                full.view(-1)[start : start + master.numel()].copy_(master)
+        if slot.index in with_master and slot.index not in masters:
+            masters[slot.index] = torch.zeros(slot.param.shape, dtype=slot.master.dtype)
     indices = [s.index for s in layout.slots]
     return {
-        "state": ordered,
+        "state": state_out,
         "param_groups": _group_entries(layout, param_groups, indices),
         "zero": {**extras, "master_weights": masters},
     }
