@@ -56,7 +56,7 @@ def test_hooks_move_each_gradient_into_its_piece_and_free_param_grad():
     assert params[0].grad is not None  # detached: torch's own accumulation again
 
 
-def test_disabled_reducer_leaves_gradients_local_until_flush():
+def test_disabled_reducer_leaves_gradients_local_until_the_sync():
     params = _params()
     slots, reducer = _reducer(params)
     reducer.enabled = False  # no_sync
@@ -64,7 +64,9 @@ def test_disabled_reducer_leaves_gradients_local_until_flush():
     _backward(params, 1.0)
     assert torch.equal(params[0].grad, torch.full((3, 2), 2.0))
     assert all(s.grad is None for s in slots)
-    reducer.flush_local()
+    assert reducer.sync() is False and params[0].grad is not None  # inside no_sync the sync only waits
+    reducer.enabled = True
+    assert reducer.sync() is True
     assert params[0].grad is None and torch.equal(slots[0].grad, torch.full((6,), 2.0))
 
 

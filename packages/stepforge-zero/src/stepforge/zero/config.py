@@ -3,10 +3,10 @@
 is built and passed through unchanged.
 
 Two doors build it from ColossalAI's flat keywords: ``LowLevelZeroOptimizer(...)`` (which reconciles its
-ColossalAI names with stepforge's: :func:`stage_of`, :func:`max_norm_of`) and ``LowLevelZeroPlugin(...)``; the
-plugin hands its config to every optimizer it builds (``LowLevelZeroOptimizer.from_config``). What depends on the
-process group (world size, rank, the resolved algorithm, gather and bucket size) is derived from the config and the
-group when the optimizer is built; :func:`resolve_group` finds that group from the optimizer's group arguments.
+ColossalAI names with stepforge's) and ``LowLevelZeroPlugin(...)``; the plugin hands its config to every optimizer
+it builds (``LowLevelZeroOptimizer.from_config``). What depends on the process group (world size, rank, the
+resolved algorithm, gather and bucket size) is derived when the optimizer is built; :func:`resolve_group` finds
+that group from the optimizer's group arguments and :func:`resolve_optimizer` the inner optimizer.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from stepforge.core import OPTIMIZERS, HyperParameterError, build_optimizer
 from stepforge.core.precision import LOSS_SCALER_DEFAULTS, LossScalerArgs
@@ -28,11 +27,8 @@ from .comm.grid import grid_group
 
 __all__ = [
     "LowLevelZeroConfig",
-    "stage_of",
-    "max_norm_of",
+    "disagree",
     "resolve_group",
-    "group_facts",
-    "force_dtype",
     "resolve_optimizer",
     "cpu_adam_config",
 ]
@@ -131,63 +127,12 @@ class LowLevelZeroConfig:
         object.__setattr__(self, "norm_type", math.inf if math.isinf(norm_type) else float(norm_type))
 
 
-def _disagree(ours: str, ours_value: Any, theirs: str, theirs_value: Any) -> HyperParameterError:
+def disagree(ours: str, ours_value: Any, theirs: str, theirs_value: Any) -> HyperParameterError:
+    """The error for a setting given under stepforge's and ColossalAI's name with different values."""
     return HyperParameterError(
         f"LowLevelZeroOptimizer: {ours}={ours_value!r} and ColossalAI's {theirs}={theirs_value!r} disagree; "
         f"pass one of them ({theirs} is the ColossalAI name of {ours})."
     )
-
-
-def stage_of(stage: Any, partition_grad: Any) -> Any:
-    """The stage from stepforge's ``stage`` and ColossalAI's ``partition_grad`` (which must agree)."""
-    if not isinstance(partition_grad, bool):
-        raise HyperParameterError(
-            f"LowLevelZeroOptimizer: partition_grad must be a bool (True: ZeRO-2), got {partition_grad!r}."
-        )
-    if stage is None:
-        return 2 if partition_grad else 1
-    if partition_grad and stage != 2:
-        raise _disagree("stage", stage, "partition_grad", partition_grad)
-    return stage
-
-
-def max_norm_of(max_norm: Any, clip_grad_norm: Any) -> Any:
-    """The clipping norm from stepforge's ``max_norm`` and ColossalAI's ``clip_grad_norm`` (which must agree)."""
-    if max_norm is None:
-        return clip_grad_norm
-    if clip_grad_norm not in (0, 0.0) and clip_grad_norm != max_norm:
-        raise _disagree("max_norm", max_norm, "clip_grad_norm", clip_grad_norm)
-    return max_norm
-
-
-def group_facts(process_group: Any) -> tuple[int, int]:
-    """``(world_size, rank)`` of the data-parallel group; ``(1, 0)`` without ``torch.distributed``."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(process_group), dist.get_rank(process_group)
-    if process_group is not None:
-        raise HyperParameterError(
-            "LowLevelZeroOptimizer: process_group was given but torch.distributed is not initialised; call "
-            "torch.distributed.init_process_group first."
-        )
-    return 1, 0
-
-
-def _group_of(pg_to_param_list: Any, inner: torch.optim.Optimizer) -> Any:
-    """The one data-parallel group (or ``(extra, dp)`` pair) of ColossalAI's ``pg_to_param_list``."""
-    if not isinstance(pg_to_param_list, Mapping) or len(pg_to_param_list) != 1:
-        count = len(pg_to_param_list) if isinstance(pg_to_param_list, Mapping) else "no"
-        raise HyperParameterError(
-            f"LowLevelZeroOptimizer: pg_to_param_list must map one process group to the optimizer's parameters, "
-            f"got {count} groups; parameters sharded over different groups (MoE experts) are not supported: "
-            "build one LowLevelZeroOptimizer per group, or pass dp_process_group."
-        )
-    ((group, params),) = pg_to_param_list.items()
-    ours = {id(p) for g in inner.param_groups for p in g["params"]}
-    if {id(p) for p in params} != ours:
-        raise HyperParameterError(
-            "LowLevelZeroOptimizer: pg_to_param_list's parameters must be exactly the optimizer's parameters."
-        )
-    return group
 
 
 def resolve_group(
@@ -202,7 +147,7 @@ def resolve_group(
     ``pg_to_param_list``, and with ``extra_dp_group`` the group of the 2-D grid (collective over the default
     group)."""
     if process_group is not None and dp_process_group is not None and process_group is not dp_process_group:
-        raise _disagree("process_group", process_group, "dp_process_group", dp_process_group)
+        raise disagree("process_group", process_group, "dp_process_group", dp_process_group)
     group = process_group if process_group is not None else dp_process_group
     if pg_to_param_list is not None:
         if group is not None:
@@ -210,7 +155,18 @@ def resolve_group(
                 "LowLevelZeroOptimizer: dp_process_group and pg_to_param_list should not be provided at the same "
                 "time (as in ColossalAI); pass one."
             )
-        group = _group_of(pg_to_param_list, inner)
+        if not isinstance(pg_to_param_list, Mapping) or len(pg_to_param_list) != 1:
+            count = len(pg_to_param_list) if isinstance(pg_to_param_list, Mapping) else "no"
+            raise HyperParameterError(
+                f"LowLevelZeroOptimizer: pg_to_param_list must map one process group to the optimizer's "
+                f"parameters, got {count} groups; parameters sharded over different groups (MoE experts) are not "
+                "supported: build one LowLevelZeroOptimizer per group, or pass dp_process_group."
+            )
+        ((group, params),) = pg_to_param_list.items()
+        if {id(p) for p in params} != {id(p) for g in inner.param_groups for p in g["params"]}:
+            raise HyperParameterError(
+                "LowLevelZeroOptimizer: pg_to_param_list's parameters must be exactly the optimizer's parameters."
+            )
         if isinstance(group, tuple):
             if len(group) == 1:
                 group = group[0]
@@ -234,16 +190,6 @@ def resolve_group(
             )
         group = grid_group(extra_dp_group, group)
     return group
-
-
-def force_dtype(inner: torch.optim.Optimizer, dtype: torch.dtype | None) -> None:
-    """ColossalAI's ``forced_dtype``: convert every working parameter in place (``param.data``), so the model
-    and the optimizer keep the same parameter objects."""
-    if dtype is None:
-        return
-    for group in inner.param_groups:
-        for param in group["params"]:
-            param.data = param.data.to(dtype)
 
 
 #: registry names that CPU offload turns into ``CPUAdam`` (value: its ``adamw_mode``)

@@ -26,24 +26,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from stepforge.core import OPTIMIZERS
+from stepforge.core import OPTIMIZERS, HyperParameterError
 from stepforge.core.precision import DynamicLossScaler, validate_loss_scaler_args
 
 from .comm.algorithm import bucket_size_for, comm_algorithm_for, param_gather_for
 from .comm.grad_reducer import CollectiveCounter, GradReducer, WireFormat, check_clip_args
 from .comm.param_gather import GATHER_CHUNK, GatherInFlight, StagingBuffers, launch_gather
-from .config import (
-    LowLevelZeroConfig,
-    force_dtype,
-    group_facts,
-    max_norm_of,
-    resolve_group,
-    resolve_optimizer,
-    stage_of,
-)
+from .config import LowLevelZeroConfig, disagree, resolve_group, resolve_optimizer
 from .phases import PhaseObserver, no_phase
 from .state import dicts
-from .state.partition import ShardLayout, build_layout, managed_param_groups
+from .state.partition import ShardLayout, build_layout, managed_param_groups, padding
 
 __all__ = ["LowLevelZeroOptimizer"]
 
@@ -140,17 +132,29 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
     ) -> None:
         if pg_to_param_list is not None and not isinstance(pg_to_param_list, Mapping) and params is None:
             params, pg_to_param_list = pg_to_param_list, None
+        if not isinstance(partition_grad, bool):
+            raise HyperParameterError(
+                f"LowLevelZeroOptimizer: partition_grad must be a bool (True: ZeRO-2), got {partition_grad!r}."
+            )
+        if stage is None:
+            stage = 2 if partition_grad else 1
+        elif partition_grad and stage != 2:
+            raise disagree("stage", stage, "partition_grad", partition_grad)
+        if max_norm is None:
+            max_norm = clip_grad_norm
+        elif clip_grad_norm not in (0, 0.0) and clip_grad_norm != max_norm:
+            raise disagree("max_norm", max_norm, "clip_grad_norm", clip_grad_norm)
         scaler = validate_loss_scaler_args(
             "LowLevelZeroOptimizer", initial_scale=initial_scale, min_scale=min_scale,
             growth_factor=growth_factor, backoff_factor=backoff_factor, growth_interval=growth_interval,
             hysteresis=hysteresis, max_scale=max_scale,
         )  # fmt: skip
         config = LowLevelZeroConfig(
-            stage=stage_of(stage, partition_grad), reduce_bucket_size=reduce_bucket_size,
+            stage=stage, reduce_bucket_size=reduce_bucket_size,
             communication_dtype=communication_dtype, fp8_communication=fp8_communication,
             comm_algorithm=comm_algorithm, param_gather=param_gather, overlap_communication=overlap_communication,
             overlap_allgather=overlap_allgather, cpu_offload=cpu_offload, master_weights=master_weights,
-            forced_dtype=forced_dtype, max_norm=max_norm_of(max_norm, clip_grad_norm), norm_type=norm_type,
+            forced_dtype=forced_dtype, max_norm=max_norm, norm_type=norm_type,
             dtype_for_loss_scaling=dtype_for_loss_scaling, scaler=scaler, verbose=verbose,
             backward_context=backward_context,
         )  # fmt: skip
@@ -174,10 +178,19 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
     def _build(self, inner: torch.optim.Optimizer, config: LowLevelZeroConfig, group: Any) -> None:
         """Derive what depends on the group, partition the trainable parameters, point the inner optimizer at
         this rank's master pieces and hook the gradient reduction."""
-        force_dtype(inner, config.forced_dtype)
+        if config.forced_dtype is not None:  # ColossalAI's: in place, the model keeps its parameter objects
+            for param in (p for g in inner.param_groups for p in g["params"]):
+                param.data = param.data.to(config.forced_dtype)
         self.config = config
         self.process_group = group
-        self._world, self._rank = group_facts(group)
+        self._world, self._rank = 1, 0
+        if dist.is_available() and dist.is_initialized():
+            self._world, self._rank = dist.get_world_size(group), dist.get_rank(group)
+        elif group is not None:
+            raise HyperParameterError(
+                "LowLevelZeroOptimizer: process_group was given but torch.distributed is not initialised; call "
+                "torch.distributed.init_process_group first."
+            )
         backend = dist.get_backend(group) if self._world > 1 else None
         #: resolved for the group: padded elements per bucket, the wire, the bucket collective, the gather
         self.reduce_bucket_size = config.reduce_bucket_size or bucket_size_for(
@@ -523,7 +536,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
 
     def get_param_padding_map(self) -> dict[int, int]:
         """``id(working parameter)`` -> its padding (see :meth:`get_param_padding_size`)."""
-        return self._layout.padding_map()
+        return {id(s.param): padding(s.numel, self._world) for s in self._layout.slots}
 
     def update_master_params(self, model: nn.Module | None = None) -> None:
         """Copy the working parameters into this rank's master pieces, e.g. after ``model.load_state_dict``:
@@ -534,7 +547,11 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
                 managed parameter. No collective: each rank copies its own pieces.
         """
         self.wait_for_param_gather()  # a gather landing after this copy would overwrite the weights again
-        self._layout.copy_params_into_masters(None if model is None else {id(p) for p in model.parameters()})
+        wanted = None if model is None else {id(p) for p in model.parameters()}
+        with torch.no_grad():
+            for slot in self._layout.slots:  # a master that is a view of its parameter already holds it
+                if slot.valid and slot.separate_master and (wanted is None or id(slot.param) in wanted):
+                    slot.master.copy_(slot.param.detach().reshape(-1)[slot.start : slot.start + slot.valid])
 
     # -- state dicts ---------------------------------------------------------------------------------------
     def _zero_extras(self) -> dict[str, Any]:

@@ -466,20 +466,11 @@ class GradReducer:
         for flight in in_flight:
             self._finish(flight)
 
-    def flush_local(self) -> None:
-        """Reduce gradients still held in ``param.grad`` (accumulated under ``no_sync``), then :meth:`wait`."""
-        for slot in self.slots:
-            grad = slot.param.grad
-            if grad is not None:
-                self._add(slot, grad)
-                slot.param.grad = None
-        self.wait()
-
     def sync(self) -> bool:
-        """Complete the reduction of every gradient produced so far, once: :meth:`flush_local`, then mark it
-        done until the next backward reaches a managed parameter; while not :attr:`enabled` (``no_sync``) only
-        wait for the reductions in flight. Returns whether it did the work (see
-        ``LowLevelZeroOptimizer.sync_grads``).
+        """Complete the reduction of every gradient produced so far, once: reduce what ``no_sync`` left in
+        ``param.grad``, :meth:`wait`, then mark it done until the next backward reaches a managed parameter;
+        while not :attr:`enabled` (``no_sync``) only wait for the reductions in flight. Returns whether it did
+        the work (see ``LowLevelZeroOptimizer.sync_grads``).
 
         Raises:
             RuntimeError: a backward ran after the pieces were unscaled in this step (scaled and unscaled
@@ -496,7 +487,11 @@ class GradReducer:
             return False
         if self.synced:
             return False
-        self.flush_local()
+        for slot in self.slots:
+            if slot.param.grad is not None:
+                self._add(slot, slot.param.grad)
+                slot.param.grad = None
+        self.wait()
         self.synced = True
         self.counter.syncs += 1
         return True

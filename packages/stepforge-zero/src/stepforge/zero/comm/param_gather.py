@@ -2,9 +2,9 @@
 """The parameter gather after a step: every rank's updated master pieces into every rank's working parameters.
 
 :func:`launch_gather` starts the collectives and returns a :class:`GatherInFlight`, which the optimizer waits
-for at once (ColossalAI's default). With ``overlap_allgather`` it instead lets the next forward wait: :meth:`GatherInFlight.wait_in_forward` installs a global forward pre-hook
-(``torch.nn.modules.module.register_module_forward_pre_hook``) that, before a module runs, waits only for the
-collectives that carry that module's own parameters, and removes itself once everything arrived. The
+for at once (ColossalAI's default). With ``overlap_allgather`` it instead lets the next forward wait:
+:meth:`GatherInFlight.wait_in_forward` installs a global forward pre-hook that, before a module runs, waits only
+for the collectives that carry that module's own parameters, and removes itself once everything arrived. The
 collectives are launched in parameter order (a model's registration order is, for almost every model, the
 order its forward uses them), small parameters first in one staged collective, so the first layers can start
 while the last ones are still on the wire.
@@ -21,7 +21,8 @@ Methods (see ``LowLevelZeroOptimizer(param_gather=...)``):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,12 +96,6 @@ class GatherInFlight:
         """Whether the forward pre-hook of :meth:`wait_in_forward` is installed."""
         return self._hook is not None
 
-    def wait_params(self, params: Iterable[torch.Tensor]) -> None:
-        """Wait for the collectives that carry ``params`` (other parameters may still be on the wire)."""
-        for param in params:
-            for entry in self._by_param.get(id(param), ()):
-                entry.wait()
-
     def wait_all(self) -> None:
         """Wait for everything, in launch order, and remove the forward hook."""
         for entry in self.entries:
@@ -114,7 +109,9 @@ class GatherInFlight:
             return
 
         def before_forward(module: torch.nn.Module, args: Any) -> None:
-            self.wait_params(module.parameters(recurse=False))
+            for param in module.parameters(recurse=False):  # other parameters may still be on the wire
+                for entry in self._by_param.get(id(param), ()):
+                    entry.wait()
             if self.done:
                 self._remove_hook()
 
@@ -162,15 +159,6 @@ class StagingBuffers:
         return sum(t.numel() * t.element_size() for t in self._tables.values())
 
 
-def _offsets(slots: list[Slot]) -> tuple[list[int], int]:
-    """Where each slot's padded piece starts in a row of its chunk's table, and the row's length."""
-    offsets, size = [], 0
-    for slot in slots:
-        offsets.append(size)
-        size += slot.piece
-    return offsets, size
-
-
 def _stage(row: torch.Tensor, slots: list[Slot], offsets: list[int]) -> None:
     """This rank's updated pieces into ``row`` (the padding is left as it is: never read back)."""
     for slot, offset in zip(slots, offsets, strict=True):
@@ -216,7 +204,8 @@ def _launch_staged(
     key: tuple[int, int],
 ) -> _Entry:
     world, group = layout.world_size, layout.group
-    offsets, size = _offsets(slots)
+    # each padded piece's place in a row of the table, and the row's length
+    *offsets, size = itertools.accumulate((s.piece for s in slots), initial=0)
     table = staging.table(key, world, size, part)
     params = [s.param for s in slots]
     if method == "broadcast":

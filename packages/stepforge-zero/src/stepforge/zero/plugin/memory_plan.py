@@ -23,7 +23,7 @@ what it built.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -40,27 +40,13 @@ from ..comm.algorithm import bucket_size_for, comm_algorithm_for, param_gather_f
 from ..comm.buffers import BufferPool
 from ..comm.grad_reducer import GradReducer, WireFormat
 from ..comm.param_gather import DIRECT_MIN, GATHER_CHUNK, _chunks, split_direct
-from ..config import LowLevelZeroConfig, cpu_adam_config
+from ..config import cpu_adam_config
 from ..state.partition import ShardLayout, build_layout
 
-__all__ = ["zero_memory_plan", "RecordingWire", "ZeroSettings"]
+if TYPE_CHECKING:  # the plugin module imports this one
+    from .low_level_zero import LowLevelZeroPlugin
 
-
-class ZeroSettings(Protocol):
-    """What the plan reads of ``LowLevelZeroPlugin``: its name, the config of the optimizers it builds, its
-    device and working dtype, and whether it has ``no_sync``."""
-
-    name: str
-    stage: int
-    config: LowLevelZeroConfig
-
-    @property
-    def device(self) -> torch.device: ...
-
-    @property
-    def dtype(self) -> torch.dtype: ...
-
-    def supports_no_sync(self) -> bool: ...
+__all__ = ["zero_memory_plan", "RecordingWire"]
 
 
 _SCALE_BYTES = 4  # fp8 wire: a float32 scale travels behind each row
@@ -139,7 +125,7 @@ def _stand_ins(model: nn.Module, dtype: torch.dtype) -> list[nn.Parameter]:
     return out
 
 
-def _drive_reducer(layout: ShardLayout, plugin: ZeroSettings, bucket: int, algorithm: str) -> Any:
+def _drive_reducer(layout: ShardLayout, plugin: LowLevelZeroPlugin, bucket: int, algorithm: str) -> Any:
     """Run :class:`GradReducer` over one backward's gradients (backward order) and the step's sync, recording;
     returns ``(reducer, wire, pool)``."""
     wire = RecordingWire(WireFormat(plugin.config.communication_dtype, plugin.config.fp8_communication))
@@ -165,7 +151,7 @@ def _drive_reducer(layout: ShardLayout, plugin: ZeroSettings, bucket: int, algor
 
 
 def zero_memory_plan(
-    plugin: ZeroSettings,
+    plugin: LowLevelZeroPlugin,
     model: nn.Module,
     *,
     world_size: int,

@@ -132,19 +132,6 @@ class ShardLayout:
         """The slot of working parameter ``param`` (by identity); ``None`` when it is not managed."""
         return next((s for s in self.slots if s.param is param), None)
 
-    def padding_map(self) -> dict[int, int]:
-        """``id(working parameter)`` -> the zeros that pad its flat ``numel`` to ``world_size`` pieces."""
-        return {id(s.param): padding(s.numel, self.world_size) for s in self.slots}
-
-    @torch.no_grad()
-    def copy_params_into_masters(self, wanted: set[int] | None = None) -> None:
-        """Copy this rank's piece of each working parameter (by ``id``: those in ``wanted``; ``None``: all)
-        into its separate master; a master that is a view of its parameter already holds it. No collective."""
-        for slot in self.slots:
-            if slot.valid and slot.separate_master and (wanted is None or id(slot.param) in wanted):
-                piece = slot.param.detach().reshape(-1)[slot.start : slot.start + slot.valid]
-                slot.master.copy_(piece)
-
 
 def build_layout(
     param_groups: list[dict[str, Any]],
