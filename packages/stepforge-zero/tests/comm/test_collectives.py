@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``stepforge.zero.comm.collectives``: the tensor collectives under torch's current names,
+"""``stepforge.zero.comm.grad_reducer``'s tensor collectives under torch's current names,
 the parameter gather of a layout and the small all-reduce, on one process and on 3 gloo ranks."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ import torch.distributed as dist
 
 from stepforge.testing.distributed import requires_gloo, run_distributed
 from stepforge.testing.zero_cases import counting
-from stepforge.zero.comm.collectives import (
+from stepforge.zero.comm.grad_reducer import (
+    GradReducer,
     all_gather,
     all_gather_name,
     reduce_scatter,
     reduce_scatter_name,
 )
-from stepforge.zero.comm.grad_reducer import GradReducer
 from stepforge.zero.comm.param_gather import launch_gather
 from stepforge.zero.state.partition import build_layout
 

@@ -18,6 +18,7 @@ optimizer's step over the pieces, the gather: ``docs/design.md``'s step route).
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
@@ -30,7 +31,7 @@ from stepforge.core import OPTIMIZERS, HyperParameterError
 from stepforge.core.precision import DynamicLossScaler, validate_loss_scaler_args
 
 from .comm.algorithm import bucket_size_for, comm_algorithm_for, param_gather_for
-from .comm.grad_reducer import CollectiveCounter, GradReducer, WireFormat, check_clip_args
+from .comm.grad_reducer import CollectiveCounter, GradReducer, WireFormat
 from .comm.param_gather import GATHER_CHUNK, GatherInFlight, StagingBuffers, launch_gather
 from .config import LowLevelZeroConfig, disagree, resolve_group, resolve_optimizer
 from .phases import PhaseObserver, no_phase
@@ -349,7 +350,11 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the norm over every rank's gradient pieces (one small all-reduce); returns that norm, by
         ``torch.nn.utils.clip_grad_norm_``'s rule ``min(1, max_norm / (norm + 1e-6))``, unscaled first."""
-        norm_type = check_clip_args(max_norm, norm_type)
+        if isinstance(max_norm, bool) or not isinstance(max_norm, int | float) or not max_norm > 0:
+            raise HyperParameterError(f"clip_grad_norm_: max_norm must be a number > 0, got {max_norm!r}.")
+        norm_type = float(norm_type)
+        if not (norm_type > 0 or math.isinf(norm_type)):
+            raise HyperParameterError(f"clip_grad_norm_: norm_type must be > 0 or inf, got {norm_type!r}.")
         self.unscale_()
         self._last_grad_norm = float(norm := self._reducer.clip_(max_norm, norm_type))
         return norm

@@ -3,7 +3,7 @@
 
 Why one module past 400 lines: it is the whole route of a gradient from its hook to this rank's piece (the bucket,
 the wire format, the reduction, what a step does to the pieces: sync, scale, unscale, clip), so that a backward and
-a step enter it once; the leaf helpers it calls are in :mod:`.buffers` and :mod:`.collectives`.
+a step enter it once; the leaf helpers it calls are in :mod:`.buffers`.
 
 A hook on every working parameter hands its freshly accumulated ``.grad`` to :class:`GradReducer` and frees it.
 Gradients wait in a bucket per gradient dtype until ``reduce_bucket_size`` elements (counted padded) are
@@ -40,25 +40,43 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from stepforge.core import HyperParameterError
 from stepforge.core.precision import DynamicLossScaler
 from stepforge.core.torch_compat import queue_backward_callback
 
 from ..phases import PhaseObserver, no_phase
 from ..state.partition import Slot
 from .buffers import BufferPool, PieceStore, write_own_row_last, write_rank_major
-from .collectives import all_gather, reduce_scatter
 
 __all__ = [
     "GradReducer",
-    "check_clip_args",
     "CollectiveCounter",
     "MAX_IN_FLIGHT",
     "WireFormat",
     "FP8_DTYPE",
     "encode_fp8",
     "decode_fp8",
+    "all_gather",
+    "reduce_scatter",
+    "all_gather_name",
+    "reduce_scatter_name",
 ]
+
+# torch 2.13 deprecates ``all_gather_into_tensor``/``reduce_scatter_tensor`` for ``*_single`` (same signatures);
+# looked up at call time so that wrapping ``torch.distributed`` (tests, the benchmark) sees every call
+all_gather_name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+reduce_scatter_name = (
+    "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+)
+
+
+def all_gather(output: torch.Tensor, local: torch.Tensor, *, group: Any, async_op: bool = False) -> Any:
+    """``output`` (``W * local.numel()``) = every rank's ``local``, rank-major."""
+    return getattr(dist, all_gather_name)(output, local, group=group, async_op=async_op)
+
+
+def reduce_scatter(output: torch.Tensor, flat: torch.Tensor, *, group: Any, async_op: bool = False) -> Any:
+    """``output`` = this rank's chunk of the element-wise sum of every rank's ``flat``."""
+    return getattr(dist, reduce_scatter_name)(output, flat, group=group, async_op=async_op)
 
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -416,17 +434,13 @@ class GradReducer:
         if flight.work is not None:  # None: a synchronous collective, already done
             flight.work.wait()
         with self.phase("grad_to_pieces"):
-            if flight.received is not None:
-                self._accumulate(flight.received, flight.layout)
-            else:
+            if flight.received is None:
                 self._accumulate_rows(flight.rows, flight.layout)
+            else:  # each slot's piece of the reduced row
+                for slot, offset in flight.layout:
+                    self._add_piece(slot, flight.received[offset : offset + slot.valid])
         for buffer in flight.buffers:
             self.pool.give(buffer)
-
-    def _accumulate(self, received: torch.Tensor, layout: list[tuple[Slot, int]]) -> None:
-        """Add each slot's piece of the reduced ``received`` into its reduced gradient."""
-        for slot, offset in layout:
-            self._add_piece(slot, received[offset : offset + slot.valid])
 
     def _accumulate_rows(self, rows: list[torch.Tensor], layout: list[tuple[Slot, int]]) -> None:
         """Sum each slot's piece of every rank's row (their dtype, rank order) into its reduced gradient: the
@@ -605,13 +619,3 @@ class GradReducer:
                 slot.grad.zero_()
             slot.param.grad = None
         self.unscaled = False
-
-
-def check_clip_args(max_norm: float, norm_type: float) -> float:
-    """Validate ``clip_grad_norm_``'s arguments; returns ``norm_type`` as a float."""
-    if isinstance(max_norm, bool) or not isinstance(max_norm, int | float) or not max_norm > 0:
-        raise HyperParameterError(f"clip_grad_norm_: max_norm must be a number > 0, got {max_norm!r}.")
-    norm_type = float(norm_type)
-    if not (norm_type > 0 or math.isinf(norm_type)):
-        raise HyperParameterError(f"clip_grad_norm_: norm_type must be > 0 or inf, got {norm_type!r}.")
-    return norm_type

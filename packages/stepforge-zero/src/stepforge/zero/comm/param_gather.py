@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch.nn.modules.module import register_module_forward_pre_hook
 
 from ..state.partition import Partition, ShardLayout, Slot, local_range
-from .collectives import all_gather
+from .grad_reducer import all_gather
 
 __all__ = [
     "DIRECT_MIN",

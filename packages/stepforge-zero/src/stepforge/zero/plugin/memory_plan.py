@@ -2,22 +2,12 @@
 """The memory plan of ``zero1``/``zero2`` (:meth:`LowLevelZeroPlugin.memory_plan`), from the code that allocates.
 
 Nothing here restates the layout: the plan runs the optimizer's own code on meta tensors (no memory) and reads
-what it built.
-
-- :func:`~..state.partition.build_layout` cuts stand-in working parameters (the model's shapes, in the working dtype,
-  on the meta device) into this rank's pieces: piece sizes, padding, which pieces need a separate fp32 master.
-- :class:`~..comm.grad_reducer.GradReducer`, the class that reduces gradients in backward, is fed one meta gradient per
-  parameter in backward order through a :class:`~..comm.grad_reducer.WireFormat` that records each collective instead of
-  running it; the buckets it launches, the buffers its pool keeps, its peak in flight and the gradient pieces
-  it allocates are read off it.
-- The parameter gather after the step is sized from the partitions by the gather's own split
-  (:func:`~..comm.param_gather.split_direct`).
-- Optimizer state comes from the inner optimizer the plugin would build (CPU offload turns an Adam config into
-  ``CPUAdam`` as :func:`~..config.resolve_optimizer` does), probed on the pieces' shapes.
-- Accumulating (``accumulation_steps`` > 1): inside ``no_sync`` the reducer's hooks leave ``param.grad`` alone
-  (:attr:`~..comm.grad_reducer.GradReducer.enabled` is ``False``), so every trainable parameter keeps its full
-  local gradient, in the working dtype on the device, until the window's last backward hands it to the buckets;
-  the buckets are launched once per window, so the collectives are those of one backward.
+what it built: :func:`~..state.partition.build_layout`'s pieces, a :class:`~..comm.grad_reducer.GradReducer` fed
+one meta gradient per parameter in backward order through a :class:`RecordingWire` (its buckets, pooled buffers,
+peak in flight and gradient pieces), the gather's own split (:func:`~..comm.param_gather.split_direct`), and the
+state of the inner optimizer the plugin would build (``CPUAdam`` under offload), probed on the pieces' shapes.
+Accumulating, ``no_sync`` leaves every full local gradient in ``param.grad`` (working dtype, on the device) until
+the window's last backward, so the collectives are those of one backward.
 """
 
 from __future__ import annotations
@@ -38,7 +28,7 @@ from stepforge.core.memory_plan import (
 
 from ..comm.algorithm import bucket_size_for, comm_algorithm_for, param_gather_for
 from ..comm.buffers import BufferPool
-from ..comm.grad_reducer import GradReducer, WireFormat
+from ..comm.grad_reducer import GradReducer, WireFormat, _Pending
 from ..comm.param_gather import DIRECT_MIN, GATHER_CHUNK, _chunks, split_direct
 from ..config import cpu_adam_config
 from ..state.partition import ShardLayout, build_layout
@@ -50,13 +40,6 @@ __all__ = ["zero_memory_plan", "RecordingWire"]
 
 
 _SCALE_BYTES = 4  # fp8 wire: a float32 scale travels behind each row
-
-
-class _Done:
-    """A finished collective (what the recording wire returns for an asynchronous call)."""
-
-    def wait(self) -> bool:
-        return True
 
 
 class RecordingWire(WireFormat):
@@ -77,21 +60,21 @@ class RecordingWire(WireFormat):
             self.calls.append(("all_to_all", flat.numel() + world_size * _SCALE_BYTES))
         else:
             self.calls.append(("reduce_scatter", flat.numel() * self._itemsize(flat)))
-        return _Done() if async_op else None
+        return _Pending(None, lambda: None) if async_op else None
 
     def exchange(
         self, received: torch.Tensor, rows: torch.Tensor, *, rank: int, group: Any, async_op: bool
     ) -> Any:
         # the payload of the all-to-all is every rank's row; this rank's own is neither sent nor copied
         self.calls.append(("all_to_all", (rows.shape[0] + 1) * rows.shape[1] * received.element_size()))
-        return _Done() if async_op else None
+        return _Pending(None, lambda: None) if async_op else None
 
     def all_reduce(self, flat: torch.Tensor, *, group: Any, world_size: int, async_op: bool) -> Any:
         if self.fp8:  # every rank's fp8 bytes gathered, summed locally
             self.calls.append(("all_gather", world_size * (flat.numel() + _SCALE_BYTES)))
         else:
             self.calls.append(("all_reduce", flat.numel() * self._itemsize(flat)))
-        return _Done() if async_op else None
+        return _Pending(None, lambda: None) if async_op else None
 
 
 class _CountingPool(BufferPool):
@@ -112,42 +95,6 @@ class _CountingPool(BufferPool):
     def give(self, buffer: torch.Tensor) -> None:
         self.out -= buffer.numel() * buffer.element_size()
         super().give(buffer)
-
-
-def _stand_ins(model: nn.Module, dtype: torch.dtype) -> list[nn.Parameter]:
-    """Meta parameters of ``model``'s trainable shapes, floating ones in the working ``dtype`` (as ``prepare``
-    casts the model)."""
-    out = []
-    for _, p in unique_parameters(model):
-        if p.requires_grad:
-            kind = dtype if p.is_floating_point() else p.dtype
-            out.append(nn.Parameter(torch.empty(p.shape, dtype=kind, device="meta")))
-    return out
-
-
-def _drive_reducer(layout: ShardLayout, plugin: LowLevelZeroPlugin, bucket: int, algorithm: str) -> Any:
-    """Run :class:`GradReducer` over one backward's gradients (backward order) and the step's sync, recording;
-    returns ``(reducer, wire, pool)``."""
-    wire = RecordingWire(WireFormat(plugin.config.communication_dtype, plugin.config.fp8_communication))
-    reducer = GradReducer(
-        layout.slots,
-        stage=plugin.stage,
-        bucket_size=bucket,
-        overlap=plugin.config.overlap_communication,
-        group=None,
-        world_size=layout.world_size,
-        rank=layout.rank,
-        wire=wire,
-        algorithm=algorithm,
-    )
-    reducer.remove_hooks()  # the plan feeds the gradients itself
-    pool = _CountingPool(reducer.pool.keep, reducer.pool.min_numel)
-    reducer.pool = pool
-    for slot in reversed(layout.slots):  # backward reaches the last parameters first
-        if slot.param.requires_grad:
-            reducer._add(slot, torch.empty(slot.param.shape, dtype=slot.param.dtype, device="meta"))
-    reducer.sync()
-    return reducer, wire, pool
 
 
 def zero_memory_plan(
@@ -181,7 +128,12 @@ def zero_memory_plan(
     gather = param_gather_for(backend if world_size > 1 else None)
     plan.notes += [f"stage {plugin.stage}", f"bucket {bucket / 1024**2:g} Mi elements", algorithm, gather]
 
-    params = _stand_ins(model, dtype)
+    # meta stand-ins of the trainable parameters, floating ones in the working dtype (as ``prepare`` casts)
+    params = [
+        nn.Parameter(torch.empty(p.shape, dtype=dtype if p.is_floating_point() else p.dtype, device="meta"))
+        for _, p in unique_parameters(model)
+        if p.requires_grad
+    ]
     layout = build_layout(
         [{"params": params}],
         world_size,
@@ -213,7 +165,17 @@ def zero_memory_plan(
     padding = sum(s.piece - s.valid for s in slots)
     plan.notes.append(f"padding {padding} elements (this rank's pieces)")
 
-    reducer, wire, pool = _drive_reducer(layout, plugin, bucket, algorithm)
+    # the reducer over one backward's gradients (backward order) and the step's sync, recording
+    wire = RecordingWire(WireFormat(plugin.config.communication_dtype, plugin.config.fp8_communication))
+    reducer = GradReducer(
+        slots, stage=plugin.stage, bucket_size=bucket, overlap=plugin.config.overlap_communication, group=None,
+        world_size=world_size, rank=rank, wire=wire, algorithm=algorithm,
+    )  # fmt: skip
+    reducer.remove_hooks()  # the plan feeds the gradients itself
+    reducer.pool = pool = _CountingPool(reducer.pool.keep, reducer.pool.min_numel)
+    for slot in reversed(slots):  # backward reaches the last parameters first
+        reducer._add(slot, torch.empty(slot.param.shape, dtype=slot.param.dtype, device="meta"))
+    reducer.sync()
     plan.add("grads", host_or_device, reducer.pieces.held_bytes, "reduced gradient pieces", "step")
     plan.add("buffers", "device", pool.held_bytes, "gradient bucket buffers (kept)", "step")
     plan.add("buffers", "device", max(0, pool.peak - pool.held_bytes), "gradient buckets in flight", "reduce")
@@ -224,13 +186,11 @@ def zero_memory_plan(
     for op, nbytes in wire.calls:
         calls, size = totals.get(op, (0, 0))
         totals[op] = (calls + 1, size + nbytes)
-    # a window without no_sync would reduce every micro-batch; with it, the last backward reduces the sum
-    reductions = 1 if plugin.supports_no_sync() else steps
-    for op, (calls, size) in totals.items():
-        plan.collective(op, "backward", reductions * calls, reductions * size, world_size, "gradient buckets")
+    for op, (calls, size) in totals.items():  # no_sync: the window's last backward reduces the sum, once
+        plan.collective(op, "backward", calls, size, world_size, "gradient buckets")
     plan.notes.append(f"{reducer.counter.reductions} bucket reductions")
-    if steps > 1 and reductions == 1:  # no_sync: hooks leave param.grad alone through the window
-        local = sum(s.numel for s in slots if s.param.requires_grad) * tensor_bytes(1, dtype)
+    if steps > 1:  # no_sync: hooks leave param.grad alone through the window
+        local = sum(s.numel for s in slots) * tensor_bytes(1, dtype)
         plan.add("grads", "device", local, "local gradients (no_sync)", "window")
         plan.notes.append(f"{steps} micro-batches per step, reduced once (no_sync)")
 
