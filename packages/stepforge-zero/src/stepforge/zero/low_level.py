@@ -560,10 +560,11 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
 
     # -- state dicts ---------------------------------------------------------------------------------------
     def _zero_extras(self) -> dict[str, Any]:
-        return {
-            "loss_scaler": dicts.zero_scaler_entry(self.scaler.state_dict()),
-            "skipped_steps": self.skipped_steps,
-        }
+        # the scaler's counters as zero's checkpoints have always named them (the core scaler, like GradScaler,
+        # prefixes an underscore and reads both): old DCP checkpoints, whose template keys must match, still load
+        renamed = {"_growth_tracker": "growth_tracker", "_hysteresis_left": "hysteresis_left"}
+        scaler = {renamed.get(key, key): value for key, value in self.scaler.state_dict().items()}
+        return {"loss_scaler": scaler, "skipped_steps": self.skipped_steps}
 
     def scaler_state_dict(self) -> dict[str, Any] | None:
         """``None``: the loss scaler's state is part of this optimizer's own state (under
@@ -592,7 +593,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         """Load a full state (from :meth:`state_dict` at any world size, or a plain ``torch.optim`` one)."""
         self._reducer.wait()
         self.wait_for_param_gather()
-        zero = dicts.load_full_state_dict(self._layout, self.optim, self.param_groups, state_dict)
+        zero = dicts.load_state_dict(self._layout, self.optim, self.param_groups, state_dict, sharded=False)
         if "loss_scaler" in zero:
             self.scaler.load_state_dict(zero["loss_scaler"])
         self.skipped_steps = int(zero.get("skipped_steps", self.skipped_steps))
@@ -615,7 +616,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         a section of this optimizer's extras the checkpoint lacks (loss scaler, skip counter) is left as is."""
         self._reducer.wait()
         self.wait_for_param_gather()
-        zero = dicts.load_named_state_dict(self._layout, self.optim, self.param_groups, state_dict)
+        zero = dicts.load_state_dict(self._layout, self.optim, self.param_groups, state_dict, sharded=True)
         if zero.get("loss_scaler"):
             self.scaler.load_state_dict(zero["loss_scaler"])
         self.skipped_steps = int(zero.get("skipped_steps", self.skipped_steps))

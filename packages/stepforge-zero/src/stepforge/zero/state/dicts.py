@@ -1,28 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 """The state dicts of a ``LowLevelZeroOptimizer``: the full one and the sharded one for DCP.
 
-Full (:func:`full_state_dict`, gathered, world-size-independent): ``torch.optim``'s layout -- ``{"state": {index:
-{...}}, "param_groups": [{..., "params": [index, ...]}]}`` keyed by the global parameter index, every per-element
-state tensor in the parameter's full shape. Gathering is collective: one ``all_gather_object`` of every rank's
-pieces. ``torch.optim.Optimizer.load_state_dict`` ignores the
-extra ``"zero"`` key, so the result also loads into the plain inner optimizer over the working parameters.
+Full (:func:`full_state_dict`, world-size-independent): ``torch.optim``'s layout keyed by the global parameter
+index, every per-element state tensor in the parameter's full shape, gathered by one ``all_gather_object``;
+``torch.optim.Optimizer.load_state_dict`` ignores the extra ``"zero"`` key, so it also loads into the plain inner
+optimizer over the working parameters.
 
-Sharded (:func:`named_state_dict`), the layout every plugin shares: keyed by parameter name, each tensor in its
-parameter's shape, this rank's piece only. The piece (``torch.chunk`` layout of the flattened parameter) is a
-:class:`stepforge.core.flat_shard.FlatShard`: DCP writes it as the few boxes the flat range covers, with no
-gathering, and at load reads into it the overlap with whatever was saved -- this optimizer at another world size,
-or another plugin (FSDP2's ``Shard(0)`` DTensors, DDP's replicated tensors)::
-
-    sd = {"optim": opt.sharded_state_dict(names)}
-    dcp.save(sd, checkpoint_id=path)                 # at 4 ranks, or under any plugin
-    ...
-    sd = {"optim": opt.sharded_state_dict(names)}    # at 2 ranks: a template of the right pieces
-    dcp.load(sd, checkpoint_id=path)
-    opt.load_sharded_state_dict(sd["optim"])
-
-:func:`load_named_state_dict` also reads the index-keyed layout of earlier versions (state keyed ``"<index>"``,
-1-D tensors of the flattened parameter, integer ``params``): the template for it is this one with
-:meth:`FlatShard.flat` leaves under index keys (see ``stepforge.strategy``'s template fitting).
+Sharded (:func:`named_state_dict`), the layout every plugin shares: keyed by parameter name, each tensor this
+rank's piece as a :class:`stepforge.core.flat_shard.FlatShard` in its parameter's shape, which DCP writes without
+gathering and reads the overlap into from whatever was saved (this optimizer at another world size, FSDP2's
+``Shard(0)`` DTensors, DDP's replicated tensors). :func:`load_state_dict` also reads the index-keyed layout of
+earlier versions (state keyed ``"<index>"``, 1-D tensors of the flattened parameter).
 
 Both carry ``"zero": {"loss_scaler": ..., "skipped_steps": n, "master_weights": {key: tensor}}``, masters only for
 parameters whose master is not the working parameter itself (so a move to a plugin with fp32 parameters keeps
@@ -34,7 +22,7 @@ from __future__ import annotations
 
 import collections
 import copy
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -47,25 +35,13 @@ from .partition import ShardLayout, Slot
 
 __all__ = [
     "full_state_dict",
-    "load_full_state_dict",
     "named_state_dict",
-    "load_named_state_dict",
+    "load_state_dict",
     "copy_hyperparameters",
     "invalidate_cache",
-    "zero_scaler_entry",
 ]
 
 ParamGroups = list[dict[str, Any]]
-
-# the loss scaler's two counters as zero's checkpoints have always named them (stepforge.core.precision's scaler
-# names them like GradScaler, with an underscore); keeping them keeps old DCP checkpoints, whose template keys
-# must match, loadable -- and the core scaler reads both spellings
-_ZERO_SCALER_KEYS = {"_growth_tracker": "growth_tracker", "_hysteresis_left": "hysteresis_left"}
-
-
-def zero_scaler_entry(scaler_state: Mapping[str, Any]) -> dict[str, Any]:
-    """``DynamicLossScaler.state_dict()`` in the key layout of ``["zero"]["loss_scaler"]``."""
-    return {_ZERO_SCALER_KEYS.get(key, key): value for key, value in scaler_state.items()}
 
 
 def invalidate_cache(inner: torch.optim.Optimizer) -> None:
@@ -264,21 +240,23 @@ def named_state_dict(
 
 
 # -- loading ---------------------------------------------------------------------------------------------
-def _load(
+def load_state_dict(
     layout: ShardLayout,
     inner: torch.optim.Optimizer,
     param_groups: ParamGroups,
     state_dict: Mapping[str, Any],
-    what: str,
-    lookup: Callable[[Mapping[Any, Any], Slot], Any],
-    piece_of: Callable[[Slot, str | None, Any], Any],
+    *,
+    sharded: bool,
 ) -> Mapping[str, Any]:
-    """Load ``state_dict`` (a slot's entries found by ``lookup(mapping, slot)``, each value cut to this rank's
-    piece by ``piece_of(slot, key, value)``, key ``None`` for the master) into ``inner``, ``param_groups`` and the
-    master pieces; returns its ``"zero"`` section. A parameter without saved state comes back unstepped; a
-    low-precision parameter without a saved master takes it from its working value."""
+    """Load a full state dict (``sharded=False``: this optimizer's at any world size, or a plain ``torch.optim``
+    one) or the form of :func:`named_state_dict` (or the index-keyed form of earlier versions) once
+    ``torch.distributed.checkpoint.load`` filled it into ``inner``, ``param_groups`` and the master pieces;
+    returns its ``"zero"`` section (empty for a plain one or another plugin's). A parameter without saved state
+    comes back unstepped; a separate master without a saved one takes its working value. Reductions must not be
+    in flight."""
+    what = "load_sharded_state_dict" if sharded else "load_state_dict"
     if not isinstance(state_dict, Mapping) or "state" not in state_dict or "param_groups" not in state_dict:
-        other = "load_state_dict" if what != "load_state_dict" else "load_sharded_state_dict"
+        other = "load_state_dict" if sharded else "load_sharded_state_dict"
         raise HyperParameterError(
             f"LowLevelZeroOptimizer.{what}: expected a dict with 'state' and 'param_groups' (the output of "
             f"{what.removeprefix('load_')}(), for DCP filled by torch.distributed.checkpoint.load); for the other "
@@ -292,6 +270,23 @@ def _load(
             f"{[len(g['params']) for g in param_groups]}; build the optimizer with the same param groups (the "
             "model must match the checkpoint)."
         )
+    names = [str(name) for group in groups for name in group["params"]]
+
+    def lookup(
+        mapping: Mapping[Any, Any], slot: Slot
+    ) -> Any:  # full: integer keys, or strings after a round trip
+        if sharded:
+            return mapping.get(names[slot.index])
+        return mapping.get(slot.index, mapping.get(str(slot.index)))
+
+    def piece_of(slot: Slot, key: str | None, value: Any) -> Any:  # key None: the master
+        if sharded:
+            return value.local if isinstance(value, FlatShard) else value
+        if key is None or (torch.is_tensor(value) and key != "step" and value.shape == slot.param.shape):
+            flat = value.detach().reshape(-1)[slot.start : slot.start + slot.valid]
+            return flat if key is None else flat.to(slot.master.device).clone()
+        return value
+
     # a state dict for the inner optimizer over the master pieces, so that its own load casts and checks it
     inner_groups, inner_state, position = [], {}, 0
     for g, saved in enumerate(groups):
@@ -319,50 +314,3 @@ def _load(
                     slot.master.copy_(piece_of(slot, None, master))
     invalidate_cache(inner)
     return zero
-
-
-def load_full_state_dict(
-    layout: ShardLayout,
-    inner: torch.optim.Optimizer,
-    param_groups: ParamGroups,
-    state_dict: Mapping[str, Any],
-) -> Mapping[str, Any]:
-    """Load a full state dict (this optimizer's at any world size, or a plain ``torch.optim`` one); returns its
-    ``"zero"`` section (empty for a plain one). Reductions must not be in flight."""
-
-    def lookup(mapping: Mapping[Any, Any], slot: Slot) -> Any:  # integer keys, or strings after a round trip
-        return mapping.get(slot.index, mapping.get(str(slot.index)))
-
-    def piece_of(slot: Slot, key: str | None, value: Any) -> Any:
-        if key is None or (torch.is_tensor(value) and key != "step" and value.shape == slot.param.shape):
-            flat = value.detach().reshape(-1)[slot.start : slot.start + slot.valid]
-            return flat if key is None else flat.to(slot.master.device).clone()
-        return value
-
-    return _load(layout, inner, param_groups, state_dict, "load_state_dict", lookup, piece_of)
-
-
-def load_named_state_dict(
-    layout: ShardLayout,
-    inner: torch.optim.Optimizer,
-    param_groups: ParamGroups,
-    state_dict: Mapping[str, Any],
-) -> Mapping[str, Any]:
-    """Load the form of :func:`named_state_dict` (or the index-keyed form of earlier versions) once
-    ``torch.distributed.checkpoint.load`` filled it; returns its ``"zero"`` section (empty when another plugin
-    saved it). Reductions must not be in flight."""
-    groups = state_dict.get("param_groups", []) if isinstance(state_dict, Mapping) else []
-    names = [str(name) for group in groups for name in group["params"]]
-
-    def local(slot: Slot, key: str | None, value: Any) -> Any:
-        return value.local if isinstance(value, FlatShard) else value
-
-    return _load(
-        layout,
-        inner,
-        param_groups,
-        state_dict,
-        "load_sharded_state_dict",
-        lambda mapping, slot: mapping.get(names[slot.index]),
-        local,
-    )
