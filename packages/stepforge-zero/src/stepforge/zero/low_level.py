@@ -413,7 +413,34 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         if self.config.max_norm > 0:
             self.clip_grad_norm_(self.config.max_norm, self.config.norm_type)
         with self._phase("inner_step"):
-            self._step_inner()
+            # the inner optimizer steps the master pieces: the wrapper's hyper-parameters go in (schedulers and
+            # users edit param_groups), each reduced piece is its master's .grad for this step only, and what the
+            # inner optimizer keeps in its groups (a per-group step count) comes back
+            dicts.copy_hyperparameters(self.param_groups, self.optim.param_groups)
+            for slot in self._layout.slots:
+                if slot.valid:
+                    slot.master.grad = slot.grad
+            try:
+                self.optim.step()
+            except (RuntimeError, TypeError, NotImplementedError) as exc:
+                if self.config.cpu_offload and not self._stepped_on_cpu:
+                    hint = (
+                        "install stepforge-fused and use CPUAdam (dict(type='CPUAdam', ...))"
+                        if "CPUAdam" not in OPTIMIZERS
+                        else "use dict(type='CPUAdam', ...) or a torch.optim optimizer without fused/capturable "
+                        "CUDA options"
+                    )
+                    raise RuntimeError(
+                        "LowLevelZeroOptimizer(cpu_offload=True): the inner optimizer "
+                        f"{type(self.optim).__name__} cannot step the CPU-resident master shards "
+                        f"({type(exc).__name__}: {exc}); {hint}, or set cpu_offload=False."
+                    ) from exc
+                raise
+            finally:
+                for slot in self._layout.slots:
+                    slot.master.grad = None
+            self._stepped_on_cpu = True
+            dicts.copy_hyperparameters(self.optim.param_groups, self.param_groups)
         with self._phase("param_gather"):
             # overlapped: launched in chunks, each module's next forward waits for its own parameters
             overlap = self.config.overlap_allgather and self._world > 1
@@ -433,37 +460,6 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         self._reducer.unscaled = False
         self.last_step_skipped = False
         return loss
-
-    def _step_inner(self) -> None:
-        """One step of the inner optimizer over this rank's master pieces: the wrapper's hyper-parameters go in
-        (edits between steps by schedulers or users live in :attr:`param_groups`), each slot's reduced gradient
-        piece is the master's ``.grad`` for the step only, and what the inner optimizer keeps in its groups (a
-        per-group step count) comes back."""
-        dicts.copy_hyperparameters(self.param_groups, self.optim.param_groups)
-        for slot in self._layout.slots:
-            if slot.valid:
-                slot.master.grad = slot.grad
-        try:
-            self.optim.step()
-        except (RuntimeError, TypeError, NotImplementedError) as exc:
-            if self.config.cpu_offload and not self._stepped_on_cpu:
-                hint = (
-                    "install stepforge-fused and use CPUAdam (dict(type='CPUAdam', ...))"
-                    if "CPUAdam" not in OPTIMIZERS
-                    else "use dict(type='CPUAdam', ...) or a torch.optim optimizer without fused/capturable CUDA "
-                    "options"
-                )
-                raise RuntimeError(
-                    f"LowLevelZeroOptimizer(cpu_offload=True): the inner optimizer {type(self.optim).__name__} "
-                    f"cannot step the CPU-resident master shards ({type(exc).__name__}: {exc}); {hint}, or set "
-                    "cpu_offload=False."
-                ) from exc
-            raise
-        finally:
-            for slot in self._layout.slots:
-                slot.master.grad = None
-        self._stepped_on_cpu = True
-        dicts.copy_hyperparameters(self.optim.param_groups, self.param_groups)
 
     def wait_for_param_gather(self) -> None:
         """Finish an overlapped parameter gather (``overlap_allgather``): afterwards every working parameter

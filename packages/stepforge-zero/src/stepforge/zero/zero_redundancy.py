@@ -107,13 +107,31 @@ class ZeroRedundancyOptimizer(_TorchZeroRedundancyOptimizer):
                 "ZeroRedundancyOptimizer: overlap_with_ddp=True is not supported (as in mmengine): it needs a "
                 "functional optimizer and a DDP communication hook; leave it False."
             )
-        optimizer_type = _one_optimizer(optimizer_type, optimizer_class)
+        if optimizer_type is not None and optimizer_class is not None:
+            raise HyperParameterError(
+                "ZeroRedundancyOptimizer: pass the local optimizer once, as optimizer_type (mmengine's name) or "
+                "optimizer_class (torch's), not both."
+            )
+        if optimizer_type is None and optimizer_class is None:
+            raise MissingArgumentError(
+                "ZeroRedundancyOptimizer: the local optimizer is missing; pass optimizer_type='AdamW' (mmengine) "
+                "or optimizer_class=torch.optim.AdamW (torch)."
+            )
+        optimizer_type = optimizer_type if optimizer_type is not None else optimizer_class
         timeout = consolidate_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
             raise HyperParameterError(
                 f"ZeroRedundancyOptimizer: consolidate_timeout must be a number of seconds > 0, got {timeout!r}."
             )
-        optimizer_class = _resolve(optimizer_type)
+        if isinstance(optimizer_type, str):
+            optimizer_class = OPTIMIZERS.get(optimizer_type)
+        elif isinstance(optimizer_type, type) and issubclass(optimizer_type, torch.optim.Optimizer):
+            optimizer_class = optimizer_type
+        else:
+            raise HyperParameterError(
+                "ZeroRedundancyOptimizer: optimizer_type must be an optimizer name such as 'AdamW' or 'FusedAdam' "
+                f"(or an optimizer class), got {optimizer_type!r}."
+            )
         for key in _GLOBAL_NORM_KEYS:
             if kwargs.get(key):
                 raise HyperParameterError(_global_norm_message(key, kwargs[key]))
@@ -255,32 +273,6 @@ class ZeroRedundancyOptimizer(_TorchZeroRedundancyOptimizer):
         }
         self._consolidated_to = None
         super().load_state_dict(copied)
-
-
-def _one_optimizer(optimizer_type: Any, optimizer_class: Any) -> Any:
-    if optimizer_type is not None and optimizer_class is not None:
-        raise HyperParameterError(
-            "ZeroRedundancyOptimizer: pass the local optimizer once, as optimizer_type (mmengine's name) or "
-            "optimizer_class (torch's), not both."
-        )
-    if optimizer_type is None and optimizer_class is None:
-        raise MissingArgumentError(
-            "ZeroRedundancyOptimizer: the local optimizer is missing; pass optimizer_type='AdamW' (mmengine) or "
-            "optimizer_class=torch.optim.AdamW (torch)."
-        )
-    return optimizer_type if optimizer_type is not None else optimizer_class
-
-
-def _resolve(optimizer_type: Any) -> type[torch.optim.Optimizer]:
-    if isinstance(optimizer_type, str):
-        resolved: type[torch.optim.Optimizer] = OPTIMIZERS.get(optimizer_type)
-        return resolved
-    if isinstance(optimizer_type, type) and issubclass(optimizer_type, torch.optim.Optimizer):
-        return optimizer_type
-    raise HyperParameterError(
-        "ZeroRedundancyOptimizer: optimizer_type must be an optimizer name such as 'AdamW' or 'FusedAdam' (or an "
-        f"optimizer class), got {optimizer_type!r}."
-    )
 
 
 def _global_norm_message(key: str, value: Any, *, default: bool = False) -> str:

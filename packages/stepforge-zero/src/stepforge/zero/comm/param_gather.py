@@ -178,21 +178,16 @@ def _scatter_table(table: torch.Tensor, slots: list[Slot], offsets: list[int], r
         if not slot.param.is_contiguous():
             slot.param.copy_(columns.reshape(-1)[: slot.numel].view_as(slot.param))
             continue
-        rows = ((0, world),) if slot.separate_master else ((0, rank), (rank + 1, world))
-        for first, stop in rows:
-            _copy_rows(slot.param.view(-1), columns, slot.piece, first, stop)
-
-
-def _copy_rows(flat: torch.Tensor, columns: torch.Tensor, piece: int, first: int, stop: int) -> None:
-    """Ranks ``[first, stop)``'s pieces from ``columns`` (``(world, piece)``) into ``flat``. The pieces lie in
-    rank order in the flat parameter, so the whole ones are one strided copy and a last short one another: at
-    most two copies at any world size (a copy per rank was hundreds of thousands a step at 1024 ranks)."""
-    whole, rest = divmod(flat.numel(), piece)
-    end = min(stop, whole)
-    if end > first:
-        flat[first * piece : end * piece].view(end - first, piece).copy_(columns[first:end])
-    if rest and first <= whole < stop:
-        flat[whole * piece :].copy_(columns[whole, :rest])
+        # the pieces lie in rank order in the flat parameter: the whole ones are one strided copy and a last short
+        # one another, at most two copies at any world size (a copy per rank was 100 000s a step at 1024 ranks)
+        flat, piece = slot.param.view(-1), slot.piece
+        whole, rest = divmod(slot.numel, piece)
+        for first, stop in ((0, world),) if slot.separate_master else ((0, rank), (rank + 1, world)):
+            end = min(stop, whole)
+            if end > first:
+                flat[first * piece : end * piece].view(end - first, piece).copy_(columns[first:end])
+            if rest and first <= whole < stop:
+                flat[whole * piece :].copy_(columns[whole, :rest])
 
 
 def _launch_staged(
