@@ -1,12 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``LowLevelZeroOptimizer``'s settings: one frozen object, :class:`LowLevelZeroConfig`, checked once where it
-is built and passed through unchanged.
-
-Two doors build it from ColossalAI's flat keywords: ``LowLevelZeroOptimizer(...)`` (which reconciles its
-ColossalAI names with stepforge's) and ``LowLevelZeroPlugin(...)``; the plugin hands its config to every optimizer
-it builds (``LowLevelZeroOptimizer.from_config``). What depends on the process group (world size, rank, the
-resolved algorithm, gather and bucket size) is derived when the optimizer is built; :func:`resolve_group` finds
-that group from the optimizer's group arguments and :func:`resolve_optimizer` the inner optimizer.
+"""``LowLevelZeroOptimizer``'s settings: one frozen :class:`LowLevelZeroConfig`, checked once where it is built
+(``LowLevelZeroOptimizer(...)`` or ``LowLevelZeroPlugin(...)``, which hands it to every optimizer it builds) and
+passed through unchanged; what depends on the process group is derived when the optimizer is built.
 """
 
 from __future__ import annotations

@@ -3,17 +3,9 @@
 
 A fresh CPU tensor of a few MiB comes from ``mmap`` and is paid for again on first touch, one page fault per
 4 KiB: on the bench's 54.6 M-parameter GPT (2 gloo ranks) zero2 took 16 000-37 000 more page faults per step than
-DDP, whose buckets live as long as the model. Two stores avoid that while keeping a rank's gradient memory at
-1/N of the model:
-
-- :class:`PieceStore`: this rank's reduced gradient pieces, one flat tensor per (master dtype, device) holding
-  every slot's ``valid`` elements. ``slot.grad`` is a view into it; ``zero_grad(set_to_none=True)`` drops the view,
-  the storage stays for the next step (as DDP keeps its buckets, which hold the full gradients).
-- :class:`BufferPool`: the communication buffers of the buckets in flight, handed back when their reduction has
-  been added into the pieces. It keeps at most ``keep`` buffers (the buckets in flight plus the one filling).
-
-How a gradient is written into a bucket's ``(W, piece)`` rows, divided by the world size, the way the reductions of
-:mod:`.grad_reducer` send it: :func:`write_rank_major` / :func:`write_own_row_last`.
+DDP, whose buckets live as long as the model. :class:`PieceStore` keeps this rank's reduced gradient pieces (1/N
+of the model; ``zero_grad`` drops the views, the storage stays) and :class:`BufferPool` the buffers of the buckets
+in flight. :func:`write_rank_major` / :func:`write_own_row_last` lay a gradient out in a bucket's rows.
 """
 
 from __future__ import annotations
@@ -26,13 +18,8 @@ __all__ = ["BufferPool", "PieceStore", "write_rank_major", "write_own_row_last"]
 
 
 class BufferPool:
-    """Flat buffers for bucket collectives, reused across buckets and steps.
-
-    Args:
-        keep: how many free buffers to hold at most; one handed back beyond that is dropped (the smallest).
-        min_numel: the smallest buffer allocated (the bucket size), so buckets of slightly different sizes
-            share buffers.
-    """
+    """Flat buffers for bucket collectives, reused across buckets and steps: at most ``keep`` free ones (the
+    smallest is dropped beyond), none smaller than ``min_numel`` (so buckets of different sizes share them)."""
 
     def __init__(self, keep: int, min_numel: int) -> None:
         self.keep = keep
@@ -66,11 +53,8 @@ class BufferPool:
 
 
 class PieceStore:
-    """Storage of this rank's reduced gradient pieces (``valid`` elements per slot, master dtype and device).
-
-    Args:
-        slots: the managed parameters' slots.
-    """
+    """Storage of this rank's reduced gradient pieces: one flat tensor per master (dtype, device), ``valid``
+    elements per slot of ``slots``."""
 
     def __init__(self, slots: list[Slot]) -> None:
         self._offsets: dict[int, int] = {}

@@ -1,33 +1,25 @@
 # SPDX-License-Identifier: Apache-2.0
 """Gradient reduction in buckets, driven by post-accumulate-grad hooks during backward.
 
-Why one module past 400 lines: it is the whole route of a gradient from its hook to this rank's piece (the bucket,
-the wire format, the reduction, what a step does to the pieces: sync, scale, unscale, clip), so that a backward and
-a step enter it once; the leaf helpers it calls are in :mod:`.buffers`.
+Why one module past 400 lines: it is the whole route of a gradient from its hook to this rank's piece (bucket,
+wire format, reduction, and what a step does to the pieces: sync, scale, unscale, clip), so that a backward and
+a step enter it once; its leaf helpers are in :mod:`.buffers`.
 
-A hook on every working parameter hands its freshly accumulated ``.grad`` to :class:`GradReducer` and frees it.
-Gradients wait in a bucket per gradient dtype until ``reduce_bucket_size`` elements (counted padded) are
-there; the bucket is then reduced by the algorithm of :mod:`.algorithm`, divided by the world size before the sum
-(as DDP does). ``"reduce_scatter"`` lays the bucket out rank-major and each rank receives its row;
-``"all_reduce"`` reduces the gradients as they lie and each rank reads its pieces at their ranges;
-``"all_to_all"`` lays it out with this rank's own row last, exchanges the other ``N - 1`` rows (a rank's own row
-never travels, not even as gloo's local copy) and sums the ``N`` rows here, straight into the pieces.
+A hook on every working parameter hands its fresh ``.grad`` to :class:`GradReducer` and frees it. Gradients wait in
+a bucket per dtype until ``reduce_bucket_size`` (padded) elements are there; the bucket is then divided by the world
+size (as DDP does) and reduced by the algorithm of :mod:`.algorithm`: ``"reduce_scatter"`` (rank-major layout, each
+rank receives its row), ``"all_reduce"`` (each rank reads its pieces at their ranges) or ``"all_to_all"`` (own row
+last; the other ``N - 1`` rows are exchanged, so a rank's own row never travels, and summed here into the pieces).
+With ``overlap_communication`` the collective is asynchronous and its result is added into the pieces at
+:meth:`GradReducer.wait`, or once more than ``MAX_IN_FLIGHT`` buckets are in flight; a callback queued on the
+autograd engine launches the last partial bucket at the end of every backward. While :attr:`GradReducer.enabled`
+is ``False`` (``no_sync``) hooks leave ``.grad`` alone and the window is reduced once, at the next sync.
 
-With ``overlap_communication`` the collective is launched asynchronously and backward goes on; the results
-are added into the slots' (master-dtype) gradient pieces when :meth:`GradReducer.wait` runs, or as soon as more
-than ``MAX_IN_FLIGHT`` buckets are in flight. A callback queued on the autograd engine launches the last partial
-bucket at the end of every backward, so at most the buckets in flight exist beside the shards. While
-:attr:`GradReducer.enabled` is ``False`` (``no_sync``), hooks leave ``.grad`` alone: full local gradients
-accumulate as usual and are reduced once, by the first synchronised backward or by :meth:`GradReducer.sync`.
-
-How a bucket travels (:class:`WireFormat`): as it is; cast to ColossalAI's ``communication_dtype`` and back, so
-the sum itself runs in the wire dtype (e.g. bf16 gradients reduced in fp32, or fp32 ones sent as bf16 to halve
-the bytes); or as fp8 (``fp8_communication``, ColossalAI's ``reduce_scatter_fp8``/``all_reduce_fp8`` scheme):
-each rank scales its bucket by ``448 / amax`` (the e4m3 range) and sends the ``float8_e4m3fn`` bytes with the
-scale, as ``uint8`` since gloo has no fp8 dtype (one ``all_to_all_single`` for a reduce-scatter, one
-``all_gather`` for an all-reduce: every rank then sums the same parts in the same order, so the replicas agree
-bitwise); the receivers sum in fp32. A part holding an inf/NaN travels with a NaN scale (e4m3fn has no inf and
-saturates it to 448), so it decodes to NaN and fp16 overflow detection still sees it.
+On the wire (:class:`WireFormat`) a bucket travels as it is, cast to ColossalAI's ``communication_dtype`` (the sum
+runs in that dtype), or as fp8 (``fp8_communication``, ColossalAI's scheme): scaled by ``448 / amax``, sent as
+``float8_e4m3fn`` bytes (``uint8``: gloo has no fp8) with the scale, by one ``all_to_all_single`` or ``all_gather``
+so every rank sums the same parts in the same order (the replicas agree bitwise), summed in fp32. A part holding
+an inf/NaN travels with a NaN scale (e4m3fn saturates inf to 448), so fp16 overflow detection still sees it.
 """
 
 from __future__ import annotations
@@ -160,11 +152,9 @@ class WireFormat:
     def exchange(
         self, received: torch.Tensor, rows: torch.Tensor, *, rank: int, group: Any, async_op: bool
     ) -> Any:
-        """``received[i]`` = the row for rank ``rank`` from the ``i``-th other rank (rank order), where ``rows[i]``
-        is the row for the ``i``-th other rank: both ``(W - 1, n)``, ``received`` in the wire dtype. One
-        ``all_to_all_single`` whose splits leave this rank out, so its own row is neither sent nor copied; the
-        transport of the ``"all_to_all"`` reduce-scatter, summed by the caller in the wire dtype (fp8 goes
-        through :meth:`reduce_scatter`, which decodes and sums itself)."""
+        """``received[i]`` = this rank's row from the ``i``-th other rank, ``rows[i]`` the row for it (both
+        ``(W - 1, n)``): one ``all_to_all_single`` whose splits leave this rank out (the ``"all_to_all"``
+        reduce-scatter's transport; the caller sums in the wire dtype; fp8 goes through :meth:`reduce_scatter`)."""
         n = rows.shape[1]
         splits = [n] * (rows.shape[0] + 1)
         splits[rank] = 0

@@ -1,16 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """ColossalAI's ``extra_dp_group``: ZeRO over the 2-D grid that ``extra_dp_group`` x ``dp_process_group`` span.
 
-ColossalAI shards every parameter over the product of the two groups (its "nd" world: rank
-``extra_rank * dp_size + dp_rank``) and runs each collective as two hierarchical ones, first over the extra
-group, then over the inner one. The sharding and the sums are those of one group over the grid's ranks, so
-stepforge builds that group and runs flat collectives over it: the same pieces per rank count and the same
-averaged gradients, one collective instead of two (rank order: the global ranks sorted, which for
-``LowLevelZeroPlugin(extra_dp_size=...)``'s grid -- global rank ``e * inner + d`` -- is ColossalAI's nd order).
-
-Building the group is collective over the default group: every rank of it must construct its optimizer
-together (each contributes its two groups' ranks through one ``all_gather_object``; the grids are then created
-in the same order everywhere, as ``torch.distributed.new_group`` requires).
+ColossalAI shards over the product of the two groups (rank ``extra_rank * dp_size + dp_rank``) with two
+hierarchical collectives; the pieces and sums are those of one group over the grid's ranks, so stepforge builds
+that group (global ranks sorted: ColossalAI's order for ``LowLevelZeroPlugin(extra_dp_size=...)``'s grid) and runs
+one flat collective. Building it is collective over the default group (one ``all_gather_object`` of each rank's
+two groups, then every grid created in the same order everywhere, as ``new_group`` requires).
 """
 
 from __future__ import annotations

@@ -1,22 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
 """The parameter gather after a step: every rank's updated master pieces into every rank's working parameters.
 
-:func:`launch_gather` starts the collectives and returns a :class:`GatherInFlight`, which the optimizer waits
-for at once (ColossalAI's default). With ``overlap_allgather`` it instead lets the next forward wait:
-:meth:`GatherInFlight.wait_in_forward` installs a global forward pre-hook that, before a module runs, waits only
-for the collectives that carry that module's own parameters, and removes itself once everything arrived. The
-collectives are launched in parameter order (a model's registration order is, for almost every model, the
-order its forward uses them), small parameters first in one staged collective, so the first layers can start
-while the last ones are still on the wire.
+:func:`launch_gather` starts the collectives in parameter order (for almost every model the order its forward uses
+them), small parameters first in one staged collective; the optimizer waits for the returned
+:class:`GatherInFlight` at once (ColossalAI's default) or, with ``overlap_allgather``, lets each module's next
+forward wait for its own parameters only (:meth:`GatherInFlight.wait_in_forward`, a global forward pre-hook).
 
-Methods (see ``LowLevelZeroOptimizer(param_gather=...)``):
-
-- ``"broadcast"``: every contiguous parameter of at least ``direct_min`` elements gets one broadcast per rank of
-  that rank's piece, in place in the parameter's own memory; the smaller ones of a partition are staged into
-  one buffer and gathered by one broadcast per rank (gloo's broadcast is several times faster than its
-  all-gather on the CPU).
-- ``"all_gather"``: the partition's padded per-rank pieces are all-gathered (one collective per partition, or
-  per chunk of about ``chunk`` elements when the gather is overlapped, so the first chunk lands first).
+Methods (``LowLevelZeroOptimizer(param_gather=...)``): ``"broadcast"`` broadcasts each rank's piece of every
+contiguous parameter of at least ``direct_min`` elements in place, and the smaller ones staged in one table per
+partition (gloo's broadcast is several times faster than its all-gather on the CPU); ``"all_gather"`` all-gathers
+each partition's padded pieces (per chunk of about ``chunk`` elements when overlapped, so the first lands first).
 """
 
 from __future__ import annotations
@@ -128,14 +121,9 @@ def _source(src: int, group: Any) -> int:
 
 
 class StagingBuffers:
-    """The staged gathers' tables, kept from step to step.
-
-    A table is ``(world, n)``: row ``r`` holds rank ``r``'s pieces of one chunk of small parameters side by side,
-    each padded to ``piece``. Allocating it again every step costs a page fault per 4 KiB on the CPU (it is written
-    by the collective and read back once); kept, it costs its bytes between steps, reported by :attr:`held_bytes`
-    beside the 1/N shards. A table is reused only after the gather that filled it was waited for (the optimizer
-    waits before it launches the next one).
-    """
+    """The staged gathers' tables (``(world, n)``: row ``r`` holds rank ``r``'s padded pieces of one chunk), kept
+    from step to step: allocated every step they cost a page fault per 4 KiB on the CPU; kept, their bytes
+    (:attr:`held_bytes`) beside the 1/N shards. The optimizer waits for a gather before it launches the next."""
 
     def __init__(self) -> None:
         self._tables: dict[tuple[int, int], torch.Tensor] = {}
@@ -264,17 +252,10 @@ def launch_gather(
     chunk: int | None = None,
     staging: StagingBuffers | None = None,
 ) -> GatherInFlight:
-    """Start gathering every rank's master pieces into the working parameters (see the module docstring).
-
-    Args:
-        layout: the sharding.
-        method: ``"broadcast"`` or ``"all_gather"``.
-        direct_min: with ``"broadcast"``: the smallest parameter broadcast in place.
-        chunk: per-rank elements per staged collective (``None``: one per partition).
-        staging: where the ``"broadcast"`` tables of the small parameters are kept between calls (``None``: fresh
-            ones). The ``"all_gather"`` tables hold whole partitions and are always fresh: kept, they would cost a
-            copy of the parameters between steps.
-    """
+    """Start gathering every rank's master pieces into the working parameters by ``method`` (see the module
+    docstring): ``chunk`` per-rank elements per staged collective (``None``: one per partition), ``"broadcast"``'s
+    tables kept in ``staging`` (``"all_gather"``'s hold whole partitions and are always fresh: kept, they would
+    cost a copy of the parameters between steps)."""
     flight = GatherInFlight()
     if layout.world_size == 1:
         for slot in layout.slots:  # nothing to exchange: the masters are the whole parameters

@@ -1,12 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """LoRA under ZeRO: peft's adapter parameters join the optimizer that was built over the base model.
 
-ColossalAI's ``LowLevelZeroPlugin`` does this when LoRA is enabled, so the usual order works: build the optimizer
-over ``model.parameters()``, ``booster.enable_lora(model, lora_config=...)`` (peft freezes those parameters and
-adds ``lora_A``/``lora_B`` layers), then ``boost``: each adapter parameter the optimizer does not hold joins the
-param group of its layer's frozen base weight (``<layer>.base_layer.*``). The frozen weights themselves are not
-managed by ``LowLevelZeroOptimizer`` (no master, no state). Read from peft's parameter names alone (peft is not
-imported here).
+As ColossalAI's ``LowLevelZeroPlugin`` with LoRA: build the optimizer over ``model.parameters()``, then
+``booster.enable_lora`` (peft freezes those and adds ``lora_A``/``lora_B`` layers), then ``boost``: each adapter
+the optimizer does not hold joins the param group of its layer's frozen base weight (``<layer>.base_layer.*``).
+Read from peft's parameter names alone (peft is not imported here).
 """
 
 from __future__ import annotations

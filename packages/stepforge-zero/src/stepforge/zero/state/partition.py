@@ -1,16 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """How a working parameter is split over the data-parallel ranks, and the rank's shard of it.
 
-Every parameter is flattened and cut the way ``torch.chunk`` cuts a 1-D tensor of its ``numel`` ``n`` into
-``W`` pieces: piece size ``s = ceil(n / W)``, rank ``r`` owns ``[r*s, min((r+1)*s, n))`` (possibly empty for
-the last ranks of a tiny parameter). The piece is saved and resharded by ``torch.distributed.checkpoint`` in
-the parameter's shape, without any gathering, as a :class:`stepforge.core.flat_shard.FlatShard` (:mod:`.dicts`).
-For communication each piece is zero-padded to ``s`` so that every rank contributes the same number of elements
-(at most ``W - 1`` padding elements per parameter).
-
-Slots are grouped into *partitions*: one per (param group, working dtype); after a step each partition is
-all-gathered with a single collective. :func:`build_layout` over parameters on the ``meta`` device allocates
-nothing, so it answers for a model that does not exist yet (the memory plan).
+Every parameter is flattened and cut as ``torch.chunk`` cuts its ``numel`` ``n`` into ``W`` pieces: piece size
+``s = ceil(n / W)``, rank ``r`` owns ``[r*s, min((r+1)*s, n))`` (possibly empty), saved and resharded by DCP in the
+parameter's shape as a :class:`stepforge.core.flat_shard.FlatShard` (:mod:`.dicts`). On the wire each piece is
+zero-padded to ``s``. Slots are grouped into *partitions*, one per (param group, working dtype), gathered after a
+step. :func:`build_layout` over ``meta`` parameters allocates nothing (the memory plan uses that).
 """
 
 from __future__ import annotations
