@@ -40,24 +40,11 @@ _FLAGS = (
 
 @dataclass(frozen=True)
 class LowLevelZeroConfig:
-    """Every setting of a ``LowLevelZeroOptimizer`` that does not depend on its process group; each field is
-    checked once, when the object is made (the error names the field and ``owner``).
-
-    Attributes:
-        stage: 1 (optimizer state sharded) or 2 (gradients too).
-        reduce_bucket_size: padded elements per gradient bucket; ``None``: the group's default (4 Mi on gloo,
-            else ``default_bucket_size``: ColossalAI's 1 Mi for the optimizer, 12 Mi for the plugin).
-        communication_dtype, fp8_communication: the gradient wire (``stepforge.zero.comm.grad_reducer``).
-        comm_algorithm: ``"auto"``, ``"reduce_scatter"``, ``"all_reduce"`` or ``"all_to_all"``.
-        param_gather: ``None`` (automatic), ``"all_gather"`` or ``"broadcast"``.
-        overlap_communication, overlap_allgather: reductions during backward, the gather during the next forward.
-        cpu_offload, master_weights, forced_dtype: where the masters live, whether there are any, the working dtype.
-        max_norm, norm_type: global-norm clipping in every step (0: off).
-        dtype_for_loss_scaling: ``"fp16"`` forces loss scaling; ``None``: on when a working parameter is fp16.
-        scaler: the dynamic loss scaler's arguments (checked by ``validate_loss_scaler_args`` at the door).
-        verbose: log at INFO on ``stepforge.zero``; backward_context: a callable entered around each backward.
-        owner: the door's name, used in messages.
-    """
+    """Every setting of a ``LowLevelZeroOptimizer`` that does not depend on its process group, each checked once
+    when the object is made (the error names the field and ``owner``, the door's name). The fields are the
+    optimizer's keywords (see its docstring), except ``reduce_bucket_size=None``: the group's default (4 Mi on gloo,
+    else ``default_bucket_size``: ColossalAI's 1 Mi for the optimizer, 12 Mi for the plugin), and ``scaler``: the
+    dynamic loss scaler's arguments (checked by ``validate_loss_scaler_args`` at the door)."""
 
     stage: int = 1
     reduce_bucket_size: int | None = None

@@ -116,12 +116,8 @@ class _Pending:
 
 @dataclass(frozen=True)
 class WireFormat:
-    """The dtype on the wire for gradient reductions (``None`` and ``fp8=False``: as the gradients are).
-
-    Attributes:
-        dtype: ColossalAI's ``communication_dtype`` (a floating dtype) or ``None``.
-        fp8: ColossalAI's ``fp8_communication`` (takes precedence over ``dtype``).
-    """
+    """How gradient buckets travel: ColossalAI's ``communication_dtype`` (``dtype``; ``None``: as they are) and
+    ``fp8_communication`` (``fp8``, which takes precedence)."""
 
     dtype: torch.dtype | None = None
     fp8: bool = False
@@ -202,9 +198,7 @@ MAX_IN_FLIGHT = 2
 
 @dataclass
 class CollectiveCounter:
-    """How many reduce collectives were launched (``all_to_all``: the exchanges of the ``"all_to_all"``
-    reduce-scatter), and how many times a step's reduction was completed by :meth:`GradReducer.sync` (for tests
-    and the benchmark)."""
+    """Reduce collectives launched, by kind, and steps whose reduction :meth:`GradReducer.sync` completed."""
 
     reduce_scatter: int = 0
     all_reduce: int = 0
@@ -225,31 +219,21 @@ class _Bucket:
 
 @dataclass(eq=False)
 class _Flight:
-    """A launched reduction: the collective's work, the tensor this rank's pieces are read from, where each slot's
-    piece starts in it, the bucket's padded element count, and the pooled buffers to hand back when done."""
+    """A launched reduction and the pooled buffers to hand back when it is done."""
 
     work: Any
     received: torch.Tensor | None  # the reduced row (``None``: ``rows`` are summed here instead)
-    layout: list[tuple[Slot, int]]
-    elements: int
+    layout: list[tuple[Slot, int]]  # where each slot's piece starts in it
+    elements: int  # the bucket's padded element count
     buffers: list[torch.Tensor] = field(default_factory=list)
     # ``"all_to_all"``: every rank's row, in rank order
     rows: list[torch.Tensor] = field(default_factory=list)
 
 
 class GradReducer:
-    """Buckets, hooks and in-flight reductions of one ``LowLevelZeroOptimizer``.
-
-    Args:
-        slots: every managed parameter's slot.
-        stage: 1 or 2 (picks the algorithm when ``algorithm`` is ``None``: stage 1 all-reduce, stage 2
-            reduce-scatter).
-        bucket_size: elements per bucket (padded count).
-        overlap: launch collectives asynchronously.
-        group: the process group (``None``: the default group), world_size and rank in it.
-        wire: how buckets travel (``communication_dtype`` / fp8); ``None``: as they are.
-        algorithm: ``"all_reduce"``, ``"reduce_scatter"`` or ``"all_to_all"`` (see :mod:`.algorithm`).
-    """
+    """Buckets, hooks and in-flight reductions of one ``LowLevelZeroOptimizer`` over ``slots``: buckets of
+    ``bucket_size`` padded elements, launched asynchronously with ``overlap``, reduced by ``algorithm`` (see
+    :mod:`.algorithm`; ``None``: stage 1 all-reduce, stage 2 reduce-scatter) over ``group`` through ``wire``."""
 
     def __init__(
         self,
@@ -266,7 +250,6 @@ class GradReducer:
     ) -> None:
         self.slots = slots
         self.wire = wire if wire is not None else WireFormat()
-        self.stage = stage
         self.algorithm = algorithm or ("reduce_scatter" if stage == 2 else "all_reduce")
         self.bucket_size = bucket_size
         self.overlap = overlap

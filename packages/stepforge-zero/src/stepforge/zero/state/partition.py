@@ -60,13 +60,10 @@ class Slot:
         group: index of the param group.
         param: the working (model) parameter.
         numel, piece: its element count and the padded per-rank piece size ``ceil(numel / W)``.
-        start, valid: where this rank's piece starts in the flat parameter and how many of its elements are
-            real (``piece - valid`` trailing padding; ``valid`` may be 0).
-        master: the tensor the inner optimizer steps, ``valid`` elements on the master device; for a working
-            dtype equal to the master dtype on the same device it is a view into the working parameter.
+        start, valid: where this rank's piece starts in the flat parameter and its real elements (may be 0).
+        master: what the inner optimizer steps (``valid`` elements); ``separate_master`` is ``False`` when it is
+            a view into the working parameter (same dtype and device, contiguous: no copy, no checkpoint).
         grad: the reduced (averaged) gradient of the piece, ``valid`` elements in the master dtype, or ``None``.
-        separate_master: ``False`` when ``master`` is a view into the working parameter (same dtype and
-            device, contiguous): the working parameter is then its own master and needs no copy or checkpoint.
         offset: where the piece sits inside its partition's flat per-rank buffer.
     """
 
@@ -96,17 +93,9 @@ class Partition:
 
 @dataclass(frozen=True, eq=False)
 class ShardLayout:
-    """Everything about how one optimizer's parameters are sharded, and nothing about the optimizer.
-
-    The state dicts (:mod:`.dicts`) and the communication (:mod:`stepforge.zero.comm`) take this value instead
-    of the optimizer, so the optimizer module depends on them, not the reverse.
-
-    Attributes:
-        slots: every working parameter's :class:`Slot`, in global parameter index order.
-        partitions: the slots grouped per (param group, working dtype, device).
-        world_size, rank: the data-parallel group's size and this process's rank in it.
-        group: the data-parallel process group (``None``: the default group, or no group at one rank).
-    """
+    """How one optimizer's parameters are sharded (slots in global index order, partitions, the data-parallel
+    group, ``None``: the default one), and nothing about the optimizer: the state dicts and the communication take
+    this value instead of the optimizer, so the optimizer module depends on them, not the reverse."""
 
     slots: list[Slot]
     partitions: list[Partition]
@@ -137,14 +126,8 @@ def build_layout(
     master_weights: bool,
     master_device: torch.device | None,
 ) -> ShardLayout:
-    """Slots for every parameter of ``param_groups`` (masters allocated) and the partitions that group them.
-
-    Args:
-        param_groups: the working param groups (dicts with a ``"params"`` list).
-        world_size, rank, group: the data-parallel group.
-        master_weights: keep fp32 masters for fp16/bf16 working params (else the master is the working dtype).
-        master_device: ``torch.device("cpu")`` for CPU offload, ``None`` for the parameter's own device.
-    """
+    """Slots for every parameter of the working ``param_groups`` (masters allocated: fp32 for fp16/bf16 ones with
+    ``master_weights``, on ``master_device``, ``None``: the parameter's own) and the partitions that group them."""
     slots: list[Slot] = []
     by_key: dict[tuple[int, torch.dtype, torch.device], Partition] = {}
     for g, group_ in enumerate(param_groups):
