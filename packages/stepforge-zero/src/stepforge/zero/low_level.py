@@ -47,49 +47,40 @@ logger = logging.getLogger("stepforge.zero")
 class LowLevelZeroOptimizer(torch.optim.Optimizer):
     """ZeRO stage 1 or 2 around any optimizer whose param groups hold the model's working parameters.
 
-    ColossalAI's constructor, names, order and defaults (``colossalai.zero.LowLevelZeroOptimizer``), plus
-    stepforge's keyword-only names; a setting given under both names must agree (the README's table). As in
-    ColossalAI, only parameters that require grad are managed. The settings are kept as
+    ColossalAI's constructor, names, order and defaults (``colossalai.zero.LowLevelZeroOptimizer``; the README's
+    table says where each one differs), plus stepforge's keyword-only names; a setting given under both names
+    must agree. As in ColossalAI, only parameters that require grad are managed. The settings are kept as
     :class:`~stepforge.zero.config.LowLevelZeroConfig` (:attr:`config`).
 
     Args:
-        optimizer: a built optimizer (``torch.optim``, stepforge, ...) over the working parameters, or a
-            registry config such as ``dict(type="FusedAdam", lr=1e-3)`` together with ``params``.
+        optimizer: a built optimizer over the working parameters, or a registry config such as
+            ``dict(type="FusedAdam", lr=1e-3)`` together with ``params``.
         pg_to_param_list: ColossalAI's ``{group or (extra_dp_group, dp_group): parameters}`` with ONE group
-            holding every parameter (several groups, MoE experts, are refused). A non-mapping here is read as
-            ``params`` (stepforge's earlier second argument).
-        initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis, max_scale: the
-            dynamic loss scaler (fp16 working parameters, or ``dtype_for_loss_scaling="fp16"``), as ColossalAI's.
-        verbose: log skipped steps and the sharding set-up at INFO on the ``stepforge.zero`` logger.
-        reduce_bucket_size: elements per gradient bucket (padded count); ``None``: 4 Mi on gloo (measured, see
-            ``stepforge.zero.comm.algorithm.GLOO_BUCKET_SIZE``), ColossalAI's 1 Mi elsewhere.
-        communication_dtype, fp8_communication: the gradients' wire: reduced in this dtype (``None``: their own),
-            or as fp8 bytes summed in fp32 (:mod:`stepforge.zero.comm.grad_reducer`).
-        overlap_communication: launch the bucket reductions asynchronously during backward.
+            holding every parameter (MoE's several groups are refused); a non-mapping here is read as ``params``.
+        initial_scale, ..., max_scale: the dynamic loss scaler (fp16 parameters or ``dtype_for_loss_scaling``).
+        reduce_bucket_size: padded elements per gradient bucket; ``None``: 4 Mi on gloo
+            (``stepforge.zero.comm.algorithm.GLOO_BUCKET_SIZE``), ColossalAI's 1 Mi elsewhere.
+        communication_dtype, fp8_communication: the gradients' wire (:mod:`stepforge.zero.comm.grad_reducer`).
         partition_grad, stage: ZeRO-2 (gradients reduce-scattered from backward hooks), or stage 1 or 2.
-        cpu_offload: keep masters, gradient pieces and optimizer state on the CPU and step them there (an
-            Adam-family config becomes stepforge-fused's ``CPUAdam`` when installed).
-        dp_process_group, process_group: the data-parallel group (``None``: the default group).
-        extra_dp_group: with ``dp_process_group``: shard over the 2-D grid of both groups
-            (:mod:`stepforge.zero.comm.grid`; collective over the default group at construction).
+        cpu_offload: masters, gradient pieces and optimizer state on the CPU, stepped there (an Adam-family
+            config becomes stepforge-fused's ``CPUAdam`` when installed).
+        dp_process_group, process_group: the data-parallel group (``None``: the default group);
+            ``extra_dp_group``: shard over the 2-D grid of both (:mod:`stepforge.zero.comm.grid`; collective).
         forced_dtype: convert every working parameter to this dtype first (in place).
         master_weights: fp32 masters for fp16/bf16 working parameters (``False``: the working pieces are stepped).
-        overlap_allgather: launch the gather of the updated pieces at the end of :meth:`step` and return; each
-            module's next forward waits for its own parameters only. Until then the working parameters are
-            stale: read them through the plugin's model or after :meth:`wait_for_param_gather`.
+        overlap_communication: launch the bucket reductions asynchronously during backward.
+        overlap_allgather: :meth:`step` launches the gather of the updated pieces and returns; each module's next
+            forward waits for its own parameters (read them before through :meth:`wait_for_param_gather`).
         backward_context: a callable returning a context manager entered around each backward.
-        params: the parameters (module, tensors or param-group dicts) for a config ``optimizer``.
-        clip_grad_norm, max_norm, norm_type: clip the global gradient norm to this in every :meth:`step` (0:
-            off), by this norm (2; ``inf`` allowed).
+        clip_grad_norm, max_norm, norm_type: clip the global gradient norm to this in every :meth:`step` (0: off).
         dtype_for_loss_scaling: ``"fp16"`` forces loss scaling, ``None`` turns it on for fp16 parameters.
-        param_gather: how updated pieces reach every rank: ``"all_gather"``, ``"broadcast"`` (gloo's broadcast
-            is several times faster than its all-gather on the CPU), ``None``: broadcast on gloo, else all-gather.
-        comm_algorithm: ``"reduce_scatter"``, ``"all_reduce"``, ``"all_to_all"`` or ``"auto"`` (see
+        param_gather, comm_algorithm: the collectives (``None``/``"auto"``: chosen per backend,
             :mod:`stepforge.zero.comm.algorithm`).
+        verbose: log skipped steps and the sharding set-up at INFO on the ``stepforge.zero`` logger.
 
     Attributes:
-        last_step_skipped: whether the last :meth:`step` was skipped for an fp16 overflow.
-        skipped_steps: how many steps were skipped so far.
+        last_step_skipped, skipped_steps: whether the last :meth:`step` was skipped for an fp16 overflow, and how
+            many were.
     """
 
     _built = False  # set once the partitions exist: add_param_group is refused from then on

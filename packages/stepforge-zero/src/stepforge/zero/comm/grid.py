@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from stepforge.core import HyperParameterError
 
-__all__ = ["grid_group", "mesh_groups"]
+__all__ = ["grid_group"]
 
 
 def _components(pairs: list[tuple[list[int], list[int]]]) -> list[frozenset[int]]:
@@ -66,29 +66,3 @@ def grid_group(extra_dp_group: Any, dp_process_group: Any) -> Any:
         if rank in grid:
             chosen = group
     return chosen
-
-
-def mesh_groups(extra_dp_size: int) -> tuple[Any, Any]:
-    """``(extra_dp_group, dp_process_group)`` of this rank on ColossalAI's ``ProcessGroupMesh(extra_dp_size,
-    world // extra_dp_size)``: global rank ``e * inner + d``; the extra group varies ``e``, the inner one ``d``.
-    Collective over the default group (every rank creates every group).
-
-    Raises:
-        HyperParameterError: ``extra_dp_size`` does not divide the world size.
-    """
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if world % extra_dp_size:
-        raise HyperParameterError(
-            f"LowLevelZeroPlugin: extra_dp_size={extra_dp_size} must divide the world size {world}."
-        )
-    inner = world // extra_dp_size
-    extra_group = dp_group = None
-    for d in range(inner):
-        group = dist.new_group([e * inner + d for e in range(extra_dp_size)])
-        if rank % inner == d:
-            extra_group = group
-    for e in range(extra_dp_size):
-        group = dist.new_group([e * inner + d for d in range(inner)])
-        if rank // inner == e:
-            dp_group = group
-    return extra_group, dp_group

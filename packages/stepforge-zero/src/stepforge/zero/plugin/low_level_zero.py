@@ -24,7 +24,6 @@ from stepforge.core import BoostedOptimizer, HyperParameterError, Plugin, param_
 from stepforge.core.precision import PLUGIN_PRECISIONS, check_plugin_precision, validate_loss_scaler_args
 
 from ..comm.algorithm import COLOSSAL_BUCKET_SIZE
-from ..comm.grid import grid_group, mesh_groups
 from ..config import LowLevelZeroConfig
 from ..low_level import LowLevelZeroOptimizer
 from .lora import add_adapters_to_optimizer
@@ -66,8 +65,8 @@ class LowLevelZeroPlugin(Plugin):
         cast_inputs: cast floating-point inputs of the forward to the working dtype.
         fp8_communication: gradients travel as fp8 bytes, summed in fp32 (``LowLevelZeroOptimizer``).
         use_fp8: fp8 matrix multiplies in the forward: only ``False`` (a ``True`` is refused, see the README).
-        extra_dp_size: > 1: ColossalAI's ``ProcessGroupMesh(extra_dp_size, world // extra_dp_size)``; the
-            optimizer shards over that 2-D grid (needs ``torch.distributed`` initialised when built).
+        extra_dp_size: > 1: ColossalAI's ``ProcessGroupMesh(extra_dp_size, world // extra_dp_size)``, a grid of
+            every rank: the optimizer shards over the default group (``torch.distributed`` initialised first).
 
     Raises:
         HyperParameterError: a bad argument (the message names it and the allowed values).
@@ -139,7 +138,6 @@ class LowLevelZeroPlugin(Plugin):
             )
         self.extra_dp_size = extra_dp_size
         self._optimizers: list[LowLevelZeroOptimizer] = []
-        self._group: Any = None  # the data-parallel group (None: the default group)
         if extra_dp_size > 1:
             if not (dist.is_available() and dist.is_initialized()):
                 raise HyperParameterError(
@@ -152,7 +150,13 @@ class LowLevelZeroPlugin(Plugin):
                     "LowLevelZeroPlugin: fp8_communication is not supported with extra_dp_size > 1 (as in "
                     "ColossalAI); set fp8_communication=False."
                 )
-            self._group = grid_group(*mesh_groups(self.extra_dp_size))
+            # ColossalAI's ProcessGroupMesh(extra_dp_size, world // extra_dp_size) spans every rank: the grid it
+            # shards over (stepforge.zero.comm.grid) is the default group, so only the shape is checked
+            if dist.get_world_size() % extra_dp_size:
+                raise HyperParameterError(
+                    f"LowLevelZeroPlugin: extra_dp_size={extra_dp_size} must divide the world size "
+                    f"{dist.get_world_size()}."
+                )
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(stage={self.stage}, precision={self.precision!r})"
@@ -231,7 +235,7 @@ class LowLevelZeroPlugin(Plugin):
         if optimizer is None:
             return wrapped, None
         add_adapters_to_optimizer(module, optimizer)  # LoRA adapters the optimizer does not hold yet
-        zero = LowLevelZeroOptimizer.from_config(optimizer, self.config, self._group)
+        zero = LowLevelZeroOptimizer.from_config(optimizer, self.config)
         wrapped.bind_optimizer(zero)
         self._optimizers.append(zero)
         return wrapped, zero
