@@ -578,12 +578,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a full state (from :meth:`state_dict` at any world size, or a plain ``torch.optim`` one)."""
-        self._reducer.wait()
-        self.wait_for_param_gather()
-        zero = dicts.load_state_dict(self._layout, self.optim, self.param_groups, state_dict, sharded=False)
-        if "loss_scaler" in zero:
-            self.scaler.load_state_dict(zero["loss_scaler"])
-        self.skipped_steps = int(zero.get("skipped_steps", self.skipped_steps))
+        self._load(state_dict, sharded=False)
 
     def sharded_state_dict(self, names: list[str] | None = None) -> dict[str, Any]:
         """This rank's pieces for ``torch.distributed.checkpoint`` in the layout every plugin shares: keyed by
@@ -601,10 +596,13 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         """Load :meth:`sharded_state_dict`'s form after ``torch.distributed.checkpoint.load`` filled it (saved by
         this optimizer at any world size, by another plugin, or in the index-keyed layout of earlier versions);
         a section of this optimizer's extras the checkpoint lacks (loss scaler, skip counter) is left as is."""
+        self._load(state_dict, sharded=True)
+
+    def _load(self, state_dict: Mapping[str, Any], *, sharded: bool) -> None:
         self._reducer.wait()
         self.wait_for_param_gather()
-        zero = dicts.load_state_dict(self._layout, self.optim, self.param_groups, state_dict, sharded=True)
-        if zero.get("loss_scaler"):
+        zero = dicts.load_state_dict(self._layout, self.optim, self.param_groups, state_dict, sharded=sharded)
+        if zero.get("loss_scaler"):  # a section the checkpoint lacks is left as it is
             self.scaler.load_state_dict(zero["loss_scaler"])
         self.skipped_steps = int(zero.get("skipped_steps", self.skipped_steps))
 

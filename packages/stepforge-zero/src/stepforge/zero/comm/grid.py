@@ -19,26 +19,6 @@ from stepforge.core import HyperParameterError
 __all__ = ["grid_group"]
 
 
-def _components(pairs: list[tuple[list[int], list[int]]]) -> list[frozenset[int]]:
-    """The sets of ranks connected by sharing an extra or an inner group (union-find over the pairs)."""
-    parent: dict[int, int] = {}
-
-    def find(x: int) -> int:
-        while parent.setdefault(x, x) != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    for extra, inner in pairs:
-        members = list(extra) + list(inner)
-        for other in members[1:]:
-            parent[find(other)] = find(members[0])
-    groups: dict[int, set[int]] = {}
-    for rank in parent:
-        groups.setdefault(find(rank), set()).add(rank)
-    return sorted((frozenset(g) for g in groups.values()), key=min)
-
-
 def grid_group(extra_dp_group: Any, dp_process_group: Any) -> Any:
     """The process group over every rank of this rank's grid (``None``: the grid is the whole default group).
 
@@ -49,7 +29,21 @@ def grid_group(extra_dp_group: Any, dp_process_group: Any) -> Any:
     inner = dist.get_process_group_ranks(dp_process_group)
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (extra, inner))
-    grids = _components([tuple(p) for p in everyone])
+    parent: dict[int, int] = {}  # union-find: ranks connected by sharing an extra or an inner group
+
+    def find(x: int) -> int:
+        while parent.setdefault(x, x) != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for members in (list(extra_) + list(inner_) for extra_, inner_ in everyone):
+        for other in members[1:]:
+            parent[find(other)] = find(members[0])
+    components: dict[int, set[int]] = {}
+    for member in parent:
+        components.setdefault(find(member), set()).add(member)
+    grids = sorted((frozenset(g) for g in components.values()), key=min)
     rank = dist.get_rank()
     mine = next(g for g in grids if rank in g)
     if len(mine) != len(extra) * len(inner) or set(extra) & set(inner) != {rank}:

@@ -147,13 +147,6 @@ class StagingBuffers:
         return sum(t.numel() * t.element_size() for t in self._tables.values())
 
 
-def _stage(row: torch.Tensor, slots: list[Slot], offsets: list[int]) -> None:
-    """This rank's updated pieces into ``row`` (the padding is left as it is: never read back)."""
-    for slot, offset in zip(slots, offsets, strict=True):
-        if slot.valid:
-            row[offset : offset + slot.valid].copy_(slot.master)
-
-
 def _scatter_table(table: torch.Tensor, slots: list[Slot], offsets: list[int], rank: int) -> None:
     """Every rank's row of ``table`` into the working parameters, in place (no temporary for a contiguous
     parameter). This rank's own piece is skipped where the master is a view into the parameter: the step already
@@ -190,18 +183,21 @@ def _launch_staged(
     # each padded piece's place in a row of the table, and the row's length
     *offsets, size = itertools.accumulate((s.piece for s in slots), initial=0)
     table = staging.table(key, world, size, part)
-    params = [s.param for s in slots]
+    # this rank's updated pieces into its row (a copy for all_gather, whose input may not alias its output)
+    local = table[layout.rank] if method == "broadcast" else table[layout.rank].clone()
+    for slot, offset in zip(slots, offsets, strict=True):
+        if slot.valid:  # the padding is left as it is: never read back
+            local[offset : offset + slot.valid].copy_(slot.master)
     if method == "broadcast":
-        _stage(table[layout.rank], slots, offsets)
         works = [
             dist.broadcast(table[src], src=_source(src, group), group=group, async_op=True)
             for src in range(world)
         ]
     else:
-        local = table[layout.rank].clone()  # all_gather_into_tensor's input may not alias its output
-        _stage(local, slots, offsets)
         works = [all_gather(table.view(-1), local, group=group, async_op=True)]
-    return _Entry(works, params, then=lambda: _scatter_table(table, slots, offsets, layout.rank))
+    return _Entry(
+        works, [s.param for s in slots], then=lambda: _scatter_table(table, slots, offsets, layout.rank)
+    )
 
 
 def _launch_direct(layout: ShardLayout, slot: Slot) -> _Entry:

@@ -22,15 +22,6 @@ ADAPTER_PREFIX = "lora_"
 logger = logging.getLogger("stepforge.zero")
 
 
-def _base_prefix(name: str) -> str | None:
-    """``"<layer>.base_layer."`` for an adapter parameter named ``"<layer>.lora_A.<adapter>.weight"``."""
-    parts = name.split(".")
-    at = next((i for i, part in enumerate(parts) if part.startswith(ADAPTER_PREFIX)), None)
-    if not at:  # not an adapter, or one at the root without a layer around it
-        return None
-    return ".".join(parts[:at]) + ".base_layer."
-
-
 def add_adapters_to_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
     """Append every trainable adapter parameter of ``model`` that ``optimizer`` does not hold to the param
     group of its layer's base weight; returns their names. An adapter whose base weight is not in the optimizer
@@ -45,10 +36,12 @@ def add_adapters_to_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer
             group_of_base.setdefault(layer, held[id(param)])
     added: list[str] = []
     for name, param in named:
-        base = _base_prefix(name)
-        if base is None or not param.requires_grad or id(param) in held:
+        # "<layer>.lora_A.<adapter>.weight" -> "<layer>.base_layer." (none for an adapter at the root)
+        parts = name.split(".")
+        at = next((i for i, part in enumerate(parts) if part.startswith(ADAPTER_PREFIX)), None)
+        if not at or not param.requires_grad or id(param) in held:
             continue
-        group = group_of_base.get(base)
+        group = group_of_base.get(".".join(parts[:at]) + ".base_layer.")
         if group is None:
             logger.warning(
                 "LoRA parameter %s: its base layer is not in the optimizer; it will not be trained", name

@@ -31,7 +31,7 @@ from ..comm.buffers import BufferPool
 from ..comm.grad_reducer import GradReducer, WireFormat, _Pending
 from ..comm.param_gather import DIRECT_MIN, GATHER_CHUNK, _chunks, split_direct
 from ..config import cpu_adam_config
-from ..state.partition import ShardLayout, build_layout
+from ..state.partition import build_layout
 
 if TYPE_CHECKING:  # the plugin module imports this one
     from .low_level_zero import LowLevelZeroPlugin
@@ -194,7 +194,33 @@ def zero_memory_plan(
         plan.add("grads", "device", local, "local gradients (no_sync)", "window")
         plan.notes.append(f"{steps} micro-batches per step, reduced once (no_sync)")
 
-    _plan_gather(plan, layout, gather, chunk=GATHER_CHUNK if plugin.config.overlap_allgather else None)
+    if world_size > 1:  # the parameter gather after the step: launch_gather's collectives and tables
+        chunk = GATHER_CHUNK if plugin.config.overlap_allgather else None
+        calls = staged_calls = 0
+        payload = staged_payload = kept = fresh = 0
+        for part in layout.partitions:
+            itemsize = tensor_bytes(1, part.dtype)
+            if gather == "broadcast":
+                direct, staged = split_direct(part.slots, DIRECT_MIN)
+                for slot in direct:  # one broadcast per rank holding a piece, in place
+                    calls += sum(1 for r in range(world_size) if r * slot.piece < slot.numel)
+                    payload += slot.numel * itemsize
+                for run in _chunks(staged, chunk):  # a kept table of every rank's padded pieces
+                    size = sum(s.piece for s in run)
+                    staged_calls += world_size
+                    staged_payload += world_size * size * itemsize
+                    kept += world_size * size * itemsize
+            else:
+                for run in _chunks(part.slots, chunk):  # a fresh table and a copy of this rank's row
+                    size = sum(s.piece for s in run)
+                    staged_calls += 1
+                    staged_payload += world_size * size * itemsize
+                    fresh += (world_size + 1) * size * itemsize
+        plan.collective("broadcast", "step", calls, payload, world_size, "updated pieces, in place")
+        op = "broadcast" if gather == "broadcast" else "all_gather"
+        plan.collective(op, "step", staged_calls, staged_payload, world_size, "updated pieces, staged")
+        plan.add("buffers", "device", kept, "parameter gather tables (kept)", "step")
+        plan.add("buffers", "device", fresh, "parameter gather table", "update")
 
     if optimizer is not None:
         config = optimizer  # an instance is the optimizer the plugin keeps (only a config becomes CPUAdam)
@@ -203,35 +229,3 @@ def zero_memory_plan(
         stepped = [((s.valid,), s.master.dtype) for s in slots if s.valid > 0]
         add_optimizer_state(plan, config, stepped, place=host_or_device)
     return plan
-
-
-def _plan_gather(plan: MemoryPlan, layout: ShardLayout, method: str, *, chunk: int | None) -> None:
-    """The parameter gather after the step (:func:`~..comm.param_gather.launch_gather`'s collectives and tables)."""
-    world = layout.world_size
-    if world == 1:
-        return
-    calls = staged_calls = 0
-    payload = staged_payload = kept = fresh = 0
-    for part in layout.partitions:
-        itemsize = tensor_bytes(1, part.dtype)
-        if method == "broadcast":
-            direct, staged = split_direct(part.slots, DIRECT_MIN)
-            for slot in direct:  # one broadcast per rank holding a piece, in place
-                calls += sum(1 for r in range(world) if r * slot.piece < slot.numel)
-                payload += slot.numel * itemsize
-            for run in _chunks(staged, chunk):  # a kept table of every rank's padded pieces
-                size = sum(s.piece for s in run)
-                staged_calls += world
-                staged_payload += world * size * itemsize
-                kept += world * size * itemsize
-        else:
-            for run in _chunks(part.slots, chunk):  # a fresh table and a copy of this rank's row
-                size = sum(s.piece for s in run)
-                staged_calls += 1
-                staged_payload += world * size * itemsize
-                fresh += (world + 1) * size * itemsize
-    plan.collective("broadcast", "step", calls, payload, world, "updated pieces, in place")
-    op = "broadcast" if method == "broadcast" else "all_gather"
-    plan.collective(op, "step", staged_calls, staged_payload, world, "updated pieces, staged")
-    plan.add("buffers", "device", kept, "parameter gather tables (kept)", "step")
-    plan.add("buffers", "device", fresh, "parameter gather table", "update")
