@@ -36,7 +36,7 @@ from .comm.param_gather import GATHER_CHUNK, GatherInFlight, StagingBuffers, lau
 from .config import LowLevelZeroConfig, disagree, resolve_group, resolve_optimizer
 from .phases import PhaseObserver, no_phase
 from .state import dicts
-from .state.partition import ShardLayout, build_layout, managed_param_groups, padding
+from .state.partition import build_layout, managed_param_groups, padding
 
 __all__ = ["LowLevelZeroOptimizer"]
 
@@ -175,45 +175,48 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
                 param.data = param.data.to(config.forced_dtype)
         self.config = config
         self.process_group = group
-        self._world, self._rank = 1, 0
+        #: the data-parallel group's size and this process's rank in it
+        self.world_size, self.rank = 1, 0
         if dist.is_available() and dist.is_initialized():
-            self._world, self._rank = dist.get_world_size(group), dist.get_rank(group)
+            self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         elif group is not None:
             raise HyperParameterError(
                 "LowLevelZeroOptimizer: process_group was given but torch.distributed is not initialised; call "
                 "torch.distributed.init_process_group first."
             )
-        backend = dist.get_backend(group) if self._world > 1 else None
+        backend = dist.get_backend(group) if self.world_size > 1 else None
         #: resolved for the group: padded elements per bucket, the wire, the bucket collective, the gather
         self.reduce_bucket_size = config.reduce_bucket_size or bucket_size_for(
-            backend, self._world, elsewhere=config.default_bucket_size
+            backend, self.world_size, elsewhere=config.default_bucket_size
         )
         self.communication = WireFormat(config.communication_dtype, config.fp8_communication)
         self.comm_algorithm = comm_algorithm_for(
-            config.comm_algorithm, stage=config.stage, world_size=self._world, backend=backend
+            config.comm_algorithm, stage=config.stage, world_size=self.world_size, backend=backend
         )
         self.param_gather = config.param_gather or param_gather_for(backend)
         self.optim = inner
         super().__init__(managed_param_groups(inner.param_groups), dict(inner.defaults))
         self._built = True
-        self._layout = build_layout(
-            self.param_groups, self._world, self._rank, group=group, master_weights=config.master_weights,
+        #: how the working parameters are sharded: slots (this rank's pieces, masters, reduced gradient pieces),
+        #: partitions and the group (read-only, for checkpoints, tests and benchmarks)
+        self.layout = build_layout(
+            self.param_groups, self.world_size, self.rank, group=group, master_weights=config.master_weights,
             master_device=torch.device("cpu") if config.cpu_offload else None,
         )  # fmt: skip
         for g, group_ in enumerate(inner.param_groups):
-            group_["params"] = [s.master for s in self._layout.group_slots(g) if s.valid > 0]
+            group_["params"] = [s.master for s in self.layout.group_slots(g) if s.valid > 0]
         dicts.invalidate_cache(inner)
         self._reducer = GradReducer(
-            self._layout.slots, stage=config.stage, bucket_size=self.reduce_bucket_size,
-            overlap=config.overlap_communication, group=group, world_size=self._world,
-            rank=self._rank, wire=self.communication, algorithm=self.comm_algorithm,
+            self.layout.slots, stage=config.stage, bucket_size=self.reduce_bucket_size,
+            overlap=config.overlap_communication, group=group, world_size=self.world_size,
+            rank=self.rank, wire=self.communication, algorithm=self.comm_algorithm,
         )  # fmt: skip
-        fp16 = any(s.param.dtype == torch.float16 for s in self._layout.slots)
+        fp16 = any(s.param.dtype == torch.float16 for s in self.layout.slots)
         self._scaling = config.dtype_for_loss_scaling == "fp16" or fp16
         # the overflow verdict must be the same on every rank (each sees only its pieces)
         world_group = group if group is not None else dist.group.WORLD
         self.scaler = DynamicLossScaler(
-            **config.scaler, process_group=None if self._world == 1 else world_group
+            **config.scaler, process_group=None if self.world_size == 1 else world_group
         )
         self._stepped_on_cpu = False
         self._gather: GatherInFlight | None = None  # an overlapped parameter gather still on the wire
@@ -223,25 +226,9 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         self.skipped_steps = 0
         if config.verbose:
             logger.info("LowLevelZeroOptimizer: stage %d over %d ranks (rank %d), %d parameters, wire %s",
-                        config.stage, self._world, self._rank, len(self._layout.slots), self.communication)  # fmt: skip
+                        config.stage, self.world_size, self.rank, len(self.layout.slots), self.communication)  # fmt: skip
 
     # -- facts ---------------------------------------------------------------------------------------------
-    @property
-    def world_size(self) -> int:
-        """Ranks in the data-parallel group."""
-        return self._world
-
-    @property
-    def rank(self) -> int:
-        """This process's rank in the data-parallel group."""
-        return self._rank
-
-    @property
-    def layout(self) -> ShardLayout:
-        """How the working parameters are sharded: slots (this rank's pieces, masters, reduced gradient
-        pieces), partitions and the group (read-only view for checkpoints, tests and benchmarks)."""
-        return self._layout
-
     @property
     def loss_scale(self) -> float:
         """The current loss scale (1.0 when no loss scaling is in use)."""
@@ -365,7 +352,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         Raises:
             KeyError: ``working_param`` is not managed by this optimizer.
         """
-        slot = self._layout.slot_of(working_param)
+        slot = self.layout.slot_of(working_param)
         if slot is None:
             raise KeyError(
                 "get_param_grad: working_param is not one of this optimizer's parameters; pass a parameter "
@@ -408,7 +395,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
             # users edit param_groups), each reduced piece is its master's .grad for this step only, and what the
             # inner optimizer keeps in its groups (a per-group step count) comes back
             dicts.copy_hyperparameters(self.param_groups, self.optim.param_groups)
-            for slot in self._layout.slots:
+            for slot in self.layout.slots:
                 if slot.valid:
                     slot.master.grad = slot.grad
             try:
@@ -428,15 +415,15 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
                     ) from exc
                 raise
             finally:
-                for slot in self._layout.slots:
+                for slot in self.layout.slots:
                     slot.master.grad = None
             self._stepped_on_cpu = True
             dicts.copy_hyperparameters(self.optim.param_groups, self.param_groups)
         with self._phase("param_gather"):
             # overlapped: launched in chunks, each module's next forward waits for its own parameters
-            overlap = self.config.overlap_allgather and self._world > 1
+            overlap = self.config.overlap_allgather and self.world_size > 1
             gather = launch_gather(
-                self._layout,
+                self.layout,
                 self.param_gather,
                 chunk=GATHER_CHUNK if overlap else None,
                 staging=self._staging,
@@ -501,12 +488,12 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         """``id(working parameter)`` -> this rank's master piece of it (1-D, ``valid`` elements, fp32 for an
         fp16/bf16 parameter with ``master_weights``; a view into the parameter when it is its own master).
         ColossalAI's mapping, keyed the same way; a new dict at every read."""
-        return {id(s.param): s.master for s in self._layout.slots}
+        return {id(s.param): s.master for s in self.layout.slots}
 
     @property
     def master_to_working_param(self) -> dict[int, torch.Tensor]:
         """``id(master piece)`` -> the working parameter it belongs to (ColossalAI's mapping)."""
-        return {id(s.master): s.param for s in self._layout.slots}
+        return {id(s.master): s.param for s in self.layout.slots}
 
     def get_working_to_master_map(self) -> dict[int, torch.Tensor]:
         """ColossalAI's getter of :attr:`working_to_master_param`."""
@@ -528,7 +515,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
 
     def get_param_padding_map(self) -> dict[int, int]:
         """``id(working parameter)`` -> its padding (see :meth:`get_param_padding_size`)."""
-        return {id(s.param): padding(s.numel, self._world) for s in self._layout.slots}
+        return {id(s.param): padding(s.numel, self.world_size) for s in self.layout.slots}
 
     def update_master_params(self, model: nn.Module | None = None) -> None:
         """Copy the working parameters into this rank's master pieces, e.g. after ``model.load_state_dict``:
@@ -541,7 +528,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         self.wait_for_param_gather()  # a gather landing after this copy would overwrite the weights again
         wanted = None if model is None else {id(p) for p in model.parameters()}
         with torch.no_grad():
-            for slot in self._layout.slots:  # a master that is a view of its parameter already holds it
+            for slot in self.layout.slots:  # a master that is a view of its parameter already holds it
                 if slot.valid and slot.separate_master and (wanted is None or id(slot.param) in wanted):
                     slot.master.copy_(slot.param.detach().reshape(-1)[slot.start : slot.start + slot.valid])
 
@@ -574,7 +561,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         must call it; every rank gets the full state). Extra key ``"zero"``: loss scaler, skip counter and the
         fp32 masters of low-precision parameters (:mod:`stepforge.zero.state.dicts`)."""
         self.wait_for_param_gather()
-        return dicts.full_state_dict(self._layout, self.optim, self.param_groups, self._zero_extras())
+        return dicts.full_state_dict(self.layout, self.optim, self.param_groups, self._zero_extras())
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a full state (from :meth:`state_dict` at any world size, or a plain ``torch.optim`` one)."""
@@ -589,8 +576,8 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         self._reducer.wait()
         self.wait_for_param_gather()
         if names is None:
-            names = [str(slot.index) for slot in self._layout.slots]
-        return dicts.named_state_dict(self._layout, self.optim, self.param_groups, names, self._zero_extras())
+            names = [str(slot.index) for slot in self.layout.slots]
+        return dicts.named_state_dict(self.layout, self.optim, self.param_groups, names, self._zero_extras())
 
     def load_sharded_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load :meth:`sharded_state_dict`'s form after ``torch.distributed.checkpoint.load`` filled it (saved by
@@ -601,13 +588,13 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
     def _load(self, state_dict: Mapping[str, Any], *, sharded: bool) -> None:
         self._reducer.wait()
         self.wait_for_param_gather()
-        zero = dicts.load_state_dict(self._layout, self.optim, self.param_groups, state_dict, sharded=sharded)
+        zero = dicts.load_state_dict(self.layout, self.optim, self.param_groups, state_dict, sharded=sharded)
         if zero.get("loss_scaler"):  # a section the checkpoint lacks is left as it is
             self.scaler.load_state_dict(zero["loss_scaler"])
         self.skipped_steps = int(zero.get("skipped_steps", self.skipped_steps))
 
     def __repr__(self) -> str:
         return (
-            f"LowLevelZeroOptimizer(stage={self.config.stage}, world_size={self._world}, "
+            f"LowLevelZeroOptimizer(stage={self.config.stage}, world_size={self.world_size}, "
             f"cpu_offload={self.config.cpu_offload}, inner={type(self.optim).__name__})"
         )

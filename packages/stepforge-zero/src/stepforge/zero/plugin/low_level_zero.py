@@ -247,10 +247,6 @@ class LowLevelZeroPlugin(Plugin):
         return True
 
     # -- gradient synchronisation and clipping -------------------------------------------------------
-    def supports_no_sync(self) -> bool:
-        """True for both stages (gradients accumulate locally and reduce once at the window boundary)."""
-        return True
-
     def no_sync(
         self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None
     ) -> AbstractContextManager[Any]:

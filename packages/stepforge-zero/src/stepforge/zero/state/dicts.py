@@ -164,31 +164,6 @@ def _throwaway_step(
     return {key: dict(throwaway.state[proxy]) for key, proxy in proxies.items() if proxy in throwaway.state}
 
 
-def _group_templates(
-    layout: ShardLayout, inner: torch.optim.Optimizer, entries: Mapping[torch.Tensor, dict[str, Any]]
-) -> dict[int, dict[str, Any]]:
-    """Per param group, a state entry to mirror for the parameters this rank holds nothing of: one of its own,
-    or, for a group of which this rank holds no piece with state, the entry of a one-element throwaway step
-    (every rank then lists the same entries, so a gather of them is the same on every rank)."""
-    templates: dict[int, dict[str, Any]] = {}
-    for slot in layout.slots:
-        entry = entries.get(slot.master) if slot.valid else None
-        if entry:
-            templates.setdefault(slot.group, dict(entry))
-    missing = {s.group for s in layout.slots} - set(templates)
-    if missing:
-        device, dtype = layout.master_device, layout.slots[0].master.dtype
-        probes = [
-            [torch.zeros(1, device=device, dtype=dtype)] if g in missing else []
-            for g in range(len(inner.param_groups))
-        ]
-        got = _throwaway_step(inner, probes)
-        for g in missing:
-            if id(probes[g][0]) in got:
-                templates[g] = got[id(probes[g][0])]
-    return templates
-
-
 def named_state_dict(
     layout: ShardLayout,
     inner: torch.optim.Optimizer,
@@ -208,7 +183,22 @@ def named_state_dict(
     else:
         made = _throwaway_step(inner, [list(g["params"]) for g in inner.param_groups])
         entries = {m: made[id(m)] for g in inner.param_groups for m in g["params"] if id(m) in made}
-    templates = _group_templates(layout, inner, entries)
+    # per param group, a state entry to mirror for the parameters this rank holds nothing of: one of its own, or
+    # for a group of which this rank holds no piece with state, that of a one-element throwaway step (every rank
+    # then lists the same entries, so a gather of them is the same on every rank)
+    templates: dict[int, dict[str, Any]] = {}
+    for slot in layout.slots:
+        if slot.valid and entries.get(slot.master):
+            templates.setdefault(slot.group, dict(entries[slot.master]))
+    missing = {s.group for s in layout.slots} - set(templates)
+    if missing:
+        device, dtype = layout.master_device, layout.slots[0].master.dtype
+        probes = [
+            [torch.zeros(1, device=device, dtype=dtype)] if g in missing else []
+            for g in range(len(inner.param_groups))
+        ]
+        got = _throwaway_step(inner, probes)
+        templates.update({g: got[id(probes[g][0])] for g in missing if id(probes[g][0]) in got})
     state: dict[str, dict[str, Any]] = {}
     for slot in layout.slots:
         entry = entries.get(slot.master) if slot.valid else None
