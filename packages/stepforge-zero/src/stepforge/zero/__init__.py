@@ -10,9 +10,6 @@
   DCP-sharded and full state dicts); see ``docs/low_level.md``.
 - :class:`LowLevelZeroPlugin` (``plugin="low_level_zero"``, ``"zero1"``, ``"zero2"``): ColossalAI's plugin
   signature for the Booster of stepforge-strategy.
-
-Besides :mod:`.low_level`, :mod:`.config` (its settings), :mod:`.comm` (every collective), :mod:`.state` (pieces
-and state dicts), :mod:`.plugin`, :mod:`.phases` (timing hooks of a step) and :mod:`.zero_redundancy`.
 """
 
 from __future__ import annotations

@@ -84,7 +84,8 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
     """
 
     _built = False  # set once the partitions exist: add_param_group is refused from then on
-    _closed = False
+    #: whether :meth:`close` ran (the parameters' gradients are no longer taken by this optimizer)
+    closed = False
     _last_grad_norm: float | None = None  # set by clip_grad_norm_ (and so by a step with max_norm > 0)
 
     def __init__(
@@ -365,7 +366,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         """Synchronise (:meth:`sync_grads`), unscale (:meth:`unscale_`), skip on fp16 overflow (every rank
         agrees), clip (``max_norm``), step the pieces with the inner optimizer and gather them into the
         working parameters."""
-        if self._closed:
+        if self.closed:
             raise RuntimeError(
                 "LowLevelZeroOptimizer.step(): the optimizer was closed (close()); build a new one."
             )
@@ -459,18 +460,13 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         self.wait_for_param_gather()
 
     # -- lifetime ------------------------------------------------------------------------------------------
-    @property
-    def closed(self) -> bool:
-        """Whether :meth:`close` ran (the parameters' gradients are no longer taken by this optimizer)."""
-        return self._closed
-
     def close(self) -> None:
         """Stop managing the working parameters: remove the backward hooks (a later backward fills
         ``param.grad`` as without ZeRO), finish the reductions in flight and drop the gradient pieces, so
         nothing but this object keeps the masters. Idempotent; a :meth:`step` afterwards raises."""
-        if self._closed:
+        if self.closed:
             return
-        self._closed = True
+        self.closed = True
         self.wait_for_param_gather()
         self._reducer.close()
         self._staging.clear()

@@ -65,21 +65,17 @@ class ZeroRedundancyOptimizer(_TorchZeroRedundancyOptimizer):
         optimizer_type: the local optimizer, a registry name (``"AdamW"``, ``"FusedAdam"``, ``"Lamb"``;
             case, ``-`` and ``_`` ignored) or an optimizer class (positional: torch's ``optimizer_class``).
         optimizer_class: torch's keyword for the same (a class or a registry name); give one of the two.
-        process_group: the data-parallel group (default: the world).
-        parameters_as_bucket_view: torch's option: flat per-device buckets for the broadcasts.
-        overlap_with_ddp: torch's option; only ``False`` (the default) is supported.
+        process_group, parameters_as_bucket_view, overlap_with_ddp: torch's (the last only ``False``).
         consolidate_timeout: seconds each rank waits for the others to enter ``state_dict()`` or
             ``consolidate_state_dict()`` before raising :class:`CollectiveCallError` (default 60); the group
             stays usable (gloo and NCCL alike).
         **kwargs: hyper-parameters of the local optimizer (``lr=...``).
 
     Raises:
-        TypeError: ``params`` is a bare tensor (as torch's class).
-        MissingArgumentError: neither ``optimizer_type`` nor ``optimizer_class`` was given (a ``TypeError``,
-            as mmengine's tests expect, and a ``HyperParameterError``).
-        UnknownNameError: ``optimizer_type`` is not registered (the message says what to install).
-        HyperParameterError: a bad argument, or a local optimizer that would clip by a global norm
-            (``max_grad_norm``) it cannot see under sharding.
+        TypeError: ``params`` is a bare tensor (as torch's class); :class:`MissingArgumentError`: no local
+            optimizer given (a ``TypeError``, as mmengine's tests expect, and a ``HyperParameterError``).
+        HyperParameterError: a bad argument (``UnknownNameError``: an unregistered ``optimizer_type``), or a
+            local optimizer that would clip by a global norm (``max_grad_norm``) it cannot see under sharding.
         RuntimeError: ``torch.distributed`` is not initialised.
     """
 

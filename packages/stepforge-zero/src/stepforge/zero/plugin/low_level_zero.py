@@ -46,24 +46,18 @@ _OWNER = "LowLevelZeroPlugin"
 class LowLevelZeroPlugin(Plugin):
     """ZeRO-1/2 (optimizer state, and for stage 2 also gradients, sharded over the data-parallel ranks).
 
-    Args (ColossalAI's ``LowLevelZeroPlugin`` names and defaults):
+    Args (ColossalAI's ``LowLevelZeroPlugin`` names and defaults; as ``LowLevelZeroOptimizer``'s unless said):
         stage: 1 (state sharded, gradients all-reduced) or 2 (gradients reduce-scattered too).
         precision: ``"fp32"``, ``"fp16"`` (dynamic loss scaling) or ``"bf16"``: the working dtype of the model.
-        initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis, max_scale: the
-            fp16 dynamic loss scaler (ignored for fp32/bf16).
-        max_norm: clip the global gradient norm to this inside ``optimizer.step()``; 0 disables.
+        initial_scale, ..., max_scale: the fp16 dynamic loss scaler (ignored for fp32/bf16).
+        max_norm, norm_type: clip the global gradient norm inside ``optimizer.step()`` (0: off; any p > 0 or
+            ``inf``, where ColossalAI allows only 2.0).
         reduce_bucket_size_in_m: gradient bucket size in millions of elements; ``None``: 4 on gloo (measured,
             ``stepforge.zero.comm.algorithm.GLOO_BUCKET_SIZE``), ColossalAI's 12 elsewhere.
-        overlap_communication: issue gradient reductions from backward hooks asynchronously.
-        cpu_offload: keep master shards, gradient shards and optimizer state on CPU (use ``CPUAdam``).
-        master_weights: keep fp32 master shards for fp16/bf16 working params.
-        norm_type: the norm of ``max_norm`` clipping (ColossalAI allows only 2.0; any p > 0 or ``inf`` here).
-        communication_dtype: the dtype gradients are reduced in on the wire (``None``: the working dtype).
+        overlap_communication, cpu_offload, master_weights, communication_dtype, fp8_communication, verbose.
         overlap_allgather: the updated pieces are gathered while the next forward runs (each module waits for
             its own parameters); the prepared model's ``state_dict``/``load_state_dict``/``unwrap`` wait first.
-        verbose: the optimizer logs skipped steps and its set-up on the ``stepforge.zero`` logger (INFO).
         cast_inputs: cast floating-point inputs of the forward to the working dtype.
-        fp8_communication: gradients travel as fp8 bytes, summed in fp32 (``LowLevelZeroOptimizer``).
         use_fp8: fp8 matrix multiplies in the forward: only ``False`` (a ``True`` is refused, see the README).
         extra_dp_size: > 1: ColossalAI's ``ProcessGroupMesh(extra_dp_size, world // extra_dp_size)``, a grid of
             every rank: the optimizer shards over the default group (``torch.distributed`` initialised first).
