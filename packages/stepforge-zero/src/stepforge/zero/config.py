@@ -208,12 +208,8 @@ def resolve_optimizer(
     *,
     cpu_offload: bool,
 ) -> torch.optim.Optimizer:
-    """The inner optimizer, built from a registry config when needed.
-
-    Raises:
-        HyperParameterError: ``params`` given with a built optimizer, missing with a config, a built optimizer
-            that already has state, or an optimizer that is neither.
-    """
+    """The inner optimizer, built from a registry config (with ``params``) when needed; a built one must not
+    have state yet."""
     if isinstance(optimizer, torch.optim.Optimizer):
         if params is not None:
             raise HyperParameterError(

@@ -346,13 +346,9 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
 
     def get_param_grad(self, working_param: torch.Tensor) -> torch.Tensor | None:
         """The full reduced (averaged) gradient of ``working_param``, shaped and typed like it (ColossalAI's
-        member). Collective: every rank asks for the same parameter; the step's gradients are synchronised
-        first. Before ``unscale_``/the step it carries the fp16 loss scale; ``None`` without a backward since
-        ``zero_grad``.
-
-        Raises:
-            KeyError: ``working_param`` is not managed by this optimizer.
-        """
+        member; collective: every rank asks for the same parameter, synchronised first). Before ``unscale_`` it
+        carries the fp16 loss scale; ``None`` without a backward since ``zero_grad``; ``KeyError`` for a parameter
+        this optimizer does not manage."""
         slot = self.layout.slot_of(working_param)
         if slot is None:
             raise KeyError(
@@ -448,15 +444,13 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
             self._gather = None
 
     def observe_phases(self, observer: PhaseObserver | None) -> None:
-        """Run each phase of the step inside ``observer(name)`` (``"grad_to_pieces"``, ``"inner_step"``,
-        ``"param_gather"``: :mod:`stepforge.zero.phases`), e.g. to time the device-to-host gradient copy, the CPU
-        step and the host-to-device parameter copy of ``cpu_offload``; ``None`` removes the observer."""
+        """Run each phase of the step inside ``observer(name)`` (:mod:`stepforge.zero.phases`), e.g. to time
+        ``cpu_offload``'s copies and CPU step; ``None`` removes the observer."""
         self._phase = observer if observer is not None else no_phase
         self._reducer.phase = self._phase
 
     def _force_wait_all_gather(self) -> None:
-        """ColossalAI's name of :meth:`wait_for_param_gather` (its tests and plugins call it after a step with
-        ``overlap_allgather=True``)."""
+        """ColossalAI's name of :meth:`wait_for_param_gather` (its tests and plugins call it)."""
         self.wait_for_param_gather()
 
     # -- lifetime ------------------------------------------------------------------------------------------
@@ -481,9 +475,8 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
     # -- master weights (ColossalAI's members) -------------------------------------------------------------
     @property
     def working_to_master_param(self) -> dict[int, torch.Tensor]:
-        """``id(working parameter)`` -> this rank's master piece of it (1-D, ``valid`` elements, fp32 for an
-        fp16/bf16 parameter with ``master_weights``; a view into the parameter when it is its own master).
-        ColossalAI's mapping, keyed the same way; a new dict at every read."""
+        """ColossalAI's ``id(working parameter)`` -> this rank's 1-D master piece of it (``valid`` elements; a
+        view into the parameter when it is its own master), a new dict at every read."""
         return {id(s.param): s.master for s in self.layout.slots}
 
     @property
@@ -502,11 +495,7 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
     def get_param_padding_size(self, param: torch.Tensor) -> int:
         """Zeros that pad ``param``'s flat ``numel`` to ``world_size`` equal pieces (ColossalAI's member:
         ``pad(param.view(-1), (0, padding)).chunk(world_size)[rank]`` is this rank's piece; stepforge's master
-        piece holds only its ``valid`` elements, without the padding).
-
-        Raises:
-            KeyError: ``param`` is not managed by this optimizer.
-        """
+        piece holds only its ``valid`` elements); ``KeyError`` for a parameter this optimizer does not manage."""
         return self.get_param_padding_map()[id(param)]
 
     def get_param_padding_map(self) -> dict[int, int]:
@@ -515,12 +504,8 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
 
     def update_master_params(self, model: nn.Module | None = None) -> None:
         """Copy the working parameters into this rank's master pieces, e.g. after ``model.load_state_dict``:
-        without it the next :meth:`step` (even at lr 0) writes the old masters back into the model.
-
-        Args:
-            model: only its parameters that this optimizer manages (ColossalAI's signature); ``None``: every
-                managed parameter. No collective: each rank copies its own pieces.
-        """
+        without it the next :meth:`step` (even at lr 0) writes the old masters back into the model. ``model``:
+        only its parameters (ColossalAI's signature; ``None``: every one). No collective."""
         self.wait_for_param_gather()  # a gather landing after this copy would overwrite the weights again
         wanted = None if model is None else {id(p) for p in model.parameters()}
         with torch.no_grad():
@@ -537,9 +522,8 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
         return {"loss_scaler": scaler, "skipped_steps": self.skipped_steps}
 
     def scaler_state_dict(self) -> dict[str, Any] | None:
-        """``None``: the loss scaler's state is part of this optimizer's own state (under
-        ``["zero"]["loss_scaler"]`` of :meth:`state_dict` and :meth:`sharded_state_dict`), so nothing travels
-        beside it. Read ``scaler.state_dict()`` for the scaler alone."""
+        """``None``: the loss scaler's state travels inside this optimizer's (``["zero"]["loss_scaler"]`` of both
+        state dicts); ``scaler.state_dict()`` is the scaler's alone."""
         return None
 
     def load_scaler_state_dict(self, state: Mapping[str, Any] | None) -> None:

@@ -56,9 +56,8 @@ GLOO_BUCKET_SIZE = 4 * 1024**2
 
 
 def bucket_size_for(backend: str | None, world_size: int, *, elsewhere: int = COLOSSAL_BUCKET_SIZE) -> int:
-    """``reduce_bucket_size`` when none is given, for a group of ``world_size`` ranks on ``backend``:
-    :data:`GLOO_BUCKET_SIZE` on gloo over more than one rank, ``elsewhere`` (ColossalAI's default of the caller)
-    otherwise."""
+    """The default ``reduce_bucket_size``: :data:`GLOO_BUCKET_SIZE` on gloo over several ranks, else ``elsewhere``
+    (the caller's ColossalAI default)."""
     return GLOO_BUCKET_SIZE if world_size > 1 and backend == "gloo" else elsewhere
 
 
@@ -73,8 +72,7 @@ def check_comm_algorithm(value: Any, *, source: str = "comm_algorithm") -> str:
 
 
 def comm_algorithm_for(value: str, *, stage: int, world_size: int, backend: str | None) -> str:
-    """The concrete algorithm (``"all_reduce"``, ``"reduce_scatter"`` or ``"all_to_all"``) for ``value`` on a
-    group of ``world_size`` ranks on ``backend`` (see the module doc)."""
+    """The concrete algorithm for ``value`` on ``world_size`` ranks on ``backend`` (see the module doc)."""
     check_comm_algorithm(value)
     if value == "auto":
         forced = os.environ.get(COMM_ALGORITHM_ENV, "").strip()

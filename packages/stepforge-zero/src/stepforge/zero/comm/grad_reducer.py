@@ -100,12 +100,12 @@ def decode_fp8(rows: torch.Tensor) -> torch.Tensor:
     return values / scales
 
 
+@dataclass
 class _Pending:
     """An asynchronous collective and what turns its wire result into the caller's tensor."""
 
-    def __init__(self, work: Any, finish: Callable[[], None]) -> None:
-        self.work = work
-        self.finish = finish
+    work: Any
+    finish: Callable[[], Any]
 
     def wait(self) -> bool:
         if self.work is not None:
@@ -454,15 +454,9 @@ class GradReducer:
             self._finish(flight)
 
     def sync(self) -> bool:
-        """Complete the reduction of every gradient produced so far, once: reduce what ``no_sync`` left in
-        ``param.grad``, :meth:`wait`, then mark it done until the next backward reaches a managed parameter;
-        while not :attr:`enabled` (``no_sync``) only wait for the reductions in flight. Returns whether it did
-        the work (see ``LowLevelZeroOptimizer.sync_grads``).
-
-        Raises:
-            RuntimeError: a backward ran after the pieces were unscaled in this step (scaled and unscaled
-                gradients would be summed).
-        """
+        """``LowLevelZeroOptimizer.sync_grads``: reduce what ``no_sync`` left in ``param.grad`` and :meth:`wait`,
+        once until the next backward reaches a managed parameter (inside ``no_sync`` only wait); returns whether
+        it did. A backward after this step's unscaling is an error (scaled and unscaled gradients would sum)."""
         if self.unscaled and not self.synced:
             raise RuntimeError(
                 "LowLevelZeroOptimizer: a backward ran after unscale_() / clip_grad_norm_() in this step, so "
@@ -555,9 +549,8 @@ class GradReducer:
 
     @torch.no_grad()
     def full_grad(self, slot: Slot) -> torch.Tensor | None:
-        """The full reduced gradient of ``slot``'s parameter, shaped and typed like it (collective: every rank
-        asks for the same slot): synchronised first, then the pieces all-gathered. ``None`` when some rank
-        holds no gradient for it."""
+        """The full reduced gradient of ``slot``'s parameter, shaped and typed like it, or ``None`` when a rank
+        holds none (collective: synchronised, then the pieces all-gathered)."""
         self.sync()
         held = torch.tensor([float(slot.grad is not None)])
         if self.world_size > 1 and self.all_reduce(held, dist.ReduceOp.MIN)[0] == 0:

@@ -96,8 +96,7 @@ class GatherInFlight:
         self._remove_hook()
 
     def wait_in_forward(self) -> None:
-        """Let each module's forward wait for its own parameters (a global forward pre-hook, removed once the
-        whole gather arrived)."""
+        """Let each module's forward wait for its own parameters (a hook removed once everything arrived)."""
         if self.done:
             return
 

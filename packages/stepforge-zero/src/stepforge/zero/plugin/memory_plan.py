@@ -78,8 +78,7 @@ class RecordingWire(WireFormat):
 
 
 class _CountingPool(BufferPool):
-    """The reducer's buffer pool, counting the bytes of the buffers it has handed out and not yet received back
-    (plus those it holds free), and their peak."""
+    """The reducer's buffer pool, counting the bytes handed out (plus those held free) and their peak."""
 
     def __init__(self, keep: int, min_numel: int) -> None:
         super().__init__(keep, min_numel)
