@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """``stepforge.zero.comm.grad_reducer.GradReducer``: hooks, buckets, the once-per-step sync and the rank-major
-reduction; it launches the buckets and sizes the buffers as ``stepforge.zero.comm.bucket_layout`` plans them.
+reduction.
 
 One process (world size 1: no collective, the bucket lands in the pieces directly) for the hook and sync logic;
 2 gloo ranks for the reduction itself, against the mean of the ranks' gradients computed by hand.
