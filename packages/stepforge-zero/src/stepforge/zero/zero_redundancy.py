@@ -190,11 +190,8 @@ class ZeroRedundancyOptimizer(_TorchZeroRedundancyOptimizer):
         self._rounds += 1  # only once the round completed: a rank that gave up retries under the same key
 
     def consolidate_state_dict(self, to: int = 0) -> None:
-        """Gather every rank's shard of the state on rank ``to`` (collective: every rank must call it).
-
-        Raises:
-            CollectiveCallError: not every rank called it within ``consolidate_timeout`` seconds.
-        """
+        """Gather every rank's shard of the state on rank ``to`` (collective: :class:`CollectiveCallError` when not
+        every rank calls it within ``consolidate_timeout`` seconds)."""
         if not isinstance(to, int) or not 0 <= to < self.world_size:
             raise HyperParameterError(
                 f"consolidate_state_dict: to must be a rank of the group in [0, {self.world_size}), got {to!r}."
@@ -213,20 +210,13 @@ class ZeroRedundancyOptimizer(_TorchZeroRedundancyOptimizer):
         return super().step(closure, **kwargs)
 
     def state_dict(self) -> dict[str, Any]:
-        """The full optimizer state on one rank, ``{}`` on the others, in two protocols:
+        """The full optimizer state on one rank, ``{}`` on the others (``torch.optim`` layout keyed by global
+        parameter index: it loads at any world size and into the plain local optimizer), in two protocols:
 
         - torch's: after ``consolidate_state_dict(to=k)`` on every rank (and no step or load since), the state
-          on rank ``k`` and ``{}`` elsewhere, with no collective, so rank ``k`` may call it alone (torch's
-          class raises on the other ranks instead of returning ``{}``);
-        - mmengine's: otherwise it is collective (every rank calls it), consolidates on the main process
-          (rank 0 of the group) and returns the state there.
-
-        The result is in ``torch.optim`` layout, keyed by global parameter index, and does not depend on the
-        world size: it loads into this class at any world size and into the plain local optimizer.
-
-        Raises:
-            CollectiveCallError: (mmengine's protocol) not every rank called it within ``consolidate_timeout``
-                seconds.
+          on rank ``k`` and ``{}`` elsewhere, with no collective (torch's class raises on the other ranks);
+        - mmengine's: otherwise collective (every rank calls it; :class:`CollectiveCallError` when not all do
+          within ``consolidate_timeout``), consolidated on and returned by rank 0 of the group.
         """
         if self._consolidated_to is not None:
             return super().state_dict() if self.rank == self._consolidated_to else {}
@@ -238,13 +228,8 @@ class ZeroRedundancyOptimizer(_TorchZeroRedundancyOptimizer):
         return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load a full state (from :meth:`state_dict` on the main process) at any world size.
-
-        Every rank keeps only the state of the parameters it owns; ``state_dict`` itself is not modified.
-
-        Raises:
-            HyperParameterError: ``state_dict`` is empty (a non-main rank's ``{}``) or not an optimizer state.
-        """
+        """Load a full state (:meth:`state_dict` on the main process; not a non-main rank's ``{}``) at any world
+        size: every rank keeps the state of the parameters it owns; ``state_dict`` itself is not modified."""
         if not isinstance(state_dict, Mapping) or not state_dict:
             raise HyperParameterError(
                 "ZeroRedundancyOptimizer.load_state_dict: got an empty state; state_dict() returns the full "

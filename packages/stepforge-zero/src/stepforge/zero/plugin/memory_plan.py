@@ -13,7 +13,7 @@ the window's last backward, so the collectives are those of one backward.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -30,13 +30,23 @@ from ..comm.algorithm import bucket_size_for, comm_algorithm_for, param_gather_f
 from ..comm.buffers import BufferPool
 from ..comm.grad_reducer import GradReducer, WireFormat, _Pending
 from ..comm.param_gather import DIRECT_MIN, GATHER_CHUNK, _chunks, split_direct
-from ..config import cpu_adam_config
+from ..config import LowLevelZeroConfig, cpu_adam_config
 from ..state.partition import build_layout
 
-if TYPE_CHECKING:  # the plugin module imports this one
-    from .low_level_zero import LowLevelZeroPlugin
+__all__ = ["zero_memory_plan", "RecordingWire", "ZeroSettings"]
 
-__all__ = ["zero_memory_plan", "RecordingWire"]
+
+class ZeroSettings(Protocol):
+    """What the plan reads of ``LowLevelZeroPlugin`` (which imports this module)."""
+
+    name: str
+    config: LowLevelZeroConfig
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
 
 
 _SCALE_BYTES = 4  # fp8 wire: a float32 scale travels behind each row
@@ -97,7 +107,7 @@ class _CountingPool(BufferPool):
 
 
 def zero_memory_plan(
-    plugin: LowLevelZeroPlugin,
+    plugin: ZeroSettings,
     model: nn.Module,
     *,
     world_size: int,
@@ -123,9 +133,14 @@ def zero_memory_plan(
     bucket = plugin.config.reduce_bucket_size or bucket_size_for(
         backend, world_size, elsewhere=plugin.config.default_bucket_size
     )
-    algorithm = comm_algorithm_for("auto", stage=plugin.stage, world_size=world_size, backend=backend)
+    algorithm = comm_algorithm_for("auto", stage=plugin.config.stage, world_size=world_size, backend=backend)
     gather = param_gather_for(backend if world_size > 1 else None)
-    plan.notes += [f"stage {plugin.stage}", f"bucket {bucket / 1024**2:g} Mi elements", algorithm, gather]
+    plan.notes += [
+        f"stage {plugin.config.stage}",
+        f"bucket {bucket / 1024**2:g} Mi elements",
+        algorithm,
+        gather,
+    ]
 
     # meta stand-ins of the trainable parameters, floating ones in the working dtype (as ``prepare`` casts)
     params = [
@@ -167,7 +182,7 @@ def zero_memory_plan(
     # the reducer over one backward's gradients (backward order) and the step's sync, recording
     wire = RecordingWire(WireFormat(plugin.config.communication_dtype, plugin.config.fp8_communication))
     reducer = GradReducer(
-        slots, stage=plugin.stage, bucket_size=bucket, overlap=plugin.config.overlap_communication, group=None,
+        slots, stage=plugin.config.stage, bucket_size=bucket, overlap=plugin.config.overlap_communication, group=None,
         world_size=world_size, rank=rank, wire=wire, algorithm=algorithm,
     )  # fmt: skip
     reducer.remove_hooks()  # the plan feeds the gradients itself
