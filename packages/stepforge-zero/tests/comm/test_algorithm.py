@@ -32,9 +32,9 @@ from stepforge.zero.comm.algorithm import (
     COLOSSAL_OPTIMIZER_BUCKET_SIZE,
     COMM_ALGORITHM_ENV,
     GLOO_BUCKET_SIZE,
-    resolve_comm_algorithm,
+    comm_algorithm_for,
 )
-from stepforge.zero.comm.param_gather import gather_params
+from stepforge.zero.comm.param_gather import launch_gather
 from stepforge.zero.low_level import LowLevelZeroOptimizer
 from stepforge.zero.state.partition import build_layout
 
@@ -126,9 +126,9 @@ def test_bad_comm_algorithm_is_refused_naming_the_argument():
 
 def test_environment_variable_forces_auto_and_is_checked(monkeypatch):
     monkeypatch.setenv(COMM_ALGORITHM_ENV, "reduce_scatter")
-    assert resolve_comm_algorithm("auto", stage=1, world_size=1, process_group=None) == "reduce_scatter"
+    assert comm_algorithm_for("auto", stage=1, world_size=1, backend=None) == "reduce_scatter"
     # an explicit argument wins over the environment
-    assert resolve_comm_algorithm("all_reduce", stage=2, world_size=1, process_group=None) == "all_reduce"
+    assert comm_algorithm_for("all_reduce", stage=2, world_size=1, backend=None) == "all_reduce"
     opt = LowLevelZeroOptimizer(torch.optim.SGD(make_model().parameters(), lr=0.1), stage=2)
     assert opt.comm_algorithm == "reduce_scatter"
     monkeypatch.setenv(COMM_ALGORITHM_ENV, "allreduce")
@@ -138,8 +138,8 @@ def test_environment_variable_forces_auto_and_is_checked(monkeypatch):
         LowLevelZeroOptimizer(torch.optim.SGD(make_model().parameters(), lr=0.1), stage=2)
     monkeypatch.delenv(COMM_ALGORITHM_ENV)
     # no process group: stage 1 all-reduces (ColossalAI's arithmetic), stage 2 reduce-scatters
-    assert resolve_comm_algorithm("auto", stage=1, world_size=1, process_group=None) == "all_reduce"
-    assert resolve_comm_algorithm("auto", stage=2, world_size=1, process_group=None) == "reduce_scatter"
+    assert comm_algorithm_for("auto", stage=1, world_size=1, backend=None) == "all_reduce"
+    assert comm_algorithm_for("auto", stage=2, world_size=1, backend=None) == "reduce_scatter"
     # and ColossalAI's bucket size off gloo (LowLevelZeroOptimizer's own default; the plugin's is 12 Mi)
     assert opt.reduce_bucket_size == COLOSSAL_OPTIMIZER_BUCKET_SIZE == 1024**2
     assert COLOSSAL_BUCKET_SIZE == 12 * 1024**2
@@ -162,7 +162,7 @@ def _gather_in_place(rank: int, world: int) -> dict:
             for slot in layout.slots:
                 slot.master.copy_(torch.arange(slot.start, slot.start + slot.valid, dtype=torch.float32) + 1)
             with counting() as calls:
-                gather_params(layout, "broadcast", direct_min=direct_min)
+                launch_gather(layout, "broadcast", direct_min=direct_min).wait_all()
             out[(str(dtype), direct_min)] = ([p.detach().float().clone() for p in params], calls["broadcast"])
     return out
 

@@ -1,19 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``stepforge.zero.comm.bucket_layout``: a gradient written into a bucket's rank-major rows (divided, padded, this
-rank's row moved last for the exchange), and the buckets and buffer sizes planned from the pieces alone.
-Expected values are written out by hand."""
+"""``stepforge.zero.comm.buffers``' bucket layout: a gradient written into a bucket's rank-major rows (divided,
+padded, this rank's row moved last for the exchange). Expected values are written out by hand."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from stepforge.zero.comm.bucket_layout import (
-    plan_buckets,
-    pool_buffer_numel,
-    write_own_row_last,
-    write_rank_major,
-)
+from stepforge.zero.comm.buffers import write_own_row_last, write_rank_major
 
 
 def test_write_rank_major_pads_and_divides_into_strided_rows():
@@ -47,13 +41,3 @@ def test_write_own_row_last_zero_fills_rows_past_a_short_gradient():
     table = torch.full((4, 1), -1.0)
     write_own_row_last(table, torch.tensor([2.0, 4.0, 6.0]), 2, 1)
     assert torch.equal(table.view(-1), torch.tensor([1.0, 3.0, 0.0, 2.0]))
-
-
-def test_plan_buckets_closes_a_bucket_once_it_holds_the_bucket_size():
-    # world 2, pieces 3, 2, 5, 1 -> 6, 4, 10, 2 padded elements; bucket 8: 6 + 4 = 10 closes, 10 closes, 2 is the
-    # partial bucket launched at the end of backward
-    assert plan_buckets([3, 2, 5, 1], 8, 2) == [10, 10, 2]
-    assert plan_buckets([3, 2, 5, 1], 1 << 20, 2) == [22]
-    assert plan_buckets([], 8, 2) == []
-    assert pool_buffer_numel(8, [3, 2, 5, 1], 2) == 8  # a bucket
-    assert pool_buffer_numel(100, [3, 2, 5, 1], 2) == 22  # never more than every piece padded

@@ -8,7 +8,7 @@ import torch
 
 from stepforge.zero.comm.buffers import BufferPool, PieceStore
 from stepforge.zero.comm.grad_reducer import MAX_IN_FLIGHT, GradReducer
-from stepforge.zero.state.partition import build_partitions
+from stepforge.zero.state.partition import build_layout
 
 
 def test_pool_reuses_a_given_back_buffer_and_keeps_at_most_keep():
@@ -32,7 +32,9 @@ def test_pool_reuses_a_given_back_buffer_and_keeps_at_most_keep():
 
 def _slots(world: int = 1, rank: int = 0, dtype: torch.dtype = torch.float32):
     params = [torch.nn.Parameter(torch.randn(3, 2).to(dtype)), torch.nn.Parameter(torch.randn(5).to(dtype))]
-    slots, _ = build_partitions([{"params": params}], world, rank, master_weights=True, master_device=None)
+    slots = build_layout(
+        [{"params": params}], world, rank, group=None, master_weights=True, master_device=None
+    ).slots
     return params, slots
 
 

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``stepforge.zero.comm.collectives``: the tensor collectives under torch's current names,
+"""``stepforge.zero.comm.grad_reducer``'s tensor collectives under torch's current names,
 the parameter gather of a layout and the small all-reduce, on one process and on 3 gloo ranks."""
 
 from __future__ import annotations
@@ -10,15 +10,25 @@ import torch.distributed as dist
 
 from stepforge.testing.distributed import requires_gloo, run_distributed
 from stepforge.testing.zero_cases import counting
-from stepforge.zero.comm.collectives import (
+from stepforge.zero.comm.grad_reducer import (
+    GradReducer,
     all_gather,
     all_gather_name,
-    all_reduce_small,
     reduce_scatter,
     reduce_scatter_name,
 )
-from stepforge.zero.comm.param_gather import gather_params
+from stepforge.zero.comm.param_gather import launch_gather
 from stepforge.zero.state.partition import build_layout
+
+
+def all_reduce_small(value, op, layout, device):
+    """The reducer's small all-reduce (the norm's and the overflow flag's) over ``layout``'s group."""
+    reducer = GradReducer(
+        layout.slots, stage=2, bucket_size=1, overlap=False, group=layout.group, world_size=layout.world_size,
+        rank=layout.rank,
+    )  # fmt: skip
+    reducer.comm_device = device
+    return reducer.all_reduce(value, op)
 
 
 def test_collective_names_exist_in_this_torch():
@@ -39,7 +49,7 @@ def test_one_rank_gather_copies_masters_into_the_params_without_collectives():
     for slot in layout.slots:
         slot.master.fill_(float(slot.index + 2))
     with counting() as calls:
-        gather_params(layout, "all_gather")
+        launch_gather(layout, "all_gather").wait_all()
     assert sum(v for k, v in calls.items() if not k.endswith(".elements")) == 0
     assert torch.equal(params[0].detach(), torch.full((5,), 2.0, dtype=torch.bfloat16))
     assert torch.equal(params[1].detach(), torch.full((2, 2), 3.0, dtype=torch.bfloat16))
@@ -63,7 +73,7 @@ def _collectives(rank: int, world: int) -> dict:
         for slot in layout.slots:
             slot.master.copy_(torch.arange(slot.start, slot.start + slot.valid, dtype=torch.float32))
         with counting() as calls:
-            gather_params(layout, method)
+            launch_gather(layout, method).wait_all()
         out["params/" + method] = ([p.detach().float().clone() for p in params], dict(calls))
     out["max"] = all_reduce_small(torch.tensor([float(rank)]), dist.ReduceOp.MAX, layout, torch.device("cpu"))
     out["sum"] = all_reduce_small(torch.tensor([1.0, 2.0]), dist.ReduceOp.SUM, layout, torch.device("cpu"))

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """``stepforge.zero.comm.grad_reducer.GradReducer``: hooks, buckets, the once-per-step sync and the rank-major
-reduction; it launches the buckets and sizes the buffers as ``stepforge.zero.comm.bucket_layout`` plans them.
+reduction.
 
 One process (world size 1: no collective, the bucket lands in the pieces directly) for the hook and sync logic;
 2 gloo ranks for the reduction itself, against the mean of the ranks' gradients computed by hand.
@@ -12,13 +12,14 @@ import pytest
 import torch
 
 from stepforge.testing.distributed import requires_gloo, run_distributed
-from stepforge.zero.comm.bucket_layout import plan_buckets, pool_buffer_numel
 from stepforge.zero.comm.grad_reducer import MAX_IN_FLIGHT, GradReducer
-from stepforge.zero.state.partition import build_partitions
+from stepforge.zero.state.partition import build_layout
 
 
 def _reducer(params: list[torch.nn.Parameter], *, world: int = 1, rank: int = 0, stage: int = 2, **kw):
-    slots, _ = build_partitions([{"params": params}], world, rank, master_weights=True, master_device=None)
+    slots = build_layout(
+        [{"params": params}], world, rank, group=None, master_weights=True, master_device=None
+    ).slots
     options = dict(bucket_size=1 << 20, overlap=False, group=None, world_size=world, rank=rank)
     options.update(kw)
     return slots, GradReducer(slots, stage=stage, **options)
@@ -36,7 +37,9 @@ def _backward(params: list[torch.nn.Parameter], factor: float) -> None:
 def test_the_reducers_pool_buffers_are_the_planned_size():
     params = _params()  # 6 and 4 elements: pieces of 6 and 4 at one rank
     _, reducer = _reducer(params, bucket_size=8)
-    assert reducer.pool.min_numel == pool_buffer_numel(8, [6, 4], 1) == 8
+    assert reducer.pool.min_numel == 8  # a bucket
+    _, reducer = _reducer(_params(), bucket_size=100)
+    assert reducer.pool.min_numel == 10  # never more than every piece padded
 
 
 def test_hooks_move_each_gradient_into_its_piece_and_free_param_grad():
@@ -53,7 +56,7 @@ def test_hooks_move_each_gradient_into_its_piece_and_free_param_grad():
     assert params[0].grad is not None  # detached: torch's own accumulation again
 
 
-def test_disabled_reducer_leaves_gradients_local_until_flush():
+def test_disabled_reducer_leaves_gradients_local_until_the_sync():
     params = _params()
     slots, reducer = _reducer(params)
     reducer.enabled = False  # no_sync
@@ -61,7 +64,9 @@ def test_disabled_reducer_leaves_gradients_local_until_flush():
     _backward(params, 1.0)
     assert torch.equal(params[0].grad, torch.full((3, 2), 2.0))
     assert all(s.grad is None for s in slots)
-    reducer.flush_local()
+    assert reducer.sync() is False and params[0].grad is not None  # inside no_sync the sync only waits
+    reducer.enabled = True
+    assert reducer.sync() is True
     assert params[0].grad is None and torch.equal(slots[0].grad, torch.full((6,), 2.0))
 
 
@@ -129,5 +134,6 @@ def test_two_ranks_receive_their_pieces_of_the_mean_gradient():
                 full = torch.arange(1.0, numel + 1) * mean_rank_factor * (i + 1)
                 torch.testing.assert_close(grad, full[start : start + valid], rtol=0, atol=0)
             assert (rs, ar) == ((2, 0) if stage == 2 else (0, 2)), (stage, overlap)
-            assert len(plan_buckets([3, 2], 4, 2)) == rs + ar  # the plan is what the reducer launched
+            # pieces 3 and 2 padded over 2 ranks are 6 and 4 elements: each closes a 4-element bucket alone
+            assert rs + ar == 2
             assert peak <= (MAX_IN_FLIGHT + 1) * 6

@@ -22,9 +22,9 @@ from stepforge.zero.comm.algorithm import (
     GLOO_BUCKET_SIZE,
     bucket_size_for,
     comm_algorithm_for,
+    param_gather_for,
 )
 from stepforge.zero.comm.param_gather import split_direct
-from stepforge.zero.config import param_gather_for
 
 #: small buckets (about 600 elements) so a 4-layer MLP launches several
 SETTINGS: list[dict[str, Any]] = [

@@ -10,15 +10,16 @@ import torch
 from stepforge.zero.state.partition import (
     ShardLayout,
     build_layout,
-    build_partitions,
     local_range,
     managed_param_groups,
-    padded_piece,
     padding,
-    partition_sizes,
     piece_size,
-    plan_pieces,
 )
+
+
+def build_partitions(groups, world, rank, **kw):
+    layout = build_layout(groups, world, rank, group=None, **kw)
+    return layout.slots, layout.partitions
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 7])
@@ -39,14 +40,6 @@ def test_pieces_are_torch_chunk_of_the_flat_parameter(world):
 
 def test_piece_size_is_the_ceiling():
     assert [piece_size(n, 4) for n in (0, 1, 4, 5, 8, 9)] == [0, 1, 1, 2, 2, 3]
-
-
-def test_padded_piece_zero_pads_to_world_times_piece():
-    out = padded_piece(torch.arange(1.0, 6.0), piece=2, world_size=3)
-    assert out.shape == (3, 2)
-    assert out.tolist() == [[1.0, 2.0], [3.0, 4.0], [5.0, 0.0]]
-    exact = padded_piece(torch.arange(4.0), piece=2, world_size=2)
-    assert exact.tolist() == [[0.0, 1.0], [2.0, 3.0]]
 
 
 def _groups() -> list[dict]:
@@ -129,22 +122,15 @@ def _meta_groups() -> list[dict]:
 
 
 @pytest.mark.parametrize("rank", [0, 3])
-def test_plan_on_the_meta_device_is_the_geometry_that_is_then_allocated(rank):
-    plans = plan_pieces(_meta_groups(), 4, rank, master_weights=True, master_device=None)
+def test_layout_on_the_meta_device_is_the_geometry_that_is_then_allocated(rank):
+    plans, plan_parts = build_partitions(_meta_groups(), 4, rank, master_weights=True, master_device=None)
     slots, parts = build_partitions(_groups(), 4, rank, master_weights=True, master_device=None)
     assert [
         (p.index, p.group, p.numel, p.piece, p.start, p.valid, p.offset, p.separate_master) for p in plans
     ] == [(s.index, s.group, s.numel, s.piece, s.start, s.valid, s.offset, s.separate_master) for s in slots]
-    assert [p.master_dtype for p in plans] == [torch.float32] * 4  # bf16 gets an fp32 master
-    assert list(partition_sizes(plans).values()) == [p.size for p in parts] == [5, 1, 2]
-    assert all(p.master_device.type == "meta" for p in plans)  # nothing was made on a real device
-
-
-def test_plan_with_offload_places_masters_on_the_cpu_as_copies():
-    plans = plan_pieces(_meta_groups(), 2, 0, master_weights=False, master_device=torch.device("cpu"))
-    assert [p.master_device.type for p in plans] == ["cpu"] * 4
-    assert [p.master_dtype for p in plans] == [torch.float32, torch.bfloat16, torch.float32, torch.float32]
-    assert all(p.separate_master for p in plans)  # meta -> cpu is always a copy
+    assert [p.master.dtype for p in plans] == [torch.float32] * 4  # bf16 gets an fp32 master
+    assert [p.size for p in plan_parts] == [p.size for p in parts] == [5, 1, 2]
+    assert all(p.master.device.type == "meta" for p in plans)  # nothing was made on a real device
 
 
 def test_only_parameters_that_require_grad_are_managed():

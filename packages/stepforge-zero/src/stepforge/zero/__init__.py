@@ -10,12 +10,6 @@
   DCP-sharded and full state dicts); see ``docs/low_level.md``.
 - :class:`LowLevelZeroPlugin` (``plugin="low_level_zero"``, ``"zero1"``, ``"zero2"``): ColossalAI's plugin
   signature for the Booster of stepforge-strategy.
-
-Where things live: :mod:`.low_level` (the optimizer class), :mod:`.config` (its settings), :mod:`.comm` (every
-collective: gradient reduction with its wire format and the reduced pieces, parameter gather, process groups),
-:mod:`.state` (partition of the parameters into pieces, the inner optimizer, full and sharded state dicts),
-:mod:`.grads` (the global gradient norm and the clipping rule), :mod:`.plugin` (the Booster plugin and its model
-wrapper), :mod:`.phases` (timing hooks of a step), :mod:`.zero_redundancy`.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``LowLevelZeroOptimizer``'s settings: one frozen object, :class:`LowLevelZeroConfig`, checked once where it
-is built and passed through unchanged.
-
-Two doors build it from ColossalAI's flat keywords: ``LowLevelZeroOptimizer(...)`` (which reconciles its
-ColossalAI names with stepforge's: :func:`stage_of`, :func:`max_norm_of`) and ``LowLevelZeroPlugin(...)``; the
-plugin hands its config to every optimizer it builds (``LowLevelZeroOptimizer.from_config``). What depends on the
-process group (world size, rank, the resolved algorithm, gather and bucket size) is derived from the config and the
-group when the optimizer is built; :func:`resolve_group` finds that group from the optimizer's group arguments.
+"""``LowLevelZeroOptimizer``'s settings: one frozen :class:`LowLevelZeroConfig`, checked once where it is built
+(``LowLevelZeroOptimizer(...)`` or ``LowLevelZeroPlugin(...)``, which hands it to every optimizer it builds) and
+passed through unchanged; what depends on the process group is derived when the optimizer is built.
 """
 
 from __future__ import annotations
@@ -18,9 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from stepforge.core import HyperParameterError
+from stepforge.core import OPTIMIZERS, HyperParameterError, build_optimizer
 from stepforge.core.precision import LOSS_SCALER_DEFAULTS, LossScalerArgs
 
 from .comm.algorithm import COLOSSAL_OPTIMIZER_BUCKET_SIZE, check_comm_algorithm
@@ -28,13 +22,10 @@ from .comm.grid import grid_group
 
 __all__ = [
     "LowLevelZeroConfig",
-    "stage_of",
-    "max_norm_of",
+    "disagree",
     "resolve_group",
-    "group_facts",
-    "resolve_param_gather",
-    "param_gather_for",
-    "force_dtype",
+    "resolve_optimizer",
+    "cpu_adam_config",
 ]
 
 _FLAGS = (
@@ -49,24 +40,11 @@ _FLAGS = (
 
 @dataclass(frozen=True)
 class LowLevelZeroConfig:
-    """Every setting of a ``LowLevelZeroOptimizer`` that does not depend on its process group; each field is
-    checked once, when the object is made (the error names the field and ``owner``).
-
-    Attributes:
-        stage: 1 (optimizer state sharded) or 2 (gradients too).
-        reduce_bucket_size: padded elements per gradient bucket; ``None``: the group's default (4 Mi on gloo,
-            else ``default_bucket_size``: ColossalAI's 1 Mi for the optimizer, 12 Mi for the plugin).
-        communication_dtype, fp8_communication: the gradient wire (``stepforge.zero.comm.grad_reducer``).
-        comm_algorithm: ``"auto"``, ``"reduce_scatter"``, ``"all_reduce"`` or ``"all_to_all"``.
-        param_gather: ``None`` (automatic), ``"all_gather"`` or ``"broadcast"``.
-        overlap_communication, overlap_allgather: reductions during backward, the gather during the next forward.
-        cpu_offload, master_weights, forced_dtype: where the masters live, whether there are any, the working dtype.
-        max_norm, norm_type: global-norm clipping in every step (0: off).
-        dtype_for_loss_scaling: ``"fp16"`` forces loss scaling; ``None``: on when a working parameter is fp16.
-        scaler: the dynamic loss scaler's arguments (checked by ``validate_loss_scaler_args`` at the door).
-        verbose: log at INFO on ``stepforge.zero``; backward_context: a callable entered around each backward.
-        owner: the door's name, used in messages.
-    """
+    """Every setting of a ``LowLevelZeroOptimizer`` that does not depend on its process group, each checked once
+    when the object is made (the error names the field and ``owner``, the door's name). The fields are the
+    optimizer's keywords (see its docstring), except ``reduce_bucket_size=None``: the group's default (4 Mi on gloo,
+    else ``default_bucket_size``: ColossalAI's 1 Mi for the optimizer, 12 Mi for the plugin), and ``scaler``: the
+    dynamic loss scaler's arguments (checked by ``validate_loss_scaler_args`` at the door)."""
 
     stage: int = 1
     reduce_bucket_size: int | None = None
@@ -131,77 +109,12 @@ class LowLevelZeroConfig:
         object.__setattr__(self, "norm_type", math.inf if math.isinf(norm_type) else float(norm_type))
 
 
-def _disagree(ours: str, ours_value: Any, theirs: str, theirs_value: Any) -> HyperParameterError:
+def disagree(ours: str, ours_value: Any, theirs: str, theirs_value: Any) -> HyperParameterError:
+    """The error for a setting given under stepforge's and ColossalAI's name with different values."""
     return HyperParameterError(
         f"LowLevelZeroOptimizer: {ours}={ours_value!r} and ColossalAI's {theirs}={theirs_value!r} disagree; "
         f"pass one of them ({theirs} is the ColossalAI name of {ours})."
     )
-
-
-def stage_of(stage: Any, partition_grad: Any) -> Any:
-    """The stage from stepforge's ``stage`` and ColossalAI's ``partition_grad`` (which must agree)."""
-    if not isinstance(partition_grad, bool):
-        raise HyperParameterError(
-            f"LowLevelZeroOptimizer: partition_grad must be a bool (True: ZeRO-2), got {partition_grad!r}."
-        )
-    if stage is None:
-        return 2 if partition_grad else 1
-    if partition_grad and stage != 2:
-        raise _disagree("stage", stage, "partition_grad", partition_grad)
-    return stage
-
-
-def max_norm_of(max_norm: Any, clip_grad_norm: Any) -> Any:
-    """The clipping norm from stepforge's ``max_norm`` and ColossalAI's ``clip_grad_norm`` (which must agree)."""
-    if max_norm is None:
-        return clip_grad_norm
-    if clip_grad_norm not in (0, 0.0) and clip_grad_norm != max_norm:
-        raise _disagree("max_norm", max_norm, "clip_grad_norm", clip_grad_norm)
-    return max_norm
-
-
-def group_facts(process_group: Any) -> tuple[int, int]:
-    """``(world_size, rank)`` of the data-parallel group; ``(1, 0)`` without ``torch.distributed``."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(process_group), dist.get_rank(process_group)
-    if process_group is not None:
-        raise HyperParameterError(
-            "LowLevelZeroOptimizer: process_group was given but torch.distributed is not initialised; call "
-            "torch.distributed.init_process_group first."
-        )
-    return 1, 0
-
-
-def resolve_param_gather(param_gather: str | None, world_size: int, process_group: Any) -> str:
-    """``param_gather`` as given, or for ``None``: ``"broadcast"`` on gloo (several times faster than gloo's
-    all-gather on the CPU), ``"all_gather"`` elsewhere."""
-    if param_gather is not None:
-        return param_gather
-    return param_gather_for(dist.get_backend(process_group) if world_size > 1 else None)
-
-
-def param_gather_for(backend: str | None) -> str:
-    """The automatic ``param_gather`` on ``backend`` (``None``: one rank): ``"broadcast"`` on gloo, else
-    ``"all_gather"`` (the rule without a live group, for memory plans)."""
-    return "broadcast" if backend == "gloo" else "all_gather"
-
-
-def _group_of(pg_to_param_list: Any, inner: torch.optim.Optimizer) -> Any:
-    """The one data-parallel group (or ``(extra, dp)`` pair) of ColossalAI's ``pg_to_param_list``."""
-    if not isinstance(pg_to_param_list, Mapping) or len(pg_to_param_list) != 1:
-        count = len(pg_to_param_list) if isinstance(pg_to_param_list, Mapping) else "no"
-        raise HyperParameterError(
-            f"LowLevelZeroOptimizer: pg_to_param_list must map one process group to the optimizer's parameters, "
-            f"got {count} groups; parameters sharded over different groups (MoE experts) are not supported: "
-            "build one LowLevelZeroOptimizer per group, or pass dp_process_group."
-        )
-    ((group, params),) = pg_to_param_list.items()
-    ours = {id(p) for g in inner.param_groups for p in g["params"]}
-    if {id(p) for p in params} != ours:
-        raise HyperParameterError(
-            "LowLevelZeroOptimizer: pg_to_param_list's parameters must be exactly the optimizer's parameters."
-        )
-    return group
 
 
 def resolve_group(
@@ -216,7 +129,7 @@ def resolve_group(
     ``pg_to_param_list``, and with ``extra_dp_group`` the group of the 2-D grid (collective over the default
     group)."""
     if process_group is not None and dp_process_group is not None and process_group is not dp_process_group:
-        raise _disagree("process_group", process_group, "dp_process_group", dp_process_group)
+        raise disagree("process_group", process_group, "dp_process_group", dp_process_group)
     group = process_group if process_group is not None else dp_process_group
     if pg_to_param_list is not None:
         if group is not None:
@@ -224,7 +137,18 @@ def resolve_group(
                 "LowLevelZeroOptimizer: dp_process_group and pg_to_param_list should not be provided at the same "
                 "time (as in ColossalAI); pass one."
             )
-        group = _group_of(pg_to_param_list, inner)
+        if not isinstance(pg_to_param_list, Mapping) or len(pg_to_param_list) != 1:
+            count = len(pg_to_param_list) if isinstance(pg_to_param_list, Mapping) else "no"
+            raise HyperParameterError(
+                f"LowLevelZeroOptimizer: pg_to_param_list must map one process group to the optimizer's "
+                f"parameters, got {count} groups; parameters sharded over different groups (MoE experts) are not "
+                "supported: build one LowLevelZeroOptimizer per group, or pass dp_process_group."
+            )
+        ((group, params),) = pg_to_param_list.items()
+        if {id(p) for p in params} != {id(p) for g in inner.param_groups for p in g["params"]}:
+            raise HyperParameterError(
+                "LowLevelZeroOptimizer: pg_to_param_list's parameters must be exactly the optimizer's parameters."
+            )
         if isinstance(group, tuple):
             if len(group) == 1:
                 group = group[0]
@@ -250,11 +174,65 @@ def resolve_group(
     return group
 
 
-def force_dtype(inner: torch.optim.Optimizer, dtype: torch.dtype | None) -> None:
-    """ColossalAI's ``forced_dtype``: convert every working parameter in place (``param.data``), so the model
-    and the optimizer keep the same parameter objects."""
-    if dtype is None:
-        return
-    for group in inner.param_groups:
-        for param in group["params"]:
-            param.data = param.data.to(dtype)
+#: registry names that CPU offload turns into ``CPUAdam`` (value: its ``adamw_mode``)
+CPU_ADAM_FAMILY = {"adam": False, "adamw": True, "fusedadam": None, "hybridadam": None}
+
+_ADAM_KEYS = ("lr", "betas", "eps", "weight_decay", "bias_correction", "adamw_mode")
+
+
+def cpu_adam_config(cfg: Mapping[str, Any]) -> dict[str, Any] | None:
+    """``cfg`` as stepforge-fused's ``CPUAdam`` (same math, SIMD kernel) when it is an Adam-family config that
+    ``CPUAdam`` can run and ``CPUAdam`` is registered; else ``None`` (the user's optimizer is kept, and must be
+    able to step the CPU pieces)."""
+    kind = cfg.get("type")
+    if not isinstance(kind, str) or "CPUAdam" not in OPTIMIZERS:
+        return None
+    key = kind.lower().replace("-", "").replace("_", "")
+    if key not in CPU_ADAM_FAMILY:
+        return None
+    extra = {k: v for k, v in cfg.items() if k != "type" and k not in _ADAM_KEYS}
+    torch_only = {"amsgrad", "maximize", "foreach", "fused", "capturable", "differentiable"}
+    if any(k in torch_only and v not in (False, None) for k, v in extra.items()):
+        return None  # a torch option CPUAdam does not have: keep the user's optimizer
+    out = {k: cfg[k] for k in _ADAM_KEYS if k in cfg}
+    mode = CPU_ADAM_FAMILY[key]
+    if mode is not None:
+        out["adamw_mode"] = mode
+    out["type"] = "CPUAdam"
+    return out
+
+
+def resolve_optimizer(
+    optimizer: torch.optim.Optimizer | Mapping[str, Any],
+    params: Any,
+    *,
+    cpu_offload: bool,
+) -> torch.optim.Optimizer:
+    """The inner optimizer, built from a registry config (with ``params``) when needed; a built one must not
+    have state yet."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if params is not None:
+            raise HyperParameterError(
+                "LowLevelZeroOptimizer: params is only for a config dict; a built optimizer already holds its "
+                "parameters (drop params=)."
+            )
+        if optimizer.state:
+            raise HyperParameterError(
+                "LowLevelZeroOptimizer: the inner optimizer already has state; wrap it before its first step and "
+                "restore checkpoints through LowLevelZeroOptimizer.load_state_dict."
+            )
+        return optimizer
+    if isinstance(optimizer, Mapping):
+        if params is None:
+            raise HyperParameterError(
+                "LowLevelZeroOptimizer: a config dict needs params= (the model or its param groups), e.g. "
+                "LowLevelZeroOptimizer(dict(type='AdamW', lr=1e-3), params=model.parameters())."
+            )
+        cfg = dict(optimizer)
+        if cpu_offload:
+            cfg = cpu_adam_config(cfg) or cfg
+        return build_optimizer(cfg, params)
+    raise HyperParameterError(
+        "LowLevelZeroOptimizer: optimizer must be a torch.optim.Optimizer or a config dict such as "
+        f"dict(type='AdamW', lr=1e-3), got {type(optimizer).__name__}."
+    )

@@ -1,24 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 """``ZeroRedundancyOptimizer``: mmengine's string-typed wrapper of torch's ZeRO-1, resolved through stepforge.
 
-torch's :class:`torch.distributed.optim.ZeroRedundancyOptimizer` does the work (sorted-greedy whole-parameter
-partition, local step, parameter broadcast); this subclass adds what mmengine's wrapper gives and fixes what it
-lacks:
-
-- ``optimizer_type`` is a name resolved through :data:`stepforge.core.OPTIMIZERS`: every ``torch.optim`` class
-  and every installed stepforge optimizer (``"FusedAdam"``, ``"CPUAdam"``, ``"Lamb"``, ...). An unknown name
-  raises the registry's error, which names the distribution to install.
-- torch's signature works too (``optimizer_class=`` beside ``optimizer_type``) and torch's state-dict
-  protocol: after ``consolidate_state_dict(to=k)`` on every rank, ``state_dict()`` on rank ``k`` alone returns
-  the state with no collective.
-- otherwise ``state_dict()`` is collective, as mmengine's: it consolidates and returns the full, world-size-independent
-  state on the main process (rank 0 of the group) and ``{}`` elsewhere. A call from only some ranks fails
-  within ``consolidate_timeout`` seconds with an error saying every rank must call it, instead of hanging.
-- ``load_state_dict`` takes that full state at any world size and leaves the caller's dict untouched.
+torch's :class:`torch.distributed.optim.ZeroRedundancyOptimizer` does the work; this subclass adds what mmengine's
+wrapper gives (``optimizer_type`` as a registry name of :data:`stepforge.core.OPTIMIZERS`, a collective
+``state_dict()`` returning the full state on the main process) and fixes what it lacks (torch's signature and
+state-dict protocol too, a bounded wait instead of a hang when only some ranks call ``state_dict()``, a load at any
+world size that leaves the caller's dict untouched).
 """
 
 from __future__ import annotations
 
+import datetime
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
@@ -28,8 +20,7 @@ import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer as _TorchZeroRedundancyOptimizer
 
 from stepforge.core import OPTIMIZERS, HyperParameterError, StepforgeError
-
-from .comm.arrival import ArrivalTimeout, wait_for_all_ranks
+from stepforge.core.torch_compat import default_store
 
 __all__ = [
     "ZeroRedundancyOptimizer",
@@ -74,22 +65,17 @@ class ZeroRedundancyOptimizer(_TorchZeroRedundancyOptimizer):
         optimizer_type: the local optimizer, a registry name (``"AdamW"``, ``"FusedAdam"``, ``"Lamb"``;
             case, ``-`` and ``_`` ignored) or an optimizer class (positional: torch's ``optimizer_class``).
         optimizer_class: torch's keyword for the same (a class or a registry name); give one of the two.
-        process_group: the data-parallel group (default: the world).
-        parameters_as_bucket_view: torch's option: flat per-device buckets for the broadcasts.
-        overlap_with_ddp: torch's option; only ``False`` (the default) is supported.
+        process_group, parameters_as_bucket_view, overlap_with_ddp: torch's (the last only ``False``).
         consolidate_timeout: seconds each rank waits for the others to enter ``state_dict()`` or
-            ``consolidate_state_dict()`` before raising :class:`CollectiveCallError` (default 60). The check goes
-            through the rendezvous store, not the process group, so a rank that gives up leaves the group usable
-            (gloo and NCCL alike).
+            ``consolidate_state_dict()`` before raising :class:`CollectiveCallError` (default 60); the group
+            stays usable (gloo and NCCL alike).
         **kwargs: hyper-parameters of the local optimizer (``lr=...``).
 
     Raises:
-        TypeError: ``params`` is a bare tensor (as torch's class).
-        MissingArgumentError: neither ``optimizer_type`` nor ``optimizer_class`` was given (a ``TypeError``,
-            as mmengine's tests expect, and a ``HyperParameterError``).
-        UnknownNameError: ``optimizer_type`` is not registered (the message says what to install).
-        HyperParameterError: a bad argument, or a local optimizer that would clip by a global norm
-            (``max_grad_norm``) it cannot see under sharding.
+        TypeError: ``params`` is a bare tensor (as torch's class); :class:`MissingArgumentError`: no local
+            optimizer given (a ``TypeError``, as mmengine's tests expect, and a ``HyperParameterError``).
+        HyperParameterError: a bad argument (``UnknownNameError``: an unregistered ``optimizer_type``), or a
+            local optimizer that would clip by a global norm (``max_grad_norm``) it cannot see under sharding.
         RuntimeError: ``torch.distributed`` is not initialised.
     """
 
@@ -117,17 +103,31 @@ class ZeroRedundancyOptimizer(_TorchZeroRedundancyOptimizer):
                 "ZeroRedundancyOptimizer: overlap_with_ddp=True is not supported (as in mmengine): it needs a "
                 "functional optimizer and a DDP communication hook; leave it False."
             )
-        optimizer_type = _one_optimizer(optimizer_type, optimizer_class)
-        if isinstance(consolidate_timeout, bool) or not isinstance(consolidate_timeout, int | float):
+        if optimizer_type is not None and optimizer_class is not None:
             raise HyperParameterError(
-                f"ZeroRedundancyOptimizer: consolidate_timeout must be a number of seconds > 0, got "
-                f"{consolidate_timeout!r}."
+                "ZeroRedundancyOptimizer: pass the local optimizer once, as optimizer_type (mmengine's name) or "
+                "optimizer_class (torch's), not both."
             )
-        if not consolidate_timeout > 0:
+        if optimizer_type is None and optimizer_class is None:
+            raise MissingArgumentError(
+                "ZeroRedundancyOptimizer: the local optimizer is missing; pass optimizer_type='AdamW' (mmengine) "
+                "or optimizer_class=torch.optim.AdamW (torch)."
+            )
+        optimizer_type = optimizer_type if optimizer_type is not None else optimizer_class
+        timeout = consolidate_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
             raise HyperParameterError(
-                f"ZeroRedundancyOptimizer: consolidate_timeout must be > 0 seconds, got {consolidate_timeout!r}."
+                f"ZeroRedundancyOptimizer: consolidate_timeout must be a number of seconds > 0, got {timeout!r}."
             )
-        optimizer_class = _resolve(optimizer_type)
+        if isinstance(optimizer_type, str):
+            optimizer_class = OPTIMIZERS.get(optimizer_type)
+        elif isinstance(optimizer_type, type) and issubclass(optimizer_type, torch.optim.Optimizer):
+            optimizer_class = optimizer_type
+        else:
+            raise HyperParameterError(
+                "ZeroRedundancyOptimizer: optimizer_type must be an optimizer name such as 'AdamW' or 'FusedAdam' "
+                f"(or an optimizer class), got {optimizer_type!r}."
+            )
         for key in _GLOBAL_NORM_KEYS:
             if kwargs.get(key):
                 raise HyperParameterError(_global_norm_message(key, kwargs[key]))
@@ -161,28 +161,37 @@ class ZeroRedundancyOptimizer(_TorchZeroRedundancyOptimizer):
 
     # -- collectives -----------------------------------------------------------------------------------
     def _all_ranks_present(self, what: str) -> None:
-        """Wait at most ``consolidate_timeout`` s for every rank of the group to reach ``what``."""
+        """Wait at most ``consolidate_timeout`` s for every rank of the group to reach ``what``.
+
+        The check runs on the rendezvous store, not the process group's transport: a rank that gives up leaves
+        no half-finished gloo/NCCL operation behind, so a later call made by every rank works. Each rank adds 1
+        to a counter; the rank that brings it to ``world_size`` sets ``done``, the others wait for it. A rank that
+        times out withdraws its arrival (an atomic ``add(-1)``), so a later round starts from a clean count; if
+        the count had reached ``world_size`` first, the round completed and it goes on (no rank is left alone).
+        """
         key = f"stepforge.zero.ZeroRedundancyOptimizer/{self._instance}/{self._rounds}"
-        start = time.monotonic()
-        try:
-            wait_for_all_ranks(key, self.world_size, self.consolidate_timeout)
-        except ArrivalTimeout as exc:
-            waited = time.monotonic() - start
-            raise CollectiveCallError(
-                f"ZeroRedundancyOptimizer.{what} is collective: every rank of the process group "
-                f"({self.world_size} ranks) must call it, but rank {self.rank} waited {waited:.1f} s "
-                f"(consolidate_timeout={self.consolidate_timeout:g}) and only {exc.arrived} arrived. Call it on "
-                "every rank (not inside a main-process-only block such as mmengine's master_only save) and "
-                "write the result from the main process."
-            ) from exc
-        self._rounds += 1
+        count, done, world, start = f"{key}/count", f"{key}/done", self.world_size, time.monotonic()
+        if world > 1 and (store := default_store()).add(count, 1) >= world:
+            store.set(done, "1")
+        elif world > 1:
+            try:
+                store.wait([done], datetime.timedelta(seconds=self.consolidate_timeout))
+            except (dist.DistStoreError, RuntimeError) as exc:
+                arrived = store.add(count, -1) + 1
+                if arrived < world:
+                    raise CollectiveCallError(
+                        f"ZeroRedundancyOptimizer.{what} is collective: every rank of the process group ({world} "
+                        f"ranks) must call it, but rank {self.rank} waited {time.monotonic() - start:.1f} s "
+                        f"(consolidate_timeout={self.consolidate_timeout:g}) and only {arrived} arrived. Call it "
+                        "on every rank (not inside a main-process-only block such as mmengine's master_only save) "
+                        "and write the result from the main process."
+                    ) from exc
+                store.wait([done], datetime.timedelta(seconds=max(self.consolidate_timeout, 1.0)))
+        self._rounds += 1  # only once the round completed: a rank that gave up retries under the same key
 
     def consolidate_state_dict(self, to: int = 0) -> None:
-        """Gather every rank's shard of the state on rank ``to`` (collective: every rank must call it).
-
-        Raises:
-            CollectiveCallError: not every rank called it within ``consolidate_timeout`` seconds.
-        """
+        """Gather every rank's shard of the state on rank ``to`` (collective: :class:`CollectiveCallError` when not
+        every rank calls it within ``consolidate_timeout`` seconds)."""
         if not isinstance(to, int) or not 0 <= to < self.world_size:
             raise HyperParameterError(
                 f"consolidate_state_dict: to must be a rank of the group in [0, {self.world_size}), got {to!r}."
@@ -201,20 +210,13 @@ class ZeroRedundancyOptimizer(_TorchZeroRedundancyOptimizer):
         return super().step(closure, **kwargs)
 
     def state_dict(self) -> dict[str, Any]:
-        """The full optimizer state on one rank, ``{}`` on the others, in two protocols:
+        """The full optimizer state on one rank, ``{}`` on the others (``torch.optim`` layout keyed by global
+        parameter index: it loads at any world size and into the plain local optimizer), in two protocols:
 
         - torch's: after ``consolidate_state_dict(to=k)`` on every rank (and no step or load since), the state
-          on rank ``k`` and ``{}`` elsewhere, with no collective, so rank ``k`` may call it alone (torch's
-          class raises on the other ranks instead of returning ``{}``);
-        - mmengine's: otherwise it is collective (every rank calls it), consolidates on the main process
-          (rank 0 of the group) and returns the state there.
-
-        The result is in ``torch.optim`` layout, keyed by global parameter index, and does not depend on the
-        world size: it loads into this class at any world size and into the plain local optimizer.
-
-        Raises:
-            CollectiveCallError: (mmengine's protocol) not every rank called it within ``consolidate_timeout``
-                seconds.
+          on rank ``k`` and ``{}`` elsewhere, with no collective (torch's class raises on the other ranks);
+        - mmengine's: otherwise collective (every rank calls it; :class:`CollectiveCallError` when not all do
+          within ``consolidate_timeout``), consolidated on and returned by rank 0 of the group.
         """
         if self._consolidated_to is not None:
             return super().state_dict() if self.rank == self._consolidated_to else {}
@@ -226,13 +228,8 @@ class ZeroRedundancyOptimizer(_TorchZeroRedundancyOptimizer):
         return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load a full state (from :meth:`state_dict` on the main process) at any world size.
-
-        Every rank keeps only the state of the parameters it owns; ``state_dict`` itself is not modified.
-
-        Raises:
-            HyperParameterError: ``state_dict`` is empty (a non-main rank's ``{}``) or not an optimizer state.
-        """
+        """Load a full state (:meth:`state_dict` on the main process; not a non-main rank's ``{}``) at any world
+        size: every rank keeps the state of the parameters it owns; ``state_dict`` itself is not modified."""
         if not isinstance(state_dict, Mapping) or not state_dict:
             raise HyperParameterError(
                 "ZeroRedundancyOptimizer.load_state_dict: got an empty state; state_dict() returns the full "
@@ -257,32 +254,6 @@ class ZeroRedundancyOptimizer(_TorchZeroRedundancyOptimizer):
         }
         self._consolidated_to = None
         super().load_state_dict(copied)
-
-
-def _one_optimizer(optimizer_type: Any, optimizer_class: Any) -> Any:
-    if optimizer_type is not None and optimizer_class is not None:
-        raise HyperParameterError(
-            "ZeroRedundancyOptimizer: pass the local optimizer once, as optimizer_type (mmengine's name) or "
-            "optimizer_class (torch's), not both."
-        )
-    if optimizer_type is None and optimizer_class is None:
-        raise MissingArgumentError(
-            "ZeroRedundancyOptimizer: the local optimizer is missing; pass optimizer_type='AdamW' (mmengine) or "
-            "optimizer_class=torch.optim.AdamW (torch)."
-        )
-    return optimizer_type if optimizer_type is not None else optimizer_class
-
-
-def _resolve(optimizer_type: Any) -> type[torch.optim.Optimizer]:
-    if isinstance(optimizer_type, str):
-        resolved: type[torch.optim.Optimizer] = OPTIMIZERS.get(optimizer_type)
-        return resolved
-    if isinstance(optimizer_type, type) and issubclass(optimizer_type, torch.optim.Optimizer):
-        return optimizer_type
-    raise HyperParameterError(
-        "ZeroRedundancyOptimizer: optimizer_type must be an optimizer name such as 'AdamW' or 'FusedAdam' (or an "
-        f"optimizer class), got {optimizer_type!r}."
-    )
 
 
 def _global_norm_message(key: str, value: Any, *, default: bool = False) -> str:

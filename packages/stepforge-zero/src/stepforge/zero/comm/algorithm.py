@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Which collective reduces the gradient buckets: chosen per backend, or forced for tests and benchmarks.
+"""Which collectives move gradients and parameters, and the bucket size: chosen per backend (the rules take the
+backend's name, so a memory plan applies them without a live group), or forced for tests and benchmarks.
 
 Both algorithms leave every rank with the same averaged pieces (bucket laid out rank-major, divided by the world
 size before the sum):
@@ -26,8 +27,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import torch.distributed as dist
-
 from stepforge.core import HyperParameterError
 
 __all__ = [
@@ -37,10 +36,9 @@ __all__ = [
     "COLOSSAL_OPTIMIZER_BUCKET_SIZE",
     "GLOO_BUCKET_SIZE",
     "check_comm_algorithm",
-    "resolve_comm_algorithm",
     "comm_algorithm_for",
-    "default_bucket_size",
     "bucket_size_for",
+    "param_gather_for",
 ]
 
 COMM_ALGORITHMS = ("auto", "all_reduce", "reduce_scatter", "all_to_all")
@@ -57,20 +55,9 @@ COLOSSAL_OPTIMIZER_BUCKET_SIZE = 1024**2
 GLOO_BUCKET_SIZE = 4 * 1024**2
 
 
-def default_bucket_size(process_group: Any, *, elsewhere: int = COLOSSAL_BUCKET_SIZE) -> int:
-    """``reduce_bucket_size`` when none is given: :data:`GLOO_BUCKET_SIZE` on a gloo group of more than one
-    rank, ``elsewhere`` (ColossalAI's default of the caller) otherwise."""
-    if dist.is_available() and dist.is_initialized():
-        world = dist.get_world_size(process_group)
-        return bucket_size_for(
-            dist.get_backend(process_group) if world > 1 else None, world, elsewhere=elsewhere
-        )
-    return elsewhere
-
-
 def bucket_size_for(backend: str | None, world_size: int, *, elsewhere: int = COLOSSAL_BUCKET_SIZE) -> int:
-    """:func:`default_bucket_size` for a group of ``world_size`` ranks on ``backend`` (the rule without a live
-    group, for memory plans)."""
+    """The default ``reduce_bucket_size``: :data:`GLOO_BUCKET_SIZE` on gloo over several ranks, else ``elsewhere``
+    (the caller's ColossalAI default)."""
     return GLOO_BUCKET_SIZE if world_size > 1 and backend == "gloo" else elsewhere
 
 
@@ -84,16 +71,8 @@ def check_comm_algorithm(value: Any, *, source: str = "comm_algorithm") -> str:
     return str(value)
 
 
-def resolve_comm_algorithm(value: str, *, stage: int, world_size: int, process_group: Any) -> str:
-    """The concrete algorithm (``"all_reduce"``, ``"reduce_scatter"`` or ``"all_to_all"``) for ``value`` (see
-    the module doc)."""
-    backend = dist.get_backend(process_group) if world_size > 1 and value in ("auto",) else None
-    return comm_algorithm_for(value, stage=stage, world_size=world_size, backend=backend)
-
-
 def comm_algorithm_for(value: str, *, stage: int, world_size: int, backend: str | None) -> str:
-    """:func:`resolve_comm_algorithm` for a group of ``world_size`` ranks on ``backend`` (the rule without a live
-    group, for memory plans)."""
+    """The concrete algorithm for ``value`` on ``world_size`` ranks on ``backend`` (see the module doc)."""
     check_comm_algorithm(value)
     if value == "auto":
         forced = os.environ.get(COMM_ALGORITHM_ENV, "").strip()
@@ -104,3 +83,9 @@ def comm_algorithm_for(value: str, *, stage: int, world_size: int, backend: str 
     if world_size > 1 and backend == "gloo":
         return "all_to_all"
     return "all_reduce" if stage == 1 else "reduce_scatter"
+
+
+def param_gather_for(backend: str | None) -> str:
+    """The automatic ``param_gather`` on ``backend`` (``None``: one rank): ``"broadcast"`` on gloo (several times
+    faster than gloo's all-gather on the CPU), else ``"all_gather"``."""
+    return "broadcast" if backend == "gloo" else "all_gather"

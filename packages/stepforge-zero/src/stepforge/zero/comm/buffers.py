@@ -3,14 +3,9 @@
 
 A fresh CPU tensor of a few MiB comes from ``mmap`` and is paid for again on first touch, one page fault per
 4 KiB: on the bench's 54.6 M-parameter GPT (2 gloo ranks) zero2 took 16 000-37 000 more page faults per step than
-DDP, whose buckets live as long as the model. Two stores avoid that while keeping a rank's gradient memory at
-1/N of the model:
-
-- :class:`PieceStore`: this rank's reduced gradient pieces, one flat tensor per (master dtype, device) holding
-  every slot's ``valid`` elements. ``slot.grad`` is a view into it; ``zero_grad(set_to_none=True)`` drops the view,
-  the storage stays for the next step (as DDP keeps its buckets, which hold the full gradients).
-- :class:`BufferPool`: the communication buffers of the buckets in flight, handed back when their reduction has
-  been added into the pieces. It keeps at most ``keep`` buffers (the buckets in flight plus the one filling).
+DDP, whose buckets live as long as the model. :class:`PieceStore` keeps this rank's reduced gradient pieces (1/N
+of the model; ``zero_grad`` drops the views, the storage stays) and :class:`BufferPool` the buffers of the buckets
+in flight. :func:`write_rank_major` / :func:`write_own_row_last` lay a gradient out in a bucket's rows.
 """
 
 from __future__ import annotations
@@ -19,17 +14,12 @@ import torch
 
 from ..state.partition import Slot
 
-__all__ = ["BufferPool", "PieceStore"]
+__all__ = ["BufferPool", "PieceStore", "write_rank_major", "write_own_row_last"]
 
 
 class BufferPool:
-    """Flat buffers for bucket collectives, reused across buckets and steps.
-
-    Args:
-        keep: how many free buffers to hold at most; one handed back beyond that is dropped (the smallest).
-        min_numel: the smallest buffer allocated (the bucket size), so buckets of slightly different sizes
-            share buffers.
-    """
+    """Flat buffers for bucket collectives, reused across buckets and steps: at most ``keep`` free ones (the
+    smallest is dropped beyond), none smaller than ``min_numel`` (so buckets of different sizes share them)."""
 
     def __init__(self, keep: int, min_numel: int) -> None:
         self.keep = keep
@@ -63,11 +53,8 @@ class BufferPool:
 
 
 class PieceStore:
-    """Storage of this rank's reduced gradient pieces (``valid`` elements per slot, master dtype and device).
-
-    Args:
-        slots: the managed parameters' slots.
-    """
+    """Storage of this rank's reduced gradient pieces: one flat tensor per master (dtype, device), ``valid``
+    elements per slot of ``slots``."""
 
     def __init__(self, slots: list[Slot]) -> None:
         self._offsets: dict[int, int] = {}
@@ -95,3 +82,33 @@ class PieceStore:
     def held_bytes(self) -> int:
         """Bytes allocated for the pieces."""
         return sum(t.numel() * t.element_size() for t in self._flat.values())
+
+
+def write_rank_major(dst: torch.Tensor, grad: torch.Tensor, divisor: int) -> None:
+    """``dst`` (``(W, piece)``, rows may be strided) = ``grad`` flattened, zero-padded to ``W * piece`` and divided
+    by ``divisor`` (1: copied), in one pass over ``grad``."""
+    world, piece = dst.shape
+    flat = grad.reshape(-1)
+    full, rest = divmod(flat.numel(), piece)
+    rows = [(dst[:full], flat[: full * piece].view(full, piece))] if full else []
+    if rest:
+        rows.append((dst[full, :rest], flat[full * piece :]))
+        dst[full, rest:].zero_()
+    for target, source in rows:
+        if divisor == 1:
+            target.copy_(source)
+        else:
+            torch.div(source, divisor, out=target)
+    if full + (1 if rest else 0) < world:
+        dst[full + (1 if rest else 0) :].zero_()
+
+
+def write_own_row_last(dst: torch.Tensor, grad: torch.Tensor, divisor: int, rank: int) -> None:
+    """:func:`write_rank_major` with rank ``rank``'s row moved to the end: ``dst`` rows ``0 .. W-2`` hold the other
+    ranks' pieces in rank order (the input of an exchange that skips this rank) and row ``W-1`` this rank's."""
+    world, piece = dst.shape
+    flat = grad.reshape(-1)
+    # (first logical row, end logical row, first physical row)
+    for first, end, at in ((0, rank, 0), (rank, rank + 1, world - 1), (rank + 1, world, rank)):
+        if end > first:
+            write_rank_major(dst[at : at + end - first], flat[first * piece : end * piece], divisor)

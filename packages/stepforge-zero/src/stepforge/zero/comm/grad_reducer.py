@@ -1,60 +1,30 @@
 # SPDX-License-Identifier: Apache-2.0
 """Gradient reduction in buckets, driven by post-accumulate-grad hooks during backward.
 
-Why one module past 400 lines: it is the whole route of a gradient from its hook to this rank's piece (the bucket,
-the wire format, the reduction, what a step does to the pieces), so that a backward and a step enter it once;
-bucket layout, buffers and the collectives' names are the helpers it calls (:mod:`.bucket_layout`,
-:mod:`.buffers`, :mod:`.collectives`).
+Why one module past 400 lines: it is the whole route of a gradient from its hook to this rank's piece (bucket,
+wire format, reduction, and what a step does to the pieces: sync, scale, unscale, clip), so that a backward and
+a step enter it once; its leaf helpers are in :mod:`.buffers`.
 
-A hook on every working parameter hands its freshly accumulated ``.grad`` to :class:`GradReducer` and frees it.
-Gradients wait in a bucket per gradient dtype until ``reduce_bucket_size`` elements (counted padded) are
-there; the bucket is then reduced by the algorithm of :mod:`.algorithm`, the division by the world size done
-before the sum (as DDP does):
+A hook on every working parameter hands its fresh ``.grad`` to :class:`GradReducer` and frees it. Gradients wait in
+a bucket per dtype until ``reduce_bucket_size`` (padded) elements are there; the bucket is then divided by the world
+size (as DDP does) and reduced by the algorithm of :mod:`.algorithm`: ``"reduce_scatter"`` (rank-major layout, each
+rank receives its row), ``"all_reduce"`` (each rank reads its pieces at their ranges) or ``"all_to_all"`` (own row
+last; the other ``N - 1`` rows are exchanged, so a rank's own row never travels, and summed here into the pieces).
+With ``overlap_communication`` the collective is asynchronous and its result is added into the pieces at
+:meth:`GradReducer.wait`, or once more than ``MAX_IN_FLIGHT`` buckets are in flight; a callback queued on the
+autograd engine launches the last partial bucket at the end of every backward. While :attr:`GradReducer.enabled`
+is ``False`` (``no_sync``) hooks leave ``.grad`` alone and the window is reduced once, at the next sync.
 
-- ``"reduce_scatter"``: the bucket is laid out rank-major (rank ``r``'s pieces of every parameter side by side,
-  divided by the same copy) and ``reduce_scatter_tensor`` hands each rank only its row;
-- ``"all_reduce"``: the gradients are all-reduced as they are laid out (a lone gradient in place, several
-  concatenated), and each rank reads its piece of every parameter at the piece's range (``torch.chunk`` layout:
-  one contiguous range per parameter);
-- ``"all_to_all"``: the bucket is laid out rank-major with this rank's own row last; ``all_to_all_single`` sends
-  the other ``N - 1`` rows (rank ``r`` receives every other rank's row ``r``; a rank's own row never travels,
-  not even as gloo's local copy) and the ``N`` rows are summed here in rank order, straight into the pieces.
-
-With ``overlap_communication`` the collective is launched asynchronously and backward goes on; the results
-are added into the slots' fp32 (master-dtype) gradient pieces when :meth:`GradReducer.wait` runs (before
-clipping or stepping), or as soon as more than ``MAX_IN_FLIGHT`` buckets are in flight. A callback queued on the
-autograd engine launches the last partial bucket at the end of every backward, so at most the buckets in flight
-exist beside the shards. The pieces and the bucket buffers are reused from step to step (:mod:`.buffers`):
-the first reduction of a step copies into the pieces, later ones add into them. How a bucket is laid out, and
-which buckets a backward launches, are pure functions of :mod:`.bucket_layout`.
-
-While :attr:`GradReducer.enabled` is ``False`` (``no_sync``), hooks leave ``.grad`` alone: full local
-gradients accumulate as usual and are reduced once, by the first synchronised backward or by :meth:`flush_local`.
-
-:meth:`GradReducer.sync` is the one point where a step's gradients become final: it flushes what ``no_sync``
-left in ``param.grad``, waits for the buckets in flight and marks the reduction done until the next backward
-reaches a managed parameter (or :meth:`GradReducer.discard`), so calling it again before then does nothing.
-
-How a bucket travels (:class:`WireFormat`): as it is, cast to ColossalAI's ``communication_dtype``, or as fp8
-bytes. ``communication_dtype``: the bucket is cast to that dtype for the collective and the result cast back, so the
-sum itself runs in the wire dtype (ColossalAI's meaning: e.g. bf16 gradients reduced in fp32, or fp32 ones sent
-as bf16 to halve the bytes).
-
-``fp8_communication``: each rank scales its bucket by ``448 / amax`` (the e4m3 range), casts it to
-``float8_e4m3fn`` and sends the bytes with its scale; the receivers decode every rank's part to fp32 and sum in
-fp32 (ColossalAI's ``reduce_scatter_fp8``/``all_reduce_fp8`` scheme: fp8 on the wire, higher precision in the
-reduction). The collectives move ``uint8`` -- gloo has no fp8 dtype -- one ``all_to_all_single`` for a
-reduce-scatter and one ``all_gather`` for an all-reduce (every rank then sums the same parts in the same order,
-so the replicas agree bitwise). A part holding an inf/NaN travels with a NaN scale (e4m3fn has no inf and
-saturates it to 448), so it decodes to NaN and fp16 overflow detection still sees it.
-
-What a step does to the reduced pieces (:class:`GradPieces`): synchronise once, scale, unscale once (overflow
-agreed on every rank by the loss scaler), clip by the global norm, drop. ``LowLevelZeroOptimizer`` owns it and
-decides *when* (loss scaling, ``max_norm``, skipping); it does the tensor work and the small collectives.
+On the wire (:class:`WireFormat`) a bucket travels as it is, cast to ColossalAI's ``communication_dtype`` (the sum
+runs in that dtype), or as fp8 (``fp8_communication``, ColossalAI's scheme): scaled by ``448 / amax``, sent as
+``float8_e4m3fn`` bytes (``uint8``: gloo has no fp8) with the scale, by one ``all_to_all_single`` or ``all_gather``
+so every rank sums the same parts in the same order (the replicas agree bitwise), summed in fp32. A part holding
+an inf/NaN travels with a NaN scale (e4m3fn saturates inf to 448), so fp16 overflow detection still sees it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,23 +35,40 @@ import torch.distributed as dist
 from stepforge.core.precision import DynamicLossScaler
 from stepforge.core.torch_compat import queue_backward_callback
 
-from ..grads.norm import check_clip_args, clip_, global_norm
 from ..phases import PhaseObserver, no_phase
-from ..state.partition import ShardLayout, Slot
-from .bucket_layout import pool_buffer_numel, write_own_row_last, write_rank_major
-from .buffers import BufferPool, PieceStore
-from .collectives import all_gather, all_reduce_small, reduce_scatter
+from ..state.partition import Slot
+from .buffers import BufferPool, PieceStore, write_own_row_last, write_rank_major
 
 __all__ = [
     "GradReducer",
-    "GradPieces",
     "CollectiveCounter",
     "MAX_IN_FLIGHT",
     "WireFormat",
     "FP8_DTYPE",
     "encode_fp8",
     "decode_fp8",
+    "all_gather",
+    "reduce_scatter",
+    "all_gather_name",
+    "reduce_scatter_name",
 ]
+
+# torch 2.13 deprecates ``all_gather_into_tensor``/``reduce_scatter_tensor`` for ``*_single`` (same signatures);
+# looked up at call time so that wrapping ``torch.distributed`` (tests, the benchmark) sees every call
+all_gather_name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+reduce_scatter_name = (
+    "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+)
+
+
+def all_gather(output: torch.Tensor, local: torch.Tensor, *, group: Any, async_op: bool = False) -> Any:
+    """``output`` (``W * local.numel()``) = every rank's ``local``, rank-major."""
+    return getattr(dist, all_gather_name)(output, local, group=group, async_op=async_op)
+
+
+def reduce_scatter(output: torch.Tensor, flat: torch.Tensor, *, group: Any, async_op: bool = False) -> Any:
+    """``output`` = this rank's chunk of the element-wise sum of every rank's ``flat``."""
+    return getattr(dist, reduce_scatter_name)(output, flat, group=group, async_op=async_op)
 
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -113,12 +100,12 @@ def decode_fp8(rows: torch.Tensor) -> torch.Tensor:
     return values / scales
 
 
+@dataclass
 class _Pending:
     """An asynchronous collective and what turns its wire result into the caller's tensor."""
 
-    def __init__(self, work: Any, finish: Callable[[], None]) -> None:
-        self.work = work
-        self.finish = finish
+    work: Any
+    finish: Callable[[], Any]
 
     def wait(self) -> bool:
         if self.work is not None:
@@ -129,12 +116,8 @@ class _Pending:
 
 @dataclass(frozen=True)
 class WireFormat:
-    """The dtype on the wire for gradient reductions (``None`` and ``fp8=False``: as the gradients are).
-
-    Attributes:
-        dtype: ColossalAI's ``communication_dtype`` (a floating dtype) or ``None``.
-        fp8: ColossalAI's ``fp8_communication`` (takes precedence over ``dtype``).
-    """
+    """How gradient buckets travel: ColossalAI's ``communication_dtype`` (``dtype``; ``None``: as they are) and
+    ``fp8_communication`` (``fp8``, which takes precedence)."""
 
     dtype: torch.dtype | None = None
     fp8: bool = False
@@ -162,18 +145,12 @@ class WireFormat:
             return self._done(work, lambda: out.copy_(wire_out), async_op)
         return reduce_scatter(out, flat, group=group, async_op=async_op)
 
-    def exchange_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        """The dtype rows travel in by :meth:`exchange` (``communication_dtype`` when it casts, else ``dtype``)."""
-        return self.dtype if self.dtype is not None and self.dtype != dtype else dtype
-
     def exchange(
         self, received: torch.Tensor, rows: torch.Tensor, *, rank: int, group: Any, async_op: bool
     ) -> Any:
-        """``received[i]`` = the row for rank ``rank`` from the ``i``-th other rank (rank order), where ``rows[i]``
-        is the row for the ``i``-th other rank: both ``(W - 1, n)``, ``received`` in :meth:`exchange_dtype`. One
-        ``all_to_all_single`` whose splits leave this rank out, so its own row is neither sent nor copied; the
-        transport of the ``"all_to_all"`` reduce-scatter, summed by the caller in the wire dtype (fp8 goes
-        through :meth:`reduce_scatter`, which decodes and sums itself)."""
+        """``received[i]`` = this rank's row from the ``i``-th other rank, ``rows[i]`` the row for it (both
+        ``(W - 1, n)``): one ``all_to_all_single`` whose splits leave this rank out (the ``"all_to_all"``
+        reduce-scatter's transport; the caller sums in the wire dtype; fp8 goes through :meth:`reduce_scatter`)."""
         n = rows.shape[1]
         splits = [n] * (rows.shape[0] + 1)
         splits[rank] = 0
@@ -219,16 +196,14 @@ class WireFormat:
 MAX_IN_FLIGHT = 2
 
 
+@dataclass
 class CollectiveCounter:
-    """How many reduce collectives were launched (``all_to_all``: the exchanges of the ``"all_to_all"``
-    reduce-scatter), and how many times a step's reduction was completed by :meth:`GradReducer.sync` (for tests
-    and the benchmark)."""
+    """Reduce collectives launched, by kind, and steps whose reduction :meth:`GradReducer.sync` completed."""
 
-    def __init__(self) -> None:
-        self.reduce_scatter = 0
-        self.all_reduce = 0
-        self.all_to_all = 0
-        self.syncs = 0
+    reduce_scatter: int = 0
+    all_reduce: int = 0
+    all_to_all: int = 0
+    syncs: int = 0
 
     @property
     def reductions(self) -> int:
@@ -236,39 +211,29 @@ class CollectiveCounter:
         return self.reduce_scatter + self.all_reduce + self.all_to_all
 
 
+@dataclass
 class _Bucket:
-    def __init__(self) -> None:
-        self.items: list[tuple[Slot, torch.Tensor]] = []
-        self.elements = 0  # padded elements (piece * world size per item)
+    items: list[tuple[Slot, torch.Tensor]] = field(default_factory=list)
+    elements: int = 0  # padded elements (piece * world size per item)
 
 
 @dataclass(eq=False)
 class _Flight:
-    """A launched reduction: the collective's work, the tensor this rank's pieces are read from, where each slot's
-    piece starts in it, the bucket's padded element count, and the pooled buffers to hand back when done."""
+    """A launched reduction and the pooled buffers to hand back when it is done."""
 
     work: Any
     received: torch.Tensor | None  # the reduced row (``None``: ``rows`` are summed here instead)
-    layout: list[tuple[Slot, int]]
-    elements: int
+    layout: list[tuple[Slot, int]]  # where each slot's piece starts in it
+    elements: int  # the bucket's padded element count
     buffers: list[torch.Tensor] = field(default_factory=list)
     # ``"all_to_all"``: every rank's row, in rank order
     rows: list[torch.Tensor] = field(default_factory=list)
 
 
 class GradReducer:
-    """Buckets, hooks and in-flight reductions of one ``LowLevelZeroOptimizer``.
-
-    Args:
-        slots: every managed parameter's slot.
-        stage: 1 or 2 (picks the algorithm when ``algorithm`` is ``None``: stage 1 all-reduce, stage 2
-            reduce-scatter).
-        bucket_size: elements per bucket (padded count).
-        overlap: launch collectives asynchronously.
-        group: the process group (``None``: the default group), world_size and rank in it.
-        wire: how buckets travel (``communication_dtype`` / fp8, see :mod:`.wire`); ``None``: as they are.
-        algorithm: ``"all_reduce"`` or ``"reduce_scatter"`` (see :mod:`.algorithm`).
-    """
+    """Buckets, hooks and in-flight reductions of one ``LowLevelZeroOptimizer`` over ``slots``: buckets of
+    ``bucket_size`` padded elements, launched asynchronously with ``overlap``, reduced by ``algorithm`` (see
+    :mod:`.algorithm`; ``None``: stage 1 all-reduce, stage 2 reduce-scatter) over ``group`` through ``wire``."""
 
     def __init__(
         self,
@@ -285,7 +250,6 @@ class GradReducer:
     ) -> None:
         self.slots = slots
         self.wire = wire if wire is not None else WireFormat()
-        self.stage = stage
         self.algorithm = algorithm or ("reduce_scatter" if stage == 2 else "all_reduce")
         self.bucket_size = bucket_size
         self.overlap = overlap
@@ -294,12 +258,15 @@ class GradReducer:
         self.rank = rank
         self.enabled = True
         self.synced = False  # the reduction of the gradients so far is complete (see sync)
+        self.unscaled = False  # the pieces were divided by the loss scale in this step (fp16 scaling only)
+        # where the small reductions (norm, overflow flag) run: the backend's device
+        self.comm_device = slots[0].param.device if slots else torch.device("cpu")
         self.counter = CollectiveCounter()
         self.pieces = PieceStore(slots)
         # buffers of at least a bucket, so buckets of different sizes share them, but never more than the model
         self.pool = BufferPool(
             keep=MAX_IN_FLIGHT + 1,
-            min_numel=pool_buffer_numel(bucket_size, (s.piece for s in slots), world_size),
+            min_numel=min(bucket_size, sum(s.piece for s in slots) * world_size),
         )
         self._buckets: dict[torch.dtype, _Bucket] = {}
         self._in_flight: list[_Flight] = []
@@ -318,11 +285,6 @@ class GradReducer:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-
-    def release(self) -> None:
-        """Drop the reusable storage (pieces and buffers): the optimizer was closed."""
-        self.pieces.release()
-        self.pool.clear()
 
     # -- backward side --------------------------------------------------------------------------------
     def _hook(self, param: torch.Tensor) -> None:
@@ -392,7 +354,7 @@ class GradReducer:
             layout.append((slot, offset))
             offset += slot.piece
         if exchange:
-            wire_dtype = self.wire.exchange_dtype(dtype)
+            wire_dtype = self.wire.dtype or dtype  # the rows travel and are summed in the wire dtype
             table = self.pool.take((world - 1) * per_rank, wire_dtype, device)
             others = table[: (world - 1) * per_rank].view(world - 1, per_rank)
             work = self.wire.exchange(
@@ -445,17 +407,13 @@ class GradReducer:
         if flight.work is not None:  # None: a synchronous collective, already done
             flight.work.wait()
         with self.phase("grad_to_pieces"):
-            if flight.received is not None:
-                self._accumulate(flight.received, flight.layout)
-            else:
+            if flight.received is None:
                 self._accumulate_rows(flight.rows, flight.layout)
+            else:  # each slot's piece of the reduced row
+                for slot, offset in flight.layout:
+                    self._add_piece(slot, flight.received[offset : offset + slot.valid])
         for buffer in flight.buffers:
             self.pool.give(buffer)
-
-    def _accumulate(self, received: torch.Tensor, layout: list[tuple[Slot, int]]) -> None:
-        """Add each slot's piece of the reduced ``received`` into its reduced gradient."""
-        for slot, offset in layout:
-            self._add_piece(slot, received[offset : offset + slot.valid])
 
     def _accumulate_rows(self, rows: list[torch.Tensor], layout: list[tuple[Slot, int]]) -> None:
         """Sum each slot's piece of every rank's row (their dtype, rank order) into its reduced gradient: the
@@ -495,28 +453,32 @@ class GradReducer:
         for flight in in_flight:
             self._finish(flight)
 
-    def flush_local(self) -> None:
-        """Reduce gradients still held in ``param.grad`` (accumulated under ``no_sync``), then :meth:`wait`."""
-        for slot in self.slots:
-            grad = slot.param.grad
-            if grad is not None:
-                self._add(slot, grad)
-                slot.param.grad = None
-        self.wait()
-
     def sync(self) -> bool:
-        """Complete the reduction of every gradient produced so far, once: :meth:`flush_local`, then mark it
-        done until the next backward reaches a managed parameter. Returns whether it did the work (``False``:
-        already synced, nothing changed since)."""
+        """``LowLevelZeroOptimizer.sync_grads``: reduce what ``no_sync`` left in ``param.grad`` and :meth:`wait`,
+        once until the next backward reaches a managed parameter (inside ``no_sync`` only wait); returns whether
+        it did. A backward after this step's unscaling is an error (scaled and unscaled gradients would sum)."""
+        if self.unscaled and not self.synced:
+            raise RuntimeError(
+                "LowLevelZeroOptimizer: a backward ran after unscale_() / clip_grad_norm_() in this step, so "
+                "loss-scaled gradients would be added to unscaled ones; run every backward of the step first, "
+                "then clip and step (or call zero_grad() to start the step again)."
+            )
+        if not self.enabled:
+            self.wait()
+            return False
         if self.synced:
             return False
-        self.flush_local()
+        for slot in self.slots:
+            if slot.param.grad is not None:
+                self._add(slot, slot.param.grad)
+                slot.param.grad = None
+        self.wait()
         self.synced = True
         self.counter.syncs += 1
         return True
 
     def discard(self) -> None:
-        """Finish the reductions in flight and drop them with the unlaunched buckets (``zero_grad``)."""
+        """Finish the reductions in flight and drop them with the unlaunched buckets."""
         in_flight, self._in_flight = self._in_flight, []
         for flight in in_flight:
             if flight.work is not None:
@@ -527,62 +489,30 @@ class GradReducer:
         self.synced = False
 
     @property
-    def pending(self) -> bool:
-        """Whether reductions are in flight or buckets hold gradients."""
-        return bool(self._in_flight) or any(b.items for b in self._buckets.values())
+    def held(self) -> bool:
+        """Whether reduced pieces exist, reductions are in flight or buckets hold gradients."""
+        return (
+            bool(self._in_flight)
+            or any(b.items for b in self._buckets.values())
+            or any(s.grad is not None for s in self.slots)
+        )
 
-
-class GradPieces:
-    """The gradient side of one ``LowLevelZeroOptimizer``.
-
-    Args:
-        layout: the sharding (``slot.grad`` holds the reduced piece, ``valid`` elements, master dtype).
-        reducer: the bucketed reduction that fills the pieces.
-    """
-
-    def __init__(self, layout: ShardLayout, reducer: GradReducer) -> None:
-        self.layout = layout
-        self.reducer = reducer
-        self.unscaled = False  # the pieces were divided by the loss scale in this step (fp16 scaling only)
-        # where the small reductions (norm, overflow flag) run: the backend's device
-        self.comm_device = layout.slots[0].param.device if layout.slots else torch.device("cpu")
-
-    def tensors(self) -> list[torch.Tensor]:
-        """The non-empty reduced pieces."""
-        return [s.grad for s in self.layout.slots if s.grad is not None and s.grad.numel() > 0]
+    # -- what a step does to the pieces --------------------------------------------------------------------
+    def _grads(self) -> list[torch.Tensor]:
+        return [s.grad for s in self.slots if s.grad is not None and s.grad.numel() > 0]
 
     def all_reduce(self, value: torch.Tensor, op: dist.ReduceOp | dist.ReduceOp.RedOpType) -> torch.Tensor:
-        """A few elements reduced over the group (result on the CPU)."""
-        return all_reduce_small(value, op, self.layout, self.comm_device)
-
-    def sync(self, require_grad_sync: bool) -> bool:
-        """See ``LowLevelZeroOptimizer.sync_grads``.
-
-        Raises:
-            RuntimeError: a backward ran after the pieces were unscaled in this step (scaled and unscaled
-                gradients would be summed).
-        """
-        if self.unscaled and not self.reducer.synced:
-            raise RuntimeError(
-                "LowLevelZeroOptimizer: a backward ran after unscale_() / clip_grad_norm_() in this step, so "
-                "loss-scaled gradients would be added to unscaled ones; run every backward of the step first, "
-                "then clip and step (or call zero_grad() to start the step again)."
-            )
-        if not require_grad_sync:
-            self.reducer.wait()
-            return False
-        return self.reducer.sync()
-
-    @property
-    def held(self) -> bool:
-        """Whether reduced pieces exist or reductions are pending."""
-        return self.reducer.pending or any(s.grad is not None for s in self.layout.slots)
+        """A few elements reduced over the group on the backend's device; the result on the CPU."""
+        if self.world_size > 1:
+            value = value.to(self.comm_device)
+            dist.all_reduce(value, op=op, group=self.group)
+        return value.cpu()
 
     def scale_(self, factor: float) -> None:
         """Multiply the pieces and any local ``param.grad`` (a ``no_sync`` window) by ``factor``."""
-        for grad in self.tensors():
+        for grad in self._grads():
             grad.mul_(factor)
-        for slot in self.layout.slots:
+        for slot in self.slots:
             if slot.param.grad is not None:
                 slot.param.grad.mul_(factor)
 
@@ -591,51 +521,64 @@ class GradPieces:
         any rank's pieces hold an inf or NaN (one one-element all-reduce over its group). ``None``: no loss
         scaling, nothing to do."""
         if scaler is not None and not self.unscaled:
-            scaler.unscale_grads_(self.tensors())
+            scaler.unscale_grads_(self._grads())
             self.unscaled = True
 
     def clip_(self, max_norm: float, norm_type: float) -> torch.Tensor:
-        """Clip by the norm over every rank's pieces (``torch.nn.utils.clip_grad_norm_``'s rule); returns it."""
-        norm_type = check_clip_args(max_norm, norm_type)
-        grads = self.tensors()
-        norm = global_norm(grads, norm_type, self.all_reduce)
-        clip_(grads, norm, max_norm)
+        """Clip by the ``norm_type``-norm over every rank's pieces with ``torch.nn.utils.clip_grad_norm_``'s rule
+        (multiply by ``min(1, max_norm / (norm + 1e-6))``); returns that norm (fp32). Partial sums are taken in
+        float64 and combined with one one-element all-reduce (SUM, or MAX for inf)."""
+        grads = self._grads()
+        zero = torch.zeros((), dtype=torch.float64)
+        if math.isinf(norm_type):
+            local = max((g.abs().max().double().cpu() for g in grads), default=zero)
+            norm = self.all_reduce(local.reshape(1), dist.ReduceOp.MAX)[0].float()
+        else:
+            local = sum(
+                (
+                    torch.linalg.vector_norm(g, norm_type, dtype=torch.float64).cpu() ** norm_type
+                    for g in grads
+                ),
+                zero,
+            )
+            norm = (self.all_reduce(local.reshape(1), dist.ReduceOp.SUM)[0] ** (1.0 / norm_type)).float()
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for grad in grads:
+            grad.mul_(coef.to(grad.device, grad.dtype))
         return norm
 
     @torch.no_grad()
-    def full_grad(self, slot: Slot, require_grad_sync: bool) -> torch.Tensor | None:
-        """The full reduced gradient of ``slot``'s parameter, shaped and typed like it (collective: every rank
-        asks for the same slot): synchronised first, then the pieces all-gathered. ``None`` when some rank
-        holds no gradient for it."""
-        self.sync(require_grad_sync)
-        layout = self.layout
+    def full_grad(self, slot: Slot) -> torch.Tensor | None:
+        """The full reduced gradient of ``slot``'s parameter, shaped and typed like it, or ``None`` when a rank
+        holds none (collective: synchronised, then the pieces all-gathered)."""
+        self.sync()
         held = torch.tensor([float(slot.grad is not None)])
-        if layout.world_size > 1 and self.all_reduce(held, dist.ReduceOp.MIN)[0] == 0:
+        if self.world_size > 1 and self.all_reduce(held, dist.ReduceOp.MIN)[0] == 0:
             return None
         if slot.grad is None:
             return None
         local = torch.zeros(slot.piece, dtype=slot.grad.dtype, device=self.comm_device)
         local[: slot.valid].copy_(slot.grad)
         table = local
-        if layout.world_size > 1:
-            table = local.new_empty(layout.world_size * slot.piece)
-            all_gather(table, local, group=layout.group)
-        full = table[: slot.numel].view_as(slot.param)
-        return full.to(device=slot.param.device, dtype=slot.param.dtype)
+        if self.world_size > 1:
+            table = local.new_empty(self.world_size * slot.piece)
+            all_gather(table, local, group=self.group)
+        return table[: slot.numel].view_as(slot.param).to(device=slot.param.device, dtype=slot.param.dtype)
 
     def close(self) -> None:
         """Stop taking gradients: remove the hooks, finish the reductions in flight, drop the pieces and the
-        reusable storage."""
-        self.reducer.remove_hooks()
-        self.reducer.discard()
-        self.reducer.release()
-        for slot in self.layout.slots:
+        reusable storage (pieces and buffers)."""
+        self.remove_hooks()
+        self.discard()
+        for slot in self.slots:
             slot.grad = None
+        self.pieces.release()
+        self.pool.clear()
 
     def zero_(self, set_to_none: bool) -> None:
         """Drop reductions in flight, the pieces (or zero them) and any local ``param.grad``."""
-        self.reducer.discard()
-        for slot in self.layout.slots:
+        self.discard()
+        for slot in self.slots:
             if set_to_none or slot.grad is None:
                 slot.grad = None
             else:

@@ -1,16 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """ColossalAI's ``extra_dp_group``: ZeRO over the 2-D grid that ``extra_dp_group`` x ``dp_process_group`` span.
 
-ColossalAI shards every parameter over the product of the two groups (its "nd" world: rank
-``extra_rank * dp_size + dp_rank``) and runs each collective as two hierarchical ones, first over the extra
-group, then over the inner one. The sharding and the sums are those of one group over the grid's ranks, so
-stepforge builds that group and runs flat collectives over it: the same pieces per rank count and the same
-averaged gradients, one collective instead of two (rank order: the global ranks sorted, which for
-``LowLevelZeroPlugin(extra_dp_size=...)``'s grid -- global rank ``e * inner + d`` -- is ColossalAI's nd order).
-
-Building the group is collective over the default group: every rank of it must construct its optimizer
-together (each contributes its two groups' ranks through one ``all_gather_object``; the grids are then created
-in the same order everywhere, as ``torch.distributed.new_group`` requires).
+ColossalAI shards over the product of the two groups (rank ``extra_rank * dp_size + dp_rank``) with two
+hierarchical collectives; the pieces and sums are those of one group over the grid's ranks, so stepforge builds
+that group (global ranks sorted: ColossalAI's order for ``LowLevelZeroPlugin(extra_dp_size=...)``'s grid) and runs
+one flat collective. Building it is collective over the default group (one ``all_gather_object`` of each rank's
+two groups, then every grid created in the same order everywhere, as ``new_group`` requires).
 """
 
 from __future__ import annotations
@@ -21,27 +16,7 @@ import torch.distributed as dist
 
 from stepforge.core import HyperParameterError
 
-__all__ = ["grid_group", "mesh_groups"]
-
-
-def _components(pairs: list[tuple[list[int], list[int]]]) -> list[frozenset[int]]:
-    """The sets of ranks connected by sharing an extra or an inner group (union-find over the pairs)."""
-    parent: dict[int, int] = {}
-
-    def find(x: int) -> int:
-        while parent.setdefault(x, x) != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    for extra, inner in pairs:
-        members = list(extra) + list(inner)
-        for other in members[1:]:
-            parent[find(other)] = find(members[0])
-    groups: dict[int, set[int]] = {}
-    for rank in parent:
-        groups.setdefault(find(rank), set()).add(rank)
-    return sorted((frozenset(g) for g in groups.values()), key=min)
+__all__ = ["grid_group"]
 
 
 def grid_group(extra_dp_group: Any, dp_process_group: Any) -> Any:
@@ -54,7 +29,21 @@ def grid_group(extra_dp_group: Any, dp_process_group: Any) -> Any:
     inner = dist.get_process_group_ranks(dp_process_group)
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (extra, inner))
-    grids = _components([tuple(p) for p in everyone])
+    parent: dict[int, int] = {}  # union-find: ranks connected by sharing an extra or an inner group
+
+    def find(x: int) -> int:
+        while parent.setdefault(x, x) != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for members in (list(extra_) + list(inner_) for extra_, inner_ in everyone):
+        for other in members[1:]:
+            parent[find(other)] = find(members[0])
+    components: dict[int, set[int]] = {}
+    for member in parent:
+        components.setdefault(find(member), set()).add(member)
+    grids = sorted((frozenset(g) for g in components.values()), key=min)
     rank = dist.get_rank()
     mine = next(g for g in grids if rank in g)
     if len(mine) != len(extra) * len(inner) or set(extra) & set(inner) != {rank}:
@@ -71,29 +60,3 @@ def grid_group(extra_dp_group: Any, dp_process_group: Any) -> Any:
         if rank in grid:
             chosen = group
     return chosen
-
-
-def mesh_groups(extra_dp_size: int) -> tuple[Any, Any]:
-    """``(extra_dp_group, dp_process_group)`` of this rank on ColossalAI's ``ProcessGroupMesh(extra_dp_size,
-    world // extra_dp_size)``: global rank ``e * inner + d``; the extra group varies ``e``, the inner one ``d``.
-    Collective over the default group (every rank creates every group).
-
-    Raises:
-        HyperParameterError: ``extra_dp_size`` does not divide the world size.
-    """
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if world % extra_dp_size:
-        raise HyperParameterError(
-            f"LowLevelZeroPlugin: extra_dp_size={extra_dp_size} must divide the world size {world}."
-        )
-    inner = world // extra_dp_size
-    extra_group = dp_group = None
-    for d in range(inner):
-        group = dist.new_group([e * inner + d for e in range(extra_dp_size)])
-        if rank % inner == d:
-            extra_group = group
-    for e in range(extra_dp_size):
-        group = dist.new_group([e * inner + d for d in range(inner)])
-        if rank // inner == e:
-            dp_group = group
-    return extra_group, dp_group

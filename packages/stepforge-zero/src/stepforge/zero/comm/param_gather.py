@@ -1,28 +1,21 @@
 # SPDX-License-Identifier: Apache-2.0
 """The parameter gather after a step: every rank's updated master pieces into every rank's working parameters.
 
-:func:`launch_gather` starts the collectives and returns a :class:`GatherInFlight`; :func:`gather_params` waits
-for it at once (ColossalAI's default). With ``overlap_allgather`` the optimizer instead lets the next forward
-wait: :meth:`GatherInFlight.wait_in_forward` installs a global forward pre-hook
-(``torch.nn.modules.module.register_module_forward_pre_hook``) that, before a module runs, waits only for the
-collectives that carry that module's own parameters, and removes itself once everything arrived. The
-collectives are launched in parameter order (a model's registration order is, for almost every model, the
-order its forward uses them), small parameters first in one staged collective, so the first layers can start
-while the last ones are still on the wire.
+:func:`launch_gather` starts the collectives in parameter order (for almost every model the order its forward uses
+them), small parameters first in one staged collective; the optimizer waits for the returned
+:class:`GatherInFlight` at once (ColossalAI's default) or, with ``overlap_allgather``, lets each module's next
+forward wait for its own parameters only (:meth:`GatherInFlight.wait_in_forward`, a global forward pre-hook).
 
-Methods (see ``LowLevelZeroOptimizer(param_gather=...)``):
-
-- ``"broadcast"``: every contiguous parameter of at least ``direct_min`` elements gets one broadcast per rank of
-  that rank's piece, in place in the parameter's own memory; the smaller ones of a partition are staged into
-  one buffer and gathered by one broadcast per rank (gloo's broadcast is several times faster than its
-  all-gather on the CPU).
-- ``"all_gather"``: the partition's padded per-rank pieces are all-gathered (one collective per partition, or
-  per chunk of about ``chunk`` elements when the gather is overlapped, so the first chunk lands first).
+Methods (``LowLevelZeroOptimizer(param_gather=...)``): ``"broadcast"`` broadcasts each rank's piece of every
+contiguous parameter of at least ``direct_min`` elements in place, and the smaller ones staged in one table per
+partition (gloo's broadcast is several times faster than its all-gather on the CPU); ``"all_gather"`` all-gathers
+each partition's padded pieces (per chunk of about ``chunk`` elements when overlapped, so the first lands first).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +24,7 @@ import torch.distributed as dist
 from torch.nn.modules.module import register_module_forward_pre_hook
 
 from ..state.partition import Partition, ShardLayout, Slot, local_range
-from .collectives import all_gather
+from .grad_reducer import all_gather
 
 __all__ = [
     "DIRECT_MIN",
@@ -39,8 +32,6 @@ __all__ = [
     "GatherInFlight",
     "StagingBuffers",
     "launch_gather",
-    "gather_params",
-    "gather_after_step",
     "split_direct",
 ]
 
@@ -98,12 +89,6 @@ class GatherInFlight:
         """Whether the forward pre-hook of :meth:`wait_in_forward` is installed."""
         return self._hook is not None
 
-    def wait_params(self, params: Iterable[torch.Tensor]) -> None:
-        """Wait for the collectives that carry ``params`` (other parameters may still be on the wire)."""
-        for param in params:
-            for entry in self._by_param.get(id(param), ()):
-                entry.wait()
-
     def wait_all(self) -> None:
         """Wait for everything, in launch order, and remove the forward hook."""
         for entry in self.entries:
@@ -111,13 +96,14 @@ class GatherInFlight:
         self._remove_hook()
 
     def wait_in_forward(self) -> None:
-        """Let each module's forward wait for its own parameters (a global forward pre-hook, removed once the
-        whole gather arrived)."""
+        """Let each module's forward wait for its own parameters (a hook removed once everything arrived)."""
         if self.done:
             return
 
         def before_forward(module: torch.nn.Module, args: Any) -> None:
-            self.wait_params(module.parameters(recurse=False))
+            for param in module.parameters(recurse=False):  # other parameters may still be on the wire
+                for entry in self._by_param.get(id(param), ()):
+                    entry.wait()
             if self.done:
                 self._remove_hook()
 
@@ -134,14 +120,9 @@ def _source(src: int, group: Any) -> int:
 
 
 class StagingBuffers:
-    """The staged gathers' tables, kept from step to step.
-
-    A table is ``(world, n)``: row ``r`` holds rank ``r``'s pieces of one chunk of small parameters side by side,
-    each padded to ``piece``. Allocating it again every step costs a page fault per 4 KiB on the CPU (it is written
-    by the collective and read back once); kept, it costs its bytes between steps, reported by :attr:`held_bytes`
-    beside the 1/N shards. A table is reused only after the gather that filled it was waited for (the optimizer
-    waits before it launches the next one).
-    """
+    """The staged gathers' tables (``(world, n)``: row ``r`` holds rank ``r``'s padded pieces of one chunk), kept
+    from step to step: allocated every step they cost a page fault per 4 KiB on the CPU; kept, their bytes
+    (:attr:`held_bytes`) beside the 1/N shards. The optimizer waits for a gather before it launches the next."""
 
     def __init__(self) -> None:
         self._tables: dict[tuple[int, int], torch.Tensor] = {}
@@ -165,22 +146,6 @@ class StagingBuffers:
         return sum(t.numel() * t.element_size() for t in self._tables.values())
 
 
-def _offsets(slots: list[Slot]) -> tuple[list[int], int]:
-    """Where each slot's padded piece starts in a row of its chunk's table, and the row's length."""
-    offsets, size = [], 0
-    for slot in slots:
-        offsets.append(size)
-        size += slot.piece
-    return offsets, size
-
-
-def _stage(row: torch.Tensor, slots: list[Slot], offsets: list[int]) -> None:
-    """This rank's updated pieces into ``row`` (the padding is left as it is: never read back)."""
-    for slot, offset in zip(slots, offsets, strict=True):
-        if slot.valid:
-            row[offset : offset + slot.valid].copy_(slot.master)
-
-
 def _scatter_table(table: torch.Tensor, slots: list[Slot], offsets: list[int], rank: int) -> None:
     """Every rank's row of ``table`` into the working parameters, in place (no temporary for a contiguous
     parameter). This rank's own piece is skipped where the master is a view into the parameter: the step already
@@ -193,21 +158,16 @@ def _scatter_table(table: torch.Tensor, slots: list[Slot], offsets: list[int], r
         if not slot.param.is_contiguous():
             slot.param.copy_(columns.reshape(-1)[: slot.numel].view_as(slot.param))
             continue
-        rows = ((0, world),) if slot.separate_master else ((0, rank), (rank + 1, world))
-        for first, stop in rows:
-            _copy_rows(slot.param.view(-1), columns, slot.piece, first, stop)
-
-
-def _copy_rows(flat: torch.Tensor, columns: torch.Tensor, piece: int, first: int, stop: int) -> None:
-    """Ranks ``[first, stop)``'s pieces from ``columns`` (``(world, piece)``) into ``flat``. The pieces lie in
-    rank order in the flat parameter, so the whole ones are one strided copy and a last short one another: at
-    most two copies at any world size (a copy per rank was hundreds of thousands a step at 1024 ranks)."""
-    whole, rest = divmod(flat.numel(), piece)
-    end = min(stop, whole)
-    if end > first:
-        flat[first * piece : end * piece].view(end - first, piece).copy_(columns[first:end])
-    if rest and first <= whole < stop:
-        flat[whole * piece :].copy_(columns[whole, :rest])
+        # the pieces lie in rank order in the flat parameter: the whole ones are one strided copy and a last short
+        # one another, at most two copies at any world size (a copy per rank was 100 000s a step at 1024 ranks)
+        flat, piece = slot.param.view(-1), slot.piece
+        whole, rest = divmod(slot.numel, piece)
+        for first, stop in ((0, world),) if slot.separate_master else ((0, rank), (rank + 1, world)):
+            end = min(stop, whole)
+            if end > first:
+                flat[first * piece : end * piece].view(end - first, piece).copy_(columns[first:end])
+            if rest and first <= whole < stop:
+                flat[whole * piece :].copy_(columns[whole, :rest])
 
 
 def _launch_staged(
@@ -219,20 +179,24 @@ def _launch_staged(
     key: tuple[int, int],
 ) -> _Entry:
     world, group = layout.world_size, layout.group
-    offsets, size = _offsets(slots)
+    # each padded piece's place in a row of the table, and the row's length
+    *offsets, size = itertools.accumulate((s.piece for s in slots), initial=0)
     table = staging.table(key, world, size, part)
-    params = [s.param for s in slots]
+    # this rank's updated pieces into its row (a copy for all_gather, whose input may not alias its output)
+    local = table[layout.rank] if method == "broadcast" else table[layout.rank].clone()
+    for slot, offset in zip(slots, offsets, strict=True):
+        if slot.valid:  # the padding is left as it is: never read back
+            local[offset : offset + slot.valid].copy_(slot.master)
     if method == "broadcast":
-        _stage(table[layout.rank], slots, offsets)
         works = [
             dist.broadcast(table[src], src=_source(src, group), group=group, async_op=True)
             for src in range(world)
         ]
     else:
-        local = table[layout.rank].clone()  # all_gather_into_tensor's input may not alias its output
-        _stage(local, slots, offsets)
         works = [all_gather(table.view(-1), local, group=group, async_op=True)]
-    return _Entry(works, params, then=lambda: _scatter_table(table, slots, offsets, layout.rank))
+    return _Entry(
+        works, [s.param for s in slots], then=lambda: _scatter_table(table, slots, offsets, layout.rank)
+    )
 
 
 def _launch_direct(layout: ShardLayout, slot: Slot) -> _Entry:
@@ -283,17 +247,10 @@ def launch_gather(
     chunk: int | None = None,
     staging: StagingBuffers | None = None,
 ) -> GatherInFlight:
-    """Start gathering every rank's master pieces into the working parameters (see the module docstring).
-
-    Args:
-        layout: the sharding.
-        method: ``"broadcast"`` or ``"all_gather"``.
-        direct_min: with ``"broadcast"``: the smallest parameter broadcast in place.
-        chunk: per-rank elements per staged collective (``None``: one per partition).
-        staging: where the ``"broadcast"`` tables of the small parameters are kept between calls (``None``: fresh
-            ones). The ``"all_gather"`` tables hold whole partitions and are always fresh: kept, they would cost a
-            copy of the parameters between steps.
-    """
+    """Start gathering every rank's master pieces into the working parameters by ``method`` (see the module
+    docstring): ``chunk`` per-rank elements per staged collective (``None``: one per partition), ``"broadcast"``'s
+    tables kept in ``staging`` (``"all_gather"``'s hold whole partitions and are always fresh: kept, they would
+    cost a copy of the parameters between steps)."""
     flight = GatherInFlight()
     if layout.world_size == 1:
         for slot in layout.slots:  # nothing to exchange: the masters are the whole parameters
@@ -315,24 +272,3 @@ def launch_gather(
             for c, slots in enumerate(_chunks(part.slots, chunk)):
                 flight.add(_launch_staged(layout, part, slots, method, staging, (p, c)))
     return flight
-
-
-def gather_params(
-    layout: ShardLayout, method: str, *, direct_min: int = DIRECT_MIN, staging: StagingBuffers | None = None
-) -> None:
-    """:func:`launch_gather` and wait for all of it: one all-gather per partition, or the broadcasts."""
-    launch_gather(layout, method, direct_min=direct_min, staging=staging).wait_all()
-
-
-def gather_after_step(
-    layout: ShardLayout, method: str, *, overlap: bool, staging: StagingBuffers
-) -> GatherInFlight | None:
-    """The gather at the end of a step: waited at once, or with ``overlap`` (over more than one rank) launched
-    in chunks of :data:`GATHER_CHUNK` and left for each module's next forward to wait for; the gather in flight
-    is returned, for the caller to wait on before it reads or writes the parameters itself."""
-    if overlap and layout.world_size > 1:
-        flight = launch_gather(layout, method, chunk=GATHER_CHUNK, staging=staging)
-        flight.wait_in_forward()
-        return flight
-    gather_params(layout, method, staging=staging)
-    return None

@@ -1,13 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """``LowLevelZeroPlugin`` for the Booster of stepforge-strategy (``plugin="low_level_zero"``, ``"zero1"``,
-``"zero2"``).
-
-- :mod:`.low_level_zero`: the plugin (ColossalAI's signature) and ``Zero1Plugin``/``Zero2Plugin``.
-- :mod:`.model`: :class:`LowLevelZeroModel`, the prepared model (working dtype, input casting, waits for the
-  optimizer's parameter gather) and the precision table.
-- :mod:`.options`: the checks of the plugin's own arguments.
-- :mod:`.lora`: peft adapters join the optimizer built over the base model.
-"""
+``"zero2"``): the plugin (:mod:`.low_level_zero`), the prepared model (:mod:`.model`), its memory plan
+(:mod:`.memory_plan`) and peft adapters (:mod:`.lora`)."""
 
 from __future__ import annotations
 

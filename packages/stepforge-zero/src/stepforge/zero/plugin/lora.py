@@ -1,12 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """LoRA under ZeRO: peft's adapter parameters join the optimizer that was built over the base model.
 
-ColossalAI's ``LowLevelZeroPlugin`` does this when LoRA is enabled, so the usual order works: build the optimizer
-over ``model.parameters()``, ``booster.enable_lora(model, lora_config=...)`` (peft freezes those parameters and
-adds ``lora_A``/``lora_B`` layers), then ``boost``: each adapter parameter the optimizer does not hold joins the
-param group of its layer's frozen base weight (``<layer>.base_layer.*``). The frozen weights themselves are not
-managed by ``LowLevelZeroOptimizer`` (no master, no state). Read from peft's parameter names alone (peft is not
-imported here).
+As ColossalAI's ``LowLevelZeroPlugin`` with LoRA: build the optimizer over ``model.parameters()``, then
+``booster.enable_lora`` (peft freezes those and adds ``lora_A``/``lora_B`` layers), then ``boost``: each adapter
+the optimizer does not hold joins the param group of its layer's frozen base weight (``<layer>.base_layer.*``).
+Read from peft's parameter names alone (peft is not imported here).
 """
 
 from __future__ import annotations
@@ -24,15 +22,6 @@ ADAPTER_PREFIX = "lora_"
 logger = logging.getLogger("stepforge.zero")
 
 
-def _base_prefix(name: str) -> str | None:
-    """``"<layer>.base_layer."`` for an adapter parameter named ``"<layer>.lora_A.<adapter>.weight"``."""
-    parts = name.split(".")
-    at = next((i for i, part in enumerate(parts) if part.startswith(ADAPTER_PREFIX)), None)
-    if not at:  # not an adapter, or one at the root without a layer around it
-        return None
-    return ".".join(parts[:at]) + ".base_layer."
-
-
 def add_adapters_to_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
     """Append every trainable adapter parameter of ``model`` that ``optimizer`` does not hold to the param
     group of its layer's base weight; returns their names. An adapter whose base weight is not in the optimizer
@@ -47,10 +36,12 @@ def add_adapters_to_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer
             group_of_base.setdefault(layer, held[id(param)])
     added: list[str] = []
     for name, param in named:
-        base = _base_prefix(name)
-        if base is None or not param.requires_grad or id(param) in held:
+        # "<layer>.lora_A.<adapter>.weight" -> "<layer>.base_layer." (none for an adapter at the root)
+        parts = name.split(".")
+        at = next((i for i, part in enumerate(parts) if part.startswith(ADAPTER_PREFIX)), None)
+        if not at or not param.requires_grad or id(param) in held:
             continue
-        group = group_of_base.get(base)
+        group = group_of_base.get(".".join(parts[:at]) + ".base_layer.")
         if group is None:
             logger.warning(
                 "LoRA parameter %s: its base layer is not in the optimizer; it will not be trained", name

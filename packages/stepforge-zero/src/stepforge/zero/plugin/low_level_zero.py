@@ -7,12 +7,8 @@ wraps the optimizer in :class:`~stepforge.zero.low_level.LowLevelZeroOptimizer` 
 :class:`~stepforge.zero.config.LowLevelZeroConfig` (built once here, passed through unchanged). Unlike ColossalAI, ``no_sync``
 works for both stages and checkpoints go through ``torch.distributed.checkpoint`` in the layout every plugin shares
 (by parameter name, in each parameter's shape), loadable under any plugin at any world size. LoRA (peft) models are
-supported as in ColossalAI (:mod:`.lora`).
-
-The plugin subclasses :class:`stepforge.core.Plugin` (device, ``world_size``/``rank``, precision adoption,
-``prepare_dataloader``, ``configure`` come from there); its precisions are the plugin precisions of
-:mod:`stepforge.core.precision` and its loss-scaler arguments are checked by that module's
-``validate_loss_scaler_args``.
+supported as in ColossalAI (:mod:`.lora`). Device, precision adoption, ``prepare_dataloader`` and ``configure``
+come from :class:`stepforge.core.Plugin`.
 """
 
 from __future__ import annotations
@@ -22,24 +18,17 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from stepforge.core import BoostedOptimizer, HyperParameterError, MemoryPlan, Plugin, param_fqns
+from stepforge.core import BoostedOptimizer, HyperParameterError, Plugin, param_fqns
 from stepforge.core.precision import PLUGIN_PRECISIONS, check_plugin_precision, validate_loss_scaler_args
 
 from ..comm.algorithm import COLOSSAL_BUCKET_SIZE
-from ..comm.grid import grid_group, mesh_groups
 from ..config import LowLevelZeroConfig
 from ..low_level import LowLevelZeroOptimizer
 from .lora import add_adapters_to_optimizer
+from .memory_plan import zero_memory_plan
 from .model import PRECISIONS, LowLevelZeroModel, explain_precision_errors, unwrap_prepared
-from .options import (
-    check_extra_dp_size,
-    check_flags,
-    check_number,
-    fixed_stage,
-    listed_optimizers,
-    single_optimizer,
-)
 
 __all__ = ["LowLevelZeroPlugin", "Zero1Plugin", "Zero2Plugin"]
 
@@ -57,27 +46,21 @@ _OWNER = "LowLevelZeroPlugin"
 class LowLevelZeroPlugin(Plugin):
     """ZeRO-1/2 (optimizer state, and for stage 2 also gradients, sharded over the data-parallel ranks).
 
-    Args (ColossalAI's ``LowLevelZeroPlugin`` names and defaults):
+    Args (ColossalAI's ``LowLevelZeroPlugin`` names and defaults; as ``LowLevelZeroOptimizer``'s unless said):
         stage: 1 (state sharded, gradients all-reduced) or 2 (gradients reduce-scattered too).
         precision: ``"fp32"``, ``"fp16"`` (dynamic loss scaling) or ``"bf16"``: the working dtype of the model.
-        initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis, max_scale: the
-            fp16 dynamic loss scaler (ignored for fp32/bf16).
-        max_norm: clip the global gradient norm to this inside ``optimizer.step()``; 0 disables.
+        initial_scale, ..., max_scale: the fp16 dynamic loss scaler (ignored for fp32/bf16).
+        max_norm, norm_type: clip the global gradient norm inside ``optimizer.step()`` (0: off; any p > 0 or
+            ``inf``, where ColossalAI allows only 2.0).
         reduce_bucket_size_in_m: gradient bucket size in millions of elements; ``None``: 4 on gloo (measured,
             ``stepforge.zero.comm.algorithm.GLOO_BUCKET_SIZE``), ColossalAI's 12 elsewhere.
-        overlap_communication: issue gradient reductions from backward hooks asynchronously.
-        cpu_offload: keep master shards, gradient shards and optimizer state on CPU (use ``CPUAdam``).
-        master_weights: keep fp32 master shards for fp16/bf16 working params.
-        norm_type: the norm of ``max_norm`` clipping (ColossalAI allows only 2.0; any p > 0 or ``inf`` here).
-        communication_dtype: the dtype gradients are reduced in on the wire (``None``: the working dtype).
+        overlap_communication, cpu_offload, master_weights, communication_dtype, fp8_communication, verbose.
         overlap_allgather: the updated pieces are gathered while the next forward runs (each module waits for
             its own parameters); the prepared model's ``state_dict``/``load_state_dict``/``unwrap`` wait first.
-        verbose: the optimizer logs skipped steps and its set-up on the ``stepforge.zero`` logger (INFO).
         cast_inputs: cast floating-point inputs of the forward to the working dtype.
-        fp8_communication: gradients travel as fp8 bytes, summed in fp32 (``LowLevelZeroOptimizer``).
         use_fp8: fp8 matrix multiplies in the forward: only ``False`` (a ``True`` is refused, see the README).
-        extra_dp_size: > 1: ColossalAI's ``ProcessGroupMesh(extra_dp_size, world // extra_dp_size)``; the
-            optimizer shards over that 2-D grid (needs ``torch.distributed`` initialised when built).
+        extra_dp_size: > 1: ColossalAI's ``ProcessGroupMesh(extra_dp_size, world // extra_dp_size)``, a grid of
+            every rank: the optimizer shards over the default group (``torch.distributed`` initialised first).
 
     Raises:
         HyperParameterError: a bad argument (the message names it and the allowed values).
@@ -113,14 +96,19 @@ class LowLevelZeroPlugin(Plugin):
         # a precision left at its default may be replaced by the Booster's mixed_precision (set_precision)
         explicit = None if precision is _FP16_DEFAULT else check_plugin_precision(precision, owner=_OWNER)
         super().__init__(precision=explicit, default_precision="fp16")
-        if reduce_bucket_size_in_m is not None:
-            check_number("reduce_bucket_size_in_m", reduce_bucket_size_in_m, 0.0, strict=True)
+        size = reduce_bucket_size_in_m
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int | float) or not size > 0):
+            raise HyperParameterError(
+                f"LowLevelZeroPlugin: reduce_bucket_size_in_m must be a number > 0, got {size!r}."
+            )
         scaler = validate_loss_scaler_args(
             _OWNER, initial_scale=initial_scale, min_scale=min_scale, growth_factor=growth_factor,
             backoff_factor=backoff_factor, growth_interval=growth_interval, hysteresis=hysteresis,
             max_scale=max_scale,
         )  # fmt: skip
-        check_flags(cast_inputs=cast_inputs, use_fp8=use_fp8)
+        for name, value in (("cast_inputs", cast_inputs), ("use_fp8", use_fp8)):
+            if not isinstance(value, bool):
+                raise HyperParameterError(f"LowLevelZeroPlugin: {name} must be a bool, got {value!r}.")
         if use_fp8:
             raise HyperParameterError(
                 "LowLevelZeroPlugin: use_fp8=True (fp8 matrix multiplies in the forward, ColossalAI's FP8Hook) is "
@@ -137,16 +125,32 @@ class LowLevelZeroPlugin(Plugin):
         )  # fmt: skip
         self.stage, self.max_norm, self.verbose = stage, self.config.max_norm, verbose
         self.cast_inputs, self.use_fp8 = cast_inputs, use_fp8
-        self.extra_dp_size = check_extra_dp_size(extra_dp_size)
+        if isinstance(extra_dp_size, bool) or not isinstance(extra_dp_size, int) or extra_dp_size < 1:
+            raise HyperParameterError(
+                "LowLevelZeroPlugin: extra_dp_size must be an int >= 1 (1: no extra data-parallel axis), got "
+                f"{extra_dp_size!r}."
+            )
+        self.extra_dp_size = extra_dp_size
         self._optimizers: list[LowLevelZeroOptimizer] = []
-        self._group: Any = None  # the data-parallel group (None: the default group)
-        if self.extra_dp_size > 1:
+        if extra_dp_size > 1:
+            if not (dist.is_available() and dist.is_initialized()):
+                raise HyperParameterError(
+                    f"LowLevelZeroPlugin: extra_dp_size={extra_dp_size} needs torch.distributed initialised first "
+                    "(its 2-D grid is built over the default group); call init_process_group before building the "
+                    "plugin."
+                )
             if fp8_communication:
                 raise HyperParameterError(
                     "LowLevelZeroPlugin: fp8_communication is not supported with extra_dp_size > 1 (as in "
                     "ColossalAI); set fp8_communication=False."
                 )
-            self._group = grid_group(*mesh_groups(self.extra_dp_size))
+            # ColossalAI's ProcessGroupMesh(extra_dp_size, world // extra_dp_size) spans every rank: the grid it
+            # shards over (stepforge.zero.comm.grid) is the default group, so only the shape is checked
+            if dist.get_world_size() % extra_dp_size:
+                raise HyperParameterError(
+                    f"LowLevelZeroPlugin: extra_dp_size={extra_dp_size} must divide the world size "
+                    f"{dist.get_world_size()}."
+                )
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(stage={self.stage}, precision={self.precision!r})"
@@ -225,7 +229,7 @@ class LowLevelZeroPlugin(Plugin):
         if optimizer is None:
             return wrapped, None
         add_adapters_to_optimizer(module, optimizer)  # LoRA adapters the optimizer does not hold yet
-        zero = LowLevelZeroOptimizer.from_config(optimizer, self.config, self._group)
+        zero = LowLevelZeroOptimizer.from_config(optimizer, self.config)
         wrapped.bind_optimizer(zero)
         self._optimizers.append(zero)
         return wrapped, zero
@@ -237,10 +241,6 @@ class LowLevelZeroPlugin(Plugin):
         return True
 
     # -- gradient synchronisation and clipping -------------------------------------------------------
-    def supports_no_sync(self) -> bool:
-        """True for both stages (gradients accumulate locally and reduce once at the window boundary)."""
-        return True
-
     def no_sync(
         self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None
     ) -> AbstractContextManager[Any]:
@@ -290,11 +290,10 @@ class LowLevelZeroPlugin(Plugin):
         ``get_optimizer_state_dict`` names them, each tensor this rank's piece in its parameter's shape:
         ``LowLevelZeroOptimizer.sharded_state_dict``), so it loads under any plugin at any world size; ``{}`` for
         the optimizer when ``optimizers`` is empty (a weights-only save or load)."""
-        items = listed_optimizers(optimizers)
         module = unwrap_prepared(model)
-        if not items:
+        zero = self._checkpointed(optimizers, "get_state_dict")
+        if zero is None:
             return module.state_dict(), {}
-        zero = self._zero(single_optimizer(items), "get_state_dict")
         fqns = param_fqns(module)
         return module.state_dict(), zero.sharded_state_dict([fqns[s.param] for s in zero.layout.slots])  # type: ignore[index]
 
@@ -310,8 +309,7 @@ class LowLevelZeroPlugin(Plugin):
         """Apply a pair filled by ``torch.distributed.checkpoint.load`` (saved at any world size, under any plugin,
         or in the index-keyed layout of earlier versions); with
         no optimizers only the model (a weights-only load: refresh the masters with :meth:`after_model_load`)."""
-        items = listed_optimizers(optimizers)
-        zero = self._zero(single_optimizer(items), "set_state_dict") if items else None
+        zero = self._checkpointed(optimizers, "set_state_dict")
         unwrap_prepared(model).load_state_dict(model_state_dict)
         if zero is not None:
             zero.load_sharded_state_dict(optim_state_dict)
@@ -326,32 +324,7 @@ class LowLevelZeroPlugin(Plugin):
                 optimizer.update_master_params(module)
 
     # -- memory plan ---------------------------------------------------------------------------------
-    def memory_plan(
-        self,
-        model: torch.nn.Module,
-        *,
-        world_size: int,
-        rank: int = 0,
-        optimizer: Mapping[str, Any] | torch.optim.Optimizer | None = None,
-        backend: str | None = None,
-        device: str | torch.device | None = None,
-        accumulation_steps: int = 1,
-    ) -> MemoryPlan:
-        """What one rank holds and communicates for ``model`` under this plugin's settings, from the optimizer's
-        own partition and bucket code run on meta tensors; accumulating, the local gradients ``no_sync`` keeps
-        through the window (:mod:`stepforge.zero.plugin.memory_plan`)."""
-        from .memory_plan import zero_memory_plan
-
-        return zero_memory_plan(
-            self,
-            model,
-            world_size=world_size,
-            rank=rank,
-            optimizer=optimizer,
-            backend=backend,
-            device=device,
-            accumulation_steps=accumulation_steps,
-        )
+    memory_plan = zero_memory_plan
 
     # -- helpers -------------------------------------------------------------------------------------
     def _zero(self, optimizer: Any, what: str) -> LowLevelZeroOptimizer:
@@ -369,6 +342,30 @@ class LowLevelZeroPlugin(Plugin):
             )
         return optimizer
 
+    def _checkpointed(self, optimizers: Any, what: str) -> LowLevelZeroOptimizer | None:
+        """The one optimizer of a checkpoint pair (``None`` given: the one prepared); ``None`` for an empty
+        iterable (a weights-only save or load)."""
+        one = optimizers is None or isinstance(optimizers, torch.optim.Optimizer)
+        items = [optimizers] if one else list(optimizers)
+        if not items:
+            return None
+        if len(items) != 1:
+            raise HyperParameterError(
+                f"LowLevelZeroPlugin: checkpoints hold one optimizer per model, got {len(items)}; prepare one "
+                "optimizer."
+            )
+        return self._zero(items[0], what)
+
+
+def _fixed_stage(kwargs: dict[str, Any], stage: int) -> None:
+    """Drop ``stage`` from ``kwargs`` of ``Zero1Plugin``/``Zero2Plugin``; a different one is an error."""
+    given = kwargs.pop("stage", stage)
+    if given != stage:
+        raise HyperParameterError(
+            f"zero{stage} is LowLevelZeroPlugin(stage={stage}); got stage={given!r}. Use the plugin name "
+            f"'zero{given}' or 'low_level_zero' with stage={given!r}."
+        )
+
 
 class Zero1Plugin(LowLevelZeroPlugin):
     """``LowLevelZeroPlugin(stage=1)``: registered as ``zero1``."""
@@ -376,7 +373,7 @@ class Zero1Plugin(LowLevelZeroPlugin):
     name = "zero1"
 
     def __init__(self, precision: str = _FP16_DEFAULT, **kwargs: Any) -> None:
-        fixed_stage(kwargs, 1)
+        _fixed_stage(kwargs, 1)
         super().__init__(stage=1, precision=precision, **kwargs)
 
 
@@ -386,5 +383,5 @@ class Zero2Plugin(LowLevelZeroPlugin):
     name = "zero2"
 
     def __init__(self, precision: str = _FP16_DEFAULT, **kwargs: Any) -> None:
-        fixed_stage(kwargs, 2)
+        _fixed_stage(kwargs, 2)
         super().__init__(stage=2, precision=precision, **kwargs)

@@ -2,22 +2,12 @@
 """The memory plan of ``zero1``/``zero2`` (:meth:`LowLevelZeroPlugin.memory_plan`), from the code that allocates.
 
 Nothing here restates the layout: the plan runs the optimizer's own code on meta tensors (no memory) and reads
-what it built.
-
-- :func:`~..state.partition.build_layout` cuts stand-in working parameters (the model's shapes, in the working dtype,
-  on the meta device) into this rank's pieces: piece sizes, padding, which pieces need a separate fp32 master.
-- :class:`~..comm.grad_reducer.GradReducer`, the class that reduces gradients in backward, is fed one meta gradient per
-  parameter in backward order through a :class:`~..comm.grad_reducer.WireFormat` that records each collective instead of
-  running it; the buckets it launches, the buffers its pool keeps, its peak in flight and the gradient pieces
-  it allocates are read off it.
-- The parameter gather after the step is sized from the partitions by the gather's own split
-  (:func:`~..comm.param_gather.split_direct`).
-- Optimizer state comes from the inner optimizer the plugin would build (CPU offload turns an Adam config into
-  ``CPUAdam`` as :func:`~..state.inner.resolve_optimizer` does), probed on the pieces' shapes.
-- Accumulating (``accumulation_steps`` > 1): inside ``no_sync`` the reducer's hooks leave ``param.grad`` alone
-  (:attr:`~..comm.grad_reducer.GradReducer.enabled` is ``False``), so every trainable parameter keeps its full
-  local gradient, in the working dtype on the device, until the window's last backward hands it to the buckets;
-  the buckets are launched once per window, so the collectives are those of one backward.
+what it built: :func:`~..state.partition.build_layout`'s pieces, a :class:`~..comm.grad_reducer.GradReducer` fed
+one meta gradient per parameter in backward order through a :class:`RecordingWire` (its buckets, pooled buffers,
+peak in flight and gradient pieces), the gather's own split (:func:`~..comm.param_gather.split_direct`), and the
+state of the inner optimizer the plugin would build (``CPUAdam`` under offload), probed on the pieces' shapes.
+Accumulating, ``no_sync`` leaves every full local gradient in ``param.grad`` (working dtype, on the device) until
+the window's last backward, so the collectives are those of one backward.
 """
 
 from __future__ import annotations
@@ -36,23 +26,20 @@ from stepforge.core.memory_plan import (
     unique_parameters,
 )
 
-from ..comm.algorithm import bucket_size_for, comm_algorithm_for
+from ..comm.algorithm import bucket_size_for, comm_algorithm_for, param_gather_for
 from ..comm.buffers import BufferPool
-from ..comm.grad_reducer import GradReducer, WireFormat
+from ..comm.grad_reducer import GradReducer, WireFormat, _Pending
 from ..comm.param_gather import DIRECT_MIN, GATHER_CHUNK, _chunks, split_direct
-from ..config import LowLevelZeroConfig, param_gather_for
-from ..state.inner import _cpu_adam_config
-from ..state.partition import ShardLayout, build_layout
+from ..config import LowLevelZeroConfig, cpu_adam_config
+from ..state.partition import build_layout
 
 __all__ = ["zero_memory_plan", "RecordingWire", "ZeroSettings"]
 
 
 class ZeroSettings(Protocol):
-    """What the plan reads of ``LowLevelZeroPlugin``: its name, the config of the optimizers it builds, its
-    device and working dtype, and whether it has ``no_sync``."""
+    """What the plan reads of ``LowLevelZeroPlugin`` (which imports this module)."""
 
     name: str
-    stage: int
     config: LowLevelZeroConfig
 
     @property
@@ -61,17 +48,8 @@ class ZeroSettings(Protocol):
     @property
     def dtype(self) -> torch.dtype: ...
 
-    def supports_no_sync(self) -> bool: ...
-
 
 _SCALE_BYTES = 4  # fp8 wire: a float32 scale travels behind each row
-
-
-class _Done:
-    """A finished collective (what the recording wire returns for an asynchronous call)."""
-
-    def wait(self) -> bool:
-        return True
 
 
 class RecordingWire(WireFormat):
@@ -92,26 +70,25 @@ class RecordingWire(WireFormat):
             self.calls.append(("all_to_all", flat.numel() + world_size * _SCALE_BYTES))
         else:
             self.calls.append(("reduce_scatter", flat.numel() * self._itemsize(flat)))
-        return _Done() if async_op else None
+        return _Pending(None, lambda: None) if async_op else None
 
     def exchange(
         self, received: torch.Tensor, rows: torch.Tensor, *, rank: int, group: Any, async_op: bool
     ) -> Any:
         # the payload of the all-to-all is every rank's row; this rank's own is neither sent nor copied
         self.calls.append(("all_to_all", (rows.shape[0] + 1) * rows.shape[1] * received.element_size()))
-        return _Done() if async_op else None
+        return _Pending(None, lambda: None) if async_op else None
 
     def all_reduce(self, flat: torch.Tensor, *, group: Any, world_size: int, async_op: bool) -> Any:
         if self.fp8:  # every rank's fp8 bytes gathered, summed locally
             self.calls.append(("all_gather", world_size * (flat.numel() + _SCALE_BYTES)))
         else:
             self.calls.append(("all_reduce", flat.numel() * self._itemsize(flat)))
-        return _Done() if async_op else None
+        return _Pending(None, lambda: None) if async_op else None
 
 
 class _CountingPool(BufferPool):
-    """The reducer's buffer pool, counting the bytes of the buffers it has handed out and not yet received back
-    (plus those it holds free), and their peak."""
+    """The reducer's buffer pool, counting the bytes handed out (plus those held free) and their peak."""
 
     def __init__(self, keep: int, min_numel: int) -> None:
         super().__init__(keep, min_numel)
@@ -129,42 +106,6 @@ class _CountingPool(BufferPool):
         super().give(buffer)
 
 
-def _stand_ins(model: nn.Module, dtype: torch.dtype) -> list[nn.Parameter]:
-    """Meta parameters of ``model``'s trainable shapes, floating ones in the working ``dtype`` (as ``prepare``
-    casts the model)."""
-    out = []
-    for _, p in unique_parameters(model):
-        if p.requires_grad:
-            kind = dtype if p.is_floating_point() else p.dtype
-            out.append(nn.Parameter(torch.empty(p.shape, dtype=kind, device="meta")))
-    return out
-
-
-def _drive_reducer(layout: ShardLayout, plugin: ZeroSettings, bucket: int, algorithm: str) -> Any:
-    """Run :class:`GradReducer` over one backward's gradients (backward order) and the step's sync, recording;
-    returns ``(reducer, wire, pool)``."""
-    wire = RecordingWire(WireFormat(plugin.config.communication_dtype, plugin.config.fp8_communication))
-    reducer = GradReducer(
-        layout.slots,
-        stage=plugin.stage,
-        bucket_size=bucket,
-        overlap=plugin.config.overlap_communication,
-        group=None,
-        world_size=layout.world_size,
-        rank=layout.rank,
-        wire=wire,
-        algorithm=algorithm,
-    )
-    reducer.remove_hooks()  # the plan feeds the gradients itself
-    pool = _CountingPool(reducer.pool.keep, reducer.pool.min_numel)
-    reducer.pool = pool
-    for slot in reversed(layout.slots):  # backward reaches the last parameters first
-        if slot.param.requires_grad:
-            reducer._add(slot, torch.empty(slot.param.shape, dtype=slot.param.dtype, device="meta"))
-    reducer.sync()
-    return reducer, wire, pool
-
-
 def zero_memory_plan(
     plugin: ZeroSettings,
     model: nn.Module,
@@ -176,7 +117,9 @@ def zero_memory_plan(
     device: str | torch.device | None = None,
     accumulation_steps: int = 1,
 ) -> MemoryPlan:
-    """:meth:`LowLevelZeroPlugin.memory_plan` (see the module docstring)."""
+    """What one rank holds and communicates for ``model`` under this plugin's settings, from the optimizer's own
+    partition and bucket code run on meta tensors; accumulating, the local gradients ``no_sync`` keeps through
+    the window (``LowLevelZeroPlugin.memory_plan``; see this module's docstring)."""
     steps = check_accumulation_steps(accumulation_steps, f"{type(plugin).__name__}.memory_plan")
     on_cpu = torch.device(device if device is not None else plugin.device).type == "cpu"
     if backend is None:
@@ -190,11 +133,21 @@ def zero_memory_plan(
     bucket = plugin.config.reduce_bucket_size or bucket_size_for(
         backend, world_size, elsewhere=plugin.config.default_bucket_size
     )
-    algorithm = comm_algorithm_for("auto", stage=plugin.stage, world_size=world_size, backend=backend)
+    algorithm = comm_algorithm_for("auto", stage=plugin.config.stage, world_size=world_size, backend=backend)
     gather = param_gather_for(backend if world_size > 1 else None)
-    plan.notes += [f"stage {plugin.stage}", f"bucket {bucket / 1024**2:g} Mi elements", algorithm, gather]
+    plan.notes += [
+        f"stage {plugin.config.stage}",
+        f"bucket {bucket / 1024**2:g} Mi elements",
+        algorithm,
+        gather,
+    ]
 
-    params = _stand_ins(model, dtype)
+    # meta stand-ins of the trainable parameters, floating ones in the working dtype (as ``prepare`` casts)
+    params = [
+        nn.Parameter(torch.empty(p.shape, dtype=dtype if p.is_floating_point() else p.dtype, device="meta"))
+        for _, p in unique_parameters(model)
+        if p.requires_grad
+    ]
     layout = build_layout(
         [{"params": params}],
         world_size,
@@ -226,7 +179,17 @@ def zero_memory_plan(
     padding = sum(s.piece - s.valid for s in slots)
     plan.notes.append(f"padding {padding} elements (this rank's pieces)")
 
-    reducer, wire, pool = _drive_reducer(layout, plugin, bucket, algorithm)
+    # the reducer over one backward's gradients (backward order) and the step's sync, recording
+    wire = RecordingWire(WireFormat(plugin.config.communication_dtype, plugin.config.fp8_communication))
+    reducer = GradReducer(
+        slots, stage=plugin.config.stage, bucket_size=bucket, overlap=plugin.config.overlap_communication, group=None,
+        world_size=world_size, rank=rank, wire=wire, algorithm=algorithm,
+    )  # fmt: skip
+    reducer.remove_hooks()  # the plan feeds the gradients itself
+    reducer.pool = pool = _CountingPool(reducer.pool.keep, reducer.pool.min_numel)
+    for slot in reversed(slots):  # backward reaches the last parameters first
+        reducer._add(slot, torch.empty(slot.param.shape, dtype=slot.param.dtype, device="meta"))
+    reducer.sync()
     plan.add("grads", host_or_device, reducer.pieces.held_bytes, "reduced gradient pieces", "step")
     plan.add("buffers", "device", pool.held_bytes, "gradient bucket buffers (kept)", "step")
     plan.add("buffers", "device", max(0, pool.peak - pool.held_bytes), "gradient buckets in flight", "reduce")
@@ -237,54 +200,46 @@ def zero_memory_plan(
     for op, nbytes in wire.calls:
         calls, size = totals.get(op, (0, 0))
         totals[op] = (calls + 1, size + nbytes)
-    # a window without no_sync would reduce every micro-batch; with it, the last backward reduces the sum
-    reductions = 1 if plugin.supports_no_sync() else steps
-    for op, (calls, size) in totals.items():
-        plan.collective(op, "backward", reductions * calls, reductions * size, world_size, "gradient buckets")
+    for op, (calls, size) in totals.items():  # no_sync: the window's last backward reduces the sum, once
+        plan.collective(op, "backward", calls, size, world_size, "gradient buckets")
     plan.notes.append(f"{reducer.counter.reductions} bucket reductions")
-    if steps > 1 and reductions == 1:  # no_sync: hooks leave param.grad alone through the window
-        local = sum(s.numel for s in slots if s.param.requires_grad) * tensor_bytes(1, dtype)
+    if steps > 1:  # no_sync: hooks leave param.grad alone through the window
+        local = sum(s.numel for s in slots) * tensor_bytes(1, dtype)
         plan.add("grads", "device", local, "local gradients (no_sync)", "window")
         plan.notes.append(f"{steps} micro-batches per step, reduced once (no_sync)")
 
-    _plan_gather(plan, layout, gather, chunk=GATHER_CHUNK if plugin.config.overlap_allgather else None)
+    if world_size > 1:  # the parameter gather after the step: launch_gather's collectives and tables
+        chunk = GATHER_CHUNK if plugin.config.overlap_allgather else None
+        calls = staged_calls = 0
+        payload = staged_payload = kept = fresh = 0
+        for part in layout.partitions:
+            itemsize = tensor_bytes(1, part.dtype)
+            if gather == "broadcast":
+                direct, staged = split_direct(part.slots, DIRECT_MIN)
+                for slot in direct:  # one broadcast per rank holding a piece, in place
+                    calls += sum(1 for r in range(world_size) if r * slot.piece < slot.numel)
+                    payload += slot.numel * itemsize
+                for run in _chunks(staged, chunk):  # a kept table of every rank's padded pieces
+                    size = sum(s.piece for s in run)
+                    staged_calls += world_size
+                    staged_payload += world_size * size * itemsize
+                    kept += world_size * size * itemsize
+            else:
+                for run in _chunks(part.slots, chunk):  # a fresh table and a copy of this rank's row
+                    size = sum(s.piece for s in run)
+                    staged_calls += 1
+                    staged_payload += world_size * size * itemsize
+                    fresh += (world_size + 1) * size * itemsize
+        plan.collective("broadcast", "step", calls, payload, world_size, "updated pieces, in place")
+        op = "broadcast" if gather == "broadcast" else "all_gather"
+        plan.collective(op, "step", staged_calls, staged_payload, world_size, "updated pieces, staged")
+        plan.add("buffers", "device", kept, "parameter gather tables (kept)", "step")
+        plan.add("buffers", "device", fresh, "parameter gather table", "update")
 
     if optimizer is not None:
         config = optimizer  # an instance is the optimizer the plugin keeps (only a config becomes CPUAdam)
         if offload and isinstance(optimizer, Mapping):
-            config = _cpu_adam_config(optimizer) or optimizer
+            config = cpu_adam_config(optimizer) or optimizer
         stepped = [((s.valid,), s.master.dtype) for s in slots if s.valid > 0]
         add_optimizer_state(plan, config, stepped, place=host_or_device)
     return plan
-
-
-def _plan_gather(plan: MemoryPlan, layout: ShardLayout, method: str, *, chunk: int | None) -> None:
-    """The parameter gather after the step (:func:`~..comm.param_gather.launch_gather`'s collectives and tables)."""
-    world = layout.world_size
-    if world == 1:
-        return
-    calls = staged_calls = 0
-    payload = staged_payload = kept = fresh = 0
-    for part in layout.partitions:
-        itemsize = tensor_bytes(1, part.dtype)
-        if method == "broadcast":
-            direct, staged = split_direct(part.slots, DIRECT_MIN)
-            for slot in direct:  # one broadcast per rank holding a piece, in place
-                calls += sum(1 for r in range(world) if r * slot.piece < slot.numel)
-                payload += slot.numel * itemsize
-            for run in _chunks(staged, chunk):  # a kept table of every rank's padded pieces
-                size = sum(s.piece for s in run)
-                staged_calls += world
-                staged_payload += world * size * itemsize
-                kept += world * size * itemsize
-        else:
-            for run in _chunks(part.slots, chunk):  # a fresh table and a copy of this rank's row
-                size = sum(s.piece for s in run)
-                staged_calls += 1
-                staged_payload += world * size * itemsize
-                fresh += (world + 1) * size * itemsize
-    plan.collective("broadcast", "step", calls, payload, world, "updated pieces, in place")
-    op = "broadcast" if method == "broadcast" else "all_gather"
-    plan.collective(op, "step", staged_calls, staged_payload, world, "updated pieces, staged")
-    plan.add("buffers", "device", kept, "parameter gather tables (kept)", "step")
-    plan.add("buffers", "device", fresh, "parameter gather table", "update")

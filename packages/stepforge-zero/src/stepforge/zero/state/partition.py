@@ -1,20 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """How a working parameter is split over the data-parallel ranks, and the rank's shard of it.
 
-Every parameter is flattened and cut the way ``torch.chunk`` cuts a 1-D tensor of its ``numel`` ``n`` into
-``W`` pieces: piece size ``s = ceil(n / W)``, rank ``r`` owns ``[r*s, min((r+1)*s, n))`` (possibly empty for
-the last ranks of a tiny parameter). The piece is saved and resharded by ``torch.distributed.checkpoint`` in
-the parameter's shape, without any gathering, as a :class:`stepforge.core.flat_shard.FlatShard` (:mod:`.named`).
-For communication each piece is zero-padded to ``s`` so that every rank contributes the same number of elements
-(at most ``W - 1`` padding elements per parameter).
-
-Slots are grouped into *partitions*: one per (param group, working dtype); after a step each partition is
-all-gathered with a single collective.
-
-The geometry is computed apart from the tensors: :func:`plan_pieces` reads only each parameter's ``numel``,
-dtype, device and contiguity and allocates nothing, so it answers for a model on the ``meta`` device (how much a
-rank would hold at a given world size) with the numbers :func:`build_partitions` then allocates.
-:func:`managed_param_groups` is the filter the optimizer applies first (only parameters that require grad).
+Every parameter is flattened and cut as ``torch.chunk`` cuts its ``numel`` ``n`` into ``W`` pieces: piece size
+``s = ceil(n / W)``, rank ``r`` owns ``[r*s, min((r+1)*s, n))`` (possibly empty), saved and resharded by DCP in the
+parameter's shape as a :class:`stepforge.core.flat_shard.FlatShard` (:mod:`.dicts`). On the wire each piece is
+zero-padded to ``s``. Slots are grouped into *partitions*, one per (param group, working dtype), gathered after a
+step. :func:`build_layout` over ``meta`` parameters allocates nothing (the memory plan uses that).
 """
 
 from __future__ import annotations
@@ -27,18 +18,12 @@ import torch
 __all__ = [
     "Slot",
     "Partition",
-    "PiecePlan",
     "ShardLayout",
     "piece_size",
     "padding",
     "local_range",
-    "master_dtype_of",
     "managed_param_groups",
-    "plan_pieces",
-    "partition_sizes",
-    "build_partitions",
     "build_layout",
-    "padded_piece",
 ]
 
 
@@ -60,86 +45,10 @@ def local_range(numel: int, world_size: int, rank: int) -> tuple[int, int]:
     return start, min(start + size, numel)
 
 
-def master_dtype_of(dtype: torch.dtype, master_weights: bool) -> torch.dtype:
-    """The dtype the inner optimizer steps for a working parameter of ``dtype``: fp32 for fp16/bf16 with
-    ``master_weights``, else the working dtype itself."""
-    if master_weights and dtype in (torch.float16, torch.bfloat16):
-        return torch.float32
-    return dtype
-
-
 def managed_param_groups(param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``param_groups`` with only the parameters that require grad (a new list of new dicts): frozen ones (a
     LoRA model's base weights) get no master, no gradient piece, no state and no gather, as in ColossalAI."""
     return [{**g, "params": [p for p in g["params"] if p.requires_grad]} for g in param_groups]
-
-
-@dataclass(frozen=True)
-class PiecePlan:
-    """Where one working parameter's piece lies on one rank, from its shape, dtype and device alone.
-
-    Attributes:
-        index, group: global parameter index and param-group index.
-        numel, piece: the parameter's element count and its padded per-rank piece ``ceil(numel / W)``.
-        start, valid: this rank's piece in the flat parameter (``valid`` real elements, may be 0).
-        offset: where the padded piece sits in its partition's per-rank row.
-        partition: ``(group, working dtype, device)``: the partition the piece belongs to.
-        master_dtype, master_device: what the inner optimizer steps, and where.
-        separate_master: ``False`` when the master is a view into the working parameter (same dtype and
-            device, contiguous): no copy is made.
-    """
-
-    index: int
-    group: int
-    numel: int
-    piece: int
-    start: int
-    valid: int
-    offset: int
-    partition: tuple[int, torch.dtype, torch.device]
-    master_dtype: torch.dtype
-    master_device: torch.device
-    separate_master: bool
-
-
-def plan_pieces(
-    param_groups: list[dict[str, Any]],
-    world_size: int,
-    rank: int,
-    *,
-    master_weights: bool,
-    master_device: torch.device | None,
-) -> list[PiecePlan]:
-    """Every parameter's :class:`PiecePlan` on ``rank`` of ``world_size``, in global index order. Allocates
-    nothing: parameters on the ``meta`` device work (see :func:`build_partitions` for the arguments)."""
-    plans: list[PiecePlan] = []
-    sizes: dict[tuple[int, torch.dtype, torch.device], int] = {}
-    for g, group in enumerate(param_groups):
-        for param in group["params"]:
-            numel = param.numel()
-            start, stop = local_range(numel, world_size, rank)
-            dtype = master_dtype_of(param.dtype, master_weights)
-            device = master_device if master_device is not None else param.device
-            key = (g, param.dtype, param.device)
-            offset = sizes.get(key, 0)
-            sizes[key] = offset + piece_size(numel, world_size)
-            separate = not (param.dtype == dtype and param.device == device and param.is_contiguous())
-            plans.append(
-                PiecePlan(
-                    len(plans), g, numel, piece_size(numel, world_size), start, stop - start, offset, key,
-                    dtype, device, separate,
-                )
-            )  # fmt: skip
-    return plans
-
-
-def partition_sizes(plans: list[PiecePlan]) -> dict[tuple[int, torch.dtype, torch.device], int]:
-    """Per-rank elements of each partition (the sum of its padded pieces): what one all-gather of the
-    partition sends per rank, in partition order."""
-    sizes: dict[tuple[int, torch.dtype, torch.device], int] = {}
-    for plan in plans:
-        sizes[plan.partition] = sizes.get(plan.partition, 0) + plan.piece
-    return sizes
 
 
 @dataclass(eq=False)
@@ -151,13 +60,10 @@ class Slot:
         group: index of the param group.
         param: the working (model) parameter.
         numel, piece: its element count and the padded per-rank piece size ``ceil(numel / W)``.
-        start, valid: where this rank's piece starts in the flat parameter and how many of its elements are
-            real (``piece - valid`` trailing padding; ``valid`` may be 0).
-        master: the tensor the inner optimizer steps, ``valid`` elements on the master device; for a working
-            dtype equal to the master dtype on the same device it is a view into the working parameter.
+        start, valid: where this rank's piece starts in the flat parameter and its real elements (may be 0).
+        master: what the inner optimizer steps (``valid`` elements); ``separate_master`` is ``False`` when it is
+            a view into the working parameter (same dtype and device, contiguous: no copy, no checkpoint).
         grad: the reduced (averaged) gradient of the piece, ``valid`` elements in the master dtype, or ``None``.
-        separate_master: ``False`` when ``master`` is a view into the working parameter (same dtype and
-            device, contiguous): the working parameter is then its own master and needs no copy or checkpoint.
         offset: where the piece sits inside its partition's flat per-rank buffer.
     """
 
@@ -187,18 +93,9 @@ class Partition:
 
 @dataclass(frozen=True, eq=False)
 class ShardLayout:
-    """Everything about how one optimizer's parameters are sharded, and nothing about the optimizer.
-
-    The state-dict functions (:mod:`.full`, :mod:`.sharded`) and the communication (:mod:`stepforge.zero.comm`)
-    take this value instead of the optimizer, so they depend on the layout only and the optimizer module
-    depends on them, not the reverse.
-
-    Attributes:
-        slots: every working parameter's :class:`Slot`, in global parameter index order.
-        partitions: the slots grouped per (param group, working dtype, device).
-        world_size, rank: the data-parallel group's size and this process's rank in it.
-        group: the data-parallel process group (``None``: the default group, or no group at one rank).
-    """
+    """How one optimizer's parameters are sharded (slots in global index order, partitions, the data-parallel
+    group, ``None``: the default one), and nothing about the optimizer: the state dicts and the communication take
+    this value instead of the optimizer, so the optimizer module depends on them, not the reverse."""
 
     slots: list[Slot]
     partitions: list[Partition]
@@ -219,70 +116,6 @@ class ShardLayout:
         """The slot of working parameter ``param`` (by identity); ``None`` when it is not managed."""
         return next((s for s in self.slots if s.param is param), None)
 
-    def padding_map(self) -> dict[int, int]:
-        """``id(working parameter)`` -> the zeros that pad its flat ``numel`` to ``world_size`` pieces."""
-        return {id(s.param): padding(s.numel, self.world_size) for s in self.slots}
-
-    @torch.no_grad()
-    def copy_params_into_masters(self, wanted: set[int] | None = None) -> None:
-        """Copy this rank's piece of each working parameter (by ``id``: those in ``wanted``; ``None``: all)
-        into its separate master; a master that is a view of its parameter already holds it. No collective."""
-        for slot in self.slots:
-            if slot.valid and slot.separate_master and (wanted is None or id(slot.param) in wanted):
-                piece = slot.param.detach().reshape(-1)[slot.start : slot.start + slot.valid]
-                slot.master.copy_(piece)
-
-
-def build_partitions(
-    param_groups: list[dict[str, Any]],
-    world_size: int,
-    rank: int,
-    *,
-    master_weights: bool,
-    master_device: torch.device | None,
-) -> tuple[list[Slot], list[Partition]]:
-    """Slots for every parameter of ``param_groups`` (laid out by :func:`plan_pieces`, masters allocated) and
-    the partitions that group them.
-
-    Args:
-        param_groups: the working param groups (dicts with a ``"params"`` list).
-        world_size, rank: the data-parallel group.
-        master_weights: keep fp32 masters for lower-precision working params (else the master is the
-            working dtype).
-        master_device: ``torch.device("cpu")`` for CPU offload, ``None`` for the parameter's own device.
-    """
-    params = [p for group in param_groups for p in group["params"]]
-    plans = plan_pieces(
-        param_groups, world_size, rank, master_weights=master_weights, master_device=master_device
-    )
-    slots: list[Slot] = []
-    by_key: dict[tuple[int, torch.dtype, torch.device], Partition] = {}
-    for plan, param in zip(plans, params, strict=True):
-        flat = param.detach().reshape(-1)[plan.start : plan.start + plan.valid]
-        if plan.separate_master:
-            master = flat.to(device=plan.master_device, dtype=plan.master_dtype, copy=True)
-        else:
-            master = flat  # a view: the working parameter is its own master
-        slot = Slot(
-            plan.index, plan.group, param, plan.numel, plan.piece, plan.start, plan.valid, master,
-            plan.separate_master, offset=plan.offset,
-        )  # fmt: skip
-        part = by_key.get(plan.partition)
-        if part is None:
-            part = by_key[plan.partition] = Partition(plan.group, param.dtype, param.device)
-        part.size += plan.piece
-        part.slots.append(slot)
-        slots.append(slot)
-    return slots, list(by_key.values())
-
-
-def padded_piece(flat: torch.Tensor, piece: int, world_size: int) -> torch.Tensor:
-    """``flat`` zero-padded to ``piece * world_size`` elements and viewed as ``(world_size, piece)``."""
-    missing = piece * world_size - flat.numel()
-    if missing:
-        flat = torch.cat([flat, flat.new_zeros(missing)])
-    return flat.view(world_size, piece)
-
 
 def build_layout(
     param_groups: list[dict[str, Any]],
@@ -293,8 +126,29 @@ def build_layout(
     master_weights: bool,
     master_device: torch.device | None,
 ) -> ShardLayout:
-    """:func:`build_partitions` packed with the group facts into a :class:`ShardLayout`."""
-    slots, partitions = build_partitions(
-        param_groups, world_size, rank, master_weights=master_weights, master_device=master_device
-    )
-    return ShardLayout(slots, partitions, world_size, rank, group)
+    """Slots for every parameter of the working ``param_groups`` (masters allocated: fp32 for fp16/bf16 ones with
+    ``master_weights``, on ``master_device``, ``None``: the parameter's own) and the partitions that group them."""
+    slots: list[Slot] = []
+    by_key: dict[tuple[int, torch.dtype, torch.device], Partition] = {}
+    for g, group_ in enumerate(param_groups):
+        for param in group_["params"]:
+            numel, piece = param.numel(), piece_size(param.numel(), world_size)
+            start, stop = local_range(numel, world_size, rank)
+            low = master_weights and param.dtype in (torch.float16, torch.bfloat16)
+            dtype = torch.float32 if low else param.dtype
+            device = master_device if master_device is not None else param.device
+            separate = not (param.dtype == dtype and param.device == device and param.is_contiguous())
+            flat = param.detach().reshape(-1)[start:stop]
+            # not separate: a view, the working parameter is its own master
+            master = flat.to(device=device, dtype=dtype, copy=True) if separate else flat
+            key = (g, param.dtype, param.device)
+            part = by_key.get(key)
+            if part is None:
+                part = by_key[key] = Partition(g, param.dtype, param.device)
+            slot = Slot(
+                len(slots), g, param, numel, piece, start, stop - start, master, separate, offset=part.size
+            )
+            part.size += piece
+            part.slots.append(slot)
+            slots.append(slot)
+    return ShardLayout(slots, list(by_key.values()), world_size, rank, group)
