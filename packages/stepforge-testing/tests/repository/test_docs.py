@@ -31,10 +31,12 @@ def test_checker_finds_a_missing_code_path_and_a_missing_link(tmp_path):
         tmp_path,
         {
             "tools/run.py": "",
+            "tools/k.cpp": "",
             "docs/guide.md": "",
             "README.md": (
                 "Run `python tools/run.py --fast` and `tools/gone.py`; read [the guide](docs/guide.md) and "
-                "[old notes](docs/old.md#top); `tools/run.py:main` and `tools/lost.py:Runner.go`.\n"
+                "[old notes](docs/old.md#top); `tools/run.py:main` and `tools/lost.py:Runner.go`; "
+                "`tools/k.cpp:adam` and `tools/gone.cpp:adam`.\n"
             ),
         },
     )
@@ -42,6 +44,7 @@ def test_checker_finds_a_missing_code_path_and_a_missing_link(tmp_path):
         "README.md: links 'docs/old.md', which does not exist",
         "README.md: names `tools/gone.py`, which does not exist",
         "README.md: names `tools/lost.py`, which does not exist",
+        "README.md: names `tools/gone.cpp`, which does not exist",
     ]
 
 

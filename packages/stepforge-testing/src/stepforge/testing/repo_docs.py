@@ -140,7 +140,8 @@ def missing_references(
     for word in code_words(text):
         if _PLACEHOLDER.search(word) or "://" in word:
             continue
-        bare = re.sub(r"(\.py):[\w.]+$", r"\1", word.rstrip(_TRAILING))  # `file.py:function` names the file
+        # `file.py:function` (or a C++/CUDA `file.cpp:function`) names the file
+        bare = re.sub(r"(\.(?:py|cpp|cu|h)):[\w.]+$", r"\1", word.rstrip(_TRAILING))
         if bare.split("/", 1)[0] in tops:
             if not _exists(root, bare):
                 problems.append(f"{rel_page}: names `{bare}`, which does not exist")
