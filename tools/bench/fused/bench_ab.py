@@ -12,7 +12,10 @@ machine, and the workers never run at once. ``--b`` equal to ``--a`` (an A/A run
 FusedSGD (momentum 0.9 and none), FusedAdam and CPUAdam on 1 x 50M, 2 000 x 10k and 20 000 x 1k float32 tensors,
 the grads kept between steps. Reported per case: the median over rounds of the per-round ratio
 ``B step time / A step time`` (each the median of ``--steps`` steps) and its spread (min, max); ``< 1`` means
-B is faster. Results: ``<out>/<stem>.json`` and ``<out>/<stem>.png``.
+B is faster. Where a case's tensors land holds for all its rounds and changes from one allocation to the next
+(on 20 000 x 1k one placement ran a side 25% slower for 101 rounds, the next one not): ``--setups K``
+allocates each case K times and pools the rounds of all (``setup_ratios``: each setup's median). Results:
+``<out>/<stem>.json`` and ``<out>/<stem>.png``.
 """
 
 from __future__ import annotations
@@ -117,7 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--a-path", default=None, help="PYTHONPATH prefix of side A")
     ap.add_argument("--b-path", default=None, help="PYTHONPATH prefix of side B")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=9, help="A/B rounds per case")
+    ap.add_argument("--rounds", type=int, default=9, help="A/B rounds per case and setup")
+    ap.add_argument(
+        "--setups", type=int, default=1, help="fresh allocations of each case (rounds run on each)"
+    )
     ap.add_argument("--steps", type=int, default=5, help="timed steps per side and round (median taken)")
     ap.add_argument("--quick", action="store_true", help="small shapes, 3 rounds (smoke run)")
     ap.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="which of " + ", ".join(OPTIMIZERS))
@@ -140,18 +146,23 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for count, numel in shapes:
             for name in args.optimizers.split(","):
-                # the side allocating second may get other memory (pages, placement): alternate it per case
-                first = (a, b) if len(rows) % 2 == 0 else (b, a)
-                for side in first:
-                    side.ask(op="setup", shape=[count, numel], optimizer=name)
-                a_ms, b_ms = [], []
-                for r in range(rounds):
-                    order = (a, b) if r % 2 == 0 else (b, a)
-                    got = {id(s): s.ask(op="time", steps=args.steps)["ms"] for s in order}
-                    a_ms.append(got[id(a)])
-                    b_ms.append(got[id(b)])
-                for side in (a, b):
-                    side.ask(op="teardown")
+                a_ms, b_ms, setup_ratios = [], [], []
+                for setup in range(args.setups):
+                    # where a case's tensors land (pages, placement) holds for all its rounds and differs from
+                    # one allocation to the next: allocate anew per setup, the side allocating first alternating
+                    first = (a, b) if (len(rows) + setup) % 2 == 0 else (b, a)
+                    for side in first:
+                        side.ask(op="setup", shape=[count, numel], optimizer=name)
+                    for r in range(rounds):
+                        order = (a, b) if r % 2 == 0 else (b, a)
+                        got = {id(s): s.ask(op="time", steps=args.steps)["ms"] for s in order}
+                        a_ms.append(got[id(a)])
+                        b_ms.append(got[id(b)])
+                    for side in (a, b):
+                        side.ask(op="teardown")
+                    setup_ratios.append(
+                        statistics.median(y / x for x, y in zip(a_ms[-rounds:], b_ms[-rounds:], strict=True))
+                    )
                 ratios = [y / x for x, y in zip(a_ms, b_ms, strict=True)]
                 row = {
                     "case": f"{name} {count}x{numel}",
@@ -161,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
                     "ratio_min": min(ratios),
                     "ratio_max": max(ratios),
                     "rounds": {"a_ms": a_ms, "b_ms": b_ms},
+                    "setup_ratios": setup_ratios,
                     # for the plot: speed of B relative to A (> 1: B faster), the 3% band as the target
                     "ratio": 1.0 / statistics.median(ratios),
                     "target": 0.97,
