@@ -24,9 +24,12 @@ class CPUAdam(AdamBase):
     optimizer with per-parameter step counts; ``div_scale`` is honoured on every path (ColossalAI ignores it on
     its bf16 fallback). Same math and state as :class:`~stepforge.fused.FusedAdam`.
 
+    - ``lr``, ``bias_correction``, ``betas``, ``eps``, ``weight_decay``, ``adamw_mode``: as in
+      :class:`FusedAdam`.
+    - ``master_weights``, ``skip_nonfinite``, ``assume_stable_grads``: as in :class:`FusedAdam`.
+
     Args:
         model_params: parameters or param-group dicts.
-        lr, bias_correction, betas, eps, weight_decay, adamw_mode: as in :class:`FusedAdam`.
         nvme_offload_fraction: share (0..1) of the CPU parameters' elements whose float32 state
             (``exp_avg``, ``exp_avg_sq``, ``master_param``) lives in memory-mapped files, largest parameters
             first (ColossalAI's argument). The kernels step the mapped tensors in place; the page cache writes
@@ -34,7 +37,6 @@ class CPUAdam(AdamBase):
             parameters are never offloaded.
         nvme_offload_dir: directory for those files (a fresh sub-directory is created in it); None: the system
             temp dir. The files are removed by :meth:`close` or when the optimizer is garbage collected.
-        master_weights, skip_nonfinite, assume_stable_grads: as in :class:`FusedAdam`.
     """
 
     _owner = "CPUAdam"

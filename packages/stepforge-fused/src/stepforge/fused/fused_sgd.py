@@ -37,12 +37,13 @@ class FusedSGD(FusedOptimizerBase):
 
     The first-step buffer initialisation is tracked per parameter (apex uses one flag per launch).
 
+    - ``momentum``, ``dampening``, ``weight_decay``, ``nesterov``, ``wd_after_momentum``: as above (nesterov needs momentum > 0,
+      dampening 0).
+    - ``master_weights``, ``skip_nonfinite``, ``assume_stable_grads``, ``capturable``: as in :class:`~stepforge.fused.FusedAdam`.
+
     Args:
         params: parameters or param-group dicts.
         lr: learning rate (required).
-        momentum, dampening, weight_decay, nesterov, wd_after_momentum: as above (nesterov needs momentum > 0,
-            dampening 0).
-        master_weights, skip_nonfinite, assume_stable_grads, capturable: as in :class:`~stepforge.fused.FusedAdam`.
 
     State per parameter equals ``torch.optim.SGD``'s: ``momentum_buffer`` (float32), only with momentum.
     """

@@ -18,10 +18,11 @@ class HybridAdam(CPUAdam):
     CPU params are stepped by the CPU kernel and CUDA params by one multi-tensor CUDA launch per bucket, each
     parameter with its own step count (ColossalAI uses the last parameter's step for the whole GPU launch).
 
+    - ``model_params``, ``lr``, ``bias_correction``, ``betas``, ``eps``, ``weight_decay``, ``adamw_mode``: as in :class:`CPUAdam`.
+    - ``nvme_offload_fraction``, ``nvme_offload_dir``: as in :class:`CPUAdam` (state of CPU parameters only).
+    - ``master_weights``, ``skip_nonfinite``, ``assume_stable_grads``: as in :class:`FusedAdam`.
+
     Args:
-        model_params, lr, bias_correction, betas, eps, weight_decay, adamw_mode: as in :class:`CPUAdam`.
-        nvme_offload_fraction, nvme_offload_dir: as in :class:`CPUAdam` (state of CPU parameters only).
-        master_weights, skip_nonfinite, assume_stable_grads: as in :class:`FusedAdam`.
         **defaults: extra group defaults ColossalAI accepts and ignores; rejected here if unknown.
     """
 

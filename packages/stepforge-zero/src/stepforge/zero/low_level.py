@@ -52,30 +52,34 @@ class LowLevelZeroOptimizer(torch.optim.Optimizer):
     must agree. As in ColossalAI, only parameters that require grad are managed. The settings are kept as
     :class:`~stepforge.zero.config.LowLevelZeroConfig` (:attr:`config`).
 
+    - ``initial_scale``, ``min_scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``, ``hysteresis``,
+      ``max_scale``: the dynamic loss scaler (fp16 parameters or ``dtype_for_loss_scaling``).
+    - ``communication_dtype``, ``fp8_communication``: the gradients' wire
+      (:mod:`stepforge.zero.comm.grad_reducer`).
+    - ``partition_grad``, ``stage``: ZeRO-2 (gradients reduce-scattered from backward hooks), or stage 1 or 2.
+    - ``dp_process_group``, ``process_group``: the data-parallel group (``None``: the default group);
+      ``extra_dp_group``: shard over the 2-D grid of both (:mod:`stepforge.zero.comm.grid`; collective).
+    - ``clip_grad_norm``, ``max_norm``, ``norm_type``: clip the global gradient norm to this in every
+      :meth:`step` (0: off).
+    - ``param_gather``, ``comm_algorithm``: the collectives (``None``/``"auto"``: chosen per backend,
+      :mod:`stepforge.zero.comm.algorithm`).
+
     Args:
         optimizer: a built optimizer over the working parameters, or a registry config such as
             ``dict(type="FusedAdam", lr=1e-3)`` together with ``params``.
         pg_to_param_list: ColossalAI's ``{group or (extra_dp_group, dp_group): parameters}`` with ONE group
             holding every parameter (MoE's several groups are refused); a non-mapping here is read as ``params``.
-        initial_scale, ..., max_scale: the dynamic loss scaler (fp16 parameters or ``dtype_for_loss_scaling``).
         reduce_bucket_size: padded elements per gradient bucket; ``None``: 4 Mi on gloo
             (``stepforge.zero.comm.algorithm.GLOO_BUCKET_SIZE``), ColossalAI's 1 Mi elsewhere.
-        communication_dtype, fp8_communication: the gradients' wire (:mod:`stepforge.zero.comm.grad_reducer`).
-        partition_grad, stage: ZeRO-2 (gradients reduce-scattered from backward hooks), or stage 1 or 2.
         cpu_offload: masters, gradient pieces and optimizer state on the CPU, stepped there (an Adam-family
             config becomes stepforge-fused's ``CPUAdam`` when installed).
-        dp_process_group, process_group: the data-parallel group (``None``: the default group);
-            ``extra_dp_group``: shard over the 2-D grid of both (:mod:`stepforge.zero.comm.grid`; collective).
         forced_dtype: convert every working parameter to this dtype first (in place).
         master_weights: fp32 masters for fp16/bf16 working parameters (``False``: the working pieces are stepped).
         overlap_communication: launch the bucket reductions asynchronously during backward.
         overlap_allgather: :meth:`step` launches the gather of the updated pieces and returns; each module's next
             forward waits for its own parameters (read them before through :meth:`wait_for_param_gather`).
         backward_context: a callable returning a context manager entered around each backward.
-        clip_grad_norm, max_norm, norm_type: clip the global gradient norm to this in every :meth:`step` (0: off).
         dtype_for_loss_scaling: ``"fp16"`` forces loss scaling, ``None`` turns it on for fp16 parameters.
-        param_gather, comm_algorithm: the collectives (``None``/``"auto"``: chosen per backend,
-            :mod:`stepforge.zero.comm.algorithm`).
         verbose: log skipped steps and the sharding set-up at INFO on the ``stepforge.zero`` logger.
 
     Attributes:

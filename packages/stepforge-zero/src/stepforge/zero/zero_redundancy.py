@@ -60,12 +60,13 @@ class ZeroRedundancyOptimizer(_TorchZeroRedundancyOptimizer):
 
         build_optimizer(dict(type="ZeroRedundancyOptimizer", optimizer_type="FusedAdam", lr=1e-3), model)
 
+    - ``process_group``, ``parameters_as_bucket_view``, ``overlap_with_ddp``: torch's (the last only ``False``).
+
     Args:
         params: tensors or param-group dicts (all of one dense dtype, as torch requires).
         optimizer_type: the local optimizer, a registry name (``"AdamW"``, ``"FusedAdam"``, ``"Lamb"``;
             case, ``-`` and ``_`` ignored) or an optimizer class (positional: torch's ``optimizer_class``).
         optimizer_class: torch's keyword for the same (a class or a registry name); give one of the two.
-        process_group, parameters_as_bucket_view, overlap_with_ddp: torch's (the last only ``False``).
         consolidate_timeout: seconds each rank waits for the others to enter ``state_dict()`` or
             ``consolidate_state_dict()`` before raising :class:`CollectiveCallError` (default 60); the group
             stays usable (gloo and NCCL alike).
