@@ -42,12 +42,12 @@ class FusedLAMB(FusedOptimizerBase):
     result equals the unsharded run up to the summation order of those norms. The kernel then runs in two calls
     (a norms pass, the all-reduce, an apply pass); unsharded buckets keep the single call.
 
-    - ``master_weights``, ``skip_nonfinite``, ``assume_stable_grads``, ``capturable``: as in :class:`~stepforge.fused.FusedAdam`
-      (on CUDA the global norm and clip factor stay on the device).
+    - ``params``, ``lr``, ``bias_correction``, ``betas``, ``eps``, ``weight_decay``, ``adam_w_mode``,
+      ``grad_averaging``, ``set_grad_none``, ``max_grad_norm``, ``use_nvlamb``: as apex/ColossalAI ``FusedLAMB``.
+    - ``master_weights``, ``skip_nonfinite``, ``assume_stable_grads``, ``capturable``: as in
+      :class:`~stepforge.fused.FusedAdam` (on CUDA the global norm and clip factor stay on the device).
 
     Args:
-        params, lr, bias_correction, betas, eps, weight_decay, adam_w_mode, grad_averaging, set_grad_none,
-            max_grad_norm, use_nvlamb: as apex/ColossalAI ``FusedLAMB``.
         amsgrad: must be False (apex's argument).
         trust_clip: ``(low, high)`` clamp of the trust ratio (either may be None), or None.
     """
