@@ -154,13 +154,33 @@ def test_one_record_builds_one_model():
         LazyInitContext.materialize(second)
 
 
+def test_parameters_named_on_host_materialise_on_the_cpu_and_never_on_the_device():
+    """FSDP2's CPU-offloaded shards must not pass through the accelerator (FSDP2 refuses them there, and a
+    large model would not fit): ``on_host`` names go to the CPU with the eager values. The meta device stands in
+    for the accelerator (it holds no values), so this runs on any machine."""
+    from stepforge.strategy.lazy import materialize_model
+
+    want = dict(_build(lambda: GPT(SHAPE), 3, lazy=False).named_parameters())
+    model = _build(lambda: GPT(SHAPE), 3, lazy=True)
+    host = {"blocks.1.qkv.weight", "blocks.1.qkv.bias", "head.weight"}
+    materialize_model(model, torch.device("meta"), on_host=host)
+    placed = {name: p.device.type for name, p in model.named_parameters()}
+    assert placed == {name: "cpu" if name in host else "meta" for name in want}
+    for name in host:
+        assert torch.equal(model.get_parameter(name), want[name]), name
+
+
 # -- through every plugin, 2 gloo ranks ---------------------------------------------------------------------
-PLUGINS = ["torch_fsdp", "gemini", "torch_ddp", "zero1", "zero2"]
+PLUGINS = ["torch_fsdp", "gemini", "gemini_offload", "torch_ddp", "zero1", "zero2"]
 
 
 def _plugin(name: str) -> dict:
-    if name == "gemini":
-        return dict(type="gemini", precision="fp32", placement_policy="static", shard_param_frac=1.0)
+    if name.startswith("gemini"):
+        offload = 0.5 if name == "gemini_offload" else 0.0  # the leading half of the bytes on the host
+        return dict(
+            type="gemini", precision="fp32", placement_policy="static", shard_param_frac=1.0,
+            offload_param_frac=offload,
+        )  # fmt: skip
     if name.startswith("zero"):
         return dict(type=name, precision="bf16")
     return dict(type=name)

@@ -47,6 +47,26 @@ def test_gemini_plan_takes_leading_units_by_bytes():
     }
 
 
+def test_offloaded_names_are_the_parameters_of_offloaded_units():
+    """A parameter belongs to the innermost chosen block holding it, else to the root (nested blocks too)."""
+    from torch import nn
+
+    from stepforge.strategy.plugins._fsdp_common import UnitPlacement, offloaded_names
+
+    inner = nn.Linear(2, 2)
+    outer = nn.Sequential(nn.Linear(2, 2), inner)
+    model = nn.Sequential(nn.Linear(2, 2), outer, nn.LayerNorm(2))
+    chosen = [outer, inner]
+
+    def plan(*offloaded: nn.Module) -> dict[int, UnitPlacement]:
+        return {id(u): UnitPlacement("", 0, True, u in offloaded) for u in [*chosen, model]}
+
+    assert offloaded_names(model, chosen, plan(inner)) == {"1.1.weight", "1.1.bias"}
+    assert offloaded_names(model, chosen, plan(outer)) == {"1.0.weight", "1.0.bias"}
+    assert offloaded_names(model, chosen, plan(model)) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    assert offloaded_names(model, chosen, plan()) == set()
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [

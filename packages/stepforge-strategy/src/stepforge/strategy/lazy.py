@@ -12,7 +12,7 @@ raises."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -346,11 +346,13 @@ def materialize_model(
     device: torch.device,
     *,
     record: tuple[_Record, LazyNames] | None = None,
+    on_host: Collection[str] = (),
 ) -> None:
     """Materialise ``model``'s meta tensors in place on ``device`` with an eager build's values, or each
     DTensor's shard (every rank replays the same record: no communication). ``record``:
     :func:`lazy_state_names` taken before the tensors were replaced (default: now); a tensor the record does
-    not build raises, naming it."""
+    not build raises, naming it. ``on_host``: names of parameters materialised on the CPU instead (FSDP2's
+    CPU-offloaded shards), so that they never occupy ``device``."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     rec, names = record if record is not None else lazy_state_names(model)
@@ -365,7 +367,14 @@ def materialize_model(
         )
     # memory on device for the meta tensors, each parameter object kept (swapped in place: tied weights stay one
     # parameter and FSDP2 keeps its sharded parameters registered); the other tensors moved there
-    apply_in_place(model, lambda t: torch.empty_like(t, device=device) if t.is_meta else t.to(device))
+    host = {id(p) for name, p in model.named_parameters() if name in on_host}
+    cpu = torch.device("cpu")
+
+    def place(t: torch.Tensor) -> torch.Tensor:
+        where = cpu if id(t) in host else device
+        return torch.empty_like(t, device=where) if t.is_meta else t.to(where)
+
+    apply_in_place(model, place)
     state = {
         **dict(model.named_parameters(remove_duplicate=False)),
         **dict(model.named_buffers(remove_duplicate=False)),

@@ -29,6 +29,7 @@ __all__ = [
     "default_blocks",
     "hybrid_meshes",
     "leading_units",
+    "offloaded_names",
     "plan_placement",
     "plan_units",
     "prefetch_plan",
@@ -234,16 +235,17 @@ def shard_model(
     mp_policy: Any,
     offload_policy: Any,
     prefetch: PrefetchPlan,
-) -> None:
+) -> set[str]:
     """``fully_shard`` each block of :func:`plan_units` (innermost first), then the root, on the mesh and
     offload policy its placement names; then ``prefetch``. Floating buffers are cast to the compute dtype
     first: FSDP2 casts only parameters, so a BatchNorm would meet bf16 weights and fp32 statistics (ColossalAI
-    casts buffers too)."""
+    casts buffers too). Returns the names of the parameters offloaded to the host (:func:`offloaded_names`)."""
     from torch.distributed.fsdp import FSDPModule, OffloadPolicy, fully_shard
 
     if isinstance(model, FSDPModule):
-        return
+        return set()
     chosen, read_outside, plan = plan_units(model, blocks, placement)
+    offloaded = offloaded_names(model, chosen, plan)
     dtype = mp_policy.param_dtype
     for module in model.modules() if dtype is not None else ():
         for name, buffer in list(module.named_buffers(recurse=False)):
@@ -263,6 +265,16 @@ def shard_model(
     if read_outside is None and chosen:
         names = {id(p) for b in chosen for p in b.parameters()}
         OutsideReadGuard(model, {n for n, p in model.named_parameters() if id(p) in names})
+    return offloaded
+
+
+def offloaded_names(model: nn.Module, chosen: list[nn.Module], plan: Mapping[int, UnitPlacement]) -> set[str]:
+    """The names (as ``model.named_parameters()`` gives them) of the parameters of the units ``plan`` offloads
+    (:func:`unit_params`). A lazy model's offloaded shards are materialised on the host: FSDP2 refuses
+    CPU-offloaded parameters anywhere else."""
+    units = [*chosen, model]
+    host = {id(p) for u in units if plan[id(u)].offload for p in unit_params(u, units)}
+    return {name for name, p in model.named_parameters() if id(p) in host}
 
 
 def repoint_optimizer(optimizer: Any, before: dict[int, str], model: nn.Module) -> None:

@@ -322,7 +322,7 @@ class TorchFSDPPlugin(StatefulLoaderPlugin):
         self.bind_device()
         if lazy is None:
             model.to(self.device)
-        shard_model(
+        offloaded = shard_model(
             model,
             blocks=self.shard_modules,
             placement=self._placement,
@@ -333,7 +333,7 @@ class TorchFSDPPlugin(StatefulLoaderPlugin):
             prefetch=self.prefetch,
         )
         if lazy is not None:
-            materialize_model(model, self.device, record=lazy)
+            materialize_model(model, self.device, record=lazy, on_host=offloaded)
         attach_full_state_dict(model, only_rank_0=self.FULL_STATE_DICT_RANK_0_ONLY)
         if optimizer is None:
             return model, None
