@@ -97,7 +97,7 @@ def run_try(spec: dict[str, Any]) -> None:
     reset_device_peak(device)
     try:
         t0 = time.perf_counter()
-        trainer = build_trainer(spec["contender"], shape, device)
+        trainer = build_trainer(spec["contender"], shape, device, lazy=True)
         result["build_s"] = time.perf_counter() - t0
         for step in range(spec["steps"]):
             x, y = random_batch(shape, spec["batch"], step, device)

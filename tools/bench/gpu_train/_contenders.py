@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from bench.common._spawn import free_port
-from bench.gpu_train._gpt import GPTShape, build
+from bench.gpu_train._gpt import GPTShape, build, build_lazy
 
 __all__ = ["CONTENDERS", "LR", "Trainer", "build_trainer", "needs_process_group"]
 
@@ -118,16 +118,23 @@ def _cross_entropy(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def build_trainer(
-    name: str, shape: GPTShape, device: torch.device, *, compile_options: dict[str, Any] | None = None
+    name: str,
+    shape: GPTShape,
+    device: torch.device,
+    *,
+    compile_options: dict[str, Any] | None = None,
+    lazy: bool = False,
 ) -> Trainer:
     """Contender ``name`` over a GPT of ``shape`` materialised on ``device`` (same seed: same weights for all).
 
     ``compile_options`` are the ``torch.compile`` arguments of the compiled contenders (default: none).
+    ``lazy``: the model is built under ``LazyInitContext`` (:func:`build_lazy`) and materialised by the
+    contender's plugin where it keeps it, or whole on ``device`` by the plain loops.
     """
     spec = CONTENDERS[name]
     if spec.process_group:
         init_single_process_group(device)
-    model = build(shape, device, spec.dtype)
+    model = (build_lazy if lazy else build)(shape, device, spec.dtype)
     options = dict(compile_options or {})
     if name in ("torch_loop", "torch_loop_compiled"):
         return _torch_loop(name, model, device, options if spec.compiled else None)
@@ -176,6 +183,11 @@ def build_trainer(
 def _torch_loop(
     name: str, model: torch.nn.Module, device: torch.device, compile_options: dict[str, Any] | None
 ) -> Trainer:
+    from stepforge.strategy import LazyInitContext
+    from stepforge.strategy.lazy import has_meta_tensors
+
+    if has_meta_tensors(model):  # no Booster to materialise it
+        LazyInitContext.materialize(model)
     net = torch.compile(model, **compile_options) if compile_options is not None else model
     opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
 

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The GPT the one-GPU benches train: its shapes, its parameter and FLOP counts, and how it is built on the meta
 device and materialised on the device it trains on (a multi-billion-parameter fp32 init on the host would take
-minutes; on the GPU it takes a fraction of a second).
+minutes; on the GPU it takes a fraction of a second), or built lazily for a plugin to materialise (:func:`build_lazy`).
 
 A pre-norm decoder: token and position embeddings, ``layers`` blocks (LayerNorm, fused QKV with bias, causal
 ``scaled_dot_product_attention``, output projection, LayerNorm, 4x GELU MLP), a final LayerNorm and an output head
@@ -106,10 +106,11 @@ class GPT(nn.Module):
         return self.head(self.ln(x))
 
     @torch.no_grad()
-    def init_weights(self, seed: int = 0) -> None:
+    def init_weights(self, seed: int | None = 0) -> None:
         """GPT-2's initialisation where the parameters are (normal 0.02, residual projections scaled by
-        ``1/sqrt(2 L)``, zero biases, unit LayerNorms), drawn on their own device."""
-        gen = torch.Generator(device=self.tok.weight.device).manual_seed(seed)
+        ``1/sqrt(2 L)``, zero biases, unit LayerNorms), drawn on their own device from a generator seeded with
+        ``seed`` (``None``: the default generator, as under ``LazyInitContext``, which records the draws)."""
+        gen = None if seed is None else torch.Generator(device=self.tok.weight.device).manual_seed(seed)
         scaled = 0.02 / math.sqrt(2 * max(1, self.shape.layers))
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear | nn.Embedding):
@@ -134,6 +135,22 @@ def build(
     model.to_empty(device=device)
     model.tie()
     model.init_weights(seed)
+    return model
+
+
+def build_lazy(
+    shape: GPTShape, device: torch.device | str, dtype: torch.dtype = torch.float32, seed: int = 0
+) -> GPT:
+    """The model built under :class:`stepforge.strategy.LazyInitContext` (nothing allocated): ``Booster.boost``
+    materialises it where its plugin keeps it (``gemini``'s offloaded shards on the host), replaying the
+    initialisation on ``device``; ``LazyInitContext.materialize`` puts it whole on ``device``."""
+    from stepforge.strategy import LazyInitContext
+
+    torch.manual_seed(seed)
+    with LazyInitContext(default_device=device):
+        model = GPT(shape)
+        model.to(dtype=dtype)
+        model.init_weights(None)
     return model
 
 

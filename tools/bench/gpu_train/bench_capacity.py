@@ -5,7 +5,10 @@ finite loss under each memory scheme, and the bytes per parameter it held on the
 Contenders (``_contenders.py``): ``fused`` (everything on the device: fp32 parameters, gradients and FusedAdam
 state, bf16 autocast), ``zero2_offload`` (``zero2`` + ``cpu_offload=True`` + ``HybridAdam``: bf16 parameters on
 the device, fp32 masters, gradients and Adam state on the host) and ``gemini`` (FSDP2 + ``CPUOffloadPolicy`` +
-``HybridAdam``). Every model is built on the meta device and materialised on the GPU in its working dtype.
+``HybridAdam``). Every model is built under ``LazyInitContext`` in its working dtype and materialised by the
+contender's plugin where it keeps it: on the GPU, except ``gemini``'s offloaded shards, made on the host (the
+initialisation replays on the GPU, a tensor at a time). Each try records its host peak resident size beside the
+device bytes.
 
 Search (``_search.py``): per contender, doubling from ``--start-depth`` then bisection, guided by the bytes the
 passing tries measured, at most ``--max-tries`` tries and ``--budget-s`` seconds; each try runs in a fresh process
@@ -298,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     payload: dict[str, Any] = {
         "machine": _machine.machine_info(),
         "config": config,
+        "model_build": "LazyInitContext, materialised by each contender's plugin",
         "host_rss_limit": host_limit,
         "host_available_at_start": available,
         "contenders": {},

@@ -13,7 +13,7 @@ import torch
 
 from bench.fused.bench_cpuadam_scale import gpt_layout
 from bench.gpu_train._flops import colossalai_tflops, mfu, model_tflops, peak_bf16_tflops
-from bench.gpu_train._gpt import GPT, SHAPES, capacity_shape
+from bench.gpu_train._gpt import GPT, SHAPES, build_lazy, capacity_shape
 from bench.gpu_train.bench_offload import split_step
 from bench.train import bench_train
 
@@ -24,6 +24,24 @@ def test_the_parameter_formula_counts_the_module_built_on_meta(name: str) -> Non
         model = GPT(SHAPES[name])
     assert sum(p.numel() for p in model.parameters()) == SHAPES[name].parameters  # tied head counted once
     assert model.head.weight is model.tok.weight
+
+
+def test_the_lazy_gpt_allocates_nothing_until_materialised_then_has_the_gpt2_init() -> None:
+    from stepforge.strategy import LazyInitContext
+
+    shape = capacity_shape(2, d_model=64, heads=4, vocab=256, seq_len=16)
+    model = build_lazy(shape, "cpu", torch.bfloat16, seed=1)
+    assert all(p.is_meta for p in model.parameters())
+    LazyInitContext.materialize(model)
+    again = LazyInitContext.materialize(build_lazy(shape, "cpu", torch.bfloat16, seed=1))
+    assert model.head.weight is model.tok.weight
+    for (name, p), (_, q) in zip(model.named_parameters(), again.named_parameters(), strict=True):
+        assert p.dtype == torch.bfloat16 and torch.equal(p, q), name  # the seed fixes every value
+    block = model.blocks[0]
+    assert torch.all(block.ln1.weight == 1) and torch.all(block.qkv.bias == 0)
+    # normal 0.02, residual projections 0.02 / sqrt(2 L) = 0.01 (torch's default Linear init would give 0.072)
+    assert float(model.tok.weight.detach().float().std()) == pytest.approx(0.02, rel=0.05)
+    assert float(block.proj.weight.detach().float().std()) == pytest.approx(0.01, rel=0.05)
 
 
 def test_the_named_shapes_have_their_published_sizes() -> None:
