@@ -19,17 +19,20 @@
 #   offload   bench_offload.py: zero2 + cpu_offload step split into phases at 1.3 B (and at the largest size both
 #             capacity contenders trained, when capacity.json is there)
 #   estimate  bench_estimate.py --fake-worlds: rank 0 and N-1 of 8 and 1024 fake ranks trained on the one GPU,
-#             torch.cuda.max_memory_allocated and the tracker's totals against the estimate
+#             torch.cuda.max_memory_allocated and the tracker's totals against the estimate; then
+#             bench_architectures.py --fake: the same for GPT-2, Llama, BERT, T5, Mixtral, ViT and the GPT
+#             (ESTIMATE_ARCH_TIMEOUT_S, ESTIMATE_ARCH_ARGS)
 #   cpuadam   bench_cpuadam_scale.py: CPUAdam against torch AdamW foreach/fused on the host cores, 1 B fp32
 #   cpu_zero  bench_train_interleaved.py at 2 and 4 gloo ranks, each rank pinned to its cores, with and without
 #             spare cores for communication (one tarball: cpu_zero.tar.gz)
 # STAGES="env wheels pure fused tests bench demo" (the default) picks stages; one call of the device tool may run
 # 10 minutes; on an H200 the whole run took 4.5 (setup 1, tests 1.4, demo 0.7, bench 1.4 at full size).
-# tools/gpu/README.md has the plan of the two calls for the training stages.
+# tools/gpu/README.md has the plan of the calls for the training stages.
 # Output in $OUT (the device tool's folder) or else benchmarks/results/gpu-runs/gpu-<UTC time>/: run_all.log,
 # summary.json, and per stage: junit-gpu.xml (every package's suite), bench_fused_gpu.json/.png,
-# gpt_demo_cuda.json/.png, capacity.json/.png, speed.json/.png, offload.json/.png, estimate.json/.png, cpuadam.json/.png,
-# cpu_zero.tar.gz (at most 8 files per call come back: pick the stages accordingly).
+# gpt_demo_cuda.json/.png, capacity.json/.png, speed.json/.png, offload.json/.png, estimate.json/.png,
+# estimate-architectures.json, cpuadam.json/.png, cpu_zero.tar.gz (at most 8 files per call come back: pick the
+# stages accordingly).
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$ROOT" || exit 2
@@ -201,10 +204,18 @@ PYEOF
         --out "$OUT_DIR" ${OFFLOAD_ARGS:---steps 4 --warmup 1}
 }
 
-estimate() {
+estimate() {  # the project's GPT, then the architectures, each under its own limit; the stage fails if either does
+    local rc=0
     # shellcheck disable=SC2086  # ESTIMATE_ARGS is a list of options
     limited "${ESTIMATE_TIMEOUT_S:-150}" "$PY" tools/bench/estimate/bench_estimate.py --stem estimate --out "$OUT_DIR" \
-        ${ESTIMATE_ARGS:---fake-worlds 8 1024 --plugins zero2 zero2-offload torch_fsdp gemini --device cuda}
+        ${ESTIMATE_ARGS:---fake-worlds 8 1024 --plugins zero2 zero2-offload torch_fsdp gemini --device cuda} || rc=$?
+    # one JSON (saved after every world), no plot: the call's files stay at most 8
+    # shellcheck disable=SC2086  # ESTIMATE_ARCH_ARGS is a list of options
+    limited "${ESTIMATE_ARCH_TIMEOUT_S:-180}" "$PY" tools/bench/estimate/bench_architectures.py --stem estimate-architectures \
+        --no-plot --out "$OUT_DIR" \
+        ${ESTIMATE_ARCH_ARGS:---fake --device cuda --worlds 8 --last-rank --plugins zero2 zero2-offload torch_fsdp gemini} \
+        || rc=$?
+    return $rc
 }
 
 cpuadam() {

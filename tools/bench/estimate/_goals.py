@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """The judging of ``bench_estimate.py``: ratios estimate / measured against the goals, DeepSpeed's formulas for
-the same configuration, the summary the "What fits" page quotes, and the plot.
+the same configuration, the summary the "What fits" page quotes, and the plot; the device figures against
+``torch.cuda``'s counts (also ``bench_architectures.py``'s).
 
-Imported by the driver, ``estimate/bench_estimate.py``.
+Imported by the drivers, ``estimate/bench_estimate.py`` and ``estimate/bench_architectures.py``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,17 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["COMPONENTS", "TOTAL_GOAL", "COMPONENT_GOAL", "deepspeed_bytes", "judge", "summary", "plot"]
+__all__ = [
+    "COMPONENTS",
+    "TOTAL_GOAL",
+    "COMPONENT_GOAL",
+    "deepspeed_bytes",
+    "judge",
+    "cuda_judge",
+    "summary",
+    "cuda_summary",
+    "plot",
+]
 
 COMPONENTS = ("params", "grads", "master", "optimizer_state", "buffers")
 TOTAL_GOAL = 0.10
@@ -50,6 +61,11 @@ def _ratio(estimated: int, measured: int) -> float | None:
     return estimated / measured if measured else None
 
 
+def _ratio_or_match(estimated: int, measured: int) -> float | None:
+    """``estimated / measured``; 1.0 where both are nothing, ``None`` where only the measurement is."""
+    return _ratio(estimated, measured) if measured else (1.0 if not estimated else None)
+
+
 def judge(row: dict[str, Any]) -> dict[str, Any]:
     """``ratios``, ``met`` (per ratio: within its goal; ``None``: not judged) and ``deepspeed_ratio`` /
     ``closer_than_deepspeed`` for one case."""
@@ -76,7 +92,7 @@ def judge(row: dict[str, Any]) -> dict[str, Any]:
     for component in COMPONENTS:
         measured, estimated = held[component], est["held"][component]
         negligible = max(measured, estimated) < NEGLIGIBLE * held["total"]
-        ratios[component] = _ratio(estimated, measured) if measured else (1.0 if not estimated else None)
+        ratios[component] = _ratio_or_match(estimated, measured)
         value = ratios[component]
         met[component] = None if negligible else value is not None and abs(value - 1) <= COMPONENT_GOAL
     out: dict[str, Any] = dict(ratios=ratios, met=met)
@@ -85,6 +101,39 @@ def judge(row: dict[str, Any]) -> dict[str, Any]:
         ds_ratio = ds["bytes"] / held["total"]
         out["deepspeed_ratio"] = ds_ratio
         out["closer_than_deepspeed"] = abs((ratios["held_total"] or 0) - 1) < abs(ds_ratio - 1)
+    return out
+
+
+def cuda_judge(est: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]:
+    """Where the run trained on CUDA (``measured["cuda"]``): ``cuda_ratios``, the estimate's device figures
+    against the allocator's own counts (``held``: device held / ``memory_allocated`` after the step; ``peak``:
+    device peak / ``max_memory_allocated`` over the step), and ``cuda_within``: both within :data:`TOTAL_GOAL`
+    (issue #43's ±10% of ``max_memory_allocated``). Else nothing."""
+    cuda = measured.get("cuda")
+    if not cuda:
+        return {}
+    ratios = dict(
+        held=_ratio_or_match(est["device_held"], cuda["after_step"]),
+        peak=_ratio_or_match(est["device_peak"], cuda["peak"]),
+    )
+    within = all(r is not None and abs(r - 1) <= TOTAL_GOAL for r in ratios.values())
+    return dict(cuda_ratios=ratios, cuda_within=within)
+
+
+def cuda_summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Per CUDA ratio (``held``, ``peak``) over the rows that have it: min, max, cases and how many within
+    :data:`TOTAL_GOAL`; empty where no row trained on CUDA."""
+    out = {}
+    for key in ("held", "peak"):
+        values = [r["cuda_ratios"][key] for r in rows if r.get("cuda_ratios", {}).get(key) is not None]
+        if values:
+            out[key] = dict(
+                min=min(values),
+                max=max(values),
+                cases=len(values),
+                within=sum(1 for v in values if abs(v - 1) <= TOTAL_GOAL),
+                goal=TOTAL_GOAL,
+            )
     return out
 
 

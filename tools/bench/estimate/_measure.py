@@ -15,11 +15,13 @@ plugin's ``no_sync``): step 2's window is measured, and also the total held betw
 micro-batch (``window``), with the bytes in the parameters' ``.grad`` at that point.
 
 :func:`run_fake_ranks` measures one rank of a large world instead, on torch's fake process group in one process
-(``--fake-worlds``); on a CUDA device ``torch.cuda.memory_allocated``/``max_memory_allocated`` are recorded beside
-the tracker's totals.
+(``--fake-worlds``, ``bench_architectures.py --fake``); on a CUDA device ``torch.cuda.memory_allocated``/
+``max_memory_allocated`` are recorded beside the tracker's totals. :func:`estimate_of` is the estimate of the
+same case, the figures both benches compare.
 
-Imported by the driver (``estimate/bench_estimate.py``) as ``measure``; :func:`run_rank` runs in each spawned
-process, :func:`run_fake_ranks` in one per plugin.
+Imported by the drivers (``estimate/bench_estimate.py``, ``estimate/bench_architectures.py``) as ``measure``;
+:func:`run_rank` and :func:`run_cases` run in each spawned process, :func:`run_fake_ranks` in one per plugin or
+world.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ __all__ = [
     "run_cases",
     "run_fake_ranks",
     "run_rank",
+    "fake_device",
+    "estimate_of",
 ]
 
 #: precision x optimizer configurations the bench measures
@@ -198,16 +202,81 @@ def run_cases(rank: int, world: int, cases: list[dict[str, Any]], port: int, out
 def run_fake_ranks(runs: list[tuple[int, int, dict[str, Any]]]) -> list[dict[str, Any]]:
     """Measure each ``(rank, world, case)`` in turn in this process, as that rank on torch's fake process group:
     the collectives move nothing (the values are garbage) but every buffer the plugin allocates for them is real.
-    On a GPU machine every simulated rank runs on the one device."""
+    On a GPU machine every simulated rank runs on the one device. One result per run, ``{"error": message}`` for
+    a run that failed (the others still run)."""
+    import gc
+
     from stepforge.testing.fake_world import fake_group
 
     torch.set_num_threads(1)
     os.environ["LOCAL_RANK"] = "0"
-    out = []
+    out: list[dict[str, Any]] = []
     for rank, world, case in runs:
+        gc.collect()  # the previous run's cycles freed before this one counts
         with fake_group(rank, world):
-            out.append(measure_rank(case))
+            try:
+                out.append(measure_rank(case))
+            except Exception as exc:  # reported per run, as run_cases does
+                out.append(dict(error=f"{type(exc).__name__}: {exc}"))
     return out
+
+
+def fake_device(requested: str | None) -> str:
+    """Where a fake-group run trains: ``requested``, by default CUDA when torch sees a GPU. The plugins place the
+    model on ``cuda:LOCAL_RANK`` whenever a GPU is visible, so ``"cpu"`` there (and ``"cuda"`` without one) is
+    refused with a ``ValueError`` naming the fix."""
+    visible = torch.cuda.is_available()
+    device = requested or ("cuda" if visible else "cpu")
+    if device == "cuda" and not visible:
+        raise ValueError("--device cuda: torch sees no GPU here; use --device cpu")
+    if device == "cpu" and visible:
+        raise ValueError(
+            "--device cpu: torch sees a GPU, where the plugins place the model; hide it with CUDA_VISIBLE_DEVICES=''"
+        )
+    return device
+
+
+def estimate_of(
+    case: dict[str, Any], world: int, *, rank: int = 0, backend: str | None = None, device: str = "cpu"
+) -> dict[str, Any]:
+    """``estimate(...)`` of ``case`` as ``rank`` of ``world`` (the model, micro-batch and loss of :func:`workload`;
+    the measured group's ``backend``: ZeRO reduces by all-reduce on gloo, by reduce-scatter elsewhere; the
+    ``device`` the model trains on): the figures the benches compare, the device's and the host's summed and
+    apart."""
+    from bench.estimate._goals import COMPONENTS
+    from stepforge.strategy import estimate
+
+    build, inputs, loss = workload(dict(case, checkpointing=False))  # the estimate wraps the blocks itself
+    config = CONFIGS[case["config"]]
+    est = estimate(
+        build,
+        case["plugin"],
+        world_size=world,
+        precision=config["precision"],
+        optimizer=config["optimizer"],
+        inputs=inputs,
+        criterion=loss,
+        rank=rank,
+        device=device,
+        backend=backend,
+        accumulation_steps=case.get("accumulation", 1),
+        activation_checkpointing=case.get("checkpointing", False),
+        **case["plugin_kwargs"],
+    )
+    held = {c: est.device[c] + est.host[c] for c in COMPONENTS}
+    return dict(
+        device_held=sum(est.device[c] for c in COMPONENTS),
+        device_peak=est.peak("device"),
+        after_boost=est.after_boost["device"] + est.after_boost["host"],
+        window=est.window["device"] + est.window["host"],
+        held=held,
+        held_total=sum(held.values()),
+        activations=est.device["activations"],
+        peak=est.peak(None),
+        sent_bytes=est.sent_bytes,
+        parameters=est.parameters,
+        trace=est.activations.method if est.activations is not None else None,
+    )
 
 
 def measure_rank(case: dict[str, Any]) -> dict[str, Any]:
@@ -218,8 +287,12 @@ def measure_rank(case: dict[str, Any]) -> dict[str, Any]:
 
     warnings.filterwarnings("ignore")
     from stepforge.core.torch_compat import memory_tracker
+    from stepforge.strategy import get_accelerator
 
     build, x, loss_of = workload(case)
+    # where the plugin computes, not where the parameters live (gemini keeps its shards on the host)
+    device = get_accelerator().get_current_device()
+    cuda = _CudaCounts(device.type == "cuda")
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     tracker = memory_tracker()
     with tracker:
@@ -227,11 +300,7 @@ def measure_rank(case: dict[str, Any]) -> dict[str, Any]:
         booster = _booster(case)
         model, optimizer, *_ = booster.boost(model, dict(CONFIGS[case["config"]]["optimizer"]))
     boosted = _total(tracker)
-    from stepforge.strategy import get_accelerator
-
-    # where the plugin computes, not where the parameters live (gemini keeps its shards on the host)
-    device = get_accelerator().get_current_device()
-    cuda = _CudaCounts(device.type == "cuda")
+    cuda.after_boost()
     after_boost = components(model, optimizer, boosted)
     x = {k: v.to(device) for k, v in x.items()}
     steps = case.get("accumulation", 1)
@@ -267,12 +336,17 @@ def measure_rank(case: dict[str, Any]) -> dict[str, Any]:
 
 
 class _CudaCounts:
-    """``torch.cuda``'s allocator counts beside the tracker's, when the plugin computes on CUDA (else nothing)."""
+    """``torch.cuda``'s allocator counts beside the tracker's, when the plugin computes on CUDA (else nothing), less
+    what was allocated before the model was built (an earlier run's leftovers in this process are not this
+    rank's)."""
 
     def __init__(self, on: bool) -> None:
         self.on, self.counts = on, {}
-        if on:
-            self.counts["after_boost"] = torch.cuda.memory_allocated()
+        self.base = torch.cuda.memory_allocated() if on else 0
+
+    def after_boost(self) -> None:
+        if self.on:
+            self.counts["after_boost"] = torch.cuda.memory_allocated() - self.base
 
     def reset_peak(self) -> None:
         if self.on:
@@ -281,7 +355,8 @@ class _CudaCounts:
     def after_step(self) -> None:
         if self.on:
             self.counts.update(
-                after_step=torch.cuda.memory_allocated(), peak=torch.cuda.max_memory_allocated()
+                after_step=torch.cuda.memory_allocated() - self.base,
+                peak=torch.cuda.max_memory_allocated() - self.base,
             )
 
 

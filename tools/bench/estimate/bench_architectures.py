@@ -13,12 +13,19 @@ from the same model builder, micro-batch and loss, on a CPU device where device 
 peak compared is the estimate's peak of both together). The estimate says how it traced the activations
 (``trace``: ``fake`` tensors, or ``real`` CPU tensors where the forward reads values, as Mixtral's routing does).
 
+``--fake`` measures rank 0 (``--last-rank``: and rank N-1) of each world on torch's fake process group instead,
+one process per world, on the CPU or (``--device cuda``, the default where torch sees a GPU) on the one GPU: the
+estimate is then made for a CUDA device and the fake group's backend, and its device figures are also compared
+with ``torch.cuda``'s own counts (``cuda_ratios``: device held / ``memory_allocated`` after step 2, device peak /
+``max_memory_allocated`` over it; goal ±10%, issue #43's), as ``bench_estimate.py --fake-worlds`` does.
+
 Goal: every peak and every total held within ±5% of the measurement.
 
     python tools/bench/estimate/bench_architectures.py            # -> bench-out/cpu-<date>-estimate-architectures.*
     python tools/bench/estimate/bench_architectures.py --archs gpt2 llama-gqa --plugins torch_fsdp --worlds 2
     python tools/bench/estimate/bench_architectures.py --tiny --out /tmp/x   # seconds: 2 models, 2 plugins, 2 ranks
     python tools/bench/estimate/bench_architectures.py --merge a.json b.json --out d  # one result of several runs
+    python tools/bench/estimate/bench_architectures.py --fake --device cuda --worlds 8 1024 --last-rank  # on a GPU
 """
 
 from __future__ import annotations
@@ -40,9 +47,9 @@ from bench.common import _machine, _report
 from bench.common._spawn import free_port
 from bench.estimate import _architectures as arch
 from bench.estimate import _measure as measure
-from bench.estimate._goals import COMPONENTS
+from bench.estimate._goals import TOTAL_GOAL, cuda_judge, cuda_summary
 
-__all__ = ["main", "run_world", "estimate_case", "GOAL"]
+__all__ = ["main", "run_world", "run_fake_world", "GOAL"]
 
 #: what `nox -s bench_smoke` would run: seconds, every code path
 SMOKE_ARGS = ("--tiny", "--no-plot", "--out", "{out}")
@@ -87,44 +94,13 @@ def run_world(cases: list[dict[str, Any]], world: int) -> list[dict[str, Any]]:
         return torch.load(os.path.join(out, "rank0.pt"))
 
 
-def run_fake_world(cases: list[dict[str, Any]], world: int) -> list[dict[str, Any]]:
-    """Every case measured as rank 0 of ``world`` on torch's fake process group, in one fresh process: every
-    buffer the plugin allocates is real, the collectives move nothing (``--fake``; not DDP, whose reducer
-    cannot run there)."""
+def run_fake_world(runs: list[tuple[int, dict[str, Any]]], world: int) -> list[dict[str, Any]]:
+    """Every ``(rank, case)`` measured as that rank of ``world`` on torch's fake process group, in one fresh
+    process: every buffer the plugin allocates is real, the collectives move nothing (``--fake``; not DDP, whose
+    reducer cannot run there)."""
     from stepforge.testing.fake_world import run_isolated
 
-    return run_isolated(measure.run_fake_ranks, [(0, world, case) for case in cases], timeout=3600)
-
-
-def estimate_case(case: dict[str, Any], world: int, backend: str = "gloo") -> dict[str, Any]:
-    """The estimate of ``case`` at ``world`` ranks (rank 0, a CPU device, the measured group's ``backend``: ZeRO
-    reduces by all-reduce on gloo, by reduce-scatter elsewhere): the figures compared."""
-    from stepforge.strategy import estimate
-
-    build, batch, loss = measure.workload(dict(case, checkpointing=False))
-    config = measure.CONFIGS[case["config"]]
-    est = estimate(
-        build,
-        case["plugin"],
-        world_size=world,
-        precision=config["precision"],
-        optimizer=config["optimizer"],
-        inputs=batch,
-        criterion=loss,
-        device="cpu",
-        backend=backend,
-        activation_checkpointing=case["checkpointing"],
-        **case["plugin_kwargs"],
-    )
-    held = {c: est.device[c] + est.host[c] for c in COMPONENTS}
-    return dict(
-        after_boost=est.after_boost["device"] + est.after_boost["host"],
-        held_total=sum(held.values()),
-        activations=est.device["activations"],
-        peak=est.peak(None),
-        parameters=est.parameters,
-        trace=est.activations.method if est.activations is not None else None,
-    )
+    return run_isolated(measure.run_fake_ranks, [(rank, world, case) for rank, case in runs], timeout=3600)
 
 
 def judge(est: dict[str, Any], meas: dict[str, Any]) -> dict[str, Any]:
@@ -139,7 +115,8 @@ def judge(est: dict[str, Any], meas: dict[str, Any]) -> dict[str, Any]:
 
 
 def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per architecture: the peak ratios' range, cases within the goal, the trace method."""
+    """Per architecture: the peak ratios' range, cases within the goal, the trace method; on CUDA also the
+    device figures against ``torch.cuda``'s (``cuda``: held and peak, judged against ±10%)."""
     out: dict[str, Any] = {}
     for name in dict.fromkeys(r["arch"] for r in rows):
         mine = [r for r in rows if r["arch"] == name and "ratios" in r]
@@ -157,6 +134,8 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
             trace=sorted({r["estimate"]["trace"] for r in mine}),
             parameters=mine[0]["estimate"]["parameters"],
         )
+        if cuda := cuda_summary(mine):
+            out[name]["cuda"] = cuda
     return out
 
 
@@ -195,6 +174,38 @@ def plot(path: Path, rows: list[dict[str, Any]], title: str) -> None:
     plt.close(fig)
 
 
+def report(
+    args: argparse.Namespace, machine: dict[str, Any], rows: list[dict[str, Any]], wall_s: float
+) -> dict[str, Any]:
+    """The result file: the configurations, every row, the summary (with ``torch.cuda``'s where measured)."""
+    judged = [r for r in rows if "ratios" in r]
+    summary = dict(
+        cases=len(rows),
+        judged=len(judged),
+        within=sum(r["within"] for r in judged),
+        errors=sum(1 for r in rows if "error" in r),
+        architectures=summarise(rows),
+    )
+    if cuda := cuda_summary(judged):
+        summary["cuda"] = cuda
+    return dict(
+        benchmark="estimate across architectures",
+        machine=machine,
+        device=args.device,
+        wall_s=wall_s,
+        goal=GOAL,
+        cuda_goal=TOTAL_GOAL,
+        models={name: dict(micro_batch=arch.BATCH, seq_len=arch.SEQ) for name in args.archs},
+        configs={
+            label: dict(plugin=p, plugin_kwargs=k, config=c, **measure.CONFIGS[c])
+            for label, (p, k, c) in PLUGINS.items()
+            if label in args.plugins
+        },
+        cases=rows,
+        summary=summary,
+    )
+
+
 def _load(path: str) -> dict[str, Any]:
     import json
 
@@ -214,9 +225,25 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    "torch_fsdp; 2 ranks")  # fmt: skip
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--fake", action="store_true", help="measure on the fake process group in one process")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="--fake only: where the models train (default: cuda when torch sees a GPU); on cuda "
+                   "torch.cuda's counts are compared with the estimate's device figures too")  # fmt: skip
+    p.add_argument("--last-rank", action="store_true", help="--fake only: rank N-1 of each world too")
+    p.add_argument("--stem", default=None, help="the output's file name without suffix")
     p.add_argument("--merge", nargs="+", default=None, help="combine these result files into one (no runs)")
     p.add_argument("--reestimate", action="store_true", help="with --merge: make the estimates again")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for given, option in ((args.device is not None, "--device"), (args.last_rank, "--last-rank")):
+        if given and not args.fake:
+            p.error(
+                f"{option} needs --fake (gloo ranks train where the plugins place them, and rank 0 is compared)"
+            )
+    if args.fake:
+        try:
+            args.device = measure.fake_device(args.device)
+        except ValueError as exc:
+            p.error(str(exc))
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -235,67 +262,69 @@ def main(argv: list[str] | None = None) -> int:
                     plugin, kwargs, config = PLUGINS[row["plugin"]]
                     case = dict(arch=row["arch"], plugin=plugin, plugin_kwargs=kwargs, config=config,
                                 checkpointing=row["checkpointing"])  # fmt: skip
-                    row["estimate"] = estimate_case(case, row["world"], backend=row["group"])
-                    row.update(judge(row["estimate"], row["measured"]))
+                    row["estimate"] = measure.estimate_of(case, row["world"], rank=row.get("rank", 0),
+                                                          backend=row["group"], device=row.get("device", "cpu"))  # fmt: skip
+                    row.update(
+                        judge(row["estimate"], row["measured"]),
+                        **cuda_judge(row["estimate"], row["measured"]),
+                    )
         args.archs = list(dict.fromkeys(r["arch"] for r in rows))
         args.plugins = list(dict.fromkeys(r["plugin"] for r in rows))
         machine = parts[0]["machine"]
         args.worlds = []
+    merged_wall = sum(_load(p)["wall_s"] for p in args.merge) if args.merge else 0.0
+    stem = args.stem or f"{args.device or 'cpu'}-{machine['date_utc'][:10]}-estimate-architectures" + (
+        "-tiny" if args.tiny else ""
+    )
+    path = Path(args.out) / f"{stem}.json"
     for world in args.worlds:
         cases = cases_for(args.archs, args.plugins, world, not args.no_checkpointing and world == 2)
+        runs = [
+            (rank, case)
+            for case in cases
+            for rank in dict.fromkeys((0, world - 1) if args.last_rank else (0,))
+        ]
         t0 = time.perf_counter()
-        measured = run_fake_world(cases, world) if args.fake else run_world(cases, world)
-        print(f"N={world}: {len(cases)} cases measured in {time.perf_counter() - t0:.0f} s", flush=True)
-        for case, meas in zip(cases, measured, strict=True):
-            row = dict(arch=case["arch"], plugin=case["label"], config=case["config"], world=world,
-                       checkpointing=case["checkpointing"], measured=meas, group="fake" if args.fake else "gloo")  # fmt: skip
+        measured = run_fake_world(runs, world) if args.fake else run_world(cases, world)
+        print(f"N={world}: {len(runs)} cases measured in {time.perf_counter() - t0:.0f} s", flush=True)
+        for (rank, case), meas in zip(runs, measured, strict=True):
+            row = dict(arch=case["arch"], plugin=case["label"], config=case["config"], world=world, rank=rank,
+                       checkpointing=case["checkpointing"], measured=meas, group="fake" if args.fake else "gloo",
+                       device=args.device or "cpu")  # fmt: skip
             if "error" in meas:
                 row["error"] = meas["error"]
             else:
-                row["estimate"] = estimate_case(case, world, backend=row["group"])
-                row.update(judge(row["estimate"], meas))
+                row["estimate"] = measure.estimate_of(case, world, rank=rank, backend=row["group"],
+                                                      device=row["device"])  # fmt: skip
+                row.update(judge(row["estimate"], meas), **cuda_judge(row["estimate"], meas))
             rows.append(row)
-            r = row.get("ratios")
+            r, cuda = row.get("ratios"), row.get("cuda_ratios")
             text = (
                 f"peak {r['peak']:.3f} held {r['held_total']:.3f} trace {row['estimate']['trace']}"
                 if r
                 else f"ERROR {row['error'][:100]}"
             )
-            print(f"  {case['arch']:12s} {case['label']:14s} N={world} ckpt={int(case['checkpointing'])} {text}",
-                  flush=True)  # fmt: skip
-    judged = [r for r in rows if "ratios" in r]
-    payload = dict(
-        benchmark="estimate across architectures",
-        machine=machine,
-        wall_s=round(time.perf_counter() - start, 1)
-        if not args.merge
-        else sum(_load(p)["wall_s"] for p in args.merge),
-        goal=GOAL,
-        models={name: dict(micro_batch=arch.BATCH, seq_len=arch.SEQ) for name in args.archs},
-        configs={
-            label: dict(plugin=p, plugin_kwargs=k, config=c, **measure.CONFIGS[c])
-            for label, (p, k, c) in PLUGINS.items()
-            if label in args.plugins
-        },
-        cases=rows,
-        summary=dict(
-            cases=len(rows),
-            judged=len(judged),
-            within=sum(r["within"] for r in judged),
-            errors=sum(1 for r in rows if "error" in r),
-            architectures=summarise(rows),
-        ),
-    )
-    stem = f"cpu-{machine['date_utc'][:10]}-estimate-architectures" + ("-tiny" if args.tiny else "")
-    path = _report.save_json(Path(args.out) / f"{stem}.json", payload)
+            if cuda:
+                text += f"  cuda held {cuda['held'] or 0:.3f} peak {cuda['peak'] or 0:.3f}"
+            print(f"  {case['arch']:12s} {case['label']:14s} N={world}{f' r{rank}' if rank else ''} "
+                  f"ckpt={int(case['checkpointing'])} {text}", flush=True)  # fmt: skip
+        # after every world: a run stopped at its time limit keeps the worlds it finished
+        _report.save_json(path, report(args, machine, rows, round(time.perf_counter() - start, 1)))
+    payload = report(args, machine, rows, merged_wall or round(time.perf_counter() - start, 1))
+    path = _report.save_json(path, payload)
     if not args.no_plot:
-        plot(Path(args.out) / f"{stem}.png", rows,
+        plot(path.with_suffix(".png"), rows,
              f"estimated / measured peak per rank (gloo or fake-group ranks) on {machine['device']}")  # fmt: skip
     s = payload["summary"]
     print(f"{s['within']}/{s['judged']} within ±{GOAL:.0%} ({s['errors']} errors) -> {path}")
     for name, line in s["architectures"].items():
+        cuda = line.get("cuda", {})
+        on_device = "".join(
+            f"  cuda {key} {c['min']:.3f}-{c['max']:.3f} within ±{c['goal']:.0%} {c['within']}/{c['cases']}"
+            for key, c in cuda.items()
+        )
         print(f"  {name:12s} peak {line['peak_min']:.3f}-{line['peak_max']:.3f} held {line['held_min']:.3f}-"
-              f"{line['held_max']:.3f} within {line['within']}/{line['cases']} trace {line['trace']}")  # fmt: skip
+              f"{line['held_max']:.3f} within {line['within']}/{line['cases']} trace {line['trace']}{on_device}")  # fmt: skip
     return 0
 
 

@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tools/: the `ben
 from bench.common import _machine, _report
 from bench.common._spawn import free_port
 from bench.estimate import _measure as measure
-from bench.estimate._goals import COMPONENTS, deepspeed_bytes, judge, plot, summary
+from bench.estimate._goals import cuda_judge, cuda_summary, deepspeed_bytes, judge, plot, summary
 
 __all__ = ["main"]
 
@@ -85,42 +85,6 @@ def _measure(case: dict[str, Any], world: int) -> list[dict[str, Any]]:
         return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(world)]
 
 
-def _estimate(
-    case: dict[str, Any], world: int, rank: int = 0, backend: str | None = None, device: str = "cpu"
-) -> dict[str, Any]:
-    from stepforge.strategy import estimate
-
-    x, y = measure.batch(case["size"])
-    config = measure.CONFIGS[case["config"]]
-    est = estimate(
-        lambda: measure.build_model(case["size"]),
-        case["plugin"],
-        world_size=world,
-        precision=config["precision"],
-        optimizer=config["optimizer"],
-        inputs=x,
-        criterion=measure.criterion_for(y),
-        rank=rank,
-        device=device,
-        backend=backend,
-        accumulation_steps=case["accumulation"],
-        **case["plugin_kwargs"],
-    )
-    held = {c: est.device[c] + est.host[c] for c in COMPONENTS}
-    return dict(
-        device_held=sum(est.device[c] for c in COMPONENTS),
-        device_peak=est.peak("device"),
-        after_boost=est.after_boost["device"] + est.after_boost["host"],
-        window=est.window["device"] + est.window["host"],
-        held=held,
-        held_total=sum(held.values()),
-        activations=est.device["activations"],
-        peak=est.peak(None),
-        sent_bytes=est.sent_bytes,
-        parameters=est.parameters,
-    )
-
-
 #: the plugins of a --fake-worlds run: the sharded ones (DDP's memory does not depend on the world, and its reducer
 #: cannot run on the fake group: torch's comm hook asserts on the fake all-reduce's empty result)
 FAKE_PLUGINS = ("zero1", "zero2", "zero2-offload", "torch_fsdp", "gemini")
@@ -150,7 +114,9 @@ def run_fake_plugin(
     model = measure.build_model(size)  # DeepSpeed's ZeRO-3 formula reads its largest layer
     rows = []
     for (rank, world, case), result in zip(runs, measured, strict=True):
-        est = _estimate(case, world, rank=rank, backend="fake", device=device)
+        if "error" in result:
+            raise RuntimeError(f"{label} {case['config']} rank {rank} of {world}: {result['error']}")
+        est = measure.estimate_of(case, world, rank=rank, backend="fake", device=device)
         row = dict(
             plugin=label,
             config=case["config"],
@@ -163,11 +129,9 @@ def run_fake_plugin(
         )
         row["deepspeed"] = deepspeed_bytes(label, case["config"], world, est["parameters"], model)
         row.update(judge(row))
-        cuda = result.get("cuda")
-        if cuda:  # the allocator's own counts against the estimate's device figures
-            row["cuda_ratios"] = dict(
-                held=est["device_held"] / cuda["after_step"], peak=est["device_peak"] / cuda["peak"]
-            )
+        row.update(
+            cuda_judge(est, result)
+        )  # the allocator's own counts against the estimate's device figures
         rows.append(row)
     return rows
 
@@ -180,7 +144,7 @@ def run_case(
     case = dict(plugin=name, plugin_kwargs=kwargs, config=config, size=size, accumulation=accumulation)
     start = time.perf_counter()
     ranks = _measure(case, world)
-    est = _estimate(case, world)
+    est = measure.estimate_of(case, world)
     row = dict(
         plugin=label,
         config=config,
@@ -236,12 +200,18 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--stem", default=None, help="--fake-worlds only: the output's file name without suffix")
     p.add_argument("--no-plot", action="store_true")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.device is not None:
+        try:
+            args.device = measure.fake_device(args.device)
+        except ValueError as exc:
+            p.error(str(exc))
+    return args
 
 
 def main_fake_worlds(args: argparse.Namespace, size: dict[str, int], plugins: list[str]) -> Path:
     """The ``--fake-worlds`` run: every plugin's rows, the summary, JSON and PNG."""
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = measure.fake_device(args.device)
     configs = args.configs if args.configs != list(measure.DEFAULT_CONFIGS) else ["adamw-bf16"]
     accumulation = (args.accumulation or [1])[0]
     machine = _machine.machine_info(threads=1)
@@ -270,14 +240,8 @@ def main_fake_worlds(args: argparse.Namespace, size: dict[str, int], plugins: li
         cases=rows,
         summary=summary(rows),
     )
-    cuda_rows = [r["cuda_ratios"] for r in rows if "cuda_ratios" in r]
-    if cuda_rows:
-        payload["summary"]["cuda"] = {
-            key: dict(
-                min=min(c[key] for c in cuda_rows), max=max(c[key] for c in cuda_rows), cases=len(cuda_rows)
-            )
-            for key in ("held", "peak")
-        }
+    if cuda_rows := cuda_summary(rows):
+        payload["summary"]["cuda"] = cuda_rows
     stem = args.stem or f"{device}-{machine['date_utc'][:10]}-estimate-fake-worlds" + (
         "-tiny" if args.tiny else ""
     )
@@ -301,7 +265,8 @@ def _print_summary(payload: dict[str, Any]) -> None:
     print("  " + payload["summary"]["deepspeed"])
     for key, line in payload["summary"].get("cuda", {}).items():
         print(
-            f"  torch.cuda {key:4s} (device)        {line['min']:.3f}-{line['max']:.3f} ({line['cases']} cases)"
+            f"  torch.cuda {key:4s} (device)        {line['min']:.3f}-{line['max']:.3f}  within "
+            f"±{line['goal'] * 100:.0f}%: {line['within']}/{line['cases']}"
         )
 
 
