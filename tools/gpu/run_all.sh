@@ -19,9 +19,8 @@
 #   offload   bench_offload.py: zero2 + cpu_offload step split into phases at 1.3 B (and at the largest size both
 #             capacity contenders trained, when capacity.json is there)
 #   estimate  bench_estimate.py --fake-worlds: rank 0 and N-1 of 8 and 1024 fake ranks trained on the one GPU,
-#             torch.cuda.max_memory_allocated and the tracker's totals against the estimate; then
-#             bench_architectures.py --fake: the same for GPT-2, Llama, BERT, T5, Mixtral, ViT and the GPT
-#             (ESTIMATE_ARCH_TIMEOUT_S, ESTIMATE_ARCH_ARGS)
+#             torch.cuda.max_memory_allocated and the tracker's totals against the estimate
+#   architectures  bench_architectures.py --fake: the same for GPT-2, Llama, BERT, T5, Mixtral, ViT and the GPT
 #   cpuadam   bench_cpuadam_scale.py: CPUAdam against torch AdamW foreach/fused on the host cores, 1 B fp32
 #   cpu_zero  bench_train_interleaved.py at 2 and 4 gloo ranks, each rank pinned to its cores, with and without
 #             spare cores for communication (one tarball: cpu_zero.tar.gz)
@@ -204,18 +203,17 @@ PYEOF
         --out "$OUT_DIR" ${OFFLOAD_ARGS:---steps 4 --warmup 1}
 }
 
-estimate() {  # the project's GPT, then the architectures, each under its own limit; the stage fails if either does
-    local rc=0
+estimate() {
     # shellcheck disable=SC2086  # ESTIMATE_ARGS is a list of options
     limited "${ESTIMATE_TIMEOUT_S:-150}" "$PY" tools/bench/estimate/bench_estimate.py --stem estimate --out "$OUT_DIR" \
-        ${ESTIMATE_ARGS:---fake-worlds 8 1024 --plugins zero2 zero2-offload torch_fsdp gemini --device cuda} || rc=$?
-    # one JSON (saved after every world), no plot: the call's files stay at most 8
-    # shellcheck disable=SC2086  # ESTIMATE_ARCH_ARGS is a list of options
-    limited "${ESTIMATE_ARCH_TIMEOUT_S:-180}" "$PY" tools/bench/estimate/bench_architectures.py --stem estimate-architectures \
-        --no-plot --out "$OUT_DIR" \
-        ${ESTIMATE_ARCH_ARGS:---fake --device cuda --worlds 8 --last-rank --plugins zero2 zero2-offload torch_fsdp gemini} \
-        || rc=$?
-    return $rc
+        ${ESTIMATE_ARGS:---fake-worlds 8 1024 --plugins zero2 zero2-offload torch_fsdp gemini --device cuda}
+}
+
+architectures() {  # one JSON (saved after every world), no plot: a call's files stay at most 8
+    # shellcheck disable=SC2086  # ARCHITECTURES_ARGS is a list of options
+    limited "${ARCHITECTURES_TIMEOUT_S:-180}" "$PY" tools/bench/estimate/bench_architectures.py \
+        --stem estimate-architectures --no-plot --out "$OUT_DIR" \
+        ${ARCHITECTURES_ARGS:---fake --device cuda --worlds 8 --last-rank --plugins zero2 zero2-offload torch_fsdp gemini}
 }
 
 cpuadam() {
@@ -274,7 +272,7 @@ if wanted tests; then
 fi
 wanted bench && stage bench bench
 wanted demo && stage demo demo
-for name in capacity speed offload estimate cpuadam cpu_zero; do
+for name in capacity speed offload estimate architectures cpuadam cpu_zero; do
     wanted "$name" && stage "$name" "$name"
 done
 

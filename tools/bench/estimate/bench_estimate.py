@@ -216,7 +216,31 @@ def main_fake_worlds(args: argparse.Namespace, size: dict[str, int], plugins: li
     accumulation = (args.accumulation or [1])[0]
     machine = _machine.machine_info(threads=1)
     start = time.perf_counter()
-    rows = []
+    rows: list[dict[str, Any]] = []
+    parameters = sum(p.numel() for p in measure.build_model(size).parameters())
+    stem = args.stem or f"{device}-{machine['date_utc'][:10]}-estimate-fake-worlds" + (
+        "-tiny" if args.tiny else ""
+    )
+
+    def save() -> dict[
+        str, Any
+    ]:  # after every plugin: a run stopped at its time limit keeps what it measured
+        payload = dict(
+            benchmark="estimate on the fake process group",
+            machine=machine,
+            device=device,
+            wall_s=round(time.perf_counter() - start, 1),
+            model=dict(size, parameters=parameters, kind="ByteGPT (examples)"),
+            accumulation=[accumulation],
+            configs={c: measure.CONFIGS[c] for c in configs},
+            cases=rows,
+            summary=summary(rows),
+        )
+        if cuda_rows := cuda_summary(rows):
+            payload["summary"]["cuda"] = cuda_rows
+        _report.save_json(Path(args.out) / f"{stem}.json", payload)
+        return payload
+
     for label in plugins:
         for row in run_fake_plugin(label, configs, args.fake_worlds, size, accumulation, device):
             rows.append(row)
@@ -228,24 +252,8 @@ def main_fake_worlds(args: argparse.Namespace, size: dict[str, int], plugins: li
                 f"{r['activations']:.3f}{on_device}",
                 flush=True,
             )
-    model = measure.build_model(size)
-    payload = dict(
-        benchmark="estimate on the fake process group",
-        machine=machine,
-        device=device,
-        wall_s=round(time.perf_counter() - start, 1),
-        model=dict(size, parameters=sum(p.numel() for p in model.parameters()), kind="ByteGPT (examples)"),
-        accumulation=[accumulation],
-        configs={c: measure.CONFIGS[c] for c in configs},
-        cases=rows,
-        summary=summary(rows),
-    )
-    if cuda_rows := cuda_summary(rows):
-        payload["summary"]["cuda"] = cuda_rows
-    stem = args.stem or f"{device}-{machine['date_utc'][:10]}-estimate-fake-worlds" + (
-        "-tiny" if args.tiny else ""
-    )
-    path = _report.save_json(Path(args.out) / f"{stem}.json", payload)
+        payload = save()
+    path = Path(args.out) / f"{stem}.json"
     if not args.no_plot:
         plot(
             Path(args.out) / f"{stem}.png",
