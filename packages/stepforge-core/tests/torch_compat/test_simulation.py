@@ -34,8 +34,8 @@ def test_memory_tracker_counts_live_bytes_and_the_peak() -> None:
 
 
 def test_module_peaks_are_each_modules_own() -> None:
-    """The snapshot at a module's forward peak holds what was alive while it ran: the second of two linear layers
-    sees the first's output beside its own; in backward each module's peak holds the gradients built by then,
+    """The snapshot as a module's forward starts and at its forward peak holds what was alive then: the second of
+    two linear layers sees the first's output beside its own; in backward each module's peak holds the gradients built by then,
     the first layer's more (backward reaches it last)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
@@ -44,7 +44,9 @@ def test_module_peaks_are_each_modules_own() -> None:
     with tracker:
         model(torch.randn(16, 64, requires_grad=True)).sum().backward()
     first, second = (compat.tracker_module_peaks(tracker, m) for m in model)
-    assert set(first) == set(second) == {"forward", "backward"}
+    assert set(first) == set(second) == {"entry", "forward", "backward"}
+    # as each starts: the input (16 x 64 floats), then the input and the first layer's output
+    assert (first["entry"]["Activation"], second["entry"]["Activation"]) == (16 * 64 * 4, 2 * 16 * 64 * 4)
     assert second["forward"]["Activation"] > first["forward"]["Activation"] > 0
     assert first["backward"]["Gradient"] > second["backward"]["Gradient"]
     # the first layer's backward peaks as it starts, beside the second layer's finished gradients

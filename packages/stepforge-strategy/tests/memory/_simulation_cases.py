@@ -249,6 +249,65 @@ def trained_rank(plugin_name: str, world: int, rank: int) -> dict[str, int]:
     return dict(held=held, peak=peak, est_held=est_held, est_peak=est.peak(None))
 
 
+class _Experts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.Parameter(0.1 * torch.randn(4, 64, 64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ self.experts.sum(0))
+
+
+class PaddedNet(nn.Module):
+    """Built like a ViT's position embedding and a MoE layer's experts: a ``(1, 32, 64)`` table in the root and
+    two blocks of ``(4, 64, 64)`` experts. At 1024 ranks FSDP2 pads dimension 0 to one row per rank, so each
+    all-gather output is 1024 times (the table) or 256 times (the experts) the parameters and sets the peak."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 64)
+        self.table = nn.Parameter(0.1 * torch.randn(1, 32, 64))
+        self.blocks = nn.ModuleList(_Experts() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x) + self.table[0, : x.shape[0]]
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def padded_units_rank(plugin_name: str, precision: str, world: int) -> dict[str, int]:
+    """:class:`PaddedNet` under ``plugin_name`` (SGD) trained two steps as rank 0 of ``world`` on the fake group:
+    the peak over step 2 (torch's ``MemTracker``) beside ``estimate``'s."""
+    from stepforge.core.torch_compat import memory_tracker, tracker_bytes
+    from stepforge.strategy import Booster, estimate
+
+    warnings.filterwarnings("ignore")
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    plugin = dict(type=plugin_name, precision=precision)
+    optimizer = dict(type="SGD", lr=1e-2)
+
+    def loss_of(out: torch.Tensor) -> torch.Tensor:
+        return out.float().square().mean()
+
+    est = estimate(
+        PaddedNet, plugin, world_size=world, optimizer=optimizer, inputs=x, criterion=loss_of, device="cpu",
+        backend="fake",
+    )  # fmt: skip
+    with fake_group(0, world):
+        booster = Booster(plugin=plugin)
+        model, opt, *_ = booster.boost(PaddedNet(), optimizer)
+        booster.backward(loss_of(model(x)), opt)
+        opt.step()
+        opt.zero_grad()
+        tracker = memory_tracker()
+        with tracker:
+            booster.backward(loss_of(model(x)), opt)
+            opt.step()
+        peak = tracker_bytes(tracker, "peak")["cpu"]["Total"]
+    return dict(peak=peak, est_peak=est.peak(None))
+
+
 def dcp_reshards(
     runs: tuple[tuple[int, int, tuple[int, ...]], ...],
 ) -> dict[tuple[int, int], list[dict[str, Any]]]:

@@ -62,9 +62,10 @@ def tracker_bytes(tracker: Any, kind: str = "current") -> dict[str, dict[str, in
 
 
 def tracker_module_peaks(tracker: Any, module: Any) -> dict[str, dict[str, int]]:
-    """The tracker's snapshot at ``module``'s peak in its first forward and in its last backward, devices summed:
-    ``{"forward": {category: bytes}, "backward": {...}}`` (a phase the module did not run is missing). The first
-    forward: a forward recomputed in backward (activation checkpointing) is part of the backward."""
+    """The tracker's snapshot as ``module``'s first forward starts and at its peak in that forward and in its last
+    backward, devices summed: ``{"entry": {category: bytes}, "forward": {...}, "backward": {...}}`` (a phase the
+    module did not run is missing). The first forward: a forward recomputed in backward (activation
+    checkpointing) is part of the backward."""
     try:
         stats = tracker.memory_tracking.get(module)
         states = importlib.import_module(MEM_TRACKER_MODULE)._ModState
@@ -73,11 +74,11 @@ def tracker_module_peaks(tracker: Any, module: Any) -> dict[str, dict[str, int]]
     out: dict[str, dict[str, int]] = {}
     if stats is None:
         return out
-    for phase, state in (("forward", states.PEAK_FW), ("backward", states.PEAK_BW)):
+    for phase, state in (("entry", states.PRE_FW), ("forward", states.PEAK_FW), ("backward", states.PEAK_BW)):
         snaps = stats.snapshots.get(state)
         if snaps:
             summed: dict[str, int] = {}
-            for snap in snaps[0 if phase == "forward" else -1].values():
+            for snap in snaps[-1 if phase == "backward" else 0].values():
                 for key, value in snap.items():
                     name = str(getattr(key, "value", key))
                     summed[name] = summed.get(name, 0) + int(value)

@@ -50,12 +50,14 @@ __all__ = [
 class ModulePeak:
     """One module in the traced forward and backward: ``order``: when its forward first ran (0 first);
     ``forward``/``backward``: activations and temporaries alive at its peak in forward and in backward;
-    ``backward_grads``: the model's gradients built by then."""
+    ``backward_grads``: the model's gradients built by then; ``entry``: activations alive as its forward
+    starts."""
 
     order: int
     forward: int
     backward: int
     backward_grads: int
+    entry: int = 0
 
 
 @dataclass(frozen=True)
@@ -168,7 +170,8 @@ def _module_peaks(tracker: Any, model: nn.Module, order: dict[int, int]) -> dict
         peaks = tracker_module_peaks(tracker, module)
         if "forward" in peaks and "backward" in peaks and id(module) in order:
             back, back_grads = _split(peaks["backward"])
-            out[name] = ModulePeak(order[id(module)], _split(peaks["forward"])[0], back, back_grads)
+            entry = _split(peaks["entry"])[0] if "entry" in peaks else 0
+            out[name] = ModulePeak(order[id(module)], _split(peaks["forward"])[0], back, back_grads, entry)
     return out
 
 

@@ -156,10 +156,15 @@ class Estimate:
         ``plan.units``, the root last), from what the trace saw alive at each unit's own peak, the units taken
         in the order the traced forward ran them. The root stays gathered throughout, and so does a unit while
         units nested in it run. In a unit's forward: its gathered parameters and the all-gather output kept
-        until the next unit is gathered, with every earlier unit when units are not resharded. In its backward:
+        until the next unit is gathered, with every earlier unit when units are not resharded; as its
+        parameters are copied out, the all-gather output of the unit gathered before it (the root's for the
+        first) beside the activations alive then (with dimension 0 padded to the world size, an all-gather
+        output can outweigh the activations: a ViT's position embedding, a MoE layer's experts). In its backward:
         it and the unit gathered ahead of it (backward prefetch), the gradients the trace had built by its
         peak, those of the units already reduced counted as their shards (``sharded_grads``), and the
-        reduce-scatter input of the unit reduced last (FSDP2 keeps one until the next reduce). Around the
+        reduce-scatter input of the unit reduced last (FSDP2 keeps one until the next reduce); as a resharded
+        unit is copied out again for backward, its all-gather output beside that reduce-scatter input, the
+        root's gradients and the activations its forward found alive. Around the
         whole-model activation peak (the head's and the loss's backward, outside every unit): the root and the
         all-gather output of the unit prefetched for backward. At the end of backward, beside every block's
         gradient shard: the root's gradients with its parameters and the last block's reduce-scatter input,
@@ -178,6 +183,7 @@ class Estimate:
         # them before allocating the output; the input kept from the block reduced last is freed before
         kept = blocks[0].reduce if blocks else 0
         out = max(
+            root.gathered + root.gather_buffer,
             root.gathered + prefetched + (trace.peak if trace is not None else 0),
             sum(shard)
             + max(
@@ -190,20 +196,24 @@ class Estimate:
             outer = [b for b in blocks[:i] if unit.name.startswith(b.name + ".")]
             others = [b for b in blocks[:i] if b not in outer]
             gathered = root.gathered + unit.gathered + sum(b.gathered for b in outer)
+            before = (blocks[i - 1] if i else root).gather_buffer
             later = blocks[i + 1 :]
             # the reduce-scatter input of the unit reduced last is kept until the next one is reduced
             in_flight = later[0].reduce if later else 0
             grads = in_flight + (
                 max(0, bwd_grads - sum(b.grads for b in later)) + sum(shard[i + 1 :]) if seen else unit.grads
             )
+            entry = seen.entry if seen else 0
+            earlier = 0 if unit.resharded else sum(b.gathered for b in others)
             out = max(
                 out,
-                gathered
-                + unit.gather_buffer
-                + fwd
-                + (0 if unit.resharded else sum(b.gathered for b in others)),
+                gathered + unit.gather_buffer + before + entry + earlier,
+                gathered + unit.gather_buffer + fwd + earlier,
                 gathered + sum(b.gathered for b in (others[-1:] if unit.resharded else others)) + grads + bwd,
             )
+            if unit.resharded:
+                regathered = in_flight + root.grads + sum(shard[i + 1 :]) + entry
+                out = max(out, gathered + unit.gather_buffer + regathered)
         return out
 
     @property

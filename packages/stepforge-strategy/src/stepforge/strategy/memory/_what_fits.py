@@ -171,10 +171,13 @@ def _architectures_accuracy(data: dict[str, Any], path: str) -> list[str]:
     the cases outside the goal."""
     summary, cases = data["summary"], data["cases"]
     groups = []
+    last = sorted({c["world"] for c in cases if c.get("rank")})  # worlds whose last rank was measured too
     for group, words in (("gloo", "gloo ranks"), ("fake", "rank 0 of torch's fake process group")):
         worlds = sorted({c["world"] for c in cases if c.get("group", "gloo") == group})
         if worlds:
             groups.append(f"{words} at {', '.join(map(str, worlds))}")
+            if group == "fake" and last:
+                groups[-1] += f", its last rank too at {', '.join(map(str, last))}"
     plugins = ", ".join(f"`{p}`" for p in dict.fromkeys(case["plugin"] for case in cases))
     lines = [
         f"Across architectures (`tools/bench/estimate/bench_architectures.py`): transformers models built from "
@@ -200,10 +203,12 @@ def _architectures_accuracy(data: dict[str, Any], path: str) -> list[str]:
     ]
     if missed:
         lines[-1] += (
-            " Outside it (peak): "
+            " Outside it (peak / held after a step): "
             + "; ".join(
-                f"{c['arch']} `{c['plugin']}` N={c['world']}{' checkpointed' if c['checkpointing'] else ''}"
-                f"{' (real trace)' if c['estimate']['trace'] == 'real' else ''} {c['ratios']['peak']:.3f}"
+                f"{c['arch']} `{c['plugin']}` N={c['world']}{' rank ' + str(c['rank']) if c.get('rank') else ''}"
+                f"{' checkpointed' if c['checkpointing'] else ''}"
+                f"{' (real trace)' if c['estimate']['trace'] == 'real' else ''} {c['ratios']['peak']:.3f} / "
+                f"{c['ratios']['held_total']:.3f}"
                 for c in missed
             )
             + "."
